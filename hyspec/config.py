@@ -1,0 +1,252 @@
+"""Model configuration, parsed once from a checkpoint's ``config.json``.
+
+One frozen dataclass covers the three hybrid families:
+
+* ``qwen3_next``                      (Qwen3-Next: grouped ``in_proj_qkvz`` / ``in_proj_ba``)
+* ``qwen3_5`` / ``qwen3_5_text``      (Qwen3.5 dense: separate ``in_proj_qkv/z/b/a``)
+* ``qwen3_5_moe`` / ``qwen3_5_moe_text`` (Qwen3.5-MoE)
+
+Multimodal wrappers (``qwen3_5``, ``qwen3_5_moe``) nest the language model's fields under
+``text_config``; we read those and ignore the vision side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# model_type -> (family, is_moe_family)
+_ARCHS = {
+    "qwen3_next": ("qwen3_next", True),
+    "qwen3_5": ("qwen3_5", False),
+    "qwen3_5_text": ("qwen3_5", False),
+    "qwen3_5_moe": ("qwen3_5", True),
+    "qwen3_5_moe_text": ("qwen3_5", True),
+}
+SUPPORTED_MODEL_TYPES = tuple(_ARCHS)
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+class ConfigError(ValueError):
+    """config.json is missing, malformed, or describes a model we cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    # gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # FFN (dense and/or MoE)
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # misc
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    # raw dict kept for round-tripping (not compared)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived -------------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return _ARCHS[self.model_type][0]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:  # nk * dk
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:  # nv * dv
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels convolved: q | k | v
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """MoE on layer i iff experts exist, i is not dense-only, and (i+1) % step == 0.
+
+        The MTP block uses index ``num_hidden_layers`` (it follows the last target layer)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def has_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def __post_init__(self) -> None:
+        def bad(field_name: str, why: str) -> ConfigError:
+            return ConfigError(f"config.json: field '{field_name}' {why}")
+
+        if self.model_type not in _ARCHS:
+            raise bad("model_type", f"is {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise bad(name, f"must be a positive integer, got {v!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        for t in self.layer_types:
+            if t not in (LINEAR, FULL):
+                raise bad("layer_types", f"has unknown layer type {t!r} (expected {LINEAR!r} or {FULL!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", f"({self.num_key_value_heads}) must divide num_attention_heads "
+                      f"({self.num_attention_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise bad("linear_num_value_heads", f"({self.linear_num_value_heads}) must be a multiple of "
+                      f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", f"={self.partial_rotary_factor} gives an odd or empty rotary "
+                      f"dim {self.rotary_dim} for head_dim {self.head_dim}")
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise bad("num_experts_per_tok", f"={self.num_experts_per_tok} must be in 1..{self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise bad("moe_intermediate_size", "must be positive for a MoE model")
+            if self.decoder_sparse_step <= 0:
+                raise bad("decoder_sparse_step", "must be positive")
+        if any(self.is_moe_layer(i) is False for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
+            raise bad("intermediate_size", "must be positive when some layers are dense")
+
+    # ---- parsing -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("config.json: top level must be a JSON object")
+        outer = d
+        mt = d.get("model_type")
+        if mt is None:
+            raise ConfigError("config.json: field 'model_type' is missing")
+        if mt not in _ARCHS:
+            raise ConfigError(f"config.json: field 'model_type' is {mt!r}; supported: "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if isinstance(d.get("text_config"), dict):
+            d = {**d["text_config"]}
+            d.setdefault("model_type", mt + "_text")
+            if d["model_type"] not in _ARCHS:
+                d["model_type"] = mt + "_text"
+            # a few fields may live on the wrapper only
+            for k in ("tie_word_embeddings", "eos_token_id"):
+                if k not in d and k in outer:
+                    d[k] = outer[k]
+
+        def need(k: str) -> Any:
+            if k not in d:
+                raise ConfigError(f"config.json: required field '{k}' is missing (model_type {d['model_type']!r})")
+            return d[k]
+
+        n_layers = need("num_hidden_layers")
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            interval = d.get("full_attention_interval", 4)
+            if not isinstance(interval, int) or interval <= 0:
+                raise ConfigError(f"config.json: field 'full_attention_interval' must be a positive int, got {interval!r}")
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+        n_heads = need("num_attention_heads")
+        head_dim = d.get("head_dim") or need("hidden_size") // n_heads
+
+        eos = d.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        is_moe = _ARCHS[d["model_type"]][1]
+        n_experts = int(d.get("num_experts", 0) or 0) if is_moe else 0
+        return cls(
+            model_type=d["model_type"],
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            num_attention_heads=n_heads,
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(prf),
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
+            intermediate_size=int(d.get("intermediate_size", 0) or 0),
+            num_experts=n_experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 0) or 0) if n_experts else 0,
+            moe_intermediate_size=int(d.get("moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers", 0)) or 0),
+            eos_token_ids=eos_ids,
+            raw=outer,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"no config.json in {path}")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        cfg = cls.from_dict(d)
+        gen = Path(path) / "generation_config.json"
+        if gen.is_file():
+            try:
+                g = json.loads(gen.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+            eos = g.get("eos_token_id")
+            if eos is not None:
+                ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+                merged = tuple(dict.fromkeys(ids + cfg.eos_token_ids))
+                cfg = cls(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "eos_token_ids": merged})
+        return cfg
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "raw"}
+        d["layer_types"] = list(self.layer_types)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        return d

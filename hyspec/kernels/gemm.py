@@ -1,0 +1,281 @@
+"""Skinny matrix multiply ``y = x @ w.T`` for decode / verify (T <= 16 rows).
+
+Why a custom kernel: in a speculative *verify* forward the target processes
+t = k+1 rows at once, and for the greedy output to equal plain decoding, row r of
+that forward must be **bitwise** equal to what a 1-row decode step computes.  cuBLAS
+picks a different algorithm (and K-reduction order) for every row count, so it
+cannot promise that; it is also slow on skinny shapes.
+
+How row-invariance is obtained here (the contract every path in this file keeps):
+
+* the rows are always padded to a 16-row tile (``BLOCK_T = 16``); a ``tl.dot`` of a
+  ``[16, BK]`` x-tile by a ``[BK, BN]`` tile of ``w.T`` computes every output row
+  from its own x-row only (the MMA never mixes rows), padded rows are zeros;
+* the tile shape, the split-K count ``S`` and the K range of each split are chosen
+  from ``(N, K)`` only (:func:`skinny_config`), never from T;
+* partial sums of the ``S`` K-splits are written in fp32 to a workspace
+  ``[S, Tpad, N]`` and summed by a second kernel in the fixed order s = 0..S-1;
+* the row count ``T`` is passed with ``do_not_specialize`` so T=1 and T=5 run the
+  very same compiled binary.
+
+Glossary: T rows (tokens), K input features, N output features, S K-splits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "skinny_matmul_ref",
+    "skinny_matmul",
+    "skinny_config",
+    "SkinnyConfig",
+    "linear",
+    "triton_available",
+    "MAX_SKINNY_ROWS",
+]
+
+BLOCK_T = 16  # the x-tile height; every row count <= 16 runs in one padded tile
+MAX_SKINNY_ROWS = 16  # the dispatcher sends T <= this to the Triton kernel
+_TARGET_PROGRAMS = 256  # about two programs per H200 SM (132 SMs); a constant, not a query
+_MIN_K_PER_SPLIT = 256  # a K-split streams at least this many K columns
+
+
+def skinny_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Reference: ``x [T, K] @ w [N, K].T -> [T, N]``, fp32 accumulate, output in x.dtype."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"skinny_matmul_ref: want x [T, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# configuration: a function of (N, K) only
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int  # BN, output columns per program
+    block_k: int  # BK, K columns per loop step
+    split_k: int  # S, number of K ranges reduced afterwards (1: no workspace, direct write)
+    k_per_split: int  # K columns per split, a multiple of block_k
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def skinny_config(
+    N: int,
+    K: int,
+    *,
+    split_k: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> SkinnyConfig:
+    """Tile shape and split-K for an ``[N, K]`` weight; depends on (N, K) only, never on T.
+
+    Defaults (tuned by reasoning, to be re-tuned on the H200 with ``bench/kernels_gpu.py --sweep``):
+    BN = 32 for N <= 1024, 128 for N >= 32768, else 64; BK = 128; S doubles while there
+    are fewer than 256 programs and each split keeps >= 256 K columns.  Worked example:
+    o_proj N=2048, K=4096 -> BN 64, 32 column tiles, S = 8 (256 programs, 512 K each).
+    """
+    if N <= 0 or K <= 0:
+        raise ValueError(f"skinny_config: N and K must be positive, got N={N}, K={K}")
+    bn = block_n or (32 if N <= 1024 else 128 if N >= 32768 else 64)
+    bk = block_k or 128
+    for name, val in (("block_n", bn), ("block_k", bk)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"skinny_config: {name} must be a power of two >= 16, got {val}")
+    if split_k is None:
+        n_tiles = _cdiv(N, bn)
+        s = 1
+        while n_tiles * s < _TARGET_PROGRAMS and K // (2 * s) >= _MIN_K_PER_SPLIT:
+            s *= 2
+    else:
+        if split_k < 1:
+            raise ValueError(f"skinny_config: split_k must be >= 1, got {split_k}")
+        s = split_k
+    # each split covers a whole number of BK steps; recompute S so no split is empty
+    k_per_split = _cdiv(_cdiv(K, s), bk) * bk
+    s = _cdiv(K, k_per_split)
+    return SkinnyConfig(bn, bk, s, k_per_split, num_warps or 4, num_stages or 3)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels (defined lazily so the module imports without triton)
+# --------------------------------------------------------------------------------------
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def _skinny_kernel(
+        x_ptr, w_ptr, out_ptr, ws_ptr,
+        T, N, K, K_PER_SPLIT,
+        stride_xt, stride_xk,
+        stride_wn, stride_wk,
+        stride_ot, stride_on,
+        stride_ws_s, stride_ws_t,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_t = tl.program_id(2)
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_kb = tl.arange(0, BLOCK_K)
+        mask_t = offs_t < T
+        mask_n = offs_n < N
+        k_lo = pid_s * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + offs_kb
+            mask_k = offs_k < k_hi
+            xt = tl.load(
+                x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                mask=mask_t[:, None] & mask_k[None, :], other=0.0,
+            )  # [BLOCK_T, BLOCK_K]
+            wt = tl.load(
+                w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                mask=mask_k[:, None] & mask_n[None, :], other=0.0,
+            )  # [BLOCK_K, BLOCK_N], a tile of w.T
+            if IEEE:
+                acc = tl.dot(xt, wt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, wt, acc)
+        mask = mask_t[:, None] & mask_n[None, :]
+        if DIRECT:
+            tl.store(
+                out_ptr + offs_t[:, None] * stride_ot + offs_n[None, :] * stride_on,
+                acc.to(out_ptr.dtype.element_ty), mask=mask,
+            )
+        else:
+            tl.store(
+                ws_ptr + pid_s * stride_ws_s + offs_t[:, None] * stride_ws_t + offs_n[None, :],
+                acc, mask=mask,
+            )
+
+    @triton.jit(do_not_specialize=["T"])
+    def _splitk_reduce_kernel(
+        ws_ptr, out_ptr, T, N, S, stride_ws_s, stride_ws_t, stride_ot, stride_on,
+        BLOCK: tl.constexpr,
+    ):
+        # one program per (row, BLOCK columns); sums the S partials in the fixed order 0..S-1
+        pid_n = tl.program_id(0)
+        t = tl.program_id(1)
+        offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+        mask = offs_n < N
+        acc = tl.load(ws_ptr + t * stride_ws_t + offs_n, mask=mask, other=0.0)
+        for s in range(1, S):
+            acc += tl.load(ws_ptr + s * stride_ws_s + t * stride_ws_t + offs_n, mask=mask, other=0.0)
+        tl.store(out_ptr + t * stride_ot + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return _skinny_kernel, _splitk_reduce_kernel
+
+
+_REDUCE_BLOCK = 1024
+
+
+def skinny_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    split_k: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton ``x [T, K] @ w [N, K].T -> [T, N]`` (fp32 accumulate, output x.dtype).
+
+    Made for T <= 16 (one padded 16-row tile); larger T runs as several 16-row tiles and
+    stays row-invariant.  Row r of the result is bitwise independent of T and of the
+    other rows' values for a fixed ``(N, K)`` and fixed keyword overrides.
+    ``split_k`` etc. override :func:`skinny_config` (they must not be chosen from T by the
+    caller, or the row invariance is lost).  ``out`` (optional, [T, N], x.dtype) receives
+    the result and is returned.  fp32 inputs use exact ``ieee`` dot products (no TF32).
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"skinny_matmul: want x [T, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"skinny_matmul: x is {x.dtype} but w is {w.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"skinny_matmul: x on {x.device} but w on {w.device}")
+    T, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty((T, N), device=x.device, dtype=x.dtype)
+    elif out.shape != (T, N) or out.dtype != x.dtype:
+        raise ValueError(f"skinny_matmul: out must be [{T}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if T == 0:
+        return out
+    cfg = skinny_config(N, K, split_k=split_k, block_n=block_n, block_k=block_k,
+                        num_warps=num_warps, num_stages=num_stages)
+    mm_kernel, reduce_kernel = _kernels()
+    n_tblocks = _cdiv(T, BLOCK_T)
+    t_pad = n_tblocks * BLOCK_T  # workspace rows: strides then do not depend on T (T <= 16)
+    direct = cfg.split_k == 1
+    if direct:
+        ws = out  # unused placeholder pointer
+        sws_s, sws_t = 0, 0
+    else:
+        ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
+        sws_s, sws_t = ws.stride(0), ws.stride(1)
+    grid = (_cdiv(N, cfg.block_n), cfg.split_k, n_tblocks)
+    mm_kernel[grid](
+        x, w, out, ws,
+        T, N, K, cfg.k_per_split,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1),
+        out.stride(0), out.stride(1),
+        sws_s, sws_t,
+        BLOCK_T=BLOCK_T, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DIRECT=direct, IEEE=(x.dtype == torch.float32),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        reduce_kernel[(_cdiv(N, _REDUCE_BLOCK), T)](
+            ws, out, T, N, cfg.split_k, sws_s, sws_t, out.stride(0), out.stride(1),
+            BLOCK=_REDUCE_BLOCK, num_warps=4,
+        )
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` (no bias): the row-invariant Triton kernel on CUDA for 2-D x with
+    T <= 16 rows and triton importable, ``torch.nn.functional.linear`` otherwise."""
+    if (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_SKINNY_ROWS
+        and x.is_cuda
+        and w.is_cuda
+        and w.dim() == 2
+        and x.dtype == w.dtype
+        and _triton_ok()
+    ):
+        return skinny_matmul(x, w)
+    return F.linear(x, w)
+
+
+@lru_cache(maxsize=None)
+def _triton_ok() -> bool:
+    return triton_available()

@@ -1,0 +1,159 @@
+"""Load a checkpoint directory (config.json + one or many safetensors files) into HybridLM.
+
+Accepted layouts: a single ``model.safetensors``, shards listed in
+``model.safetensors.index.json``, or any ``*.safetensors`` files in the directory; keys
+with the multimodal prefix ``model.language_model.``; tied or untied LM head; routed
+experts stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) or stacked
+(``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from hyspec.config import ConfigError, ModelConfig
+from hyspec.model.hybrid import HybridLM
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's files or tensors are missing, corrupt or of the wrong shape."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+_IGNORED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+
+
+def _normalize(key: str) -> str | None:
+    """Map a checkpoint key onto our parameter names (None: not part of the language model)."""
+    if key.startswith(_IGNORED_PREFIXES):
+        return None
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                     ("language_model.lm_head.", "lm_head."), ("model.mtp.", "mtp.")):
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed shard index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index} lists shard {f.name}, which does not exist")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    return files
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All language-model tensors of a checkpoint directory, keys normalised (on CPU)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in _shard_files(Path(path)):
+        size = f.stat().st_size
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in sf.keys():
+                    k = _normalize(key)
+                    if k is not None:
+                        out[k] = sf.get_tensor(key)
+        except Exception as e:  # safetensors raises its own error types for bad files
+            raise CheckpointError(f"{f.name}: cannot read safetensors file ({size} bytes): {e}") from None
+    return _stack_experts(out)
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _stack_experts(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert keys -> stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for k in list(t):
+        m = _EXPERT.match(k)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t.pop(k)
+    for prefix, experts in groups.items():
+        n = max(experts) + 1
+        for e in range(n):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                if part not in experts.get(e, {}):
+                    raise CheckpointError(f"missing tensor '{prefix}.{e}.{part}.weight'")
+        t[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in range(n)])
+        t[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(n)])
+    return t
+
+
+def _keep_fp32(name: str) -> bool:
+    return name.endswith(("A_log", "dt_bias"))
+
+
+def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               load_mtp: bool = True) -> HybridLM:
+    """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
+    naming the field, key or shape at fault."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
+    dtype = parse_dtype(dtype)
+    cfg = ModelConfig.from_dir(path)
+    tensors = read_tensors(path)
+    has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
+
+    with torch.device("meta"):
+        model = HybridLM(cfg, with_mtp=has_mtp)
+    model = model.to(dtype)
+    for name, p in model.named_parameters():
+        if _keep_fp32(name) and dtype != torch.float64:
+            p.data = p.data.float()
+    model = model.to_empty(device=device)
+
+    expected = dict(model.named_parameters())
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} is missing tensor(s) {', '.join(repr(m) for m in missing[:5])}{more}")
+    with torch.no_grad():
+        for name, p in expected.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(p.shape):
+                # stacked experts are sometimes stored transposed ([E, H, 2I] / [E, I, H])
+                if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and \
+                        tuple(src.shape) == (p.shape[0], p.shape[2], p.shape[1]):
+                    src = src.transpose(1, 2)
+                else:
+                    raise CheckpointError(f"tensor '{name}' has shape {list(src.shape)}, expected {list(p.shape)} "
+                                          f"from config.json")
+            p.copy_(src.to(p.dtype))
+    unused = [k for k in tensors if k not in expected and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+              and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]
+    if unused:
+        warnings.warn(f"ignoring {len(unused)} unexpected tensor(s), e.g. {unused[:3]}", stacklevel=2)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+__all__ = ["load_model", "read_tensors", "CheckpointError", "ConfigError", "parse_dtype", "DTYPES"]

@@ -1,0 +1,233 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next / Qwen3.5.
+
+Per token, per value head h (key head h // r, r = Hv / Hk), with state S [Dk, Dv]:
+    S <- S * exp(g_h)                 decay (g <= 0, in log space)
+    delta = (v_h - k^T S) * beta_h    what the state fails to predict, scaled
+    S <- S + k (outer) delta          delta-rule write
+    o_h = q^T S                       read (q already scaled by Dk^-0.5)
+The state is kept in fp32 (fp64 for fp64 models). Two equivalent forms live here: a
+row-by-row scan (decode / verify; can also return the state after every row for rollback)
+and a chunked form (prefill; a WY/UT-transform over chunks of 64 rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyspec.config import ModelConfig
+from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# ---------------------------------------------------------------------------------------
+# Recurrence: reference forms (plain torch). Inputs are already preprocessed:
+#   q, k [T, Hv, Dk] (l2-normed, expanded to value heads; q scaled), v [T, Hv, Dv],
+#   g, beta [T, Hv]; all in the state dtype.
+# ---------------------------------------------------------------------------------------
+def recurrent_scan(q, k, v, g, beta, state, want_states: bool = False):
+    """Row-by-row scan. state [Hv, Dk, Dv] (not modified). Returns (o [T, Hv, Dv],
+    final state, per-row states [T, Hv, Dk, Dv] or None). Row r's arithmetic does not
+    depend on T, so a T-row scan equals T one-row scans bit for bit."""
+    T = q.shape[0]
+    S = state
+    outs, states = [], []
+    for t in range(T):
+        S = S * g[t].exp()[:, None, None]
+        kv_mem = (S * k[t][:, :, None]).sum(-2)  # [Hv, Dv]
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        outs.append((S * q[t][:, :, None]).sum(-2))
+        if want_states:
+            states.append(S)
+    o = torch.stack(outs) if outs else v.new_zeros(v.shape)
+    return o, S, (torch.stack(states) if want_states else None)
+
+
+def chunked_scan(q, k, v, g, beta, state, chunk: int = 64):
+    """Same result as recurrent_scan (up to rounding), computed chunk by chunk.
+
+    Within a chunk of C rows, the delta rule's sequential writes are solved at once: with
+    cumulative decays G_i = sum_{s<=i} g_s, the "effective" values u satisfy the unit
+    lower-triangular system (I + A) u = beta*(v - decayed reads of the incoming state),
+    A[i, j] = beta_i * exp(G_i - G_j) * k_i . k_j for j < i. Then outputs are the incoming
+    state read by the decayed queries plus causal intra-chunk attention over u."""
+    T, Hv, Dk = k.shape
+    Dv = v.shape[-1]
+    pad = (-T) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk
+    # [n, Hv, C, ...]
+    q, k, v = (x.view(n, chunk, Hv, -1).transpose(1, 2) for x in (q, k, v))
+    g, beta = (x.view(n, chunk, Hv).transpose(1, 2) for x in (g, beta))
+    G = g.cumsum(-1)  # [n, Hv, C]
+    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(0)  # j >= i masked
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # j > i masked
+    decay = (G[..., :, None] - G[..., None, :])  # [n, Hv, C, C] log decay from j to i
+    kk = k @ k.transpose(-1, -2)
+    A = (beta[..., :, None] * kk * decay.masked_fill(strict, float("-inf")).exp())
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    L = eye + A  # unit lower triangular
+    vb = v * beta[..., None]  # [n, Hv, C, Dv]
+    kb = k * (beta * G.exp())[..., None]  # keys that read the incoming state, decayed
+    u0 = torch.linalg.solve_triangular(L, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(L, kb, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay.masked_fill(causal, float("-inf")).exp()  # [n, Hv, C, C]
+    q_dec = q * G.exp()[..., None]
+    k_tail = k * (G[..., -1:] - G).exp()[..., None]  # decay from row to chunk end
+    S = state
+    out = torch.empty_like(v)
+    for c in range(n):
+        u = u0[c] - w[c] @ S  # [Hv, C, Dv]
+        out[c] = q_dec[c] @ S + qk[c] @ u
+        S = S * G[c, :, -1].exp()[:, None, None] + k_tail[c].transpose(-1, -2) @ u
+    out = out.transpose(1, 2).reshape(n * chunk, Hv, Dv)[:T]
+    return out, S
+
+
+# ---------------------------------------------------------------------------------------
+@dataclass
+class GdnRecord:
+    """What a verify forward keeps so a linear layer can be rolled back to any row.
+
+    xcat [W-1+T, C]: the conv window before the forward followed by the T new conv
+    inputs; the conv state after row r is xcat[r+1 : r+W].
+    states [T, Hv, Dk, Dv] (record="states"): SSM state after each row.
+    inputs (record="inputs"): the preprocessed recurrence inputs (q, k, v, g, beta) to
+    re-scan the first rows from the snapshot state."""
+
+    xcat: torch.Tensor
+    states: torch.Tensor | None = None
+    inputs: tuple[torch.Tensor, ...] | None = None
+
+    def nbytes(self) -> int:
+        n = self.xcat.numel() * self.xcat.element_size()
+        if self.states is not None:
+            n += self.states.numel() * self.states.element_size()
+        if self.inputs is not None:
+            n += sum(t.numel() * t.element_size() for t in self.inputs)
+        return n
+
+
+class LinearState:
+    """Conv window [W-1, C] (model dtype) and SSM state [Hv, Dk, Dv] (fp32) of one layer."""
+
+    def __init__(self, cfg: ModelConfig, device, dtype) -> None:
+        W = cfg.linear_conv_kernel_dim
+        self.conv = torch.zeros(W - 1, cfg.conv_dim, device=device, dtype=dtype)
+        self.ssm = torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                               cfg.linear_value_head_dim, device=device, dtype=state_dtype(dtype))
+        self.record: GdnRecord | None = None
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.family = cfg.family
+        H = cfg.hidden_size
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.W = cfg.linear_conv_kernel_dim
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        if self.family == "qwen3_next":
+            # grouped per key head: [q dk | k dk | v r*dv | z r*dv] and [b r | a r]
+            self.in_proj_qkvz = Linear(H, 2 * key_dim + 2 * value_dim)
+            self.in_proj_ba = Linear(H, 2 * self.nv)
+        else:
+            self.in_proj_qkv = Linear(H, 2 * key_dim + value_dim)
+            self.in_proj_z = Linear(H, value_dim)
+            self.in_proj_b = Linear(H, self.nv)
+            self.in_proj_a = Linear(H, self.nv)
+        conv_dim = 2 * key_dim + value_dim
+        self.conv1d = nn.Module()  # keeps the checkpoint name conv1d.weight [C, 1, W]
+        self.conv1d.weight = nn.Parameter(torch.empty(conv_dim, 1, self.W))
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(value_dim, H)
+
+    # -- projections ----------------------------------------------------------------
+    def project(self, x: torch.Tensor, ctx: StepCtx):
+        """x [T, H] -> qkv [T, C] (conv input, order q|k|v), z [T, Hv, Dv], b, a [T, Hv]."""
+        T = x.shape[0]
+        if self.family == "qwen3_next":
+            r = self.nv // self.nk
+            qkvz = self.in_proj_qkvz(x, ctx).view(T, self.nk, 2 * self.dk + 2 * r * self.dv)
+            q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+            ba = self.in_proj_ba(x, ctx).view(T, self.nk, 2 * r)
+            b, a = ba[..., :r].reshape(T, self.nv), ba[..., r:].reshape(T, self.nv)
+            qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+            z = z.reshape(T, self.nv, self.dv)
+        else:
+            qkv = self.in_proj_qkv(x, ctx)
+            z = self.in_proj_z(x, ctx).view(T, self.nv, self.dv)
+            b, a = self.in_proj_b(x, ctx), self.in_proj_a(x, ctx)
+        return qkv, z, b, a
+
+    def conv(self, xcat: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU. xcat [W-1+T, C] -> [T, C]; each output row is the
+        same fixed sum over the window whatever T is."""
+        w = self.conv1d.weight[:, 0, :].to(xcat.dtype)  # [C, W]
+        T = xcat.shape[0] - (self.W - 1)
+        y = xcat[0:T] * w[:, 0]
+        for i in range(1, self.W):
+            y = y + xcat[i : i + T] * w[:, i]
+        return F.silu(y)
+
+    def prepare(self, y: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Conv output [T, C] + b, a -> recurrence inputs in the state dtype:
+        q, k [T, Hv, Dk] (l2-normed, expanded over value heads, q scaled), v [T, Hv, Dv], g, beta [T, Hv]."""
+        T = y.shape[0]
+        sd = state_dtype(y.dtype)
+        kd = self.nk * self.dk
+        q = y[:, :kd].reshape(T, self.nk, self.dk).to(sd)
+        k = y[:, kd : 2 * kd].reshape(T, self.nk, self.dk).to(sd)
+        v = y[:, 2 * kd :].reshape(T, self.nv, self.dv).to(sd)
+        r = self.nv // self.nk
+        q = l2norm(q).repeat_interleave(r, dim=1) * self.dk ** -0.5
+        k = l2norm(k).repeat_interleave(r, dim=1)
+        beta = torch.sigmoid(b.to(sd))
+        g = -self.A_log.to(sd).exp() * F.softplus(a.to(sd) + self.dt_bias.to(sd))
+        return q, k, v, g, beta
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, ctx: StepCtx, st: LinearState | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. With st, the conv window and SSM state advance by T rows."""
+        T = x.shape[0]
+        qkv, z, b, a = self.project(x, ctx)
+        if st is None:
+            xcat = torch.cat([qkv.new_zeros(self.W - 1, qkv.shape[1]), qkv])
+            s0 = qkv.new_zeros(self.nv, self.dk, self.dv, dtype=state_dtype(qkv.dtype))
+        else:
+            xcat = torch.cat([st.conv.to(qkv.dtype), qkv])  # [W-1+T, C]
+            s0 = st.ssm
+        y = self.conv(xcat)
+        q, k, v, g, beta = self.prepare(y, b, a)
+        states = None
+        if ctx.chunked:
+            o, s_final = chunked_scan(q, k, v, g, beta, s0)
+        else:
+            o, s_final, states = recurrent_scan(q, k, v, g, beta, s0, want_states=ctx.record == "states")
+        if st is not None:
+            st.conv = xcat[T:].clone()
+            st.ssm = s_final
+            if ctx.record == "states":
+                st.record = GdnRecord(xcat=xcat, states=states)
+            elif ctx.record == "inputs":
+                st.record = GdnRecord(xcat=xcat, inputs=(q, k, v, g, beta))
+            else:
+                st.record = None
+        o = self.norm(o.to(x.dtype), z)  # [T, Hv, Dv]
+        return self.out_proj(o.reshape(T, -1), ctx)

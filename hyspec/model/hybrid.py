@@ -1,0 +1,142 @@
+"""The target model (embedding, hybrid decoder stack, final norm, LM head) and its MTP head.
+
+Parameter names mirror the Hugging Face checkpoints, so loading is a name check plus a copy:
+    model.embed_tokens.weight, model.layers.{i}.{linear_attn|self_attn}.*, model.layers.{i}.mlp.*,
+    model.norm.weight, lm_head.weight, mtp.fc.weight, mtp.pre_fc_norm_embedding.weight,
+    mtp.pre_fc_norm_hidden.weight, mtp.layers.0.*, mtp.norm.weight
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyspec.cache import HybridCache
+from hyspec.config import FULL, ModelConfig
+from hyspec.model.attention import GatedAttention, KVBuffer
+from hyspec.model.ffn import MLP, MoE
+from hyspec.model.gdn import GatedDeltaNet, LinearState
+from hyspec.model.ops import Linear, RMSNorm, StepCtx
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, moe: bool) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == FULL:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: StepCtx, state: KVBuffer | LinearState | None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == FULL:
+            h = self.self_attn(h, ctx, state)
+        else:
+            h = self.linear_attn(h, ctx, state)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.layer_types[i], cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPHead(nn.Module):
+    """One extra full-attention decoder block that predicts the token after next.
+
+    step: x = fc(cat(norm_e(embed(tok)), norm_h(h_prev))) -> block -> norm -> (shared LM head)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.fc = Linear(2 * H, H)
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, FULL, cfg.has_moe)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, emb: torch.Tensor, h_prev: torch.Tensor, ctx: StepCtx, kv: KVBuffer | None) -> torch.Tensor:
+        """emb [T, H] embeddings of tokens at positions p..p+T-1, h_prev [T, H] target (or
+        chained MTP) hiddens of positions p-1..p+T-2 -> post-norm hidden [T, H]."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(h_prev)], dim=-1), ctx)
+        x = self.layers[0](x, ctx, kv)
+        return self.norm(x)
+
+
+class HybridLM(nn.Module):
+    """Target model + optional MTP head. Single sequence (no batch dim): tokens [T]."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = MTPHead(cfg) if with_mtp else None
+
+    # -- weights ---------------------------------------------------------------------
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, max_len: int) -> HybridCache:
+        return HybridCache(self.cfg, max_len, self.device, self.dtype)
+
+    # -- target ------------------------------------------------------------------------
+    def forward_hidden(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx) -> torch.Tensor:
+        """ids [T] at positions ctx.start.. -> post-final-norm hidden [T, H].
+        With a cache, ctx.start must equal cache.pos; the cache advances by T."""
+        if cache is not None and ctx.start != cache.pos:
+            raise ValueError(f"forward at position {ctx.start} but the cache holds {cache.pos} tokens")
+        x = self.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, ctx, None if cache is None else cache.layer_state(i))
+        if cache is not None:
+            cache.pos += ids.shape[0]
+        return self.model.norm(x)
+
+    def logits(self, h: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
+        """h [T, H] -> logits [T, V] in fp32 (fp64 for fp64 models)."""
+        from hyspec.model.ops import linear
+
+        out = linear(h, self.head_weight, ctx)
+        return out if out.dtype == torch.float64 else out.float()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whole-sequence logits [T, V] without a cache (scoring, tests, training)."""
+        h = self.forward_hidden(ids, None, StepCtx(chunked=True))
+        return self.logits(h)
+
+    # -- drafter -----------------------------------------------------------------------
+    def mtp_hidden(self, tokens: torch.Tensor, h_prev: torch.Tensor, ctx: StepCtx, kv: KVBuffer | None) -> torch.Tensor:
+        """MTP rows for tokens [T] (at positions p..) paired with h_prev [T, H] -> [T, H].
+        The draft KV row index is p - 1 (= the paired hidden's position), passed as ctx.start."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* weights): it cannot draft")
+        return self.mtp(self.model.embed_tokens(tokens), h_prev, ctx, kv)
+
+    def new_draft_kv(self, max_len: int) -> KVBuffer:
+        c = self.cfg
+        return KVBuffer(c.num_key_value_heads, max_len, c.head_dim, self.device, self.dtype)

@@ -1,0 +1,127 @@
+"""Small shared ops: norms, RoPE, and the row-invariant linear used on the decode path.
+
+Glossary of shape letters used across hyspec: T tokens in a forward, H hidden size,
+Hq/Hkv attention heads, D attention head dim, Hk/Hv linear-attention key/value heads,
+Dk/Dv their head dims, C conv channels (q|k|v), W conv width, E experts, V vocab,
+K draft length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class StepCtx:
+    """How one forward over T tokens should run.
+
+    start:   absolute position of the first token (its RoPE position and KV row).
+    exact:   make row r's result independent of T (a T-row verify then equals T one-token
+             decode steps bit for bit). On CPU this runs the matmuls row by row; on GPU the
+             fixed-split kernels do it without the loop.
+    record:  what Gated-DeltaNet layers keep for rolling back part of this forward:
+             "none", "states" (state after every row) or "inputs" (stash the recurrence
+             inputs to re-scan later).
+    chunked: use the chunked Gated-DeltaNet form (prefill) instead of the row-by-row scan.
+    """
+
+    start: int = 0
+    exact: bool = False
+    record: str = "none"
+    chunked: bool = False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
+    """x [T, In] @ weight[Out, In]^T -> [T, Out].
+
+    In exact mode every row goes through the same one-row kernel a decode step uses, so
+    the result of a row never depends on how many rows were batched with it."""
+    if ctx is not None and ctx.exact and x.dim() == 2 and x.shape[0] > 1:
+        fast = _fast_linear(x, weight)
+        if fast is not None:
+            return fast
+        return torch.cat([F.linear(x[i : i + 1], weight) for i in range(x.shape[0])])
+    if ctx is not None and ctx.exact and x.dim() == 2:
+        fast = _fast_linear(x, weight)
+        if fast is not None:
+            return fast
+    return F.linear(x, weight)
+
+
+def _fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """Row-invariant GPU matmul (Triton fixed split-K) when available, else None."""
+    if not x.is_cuda or x.shape[0] > 16:
+        return None
+    try:
+        from hyspec.kernels import gemm
+    except Exception:  # pragma: no cover - GPU-only path
+        return None
+    if not hasattr(gemm, "skinny_matmul") or not gemm.triton_available():
+        return None
+    return gemm.skinny_matmul(x, weight)
+
+
+class Linear(nn.Module):
+    """A bias-free projection whose forward can run in exact (row-invariant) mode."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [Out, In]
+
+    def forward(self, x: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
+        return linear(x, self.weight, ctx)
+
+
+class RMSNorm(nn.Module):
+    """Zero-centred RMSNorm used by Qwen3-Next/3.5: x̂ · (1 + w), computed in fp32.
+
+    Weights are stored centred on zero (a fresh layer is the identity)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype != torch.float64 else x
+        xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xhat * (1.0 + self.weight.to(xhat.dtype))).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head norm of the DeltaNet output, gated by z: w · x̂ · silu(z) (w stored as-is)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float() if dtype != torch.float64 else x
+        xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xhat.to(dtype)
+        zf = z.float() if z.dtype != torch.float64 else z
+        return (y * F.silu(zf)).to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [T, rot_dim] for neox-style RoPE over the first rot_dim dims."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=positions.device) / rot_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rot/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, rot]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; rotate the first rot dims (neox halves), pass the rest through."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    xr = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([xr, xp], dim=-1)

@@ -1,0 +1,461 @@
+"""Sampling: penalties, filters, and lossless speculative sampling.
+
+Conventions
+-----------
+* ``V`` is the vocabulary size; probability rows are float64 tensors ``[V]`` or
+  ``[N, V]``.
+* The *same* transformation (:func:`row_probs` = penalties + :func:`filter_probs`) is
+  applied to target rows (p) and drafter rows (q).  With a reduced draft vocabulary
+  the caller scatters q into the full vocabulary before calling anything here.
+* All randomness comes from :mod:`hyspec.rng`: a uniform is ``u01(seed, stream,
+  counter)``.  The counter is the **absolute position of the token being decided**
+  (for example ``len(prompt) + tokens emitted so far``); see
+  :func:`speculative_sample` for the exact scheme.
+* Ties are broken towards the lowest token id everywhere (argmax, top-k, top-p), so
+  results never depend on sort stability or device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from hyspec.rng import Stream, gumbel_noise, gumbel_noise_batch, u01
+
+__all__ = [
+    "SamplingParams",
+    "apply_penalties",
+    "filter_probs",
+    "row_probs",
+    "greedy_token",
+    "sample_index",
+    "sample_indices",
+    "draft_token",
+    "plain_token",
+    "accept_or_resample",
+    "accept_or_resample_batch",
+    "speculative_sample",
+    "coupled_token",
+    "coupled_tokens",
+    "coupled_speculative",
+]
+
+Mode = Literal["rejection", "coupled"]
+_MODES = ("rejection", "coupled")
+
+
+# --------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling configuration (llama.cpp / vLLM meanings).
+
+    temperature: 0 means greedy.  top_k: 0 = off.  top_p: 1.0 = off.  min_p: 0 = off.
+    repetition_penalty: 1.0 = off.  frequency_penalty / presence_penalty: 0 = off.
+    penalty_last_n: penalty window over the history; 0 = penalties off, -1 = whole
+    history.  seed: key of the counter-based RNG.  mode: "rejection" (speculative
+    sampling with accept/residual) or "coupled" (Gumbel-max with position-keyed
+    noise; speculative output equals plain output token for token).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int = 0
+    mode: Mode = "rejection"
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={value!r}: {why}")
+
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise bad(name, v, "must be a finite number")
+        for name in ("top_k", "penalty_last_n", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise bad(name, v, "must be an int")
+        if self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1] (1 = off)")
+        if not 0.0 <= self.min_p < 1.0:
+            raise bad("min_p", self.min_p, "must be in [0, 1) (0 = off)")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 = off)")
+        if self.penalty_last_n < -1:
+            raise bad("penalty_last_n", self.penalty_last_n, "must be >= -1")
+        if self.mode not in _MODES:
+            raise bad("mode", self.mode, f"must be one of {_MODES}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_last_n != 0 and (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Penalties and filters
+# --------------------------------------------------------------------------------------
+
+
+def _window(history: Sequence[int] | torch.Tensor, last_n: int) -> list[int]:
+    if isinstance(history, torch.Tensor):
+        history = history.reshape(-1).tolist()
+    hist = list(history)
+    return hist if last_n < 0 else hist[len(hist) - last_n :]
+
+
+def apply_penalties(
+    logits: torch.Tensor, history: Sequence[int] | torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """Repetition / frequency / presence penalties over the last ``penalty_last_n`` tokens.
+
+    logits: [V]; history: prior token ids (oldest first).  For each distinct token t in
+    the window (ids outside [0, V) are ignored), with c = its count in the window::
+
+        logit[t] = logit[t] / r if logit[t] > 0 else logit[t] * r    (repetition r)
+        logit[t] -= frequency_penalty * c + presence_penalty
+
+    Returns a new tensor (float32 or wider); the input is never modified.
+    """
+    if logits.dim() != 1:
+        raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    out = logits.to(dtype=dtype, copy=True)  # [V]
+    if not params.has_penalties:
+        return out
+    V = out.shape[0]
+    window = [t for t in _window(history, params.penalty_last_n) if 0 <= t < V]
+    if not window:
+        return out
+    ids = torch.tensor(window, dtype=torch.int64, device=out.device)
+    counts = torch.bincount(ids, minlength=V).to(dtype)  # [V]
+    present = counts > 0  # [V]
+    r = params.repetition_penalty
+    if r != 1.0:
+        out = torch.where(present, torch.where(out > 0, out / r, out * r), out)
+    if params.frequency_penalty != 0.0:
+        out = out - params.frequency_penalty * counts
+    if params.presence_penalty != 0.0:
+        out = out - params.presence_penalty * present.to(dtype)
+    return out
+
+
+def _masked_softmax(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """softmax over kept entries of each row. x, keep: [N, V]; every row keeps >= 1."""
+    return torch.softmax(torch.where(keep, x, torch.full_like(x, -math.inf)), dim=-1)
+
+
+def filter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Filtered sampling distribution(s): temperature -> top-k -> top-p -> min-p.
+
+    logits: [V] or [N, V] (``-inf`` marks forbidden tokens).  Returns float64 probs of
+    the same shape; each row sums to 1.
+
+    * greedy (temperature 0): one-hot at the argmax (lowest id on ties).
+    * top-k: the k largest logits (lowest ids win ties at the boundary).
+    * top-p: smallest prefix of the sorted distribution (renormalised after top-k) whose
+      mass reaches top_p; the top token is always kept.
+    * min-p: keep tokens with p >= min_p * p_max.
+    """
+    x = logits.to(torch.float64)
+    squeeze = x.dim() == 1
+    if squeeze:
+        x = x.unsqueeze(0)  # [N, V]
+    if x.dim() != 2:
+        raise ValueError(f"logits must be [V] or [N, V], got shape {tuple(logits.shape)}")
+    if bool(torch.isnan(x).any()) or bool((x == math.inf).any()):
+        raise ValueError("logits contain NaN or +inf")
+    if not bool(torch.isfinite(x).any(dim=-1).all()):
+        raise ValueError("a logits row has no finite entry (every token forbidden)")
+    N, V = x.shape
+
+    if params.greedy:
+        idx = x.argmax(dim=-1, keepdim=True)  # [N, 1]; first maximum = lowest id
+        out = torch.zeros_like(x).scatter_(-1, idx, 1.0)
+        return out[0] if squeeze else out
+
+    x = x / params.temperature
+    # Descending stable sort: equal logits keep ascending id order.
+    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [N, V] each
+    keep = torch.isfinite(xs)  # [N, V]; column 0 is always finite
+
+    if 0 < params.top_k < V:
+        keep[:, params.top_k :] = False
+    if params.top_p < 1.0:
+        ps = _masked_softmax(xs, keep)  # [N, V], sorted order
+        cum = torch.cumsum(ps, dim=-1)  # [N, V]
+        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        keep &= mass_before < params.top_p
+        keep[:, 0] = True
+    if params.min_p > 0.0:
+        ps = _masked_softmax(xs, keep)
+        keep &= ps >= params.min_p * ps[:, :1]  # ps[:, 0] is the row maximum
+
+    ps = _masked_softmax(xs, keep)  # [N, V], sorted order
+    out = torch.zeros_like(ps).scatter_(-1, order, ps)  # back to token order
+    return out[0] if squeeze else out
+
+
+def row_probs(
+    logits: torch.Tensor, history: Sequence[int] | torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """Penalties then filters for one row: logits [V] -> float64 probs [V]."""
+    return filter_probs(apply_penalties(logits, history, params), params)
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """argmax of a [V] row; the lowest id wins ties."""
+    if logits.dim() != 1:
+        raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
+    return int(torch.argmax(logits))  # torch returns the first maximal index
+
+
+# --------------------------------------------------------------------------------------
+# Inverse-CDF sampling
+# --------------------------------------------------------------------------------------
+
+
+def sample_indices(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling, vectorised.
+
+    probs: [V] (shared by every draw) or [N, V], non-negative, need not be exactly
+    normalised; u: [N] uniforms in (0, 1).  Returns LongTensor [N].
+
+    The target ``u * total`` is located in the float64 cumulative sum with
+    ``searchsorted(right=True)`` (first index whose cumulative mass exceeds it); such an
+    index always has positive probability.  If rounding puts the target at or past the
+    final cumulative value, the last token with positive probability is returned.
+    """
+    p = probs.to(torch.float64)
+    u = u.to(device=p.device, dtype=torch.float64).reshape(-1)  # [N]
+    N = u.shape[0]
+    if p.dim() == 1:
+        p = p.unsqueeze(0).expand(N, -1)  # [N, V]
+    if p.dim() != 2 or p.shape[0] != N:
+        raise ValueError(f"probs {tuple(probs.shape)} does not match u [{N}]")
+    if bool((p < 0).any()):
+        raise ValueError("probabilities must be non-negative")
+    cdf = torch.cumsum(p, dim=-1)  # [N, V]
+    total = cdf[:, -1]  # [N]
+    if not bool((total > 0).all()):
+        raise ValueError("a probability row has zero total mass")
+    target = (u * total).unsqueeze(-1)  # [N, 1]
+    idx = torch.searchsorted(cdf.contiguous(), target, right=True).squeeze(-1)  # [N]
+    V = p.shape[1]
+    last_pos = (V - 1) - torch.argmax(torch.flip(p > 0, dims=[-1]).to(torch.int8), dim=-1)
+    return torch.where(idx >= V, last_pos, idx)
+
+
+def sample_index(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of one token from probs [V] with the uniform ``u`` in (0, 1)."""
+    if probs.dim() != 1:
+        raise ValueError(f"probs must be [V], got shape {tuple(probs.shape)}")
+    return int(sample_indices(probs, torch.tensor([u], dtype=torch.float64))[0])
+
+
+def draft_token(q: torch.Tensor, seed: int, position: int) -> int:
+    """Drafter's sampled token at absolute ``position``: u = u01(seed, DRAFT, position)."""
+    return sample_index(q, u01(seed, Stream.DRAFT, position))
+
+
+def plain_token(probs: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """Plain (non-speculative) decoding of the token at absolute ``position``.
+
+    greedy -> argmax; mode "rejection" -> inverse CDF with u01(seed, PLAIN, position);
+    mode "coupled" -> :func:`coupled_token`.
+    """
+    if params.greedy:
+        return greedy_token(probs)
+    if params.mode == "coupled":
+        return coupled_token(probs, params.seed, position)
+    return sample_index(probs, u01(params.seed, Stream.PLAIN, position))
+
+
+# --------------------------------------------------------------------------------------
+# Speculative sampling (rejection mode)
+# --------------------------------------------------------------------------------------
+
+
+def accept_or_resample(
+    p: torch.Tensor, q: torch.Tensor, draft: int, u_accept: float, u_resid: float
+) -> tuple[bool, int | None]:
+    """One accept/reject step for a draft token drawn from q.
+
+    p, q: [V] target and draft distributions.  Accept iff ``u_accept * q[d] < p[d]``
+    (so q[d] == 0 < p[d] accepts and p[d] == 0 rejects).  On rejection return a token
+    drawn with ``u_resid`` from normalize(max(0, p - q)), or from p when that residual
+    has no mass (p == q).  Returns (True, None) or (False, token).
+    """
+    pd = float(p[draft])
+    qd = float(q[draft])
+    if u_accept * qd < pd:
+        return True, None
+    resid = torch.clamp(p.to(torch.float64) - q.to(torch.float64), min=0.0)  # [V]
+    if not float(resid.sum()) > 0.0:
+        resid = p
+    return False, sample_index(resid, u_resid)
+
+
+def accept_or_resample_batch(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafts: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_resid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised :func:`accept_or_resample` over N independent steps.
+
+    p, q: [V] (shared) or [N, V]; drafts, u_accept, u_resid: [N].
+    Returns (accepted bool [N], token long [N]) where token is the residual draw for
+    rejected rows and -1 for accepted rows.
+    """
+    N = drafts.shape[0]
+    p64 = p.to(torch.float64)
+    q64 = q.to(torch.float64)
+    P = p64.unsqueeze(0).expand(N, -1) if p64.dim() == 1 else p64  # [N, V]
+    Q = q64.unsqueeze(0).expand(N, -1) if q64.dim() == 1 else q64  # [N, V]
+    d = drafts.to(torch.int64).unsqueeze(-1)  # [N, 1]
+    pd = P.gather(-1, d).squeeze(-1)  # [N]
+    qd = Q.gather(-1, d).squeeze(-1)  # [N]
+    accepted = u_accept.to(torch.float64) * qd < pd  # [N]
+    resid = torch.clamp(P - Q, min=0.0)  # [N, V]
+    empty = ~(resid.sum(dim=-1) > 0)  # [N]
+    resid = torch.where(empty.unsqueeze(-1), P, resid)
+    drawn = sample_indices(resid, u_resid)  # [N]
+    return accepted, torch.where(accepted, torch.full_like(drawn, -1), drawn)
+
+
+def speculative_sample(
+    p_rows: torch.Tensor,
+    q_rows: torch.Tensor,
+    drafts: Sequence[int] | torch.Tensor,
+    seed: int,
+    position: int,
+) -> tuple[int, int]:
+    """Lossless speculative sampling over one round of k drafts.
+
+    p_rows: [k+1, V] target distributions; row j is for the token at absolute position
+    ``position + j`` (verify row j, given the j drafts before it).
+    q_rows: [k, V] draft distributions the drafts were drawn from.
+    drafts: k token ids; draft j is the candidate for position ``position + j``.
+
+    Returns (n_accepted, next_token): drafts[:n_accepted] are emitted, then next_token
+    (the residual draw at the first rejection, or the bonus after a full accept).
+
+    Counter scheme (all draws keyed by the absolute position t of the token decided):
+
+    * the draft for t was drawn with ``u01(seed, Stream.DRAFT, t)`` (:func:`draft_token`)
+    * its acceptance uses ``u01(seed, Stream.ACCEPT, t)``
+    * a residual token at t uses ``u01(seed, Stream.RESIDUAL, t)``
+    * the bonus after a full accept, at t = position + k, uses ``u01(seed, Stream.BONUS, t)``
+
+    A round ends at the first position whose outcome is not an accepted draft, so every
+    position's uniforms are consumed by exactly one decision in the emitted output;
+    draws made for positions past that point only fed discarded work and are drawn
+    afresh (same counter, new context) in the next round.  The same seed therefore gives
+    the same output whenever the rounds see the same p and q.
+    """
+    d = drafts.tolist() if isinstance(drafts, torch.Tensor) else [int(t) for t in drafts]
+    k = len(d)
+    if p_rows.dim() != 2 or p_rows.shape[0] != k + 1:
+        raise ValueError(f"p_rows must be [k+1={k + 1}, V], got {tuple(p_rows.shape)}")
+    if k and (q_rows.dim() != 2 or q_rows.shape[0] != k):
+        raise ValueError(f"q_rows must be [k={k}, V], got {tuple(q_rows.shape)}")
+    for j in range(k):
+        t = position + j
+        ok, tok = accept_or_resample(
+            p_rows[j],
+            q_rows[j],
+            d[j],
+            u01(seed, Stream.ACCEPT, t),
+            u01(seed, Stream.RESIDUAL, t),
+        )
+        if not ok:
+            assert tok is not None
+            return j, tok
+    return k, sample_index(p_rows[k], u01(seed, Stream.BONUS, position + k))
+
+
+# --------------------------------------------------------------------------------------
+# Coupled (Gumbel-max) sampling
+# --------------------------------------------------------------------------------------
+
+
+def coupled_token(probs: torch.Tensor, seed: int, position: int) -> int:
+    """Gumbel-max sample: argmax over {p > 0} of log p + gumbel_noise(seed, COUPLED, position).
+
+    probs: [V].  The noise depends only on (seed, position, token id), so the drafter and
+    the target at the same position see the same noise, and plain and speculative
+    decoding pick the same token from the same distribution.
+    """
+    if probs.dim() != 1:
+        raise ValueError(f"probs must be [V], got shape {tuple(probs.shape)}")
+    p = probs.to(torch.float64)
+    g = gumbel_noise(seed, Stream.COUPLED, position, p.shape[0], device=p.device)  # [V]
+    score = torch.where(p > 0, torch.log(p) + g, torch.full_like(p, -math.inf))
+    return int(torch.argmax(score))
+
+
+def coupled_tokens(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Vectorised :func:`coupled_token`: probs [V] or [N, V], positions [N] -> LongTensor [N]."""
+    p = probs.to(torch.float64)
+    pos = positions.reshape(-1)
+    g = gumbel_noise_batch(seed, Stream.COUPLED, pos, p.shape[-1], device=p.device)  # [N, V]
+    p = p.unsqueeze(0).expand_as(g) if p.dim() == 1 else p
+    score = torch.where(p > 0, torch.log(p) + g, torch.full_like(g, -math.inf))
+    return torch.argmax(score, dim=-1)
+
+
+def coupled_speculative(
+    p_rows: torch.Tensor,
+    drafts: Sequence[int] | torch.Tensor,
+    seed: int,
+    position: int,
+) -> tuple[int, int]:
+    """Speculative verification in coupled mode.
+
+    The drafter proposes ``coupled_token(q_j, seed, position + j)``; draft j is accepted
+    iff the target's own coupled choice ``coupled_token(p_rows[j], seed, position + j)``
+    equals it.  The first mismatch (or row k after a full accept) gives next_token.  The
+    output equals plain coupled decoding token for token.  p_rows: [k+1, V].
+    """
+    d = drafts.tolist() if isinstance(drafts, torch.Tensor) else [int(t) for t in drafts]
+    k = len(d)
+    if p_rows.dim() != 2 or p_rows.shape[0] != k + 1:
+        raise ValueError(f"p_rows must be [k+1={k + 1}, V], got {tuple(p_rows.shape)}")
+    for j in range(k):
+        tok = coupled_token(p_rows[j], seed, position + j)
+        if tok != d[j]:
+            return j, tok
+    return k, coupled_token(p_rows[k], seed, position + k)

@@ -1,0 +1,109 @@
+"""Random tiny checkpoints of the three families, in the Hugging Face layout (with mtp.*
+weights and a byte-level tokenizer), so tests and users can run hyspec without downloads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from hyspec.config import ModelConfig
+
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+_SAMPLE_TEXT = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+    "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n\n"
+    "The quick brown fox jumps over the lazy dog. Hello, world! 0123456789\n"
+)
+
+
+def tiny_config(arch: str, *, vocab_size: int = 512, hidden: int = 64, layers: int = 4) -> dict:
+    """config.json contents for a tiny model of `arch` (every 4th layer full attention)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+    }
+    if arch == "qwen3_next":
+        return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **text,
+                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
+                "shared_expert_intermediate_size": hidden, "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+    if arch == "qwen3_5":
+        return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **text}
+    return {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", **text,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
+            "shared_expert_intermediate_size": hidden}
+
+
+def init_weights(model: torch.nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
+    """HF-like random init: normal(0, std) matrices, identity norms, sane decays."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1.0, 16.0, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith("linear_attn.norm.weight"):
+                p.fill_(1.0)
+            elif "norm" in name.split(".")[-2] or name.endswith(("_norm.weight", "norm.weight")):
+                p.normal_(0.0, 0.1, generator=generator)  # zero-centred norms: small spread around identity
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+
+def tiny_tokenizer(vocab_size: int):
+    from hyspec.train.tokenizer_train import train_tokenizer
+
+    return train_tokenizer([_SAMPLE_TEXT] * 4, vocab_size=vocab_size, min_frequency=1)
+
+
+def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
+              layers: int = 4, std: float = 0.02, with_mtp: bool = True) -> Path:
+    """Write a random checkpoint of `arch` to `out`: config.json, generation_config.json,
+    model.safetensors (incl. mtp.* unless with_mtp=False) and tokenizer.json."""
+    from safetensors.torch import save_file
+
+    from hyspec.model.hybrid import HybridLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = tiny_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers)
+    if not with_mtp:
+        cfg_dict["mtp_num_hidden_layers"] = 0
+    cfg = ModelConfig.from_dict(cfg_dict)
+    g = torch.Generator().manual_seed(seed)
+    model = HybridLM(cfg, with_mtp=with_mtp)
+    init_weights(model, g, std)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
+    tok = tiny_tokenizer(vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    return out
