@@ -281,7 +281,17 @@ def sample_index(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF sample of one token from probs [V] with the uniform ``u`` in (0, 1)."""
     if probs.dim() != 1:
         raise ValueError(f"probs must be [V], got shape {tuple(probs.shape)}")
-    return int(sample_indices(probs, torch.tensor([u], dtype=torch.float64))[0])
+    # Same rule as sample_indices, with fewer tensor ops for the one-row case.
+    p = probs.to(torch.float64)
+    cdf = torch.cumsum(p, dim=0)  # [V]
+    total = float(cdf[-1])
+    if not total > 0.0 or float(p.min()) < 0.0:
+        raise ValueError("probabilities must be non-negative with positive total mass")
+    target = torch.tensor([u * total], dtype=torch.float64, device=p.device)  # [1]
+    idx = int(torch.searchsorted(cdf, target, right=True))
+    if idx >= p.shape[0]:
+        idx = int(torch.nonzero(p > 0)[-1])  # last token with positive probability
+    return idx
 
 
 def draft_token(q: torch.Tensor, seed: int, position: int) -> int:

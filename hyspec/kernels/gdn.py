@@ -137,12 +137,30 @@ def _kernels():
         m2 = mk[:, None] & mv[None, :]
         S = tl.load(s0_ptr + h * s0_h + offs_k[:, None] * s0_k + offs_v[None, :], mask=m2, other=0.0)
         S = S.to(tl.float32)
+        # row t+1's inputs are loaded before row t is computed, so their memory latency
+        # overlaps the math (a plain loop would wait on every row's loads in turn)
+        zk = tl.zeros_like(offs_k)
+        zv = tl.zeros_like(offs_v)
+        qn = tl.load(q_ptr + hk * sq_h + offs_k, mask=mk, other=0.0)
+        kn = tl.load(k_ptr + hk * sk_h + offs_k, mask=mk, other=0.0)
+        vn = tl.load(v_ptr + h * sv_h + offs_v, mask=mv, other=0.0)
+        gn = tl.load(g_ptr + h * sg_h)
+        bn = tl.load(b_ptr + h * sb_h)
         for t in range(T):
-            qv = tl.load(q_ptr + t * sq_t + hk * sq_h + offs_k, mask=mk, other=0.0).to(tl.float32) * scale
-            kv = tl.load(k_ptr + t * sk_t + hk * sk_h + offs_k, mask=mk, other=0.0).to(tl.float32)
-            vv = tl.load(v_ptr + t * sv_t + h * sv_h + offs_v, mask=mv, other=0.0).to(tl.float32)
-            gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
-            bt = tl.load(b_ptr + t * sb_t + h * sb_h).to(tl.float32)
+            qv = qn.to(tl.float32) * scale
+            kv = kn.to(tl.float32)
+            vv = vn.to(tl.float32)
+            gt = gn.to(tl.float32)
+            bt = bn.to(tl.float32)
+            nx = t + 1
+            more_k = (zk + nx) < T
+            more_v = (zv + nx) < T
+            nx_s = tl.minimum(nx, T - 1)  # a valid row for the scalar loads of the last step
+            qn = tl.load(q_ptr + nx * sq_t + hk * sq_h + offs_k, mask=mk & more_k, other=0.0)
+            kn = tl.load(k_ptr + nx * sk_t + hk * sk_h + offs_k, mask=mk & more_k, other=0.0)
+            vn = tl.load(v_ptr + nx * sv_t + h * sv_h + offs_v, mask=mv & more_v, other=0.0)
+            gn = tl.load(g_ptr + nx_s * sg_t + h * sg_h)
+            bn = tl.load(b_ptr + nx_s * sb_t + h * sb_h)
             S = S * tl.exp(gt)
             kS = tl.sum(kv[:, None] * S, axis=0)  # [BLOCK_V]
             delta = (vv - kS) * bt

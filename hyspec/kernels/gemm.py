@@ -110,7 +110,9 @@ def skinny_config(
 # --------------------------------------------------------------------------------------
 # Triton kernels (defined lazily so the module imports without triton)
 # --------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
 def triton_available() -> bool:
+    """True when triton imports (checked once, then cached)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -133,7 +135,8 @@ def _kernels():
         stride_ot, stride_on,
         stride_ws_s, stride_ws_t,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        DIRECT: tl.constexpr, IEEE: tl.constexpr,
+        DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+        W_I64: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -145,18 +148,27 @@ def _kernels():
         mask_n = offs_n < N
         k_lo = pid_s * K_PER_SPLIT
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        if W_I64:  # weights with >= 2**31 elements: 64-bit offsets
+            w_rows = offs_n.to(tl.int64) * stride_wn
+        else:
+            w_rows = offs_n * stride_wn
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + offs_kb
-            mask_k = offs_k < k_hi
-            xt = tl.load(
-                x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                mask=mask_t[:, None] & mask_k[None, :], other=0.0,
-            )  # [BLOCK_T, BLOCK_K]
-            wt = tl.load(
-                w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-            )  # [BLOCK_K, BLOCK_N], a tile of w.T
+            x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk
+            w_ptrs = w_ptr + offs_k[:, None] * stride_wk + w_rows[None, :]
+            # EVEN_K / EVEN_N (set from the shapes only) drop the masks that would otherwise
+            # stop the weight stream from being loaded in 16-byte vectors
+            if EVEN_K:
+                xt = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)  # [BLOCK_T, BLOCK_K]
+                if EVEN_N:
+                    wt = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_N], a tile of w.T
+                else:
+                    wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = offs_k < k_hi
+                xt = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+                wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(xt, wt, acc, input_precision="ieee")
             else:
@@ -194,6 +206,12 @@ def _kernels():
 _REDUCE_BLOCK = 1024
 
 
+@lru_cache(maxsize=4096)
+def _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages) -> SkinnyConfig:
+    return skinny_config(N, K, split_k=split_k, block_n=block_n, block_k=block_k,
+                         num_warps=num_warps, num_stages=num_stages)
+
+
 def skinny_matmul(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -228,8 +246,7 @@ def skinny_matmul(
         raise ValueError(f"skinny_matmul: out must be [{T}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if T == 0:
         return out
-    cfg = skinny_config(N, K, split_k=split_k, block_n=block_n, block_k=block_k,
-                        num_warps=num_warps, num_stages=num_stages)
+    cfg = _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages)
     mm_kernel, reduce_kernel = _kernels()
     n_tblocks = _cdiv(T, BLOCK_T)
     t_pad = n_tblocks * BLOCK_T  # workspace rows: strides then do not depend on T (T <= 16)
@@ -250,6 +267,8 @@ def skinny_matmul(
         sws_s, sws_t,
         BLOCK_T=BLOCK_T, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
+        EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
+        W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
@@ -270,12 +289,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         and w.is_cuda
         and w.dim() == 2
         and x.dtype == w.dtype
-        and _triton_ok()
+        and triton_available()
     ):
         return skinny_matmul(x, w)
     return F.linear(x, w)
-
-
-@lru_cache(maxsize=None)
-def _triton_ok() -> bool:
-    return triton_available()

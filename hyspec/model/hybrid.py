@@ -105,17 +105,24 @@ class HybridLM(nn.Module):
         return HybridCache(self.cfg, max_len, self.device, self.dtype)
 
     # -- target ------------------------------------------------------------------------
-    def forward_hidden(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx) -> torch.Tensor:
-        """ids [T] at positions ctx.start.. -> post-final-norm hidden [T, H].
+    def forward_states(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx):
+        """ids [T] at positions ctx.start.. -> (pre-norm residual [T, H], post-final-norm hidden [T, H]).
         With a cache, ctx.start must equal cache.pos; the cache advances by T."""
         if cache is not None and ctx.start != cache.pos:
             raise ValueError(f"forward at position {ctx.start} but the cache holds {cache.pos} tokens")
+        if cache is not None and ctx.start + ids.shape[0] > cache.max_len:
+            raise ValueError(f"context full: {ctx.start + ids.shape[0]} tokens exceed the cache's max length "
+                             f"{cache.max_len}")
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, ctx, None if cache is None else cache.layer_state(i))
         if cache is not None:
             cache.pos += ids.shape[0]
-        return self.model.norm(x)
+        return x, self.model.norm(x)
+
+    def forward_hidden(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx) -> torch.Tensor:
+        """ids [T] -> post-final-norm hidden [T, H] (see forward_states)."""
+        return self.forward_states(ids, cache, ctx)[1]
 
     def logits(self, h: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
         """h [T, H] -> logits [T, V] in fp32 (fp64 for fp64 models)."""

@@ -1,0 +1,143 @@
+"""Fast tests for hyspec.train.corpus and hyspec.train.tokenizer_train."""
+
+from __future__ import annotations
+
+import json
+import lzma
+
+import pytest
+
+pytest.importorskip("tokenizers")
+
+from hyspec.train.corpus import (  # noqa: E402
+    build_corpus,
+    collect_stdlib_files,
+    load_corpus,
+    split_of,
+)
+from hyspec.train.tokenizer_train import (  # noqa: E402
+    EOS_ID,
+    EOS_TOKEN,
+    check_roundtrip,
+    count_tokens,
+    decode,
+    encode,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+SMALL_TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Foo:\n    def __init__(self, x):\n        self.x = x\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "for i in range(10):\n\tif i % 2 == 0:\n\t\tprint(i)\n",
+    "x = {'k': [1, 2, 3], \"s\": None}  # comment\n",
+    "async def main():\n    await asyncio.sleep(0.1)\n",
+]
+
+
+def test_split_determinism_and_ratio():
+    paths = [f"pkg{i // 50}/mod_{i}.py" for i in range(4000)]
+    a = [split_of(p) for p in paths]
+    b = [split_of(p) for p in paths]
+    assert a == b
+    assert set(a) <= {"train", "heldout"}
+    frac = a.count("heldout") / len(a)
+    assert 0.03 < frac < 0.07, frac
+    # known values pin the hash function (sha256 of the POSIX relative path)
+    assert split_of("argparse.py") == "heldout"
+    assert split_of("os.py") == "train"
+
+
+def _fake_root(tmp_path):
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    (root / "a.py").write_text("print('a')\n")
+    (root / "pkg" / "__init__.py").write_text("# héllo 🐍\nX = 1\n", encoding="utf-8")
+    (root / "pkg" / "b.py").write_text("def f():\n    return 2\n")
+    # excluded: test dirs, site-packages, non-.py, non-UTF-8, too large
+    for d in ("test", "tests", "site-packages", "idlelib/idle_test"):
+        (root / d).mkdir(parents=True)
+        (root / d / "x.py").write_text("pass\n")
+    (root / "notes.txt").write_text("nope\n")
+    (root / "latin1.py").write_bytes(b"# caf\xe9\n")
+    (root / "big.py").write_text("#" * (200 * 1024 + 1))
+    return root
+
+
+def test_collect_and_load_roundtrip(tmp_path):
+    root = _fake_root(tmp_path)
+    files = collect_stdlib_files(root)
+    rels = [p.relative_to(root.resolve()).as_posix() for p in files]
+    assert rels == ["a.py", "pkg/__init__.py", "pkg/b.py"]
+
+    out = tmp_path / "out" / "c.jsonl.xz"
+    stats = build_corpus(out, root=root, verbose=False)
+    assert stats["n_files"] == 3 and stats["dropped"] == []
+    with lzma.open(out, "rt", encoding="utf-8") as f:
+        entries = [json.loads(line) for line in f]
+    assert [e["path"] for e in entries] == rels
+    assert all(e["split"] == split_of(e["path"]) for e in entries)
+
+    corpus = load_corpus(out)
+    assert set(corpus) == {"train", "heldout"}
+    got = {p: t for s in corpus.values() for p, t in s}
+    for rel in rels:
+        assert got[rel] == (root / rel).read_text(encoding="utf-8")
+    listed = (out.parent / "train_files.txt").read_text().split() + \
+        (out.parent / "heldout_files.txt").read_text().split()
+    assert sorted(listed) == rels
+    # deterministic bytes
+    out2 = tmp_path / "out2" / "c.jsonl.xz"
+    build_corpus(out2, root=root, verbose=False)
+    assert out.read_bytes() == out2.read_bytes()
+
+
+def test_tokenizer_tiny_roundtrip_and_eos(tmp_path):
+    tok = train_tokenizer(SMALL_TEXTS, vocab_size=300, out_path=tmp_path / "tok")
+    assert tok.token_to_id(EOS_TOKEN) == EOS_ID == 0
+    assert tok.get_vocab_size() <= 300
+    unseen = [
+        "while True:\n    break\n",
+        "s = 'ünïcödé — 日本語 🐍'\r\n\ttab\x00\x7f",
+        "   leading and trailing   \n\n",
+        "",
+    ]
+    assert check_roundtrip(tok, SMALL_TEXTS + unseen) == []
+    for t in unseen:
+        assert decode(tok, encode(tok, t)) == t
+    assert count_tokens(tok, unseen) == sum(len(encode(tok, t)) for t in unseen)
+    # EOS is a single special token and decodes back to its literal
+    ids = encode(tok, SMALL_TEXTS[0]) + [EOS_ID]
+    assert decode(tok, ids) == SMALL_TEXTS[0] + EOS_TOKEN
+
+    # saved file reloads identically; training is deterministic
+    tok2 = load_tokenizer(tmp_path / "tok")
+    assert encode(tok2, SMALL_TEXTS[1]) == encode(tok, SMALL_TEXTS[1])
+    train_tokenizer(SMALL_TEXTS, vocab_size=300, out_path=tmp_path / "tok_b")
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "tok_b" / "tokenizer.json").read_bytes()
+
+
+def test_tokenizer_extra_special(tmp_path):
+    tok = train_tokenizer(SMALL_TEXTS, vocab_size=300, extra_special_tokens=["<|pad|>"])
+    assert tok.token_to_id(EOS_TOKEN) == 0
+    assert tok.token_to_id("<|pad|>") == 1
+
+
+def test_build_corpus_drops_largest_to_fit(tmp_path):
+    import random
+
+    root = tmp_path / "lib"
+    root.mkdir()
+    rng = random.Random(0)
+    for i, n in enumerate([100, 3000, 20000, 8000]):
+        # incompressible-ish content so size order == compressed contribution
+        txt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(n))
+        (root / f"m{i}.py").write_text(f"s = '{txt}'\n")
+    out = tmp_path / "o" / "c.jsonl.xz"
+    stats = build_corpus(out, root=root, max_compressed_bytes=9000, verbose=False)
+    assert stats["dropped"] == ["m2.py"]
+    assert stats["compressed_bytes"] <= 9000
+    assert (out.parent / "dropped_files.txt").read_text().split() == ["m2.py"]
+    assert sorted(p for s in load_corpus(out).values() for p, _ in s) == ["m0.py", "m1.py", "m3.py"]

@@ -1,0 +1,182 @@
+"""CPU tests of the plain-torch kernel references (no triton needed)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyspec.kernels.gdn import conv_update_ref, gdn_recurrent_ref
+from hyspec.kernels.gemm import linear, skinny_config, skinny_matmul_ref
+
+FP32_ATOL = 1e-5
+FP32_RTOL = 1e-5
+
+
+def _gdn_inputs(T=5, Hk=2, Hv=6, Dk=60, Dv=36, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(T, Hv, Dv, generator=gen).to(dtype)
+    g = -torch.rand(T, Hv, generator=gen) * 2  # log decay in (-2, 0]
+    beta = torch.rand(T, Hv, generator=gen)
+    s0 = torch.randn(Hv, Dk, Dv, generator=gen)
+    return q, k, v, g, beta, s0
+
+
+def _gdn_dead_simple(q, k, v, g, beta, s0, scale):
+    """Element-by-element loops in float64: the recurrence exactly as written."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    r = Hv // Hk
+    S = s0.double().clone()
+    o = torch.zeros(T, Hv, Dv, dtype=torch.float64)
+    states = torch.zeros(T, Hv, Dk, Dv, dtype=torch.float64)
+    for t in range(T):
+        for h in range(Hv):
+            kk = k[t, h // r].double()
+            qq = q[t, h // r].double() * scale
+            S[h] *= torch.exp(g[t, h].double())
+            kS = torch.zeros(Dv, dtype=torch.float64)
+            for i in range(Dk):
+                kS += kk[i] * S[h, i]
+            delta = (v[t, h].double() - kS) * beta[t, h].double()
+            for i in range(Dk):
+                S[h, i] += kk[i] * delta
+            for i in range(Dk):
+                o[t, h] += qq[i] * S[h, i]
+        states[t] = S
+    return o, S, states
+
+
+def test_skinny_matmul_ref():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 200, generator=gen)
+    w = torch.randn(96, 200, generator=gen)
+    y = skinny_matmul_ref(x, w)
+    assert y.shape == (3, 96) and y.dtype == x.dtype
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
+    yb = skinny_matmul_ref(x.bfloat16(), w.bfloat16())
+    assert yb.dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        skinny_matmul_ref(x, w[:, :100])
+
+
+def test_linear_cpu_falls_back_to_torch():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    x3 = torch.randn(2, 3, 64, generator=gen)
+    assert torch.equal(linear(x3, w), F.linear(x3, w))
+
+
+def test_skinny_config_depends_on_shape_only():
+    # worked examples from the docstring; split-K never depends on T (T is not an argument)
+    c = skinny_config(2048, 4096)
+    assert (c.block_n, c.block_k, c.split_k, c.k_per_split) == (64, 128, 8, 512)
+    c = skinny_config(151936, 2048)
+    assert c.split_k == 1 and c.block_n == 128
+    c = skinny_config(96, 200, split_k=3, block_k=32)
+    assert c.split_k == 3 and c.k_per_split == 96  # ranges [0,96) [96,192) [192,200)
+    c = skinny_config(96, 200, split_k=3)  # BK=128: a third split would be empty
+    assert c.split_k == 2
+    with pytest.raises(ValueError):
+        skinny_config(96, 200, block_n=48)
+
+
+def test_gdn_ref_vs_dead_simple_loop():
+    q, k, v, g, beta, s0 = _gdn_inputs(T=3, Hk=2, Hv=4, Dk=12, Dv=7)
+    scale = 12 ** -0.5
+    o, sf, states = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=scale, return_states=True)
+    o64, sf64, st64 = _gdn_dead_simple(q, k, v, g, beta, s0, scale)
+    torch.testing.assert_close(o.double(), o64, atol=FP32_ATOL, rtol=FP32_RTOL)
+    torch.testing.assert_close(sf.double(), sf64, atol=FP32_ATOL, rtol=FP32_RTOL)
+    torch.testing.assert_close(states.double(), st64, atol=FP32_ATOL, rtol=FP32_RTOL)
+    assert torch.equal(states[-1], sf)
+
+
+def test_gdn_ref_rows_at_once_equal_single_steps():
+    q, k, v, g, beta, s0 = _gdn_inputs()
+    scale = 60 ** -0.5
+    o, sf, states = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=scale, return_states=True)
+    S = s0
+    for t in range(q.shape[0]):
+        sl = slice(t, t + 1)
+        ot, S, st = gdn_recurrent_ref(q[sl], k[sl], v[sl], g[sl], beta[sl], S, scale=scale, return_states=True)
+        assert torch.equal(ot[0], o[t]) and torch.equal(S, states[t]) and torch.equal(st[0], S)
+    assert torch.equal(S, sf)
+
+
+def test_gdn_ref_does_not_modify_state_and_casts_output():
+    q, k, v, g, beta, s0 = _gdn_inputs(dtype=torch.bfloat16)
+    before = s0.clone()
+    o, sf, states = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=0.1)
+    assert torch.equal(s0, before) and states is None
+    assert o.dtype == torch.bfloat16 and sf.dtype == torch.float32
+    with pytest.raises(ValueError):
+        gdn_recurrent_ref(q, k, v, g, beta, s0.double(), scale=0.1)
+
+
+def test_gdn_ref_vs_transformers():
+    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta, s0 = _gdn_inputs()
+    Dk = q.shape[-1]
+    o, sf, _ = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=Dk ** -0.5)
+    o_hf, sf_hf = mod.torch_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=s0[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=False,
+    )
+    torch.testing.assert_close(o, o_hf[0], atol=FP32_ATOL, rtol=FP32_RTOL)
+    torch.testing.assert_close(sf, sf_hf[0], atol=FP32_ATOL, rtol=FP32_RTOL)
+
+
+def _conv_dead_simple(x, state, w):
+    T, C = x.shape
+    W = w.shape[1]
+    xx = torch.cat([state.double(), x.double().t()], 1)
+    y = torch.zeros(T, C, dtype=torch.float64)
+    for t in range(T):
+        for c in range(C):
+            y[t, c] = sum(w[c, j].double() * xx[c, t + j] for j in range(W))
+    return F.silu(y), xx[:, -(W - 1):]
+
+
+def test_conv_update_ref():
+    gen = torch.Generator().manual_seed(3)
+    for T in (1, 2, 5):
+        x = torch.randn(T, 10, generator=gen)
+        state = torch.randn(10, 3, generator=gen)
+        w = torch.randn(10, 4, generator=gen)
+        y, ns = conv_update_ref(x, state, w)
+        y64, ns64 = _conv_dead_simple(x, state, w)
+        torch.testing.assert_close(y.double(), y64, atol=FP32_ATOL, rtol=FP32_RTOL)
+        assert torch.equal(ns.double(), ns64)
+
+
+def test_conv_update_ref_vs_transformers():
+    mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    gen = torch.Generator().manual_seed(4)
+    T, C, W = 3, 12, 4
+    x = torch.randn(T, C, generator=gen)
+    state = torch.randn(C, W - 1, generator=gen)
+    w = torch.randn(C, W, generator=gen)
+    y, ns = conv_update_ref(x, state, w)
+    # transformers keeps the last W inputs; the oldest one never reaches the output
+    hf_state = torch.cat([torch.randn(C, 1, generator=gen), state], 1)[None].clone()
+    y_hf = mod.causal_conv1d_update(x.t()[None].contiguous(), hf_state, w, None, "silu")
+    torch.testing.assert_close(y, y_hf[0].t(), atol=FP32_ATOL, rtol=FP32_RTOL)
+    assert torch.equal(ns, hf_state[0, :, 1:])
+
+
+def test_kernel_modules_import_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # make `import triton` fail
+        "import hyspec.kernels.gemm as g, hyspec.kernels.gdn\n"
+        "assert not g.triton_available()\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

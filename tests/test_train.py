@@ -1,0 +1,177 @@
+"""Fast CPU tests for hyspec.train.train: the batched training forward equals HybridLM's
+per-sequence forward (target and MTP heads), a few steps reduce the loss, and the written
+checkpoint loads with hyspec.loading.load_model at the computed size."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyspec.config import ModelConfig
+from hyspec.model.hybrid import HybridLM
+from hyspec.model.ops import StepCtx
+from hyspec.tiny import init_weights, tiny_config
+from hyspec.train import train as tr
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "data" / "tokenizer" / "tokenizer.json"
+TINY_ARCH = dict(hidden=64, layers=4, intermediate=128, heads=4, kv_heads=2, head_dim=16,
+                 lin_k_heads=2, lin_v_heads=4, lin_head_dim=16, conv=4, full_every=4)
+
+
+def _tiny_model(tied: bool, seed: int = 0) -> HybridLM:
+    d = tiny_config("qwen3_5", vocab_size=256, hidden=64, layers=4)
+    d["tie_word_embeddings"] = tied
+    torch.manual_seed(seed)
+    model = HybridLM(ModelConfig.from_dict(d))
+    init_weights(model, torch.Generator().manual_seed(seed), std=0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_batched_forward_matches_hybridlm(tied):
+    model = _tiny_model(tied)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (3, 70), generator=g)  # 70: not a multiple of the 64-row chunk
+    with torch.no_grad():
+        h = tr.batched_hidden(model, ids, use_fla=False)
+        logits = tr.batched_logits(model, h)
+        hm = tr.batched_mtp_hidden(model, ids[:, 1:], h[:, :-1], use_fla=False)
+        mtp_logits = tr.batched_logits(model, hm)
+        assert logits.std() > 0.1  # the comparison is not trivially small numbers
+        for b in range(ids.shape[0]):
+            ref = model(ids[b])
+            torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=1e-4)
+            h_ref = model.forward_hidden(ids[b], None, StepCtx(chunked=True))
+            m_ref = model.logits(model.mtp_hidden(ids[b, 1:], h_ref[:-1], StepCtx(start=0), None))
+            torch.testing.assert_close(mtp_logits[b], m_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_loss_fn_pairs_rows_like_inference():
+    model = _tiny_model(True)
+    win = torch.randint(0, 256, (2, 34), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        o = tr.loss_fn(model, win, mtp_weight=0.5, use_fla=False)
+        T = 32
+        ref_main, ref_mtp = 0.0, 0.0
+        for b in range(2):
+            h = model.forward_hidden(win[b, :T], None, StepCtx(chunked=True))
+            lg = model.logits(h)
+            ref_main += torch.nn.functional.cross_entropy(lg, win[b, 1:T + 1]).item() / 2
+            ml = model.logits(model.mtp_hidden(win[b, 1:T + 1], h, StepCtx(start=0), None))
+            ref_mtp += torch.nn.functional.cross_entropy(ml, win[b, 2:T + 2]).item() / 2
+    assert abs(o["main"].item() - ref_main) < 1e-4
+    assert abs(o["mtp"].item() - ref_mtp) < 1e-4
+    assert abs(o["loss"].item() - (ref_main + 0.5 * ref_mtp)) < 1e-4
+
+
+def test_default_config_fits_budget():
+    cfg = tr.default_config(4096)
+    mc = ModelConfig.from_dict(cfg)
+    assert mc.model_type == "qwen3_5_text" and mc.tie_word_embeddings and mc.mtp_num_hidden_layers == 1
+    assert mc.max_position_embeddings >= 2048 and mc.eos_token_ids == (0,)
+    assert mc.layer_types == tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                   for i in range(mc.num_hidden_layers))
+    n = tr.count_params(cfg)
+    assert 8e6 < n <= 11e6
+    assert tr.checkpoint_tensor_bytes(cfg) <= 22e6
+
+
+def test_few_steps_reduce_loss():
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_dict(tr.model_config(128, **TINY_ARCH))
+    model = HybridLM(cfg)
+    tr.init_params(model, 0)
+    # a learnable stream: repeated short "documents"
+    doc = torch.randint(1, 128, (40,), generator=torch.Generator().manual_seed(3))
+    stream = torch.cat([torch.cat([doc, torch.zeros(1, dtype=torch.long)])] * 30)
+    sampler = tr.WindowSampler(stream, 50, 48, 2, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    losses = []
+    for _ in range(12):
+        o = tr.loss_fn(model, sampler.next(), 0.5, use_fla=False)
+        o["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((o["main"].item(), o["mtp"].item()))
+    assert losses[-1][0] < 0.7 * losses[0][0]
+    assert losses[-1][1] < 0.8 * losses[0][1]
+
+
+def test_window_sampler_deterministic():
+    stream = torch.arange(1000)
+    a = tr.WindowSampler(stream, 18, 16, 4, seed=5)
+    b = tr.WindowSampler(stream, 18, 16, 4, seed=5)
+    for _ in range(30):  # crosses epoch boundaries
+        wa, wb = a.next(), b.next()
+        assert torch.equal(wa, wb)
+        assert torch.equal(wa[:, 1:] - wa[:, :-1], torch.ones(4, 17, dtype=torch.long))
+
+
+def test_eval_windows_cover_each_target_once():
+    stream = torch.arange(1, 101)
+    w, m = tr.eval_windows(stream, 16)
+    T = 16
+    tg1 = w[:, 1:T + 1][m[:, 1:T + 1]]
+    tg2 = w[:, 2:T + 2][m[:, 2:T + 2]]
+    assert sorted(tg1.tolist()) == list(range(2, 101))
+    assert sorted(tg2.tolist()) == list(range(3, 101))
+
+
+def test_load_streams(tmp_path):
+    pytest.importorskip("tokenizers")
+    entries = [{"path": f"m{i}.py", "split": "heldout" if i == 0 else "train", "text": f"x = {i}\n"}
+               for i in range(40)]
+    corpus = tmp_path / "c.jsonl.xz"
+    corpus.write_bytes(lzma.compress("".join(json.dumps(e) + "\n" for e in entries).encode()))
+    s = tr.load_streams(corpus, TOKENIZER)
+    n_val = sum(tr.is_val_doc(e["path"]) for e in entries[1:])
+    assert int((s["heldout"] == 0).sum()) == 1 and s["heldout"][-1] == 0
+    assert int((s["val"] == 0).sum()) == n_val
+    assert int((s["train"] == 0).sum()) == 39 - n_val
+
+
+def test_train_writes_loadable_checkpoint(tmp_path):
+    pytest.importorskip("safetensors")
+    from tokenizers import Tokenizer
+
+    from hyspec.loading import load_model
+
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    text = (ROOT / "hyspec" / "tiny.py").read_text()
+    ids = tok.encode(text).ids
+    stream = torch.tensor((ids + [0]) * 3, dtype=torch.long)
+    streams = {"train": stream, "val": stream[:300], "heldout": stream[300:700]}
+    out = tmp_path / "model"
+    a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(out), steps=6, device="cpu", batch_size=2,
+                     seq_len=64, warmup=2, log_every=2, n_evals=2, arch=dict(TINY_ARCH))
+    logs = []
+    res = tr.train(a, streams=streams, log=logs.append)
+    assert res["steps"] == 6 and len(res["log"]) == 3
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "train_log.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 0}
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["final"]["heldout"]["tokens"] == 399 and "mtp_top1" in log["final"]["heldout"]
+    # size: 8-byte header length + JSON header + tensor bytes as computed from the config
+    cfg = ModelConfig.from_dir(out)
+    raw = (out / "model.safetensors").read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    assert len(raw) == 8 + hlen + tr.checkpoint_tensor_bytes(cfg)
+    header = json.loads(raw[8:8 + hlen])
+    assert header["model.embed_tokens.weight"]["dtype"] == "BF16"
+    assert "lm_head.weight" not in header and any(k.startswith("mtp.") for k in header)
+    model = load_model(out)
+    assert model.has_mtp and model.cfg.tie_word_embeddings
+    x = torch.tensor(ids[:20])
+    with torch.no_grad():
+        lg = model(x)
+        # the loaded model's batched forward (what was evaluated) equals its own forward
+        lb = tr.batched_logits(model, tr.batched_hidden(model, x[None], use_fla=False))[0]
+    assert torch.isfinite(lg).all()
+    torch.testing.assert_close(lb, lg, atol=1e-4, rtol=1e-4)
