@@ -49,6 +49,7 @@ from hyspec.model.hybrid import DecoderLayer, HybridLM
 from hyspec.model.ops import GatedRMSNorm, RMSNorm, apply_rope, rope_cos_sin
 
 EOS_ID = 0
+_PROCESS_START = time.time()
 VAL_PERCENT = 3  # train-split documents kept out of training to pick the best checkpoint
 
 # ---------------------------------------------------------------------------------------
@@ -468,6 +469,7 @@ class TrainArgs:
     tokenizer: str = "data/tokenizer/tokenizer.json"
     out: str = "runs/default_model"
     minutes: float = 7.5
+    wall_minutes: float = 0.0  # 0: none; else stop training so the whole process ends within this
     steps: int = 0  # 0: choose from the time budget after timing the first steps
     device: str = ""
     seed: int = 0
@@ -484,6 +486,7 @@ class TrainArgs:
     n_evals: int = 8
     eval_max_tokens: int = 0  # 0: whole val split
     fla: str = "auto"  # auto | on | off
+    check_fla: bool = True  # compare fla vs torch GDN (loss, grads) on the first batch; fall back if off
     arch: dict = field(default_factory=lambda: dict(DEFAULT_ARCH))
 
 
@@ -552,6 +555,7 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
     train_stream = streams["train"].to(device)
     sampler = WindowSampler(train_stream, T + 2, T, B, a.seed)
     budget = a.minutes * 60.0
+    reserve = 25.0  # seconds kept for the final evals and the save under --wall-minutes
     total = a.steps if a.steps > 0 else 0
     eval_kw = dict(T=T, batch=B, device=device, mtp_weight=a.mtp_weight, use_fla=use_fla, amp=amp,
                    max_tokens=a.eval_max_tokens or None)
@@ -575,7 +579,33 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
         return dt
 
     model.train()
-    eval_time = run_val(0) if streams["val"].numel() > 1 else 0.0
+    if streams["val"].numel() > 1:
+        run_val(0)
+    kernel_check = None
+    if use_fla and a.check_fla:
+        t_chk = time.time()
+        try:
+            kernel_check = compare_gdn_paths(model, sampler.next()[:4], a.mtp_weight, amp)
+            ok = (abs(kernel_check["loss_fla"] - kernel_check["loss_torch"]) < 0.02
+                  and abs(kernel_check["mtp_fla"] - kernel_check["mtp_torch"]) < 0.02
+                  and kernel_check["grad_rel_err"] < 0.1 and kernel_check["gdn_grad_rel_err_max"] < 0.25)
+        except Exception as e:  # a kernel that fails here would fail in training too
+            kernel_check, ok = {"error": repr(e)}, False
+        kernel_check["ok"] = ok
+        kernel_check["seconds"] = round(time.time() - t_chk, 1)
+        log(f"fla vs torch GDN check (first batch, 4 rows): {json.dumps(kernel_check)}")
+        if not ok:
+            use_fla = False
+            eval_kw["use_fla"] = False
+            log("WARNING: fla kernel disagrees with the torch reference; training with torch chunked_scan")
+        sampler = WindowSampler(train_stream, T + 2, T, B, a.seed)  # the check does not consume data
+    if a.wall_minutes > 0:
+        left = a.wall_minutes * 60.0 - (time.time() - _PROCESS_START) - reserve
+        if left < budget:
+            log(f"wall-clock limit {a.wall_minutes:g} min: training budget cut to {left:.0f}s")
+            budget = max(0.0, left)
+    n_val_batches = math.ceil(eval_windows(streams["val"], T, eval_kw["max_tokens"])[0].shape[0] / B) \
+        if streams["val"].numel() > 1 else 0
     t0 = time.time()
     acc = torch.zeros(3, device=device)  # loss, main, mtp sums since last log
     n_acc, t_log, step, tok_s = 0, time.time(), 0, float("nan")
@@ -608,11 +638,12 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
         if not total and step == calib[1]:
             _sync(device)
             per_step = (time.time() - t_calib) / (calib[1] - calib[0])
-            remaining = budget - (time.time() - t0) - a.n_evals * eval_time
+            eval_est = n_val_batches * 0.5 * per_step + 0.3  # a forward is ~1/3 of a step
+            remaining = budget - (time.time() - t0) - a.n_evals * eval_est
             total = step + max(1, int(0.98 * remaining / per_step))
             eval_every = max(1, total // a.n_evals)
             log(f"timing: {per_step * 1000:.1f} ms/step ({B * T / per_step:,.0f} tok/s) -> {total} steps "
-                f"in the {a.minutes:g}-minute budget ({total * B * T / train_stream.numel():.1f} epochs)")
+                f"in the {budget:.0f}s budget ({total * B * T / train_stream.numel():.1f} epochs)")
         if step % a.log_every == 0 or step == total:
             _sync(device)
             now = time.time()
@@ -663,6 +694,8 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
         "torch": torch.__version__,
         "gdn_kernel": "fla.chunk_gated_delta_rule" if use_fla else "torch chunked_scan",
+        "kernel_check": kernel_check,
+        "train_budget_s": round(budget, 1),
         "steps": step,
         "planned_steps": total,
         "stopped": stopped,
@@ -681,6 +714,34 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
     (out / "train_log.json").write_text(json.dumps(result, indent=1) + "\n")
     log(f"wrote {out} (model.safetensors {size:,} bytes; {n_params:,} params) in {result['total_seconds']}s total")
     return result
+
+
+def compare_gdn_paths(model: HybridLM, win: torch.Tensor, mtp_weight: float, amp: bool) -> dict:
+    """Loss and gradients of one batch through the fla kernel and through torch chunked_scan
+    (same autocast setting, no dropout)."""
+    out = {}
+    for name, flag in (("fla", True), ("torch", False)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            o = loss_fn(model, win, mtp_weight, use_fla=flag)
+        o["loss"].backward()
+        out[name] = (o["main"].item(), o["mtp"].item(), o["logits"].detach().float(),
+                     {n: p.grad.detach().float().clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    gf, gt = out["fla"][3], out["torch"][3]
+    vf = torch.cat([gf[n].flatten() for n in gt])
+    vt = torch.cat([gt[n].flatten() for n in gt])
+    per = {n: float((gf[n] - gt[n]).norm() / gt[n].norm().clamp_min(1e-12)) for n in gt if "linear_attn" in n}
+    worst = max(per, key=per.get) if per else None
+    return {
+        "loss_fla": out["fla"][0], "loss_torch": out["torch"][0],
+        "mtp_fla": out["fla"][1], "mtp_torch": out["torch"][1],
+        "logits_maxdiff": float((out["fla"][2] - out["torch"][2]).abs().max()),
+        "logits_scale": float(out["torch"][2].abs().max()),
+        "grad_rel_err": float((vf - vt).norm() / vt.norm()),
+        "gdn_grad_rel_err_max": per[worst] if worst else 0.0,
+        "gdn_grad_worst": worst,
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -727,6 +788,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap.add_argument("--tokenizer", default=d.tokenizer)
     ap.add_argument("--out", default=d.out)
     ap.add_argument("--minutes", type=float, default=d.minutes, help="training time budget")
+    ap.add_argument("--wall-minutes", type=float, default=d.wall_minutes,
+                    help="stop training early enough that the whole process ends within this (0: off)")
     ap.add_argument("--steps", type=int, default=d.steps, help="fixed step count (0: from the time budget)")
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -743,6 +806,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     ap.add_argument("--n-evals", type=int, default=d.n_evals)
     ap.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens)
     ap.add_argument("--fla", choices=("auto", "on", "off"), default=d.fla)
+    ap.add_argument("--no-check-fla", dest="check_fla", action="store_false",
+                    help="skip the fla-vs-torch comparison on the first batch")
     for k, v in DEFAULT_ARCH.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"model: {k}")
     ap.add_argument("--selfcheck", action="store_true", help="compare the fla and torch GDN paths and exit")

@@ -1,0 +1,234 @@
+"""`hyspec` command line: generate, score, replay, make-tiny, bench, train.
+
+Thin by design: parse, call the engine, print. Sampling and drafter flags are derived
+from the SamplingParams / SpecOptions dataclasses, so defaults cannot drift."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from hyspec.sampling import SamplingParams
+from hyspec.spec.loop import MAX_DRAFT, SpecOptions
+
+_SAMPLING_HELP = {
+    "temperature": "0 = greedy (default)",
+    "top_k": "keep the k most likely tokens (0 = off)",
+    "top_p": "nucleus sampling mass (1 = off)",
+    "min_p": "drop tokens below min_p * p_max (0 = off)",
+    "repetition_penalty": "divide positive / multiply negative logits of seen tokens (1 = off)",
+    "frequency_penalty": "subtract this times the count of each seen token",
+    "presence_penalty": "subtract this from every seen token",
+    "penalty_last_n": "penalties look at the last N tokens (0 = off, -1 = all)",
+    "seed": "random seed (counter-based: same seed, same output)",
+    "mode": "rejection (default) or coupled",
+}
+
+
+def _ids(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {s!r}") from None
+
+
+def _rates(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates like 0.9,0.8,0.7, got {s!r}") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    for f in dataclasses.fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "mode":
+            g.add_argument("--sampling-mode", dest="mode", default="rejection", choices=["rejection", "coupled"],
+                           help=_SAMPLING_HELP["mode"])
+            continue
+        default = 0.0 if f.name == "temperature" else f.default
+        g.add_argument(flag, dest=f.name, type=type(f.default), default=default, help=_SAMPLING_HELP.get(f.name))
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    d = SpecOptions()
+    g.add_argument("--draft", type=int, default=0, help=f"drafts per round K (0 = plain decoding, 1..{MAX_DRAFT})")
+    g.add_argument("--rollback", default=d.rollback, choices=["checkpoint", "rescan", "replay"],
+                   help="how linear-attention state is rolled back after a partial accept")
+    g.add_argument("--p-min", type=float, default=d.p_min, help="stop drafting below this draft probability")
+    g.add_argument("--adaptive", action="store_true", help="next K = clamp(accepted + 1, floor, K)")
+    g.add_argument("--adaptive-floor", type=int, default=d.adaptive_floor)
+    g.add_argument("--hidden", default=d.hidden, choices=["post", "pre"],
+                   help="target hidden that seeds the MTP head (post final norm: Qwen convention)")
+    g.add_argument("--forced-rates", type=_rates, default=None,
+                   help="testing/benchmarking: forced-acceptance drafter with these per-depth rates")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hyspec", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text (plain or speculative)")
+    _add_model_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--stop-ids", type=_ids, default=None, help="extra stop token ids")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's EOS ids")
+    g.add_argument("--num-samples", type=int, default=1, help="independent completions (seeds derived from --seed)")
+    _add_sampling_args(g)
+    _add_spec_args(g)
+
+    s = sub.add_parser("score", help="per-token log-probabilities of a text")
+    _add_model_args(s)
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text")
+    src.add_argument("--ids", type=_ids)
+    s.add_argument("--top-logprobs", type=int, default=0)
+
+    r = sub.add_parser("replay", help="teacher-forced MTP acceptance over a text file")
+    _add_model_args(r)
+    r.add_argument("--text-file", required=True)
+    r.add_argument("--k", type=int, default=4)
+    r.add_argument("--stride", type=int, default=1)
+    r.add_argument("--chunk", type=int, default=512)
+    r.add_argument("--hidden", default="post", choices=["post", "pre"])
+    r.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of the file")
+
+    t = sub.add_parser("make-tiny", help="write a random tiny checkpoint (with mtp.* weights and a tokenizer)")
+    t.add_argument("--arch", required=True, choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+    t.add_argument("--out", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--vocab-size", type=int, default=512)
+    t.add_argument("--hidden-size", type=int, default=64)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--init-std", type=float, default=0.02, help="weight scale (larger = more peaked logits)")
+    t.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+
+    sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)
+    sub.add_parser("train", help="train the small default model (see `hyspec train --help`)", add_help=False)
+    return ap
+
+
+def _load(args):
+    from hyspec.engine import Engine
+
+    return Engine.load(args.model, dtype=args.dtype, device=args.device)
+
+
+def _cmd_generate(args) -> int:
+    if args.prompt is None and args.prompt_ids is None:
+        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
+    if args.draft < 0 or args.draft > MAX_DRAFT:
+        raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
+    params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
+    spec = None
+    if args.draft > 0:
+        spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
+                           adaptive_floor=min(args.adaptive_floor, args.draft), hidden=args.hidden,
+                           forced_rates=args.forced_rates)
+    elif args.forced_rates is not None:
+        raise ValueError("--forced-rates needs --draft K > 0")
+    eng = _load(args)
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
+                       stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples)
+    if args.json:
+        print(json.dumps(out.to_dict()))
+        return 0
+    for i, smp in enumerate(out.samples):
+        if len(out.samples) > 1:
+            print(f"--- sample {i} ---")
+        print(smp.text if smp.text is not None else ",".join(map(str, smp.tokens)))
+    st = out.stats
+    rate = f"{st['decode_tok_s']:.1f} tok/s" if st.get("decode_tok_s") else "n/a"
+    print(f"[{st['generated_tokens']} tokens, prefill {st['prefill_s']*1e3:.0f} ms, decode {rate}]", file=sys.stderr)
+    if "spec" in st:
+        from hyspec.spec.telemetry import SpecTelemetry
+
+        print(SpecTelemetry.from_dict(st["spec"]).summary_line(), file=sys.stderr)
+    return 0
+
+
+def _cmd_score(args) -> int:
+    eng = _load(args)
+    res = eng.score(args.text if args.text is not None else args.ids, top_logprobs=args.top_logprobs)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['scored_tokens']} tokens  NLL {res['nll']:.3f}  mean {res['mean_nll']:.4f}  "
+              f"perplexity {res['perplexity']:.3f}")
+    return 0
+
+
+def _progress_bar(done: int, total: int, _state={"t": 0.0}) -> None:
+    now = time.time()
+    if done < total and now - _state["t"] < 0.2:
+        return
+    _state["t"] = now
+    width = 30
+    fill = int(width * done / max(total, 1))
+    print(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total}", end="" if done < total else "\n",
+          file=sys.stderr, flush=True)
+
+
+def _cmd_replay(args) -> int:
+    from hyspec.spec.replay import replay_acceptance
+
+    eng = _load(args)
+    with open(args.text_file, encoding="utf-8") as f:
+        ids = eng.encode(f.read())
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    res = replay_acceptance(eng.model, ids, k=args.k, stride=args.stride, chunk=args.chunk, hidden=args.hidden,
+                            progress=None if args.json else _progress_bar)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(json.dumps(res, indent=2))
+    return 0
+
+
+def _cmd_make_tiny(args) -> int:
+    from hyspec.tiny import make_tiny
+
+    out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
+                    layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp)
+    print(f"wrote {args.arch} checkpoint to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from hyspec.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "train":
+        from hyspec.train.train import main as train_main
+
+        return train_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": _cmd_generate, "score": _cmd_score, "replay": _cmd_replay, "make-tiny": _cmd_make_tiny}
+    try:
+        return handlers[args.cmd](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hyspec {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
