@@ -124,9 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
+    import torch
+
     from hyspec.engine import Engine
 
-    return Engine.load(args.model, dtype=args.dtype, device=args.device)
+    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
+        torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
+    return eng
 
 
 def _cmd_generate(args) -> int:
