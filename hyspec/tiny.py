@@ -86,7 +86,8 @@ def tiny_tokenizer(vocab_size: int):
 def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
               layers: int = 4, std: float = 0.02, with_mtp: bool = True) -> Path:
     """Write a random checkpoint of `arch` to `out`: config.json, generation_config.json,
-    model.safetensors (incl. mtp.* unless with_mtp=False) and tokenizer.json."""
+    model.safetensors (incl. mtp.* unless with_mtp=False) and tokenizer.json (only for
+    vocab_size >= 300; smaller models are driven with token ids)."""
     from safetensors.torch import save_file
 
     from hyspec.model.hybrid import HybridLM
@@ -104,6 +105,6 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
-    tok = tiny_tokenizer(vocab_size)
-    tok.save(str(out / "tokenizer.json"))
+    if vocab_size >= 300:  # a byte-level BPE needs the 256 byte tokens plus some merges
+        tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
     return out
