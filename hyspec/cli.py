@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--init-std", type=float, default=0.02, help="weight scale (larger = more peaked logits)")
     t.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    t.add_argument("--draft-vocab", type=int, default=0, help="also write a reduced draft vocabulary (mtp.d2t) of N ids")
 
     sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)
     sub.add_parser("train", help="train the small default model (see `hyspec train --help`)", add_help=False)
@@ -211,7 +212,8 @@ def _cmd_make_tiny(args) -> int:
     from hyspec.tiny import make_tiny
 
     out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
-                    layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp)
+                    layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
+                    draft_vocab=args.draft_vocab)
     print(f"wrote {args.arch} checkpoint to {out}")
     return 0
 

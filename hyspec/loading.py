@@ -147,7 +147,14 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                     raise CheckpointError(f"tensor '{name}' has shape {list(src.shape)}, expected {list(p.shape)} "
                                           f"from config.json")
             p.copy_(src.to(p.dtype))
-    unused = [k for k in tensors if k not in expected and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    d2t = tensors.get("mtp.d2t", tensors.get("d2t"))
+    if d2t is not None and has_mtp:
+        ids = torch.arange(d2t.shape[0]) + d2t.to(torch.long)
+        if d2t.dim() != 1 or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise CheckpointError(f"tensor 'mtp.d2t' must map draft ids to target ids in 0..{cfg.vocab_size - 1} "
+                                  f"(EAGLE offsets: target = i + d2t[i]); got shape {list(d2t.shape)}")
+        model.d2t = d2t.to(device=device, dtype=torch.long)
+    unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in expected and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
               and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]
     if unused:
         warnings.warn(f"ignoring {len(unused)} unexpected tensor(s), e.g. {unused[:3]}", stacklevel=2)

@@ -84,9 +84,10 @@ def tiny_tokenizer(vocab_size: int):
 
 
 def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
-              layers: int = 4, std: float = 0.02, with_mtp: bool = True) -> Path:
+              layers: int = 4, std: float = 0.02, with_mtp: bool = True, draft_vocab: int = 0) -> Path:
     """Write a random checkpoint of `arch` to `out`: config.json, generation_config.json,
-    model.safetensors (incl. mtp.* unless with_mtp=False) and tokenizer.json (only for
+    model.safetensors (incl. mtp.* unless with_mtp=False; `mtp.d2t` with draft_vocab > 0)
+    and tokenizer.json (only for
     vocab_size >= 300; smaller models are driven with token ids)."""
     from safetensors.torch import save_file
 
@@ -102,6 +103,12 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     model = HybridLM(cfg, with_mtp=with_mtp)
     init_weights(model, g, std)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if draft_vocab:
+        if not with_mtp or not 0 < draft_vocab <= vocab_size:
+            raise ValueError(f"draft_vocab must be in 1..{vocab_size} and needs the MTP head, got {draft_vocab}")
+        # a reduced draft vocabulary: the drafter scores these ids only (EAGLE-style offsets)
+        ids = torch.randperm(vocab_size, generator=g)[:draft_vocab].sort().values
+        tensors["mtp.d2t"] = ids - torch.arange(draft_vocab)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))

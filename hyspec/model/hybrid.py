@@ -83,6 +83,8 @@ class HybridLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.mtp = MTPHead(cfg) if with_mtp else None
+        # optional reduced draft vocabulary (EAGLE-style offsets: target id = i + d2t[i]), set by the loader
+        self.d2t: torch.Tensor | None = None
 
     # -- weights ---------------------------------------------------------------------
     @property
