@@ -36,6 +36,8 @@ __all__ = [
     "linear",
     "triton_available",
     "MAX_SKINNY_ROWS",
+    "TUNED",
+    "set_tuned",
 ]
 
 BLOCK_T = 16  # the x-tile height; every row count <= 16 runs in one padded tile
@@ -136,7 +138,7 @@ def _kernels():
         stride_ws_s, stride_ws_t,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-        W_I64: tl.constexpr,
+        W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -161,6 +163,11 @@ def _kernels():
             # stop the weight stream from being loaded in 16-byte vectors
             if EVEN_K:
                 xt = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)  # [BLOCK_T, BLOCK_K]
+                if ACT:  # x holds [gate | up]: feed silu(gate) * up, rounded like the torch MLP
+                    xu = tl.load(x_ptrs + X_UP * stride_xk, mask=mask_t[:, None], other=0.0).to(tl.float32)
+                    xg = xt.to(tl.float32)
+                    sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    xt = (sg * xu).to(x_ptr.dtype.element_ty)
                 if EVEN_N:
                     wt = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_N], a tile of w.T
                 else:
@@ -168,6 +175,12 @@ def _kernels():
             else:
                 mask_k = offs_k < k_hi
                 xt = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+                if ACT:
+                    xu = tl.load(x_ptrs + X_UP * stride_xk, mask=mask_t[:, None] & mask_k[None, :],
+                                 other=0.0).to(tl.float32)
+                    xg = xt.to(tl.float32)
+                    sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    xt = (sg * xu).to(x_ptr.dtype.element_ty)
                 wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(xt, wt, acc, input_precision="ieee")
@@ -206,8 +219,22 @@ def _kernels():
 _REDUCE_BLOCK = 1024
 
 
+# Measured best configs per (N, K) on the H200 (bf16, t=1; bench/kernels_gpu.py --sweep),
+# used when the caller overrides nothing.  Keyed by shape only, so row invariance holds.
+TUNED: dict[tuple[int, int], dict] = {}
+
+
+def set_tuned(table: dict[tuple[int, int], dict]) -> None:
+    """Replace the tuned-config table (clears the config cache)."""
+    TUNED.clear()
+    TUNED.update(table)
+    _config_cached.cache_clear()
+
+
 @lru_cache(maxsize=4096)
 def _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages) -> SkinnyConfig:
+    if (split_k, block_n, block_k, num_warps, num_stages) == (None,) * 5 and (N, K) in TUNED:
+        return skinny_config(N, K, **TUNED[(N, K)])
     return skinny_config(N, K, split_k=split_k, block_n=block_n, block_k=block_k,
                          num_warps=num_warps, num_stages=num_stages)
 
@@ -222,6 +249,8 @@ def skinny_matmul(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
+    act: bool = False,
+    ws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``x [T, K] @ w [N, K].T -> [T, N]`` (fp32 accumulate, output x.dtype).
 
@@ -232,14 +261,16 @@ def skinny_matmul(
     caller, or the row invariance is lost).  ``out`` (optional, [T, N], x.dtype) receives
     the result and is returned.  fp32 inputs use exact ``ieee`` dot products (no TF32).
     """
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"skinny_matmul: want x [T, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    kx = 2 * w.shape[1] if act and w.dim() == 2 else (w.shape[1] if w.dim() == 2 else -1)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != kx:
+        raise ValueError(f"skinny_matmul: want x [T, {'2K' if act else 'K'}] and w [N, K], got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
     if x.dtype != w.dtype:
         raise ValueError(f"skinny_matmul: x is {x.dtype} but w is {w.dtype}")
     if x.device != w.device:
         raise ValueError(f"skinny_matmul: x on {x.device} but w on {w.device}")
-    T, K = x.shape
-    N = w.shape[0]
+    T = x.shape[0]
+    N, K = w.shape
     if out is None:
         out = torch.empty((T, N), device=x.device, dtype=x.dtype)
     elif out.shape != (T, N) or out.dtype != x.dtype:
@@ -255,7 +286,10 @@ def skinny_matmul(
         ws = out  # unused placeholder pointer
         sws_s, sws_t = 0, 0
     else:
-        ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
+        # a caller-given workspace keeps its strides whatever T is (graph-friendly)
+        if ws is None or ws.dim() != 3 or ws.shape[0] < cfg.split_k or ws.shape[1] < t_pad or ws.shape[2] != N \
+                or ws.dtype != torch.float32 or ws.stride(2) != 1:
+            ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     grid = (_cdiv(N, cfg.block_n), cfg.split_k, n_tblocks)
     mm_kernel[grid](
@@ -269,6 +303,7 @@ def skinny_matmul(
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
+        ACT=act, X_UP=K if act else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:

@@ -38,18 +38,33 @@ class StepCtx:
 def linear(x: torch.Tensor, weight: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
     """x [T, In] @ weight[Out, In]^T -> [T, Out].
 
-    In exact mode every row goes through the same one-row kernel a decode step uses, so
-    the result of a row never depends on how many rows were batched with it."""
-    if ctx is not None and ctx.exact and x.dim() == 2 and x.shape[0] > 1:
-        fast = _fast_linear(x, weight)
-        if fast is not None:
-            return fast
-        return torch.cat([F.linear(x[i : i + 1], weight) for i in range(x.shape[0])])
-    if ctx is not None and ctx.exact and x.dim() == 2:
-        fast = _fast_linear(x, weight)
-        if fast is not None:
-            return fast
-    return F.linear(x, weight)
+    In exact mode a row's result never depends on how many rows were batched with it: on
+    GPU through the fixed-split Triton kernel; on CPU every call has the same shape
+    [B, In] (rows padded with zeros, B a function of the weight's size only), and BLAS
+    computes each row of a fixed-shape GEMM with the same reduction order whatever the
+    other rows hold (tests/test_exact.py checks this on the machine it runs on)."""
+    if ctx is None or not ctx.exact or x.dim() != 2:
+        return F.linear(x, weight)
+    fast = _fast_linear(x, weight)
+    if fast is not None:
+        return fast
+    B = exact_block_rows(weight)
+    T = x.shape[0]
+    if B == 1:
+        if T == 1:
+            return F.linear(x, weight)
+        return torch.cat([F.linear(x[i : i + 1], weight) for i in range(T)])
+    pad = (-T) % B
+    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+    out = torch.cat([F.linear(xp[i : i + B], weight) for i in range(0, T + pad, B)])
+    return out[:T]
+
+
+def exact_block_rows(weight: torch.Tensor) -> int:
+    """Rows per fixed-shape GEMM in exact mode on CPU: small weights are launch-bound, so
+    a block of 8 rows costs about what one row costs (a whole K=7 verify in one call);
+    large weights are bandwidth/compute-bound on CPU, where one row at a time is cheapest."""
+    return 8 if weight.numel() <= (1 << 20) else 1
 
 
 def _fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

@@ -607,59 +607,77 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
     n_val_batches = math.ceil(eval_windows(streams["val"], T, eval_kw["max_tokens"])[0].shape[0] / B) \
         if streams["val"].numel() > 1 else 0
     t0 = time.time()
-    acc = torch.zeros(3, device=device)  # loss, main, mtp sums since last log
-    n_acc, t_log, step, tok_s = 0, time.time(), 0, float("nan")
-    calib = (10, 30)
-    t_calib = None
-    eval_every = max(1, total // a.n_evals) if total else 0
-    stopped = "steps"
-    while True:
-        if total and step >= total:
-            break
-        if time.time() - t0 > budget:
-            stopped = "time budget"
-            break
-        lr = lr_at(step, total or 10 ** 9, a) if total or step < a.warmup else a.lr
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        win = sampler.next()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            o = loss_fn(model, win, a.mtp_weight, use_fla, a.dropout)
-        o["loss"].backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-        opt.step()
+    st = {"step": 0, "total": total, "eval_every": max(1, total // a.n_evals) if total else 0,
+          "stopped": "steps"}
+
+    def train_loop() -> None:
+        acc = torch.zeros(3, device=device)  # loss, main, mtp sums since last log
+        n_acc, t_log, t_calib = 0, time.time(), None
+        calib = (10, 30)
+        while True:
+            step, total = st["step"], st["total"]
+            if total and step >= total:
+                return
+            if time.time() - t0 > budget:
+                st["stopped"] = "time budget"
+                return
+            lr = lr_at(step, total or 10 ** 9, a) if total or step < a.warmup else a.lr
+            for gr in opt.param_groups:
+                gr["lr"] = lr
+            win = sampler.next()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                o = loss_fn(model, win, a.mtp_weight, use_fla, a.dropout)
+            o["loss"].backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            acc += torch.stack([o["loss"].detach(), o["main"].detach(), o.get("mtp", o["main"]).detach()])
+            n_acc += 1
+            step = st["step"] = step + 1
+            if not total and step == calib[0]:
+                _sync(device)
+                t_calib = time.time()
+            if not total and step == calib[1]:
+                _sync(device)
+                per_step = (time.time() - t_calib) / (calib[1] - calib[0])
+                eval_est = n_val_batches * 0.5 * per_step + 0.3  # a forward is ~1/3 of a step
+                remaining = budget - (time.time() - t0) - a.n_evals * eval_est
+                total = st["total"] = step + max(1, int(0.98 * remaining / per_step))
+                st["eval_every"] = max(1, total // a.n_evals)
+                log(f"timing: {per_step * 1000:.1f} ms/step ({B * T / per_step:,.0f} tok/s) -> {total} steps "
+                    f"in the {budget:.0f}s budget ({total * B * T / train_stream.numel():.1f} epochs)")
+            if step % a.log_every == 0 or step == total:
+                _sync(device)
+                now = time.time()
+                tok_s = n_acc * B * T / (now - t_log)
+                l, lm, lt = (acc / n_acc).tolist()
+                history.append({"step": step, "tokens": step * B * T, "loss": l, "main_loss": lm, "mtp_loss": lt,
+                                "lr": lr, "grad_norm": float(gn), "tok_s": tok_s,
+                                "epoch": round(sampler.epochs_done, 3), "elapsed": round(now - t0, 1)})
+                log(f"step {step:5d} tok {step * B * T:>11,d} loss {l:.4f} main {lm:.4f} mtp {lt:.4f} "
+                    f"lr {lr:.2e} gn {float(gn):.2f} {tok_s:,.0f} tok/s ep {sampler.epochs_done:.2f} "
+                    f"t {now - t0:.0f}s")
+                acc.zero_()
+                n_acc, t_log = 0, time.time()
+                if not math.isfinite(l):
+                    st["stopped"] = "non-finite loss"
+                    return
+            ee = st["eval_every"]
+            if ee and step % ee == 0 and step != total and streams["val"].numel() > 1:
+                run_val(step)
+                t_log = time.time()
+
+    try:
+        train_loop()
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far
+        import traceback
+
+        traceback.print_exc()
+        st["stopped"] = f"error: {e!r}"[:300]
         opt.zero_grad(set_to_none=True)
-        acc += torch.stack([o["loss"].detach(), o["main"].detach(), o.get("mtp", o["main"]).detach()])
-        n_acc += 1
-        step += 1
-        if not total and step == calib[0]:
-            _sync(device)
-            t_calib = time.time()
-        if not total and step == calib[1]:
-            _sync(device)
-            per_step = (time.time() - t_calib) / (calib[1] - calib[0])
-            eval_est = n_val_batches * 0.5 * per_step + 0.3  # a forward is ~1/3 of a step
-            remaining = budget - (time.time() - t0) - a.n_evals * eval_est
-            total = step + max(1, int(0.98 * remaining / per_step))
-            eval_every = max(1, total // a.n_evals)
-            log(f"timing: {per_step * 1000:.1f} ms/step ({B * T / per_step:,.0f} tok/s) -> {total} steps "
-                f"in the {budget:.0f}s budget ({total * B * T / train_stream.numel():.1f} epochs)")
-        if step % a.log_every == 0 or step == total:
-            _sync(device)
-            now = time.time()
-            tok_s = n_acc * B * T / (now - t_log)
-            l, lm, lt = (acc / n_acc).tolist()
-            rec = {"step": step, "tokens": step * B * T, "loss": l, "main_loss": lm, "mtp_loss": lt,
-                   "lr": lr, "grad_norm": float(gn), "tok_s": tok_s, "epoch": round(sampler.epochs_done, 3),
-                   "elapsed": round(now - t0, 1)}
-            history.append(rec)
-            log(f"step {step:5d} tok {step * B * T:>11,d} loss {l:.4f} main {lm:.4f} mtp {lt:.4f} "
-                f"lr {lr:.2e} gn {float(gn):.2f} {tok_s:,.0f} tok/s ep {sampler.epochs_done:.2f} t {now - t0:.0f}s")
-            acc.zero_()
-            n_acc, t_log = 0, time.time()
-        if eval_every and step % eval_every == 0 and step != total and streams["val"].numel() > 1:
-            run_val(step)
-            t_log = time.time()
+        if cuda:
+            torch.cuda.empty_cache()
+    step, total, stopped = st["step"], st["total"], st["stopped"]
     _sync(device)
     train_seconds = time.time() - t0
     peak_mem = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0
