@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import Linear, RMSNorm, StepCtx, apply_rope, rope_cos_sin
+from hyspec.model.ops import Linear, RMSNorm, StepCtx, apply_rope, rope_cos_sin, sigmoid
 
 
 class KVBuffer:
@@ -64,7 +64,7 @@ class GatedAttention(nn.Module):
 
         out = self._attend(q.transpose(0, 1), keys, vals, ctx)  # [Hq, T, D]
         out = out.transpose(0, 1).reshape(T, self.n_heads * D)
-        out = out * torch.sigmoid(gate.reshape(T, self.n_heads * D))
+        out = out * sigmoid(gate.reshape(T, self.n_heads * D))
         return self.o_proj(out, ctx)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ctx: StepCtx) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import Linear, StepCtx, linear
+from hyspec.model.ops import Linear, StepCtx, linear, sigmoid, silu
 
 
 class MLP(nn.Module):
@@ -20,7 +20,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden)
 
     def forward(self, x: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, ctx)) * self.up_proj(x, ctx), ctx)
+        return self.down_proj(silu(self.gate_proj(x, ctx)) * self.up_proj(x, ctx), ctx)
 
 
 class Experts(nn.Module):
@@ -34,7 +34,7 @@ class Experts(nn.Module):
 
     def one(self, e: int, x: torch.Tensor, ctx: StepCtx | None) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_proj[e], ctx).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj[e], ctx)
+        return linear(silu(gate) * up, self.down_proj[e], ctx)
 
 
 class Router(nn.Module):
@@ -77,5 +77,5 @@ class MoE(nn.Module):
             y = self.experts.one(e, x[tok], ctx) * w[tok, slot, None]
             out.index_add_(0, tok, y)
         if self.has_shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x, ctx)) * self.shared_expert(x, ctx)
+            out = out + sigmoid(self.shared_expert_gate(x, ctx)) * self.shared_expert(x, ctx)
         return out

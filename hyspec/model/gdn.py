@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx
+from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, sigmoid, silu, softplus
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -184,7 +184,7 @@ class GatedDeltaNet(nn.Module):
         y = xcat[0:T] * w[:, 0]
         for i in range(1, self.W):
             y = y + xcat[i : i + T] * w[:, i]
-        return F.silu(y)
+        return silu(y)
 
     def prepare(self, y: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """Conv output [T, C] + b, a -> recurrence inputs in the state dtype:
@@ -198,8 +198,8 @@ class GatedDeltaNet(nn.Module):
         r = self.nv // self.nk
         q = l2norm(q).repeat_interleave(r, dim=1) * self.dk ** -0.5
         k = l2norm(k).repeat_interleave(r, dim=1)
-        beta = torch.sigmoid(b.to(sd))
-        g = -self.A_log.to(sd).exp() * F.softplus(a.to(sd) + self.dt_bias.to(sd))
+        beta = sigmoid(b.to(sd))
+        g = -self.A_log.to(sd).exp() * softplus(a.to(sd) + self.dt_bias.to(sd))
         return q, k, v, g, beta
 
     # -- forward ---------------------------------------------------------------------

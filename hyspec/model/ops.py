@@ -80,6 +80,24 @@ def _fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return gemm.skinny_matmul(x, weight)
 
 
+# Elementwise activations written with exp / log1p / division only. torch's CPU kernels
+# for silu, sigmoid and softplus take a different code path for the vector body and the
+# tail of a buffer, so the same element can round differently depending on how many rows
+# share the tensor; these formulations are identical per element whatever the size
+# (checked in tests/test_exact.py), which exact mode needs.
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + e^x), linear above 20 like torch.nn.functional.softplus."""
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
+
+
 class Linear(nn.Module):
     """A bias-free projection whose forward can run in exact (row-invariant) mode."""
 
@@ -121,7 +139,7 @@ class GatedRMSNorm(nn.Module):
         xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * xhat.to(dtype)
         zf = z.float() if z.dtype != torch.float64 else z
-        return (y * F.silu(zf)).to(dtype)
+        return (y * silu(zf)).to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype: torch.dtype):

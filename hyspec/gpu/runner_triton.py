@@ -1,0 +1,288 @@
+"""The fast runner: re-packed weights, static buffers and row-invariant Triton kernels.
+
+Per target layer (t rows, positions read from a device scalar so every call can be
+CUDA-graph captured):
+
+    GDN layer:  in_proj (q|k|v|z|b|a packed, one matmul) -> gdn_conv -> gdn_step
+                (l2norm, g, beta, scan, gated norm) -> out_proj
+    attention:  qkv (one matmul) -> attn_prep (norms, RoPE, KV write) -> attn_decode
+                (split keys, fixed-order combine, sigmoid gate) -> o_proj
+    FFN:        gate|up (one matmul) -> down (SiLU*mul fused into its input load)
+    residual adds are fused into the next RMSNorm; the embedding gather into the first.
+
+exact=True: every matmul is ``skinny_matmul`` (fixed split-K per weight shape), so row r
+of a t-row verify is bitwise what a 1-row decode step computes.  exact=False: matmuls go
+through cuBLAS (``torch.matmul``), the fastest non-exact variant we measure against.
+The original module weights stay the source: packed copies are made once at init.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from hyspec.config import FULL
+from hyspec.kernels import fused
+from hyspec.kernels.gemm import _config_cached, skinny_matmul
+from hyspec.model.ffn import MoE
+
+
+def _pack_gdn_in(mod) -> torch.Tensor:
+    """The GDN input projections as one [2kd + 2vd + 2nv, H] weight with output columns
+    [q (all key heads) | k | v | z | b | a] (Qwen3-Next's per-key-head groups unpacked)."""
+    nk, nv, dk, dv = mod.nk, mod.nv, mod.dk, mod.dv
+    if mod.family == "qwen3_next":
+        r = nv // nk
+        W = mod.in_proj_qkvz.weight  # [nk * (2dk + 2 r dv), H]
+        H = W.shape[1]
+        Wg = W.view(nk, 2 * dk + 2 * r * dv, H)
+        q, k, v, z = torch.split(Wg, [dk, dk, r * dv, r * dv], dim=1)
+        BA = mod.in_proj_ba.weight.view(nk, 2 * r, H)
+        b, a = BA[:, :r], BA[:, r:]
+        parts = [q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H), z.reshape(-1, H),
+                 b.reshape(-1, H), a.reshape(-1, H)]
+    else:
+        parts = [mod.in_proj_qkv.weight, mod.in_proj_z.weight, mod.in_proj_b.weight, mod.in_proj_a.weight]
+    return torch.cat(parts, 0).contiguous()
+
+
+class TritonRunner:
+    graphable = True
+
+    def __init__(self, dec, exact: bool = True) -> None:
+        self.dec = dec
+        self.exact = exact
+        m = dec.model
+        cfg = m.cfg
+        self.cfg = cfg
+        self.model = m
+        dev, dt = m.device, m.dtype
+        self.eps = cfg.rms_norm_eps
+        self.layers = [self._pack_layer(i, layer) for i, layer in enumerate(m.model.layers)]
+        self.final_norm = m.model.norm.weight
+        self.embed = m.model.embed_tokens.weight
+        self.head = m.head_weight
+        self.inv_freq = fused.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)
+        self.mtp_l = None
+        if m.mtp is not None:
+            mt = m.mtp
+            self.mtp_l = self._pack_layer(None, mt.layers[0])
+            self.mtp_fc = mt.fc.weight
+            self.mtp_ne, self.mtp_nh, self.mtp_norm = (mt.pre_fc_norm_embedding.weight,
+                                                      mt.pre_fc_norm_hidden.weight, mt.norm.weight)
+        # static buffers (rows_cap rows); calls with more rows (eager only) allocate
+        R = dec.rows_cap
+        H = cfg.hidden_size
+        self.R = R
+        widths = [lay.w_in.shape[0] for lay in self.layers] + ([self.mtp_l.w_in.shape[0]] if self.mtp_l else [])
+        inter = [lay.w_gu.shape[0] for lay in self.layers + ([self.mtp_l] if self.mtp_l else []) if lay.w_gu is not None]
+        self.b = SimpleNamespace(
+            resid=torch.zeros(R, H, device=dev, dtype=dt), xn=torch.zeros(R, H, device=dev, dtype=dt),
+            post=torch.zeros(R, H, device=dev, dtype=dt), h=torch.zeros(R, H, device=dev, dtype=dt),
+            proj=torch.zeros(R, max(widths), device=dev, dtype=dt),
+            gu=torch.zeros(R, max(inter) if inter else 1, device=dev, dtype=dt),
+            y=torch.zeros(R, cfg.conv_dim, device=dev, dtype=dt),
+            o=torch.zeros(R, max(cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim), device=dev, dtype=dt),
+            q=torch.zeros(R, cfg.num_attention_heads, cfg.head_dim, device=dev, dtype=dt),
+            cat2=torch.zeros(R, 2 * H, device=dev, dtype=dt),
+            mres=torch.zeros(R, H, device=dev, dtype=dt), mxn=torch.zeros(R, H, device=dev, dtype=dt),
+            mout=torch.zeros(R, H, device=dev, dtype=dt),
+            logits=torch.zeros(R, cfg.vocab_size, device=dev, dtype=dt),
+        )
+        self._ws = {}
+
+    # -- packing ----------------------------------------------------------------------
+    def _pack_layer(self, i, layer):
+        L = SimpleNamespace(ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight)
+        if layer.layer_type == FULL:
+            a = layer.self_attn
+            L.kind = "attn"
+            L.index = i
+            L.w_in = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()
+            L.w_out = a.o_proj.weight
+            L.qn, L.kn = a.q_norm.weight, a.k_norm.weight
+        else:
+            g = layer.linear_attn
+            L.kind = "gdn"
+            L.g = self.dec.gdn_index[i]
+            L.w_in = _pack_gdn_in(g)
+            L.w_out = g.out_proj.weight
+            L.conv_w = g.conv1d.weight[:, 0, :].contiguous()
+            L.A_log, L.dt_bias, L.norm_w = g.A_log, g.dt_bias, g.norm.weight
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            L.moe = mlp
+            L.w_gu = None
+            if mlp.has_shared:
+                se = mlp.shared_expert
+                L.sh_gu = torch.cat([se.gate_proj.weight, se.up_proj.weight], 0).contiguous()
+                L.sh_down = se.down_proj.weight
+                L.sh_gate = mlp.shared_expert_gate.weight
+        else:
+            L.moe = None
+            L.w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).contiguous()
+            L.w_down = mlp.down_proj.weight
+        return L
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one target decode step reads (embedding table excluded: one
+        row is gathered; routed experts counted as if all were read)."""
+        n = self.head.numel() * self.head.element_size()
+        for L in self.layers:
+            for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
+                if w is not None:
+                    n += w.numel() * w.element_size()
+            if L.moe is not None:
+                for p in L.moe.parameters():
+                    n += p.numel() * p.element_size()
+        return n
+
+    def draft_bytes_per_step(self) -> int:
+        if self.mtp_l is None:
+            return 0
+        n = self.head.numel() * self.head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
+        L = self.mtp_l
+        for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
+            if w is not None:
+                n += w.numel() * w.element_size()
+        return n
+
+    # -- primitives -------------------------------------------------------------------
+    def _buf(self, name, rows, cols=None):
+        b = getattr(self.b, name)
+        if rows <= b.shape[0]:
+            return b[:rows] if cols is None else b[:rows, :cols]
+        shape = (rows,) + tuple(b.shape[1:]) if cols is None else (rows, cols)
+        return torch.empty(shape, device=b.device, dtype=b.dtype)
+
+    def mm(self, x, w, out, act=False):
+        """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N]."""
+        if self.exact:
+            N, K = w.shape
+            ws = self._ws.get((N, K))
+            if ws is None:  # one fixed-shape split-K workspace per weight shape
+                c = _config_cached(N, K, None, None, None, None, None)
+                ws = torch.empty((c.split_k, 16, N), device=w.device, dtype=torch.float32) if c.split_k > 1 else False
+                self._ws[(N, K)] = ws
+            use = ws if ws is not False and x.shape[0] <= 16 else None
+            return skinny_matmul(x, w, out=out, act=act, ws=use)
+        if act:
+            K = w.shape[1]
+            x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
+        return torch.matmul(x, w.t(), out=out)
+
+    # -- target ---------------------------------------------------------------------
+    def target(self, ids, t, pos, record):
+        dec = self.dec
+        resid, xn = self._buf("resid", t), self._buf("xn", t)
+        layers = self.layers
+        fused.rmsnorm(self.embed, layers[0].ln1, self.eps, out=xn, ids=ids, resid_out=resid, rows=t)
+        post = self._buf("post", t)
+        for li, L in enumerate(layers):
+            if L.kind == "gdn":
+                h = self._gdn(L, xn, t, record)
+            else:
+                h = self._attn(L, xn, t, pos, 0, dec.kv_k[dec.attn_index[L.index]], dec.kv_v[dec.attn_index[L.index]])
+            fused.rmsnorm(resid, L.ln2, self.eps, out=xn, delta=h, resid_out=resid, rows=t)
+            h = self._ffn(L, xn, t)
+            last = li + 1 == len(layers)
+            fused.rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
+                          out=post if last else xn, delta=h, resid_out=resid, rows=t)
+        return resid, post
+
+    def _gdn(self, L, xn, t, record):
+        dec, cfg = self.dec, self.cfg
+        proj = self.mm(xn, L.w_in, self._buf("proj", t, L.w_in.shape[0]))
+        y = self._buf("y", t)
+        g = L.g
+        fused.gdn_conv(proj, dec.conv[g], L.conv_w, y, rows=t, update=not record,
+                       xin=dec.conv_in[g] if record else None)
+        o = self._buf("o", t, cfg.linear_value_dim)
+        fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, dec.ssm[g], o,
+                       nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
+                       dv=cfg.linear_value_head_dim, eps=self.eps, rows=t,
+                       states=dec.ssm_rows[g] if record else None)
+        return self.mm(o, L.w_out, self._buf("h", t))
+
+    def _attn(self, L, xn, t, pos, off, kc, vc):
+        cfg = self.cfg
+        proj = self.mm(xn, L.w_in, self._buf("proj", t, L.w_in.shape[0]))
+        q = self._buf("q", t)
+        fused.attn_prep(proj, L.qn, L.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
+                        n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t)
+        o = self._buf("o", t, cfg.num_attention_heads * cfg.head_dim)
+        ws = self._ws.get("attn")
+        need = self.R * cfg.num_attention_heads * fused.ATTN_SPLITS * (fused._p2(cfg.head_dim) + 2)
+        if ws is None:
+            ws = self._ws["attn"] = torch.empty(need, device=xn.device, dtype=torch.float32)
+        fused.attn_decode(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.R else None)
+        return self.mm(o, L.w_out, self._buf("h", t))
+
+    def _ffn(self, L, xn, t):
+        if L.moe is None:
+            gu = self.mm(xn, L.w_gu, self._buf("gu", t, L.w_gu.shape[0]))
+            return self.mm(gu, L.w_down, self._buf("h", t), act=True)
+        return self._moe(L, xn, t)
+
+    def _moe(self, L, xn, t):
+        """Routed experts, one row-invariant gemv per (token, slot), combined in slot order."""
+        moe = L.moe
+        x = xn[:t]
+        logits = self.mm(x, moe.gate.weight, None)
+        probs = torch.softmax(logits.float(), dim=-1)
+        w, idx = torch.topk(probs, moe.gate.top_k, dim=-1)
+        if moe.gate.renorm:
+            w = w / w.sum(-1, keepdim=True)
+        w = w.to(x.dtype)
+        k = moe.gate.top_k
+        ids = idx.reshape(-1)
+        ex = moe.experts
+        I2 = ex.gate_up_proj.shape[1]
+        gu = fused.expert_gemv(x, ex.gate_up_proj, ids, k, torch.empty(t * k, I2, device=x.device, dtype=x.dtype))
+        y = fused.expert_gemv(gu, ex.down_proj, ids, 1, torch.empty(t * k, x.shape[1], device=x.device,
+                                                                    dtype=x.dtype), act=True)
+        y = y.view(t, k, -1)
+        out = y[:, 0] * w[:, 0:1]
+        for s in range(1, k):  # elementwise, fixed slot order: row-invariant
+            out = out + y[:, s] * w[:, s : s + 1]
+        if moe.has_shared:
+            sgu = self.mm(x, L.sh_gu, None)
+            sh = self.mm(sgu, L.sh_down, None, act=True)
+            out = out + torch.sigmoid(self.mm(x, L.sh_gate, None)) * sh
+        h = self._buf("h", t)
+        h.copy_(out)
+        return h
+
+    def logits(self, h):
+        t = h.shape[0]
+        return self.mm(h, self.head, self._buf("logits", t))
+
+    # -- drafter --------------------------------------------------------------------
+    def mtp(self, tokens, h_prev, start, off):
+        """MTP rows for tokens [t] paired with h_prev [t, H] at draft-KV rows start+off.."""
+        dec = self.dec
+        t = tokens.shape[0]
+        H = self.cfg.hidden_size
+        cat2 = self._buf("cat2", t)
+        fused.rmsnorm(self.embed, self.mtp_ne, self.eps, out=cat2[:, :H], ids=tokens, rows=t)
+        fused.rmsnorm(h_prev, self.mtp_nh, self.eps, out=cat2[:, H:], rows=t)
+        res, xn = self._buf("mres", t), self._buf("mxn", t)
+        self.mm(cat2, self.mtp_fc, res)
+        L = self.mtp_l
+        fused.rmsnorm(res, L.ln1, self.eps, out=xn, rows=t)
+        h = self._attn(L, xn, t, start, off, dec.dkv_k, dec.dkv_v)
+        fused.rmsnorm(res, L.ln2, self.eps, out=xn, delta=h, resid_out=res, rows=t)
+        h = self._ffn(L, xn, t)
+        out = self._buf("mout", t)
+        fused.rmsnorm(res, self.mtp_norm, self.eps, out=out, delta=h, resid_out=res, rows=t)
+        return out
+
+    def draft_logits(self, h):
+        d2t = self.dec.d2t
+        if d2t is None:
+            return self.logits(h)
+        ids, w = d2t
+        sub = self.mm(h, w, None)
+        full = sub.new_full((h.shape[0], self.cfg.vocab_size), float("-inf"))
+        full[:, ids] = sub
+        return full
