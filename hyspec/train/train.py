@@ -6,8 +6,12 @@ forward built from the modules' own parameters and row-wise sub-functions:
 * row-wise parts (projections, norms, MLP, the GDN gated norm) run on flattened [B*T, H];
 * the depthwise causal conv is ``F.conv1d(groups=C)`` over a left pad of W-1, then SiLU;
 * the Gated-DeltaNet recurrence is flash-linear-attention's ``chunk_gated_delta_rule`` on
-  CUDA when ``fla`` is importable (it has a backward), else our torch ``chunked_scan`` per
-  sequence;
+  CUDA when ``fla`` is importable and usable for training, else ``chunked_scan_batched`` (our
+  torch ``chunked_scan`` math batched over sequences, autograd). fla 0.6.0 refuses its gated
+  backward on Hopper (H100/H200) with 3.4 <= Triton < 3.7.1 unless TileLang is installed
+  (fla issue #640); that case is detected up front and the torch path is used. Before
+  training, a first-batch comparison of fla vs torch (loss, logits, gradients) guards the
+  kernel path and falls back to torch if they disagree or fla raises;
 * full attention is ``F.scaled_dot_product_attention(is_causal=True)`` with our q/k norms,
   partial RoPE and sigmoid output gate.
 
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 
 from hyspec.config import FULL, LINEAR, ModelConfig
 from hyspec.model.attention import GatedAttention
-from hyspec.model.gdn import GatedDeltaNet, chunked_scan, l2norm
+from hyspec.model.gdn import GatedDeltaNet, l2norm
 from hyspec.model.hybrid import DecoderLayer, HybridLM
 from hyspec.model.ops import GatedRMSNorm, RMSNorm, apply_rope, rope_cos_sin
 
@@ -160,19 +164,73 @@ def init_params(model: HybridLM, seed: int, std: float = 0.02) -> None:
 # Batched training forward (same math as HybridLM.forward / mtp_hidden, per sequence)
 # ---------------------------------------------------------------------------------------
 _FLA = None
+FLA_UNUSABLE_REASON: str | None = None
 
 
 def fla_kernel():
-    """flash-linear-attention's chunk_gated_delta_rule, or None (lazy import)."""
-    global _FLA
+    """flash-linear-attention's chunk_gated_delta_rule, or None (lazy import). None also
+    where fla itself refuses the training backward: on Hopper with 3.4 <= Triton < 3.7.1 and
+    no TileLang, fla 0.6 raises in the gated chunk_bwd_dqkwg (fla issue #640)."""
+    global _FLA, FLA_UNUSABLE_REASON
     if _FLA is None:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
             _FLA = chunk_gated_delta_rule
-        except Exception:  # not installed / no triton
-            _FLA = False
+        except Exception as e:  # not installed / no triton
+            _FLA, FLA_UNUSABLE_REASON = False, f"fla not importable ({e.__class__.__name__})"
+        if _FLA:
+            try:
+                import importlib.util
+
+                import fla.utils as fu
+
+                bad = (getattr(fu, "IS_NVIDIA_HOPPER", False) and getattr(fu, "TRITON_ABOVE_3_4_0", False)
+                       and not getattr(fu, "TRITON_ABOVE_3_7_1", True)
+                       and importlib.util.find_spec("tilelang") is None)
+            except Exception:
+                bad = False
+            if bad:
+                _FLA = False
+                FLA_UNUSABLE_REASON = ("fla refuses the gated backward on Hopper with Triton < 3.7.1 and no "
+                                       "tilelang (fla #640)")
     return _FLA or None
+
+
+def chunked_scan_batched(q, k, v, g, beta, chunk: int = 64) -> torch.Tensor:
+    """``chunked_scan`` from a zero state, batched over sequences (and autograd-friendly):
+    q, k [B, T, Hv, Dk] (l2-normed, expanded to value heads, q scaled), v [B, T, Hv, Dv],
+    g, beta [B, T, Hv] -> o [B, T, Hv, Dv]. Runs in the inputs' dtype with autocast off."""
+    with torch.autocast(q.device.type, enabled=False):
+        B, T, Hv, Dk = k.shape
+        Dv = v.shape[-1]
+        pad = (-T) % chunk
+        if pad:
+            q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+            g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+        n = (T + pad) // chunk
+        q, k, v = (x.reshape(B, n, chunk, Hv, -1).transpose(2, 3) for x in (q, k, v))  # [B, n, Hv, C, D]
+        g, beta = (x.reshape(B, n, chunk, Hv).transpose(2, 3) for x in (g, beta))  # [B, n, Hv, C]
+        G = g.cumsum(-1)
+        strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(0)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+        decay = G[..., :, None] - G[..., None, :]
+        A = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay.masked_fill(strict, float("-inf")).exp()
+        L = torch.eye(chunk, dtype=q.dtype, device=q.device) + A
+        u0 = torch.linalg.solve_triangular(L, v * beta[..., None], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(L, k * (beta * G.exp())[..., None], upper=False, unitriangular=True)
+        qk = (q @ k.transpose(-1, -2)) * decay.masked_fill(causal, float("-inf")).exp()
+        q_dec = q * G.exp()[..., None]
+        k_tail_t = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [B, n, Hv, Dk, C]
+        chunk_decay = G[..., -1].exp()[..., None, None]  # [B, n, Hv, 1, 1]
+        S = q.new_zeros(B, Hv, Dk, Dv)
+        outs = []
+        for c in range(n):
+            u = u0[:, c] - w[:, c] @ S
+            outs.append(q_dec[:, c] @ S + qk[:, c] @ u)
+            S = S * chunk_decay[:, c] + k_tail_t[:, c] @ u
+        o = torch.stack(outs, 1)  # [B, n, Hv, C, Dv]
+        return o.transpose(2, 3).reshape(B, n * chunk, Hv, Dv)[:, :T]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +261,7 @@ def gdn_batched(mod: GatedDeltaNet, x: torch.Tensor, use_fla: bool) -> torch.Ten
     else:
         q, k, v, g, beta = mod.prepare(y, b, a)  # [BT, Hv, Dk] (expanded, q scaled), state dtype
         q, k, v = (t.view(B, T, nv, -1) for t in (q, k, v))
-        g, beta = g.view(B, T, nv), beta.view(B, T, nv)
-        s0 = q.new_zeros(nv, dk, dv)
-        o = torch.stack([chunked_scan(q[i], k[i], v[i], g[i], beta[i], s0)[0] for i in range(B)])
+        o = chunked_scan_batched(q, k, v, g.view(B, T, nv), beta.view(B, T, nv))
         o = o.reshape(B * T, nv, dv)
     o = mod.norm(o.to(x.dtype), z)  # [BT, Hv, Dv]
     return mod.out_proj(o.reshape(B * T, nv * dv)).view(B, T, -1)
@@ -255,7 +311,7 @@ def resolve_fla(x: torch.Tensor, use_fla: bool | None) -> bool:
     if use_fla is None:
         use_fla = x.is_cuda and fla_kernel() is not None
     if use_fla and fla_kernel() is None:
-        raise RuntimeError("use_fla=True but flash-linear-attention (fla) is not importable")
+        raise RuntimeError(f"use_fla=True but fla's kernel is unusable here: {FLA_UNUSABLE_REASON}")
     return use_fla
 
 
@@ -547,7 +603,8 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
     log(f"model: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} ({''.join('A' if t == FULL else 'L' for t in cfg.layer_types)}) "
         f"+ MTP, {n_params:,} params, {ckpt_bytes / 1e6:.2f} MB tensors; device {device}"
         f"{' (' + torch.cuda.get_device_name(device) + ')' if cuda else ''}; GDN recurrence: "
-        f"{'fla chunk_gated_delta_rule' if use_fla else 'torch chunked_scan'}")
+        f"{'fla chunk_gated_delta_rule' if use_fla else 'torch chunked_scan (batched)'}"
+        f"{'' if use_fla or not FLA_UNUSABLE_REASON else ' -- ' + FLA_UNUSABLE_REASON}")
 
     opt_kw = {"fused": True} if cuda else {}
     opt = torch.optim.AdamW(_param_groups(model, a.weight_decay), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, **opt_kw)
@@ -711,7 +768,8 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
         "safetensors_bytes": size,
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
         "torch": torch.__version__,
-        "gdn_kernel": "fla.chunk_gated_delta_rule" if use_fla else "torch chunked_scan",
+        "gdn_kernel": "fla.chunk_gated_delta_rule" if use_fla else "torch chunked_scan_batched",
+        "fla_unusable": None if use_fla else FLA_UNUSABLE_REASON,
         "kernel_check": kernel_check,
         "train_budget_s": round(budget, 1),
         "steps": step,
