@@ -121,11 +121,12 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
 def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions, stop_ids=(),
                               reference: list[int] | None = None, exact: bool = True,
                               decoder: FastDecoder | None = None, telemetry: SpecTelemetry | None = None,
-                              profile: bool = False) -> GenerationResult:
+                              profile: bool = False, trace: list | None = None) -> GenerationResult:
     """Greedy speculative decoding on the fast path (MTP drafter, or the forced-acceptance
     drafter when opts.forced_rates is set). Output equals generate_plain_fast's bitwise
     in exact mode. opts.rollback is ignored (per-row checkpoints always); p_min > 0 and
-    prime_pending=False are not supported here (use the reference loop)."""
+    prime_pending=False are not supported here (use the reference loop). trace (a list)
+    receives (k, accepted, drafts) per round; profile adds per-phase GPU times."""
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -225,6 +226,8 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
         n, bonus = r[0], r[1]
         drafts = r[2 : 2 + k]
         tel.record_round(k, n)
+        if trace is not None:
+            trace.append((k, n, list(drafts)))
         if k > 0:
             mtp_forwards += k
         for tok in drafts[:n] + [bonus]:

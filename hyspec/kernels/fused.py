@@ -278,7 +278,7 @@ def _kernels():
         m_i = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
         l_i = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
+        n_blocks = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
         base = hk.to(tl.int64) * L * D
         for b in range(s, n_blocks, NS):
             offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -363,11 +363,12 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "st_t"])
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
                          T, R, KD, C, VD, NV, DK, DV, scale, eps,
-                         BK: tl.constexpr, BV: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr):
         h = tl.program_id(0)
+        pv = tl.program_id(1)
         hk = h // R
         ok = tl.arange(0, BK)
-        ov = tl.arange(0, BV)
+        ov = pv * BV + tl.arange(0, BV)
         mk = ok < DK
         mv = ov < DV
         m2 = mk[:, None] & mv[None, :]
@@ -398,12 +399,31 @@ def _kernels():
             S = S + k[:, None] * delta[None, :]
             o = tl.sum(q[:, None] * S, axis=0)
             tl.store(st_ptr + t * st_t + soff, S, mask=m2)
-            ob = o.to(DT).to(tl.float32)
-            var = tl.sum(ob * ob, axis=0) / DV
-            xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
-            yv = (nw * xh).to(DT).to(tl.float32)
-            out = yv * (z / (1.0 + tl.exp(-z)))
-            tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
+            if NORM:  # this program holds the whole head: gated RMSNorm here
+                ob = o.to(DT).to(tl.float32)
+                var = tl.sum(ob * ob, axis=0) / DV
+                xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+                yv = (nw * xh).to(DT).to(tl.float32)
+                out = yv * (z / (1.0 + tl.exp(-z)))
+                tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
+            else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
+                tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        ov = tl.arange(0, BV)
+        mv = ov < DV
+        DT = o_ptr.dtype.element_ty
+        ob = tl.load(o_ptr + r * so + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+        z = tl.load(p_ptr + r * sp + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+        var = tl.sum(ob * ob, axis=0) / DV
+        xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+        yv = (nw * xh).to(DT).to(tl.float32)
+        out = yv * (z / (1.0 + tl.exp(-z)))
+        tl.store(o_ptr + r * so + h * DV + ov, out.to(DT), mask=mv)
 
     @triton.jit(do_not_specialize=["Q"])
     def _expert_gemv_kernel(x_ptr, sx, w_ptr, ids_ptr, y_ptr, sy, Q, N, K, xdiv, swe, swn,
@@ -433,7 +453,7 @@ def _kernels():
 
     return dict(rmsnorm=_rmsnorm_kernel, attn_prep=_attn_prep_kernel, attn_partial=_attn_partial_kernel,
                 attn_combine=_attn_combine_kernel, gdn_conv=_gdn_conv_kernel, gdn_step=_gdn_step_kernel,
-                expert_gemv=_expert_gemv_kernel)
+                gated_norm=_gated_norm_kernel, expert_gemv=_expert_gemv_kernel)
 
 
 def _check_rows(name, t, *lastdim_contig):
@@ -504,19 +524,28 @@ def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None):
     return y
 
 
-def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None):
+def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
+             block_v=None):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
     every row goes there and ``state`` is left alone; without, ``state`` is updated in
-    place (a decode step). Same compiled kernel either way."""
+    place (a decode step). Same compiled kernel either way. block_v < Dv splits each head's
+    Dv over several programs (more parallelism) and applies the gated norm in a second
+    kernel; the choice must not depend on the row count (it does not here)."""
     if states is None:
         st, st_t = state, 0
     else:
         st, st_t = states, states.stride(0)
-    BK, BV = _p2(dk), _p2(dv)
-    k = _kernels()["gdn_step"]
-    k[(nv,)](y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
-             rows, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
-             BK=BK, BV=BV, num_warps=8 if BK * BV >= 8192 else 4)
+    BK, BVf = _p2(dk), _p2(dv)
+    BV = BVf if block_v is None or block_v >= BVf else _p2(block_v)
+    norm = BV == BVf
+    ks = _kernels()
+    ks["gdn_step"][(nv, -(-dv // BV))](
+        y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
+        rows, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
+        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4)
+    if not norm:
+        ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
+                                     2 * nk * dk + nv * dv, dv, float(eps), BV=BVf, num_warps=4)
     return out
 
 

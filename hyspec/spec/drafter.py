@@ -72,6 +72,11 @@ class MTPDrafter:
             tok, q, p = choose(logits, j, first_pos + j)
             if p_min > 0.0 and p < p_min:
                 break
+            if p_min > 0.0 and q is not None:
+                # a kept draft is distributed as q restricted to {q >= p_min}: acceptance
+                # must test against that distribution, or sampling stops being lossless
+                q = q * (q >= p_min)
+                q = q / q.sum()
             drafts.append(tok)
             probs.append(p)
             if q is not None:
@@ -109,11 +114,14 @@ class ForcedDrafter(MTPDrafter):
 
     def propose(self, tokens, hidden, start, k, first_pos, choose, p_min=0.0):
         def forced(logits, j, pos):
-            choose(logits, j, pos)  # keep the cost of the real choice
+            _, q, _ = choose(logits, j, pos)  # keep the cost of the real choice
             tok = self.forced_token(j, pos)
             if hasattr(choose, "drafts"):  # the chooser tracks drafts for penalty history
                 choose.drafts[j:] = [tok]
-            return tok, None, 1.0
+            if q is not None:  # sampled: the proposal is deterministic, i.e. q is one-hot at tok
+                q = torch.zeros_like(q)
+                q[tok] = 1.0
+            return tok, q, 1.0
         return super().propose(tokens, hidden, start, k, first_pos, forced, 0.0)
 
 

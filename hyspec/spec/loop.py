@@ -46,7 +46,7 @@ class SpecOptions:
     prime_pending: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or not 1 <= self.k <= MAX_DRAFT:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_DRAFT:
             raise ValueError(f"draft length k must be an integer in 1..{MAX_DRAFT}, got {self.k!r} "
                              f"(use --draft 0 for plain decoding)")
         make_rollback(self.rollback)
@@ -139,9 +139,11 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
     out: list[int] = []
     pending: int | None = None
     reason = "length"
+    direct = 0  # tokens taken from an already-known target row, without a verify
     if opts.prime_pending or P < 2:
         pending = choose_token(last_logits[0], list(prompt), params, P)
         out.append(pending)
+        direct += 1
         # draft rows 0..P-1: (prompt[1:] + pending) paired with hiddens 0..P-1
         fill_tokens, fill_h, fill_start = list(prompt[1:]) + [pending], seed_h, 0
     else:
@@ -156,7 +158,7 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
     # ---- rounds ----------------------------------------------------------------------
     while reason != "eos" and len(out) < max_new_tokens:
         remaining = max_new_tokens - len(out)
-        k = min(k_next, remaining - 1 if pending is not None else remaining)
+        k = min(k_next, remaining - 1)  # every round also emits one token of the target's own
         history = list(prompt) + out
         base = cache.pos  # absolute position of the first verify token
         first_draft_pos = base + (1 if pending is not None else 0)
@@ -167,6 +169,7 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
             tok = choose_token(last_logits[0], history, params, base)
             pending = tok
             out.append(tok)
+            direct += 1
             fill_tokens, fill_h, fill_start = [tok], h_last, base - 1
             if tok in stops:
                 reason = "eos"
@@ -216,6 +219,7 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         "prompt_tokens": P, "generated_tokens": len(out), "prefill_s": t1 - t0, "decode_s": t2 - t1,
         "decode_tok_s": (len(out) - 1) / (t2 - t1) if len(out) > 1 and t2 > t1 else None,
         "target_forwards": tel.rounds, "mtp_forwards": drafter.forwards, "k": opts.k,
+        "direct_tokens": direct,  # generated = direct + accepted + rounds (unless EOS/limit cut a round)
         "rollback": opts.rollback, "rollback_extra_bytes_per_round": extra_bytes,
         "spec": tel.to_dict(),
     }

@@ -1,0 +1,215 @@
+"""Replay a text through the target and its MTP head to measure draft acceptance offline.
+
+``replay_acceptance`` answers "how well would the MTP head draft on *this* text?" without
+running the speculative loop: the target runs once over the whole text with teacher
+forcing (in chunks, so long files fit in memory), and at every ``stride``-th position the
+MTP head drafts K tokens greedily, exactly as a round of the loop would from that point.
+
+Indexing (the same as the draft KV of ``hyspec.spec.drafter``)::
+
+    text      t_0  t_1  t_2  t_3  ...
+    target    h_0  h_1  h_2  ...          h_i = hidden of row i (it predicts t_{i+1})
+    draft KV  row i = (t_{i+1}, h_i)      its MTP output predicts t_{i+2}
+
+A replay "position" i is the round that drafts from row i: d_1 comes from row i's MTP
+output, d_2 from chaining (d_1, MTP hidden) at row i+1, and so on up to d_K at row
+i+K-1. Draft d_j is compared with the real token t_{i+1+j}; depth j counts as accepted
+iff d_1..d_j all equal t_{i+2}..t_{i+j+1} (teacher-forced greedy acceptance). Positions
+with i+K+1 >= len(text) are skipped (not all K drafts could be judged).
+
+The chained drafts of position i overwrite draft KV rows i+1..i+K-1, which later
+positions need with their true values. Those rows are saved before the chain and put
+back after it, so every position sees the true rows 0..i (what the loop's refill gives)
+and its own chain above them (attention at row r only reads rows <= r).
+
+Drafting at i needs the target's greedy predictions up to row i+K (for the optional
+"vs target" metric), so a position is judged once the target has run that far: positions
+wait in a small queue (at most one chunk plus K) with their MTP hidden row.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from hyspec.decode import check_prompt
+from hyspec.model.hybrid import HybridLM
+from hyspec.model.ops import StepCtx
+from hyspec.spec.drafter import MTPDrafter
+from hyspec.spec.loop import MAX_DRAFT
+from hyspec.spec.telemetry import SpecTelemetry
+
+Progress = Callable[[int, int], None]
+
+
+def _prefix_len(drafts: list[int], ref: list[int]) -> int:
+    n = 0
+    for d, r in zip(drafts, ref):
+        if d != r:
+            break
+        n += 1
+    return n
+
+
+def _rates(accepted_at: list[int], n: int, k: int) -> dict:
+    """Per-depth summary from counts of positions accepting at least d+1 drafts."""
+    through = [a / n if n else 0.0 for a in accepted_at]  # P(d_1..d_{d+1} all accepted)
+    cond = []
+    for d in range(k):
+        den = n if d == 0 else accepted_at[d - 1]
+        cond.append(accepted_at[d] / den if den else 0.0)
+    # a round drafting K' tokens accepts min(a, K'), whose mean is sum_{d<K'} P(a > d)
+    acc_len = [1.0 + sum(through[:kk]) for kk in range(1, k + 1)]
+    return {"accepted_at": list(accepted_at), "accept_rate_at": through, "conditional_rate_at": cond,
+            "acceptance_length": acc_len}
+
+
+@torch.no_grad()
+def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: int = 1, chunk: int = 512,
+                      hidden: str = "post", progress: Progress | None = None,
+                      return_drafts: bool = False) -> dict:
+    """Teacher-forced draft acceptance of the MTP head over `ids` (see the module doc).
+
+    k: drafts per position (1..16); stride: draft at every stride-th position; chunk:
+    target/MTP rows per forward; hidden: "post" (final-norm, the Qwen convention) or "pre"
+    target hiddens seed the MTP head; progress(done, total): called after each chunk with
+    the number of text tokens processed; return_drafts: also return every position's K
+    drafts (otherwise a chain stops as soon as its outcome is decided).
+
+    Returns a JSON-able dict:
+      tokens, positions (judged positions), k, stride, chunk, hidden;
+      nll (mean target negative log-likelihood per next token, nats), nll_sum,
+      nll_tokens (= tokens - 1), perplexity, target_top1 (share of rows whose argmax is the
+      real next token);
+      drafted_at, accepted_at, accept_rate_at (P(accept through depth d)),
+      conditional_rate_at (P(accept d | accepted d-1)), acceptance_length (list; entry
+      K'-1 is 1 + sum_{d<K'} accept_rate_at[d], the implied tokens per round with K'
+      drafts), tau (mean accepted drafts at K = k);
+      telemetry: SpecTelemetry.to_dict() with one round of k drafts per position;
+      vs_target: the same rates when drafts are judged against the target's own greedy
+      prediction of each token (teacher-forced) instead of the text;
+      per_position: {"position": [...], "accepted": [...], "accepted_vs_target": [...]};
+      drafts (only with return_drafts): [[d_1..d_k] per position];
+      mtp_forwards, seconds.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT:
+        raise ValueError(f"k (drafts per position) must be an integer in 1..{MAX_DRAFT}, got {k!r}")
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    if hidden not in ("post", "pre"):
+        raise ValueError(f"hidden must be 'post' or 'pre', got {hidden!r}")
+    if not model.has_mtp:
+        raise ValueError("this checkpoint has no MTP head (no mtp.* weights): there is nothing to replay")
+    ids = [int(t) for t in ids]
+    if len(ids) < 2:
+        raise ValueError(f"the text must have at least 2 tokens to replay, got {len(ids)}")
+    check_prompt(ids, model.cfg.vocab_size)
+
+    t0 = time.perf_counter()
+    N = len(ids)
+    dev = model.device
+    tok = torch.tensor(ids, device=dev, dtype=torch.long)
+    cache = model.new_cache(N)
+    # chained rows reach i+k-1 <= N-3; the fill reaches row N-2
+    drafter = MTPDrafter(model, N, hidden=hidden)
+    kv = drafter.kv
+
+    nll_sum = 0.0
+    top1 = 0
+    greedy = [-1] * (N + 1)  # greedy[p] = target argmax of row p-1 (its prediction of t_p)
+    tel = SpecTelemetry()
+    tel_t = SpecTelemetry()
+    pos_list: list[int] = []
+    acc_list: list[int] = []
+    acc_t_list: list[int] = []
+    drafts_out: list[list[int]] = []
+    queue: deque[tuple[int, torch.Tensor, int]] = deque()  # (position i, MTP hidden of row i [1, H], d_1)
+
+    def judge(i: int, m_row: torch.Tensor, d: int) -> None:
+        text = ids[i + 2 : i + 2 + k]
+        tgt = greedy[i + 2 : i + 2 + k]
+        drafts = [d]
+        if k > 1:
+            lo, hi = i + 1, i + k  # draft KV rows the chain overwrites
+            saved_k, saved_v = kv.k[:, lo:hi].clone(), kv.v[:, lo:hi].clone()
+            h = m_row
+            for j in range(1, k):
+                if not return_drafts and _prefix_len(drafts, text) < j and _prefix_len(drafts, tgt) < j:
+                    break  # both prefixes already broken: deeper drafts cannot count
+                h = model.mtp_hidden(torch.tensor([d], device=dev), h, StepCtx(start=i + j), kv)
+                drafter.forwards += 1
+                d = int(torch.argmax(drafter.draft_logits(h)[0]))
+                drafts.append(d)
+            kv.k[:, lo:hi] = saved_k
+            kv.v[:, lo:hi] = saved_v
+        a, a_t = _prefix_len(drafts, text), _prefix_len(drafts, tgt)
+        tel.record_round(k, a)
+        tel_t.record_round(k, a_t)
+        pos_list.append(i)
+        acc_list.append(a)
+        acc_t_list.append(a_t)
+        if return_drafts:
+            drafts_out.append(drafts)
+
+    s = 0
+    while s < N:
+        e = min(s + chunk, N)
+        pre, post = model.forward_states(tok[s:e], cache, StepCtx(start=s, chunked=True))
+        logits = model.logits(post)  # [T, V]; row r predicts t_{s+r+1}
+        preds = torch.argmax(logits, dim=-1).tolist()
+        for r, p in enumerate(preds):
+            greedy[s + r + 1] = p
+        r_end = min(e, N - 1)  # rows with a real next token (and a draft KV pair)
+        n = r_end - s
+        if n > 0:
+            nxt = tok[s + 1 : r_end + 1]
+            lp = logits[:n].gather(1, nxt[:, None])[:, 0] - torch.logsumexp(logits[:n], dim=-1)
+            nll_sum -= float(lp.double().sum())
+            top1 += int((torch.tensor(preds[:n], device=dev) == nxt).sum())
+            seed = (post if hidden == "post" else pre)[:n]
+            m = model.mtp_hidden(nxt, seed, StepCtx(start=s), kv)  # draft KV rows s..r_end-1
+            drafter.forwards += 1
+            sel = [i for i in range(s + (-s) % stride, r_end, stride) if i + k + 1 < N]
+            if sel:  # first drafts of the chunk's positions in one head matmul
+                rows = torch.tensor(sel, device=dev) - s
+                d1 = torch.argmax(drafter.draft_logits(m[rows]), dim=-1).tolist()
+                queue.extend((i, m[i - s : i - s + 1], d) for i, d in zip(sel, d1))
+        # judge every queued position whose K drafts' targets are all known (rows <= i+k done)
+        while queue and queue[0][0] + k + 1 <= e:
+            judge(*queue.popleft())
+        del logits, pre, post
+        s = e
+        if progress is not None:
+            progress(s, N)
+    assert not queue
+
+    npos = len(pos_list)
+    text_rates = _rates(tel.accepted_at + [0] * (k - len(tel.accepted_at)), npos, k)
+    tgt_rates = _rates(tel_t.accepted_at + [0] * (k - len(tel_t.accepted_at)), npos, k)
+    n_tok = N - 1
+    nll = nll_sum / n_tok
+    out = {
+        "tokens": N, "positions": npos, "k": k, "stride": stride, "chunk": chunk, "hidden": hidden,
+        "nll": nll, "nll_sum": nll_sum, "nll_tokens": n_tok, "perplexity": math.exp(min(nll, 700.0)),
+        "target_top1": top1 / n_tok,
+        "drafted_at": [npos] * k,
+        **text_rates,
+        "tau": tel.tau,
+        "telemetry": tel.to_dict(),
+        "vs_target": {**tgt_rates, "tau": tel_t.tau},
+        "per_position": {"position": pos_list, "accepted": acc_list, "accepted_vs_target": acc_t_list},
+        "mtp_forwards": drafter.forwards,
+        "seconds": time.perf_counter() - t0,
+    }
+    if return_drafts:
+        out["drafts"] = drafts_out
+    return out
+
+
+__all__ = ["replay_acceptance"]

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny checkpoints (make_tiny and transformers' save_pretrained), loaded
+models and plain-decoding references, each built once per session and only when a test
+asks for it.
+
+Tests here run many tiny forwards (hundreds of [1, 64] matmuls per token). On a shared
+2-core machine OpenMP's second thread costs far more than it gains for such shapes (its
+spin-waits fight the other processes: one 200-token run took 1.3 s with one thread and
+up to 70 s with two), so the whole suite runs single-threaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_ref.py
+
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+SOURCES = ("tiny", "hf")  # hyspec.tiny.make_tiny / transformers save_pretrained + mtp.*
+DTYPES = ("float64", "float32")
+PROMPT = [1, 17, 42, 99, 7, 250, 3, 88]
+
+
+def make_cooperative(model, *, hidden_mix: float = 0.3, attn_scale: float = 30.0, seed: int = 0):
+    """A copy of `model` whose MTP head agrees with the target part of the time (depth-1
+    acceptance ~0.1-0.3 on the tiny models) while every input of a draft still matters.
+
+    fc maps the normalised token embedding through unchanged and adds a random mix of the
+    normalised hidden (hidden_mix); mtp.norm copies the final norm. The drafter's logits
+    are then roughly the target's "token after t" with its decoder layers switched off,
+    which random tiny layers barely change. The MTP block is kept, its attention output
+    scaled up (attn_scale) so the draft KV cache visibly moves the drafts: with the
+    defaults, shifting the seed hiddens by one row changes ~60% of the drafts and leaving
+    chained rows in the draft KV ~35% of them. The target is unchanged."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.mtp.named_parameters():
+            if name.endswith("o_proj.weight"):
+                p.mul_(attn_scale)
+        H = m.cfg.hidden_size
+        fc = torch.zeros(H, 2 * H, dtype=torch.float64)
+        fc[:, :H] = torch.eye(H, dtype=torch.float64)
+        fc[:, H:] = hidden_mix * torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5
+        m.mtp.fc.weight.copy_(fc.to(m.mtp.fc.weight.dtype))
+        m.mtp.pre_fc_norm_embedding.weight.zero_()
+        m.mtp.norm.weight.copy_(m.model.norm.weight)
+    return m
+
+
+class Zoo:
+    """Lazily built, session-cached checkpoints, models and plain references."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._tmp = tmp_path_factory
+        self._paths: dict = {}
+        self._hf: dict = {}
+        self._models: dict = {}
+        self._plain: dict = {}
+
+    def path(self, source: str, arch: str, *, with_mtp: bool = True) -> Path:
+        key = (source, arch, with_mtp)
+        if key not in self._paths:
+            d = self._tmp.mktemp(f"{source}_{arch}{'' if with_mtp else '_nomtp'}")
+            if source == "tiny":
+                from hyspec.tiny import make_tiny
+
+                make_tiny(arch, d, seed=0, with_mtp=with_mtp)
+            elif source == "hf":
+                from hf_ref import make_hf_checkpoint
+
+                self._hf[key] = make_hf_checkpoint(arch, d, seed=0, with_mtp=with_mtp)
+            else:
+                raise ValueError(source)
+            self._paths[key] = d
+        return self._paths[key]
+
+    def hf_model(self, arch: str):
+        """The transformers model written to path('hf', arch) (fp32, eval mode)."""
+        self.path("hf", arch)
+        return self._hf[("hf", arch, True)]
+
+    def model(self, source: str, arch: str, dtype: str = "float64", variant: str = "plain"):
+        """variant: "plain" (the checkpoint) or "coop" (make_cooperative: target unchanged,
+        MTP head changed to agree with it part of the time)."""
+        key = (source, arch, dtype, variant)
+        if key not in self._models:
+            if variant == "plain":
+                from hyspec.loading import load_model
+
+                self._models[key] = load_model(self.path(source, arch), dtype=dtype)
+            elif variant == "coop":
+                self._models[key] = make_cooperative(self.model(source, arch, dtype))
+            else:
+                raise ValueError(variant)
+        return self._models[key]
+
+    def plain(self, source: str, arch: str, dtype: str, n: int, prompt=tuple(PROMPT)) -> list[int]:
+        """Plain greedy continuation of `prompt` (n tokens) by the checkpoint's target (MTP
+        variants share the target, so this is their reference too)."""
+        key = (source, arch, dtype, tuple(prompt))
+        have = self._plain.get(key)
+        if have is None or len(have) < n:
+            from hyspec.decode import generate_plain
+
+            have = generate_plain(self.model(source, arch, dtype), list(prompt), max_new_tokens=n).tokens
+            self._plain[key] = have
+        return have[:n]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> Zoo:
+    return Zoo(tmp_path_factory)

@@ -1,0 +1,284 @@
+"""The `hyspec` command line, driven in-process through hyspec.cli.main (stdout/stderr
+captured with capsys) on tiny checkpoints written by `hyspec make-tiny`.
+
+Contract checked: `generate` (text and --json: tokens / text / stats / samples),
+`--draft K` == `--draft 0` under greedy decoding, `--num-samples`, `score --json`
+(against a full forward), `make-tiny`, and the error paths: exit code 2 with a message
+naming what is wrong (argparse errors exit 2 through SystemExit)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from hyspec.cli import main
+from hyspec.engine import derive_seed
+from hyspec.loading import load_model
+from hyspec.spec.loop import MAX_DRAFT
+from hyspec.tokenizer import Tokenizer
+
+VOCAB = 320  # >= 300: make-tiny writes a tokenizer.json
+PROMPT = "def fibonacci(n):"
+
+
+def _make_tiny(out, *extra: str) -> None:
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(out), "--vocab-size", str(VOCAB),
+                 "--hidden-size", "32", "--layers", "4", "--seed", "1", *extra]) == 0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny"
+    _make_tiny(out, "--init-std", "0.1")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt_no_mtp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny_no_mtp"
+    _make_tiny(out, "--no-mtp")
+    return out
+
+
+def run_json(capsys, *argv: str) -> dict:
+    capsys.readouterr()
+    assert main(list(argv) + ["--json"]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def gen(capsys, ckpt, *argv: str) -> dict:
+    return run_json(capsys, "generate", "--model", str(ckpt), "--prompt", PROMPT, "--ignore-eos", *argv)
+
+
+def run_error(capsys, *argv: str) -> str:
+    """A failing command: exit code 2 (returned, or argparse's SystemExit); returns stderr."""
+    capsys.readouterr()
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    return capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# make-tiny
+# --------------------------------------------------------------------------------------
+
+
+def test_make_tiny_writes_a_loadable_checkpoint(ckpt, ckpt_no_mtp, capsys, tmp_path) -> None:
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (ckpt / name).is_file(), name
+    model = load_model(ckpt)
+    assert model.has_mtp and model.cfg.vocab_size == VOCAB and model.cfg.num_hidden_layers == 4
+    assert Tokenizer(ckpt).vocab_size <= VOCAB
+    assert not load_model(ckpt_no_mtp).has_mtp
+    capsys.readouterr()
+    out = tmp_path / "small"
+    assert main(["make-tiny", "--arch", "qwen3_next", "--out", str(out), "--vocab-size", "64",
+                 "--hidden-size", "32", "--layers", "4"]) == 0
+    assert str(out) in capsys.readouterr().out
+    assert not (out / "tokenizer.json").exists()  # vocab < 300: ids only
+    assert load_model(out).cfg.vocab_size == 64
+
+
+# --------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------
+
+
+def test_generate_json_fields(ckpt, capsys) -> None:
+    d = gen(capsys, ckpt, "--max-new-tokens", "8")
+    assert {"tokens", "text", "stats", "samples", "prompt_tokens", "stop_reason"} <= set(d)
+    tok = Tokenizer(ckpt)
+    assert len(d["tokens"]) == 8 and all(0 <= t < VOCAB for t in d["tokens"])
+    assert d["text"] == tok.decode(d["tokens"])
+    assert d["prompt_tokens"] == tok.encode(PROMPT)
+    assert d["samples"] == [{"tokens": d["tokens"], "text": d["text"], "stop_reason": d["stop_reason"]}]
+    assert d["stop_reason"] == "length"
+    assert d["stats"]["generated_tokens"] == 8 and d["stats"]["num_samples"] == 1
+    assert "spec" not in d["stats"]
+
+
+def test_generate_prompt_ids_and_text_output(ckpt, capsys) -> None:
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "5, 6,7", "--max-new-tokens", "4",
+                 "--ignore-eos"]) == 0
+    cap = capsys.readouterr()
+    d = run_json(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "5,6,7", "--max-new-tokens", "4",
+                 "--ignore-eos")
+    assert d["prompt_tokens"] == [5, 6, 7]
+    assert cap.out.strip() == d["text"].strip()
+    assert "4 tokens" in cap.err
+
+
+def test_generate_draft3_equals_draft0_greedy(ckpt, capsys) -> None:
+    plain = gen(capsys, ckpt, "--max-new-tokens", "24")
+    spec = gen(capsys, ckpt, "--max-new-tokens", "24", "--draft", "3")
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    st = spec["stats"]["spec"]
+    assert st["rounds"] > 0 and st["drafted"] > 0
+    for rollback in ("rescan", "replay"):
+        assert gen(capsys, ckpt, "--max-new-tokens", "24", "--draft", "5", "--rollback", rollback)["tokens"] \
+            == plain["tokens"]
+
+
+def test_generate_stop_ids_plain_and_speculative(ckpt, capsys) -> None:
+    full = gen(capsys, ckpt, "--max-new-tokens", "24")["tokens"]
+    stop = full[9]
+    first = full.index(stop)
+    for draft in ("0", "3"):
+        d = gen(capsys, ckpt, "--max-new-tokens", "24", "--stop-ids", str(stop), "--draft", draft)
+        assert d["tokens"] == full[: first + 1] and d["stop_reason"] == "eos", draft
+
+
+def test_generate_num_samples_text_output(ckpt, capsys) -> None:
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--ignore-eos", "--max-new-tokens", "4",
+                 "--num-samples", "2", "--temperature", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample 0 ---" in out and "--- sample 1 ---" in out
+
+
+def test_generate_num_samples(ckpt, capsys) -> None:
+    d = gen(capsys, ckpt, "--max-new-tokens", "10", "--num-samples", "3", "--temperature", "1", "--seed", "5")
+    samples = d["samples"]
+    assert len(samples) == 3
+    for s in samples:
+        assert set(s) >= {"tokens", "text"} and len(s["tokens"]) == 10
+        assert isinstance(s["text"], str)
+    assert d["tokens"] == samples[0]["tokens"]
+    assert len({tuple(s["tokens"]) for s in samples}) == 3  # independent completions
+    assert d["stats"]["num_samples"] == 3 and d["stats"]["generated_tokens"] == 30
+    # sample 0 is the --seed 5 run, sample i the run with the derived seed
+    one = gen(capsys, ckpt, "--max-new-tokens", "10", "--temperature", "1", "--seed", "5")
+    assert one["tokens"] == samples[0]["tokens"]
+    two = gen(capsys, ckpt, "--max-new-tokens", "10", "--temperature", "1", "--seed", str(derive_seed(5, 2)))
+    assert two["tokens"] == samples[2]["tokens"]
+    # same command, same output
+    again = gen(capsys, ckpt, "--max-new-tokens", "10", "--num-samples", "3", "--temperature", "1", "--seed", "5")
+    assert again["samples"] == samples
+
+
+def test_generate_coupled_draft_equals_plain(ckpt, capsys) -> None:
+    args = ["--max-new-tokens", "16", "--num-samples", "2", "--temperature", "1", "--top-k", "20",
+            "--repetition-penalty", "1.2", "--seed", "9", "--sampling-mode", "coupled"]
+    plain = gen(capsys, ckpt, *args)
+    spec = gen(capsys, ckpt, *args, "--draft", "4")
+    assert [s["tokens"] for s in spec["samples"]] == [s["tokens"] for s in plain["samples"]]
+
+
+# --------------------------------------------------------------------------------------
+# score
+# --------------------------------------------------------------------------------------
+
+
+def test_score_json_matches_full_forward(ckpt, capsys) -> None:
+    ids = [5, 17, 200, 3, 99, 42, 7, 250]
+    d = run_json(capsys, "score", "--model", str(ckpt), "--ids", ",".join(map(str, ids)), "--top-logprobs", "4")
+    assert {"tokens", "logprobs", "top_logprobs", "nll", "perplexity"} <= set(d)
+    n = len(ids)
+    assert d["tokens"] == ids
+    assert len(d["logprobs"]) == n - 1
+    assert len(d["top_logprobs"]) == n - 1 and all(len(row) == 4 for row in d["top_logprobs"])
+    model = load_model(ckpt)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor(ids)).double(), dim=-1)  # [n, V]
+    expect = [float(logp[i, ids[i + 1]]) for i in range(n - 1)]
+    assert d["logprobs"] == pytest.approx(expect, abs=1e-5)
+    for i, row in enumerate(d["top_logprobs"]):
+        v, idx = torch.topk(logp[i], 4)
+        assert [e[0] for e in row] == idx.tolist()
+        assert [e[1] for e in row] == pytest.approx(v.tolist(), abs=1e-5)
+        assert all(isinstance(e[2], str) for e in row)  # decoded token text (tokenizer present)
+    assert d["nll"] == pytest.approx(-sum(expect), abs=1e-4)
+    assert d["perplexity"] == pytest.approx(math.exp(-sum(expect) / (n - 1)), rel=1e-5)
+
+
+def test_score_text(ckpt, capsys) -> None:
+    d = run_json(capsys, "score", "--model", str(ckpt), "--text", PROMPT)
+    assert d["tokens"] == Tokenizer(ckpt).encode(PROMPT)
+    assert len(d["logprobs"]) == len(d["tokens"]) - 1 and d["top_logprobs"] is None
+    capsys.readouterr()
+    assert main(["score", "--model", str(ckpt), "--text", PROMPT]) == 0
+    assert "perplexity" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [MAX_DRAFT + 1, -1])
+def test_draft_out_of_range(ckpt, capsys, k) -> None:
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--draft", str(k))
+    assert f"0..{MAX_DRAFT}" in err and "--draft" in err
+
+
+def test_draft_without_mtp_head(ckpt_no_mtp, capsys) -> None:
+    err = run_error(capsys, "generate", "--model", str(ckpt_no_mtp), "--prompt-ids", "1,2", "--draft", "3")
+    assert "MTP" in err and "--draft 0" in err
+    # plain decoding still works on it
+    d = run_json(capsys, "generate", "--model", str(ckpt_no_mtp), "--prompt-ids", "1,2", "--max-new-tokens", "3",
+                 "--ignore-eos")
+    assert len(d["tokens"]) == 3
+
+
+def test_bad_prompt_ids_is_an_argparse_error(ckpt, capsys) -> None:
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1,x")
+    assert "comma-separated token ids" in err and "'1,x'" in err
+
+
+def test_unknown_dtype_rejected(ckpt, capsys) -> None:
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1", "--dtype", "float8")
+    assert "float8" in err and "invalid choice" in err
+
+
+def test_prompt_id_out_of_vocabulary(ckpt, capsys) -> None:
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", f"1,{VOCAB + 7}")
+    assert str(VOCAB + 7) in err and str(VOCAB) in err
+    err = run_error(capsys, "score", "--model", str(ckpt), "--ids", f"1,2,{VOCAB}")
+    assert str(VOCAB) in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--num-samples", "0"], "num_samples"),
+    (["--forced-rates", "0.9"], "--draft"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+], ids=["num_samples", "forced_without_draft", "temperature", "top_p"])
+def test_bad_generate_options(ckpt, capsys, argv, needle) -> None:
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1,2", *argv)
+    assert needle in err
+
+
+def test_missing_prompt_and_missing_model(ckpt, tmp_path, capsys) -> None:
+    assert "--prompt" in run_error(capsys, "generate", "--model", str(ckpt))
+    assert str(tmp_path / "nope") in run_error(capsys, "generate", "--model", str(tmp_path / "nope"),
+                                               "--prompt-ids", "1")
+
+
+def test_same_seed_same_output_rejection_mode(ckpt, capsys) -> None:
+    args = ["--max-new-tokens", "12", "--temperature", "1", "--top-p", "0.9", "--seed", "3"]
+    for draft in ("0", "3"):
+        a = gen(capsys, ckpt, *args, "--draft", draft)
+        b = gen(capsys, ckpt, *args, "--draft", draft)
+        assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+
+
+def test_forced_rates_with_rejection_sampling(ckpt, capsys) -> None:
+    """--forced-rates with --temperature > 0 (rejection mode) must either work (a forced
+    draft is a deterministic proposal: q = one-hot at the forced token is the lossless
+    treatment) or be refused with exit code 2 and a message."""
+    capsys.readouterr()
+    rc = main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+               "--ignore-eos", "--draft", "3", "--forced-rates", "0.9", "--temperature", "1", "--json"])
+    cap = capsys.readouterr()
+    if rc == 0:
+        assert len(json.loads(cap.out)["tokens"]) == 8
+    else:
+        assert rc == 2 and "forced" in cap.err

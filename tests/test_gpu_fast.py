@@ -1,0 +1,183 @@
+"""GPU fast path on CUDA: fused kernels vs their torch references (bf16 and fp32) with
+bitwise row invariance, and FastDecoder greedy exactness (speculative == plain, bitwise).
+Skipped without CUDA. HYSPEC_B2_EXACT="tokens,prompts" sizes the b2 exactness test
+(default 2000,4; it is also part of `hyspec bench`)."""
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from hyspec.kernels import fused  # noqa: E402
+from hyspec.kernels.gemm import skinny_matmul  # noqa: E402
+
+DEV = torch.device("cuda")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def rnd(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm(dtype):
+    T, N = 7, 1000
+    x, d, w = rnd(T, N, dtype=dtype), rnd(T, N, dtype=dtype, seed=1), rnd(N, dtype=dtype, scale=0.1, seed=2)
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    fused.rmsnorm(x, w, 1e-6, out=out, delta=d, resid_out=res)
+    rr, ry = fused.rmsnorm_ref(x, w, 1e-6, delta=d)
+    assert torch.equal(res, rr) and rel(out, ry) < TOL[dtype]
+    for r in range(T):
+        o1, r1 = torch.empty_like(x[:1]), torch.empty_like(x[:1])
+        fused.rmsnorm(x[r : r + 1], w, 1e-6, out=o1, delta=d[r : r + 1], resid_out=r1)
+        assert torch.equal(o1[0], out[r])
+    table, ids = rnd(50, N, dtype=dtype, seed=3), torch.tensor([3, 49, 0, 7], device=DEV)
+    o2, r2 = torch.empty(4, N, device=DEV, dtype=dtype), torch.empty(4, N, device=DEV, dtype=dtype)
+    fused.rmsnorm(table, w, 1e-6, out=o2, ids=ids, resid_out=r2)
+    assert torch.equal(r2, table[ids]) and rel(o2, fused.rmsnorm_ref(table, w, 1e-6, ids=ids)[1]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 2, 64, 16), (16, 2, 256, 64)])
+def test_attention_prep_and_decode(dtype, shape):
+    Hq, Hkv, D, rot = shape
+    L, pos, T = 300, 97, 5
+    proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, dtype=dtype)
+    qw, kw = rnd(D, dtype=dtype, scale=0.1, seed=1), rnd(D, dtype=dtype, scale=0.1, seed=2)
+    invf = fused.rope_inv_freq(rot, 1e6, DEV)
+    kc0, vc0 = rnd(Hkv, L, D, dtype=dtype, seed=3), rnd(Hkv, L, D, dtype=dtype, seed=4)
+    kc, vc, kr, vr = kc0.clone(), vc0.clone(), kc0.clone(), vc0.clone()
+    posd = torch.tensor([pos], device=DEV)
+    q = torch.empty(T, Hq, D, device=DEV, dtype=dtype)
+    fused.attn_prep(proj, qw, kw, invf, posd, 0, q, kc, vc, n_heads=Hq, n_kv=Hkv, head_dim=D, eps=1e-6, rows=T)
+    qr = fused.attn_prep_ref(proj, qw, kw, invf, pos, kr, vr, n_heads=Hq, n_kv=Hkv, head_dim=D, eps=1e-6)
+    assert rel(q, qr) < TOL[dtype] * 2 and rel(kc, kr) < TOL[dtype] and torch.equal(vc, vr)
+    o = torch.empty(T, Hq * D, device=DEV, dtype=dtype)
+    fused.attn_decode(q, kc, vc, posd, 0, proj, o, rows=T)
+    gate = proj[:, : Hq * 2 * D].view(T, Hq, 2 * D)[..., D:]
+    assert rel(o, fused.attn_decode_ref(q, kc, vc, pos, gate)) < TOL[dtype] * 2
+    for r in range(T):  # row r alone, at its own position, gives the same bits
+        o1 = torch.empty(1, Hq * D, device=DEV, dtype=dtype)
+        fused.attn_decode(q[r : r + 1].contiguous(), kc, vc, posd + r, 0, proj[r : r + 1], o1, rows=1)
+        assert torch.equal(o1[0], o[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_conv_and_step(dtype):
+    nk, nv, dk, dv, W, T = 2, 4, 32, 24, 4, 5
+    C = 2 * nk * dk + nv * dv
+    proj = rnd(T, C + nv * dv + 2 * nv, dtype=dtype)
+    st0 = rnd(W - 1, C, dtype=dtype, seed=1)
+    wc = rnd(C, W, dtype=dtype, scale=0.5, seed=2)
+    y = torch.empty(T, C, device=DEV, dtype=dtype)
+    xin = torch.empty(T, C, device=DEV, dtype=dtype)
+    fused.gdn_conv(proj, st0, wc, y, rows=T, update=False, xin=xin)
+    yr, ns = fused.gdn_conv_ref(proj[:, :C], st0, wc)
+    assert rel(y, yr) < TOL[dtype] and torch.equal(xin, proj[:, :C])
+    st = st0.clone()  # decode-style: one row at a time, window updated in place
+    for r in range(T):
+        y1 = torch.empty(1, C, device=DEV, dtype=dtype)
+        fused.gdn_conv(proj[r : r + 1], st, wc, y1, rows=1, update=True)
+        assert torch.equal(y1[0], y[r])
+    assert torch.equal(st, ns)
+    A_log = torch.rand(nv, device=DEV).mul(3).add(0.1).log()
+    dtb, nw = rnd(nv, seed=3), rnd(dv, dtype=dtype, seed=4) * 0.1 + 1
+    S0 = rnd(nv, dk, dv, seed=5, scale=0.1)
+    o = torch.empty(T, nv * dv, device=DEV, dtype=dtype)
+    states = torch.empty(T, nv, dk, dv, device=DEV)
+    fused.gdn_step(y, proj, A_log, dtb, nw, S0, o, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6, rows=T, states=states)
+    orf, sf, sts = fused.gdn_step_ref(y, proj, A_log, dtb, nw, S0, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6,
+                                      return_states=True)
+    assert rel(o, orf) < TOL[dtype] * 2 and rel(states, sts) < 1e-5
+    S = S0.clone()
+    for r in range(T):
+        o1 = torch.empty(1, nv * dv, device=DEV, dtype=dtype)
+        fused.gdn_step(y[r : r + 1], proj[r : r + 1], A_log, dtb, nw, S, o1, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6,
+                       rows=1)
+        assert torch.equal(o1[0], o[r]) and torch.equal(S, states[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_act_and_rows(dtype):
+    N, K = 96, 200
+    w = rnd(N, K, dtype=dtype, scale=K ** -0.5)
+    x = rnd(9, 2 * K, dtype=dtype)
+    y = skinny_matmul(x, w, act=True)
+    xa = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
+    assert rel(y, xa.float() @ w.float().t()) < TOL[dtype]
+    for r in range(9):
+        assert torch.equal(skinny_matmul(x[r : r + 1], w, act=True)[0], y[r])
+
+
+def test_expert_gemv():
+    E, N, K, T, k = 4, 40, 24, 3, 2
+    w = rnd(E, N, K)
+    x = rnd(T, K, seed=1)
+    ids = torch.tensor([0, 3, 2, 2, 1, 0], device=DEV)
+    out = torch.empty(T * k, N, device=DEV)
+    fused.expert_gemv(x, w, ids, k, out)
+    assert rel(out, fused.expert_gemv_ref(x, w, ids, k)) < 1e-5
+
+
+# ------------------------------------------------------------------------- the decoder
+def _tiny(arch, dtype, tmp_path):
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    return load_model(make_tiny(arch, tmp_path / arch, seed=3), dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fast_decoder_spec_equals_plain(arch, dtype, tmp_path):
+    from hyspec.decode import generate_plain
+    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
+    from hyspec.spec.loop import SpecOptions
+
+    m = _tiny(arch, dtype, tmp_path)
+    prompt = list(range(3, 40, 3))
+    N = 64
+    dec = FastDecoder(m, len(prompt) + N + 8, 3)
+    p = generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec)
+    assert p.stats["graphs"], "CUDA graphs fell back to eager"
+    ref = generate_plain(m, prompt, max_new_tokens=N)
+    agree = next((i for i, (a, b) in enumerate(zip(p.tokens, ref.tokens)) if a != b), N)
+    print(f"{arch} {dtype}: fast plain agrees with the reference loop for {agree}/{N} tokens")
+    if dtype == torch.float32:
+        assert agree >= 16
+    for K in (1, 3):
+        for rates in ((0.9, 0.8, 0.7, 0.6), None):
+            s = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=K, forced_rates=rates),
+                                          reference=p.tokens, decoder=dec)
+            assert s.tokens == p.tokens, (arch, dtype, K, rates)
+    # the non-exact (cuBLAS) variant runs too
+    dec2 = FastDecoder(m, len(prompt) + N + 8, 3, exact=False)
+    generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec2)
+
+
+def test_b2_exactness_bf16():
+    """hyspec bench's exactness check on the b2 bench model (bf16, random weights)."""
+    from hyspec.bench import B2, build_config_model
+    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
+    from hyspec.spec.loop import SpecOptions
+
+    n_tok, n_prompts = (int(v) for v in os.environ.get("HYSPEC_B2_EXACT", "2000,4").split(","))
+    m = build_config_model(B2, DEV, torch.bfloat16)
+    dec = FastDecoder(m, 512 + n_tok + 8, 3)
+    for i in range(n_prompts):
+        prompt = torch.randint(0, m.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
+        p = generate_plain_fast(m, prompt, max_new_tokens=n_tok, decoder=dec)
+        for rates in ((0.9, 0.8, 0.7, 0.6), None):
+            s = generate_speculative_fast(m, prompt, max_new_tokens=n_tok, opts=SpecOptions(k=3, forced_rates=rates),
+                                          reference=p.tokens, decoder=dec)
+            assert s.tokens == p.tokens

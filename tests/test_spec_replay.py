@@ -1,0 +1,205 @@
+"""replay_acceptance: teacher-forced draft acceptance of the MTP head over a text.
+
+Checked against (1) a direct computation of the target's log-probs, (2) a brute-force
+drafter that fills a fresh draft KV for each position, (3) itself under other chunk sizes
+and strides, and (4) the speculative loop: on a text that is the target's own greedy
+continuation, the rounds generate_speculative runs are a subset of the replayed positions,
+and every round's acceptance must equal the replay's (so the telemetry matches exactly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import ARCHS, PROMPT
+from hyspec.model.ops import StepCtx
+from hyspec.spec.drafter import MTPDrafter
+from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.spec.replay import replay_acceptance
+from hyspec.spec.telemetry import SpecTelemetry
+
+
+class RoundLog(SpecTelemetry):
+    """SpecTelemetry that also keeps every round's (drafted, accepted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[int, int]] = []
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        super().record_round(drafted, accepted)
+        self.log.append((drafted, accepted))
+
+
+def _text(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 512, (n,), generator=g).tolist()
+
+
+def _check_report(rep: dict, N: int, k: int, stride: int) -> None:
+    npos = len(range(0, N - k - 1, stride))
+    assert rep["tokens"] == N and rep["k"] == k and rep["positions"] == npos
+    pp = rep["per_position"]
+    assert pp["position"] == list(range(0, N - k - 1, stride))
+    assert rep["drafted_at"] == [npos] * k
+    acc = rep["accepted_at"]
+    assert len(acc) == k and all(a >= b for a, b in zip(acc, acc[1:])) and acc[0] <= npos
+    assert acc == [sum(a > d for a in pp["accepted"]) for d in range(k)]
+    assert rep["accept_rate_at"] == pytest.approx([a / npos for a in acc])
+    cond = [acc[0] / npos] + [acc[d] / acc[d - 1] if acc[d - 1] else 0.0 for d in range(1, k)]
+    assert rep["conditional_rate_at"] == pytest.approx(cond)
+    assert rep["acceptance_length"] == pytest.approx([1 + sum(acc[:kk]) / npos for kk in range(1, k + 1)])
+    assert rep["tau"] == pytest.approx(sum(pp["accepted"]) / npos)
+    assert rep["acceptance_length"][-1] == pytest.approx(1 + rep["tau"])
+    tel = SpecTelemetry.from_dict(rep["telemetry"])
+    assert tel.rounds == npos and tel.drafted == npos * k and tel.accepted == sum(pp["accepted"])
+    assert tel.per_depth_rate() == pytest.approx(rep["accept_rate_at"][: tel.depth])
+    vt = rep["vs_target"]
+    assert vt["accepted_at"] == [sum(a > d for a in pp["accepted_vs_target"]) for d in range(k)]
+    assert rep["nll_tokens"] == N - 1
+    assert rep["perplexity"] == pytest.approx(math.exp(rep["nll"]))
+    assert 0.0 <= rep["target_top1"] <= 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_model_report_is_consistent(zoo, arch):
+    m = zoo.model("tiny", arch, "float64")
+    ids = _text(90)
+    rep = replay_acceptance(m, ids, k=3, chunk=32)
+    _check_report(rep, len(ids), 3, 1)
+    # target NLL equals the log-probs of one whole-sequence forward
+    lp = torch.log_softmax(m(torch.tensor(ids)), -1)
+    nll = -lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum().item()
+    assert rep["nll_sum"] == pytest.approx(nll, rel=1e-10)
+    assert abs(rep["nll"] - math.log(512)) < 0.3  # a random model is nearly uniform
+    assert rep["tau"] < 0.2  # and its random MTP head rarely guesses right
+
+
+def test_chunking_stride_and_progress_do_not_change_results(zoo):
+    m = zoo.model("tiny", "qwen3_5", "float64", "coop")
+    ids = PROMPT + zoo.plain("tiny", "qwen3_5", "float64", 60)
+    calls = []
+    whole = replay_acceptance(m, ids, k=3, chunk=512, return_drafts=True)
+    small = replay_acceptance(m, ids, k=3, chunk=7, return_drafts=True, progress=lambda d, t: calls.append((d, t)))
+    _check_report(whole, len(ids), 3, 1)
+    assert 0.1 < whole["tau"] < 2.5, "the cooperative head should accept some drafts, not all"
+    assert small["drafts"] == whole["drafts"]
+    assert small["per_position"] == whole["per_position"]
+    assert small["nll"] == pytest.approx(whole["nll"], rel=1e-12)
+    N = len(ids)
+    assert calls == [(min(e, N), N) for e in range(7, N + 7, 7)]
+    # without return_drafts chains stop once decided: same outcome, fewer MTP forwards
+    lazy = replay_acceptance(m, ids, k=3, chunk=7)
+    assert lazy["per_position"] == whole["per_position"]
+    assert lazy["mtp_forwards"] < whole["mtp_forwards"]
+    strided = replay_acceptance(m, ids, k=3, stride=3, chunk=7, return_drafts=True)
+    _check_report(strided, N, 3, 3)
+    assert strided["drafts"] == whole["drafts"][::3]
+    assert strided["per_position"]["accepted"] == whole["per_position"]["accepted"][::3]
+    # the text is the target's greedy continuation (after the prompt): both metrics agree there
+    P = len(PROMPT)
+    pp = whole["per_position"]
+    for i, a, at in zip(pp["position"], pp["accepted"], pp["accepted_vs_target"]):
+        if i >= P - 1:
+            assert a == at
+
+
+@pytest.mark.parametrize("hidden", ["post", "pre"])
+def test_drafts_match_brute_force_drafter(zoo, hidden):
+    """Each position's drafts equal a fresh MTPDrafter that fills rows 0..i and chains:
+    the replay's shared draft KV (chains written into rows later positions need, then put
+    back) changes nothing."""
+    arch = "qwen3_5_moe"
+    m = zoo.model("tiny", arch, "float64", "coop")
+    ids = PROMPT + zoo.plain("tiny", arch, "float64", 40)
+    k = 4
+    rep = replay_acceptance(m, ids, k=k, chunk=16, hidden=hidden, return_drafts=True)
+    drafts = dict(zip(rep["per_position"]["position"], rep["drafts"]))
+    pre, post = m.forward_states(torch.tensor(ids), None, StepCtx(chunked=True))
+    seed = post if hidden == "post" else pre
+
+    def greedy(logits, j, pos):
+        return int(torch.argmax(logits)), None, 1.0
+
+    assert sorted(drafts) == list(range(len(ids) - k - 1))
+    for i in drafts:
+        d = MTPDrafter(m, len(ids) + k, hidden=hidden)
+        got, _, _ = d.propose(ids[1 : i + 2], seed[: i + 1], 0, k, i + 2, greedy)
+        assert got == drafts[i], i
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("K, hidden", [(1, "post"), (3, "post"), (3, "pre")])
+def test_replay_agrees_with_speculative_loop(zoo, monkeypatch, arch, dtype, K, hidden):
+    """Text = prompt + the target's greedy continuation. The loop's round r starts at draft
+    row i_r (i_0 = P-1, i_{r+1} = i_r + accepted + 1) and drafts k_r = min(K, remaining-1)
+    tokens; the replay drafted from every row. Same MTP inputs -> the same drafts (checked
+    token by token) -> the same acceptance, round by round, so the telemetry matches
+    exactly. The loop's target hiddens come from exact-mode verify forwards and the
+    replay's from chunked prefill (they differ in the last bits in float32); that moved no
+    argmax here."""
+    M = 70 if K == 1 else 50
+    m = zoo.model("tiny", arch, dtype, "coop")
+    cont = zoo.plain("tiny", arch, dtype, M + K + 2)
+    P = len(PROMPT)
+    rep = replay_acceptance(m, PROMPT + cont, k=K, chunk=32, hidden=hidden, return_drafts=True)
+    pp = rep["per_position"]
+    acc = dict(zip(pp["position"], pp["accepted"]))
+    rep_drafts = dict(zip(pp["position"], rep["drafts"]))
+
+    loop_drafts = []
+    orig = MTPDrafter.propose
+
+    def propose(self, *a, **kw):
+        out = orig(self, *a, **kw)
+        loop_drafts.append(out[0])
+        return out
+
+    monkeypatch.setattr(MTPDrafter, "propose", propose)
+    tel = RoundLog()
+    res = generate_speculative(m, PROMPT, max_new_tokens=M, opts=SpecOptions(k=K, hidden=hidden), telemetry=tel)
+    assert res.tokens == cont[:M]
+
+    sim = SpecTelemetry()
+    i, emitted = P - 1, 1
+    for (drafted, accepted), drafts in zip(tel.log, loop_drafts, strict=True):
+        k_r = min(K, M - emitted - 1)
+        assert drafted == k_r
+        assert drafts == rep_drafts[i][:k_r], i
+        n = min(acc[i], k_r)
+        sim.record_round(k_r, n)
+        i += n + 1
+        emitted += n + 1
+    assert sim == tel, (sim.to_dict(), tel.to_dict())
+    assert tel.accepted > 0 and tel.accepted < tel.drafted  # a mix of accepts and rejects
+    if K == 1:  # depth-1 acceptance over the loop's rounds, as both report it
+        assert sim.per_depth_rate()[0] == tel.per_depth_rate()[0]
+
+
+def test_replay_rejects_bad_arguments(zoo):
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    ids = _text(20)
+    for kw, word in [({"k": 0}, "k"), ({"k": 17}, "k"), ({"stride": 0}, "stride"), ({"chunk": 0}, "chunk"),
+                     ({"hidden": "mid"}, "hidden")]:
+        with pytest.raises(ValueError, match=word):
+            replay_acceptance(m, ids, **kw)
+    with pytest.raises(ValueError, match="at least 2"):
+        replay_acceptance(m, [5])
+    with pytest.raises(ValueError, match="out of range"):
+        replay_acceptance(m, [5, 512, 3])
+    from hyspec.loading import load_model
+
+    nomtp = load_model(zoo.path("tiny", "qwen3_5"), load_mtp=False)
+    with pytest.raises(ValueError, match="MTP"):
+        replay_acceptance(nomtp, ids)
+
+
+def test_short_text_has_no_positions(zoo):
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    rep = replay_acceptance(m, [3, 4, 5], k=2)
+    assert rep["positions"] == 0 and rep["accepted_at"] == [0, 0] and rep["acceptance_length"] == [1.0, 1.0]
+    assert rep["nll_tokens"] == 2 and math.isfinite(rep["nll"])
