@@ -114,7 +114,6 @@ def copy_bandwidth(dev, nbytes: int) -> float:
     x = torch.randn(n, device=dev, dtype=torch.float32).to(torch.bfloat16)
     y = torch.empty_like(x)
     ms = time_fn(lambda: y.copy_(x), dev, reps=10 if dev.type == "cuda" else 2)
-    del x, y
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -145,9 +144,9 @@ def hf_generate(model, prompt, n_tokens, dev, dtype) -> dict:
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
 
-        fla = True
+        has_fla = True
     except Exception:
-        fla = False
+        has_fla = False
     ids = torch.tensor([prompt], device=dev)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -162,11 +161,11 @@ def hf_generate(model, prompt, n_tokens, dev, dtype) -> dict:
     run(2)  # warm-up
     t1, _ = run(1)
     tn, toks = run(n_tokens)
-    del hf
+    hf = None  # free it before the caller goes on
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return {"tokens": n_tokens, "total_s": tn, "prefill_s": t1,
-            "decode_tok_s": (n_tokens - 1) / max(tn - t1, 1e-9), "fla_importable": fla,
+            "decode_tok_s": (n_tokens - 1) / max(tn - t1, 1e-9), "fla_importable": has_fla,
             "missing_keys": len(missing), "unexpected_keys": len(unexpected), "greedy_tokens": toks}
 
 

@@ -2,7 +2,6 @@
 telemetry and per-round drafts equal hyspec.decode / hyspec.spec.loop bitwise for every
 family (the Triton runner under the interpreter: tests/test_fast_kernels.py)."""
 import pytest
-import torch
 
 from hyspec.decode import generate_plain
 from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast

@@ -244,9 +244,10 @@ def draw_plain(model, params, seeds) -> list[tuple]:
 def draw_spec(model, params, seeds, *, prime_pending: bool = True, **spec_opts) -> list[tuple]:
     """The first N_TOK tokens of speculative generations whose first round drafts K tokens:
     with the prefill's token pending (the default, what `--draft 3` runs) the round decides
-    tokens 2..K+2, so generate K+2 tokens; without it the round decides tokens 1..K+1."""
+    tokens 2..K+2, so generate K+2 tokens; without it the round decides tokens 1..K+1, so
+    generate K+1 (a round never drafts more than the tokens still to emit, minus its bonus)."""
     opts = SpecOptions(k=K, prime_pending=prime_pending, **spec_opts)
-    max_new = N_TOK + K - 1 if prime_pending else N_TOK
+    max_new = K + 2 if prime_pending else K + 1
     out = []
     for s in seeds:
         res = generate_speculative(model, PROMPT, max_new_tokens=max_new, opts=opts, params=_with_seed(params, s))

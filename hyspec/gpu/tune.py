@@ -66,7 +66,7 @@ def tune_skinny(shapes, device, dtype=torch.bfloat16, *, rotate_bytes: int = 256
                 log(f"  tune {N}x{K} {kw}: {type(e).__name__}")
                 continue
             res.append((ms * 1e3 / copies, kw))
-        del ws
+        ws = []  # free the copies
         best = min(res, key=lambda r: r[0])
         table[(N, K)] = best[1]
         out[(N, K)] = {"config": best[1], "us": best[0], "default_us": res[0][0],
