@@ -118,28 +118,32 @@ def copy_bandwidth(dev, nbytes: int) -> float:
 
 
 # ----------------------------------------------------------------------------- HF
-def hf_generate(model, prompt, n_tokens, dev, dtype) -> dict:
+def hf_generate(model, prompt, n_tokens, dev, dtype, model_dir=None) -> dict:
     """transformers' generate on the same weights (target only), greedy, side by side."""
     import transformers as tf
 
     cfg = model.cfg
-    d = dict(cfg.raw)
-    d.pop("architectures", None)
-    mt = d.pop("model_type", None)
-    if mt != "qwen3_next":
-        return {"skipped": f"HF comparison only wired for qwen3_next (got {mt})"}
-    d.pop("full_attention_interval", None)
-    d["layer_types"] = list(cfg.layer_types)
-    hcfg = tf.Qwen3NextConfig(**d)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            hf = tf.Qwen3NextForCausalLM(hcfg)
-    finally:
-        torch.set_default_dtype(old)
-    sd = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = unexpected = ()
+    if model_dir is not None:  # a checkpoint on disk: transformers loads it itself (any family)
+        hf = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev)
+    else:  # the in-memory b2 preset (qwen3_next layout): same config, our weights
+        d = dict(cfg.raw)
+        d.pop("architectures", None)
+        mt = d.pop("model_type", None)
+        if mt != "qwen3_next":
+            return {"skipped": f"in-memory HF comparison only wired for qwen3_next (got {mt})"}
+        d.pop("full_attention_interval", None)
+        d["layer_types"] = list(cfg.layer_types)
+        hcfg = tf.Qwen3NextConfig(**d)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(dev):
+                hf = tf.Qwen3NextForCausalLM(hcfg)
+        finally:
+            torch.set_default_dtype(old)
+        sd = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+        missing, unexpected = hf.load_state_dict(sd, strict=False)
     hf.eval()
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
@@ -397,7 +401,7 @@ def main(argv=None) -> int:
     if args.hf_tokens > 0:
         try:
             log("transformers generate (same weights)")
-            result["hf"] = hf_generate(model, prompt, args.hf_tokens, dev, dtype)
+            result["hf"] = hf_generate(model, prompt, args.hf_tokens, dev, dtype, model_dir=args.model)
             log(f"  HF: {result['hf'].get('decode_tok_s', 0):.1f} tok/s (fla importable: "
                 f"{result['hf'].get('fla_importable')})")
         except Exception as e:
