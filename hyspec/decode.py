@@ -38,6 +38,18 @@ def choose_token(logits: torch.Tensor, history: list[int], params: SamplingParam
     return plain_token(target_probs(logits, history, params), params, position)
 
 
+def emit(out: list[int], tokens: list[int], stops: set[int], max_new_tokens: int) -> bool:
+    """Append a round's tokens to `out`, stopping at a stop id or the token limit.
+    Returns True when a stop id was emitted."""
+    for tok in tokens:
+        out.append(tok)
+        if tok in stops:
+            return True
+        if len(out) >= max_new_tokens:
+            return False
+    return False
+
+
 def check_prompt(prompt: list[int], vocab: int) -> None:
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")

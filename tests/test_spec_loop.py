@@ -16,19 +16,11 @@ from hyspec.model.ops import StepCtx
 from hyspec.spec import rollback as rb_mod
 from hyspec.spec.drafter import MTPDrafter
 from hyspec.spec.loop import MAX_DRAFT, SpecOptions, generate_speculative
-from hyspec.spec.telemetry import SpecTelemetry
 
 ROLLBACKS = ("checkpoint", "rescan", "replay")
 
 
-class RoundLog(SpecTelemetry):
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple[int, int]] = []
-
-    def record_round(self, drafted: int, accepted: int) -> None:
-        super().record_round(drafted, accepted)
-        self.log.append((drafted, accepted))
+from spec_helpers import RoundLog  # noqa: E402
 
 
 def spy_keep(monkeypatch) -> list[tuple[str, int, int]]:

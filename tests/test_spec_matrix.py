@@ -19,7 +19,6 @@ import pytest
 
 from conftest import ARCHS, DTYPES, PROMPT, SOURCES
 from hyspec.spec.loop import SpecOptions, generate_speculative
-from hyspec.spec.telemetry import SpecTelemetry
 
 N_NEW = 200
 KS = (1, 2, 3, 5)
@@ -85,14 +84,7 @@ def test_design_covers_all_pairs():
         assert not missing, (f1, f2, missing)
 
 
-class RoundLog(SpecTelemetry):
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple[int, int]] = []
-
-    def record_round(self, drafted: int, accepted: int) -> None:
-        super().record_round(drafted, accepted)
-        self.log.append((drafted, accepted))
+from spec_helpers import RoundLog  # noqa: E402
 
 
 @pytest.mark.slow

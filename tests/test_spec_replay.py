@@ -22,16 +22,7 @@ from hyspec.spec.replay import replay_acceptance
 from hyspec.spec.telemetry import SpecTelemetry
 
 
-class RoundLog(SpecTelemetry):
-    """SpecTelemetry that also keeps every round's (drafted, accepted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple[int, int]] = []
-
-    def record_round(self, drafted: int, accepted: int) -> None:
-        super().record_round(drafted, accepted)
-        self.log.append((drafted, accepted))
+from spec_helpers import RoundLog  # noqa: E402
 
 
 def _text(n: int, seed: int = 0) -> list[int]:

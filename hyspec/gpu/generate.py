@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from hyspec.decode import GenerationResult, check_prompt, check_stop
+from hyspec.decode import GenerationResult, check_prompt, check_stop, emit
 from hyspec.rng import u01_tensor
 from hyspec.spec.drafter import FORCED_STREAM
 from hyspec.spec.loop import SpecOptions
@@ -230,13 +230,8 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
             trace.append((k, n, list(drafts)))
         if k > 0:
             mtp_forwards += k
-        for tok in drafts[:n] + [bonus]:
-            out.append(tok)
-            if tok in stops:
-                reason = "eos"
-                break
-            if len(out) >= max_new_tokens:
-                break
+        if emit(out, drafts[:n] + [bonus], stops, max_new_tokens):
+            reason = "eos"
         if opts.adaptive:
             k_next = max(opts.adaptive_floor, min(n + 1, K))
         inflight = nxt

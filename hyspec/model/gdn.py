@@ -57,44 +57,47 @@ def recurrent_scan(q, k, v, g, beta, state, want_states: bool = False):
 def chunked_scan(q, k, v, g, beta, state, chunk: int = 64):
     """Same result as recurrent_scan (up to rounding), computed chunk by chunk.
 
+    Shapes as recurrent_scan, optionally with leading batch dims (q [B, T, Hv, Dk], state
+    [B, Hv, Dk, Dv], ...); autograd-friendly (no in-place writes), so training uses it too.
+
     Within a chunk of C rows, the delta rule's sequential writes are solved at once: with
     cumulative decays G_i = sum_{s<=i} g_s, the "effective" values u satisfy the unit
     lower-triangular system (I + A) u = beta*(v - decayed reads of the incoming state),
     A[i, j] = beta_i * exp(G_i - G_j) * k_i . k_j for j < i. Then outputs are the incoming
     state read by the decayed queries plus causal intra-chunk attention over u."""
-    T, Hv, Dk = k.shape
+    if k.dim() == 3:  # one sequence
+        o, S = chunked_scan(q[None], k[None], v[None], g[None], beta[None], state[None], chunk)
+        return o[0], S[0]
+    B, T, Hv, Dk = k.shape
     Dv = v.shape[-1]
     pad = (-T) % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     n = (T + pad) // chunk
-    # [n, Hv, C, ...]
-    q, k, v = (x.view(n, chunk, Hv, -1).transpose(1, 2) for x in (q, k, v))
-    g, beta = (x.view(n, chunk, Hv).transpose(1, 2) for x in (g, beta))
-    G = g.cumsum(-1)  # [n, Hv, C]
+    q, k, v = (x.reshape(B, n, chunk, Hv, -1).transpose(2, 3) for x in (q, k, v))  # [B, n, Hv, C, D]
+    g, beta = (x.reshape(B, n, chunk, Hv).transpose(2, 3) for x in (g, beta))  # [B, n, Hv, C]
+    G = g.cumsum(-1)
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(0)  # j >= i masked
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # j > i masked
-    decay = (G[..., :, None] - G[..., None, :])  # [n, Hv, C, C] log decay from j to i
-    kk = k @ k.transpose(-1, -2)
-    A = (beta[..., :, None] * kk * decay.masked_fill(strict, float("-inf")).exp())
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    L = eye + A  # unit lower triangular
-    vb = v * beta[..., None]  # [n, Hv, C, Dv]
-    kb = k * (beta * G.exp())[..., None]  # keys that read the incoming state, decayed
-    u0 = torch.linalg.solve_triangular(L, vb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(L, kb, upper=False, unitriangular=True)
-    qk = (q @ k.transpose(-1, -2)) * decay.masked_fill(causal, float("-inf")).exp()  # [n, Hv, C, C]
+    decay = G[..., :, None] - G[..., None, :]  # [B, n, Hv, C, C] log decay from j to i
+    A = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay.masked_fill(strict, float("-inf")).exp()
+    L = torch.eye(chunk, dtype=q.dtype, device=q.device) + A  # unit lower triangular
+    # keys that read the incoming state are decayed from the chunk start
+    u0 = torch.linalg.solve_triangular(L, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(L, k * (beta * G.exp())[..., None], upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay.masked_fill(causal, float("-inf")).exp()  # [B, n, Hv, C, C]
     q_dec = q * G.exp()[..., None]
-    k_tail = k * (G[..., -1:] - G).exp()[..., None]  # decay from row to chunk end
+    k_tail_t = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # decayed to chunk end
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [B, n, Hv, 1, 1]
     S = state
-    out = torch.empty_like(v)
+    outs = []
     for c in range(n):
-        u = u0[c] - w[c] @ S  # [Hv, C, Dv]
-        out[c] = q_dec[c] @ S + qk[c] @ u
-        S = S * G[c, :, -1].exp()[:, None, None] + k_tail[c].transpose(-1, -2) @ u
-    out = out.transpose(1, 2).reshape(n * chunk, Hv, Dv)[:T]
-    return out, S
+        u = u0[:, c] - w[:, c] @ S  # [B, Hv, C, Dv]
+        outs.append(q_dec[:, c] @ S + qk[:, c] @ u)
+        S = S * chunk_decay[:, c] + k_tail_t[:, c] @ u
+    o = torch.stack(outs, 1)  # [B, n, Hv, C, Dv]
+    return o.transpose(2, 3).reshape(B, n * chunk, Hv, Dv)[:, :T], S
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyspec.decode import GREEDY, GenerationResult, check_prompt, check_stop, choose_token, target_probs
+from hyspec.decode import GREEDY, GenerationResult, check_prompt, check_stop, choose_token, emit, target_probs
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import (SamplingParams, apply_penalties, coupled_speculative, coupled_token, draft_token,
@@ -204,14 +204,8 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         last_logits = rows[n : n + 1]
         pending = bonus
 
-        emitted = drafts[:n] + [bonus]
-        for tok in emitted:
-            out.append(tok)
-            if tok in stops:
-                reason = "eos"
-                break
-            if len(out) >= max_new_tokens:
-                break
+        if emit(out, drafts[:n] + [bonus], stops, max_new_tokens):
+            reason = "eos"
         if opts.adaptive:
             k_next = max(opts.adaptive_floor, min(n + 1, opts.k))
     t2 = time.perf_counter()

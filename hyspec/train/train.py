@@ -36,7 +36,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 
 from hyspec.config import FULL, LINEAR, ModelConfig
 from hyspec.model.attention import GatedAttention
-from hyspec.model.gdn import GatedDeltaNet, l2norm
+from hyspec.model.gdn import GatedDeltaNet, chunked_scan, l2norm
 from hyspec.model.hybrid import DecoderLayer, HybridLM
 from hyspec.model.ops import GatedRMSNorm, RMSNorm, apply_rope, rope_cos_sin
 
@@ -198,39 +197,12 @@ def fla_kernel():
 
 
 def chunked_scan_batched(q, k, v, g, beta, chunk: int = 64) -> torch.Tensor:
-    """``chunked_scan`` from a zero state, batched over sequences (and autograd-friendly):
+    """The model's ``chunked_scan`` from a zero state over a batch of sequences:
     q, k [B, T, Hv, Dk] (l2-normed, expanded to value heads, q scaled), v [B, T, Hv, Dv],
     g, beta [B, T, Hv] -> o [B, T, Hv, Dv]. Runs in the inputs' dtype with autocast off."""
     with torch.autocast(q.device.type, enabled=False):
-        B, T, Hv, Dk = k.shape
-        Dv = v.shape[-1]
-        pad = (-T) % chunk
-        if pad:
-            q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-            g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-        n = (T + pad) // chunk
-        q, k, v = (x.reshape(B, n, chunk, Hv, -1).transpose(2, 3) for x in (q, k, v))  # [B, n, Hv, C, D]
-        g, beta = (x.reshape(B, n, chunk, Hv).transpose(2, 3) for x in (g, beta))  # [B, n, Hv, C]
-        G = g.cumsum(-1)
-        strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(0)
-        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-        decay = G[..., :, None] - G[..., None, :]
-        A = beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay.masked_fill(strict, float("-inf")).exp()
-        L = torch.eye(chunk, dtype=q.dtype, device=q.device) + A
-        u0 = torch.linalg.solve_triangular(L, v * beta[..., None], upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(L, k * (beta * G.exp())[..., None], upper=False, unitriangular=True)
-        qk = (q @ k.transpose(-1, -2)) * decay.masked_fill(causal, float("-inf")).exp()
-        q_dec = q * G.exp()[..., None]
-        k_tail_t = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [B, n, Hv, Dk, C]
-        chunk_decay = G[..., -1].exp()[..., None, None]  # [B, n, Hv, 1, 1]
-        S = q.new_zeros(B, Hv, Dk, Dv)
-        outs = []
-        for c in range(n):
-            u = u0[:, c] - w[:, c] @ S
-            outs.append(q_dec[:, c] @ S + qk[:, c] @ u)
-            S = S * chunk_decay[:, c] + k_tail_t[:, c] @ u
-        o = torch.stack(outs, 1)  # [B, n, Hv, C, Dv]
-        return o.transpose(2, 3).reshape(B, n * chunk, Hv, Dv)[:, :T]
+        state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1])
+        return chunked_scan(q, k, v, g, beta, state, chunk)[0]
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
