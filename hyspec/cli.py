@@ -203,8 +203,13 @@ def _cmd_replay(args) -> int:
                             progress=None if args.json else _progress_bar)
     if args.json:
         print(json.dumps(res))
-    else:
-        print(json.dumps(res, indent=2))
+        return 0
+    print(f"{res['tokens']} tokens, target perplexity {res['perplexity']:.3f}; "
+          f"{res['positions']} draft positions (stride {res['stride']}, K={res['k']})")
+    print("depth                      " + "".join(f"{d + 1:>8}" for d in range(res["k"])))
+    for label, r in (("accepted vs text", res), ("accepted vs target greedy", res["vs_target"])):
+        print(f"{label:<27}" + "".join(f"{x:8.3f}" for x in r["accept_rate_at"]))
+        print(f"{'  acceptance length, K=d':<27}" + "".join(f"{x:8.3f}" for x in r["acceptance_length"]))
     return 0
 
 
