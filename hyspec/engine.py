@@ -150,8 +150,7 @@ class Engine:
         if spec.forced_rates is not None and reference is None:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
                                        stop_ids=()).tokens
-        if fast is not None and spec.rollback == "checkpoint" and spec.p_min == 0.0 and not spec.adaptive \
-                and spec.prime_pending:
+        if fast is not None and spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending:
             return fast.generate_speculative_fast(self.model, ids, max_new_tokens=max_new_tokens, opts=spec,
                                                   stop_ids=stops, reference=reference)
         return generate_speculative(self.model, ids, max_new_tokens=max_new_tokens, opts=spec, params=params,
