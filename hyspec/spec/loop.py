@@ -61,8 +61,9 @@ class SpecOptions:
 class _Chooser:
     """Drafter-side token choice for one round, mirroring the target's transformation."""
 
-    def __init__(self, params: SamplingParams, history: list[int]) -> None:
+    def __init__(self, params: SamplingParams, history: list[int], want_prob: bool) -> None:
         self.params, self.history = params, history
+        self.want_prob = want_prob  # greedy drafts need their probability only for p_min
         self.drafts: list[int] = []
 
     def __call__(self, logits: torch.Tensor, j: int, position: int):
@@ -71,7 +72,7 @@ class _Chooser:
         if p.greedy:
             lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
             tok = greedy_token(lg)
-            prob = float(torch.softmax(lg.double(), -1)[tok])
+            prob = float(torch.softmax(lg.double(), -1)[tok]) if self.want_prob else 1.0
             self._push(j, tok)
             return tok, None, prob
         q = target_probs(logits, hist, p)  # the same filters as the target row
@@ -162,7 +163,7 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         history = list(prompt) + out
         base = cache.pos  # absolute position of the first verify token
         first_draft_pos = base + (1 if pending is not None else 0)
-        chooser = _Chooser(params, history)
+        chooser = _Chooser(params, history, want_prob=opts.p_min > 0.0)
         drafts, q_rows, _ = drafter.propose(fill_tokens, fill_h, fill_start, k, first_draft_pos, chooser,
                                             opts.p_min)
         if pending is None and not drafts:  # nothing to verify: take the known row's token
