@@ -1,0 +1,61 @@
+"""Reduced draft vocabulary (`mtp.d2t`): the drafter scores a subset of ids, mapped back."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyspec.decode import GREEDY, generate_plain
+from hyspec.loading import CheckpointError, load_model
+from hyspec.sampling import SamplingParams
+from hyspec.spec.drafter import MTPDrafter
+from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.tiny import make_tiny
+
+PROMPT = list(range(3, 19))
+
+
+@pytest.fixture(scope="module")
+def d2t_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("d2t")
+    make_tiny("qwen3_5", d, seed=5, draft_vocab=96)
+    return d
+
+
+def test_loader_reads_d2t_and_drafter_scores_only_the_subset(d2t_dir):
+    m = load_model(d2t_dir, dtype="float64")
+    assert m.d2t is not None and m.d2t.shape == (96,)
+    ids = torch.arange(96) + m.d2t
+    assert bool((ids[1:] > ids[:-1]).all())  # distinct target ids
+    drafter = MTPDrafter(m, 64)
+    h = torch.randn(2, m.cfg.hidden_size, dtype=torch.float64)
+    logits = drafter.draft_logits(h)
+    outside = torch.ones(m.cfg.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, ids]).all()
+    full = m.logits(h)
+    assert torch.allclose(logits[:, ids], full[:, ids])  # the subset rows of the shared head
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_greedy_and_coupled_speculation_with_d2t_equal_plain(d2t_dir, dtype):
+    m = load_model(d2t_dir, dtype=dtype)
+    ref = generate_plain(m, PROMPT, max_new_tokens=120, params=GREEDY).tokens
+    for k in (1, 3):
+        out = generate_speculative(m, PROMPT, max_new_tokens=120, opts=SpecOptions(k=k))
+        assert out.tokens == ref
+    sp = SamplingParams(temperature=0.9, top_k=50, seed=11, mode="coupled")
+    plain = generate_plain(m, PROMPT, max_new_tokens=60, params=sp).tokens
+    spec = generate_speculative(m, PROMPT, max_new_tokens=60, opts=SpecOptions(k=3), params=sp)
+    assert spec.tokens == plain
+
+
+def test_bad_d2t_is_a_clear_error(d2t_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(d2t_dir, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["mtp.d2t"] = t["mtp.d2t"] + 10_000  # maps past the vocabulary
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="mtp.d2t"):
+        load_model(bad)
