@@ -144,3 +144,36 @@ def test_triton_runner_interpreted_spec_equals_plain(tmp_path):
     s = generate_speculative_fast(m, prompt, max_new_tokens=N, decoder=dec,
                                   opts=SpecOptions(k=2, forced_rates=(0.9, 0.7)), reference=p.tokens)
     assert s.tokens == p.tokens
+
+
+def test_deferred_split_k_reduced_inside_rmsnorm():
+    """skinny_matmul(defer=True) hands its fp32 split-K partials to rmsnorm, which sums them
+    in the same order as the reduce kernel: bitwise the same as reduce-then-norm, any T."""
+    N, K = 24, 1024
+    w, wn = rnd(N, K, scale=0.05, seed=5), rnd(N, scale=0.1, seed=6)
+    for T in (1, 3):
+        x, res0 = rnd(T, K, seed=7), rnd(T, N, seed=8)
+        ws = torch.empty(4, 16, N)
+        part = skinny_matmul(x, w, split_k=4, ws=ws, defer=True)
+        assert isinstance(part, fused.SplitPartials) and part.S == 4
+        h = skinny_matmul(x, w, split_k=4)
+        assert torch.equal(part.value(T, x.dtype), h)
+        o1, r1, o2, r2 = torch.empty(T, N), torch.empty(T, N), torch.empty(T, N), torch.empty(T, N)
+        fused.rmsnorm(res0, wn, 1e-6, out=o1, delta=part, resid_out=r1, rows=T)
+        fused.rmsnorm(res0, wn, 1e-6, out=o2, delta=h, resid_out=r2, rows=T)
+        assert torch.equal(o1, o2) and torch.equal(r1, r2)
+    # one split: nothing to defer, the product comes back
+    assert isinstance(skinny_matmul(rnd(1, 256), rnd(8, 256), split_k=1, defer=True), torch.Tensor)
+    with pytest.raises(ValueError, match="split partials"):
+        fused.rmsnorm(res0, wn, 1e-6, out=o1, delta=fused.SplitPartials(torch.empty(4, 16, N + 1), 4), rows=T)
+
+
+def test_pdl_is_off_without_a_hopper_gpu():
+    from hyspec.kernels import pdl
+
+    assert pdl.launch_kwargs() == {"PDL": False}
+    pdl.set_pdl(True)  # forcing cannot turn it on where it is unsupported
+    try:
+        assert not pdl.pdl_enabled()
+    finally:
+        pdl.set_pdl(None)

@@ -73,6 +73,41 @@ def test_attention_prep_and_decode(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 2, 64), (16, 2, 256), (6, 2, 128)])
+def test_grouped_attention(dtype, shape):
+    from hyspec.kernels.attn import attn_decode_grouped
+
+    Hq, Hkv, D = shape
+    L, pos, T = 900, 611, 5
+    proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, dtype=dtype)
+    q = rnd(T, Hq, D, dtype=dtype, seed=1)
+    kc, vc = rnd(Hkv, L, D, dtype=dtype, seed=3), rnd(Hkv, L, D, dtype=dtype, seed=4)
+    posd = torch.tensor([pos], device=DEV)
+    o = torch.empty(T, Hq * D, device=DEV, dtype=dtype)
+    attn_decode_grouped(q, kc, vc, posd, 0, proj, o, rows=T)
+    gate = proj[:, : Hq * 2 * D].view(T, Hq, 2 * D)[..., D:]
+    assert rel(o, fused.attn_decode_ref(q, kc, vc, pos, gate)) < TOL[dtype] * 2
+    for r in range(T):
+        o1 = torch.empty(1, Hq * D, device=DEV, dtype=dtype)
+        attn_decode_grouped(q[r : r + 1].contiguous(), kc, vc, posd + r, 0, proj[r : r + 1], o1, rows=1)
+        assert torch.equal(o1[0], o[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_partials_into_rmsnorm(dtype):
+    N, K = 2048, 4096
+    w, wn = rnd(N, K, dtype=dtype, scale=0.02, seed=5), rnd(N, dtype=dtype, scale=0.1, seed=6)
+    for T in (1, 4):
+        x, res0 = rnd(T, K, dtype=dtype, seed=7), rnd(T, N, dtype=dtype, seed=8)
+        part = skinny_matmul(x, w, split_k=4, ws=torch.empty(4, 16, N, device=DEV), defer=True)
+        h = skinny_matmul(x, w, split_k=4)
+        o1, r1, o2, r2 = (torch.empty(T, N, device=DEV, dtype=dtype) for _ in range(4))
+        fused.rmsnorm(res0, wn, 1e-6, out=o1, delta=part, resid_out=r1, rows=T)
+        fused.rmsnorm(res0, wn, 1e-6, out=o2, delta=h, resid_out=r2, rows=T)
+        assert torch.equal(o1, o2) and torch.equal(r1, r2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_conv_and_step(dtype):
     nk, nv, dk, dv, W, T = 2, 4, 32, 24, 4, 5
     C = 2 * nk * dk + nv * dv
@@ -169,6 +204,17 @@ def test_fast_decoder_spec_equals_plain(arch, dtype, tmp_path):
             s = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=K, forced_rates=rates),
                                           reference=p.tokens, decoder=dec)
             assert s.tokens == p.tokens, (arch, dtype, K, rates)
+    # programmatic dependent launch only moves the schedule: same bits without it
+    from hyspec.kernels import pdl
+
+    pdl.set_pdl(False)
+    try:
+        dec0 = FastDecoder(m, len(prompt) + N + 8, 3)
+        p0 = generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec0)
+        s0 = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=3), decoder=dec0)
+    finally:
+        pdl.set_pdl(None)
+    assert p0.tokens == p.tokens and s0.tokens == p.tokens
     # the non-exact (cuBLAS) variant runs too
     dec2 = FastDecoder(m, len(prompt) + N + 8, 3, exact=False)
     generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec2)

@@ -23,6 +23,7 @@ import torch
 
 from hyspec.config import FULL
 from hyspec.kernels import fused
+from hyspec.kernels.attn import GROUPED_SPLITS, attn_decode_grouped
 from hyspec.kernels.gemm import _config_cached, skinny_matmul
 from hyspec.model.ffn import MoE
 
@@ -94,6 +95,10 @@ class TritonRunner:
         # for Dv=128; gated norm in a second kernel). Measured on the H200 / b2: decode step
         # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms. None: one program per head.
         self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
+        # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
+        # that norm (no reduce kernel); attention: q heads of a kv head in one program
+        self.fuse_reduce = True
+        self.attn_grouped = True
 
     # -- packing ----------------------------------------------------------------------
     def _pack_layer(self, i, layer):
@@ -159,8 +164,10 @@ class TritonRunner:
         shape = (rows,) + tuple(b.shape[1:]) if cols is None else (rows, cols)
         return torch.empty(shape, device=b.device, dtype=b.dtype)
 
-    def mm(self, x, w, out, act=False):
-        """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N]."""
+    def mm(self, x, w, out, act=False, defer=False):
+        """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N].  defer: the
+        result only feeds ``fused.rmsnorm``'s delta, which may then take the split-K
+        partials and reduce them itself (exact mode, ``fuse_reduce``)."""
         if self.exact:
             N, K = w.shape
             ws = self._ws.get((N, K))
@@ -169,7 +176,7 @@ class TritonRunner:
                 ws = torch.empty((c.split_k, 16, N), device=w.device, dtype=torch.float32) if c.split_k > 1 else False
                 self._ws[(N, K)] = ws
             use = ws if ws is not False and x.shape[0] <= 16 else None
-            return skinny_matmul(x, w, out=out, act=act, ws=use)
+            return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None)
         if act:
             K = w.shape[1]
             x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
@@ -206,7 +213,7 @@ class TritonRunner:
                        nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                        dv=cfg.linear_value_head_dim, eps=self.eps, rows=t,
                        states=dec.ssm_rows[g] if record else None, block_v=self.gdn_block_v)
-        return self.mm(o, L.w_out, self._buf("h", t))
+        return self.mm(o, L.w_out, self._buf("h", t), defer=True)
 
     def _attn(self, L, xn, t, pos, off, kc, vc):
         cfg = self.cfg
@@ -216,16 +223,17 @@ class TritonRunner:
                         n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t)
         o = self._buf("o", t, cfg.num_attention_heads * cfg.head_dim)
         ws = self._ws.get("attn")
-        need = self.R * cfg.num_attention_heads * fused.ATTN_SPLITS * (fused._p2(cfg.head_dim) + 2)
+        need = self.R * cfg.num_attention_heads * max(fused.ATTN_SPLITS, GROUPED_SPLITS) * (fused._p2(cfg.head_dim) + 2)
         if ws is None:
             ws = self._ws["attn"] = torch.empty(need, device=xn.device, dtype=torch.float32)
-        fused.attn_decode(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.R else None)
-        return self.mm(o, L.w_out, self._buf("h", t))
+        attn = attn_decode_grouped if self.attn_grouped else fused.attn_decode
+        attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.R else None)
+        return self.mm(o, L.w_out, self._buf("h", t), defer=True)
 
     def _ffn(self, L, xn, t):
         if L.moe is None:
             gu = self.mm(xn, L.w_gu, self._buf("gu", t, L.w_gu.shape[0]))
-            return self.mm(gu, L.w_down, self._buf("h", t), act=True)
+            return self.mm(gu, L.w_down, self._buf("h", t), act=True, defer=True)
         return self._moe(L, xn, t)
 
     def _moe(self, L, xn, t):

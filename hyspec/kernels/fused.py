@@ -35,10 +35,12 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from hyspec.kernels.pdl import launch_kwargs
+
 __all__ = [
     "rmsnorm", "rmsnorm_ref", "attn_prep", "attn_prep_ref", "attn_decode", "attn_decode_ref",
     "gdn_conv", "gdn_conv_ref", "gdn_step", "gdn_step_ref", "expert_gemv", "expert_gemv_ref",
-    "rope_inv_freq", "ATTN_SPLITS",
+    "rope_inv_freq", "ATTN_SPLITS", "SplitPartials",
 ]
 
 ATTN_SPLITS = 8  # NS: key-block sets per (row, head); a constant, never chosen from T
@@ -195,9 +197,18 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # Every kernel starts with the PDL prologue (hyspec.kernels.pdl): let the next kernel
+    # start launching, then wait until every earlier kernel of the stream is done.  It is
+    # compiled away when PDL is False (written out in each kernel: the interpreter does not
+    # resolve nested jit helpers).
+
     @triton.jit(do_not_specialize=["T"])
-    def _rmsnorm_kernel(x_ptr, ids_ptr, d_ptr, w_ptr, res_ptr, out_ptr, T, N, sx, sd, sr, so, eps,
-                        GATHER: tl.constexpr, ADD: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, ids_ptr, d_ptr, w_ptr, res_ptr, out_ptr, T, N, sx, sd, sr, so, eps, sds,
+                        GATHER: tl.constexpr, ADD: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr,
+                        DS: tl.constexpr = 0, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < N
@@ -207,7 +218,13 @@ def _kernels():
         else:
             x = tl.load(x_ptr + r * sx + offs, mask=m, other=0.0)
         if ADD:
-            d = tl.load(d_ptr + r * sd + offs, mask=m, other=0.0)
+            if DS > 0:  # delta = the DS fp32 split-K partials of a matmul, summed in order 0..DS-1
+                dacc = tl.load(d_ptr + r * sd + offs, mask=m, other=0.0)
+                for s in tl.static_range(1, DS):
+                    dacc += tl.load(d_ptr + s * sds + r * sd + offs, mask=m, other=0.0)
+                d = dacc.to(x_ptr.dtype.element_ty)
+            else:
+                d = tl.load(d_ptr + r * sd + offs, mask=m, other=0.0)
             x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if STORE_RES:
             tl.store(res_ptr + r * sr + offs, x, mask=m)
@@ -220,7 +237,10 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "off"])
     def _attn_prep_kernel(p_ptr, sp, qw_ptr, kw_ptr, invf_ptr, pos_ptr, off, q_ptr, kc_ptr, vc_ptr,
                           T, HQ, HKV, D, ROT, L, eps,
-                          BLOCK_D: tl.constexpr):
+                          BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         hh = tl.program_id(1)
         p = tl.load(pos_ptr).to(tl.int64) + off + r
@@ -266,7 +286,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["T", "off"])
     def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, REP, D, L, scale,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NS: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         h = tl.program_id(0)
         r = tl.program_id(1)
         s = tl.program_id(2)
@@ -302,7 +325,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["T"])
     def _attn_combine_kernel(ws_ptr, p_ptr, sp, o_ptr, so, T, HQ, D,
-                             BLOCK_D: tl.constexpr, NS: tl.constexpr):
+                             BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         h = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -326,7 +352,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["T", "update", "save", "sxin"])
     def _gdn_conv_kernel(x_ptr, sx, st_ptr, w_ptr, y_ptr, sy, xin_ptr, sxin, T, C, update, save,
-                         W: tl.constexpr, BLOCK_C: tl.constexpr):
+                         W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)
         offs = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         mc = offs < C
@@ -363,7 +392,10 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "st_t"])
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
                          T, R, KD, C, VD, NV, DK, DV, scale, eps,
-                         BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         h = tl.program_id(0)
         pv = tl.program_id(1)
         hk = h // R
@@ -410,7 +442,10 @@ def _kernels():
                 tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
 
     @triton.jit(do_not_specialize=["T"])
-    def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr):
+    def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         h = tl.program_id(1)
         ov = tl.arange(0, BV)
@@ -427,7 +462,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["Q"])
     def _expert_gemv_kernel(x_ptr, sx, w_ptr, ids_ptr, y_ptr, sy, Q, N, K, xdiv, swe, swn,
-                            ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid_n = tl.program_id(0)
         q = tl.program_id(1)
         e = tl.load(ids_ptr + q).to(tl.int64)
@@ -465,20 +503,47 @@ def _check_rows(name, t, *lastdim_contig):
 # ======================================================================================
 # launchers
 # ======================================================================================
+class SplitPartials:
+    """A matmul result still split in K: fp32 partials ``ws [S, >=T, N]`` whose sum over s
+    (in order 0..S-1, rounded to the output dtype) is the product -- what
+    :func:`hyspec.kernels.gemm.skinny_matmul` returns with ``defer=True``; ``rmsnorm``
+    takes it as ``delta`` and does the reduction itself (one kernel launch fewer)."""
+
+    __slots__ = ("ws", "S")
+
+    def __init__(self, ws: torch.Tensor, S: int) -> None:
+        self.ws, self.S = ws, S
+
+    def value(self, rows: int, dtype) -> torch.Tensor:
+        """The reduced product [rows, N] (torch; for callers that cannot fuse)."""
+        acc = self.ws[0, :rows].clone()
+        for s in range(1, self.S):
+            acc += self.ws[s, :rows]
+        return acc.to(dtype)
+
+
 def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=None):
     """Triton :func:`rmsnorm_ref`. x [T, N] (or table [V, N] with ids [T]); writes y into
     out [T, N] and, with resid_out, the (gathered / added) input rows into resid_out
-    (may alias x). rows: T (default out.shape[0])."""
+    (may alias x). rows: T (default out.shape[0]). delta may be a :class:`SplitPartials`."""
     T = out.shape[0] if rows is None else rows
     N = out.shape[1]
-    _check_rows("rmsnorm", T, x, out, delta, resid_out)
+    ds = 0
+    if isinstance(delta, SplitPartials):
+        ds, d, sds = delta.S, delta.ws, delta.ws.stride(0)
+        if d.dtype != torch.float32 or d.shape[2] != N or d.stride(2) != 1 or d.shape[1] < T:
+            raise ValueError(f"rmsnorm: split partials must be fp32 [S, >={T}, {N}], got {tuple(d.shape)} {d.dtype}")
+        d = d[0]
+    else:
+        d = delta if delta is not None else x
+        sds = 0
+    _check_rows("rmsnorm", T, x, out, d, resid_out)
     k = _kernels()["rmsnorm"]
-    d = delta if delta is not None else x
     r = resid_out if resid_out is not None else out
     k[(T,)](x, ids if ids is not None else x, d, weight, r, out, T, N,
-            x.stride(0), d.stride(0), r.stride(0), out.stride(0), float(eps),
+            x.stride(0), d.stride(0), r.stride(0), out.stride(0), float(eps), sds,
             GATHER=ids is not None, ADD=delta is not None, STORE_RES=resid_out is not None,
-            BLOCK=_p2(N), num_warps=4 if N <= 4096 else 8)
+            BLOCK=_p2(N), DS=ds, num_warps=4 if N <= 4096 else 8, **launch_kwargs())
     return out
 
 
@@ -489,7 +554,7 @@ def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_k
     k = _kernels()["attn_prep"]
     k[(rows, n_heads + 2 * n_kv)](proj, proj.stride(0), q_w, k_w, inv_freq, pos, int(off), q_out, kc, vc,
                                   rows, n_heads, n_kv, D, 2 * inv_freq.shape[0], kc.shape[1], float(eps),
-                                  BLOCK_D=_p2(D), num_warps=4 if D <= 128 else 8)
+                                  BLOCK_D=_p2(D), num_warps=4 if D <= 128 else 8, **launch_kwargs())
     return q_out
 
 
@@ -505,10 +570,16 @@ def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None):
     nw = 4 if D <= 128 else 8
     ks["attn_partial"][(Hq, T, ATTN_SPLITS)](q, kc, vc, pos, int(off), ws, T, Hq, Hq // kc.shape[0], D,
                                              kc.shape[1], float(D ** -0.5),
-                                             BLOCK_N=ATTN_BLOCK_N, BLOCK_D=BD, NS=ATTN_SPLITS, num_warps=nw)
-    ks["attn_combine"][(T, Hq)](ws, proj, proj.stride(0), out, out.stride(0), T, Hq, D,
-                                BLOCK_D=BD, NS=ATTN_SPLITS, num_warps=4)
+                                             BLOCK_N=ATTN_BLOCK_N, BLOCK_D=BD, NS=ATTN_SPLITS, num_warps=nw,
+                                             **launch_kwargs())
+    _launch_combine(ws, proj, out, T, Hq, D, BD, ATTN_SPLITS)
     return out
+
+
+def _launch_combine(ws, proj, out, T, Hq, D, BD, NS):
+    """The fixed-order combine of NS attention partials (layout of ``attn_decode``'s ws)."""
+    _kernels()["attn_combine"][(T, Hq)](ws, proj, proj.stride(0), out, out.stride(0), T, Hq, D,
+                                        BLOCK_D=BD, NS=NS, num_warps=4, **launch_kwargs())
 
 
 def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None):
@@ -520,7 +591,7 @@ def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None):
     BC = 256
     xi = xin if xin is not None else y
     k[(-(-C // BC),)](x, x.stride(0), state, weight, y, y.stride(0), xi, xi.stride(0), rows, C,
-                      int(update), int(xin is not None), W=W, BLOCK_C=BC, num_warps=4)
+                      int(update), int(xin is not None), W=W, BLOCK_C=BC, num_warps=4, **launch_kwargs())
     return y
 
 
@@ -542,10 +613,10 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     ks["gdn_step"][(nv, -(-dv // BV))](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         rows, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
-        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4)
+        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
-                                     2 * nk * dk + nv * dv, dv, float(eps), BV=BVf, num_warps=4)
+                                     2 * nk * dk + nv * dv, dv, float(eps), BV=BVf, num_warps=4, **launch_kwargs())
     return out
 
 
@@ -556,7 +627,7 @@ def expert_gemv(x, w, ids, xdiv, out, *, act=False):
     k = _kernels()["expert_gemv"]
     BN, BK = 32, 64
     k[(-(-N // BN), Q)](x, x.stride(0), w, ids, out, out.stride(0), Q, N, K, int(xdiv), w.stride(0), w.stride(1),
-                        ACT=act, BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
+                        ACT=act, BLOCK_N=BN, BLOCK_K=BK, num_warps=4, **launch_kwargs())
     return out
 
 

@@ -28,6 +28,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from hyspec.kernels.pdl import launch_kwargs
+
 __all__ = [
     "skinny_matmul_ref",
     "skinny_matmul",
@@ -139,6 +141,7 @@ def _kernels():
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
+        PDL: tl.constexpr = False, PRE_K: tl.constexpr = 0, LINE: tl.constexpr = 64, EVICT: tl.constexpr = "",
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -154,6 +157,20 @@ def _kernels():
             w_rows = offs_n.to(tl.int64) * stride_wn
         else:
             w_rows = offs_n * stride_wn
+        if PDL:
+            # the weights are never written while decoding: pull the first PRE_K columns of
+            # this program's slab into L2 while the kernel before us still runs, then wait
+            # for it (hyspec.kernels.pdl) before touching x
+            if PRE_K > 0:
+                pk = tl.minimum(k_lo + tl.arange(0, PRE_K // LINE) * LINE, K - 1)
+                pn = tl.minimum(offs_n, N - 1)
+                if W_I64:
+                    pn = pn.to(tl.int64)
+                pp = w_ptr + pn[:, None] * stride_wn + pk[None, :] * stride_wk
+                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [pp],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + offs_kb
@@ -169,9 +186,9 @@ def _kernels():
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
                 if EVEN_N:
-                    wt = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_N], a tile of w.T
+                    wt = tl.load(w_ptrs, eviction_policy=EVICT)  # [BLOCK_K, BLOCK_N], a tile of w.T
                 else:
-                    wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+                    wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0, eviction_policy=EVICT)
             else:
                 mask_k = offs_k < k_hi
                 xt = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
@@ -181,7 +198,7 @@ def _kernels():
                     xg = xt.to(tl.float32)
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
-                wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0, eviction_policy=EVICT)
             if IEEE:
                 acc = tl.dot(xt, wt, acc, input_precision="ieee")
             else:
@@ -201,8 +218,11 @@ def _kernels():
     @triton.jit(do_not_specialize=["T"])
     def _splitk_reduce_kernel(
         ws_ptr, out_ptr, T, N, S, stride_ws_s, stride_ws_t, stride_ot, stride_on,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         # one program per (row, BLOCK columns); sums the S partials in the fixed order 0..S-1
         pid_n = tl.program_id(0)
         t = tl.program_id(1)
@@ -217,6 +237,11 @@ def _kernels():
 
 
 _REDUCE_BLOCK = 1024
+
+# With PDL (hyspec.kernels.pdl) a matmul prefetches up to this many bytes of its weight
+# into L2 before waiting for the kernel ahead of it (0: no prefetch).  The H200 has 60 MB
+# of L2; one matmul ahead is in flight at a time.
+PREFETCH_BYTES = 16 << 20
 
 
 # Measured best configs per (N, K) on the H200 (bf16, t=1; bench/kernels_gpu.py --sweep),
@@ -251,7 +276,8 @@ def skinny_matmul(
     out: torch.Tensor | None = None,
     act: bool = False,
     ws: torch.Tensor | None = None,
-) -> torch.Tensor:
+    defer: bool = False,
+):
     """Triton ``x [T, K] @ w [N, K].T -> [T, N]`` (fp32 accumulate, output x.dtype).
 
     Made for T <= 16 (one padded 16-row tile); larger T runs as several 16-row tiles and
@@ -260,6 +286,9 @@ def skinny_matmul(
     ``split_k`` etc. override :func:`skinny_config` (they must not be chosen from T by the
     caller, or the row invariance is lost).  ``out`` (optional, [T, N], x.dtype) receives
     the result and is returned.  fp32 inputs use exact ``ieee`` dot products (no TF32).
+    ``defer=True``: when the config splits K, skip the reduce kernel and return a
+    :class:`hyspec.kernels.fused.SplitPartials` over the workspace instead (its consumer,
+    ``fused.rmsnorm``, reduces in the same order); with one split the product is returned.
     """
     kx = 2 * w.shape[1] if act and w.dim() == 2 else (w.shape[1] if w.dim() == 2 else -1)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != kx:
@@ -292,6 +321,14 @@ def skinny_matmul(
             ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     grid = (_cdiv(N, cfg.block_n), cfg.split_k, n_tblocks)
+    lk = launch_kwargs()
+    pre_k, line, evict = 0, 128 // w.element_size(), ""
+    if lk["PDL"] and PREFETCH_BYTES > 0:
+        # prefetch at most PREFETCH_BYTES of this weight (the first columns of every slab)
+        frac = min(1.0, PREFETCH_BYTES / (N * K * w.element_size()))
+        cols = int(cfg.k_per_split * frac) // line * line
+        pre_k = _p2_floor(cols) if cols >= line else 0
+        evict = "evict_first" if pre_k else ""
     mm_kernel[grid](
         x, w, out, ws,
         T, N, K, cfg.k_per_split,
@@ -303,15 +340,23 @@ def skinny_matmul(
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACT=act, X_UP=K if act else 0, PRE_K=pre_k, LINE=line, EVICT=evict,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
     )
     if not direct:
+        if defer:
+            from hyspec.kernels.fused import SplitPartials
+
+            return SplitPartials(ws, cfg.split_k)
         reduce_kernel[(_cdiv(N, _REDUCE_BLOCK), T)](
             ws, out, T, N, cfg.split_k, sws_s, sws_t, out.stride(0), out.stride(1),
-            BLOCK=_REDUCE_BLOCK, num_warps=4,
+            BLOCK=_REDUCE_BLOCK, num_warps=4, **lk,
         )
     return out
+
+
+def _p2_floor(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

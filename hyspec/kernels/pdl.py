@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL) for the decode-path kernels (Hopper and newer).
+
+A decode step is a chain of ~270 dependent kernels; a skinny matmul in it spends part
+of its time ramping up after a small 1-SM kernel (norm, scan, conv) during which HBM
+sits idle.  With PDL a kernel may be *launched* while its predecessor still runs:
+
+* every kernel calls ``gdc_launch_dependents`` early, which lets the next kernel in the
+  stream be scheduled as soon as every program of this one has started;
+* every kernel calls ``gdc_wait`` before it touches memory that an earlier kernel writes
+  (activations, caches, states) -- it returns once the predecessor grid has completed
+  and its writes are visible.  Since each kernel waits before it completes, completion
+  is transitive: after ``gdc_wait`` *all* earlier kernels of the stream are done;
+* reads of memory no kernel writes during decoding (weights) may come before the wait:
+  the matmul uses that window to pull the first part of its weight slab into L2.
+
+The result is unchanged (same kernels, same arithmetic, the waits only order memory
+traffic), so exactness is untouched; only the schedule moves.  Without PDL (older GPU,
+CPU interpreter, ``HYSPEC_PDL=0``) the kernels are compiled with ``PDL=False`` and the
+two calls vanish.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+__all__ = ["pdl_enabled", "set_pdl", "launch_kwargs"]
+
+_override: bool | None = None
+
+
+@lru_cache(maxsize=None)
+def _supported() -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if not torch.cuda.is_available():
+        return False
+    try:
+        if torch.cuda.get_device_capability()[0] < 9:
+            return False
+        from triton.backends.nvidia.compiler import CUDAOptions
+        import triton.language.extra.cuda as tlc  # noqa: F401
+
+        if "launch_pdl" not in CUDAOptions.__dataclass_fields__ or not hasattr(tlc, "gdc_wait"):
+            return False
+    except Exception:
+        return False
+    return True
+
+
+def pdl_enabled() -> bool:
+    """True when kernels should be compiled with PDL and launched with ``launch_pdl``:
+    a CUDA device of compute capability >= 9, a Triton that knows the launch option,
+    not the interpreter, and neither ``HYSPEC_PDL=0`` nor :func:`set_pdl(False)`."""
+    if _override is not None:
+        return _override and _supported()
+    if os.environ.get("HYSPEC_PDL", "1") == "0":
+        return False
+    return _supported()
+
+
+def set_pdl(flag: bool | None) -> None:
+    """Force PDL on/off for launches from now on (None: back to the default).  Graphs
+    captured earlier keep the launches they captured."""
+    global _override
+    _override = flag
+
+
+def launch_kwargs() -> dict:
+    """Extra kwargs for a Triton launch: ``{"PDL": bool}`` for the kernel's constexpr and
+    ``launch_pdl`` when enabled."""
+    on = pdl_enabled()
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -1,0 +1,110 @@
+"""Grouped decode attention (hyspec.kernels.attn) vs fused.attn_decode_ref on CPU through
+the Triton interpreter: small odd head shapes, empty splits, a nonzero row offset, bitwise
+row invariance (a t-row call == t one-row calls), and bf16.
+
+The interpreter's ``tl.dot`` multiplies bf16 operands as their raw uint16 bit patterns;
+the bf16 test patches it (for that test only) to widen bf16 to fp32 first, which is exact
+and matches what the tensor cores compute (bf16 products, fp32 accumulation).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from hyspec.kernels import fused  # noqa: E402
+from hyspec.kernels.attn import GROUPED_SPLITS, attn_decode_grouped  # noqa: E402
+
+
+def rnd(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def make(T, Hq, Hkv, D, L, seed=0, dtype=torch.float32):
+    q = rnd(T, Hq, D, seed=seed, dtype=dtype)
+    kc = rnd(Hkv, L, D, seed=seed + 1, dtype=dtype)
+    vc = rnd(Hkv, L, D, seed=seed + 2, dtype=dtype)
+    proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, seed=seed + 3, dtype=dtype)
+    return q, kc, vc, proj
+
+
+def gate_of(proj, Hq, D):
+    T = proj.shape[0]
+    return proj[:, : Hq * 2 * D].view(T, Hq, 2 * D)[..., D:]
+
+
+def run(q, kc, vc, pos, off, proj, rows=None):
+    T, Hq, D = q.shape
+    out = torch.empty(T, Hq * D, dtype=q.dtype)
+    attn_decode_grouped(q, kc, vc, torch.tensor([pos]), off, proj, out, rows=T if rows is None else rows)
+    return out
+
+
+# (T, Hq, Hkv, D, L, pos, off): pos+off+r+1 keys for row r
+CASES = [
+    (1, 4, 2, 32, 8, 0, 0),  # one key: 15 of 16 splits empty
+    (3, 4, 2, 32, 128, 100, 0),  # 101..103 keys: 4 blocks, last partial
+    (3, 6, 2, 64, 128, 95, 2),  # REP = 3 (padded to 16 rows), nonzero off
+    (2, 2, 2, 16, 40, 30, 0),  # REP = 1, D = 16, keys straddle a block edge
+    (2, 4, 1, 20, 64, 33, 1),  # D not a power of two (BLOCK_D = 32), REP = 4
+]
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,pos,off", CASES)
+def test_grouped_matches_ref_fp32(T, Hq, Hkv, D, L, pos, off):
+    q, kc, vc, proj = make(T, Hq, Hkv, D, L)
+    out = run(q, kc, vc, pos, off, proj)
+    ref = fused.attn_decode_ref(q, kc, vc, pos + off, gate_of(proj, Hq, D))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_row_invariant_and_workspace():
+    T, Hq, Hkv, D, L, pos = 4, 6, 2, 32, 160, 60  # 61..64 keys: rows cross a block edge
+    q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=5)
+    ws = torch.full((T * Hq * GROUPED_SPLITS * (D + 2),), float("nan"))  # reused, stale contents
+    out = torch.empty(T, Hq * D)
+    attn_decode_grouped(q, kc, vc, torch.tensor([pos]), 0, proj, out, rows=T, ws=ws)
+    for r in range(T):
+        # a one-row call at pos + r (through off and through pos) gives the same bits
+        assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], out[r])
+        assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos + r, 0, proj[r : r + 1])[0], out[r])
+    # the values of the other rows do not matter
+    q2, proj2 = q.clone(), proj.clone()
+    q2[1:], proj2[1:] = rnd(T - 1, Hq, D, seed=9), rnd(T - 1, proj.shape[1], seed=10)
+    assert torch.equal(run(q2, kc, vc, pos, 0, proj2)[0], out[0])
+    torch.testing.assert_close(out, fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D)),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def bf16_dot(monkeypatch):
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:  # raw uint16 -> fp32 with the same value
+            data = (h.data.astype(np.uint32) << 16).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def test_grouped_bf16(bf16_dot):
+    T, Hq, Hkv, D, L, pos = 3, 8, 2, 64, 128, 70
+    q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=7, dtype=torch.bfloat16)
+    out = run(q, kc, vc, pos, 0, proj)
+    assert out.dtype == torch.bfloat16
+    ref = fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D))
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    for r in range(T):
+        assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], out[r])
