@@ -113,6 +113,71 @@ def split_step(dec, dev, reps):
     return res
 
 
+def gemm_chain(dec, dev, reps):
+    """The step's matmuls alone, in step order, as one CUDA graph: our kernel (the runner's
+    mm, same configs) vs cuBLAS on the same weights; plus our kernel's per-shape time
+    inside the chain (torch.profiler over eager replays of the chain)."""
+    run = dec.runner
+    calls = []
+    for L in run.layers:
+        calls += [(L.w_in, False), (L.w_out, False), (L.w_gu, False), (L.w_down, True)]
+    calls.append((run.head, False))
+    xs = {}
+    for w, act in calls:
+        K = w.shape[1] * (2 if act else 1)
+        if K not in xs:
+            xs[K] = torch.randn(1, K, device=dev).to(w.dtype) * 0.1
+    outs = {w.shape[0]: torch.empty(1, w.shape[0], device=dev, dtype=w.dtype) for w, _ in calls}
+
+    def ours():
+        for w, act in calls:
+            run.mm(xs[w.shape[1] * (2 if act else 1)], w, outs[w.shape[0]], act=act)
+
+    def cublas():
+        for w, act in calls:
+            x = xs[w.shape[1] * (2 if act else 1)]
+            if act:
+                K = w.shape[1]
+                x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
+            torch.matmul(x, w.t(), out=outs[w.shape[0]])
+
+    res = {}
+    for name, fn in (("ours", ours), ("cublas", cublas)):
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        res[name + "_ms"] = time_fn(g.replay, dev, reps)
+    nbytes = sum(w.numel() * w.element_size() for w, _ in calls)
+    res["bytes"] = nbytes
+    res["ours_TBps"] = nbytes / res["ours_ms"] / 1e9
+    res["cublas_TBps"] = nbytes / res["cublas_ms"] / 1e9
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        ours()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                ours()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.events() if e.device_type.name == "CUDA" and "skinny" in e.name]
+        per = {}
+        n = len(calls)
+        for i, e in enumerate(evs[: 3 * n]):
+            w, act = calls[i % n]
+            key = f"{w.shape[0]}x{w.shape[1]}"
+            per.setdefault(key, []).append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+        res["per_shape_us_in_chain"] = {k: {"calls_per_step": len(v) / 3, "us_each": sum(v) / len(v),
+                                            "us_per_step": sum(v) / 3} for k, v in per.items()}
+    except Exception as e:
+        res["profile_error"] = f"{type(e).__name__}: {e}"
+    log(f"  GEMM chain: ours {res['ours_ms']:.4f} ms ({res['ours_TBps']:.2f} TB/s), cuBLAS {res['cublas_ms']:.4f} ms "
+        f"({res['cublas_TBps']:.2f} TB/s); per shape in chain: {res.get('per_shape_us_in_chain')}")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tuned-from", default=None)
@@ -121,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tune-s", type=float, default=150.0)
     ap.add_argument("--rows", default="base,fuse,grouped,pdl,pre16,pre32")
+    ap.add_argument("--best", default=None, help="tune this row instead of the fastest one")
+    ap.add_argument("--after-rows", default="", help="rows measured again with the tuned table")
     ap.add_argument("--out", default="anatomy.json")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -184,12 +251,28 @@ def main(argv=None) -> int:
         save()
     if best is None:
         return 1
+    if args.best and args.best in res["rows"] and "error" not in res["rows"][args.best]:
+        if best != args.best:
+            best_dec = None
+            torch.cuda.empty_cache()
+            _, best_dec, _ = measure(model, prompt, all_rows[args.best], args, dev, roofline_ms, None)
+        best = args.best
     res["best_row"] = best
     log(f"best row: {best}")
     res["split_step_ms"] = split_step(best_dec, dev, args.reps)
     save()
+    try:
+        res["gemm_chain"] = gemm_chain(best_dec, dev, args.reps)
+    except Exception as e:
+        res["gemm_chain"] = {"error": f"{type(e).__name__}: {e}"}
+        traceback.print_exc()
+    save()
     if args.tune_s > 0:
         flags = all_rows[best]
+        pdl.set_pdl(flags["pdl"])
+        from hyspec.kernels import gemm as _gemm
+
+        _gemm.PREFETCH_BYTES = flags.get("prefetch", 0)
         dec = best_dec
         pre, post, lg = dec.prefill(prompt)
         dec.start_plain(int(torch.argmax(lg[0])))
@@ -202,6 +285,18 @@ def main(argv=None) -> int:
             r, dec, _ = measure(model, prompt, flags, args, dev, roofline_ms, None)
             res["rows"][best + "+tuned"] = r
             res["split_step_ms_tuned"] = split_step(dec, dev, args.reps)
+            res["gemm_chain_tuned"] = gemm_chain(dec, dev, args.reps)
+            save()
+            del dec
+            for name in [n for n in args.after_rows.split(",") if n and n != best]:
+                torch.cuda.empty_cache()
+                try:
+                    r, dec, _ = measure(model, prompt, all_rows[name], args, dev, roofline_ms, None)
+                    res["rows"][name + "+tuned"] = r
+                    del dec
+                except Exception as e:
+                    res["rows"][name + "+tuned"] = {"error": f"{type(e).__name__}: {e}"}
+                save()
         except Exception as e:
             res["tune_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}"
             log(f"!! tuning: {e}")

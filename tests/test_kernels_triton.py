@@ -40,10 +40,12 @@ GEMM_CASES = [
     (96, 200, dict(split_k=1)),
     (96, 200, dict(split_k=2, block_n=64)),
     (96, 200, dict(split_k=3, block_k=32, block_n=16)),
+    (96, 200, dict(split_k=2, block_n=32, wt=True)),
+    (64, 256, dict(split_k=1, block_n=64, block_k=128, wt=True)),
 ]
 
 
-@pytest.mark.parametrize("N,K,cfg", GEMM_CASES, ids=["default", "even", "s1", "s2", "s3"])
+@pytest.mark.parametrize("N,K,cfg", GEMM_CASES, ids=["default", "even", "s1", "s2", "s3", "wt_s2", "wt_even"])
 def test_skinny_matmul_matches_ref_and_is_row_invariant(N, K, cfg):
     w = _randn(N, K, seed=0)
     x = _randn(5, K, seed=1)

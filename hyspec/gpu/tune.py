@@ -94,7 +94,7 @@ def _candidates(N: int, K: int, cur: dict) -> list[dict]:
     """One-parameter moves around ``cur`` (block_n, block_k, split_k, num_warps, num_stages)."""
     base = skinny_config(N, K, **cur)
     c0 = dict(block_n=base.block_n, block_k=base.block_k, split_k=base.split_k, num_warps=base.num_warps,
-              num_stages=base.num_stages)
+              num_stages=base.num_stages, wt=base.wt)
     out = []
 
     def add(**kw):
@@ -112,8 +112,11 @@ def _candidates(N: int, K: int, cur: dict) -> list[dict]:
         add(split_k=s)
     for w in (2, 4, 8):
         add(num_warps=w)
-    for st in (2, 3, 4, 5):
+    for st in (2, 3, 4, 5, 6):
         add(num_stages=st)
+    add(wt=not c0["wt"])
+    add(wt=not c0["wt"], num_stages=4)
+    add(num_stages=c0["num_stages"] + 1, block_n=c0["block_n"] // 2)
     return [c0] + out
 
 
@@ -135,7 +138,12 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
         dec.runner._ws.clear()
         dec._graphs.pop(("decode",), None)
         dec.decode_step_capture_only()
-        g = dec._graphs[("decode",)]
+        g = dec._graphs.get(("decode",))
+        if g is None:  # the capture failed (e.g. a tile over the shared-memory limit)
+            dec._graph_failed = False
+            for t, v in zip(dec._mutable() + [dec.out_buf], snap):
+                t.copy_(v)
+            raise RuntimeError("decode-step capture failed for this config")
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
@@ -157,9 +165,14 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     log(f"  in-step tune: start {start:.4f} ms/step")
     out = {}
     weights = {s: s[0] * s[1] for s in shapes}
-    for s in sorted(shapes, key=lambda s: -weights[s]):
+    order = sorted(shapes, key=lambda s: -weights[s])
+    seen = {s: [] for s in shapes}
+    for s in order + order:  # two passes of one-parameter moves while the budget lasts
         tried = []
         for c in _candidates(s[0], s[1], table[s])[1:]:
+            if c in seen[s]:
+                continue
+            seen[s].append(c)
             if time.perf_counter() - t0 > budget_s:
                 break
             old = table[s]
@@ -175,7 +188,7 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
                 cur_ms = ms
             else:
                 table[s] = old
-        out[s] = {"config": table[s], "step_ms": cur_ms, "tried": len(tried)}
+        out[s] = {"config": table[s], "step_ms": cur_ms, "tried": len(seen[s])}
         log(f"  in-step tune {s[0]}x{s[1]}: {table[s]} -> step {cur_ms:.4f} ms ({len(tried)} tried)")
     set_tuned(table)
     dec.runner._ws.clear()

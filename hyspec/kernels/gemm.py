@@ -66,6 +66,7 @@ class SkinnyConfig:
     k_per_split: int  # K columns per split, a multiple of block_k
     num_warps: int = 4
     num_stages: int = 3
+    wt: bool = False  # weight tile as the MMA's left operand ([BN, BK] @ x.T) instead of the right
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -81,6 +82,7 @@ def skinny_config(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    wt: bool = False,
 ) -> SkinnyConfig:
     """Tile shape and split-K for an ``[N, K]`` weight; depends on (N, K) only, never on T.
 
@@ -108,7 +110,7 @@ def skinny_config(
     # each split covers a whole number of BK steps; recompute S so no split is empty
     k_per_split = _cdiv(_cdiv(K, s), bk) * bk
     s = _cdiv(K, k_per_split)
-    return SkinnyConfig(bn, bk, s, k_per_split, num_warps or 4, num_stages or 3)
+    return SkinnyConfig(bn, bk, s, k_per_split, num_warps or 4, num_stages or 3, bool(wt))
 
 
 # --------------------------------------------------------------------------------------
@@ -142,6 +144,7 @@ def _kernels():
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, PRE_K: tl.constexpr = 0, LINE: tl.constexpr = 64, EVICT: tl.constexpr = "",
+        WT: tl.constexpr = False,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -171,11 +174,17 @@ def _kernels():
                                           dtype=tl.int32, is_pure=False, pack=1)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        if WT:
+            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + offs_kb
             x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk
-            w_ptrs = w_ptr + offs_k[:, None] * stride_wk + w_rows[None, :]
+            if WT:  # the weight tile as it lies in memory, [BLOCK_N, BLOCK_K]
+                w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :] * stride_wk
+            else:  # a tile of w.T, [BLOCK_K, BLOCK_N]
+                w_ptrs = w_ptr + offs_k[:, None] * stride_wk + w_rows[None, :]
             # EVEN_K / EVEN_N (set from the shapes only) drop the masks that would otherwise
             # stop the weight stream from being loaded in 16-byte vectors
             if EVEN_K:
@@ -186,7 +195,9 @@ def _kernels():
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
                 if EVEN_N:
-                    wt = tl.load(w_ptrs, eviction_policy=EVICT)  # [BLOCK_K, BLOCK_N], a tile of w.T
+                    wt = tl.load(w_ptrs, eviction_policy=EVICT)
+                elif WT:
+                    wt = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy=EVICT)
                 else:
                     wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0, eviction_policy=EVICT)
             else:
@@ -198,11 +209,24 @@ def _kernels():
                     xg = xt.to(tl.float32)
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
-                wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0, eviction_policy=EVICT)
-            if IEEE:
-                acc = tl.dot(xt, wt, acc, input_precision="ieee")
+                if WT:
+                    wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy=EVICT)
+                else:
+                    wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0, eviction_policy=EVICT)
+            # every output row comes from its own x row only (the MMA never mixes rows or,
+            # with WT, columns of x.T), so padded rows change nothing
+            if WT:
+                if IEEE:
+                    acc = tl.dot(wt, tl.trans(xt), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(wt, tl.trans(xt), acc)
             else:
-                acc = tl.dot(xt, wt, acc)
+                if IEEE:
+                    acc = tl.dot(xt, wt, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xt, wt, acc)
+        if WT:
+            acc = tl.trans(acc)
         mask = mask_t[:, None] & mask_n[None, :]
         if DIRECT:
             tl.store(
@@ -257,11 +281,11 @@ def set_tuned(table: dict[tuple[int, int], dict]) -> None:
 
 
 @lru_cache(maxsize=4096)
-def _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages) -> SkinnyConfig:
-    if (split_k, block_n, block_k, num_warps, num_stages) == (None,) * 5 and (N, K) in TUNED:
+def _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages, wt=None) -> SkinnyConfig:
+    if (split_k, block_n, block_k, num_warps, num_stages, wt) == (None,) * 6 and (N, K) in TUNED:
         return skinny_config(N, K, **TUNED[(N, K)])
     return skinny_config(N, K, split_k=split_k, block_n=block_n, block_k=block_k,
-                         num_warps=num_warps, num_stages=num_stages)
+                         num_warps=num_warps, num_stages=num_stages, wt=bool(wt))
 
 
 def skinny_matmul(
@@ -273,6 +297,7 @@ def skinny_matmul(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    wt: bool | None = None,
     out: torch.Tensor | None = None,
     act: bool = False,
     ws: torch.Tensor | None = None,
@@ -306,7 +331,7 @@ def skinny_matmul(
         raise ValueError(f"skinny_matmul: out must be [{T}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if T == 0:
         return out
-    cfg = _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages)
+    cfg = _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages, wt)
     mm_kernel, reduce_kernel = _kernels()
     n_tblocks = _cdiv(T, BLOCK_T)
     t_pad = n_tblocks * BLOCK_T  # workspace rows: strides then do not depend on T (T <= 16)
@@ -340,7 +365,7 @@ def skinny_matmul(
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0, PRE_K=pre_k, LINE=line, EVICT=evict,
+        ACT=act, X_UP=K if act else 0, PRE_K=pre_k, LINE=line, EVICT=evict, WT=cfg.wt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
     )
     if not direct:
