@@ -99,6 +99,7 @@ class TritonRunner:
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
         self.attn_grouped = True
+        self.conv_block = 256  # channels per conv program (a constant, never chosen from t)
 
     # -- packing ----------------------------------------------------------------------
     def _pack_layer(self, i, layer):
@@ -172,7 +173,7 @@ class TritonRunner:
             N, K = w.shape
             ws = self._ws.get((N, K))
             if ws is None:  # one fixed-shape split-K workspace per weight shape
-                c = _config_cached(N, K, None, None, None, None, None)
+                c = _config_cached(N, K, None, None, None, None, None, None, act)
                 ws = torch.empty((c.split_k, 16, N), device=w.device, dtype=torch.float32) if c.split_k > 1 else False
                 self._ws[(N, K)] = ws
             use = ws if ws is not False and x.shape[0] <= 16 else None
@@ -207,7 +208,7 @@ class TritonRunner:
         y = self._buf("y", t)
         g = L.g
         fused.gdn_conv(proj, dec.conv[g], L.conv_w, y, rows=t, update=not record,
-                       xin=dec.conv_in[g] if record else None)
+                       xin=dec.conv_in[g] if record else None, block_c=self.conv_block)
         o = self._buf("o", t, cfg.linear_value_dim)
         fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, dec.ssm[g], o,
                        nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,

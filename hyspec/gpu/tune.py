@@ -130,7 +130,9 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     Configs still depend on (N, K) only, so row invariance is untouched."""
     from hyspec.kernels.gemm import TUNED
 
-    table = {s: dict(TUNED.get(s, {})) for s in shapes}
+    from hyspec.kernels.gemm import BUILTIN
+
+    table = {s: dict(TUNED.get(s) or BUILTIN.get(s, {})) for s in shapes}
     snap = [t.clone() for t in dec._mutable()] + [dec.out_buf.clone()]
 
     def step_ms() -> float:

@@ -51,11 +51,16 @@ def _supported() -> bool:
 
 def pdl_enabled() -> bool:
     """True when kernels should be compiled with PDL and launched with ``launch_pdl``:
-    a CUDA device of compute capability >= 9, a Triton that knows the launch option,
-    not the interpreter, and neither ``HYSPEC_PDL=0`` nor :func:`set_pdl(False)`."""
+    asked for (``HYSPEC_PDL=1`` or :func:`set_pdl(True)`; off by default, see below) on a
+    CUDA device of compute capability >= 9 with a Triton that knows the launch option,
+    not under the interpreter.
+
+    Off by default because it measured slower on the H200 for the b2 bench model
+    (bench/results/step_anatomy_h200_run2.json, tuned configs: decode step 1.688 ms without,
+    1.744 ms with PDL, 1.838 ms with PDL + 16 MB L2 prefetch)."""
     if _override is not None:
         return _override and _supported()
-    if os.environ.get("HYSPEC_PDL", "1") == "0":
+    if os.environ.get("HYSPEC_PDL", "0") != "1":
         return False
     return _supported()
 
