@@ -288,7 +288,11 @@ def main(argv=None) -> int:
     ap.add_argument("--exact-prompts", type=int, default=4)
     ap.add_argument("--hf-tokens", type=int, default=32, help="0: skip the transformers comparison")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--tune-s", type=float, default=45.0, help="seconds for the GEMM config search (0: defaults)")
+    ap.add_argument("--tune", default="none", choices=["none", "step", "isolated"],
+                    help="GEMM config search before measuring: none (the shipped configs: "
+                         "hyspec.kernels.gemm.BUILTIN, picked in the step on the H200, else shape defaults), "
+                         "step (each shape timed inside the real decode step), isolated (each shape alone)")
+    ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
@@ -354,13 +358,34 @@ def main(argv=None) -> int:
         set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tg.items()})
         result["tuned_gemm"] = tg
         log(f"GEMM configs from {args.tuned_from}")
-    elif dev.type == "cuda" and args.tune_s > 0:
+    elif dev.type == "cuda" and args.tune == "isolated":
         from hyspec.gpu.tune import model_shapes, tune_skinny
 
-        log("tuning skinny-GEMM configs per weight shape (t=1, chosen by shape only)")
+        log("tuning skinny-GEMM configs per weight shape, each alone (t=1, chosen by shape only)")
         tuned = tune_skinny(model_shapes(probe.runner), dev, dtype, budget_s=args.tune_s, log=log)
         result["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
+    shapes = None
+    if dev.type == "cuda" and args.tune == "step" and not args.tuned_from:
+        from hyspec.gpu.tune import model_shapes
+
+        shapes = model_shapes(probe.runner)
     del probe
+    if shapes:
+        from hyspec.gpu.tune import tune_in_step
+
+        log("tuning skinny-GEMM configs inside the decode step (chosen by shape only)")
+        g0 = torch.Generator().manual_seed(args.seed)
+        tdec = FastDecoder(model, args.prompt_len + 64, 1)
+        _, _, lg = tdec.prefill(torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g0).tolist())
+        tdec.start_plain(int(torch.argmax(lg[0])))
+        tuned = tune_in_step(tdec, shapes, budget_s=args.tune_s, log=log)
+        result["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
+        del tdec
+    if "tuned_gemm" not in result and dev.type == "cuda":
+        from hyspec.kernels.gemm import BUILTIN, TUNED
+
+        result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
+                                  "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()}}
     roofline_ms = wbytes / (bw * 1e9) * 1e3
     result["model"] = {"config": model.cfg.to_dict(), "params": n_params, "weight_bytes_per_step": wbytes,
                        "draft_bytes_per_step": dbytes}
