@@ -140,15 +140,18 @@ def test_gdn_conv_and_step(dtype):
         fused.gdn_step(y[r : r + 1], proj[r : r + 1], A_log, dtb, nw, S, o1, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6,
                        rows=1)
         assert torch.equal(o1[0], o[r]) and torch.equal(S, states[r])
-    # Dv split over programs + separate gated norm (the b2 default): same states, close output
+    # Dv split over programs + separate gated norm (the b2 default): close to the reference
+    # (another tiling may round the k.S sums differently) and row-invariant for its own tiling
     o2, st2 = torch.empty_like(o), torch.empty_like(states)
     fused.gdn_step(y, proj, A_log, dtb, nw, S0, o2, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6, rows=T, states=st2,
                    block_v=8)
-    assert torch.equal(st2, states) and rel(o2, orf) < TOL[dtype] * 2
-    o3 = torch.empty(1, nv * dv, device=DEV, dtype=dtype)
-    fused.gdn_step(y[2:3], proj[2:3], A_log, dtb, nw, states[1].clone(), o3, nk=nk, nv=nv, dk=dk, dv=dv,
-                   eps=1e-6, rows=1, block_v=8)
-    assert torch.equal(o3[0], o2[2])
+    assert rel(st2, sts) < 1e-5 and rel(o2, orf) < TOL[dtype] * 2
+    S = S0.clone()
+    for r in range(T):
+        o3 = torch.empty(1, nv * dv, device=DEV, dtype=dtype)
+        fused.gdn_step(y[r : r + 1], proj[r : r + 1], A_log, dtb, nw, S, o3, nk=nk, nv=nv, dk=dk, dv=dv,
+                       eps=1e-6, rows=1, block_v=8)
+        assert torch.equal(o3[0], o2[r]) and torch.equal(S, st2[r])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
