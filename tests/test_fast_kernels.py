@@ -177,3 +177,10 @@ def test_pdl_is_off_without_a_hopper_gpu():
         assert not pdl.pdl_enabled()
     finally:
         pdl.set_pdl(None)
+
+
+def test_gdn_replay_equals_recorded_states():
+    from gdn_replay_check import check_replay_equals_recorded_states
+
+    check_replay_equals_recorded_states()
+    check_replay_equals_recorded_states(block_v=8)

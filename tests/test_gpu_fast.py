@@ -155,6 +155,14 @@ def test_gdn_conv_and_step(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_v", [None, 32])
+def test_gdn_replay_commit(dtype, block_v):
+    from gdn_replay_check import check_replay_equals_recorded_states
+
+    check_replay_equals_recorded_states("cuda", dtype, block_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_act_and_rows(dtype):
     N, K = 96, 200
     w = rnd(N, K, dtype=dtype, scale=K ** -0.5)

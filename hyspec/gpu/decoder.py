@@ -6,9 +6,11 @@ captured once and replayed:
 
     target state   kv_k/kv_v [Hkv, L, D] per attention layer; conv [G, W-1, C] and
                    ssm [G, Hv, Dk, Dv] (fp32) for the G Gated-DeltaNet layers
-    verify slabs   ssm_rows [G, t_max, Hv, Dk, Dv] (state after each verify row) and
-                   conv_in [G, t_max, C] (the verify's conv inputs): a commit of j rows
-                   copies ssm_rows[:, j-1] and the window rows j..j+W-2 of cat(conv, conv_in)
+    verify slabs   conv_in [G, t_max, C] (the verify's conv inputs): a commit of j rows takes
+                   the window rows j..j+W-2 of cat(conv, conv_in); the SSM state advances by
+                   the runner's commit_linear: the Triton runner replays the j accepted rows
+                   from its saved projections (one kernel, the decode arithmetic), the torch
+                   runner copies ssm_rows [G, t_max, Hv, Dk, Dv][:, j-1] (state after each row)
     draft KV       dkv_k/dkv_v [Hkv, L, D]: row i pairs (token at i+1, hidden at i)
     scalars        pos (tokens in the cache), pending, fill_start / fill_m (draft rows the
                    next round refills), cnt (plain decode output count)
@@ -99,7 +101,7 @@ class FastDecoder:
         nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv = torch.zeros(G, W - 1, C, device=dev, dtype=dt)
         self.ssm = torch.zeros(G, nv, dk, dv, device=dev, dtype=sd)
-        self.ssm_rows = torch.zeros(G, self.t_max, nv, dk, dv, device=dev, dtype=sd)
+        self.ssm_rows = None  # per-row verify states, for runners that record them (below)
         self.conv_in = torch.zeros(G, self.t_max, C, device=dev, dtype=dt)
         self.win_idx = torch.arange(W - 1, device=dev)
         self.has_mtp = model.has_mtp
@@ -134,6 +136,8 @@ class FastDecoder:
             from hyspec.gpu.runner_torch import TorchRunner
 
             self.runner = TorchRunner(self)
+        if self.runner.records_states:
+            self.ssm_rows = torch.zeros(G, self.t_max, nv, dk, dv, device=dev, dtype=sd)
         self._graphs: dict = {}
         self._graph_failed = False
 
@@ -332,7 +336,7 @@ class FastDecoder:
         bonus = am.index_select(0, n)
         j = n + 1
         # linear layers: state after row j-1, conv window = rows j..j+W-2 of cat(conv, new rows)
-        self.ssm.copy_(self.ssm_rows.index_select(1, n).squeeze(1))
+        self.runner.commit_linear(n)
         win = torch.cat([self.conv, self.conv_in[:, :t]], 1)
         self.conv.copy_(win.index_select(1, j + self.win_idx))
         # next fill: tokens vtok[:j] + [bonus] with hiddens [h_last, seed[:j]] from row pos-1

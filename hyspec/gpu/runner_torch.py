@@ -17,6 +17,7 @@ from hyspec.model.ops import StepCtx
 
 class TorchRunner:
     graphable = False
+    records_states = True  # a verify saves the state after every row into dec.ssm_rows
 
     def __init__(self, dec) -> None:
         self.dec = dec
@@ -57,6 +58,11 @@ class TorchRunner:
             dec.ssm[g].copy_(s_final)
         o = mod.norm(o.to(x.dtype), z)
         return mod.out_proj(o.reshape(T, -1), ctx)
+
+    def commit_linear(self, n: torch.Tensor) -> None:
+        """Linear layers' state after the accepted rows: the recorded state of row n."""
+        dec = self.dec
+        dec.ssm.copy_(dec.ssm_rows.index_select(1, n).squeeze(1))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h, StepCtx(exact=True))

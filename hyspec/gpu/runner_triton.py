@@ -49,6 +49,7 @@ def _pack_gdn_in(mod) -> torch.Tensor:
 
 class TritonRunner:
     graphable = True
+    records_states = False  # commits replay the accepted rows (commit_linear), no per-row states
 
     def __init__(self, dec, exact: bool = True) -> None:
         self.dec = dec
@@ -91,6 +92,15 @@ class TritonRunner:
             logits=torch.zeros(R, cfg.vocab_size, device=dev, dtype=dt),
         )
         self._ws = {}
+        # verify slabs for the commit replay: in_proj outputs and conv outputs per GDN layer
+        self.gdn_layers = sorted((lay for lay in self.layers if lay.kind == "gdn"), key=lambda lay: lay.g)
+        self.t_slab = dec.t_max
+        if self.gdn_layers:
+            G = len(self.gdn_layers)
+            self.p_rows = torch.zeros(G, self.t_slab, self.gdn_layers[0].w_in.shape[0], device=dev, dtype=dt)
+            self.y_rows = torch.zeros(G, self.t_slab, cfg.conv_dim, device=dev, dtype=dt)
+            self.alog_all = torch.stack([lay.A_log for lay in self.gdn_layers]).contiguous()
+            self.dtb_all = torch.stack([lay.dt_bias for lay in self.gdn_layers]).contiguous()
         # GDN scan: split each value head's Dv over programs of 32 columns (4x the parallelism
         # for Dv=128; gated norm in a second kernel). Measured on the H200 / b2: decode step
         # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms. None: one program per head.
@@ -204,17 +214,34 @@ class TritonRunner:
 
     def _gdn(self, L, xn, t, record):
         dec, cfg = self.dec, self.cfg
-        proj = self.mm(xn, L.w_in, self._buf("proj", t, L.w_in.shape[0]))
-        y = self._buf("y", t)
         g = L.g
+        # a verify keeps its rows' projections and conv outputs per layer: the commit replays
+        # the accepted ones (commit_linear) instead of saving a state after every row
+        if record and t > self.t_slab:
+            raise ValueError(f"verify of {t} rows > the decoder's t_max {self.t_slab}")
+        rec = record
+        proj = self.p_rows[g, :t] if rec else self._buf("proj", t, L.w_in.shape[0])
+        self.mm(xn, L.w_in, proj)
+        y = self.y_rows[g, :t] if rec else self._buf("y", t)
         fused.gdn_conv(proj, dec.conv[g], L.conv_w, y, rows=t, update=not record,
                        xin=dec.conv_in[g] if record else None, block_c=self.conv_block)
         o = self._buf("o", t, cfg.linear_value_dim)
         fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, dec.ssm[g], o,
                        nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                       dv=cfg.linear_value_head_dim, eps=self.eps, rows=t,
-                       states=dec.ssm_rows[g] if record else None, block_v=self.gdn_block_v)
+                       dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
+                       block_v=self.gdn_block_v)
         return self.mm(o, L.w_out, self._buf("h", t), defer=True)
+
+    def commit_linear(self, n) -> None:
+        """After a verify of t rows with n accepted drafts: every GDN layer's state advances
+        by rows 0..n (one kernel for all layers, the decode step's arithmetic)."""
+        dec, cfg = self.dec, self.cfg
+        if not self.gdn_layers:
+            return
+        fused.gdn_replay(self.y_rows, self.p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
+                         dec.ssm, n, self.b.h, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
+                         dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
+                         block_v=self.gdn_block_v)
 
     def _attn(self, L, xn, t, pos, off, kc, vc):
         cfg = self.cfg

@@ -39,7 +39,7 @@ from hyspec.kernels.pdl import launch_kwargs
 
 __all__ = [
     "rmsnorm", "rmsnorm_ref", "attn_prep", "attn_prep_ref", "attn_decode", "attn_decode_ref",
-    "gdn_conv", "gdn_conv_ref", "gdn_step", "gdn_step_ref", "expert_gemv", "expert_gemv_ref",
+    "gdn_conv", "gdn_conv_ref", "gdn_step", "gdn_step_ref", "gdn_replay", "expert_gemv", "expert_gemv_ref",
     "rope_inv_freq", "ATTN_SPLITS", "SplitPartials",
 ]
 
@@ -389,15 +389,29 @@ def _kernels():
                     v = tl.load(x_ptr + src * sx + offs, mask=mc, other=0.0)
                 tl.store(st_ptr + i * C + offs, v.to(st_ptr.dtype.element_ty), mask=mc)
 
-    @triton.jit(do_not_specialize=["T", "st_t"])
+    @triton.jit(do_not_specialize=["T", "st_t", "sy", "sp", "so", "mode", "replay", "sy_g", "sp_g", "ss_g", "sa_g"])
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
-                         T, R, KD, C, VD, NV, DK, DV, scale, eps,
+                         T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
                          BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+        # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
+        # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
+        # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
+        # no output).  Every flag and stride is a runtime value, so the state arithmetic is
+        # the same instructions in all of them: bitwise the same states.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         h = tl.program_id(0)
         pv = tl.program_id(1)
+        lay = tl.program_id(2).to(tl.int64)
+        y_ptr += lay * sy_g
+        p_ptr += lay * sp_g
+        s_ptr += lay * ss_g
+        st_ptr += lay * ss_g
+        alog_ptr += lay * sa_g
+        dtb_ptr += lay * sa_g
+        if replay != 0:
+            T = tl.load(n_ptr).to(tl.int32) + 1
         hk = h // R
         ok = tl.arange(0, BK)
         ov = pv * BV + tl.arange(0, BV)
@@ -413,13 +427,10 @@ def _kernels():
         for t in range(T):
             yrow = y_ptr + t * sy
             prow = p_ptr + t * sp
-            q = tl.load(yrow + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
             k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
             v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
-            z = tl.load(prow + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
             b = tl.load(prow + C + VD + h).to(tl.float32)
             a = tl.load(prow + C + VD + NV + h).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             beta = 1.0 / (1.0 + tl.exp(-b))
             xa = a + dtb
@@ -429,17 +440,25 @@ def _kernels():
             kS = tl.sum(k[:, None] * S, axis=0)
             delta = (v - kS) * beta
             S = S + k[:, None] * delta[None, :]
-            o = tl.sum(q[:, None] * S, axis=0)
-            tl.store(st_ptr + t * st_t + soff, S, mask=m2)
-            if NORM:  # this program holds the whole head: gated RMSNorm here
-                ob = o.to(DT).to(tl.float32)
-                var = tl.sum(ob * ob, axis=0) / DV
-                xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
-                yv = (nw * xh).to(DT).to(tl.float32)
-                out = yv * (z / (1.0 + tl.exp(-z)))
-                tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
-            else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
-                tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
+            if mode == 2:
+                tl.store(st_ptr + t * st_t + soff, S, mask=m2)
+            elif mode == 1:
+                if t == T - 1:
+                    tl.store(st_ptr + soff, S, mask=m2)
+            if replay == 0:
+                q = tl.load(yrow + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+                o = tl.sum(q[:, None] * S, axis=0)
+                if NORM:  # this program holds the whole head: gated RMSNorm here
+                    z = tl.load(prow + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+                    ob = o.to(DT).to(tl.float32)
+                    var = tl.sum(ob * ob, axis=0) / DV
+                    xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+                    yv = (nw * xh).to(DT).to(tl.float32)
+                    out = yv * (z / (1.0 + tl.exp(-z)))
+                    tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
+                else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
+                    tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
 
     @triton.jit(do_not_specialize=["T"])
     def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr, PDL: tl.constexpr = False):
@@ -596,28 +615,54 @@ def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, block_c: int 
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
-             block_v=None):
+             block_v=None, keep_state=False):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
-    every row goes there and ``state`` is left alone; without, ``state`` is updated in
-    place (a decode step). Same compiled kernel either way. block_v < Dv splits each head's
-    Dv over several programs (more parallelism) and applies the gated norm in a second
-    kernel; the choice must not depend on the row count (it does not here)."""
-    if states is None:
-        st, st_t = state, 0
+    every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
+    written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
+    otherwise ``state`` ends updated in place (a decode step). Same compiled kernel in
+    every case. block_v < Dv splits each head's Dv over several programs (more
+    parallelism) and applies the gated norm in a second kernel; the choice must not depend
+    on the row count (it does not here)."""
+    if states is not None:
+        st, st_t, mode = states, states.stride(0), 2
     else:
-        st, st_t = states, states.stride(0)
-    BK, BVf = _p2(dk), _p2(dv)
-    BV = BVf if block_v is None or block_v >= BVf else _p2(block_v)
-    norm = BV == BVf
+        st, st_t, mode = state, 0, 0 if keep_state else 1
+    BK, BV, norm = _gdn_blocks(dk, dv, block_v)
     ks = _kernels()
-    ks["gdn_step"][(nv, -(-dv // BV))](
+    ks["gdn_step"][(nv, -(-dv // BV), 1)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         rows, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
+        mode, 0, state, 0, 0, 0, 0,
         BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
-                                     2 * nk * dk + nv * dv, dv, float(eps), BV=BVf, num_warps=4, **launch_kwargs())
+                                     2 * nk * dk + nv * dv, dv, float(eps), BV=_p2(dv), num_warps=4, **launch_kwargs())
     return out
+
+
+def _gdn_blocks(dk, dv, block_v):
+    BK, BVf = _p2(dk), _p2(dv)
+    BV = BVf if block_v is None or block_v >= BVf else _p2(block_v)
+    return BK, BV, BV == BVf
+
+
+def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like, *, nk, nv, dk, dv, eps,
+               block_v=None):
+    """Advance the state of every Gated-DeltaNet layer by the rows a verify saw, in place,
+    with the very kernel (and so the very arithmetic) of :func:`gdn_step`: layer g's state
+    ``ssm[g]`` [Hv, Dk, Dv] takes rows 0..n of ``y_rows[g]`` [t, C] / ``p_rows[g]`` [t, P]
+    (n: int64 [1] device tensor, the accepted drafts; rows = n + 1). One launch for all
+    layers (a grid axis over them). ``A_log_all`` / ``dt_bias_all`` [G, Hv] stacked per
+    layer; ``out_like`` any tensor of the output dtype (not written)."""
+    G = ssm.shape[0]
+    BK, BV, norm = _gdn_blocks(dk, dv, block_v)
+    yg, pg = y_rows[0], p_rows[0]
+    _kernels()["gdn_step"][(nv, -(-dv // BV), G)](
+        yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
+        out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
+        float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
+        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
+    return ssm
 
 
 def expert_gemv(x, w, ids, xdiv, out, *, act=False):
