@@ -17,6 +17,7 @@ The original module weights stay the source: packed copies are made once at init
 """
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -49,11 +50,13 @@ def _pack_gdn_in(mod) -> torch.Tensor:
 
 class TritonRunner:
     graphable = True
-    records_states = False  # commits replay the accepted rows (commit_linear), no per-row states
 
     def __init__(self, dec, exact: bool = True) -> None:
         self.dec = dec
         self.exact = exact
+        # commits replay the accepted rows (commit_linear) instead of copying a state saved
+        # after every verify row; HYSPEC_REPLAY_COMMIT=0 keeps the per-row states instead
+        self.records_states = os.environ.get("HYSPEC_REPLAY_COMMIT", "1") == "0"
         m = dec.model
         cfg = m.cfg
         self.cfg = cfg
@@ -219,7 +222,7 @@ class TritonRunner:
         # the accepted ones (commit_linear) instead of saving a state after every row
         if record and t > self.t_slab:
             raise ValueError(f"verify of {t} rows > the decoder's t_max {self.t_slab}")
-        rec = record
+        rec = record and not self.records_states
         proj = self.p_rows[g, :t] if rec else self._buf("proj", t, L.w_in.shape[0])
         self.mm(xn, L.w_in, proj)
         y = self.y_rows[g, :t] if rec else self._buf("y", t)
@@ -229,6 +232,7 @@ class TritonRunner:
         fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, dec.ssm[g], o,
                        nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                        dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
+                       states=dec.ssm_rows[g] if record and self.records_states else None,
                        block_v=self.gdn_block_v)
         return self.mm(o, L.w_out, self._buf("h", t), defer=True)
 
@@ -237,6 +241,9 @@ class TritonRunner:
         by rows 0..n (one kernel for all layers, the decode step's arithmetic)."""
         dec, cfg = self.dec, self.cfg
         if not self.gdn_layers:
+            return
+        if self.records_states:
+            dec.ssm.copy_(dec.ssm_rows.index_select(1, n).squeeze(1))
             return
         fused.gdn_replay(self.y_rows, self.p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
                          dec.ssm, n, self.b.h, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
