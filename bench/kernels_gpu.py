@@ -8,9 +8,6 @@ Times, under CUDA graphs, in bf16:
          row-invariance checks (and whether cuBLAS happens to be row-invariant);
   step : all 127 mat-vecs of one b2 decode step in one graph (the facts.md number:
          cuBLAS 1.43 ms t=1, 2.47 ms t=4; plain Triton 1.23 / 1.26 ms);
-  gdn  : gdn_recurrent, Hv=32, Hk=16, Dk=Dv=128, t = 1..8, with and without per-row
-         states, rotated over 32 layer states; bitwise check t rows == t single steps;
-  conv : conv_update, C = 8192, W = 4, t = 1..8;
   sweep: (opt-in, --sweep) tile / split-K / stages grid per gemm shape, best config.
 
 Usage (on the H200, repo root):
@@ -43,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hyspec.kernels.gdn import conv_update, conv_update_ref, gdn_recurrent, gdn_recurrent_ref  # noqa: E402
 from hyspec.kernels.gemm import skinny_config, skinny_matmul  # noqa: E402
 
 # b2: hidden 2048, 24 layers = 18 Gated DeltaNet + 6 gated attention, vocab 151936.
@@ -65,9 +61,7 @@ GDN_LAYER = ["gdn.in_proj_qkvz", "gdn.in_proj_ba", "gdn.out_proj", "mlp.gate_up"
 ATTN_LAYER = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_up", "mlp.down"]
 STEP_ORDER = (GDN_LAYER * 3 + ATTN_LAYER) * 6 + ["lm_head"]
 
-GDN_SHAPE = dict(Hk=16, Hv=32, Dk=128, Dv=128)
-CONV_SHAPE = dict(C=2 * 16 * 128 + 32 * 128, W=4)
-ROTATE_BYTES = 256 << 20  # rotate weights / states over >= this many bytes (H200 L2: 50 MB)
+ROTATE_BYTES = 256 << 20  # rotate weights over >= this many bytes (H200 L2: 50 MB)
 MAX_COPIES = 1024
 
 
@@ -264,103 +258,14 @@ def bench_sweep(args, dev, dtype, timer, shapes, results):
     results["sweep"] = rows
 
 
-# ----------------------------------------------------------------------------- gdn / conv
-def bench_gdn(args, dev, dtype, timer, results):
-    Hk, Hv, Dk, Dv = (GDN_SHAPE[k] for k in ("Hk", "Hv", "Dk", "Dv"))
-    if args.cpu_smoke:
-        Hk, Hv, Dk, Dv = 2, 4, 32, 32
-    tmax = max(args.gdn_ts)
-    gen = torch.Generator(device=dev).manual_seed(3)
-    q = F.normalize(torch.randn(tmax, Hk, Dk, device=dev, generator=gen), dim=-1).to(dtype)
-    k = F.normalize(torch.randn(tmax, Hk, Dk, device=dev, generator=gen), dim=-1).to(dtype)
-    v = torch.randn(tmax, Hv, Dv, device=dev, generator=gen).to(dtype)
-    g = -torch.rand(tmax, Hv, device=dev, generator=gen)
-    beta = torch.rand(tmax, Hv, device=dev, generator=gen).to(dtype)
-    scale = Dk ** -0.5
-    state_bytes = Hv * Dk * Dv * 4
-    copies = 2 if args.cpu_smoke else 32  # 32 x 2 MB states: beyond L2, like 18 GDN layers + weights
-    s0s = [torch.randn(Hv, Dk, Dv, device=dev, generator=gen) * 0.1 for _ in range(copies)]
-    # correctness: vs fp32 reference; bitwise: T rows == T chained single steps
-    o, sf, st = gdn_recurrent(q, k, v, g, beta, s0s[0], scale=scale, return_states=True)
-    o_r, sf_r, st_r = gdn_recurrent_ref(q, k, v, g, beta, s0s[0], scale=scale, return_states=True)
-    S = s0s[0].clone()
-    bitwise = True
-    for t in range(tmax):
-        sl = slice(t, t + 1)
-        ot, _, _ = gdn_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], S, scale=scale, final_state=S)
-        bitwise &= torch.equal(ot[0], o[t]) and torch.equal(S, st[t])
-    res = {
-        "shape": dict(Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv), "copies": copies,
-        "max_abs_err_o": (o.float() - o_r.float()).abs().max().item(),
-        "max_abs_err_state": (sf - sf_r).abs().max().item(),
-        "max_abs_err_states": (st - st_r).abs().max().item(),
-        "rows_equal_single_steps_bitwise": bool(bitwise), "t": {},
-    }
-    fla = None
-    try:  # optional comparison, only if flash-linear-attention happens to be installed
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla  # noqa: F811
-    except Exception:
-        pass
-    finals = [torch.empty_like(s) for s in s0s]
-    for t in args.gdn_ts:
-        qs, ks, vs, gs, bs = q[:t], k[:t], v[:t], g[:t], beta[:t]
-        stbuf = [torch.empty(t, Hv, Dk, Dv, device=dev) for _ in range(copies)]
-        r_plain = timer(lambda: [gdn_recurrent(qs, ks, vs, gs, bs, s0s[i], scale=scale, final_state=finals[i])
-                                 for i in range(copies)])
-        r_states = timer(lambda: [gdn_recurrent(qs, ks, vs, gs, bs, s0s[i], scale=scale, final_state=finals[i],
-                                                states=stbuf[i]) for i in range(copies)])
-        ent = {"us": r_plain["median_ms"] * 1e3 / copies, "us_with_states": r_states["median_ms"] * 1e3 / copies}
-        if fla is not None and not args.cpu_smoke:
-            try:
-                r_fla = timer(lambda: [fla(qs[None], ks[None], vs[None], g=gs[None], beta=bs[None], scale=scale,
-                                           initial_state=s0s[i][None], output_final_state=True)
-                                       for i in range(copies)])
-                ent["fla_fused_recurrent_us"] = r_fla["median_ms"] * 1e3 / copies
-            except Exception as e:
-                ent["fla_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        res["t"][t] = ent
-        log(f"gdn t={t}: {ent['us']:6.1f} us, with per-row states {ent['us_with_states']:6.1f} us"
-            + (f", fla {ent['fla_fused_recurrent_us']:6.1f} us" if "fla_fused_recurrent_us" in ent else ""))
-        del stbuf
-    log(f"gdn: max|o-ref| {res['max_abs_err_o']:.2e}, max|S-ref| {res['max_abs_err_state']:.2e}, "
-        f"rows==single steps bitwise: {res['rows_equal_single_steps_bitwise']}")
-    results["gdn"] = res
-
-
-def bench_conv(args, dev, dtype, timer, results):
-    C, W = CONV_SHAPE["C"], CONV_SHAPE["W"]
-    if args.cpu_smoke:
-        C = 96
-    tmax = max(args.gdn_ts)
-    gen = torch.Generator(device=dev).manual_seed(4)
-    x = torch.randn(tmax, C, device=dev, generator=gen).to(dtype)
-    state = torch.randn(C, W - 1, device=dev, generator=gen).to(dtype)
-    w = torch.randn(C, W, device=dev, generator=gen).to(dtype)
-    y, ns = conv_update(x, state, w)
-    y_r, ns_r = conv_update_ref(x, state, w)
-    inv = all(torch.equal(conv_update(x[:t], state, w)[0], y[:t]) for t in range(1, tmax))
-    res = {"C": C, "W": W, "max_abs_err": (y.float() - y_r.float()).abs().max().item(),
-           "state_equal": bool(torch.equal(ns, ns_r)), "row_invariant": bool(inv), "t": {}}
-    copies = 1 if args.cpu_smoke else 18
-    nss = [torch.empty_like(state) for _ in range(copies)]
-    for t in args.gdn_ts:
-        xt = x[:t]
-        r = timer(lambda: [conv_update(xt, state, w, new_state=nss[i]) for i in range(copies)])
-        res["t"][t] = {"us": r["median_ms"] * 1e3 / copies}
-        log(f"conv t={t}: {res['t'][t]['us']:6.1f} us")
-    log(f"conv: max|y-ref| {res['max_abs_err']:.2e}, state equal {res['state_equal']}, row-invariant {inv}")
-    results["conv"] = res
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON output path")
-    ap.add_argument("--sections", default="gemm,step,gdn,conv",
-                    help="comma list of gemm,step,gdn,conv,sweep (default: all but sweep)")
+    ap.add_argument("--sections", default="gemm,step",
+                    help="comma list of gemm,step,sweep (default: all but sweep)")
     ap.add_argument("--sweep", action="store_true", help="also run the config sweep")
     ap.add_argument("--ts", default="1,2,4,8", help="row counts for gemm/step")
-    ap.add_argument("--gdn-ts", default="1,2,3,4,5,6,7,8", help="row counts for gdn/conv")
     ap.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     ap.add_argument("--sweep-t", default="1", help="row counts timed in the sweep")
     ap.add_argument("--sweep-bn", default="32,64,128")
@@ -372,7 +277,7 @@ def main(argv=None):
                     help="run every code path on CPU with the Triton interpreter, tiny shapes, fp32")
     args = ap.parse_args(argv)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    args.ts, args.gdn_ts, args.sweep_t = ints(args.ts), ints(args.gdn_ts), ints(args.sweep_t)
+    args.ts, args.sweep_t = ints(args.ts), ints(args.sweep_t)
     args.sweep_bn, args.sweep_bk = ints(args.sweep_bn), ints(args.sweep_bk)
     args.sweep_stages, args.sweep_warps = ints(args.sweep_stages), ints(args.sweep_warps)
     sections = [s for s in args.sections.split(",") if s]
@@ -388,7 +293,7 @@ def main(argv=None):
     if args.cpu_smoke:  # shrink every dim by 8 (split-K still happens), tiny vocab
         shapes = [(n, max(16, N // 8), max(16, K // 8), c) for n, N, K, c in B2_SHAPES[:-1]]
         shapes.append(("lm_head", 300, 64, 1))
-        args.ts, args.gdn_ts, args.reps = args.ts[:2], args.gdn_ts[:3], 1
+        args.ts, args.reps = args.ts[:2], 1
         args.sweep_t, args.sweep_bn, args.sweep_bk, args.sweep_stages = [1], [32], [64], [3]
     timer = Timer(cuda, args.reps)
 
@@ -411,8 +316,6 @@ def main(argv=None):
         "gemm": lambda: bench_gemm(args, dev, dtype, timer, shapes, results),
         "step": lambda: bench_step(args, dev, dtype, timer, shapes, results),
         "sweep": lambda: bench_sweep(args, dev, dtype, timer, shapes, results),
-        "gdn": lambda: bench_gdn(args, dev, dtype, timer, results),
-        "conv": lambda: bench_conv(args, dev, dtype, timer, results),
     }
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Plot hyspec bench JSON: speculative tok/s vs K, and verify cost vs t (relative to t=1).
 
-    python bench/plot_results.py bench/results/b2_h200_v2.json bench/results/b2_h200.json \
-        --out bench/results/b2_h200.png
+    python bench/plot_results.py bench/results/b2_h200_v4.json --out bench/results/b2_h200.png
+    python bench/plot_results.py bench/results/default_model_h200_v2.json --out bench/results/default_model_h200.png
 Each JSON's variants are drawn; labels carry the file's stem so two runs can be compared.
 """
 import argparse
@@ -45,7 +45,7 @@ def main() -> None:
     a1.text(1, r["roofline_tok_s"] * 0.97, f"roofline {r['roofline_tok_s']:.0f}", fontsize=8, va="top")
     a1.set_xlabel("K (drafts per round)")
     a1.set_ylabel("tok/s")
-    a1.set_title("speculative decode, b2, H200 (forced 0.9/0.8/0.7/0.6 vs random MTP)")
+    a1.set_title(f"speculative decode, {meta.get('config')}, {meta.get('device')} (forced 0.9/0.8/0.7/0.6 vs MTP)")
     a1.legend(fontsize=7)
     a1.set_xticks([1, 2, 3, 4])
     a2.axhline(1.10, color="r", lw=0.8, ls=":")
