@@ -282,3 +282,22 @@ def test_forced_rates_with_rejection_sampling(ckpt, capsys) -> None:
         assert len(json.loads(cap.out)["tokens"]) == 8
     else:
         assert rc == 2 and "forced" in cap.err
+
+
+def test_bench_cpu_smoke(tmp_path, capsys) -> None:
+    """`hyspec bench` on CPU (tiny preset, torch runner): runs end to end, writes the JSON
+    with every section, and its speculative runs equal plain decoding."""
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--config", "tiny", "--prompt-len", "8", "--new-tokens", "8", "--ks", "1,2",
+               "--verify-max", "3", "--reps", "1", "--exact-prompts", "1", "--exact-tokens", "12",
+               "--hf-tokens", "0", "--variants", "exact", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    ex = r["variants"]["exact"]
+    assert r["copy_bandwidth_GBps"] > 0 and r["roofline_ms"] > 0 and not r["errors"]
+    assert ex["plain"]["tok_s"] > 0 and set(ex["verify_ms"]) == {"1", "2", "3"}
+    for kind in ("forced", "mtp"):
+        for K in ("1", "2"):
+            assert ex["spec"][kind][K]["tokens_equal_plain"], (kind, K)
+    assert r["exactness"]["all_equal"] and r["targets"]["exactness"]["met"]
+    assert "hyspec bench" in capsys.readouterr().out
