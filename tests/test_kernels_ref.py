@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyspec.kernels.gdn import conv_update_ref, gdn_recurrent_ref
+from hyspec.kernels.fused import gdn_conv_ref, gdn_step_ref
 from hyspec.kernels.gemm import linear, skinny_config, skinny_matmul_ref
+from hyspec.model.gdn import recurrent_scan
 
 FP32_ATOL = 1e-5
 FP32_RTOL = 1e-5
@@ -51,6 +52,21 @@ def _gdn_dead_simple(q, k, v, g, beta, s0, scale):
     return o, S, states
 
 
+def _step_inputs(T=5, nk=2, nv=6, dk=60, dv=36, seed=0):
+    """Inputs of fused.gdn_step_ref: conv output y [T, C] (q | k | v, raw: not l2-normed),
+    proj [T, C + Hv*Dv + 2*Hv] (its z | b | a columns after the first C), A_log, dt_bias,
+    norm weight, state [Hv, Dk, Dv] fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * nk * dk + nv * dv
+    y = torch.randn(T, C, generator=gen)
+    proj = torch.randn(T, C + nv * dv + 2 * nv, generator=gen)
+    A_log = (torch.rand(nv, generator=gen) * 3 + 0.1).log()
+    dt_bias = torch.randn(nv, generator=gen)
+    norm_w = 1 + 0.1 * torch.randn(dv, generator=gen)
+    s0 = torch.randn(nv, dk, dv, generator=gen) * 0.5
+    return y, proj, A_log, dt_bias, norm_w, s0
+
+
 def test_skinny_matmul_ref():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 200, generator=gen)
@@ -87,10 +103,15 @@ def test_skinny_config_depends_on_shape_only():
         skinny_config(96, 200, block_n=48)
 
 
-def test_gdn_ref_vs_dead_simple_loop():
+def test_recurrent_scan_vs_dead_simple_loop():
+    # the model's scan takes q, k already expanded to the value heads and q already scaled
     q, k, v, g, beta, s0 = _gdn_inputs(T=3, Hk=2, Hv=4, Dk=12, Dv=7)
     scale = 12 ** -0.5
-    o, sf, states = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=scale, return_states=True)
+    r = v.shape[1] // q.shape[1]
+    before = s0.clone()
+    o, sf, states = recurrent_scan(q.repeat_interleave(r, 1) * scale, k.repeat_interleave(r, 1), v, g, beta, s0,
+                                   want_states=True)
+    assert torch.equal(s0, before)  # the state passed in is not modified
     o64, sf64, st64 = _gdn_dead_simple(q, k, v, g, beta, s0, scale)
     torch.testing.assert_close(o.double(), o64, atol=FP32_ATOL, rtol=FP32_RTOL)
     torch.testing.assert_close(sf.double(), sf64, atol=FP32_ATOL, rtol=FP32_RTOL)
@@ -98,42 +119,53 @@ def test_gdn_ref_vs_dead_simple_loop():
     assert torch.equal(states[-1], sf)
 
 
-def test_gdn_ref_rows_at_once_equal_single_steps():
-    q, k, v, g, beta, s0 = _gdn_inputs()
-    scale = 60 ** -0.5
-    o, sf, states = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=scale, return_states=True)
+def test_gdn_step_ref_rows_at_once_equal_single_steps():
+    nk, nv, dk, dv = 2, 6, 60, 36
+    y, proj, A_log, dtb, nw, s0 = _step_inputs(nk=nk, nv=nv, dk=dk, dv=dv, seed=1)
+    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
+    before = s0.clone()
+    o, sf, states = gdn_step_ref(y, proj, A_log, dtb, nw, s0, **kw, return_states=True)
+    assert torch.equal(s0, before)  # the state passed in is not modified
+    assert o.shape == (y.shape[0], nv * dv) and states.shape == (y.shape[0], nv, dk, dv)
     S = s0
-    for t in range(q.shape[0]):
+    for t in range(y.shape[0]):
         sl = slice(t, t + 1)
-        ot, S, st = gdn_recurrent_ref(q[sl], k[sl], v[sl], g[sl], beta[sl], S, scale=scale, return_states=True)
+        ot, S, st = gdn_step_ref(y[sl], proj[sl], A_log, dtb, nw, S, **kw, return_states=True)
         assert torch.equal(ot[0], o[t]) and torch.equal(S, states[t]) and torch.equal(st[0], S)
     assert torch.equal(S, sf)
 
 
-def test_gdn_ref_does_not_modify_state_and_casts_output():
-    q, k, v, g, beta, s0 = _gdn_inputs(dtype=torch.bfloat16)
-    before = s0.clone()
-    o, sf, states = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=0.1)
-    assert torch.equal(s0, before) and states is None
-    assert o.dtype == torch.bfloat16 and sf.dtype == torch.float32
-    with pytest.raises(ValueError):
-        gdn_recurrent_ref(q, k, v, g, beta, s0.double(), scale=0.1)
-
-
-def test_gdn_ref_vs_transformers():
+def test_gdn_step_ref_vs_transformers():
+    """The fast path's reference step (l2norm, head grouping, q scale, gates, scan, gated
+    RMSNorm) against transformers' Qwen3-Next pieces: its recurrent delta rule with the
+    in-kernel l2norm and its gated RMSNorm, with b / a turned into beta / g as in
+    Qwen3NextGatedDeltaNet.forward."""
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    q, k, v, g, beta, s0 = _gdn_inputs()
-    Dk = q.shape[-1]
-    o, sf, _ = gdn_recurrent_ref(q, k, v, g, beta, s0, scale=Dk ** -0.5)
+    T, nk, nv, dk, dv, eps = 5, 2, 6, 60, 36, 1e-6
+    y, proj, A_log, dtb, nw, s0 = _step_inputs(T, nk, nv, dk, dv)
+    o, sf, _ = gdn_step_ref(y, proj, A_log, dtb, nw, s0, nk=nk, nv=nv, dk=dk, dv=dv, eps=eps)
+    kd, vd = nk * dk, nv * dv
+    C = 2 * kd + vd
+    q, k = y[:, :kd].reshape(T, nk, dk), y[:, kd : 2 * kd].reshape(T, nk, dk)
+    v = y[:, 2 * kd : C].reshape(T, nv, dv)
+    z = proj[:, C : C + vd].reshape(T, nv, dv)
+    b, a = proj[:, C + vd : C + vd + nv], proj[:, C + vd + nv :]
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dtb)
     o_hf, sf_hf = mod.torch_recurrent_gated_delta_rule(
         q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=s0[None],
-        output_final_state=True, use_qk_l2norm_in_kernel=False,
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
-    torch.testing.assert_close(o, o_hf[0], atol=FP32_ATOL, rtol=FP32_RTOL)
+    norm = mod.Qwen3NextRMSNormGated(dv, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(nw)
+        out_hf = norm(o_hf[0], z).reshape(T, vd)
+    torch.testing.assert_close(o, out_hf, atol=FP32_ATOL, rtol=FP32_RTOL)
     torch.testing.assert_close(sf, sf_hf[0], atol=FP32_ATOL, rtol=FP32_RTOL)
 
 
 def _conv_dead_simple(x, state, w):
+    """x [T, C], state [C, W-1] (channel-major, oldest first), w [C, W]; float64 loops."""
     T, C = x.shape
     W = w.shape[1]
     xx = torch.cat([state.double(), x.double().t()], 1)
@@ -144,37 +176,41 @@ def _conv_dead_simple(x, state, w):
     return F.silu(y), xx[:, -(W - 1):]
 
 
-def test_conv_update_ref():
+def test_gdn_conv_ref_vs_dead_simple_loop():
+    # gdn_conv_ref keeps the window row-major: state [W-1, C], oldest row first
     gen = torch.Generator().manual_seed(3)
     for T in (1, 2, 5):
         x = torch.randn(T, 10, generator=gen)
-        state = torch.randn(10, 3, generator=gen)
+        state = torch.randn(3, 10, generator=gen)
         w = torch.randn(10, 4, generator=gen)
-        y, ns = conv_update_ref(x, state, w)
-        y64, ns64 = _conv_dead_simple(x, state, w)
+        before = state.clone()
+        y, ns = gdn_conv_ref(x, state, w)
+        assert torch.equal(state, before)
+        y64, ns64 = _conv_dead_simple(x, state.t(), w)
         torch.testing.assert_close(y.double(), y64, atol=FP32_ATOL, rtol=FP32_RTOL)
-        assert torch.equal(ns.double(), ns64)
+        assert ns.shape == (3, 10) and torch.equal(ns.double(), ns64.t())
 
 
-def test_conv_update_ref_vs_transformers():
+def test_gdn_conv_ref_vs_transformers():
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     gen = torch.Generator().manual_seed(4)
     T, C, W = 3, 12, 4
     x = torch.randn(T, C, generator=gen)
-    state = torch.randn(C, W - 1, generator=gen)
+    state = torch.randn(W - 1, C, generator=gen)
     w = torch.randn(C, W, generator=gen)
-    y, ns = conv_update_ref(x, state, w)
-    # transformers keeps the last W inputs; the oldest one never reaches the output
-    hf_state = torch.cat([torch.randn(C, 1, generator=gen), state], 1)[None].clone()
+    y, ns = gdn_conv_ref(x, state, w)
+    # transformers keeps the last W inputs channel-major [B, C, W]; the oldest one never
+    # reaches the output
+    hf_state = torch.cat([torch.randn(C, 1, generator=gen), state.t()], 1)[None].clone()
     y_hf = mod.causal_conv1d_update(x.t()[None].contiguous(), hf_state, w, None, "silu")
     torch.testing.assert_close(y, y_hf[0].t(), atol=FP32_ATOL, rtol=FP32_RTOL)
-    assert torch.equal(ns, hf_state[0, :, 1:])
+    assert torch.equal(ns, hf_state[0, :, 1:].t())
 
 
 def test_kernel_modules_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # make `import triton` fail
-        "import hyspec.kernels.gemm as g, hyspec.kernels.gdn\n"
+        "import hyspec.kernels.gemm as g, hyspec.kernels.fused, hyspec.kernels.attn, hyspec.kernels.pdl\n"
         "assert not g.triton_available()\n"
     )
     root = str(Path(__file__).resolve().parents[1])
