@@ -39,8 +39,6 @@ def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):
     dec = FastDecoder(model, P + N + 16, 7, exact=True)
     dec.runner.fuse_reduce = flags["fuse_reduce"]
     dec.runner.attn_grouped = flags["attn_grouped"]
-    if "conv_block" in flags:
-        dec.runner.conv_block = flags["conv_block"]
     if "block_v" in flags:
         dec.runner.gdn_block_v = flags["block_v"]
     generate_plain_fast(model, prompt, max_new_tokens=16, decoder=dec)
@@ -227,11 +225,8 @@ def main(argv=None) -> int:
         "pre16": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=16 << 20),
         "pre32": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=32 << 20),
         "pre8": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=8 << 20),
-        "conv128": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, conv_block=128),
-        "conv64": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, conv_block=64),
         "bv16": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, block_v=16),
         "bv64": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, block_v=64),
-        "conv128_bv16": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, conv_block=128, block_v=16),
     }
     base_plain = None
     best, best_dec = None, None

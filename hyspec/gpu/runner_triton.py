@@ -112,7 +112,6 @@ class TritonRunner:
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
         self.attn_grouped = True
-        self.conv_block = 256  # channels per conv program (a constant, never chosen from t)
 
     # -- packing ----------------------------------------------------------------------
     def _pack_layer(self, i, layer):
@@ -227,7 +226,7 @@ class TritonRunner:
         self.mm(xn, L.w_in, proj)
         y = self.y_rows[g, :t] if rec else self._buf("y", t)
         fused.gdn_conv(proj, dec.conv[g], L.conv_w, y, rows=t, update=not record,
-                       xin=dec.conv_in[g] if record else None, block_c=self.conv_block)
+                       xin=dec.conv_in[g] if record else None)
         o = self._buf("o", t, cfg.linear_value_dim)
         fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, dec.ssm[g], o,
                        nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,

@@ -601,13 +601,16 @@ def _launch_combine(ws, proj, out, T, Hq, D, BD, NS):
                                         BLOCK_D=BD, NS=NS, num_warps=4, **launch_kwargs())
 
 
-def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, block_c: int = 256):
+def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None):
     """Triton :func:`gdn_conv_ref`. x: [T, >=C] rows (only the first C columns are read),
     state [W-1, C] (updated in place when update), weight [C, W], y [T, C] out; xin
     (optional [T, C]) receives a copy of the new rows (for a later commit)."""
     C, W = weight.shape
     k = _kernels()["gdn_conv"]
-    BC = block_c
+    # 256 channels per program.  64- and 128-channel blocks ran 1 % faster on the H200 but
+    # made speculative output differ from plain there (step_anatomy_h200_run3.json; the
+    # interpreter agrees bitwise, cause not found): keep the block that passes every check.
+    BC = 256
     xi = xin if xin is not None else y
     k[(-(-C // BC),)](x, x.stride(0), state, weight, y, y.stride(0), xi, xi.stride(0), rows, C,
                       int(update), int(xin is not None), W=W, BLOCK_C=BC, num_warps=4, **launch_kwargs())
