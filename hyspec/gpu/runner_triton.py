@@ -111,7 +111,11 @@ class TritonRunner:
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
-        self.attn_grouped = True
+        # grouped-head attention uses tensor-core dots: faster in bf16/fp16 on the H200 (b2
+        # decode step -69 us, step_anatomy_h200_run1.json), slower with fp32's exact 'ieee'
+        # dots (a kernel microbenchmark there: 14.7 vs 4.1 us at D=256), so fp32 keeps the
+        # per-head kernel
+        self.attn_grouped = dt != torch.float32
 
     # -- packing ----------------------------------------------------------------------
     def _pack_layer(self, i, layer):
