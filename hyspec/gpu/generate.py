@@ -47,6 +47,14 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _prefill_first(dec: FastDecoder, prompt: list[int]):
+    """Start the clock, prefill, take the greedy first token: (t0, pre, post, first)."""
+    _sync(dec.dev)
+    t0 = time.perf_counter()
+    pre, post, logits = dec.prefill(prompt)
+    return t0, pre, post, int(torch.argmax(logits[0]))
+
+
 def forced_table(reference: list[int], rates, seed: int, capacity: int, k_max: int, vocab: int) -> torch.Tensor:
     """[capacity, k_max] tokens the forced drafter proposes at (position, depth): exactly
     hyspec.spec.drafter.ForcedDrafter.forced_token, vectorised."""
@@ -76,16 +84,11 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
     dec = decoder or get_decoder(model, P + max_new_tokens + 1, 1, exact=exact)
     if dec.max_len < P + max_new_tokens + 1:
         raise ValueError(f"decoder max_len {dec.max_len} < {P + max_new_tokens + 1} needed")
-    dev = dec.dev
-    _sync(dev)
-    t0 = time.perf_counter()
+    if max_new_tokens == 0:
+        return GenerationResult([], "length", {"prompt_tokens": P, "generated_tokens": 0})
+    t0, _, _, first = _prefill_first(dec, prompt)
     out: list[int] = []
     reason = "length"
-    if max_new_tokens == 0:
-        return GenerationResult([], reason, {"prompt_tokens": P, "generated_tokens": 0})
-    _, _, logits = dec.prefill(prompt)
-    first = int(torch.argmax(logits[0]))
-    t1 = time.perf_counter()
     out.append(first)
     steps = max_new_tokens - 1
     if first in stops:
@@ -124,7 +127,8 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
                               profile: bool = False, trace: list | None = None) -> GenerationResult:
     """Greedy speculative decoding on the fast path (MTP drafter, or the forced-acceptance
     drafter when opts.forced_rates is set). Output equals generate_plain_fast's bitwise
-    in exact mode. opts.rollback is ignored (per-row checkpoints always); p_min > 0 and
+    in exact mode. opts.rollback is ignored (the runner's own commit: the Triton runner
+    replays the accepted rows, the torch runner keeps per-row states); p_min > 0 and
     prime_pending=False are not supported here (use the reference loop). trace (a list)
     receives (k, accepted, drafts) per round; profile adds per-phase GPU times."""
     check_prompt(prompt, model.cfg.vocab_size)
@@ -152,14 +156,11 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
     if forced:
         dec.set_forced(forced_table(list(prompt) + list(reference), list(opts.forced_rates), opts.forced_seed,
                                     dec.capacity, dec.k_max, model.cfg.vocab_size))
-    _sync(dev)
-    t0 = time.perf_counter()
+    if max_new_tokens == 0:
+        return GenerationResult([], "length", {"prompt_tokens": P, "generated_tokens": 0})
+    t0, pre, post, pending = _prefill_first(dec, prompt)
     out: list[int] = []
     reason = "length"
-    if max_new_tokens == 0:
-        return GenerationResult([], reason, {"prompt_tokens": P, "generated_tokens": 0})
-    pre, post, logits = dec.prefill(prompt)
-    pending = int(torch.argmax(logits[0]))
     out.append(pending)
     if pending in stops:
         reason = "eos"
