@@ -3,7 +3,8 @@
 One run on the GPU (b2 preset, bf16, 512-token prompt):
   1. ablation, each row adding one change to the one above, every row a fresh decoder:
      base (reduce kernels, per-head attention, no PDL) -> fused split-K reduce -> grouped
-     attention -> PDL -> PDL + L2 weight prefetch (PREFETCH_BYTES) -> larger prefetch;
+     attention -> PDL (the PDL + L2 weight prefetch rows of run1 came from commit e010fc1;
+     the prefetch was removed after measuring slower);
      per row: decode step, verify t=1/4/8, draft step (graph replays), plain tok/s, and
      forced K=3 speculative output == plain output (bitwise) on 256 tokens;
   2. for the best row: the step with every matmul replaced by a no-op ("no GEMM") and with
@@ -30,11 +31,10 @@ from hyspec.bench import B2, build_config_model, copy_bandwidth, log, time_fn
 
 def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):
     from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.kernels import gemm, pdl
+    from hyspec.kernels import pdl
     from hyspec.spec.loop import SpecOptions
 
     pdl.set_pdl(flags["pdl"])
-    gemm.PREFETCH_BYTES = flags.get("prefetch", 0)
     P, N = len(prompt), args.new_tokens
     dec = FastDecoder(model, P + N + 16, 7, exact=True)
     dec.runner.fuse_reduce = flags["fuse_reduce"]
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tune-s", type=float, default=150.0)
-    ap.add_argument("--rows", default="base,fuse,grouped,pdl,pre16,pre32")
+    ap.add_argument("--rows", default="base,fuse,grouped,pdl")
     ap.add_argument("--best", default=None, help="tune this row instead of the fastest one")
     ap.add_argument("--after-rows", default="", help="rows measured again with the tuned table")
     ap.add_argument("--out", default="anatomy.json")
@@ -218,15 +218,12 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
     all_rows = {
-        "base": dict(fuse_reduce=False, attn_grouped=False, pdl=False, prefetch=0),
-        "fuse": dict(fuse_reduce=True, attn_grouped=False, pdl=False, prefetch=0),
-        "grouped": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0),
-        "pdl": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=0),
-        "pre16": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=16 << 20),
-        "pre32": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=32 << 20),
-        "pre8": dict(fuse_reduce=True, attn_grouped=True, pdl=True, prefetch=8 << 20),
-        "bv16": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, block_v=16),
-        "bv64": dict(fuse_reduce=True, attn_grouped=True, pdl=False, prefetch=0, block_v=64),
+        "base": dict(fuse_reduce=False, attn_grouped=False, pdl=False),
+        "fuse": dict(fuse_reduce=True, attn_grouped=False, pdl=False),
+        "grouped": dict(fuse_reduce=True, attn_grouped=True, pdl=False),
+        "pdl": dict(fuse_reduce=True, attn_grouped=True, pdl=True),
+        "bv16": dict(fuse_reduce=True, attn_grouped=True, pdl=False, block_v=16),
+        "bv64": dict(fuse_reduce=True, attn_grouped=True, pdl=False, block_v=64),
     }
     base_plain = None
     best, best_dec = None, None
@@ -274,9 +271,6 @@ def main(argv=None) -> int:
     if args.tune_s > 0:
         flags = all_rows[best]
         pdl.set_pdl(flags["pdl"])
-        from hyspec.kernels import gemm as _gemm
-
-        _gemm.PREFETCH_BYTES = flags.get("prefetch", 0)
         dec = best_dec
         pre, post, lg = dec.prefill(prompt)
         dec.start_plain(int(torch.argmax(lg[0])))

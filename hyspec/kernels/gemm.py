@@ -143,8 +143,7 @@ def _kernels():
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
-        PDL: tl.constexpr = False, PRE_K: tl.constexpr = 0, LINE: tl.constexpr = 64, EVICT: tl.constexpr = "",
-        WT: tl.constexpr = False,
+        PDL: tl.constexpr = False, WT: tl.constexpr = False,
     ):
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -160,18 +159,7 @@ def _kernels():
             w_rows = offs_n.to(tl.int64) * stride_wn
         else:
             w_rows = offs_n * stride_wn
-        if PDL:
-            # the weights are never written while decoding: pull the first PRE_K columns of
-            # this program's slab into L2 while the kernel before us still runs, then wait
-            # for it (hyspec.kernels.pdl) before touching x
-            if PRE_K > 0:
-                pk = tl.minimum(k_lo + tl.arange(0, PRE_K // LINE) * LINE, K - 1)
-                pn = tl.minimum(offs_n, N - 1)
-                if W_I64:
-                    pn = pn.to(tl.int64)
-                pp = w_ptr + pn[:, None] * stride_wn + pk[None, :] * stride_wk
-                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [pp],
-                                          dtype=tl.int32, is_pure=False, pack=1)
+        if PDL:  # hyspec.kernels.pdl: wait for the kernels ahead before touching x
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if WT:
@@ -195,11 +183,11 @@ def _kernels():
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
                 if EVEN_N:
-                    wt = tl.load(w_ptrs, eviction_policy=EVICT)
+                    wt = tl.load(w_ptrs)
                 elif WT:
-                    wt = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy=EVICT)
+                    wt = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
                 else:
-                    wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0, eviction_policy=EVICT)
+                    wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
             else:
                 mask_k = offs_k < k_hi
                 xt = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
@@ -210,9 +198,9 @@ def _kernels():
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
                 if WT:
-                    wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy=EVICT)
+                    wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
                 else:
-                    wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0, eviction_policy=EVICT)
+                    wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             # every output row comes from its own x row only (the MMA never mixes rows or,
             # with WT, columns of x.T), so padded rows change nothing
             if WT:
@@ -262,10 +250,6 @@ def _kernels():
 
 _REDUCE_BLOCK = 1024
 
-# With PDL (hyspec.kernels.pdl) a matmul prefetches up to this many bytes of its weight
-# into L2 before waiting for the kernel ahead of it (0: no prefetch).  The H200 has 60 MB
-# of L2; one matmul ahead is in flight at a time.
-PREFETCH_BYTES = 16 << 20
 
 
 # Measured best configs per (N, K) on the H200 (bf16, t=1; bench/kernels_gpu.py --sweep),
@@ -365,13 +349,6 @@ def skinny_matmul(
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     grid = (_cdiv(N, cfg.block_n), cfg.split_k, n_tblocks)
     lk = launch_kwargs()
-    pre_k, line, evict = 0, 128 // w.element_size(), ""
-    if lk["PDL"] and PREFETCH_BYTES > 0:
-        # prefetch at most PREFETCH_BYTES of this weight (the first columns of every slab)
-        frac = min(1.0, PREFETCH_BYTES / (N * K * w.element_size()))
-        cols = int(cfg.k_per_split * frac) // line * line
-        pre_k = _p2_floor(cols) if cols >= line else 0
-        evict = "evict_first" if pre_k else ""
     mm_kernel[grid](
         x, w, out, ws,
         T, N, K, cfg.k_per_split,
@@ -383,7 +360,7 @@ def skinny_matmul(
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0, PRE_K=pre_k, LINE=line, EVICT=evict, WT=cfg.wt,
+        ACT=act, X_UP=K if act else 0, WT=cfg.wt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
     )
     if not direct:
@@ -397,9 +374,6 @@ def skinny_matmul(
         )
     return out
 
-
-def _p2_floor(n: int) -> int:
-    return 1 << (int(n).bit_length() - 1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,13 @@ sits idle.  With PDL a kernel may be *launched* while its predecessor still runs
   (activations, caches, states) -- it returns once the predecessor grid has completed
   and its writes are visible.  Since each kernel waits before it completes, completion
   is transitive: after ``gdc_wait`` *all* earlier kernels of the stream are done;
-* reads of memory no kernel writes during decoding (weights) may come before the wait:
-  the matmul uses that window to pull the first part of its weight slab into L2.
+* reads of memory no kernel writes during decoding (weights) could come before the wait
+  (an L2 prefetch of the weight slab there measured slower on the H200 and was removed).
 
 The result is unchanged (same kernels, same arithmetic, the waits only order memory
-traffic), so exactness is untouched; only the schedule moves.  Without PDL (older GPU,
-CPU interpreter, ``HYSPEC_PDL=0``) the kernels are compiled with ``PDL=False`` and the
-two calls vanish.
+traffic), so exactness is untouched; only the schedule moves.  Without PDL (the default,
+older GPUs, the CPU interpreter) the kernels are compiled with ``PDL=False`` and the two
+calls vanish.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def pdl_enabled() -> bool:
 
     Off by default because it measured slower on the H200 for the b2 bench model
     (bench/results/step_anatomy_h200_run2.json, tuned configs: decode step 1.688 ms without,
-    1.744 ms with PDL, 1.838 ms with PDL + 16 MB L2 prefetch)."""
+    1.744 ms with PDL, 1.838 ms with PDL + a 16 MB L2 weight prefetch, since removed)."""
     if _override is not None:
         return _override and _supported()
     if os.environ.get("HYSPEC_PDL", "0") != "1":
