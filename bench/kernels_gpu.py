@@ -116,6 +116,16 @@ def n_copies(bytes_each: int, smoke: bool) -> int:
 
 
 # ----------------------------------------------------------------------------- gemm
+def weight_copies(N: int, K: int, dtype, dev, smoke: bool, seed: int):
+    """(bytes of one weight, number of copies, the copies [N, K], x [16, K]): enough copies
+    of a random weight that timing them in turn streams from HBM, not L2."""
+    bytes_w = N * K * torch.finfo(dtype).bits // 8
+    copies = n_copies(bytes_w, smoke)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    ws = [(torch.randn(N, K, device=dev, generator=gen) * K ** -0.5).to(dtype) for _ in range(copies)]
+    return bytes_w, copies, ws, torch.randn(16, K, device=dev, generator=gen).to(dtype)
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -135,11 +145,7 @@ def bench_gemm(args, dev, dtype, timer, shapes, results):
     rows = []
     for name, N, K, count in shapes:
         cfg = skinny_config(N, K)
-        bytes_w = N * K * torch.finfo(dtype).bits // 8
-        copies = n_copies(bytes_w, args.cpu_smoke)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        ws = [(torch.randn(N, K, device=dev, generator=gen) * K ** -0.5).to(dtype) for _ in range(copies)]
-        x16 = torch.randn(16, K, device=dev, generator=gen).to(dtype)
+        bytes_w, copies, ws, x16 = weight_copies(N, K, dtype, dev, args.cpu_smoke, seed=0)
         # correctness + invariance on copy 0
         ref = x16.float() @ ws[0].float().t()
         y_sk = skinny_matmul(x16, ws[0])
@@ -172,7 +178,7 @@ def bench_gemm(args, dev, dtype, timer, shapes, results):
         log(f"{name:18s} N={N:6d} K={K:5d} BN={cfg.block_n:3d} BK={cfg.block_k:3d} S={cfg.split_k:2d} "
             f"inv={'Y' if inv_sk else 'N'}/cuBLAS {'Y' if inv_th else 'N'} "
             f"err={row['rel_err_skinny']:.1e}  torch/skinny {tcols}")
-        del ws
+        ws = None  # free the copies (not del: the timed lambdas above name it)
     results["gemm"] = rows
 
 
@@ -200,7 +206,7 @@ def bench_step(args, dev, dtype, timer, shapes, results):
         log(f"step t={t}: {len(weights)} mat-vecs, {total_bytes / 1e9:.2f} GB: torch {r_th['median_ms']:.3f} ms "
             f"({out['t'][t]['torch_TBps']:.2f} TB/s)  skinny {r_sk['median_ms']:.3f} ms "
             f"({out['t'][t]['skinny_TBps']:.2f} TB/s)")
-    del weights
+    weights = None  # free them (not del: the timed lambdas above name it)
     results["step"] = out
 
 
@@ -214,11 +220,7 @@ def bench_sweep(args, dev, dtype, timer, shapes, results):
             continue
         seen.add((N, K))
         default = skinny_config(N, K)
-        bytes_w = N * K * torch.finfo(dtype).bits // 8
-        copies = n_copies(bytes_w, args.cpu_smoke)
-        gen = torch.Generator(device=dev).manual_seed(2)
-        ws = [(torch.randn(N, K, device=dev, generator=gen) * K ** -0.5).to(dtype) for _ in range(copies)]
-        x16 = torch.randn(16, K, device=dev, generator=gen).to(dtype)
+        bytes_w, copies, ws, x16 = weight_copies(N, K, dtype, dev, args.cpu_smoke, seed=2)
         ref = x16.float() @ ws[0].float().t()
         splits = sorted({1, max(1, default.split_k // 2), default.split_k, default.split_k * 2, default.split_k * 4})
         cands = []
@@ -254,7 +256,7 @@ def bench_sweep(args, dev, dtype, timer, shapes, results):
             log(f"  best t={t0}: BN={best['block_n']} BK={best['block_k']} S={best['split_k']} "
                 f"stages={best['num_stages']} warps={best['num_warps']} {best['t'][t0]:.1f} us "
                 f"({bytes_w / (best['t'][t0] * 1e3):.0f} GB/s); default {d_us:.1f} us")
-        del ws
+        ws = None  # free the copies (not del: the timed lambdas above name it)
     results["sweep"] = rows
 
 
