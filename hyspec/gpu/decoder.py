@@ -354,6 +354,10 @@ class FastDecoder:
         if k > 0:
             self.res[2 : 2 + k].copy_(self.vtok[1:t])
 
+    def commit_recorded_states(self, n: torch.Tensor) -> None:
+        """SSM states after the accepted rows, from a verify that recorded every row's state."""
+        self.ssm.copy_(self.ssm_rows.index_select(1, n).squeeze(1))
+
     def draft(self, k: int, forced: bool = False) -> None:
         if k > 0:
             self._run(("draft", k, forced), lambda: self._draft_body(k, forced))

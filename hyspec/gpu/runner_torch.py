@@ -61,8 +61,7 @@ class TorchRunner:
 
     def commit_linear(self, n: torch.Tensor) -> None:
         """Linear layers' state after the accepted rows: the recorded state of row n."""
-        dec = self.dec
-        dec.ssm.copy_(dec.ssm_rows.index_select(1, n).squeeze(1))
+        self.dec.commit_recorded_states(n)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.logits(h, StepCtx(exact=True))

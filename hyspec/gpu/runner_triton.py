@@ -112,9 +112,9 @@ class TritonRunner:
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
         # grouped-head attention uses tensor-core dots: faster in bf16/fp16 on the H200 (b2
-        # decode step -69 us, step_anatomy_h200_run1.json), slower with fp32's exact 'ieee'
-        # dots (a kernel microbenchmark there: 14.7 vs 4.1 us at D=256), so fp32 keeps the
-        # per-head kernel
+        # decode step -69 us, step_anatomy_h200_run1.json); with fp32's exact 'ieee' dots a
+        # development microbenchmark there found it slower (not kept in bench/results), so
+        # fp32 keeps the per-head kernel
         self.attn_grouped = dt != torch.float32
 
     # -- packing ----------------------------------------------------------------------
@@ -246,7 +246,7 @@ class TritonRunner:
         if not self.gdn_layers:
             return
         if self.records_states:
-            dec.ssm.copy_(dec.ssm_rows.index_select(1, n).squeeze(1))
+            dec.commit_recorded_states(n)
             return
         fused.gdn_replay(self.y_rows, self.p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
                          dec.ssm, n, self.b.h, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
