@@ -288,10 +288,10 @@ def main(argv=None) -> int:
     ap.add_argument("--exact-prompts", type=int, default=4)
     ap.add_argument("--hf-tokens", type=int, default=32, help="0: skip the transformers comparison")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--tune", default="none", choices=["none", "step", "isolated"],
+    ap.add_argument("--tune", default="none", choices=["none", "step"],
                     help="GEMM config search before measuring: none (the shipped configs: "
                          "hyspec.kernels.gemm.BUILTIN, picked in the step on the H200, else shape defaults), "
-                         "step (each shape timed inside the real decode step), isolated (each shape alone)")
+                         "step (each shape's candidates timed inside the real decode step)")
     ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
     ap.add_argument("--seed", type=int, default=0)
@@ -358,12 +358,6 @@ def main(argv=None) -> int:
         set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tg.items()})
         result["tuned_gemm"] = tg
         log(f"GEMM configs from {args.tuned_from}")
-    elif dev.type == "cuda" and args.tune == "isolated":
-        from hyspec.gpu.tune import model_shapes, tune_skinny
-
-        log("tuning skinny-GEMM configs per weight shape, each alone (t=1, chosen by shape only)")
-        tuned = tune_skinny(model_shapes(probe.runner), dev, dtype, budget_s=args.tune_s, log=log)
-        result["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
     shapes = None
     if dev.type == "cuda" and args.tune == "step" and not args.tuned_from:
         from hyspec.gpu.tune import model_shapes

@@ -2,9 +2,9 @@
 
 Configs are chosen from (N, K) only and installed before any decoding
 (``hyspec.kernels.gemm.set_tuned``), so every row count keeps using the same config: the
-row invariance that exact mode needs is untouched.  Each candidate is timed as a CUDA
-graph of back-to-back calls over several weight copies (so the weights stream from HBM,
-not L2).
+row invariance that exact mode needs is untouched.  Each candidate is timed inside a
+CUDA graph of the real decode step (``tune_in_step``): a matmul's best tile between the
+step's small kernels is not the one it gets timed alone.
 """
 from __future__ import annotations
 
@@ -12,69 +12,7 @@ import time
 
 import torch
 
-from hyspec.kernels.gemm import set_tuned, skinny_config, skinny_matmul
-
-
-def _graph_ms(fn, reps: int = 5) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
-def tune_skinny(shapes, device, dtype=torch.bfloat16, *, rotate_bytes: int = 256 << 20, budget_s: float = 60.0,
-                log=print) -> dict:
-    """shapes: iterable of (N, K) (ACT shapes pass their weight's N, K). Installs and
-    returns {(N, K): {"config": kwargs, "us": best, "default_us": default}}."""
-    out, table = {}, {}
-    t0 = time.perf_counter()
-    for N, K in sorted(set(shapes), key=lambda s: -s[0] * s[1]):
-        base = skinny_config(N, K)
-        cands = [dict(block_n=base.block_n, block_k=base.block_k, split_k=base.split_k)]
-        for bn in (32, 64, 128):
-            for bk in (128, 256):
-                for s in sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2, 1 if N >= 32768 else 0}):
-                    if s > 0:
-                        c = dict(block_n=bn, block_k=bk, split_k=s)
-                        if c not in cands:
-                            cands.append(c)
-        nbytes = N * K * torch.finfo(dtype).bits // 8
-        copies = max(1, min(16, rotate_bytes // nbytes))
-        g = torch.Generator(device=device).manual_seed(N * 7 + K)
-        ws = [torch.randn(N, K, device=device, generator=g).to(dtype) for _ in range(copies)]
-        x = torch.randn(1, K, device=device, generator=g).to(dtype)
-        res = []
-        for kw in cands:
-            if time.perf_counter() - t0 > budget_s and res:
-                break
-            try:
-                ms = _graph_ms(lambda kw=kw: [skinny_matmul(x, w, **kw) for w in ws])
-            except Exception as e:  # e.g. shared memory for large tiles
-                log(f"  tune {N}x{K} {kw}: {type(e).__name__}")
-                continue
-            res.append((ms * 1e3 / copies, kw))
-        ws = []  # free the copies
-        best = min(res, key=lambda r: r[0])
-        table[(N, K)] = best[1]
-        out[(N, K)] = {"config": best[1], "us": best[0], "default_us": res[0][0],
-                       "GBps": nbytes / (best[0] * 1e3)}
-        log(f"  tune {N}x{K}: best {best[1]} {best[0]:.1f} us ({nbytes / (best[0] * 1e3):.0f} GB/s); "
-            f"default {res[0][0]:.1f} us; {len(res)} tried")
-    set_tuned(table)
-    return out
+from hyspec.kernels.gemm import set_tuned, skinny_config
 
 
 def model_shapes(runner) -> list[tuple[int, int]]:
