@@ -281,26 +281,34 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def build_preset_model(name: str, device, dtype: torch.dtype, seed: int = 0):
-    """Random HF-like weights of the preset, built directly on `device` in `dtype` (one copy:
-    meta -> empty on the device -> in-place init; no fp32 staging copy)."""
+def build_on_device(d: dict, device, dtype: torch.dtype, seed: int = 0):
+    """HybridLM (with MTP head) of config dict `d`, random HF-like weights, built directly on
+    `device` in `dtype`: meta -> empty on the device -> in-place init, so the device never
+    holds a second (fp32 staging) copy of the weights."""
+    from hyspec.config import ModelConfig
     from hyspec.tiny import init_weights
 
-    cfg = preset_config(name)
-    if (cfg.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
-        from hyspec.quant import QUANT_HOOK
-
-        raise RuntimeError(f"preset {name} keeps FP8 weights on the device, which needs the GPU FP8 matmul path "
-                           f"({QUANT_HOOK}); its bf16 form ({step_bytes(cfg)['weight_bytes_total'] / 1e9 * 2:.0f} GB) "
-                           f"does not fit one H200")
+    cfg = ModelConfig.from_dict(d)
     m = meta_model(cfg).to(dtype)
-    for n, p in m.named_parameters():
+    for n, p in m.named_parameters():  # as hyspec.loading keeps them
         if n.endswith(("A_log", "dt_bias")) and dtype != torch.float64:
             p.data = p.data.float()
     m = m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     init_weights(m, g)
     return m.eval().requires_grad_(False)
+
+
+def build_preset_model(name: str, device, dtype: torch.dtype, seed: int = 0):
+    """The preset's model with random weights on `device` (see build_on_device)."""
+    cfg = preset_config(name)
+    if (cfg.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
+        from hyspec.quant import QUANT_HOOK
+
+        raise RuntimeError(f"preset {name} keeps FP8 weights on the device, which needs the GPU FP8 matmul path "
+                           f"({QUANT_HOOK}); in bf16 ({2 * step_bytes(cfg)['params'] / 1e9:.0f} GB) it does not fit "
+                           f"one H200")
+    return build_on_device(PRESETS[name], device, dtype, seed)
 
 
 def check_runnable(name: str, dev: torch.device, dtype: torch.dtype) -> str | None:
@@ -322,4 +330,4 @@ def check_runnable(name: str, dev: torch.device, dtype: torch.dtype) -> str | No
 
 
 __all__ = ["PRESETS", "PUBLISHED", "preset_config", "step_bytes", "expected_distinct_experts", "roofline",
-           "slots_that_fit", "summary", "format_summary", "build_preset_model", "check_runnable", "H200_BW"]
+           "slots_that_fit", "summary", "format_summary", "build_preset_model", "build_on_device", "check_runnable", "H200_BW"]
