@@ -81,11 +81,13 @@ def _quant_config(path: Path):
     return parse_quantization_config(raw) if isinstance(raw, dict) else None
 
 
-def read_tensors(path: str | Path, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtype = torch.float32
+                 ) -> dict[str, torch.Tensor]:
     """All language-model tensors of a checkpoint directory, keys normalised (on CPU).
 
     FP8 block-quantized checkpoints (hyspec/quant.py): with ``dequantize`` (the default)
-    every float8 weight comes back as fp32, its ``*_scale_inv`` consumed, and per-expert
+    every float8 weight comes back in `dtype` (computed in fp32, one tensor at a time), its
+    ``*_scale_inv`` consumed, and per-expert
     keys are stacked as usual. ``dequantize=False`` is the hook for a GPU FP8 path: the
     float8 weights and their scales come back as stored (keys normalised, per-expert
     keys NOT stacked), after the same validation of the quantization config."""
@@ -107,7 +109,7 @@ def read_tensors(path: str | Path, *, dequantize: bool = True) -> dict[str, torc
             raise CheckpointError(f"{f.name}: cannot read safetensors file ({size} bytes): {e}") from None
     if not dequantize:
         return out
-    return _stack_experts(dequantize_tensors(out, qcfg))
+    return _stack_experts(dequantize_tensors(out, qcfg, dtype))
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -145,7 +147,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
         raise CheckpointError(f"model directory {path} does not exist")
     dtype = parse_dtype(dtype)
     cfg = ModelConfig.from_dir(path)
-    tensors = read_tensors(path)  # FP8 checkpoints: dequantized to fp32 here, then cast to `dtype`
+    # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU: the device
+    # only ever holds the model's one copy of the weights
+    tensors = read_tensors(path, dtype=dtype)
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
 
     with torch.device("meta"):

@@ -126,9 +126,11 @@ def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int,
     return s.repeat_interleave(block[1], dim=-1)[..., : shape[-1]]
 
 
-def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = "weight") -> torch.Tensor:
-    """float8_e4m3fn [..., R, C] and its scale grid -> fp32. Raises CheckpointError naming `name`
-    when the scale grid does not match the weight and block size."""
+def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = "weight",
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float8_e4m3fn [..., R, C] and its scale grid -> `dtype` (the product is taken in fp32,
+    fp64 for fp64, then cast). Raises CheckpointError naming `name` when the scale grid does
+    not match the weight and block size."""
     from hyspec.loading import CheckpointError
 
     if w.dim() < 2:
@@ -139,7 +141,9 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                               f"{list(w.shape)} and weight_block_size {list(block)}")
     if not scale_inv.is_floating_point() or scale_inv.dtype == FP8_DTYPE:
         raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has dtype {scale_inv.dtype}; expected float32 (or bf16) scales")
-    return w.float() * expand_scales(scale_inv, tuple(w.shape), block)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block).to(acc)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,9 +173,11 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
 
 
-def dequantize_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None) -> dict[str, torch.Tensor]:
-    """Replace every float8 weight and its ``*_scale_inv`` by the fp32 dequantized weight
-    (in place, returns the dict). Unquantized tensors are untouched. Raises CheckpointError
+def dequantize_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None,
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Replace every float8 weight and its ``*_scale_inv`` by the dequantized weight in
+    `dtype` (in place, returns the dict; one tensor at a time, so a bf16 load of a large
+    checkpoint never stages all of it in fp32). Unquantized tensors are untouched. Raises CheckpointError
     naming the key for a missing or mis-shaped scale, a scale without its weight, an fp8
     format other than e4m3fn, static activation scales, or fp8 weights without a
     quantization_config."""
@@ -201,7 +207,7 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | 
         sk = scale_key_of(k)
         if sk not in tensors:
             raise CheckpointError(f"tensor '{k}' is float8_e4m3fn but its block scale '{sk}' is missing")
-        tensors[k] = dequantize(tensors[k], tensors.pop(sk), qcfg.block, name=k)
+        tensors[k] = dequantize(tensors[k], tensors.pop(sk), qcfg.block, name=k, dtype=dtype)
     return tensors
 
 
