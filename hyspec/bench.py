@@ -477,7 +477,8 @@ def memory_report(model, dev, lengths) -> dict:
 
 def format_memory(m: dict) -> str:
     gb = 1e9
-    return (f"memory: weights {m['weights_bytes'] / gb:.2f} GB, peak allocated {m['peak_allocated_bytes'] / gb:.2f} GB, "
+    return (f"memory: weights {m['weights_bytes'] / gb:.2f} GB, "
+            f"peak allocated {m['peak_allocated_bytes'] / gb:.2f} GB, "
             f"free {m['free_bytes'] / gb:.2f} of {m['total_bytes'] / gb:.2f} GB -> " + ", ".join(
                 f"{s['slots']} slots of {s['length']} tokens" for s in m["slots"]))
 

@@ -98,7 +98,8 @@ PRESETS: dict[str, dict] = {
 # model card figures: total parameters (text + MTP as published, vision tower excluded where stated)
 PUBLISHED = {
     "qwen3.5-27b": {"total": 27e9, "source": "Qwen/Qwen3.5-27B model card: 27B"},
-    "qwen3.5-35b-a3b": {"total": 35e9, "active": 3e9, "source": "Qwen/Qwen3.5-35B-A3B model card: 35B total, 3B active"},
+    "qwen3.5-35b-a3b": {"total": 35e9, "active": 3e9,
+                        "source": "Qwen/Qwen3.5-35B-A3B model card: 35B total, 3B active"},
     "qwen3-next-80b-a3b-fp8": {"total": 80e9, "active": 3e9, "non_embedding": 79e9,
                                "source": "Qwen/Qwen3-Next-80B-A3B-Instruct model card: 80B total, 3B activated, "
                                          "79B non-embedding"},
@@ -265,7 +266,8 @@ def format_summary(s: dict) -> str:
              f"  params {s['params'] / gb:.2f} B (target {s['params_target'] / gb:.2f} B"
              + (f", active per token {s['params_active'] / gb:.2f} B" if s["params_active"] else "") + ")"
              + (f"; published: {s['published']['source']}" if s.get("published") else ""),
-             f"  weights on the device {s['weight_bytes'] / gb:.2f} GB; a decode step reads {s['decode_bytes'] / gb:.3f} GB"
+             f"  weights on the device {s['weight_bytes'] / gb:.2f} GB; "
+             f"a decode step reads {s['decode_bytes'] / gb:.3f} GB"
              f" -> roofline {s['roofline_decode']['ms']:.3f} ms = {s['roofline_decode']['tok_s']:.0f} tok/s at "
              f"{s['bandwidth'] / 1e12:.2f} TB/s; a draft step reads {s['draft_bytes'] / gb:.3f} GB"]
     for t, v in s["verify"].items():
@@ -330,4 +332,5 @@ def check_runnable(name: str, dev: torch.device, dtype: torch.dtype) -> str | No
 
 
 __all__ = ["PRESETS", "PUBLISHED", "preset_config", "step_bytes", "expected_distinct_experts", "roofline",
-           "slots_that_fit", "summary", "format_summary", "build_preset_model", "build_on_device", "check_runnable", "H200_BW"]
+           "slots_that_fit", "summary", "format_summary", "build_preset_model", "build_on_device", "check_runnable",
+           "H200_BW"]

@@ -41,8 +41,8 @@ from hyspec.config import ConfigError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv ; stacked X -> X_scale_inv
-_OTHER_FP8 = tuple(d for d in (getattr(torch, n, None) for n in
-                               ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")) if d is not None)
+_OTHER_FP8_NAMES = ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+_OTHER_FP8 = tuple(d for d in (getattr(torch, n, None) for n in _OTHER_FP8_NAMES) if d is not None)
 
 # Linear weights Qwen's FP8 checkpoints leave in bf16 (suffixes of the module name).
 UNQUANTIZED_LINEARS = ("lm_head", "embed_tokens", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
@@ -137,10 +137,12 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
         raise CheckpointError(f"tensor '{name}' is float8 but has shape {list(w.shape)}; block scales need a matrix")
     want = scale_shape(tuple(w.shape), block)
     if tuple(scale_inv.shape) != want:
-        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has shape {list(scale_inv.shape)}, expected {list(want)} for weight shape "
+        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has shape {list(scale_inv.shape)}, expected "
+                              f"{list(want)} for weight shape "
                               f"{list(w.shape)} and weight_block_size {list(block)}")
     if not scale_inv.is_floating_point() or scale_inv.dtype == FP8_DTYPE:
-        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has dtype {scale_inv.dtype}; expected float32 (or bf16) scales")
+        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has dtype {scale_inv.dtype}; "
+                              f"expected float32 (or bf16) scales")
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block).to(acc)
     return out if out.dtype == dtype else out.to(dtype)

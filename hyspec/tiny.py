@@ -119,7 +119,8 @@ def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> tu
     out, skip = {}, []
     for k, v in tensors.items():
         stacked = k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-        if v.dim() >= 2 and v.is_floating_point() and (k.endswith(".weight") or stacked) and not k.endswith("conv1d.weight"):
+        linear = (k.endswith(".weight") or stacked) and not k.endswith("conv1d.weight")
+        if v.dim() >= 2 and v.is_floating_point() and linear:
             if _is_unquantized(k):
                 skip.append(k[: -len(".weight")])
                 out[k] = v
@@ -170,7 +171,8 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         from hyspec.quant import Fp8BlockConfig
 
         tensors, skip = quantize_fp8(tensors, tuple(fp8_block))
-        cfg_dict["quantization_config"] = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip)).to_dict()
+        qcfg = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip))
+        cfg_dict["quantization_config"] = qcfg.to_dict()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))

@@ -206,7 +206,8 @@ def test_multimodal_prefix_and_nested_quantization_config(ckpts, tmp_path):
             wrapped["text_config"]["quantization_config"] = q
         (d / "config.json").write_text(json.dumps(wrapped))
         t = load_file(str(src / "model.safetensors"))
-        t = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v for k, v in t.items()}
+        t = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+             for k, v in t.items()}
         save_file(t, str(d / "model.safetensors"))
         m = load_model(d)
         ref = load_model(src)
@@ -284,7 +285,8 @@ EXP = "model.layers.2.mlp.experts.gate_up_proj"
 
 def test_missing_scale_is_named(ckpt):
     _edit(ckpt, lambda t: t.pop(KEY + "_scale_inv"))
-    with pytest.raises(CheckpointError, match=rf"'{KEY}' is float8_e4m3fn but its block scale '{KEY}_scale_inv' is missing"):
+    with pytest.raises(CheckpointError,
+                       match=rf"'{KEY}' is float8_e4m3fn but its block scale '{KEY}_scale_inv' is missing"):
         load_model(ckpt)
 
 
