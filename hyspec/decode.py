@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,8 +69,10 @@ def check_stop(stop_ids, vocab: int) -> set[int]:
 
 @torch.no_grad()
 def generate_plain(model: HybridLM, prompt: list[int], *, max_new_tokens: int, params: SamplingParams | None = None,
-                   stop_ids=(), max_len: int | None = None) -> GenerationResult:
-    """Prefill the prompt, then one target forward per token."""
+                   stop_ids=(), max_len: int | None = None,
+                   on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Prefill the prompt, then one target forward per token. on_tokens(ids) is called
+    with each emitted token (the streaming hook)."""
     params = params if params is not None else GREEDY
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
@@ -87,6 +90,8 @@ def generate_plain(model: HybridLM, prompt: list[int], *, max_new_tokens: int, p
     while len(out) < max_new_tokens:
         tok = choose_token(logits, prompt + out, params, P + len(out))
         out.append(tok)
+        if on_tokens is not None:
+            on_tokens([tok])
         if tok in stops:
             reason = "eos"
             break

@@ -9,6 +9,7 @@ every round emits accepted + 1 tokens and leaves the bonus pending for the next 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from hyspec.decode import GREEDY, GenerationResult, check_prompt, check_stop, choose_token, emit, target_probs
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.sampling import (SamplingParams, apply_penalties, coupled_speculative, coupled_token, draft_token,
+from hyspec.sampling import (ParamError, SamplingParams, apply_penalties, coupled_speculative, coupled_token, draft_token,
                              greedy_token, speculative_sample)
 from hyspec.spec.drafter import ForcedDrafter, MTPDrafter
 from hyspec.spec.rollback import make_rollback
@@ -47,15 +48,15 @@ class SpecOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_DRAFT:
-            raise ValueError(f"draft length k must be an integer in 1..{MAX_DRAFT}, got {self.k!r} "
-                             f"(use --draft 0 for plain decoding)")
+            raise ParamError("k", self.k, f"the draft length must be an integer in 1..{MAX_DRAFT} "
+                             f"(use --draft 0 for plain decoding)", owner="SpecOptions")
         make_rollback(self.rollback)
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
-        if not 1 <= self.adaptive_floor <= self.k:
-            raise ValueError(f"adaptive_floor must be in 1..k={self.k}, got {self.adaptive_floor}")
+        if not isinstance(self.p_min, (int, float)) or isinstance(self.p_min, bool) or not 0.0 <= self.p_min < 1.0:
+            raise ParamError("p_min", self.p_min, "must be in [0, 1)", owner="SpecOptions")
+        if not isinstance(self.adaptive_floor, int) or not 1 <= self.adaptive_floor <= self.k:
+            raise ParamError("adaptive_floor", self.adaptive_floor, f"must be in 1..k={self.k}", owner="SpecOptions")
         if self.hidden not in ("post", "pre"):
-            raise ValueError(f"hidden must be 'post' or 'pre', got {self.hidden!r}")
+            raise ParamError("hidden", self.hidden, "must be 'post' or 'pre'", owner="SpecOptions")
 
 
 class _Chooser:
@@ -109,7 +110,9 @@ def _accept(params: SamplingParams, rows: torch.Tensor, drafts: list[int], q_row
 @torch.no_grad()
 def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions,
                          params: SamplingParams | None = None, stop_ids=(), reference: list[int] | None = None,
-                         telemetry: SpecTelemetry | None = None) -> GenerationResult:
+                         telemetry: SpecTelemetry | None = None,
+                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """on_tokens(ids) is called with the tokens each round commits (the streaming hook)."""
     params = params if params is not None else GREEDY
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
@@ -145,6 +148,8 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         pending = choose_token(last_logits[0], list(prompt), params, P)
         out.append(pending)
         direct += 1
+        if on_tokens is not None and max_new_tokens > 0:
+            on_tokens([pending])
         # draft rows 0..P-1: (prompt[1:] + pending) paired with hiddens 0..P-1
         fill_tokens, fill_h, fill_start = list(prompt[1:]) + [pending], seed_h, 0
     else:
@@ -171,6 +176,8 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
             pending = tok
             out.append(tok)
             direct += 1
+            if on_tokens is not None:
+                on_tokens([tok])
             fill_tokens, fill_h, fill_start = [tok], h_last, base - 1
             if tok in stops:
                 reason = "eos"
@@ -205,8 +212,11 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         last_logits = rows[n : n + 1]
         pending = bonus
 
+        n0 = len(out)
         if emit(out, drafts[:n] + [bonus], stops, max_new_tokens):
             reason = "eos"
+        if on_tokens is not None:
+            on_tokens(out[n0:])
         if opts.adaptive:
             k_next = max(opts.adaptive_floor, min(n + 1, opts.k))
     t2 = time.perf_counter()
