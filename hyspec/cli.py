@@ -16,7 +16,13 @@ import warnings
 from hyspec.sampling import ParamError, SamplingParams
 from hyspec.spec.loop import MAX_DRAFT, SpecOptions
 
-HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # every flag's help shows its default
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help shows its default (unless the help already says it)."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
+
 
 _SAMPLING_HELP = {
     "temperature": "0 = greedy",

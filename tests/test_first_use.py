@@ -267,7 +267,9 @@ def test_train_memory_estimate_of_the_defaults() -> None:
 
     a = TrainArgs()
     est = estimate_train_bytes(a, vocab_size=4096, device="cpu")
-    assert 15e9 < est < 40e9  # the default CPU run reached ~24 GB resident before the OOM killer
+    # the default CPU run was killed at 24 GB resident (all this machine had); measured per-token
+    # activations of the default model put a step of 32 x 2048 tokens near 50 GB
+    assert 30e9 < est < 80e9
     small = estimate_train_bytes(TrainArgs(batch_size=2, seq_len=128), vocab_size=4096, device="cpu")
     assert small < 2e9
 
@@ -279,13 +281,6 @@ def test_generate_echoes_the_prompt(ckpt) -> None:
     r = cli("generate", "--model", str(ckpt), "--prompt", "def f(x):", "--max-new-tokens", "4", "--ignore-eos",
             "--no-stream")
     assert r.returncode == 0 and r.stdout.startswith("def f(x):")
-
-
-def test_readme_score_example_has_no_literal_backslash_n() -> None:
-    readme = (ROOT / "README.md").read_text()
-    for line in readme.splitlines():
-        if line.startswith("hyspec score"):
-            assert "\\n" not in line.replace("printf", "").split("$(printf")[0], line
 
 
 # ---- 8. seeds ---------------------------------------------------------------------------------------

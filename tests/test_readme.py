@@ -5,6 +5,7 @@ drift from the code."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -55,13 +56,27 @@ def test_readme_has_runnable_examples() -> None:
     assert any(c.startswith("hyspec bench") for c in cmds)
 
 
+def run_sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    script = f'hyspec() {{ "{sys.executable}" -m hyspec.cli "$@"; }}\n{cmd}\n'
+    return subprocess.run(["sh", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_readme_score_example_scores_real_newlines(tmp_path) -> None:
+    cmd = next(c for c in runnable() if c.startswith("hyspec score"))
+    r = run_sh(cmd + " --json", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from hyspec.engine import Engine
+
+    scored = Engine.load().decode(json.loads(r.stdout)["tokens"])
+    assert "\n" in scored and "\\" not in scored, repr(scored)  # a newline, not a backslash and an n
+
+
 @pytest.mark.parametrize("cmd", runnable())
 def test_readme_example_runs(cmd, tmp_path) -> None:
     # files the examples name, written where they run
     (tmp_path / "some_file.py").write_text((ROOT / "hyspec" / "tokenizer.py").read_text())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    script = f'hyspec() {{ "{sys.executable}" -m hyspec.cli "$@"; }}\n{cmd}\n'
-    r = subprocess.run(["sh", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    r = run_sh(cmd, tmp_path)
     assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-3000:])
     assert "Traceback" not in r.stderr
     if cmd.startswith("hyspec generate") and "--json" not in cmd:

@@ -138,7 +138,8 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
     in exact mode. opts.rollback is ignored (the runner's own commit: the Triton runner
     replays the accepted rows, the torch runner keeps per-row states); p_min > 0 and
     prime_pending=False are not supported here (use the reference loop). trace (a list)
-    receives (k, accepted, drafts) per round; profile adds per-phase GPU times."""
+    receives (k, accepted, drafts) per round; profile adds per-phase times (CUDA events on a
+    GPU, the wall clock on the CPU)."""
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -191,20 +192,27 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
     mtp_forwards = 0
     k_next = K
 
+    def mark(ev: list) -> None:  # a phase boundary: a CUDA event, or the wall clock (CPU calls are synchronous)
+        if cuda:
+            ev.append(torch.cuda.Event(enable_timing=True))
+            ev[-1].record()
+        else:
+            ev.append(time.perf_counter())
+
     def launch(k: int, slot: int) -> None:
         t = k + 1
-        if profile and cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            ev[0].record()
+        ev: list = []
+        if profile:
+            mark(ev)
         dec.draft(k, forced)
-        if profile and cuda:
-            ev[1].record()
+        if profile:
+            mark(ev)
         dec.verify(t)
-        if profile and cuda:
-            ev[2].record()
+        if profile:
+            mark(ev)
         dec.commit(t)
-        if profile and cuda:
-            ev[3].record()
+        if profile:
+            mark(ev)
             phase_ev.append(ev)
         if cuda:
             res_host[slot].copy_(dec.res, non_blocking=True)
@@ -263,7 +271,7 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
         tot = [0.0, 0.0, 0.0]
         for ev in phase_ev:
             for i in range(3):
-                tot[i] += ev[i].elapsed_time(ev[i + 1])
+                tot[i] += ev[i].elapsed_time(ev[i + 1]) if cuda else (ev[i + 1] - ev[i]) * 1e3
         nr = len(phase_ev)
         stats["phases_ms"] = {"draft": tot[0], "verify": tot[1], "commit": tot[2],
                               "per_round": {"draft": tot[0] / nr, "verify": tot[1] / nr, "commit": tot[2] / nr},
