@@ -305,6 +305,9 @@ def _cmd_replay(args) -> int:
     ids = eng.encode(text)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
+    if len(ids) > eng.context_length:
+        raise ValueError(f"--text-file {args.text_file} has {len(ids)} tokens, more than the model's context of "
+                         f"{eng.context_length} tokens: replay a prefix with --max-tokens {eng.context_length}")
     res = replay_acceptance(eng.model, ids, k=args.k, stride=args.stride, chunk=args.chunk, hidden=args.hidden,
                             progress=None if args.json else _progress_bar)
     if args.json:

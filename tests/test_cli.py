@@ -301,5 +301,6 @@ def test_bench_cpu_smoke(tmp_path, capsys) -> None:
     for kind in ("forced", "mtp"):
         for K in ("1", "2"):
             assert ex["spec"][kind][K]["tokens_equal_plain"], (kind, K)
-    assert r["exactness"]["all_equal"] and r["targets"]["exactness"]["met"]
+    assert r["exactness"]["all_equal"]
+    assert r["targets"] == {}  # the GPU targets are not judged on the CPU
     assert "hyspec bench" in capsys.readouterr().out

@@ -75,7 +75,7 @@ def test_max_new_tokens_is_capped_at_the_context(ckpt) -> None:
     assert "capped" in r.stderr and str(CTX) in r.stderr
 
 
-def test_prompt_longer_than_the_context_is_an_error(ckpt, eng) -> None:
+def test_prompt_longer_than_the_context_is_an_error(ckpt, eng, tmp_path) -> None:
     ids = ",".join(["5"] * (CTX + 8))
     err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", ids)
     assert str(CTX + 8) in err and str(CTX) in err
@@ -83,6 +83,12 @@ def test_prompt_longer_than_the_context_is_an_error(ckpt, eng) -> None:
     assert "5000" in err and "4096" in err
     with pytest.raises(ValueError, match=f"{CTX + 1}.*{CTX}"):
         eng.score([5] * (CTX + 1))
+    long = tmp_path / "long.txt"
+    long.write_text("def f(x):\n    return x\n" * 40)
+    err = cli_error("replay", "--model", str(ckpt), "--text-file", str(long))
+    assert f"context of {CTX}" in err and "--max-tokens" in err
+    r = cli("replay", "--model", str(ckpt), "--text-file", str(long), "--max-tokens", str(CTX), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_capped_request_allocates_only_the_capped_size(eng, monkeypatch) -> None:
