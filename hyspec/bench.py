@@ -286,7 +286,7 @@ def exactness_check(model, args, dev, dec) -> dict:
 # flags whose default depends on the device: (flag, type, GPU default, CPU default, help)
 _DEVICE_DEFAULTS = (
     ("--prompt-len", int, 512, 32, "prompt tokens"),
-    ("--new-tokens", int, 256, 48, "tokens per timed generation"),
+    ("--new-tokens", int, 256, 32, "tokens per timed generation"),
     ("--ks", str, "1,2,3,4", "1,2,3", "draft lengths K measured"),
     ("--verify-max", int, 8, 4, "verify cost measured for t = 1..N rows"),
     ("--variants", str, "exact,fast", "exact", "exact (row-invariant kernels), fast (cuBLAS)"),
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes copied to measure bandwidth "
-                    "(at most 256 MiB on the CPU)")
+                    "(at most 64 MiB on the CPU)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
     if args.device == "auto":
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
 
         dtype = parse_dtype(args.dtype)
     if dev.type != "cuda":
-        args.copy_bytes = min(args.copy_bytes, 256 << 20)
+        args.copy_bytes = min(args.copy_bytes, 64 << 20)
 
     try:
         import triton

@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text (plain or speculative)", formatter_class=HelpFormatter,
-                       description="Generate a completion; the text streams to the terminal as rounds commit. "
-                                   "prompt + new tokens must fit in the model's context (max_position_embeddings): "
+                       description="Generate a completion: the prompt, then the text as rounds commit.\n"
+                                   "prompt + new tokens must fit in the model's context (max_position_embeddings);\n"
                                    "--max-new-tokens beyond it is capped (stop_reason 'context').")
     _add_model_args(g)
     src = g.add_mutually_exclusive_group()

@@ -130,14 +130,16 @@ class Engine:
         return cls(model, tok, str(path))
 
     # -- text <-> ids ------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], *, arg: str = "prompt") -> list[int]:
+        """Text -> ids with the checkpoint's tokenizer; ids are checked to be integers
+        (`arg` names the argument in the error)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
         if prompt is None or isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
-            raise ParamError("prompt", prompt, "must be a str or a list of token ids")
-        return _token_ids("prompt", prompt)
+            raise ParamError(arg, prompt, "must be a str or a list of token ids")
+        return _token_ids(arg, prompt)
 
     @property
     def context_length(self) -> int:
@@ -256,7 +258,7 @@ class Engine:
     def score(self, text: str | list[int], *, top_logprobs: int = 0, chunk: int = 512) -> dict:
         """Per-position log-probabilities of each actual next token (teacher forcing).
         logprobs[i-1] = log p(token i | tokens < i) for i >= 1."""
-        ids = self.encode(text)
+        ids = self.encode(text, arg="text")
         if len(ids) < 2:
             raise ValueError("scoring needs at least 2 tokens")
         self._check_context(len(ids), "the text to score")

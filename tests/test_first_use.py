@@ -141,6 +141,13 @@ def test_generate_validates_its_arguments(eng, kwargs, name) -> None:
         eng.generate(prompt, **kw)
 
 
+def test_score_validates_its_arguments(eng) -> None:
+    with pytest.raises(ValueError, match="text"):
+        eng.score(None)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        eng.score([1, 2, 3], top_logprobs=2.5)
+
+
 # ---- 3. stats over several samples -----------------------------------------------------------
 
 
