@@ -1,9 +1,14 @@
 """hyspec bench: decode / verify / draft / speculative throughput of the fast path, in one run.
 
-    python -m hyspec.bench --config b2 --prompt-len 512 --new-tokens 256 --out bench.json
-    python -m hyspec.bench --config tiny --new-tokens 32            # CPU smoke (torch runner)
-    python -m hyspec.bench --model DIR                              # a checkpoint
-    python -m hyspec.bench --config qwen3.5-27b                     # published shapes (hyspec/presets.py), GPU only
+    hyspec bench --config b2 --prompt-len 512 --new-tokens 256 --out bench.json
+    hyspec bench --config tiny --device cpu             # CPU smoke (torch runner), ~10 s
+    hyspec bench --model DIR                            # a checkpoint
+    hyspec bench --config qwen3.5-27b                   # published shapes (hyspec/presets.py), GPU only
+    hyspec bench --model DIR --batch 1,4,16             # aggregate throughput through the engine core
+
+On the CPU the defaults are small (a quick run: short prompt, few tokens, K = 1..3, the
+exact variant only, no transformers comparison), the per-phase times are wall-clock
+times, and the GPU targets (roofline fraction, speed-ups) are not judged.
 
 Measures, on one device, batch 1, greedy:
   * device copy bandwidth (device-to-device copy, bytes read + written) and the roofline
@@ -47,6 +52,14 @@ B2 = {
 
 def log(*a) -> None:
     print(*a, flush=True)
+
+
+def _si(x: float) -> str:
+    """3 significant figures with a k / M / G prefix (a 10 M model is not '0.000 B')."""
+    for div, unit in ((1e9, " G"), (1e6, " M"), (1e3, " k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g} "
 
 
 # ----------------------------------------------------------------------------- model
@@ -187,7 +200,7 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
     k_max = max(max(args.ks), args.verify_max - 1, 3)  # 3: the exactness check drafts K=3
     dec = FastDecoder(model, P + max(N, args.exact_tokens) + k_max + 4, k_max, exact=exact)
     out: dict = {"backend": dec.backend, "graphs": dec.graphs}
-    reps = args.reps if dev.type == "cuda" else 2
+    reps = args.reps
 
     generate_plain_fast(model, prompt, max_new_tokens=min(N, 16), decoder=dec)  # compile + capture
     r = generate_plain_fast(model, prompt, max_new_tokens=N, decoder=dec)
@@ -276,10 +289,25 @@ def exactness_check(model, args, dev, dec) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
+# flags whose default depends on the device: (flag, type, GPU default, CPU default, help)
+_DEVICE_DEFAULTS = (
+    ("--prompt-len", int, 512, 32, "prompt tokens"),
+    ("--new-tokens", int, 256, 32, "tokens per timed generation"),
+    ("--ks", str, "1,2,3,4", "1,2,3", "draft lengths K measured"),
+    ("--verify-max", int, 8, 4, "verify cost measured for t = 1..N rows"),
+    ("--variants", str, "exact,fast", "exact", "exact (row-invariant kernels), fast (cuBLAS)"),
+    ("--exact-tokens", int, 2000, 64, "tokens per prompt in the exactness check"),
+    ("--exact-prompts", int, 4, 1, "prompts in the exactness check"),
+    ("--hf-tokens", int, 32, 0, "tokens for the transformers comparison (0: skip it)"),
+    ("--reps", int, 30, 2, "repetitions of each timed step"),
+)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hyspec bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hyspec.cli import HelpFormatter
     from hyspec.presets import PRESETS
+
+    ap = argparse.ArgumentParser(prog="hyspec bench", description=__doc__, formatter_class=HelpFormatter)
 
     ap.add_argument("--config", default="b2", choices=["b2", "tiny", *PRESETS],
                     help="in-memory random model preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b-fp8: the "
@@ -287,32 +315,38 @@ def main(argv=None) -> int:
     ap.add_argument("--slot-lengths", default="4096,32768,131072",
                     help="context lengths for the 'sequence slots that fit beside the weights' report")
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--verify-max", type=int, default=8)
+    for flag, typ, gpu, cpu, what in _DEVICE_DEFAULTS:
+        ap.add_argument(flag, type=typ, default=None, help=f"{what} (default: {gpu} on a GPU, {cpu} on the CPU)")
     ap.add_argument("--forced", default="0.9,0.8,0.7,0.6", help="forced drafter acceptance rate by depth")
-    ap.add_argument("--variants", default="exact,fast", help="exact (row-invariant kernels), fast (cuBLAS)")
-    ap.add_argument("--exact-tokens", type=int, default=2000)
-    ap.add_argument("--exact-prompts", type=int, default=4)
-    ap.add_argument("--hf-tokens", type=int, default=32, help="0: skip the transformers comparison")
-    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tune", default="none", choices=["none", "step"],
                     help="GEMM config search before measuring: none (the shipped configs: "
                          "hyspec.kernels.gemm.BUILTIN, picked in the step on the H200, else shape defaults), "
                          "step (each shape's candidates timed inside the real decode step)")
     ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes copied to measure bandwidth "
+                    "(at most 64 MiB on the CPU)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     args = ap.parse_args(argv)
-    args.ks = [int(x) for x in args.ks.split(",") if x]
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        from hyspec.engine import check_device
+
+        dev = check_device(args.device)
+    for flag, _, gpu, cpu, _ in _DEVICE_DEFAULTS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if dev.type == "cuda" else cpu)
+    try:
+        args.ks = [int(x) for x in args.ks.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--ks: expected comma-separated draft lengths like 1,2,3, got {args.ks!r}") from None
     if args.dtype == "auto":
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:
@@ -320,7 +354,7 @@ def main(argv=None) -> int:
 
         dtype = parse_dtype(args.dtype)
     if dev.type != "cuda":
-        args.copy_bytes = min(args.copy_bytes, 256 << 20)
+        args.copy_bytes = min(args.copy_bytes, 64 << 20)
 
     try:
         import triton
@@ -373,6 +407,8 @@ def main(argv=None) -> int:
     if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
         result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
         log(format_memory(result["memory"]))
+    if dev.type == "cpu" and n_params < 50_000_000:
+        torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost (as the CLI)
     from hyspec.gpu import FastDecoder
 
     probe = FastDecoder(model, 8, 1, backend="triton" if dev.type == "cuda" else "torch", graphs=False)
@@ -417,8 +453,8 @@ def main(argv=None) -> int:
                        "draft_bytes_per_step": dbytes}
     result["roofline_ms"] = roofline_ms
     result["roofline_tok_s"] = 1e3 / roofline_ms
-    log(f"model: {n_params / 1e9:.3f} B params; a decode step reads {wbytes / 1e9:.3f} GB -> roofline "
-        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {dbytes / 1e9:.3f} GB")
+    log(f"model: {_si(n_params)} params; a decode step reads {_si(wbytes)}B -> roofline "
+        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {_si(dbytes)}B")
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
 
@@ -466,7 +502,7 @@ def main(argv=None) -> int:
         except Exception as e:
             result["errors"]["hf"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
             log(f"!! HF comparison failed: {e}")
-    result["targets"] = targets(result)
+    result["targets"] = targets(result) if dev.type == "cuda" else {}  # GPU goals: not judged on a CPU
     result["wall_s"] = time.perf_counter() - t_start
     save()
     print_table(result)
@@ -518,8 +554,8 @@ def print_table(r: dict) -> None:
     m = r["meta"]
     log("\n" + "=" * 78)
     log(f"hyspec bench  {m['device']}  {m['config']}  {m['dtype']}  prompt {m['prompt_len']} new {m['new_tokens']}")
-    log(f"copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; step reads {r['model']['weight_bytes_per_step'] / 1e9:.3f}"
-        f" GB; roofline {r['roofline_ms']:.3f} ms = {r['roofline_tok_s']:.0f} tok/s")
+    log(f"copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; step reads {_si(r['model']['weight_bytes_per_step'])}B"
+        f"; roofline {r['roofline_ms']:.3f} ms = {r['roofline_tok_s']:.0f} tok/s")
     for name, v in r.get("variants", {}).items():
         log(f"-- {name}: plain {v['plain']['tok_s']:.1f} tok/s ({100 * v['plain']['roofline_frac']:.1f}% roofline); "
             f"step graph {v['decode_step_ms']:.3f} ms ({100 * v['decode_step_roofline_frac']:.1f}%); "

@@ -143,6 +143,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
     naming the field, key or shape at fault."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
+                              f"(config.json + *.safetensors)")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     dtype = parse_dtype(dtype)
@@ -151,6 +154,10 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     # only ever holds the model's one copy of the weights
     tensors = read_tensors(path, dtype=dtype)
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
+    if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
+        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
+                      f"have no mtp.* tensors: speculative decoding (--draft K) is unavailable, plain decoding "
+                      f"works", stacklevel=2)
 
     with torch.device("meta"):
         model = HybridLM(cfg, with_mtp=has_mtp)
