@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0)
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids (prompt excluded)
-    stop_reason: str  # "eos" | "length"
+    stop_reason: str  # "eos" | "length" | "constraint" (the constraint allowed no token)
     stats: dict = field(default_factory=dict)
 
 
@@ -36,6 +36,17 @@ def choose_token(logits: torch.Tensor, history: list[int], params: SamplingParam
             return greedy_token(apply_penalties(logits, history, params))
         return greedy_token(logits)
     return plain_token(target_probs(logits, history, params), params, position)
+
+
+def constrained(logits: torch.Tensor, constraint, prefix=()) -> torch.Tensor | None:
+    """`logits` [V] with the tokens `constraint` disallows after its committed tokens +
+    `prefix` set to -inf; None when it allows none. No constraint: the logits unchanged."""
+    if constraint is None:
+        return logits
+    allow = constraint.allowed(prefix)
+    if not bool(allow.any()):
+        return None
+    return logits.masked_fill(~allow.to(logits.device), float("-inf"))
 
 
 def emit(out: list[int], tokens: list[int], stops: set[int], max_new_tokens: int) -> bool:
@@ -68,8 +79,9 @@ def check_stop(stop_ids, vocab: int) -> set[int]:
 
 @torch.no_grad()
 def generate_plain(model: HybridLM, prompt: list[int], *, max_new_tokens: int, params: SamplingParams | None = None,
-                   stop_ids=(), max_len: int | None = None) -> GenerationResult:
-    """Prefill the prompt, then one target forward per token."""
+                   stop_ids=(), max_len: int | None = None, constraint=None) -> GenerationResult:
+    """Prefill the prompt, then one target forward per token. `constraint`
+    (hyspec.constraints.Constraint, advanced in place): every row is masked by it."""
     params = params if params is not None else GREEDY
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
@@ -85,8 +97,14 @@ def generate_plain(model: HybridLM, prompt: list[int], *, max_new_tokens: int, p
     out: list[int] = []
     reason = "length"
     while len(out) < max_new_tokens:
+        logits = constrained(logits, constraint)
+        if logits is None:
+            reason = "constraint"
+            break
         tok = choose_token(logits, prompt + out, params, P + len(out))
         out.append(tok)
+        if constraint is not None:
+            constraint.commit([tok])
         if tok in stops:
             reason = "eos"
             break

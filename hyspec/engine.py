@@ -108,9 +108,13 @@ class Engine:
     # -- generation --------------------------------------------------------------------
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
                  draft: int = 0, spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                 num_samples: int = 1, reference: list[int] | None = None) -> Output:
+                 num_samples: int = 1, reference: list[int] | None = None, constraint=None) -> Output:
         """draft = 0: plain decoding; draft = K: speculative with K drafts per round (spec
-        gives the other drafter options; its k is replaced by `draft`)."""
+        gives the other drafter options; its k is replaced by `draft`).
+
+        constraint: a hyspec.constraints.Constraint (see Engine.constraint) the output must
+        match; each sample runs on its own clone, so the object passed in is not advanced.
+        A sample whose constraint allows no further token ends with stop_reason "constraint"."""
         params = params if params is not None else GREEDY
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -121,6 +125,8 @@ class Engine:
             if not self.model.has_mtp:
                 raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
                                  "use --draft 0 for plain decoding")
+        if constraint is not None:
+            self._check_constraint(constraint)
         ids = self.encode(prompt)
         stops = set(() if ignore_eos else self.eos_ids) | set(stop_ids or ())
         samples: list[Sample] = []
@@ -128,7 +134,8 @@ class Engine:
         times = {"prefill_s": 0.0, "decode_s": 0.0}
         for i in range(num_samples):
             p = params if i == 0 else SamplingParams(**{**params.__dict__, "seed": derive_seed(params.seed, i)})
-            res = self._run(ids, max_new_tokens, p, spec if draft > 0 else None, stops, reference)
+            res = self._run(ids, max_new_tokens, p, spec if draft > 0 else None, stops, reference,
+                            None if constraint is None else constraint.clone())
             if "spec" in res.stats:
                 total.merge(SpecTelemetry.from_dict(res.stats["spec"]))
             for key in times:
@@ -141,7 +148,31 @@ class Engine:
             stats["spec"] = total.to_dict()
         return Output(samples, ids, stats)
 
-    def _run(self, ids, max_new_tokens, params, spec, stops, reference) -> GenerationResult:
+    def constraint(self, kind: str, value=None, *, arg: str | None = None):
+        """A Constraint for this model (kind: json_schema | json_object | regex | grammar |
+        choice); raises ValueError naming the argument when the value is invalid."""
+        from hyspec.constraints import make_constraint
+
+        return make_constraint(self, kind, value, arg=arg)
+
+    def _check_constraint(self, constraint) -> None:
+        if not hasattr(constraint, "allowed") or not hasattr(constraint, "commit"):
+            raise ValueError(f"constraint must be a hyspec.constraints.Constraint, got {type(constraint).__name__}")
+        V = getattr(constraint, "vocab_size", self.model.cfg.vocab_size)
+        if V != self.model.cfg.vocab_size:
+            raise ValueError(f"constraint was built for a vocabulary of {V} tokens; this model has "
+                             f"{self.model.cfg.vocab_size}")
+
+    def _run(self, ids, max_new_tokens, params, spec, stops, reference, constraint=None) -> GenerationResult:
+        if constraint is not None:  # the CPU reference loops (the CUDA-graph path has no mask hook)
+            if spec is None:
+                return generate_plain(self.model, ids, max_new_tokens=max_new_tokens, params=params, stop_ids=stops,
+                                      constraint=constraint)
+            if spec.forced_rates is not None and reference is None:
+                reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1,
+                                           params=GREEDY, stop_ids=()).tokens
+            return generate_speculative(self.model, ids, max_new_tokens=max_new_tokens, opts=spec, params=params,
+                                        stop_ids=stops, reference=reference, constraint=constraint)
         fast = self._fast_path(params)
         if spec is None:
             if fast is not None:

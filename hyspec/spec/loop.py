@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hyspec.decode import GREEDY, GenerationResult, check_prompt, check_stop, choose_token, emit, target_probs
+from hyspec.decode import (GREEDY, GenerationResult, check_prompt, check_stop, choose_token, constrained, emit,
+                           target_probs)
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import (SamplingParams, apply_penalties, coupled_speculative, coupled_token, draft_token,
@@ -61,14 +62,19 @@ class SpecOptions:
 class _Chooser:
     """Drafter-side token choice for one round, mirroring the target's transformation."""
 
-    def __init__(self, params: SamplingParams, history: list[int], want_prob: bool) -> None:
+    def __init__(self, params: SamplingParams, history: list[int], want_prob: bool, constraint=None) -> None:
         self.params, self.history = params, history
         self.want_prob = want_prob  # greedy drafts need their probability only for p_min
+        self.constraint = constraint  # drafts come from the drafter's row masked after the earlier drafts
         self.drafts: list[int] = []
 
     def __call__(self, logits: torch.Tensor, j: int, position: int):
         hist = self.history + self.drafts[:j]
         p = self.params
+        if self.constraint is not None:
+            logits = constrained(logits, self.constraint, self.drafts[:j])
+            if logits is None or not bool(torch.isfinite(logits).any()):  # (a reduced draft vocabulary
+                return None, None, 0.0  # may score none of the allowed tokens)
         if p.greedy:
             lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
             tok = greedy_token(lg)
@@ -85,10 +91,24 @@ class _Chooser:
         self.drafts.append(tok)
 
 
+def _mask_rows(rows: torch.Tensor, drafts: list[int], constraint) -> tuple[torch.Tensor, list[bool]]:
+    """Verify row j masked by the constraint's state after drafts[:j]. A row where it allows
+    nothing keeps its logits (it is reached only when every draft before it is accepted,
+    and then the round ends there with stop_reason "constraint"); returns (rows, dead)."""
+    if constraint is None:
+        return rows, [False] * rows.shape[0]
+    out, dead = [], []
+    for j in range(rows.shape[0]):
+        m = constrained(rows[j], constraint, drafts[:j])
+        dead.append(m is None)
+        out.append(rows[j] if m is None else m)
+    return torch.stack(out), dead
+
+
 def _accept(params: SamplingParams, rows: torch.Tensor, drafts: list[int], q_rows, history: list[int],
             position: int) -> tuple[int, int]:
-    """rows [k+1, V] target logits for the positions position..position+k. Returns
-    (accepted drafts n, next token)."""
+    """rows [k+1, V] target logits for the positions position..position+k (already masked
+    by a constraint). Returns (accepted drafts n, next token)."""
     k = len(drafts)
     if params.greedy:
         for j in range(k + 1):
@@ -109,7 +129,11 @@ def _accept(params: SamplingParams, rows: torch.Tensor, drafts: list[int], q_row
 @torch.no_grad()
 def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions,
                          params: SamplingParams | None = None, stop_ids=(), reference: list[int] | None = None,
-                         telemetry: SpecTelemetry | None = None) -> GenerationResult:
+                         telemetry: SpecTelemetry | None = None, constraint=None) -> GenerationResult:
+    """`constraint` (hyspec.constraints.Constraint, advanced in place): drafts are drawn from
+    the drafter's rows masked by its state after the earlier drafts, verify row j is masked
+    by its state after drafts[:j], acceptance and residual use the masked distributions, and
+    after each round it has consumed the emitted tokens."""
     params = params if params is not None else GREEDY
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
@@ -141,9 +165,14 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
     pending: int | None = None
     reason = "length"
     direct = 0  # tokens taken from an already-known target row, without a verify
-    if opts.prime_pending or P < 2:
-        pending = choose_token(last_logits[0], list(prompt), params, P)
+    first = constrained(last_logits[0], constraint)
+    if first is None:
+        reason = "constraint"
+    elif opts.prime_pending or P < 2:
+        pending = choose_token(first, list(prompt), params, P)
         out.append(pending)
+        if constraint is not None:
+            constraint.commit([pending])
         direct += 1
         # draft rows 0..P-1: (prompt[1:] + pending) paired with hiddens 0..P-1
         fill_tokens, fill_h, fill_start = list(prompt[1:]) + [pending], seed_h, 0
@@ -157,19 +186,25 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
     extra_bytes = 0
 
     # ---- rounds ----------------------------------------------------------------------
-    while reason != "eos" and len(out) < max_new_tokens:
+    while reason not in ("eos", "constraint") and len(out) < max_new_tokens:
         remaining = max_new_tokens - len(out)
         k = min(k_next, remaining - 1)  # every round also emits one token of the target's own
         history = list(prompt) + out
         base = cache.pos  # absolute position of the first verify token
         first_draft_pos = base + (1 if pending is not None else 0)
-        chooser = _Chooser(params, history, want_prob=opts.p_min > 0.0)
+        chooser = _Chooser(params, history, want_prob=opts.p_min > 0.0, constraint=constraint)
         drafts, q_rows, _ = drafter.propose(fill_tokens, fill_h, fill_start, k, first_draft_pos, chooser,
                                             opts.p_min)
         if pending is None and not drafts:  # nothing to verify: take the known row's token
-            tok = choose_token(last_logits[0], history, params, base)
+            row = constrained(last_logits[0], constraint)
+            if row is None:
+                reason = "constraint"
+                break
+            tok = choose_token(row, history, params, base)
             pending = tok
             out.append(tok)
+            if constraint is not None:
+                constraint.commit([tok])
             direct += 1
             fill_tokens, fill_h, fill_start = [tok], h_last, base - 1
             if tok in stops:
@@ -184,8 +219,14 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         vlogits = model.logits(vpost, ctx)  # [T, V]; row r predicts position base + r + 1
         extra_bytes = max(extra_bytes, cache.record_nbytes() + snap.nbytes())
         rows = vlogits if pending is not None else torch.cat([last_logits, vlogits])  # rows for d1..dk, bonus
-        n, bonus = _accept(params, rows, drafts, q_rows, history, first_draft_pos)
+        mrows, dead = _mask_rows(rows, drafts, constraint)
+        n, bonus = _accept(params, mrows, drafts, q_rows, history, first_draft_pos)
         tel.record_round(len(drafts), n)
+        if dead[n]:  # every draft accepted, and the constraint allows nothing after them
+            before = len(out)
+            reason = "eos" if emit(out, drafts[:n], stops, max_new_tokens) else "constraint"
+            constraint.commit(out[before:])
+            break
 
         # commit the first j verify rows (pending + accepted drafts)
         j = n + (1 if pending is not None else 0)
@@ -205,8 +246,11 @@ def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: 
         last_logits = rows[n : n + 1]
         pending = bonus
 
+        before = len(out)
         if emit(out, drafts[:n] + [bonus], stops, max_new_tokens):
             reason = "eos"
+        if constraint is not None:
+            constraint.commit(out[before:])
         if opts.adaptive:
             k_next = max(opts.adaptive_floor, min(n + 1, opts.k))
     t2 = time.perf_counter()
