@@ -337,3 +337,52 @@ def test_default_model_outputs_validate(default_engine, schema_i):
         assert smp.stop_reason == "eos", (schema_i, draft, params.seed, smp.text)
         text = eng.decode(smp.tokens[:-1])
         jsonschema.validate(json.loads(text), schema)
+
+
+# --------------------------------------------------------------------------------------
+# Batches: each sequence its own matcher
+# --------------------------------------------------------------------------------------
+
+
+def test_batched_requests_each_with_its_own_constraint(zoo):
+    """One scheduler, four sequences per round (different constraints, K and sampling):
+    every output equals the same request run alone."""
+    from hyspec.core import Request, Scheduler
+
+    arch = "qwen3_5"
+    model = zoo.model("tiny", arch, "float32", "coop")
+    path = zoo.path("tiny", arch)
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    specs = [  # (constraint, draft, params, prompt)
+        (make_constraint(path, "regex", REGEX), 3, SamplingParams(temperature=0.0), PROMPT),
+        (make_constraint(path, "json_schema", SCHEMA), 2, sampled, PROMPT[:5]),
+        (make_constraint(path, "choice", ["first", "second", "third"]), 4, sampled, PROMPT[2:]),
+        (None, 3, SamplingParams(temperature=0.0), PROMPT[1:]),
+        (make_constraint(path, "json_object"), 0, SamplingParams(temperature=0.0), PROMPT),
+    ]
+
+    def request(c, draft, params, prompt):
+        return Request(prompt_ids=list(prompt), max_new_tokens=40, params=params, draft=draft, stop_ids=(EOS,),
+                       constraint=None if c is None else c.clone())
+
+    alone = []
+    for spec in specs:
+        sched = Scheduler(model, max_batch=1)
+        req = request(*spec)
+        sched.submit(req)
+        while not req.done:
+            sched.step()
+        alone.append((list(req.tokens), req.stop_reason))
+    sched = Scheduler(model, max_batch=4)
+    reqs = [request(*spec) for spec in specs]
+    for r in reqs:
+        sched.submit(r)
+    while not all(r.done for r in reqs):
+        sched.step()
+    for i, (r, (tokens, reason)) in enumerate(zip(reqs, alone)):
+        assert r.error is None, r.error
+        assert (list(r.tokens), r.stop_reason) == (tokens, reason), i
+        if specs[i][0] is not None:
+            assert _valid(specs[i][0], r.tokens)
+    choice_tokens, reason = alone[2]
+    assert reason == "eos" and specs[2][0].vocab.lltok.decode_str(choice_tokens[:-1]) in ("first", "second", "third")
