@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench/results/constraints_cpu.json"))
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
+    meta = git_meta()  # the code that runs: recorded before it runs
     torch.set_num_threads(1)
     eng = Engine.load()
     import llguidance
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
                 print(f"T={params.temperature} K={draft} {'constrained  ' if constrained else 'unconstrained'} "
                       f"{r['decode_tok_s']:7.1f} tok/s ({r['tokens_per_rep']} tokens/rep){extra}", flush=True)
     result = {
-        "meta": {**git_meta(), "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "meta": {**meta, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                  "command": "python3 bench/constraints_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "llguidance": llguidance.__version__, "python": platform.python_version(),

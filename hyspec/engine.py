@@ -164,20 +164,13 @@ class Engine:
                              f"{self.model.cfg.vocab_size}")
 
     def _run(self, ids, max_new_tokens, params, spec, stops, reference, constraint=None) -> GenerationResult:
-        if constraint is not None:  # the CPU reference loops (the CUDA-graph path has no mask hook)
-            if spec is None:
-                return generate_plain(self.model, ids, max_new_tokens=max_new_tokens, params=params, stop_ids=stops,
-                                      constraint=constraint)
-            if spec.forced_rates is not None and reference is None:
-                reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1,
-                                           params=GREEDY, stop_ids=()).tokens
-            return generate_speculative(self.model, ids, max_new_tokens=max_new_tokens, opts=spec, params=params,
-                                        stop_ids=stops, reference=reference, constraint=constraint)
-        fast = self._fast_path(params)
+        # the CUDA-graph fast path has no mask hook: constrained requests take the core's round driver
+        fast = self._fast_path(params) if constraint is None else None
         if spec is None:
             if fast is not None:
                 return fast.generate_plain_fast(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=stops)
-            return generate_plain(self.model, ids, max_new_tokens=max_new_tokens, params=params, stop_ids=stops)
+            return generate_plain(self.model, ids, max_new_tokens=max_new_tokens, params=params, stop_ids=stops,
+                                  constraint=constraint)
         if spec.forced_rates is not None and reference is None:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
                                        stop_ids=()).tokens
@@ -185,7 +178,7 @@ class Engine:
             return fast.generate_speculative_fast(self.model, ids, max_new_tokens=max_new_tokens, opts=spec,
                                                   stop_ids=stops, reference=reference)
         return generate_speculative(self.model, ids, max_new_tokens=max_new_tokens, opts=spec, params=params,
-                                    stop_ids=stops, reference=reference)
+                                    stop_ids=stops, reference=reference, constraint=constraint)
 
     def _fast_path(self, params: SamplingParams):
         """The CUDA-graph fast path (greedy, no penalties) when running on a GPU."""
