@@ -29,10 +29,6 @@ import torch
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
-# the argument each kind is named by in error messages (the Python name; the CLI passes its flag)
-_ARG = {"json_schema": "json_schema", "json_object": "json_object", "regex": "regex", "grammar": "grammar",
-        "choice": "choice"}
-
 # JSON: compact output unless the schema's "x-guidance" says otherwise (a flexible-whitespace
 # grammar lets a small model fill its token budget with blanks)
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -131,7 +127,7 @@ def _json_text(schema, arg: str) -> str:
     if not isinstance(schema, str):
         raise ValueError(f"{arg}: expected a JSON schema (dict, JSON text or a file), got {type(schema).__name__}")
     s = schema.strip()
-    if not s.startswith(("{", "[")) and not s in ("true", "false"):
+    if not s.startswith(("{", "[")) and s not in ("true", "false"):
         p = Path(s)
         if p.is_file():
             s = p.read_text(encoding="utf-8")
@@ -148,7 +144,7 @@ def grammar_for(kind: str, value, arg: str | None = None) -> str:
     """The llguidance grammar (a string) for a constraint of `kind`; ValueError naming `arg`
     on a malformed value (validity of the grammar itself is checked by :func:`_validated`)."""
     llg = _llg()
-    arg = arg or _ARG.get(kind, kind)
+    arg = arg or kind  # errors name the argument: the Python kind, or the CLI flag passed in
     if kind == "json_schema":
         text = _json_text(value, arg)
         if not text.lstrip().startswith("{") and text.strip() not in ("true", "false"):
@@ -203,7 +199,7 @@ class Constraint:
         self.kind = kind
         self.grammar_text = grammar
         if _matcher is None:
-            _validated(grammar, vocab, arg or _ARG.get(kind, kind))
+            _validated(grammar, vocab, arg or kind)
             _matcher = llg.LLMatcher(vocab.lltok, grammar, log_level=0)
             if _matcher.is_error():
                 raise ValueError(f"{arg or kind}: {_matcher.get_error()}")
@@ -382,7 +378,7 @@ def make_constraint(source, kind: str, value=None, *, arg: str | None = None, **
     argument in error messages (the CLI passes its flag, e.g. "--json-schema")."""
     if kind not in KINDS:
         raise ValueError(f"unknown constraint kind {kind!r}; choose one of {', '.join(KINDS)}")
-    arg = arg or _ARG[kind]
+    arg = arg or kind
     vocab = vocab_for(source, **kw)
     return Constraint(vocab, grammar_for(kind, value, arg), kind=kind, arg=arg)
 
