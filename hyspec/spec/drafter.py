@@ -16,8 +16,7 @@ from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.rng import u01
 
-# choose(logits [V] over the full vocabulary, depth j, absolute position) -> (token, q row or None, prob);
-# token None: no draft possible here (a constraint allows none of the drafter's tokens), stop drafting
+# choose(logits [V] over the full vocabulary, depth j, absolute position) -> (token, q row or None, prob)
 Chooser = Callable[[torch.Tensor, int, int], tuple[int, "torch.Tensor | None", float]]
 
 FORCED_STREAM = 11  # rng stream for the forced drafter's corruption draws
@@ -71,8 +70,6 @@ class MTPDrafter:
         for j in range(k):
             logits = self.draft_logits(h_last)[0]
             tok, q, p = choose(logits, j, first_pos + j)
-            if tok is None:  # a constraint allows no token the drafter can score
-                break
             if p_min > 0.0 and p < p_min:
                 break
             if p_min > 0.0 and q is not None:
@@ -117,13 +114,12 @@ class ForcedDrafter(MTPDrafter):
 
     def propose(self, tokens, hidden, start, k, first_pos, choose, p_min=0.0):
         def forced(logits, j, pos):
-            chosen, q, _ = choose(logits, j, pos)  # keep the cost of the real choice
+            _, q, _ = choose(logits, j, pos)  # keep the cost of the real choice
             tok = self.forced_token(j, pos)
             if hasattr(choose, "drafts"):  # the chooser tracks drafts for penalty history
                 choose.drafts[j:] = [tok]
-            sampled = q is not None or (chosen is None and not getattr(getattr(choose, "params", None), "greedy", True))
-            if sampled:  # sampled: the proposal is deterministic, i.e. q is one-hot at tok
-                q = logits.new_zeros(logits.shape[-1], dtype=torch.float64)
+            if q is not None:  # sampled: the proposal is deterministic, i.e. q is one-hot at tok
+                q = torch.zeros_like(q)
                 q[tok] = 1.0
             return tok, q, 1.0
         return super().propose(tokens, hidden, start, k, first_pos, forced, 0.0)
