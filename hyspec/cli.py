@@ -217,6 +217,7 @@ def _cmd_generate_file(args) -> int:
         spec = SpecOptions(k=max(r["draft"] for r in reqs), rollback=args.rollback, p_min=args.p_min,
                            adaptive=args.adaptive, hidden=args.hidden)
     eng = _load(args)
+    constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     done: dict[int, object] = {}
     written = 0
@@ -238,7 +239,7 @@ def _cmd_generate_file(args) -> int:
         eng.generate_batch([r["prompt"] for r in reqs], max_new_tokens=[r["max_new_tokens"] for r in reqs],
                            params=[r["params"] for r in reqs], draft=[r["draft"] for r in reqs], spec=spec,
                            stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
-                           on_finish=finished)
+                           on_finish=finished, constraint=constraint)
     finally:
         bar.close()
         if args.out:

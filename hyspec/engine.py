@@ -169,11 +169,13 @@ class Engine:
 
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                       max_batch: int = 16, on_tokens=None, on_finish=None) -> list[Output]:
+                       max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None) -> list[Output]:
         """One Output per prompt, in order. max_new_tokens, params and draft may each be one
         value for all prompts or a list with one per prompt. Up to max_batch sequences decode
         together (continuous batching); each output is bitwise what generate() gives for that
-        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends."""
+        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
+        constraint: one Constraint (or a list, one per prompt, None for none); each sequence
+        runs on its own clone."""
         n = len(prompts)
 
         def per(name, v):
@@ -184,9 +186,13 @@ class Engine:
             return [v] * n
 
         news, ps, ks = per("max_new_tokens", max_new_tokens), per("params", params), per("draft", draft)
+        cs = per("constraint", constraint)
+        for c in cs:
+            if c is not None:
+                self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
         reqs = []
-        for i, (prompt, mnt, p, k) in enumerate(zip(prompts, news, ps, ks)):
+        for i, (prompt, mnt, p, k, c) in enumerate(zip(prompts, news, ps, ks, cs)):
             try:
                 ids = self.encode(prompt)
                 opts = self._spec_options(k, spec)
@@ -195,7 +201,8 @@ class Engine:
             cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             fin = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
             reqs.append(Request(prompt_ids=ids, max_new_tokens=mnt, params=p if p is not None else GREEDY, draft=k,
-                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin))
+                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin,
+                                constraint=None if c is None else c.clone()))
         self._run_requests(reqs, max_batch=max_batch)
         return [self._request_output(r) for r in reqs]
 

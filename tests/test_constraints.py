@@ -279,3 +279,20 @@ def test_cli_generate_and_bad_constraint_errors(tmp_path, capsys):
                           (["--grammar", str(tmp_path / "none.lark")], "--grammar: no such file")]:
         r = _cli(capsys, *flags)
         assert r.returncode == 2 and needle in r.stderr and r.stdout == "", (flags, r.stderr)
+
+
+def test_cli_prompts_file_with_a_constraint(tmp_path, capsys):
+    from hyspec.cli import main
+
+    f = tmp_path / "in.jsonl"
+    lines = [{"prompt": "a = ", "draft": 3}, {"prompt": "b = ", "temperature": 1.0, "seed": 2},
+             {"prompt_ids": [5, 6, 7], "draft": 2, "temperature": 1.0, "seed": 4}]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts-file", str(f), "--out", str(out), "--max-new-tokens", "12",
+                 "--choice", "red,green,blue"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["stop_reason"] == "eos" and row["text"].replace("<|endoftext|>", "") in ("red", "green", "blue")
+    capsys.readouterr()
