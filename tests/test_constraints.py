@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ pytest.importorskip("llguidance")
 from hyspec.constraints import Constraint, make_constraint, vocab_for  # noqa: E402
 from hyspec.engine import DEFAULT_MODEL_DIR, Engine  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["name", "n"], "additionalProperties": False}
