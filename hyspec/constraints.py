@@ -239,11 +239,16 @@ class Constraint:
         return self.vocab.eos_ids
 
     def _mask_now(self) -> torch.Tensor:
-        bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        n = min(self.vocab.tok_vocab, self.vocab.vocab_size)
-        out = torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
-        out[:n] = torch.from_numpy(bits[:n].astype(bool))
-        return out
+        """The matcher's bitmask (one bit per tokenizer token, little-endian words) as bools
+        over the model's vocabulary."""
+        V = self.vocab.vocab_size
+        n = min(self.vocab.tok_vocab, V)
+        bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), count=n, bitorder="little")
+        if n == V:
+            return torch.from_numpy(bits.view(np.bool_))
+        out = np.zeros(V, dtype=np.bool_)
+        out[:n] = bits.view(np.bool_)
+        return torch.from_numpy(out)
 
     def allowed(self, prefix=()) -> torch.Tensor:
         """bool [V_model]: the tokens allowed after the committed tokens + `prefix` (earlier
