@@ -87,6 +87,36 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="testing/benchmarking: forced-acceptance drafter with these per-depth rates")
 
 
+def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("constraints (the output must match; needs llguidance)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE_OR_JSON", help="a JSON schema: a .json file or JSON text")
+    x.add_argument("--constrain-json", action="store_true", help="any JSON object")
+    x.add_argument("--regex", help="a regular expression (Rust regex syntax) the whole output matches")
+    x.add_argument("--grammar", metavar="FILE.lark", help="a Lark grammar file (llguidance's Lark dialect)")
+    x.add_argument("--choice", metavar="A,B,C", help="exactly one of these comma-separated strings")
+
+
+def constraint_from_args(eng, args):
+    """The Constraint the generate flags ask for (None without one); errors name the flag."""
+    from pathlib import Path
+
+    if getattr(args, "json_schema", None) is not None:
+        return eng.constraint("json_schema", args.json_schema, arg="--json-schema")
+    if getattr(args, "constrain_json", False):
+        return eng.constraint("json_object", arg="--constrain-json")
+    if getattr(args, "regex", None) is not None:
+        return eng.constraint("regex", args.regex, arg="--regex")
+    if getattr(args, "grammar", None) is not None:
+        p = Path(args.grammar)
+        if not p.is_file():
+            raise ValueError(f"--grammar: no such file {args.grammar!r}")
+        return eng.constraint("grammar", p.read_text(encoding="utf-8"), arg=f"--grammar {args.grammar}")
+    if getattr(args, "choice", None) is not None:
+        return eng.constraint("choice", [c for c in args.choice.split(",")], arg="--choice")
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hyspec", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -112,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the text when generation ends instead of as it is generated")
     _add_sampling_args(g)
     _add_spec_args(g)
+    _add_constraint_args(g)
 
     s = sub.add_parser("score", help="per-token log-probabilities of a text", formatter_class=HelpFormatter)
     _add_model_args(s)
@@ -211,6 +242,7 @@ def _cmd_generate_file(args) -> int:
         spec = SpecOptions(k=max(r["draft"] for r in reqs), rollback=args.rollback, p_min=args.p_min,
                            adaptive=args.adaptive, hidden=args.hidden)
     eng = _load(args)
+    constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     done: dict[int, object] = {}
     written = 0
@@ -232,7 +264,7 @@ def _cmd_generate_file(args) -> int:
         eng.generate_batch([r["prompt"] for r in reqs], max_new_tokens=[r["max_new_tokens"] for r in reqs],
                            params=[r["params"] for r in reqs], draft=[r["draft"] for r in reqs], spec=spec,
                            stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
-                           on_finish=finished)
+                           on_finish=finished, constraint=constraint)
     finally:
         bar.close()
         if args.out:
@@ -317,6 +349,7 @@ def _cmd_generate(args) -> int:
     elif args.forced_rates is not None:
         raise ValueError("--forced-rates needs --draft K > 0")
     eng = _load(args)
+    constraint = constraint_from_args(eng, args)  # a bad constraint fails here, before any generation
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     printer = None
     if not args.json:
@@ -325,7 +358,7 @@ def _cmd_generate(args) -> int:
     stream = printer is not None and not args.no_stream and args.num_samples == 1
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
                        stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
-                       on_tokens=printer if stream else None)
+                       on_tokens=printer if stream else None, constraint=constraint)
     if args.json:
         print(json.dumps(out.to_dict()))
         return 0
@@ -463,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {"generate": _cmd_generate, "score": _cmd_score, "replay": _cmd_replay,
                     "make-tiny": _cmd_make_tiny}
         return handlers[args.cmd](args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"hyspec {cmd}: error: {_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -195,7 +195,11 @@ class Engine:
         longer prompt is an error; max_new_tokens beyond it is capped, and a sample that
         runs into the cap ends with stop_reason "context" (stats: max_new_tokens_capped_to,
         context_length). stats are totals over the samples; each sample's own are in
-        samples[i].stats."""
+        samples[i].stats.
+
+        constraint: a hyspec.constraints.Constraint (see Engine.constraint) the output must
+        match; each sample runs on its own clone, so the object passed in is not advanced.
+        A sample whose constraint allows no further token ends with stop_reason "constraint"."""
         params = params if params is not None else GREEDY
         if not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.SamplingParams (or None for greedy)")
@@ -207,6 +211,8 @@ class Engine:
             reference = _token_ids("reference", reference)
         if on_tokens is not None and not callable(on_tokens):
             raise ParamError("on_tokens", on_tokens, "must be a callable (sample index, token ids) or None")
+        if constraint is not None:
+            self._check_constraint(constraint)
         spec = self._spec_options(draft, spec)
         ids = self.encode(prompt)
         max_new_tokens, capped = self._cap(ids, max_new_tokens)
@@ -227,7 +233,7 @@ class Engine:
             cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             reqs.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=p, draft=draft, spec=spec,
                                 stop_ids=stops, reference=reference, on_tokens=cb, logprobs=logprobs,
-                                constraint=constraint.clone() if (constraint is not None and i) else constraint))
+                                constraint=None if constraint is None else constraint.clone()))
         self._run_requests(reqs, max_batch=num_samples)
         samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in reqs]
         out = self._output(samples, ids, draft > 0, capped, max_new_tokens)
@@ -237,11 +243,13 @@ class Engine:
 
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                       max_batch: int = 16, on_tokens=None, on_finish=None) -> list[Output]:
+                       max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None) -> list[Output]:
         """One Output per prompt, in order. max_new_tokens, params and draft may each be one
         value for all prompts or a list with one per prompt. Up to max_batch sequences decode
         together (continuous batching); each output is bitwise what generate() gives for that
-        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends."""
+        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
+        constraint: one Constraint (or a list, one per prompt, None for none); each sequence
+        runs on its own clone."""
         n = len(prompts)
 
         def per(name, v):
@@ -252,9 +260,13 @@ class Engine:
             return [v] * n
 
         news, ps, ks = per("max_new_tokens", max_new_tokens), per("params", params), per("draft", draft)
+        cs = per("constraint", constraint)
+        for c in cs:
+            if c is not None:
+                self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
         reqs = []
-        for i, (prompt, mnt, p, k) in enumerate(zip(prompts, news, ps, ks)):
+        for i, (prompt, mnt, p, k, c) in enumerate(zip(prompts, news, ps, ks, cs)):
             try:
                 ids = self.encode(prompt)
                 opts = self._spec_options(k, spec)
@@ -265,7 +277,8 @@ class Engine:
             cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             fin = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
             reqs.append(Request(prompt_ids=ids, max_new_tokens=mnt, params=p if p is not None else GREEDY, draft=k,
-                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin))
+                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin,
+                                constraint=None if c is None else c.clone()))
         self._run_requests(reqs, max_batch=max_batch)
         return [self._request_output(r) for r in reqs]
 
@@ -314,6 +327,21 @@ class Engine:
         if speculative:
             stats["spec"] = total.to_dict()
         return Output(samples, ids, stats)
+
+    def constraint(self, kind: str, value=None, *, arg: str | None = None):
+        """A Constraint for this model (kind: json_schema | json_object | regex | grammar |
+        choice); raises ValueError naming the argument when the value is invalid."""
+        from hyspec.constraints import make_constraint
+
+        return make_constraint(self, kind, value, arg=arg)
+
+    def _check_constraint(self, constraint) -> None:
+        if not hasattr(constraint, "allowed") or not hasattr(constraint, "commit"):
+            raise ValueError(f"constraint must be a hyspec.constraints.Constraint, got {type(constraint).__name__}")
+        V = getattr(constraint, "vocab_size", self.model.cfg.vocab_size)
+        if V != self.model.cfg.vocab_size:
+            raise ValueError(f"constraint was built for a vocabulary of {V} tokens; this model has "
+                             f"{self.model.cfg.vocab_size}")
 
     def memory(self, context_len: int, budget_bytes: int | None = None) -> dict:
         """Bytes one sequence slot needs at `context_len` tokens, and how many slots fit in

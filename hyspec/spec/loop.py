@@ -62,11 +62,15 @@ class SpecOptions:
 @torch.no_grad()
 def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions,
                          params: SamplingParams | None = None, stop_ids=(), reference: list[int] | None = None,
-                         telemetry: SpecTelemetry | None = None, on_tokens=None) -> GenerationResult:
+                         telemetry: SpecTelemetry | None = None, on_tokens=None,
+                         constraint=None) -> GenerationResult:
     """One speculative request (K = opts.k) through the engine core's round driver;
-    on_tokens(ids) is called with the tokens each round commits (the streaming hook)."""
+    on_tokens(ids) is called with the tokens each round commits (the streaming hook).
+    `constraint` (hyspec.constraints.Constraint, advanced in place): drafts are drawn from
+    the drafter's rows masked by its state after the earlier drafts, verify row j is masked
+    by its state after drafts[:j], and after each round it has consumed the emitted tokens."""
     req = Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
                   params=params if params is not None else GREEDY, draft=opts.k, spec=opts, stop_ids=stop_ids,
                   reference=reference, telemetry=telemetry,
-                  on_tokens=None if on_tokens is None else (lambda r, toks: on_tokens(toks)))
+                  on_tokens=None if on_tokens is None else (lambda r, toks: on_tokens(toks)), constraint=constraint)
     return run_request(model, req)
