@@ -394,7 +394,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         except ValidationError as e:
             errs = e.errors()
             first = errs[0] if errs else {}
-            loc = ".".join(str(x) for x in first.get("loc", ())) or None
+            loc = str(first["loc"][0]) if first.get("loc") else None  # the request field at fault
             if first.get("type") == "json_invalid":
                 raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
             msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()))}: {er.get('msg')}" for er in errs[:5])
