@@ -403,7 +403,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     # ---- simple endpoints --------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", "engine": "batched" if st.worker.batched else "sequential"}
 
     def model_card():
         return {"id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "hyspec",

@@ -55,7 +55,8 @@ class Job:
     _n_lp: int = 0
 
 
-def _scheduler_module():
+def scheduler_module():
+    """hyspec.core.scheduler, or None (absent, or HYSPEC_SERVE_SCHEDULER=0)."""
     if os.environ.get("HYSPEC_SERVE_SCHEDULER", "1") == "0":
         return None
     import hyspec
@@ -75,7 +76,7 @@ class EngineWorker:
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
         self.max_queue = max(0, int(max_queue))
-        self._sched_mod = _scheduler_module()
+        self._sched_mod = scheduler_module()
         self.batched = self._sched_mod is not None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -219,7 +220,11 @@ class EngineWorker:
             job._req = mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
                                    draft=job.draft, stop_ids=set(job.stop_ids), logprobs=job.logprobs,
                                    on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job))
-            self._sched.submit(job._req)
+            try:
+                self._sched.submit(job._req)
+            except ValueError as e:  # refused by the scheduler's own checks: this job only
+                log.error("sequence refused by the scheduler: %s", e)
+                self._finish(job, "error", {"error": str(e)})
         if self._sched.has_work():
             self._sched.step()
 
