@@ -195,6 +195,7 @@ BAD = [
     ({"prompt": ""}, "prompt"),
     ({"temperature": "hot"}, "temperature"),
     ({"stop": 7}, "stop"),
+    ({"stop": ["a"] * 17}, "stop"),
     ({"draft": 99}, "draft"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": 99}, "logprobs"),

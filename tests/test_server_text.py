@@ -102,3 +102,28 @@ def test_fallback_template_and_errors():
         strict.render([{"role": "assistant", "content": "x"}])
     with pytest.raises(TemplateError):  # the sandbox refuses attribute games
         ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+
+
+def test_incremental_decode_equals_full_decode(tok):
+    """Committed text plus a re-decoded tail equals decoding everything at once, for rounds
+    of any size, multi-byte characters included; what is emittable is always a prefix of
+    the final text."""
+    import random
+
+    text = "naïve = '日本語 ✓ — ok'\nfor x in range(3):\n    print(x, '€')\n"
+    ids = tok.encode(text)
+    rng = random.Random(0)
+    for stops in (None, ["@@"]):
+        for _ in range(5):
+            m = StopMatcher(_dec(tok), stops, drop_ids={0})
+            i, shown = 0, []
+            while i < len(ids):
+                n = rng.randint(1, 4)
+                m.feed(ids[i: i + n])
+                i += n
+                cur = m.emittable()
+                assert text.startswith(cur)
+                assert len(cur) >= len(shown)
+                shown = cur
+            m.feed([0])  # a final EOS: counted, not shown
+            assert m.text == tok.decode(ids) == text and m.n_tokens == len(ids) + 1

@@ -12,6 +12,8 @@ from hyspec.spec.loop import MAX_DRAFT
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
 
 
 class APIError(Exception):
@@ -152,4 +154,7 @@ def stop_strings(req) -> list[str]:
     s = req.stop
     if s is None:
         return []
-    return [x for x in ([s] if isinstance(s, str) else s) if x]
+    stops = [x for x in ([s] if isinstance(s, str) else s) if x]
+    if len(stops) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    return stops

@@ -22,19 +22,22 @@ FALLBACK_CHAT_TEMPLATE = (
 class StopMatcher:
     """Turns a growing list of generated token ids into text, detecting stop strings.
 
-    feed(ids) consumes ids one at a time; after each id the full generated text is decoded
-    (byte-level BPE pieces are not independently decodable, so decoding the whole sequence
-    is the simple correct choice) and searched for every stop string, including matches
-    that straddle token boundaries. On a match the text is cut at the start of the stop
-    string and `stopped` is set; `n_tokens` is the number of ids consumed up to and
-    including the one that completed the match (the rest of a round is discarded).
+    feed(ids) consumes ids one at a time (one batch per round when there are no stop
+    strings). Text is decoded incrementally: tokens whose text is final are committed, and
+    only the last few are re-decoded, with a few tokens of left context so that decoders
+    whose output depends on the neighbour (byte-level pieces of one character, leading
+    spaces) give the same text as decoding everything at once. Each new piece of text is
+    searched for every stop string, including matches that straddle token boundaries. On a
+    match the text is cut at the start of the stop string and `stopped` is set; `n_tokens`
+    is the number of ids consumed up to and including the one that completed the match
+    (the rest of a round is discarded).
 
     `emittable()` is the text that may be streamed already: everything except a trailing
     part that could still become a stop string, and except a trailing incomplete UTF-8
     sequence (decoded as U+FFFD).
 
-    `drop_ids`: token ids never shown in the text when they end the output (EOS / stop
-    token ids): they still count in n_tokens.
+    `drop_ids`: ids that end generation (EOS / stop token ids): counted in n_tokens, never
+    shown in the text.
     """
 
     def __init__(self, decode, stops: list[str] | None = None, drop_ids=()):
@@ -44,7 +47,10 @@ class StopMatcher:
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False
-        self._dropped_last = False
+        self._shown: list[int] = []  # ids that make up the text (drop ids left out)
+        self._committed = ""  # text of _shown[:_read]
+        self._prefix = 0  # left context for the next decode starts here
+        self._read = 0
         self._scan_from = 0
 
     @property
@@ -57,20 +63,28 @@ class StopMatcher:
         new_ids = list(new_ids)
         if not self.stops:  # no per-token search needed: one decode per round
             self.ids.extend(new_ids)
+            self._shown.extend(t for t in new_ids if t not in self.drop_ids)
             self._redecode()
             return
         for t in new_ids:
             self.ids.append(t)
+            if t in self.drop_ids:
+                continue
+            self._shown.append(t)
             self._redecode()
             if self._search():
                 return
 
     def _redecode(self) -> None:
-        ids = self.ids
-        self._dropped_last = bool(ids) and ids[-1] in self.drop_ids
-        if self._dropped_last:
-            ids = ids[:-1]
-        self.text = self.decode(ids) if ids else ""
+        ids = self._shown
+        before = self.decode(ids[self._prefix: self._read]) if self._read > self._prefix else ""
+        now = self.decode(ids[self._prefix:]) if len(ids) > self._prefix else ""
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._committed += now[len(before):]
+            self._prefix, self._read = self._read, len(ids)  # the just-committed tokens are the next context
+            self.text = self._committed
+        else:  # nothing final yet (an incomplete character, or a token with no text)
+            self.text = self._committed + now[len(before):]
 
     def _search(self) -> bool:
         longest = max(len(s) for s in self.stops)
