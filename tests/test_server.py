@@ -324,3 +324,36 @@ def test_auth_queue_full_and_disconnect(ref_engine):
             pytest.skip("Engine.generate fallback: a running sequence cannot be cancelled mid-generation")
         assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 1
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
+        # a non-streamed request whose client gives up is cancelled too
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, headers=hdr, timeout=1.0, json={"model": MODEL, "prompt": "x", "max_tokens": 400,
+                                                           "temperature": 0, "ignore_eos": True})
+        t_end = time.monotonic() + 10
+        while metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') < 2 and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 2
+        assert metric(s, "hyspec_requests_running") == 0
+
+
+def test_engine_fault_is_contained(monkeypatch):
+    """An exception inside the engine answers that request with a 500 in OpenAI's shape (no
+    traceback) and the server goes on serving."""
+    monkeypatch.setenv("HYSPEC_SERVE_SCHEDULER", "0")  # the sequential worker: the fault is easy to inject
+    eng = Engine.load()
+    real = eng.generate
+    poison = eng.encode("poison")
+
+    def generate(prompt, **kw):
+        if list(prompt) == poison:
+            raise RuntimeError("injected engine fault")
+        return real(prompt, **kw)
+
+    monkeypatch.setattr(eng, "generate", generate)
+    with ServerThread(create_app(eng, ServerConfig(served_model_name=MODEL))) as s:
+        url = s.url + "/v1/completions"
+        err = _check_error(httpx.post(url, json={"model": MODEL, "prompt": "poison", "max_tokens": 3}), 500)
+        assert "injected" not in err["message"]
+        r = httpx.post(url, json={"model": MODEL, "prompt": "poison", "max_tokens": 3, "stream": True})
+        assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+        ok = httpx.post(url, json={"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

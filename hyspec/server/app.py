@@ -477,6 +477,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             watcher.cancel()
             if not run.done:
                 run.cancel()
+                log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
 
     async def stream(run: Run, make_chunks, finish_chunk, usage_on: bool, header_chunks):
         """SSE generator: header chunks, then per change each choice's new text, then each
@@ -521,6 +522,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         finally:
             if not run.done:
                 run.cancel()
+                log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

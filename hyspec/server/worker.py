@@ -72,7 +72,7 @@ def scheduler_module():
 
 
 class EngineWorker:
-    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256, on_admit=None) -> None:
+    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256) -> None:
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
         self.max_queue = max(0, int(max_queue))
@@ -88,7 +88,6 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._sched = None
-        self.on_admit = on_admit  # engine-thread hook (metrics), called with the admitted Job
 
     # ---- loop-thread API -------------------------------------------------------------
     def start(self, loop) -> None:
@@ -188,8 +187,6 @@ class EngineWorker:
         with self._lock:
             self._n_waiting -= 1
         self._running.add(job)
-        if self.on_admit is not None:
-            self.on_admit(job)
         return job
 
     def _run(self) -> None:
