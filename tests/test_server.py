@@ -357,3 +357,22 @@ def test_engine_fault_is_contained(monkeypatch):
         assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
         ok = httpx.post(url, json={"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_rounds_stream_and_requests_join_the_batch(server, client):
+    """With the batched engine: a stream gets tokens round by round, and a request that
+    arrives while a long one runs joins the batch and finishes first."""
+    st = server.server.config.app.state.hyspec if hasattr(server.server.config.app, "state") else None
+    if st is None or not st.worker.batched:
+        pytest.skip("the sequential Engine.generate fallback streams a request's tokens at its end")
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "draft": 3})
+    it = iter(stream)
+    first = next(it)
+    assert first.choices[0].text
+    t = time.perf_counter()
+    short = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert short.choices[0].finish_reason in ("length", "stop") and time.perf_counter() - t < 5
+    rest = [ch for ch in it if ch.choices and ch.choices[0].text]
+    assert len(rest) >= 20  # ~200 tokens at an acceptance length of ~2: many rounds, many chunks
+    stream.close()
