@@ -180,6 +180,12 @@ def test_logprobs(client, ref_engine):
     assert e.choices[0].text.startswith(PROMPTS[0])
     assert e.choices[0].logprobs.token_logprobs[0] is None
     assert len(e.choices[0].logprobs.tokens) == len(ref_engine.encode(PROMPTS[0])) + 3
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == e.choices[0].text
+    streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(e.choices[0].logprobs.token_logprobs)
+    assert streamed[1:] == pytest.approx(e.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
 
 
 BAD = [
@@ -218,8 +224,8 @@ def test_errors(server, client):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **patch}
         err = _check_error(httpx.post(url, json=body), 400)
         assert err["param"] == param, (patch, err)
-    err = _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}),
-                       400)
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    err = _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x", "response_format": rf}), 400)
     assert "not supported yet" in err["message"]
     ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, "response_format": {"type": "text"}})
     assert ok.status_code == 200

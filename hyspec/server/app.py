@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -553,9 +553,9 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             for i, ids in enumerate(prompts):
                 res = await st.worker.call(lambda eng, ids=ids: eng.score(ids, top_logprobs=max(lp, 1))
                                            if len(ids) > 1 else {"logprobs": [], "top_logprobs": []})
+                rows = zip(ids[1:], res["logprobs"], res["top_logprobs"])
                 echo_lps[i] = [(ids[0], None, None)] + [
-                    (ids[k + 1], float(res["logprobs"][k]), [(int(t[0]), float(t[1])) for t in res["top_logprobs"][k][:lp]])
-                    for k in range(len(ids) - 1)]
+                    (t, float(v), [(int(a[0]), float(a[1])) for a in top[:lp]]) for t, v, top in rows]
         run.start()
         n = len(run.choices) // len(prompts)
 
@@ -574,26 +574,27 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         if req.stream:
             usage_on = bool(req.stream_options and req.stream_options.include_usage)
             base = {"id": rid, "object": "text_completion", "created": run.created, "model": cfg.served_model_name}
+            extra = {"usage": None} if usage_on else {}
             first_sent: set[int] = set()
 
             def chunk(c: Choice, delta: str, entries):
                 first = c.index not in first_sent
                 first_sent.add(c.index)
                 text = (prompt_text(c) if first else "") + delta
-                return {**base, "choices": [{"index": c.index, "text": text, "logprobs": logprobs_obj(c, entries, first),
-                                             "finish_reason": None}], **({"usage": None} if usage_on else {})}
+                return {**base, "choices": [{"index": c.index, "text": text, "finish_reason": None,
+                                             "logprobs": logprobs_obj(c, entries, first)}], **extra}
 
             def finish(c: Choice):
                 return {**base, "choices": [{"index": c.index, "text": "", "logprobs": None,
-                                             "finish_reason": c.finish_reason}], **({"usage": None} if usage_on else {})}
+                                             "finish_reason": c.finish_reason}], **extra}
 
             headers = []
             if req.echo:  # the prompt goes out at once
                 for c in run.choices:
                     first_sent.add(c.index)
-                    headers.append({**base, "choices": [{"index": c.index, "text": prompt_text(c),
-                                                         "logprobs": logprobs_obj(c, [], True) if lp is not None else None,
-                                                         "finish_reason": None}]})
+                    ch = {"index": c.index, "text": prompt_text(c), "logprobs": logprobs_obj(c, [], True),
+                          "finish_reason": None}
+                    headers.append({**base, "choices": [ch], **extra})
             return StreamingResponse(stream(run, chunk, finish, usage_on, headers), media_type="text/event-stream")
 
         await wait_all(run, request)
