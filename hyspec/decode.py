@@ -1,46 +1,34 @@
-"""Plain (non-speculative) decoding and the token-choice rule shared with the speculative loop."""
+"""Single-request entry points over the engine core, and the result type they return.
+
+generate_plain (K = 0) and hyspec.spec.loop.generate_speculative (K >= 1) are one request
+run through hyspec.core's scheduler and round driver; there is no separate loop."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import torch
-
-from hyspec.model.hybrid import HybridLM
-from hyspec.model.ops import StepCtx
-from hyspec.sampling import SamplingParams, greedy_token, plain_token, row_probs
-
-GREEDY = SamplingParams(temperature=0.0)
+from hyspec.core.request import GREEDY, Request
+from hyspec.core.round import choose_token  # noqa: F401  (re-exported: the plain token rule)
+from hyspec.core.scheduler import Scheduler, check_prompt, check_stop  # noqa: F401
+from hyspec.sampling import SamplingParams, row_probs
 
 
 @dataclass
 class GenerationResult:
     tokens: list[int]  # generated ids (prompt excluded)
-    stop_reason: str  # "eos" | "length"
+    stop_reason: str  # "eos" | "length" | "constraint"
     stats: dict = field(default_factory=dict)
 
 
-def target_probs(logits: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
+def target_probs(logits, history, params: SamplingParams):
     """The distribution plain sampling draws from at a row: penalties over `history`
     (all tokens before the position), then temperature / top-k / top-p / min-p."""
     return row_probs(logits, history, params)
 
 
-def choose_token(logits: torch.Tensor, history: list[int], params: SamplingParams, position: int) -> int:
-    """The token plain decoding emits at absolute `position` given the row's logits [V]."""
-    if params.greedy:
-        if params.has_penalties:
-            from hyspec.sampling import apply_penalties
-
-            return greedy_token(apply_penalties(logits, history, params))
-        return greedy_token(logits)
-    return plain_token(target_probs(logits, history, params), params, position)
-
-
 def emit(out: list[int], tokens: list[int], stops: set[int], max_new_tokens: int) -> bool:
     """Append a round's tokens to `out`, stopping at a stop id or the token limit.
-    Returns True when a stop id was emitted."""
+    Returns True when a stop id was emitted (used by the GPU fast path)."""
     for tok in tokens:
         out.append(tok)
         if tok in stops:
@@ -50,54 +38,21 @@ def emit(out: list[int], tokens: list[int], stops: set[int], max_new_tokens: int
     return False
 
 
-def check_prompt(prompt: list[int], vocab: int) -> None:
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt if not 0 <= int(t) < vocab]
-    if bad:
-        raise ValueError(f"prompt token id(s) {bad[:5]} out of range for vocabulary size {vocab}")
+def run_request(model, req: Request, scheduler: Scheduler | None = None) -> GenerationResult:
+    """Run one request to the end and return its result (errors are raised)."""
+    sched = scheduler if scheduler is not None else Scheduler(model, max_batch=1)
+    sched.submit(req)
+    while not req.done:
+        sched.step()
+    exc = getattr(req, "exception", None)
+    if exc is not None:
+        raise exc
+    return GenerationResult(list(req.tokens), req.stop_reason, req.stats)
 
 
-def check_stop(stop_ids, vocab: int) -> set[int]:
-    s = set(int(t) for t in stop_ids)
-    bad = [t for t in s if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"stop id(s) {sorted(bad)[:5]} out of range for vocabulary size {vocab}")
-    return s
-
-
-@torch.no_grad()
-def generate_plain(model: HybridLM, prompt: list[int], *, max_new_tokens: int, params: SamplingParams | None = None,
-                   stop_ids=(), max_len: int | None = None) -> GenerationResult:
-    """Prefill the prompt, then one target forward per token."""
-    params = params if params is not None else GREEDY
-    check_prompt(prompt, model.cfg.vocab_size)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    stops = check_stop(stop_ids, model.cfg.vocab_size)
-    P = len(prompt)
-    cache = model.new_cache(max_len or P + max_new_tokens + 1)
-    t0 = time.perf_counter()
-    ids = torch.tensor(prompt, device=model.device)
-    h = model.forward_hidden(ids, cache, StepCtx(start=0, chunked=True))
-    logits = model.logits(h[-1:])[0]
-    t1 = time.perf_counter()
-    out: list[int] = []
-    reason = "length"
-    while len(out) < max_new_tokens:
-        tok = choose_token(logits, prompt + out, params, P + len(out))
-        out.append(tok)
-        if tok in stops:
-            reason = "eos"
-            break
-        if len(out) == max_new_tokens:
-            break
-        ctx = StepCtx(start=cache.pos, exact=True)
-        h = model.forward_hidden(torch.tensor([tok], device=model.device), cache, ctx)
-        logits = model.logits(h, ctx)[0]
-    t2 = time.perf_counter()
-    return GenerationResult(out, reason, {
-        "prompt_tokens": P, "generated_tokens": len(out), "prefill_s": t1 - t0, "decode_s": t2 - t1,
-        "decode_tok_s": (len(out) - 1) / (t2 - t1) if len(out) > 1 and t2 > t1 else None,
-        "target_forwards": max(len(out) - 1, 0),
-    })
+def generate_plain(model, prompt: list[int], *, max_new_tokens: int, params: SamplingParams | None = None,
+                   stop_ids=(), max_len: int | None = None, on_tokens=None) -> GenerationResult:
+    """Prefill the prompt, then one target forward per token (a K = 0 request)."""
+    req = Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
+                  params=params if params is not None else GREEDY, draft=0, stop_ids=stop_ids, on_tokens=on_tokens)
+    return run_request(model, req)

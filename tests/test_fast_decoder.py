@@ -5,7 +5,7 @@ import pytest
 
 from hyspec.decode import generate_plain
 from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-from hyspec.spec import drafter as drafter_mod
+from hyspec.core import round as round_mod
 from hyspec.spec.loop import SpecOptions, generate_speculative
 from hyspec.tiny import make_tiny
 from hyspec.loading import load_model
@@ -27,14 +27,14 @@ def test_torch_runner_matches_reference_loops(models, arch, monkeypatch):
     dec = FastDecoder(m, len(PROMPT) + N + 8, 3, backend="torch")
     assert generate_plain_fast(m, PROMPT, max_new_tokens=N, decoder=dec).tokens == ref.tokens
     drafts_ref = []
-    orig = drafter_mod.MTPDrafter.propose
+    orig = round_mod.draft
 
-    def spy(self, *a, **k):
-        out = orig(self, *a, **k)
-        drafts_ref.append(list(out[0]))
+    def spy(backend, seqs):
+        out = orig(backend, seqs)
+        drafts_ref.append(list(seqs[0].round.drafts))
         return out
 
-    monkeypatch.setattr(drafter_mod.MTPDrafter, "propose", spy)
+    monkeypatch.setattr(round_mod, "draft", spy)
     for rates in ((0.9, 0.8, 0.7, 0.6), None):
         opts = SpecOptions(k=3, forced_rates=rates)
         drafts_ref.clear()
@@ -44,7 +44,7 @@ def test_torch_runner_matches_reference_loops(models, arch, monkeypatch):
                                        trace=trace)
         assert fs.tokens == rs.tokens == ref.tokens
         assert fs.stats["spec"] == rs.stats["spec"]
-        if rates is None:  # ForcedDrafter overrides propose; the MTP's own drafts must match
+        if rates is None:  # the forced drafter replaces tokens; the MTP's own drafts must match
             assert [d for _, _, d in trace if d] == [d for d in drafts_ref if d]
 
 

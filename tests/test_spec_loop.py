@@ -14,7 +14,7 @@ from conftest import ARCHS, PROMPT
 from hyspec.cache import HybridCache
 from hyspec.model.ops import StepCtx
 from hyspec.spec import rollback as rb_mod
-from hyspec.spec.drafter import MTPDrafter
+from hyspec.core import round as round_mod
 from hyspec.spec.loop import MAX_DRAFT, SpecOptions, generate_speculative
 
 ROLLBACKS = ("checkpoint", "rescan", "replay")
@@ -48,24 +48,16 @@ def cache_state(cache: HybridCache) -> dict:
 
 
 def spy_round_states(monkeypatch, model) -> list[dict]:
-    """Capture the loop's cache, and its state at the start of every round (after the
-    previous round's commit: full accept, partial rollback or fold)."""
-    holder: dict = {}
+    """Capture the sequence's cache state at the start of every round (after the previous
+    round's commit: full accept, partial rollback or fold)."""
     states: list[dict] = []
-    orig_new_cache = model.new_cache
+    orig_draft = round_mod.draft
 
-    def new_cache(max_len):
-        holder["cache"] = orig_new_cache(max_len)
-        return holder["cache"]
+    def draft(backend, seqs):
+        states.append(cache_state(seqs[0].cache))
+        return orig_draft(backend, seqs)
 
-    monkeypatch.setattr(model, "new_cache", new_cache)
-    orig_propose = MTPDrafter.propose
-
-    def propose(self, *a, **kw):
-        states.append(cache_state(holder["cache"]))
-        return orig_propose(self, *a, **kw)
-
-    monkeypatch.setattr(MTPDrafter, "propose", propose)
+    monkeypatch.setattr(round_mod, "draft", draft)
     return states
 
 

@@ -16,6 +16,7 @@ import torch
 
 from conftest import ARCHS, PROMPT
 from hyspec.model.ops import StepCtx
+from hyspec.core import round as round_mod
 from hyspec.spec.drafter import MTPDrafter
 from hyspec.spec.loop import SpecOptions, generate_speculative
 from hyspec.spec.replay import replay_acceptance
@@ -143,14 +144,15 @@ def test_replay_agrees_with_speculative_loop(zoo, monkeypatch, arch, dtype, K, h
     rep_drafts = dict(zip(pp["position"], rep["drafts"]))
 
     loop_drafts = []
-    orig = MTPDrafter.propose
+    orig = round_mod.draft
 
-    def propose(self, *a, **kw):
-        out = orig(self, *a, **kw)
-        loop_drafts.append(out[0])
+    def draft(backend, seqs):
+        out = orig(backend, seqs)
+        if seqs[0].round.drafts or seqs[0].pending is not None:  # rounds that verify
+            loop_drafts.append(list(seqs[0].round.drafts))
         return out
 
-    monkeypatch.setattr(MTPDrafter, "propose", propose)
+    monkeypatch.setattr(round_mod, "draft", draft)
     tel = RoundLog()
     res = generate_speculative(m, PROMPT, max_new_tokens=M, opts=SpecOptions(k=K, hidden=hidden), telemetry=tel)
     assert res.tokens == cont[:M]

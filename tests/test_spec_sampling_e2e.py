@@ -61,7 +61,7 @@ import torch
 from scipy import stats
 
 import hyspec.sampling as sampling_mod
-import hyspec.spec.loop as loop_mod
+import hyspec.core.round as round_mod
 from hyspec.config import ModelConfig
 from hyspec.decode import generate_plain
 from hyspec.engine import Engine, derive_seed
@@ -407,7 +407,7 @@ def test_biased_acceptance_rule_fails_the_same_tests(rule, prime_pending, model,
     ALPHA.  (residual = p is asserted in the no-pending form, where all 3 tested tokens
     are speculative decisions; see the module docstring.)"""
     if rule == "always_accept":
-        monkeypatch.setattr(loop_mod, "speculative_sample", _always_accept)
+        monkeypatch.setattr(round_mod, "speculative_sample", _always_accept)
         seeds = SEEDS_ALWAYS
     else:
         monkeypatch.setattr(sampling_mod, "accept_or_resample", _residual_is_p)
@@ -575,19 +575,21 @@ def test_draft_rows_see_the_plain_history(model, monkeypatch, params) -> None:
     round.  (The output cannot show this -- a wrong q only lowers acceptance -- so the
     chooser's inputs are recorded.)"""
     seen: list[tuple[int, list[int], int]] = []
-    original = loop_mod._Chooser.__call__
+    original = round_mod._draft_one
 
-    def record(self, logits, j, position):
-        hist = list(self.history) + list(self.drafts[:j])
-        seen.append((position, hist, len(self.history)))
-        tok, q, prob = original(self, logits, j, position)
-        if params.greedy:  # the drafter's token is the argmax of the penalised logits
-            assert tok == int(torch.argmax(sampling_mod.apply_penalties(logits, hist, params)))
-        else:  # q is row_probs under that history: penalties, then the same filters
-            assert torch.equal(q, row_probs(logits, hist, params))
-        return tok, q, prob
+    def record(seq, rd, logits, j):
+        hist = list(seq.history) + list(rd.drafts[:j])
+        seen.append((rd.first_draft_pos + j, hist, len(seq.history)))
+        ok = original(seq, rd, logits, j)
+        if ok:
+            tok = rd.drafts[-1]
+            if params.greedy:  # the drafter's token is the argmax of the penalised logits
+                assert tok == int(torch.argmax(sampling_mod.apply_penalties(logits, hist, params)))
+            else:  # q is row_probs under that history: penalties, then the same filters
+                assert torch.equal(rd.q_rows[-1], row_probs(logits, hist, params))
+        return ok
 
-    monkeypatch.setattr(loop_mod._Chooser, "__call__", record)
+    monkeypatch.setattr(round_mod, "_draft_one", record)
     res = _spec(model, params, 4, 30)
     assert seen
     final = PROMPT + res.tokens

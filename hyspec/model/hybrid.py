@@ -32,13 +32,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: StepCtx, state: KVBuffer | LinearState | None) -> torch.Tensor:
+        """One sequence: x [T, H] -> [T, H]."""
+        return self.forward_batch(x, [ctx], [state], [x.shape[0]])
+
+    def forward_batch(self, x: torch.Tensor, ctxs: list[StepCtx], states: list, sizes: list[int]) -> torch.Tensor:
+        """Several sequences' rows stacked: x [N, H] = sequence 0's sizes[0] rows, then
+        sequence 1's, ... The token mixer (attention or Gated DeltaNet) runs per sequence on
+        its own state and positions; the norms and the FFN run on all N rows at once. In
+        exact mode every op is row-invariant, so a row's result does not depend on the
+        other sequences in the batch."""
         h = self.input_layernorm(x)
-        if self.layer_type == FULL:
-            h = self.self_attn(h, ctx, state)
+        mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
+        if len(sizes) == 1:
+            h = mixer(h, ctxs[0], states[0])
         else:
-            h = self.linear_attn(h, ctx, state)
+            h = torch.cat([mixer(part, c, st) for part, c, st in zip(h.split(sizes), ctxs, states)])
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctxs[0])
 
 
 class Backbone(nn.Module):
@@ -65,11 +75,12 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, FULL, cfg.has_moe)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
-    def forward(self, emb: torch.Tensor, h_prev: torch.Tensor, ctx: StepCtx, kv: KVBuffer | None) -> torch.Tensor:
-        """emb [T, H] embeddings of tokens at positions p..p+T-1, h_prev [T, H] target (or
-        chained MTP) hiddens of positions p-1..p+T-2 -> post-norm hidden [T, H]."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(h_prev)], dim=-1), ctx)
-        x = self.layers[0](x, ctx, kv)
+    def forward(self, emb: torch.Tensor, h_prev: torch.Tensor, ctxs: list[StepCtx], kvs: list, sizes: list[int]):
+        """emb [N, H] embeddings of tokens at positions p..p+T-1 (per sequence), h_prev [N, H]
+        target (or chained MTP) hiddens of positions p-1..p+T-2 -> post-norm hidden [N, H].
+        Rows of several sequences are stacked as in DecoderLayer.forward_batch."""
+        x = torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(h_prev)], dim=-1)
+        x = self.layers[0].forward_batch(self.fc(x, ctxs[0]), ctxs, kvs, sizes)
         return self.norm(x)
 
 
@@ -110,16 +121,27 @@ class HybridLM(nn.Module):
     def forward_states(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx):
         """ids [T] at positions ctx.start.. -> (pre-norm residual [T, H], post-final-norm hidden [T, H]).
         With a cache, ctx.start must equal cache.pos; the cache advances by T."""
-        if cache is not None and ctx.start != cache.pos:
-            raise ValueError(f"forward at position {ctx.start} but the cache holds {cache.pos} tokens")
-        if cache is not None and ctx.start + ids.shape[0] > cache.max_len:
-            raise ValueError(f"context full: {ctx.start + ids.shape[0]} tokens exceed the cache's max length "
-                             f"{cache.max_len}")
+        return self.forward_batch(ids, [ctx], [cache], [ids.shape[0]])
+
+    def forward_batch(self, ids: torch.Tensor, ctxs: list[StepCtx], caches: list, sizes: list[int]):
+        """Several sequences in one forward: ids [N] = sizes[0] tokens of sequence 0 (at
+        positions ctxs[0].start..), then sequence 1's, ...; each sequence has its own cache
+        (or None). Returns (pre-norm residual [N, H], post-final-norm hidden [N, H]); every
+        cache advances by its sequence's rows. The one layer loop of the model."""
+        if len({c.exact for c in ctxs}) > 1:
+            raise ValueError("a batched forward runs all sequences in the same (exact or not) mode")
+        for ctx, cache, n in zip(ctxs, caches, sizes):
+            if cache is not None and ctx.start != cache.pos:
+                raise ValueError(f"forward at position {ctx.start} but the cache holds {cache.pos} tokens")
+            if cache is not None and ctx.start + n > cache.max_len:
+                raise ValueError(f"context full: {ctx.start + n} tokens exceed the cache's max length "
+                                 f"{cache.max_len}")
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, ctx, None if cache is None else cache.layer_state(i))
-        if cache is not None:
-            cache.pos += ids.shape[0]
+            x = layer.forward_batch(x, ctxs, [None if c is None else c.layer_state(i) for c in caches], sizes)
+        for cache, n in zip(caches, sizes):
+            if cache is not None:
+                cache.pos += n
         return x, self.model.norm(x)
 
     def forward_hidden(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx) -> torch.Tensor:
@@ -142,9 +164,14 @@ class HybridLM(nn.Module):
     def mtp_hidden(self, tokens: torch.Tensor, h_prev: torch.Tensor, ctx: StepCtx, kv: KVBuffer | None) -> torch.Tensor:
         """MTP rows for tokens [T] (at positions p..) paired with h_prev [T, H] -> [T, H].
         The draft KV row index is p - 1 (= the paired hidden's position), passed as ctx.start."""
+        return self.mtp_batch(tokens, h_prev, [ctx], [kv], [tokens.shape[0]])
+
+    def mtp_batch(self, tokens: torch.Tensor, h_prev: torch.Tensor, ctxs: list[StepCtx], kvs: list,
+                  sizes: list[int]) -> torch.Tensor:
+        """mtp_hidden for several sequences' rows stacked (each with its own draft KV)."""
         if self.mtp is None:
             raise ValueError("this checkpoint has no MTP head (no mtp.* weights): it cannot draft")
-        return self.mtp(self.model.embed_tokens(tokens), h_prev, ctx, kv)
+        return self.mtp(self.model.embed_tokens(tokens), h_prev, ctxs, kvs, sizes)
 
     def new_draft_kv(self, max_len: int) -> KVBuffer:
         c = self.cfg

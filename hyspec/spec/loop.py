@@ -1,5 +1,6 @@
-"""The speculative loop: draft with the MTP head, verify in one target forward, accept,
-commit (rolling the hybrid cache back when needed), refresh the draft KV, emit.
+"""Speculative decoding options, and the single-request entry point. The round itself
+(draft with the MTP head, verify in one target forward, accept, commit, refresh, emit)
+is written once, for a batch, in hyspec/core/round.py.
 
 Words (see docs/speculative.md): pending = emitted token not yet run through the target;
 bonus = the target's own token at the first rejected position (or after a full accept);
@@ -8,17 +9,14 @@ every round emits accepted + 1 tokens and leaves the bonus pending for the next 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-from hyspec.decode import GREEDY, GenerationResult, check_prompt, check_stop, choose_token, emit, target_probs
+from hyspec.core.request import GREEDY, Request
+from hyspec.decode import GenerationResult, run_request
 from hyspec.model.hybrid import HybridLM
-from hyspec.model.ops import StepCtx
-from hyspec.sampling import (SamplingParams, apply_penalties, coupled_speculative, coupled_token, draft_token,
-                             greedy_token, speculative_sample)
-from hyspec.spec.drafter import ForcedDrafter, MTPDrafter
+from hyspec.sampling import SamplingParams
 from hyspec.spec.rollback import make_rollback
 from hyspec.spec.telemetry import SpecTelemetry
 
@@ -56,166 +54,17 @@ class SpecOptions:
             raise ValueError(f"adaptive_floor must be in 1..k={self.k}, got {self.adaptive_floor}")
         if self.hidden not in ("post", "pre"):
             raise ValueError(f"hidden must be 'post' or 'pre', got {self.hidden!r}")
-
-
-class _Chooser:
-    """Drafter-side token choice for one round, mirroring the target's transformation."""
-
-    def __init__(self, params: SamplingParams, history: list[int], want_prob: bool) -> None:
-        self.params, self.history = params, history
-        self.want_prob = want_prob  # greedy drafts need their probability only for p_min
-        self.drafts: list[int] = []
-
-    def __call__(self, logits: torch.Tensor, j: int, position: int):
-        hist = self.history + self.drafts[:j]
-        p = self.params
-        if p.greedy:
-            lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
-            tok = greedy_token(lg)
-            prob = float(torch.softmax(lg.double(), -1)[tok]) if self.want_prob else 1.0
-            self._push(j, tok)
-            return tok, None, prob
-        q = target_probs(logits, hist, p)  # the same filters as the target row
-        tok = coupled_token(q, p.seed, position) if p.mode == "coupled" else draft_token(q, p.seed, position)
-        self._push(j, tok)
-        return tok, q, float(q[tok])
-
-    def _push(self, j: int, tok: int) -> None:
-        del self.drafts[j:]
-        self.drafts.append(tok)
-
-
-def _accept(params: SamplingParams, rows: torch.Tensor, drafts: list[int], q_rows, history: list[int],
-            position: int) -> tuple[int, int]:
-    """rows [k+1, V] target logits for the positions position..position+k. Returns
-    (accepted drafts n, next token)."""
-    k = len(drafts)
-    if params.greedy:
-        for j in range(k + 1):
-            lg = rows[j]
-            if params.has_penalties:
-                lg = apply_penalties(lg, history + drafts[:j], params)
-            tok = greedy_token(lg)
-            if j == k or tok != drafts[j]:
-                return j, tok
-    p_rows = torch.stack([target_probs(rows[j], history + drafts[:j], params) for j in range(k + 1)])
-    if params.mode == "coupled":
-        return coupled_speculative(p_rows, drafts, params.seed, position)
-    if k == 0:
-        return speculative_sample(p_rows, p_rows[:0], [], params.seed, position)
-    return speculative_sample(p_rows, q_rows, drafts, params.seed, position)
+        if self.forced_rates is not None and (not self.forced_rates
+                                              or any(not 0.0 <= r <= 1.0 for r in self.forced_rates)):
+            raise ValueError(f"forced acceptance rates must be in [0, 1], got {list(self.forced_rates)}")
 
 
 @torch.no_grad()
 def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions,
                          params: SamplingParams | None = None, stop_ids=(), reference: list[int] | None = None,
-                         telemetry: SpecTelemetry | None = None) -> GenerationResult:
-    params = params if params is not None else GREEDY
-    check_prompt(prompt, model.cfg.vocab_size)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    stops = check_stop(stop_ids, model.cfg.vocab_size)
-    if not model.has_mtp:
-        raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
-                         "use --draft 0 for plain decoding")
-    tel = telemetry if telemetry is not None else SpecTelemetry()
-    P = len(prompt)
-    max_len = P + max_new_tokens + opts.k + 2
-    if opts.forced_rates is not None:
-        if reference is None:
-            raise ValueError("the forced-acceptance drafter needs a reference continuation")
-        drafter = ForcedDrafter(model, max_len, list(prompt) + list(reference), list(opts.forced_rates),
-                                seed=opts.forced_seed, hidden=opts.hidden)
-    else:
-        drafter = MTPDrafter(model, max_len, hidden=opts.hidden)
-    rollback = make_rollback(opts.rollback)
-    cache = model.new_cache(max_len)
-    dev = model.device
-    t0 = time.perf_counter()
-
-    # ---- prefill ---------------------------------------------------------------------
-    pre, post = model.forward_states(torch.tensor(prompt, device=dev), cache, StepCtx(start=0, chunked=True))
-    seed_h = post if opts.hidden == "post" else pre  # [P, H] hiddens that seed the drafter
-    last_logits = model.logits(post[-1:])  # [1, V] target row predicting position P
-    out: list[int] = []
-    pending: int | None = None
-    reason = "length"
-    direct = 0  # tokens taken from an already-known target row, without a verify
-    if opts.prime_pending or P < 2:
-        pending = choose_token(last_logits[0], list(prompt), params, P)
-        out.append(pending)
-        direct += 1
-        # draft rows 0..P-1: (prompt[1:] + pending) paired with hiddens 0..P-1
-        fill_tokens, fill_h, fill_start = list(prompt[1:]) + [pending], seed_h, 0
-    else:
-        fill_tokens, fill_h, fill_start = list(prompt[1:]), seed_h[:-1], 0
-    h_last = seed_h[-1:]  # hidden at cache.pos - 1
-    if pending is not None and pending in stops:
-        reason = "eos"
-    t1 = time.perf_counter()
-    k_next = opts.k
-    extra_bytes = 0
-
-    # ---- rounds ----------------------------------------------------------------------
-    while reason != "eos" and len(out) < max_new_tokens:
-        remaining = max_new_tokens - len(out)
-        k = min(k_next, remaining - 1)  # every round also emits one token of the target's own
-        history = list(prompt) + out
-        base = cache.pos  # absolute position of the first verify token
-        first_draft_pos = base + (1 if pending is not None else 0)
-        chooser = _Chooser(params, history, want_prob=opts.p_min > 0.0)
-        drafts, q_rows, _ = drafter.propose(fill_tokens, fill_h, fill_start, k, first_draft_pos, chooser,
-                                            opts.p_min)
-        if pending is None and not drafts:  # nothing to verify: take the known row's token
-            tok = choose_token(last_logits[0], history, params, base)
-            pending = tok
-            out.append(tok)
-            direct += 1
-            fill_tokens, fill_h, fill_start = [tok], h_last, base - 1
-            if tok in stops:
-                reason = "eos"
-            continue
-
-        # verify [pending?, d1..dk] in one forward, keeping what rollback needs
-        snap = cache.snapshot()
-        vtok = ([pending] if pending is not None else []) + drafts
-        ctx = StepCtx(start=base, exact=True, record=rollback.record)
-        vpre, vpost = model.forward_states(torch.tensor(vtok, device=dev), cache, ctx)
-        vlogits = model.logits(vpost, ctx)  # [T, V]; row r predicts position base + r + 1
-        extra_bytes = max(extra_bytes, cache.record_nbytes() + snap.nbytes())
-        rows = vlogits if pending is not None else torch.cat([last_logits, vlogits])  # rows for d1..dk, bonus
-        n, bonus = _accept(params, rows, drafts, q_rows, history, first_draft_pos)
-        tel.record_round(len(drafts), n)
-
-        # commit the first j verify rows (pending + accepted drafts)
-        j = n + (1 if pending is not None else 0)
-        if j == len(vtok):
-            cache.clear_records()  # full accept: the cache is already right
-        elif j == 0:
-            cache.restore(snap)  # no pending and nothing accepted: fold the round away
-        else:
-            rollback.keep(model, cache, snap, j, vtok)
-        vseed = vpost if opts.hidden == "post" else vpre
-        # draft rows for the committed tokens get the target's true hiddens, then the new pending
-        fill_tokens = vtok[:j] + [bonus]
-        fill_h = torch.cat([h_last, vseed[:j]])
-        fill_start = base - 1
-        if j > 0:
-            h_last = vseed[j - 1 : j]
-        last_logits = rows[n : n + 1]
-        pending = bonus
-
-        if emit(out, drafts[:n] + [bonus], stops, max_new_tokens):
-            reason = "eos"
-        if opts.adaptive:
-            k_next = max(opts.adaptive_floor, min(n + 1, opts.k))
-    t2 = time.perf_counter()
-    stats = {
-        "prompt_tokens": P, "generated_tokens": len(out), "prefill_s": t1 - t0, "decode_s": t2 - t1,
-        "decode_tok_s": (len(out) - 1) / (t2 - t1) if len(out) > 1 and t2 > t1 else None,
-        "target_forwards": tel.rounds, "mtp_forwards": drafter.forwards, "k": opts.k,
-        "direct_tokens": direct,  # generated = direct + accepted + rounds (unless EOS/limit cut a round)
-        "rollback": opts.rollback, "rollback_extra_bytes_per_round": extra_bytes,
-        "spec": tel.to_dict(),
-    }
-    return GenerationResult(out[:max_new_tokens], reason, stats)
+                         telemetry: SpecTelemetry | None = None, on_tokens=None) -> GenerationResult:
+    """One speculative request (K = opts.k) through the engine core's round driver."""
+    req = Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
+                  params=params if params is not None else GREEDY, draft=opts.k, spec=opts, stop_ids=stop_ids,
+                  reference=reference, telemetry=telemetry, on_tokens=on_tokens)
+    return run_request(model, req)

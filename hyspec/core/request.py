@@ -1,0 +1,66 @@
+"""What a caller asks the engine core for, and what it reads back while and after it runs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hyspec.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate.
+
+    Inputs
+        prompt_ids      the prompt's token ids (>= 1)
+        max_new_tokens  tokens to generate at most
+        params          sampling (temperature 0 = greedy), per request
+        draft           K drafts per round (0 = plain decoding), per request
+        spec            other drafter options (hyspec.spec.loop.SpecOptions; its k is replaced by `draft`)
+        stop_ids        generation ends after emitting one of these (EOS ids unless the caller ignores EOS)
+        reference       the forced-acceptance drafter's continuation (tests, benchmarks)
+        logprobs        None, or N >= 0: record each emitted token's log-probability (raw target
+                        logits) and the top-N alternatives in `token_logprobs`
+        constraint      an object with allowed(prefix) -> bool [V], commit(tokens), finished
+                        (hyspec.constraints); masks every draft and verify row
+        on_tokens       called as on_tokens(request, new_token_ids) after each round that emits
+        on_finish       called as on_finish(request) once it is done
+        telemetry       a SpecTelemetry to record rounds into (default: a fresh one)
+    Outputs (filled by the scheduler)
+        tokens          generated ids so far
+        done            finished (see stop_reason: "eos" | "length" | "cancelled" | "constraint" | "error")
+        stats           counters and timings (the same keys as `hyspec generate --json`'s stats)
+        token_logprobs  per emitted token: (logprob, [(id, logprob), ...top-N])
+        error           the exception message when stop_reason == "error"
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    params: SamplingParams = GREEDY
+    draft: int = 0
+    spec: Any = None
+    stop_ids: Any = ()
+    reference: list[int] | None = None
+    logprobs: int | None = None
+    constraint: Any = None
+    on_tokens: Callable[["Request", list[int]], None] | None = None
+    on_finish: Callable[["Request"], None] | None = None
+    telemetry: Any = None
+    request_id: Any = None
+
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    stop_reason: str | None = None
+    stats: dict = field(default_factory=dict)
+    token_logprobs: list = field(default_factory=list)
+    error: str | None = None
+    cancel_requested: bool = False
+
+    def __post_init__(self) -> None:
+        if self.request_id is None:
+            self.request_id = next(_ids)

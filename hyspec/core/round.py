@@ -1,0 +1,343 @@
+"""One speculative round for a batch of sequences — the only place a round is written.
+
+Words (docs/speculative.md): *pending* = the last emitted token, not yet run through the
+target; *draft* = the MTP head's guesses d1..dk for the positions after it; *verify* = one
+target forward over [pending, d1..dk] of every sequence at once (Σ(k_i + 1) rows);
+*accept* = the longest prefix of drafts the target agrees with (greedy: argmax match;
+sampled: rejection test or coupled noise), n of k; *bonus* = the target's own token after
+the accepted prefix; *commit* = the cache keeps pending + n accepted rows (the rollback
+strategy rewinds the Gated-DeltaNet state past them); *refresh* = the next round's drafter
+refill rows get the target's true hiddens. Every round emits n + 1 tokens per sequence
+and leaves the bonus pending. A sequence with k = 0 is plain decoding: its round verifies
+[pending] and takes the row's own token.
+
+Sequence state (one per active request, on top of its slot):
+    pending        int | None   the token to verify first (None only in the no-pending form)
+    h_last         [1, H]       target hidden at cache.pos - 1 (seeds the drafter)
+    fill_*         the drafter rows the next round's first MTP call writes: tokens [m],
+                   hiddens [m, H], starting draft-KV row
+    last_logits    [1, V]       the target row predicting position cache.pos
+RNG: counter-based, keyed by (seed, stream, absolute position) — nothing to carry.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hyspec.core.request import Request
+from hyspec.rng import u01
+from hyspec.sampling import (apply_penalties, coupled_speculative, coupled_token, draft_token, greedy_token,
+                             plain_token, row_probs, speculative_sample)
+from hyspec.spec.telemetry import SpecTelemetry
+
+FORCED_STREAM = 11  # rng stream for the forced drafter's corruption draws
+
+
+def forced_token(reference: list[int], rates, seed: int, vocab: int, depth: int, position: int) -> int:
+    """The forced-acceptance drafter's proposal at (depth, absolute position): the reference
+    run's token with probability rates[depth], else a wrong one. Greedy acceptance at depth d,
+    given the earlier drafts were accepted, is then rates[d]."""
+    if position >= len(reference):
+        return 0
+    ref = reference[position]
+    rate = rates[min(depth, len(rates) - 1)]
+    return ref if u01(seed, FORCED_STREAM, position * 64 + depth) < rate else (ref + 1) % vocab
+
+
+def choose_token(logits: torch.Tensor, history: list[int], params, position: int) -> int:
+    """The token plain decoding emits at absolute `position` given the row's logits [V]."""
+    if params.greedy:
+        return greedy_token(apply_penalties(logits, history, params) if params.has_penalties else logits)
+    return plain_token(row_probs(logits, history, params), params, position)
+
+
+def masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return logits if mask is None else logits.masked_fill(~mask.to(logits.device), float("-inf"))
+
+
+class Sequence:
+    """A request being decoded: its slot plus the loop variables of the round."""
+
+    def __init__(self, model, req: Request, slot, opts, rollback, stops: set[int]) -> None:
+        self.model, self.req, self.slot = model, req, slot
+        vocab = model.cfg.vocab_size
+        self.prompt = list(req.prompt_ids)
+        self.params = req.params
+        self.opts = opts  # SpecOptions or None (plain decoding)
+        self.rollback = rollback
+        self.stops = stops
+        self.vocab = vocab
+        self.out: list[int] = req.tokens
+        self.pending: int | None = None
+        self.h_last = self.fill_h = self.last_logits = None
+        self.fill_tokens: list[int] = []
+        self.fill_start = 0
+        self.k_next = opts.k if opts else 0
+        self.tel = req.telemetry if req.telemetry is not None else SpecTelemetry()
+        self.mtp_forwards = 0
+        self.direct = 0  # tokens taken from an already-known target row, without a verify
+        self.extra_bytes = 0
+        self.reason: str | None = None
+        self.prefilled = 0  # prompt tokens run so far
+        self.hidden_parts: list[torch.Tensor] = []  # prompt hiddens that seed the drafter
+        self.forced_ref = (list(req.prompt_ids) + list(req.reference)) if opts and opts.forced_rates else None
+        self.t_start = time.perf_counter()
+        self.t_first = None
+        self.round = None
+
+    @property
+    def cache(self):
+        return self.slot.cache
+
+    @property
+    def speculative(self) -> bool:
+        return self.opts is not None
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.out
+
+    def mask(self, prefix: list[int]) -> torch.Tensor | None:
+        c = self.req.constraint
+        return None if c is None else c.allowed(prefix)
+
+    def emit(self, tokens: list[int], rows: list[torch.Tensor] | None = None) -> list[int]:
+        """Append a round's tokens, stopping at a stop id or the token limit; returns what was kept."""
+        kept = []
+        for i, tok in enumerate(tokens):
+            self.out.append(tok)
+            kept.append(tok)
+            if rows is not None and self.req.logprobs is not None:
+                self.req.token_logprobs.append(_logprob(rows[i], tok, self.req.logprobs))
+            if tok in self.stops:
+                self.reason = "eos"
+                break
+            if len(self.out) >= self.req.max_new_tokens:
+                self.reason = "length"
+                break
+        if self.req.constraint is not None and kept:
+            self.req.constraint.commit(kept)
+        if self.t_first is None and kept:
+            self.t_first = time.perf_counter()
+        return kept
+
+
+def _logprob(row: torch.Tensor, tok: int, top: int):
+    lp = torch.log_softmax(row.double(), -1)
+    alts = []
+    if top:
+        v, i = torch.topk(lp, min(top, lp.shape[0]))
+        alts = list(zip(i.tolist(), v.tolist()))
+    return float(lp[tok]), alts
+
+
+class _Round:
+    """Round-local values of one sequence."""
+
+    def __init__(self, seq: Sequence, k: int) -> None:
+        self.k = k
+        self.base = seq.cache.pos  # absolute position of the first verify token
+        self.first_draft_pos = self.base + (1 if seq.pending is not None else 0)
+        self.drafts: list[int] = []
+        self.q_rows: list[torch.Tensor] = []
+        self.masks: dict[int, torch.Tensor | None] = {}
+        self.h = None  # the MTP hidden that predicts the next draft
+        self.row = 0  # next draft-KV row
+
+    def mask(self, seq: Sequence, j: int):
+        if j not in self.masks:
+            self.masks[j] = seq.mask(self.drafts[:j])
+        return self.masks[j]
+
+
+# ---------------------------------------------------------------------------------------
+# draft
+# ---------------------------------------------------------------------------------------
+def _draft_one(seq: Sequence, rd: _Round, logits: torch.Tensor, j: int) -> bool:
+    """Choose draft j from the drafter's row (the same transformation as the target's row).
+    Returns False when drafting stops here (p_min, or the constraint allows nothing)."""
+    p, opts = seq.params, seq.opts
+    position = rd.first_draft_pos + j
+    mask = rd.mask(seq, j)
+    if mask is not None and not bool(mask.any()):
+        return False
+    logits = masked(logits, mask)
+    hist = seq.history + rd.drafts
+    q = None
+    if p.greedy:
+        lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
+        tok = greedy_token(lg)
+        prob = float(torch.softmax(lg.double(), -1)[tok]) if opts.p_min > 0.0 else 1.0
+    else:
+        q = row_probs(logits, hist, p)
+        tok = coupled_token(q, p.seed, position) if p.mode == "coupled" else draft_token(q, p.seed, position)
+        prob = float(q[tok])
+    if seq.forced_ref is not None:  # the real choice above keeps the cost; the token is forced
+        tok = forced_token(seq.forced_ref, opts.forced_rates, opts.forced_seed, seq.vocab, j, position)
+        if mask is not None and not bool(mask[tok]):
+            tok = greedy_token(logits)
+        if q is not None:  # the proposal is deterministic: q is one-hot at tok
+            q = torch.zeros_like(q)
+            q[tok] = 1.0
+        prob = 1.0
+    elif opts.p_min > 0.0:
+        if prob < opts.p_min:
+            return False
+        if q is not None:
+            # a kept draft is distributed as q restricted to {q >= p_min}: acceptance must
+            # test against that distribution, or sampling stops being lossless
+            q = q * (q >= opts.p_min)
+            q = q / q.sum()
+    rd.drafts.append(tok)
+    if q is not None:
+        rd.q_rows.append(q)
+    return True
+
+
+def draft(backend, seqs: list[Sequence]) -> None:
+    """Chain each sequence's MTP head up to its k; one batched MTP forward per depth."""
+    active = [s for s in seqs if s.round.k > 0]
+    if not active:
+        return
+    hs = backend.mtp([(s.slot.draft_kv, s.fill_tokens, s.fill_h, s.fill_start) for s in active])
+    for s, h in zip(active, hs):
+        s.mtp_forwards += 1
+        s.round.h = h[-1:]
+        s.round.row = s.fill_start + len(s.fill_tokens)
+    j = 0
+    while active:
+        logits = backend.draft_logits(torch.cat([s.round.h for s in active]))
+        chain = [s for s, row in zip(active, logits) if _draft_one(s, s.round, row, j) and j + 1 < s.round.k]
+        if chain:
+            hs = backend.mtp([(s.slot.draft_kv, [s.round.drafts[-1]], s.round.h, s.round.row) for s in chain])
+            for s, h in zip(chain, hs):
+                s.mtp_forwards += 1
+                s.round.h = h
+                s.round.row += 1
+        active = chain
+        j += 1
+
+
+# ---------------------------------------------------------------------------------------
+# accept
+# ---------------------------------------------------------------------------------------
+def accept(seq: Sequence, rd: _Round, rows: torch.Tensor) -> tuple[int, int | None] | None:
+    """rows [k+1, V] target logits for positions first_draft_pos.. -> (accepted n, bonus).
+    Under a constraint every row is masked by the constraint's state after the drafts before
+    it. When the constraint allows nothing after all k drafts, the result is (k, None) if
+    every draft is accepted (no bonus exists), and None if k = 0 (no token at all)."""
+    params, drafts = seq.params, rd.drafts
+    k = len(drafts)
+    dead_end = False
+    if seq.req.constraint is not None:
+        ms = [rd.mask(seq, j) for j in range(k + 1)]
+        dead_end = ms[k] is not None and not bool(ms[k].any())
+        if dead_end:
+            if k == 0:
+                return None
+            # a stand-in last row (a copy of row k-1): it only decides a bonus that is discarded
+            ms[k], rows = ms[k - 1], torch.cat([rows[:k], rows[k - 1: k]])
+        rows = torch.stack([masked(rows[j], ms[j]) for j in range(k + 1)])
+    hist = seq.history
+    if not seq.speculative:
+        n, tok = 0, choose_token(rows[0], hist, params, rd.first_draft_pos)
+    elif params.greedy:
+        n, tok = k, None
+        for j in range(k + 1):
+            lg = apply_penalties(rows[j], hist + drafts[:j], params) if params.has_penalties else rows[j]
+            t = greedy_token(lg)
+            if j == k or t != drafts[j]:
+                n, tok = j, t
+                break
+    else:
+        p_rows = torch.stack([row_probs(rows[j], hist + drafts[:j], params) for j in range(k + 1)])
+        if params.mode == "coupled":
+            n, tok = coupled_speculative(p_rows, drafts, params.seed, rd.first_draft_pos)
+        else:
+            q = torch.stack(rd.q_rows) if k else p_rows[:0]
+            n, tok = speculative_sample(p_rows, q, drafts, params.seed, rd.first_draft_pos)
+    if dead_end and n == k:
+        return k, None
+    return n, tok
+
+
+# ---------------------------------------------------------------------------------------
+# the round
+# ---------------------------------------------------------------------------------------
+def run_round(backend, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+    """One round for every sequence in `seqs` (each unfinished, prefilled). Returns the
+    tokens each sequence emitted; finished sequences have .reason set."""
+    emitted: dict[Sequence, list[int]] = {}
+    for s in seqs:
+        remaining = s.req.max_new_tokens - len(s.out)
+        s.round = _Round(s, min(s.k_next, remaining - 1) if s.speculative else 0)
+
+    draft(backend, seqs)
+
+    # a sequence with no pending token and no drafts takes the known row's token directly
+    verifying = []
+    for s in seqs:
+        rd = s.round
+        if s.pending is None and not rd.drafts:
+            m = rd.mask(s, 0)
+            if m is not None and not bool(m.any()):
+                s.reason = "constraint"
+                emitted[s] = []
+                continue
+            tok = choose_token(masked(s.last_logits[0], m), s.history, s.params, rd.base)
+            s.pending = tok
+            s.direct += 1
+            s.fill_tokens, s.fill_h, s.fill_start = [tok], s.h_last, rd.base - 1
+            emitted[s] = s.emit([tok], [s.last_logits[0]])
+        else:
+            rd.vtok = ([s.pending] if s.pending is not None else []) + rd.drafts
+            rd.snap = s.cache.snapshot() if s.speculative else None
+            verifying.append(s)
+    if not verifying:
+        return emitted
+
+    results = backend.verify([(s.cache, s.round.vtok, s.rollback.record if s.speculative else "none")
+                              for s in verifying])
+    for s, (vpre, vpost, vlogits) in zip(verifying, results):
+        rd = s.round
+        rows = vlogits if s.pending is not None else torch.cat([s.last_logits, vlogits])
+        if s.speculative:
+            s.extra_bytes = max(s.extra_bytes, s.cache.record_nbytes() + rd.snap.nbytes())
+        res = accept(s, rd, rows)
+        if res is None:  # the constraint allows no token at all here
+            _commit(s, rd, 0, vpre, vpost, rows, None)
+            emitted[s], s.reason = [], "constraint"
+            continue
+        n, bonus = res
+        if s.speculative:
+            s.tel.record_round(len(rd.drafts), n)
+        _commit(s, rd, n, vpre, vpost, rows, bonus)
+        emitted[s] = s.emit(rd.drafts[:n] + ([bonus] if bonus is not None else []), list(rows[: n + 1]))
+        if bonus is None:
+            s.reason = s.reason or "constraint"
+        if s.speculative and s.opts.adaptive:
+            s.k_next = max(s.opts.adaptive_floor, min(n + 1, s.opts.k))
+    return emitted
+
+
+def _commit(s: Sequence, rd: _Round, n: int, vpre, vpost, rows, bonus) -> None:
+    """Keep pending + the n accepted drafts in the cache; set up the next round."""
+    j = n + (1 if s.pending is not None else 0)  # verify rows to keep
+    if s.speculative:
+        if j == len(rd.vtok):
+            s.cache.clear_records()  # full accept: the cache is already right
+        elif j == 0:
+            s.cache.restore(rd.snap)  # no pending and nothing accepted: fold the round away
+        else:
+            s.rollback.keep(s.model, s.cache, rd.snap, j, rd.vtok)
+        vseed = vpost if s.opts.hidden == "post" else vpre
+        # draft rows for the committed tokens get the target's true hiddens, then the new pending
+        s.fill_tokens = rd.vtok[:j] + ([bonus] if bonus is not None else [])
+        s.fill_h = torch.cat([s.h_last, vseed[:j]])
+        s.fill_start = rd.base - 1
+        if j > 0:
+            s.h_last = vseed[j - 1: j]
+        s.last_logits = rows[n: n + 1]
+    s.pending = bonus

@@ -1,0 +1,262 @@
+"""Continuous batching: requests join between rounds (after their prefill) and leave when
+they finish; every step runs one round over all active sequences.
+
+    sched = Scheduler(model, max_batch=16)
+    sched.submit(Request(prompt_ids=[...], max_new_tokens=64, draft=3))
+    while sched.has_work():
+        sched.step()
+
+Not thread-safe: one thread owns a scheduler (the server runs it in an engine thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from hyspec.core.backend import PREFILL_CHUNK, ReferenceBackend
+from hyspec.core.request import Request
+from hyspec.core.round import Sequence, choose_token, masked, run_round
+from hyspec.core.slots import SlotPool
+from hyspec.sampling import SamplingParams
+
+MAX_DRAFT = 16
+NO_MTP = ("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
+          "use --draft 0 for plain decoding")
+
+
+def check_prompt(prompt: list[int], vocab: int) -> None:
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"prompt token id(s) {bad[:5]} out of range for vocabulary size {vocab}")
+
+
+def check_stop(stop_ids, vocab: int) -> set[int]:
+    s = set(int(t) for t in stop_ids)
+    bad = [t for t in s if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop id(s) {sorted(bad)[:5]} out of range for vocabulary size {vocab}")
+    return s
+
+
+def spec_options(req: Request):
+    """The request's SpecOptions (k = req.draft), or None for plain decoding."""
+    from hyspec.spec.loop import SpecOptions
+
+    if isinstance(req.draft, bool) or not isinstance(req.draft, int) or req.draft < 0:
+        raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {req.draft!r}")
+    if req.draft == 0:
+        return None
+    base = req.spec.__dict__ if req.spec is not None else {}
+    return SpecOptions(**{**base, "k": req.draft})
+
+
+class Scheduler:
+    def __init__(self, model, *, max_batch: int = 16, backend=None, pool: SlotPool | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.model = model
+        self.max_batch = max_batch
+        self.backend = backend if backend is not None else ReferenceBackend(model)
+        self.pool = pool if pool is not None else SlotPool(model, max_slots=max_batch)
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.rounds = 0
+
+    # -- requests ----------------------------------------------------------------------
+    def validate(self, req: Request):
+        """Check a request before it is queued; returns (SpecOptions or None, stop set)."""
+        cfg = self.model.cfg
+        check_prompt(req.prompt_ids, cfg.vocab_size)
+        if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {req.max_new_tokens!r}")
+        if not isinstance(req.params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(req.params).__name__}")
+        opts = spec_options(req)
+        if opts is not None and not self.model.has_mtp:
+            raise ValueError(NO_MTP)
+        if opts is not None and opts.forced_rates is not None and req.reference is None:
+            raise ValueError("the forced-acceptance drafter needs a reference continuation")
+        if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
+                                         or req.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {req.logprobs!r}")
+        return opts, check_stop(req.stop_ids, cfg.vocab_size)
+
+    def submit(self, req: Request) -> Request:
+        self.validate(req)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request before the next round (its slot is freed then)."""
+        req.cancel_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.active)
+
+    @property
+    def running(self) -> int:
+        return len(self.active) + len(self.prefilling)
+
+    def run(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # -- one scheduling step -----------------------------------------------------------
+    def step(self) -> bool:
+        """Admit waiting requests, advance one prefill chunk, run one round over the active
+        batch. Returns whether anything ran."""
+        worked = self._drop_cancelled()
+        while self.waiting and self.running < self.max_batch:
+            self._admit(self.waiting.popleft())
+            worked = True
+        if self.prefilling:
+            self._prefill_step(self.prefilling[0])
+            worked = True
+        if self.active:
+            batch = list(self.active)
+            try:
+                emitted = run_round(self.backend, batch)
+            except Exception as e:  # a failed round ends its sequences, never the scheduler
+                for s in batch:
+                    self._finish(s, "error", e)
+                return True
+            self.rounds += 1
+            for s in batch:
+                toks = emitted.get(s, [])
+                if toks and s.req.on_tokens is not None:
+                    s.req.on_tokens(s.req, toks)
+                if s.reason is not None or len(s.out) >= s.req.max_new_tokens:
+                    self._finish(s, s.reason or "length")
+            worked = True
+        return worked
+
+    def _drop_cancelled(self) -> bool:
+        dropped = False
+        for req in [r for r in self.waiting if r.cancel_requested]:
+            self.waiting.remove(req)
+            self._finish_request(req, "cancelled")
+            dropped = True
+        for s in [s for s in list(self.prefilling) + self.active if s.req.cancel_requested]:
+            self._finish(s, "cancelled")
+            dropped = True
+        return dropped
+
+    def _admit(self, req: Request) -> None:
+        try:
+            opts, stops = self.validate(req)
+            if opts is not None:
+                from hyspec.spec.rollback import make_rollback
+
+                rollback = make_rollback(opts.rollback)
+                k = opts.k
+            else:
+                rollback, k = None, 0
+            slot = self.pool.alloc(len(req.prompt_ids) + req.max_new_tokens + k + 2)
+        except Exception as e:
+            self._finish_request(req, "error", e)
+            return
+        seq = Sequence(self.model, req, slot, opts, rollback, stops)
+        if req.max_new_tokens == 0:
+            self._finish(seq, "length")
+            return
+        self.prefilling.append(seq)
+
+    def _prefill_step(self, s: Sequence) -> None:
+        """Run the next chunk of s's prompt; when the prompt is done, take its first token
+        and move it to the active batch."""
+        try:
+            P = len(s.prompt)
+            part = s.prompt[s.prefilled: s.prefilled + self.prefill_chunk]
+            pre, post = self.backend.prefill(s.cache, part)
+            s.prefilled += len(part)
+            if s.speculative:
+                s.hidden_parts.append(post if s.opts.hidden == "post" else pre)
+            if s.prefilled < P:
+                return
+            self.prefilling.popleft()
+            self._start(s, P, post)
+        except Exception as e:
+            if s in self.prefilling:
+                self.prefilling.remove(s)
+            self._finish(s, "error", e)
+
+    def _start(self, s: Sequence, P: int, post: torch.Tensor) -> None:
+        s.last_logits = self.backend.logits(post[-1:])  # [1, V] the row predicting position P
+        s.t_prefilled = time.perf_counter()
+        if s.speculative:
+            seed_h = torch.cat(s.hidden_parts)  # [P, H] hiddens that seed the drafter
+            s.hidden_parts = []
+            s.h_last = seed_h[-1:]
+        if not s.speculative or s.opts.prime_pending or P < 2:
+            m = s.mask([])
+            if m is not None and not bool(m.any()):
+                self._finish(s, "constraint")
+                return
+            s.pending = choose_token(masked(s.last_logits[0], m), s.prompt, s.params, P)
+            s.direct += 1
+            kept = s.emit([s.pending], [s.last_logits[0]])
+            if kept and s.req.on_tokens is not None:
+                s.req.on_tokens(s.req, kept)
+            fill_tokens, fill_h = s.prompt[1:] + [s.pending], (seed_h if s.speculative else None)
+        else:  # the no-pending form: the first round drafts straight from the prompt
+            fill_tokens, fill_h = s.prompt[1:], seed_h[:-1]
+        if s.speculative:
+            # draft rows 0..m-2 now (this sequence alone); the last pair is the first round's refill
+            m = len(fill_tokens)
+            if m > 1:
+                self.backend.prefill_draft(s.slot.draft_kv, fill_tokens[:-1], fill_h[:-1], 0)
+            s.fill_tokens, s.fill_h, s.fill_start = fill_tokens[-1:], fill_h[-1:], m - 1
+        if s.reason is not None:
+            self._finish(s, s.reason)
+        else:
+            self.active.append(s)
+
+    # -- leaving -----------------------------------------------------------------------
+    def _finish(self, s: Sequence, reason: str, exc: Exception | None = None) -> None:
+        if s in self.active:
+            self.active.remove(s)
+        if s in self.prefilling:
+            self.prefilling.remove(s)
+        self.pool.release(s.slot)
+        s.req.stats = sequence_stats(s)
+        self._finish_request(s.req, reason, exc)
+
+    def _finish_request(self, req: Request, reason: str, exc: Exception | None = None) -> None:
+        req.done = True
+        req.stop_reason = reason
+        if exc is not None:
+            req.error = f"{type(exc).__name__}: {exc}"
+            req.exception = exc
+        if req.on_finish is not None:
+            req.on_finish(req)
+
+
+def sequence_stats(s: Sequence) -> dict:
+    now = time.perf_counter()
+    t_pre = getattr(s, "t_prefilled", now)
+    n = len(s.out)
+    dec = now - t_pre
+    stats = {
+        "prompt_tokens": len(s.prompt), "generated_tokens": n, "prefill_s": t_pre - s.t_start, "decode_s": dec,
+        "decode_tok_s": (n - 1) / dec if n > 1 and dec > 0 else None,
+        "time_to_first_token_s": (s.t_first - s.t_start) if s.t_first is not None else None,
+        "cached_tokens": 0,
+    }
+    if s.speculative:
+        stats.update({
+            "target_forwards": s.tel.rounds, "mtp_forwards": s.mtp_forwards, "k": s.opts.k,
+            "direct_tokens": s.direct,  # generated = direct + accepted + rounds (unless EOS/limit cut a round)
+            "rollback": s.opts.rollback, "rollback_extra_bytes_per_round": s.extra_bytes,
+            "spec": s.tel.to_dict(),
+        })
+    else:
+        stats["target_forwards"] = max(n - 1, 0)
+    return stats

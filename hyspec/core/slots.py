@@ -1,0 +1,148 @@
+"""Sequence slots: where one sequence's decoding state lives, and a pool of them.
+
+A slot holds the target's cache (attention KV rows for every full-attention layer, conv
+window + SSM state for every Gated-DeltaNet layer) and the MTP head's draft KV. The
+per-round values (pending token, last hidden, drafter refill rows, RNG positions,
+penalty history) live on the Sequence that owns the slot (hyspec/core/round.py).
+
+KV layout: contiguous per slot ([Hkv, L, D] per attention layer, L = the slot's
+length). Why not paged blocks: in a hybrid model only 1 layer in 4 has KV (the other
+three hold a fixed-size recurrent state), so KV is a small share of a slot; prefix reuse
+cannot share KV blocks across sequences anyway, because the recurrent state at a block
+boundary is not shareable the way attention KV is (sessions keep whole-slot snapshots);
+and one contiguous buffer per slot is what a row-invariant attention kernel indexes most
+simply. A slot that must hold more tokens grows (copy into a bigger buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyspec.cache import HybridCache
+from hyspec.config import FULL, ModelConfig
+from hyspec.model.attention import KVBuffer
+from hyspec.model.gdn import state_dtype
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def slot_bytes(cfg: ModelConfig, dtype: torch.dtype, length: int, with_mtp: bool = True) -> dict:
+    """Bytes of one slot holding `length` tokens: {"kv", "draft_kv", "linear", "total"}."""
+    e = _elt(dtype)
+    kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * e  # keys + values of one token in one layer
+    n_attn = sum(1 for t in cfg.layer_types if t == FULL)
+    n_lin = cfg.num_hidden_layers - n_attn
+    lin = n_lin * ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * e
+                   + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+                   * _elt(state_dtype(dtype)))
+    out = {"kv": n_attn * kv_row * length, "draft_kv": kv_row * length if with_mtp else 0, "linear": lin}
+    out["total"] = out["kv"] + out["draft_kv"] + out["linear"]
+    return out
+
+
+class Slot:
+    """One sequence's state: target cache + draft KV of `length` tokens."""
+
+    def __init__(self, index: int, model, length: int) -> None:
+        self.index = index
+        self.cache: HybridCache = model.new_cache(length)
+        self.draft_kv: KVBuffer | None = model.new_draft_kv(length) if model.has_mtp else None
+
+    @property
+    def length(self) -> int:
+        return self.cache.max_len
+
+    def reset(self) -> None:
+        """Back to an empty sequence. Attention rows past the length are never read, so only
+        the recurrent state needs zeroing."""
+        c = self.cache
+        c.pos = 0
+        for s in c.linear_states:
+            s.conv = torch.zeros_like(s.conv)
+            s.ssm = torch.zeros_like(s.ssm)
+            s.record = None
+
+    def grow(self, model, length: int) -> None:
+        """Make room for `length` tokens, keeping everything held so far."""
+        if length <= self.length:
+            return
+        old, old_dkv = self.cache, self.draft_kv
+        new = model.new_cache(length)
+        new.pos = old.pos
+        for i in range(len(model.cfg.layer_types)):
+            a, b = old.layer_state(i), new.layer_state(i)
+            if isinstance(a, KVBuffer):
+                b.k[:, : old.max_len] = a.k
+                b.v[:, : old.max_len] = a.v
+            else:
+                b.conv, b.ssm, b.record = a.conv.clone(), a.ssm.clone(), None
+        self.cache = new
+        if old_dkv is not None:
+            self.draft_kv = model.new_draft_kv(length)
+            self.draft_kv.k[:, : old_dkv.capacity] = old_dkv.k
+            self.draft_kv.v[:, : old_dkv.capacity] = old_dkv.v
+
+    def nbytes(self) -> int:
+        n = sum(s.k.numel() * s.k.element_size() * 2 for s in self.cache.kv_buffers)
+        n += self.cache.state_nbytes()
+        if self.draft_kv is not None:
+            n += self.draft_kv.k.numel() * self.draft_kv.k.element_size() * 2
+        return n
+
+
+class SlotPool:
+    """Allocates slots, reuses freed ones, and accounts for their memory.
+
+    A freed slot keeps its buffers and is handed out again (reset) to a request that fits
+    in it, so a server does not reallocate per request. `budget_bytes` (None = no limit)
+    caps the bytes held by all slots, free ones included."""
+
+    def __init__(self, model, *, max_slots: int = 64, budget_bytes: int | None = None) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.model = model
+        self.max_slots = max_slots
+        self.budget_bytes = budget_bytes
+        self.free: list[Slot] = []
+        self.used: dict[int, Slot] = {}
+        self._next = 0
+
+    def bytes_per_slot(self, length: int) -> dict:
+        return slot_bytes(self.model.cfg, self.model.dtype, length, self.model.has_mtp)
+
+    def slots_that_fit(self, budget_bytes: int, length: int) -> int:
+        return int(budget_bytes // self.bytes_per_slot(length)["total"])
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.nbytes() for s in list(self.free) + list(self.used.values()))
+
+    def alloc(self, length: int) -> Slot:
+        if len(self.used) >= self.max_slots:
+            raise RuntimeError(f"all {self.max_slots} slots are in use")
+        fits = [s for s in self.free if s.length >= length]
+        if fits:
+            slot = min(fits, key=lambda s: s.length)
+            self.free.remove(slot)
+            slot.reset()
+        else:
+            need = self.bytes_per_slot(length)["total"]
+            while self.free and self.budget_bytes is not None and self.held_bytes + need > self.budget_bytes:
+                self.free.pop(0)  # drop a too-small free slot to make room
+            if self.budget_bytes is not None and self.held_bytes + need > self.budget_bytes:
+                raise MemoryError(f"a slot of {length} tokens needs {need} bytes; {self.held_bytes} of the "
+                                  f"{self.budget_bytes}-byte slot budget are held")
+            slot = Slot(self._next, self.model, length)
+            self._next += 1
+        self.used[slot.index] = slot
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        if self.used.pop(slot.index, None) is not None:
+            self.free.append(slot)
+
+    def stats(self) -> dict:
+        return {"slots_in_use": len(self.used), "slots_free": len(self.free), "held_bytes": self.held_bytes,
+                "max_slots": self.max_slots, "budget_bytes": self.budget_bytes}
