@@ -178,7 +178,7 @@ class Choice:
             if reason == "error":
                 self.error = stats.get("error", "engine failure")
                 self.finish_reason = "error"
-            elif reason == "eos":
+            elif reason in ("eos", "stop", "constraint"):  # a stop id, or a finished constraint
                 self.finish_reason = "stop"
             elif reason == "cancelled":
                 self.finish_reason = "cancelled"
