@@ -382,3 +382,26 @@ def test_rounds_stream_and_requests_join_the_batch(server, client):
     rest = [ch for ch in it if ch.choices and ch.choices[0].text]
     assert len(rest) >= 20  # ~200 tokens at an acceptance length of ~2: many rounds, many chunks
     stream.close()
+
+
+def test_cli_wiring_and_request_log(server, client, caplog):
+    """`hyspec serve` parses its flags into the app (defaults: the embedded model, K=3), and
+    each request logs one line with its id, tokens in/out, acceptance length and latency."""
+    import logging
+
+    from hyspec.cli import build_parser
+    from hyspec.server import build_parser as serve_parser
+    from hyspec.server import make_app
+
+    assert "serve" in build_parser().format_help()
+    args = serve_parser().parse_args(["--port", "0", "--max-batch", "4", "--api-key", "k"])
+    st = make_app(args).state.hyspec
+    assert (st.cfg.served_model_name, st.cfg.draft, st.cfg.max_batch, st.cfg.api_key) == ("hyspec-default", 3, 4, "k")
+    assert st.engine.model_dir.endswith("default_model")
+    with caplog.at_level(logging.INFO, logger="hyspec.server"):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith(r.id)]
+    assert len(lines) == 1
+    assert re.fullmatch(rf"{r.id} in={r.usage.prompt_tokens} out=5 accept_len=[0-9.]+ latency=[0-9.]+s finish=length",
+                        lines[0]), lines
