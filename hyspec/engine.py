@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
+from hyspec.core.request import Request
+from hyspec.core.scheduler import Scheduler
 from hyspec.decode import GREEDY, GenerationResult, generate_plain
 from hyspec.loading import load_model, parse_dtype
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import SamplingParams
-from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.spec.loop import SpecOptions
 from hyspec.spec.telemetry import SpecTelemetry
 from hyspec.tokenizer import Tokenizer
 
@@ -57,6 +59,7 @@ class Output:
     samples: list[Sample]
     prompt_tokens: list[int]
     stats: dict
+    logprobs: list | None = None  # per sample: (logprob, [(id, logprob), ...]) per token
 
     @property
     def tokens(self) -> list[int]:
@@ -106,55 +109,144 @@ class Engine:
         return self.model.cfg.eos_token_ids
 
     # -- generation --------------------------------------------------------------------
+    def _spec_options(self, draft: int, spec: SpecOptions | None) -> SpecOptions | None:
+        if isinstance(draft, bool) or not isinstance(draft, int) or draft < 0:
+            raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {draft!r}")
+        if draft == 0:
+            return None
+        if not self.model.has_mtp:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
+                             "use --draft 0 for plain decoding")
+        return SpecOptions(**{**(spec.__dict__ if spec else {}), "k": draft})
+
+    def _stops(self, stop_ids, ignore_eos: bool) -> set[int]:
+        return set(() if ignore_eos else self.eos_ids) | set(stop_ids or ())
+
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
                  draft: int = 0, spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                 num_samples: int = 1, reference: list[int] | None = None) -> Output:
+                 num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
+                 constraint=None, logprobs: int | None = None) -> Output:
         """draft = 0: plain decoding; draft = K: speculative with K drafts per round (spec
-        gives the other drafter options; its k is replaced by `draft`)."""
+        gives the other drafter options; its k is replaced by `draft`). The samples of a
+        --num-samples run decode together in one batch (each equals a run of its own).
+        on_tokens(sample_index, new_token_ids) is called as rounds commit tokens."""
         params = params if params is not None else GREEDY
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if draft < 0:
-            raise ValueError(f"draft must be >= 0 (0 = plain decoding), got {draft}")
-        if draft > 0:
-            spec = SpecOptions(**{**(spec.__dict__ if spec else {}), "k": draft})
-            if not self.model.has_mtp:
-                raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
-                                 "use --draft 0 for plain decoding")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        spec = self._spec_options(draft, spec)
         ids = self.encode(prompt)
-        stops = set(() if ignore_eos else self.eos_ids) | set(stop_ids or ())
-        samples: list[Sample] = []
-        total = SpecTelemetry()
-        times = {"prefill_s": 0.0, "decode_s": 0.0}
+        stops = self._stops(stop_ids, ignore_eos)
+        if spec is not None and spec.forced_rates is not None and reference is None:
+            reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
+                                       stop_ids=()).tokens
+        fast = self._fast_path(params) if constraint is None and logprobs is None else None
+        if fast is not None and num_samples == 1 and (spec is None or (
+                spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
+            res = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference)
+            if on_tokens is not None and res.tokens:
+                on_tokens(0, list(res.tokens))
+            sample = Sample(res.tokens, self.decode(res.tokens), res.stop_reason, res.stats)
+            return self._output([sample], ids, draft > 0)
+        reqs = []
         for i in range(num_samples):
             p = params if i == 0 else SamplingParams(**{**params.__dict__, "seed": derive_seed(params.seed, i)})
-            res = self._run(ids, max_new_tokens, p, spec if draft > 0 else None, stops, reference)
-            if "spec" in res.stats:
-                total.merge(SpecTelemetry.from_dict(res.stats["spec"]))
+            cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            reqs.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=p, draft=draft, spec=spec,
+                                stop_ids=stops, reference=reference, on_tokens=cb, logprobs=logprobs,
+                                constraint=constraint.clone() if (constraint is not None and i) else constraint))
+        self._run_requests(reqs, max_batch=num_samples)
+        samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in reqs]
+        out = self._output(samples, ids, draft > 0)
+        if logprobs is not None:
+            out.logprobs = [r.token_logprobs for r in reqs]
+        return out
+
+    def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
+                       spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
+                       max_batch: int = 16, on_tokens=None, on_finish=None) -> list[Output]:
+        """One Output per prompt, in order. max_new_tokens, params and draft may each be one
+        value for all prompts or a list with one per prompt. Up to max_batch sequences decode
+        together (continuous batching); each output is bitwise what generate() gives for that
+        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends."""
+        n = len(prompts)
+
+        def per(name, v):
+            if isinstance(v, (list, tuple)):
+                if len(v) != n:
+                    raise ValueError(f"{name} has {len(v)} entries for {n} prompts")
+                return list(v)
+            return [v] * n
+
+        news, ps, ks = per("max_new_tokens", max_new_tokens), per("params", params), per("draft", draft)
+        stops = self._stops(stop_ids, ignore_eos)
+        reqs = []
+        for i, (prompt, mnt, p, k) in enumerate(zip(prompts, news, ps, ks)):
+            try:
+                ids = self.encode(prompt)
+                opts = self._spec_options(k, spec)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            fin = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
+            reqs.append(Request(prompt_ids=ids, max_new_tokens=mnt, params=p if p is not None else GREEDY, draft=k,
+                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin))
+        self._run_requests(reqs, max_batch=max_batch)
+        return [self._request_output(r) for r in reqs]
+
+    def _request_output(self, r: Request) -> Output:
+        return self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
+                            r.draft > 0)
+
+    def _run_requests(self, reqs: list[Request], max_batch: int) -> None:
+        sched = Scheduler(self.model, max_batch=max_batch)
+        for i, r in enumerate(reqs):
+            try:
+                sched.validate(r)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
+        for r in reqs:
+            sched.submit(r)
+        sched.run()
+        for r in reqs:
+            exc = getattr(r, "exception", None)
+            if exc is not None:
+                raise exc
+
+    def _output(self, samples: list[Sample], ids: list[int], speculative: bool) -> Output:
+        total = SpecTelemetry()
+        times = {"prefill_s": 0.0, "decode_s": 0.0}
+        for smp in samples:
+            if "spec" in smp.stats:
+                total.merge(SpecTelemetry.from_dict(smp.stats["spec"]))
             for key in times:
-                times[key] += res.stats.get(key, 0.0)
-            samples.append(Sample(res.tokens, self.decode(res.tokens), res.stop_reason, res.stats))
+                times[key] += smp.stats.get(key, 0.0)
         n_gen = sum(len(s.tokens) for s in samples)
-        stats = {**samples[0].stats, **times, "generated_tokens": n_gen, "num_samples": num_samples,
+        stats = {**samples[0].stats, **times, "generated_tokens": n_gen, "num_samples": len(samples),
                  "decode_tok_s": (n_gen / times["decode_s"]) if times["decode_s"] > 0 else None}
-        if draft > 0:
+        if speculative:
             stats["spec"] = total.to_dict()
         return Output(samples, ids, stats)
 
-    def _run(self, ids, max_new_tokens, params, spec, stops, reference) -> GenerationResult:
-        fast = self._fast_path(params)
+    def memory(self, context_len: int, budget_bytes: int | None = None) -> dict:
+        """Bytes one sequence slot needs at `context_len` tokens, and how many slots fit in
+        `budget_bytes` (default: free device memory on CUDA)."""
+        from hyspec.core.slots import slot_bytes
+
+        per = slot_bytes(self.model.cfg, self.model.dtype, context_len, self.model.has_mtp)
+        if budget_bytes is None and self.model.device.type == "cuda":
+            budget_bytes = torch.cuda.mem_get_info(self.model.device)[0]
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        out = {"context_len": context_len, "slot_bytes": per, "weight_bytes": weights}
+        if budget_bytes is not None:
+            out["budget_bytes"] = budget_bytes
+            out["slots_that_fit"] = int(budget_bytes // per["total"])
+        return out
+
+    def _run_fast(self, fast, ids, max_new_tokens, spec, stops, reference) -> GenerationResult:
         if spec is None:
-            if fast is not None:
-                return fast.generate_plain_fast(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=stops)
-            return generate_plain(self.model, ids, max_new_tokens=max_new_tokens, params=params, stop_ids=stops)
-        if spec.forced_rates is not None and reference is None:
-            reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
-                                       stop_ids=()).tokens
-        if fast is not None and spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending:
-            return fast.generate_speculative_fast(self.model, ids, max_new_tokens=max_new_tokens, opts=spec,
-                                                  stop_ids=stops, reference=reference)
-        return generate_speculative(self.model, ids, max_new_tokens=max_new_tokens, opts=spec, params=params,
-                                    stop_ids=stops, reference=reference)
+            return fast.generate_plain_fast(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=stops)
+        return fast.generate_speculative_fast(self.model, ids, max_new_tokens=max_new_tokens, opts=spec,
+                                              stop_ids=stops, reference=reference)
 
     def _fast_path(self, params: SamplingParams):
         """The CUDA-graph fast path (greedy, no penalties) when running on a GPU."""

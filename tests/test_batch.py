@@ -1,0 +1,171 @@
+"""Batch invariance of the engine core: a sequence's tokens, telemetry and stop reason are
+bitwise the same whether it runs alone or in a continuously refilled batch — whatever
+else is in the batch (mixed K, sampling modes, penalties, rollback strategies), whichever
+slot it sits in, whenever it joins, and whoever leaves or is cancelled beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from hyspec.core import Request, Scheduler
+from hyspec.core.slots import Slot, slot_bytes
+from hyspec.sampling import SamplingParams
+from hyspec.spec.loop import SpecOptions
+
+G = SamplingParams(temperature=0.0)
+
+# (draft K, sampling, other drafter options, max_new_tokens)
+MIX = [
+    (0, G, None, 14),
+    (3, G, None, 25),
+    (2, SamplingParams(temperature=0.9, top_p=0.9, seed=5), None, 18),
+    (1, SamplingParams(temperature=1.0, seed=7, repetition_penalty=1.3, presence_penalty=0.2), None, 9),
+    (3, SamplingParams(temperature=0.8, seed=3, mode="coupled"), SpecOptions(rollback="rescan"), 22),
+    (0, SamplingParams(temperature=1.0, seed=11, frequency_penalty=0.3, top_k=20), None, 16),
+    (4, G, SpecOptions(rollback="replay", adaptive=True), 20),
+    (2, SamplingParams(temperature=1.2, min_p=0.05, seed=2), SpecOptions(p_min=0.05), 12),
+    (3, SamplingParams(temperature=0.0, repetition_penalty=1.5), SpecOptions(prime_pending=False), 15),
+]
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (8, 3, 13, 1, 21, 5, 9, 2, 11)]
+
+
+def make(prompt, k, params, spec, n) -> Request:
+    return Request(prompt_ids=prompt, max_new_tokens=n, params=params, draft=k, spec=spec, stop_ids={0})
+
+
+def fingerprint(r: Request):
+    """Tokens, stop reason, telemetry, and the final state bytes of the sequence's cache
+    (linear-layer conv + SSM state, the KV rows it wrote, the draft KV rows)."""
+    return (tuple(r.tokens), r.stop_reason, r.stats.get("spec"), r.stats.get("direct_tokens"), r.final_state)
+
+
+class StateRecordingScheduler(Scheduler):
+    """Keeps each finished sequence's cache contents (as bytes) on its request."""
+
+    def _finish(self, s, reason, exc=None):
+        c = s.cache
+        parts = [t.contiguous().numpy().tobytes() for t in
+                 [x for st in c.linear_states for x in (st.conv, st.ssm)]
+                 + [b.k[:, : c.pos] for b in c.kv_buffers] + [b.v[:, : c.pos] for b in c.kv_buffers]]
+        if s.speculative:  # plain sequences never write the draft KV
+            # draft rows below the next refill are final (later rows are the chain's scratch)
+            parts.append(s.slot.draft_kv.k[:, : s.fill_start].contiguous().numpy().tobytes())
+        s.req.final_state = (c.pos, hash(b"".join(parts)))
+        super()._finish(s, reason, exc)
+
+
+def run_alone(model, reqs):
+    out = []
+    for r in reqs:
+        s = StateRecordingScheduler(model, max_batch=1)
+        s.submit(r)
+        s.run()
+        out.append(fingerprint(r))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_equals_alone_with_staggered_joins_and_slot_reuse(zoo, arch):
+    m = zoo.model("tiny", arch, "float32", "coop")
+    ps = prompts(m.cfg.vocab_size)
+    alone = run_alone(m, [make(p, *mx) for p, mx in zip(ps, MIX)])
+    assert len({a[0] for a in alone}) == len(alone)  # the requests really differ
+
+    sched = StateRecordingScheduler(m, max_batch=3)
+    allocs = []
+    orig_alloc = sched.pool.alloc
+
+    def alloc(length):
+        slot = orig_alloc(length)
+        allocs.append(slot.index)
+        return slot
+
+    sched.pool.alloc = alloc
+    reqs = [make(p, *mx) for p, mx in zip(ps, MIX)]
+    pending = list(reqs)
+    step = 0
+    while pending or sched.has_work():
+        if pending and step % 3 == 0:  # staggered arrivals: one every third step
+            sched.submit(pending.pop(0))
+        sched.step()
+        step += 1
+        assert sched.running <= 3
+    assert [fingerprint(r) for r in reqs] == alone
+    assert len(allocs) == len(reqs) and len(set(allocs)) < len(allocs)  # freed slots were reused
+
+
+def test_reversed_order_and_bigger_batch(zoo):
+    """Other neighbours, other slots: all nine at once, submitted in reverse order."""
+    m = zoo.model("tiny", "qwen3_5_moe", "float32", "coop")
+    ps = prompts(m.cfg.vocab_size)
+    alone = run_alone(m, [make(p, *mx) for p, mx in zip(ps, MIX)])
+    reqs = [make(p, *mx) for p, mx in zip(ps, MIX)]
+    sched = StateRecordingScheduler(m, max_batch=9)
+    for r in reversed(reqs):
+        sched.submit(r)
+    sched.run()
+    assert [fingerprint(r) for r in reqs] == alone
+
+
+def test_cancel_leaves_the_others_untouched(zoo):
+    m = zoo.model("tiny", "qwen3_next", "float32", "coop")
+    ps = prompts(m.cfg.vocab_size)[:4]
+    alone = run_alone(m, [make(p, *mx) for p, mx in zip(ps, MIX)])
+    reqs = [make(p, *mx) for p, mx in zip(ps, MIX)]
+    sched = StateRecordingScheduler(m, max_batch=4)
+    for r in reqs:
+        sched.submit(r)
+    for _ in range(3):
+        sched.step()
+    sched.cancel(reqs[1])
+    sched.run()
+    assert reqs[1].stop_reason == "cancelled" and reqs[1].done
+    assert 0 < len(reqs[1].tokens) < MIX[1][3]
+    for i in (0, 2, 3):
+        assert fingerprint(reqs[i]) == alone[i]
+    assert not sched.pool.used  # every slot came back
+
+
+def test_bad_request_is_refused_and_others_run(zoo):
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    sched = Scheduler(m, max_batch=2)
+    good = sched.submit(make([1, 2, 3], 2, G, None, 6))
+    for bad, msg in (([1, m.cfg.vocab_size], "out of range"), ([], "empty")):
+        with pytest.raises(ValueError, match=msg):
+            sched.submit(make(bad, 2, G, None, 6))
+    with pytest.raises(ValueError, match="draft"):
+        sched.submit(make([1], -1, G, None, 6))
+    sched.run()
+    assert good.done and len(good.tokens) == 6 and good.stop_reason in ("length", "eos")
+
+
+def test_a_failing_round_ends_its_batch_not_the_scheduler(zoo, monkeypatch):
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    sched = Scheduler(m, max_batch=2)
+    a = sched.submit(make([1, 2, 3], 2, G, None, 8))
+    sched.step()
+    sched.step()
+    orig = sched.backend.verify
+    monkeypatch.setattr(sched.backend, "verify", lambda items: (_ for _ in ()).throw(RuntimeError("boom")))
+    sched.step()
+    assert a.done and a.stop_reason == "error" and "boom" in a.error
+    monkeypatch.setattr(sched.backend, "verify", orig)
+    b = sched.submit(make([1, 2, 3], 2, G, None, 8))
+    sched.run()
+    assert b.done and b.stop_reason in ("length", "eos") and not sched.pool.used
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_slot_bytes_match_the_allocated_buffers(zoo, arch):
+    m = zoo.model("tiny", arch, "float32")
+    for length in (1, 7, 64):
+        assert Slot(0, m, length).nbytes() == slot_bytes(m.cfg, m.dtype, length, m.has_mtp)["total"]
+    sched = Scheduler(m, max_batch=2)
+    per = sched.pool.bytes_per_slot(1000)["total"]
+    assert sched.pool.slots_that_fit(10 * per + per // 2, 1000) == 10
