@@ -28,6 +28,7 @@ from hyspec.server.text import ChatTemplate, StopMatcher, TemplateError, load_ch
 from hyspec.server.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hyspec.server")
+SSE = "text/event-stream"
 
 
 @dataclass
@@ -457,31 +458,43 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             run.add(ids, mt, params, n, draft, stops, stop_ids, logprobs)
         return run
 
+    async def watch_disconnect(request: Request) -> None:
+        """Returns when the client has gone (the body was read already: the next message
+        is the disconnect)."""
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    async def next_change(run: Run, watcher) -> bool:
+        """Wait for news from the engine; False when the client disconnected instead."""
+        waiter = asyncio.ensure_future(run.wait_change())
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            return False
+        return True
+
+    def cancelled(run: Run) -> None:
+        if not run.done:
+            run.cancel()
+            log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
+
     async def wait_all(run: Run, request: Request) -> None:
         """Until every sequence finished; a client that disconnects cancels the run."""
-        async def watch():
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    return
-        watcher = asyncio.ensure_future(watch())
+        watcher = asyncio.ensure_future(watch_disconnect(request))
         try:
             while not run.done:
-                waiter = asyncio.ensure_future(run.wait_change())
-                done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if watcher in done:
-                    waiter.cancel()
-                    run.cancel()
+                if not await next_change(run, watcher):
                     raise asyncio.CancelledError()
         finally:
             watcher.cancel()
-            if not run.done:
-                run.cancel()
-                log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
+            cancelled(run)
 
-    async def stream(run: Run, make_chunks, finish_chunk, usage_on: bool, header_chunks):
+    async def stream(request: Request, run: Run, make_chunks, finish_chunk, usage_on: bool, header_chunks):
         """SSE generator: header chunks, then per change each choice's new text, then each
         choice's finish chunk, the usage chunk if asked, and [DONE]."""
+        watcher = asyncio.ensure_future(watch_disconnect(request))
         try:
             for h in header_chunks:
                 yield _sse(h)
@@ -507,7 +520,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                         yield _sse(finish_chunk(c))
                 if all(c.sent_final or c.finish_reason == "cancelled" for c in run.choices) and run.done:
                     break
-                await run.wait_change()
+                if not await next_change(run, watcher):
+                    return  # the client went away (finally cancels the run)
             if usage_on:
                 yield _sse({"id": run.id, "object": run.object, "created": run.created, "model": cfg.served_model_name,
                             "choices": [], "usage": run.usage()})
@@ -520,9 +534,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
             log.exception("stream %s failed", run.id)
             yield _sse(APIError(500, "internal server error", code="internal_error").body())
         finally:
-            if not run.done:
-                run.cancel()
-                log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
+            watcher.cancel()
+            cancelled(run)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -595,7 +608,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
                     ch = {"index": c.index, "text": prompt_text(c), "logprobs": logprobs_obj(c, [], True),
                           "finish_reason": None}
                     headers.append({**base, "choices": [ch], **extra})
-            return StreamingResponse(stream(run, chunk, finish, usage_on, headers), media_type="text/event-stream")
+            return StreamingResponse(stream(request, run, chunk, finish, usage_on, headers), media_type=SSE)
 
         await wait_all(run, request)
         run.check_error()
@@ -646,7 +659,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
 
             headers = [{**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], **extra} for c in run.choices]
-            return StreamingResponse(stream(run, chunk, finish, usage_on, headers), media_type="text/event-stream")
+            return StreamingResponse(stream(request, run, chunk, finish, usage_on, headers), media_type=SSE)
 
         await wait_all(run, request)
         run.check_error()
