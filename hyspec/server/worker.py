@@ -2,7 +2,7 @@
 
 One engine thread owns the model (and, when hyspec.core.scheduler exists, the batched
 Scheduler). The asyncio side talks to it through a thread-safe inbox: submissions,
-cancellations and arbitrary calls (tokenizer-free scoring for echo logprobs) are taken
+cancellations and calls into the engine (prompt scoring for echo logprobs) are taken
 between scheduler steps; tokens, finishes and call results go back to the event loop with
 loop.call_soon_threadsafe, so Job callbacks always run on the loop thread.
 
