@@ -3,6 +3,7 @@
     python -m hyspec.bench --config b2 --prompt-len 512 --new-tokens 256 --out bench.json
     python -m hyspec.bench --config tiny --new-tokens 32            # CPU smoke (torch runner)
     python -m hyspec.bench --model DIR                              # a checkpoint
+    python -m hyspec.bench --config qwen3.5-27b                     # published shapes (hyspec/presets.py), GPU only
 
 Measures, on one device, batch 1, greedy:
   * device copy bandwidth (device-to-device copy, bytes read + written) and the roofline
@@ -75,6 +76,10 @@ def make_model(args, device, dtype):
         return load_model(args.model, dtype=dtype, device=device)
     if args.config == "b2":
         return build_config_model(B2, device, dtype, args.seed)
+    from hyspec.presets import PRESETS, build_preset_model
+
+    if args.config in PRESETS:  # real sizes: built in `dtype` directly on the device (one copy of the weights)
+        return build_preset_model(args.config, device, dtype, args.seed)
     from hyspec.tiny import tiny_config
 
     return build_config_model(tiny_config("qwen3_next", vocab_size=512), device, dtype, args.seed)
@@ -274,7 +279,13 @@ def exactness_check(model, args, dev, dec) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hyspec bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="b2", choices=["b2", "tiny"], help="in-memory random model preset")
+    from hyspec.presets import PRESETS
+
+    ap.add_argument("--config", default="b2", choices=["b2", "tiny", *PRESETS],
+                    help="in-memory random model preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b-fp8: the "
+                         "published shapes, GPU only; hyspec/presets.py)")
+    ap.add_argument("--slot-lengths", default="4096,32768,131072",
+                    help="context lengths for the 'sequence slots that fit beside the weights' report")
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -297,6 +308,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--batch", default=None,
+                    help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     args = ap.parse_args(argv)
     args.ks = [int(x) for x in args.ks.split(",") if x]
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -330,6 +343,22 @@ def main(argv=None) -> int:
     log(f"# {meta}")
     result: dict = {"meta": meta, "errors": {}}
     t_start = time.perf_counter()
+    if args.config in PRESETS and not args.model:  # the published shapes: figures first, then run only where it can
+        from hyspec.presets import check_runnable, format_summary, summary
+
+        lengths = tuple(int(x) for x in args.slot_lengths.split(",") if x)
+        result["preset"] = summary(args.config, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths)
+        log(format_summary(result["preset"]))
+        why = check_runnable(args.config, dev, dtype)
+        if why:
+            log(f"!! {why}")
+            result["errors"]["preset"] = why
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+            return 2
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
 
     def save():
         if args.out:
@@ -341,6 +370,9 @@ def main(argv=None) -> int:
     log(f"copy bandwidth {bw:.0f} GB/s (read + write)")
     model = make_model(args, dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
+    if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
+        result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
+        log(format_memory(result["memory"]))
     from hyspec.gpu import FastDecoder
 
     probe = FastDecoder(model, 8, 1, backend="triton" if dev.type == "cuda" else "torch", graphs=False)
@@ -417,6 +449,14 @@ def main(argv=None) -> int:
     del exact_dec
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    if args.batch:
+        from hyspec.core.batch_bench import batch_bench
+
+        log("batched decoding through the engine core (prefill excluded)")
+        result["batch"] = batch_bench(model, [int(b) for b in args.batch.split(",")], prompt_len=args.prompt_len,
+                                      new_tokens=args.new_tokens, forced=[float(x) for x in args.forced.split(",")],
+                                      seed=args.seed, log=log)
+        save()
     if args.hf_tokens > 0:
         try:
             log("transformers generate (same weights)")
@@ -431,6 +471,26 @@ def main(argv=None) -> int:
     save()
     print_table(result)
     return 0
+
+
+def memory_report(model, dev, lengths) -> dict:
+    """Peak GPU memory so far, bytes of the weights, and how many sequence slots of each
+    length fit in what is free (hyspec.core.slots.slot_bytes per slot)."""
+    from hyspec.presets import slots_that_fit
+
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"weights_bytes": wbytes, "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
+            "allocated_bytes": torch.cuda.memory_allocated(dev), "free_bytes": free, "total_bytes": total,
+            "slots": [slots_that_fit(model.cfg, model.dtype, L, free) for L in lengths]}
+
+
+def format_memory(m: dict) -> str:
+    gb = 1e9
+    return (f"memory: weights {m['weights_bytes'] / gb:.2f} GB, "
+            f"peak allocated {m['peak_allocated_bytes'] / gb:.2f} GB, "
+            f"free {m['free_bytes'] / gb:.2f} of {m['total_bytes'] / gb:.2f} GB -> " + ", ".join(
+                f"{s['slots']} slots of {s['length']} tokens" for s in m["slots"]))
 
 
 def targets(r: dict) -> dict:
@@ -476,6 +536,8 @@ def print_table(r: dict) -> None:
     if "hf" in r:
         h = r["hf"]
         log(f"-- transformers generate: {h.get('decode_tok_s', 0):.1f} tok/s (fla: {h.get('fla_importable')})")
+    if "memory" in r:
+        log("-- " + format_memory(r["memory"]))
     for k, t in r.get("targets", {}).items():
         log(f"   target {k}: {t['value']} (target {t.get('target')}) {'MET' if t['met'] else 'missed'}")
     if r.get("errors"):

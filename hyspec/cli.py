@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-std", type=float, default=0.02, help="weight scale (larger = more peaked logits)")
     t.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
     t.add_argument("--draft-vocab", type=int, default=0, help="also write a reduced draft vocabulary (mtp.d2t) of N ids")
+    t.add_argument("--fp8", action="store_true",
+                   help="block-FP8 weights like Qwen's -FP8 checkpoints (float8_e4m3fn + weight_scale_inv, "
+                        "quantization_config in config.json)")
+    t.add_argument("--fp8-block", default="128,128", help="weight_block_size for --fp8, as ROWS,COLS")
+    t.add_argument("--experts", default="stacked", choices=["stacked", "per_expert"],
+                   help="MoE expert layout: stacked gate_up_proj/down_proj or per-expert keys")
 
     sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)
     sub.add_parser("train", help="train the small default model (see `hyspec train --help`)", add_help=False)
@@ -301,8 +307,9 @@ def _cmd_make_tiny(args) -> int:
 
     out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
                     layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
-                    draft_vocab=args.draft_vocab)
-    print(f"wrote {args.arch} checkpoint to {out}")
+                    draft_vocab=args.draft_vocab, fp8=args.fp8,
+                    fp8_block=tuple(int(x) for x in args.fp8_block.split(",")), experts=args.experts)
+    print(f"wrote {args.arch} {'FP8 ' if args.fp8 else ''}checkpoint to {out}")
     return 0
 
 
