@@ -218,3 +218,19 @@ def test_concurrent_requests_with_different_schemas(client, ref_engine):
         for s in texts:
             jsonschema.validate(json.loads(s), schema)
         assert ids == reference(ref_engine, "def main():", "json_schema", schema, temperature=t, seed=seed, n=n)
+
+
+def test_sequential_fallback_worker(monkeypatch, ref_engine):
+    """Without the scheduler the worker passes the constraint to Engine.generate: same outputs."""
+    monkeypatch.setenv("HYSPEC_SERVE_SCHEDULER", "0")
+    app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, draft=3))
+    with ServerThread(app) as s:
+        assert httpx.get(s.url + "/health").json()["engine"] == "sequential"
+        body = {"model": MODEL, "prompt": "def main():", "max_tokens": 64, "temperature": 0.8, "seed": 9, "n": 2,
+                "response_format": rf_schema(TAGS), "return_token_ids": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+    assert [c["token_ids"] for c in r["choices"]] == reference(ref_engine, "def main():", "json_schema", TAGS,
+                                                               temperature=0.8, seed=9, n=2)
+    for c in r["choices"]:
+        jsonschema.validate(json.loads(c["text"]), TAGS)
+        assert c["finish_reason"] == "stop"

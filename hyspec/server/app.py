@@ -287,8 +287,8 @@ class ServerState:
             from hyspec.constraints import vocab_for
 
             vocab_for(engine)
-        except Exception:  # noqa: BLE001 - no llguidance: constrained requests get a 400 later
-            pass
+        except Exception as e:  # noqa: BLE001 - no llguidance: constrained requests get a 400 later
+            log.debug("constraint vocabulary not prepared: %s", e)
         self.created = int(time.time())
 
     def decode_skip(self, ids: list[int]) -> str:
