@@ -215,6 +215,13 @@ class Session:
                        max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, ignore_eos=self.ignore_eos,
                        use_store=self.use_store)
 
+    @classmethod
+    def from_state(cls, engine, state: SeqState, **settings) -> "Session":
+        """A session that continues from a captured state (no rewind points)."""
+        s = cls(engine, **settings)
+        s._state = s._boundary = state
+        return s
+
     # -- on disk -----------------------------------------------------------------------
     def to_dict(self, extra: dict | None = None) -> dict:
         return {
