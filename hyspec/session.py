@@ -116,6 +116,8 @@ class Session:
                              f"first turn; draft={k} would need the drafter's rows for the whole transcript "
                              "(use a new session)")
         mnt = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {mnt!r}")
         limit = eng.model.cfg.max_position_embeddings
         total = len(self.tokens) + len(ids) + mnt
         if total > limit:
