@@ -1,4 +1,4 @@
-"""`hyspec` command line: generate, score, replay, make-tiny, bench, train.
+"""`hyspec` command line: generate, score, replay, make-tiny, bench, train, chat.
 
 Thin by design: parse, call the engine, print. Sampling and drafter flags are derived
 from the SamplingParams / SpecOptions dataclasses, so defaults cannot drift."""
@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)
     sub.add_parser("train", help="train the small default model (see `hyspec train --help`)", add_help=False)
+    sub.add_parser("chat", help="interactive chat with a kept session state (see `hyspec chat --help`)",
+                   add_help=False)
     return ap
 
 
@@ -233,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         from hyspec.train.train import main as train_main
 
         return train_main(argv[1:])
+    if argv and argv[0] == "chat":
+        from hyspec.chat import main as chat_main
+
+        return chat_main(argv[1:])
     args = build_parser().parse_args(argv)
     handlers = {"generate": _cmd_generate, "score": _cmd_score, "replay": _cmd_replay, "make-tiny": _cmd_make_tiny}
     try:

@@ -172,6 +172,7 @@ class Session:
         del self._history[-n:]
         self._release()
         self._state = self._boundary = target
+        self.last_stats = {}
         if target is None:
             self._speculative = None
 
@@ -183,6 +184,7 @@ class Session:
         self._history = []
         self._speculative = None
         self.telemetry = SpecTelemetry()
+        self.last_stats = {}
 
     def fork(self) -> "Session":
         """An independent copy: the same transcript, state and rewind points, its own slot."""
