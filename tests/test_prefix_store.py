@@ -86,3 +86,22 @@ def test_budget_demotes_lru_then_evicts(states):
 def test_bad_options():
     with pytest.raises(ValueError, match="verify"):
         PrefixStore(verify="sometimes")
+
+
+def test_one_shot_final_state_serves_a_later_request(zoo):
+    """Request(store_state=True) stores a one-shot's end state; a request extending its
+    transcript resumes from it and equals the second turn of a session with the same first turn."""
+    from hyspec.core import Request, Scheduler
+
+    eng = engine(zoo, "qwen3_next")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=21)
+    sched = Scheduler(eng.model, store=eng.store)
+    req = Request(prompt_ids=msgs[0], max_new_tokens=MAX_NEW, draft=2, store_state=True)
+    sched.submit(req)
+    sched.run()
+    assert len(eng.store) == 1 and sched.pool.stats()["slots_in_use"] == 0
+    one = eng.generate(msgs[0] + req.tokens + msgs[1], max_new_tokens=MAX_NEW, draft=2)
+    assert one.stats["cached_tokens"] == len(msgs[0]) + len(req.tokens) - 1
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == req.tokens
+    assert s.send(msgs[1]).tokens == one.tokens
