@@ -297,6 +297,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
     ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--batch", default=None,
+                    help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     args = ap.parse_args(argv)
     args.ks = [int(x) for x in args.ks.split(",") if x]
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -417,6 +419,14 @@ def main(argv=None) -> int:
     del exact_dec
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    if args.batch:
+        from hyspec.core.batch_bench import batch_bench
+
+        log("batched decoding through the engine core (prefill excluded)")
+        result["batch"] = batch_bench(model, [int(b) for b in args.batch.split(",")], prompt_len=args.prompt_len,
+                                      new_tokens=args.new_tokens, forced=[float(x) for x in args.forced.split(",")],
+                                      seed=args.seed, log=log)
+        save()
     if args.hf_tokens > 0:
         try:
             log("transformers generate (same weights)")

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated")
+    src.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...} or {\"prompt_ids\": [...]}, "
+                     "optional max_new_tokens, draft and sampling fields (temperature, seed, top_p, ...); "
+                     "one JSON result per line, in input order")
+    g.add_argument("--out", default=None, help="with --prompts-file: write the results here instead of stdout")
+    g.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--stop-ids", type=_ids, default=None, help="extra stop token ids")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's EOS ids")
@@ -137,9 +142,86 @@ def _load(args):
     return eng
 
 
+_LINE_KEYS = {"prompt", "prompt_ids", "max_new_tokens", "draft"} | {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _read_prompts_file(path: str, args) -> list[dict]:
+    """Parse and check every line before anything runs; errors name the line."""
+    base = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
+    reqs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            unknown = sorted(set(obj) - _LINE_KEYS)
+            if unknown:
+                raise ValueError(f"{path}:{n}: unknown field(s) {unknown}; known: {sorted(_LINE_KEYS)}")
+            if ("prompt" in obj) == ("prompt_ids" in obj):
+                raise ValueError(f"{path}:{n}: give exactly one of \"prompt\" or \"prompt_ids\"")
+            try:
+                params = SamplingParams(**{**base, **{k: v for k, v in obj.items() if k in base}})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            mnt, k = obj.get("max_new_tokens", args.max_new_tokens), obj.get("draft", args.draft)
+            for name, v in (("max_new_tokens", mnt), ("draft", k)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"{path}:{n}: {name} must be an integer >= 0, got {v!r}")
+            reqs.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": mnt,
+                         "params": params, "draft": k, "line": n})
+    if not reqs:
+        raise ValueError(f"{path}: no requests in the file")
+    return reqs
+
+
+def _cmd_generate_file(args) -> int:
+    from tqdm import tqdm
+
+    reqs = _read_prompts_file(args.prompts_file, args)
+    spec = None
+    if any(r["draft"] > 0 for r in reqs):
+        spec = SpecOptions(k=max(r["draft"] for r in reqs), rollback=args.rollback, p_min=args.p_min,
+                           adaptive=args.adaptive, hidden=args.hidden)
+    eng = _load(args)
+    sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    done: dict[int, object] = {}
+    written = 0
+    bar = tqdm(total=len(reqs), desc="generate", unit="req", file=sys.stderr, disable=None)
+
+    def finished(i, out) -> None:  # write results in input order as soon as the prefix is complete
+        nonlocal written
+        done[i] = out
+        bar.update(1)
+        while written in done:
+            o = done.pop(written)
+            row = {"index": written, "tokens": o.tokens, "text": o.text, "stop_reason": o.samples[0].stop_reason,
+                   "stats": o.stats}
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            written += 1
+
+    try:
+        eng.generate_batch([r["prompt"] for r in reqs], max_new_tokens=[r["max_new_tokens"] for r in reqs],
+                           params=[r["params"] for r in reqs], draft=[r["draft"] for r in reqs], spec=spec,
+                           stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
+                           on_finish=finished)
+    finally:
+        bar.close()
+        if args.out:
+            sink.close()
+    return 0
+
+
 def _cmd_generate(args) -> int:
+    if args.prompts_file is not None:
+        return _cmd_generate_file(args)
     if args.prompt is None and args.prompt_ids is None:
-        raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
+        raise ValueError("give --prompt TEXT, --prompt-ids 1,2,3 or --prompts-file FILE.jsonl")
     if args.draft < 0 or args.draft > MAX_DRAFT:
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
     params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})

@@ -11,6 +11,7 @@ up to 70 s with two), so the whole suite runs single-threaded.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,11 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Interpreter mode for Triton is decided once, before anything imports triton: only on
+# machines without CUDA, so it can never leak into GPU tests in the same run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_ref.py
 
@@ -117,3 +123,13 @@ class Zoo:
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> Zoo:
     return Zoo(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """For test modules that run Triton kernels in the CPU interpreter. Triton's standard
+    library must be imported in interpreter mode, so the mode is chosen once per process
+    (top of this file): on a machine without CUDA everything interprets; on a GPU machine
+    nothing does (the GPU tests run the same kernels on the device) and these modules skip."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CUDA is available: Triton kernels are tested on the device (tests/test_gpu_*.py)")

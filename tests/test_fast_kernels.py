@@ -1,17 +1,16 @@
 """Fused fast-path kernels (hyspec.kernels.fused, the SiLU*mul skinny GEMM) vs their torch
 references on CPU through the Triton interpreter: small odd shapes, fp32 (the interpreter's
 tl.dot mishandles bf16), and bitwise row invariance (t rows == t single-row calls)."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the CPU interpreter
 
-from hyspec.kernels import fused  # noqa: E402
-from hyspec.kernels.gemm import skinny_matmul  # noqa: E402
+from hyspec.kernels import fused
+from hyspec.kernels.gemm import skinny_matmul
 
 
 def rnd(*shape, scale=1.0, seed=0):

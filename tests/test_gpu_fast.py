@@ -247,3 +247,36 @@ def test_b2_exactness_bf16():
             s = generate_speculative_fast(m, prompt, max_new_tokens=n_tok, opts=SpecOptions(k=3, forced_rates=rates),
                                           reference=p.tokens, decoder=dec)
             assert s.tokens == p.tokens
+
+
+# logit level: the runner (CUDA graphs off, so every call is inspectable) vs the reference model
+LOGIT_ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.15}  # max |log p| difference over the vocabulary
+LOGIT_PROMPT, LOGIT_VERIFY = list(range(3, 60, 5)), [11, 23, 4, 60]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runner_logits_match_the_reference(arch, dtype, tmp_path):
+    """Prefill (fla's chunked kernel when it imports), a decode step and every verify row of
+    the Triton runner vs the reference model (hyspec/model, exact mode) on the device."""
+    from hyspec.gpu import FastDecoder
+    from hyspec.model.ops import StepCtx
+
+    m = _tiny(arch, dtype, tmp_path)
+    dec = FastDecoder(m, 96, 3, graphs=False)
+    cache = m.new_cache(96)
+    _, post = m.forward_states(torch.tensor(LOGIT_PROMPT, device=DEV), cache, StepCtx(start=0, chunked=True))
+    ref_pre = torch.log_softmax(m.logits(post[-1:]).double(), -1)
+    _, vpost = m.forward_states(torch.tensor(LOGIT_VERIFY, device=DEV), cache,
+                                StepCtx(start=len(LOGIT_PROMPT), exact=True))
+    ref = torch.log_softmax(m.logits(vpost).double(), -1)
+    worst = {}
+    for t in (1, len(LOGIT_VERIFY)):
+        _, _, logits = dec.prefill(LOGIT_PROMPT)
+        worst["prefill"] = float((torch.log_softmax(logits.double(), -1) - ref_pre).abs().max())
+        ids = torch.tensor(LOGIT_VERIFY[:t], device=DEV)
+        _, p = dec.runner.target(ids, t, dec.pos, t > 1)
+        got = torch.log_softmax(dec.runner.logits(p).double(), -1)
+        worst[f"t={t}"] = float((got - ref[:t]).abs().max())
+    print(f"{arch} {dtype} fla={dec.fla_used}: max |dlogp| {worst}")
+    assert all(v <= LOGIT_ATOL[dtype] for v in worst.values()), worst

@@ -6,17 +6,16 @@ The interpreter's ``tl.dot`` multiplies bf16 operands as their raw uint16 bit pa
 the bf16 test patches it (for that test only) to widen bf16 to fp32 first, which is exact
 and matches what the tensor cores compute (bf16 products, fp32 accumulation).
 """
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the CPU interpreter
 
-from hyspec.kernels import fused  # noqa: E402
-from hyspec.kernels.attn import GROUPED_SPLITS, attn_decode_grouped  # noqa: E402
+from hyspec.kernels import fused
+from hyspec.kernels.attn import GROUPED_SPLITS, attn_decode_grouped
 
 
 def rnd(*shape, seed=0, dtype=torch.float32):

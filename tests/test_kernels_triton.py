@@ -1,21 +1,20 @@
 """Triton kernels vs their torch references, run on CPU through the Triton interpreter.
 
-TRITON_INTERPRET=1 must be set before triton is imported (it is read when kernels are
-decorated).  Everything is float32: the interpreter's ``tl.dot`` mis-handles bf16 (it
+The `triton_interpreter` fixture (conftest.py) sets TRITON_INTERPRET=1 for these modules
+only; hyspec builds its kernels once per mode, so GPU tests in the same run get real ones.  Everything is float32: the interpreter's ``tl.dot`` mis-handles bf16 (it
 multiplies the raw uint16 bit patterns), so bf16 row-invariance is checked on the GPU by
 ``bench/kernels_gpu.py``.  The interpreter runs ``tl.dot`` as a numpy matmul of the fixed
 [16, BK] x [BK, BN] tiles, so bitwise row-invariance is meaningful here too.
 """
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the CPU interpreter
 
-from hyspec.kernels.gemm import skinny_matmul, skinny_matmul_ref  # noqa: E402
+from hyspec.kernels.gemm import skinny_matmul, skinny_matmul_ref
 
 GEMM_ATOL = 1e-4  # fp32, K=200, |x|,|w| ~ N(0,1): sums ~ 14, ieee dot
 GEMM_RTOL = 1e-5

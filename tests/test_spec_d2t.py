@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from hyspec.decode import GREEDY, generate_plain
 from hyspec.loading import CheckpointError, load_model
 from hyspec.sampling import SamplingParams
-from hyspec.spec.drafter import MTPDrafter
+from hyspec.spec.drafter import draft_logits, draft_vocab
 from hyspec.spec.loop import SpecOptions, generate_speculative
 from hyspec.tiny import make_tiny
 
@@ -26,9 +26,8 @@ def test_loader_reads_d2t_and_drafter_scores_only_the_subset(d2t_dir):
     assert m.d2t is not None and m.d2t.shape == (96,)
     ids = torch.arange(96) + m.d2t
     assert bool((ids[1:] > ids[:-1]).all())  # distinct target ids
-    drafter = MTPDrafter(m, 64)
     h = torch.randn(2, m.cfg.hidden_size, dtype=torch.float64)
-    logits = drafter.draft_logits(h)
+    logits = draft_logits(m, h, draft_vocab(m))
     outside = torch.ones(m.cfg.vocab_size, dtype=torch.bool)
     outside[ids] = False
     assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, ids]).all()

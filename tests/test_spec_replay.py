@@ -17,7 +17,6 @@ import torch
 from conftest import ARCHS, PROMPT
 from hyspec.model.ops import StepCtx
 from hyspec.core import round as round_mod
-from hyspec.spec.drafter import MTPDrafter
 from hyspec.spec.loop import SpecOptions, generate_speculative
 from hyspec.spec.replay import replay_acceptance
 from hyspec.spec.telemetry import SpecTelemetry
@@ -101,7 +100,7 @@ def test_chunking_stride_and_progress_do_not_change_results(zoo):
 
 @pytest.mark.parametrize("hidden", ["post", "pre"])
 def test_drafts_match_brute_force_drafter(zoo, hidden):
-    """Each position's drafts equal a fresh MTPDrafter that fills rows 0..i and chains:
+    """Each position's drafts equal a fresh draft KV that fills rows 0..i and chains:
     the replay's shared draft KV (chains written into rows later positions need, then put
     back) changes nothing."""
     arch = "qwen3_5_moe"
@@ -113,14 +112,20 @@ def test_drafts_match_brute_force_drafter(zoo, hidden):
     pre, post = m.forward_states(torch.tensor(ids), None, StepCtx(chunked=True))
     seed = post if hidden == "post" else pre
 
-    def greedy(logits, j, pos):
-        return int(torch.argmax(logits)), None, 1.0
+    def brute_force(i: int) -> list[int]:
+        """A fresh draft KV: fill rows 0..i with (ids[r+1], seed[r]), then chain k greedy drafts."""
+        kv = m.new_draft_kv(len(ids) + k)
+        h = m.mtp_hidden(torch.tensor(ids[1: i + 2]), seed[: i + 1], StepCtx(start=0), kv)[-1:]
+        out = []
+        for j in range(k):
+            out.append(int(torch.argmax(m.logits(h)[0])))
+            if j + 1 < k:
+                h = m.mtp_hidden(torch.tensor(out[-1:]), h, StepCtx(start=i + 1 + j), kv)
+        return out
 
     assert sorted(drafts) == list(range(len(ids) - k - 1))
     for i in drafts:
-        d = MTPDrafter(m, len(ids) + k, hidden=hidden)
-        got, _, _ = d.propose(ids[1 : i + 2], seed[: i + 1], 0, k, i + 2, greedy)
-        assert got == drafts[i], i
+        assert brute_force(i) == drafts[i], i
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

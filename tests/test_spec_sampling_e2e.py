@@ -69,7 +69,6 @@ from hyspec.loading import load_model
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import SamplingParams, row_probs
-from hyspec.spec.drafter import MTPDrafter
 from hyspec.spec.loop import SpecOptions, generate_speculative
 from hyspec.tiny import init_weights, tiny_config
 
@@ -298,9 +297,8 @@ def test_checkpoint_is_peaked_and_drafter_differs(model) -> None:
     with torch.no_grad():
         _, post = model.forward_states(ids, None, StepCtx(chunked=True))
         p = torch.softmax(model.logits(post[-1:]).double(), -1)[0]  # row predicting position P
-        drafter = MTPDrafter(model, 16)
         # no-pending form: pairs (prompt[i+1], h_i); the last pair predicts position P too
-        h = model.mtp_hidden(ids[1:], post[:-1], StepCtx(start=0), drafter.kv)
+        h = model.mtp_hidden(ids[1:], post[:-1], StepCtx(start=0), model.new_draft_kv(16))
         q = torch.softmax(model.logits(h[-1:]).double(), -1)[0]
     entropy = float(-(p * p.log()).sum())
     assert 0.5 < entropy < 0.8 * math.log(VOCAB), entropy

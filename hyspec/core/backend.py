@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from hyspec.model.hybrid import HybridLM
-from hyspec.model.ops import StepCtx, linear
+from hyspec.model.ops import StepCtx
+from hyspec.spec.drafter import draft_logits, draft_vocab
 
 PREFILL_CHUNK = 512  # prompt rows per prefill forward (fixed, so prefill is a function of the prompt alone)
 
@@ -23,12 +24,7 @@ class ReferenceBackend:
     def __init__(self, model: HybridLM) -> None:
         self.model = model
         self.device = model.device
-        d2t = getattr(model, "d2t", None)
-        if d2t is not None and model.has_mtp:  # reduced draft vocabulary: target id = i + d2t[i]
-            ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.long)
-            self.draft_vocab = (ids, model.head_weight[ids])
-        else:
-            self.draft_vocab = None
+        self.draft_vocab = draft_vocab(model)  # None, or a reduced draft vocabulary (mtp.d2t)
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
         return torch.tensor(tokens, device=self.device, dtype=torch.long)
@@ -61,14 +57,7 @@ class ReferenceBackend:
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """MTP hidden [B, H] -> logits [B, V] over the full target vocabulary (a reduced draft
         vocabulary scores only its ids; the rest get -inf)."""
-        if self.draft_vocab is None:
-            return self.logits(h, exact=True)
-        ids, w = self.draft_vocab
-        sub = linear(h.to(w.dtype), w, StepCtx(exact=True))
-        sub = sub if sub.dtype == torch.float64 else sub.float()
-        full = sub.new_full((h.shape[0], self.model.cfg.vocab_size), float("-inf"))
-        full[:, ids] = sub
-        return full
+        return draft_logits(self.model, h, self.draft_vocab, StepCtx(exact=True))
 
     def verify(self, items: list[tuple]) -> list[tuple]:
         """items: (cache, tokens [t], record) per sequence, appended at each cache's pos ->

@@ -30,9 +30,9 @@ from hyspec.core.request import Request
 from hyspec.rng import u01
 from hyspec.sampling import (apply_penalties, coupled_speculative, coupled_token, draft_token, greedy_token,
                              plain_token, row_probs, speculative_sample)
+from hyspec.spec.drafter import FORCED_STREAM
 from hyspec.spec.telemetry import SpecTelemetry
 
-FORCED_STREAM = 11  # rng stream for the forced drafter's corruption draws
 
 
 def forced_token(reference: list[int], rates, seed: int, vocab: int, depth: int, position: int) -> int:

@@ -40,6 +40,7 @@ from hyspec.config import FULL
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import chunked_scan, state_dtype
 from hyspec.model.ops import StepCtx
+from hyspec.spec.drafter import draft_logits, draft_vocab
 
 
 class GraphFallbackWarning(RuntimeWarning):
@@ -108,7 +109,7 @@ class FastDecoder:
         if self.has_mtp:
             self.dkv_k = torch.zeros(Hkv, L, D, device=dev, dtype=dt)
             self.dkv_v = torch.zeros(Hkv, L, D, device=dev, dtype=dt)
-        self.d2t = self._draft_vocab()
+        self.d2t = draft_vocab(model)
 
         long = dict(device=dev, dtype=torch.long)
         H = cfg.hidden_size
@@ -153,23 +154,9 @@ class FastDecoder:
         b.k, b.v = self.dkv_k, self.dkv_v
         return b
 
-    def _draft_vocab(self):
-        d2t = getattr(self.model, "d2t", None)
-        if d2t is None or not self.model.has_mtp:
-            return None
-        ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.long)
-        return ids, self.model.head_weight[ids].contiguous()
-
     def draft_logits_ref(self, h: torch.Tensor) -> torch.Tensor:
-        """hyspec.spec.drafter.MTPDrafter.draft_logits, verbatim."""
-        if self.d2t is None:
-            return self.model.logits(h)
-        ids, w = self.d2t
-        sub = h.to(w.dtype) @ w.T
-        sub = sub if sub.dtype == torch.float64 else sub.float()
-        full = sub.new_full((h.shape[0], self.cfg.vocab_size), float("-inf"))
-        full[:, ids] = sub
-        return full
+        """The drafter's logits through the model's modules (hyspec.spec.drafter.draft_logits)."""
+        return draft_logits(self.model, h, self.d2t)
 
     # -- prefill ----------------------------------------------------------------------
     @torch.no_grad()

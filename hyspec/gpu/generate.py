@@ -57,7 +57,7 @@ def _prefill_first(dec: FastDecoder, prompt: list[int]):
 
 def forced_table(reference: list[int], rates, seed: int, capacity: int, k_max: int, vocab: int) -> torch.Tensor:
     """[capacity, k_max] tokens the forced drafter proposes at (position, depth): exactly
-    hyspec.spec.drafter.ForcedDrafter.forced_token, vectorised."""
+    hyspec.core.round.forced_token, vectorised."""
     K = max(k_max, 1)
     pos = torch.arange(capacity, dtype=torch.long)[:, None]
     depth = torch.arange(K, dtype=torch.long)[None, :]

@@ -192,8 +192,17 @@ def expert_gemv_ref(x, w, ids, xdiv, *, act=False):
 # ======================================================================================
 # Triton kernels (defined lazily so the module imports without triton)
 # ======================================================================================
-@lru_cache(maxsize=None)
 def _kernels():
+    """The compiled kernels for the current mode: Triton's interpreter when TRITON_INTERPRET=1 (CPU
+    tests) else the GPU JIT; built once per mode, so interpreter tests and GPU tests can share one
+    process whichever runs first."""
+    from hyspec.kernels.pdl import interpreting
+
+    return _build_kernels(interpreting())
+
+
+@lru_cache(maxsize=None)
+def _build_kernels(interpret: bool):
     import triton
     import triton.language as tl
 

@@ -25,15 +25,22 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["pdl_enabled", "set_pdl", "launch_kwargs"]
+__all__ = ["pdl_enabled", "set_pdl", "launch_kwargs", "interpreting"]
 
 _override: bool | None = None
 
 
-@lru_cache(maxsize=None)
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), read at each call."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _supported() -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
+    return False if interpreting() else _supported_gpu()
+
+
+@lru_cache(maxsize=None)
+def _supported_gpu() -> bool:
     if not torch.cuda.is_available():
         return False
     try:

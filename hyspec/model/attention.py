@@ -39,17 +39,29 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepCtx, kv: KVBuffer | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. With kv, this forward's keys/values are written at rows
         ctx.start .. ctx.start+T-1 and attention sees rows 0 .. start+r for query row r."""
-        T = x.shape[0]
-        D = self.head_dim
-        qg = self.q_proj(x, ctx).view(T, self.n_heads, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:]  # [T, Hq, D] each
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x, ctx).view(T, self.n_kv, D))  # [T, Hkv, D]
-        v = self.v_proj(x, ctx).view(T, self.n_kv, D)
-        pos = torch.arange(ctx.start, ctx.start + T, device=x.device)
-        cos, sin = rope_cos_sin(pos, self.rot_dim, self.theta, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.forward_batch(x, [ctx], [kv], [x.shape[0]])
 
+    def forward_batch(self, x: torch.Tensor, ctxs: list[StepCtx], kvs: list, sizes: list[int]) -> torch.Tensor:
+        """Rows of several sequences stacked (x [N, H]): projections, norms, gate and output
+        projection on all rows; RoPE positions, the KV write and attention per sequence."""
+        N, D = x.shape[0], self.head_dim
+        qg = self.q_proj(x, ctxs[0]).view(N, self.n_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]  # [N, Hq, D] each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x, ctxs[0]).view(N, self.n_kv, D))  # [N, Hkv, D]
+        v = self.v_proj(x, ctxs[0]).view(N, self.n_kv, D)
+        outs = [self._attend_one(*parts, ctx, kv) for *parts, ctx, kv in
+                zip(q.split(sizes), k.split(sizes), v.split(sizes), ctxs, kvs)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [N, Hq * D]
+        out = out * sigmoid(gate.reshape(N, self.n_heads * D))
+        return self.o_proj(out, ctxs[0])
+
+    def _attend_one(self, q, k, v, ctx: StepCtx, kv: KVBuffer | None) -> torch.Tensor:
+        """One sequence: q [T, Hq, D], k, v [T, Hkv, D] at positions ctx.start.. -> [T, Hq * D]."""
+        T, D = q.shape[0], self.head_dim
+        pos = torch.arange(ctx.start, ctx.start + T, device=q.device)
+        cos, sin = rope_cos_sin(pos, self.rot_dim, self.theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:  # whole sequence in one go (training, scoring without cache)
             if ctx.start != 0:
                 raise ValueError("attention without a KV cache must start at position 0")
@@ -61,11 +73,8 @@ class GatedAttention(nn.Module):
             kv.k[:, ctx.start:end] = k.transpose(0, 1)
             kv.v[:, ctx.start:end] = v.transpose(0, 1)
             keys, vals = kv.k[:, :end], kv.v[:, :end]
-
         out = self._attend(q.transpose(0, 1), keys, vals, ctx)  # [Hq, T, D]
-        out = out.transpose(0, 1).reshape(T, self.n_heads * D)
-        out = out * sigmoid(gate.reshape(T, self.n_heads * D))
-        return self.o_proj(out, ctx)
+        return out.transpose(0, 1).reshape(T, self.n_heads * D)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, ctx: StepCtx) -> torch.Tensor:
         """q [Hq, T, D]; keys/vals [Hkv, S, D] with S = start + T. Causal: row r sees keys <= start+r."""

@@ -208,8 +208,21 @@ class GatedDeltaNet(nn.Module):
     # -- forward ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ctx: StepCtx, st: LinearState | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. With st, the conv window and SSM state advance by T rows."""
-        T = x.shape[0]
-        qkv, z, b, a = self.project(x, ctx)
+        return self.forward_batch(x, [ctx], [st], [x.shape[0]])
+
+    def forward_batch(self, x: torch.Tensor, ctxs: list[StepCtx], states: list, sizes: list[int]) -> torch.Tensor:
+        """Rows of several sequences stacked (x [N, H], sizes[i] rows each): the projections
+        run on all rows at once, the conv and the recurrence per sequence on its own state."""
+        qkv, z, b, a = self.project(x, ctxs[0])
+        outs = [self._mix(*parts, ctx, st) for *parts, ctx, st in
+                zip(qkv.split(sizes), b.split(sizes), a.split(sizes), ctxs, states)]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        o = self.norm(o.to(x.dtype), z)  # [N, Hv, Dv]
+        return self.out_proj(o.reshape(x.shape[0], -1), ctxs[0])
+
+    def _mix(self, qkv, b, a, ctx: StepCtx, st: LinearState | None) -> torch.Tensor:
+        """One sequence's conv + recurrence: qkv [T, C], b, a [T, Hv] -> o [T, Hv, Dv]."""
+        T = qkv.shape[0]
         if st is None:
             xcat = torch.cat([qkv.new_zeros(self.W - 1, qkv.shape[1]), qkv])
             s0 = qkv.new_zeros(self.nv, self.dk, self.dv, dtype=state_dtype(qkv.dtype))
@@ -232,5 +245,4 @@ class GatedDeltaNet(nn.Module):
                 st.record = GdnRecord(xcat=xcat, inputs=(q, k, v, g, beta))
             else:
                 st.record = None
-        o = self.norm(o.to(x.dtype), z)  # [T, Hv, Dv]
-        return self.out_proj(o.reshape(T, -1), ctx)
+        return o

@@ -43,11 +43,7 @@ class DecoderLayer(nn.Module):
         other sequences in the batch."""
         h = self.input_layernorm(x)
         mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
-        if len(sizes) == 1:
-            h = mixer(h, ctxs[0], states[0])
-        else:
-            h = torch.cat([mixer(part, c, st) for part, c, st in zip(h.split(sizes), ctxs, states)])
-        x = x + h
+        x = x + mixer.forward_batch(h, ctxs, states, sizes)
         return x + self.mlp(self.post_attention_layernorm(x), ctxs[0])
 
 

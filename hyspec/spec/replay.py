@@ -5,7 +5,7 @@ running the speculative loop: the target runs once over the whole text with teac
 forcing (in chunks, so long files fit in memory), and at every ``stride``-th position the
 MTP head drafts K tokens greedily, exactly as a round of the loop would from that point.
 
-Indexing (the same as the draft KV of ``hyspec.spec.drafter``)::
+Indexing (the draft-KV layout of ``hyspec.spec.drafter``)::
 
     text      t_0  t_1  t_2  t_3  ...
     target    h_0  h_1  h_2  ...          h_i = hidden of row i (it predicts t_{i+1})
@@ -39,7 +39,7 @@ import torch
 from hyspec.decode import check_prompt
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.spec.drafter import MTPDrafter
+from hyspec.spec.drafter import draft_logits, draft_vocab
 from hyspec.spec.loop import MAX_DRAFT
 from hyspec.spec.telemetry import SpecTelemetry
 
@@ -117,8 +117,11 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     tok = torch.tensor(ids, device=dev, dtype=torch.long)
     cache = model.new_cache(N)
     # chained rows reach i+k-1 <= N-3; the fill reaches row N-2
-    drafter = MTPDrafter(model, N, hidden=hidden)
-    kv = drafter.kv
+    if not model.has_mtp:
+        raise ValueError("this checkpoint has no MTP head (no mtp.* weights): nothing to replay")
+    kv = model.new_draft_kv(N)
+    vocab = draft_vocab(model)
+    forwards = 0
 
     nll_sum = 0.0
     top1 = 0
@@ -132,6 +135,7 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     queue: deque[tuple[int, torch.Tensor, int]] = deque()  # (position i, MTP hidden of row i [1, H], d_1)
 
     def judge(i: int, m_row: torch.Tensor, d: int) -> None:
+        nonlocal forwards
         text = ids[i + 2 : i + 2 + k]
         tgt = greedy[i + 2 : i + 2 + k]
         drafts = [d]
@@ -143,8 +147,8 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
                 if not return_drafts and _prefix_len(drafts, text) < j and _prefix_len(drafts, tgt) < j:
                     break  # both prefixes already broken: deeper drafts cannot count
                 h = model.mtp_hidden(torch.tensor([d], device=dev), h, StepCtx(start=i + j), kv)
-                drafter.forwards += 1
-                d = int(torch.argmax(drafter.draft_logits(h)[0]))
+                forwards += 1
+                d = int(torch.argmax(draft_logits(model, h, vocab)[0]))
                 drafts.append(d)
             kv.k[:, lo:hi] = saved_k
             kv.v[:, lo:hi] = saved_v
@@ -174,11 +178,11 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
             top1 += int((torch.tensor(preds[:n], device=dev) == nxt).sum())
             seed = (post if hidden == "post" else pre)[:n]
             m = model.mtp_hidden(nxt, seed, StepCtx(start=s), kv)  # draft KV rows s..r_end-1
-            drafter.forwards += 1
+            forwards += 1
             sel = [i for i in range(s + (-s) % stride, r_end, stride) if i + k + 1 < N]
             if sel:  # first drafts of the chunk's positions in one head matmul
                 rows = torch.tensor(sel, device=dev) - s
-                d1 = torch.argmax(drafter.draft_logits(m[rows]), dim=-1).tolist()
+                d1 = torch.argmax(draft_logits(model, m[rows], vocab), dim=-1).tolist()
                 queue.extend((i, m[i - s : i - s + 1], d) for i, d in zip(sel, d1))
         # judge every queued position whose K drafts' targets are all known (rows <= i+k done)
         while queue and queue[0][0] + k + 1 <= e:
@@ -204,7 +208,7 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
         "telemetry": tel.to_dict(),
         "vs_target": {**tgt_rates, "tau": tel_t.tau},
         "per_position": {"position": pos_list, "accepted": acc_list, "accepted_vs_target": acc_t_list},
-        "mtp_forwards": drafter.forwards,
+        "mtp_forwards": forwards,
         "seconds": time.perf_counter() - t0,
     }
     if return_drafts:
