@@ -170,3 +170,20 @@ def test_switching_plain_and_speculative_is_refused(zoo):
     t = eng.session(draft=2, max_new_tokens=4)
     t.send([3, 4, 5])
     assert t.send([6], draft=4).tokens  # K may change between speculative turns
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_drafter_options_across_turns(zoo, arch):
+    """The no-pending form, the other rollback strategies, adaptive K and p_min: a
+    speculative session still equals the plain one on every turn."""
+    from hyspec.spec.loop import SpecOptions
+
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=6)
+    plain = eng.session(max_new_tokens=MAX_NEW, use_store=False)
+    want = run(plain, msgs)
+    for spec in (SpecOptions(prime_pending=False), SpecOptions(rollback="rescan", adaptive=True),
+                 SpecOptions(rollback="replay", p_min=0.05)):
+        s = eng.session(draft=3, spec=spec, max_new_tokens=MAX_NEW, use_store=False)
+        assert run(s, msgs) == want, spec
+        assert_same(target_part(s.live_state()), target_part(plain.live_state()))
