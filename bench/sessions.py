@@ -121,8 +121,10 @@ def main(argv=None) -> int:
             sess.append(timed(lambda cb: s.send(m, on_tokens=cb))[0])
         row = {"turn": n, "context_tokens": len(prompt), "new_tokens": len(m),
                "prefilled_tokens": out.stats["prompt_tokens"] - out.stats["cached_tokens"],
-               "ttft_session_s": min(sess), "ttft_session_live_slot_s": sess[0], "ttft_store_oneshot_s": store, "ttft_cold_s": cold,
-               "speedup_session": cold / min(sess), "speedup_store": (cold / store) if store else None,
+               "ttft_session_s": min(sess), "ttft_session_live_slot_s": sess[0],
+               "ttft_store_oneshot_s": store, "ttft_cold_s": cold,
+               "speedup_session": cold / min(sess),
+               "speedup_store": (cold / store) if store else None,
                "max_abs_logprob_diff_store_vs_cold": lp[0] if lp else None,
                "greedy_tokens_equal_store_vs_cold": lp[1] if lp else None,
                "acceptance_length": out.stats["spec"]["acceptance_length"] if k else None}

@@ -89,8 +89,9 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
     import jinja2
 
     try:
+        tokens = {k: v for k, v in (special or {}).items() if v is not None}
         return _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       tools=None, documents=None, **{k: v for k, v in (special or {}).items() if v is not None})
+                                       tools=None, documents=None, **tokens)
     except TemplateError:
         raise
     except jinja2.TemplateError as e:

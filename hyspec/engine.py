@@ -97,6 +97,13 @@ class Engine:
             self._store = PrefixStore(device=self.model.device)
         return self._store
 
+    @store.setter
+    def store(self, store) -> None:
+        """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...))."""
+        self._store = store
+        if self._session_sched is not None:
+            self._session_sched.store = store
+
     def session(self, **kw):
         """A conversation whose state is kept between turns (hyspec/session.py): draft, params,
         spec, max_new_tokens, stop_ids, ignore_eos, use_store."""

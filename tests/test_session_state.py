@@ -24,7 +24,8 @@ def slot_equals(slot, st) -> bool:
     if c.pos != st.pos:
         return False
     ok = all(a.conv.equal(cv) and a.ssm.equal(sm) for a, cv, sm in zip(c.linear_states, st.conv, st.ssm))
-    ok &= all(b.k[:, : st.pos].equal(k) and b.v[:, : st.pos].equal(v) for b, k, v in zip(c.kv_buffers, st.kv_k, st.kv_v))
+    ok &= all(b.k[:, : st.pos].equal(k) and b.v[:, : st.pos].equal(v)
+              for b, k, v in zip(c.kv_buffers, st.kv_k, st.kv_v))
     if st.draft_k is not None:
         n = st.draft_k.shape[1]
         ok &= slot.draft_kv.k[:, :n].equal(st.draft_k) and slot.draft_kv.v[:, :n].equal(st.draft_v)

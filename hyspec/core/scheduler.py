@@ -82,6 +82,8 @@ class Scheduler:
             check_prompt(req.prompt_ids, cfg.vocab_size)
         elif req.resume.pending is None:
             raise ValueError("nothing to send: the conversation has no pending token, give at least one token")
+        if req.resume is not None and isinstance(req.max_new_tokens, int) and req.max_new_tokens == 0:
+            raise ValueError("a resumed request needs max_new_tokens >= 1")
         if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {req.max_new_tokens!r}")
         if not isinstance(req.params, SamplingParams):
@@ -160,6 +162,7 @@ class Scheduler:
         return dropped
 
     def _admit(self, req: Request) -> None:
+        t0 = time.perf_counter()  # the time to first token counts the store lookup and restore too
         try:
             opts, stops = self.validate(req)
             if opts is not None:
@@ -195,6 +198,7 @@ class Scheduler:
             self._finish_request(req, "error", e)
             return
         seq = Sequence(self.model, req, slot, opts, rollback, stops)
+        seq.t_start = t0
         if resume is not None:
             self._resume(seq, resume, new)
         if req.max_new_tokens == 0:
