@@ -105,6 +105,33 @@ def inject(backend, name: str, at: int):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_fault_in_the_drafter_mid_turn(zoo, arch):
+    """An exception in an MTP call (the refill or a chained draft) of some round: the
+    session is at the state after the round before, and continues from it."""
+    eng = engine(zoo, arch)
+    sched = eng.session_scheduler()
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=14)
+    ref = eng.session(draft=3, max_new_tokens=MAX_NEW + 6, use_store=False)
+    ref.send(msgs[0])
+    after_round = []
+    ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
+    for at in (4, 7):
+        s = eng.session(draft=3, max_new_tokens=MAX_NEW + 6, use_store=False)
+        s.send(msgs[0])
+        undo = inject(sched.backend, "mtp", at)
+        try:
+            with pytest.raises(Boom):
+                s.send(msgs[1])
+        finally:
+            undo()
+        match = [st for st in after_round if st.tokens == tuple(s.tokens)]
+        assert len(match) == 1, at
+        assert_same(s.live_state(), match[0], f"mtp call {at}")
+        twin = Session.from_state(eng, match[0], draft=3, max_new_tokens=MAX_NEW, use_store=False)
+        assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_fault_mid_round_leaves_last_committed_state(zoo, arch):
     eng = engine(zoo, arch)
     sched = eng.session_scheduler()
