@@ -205,6 +205,13 @@ class Session:
             self._history = []
             self.closed = True
 
+    def __del__(self) -> None:  # a dropped session gives its slot back to the pool
+        try:
+            if getattr(self, "_seq", None) is not None:
+                self._release()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
     def _release(self) -> None:
         if self._seq is not None:
             self.engine.session_scheduler().pool.release(self._seq.slot)
