@@ -86,3 +86,32 @@ def test_save_in_one_process_load_in_another(tmp_path, flags):
                 *flags)
     assert c[0]["state_digest"] == a[0]["state_digest"] and c[1]["turn_tokens"] == a[1]["turn_tokens"]
     assert c[2]["context_tokens"] == 0 and c[2]["state_digest"] is None
+
+
+def test_chat_with_a_checkpoint_template_sends_only_the_new_text(zoo, tmp_path):
+    """With a tokenizer_config.json chat_template, each turn prefills only the text the
+    template adds after what the session holds (plus the pending token)."""
+    import io
+    import shutil
+
+    from hyspec.chat import Chat
+    from hyspec.engine import Engine
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    eng = Engine.load(d, dtype="float64")
+    out = io.StringIO()
+    c = Chat(eng, eng.session(draft=2, max_new_tokens=6, ignore_eos=True), d, out=out)
+    assert c.template_source == "tokenizer_config.json"
+    c.user("hello there")
+    first = list(c.session.tokens)
+    assert first[: len(eng.encode(render_chat([{"role": "user", "content": "hello there"}], d)))] == \
+        eng.encode(render_chat([{"role": "user", "content": "hello there"}], d))
+    stats = c.user("and again")
+    delta = render_chat(c.messages[:-1], d)[len(c.stack[-1][1]):]
+    assert delta.startswith("<|im_end|>\n<|im_start|>user\nand again")
+    assert c.session.tokens[: len(first)] == first
+    assert stats["prompt_tokens"] - stats["cached_tokens"] == len(eng.encode(delta)) + 1  # + the pending token
+    c.command("/rewind")
+    assert c.session.tokens == first and len(c.messages) == 2
