@@ -1,8 +1,14 @@
 """hyspec bench: decode / verify / draft / speculative throughput of the fast path, in one run.
 
-    python -m hyspec.bench --config b2 --prompt-len 512 --new-tokens 256 --out bench.json
-    python -m hyspec.bench --config tiny --new-tokens 32            # CPU smoke (torch runner)
-    python -m hyspec.bench --model DIR                              # a checkpoint
+    hyspec bench --config b2 --prompt-len 512 --new-tokens 256 --out bench.json
+    hyspec bench --config tiny --device cpu             # CPU smoke (torch runner), ~10 s
+    hyspec bench --model DIR                            # a checkpoint
+    hyspec bench --config qwen3.5-27b                   # published shapes (hyspec/presets.py), GPU only
+    hyspec bench --model DIR --batch 1,4,16             # aggregate throughput through the engine core
+
+On the CPU the defaults are small (a quick run: short prompt, few tokens, K = 1..3, the
+exact variant only, no transformers comparison), the per-phase times are wall-clock
+times, and the GPU targets (roofline fraction, speed-ups) are not judged.
 
 Measures, on one device, batch 1, greedy:
   * device copy bandwidth (device-to-device copy, bytes read + written) and the roofline
@@ -32,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from hyspec.provenance import git_state
+
 B2 = {
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
     "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24, "full_attention_interval": 4,
@@ -46,6 +54,14 @@ B2 = {
 
 def log(*a) -> None:
     print(*a, flush=True)
+
+
+def _si(x: float) -> str:
+    """3 significant figures with a k / M / G prefix (a 10 M model is not '0.000 B')."""
+    for div, unit in ((1e9, " G"), (1e6, " M"), (1e3, " k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g} "
 
 
 # ----------------------------------------------------------------------------- model
@@ -75,6 +91,10 @@ def make_model(args, device, dtype):
         return load_model(args.model, dtype=dtype, device=device)
     if args.config == "b2":
         return build_config_model(B2, device, dtype, args.seed)
+    from hyspec.presets import PRESETS, build_preset_model
+
+    if args.config in PRESETS:  # real sizes: built in `dtype` directly on the device (one copy of the weights)
+        return build_preset_model(args.config, device, dtype, args.seed)
     from hyspec.tiny import tiny_config
 
     return build_config_model(tiny_config("qwen3_next", vocab_size=512), device, dtype, args.seed)
@@ -182,7 +202,7 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
     k_max = max(max(args.ks), args.verify_max - 1, 3)  # 3: the exactness check drafts K=3
     dec = FastDecoder(model, P + max(N, args.exact_tokens) + k_max + 4, k_max, exact=exact)
     out: dict = {"backend": dec.backend, "graphs": dec.graphs}
-    reps = args.reps if dev.type == "cuda" else 2
+    reps = args.reps
 
     generate_plain_fast(model, prompt, max_new_tokens=min(N, 16), decoder=dec)  # compile + capture
     r = generate_plain_fast(model, prompt, max_new_tokens=N, decoder=dec)
@@ -271,37 +291,64 @@ def exactness_check(model, args, dev, dec) -> dict:
 
 
 # ----------------------------------------------------------------------------- main
+# flags whose default depends on the device: (flag, type, GPU default, CPU default, help)
+_DEVICE_DEFAULTS = (
+    ("--prompt-len", int, 512, 32, "prompt tokens"),
+    ("--new-tokens", int, 256, 32, "tokens per timed generation"),
+    ("--ks", str, "1,2,3,4", "1,2,3", "draft lengths K measured"),
+    ("--verify-max", int, 8, 4, "verify cost measured for t = 1..N rows"),
+    ("--variants", str, "exact,fast", "exact", "exact (row-invariant kernels), fast (cuBLAS)"),
+    ("--exact-tokens", int, 2000, 64, "tokens per prompt in the exactness check"),
+    ("--exact-prompts", int, 4, 1, "prompts in the exactness check"),
+    ("--hf-tokens", int, 32, 0, "tokens for the transformers comparison (0: skip it)"),
+    ("--reps", int, 30, 2, "repetitions of each timed step"),
+)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hyspec bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="b2", choices=["b2", "tiny"], help="in-memory random model preset")
+    from hyspec.cli import HelpFormatter
+    from hyspec.presets import PRESETS
+
+    ap = argparse.ArgumentParser(prog="hyspec bench", description=__doc__, formatter_class=HelpFormatter)
+
+    ap.add_argument("--config", default="b2", choices=["b2", "tiny", *PRESETS],
+                    help="in-memory random model preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3-next-80b-a3b-fp8: the "
+                         "published shapes, GPU only; hyspec/presets.py)")
+    ap.add_argument("--slot-lengths", default="4096,32768,131072",
+                    help="context lengths for the 'sequence slots that fit beside the weights' report")
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--verify-max", type=int, default=8)
+    for flag, typ, gpu, cpu, what in _DEVICE_DEFAULTS:
+        ap.add_argument(flag, type=typ, default=None, help=f"{what} (default: {gpu} on a GPU, {cpu} on the CPU)")
     ap.add_argument("--forced", default="0.9,0.8,0.7,0.6", help="forced drafter acceptance rate by depth")
-    ap.add_argument("--variants", default="exact,fast", help="exact (row-invariant kernels), fast (cuBLAS)")
-    ap.add_argument("--exact-tokens", type=int, default=2000)
-    ap.add_argument("--exact-prompts", type=int, default=4)
-    ap.add_argument("--hf-tokens", type=int, default=32, help="0: skip the transformers comparison")
-    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tune", default="none", choices=["none", "step"],
                     help="GEMM config search before measuring: none (the shipped configs: "
                          "hyspec.kernels.gemm.BUILTIN, picked in the step on the H200, else shape defaults), "
                          "step (each shape's candidates timed inside the real decode step)")
     ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes copied to measure bandwidth "
+                    "(at most 64 MiB on the CPU)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     args = ap.parse_args(argv)
-    args.ks = [int(x) for x in args.ks.split(",") if x]
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        from hyspec.engine import check_device
+
+        dev = check_device(args.device)
+    for flag, _, gpu, cpu, _ in _DEVICE_DEFAULTS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if dev.type == "cuda" else cpu)
+    try:
+        args.ks = [int(x) for x in args.ks.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--ks: expected comma-separated draft lengths like 1,2,3, got {args.ks!r}") from None
     if args.dtype == "auto":
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:
@@ -309,7 +356,7 @@ def main(argv=None) -> int:
 
         dtype = parse_dtype(args.dtype)
     if dev.type != "cuda":
-        args.copy_bytes = min(args.copy_bytes, 256 << 20)
+        args.copy_bytes = min(args.copy_bytes, 64 << 20)
 
     try:
         import triton
@@ -328,10 +375,27 @@ def main(argv=None) -> int:
             "dtype": str(dtype).replace("torch.", ""),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "command": "hyspec bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "config": args.model or args.config, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+            "config": args.model or args.config, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "git": git_state()}
     log(f"# {meta}")
     result: dict = {"meta": meta, "errors": {}}
     t_start = time.perf_counter()
+    if args.config in PRESETS and not args.model:  # the published shapes: figures first, then run only where it can
+        from hyspec.presets import check_runnable, format_summary, summary
+
+        lengths = tuple(int(x) for x in args.slot_lengths.split(",") if x)
+        result["preset"] = summary(args.config, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths)
+        log(format_summary(result["preset"]))
+        why = check_runnable(args.config, dev, dtype)
+        if why:
+            log(f"!! {why}")
+            result["errors"]["preset"] = why
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+            return 2
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
 
     def save():
         if args.out:
@@ -343,6 +407,11 @@ def main(argv=None) -> int:
     log(f"copy bandwidth {bw:.0f} GB/s (read + write)")
     model = make_model(args, dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
+    if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
+        result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
+        log(format_memory(result["memory"]))
+    if dev.type == "cpu" and n_params < 50_000_000:
+        torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost (as the CLI)
     from hyspec.gpu import FastDecoder
 
     probe = FastDecoder(model, 8, 1, backend="triton" if dev.type == "cuda" else "torch", graphs=False)
@@ -387,8 +456,8 @@ def main(argv=None) -> int:
                        "draft_bytes_per_step": dbytes}
     result["roofline_ms"] = roofline_ms
     result["roofline_tok_s"] = 1e3 / roofline_ms
-    log(f"model: {n_params / 1e9:.3f} B params; a decode step reads {wbytes / 1e9:.3f} GB -> roofline "
-        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {dbytes / 1e9:.3f} GB")
+    log(f"model: {_si(n_params)} params; a decode step reads {_si(wbytes)}B -> roofline "
+        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {_si(dbytes)}B")
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
 
@@ -436,11 +505,31 @@ def main(argv=None) -> int:
         except Exception as e:
             result["errors"]["hf"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
             log(f"!! HF comparison failed: {e}")
-    result["targets"] = targets(result)
+    result["targets"] = targets(result) if dev.type == "cuda" else {}  # GPU goals: not judged on a CPU
     result["wall_s"] = time.perf_counter() - t_start
     save()
     print_table(result)
     return 0
+
+
+def memory_report(model, dev, lengths) -> dict:
+    """Peak GPU memory so far, bytes of the weights, and how many sequence slots of each
+    length fit in what is free (hyspec.core.slots.slot_bytes per slot)."""
+    from hyspec.presets import slots_that_fit
+
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"weights_bytes": wbytes, "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
+            "allocated_bytes": torch.cuda.memory_allocated(dev), "free_bytes": free, "total_bytes": total,
+            "slots": [slots_that_fit(model.cfg, model.dtype, L, free) for L in lengths]}
+
+
+def format_memory(m: dict) -> str:
+    gb = 1e9
+    return (f"memory: weights {m['weights_bytes'] / gb:.2f} GB, "
+            f"peak allocated {m['peak_allocated_bytes'] / gb:.2f} GB, "
+            f"free {m['free_bytes'] / gb:.2f} of {m['total_bytes'] / gb:.2f} GB -> " + ", ".join(
+                f"{s['slots']} slots of {s['length']} tokens" for s in m["slots"]))
 
 
 def targets(r: dict) -> dict:
@@ -468,8 +557,8 @@ def print_table(r: dict) -> None:
     m = r["meta"]
     log("\n" + "=" * 78)
     log(f"hyspec bench  {m['device']}  {m['config']}  {m['dtype']}  prompt {m['prompt_len']} new {m['new_tokens']}")
-    log(f"copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; step reads {r['model']['weight_bytes_per_step'] / 1e9:.3f}"
-        f" GB; roofline {r['roofline_ms']:.3f} ms = {r['roofline_tok_s']:.0f} tok/s")
+    log(f"copy bandwidth {r['copy_bandwidth_GBps']:.0f} GB/s; step reads {_si(r['model']['weight_bytes_per_step'])}B"
+        f"; roofline {r['roofline_ms']:.3f} ms = {r['roofline_tok_s']:.0f} tok/s")
     for name, v in r.get("variants", {}).items():
         log(f"-- {name}: plain {v['plain']['tok_s']:.1f} tok/s ({100 * v['plain']['roofline_frac']:.1f}% roofline); "
             f"step graph {v['decode_step_ms']:.3f} ms ({100 * v['decode_step_roofline_frac']:.1f}%); "
@@ -486,6 +575,8 @@ def print_table(r: dict) -> None:
     if "hf" in r:
         h = r["hf"]
         log(f"-- transformers generate: {h.get('decode_tok_s', 0):.1f} tok/s (fla: {h.get('fla_importable')})")
+    if "memory" in r:
+        log("-- " + format_memory(r["memory"]))
     for k, t in r.get("targets", {}).items():
         log(f"   target {k}: {t['value']} (target {t.get('target')}) {'MET' if t['met'] else 'missed'}")
     if r.get("errors"):

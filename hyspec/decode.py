@@ -51,8 +51,11 @@ def run_request(model, req: Request, scheduler: Scheduler | None = None) -> Gene
 
 
 def generate_plain(model, prompt: list[int], *, max_new_tokens: int, params: SamplingParams | None = None,
-                   stop_ids=(), max_len: int | None = None, on_tokens=None) -> GenerationResult:
-    """Prefill the prompt, then one target forward per token (a K = 0 request)."""
+                   stop_ids=(), max_len: int | None = None, on_tokens=None, constraint=None) -> GenerationResult:
+    """Prefill the prompt, then one target forward per token (a K = 0 request); on_tokens(ids)
+    is called with each round's emitted tokens (the streaming hook). `constraint`
+    (hyspec.constraints.Constraint, advanced in place) masks every row."""
     req = Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
-                  params=params if params is not None else GREEDY, draft=0, stop_ids=stop_ids, on_tokens=on_tokens)
+                  params=params if params is not None else GREEDY, draft=0, stop_ids=stop_ids,
+                  on_tokens=None if on_tokens is None else (lambda r, toks: on_tokens(toks)), constraint=constraint)
     return run_request(model, req)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,13 +21,48 @@ from hyspec.decode import GREEDY, GenerationResult, generate_plain
 from hyspec.loading import load_model, parse_dtype
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.sampling import SamplingParams
-from hyspec.spec.loop import SpecOptions
+from hyspec.sampling import ParamError, SamplingParams
+from hyspec.spec.loop import MAX_DRAFT, SpecOptions
 from hyspec.spec.telemetry import SpecTelemetry
 from hyspec.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 _MASK64 = (1 << 64) - 1
+# counters that add up over the samples of a --num-samples run (the rest is per-run constant)
+_SUMMED_STATS = ("generated_tokens", "target_forwards", "mtp_forwards", "direct_tokens", "prefill_s", "decode_s")
+
+
+def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ParamError(name, value, "must be an integer")
+    if value < lo or (hi is not None and value > hi):
+        raise ParamError(name, value, f"must be in {lo}..{hi}" if hi is not None else f"must be >= {lo}")
+    return value
+
+
+def _token_ids(name: str, value) -> list[int]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ParamError(name, value, "must be a list of token ids")
+    try:
+        return [operator.index(t) for t in value]
+    except TypeError:
+        raise ParamError(name, value, "must be a list of integer token ids") from None
+
+
+def check_device(device) -> torch.device:
+    """torch.device for 'cpu', 'cuda' or 'cuda:N', with an error naming the argument."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ParamError("device", device, "must be cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ParamError("device", device, f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def default_model_dir() -> Path:
@@ -70,10 +106,13 @@ class Output:
         return self.samples[0].text
 
     def to_dict(self) -> dict:
+        """stats: totals over all samples (counters and times add up; spec telemetry is
+        merged); samples[i].stats: that sample's own."""
         return {
             "tokens": self.tokens, "text": self.text, "stop_reason": self.samples[0].stop_reason,
             "prompt_tokens": self.prompt_tokens,
-            "samples": [{"tokens": s.tokens, "text": s.text, "stop_reason": s.stop_reason} for s in self.samples],
+            "samples": [{"tokens": s.tokens, "text": s.text, "stop_reason": s.stop_reason, "stats": s.stats}
+                        for s in self.samples],
             "stats": self.stats,
         }
 
@@ -124,19 +163,38 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu") -> "Engine":
         path = Path(path) if path is not None else default_model_dir()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+        check_device(device)
         model = load_model(path, dtype=parse_dtype(dtype), device=device)
         tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         return cls(model, tok, str(path))
 
     # -- text <-> ids ------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], *, arg: str = "prompt") -> list[int]:
+        """Text -> ids with the checkpoint's tokenizer; ids are checked to be integers
+        (`arg` names the argument in the error)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        if prompt is None or isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
+            raise ParamError(arg, prompt, "must be a str or a list of token ids")
+        return _token_ids(arg, prompt)
+
+    @property
+    def context_length(self) -> int:
+        """The model's context (config max_position_embeddings): prompt + new tokens fit in it."""
+        return self.model.cfg.max_position_embeddings
+
+    def _check_context(self, n: int, what: str) -> None:
+        if n > self.context_length:
+            raise ValueError(f"{what} has {n} tokens, more than the model's context of {self.context_length} "
+                             f"tokens (max_position_embeddings in config.json)")
+
+    def _cap(self, ids: list[int], max_new_tokens: int) -> tuple[int, bool]:
+        """(new tokens that fit in the context after the prompt, whether that capped the request)."""
+        self._check_context(len(ids), "the prompt")
+        room = self.context_length - len(ids)
+        return min(max_new_tokens, room), max_new_tokens > room
 
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids)
@@ -147,8 +205,9 @@ class Engine:
 
     # -- generation --------------------------------------------------------------------
     def _spec_options(self, draft: int, spec: SpecOptions | None) -> SpecOptions | None:
-        if isinstance(draft, bool) or not isinstance(draft, int) or draft < 0:
-            raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {draft!r}")
+        _int_arg("draft", draft, 0, MAX_DRAFT)
+        if spec is not None and not isinstance(spec, SpecOptions):
+            raise ParamError("spec", spec, "must be a hyspec.spec.loop.SpecOptions or None")
         if draft == 0:
             return None
         if not self.model.has_mtp:
@@ -167,13 +226,35 @@ class Engine:
         gives the other drafter options; its k is replaced by `draft`). The samples of a
         --num-samples run decode together in one batch (each equals a run of its own).
         on_tokens(sample_index, new_token_ids) is called as rounds commit tokens.
+
+        prompt + new tokens must fit in the model's context (max_position_embeddings): a
+        longer prompt is an error; max_new_tokens beyond it is capped, and a sample that
+        runs into the cap ends with stop_reason "context" (stats: max_new_tokens_capped_to,
+        context_length). stats are totals over the samples; each sample's own are in
+        samples[i].stats.
+
+        constraint: a hyspec.constraints.Constraint (see Engine.constraint) the output must
+        match; each sample runs on its own clone, so the object passed in is not advanced.
+        A sample whose constraint allows no further token ends with stop_reason "constraint".
+
         use_store: resume from the longest prefix held in the engine's prefix store (sessions
         fill it), prefilling only the rest."""
         params = params if params is not None else GREEDY
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        if not isinstance(params, SamplingParams):
+            raise ParamError("params", params, "must be a hyspec.SamplingParams (or None for greedy)")
+        _int_arg("max_new_tokens", max_new_tokens, 0)
+        _int_arg("num_samples", num_samples, 1)
+        if stop_ids is not None:
+            stop_ids = _token_ids("stop_ids", stop_ids)
+        if reference is not None:
+            reference = _token_ids("reference", reference)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ParamError("on_tokens", on_tokens, "must be a callable (sample index, token ids) or None")
+        if constraint is not None:
+            self._check_constraint(constraint)
         spec = self._spec_options(draft, spec)
         ids = self.encode(prompt)
+        max_new_tokens, capped = self._cap(ids, max_new_tokens)
         stops = self._stops(stop_ids, ignore_eos)
         if spec is not None and spec.forced_rates is not None and reference is None:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
@@ -183,33 +264,33 @@ class Engine:
             fast = None  # the store's states resume through the engine core
         if fast is not None and num_samples == 1 and (spec is None or (
                 spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
-            res = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference)
-            if on_tokens is not None and res.tokens:
-                on_tokens(0, list(res.tokens))
+            cb = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
+            res = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference, cb)
             sample = Sample(res.tokens, self.decode(res.tokens), res.stop_reason, res.stats)
-            return self._output([sample], ids, draft > 0)
+            return self._output([sample], ids, draft > 0, capped, max_new_tokens)
         reqs = []
         for i in range(num_samples):
             p = params if i == 0 else SamplingParams(**{**params.__dict__, "seed": derive_seed(params.seed, i)})
             cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             reqs.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=p, draft=draft, spec=spec,
                                 stop_ids=stops, reference=reference, on_tokens=cb, logprobs=logprobs,
-                                constraint=constraint.clone() if (constraint is not None and i) else constraint,
-                                use_store=use_store))
+                                constraint=None if constraint is None else constraint.clone(), use_store=use_store))
         self._run_requests(reqs, max_batch=num_samples)
         samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in reqs]
-        out = self._output(samples, ids, draft > 0)
+        out = self._output(samples, ids, draft > 0, capped, max_new_tokens)
         if logprobs is not None:
             out.logprobs = [r.token_logprobs for r in reqs]
         return out
 
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                       max_batch: int = 16, on_tokens=None, on_finish=None) -> list[Output]:
+                       max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None) -> list[Output]:
         """One Output per prompt, in order. max_new_tokens, params and draft may each be one
         value for all prompts or a list with one per prompt. Up to max_batch sequences decode
         together (continuous batching); each output is bitwise what generate() gives for that
-        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends."""
+        prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
+        constraint: one Constraint (or a list, one per prompt, None for none); each sequence
+        runs on its own clone."""
         n = len(prompts)
 
         def per(name, v):
@@ -220,18 +301,25 @@ class Engine:
             return [v] * n
 
         news, ps, ks = per("max_new_tokens", max_new_tokens), per("params", params), per("draft", draft)
+        cs = per("constraint", constraint)
+        for c in cs:
+            if c is not None:
+                self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
         reqs = []
-        for i, (prompt, mnt, p, k) in enumerate(zip(prompts, news, ps, ks)):
+        for i, (prompt, mnt, p, k, c) in enumerate(zip(prompts, news, ps, ks, cs)):
             try:
                 ids = self.encode(prompt)
                 opts = self._spec_options(k, spec)
+                _int_arg("max_new_tokens", mnt, 0)
+                mnt, _ = self._cap(ids, mnt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             fin = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
             reqs.append(Request(prompt_ids=ids, max_new_tokens=mnt, params=p if p is not None else GREEDY, draft=k,
-                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin))
+                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin,
+                                constraint=None if c is None else c.clone()))
         self._run_requests(reqs, max_batch=max_batch)
         return [self._request_output(r) for r in reqs]
 
@@ -254,20 +342,47 @@ class Engine:
             if exc is not None:
                 raise exc
 
-    def _output(self, samples: list[Sample], ids: list[int], speculative: bool) -> Output:
+    def _output(self, samples: list[Sample], ids: list[int], speculative: bool, capped: bool = False,
+                n_new: int | None = None) -> Output:
+        """One Output over the samples: stats are totals (counters and times add up, spec
+        telemetry is merged); a sample that ran into a context cap ends with "context"."""
         total = SpecTelemetry()
-        times = {"prefill_s": 0.0, "decode_s": 0.0}
         for smp in samples:
+            if capped and smp.stop_reason == "length":
+                smp.stop_reason = "context"
             if "spec" in smp.stats:
                 total.merge(SpecTelemetry.from_dict(smp.stats["spec"]))
-            for key in times:
-                times[key] += smp.stats.get(key, 0.0)
-        n_gen = sum(len(s.tokens) for s in samples)
-        stats = {**samples[0].stats, **times, "generated_tokens": n_gen, "num_samples": len(samples),
-                 "decode_tok_s": (n_gen / times["decode_s"]) if times["decode_s"] > 0 else None}
+        stats = dict(samples[0].stats)  # per-run constants (prompt_tokens, k, rollback, path...)
+        for key in _SUMMED_STATS:
+            if any(key in s.stats for s in samples) or key in ("prefill_s", "decode_s"):
+                stats[key] = sum(s.stats.get(key, 0) for s in samples)
+        if "rollback_extra_bytes_per_round" in stats:
+            stats["rollback_extra_bytes_per_round"] = max(s.stats["rollback_extra_bytes_per_round"] for s in samples)
+        stats["generated_tokens"] = sum(len(s.tokens) for s in samples)
+        stats["num_samples"] = len(samples)
+        steps = sum(max(len(s.tokens) - 1, 0) for s in samples)  # the first token comes from the prefill
+        stats["decode_tok_s"] = steps / stats["decode_s"] if stats["decode_s"] > 0 and steps else None
+        if capped:
+            stats["max_new_tokens_capped_to"] = n_new
+            stats["context_length"] = self.context_length
         if speculative:
             stats["spec"] = total.to_dict()
         return Output(samples, ids, stats)
+
+    def constraint(self, kind: str, value=None, *, arg: str | None = None):
+        """A Constraint for this model (kind: json_schema | json_object | regex | grammar |
+        choice); raises ValueError naming the argument when the value is invalid."""
+        from hyspec.constraints import make_constraint
+
+        return make_constraint(self, kind, value, arg=arg)
+
+    def _check_constraint(self, constraint) -> None:
+        if not hasattr(constraint, "allowed") or not hasattr(constraint, "commit"):
+            raise ValueError(f"constraint must be a hyspec.constraints.Constraint, got {type(constraint).__name__}")
+        V = getattr(constraint, "vocab_size", self.model.cfg.vocab_size)
+        if V != self.model.cfg.vocab_size:
+            raise ValueError(f"constraint was built for a vocabulary of {V} tokens; this model has "
+                             f"{self.model.cfg.vocab_size}")
 
     def memory(self, context_len: int, budget_bytes: int | None = None) -> dict:
         """Bytes one sequence slot needs at `context_len` tokens, and how many slots fit in
@@ -284,11 +399,12 @@ class Engine:
             out["slots_that_fit"] = int(budget_bytes // per["total"])
         return out
 
-    def _run_fast(self, fast, ids, max_new_tokens, spec, stops, reference) -> GenerationResult:
+    def _run_fast(self, fast, ids, max_new_tokens, spec, stops, reference, on_tokens=None) -> GenerationResult:
         if spec is None:
-            return fast.generate_plain_fast(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=stops)
+            return fast.generate_plain_fast(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=stops,
+                                            on_tokens=on_tokens)
         return fast.generate_speculative_fast(self.model, ids, max_new_tokens=max_new_tokens, opts=spec,
-                                              stop_ids=stops, reference=reference)
+                                              stop_ids=stops, reference=reference, on_tokens=on_tokens)
 
     def _fast_path(self, params: SamplingParams):
         """The CUDA-graph fast path (greedy, no penalties) when running on a GPU."""
@@ -307,15 +423,15 @@ class Engine:
     def score(self, text: str | list[int], *, top_logprobs: int = 0, chunk: int = 512) -> dict:
         """Per-position log-probabilities of each actual next token (teacher forcing).
         logprobs[i-1] = log p(token i | tokens < i) for i >= 1."""
-        ids = self.encode(text)
+        ids = self.encode(text, arg="text")
         if len(ids) < 2:
             raise ValueError("scoring needs at least 2 tokens")
+        self._check_context(len(ids), "the text to score")
+        _int_arg("top_logprobs", top_logprobs, 0)
         V = self.model.cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"token id(s) {bad[:5]} out of range for vocabulary size {V}")
-        if top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
         model = self.model
         cache = model.new_cache(len(ids))
         lps: list[float] = []

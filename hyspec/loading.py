@@ -4,7 +4,9 @@ Accepted layouts: a single ``model.safetensors``, shards listed in
 ``model.safetensors.index.json``, or any ``*.safetensors`` files in the directory; keys
 with the multimodal prefix ``model.language_model.``; tied or untied LM head; routed
 experts stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) or stacked
-(``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]).
+(``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); FP8
+block-quantized checkpoints (``quantization_config`` with ``quant_method: fp8``, see
+hyspec/quant.py), dequantized at load.
 """
 
 from __future__ import annotations
@@ -66,10 +68,34 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All language-model tensors of a checkpoint directory, keys normalised (on CPU)."""
+def _quant_config(path: Path):
+    from hyspec.quant import parse_quantization_config
+
+    p = path / "config.json"
+    if not p.is_file():
+        return None
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    return parse_quantization_config(raw) if isinstance(raw, dict) else None
+
+
+def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtype = torch.float32
+                 ) -> dict[str, torch.Tensor]:
+    """All language-model tensors of a checkpoint directory, keys normalised (on CPU).
+
+    FP8 block-quantized checkpoints (hyspec/quant.py): with ``dequantize`` (the default)
+    every float8 weight comes back in `dtype` (computed in fp32, one tensor at a time), its
+    ``*_scale_inv`` consumed, and per-expert
+    keys are stacked as usual. ``dequantize=False`` is the hook for a GPU FP8 path: the
+    float8 weights and their scales come back as stored (keys normalised, per-expert
+    keys NOT stacked), after the same validation of the quantization config."""
     from safetensors import safe_open
 
+    from hyspec.quant import dequantize_tensors
+
+    qcfg = _quant_config(Path(path))
     out: dict[str, torch.Tensor] = {}
     for f in _shard_files(Path(path)):
         size = f.stat().st_size
@@ -81,7 +107,9 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
                         out[k] = sf.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for bad files
             raise CheckpointError(f"{f.name}: cannot read safetensors file ({size} bytes): {e}") from None
-    return _stack_experts(out)
+    if not dequantize:
+        return out
+    return _stack_experts(dequantize_tensors(out, qcfg, dtype))
 
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -115,12 +143,21 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
     naming the field, key or shape at fault."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
+                              f"(config.json + *.safetensors)")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     dtype = parse_dtype(dtype)
     cfg = ModelConfig.from_dir(path)
-    tensors = read_tensors(path)
+    # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU: the device
+    # only ever holds the model's one copy of the weights
+    tensors = read_tensors(path, dtype=dtype)
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
+    if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
+        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
+                      f"have no mtp.* tensors: speculative decoding (--draft K) is unavailable, plain decoding "
+                      f"works", stacklevel=2)
 
     with torch.device("meta"):
         model = HybridLM(cfg, with_mtp=has_mtp)

@@ -28,6 +28,7 @@ from hyspec.rng import Stream, gumbel_noise, gumbel_noise_batch, u01
 
 __all__ = [
     "SamplingParams",
+    "ParamError",
     "apply_penalties",
     "filter_probs",
     "row_probs",
@@ -46,6 +47,18 @@ __all__ = [
 
 Mode = Literal["rejection", "coupled"]
 _MODES = ("rejection", "coupled")
+SEED_MAX = (1 << 64) - 1
+
+
+class ParamError(ValueError):
+    """A bad argument or option value. `field` is the argument's name in the Python API
+    (``temperature``, ``max_new_tokens``...); the command line maps it onto the flag the
+    user typed (``--temperature``). str() keeps the Python-facing form."""
+
+    def __init__(self, field: str, value: object, why: str, owner: str | None = None) -> None:
+        self.field, self.value, self.why, self.owner = field, value, why, owner
+        name = f"{owner}.{field}" if owner else field
+        super().__init__(f"{name}={value!r}: {why}")
 
 
 # --------------------------------------------------------------------------------------
@@ -78,7 +91,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={value!r}: {why}")
+            return ParamError(name, value, why, owner="SamplingParams")
 
         for name in (
             "temperature",
@@ -95,6 +108,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, v, "must be an int")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise bad("seed", self.seed, "must be in 0..2**64-1 (18446744073709551615)")
         if self.temperature < 0:
             raise bad("temperature", self.temperature, "must be >= 0 (0 = greedy)")
         if self.top_k < 0:

@@ -83,12 +83,66 @@ def tiny_tokenizer(vocab_size: int):
     return train_tokenizer([_SAMPLE_TEXT] * 4, vocab_size=vocab_size, min_frequency=1)
 
 
+def _is_unquantized(key: str) -> bool:
+    from hyspec.quant import UNQUANTIZED_LINEARS
+
+    mod = key[: -len(".weight")] if key.endswith(".weight") else key
+    return any(mod == s or mod.endswith("." + s) for s in UNQUANTIZED_LINEARS)
+
+
+def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) -> per-expert keys
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, the layout ``save_pretrained`` writes."""
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p, inter = k[: -len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = v[e, :inter].contiguous()
+                out[f"{p}{e}.up_proj.weight"] = v[e, inter:].contiguous()
+        elif k.endswith("mlp.experts.down_proj"):
+            p = k[: -len("down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = v[e].contiguous()
+        else:
+            out[k] = v
+    return out
+
+
+def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Block-FP8 the way Qwen's -FP8 checkpoints are: every linear weight (and stacked expert
+    tensor) becomes float8_e4m3fn + ``<key>_scale_inv``, except the ones Qwen leaves in bf16
+    (hyspec.quant.UNQUANTIZED_LINEARS); norms, conv1d, A_log, dt_bias stay as they are.
+    Returns (tensors, modules_to_not_convert)."""
+    from hyspec.quant import quantize, scale_key_of
+
+    out, skip = {}, []
+    for k, v in tensors.items():
+        stacked = k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+        linear = (k.endswith(".weight") or stacked) and not k.endswith("conv1d.weight")
+        if v.dim() >= 2 and v.is_floating_point() and linear:
+            if _is_unquantized(k):
+                skip.append(k[: -len(".weight")])
+                out[k] = v
+                continue
+            q, sc = quantize(v, block)
+            out[k], out[scale_key_of(k)] = q, sc
+        else:
+            out[k] = v
+    return out, sorted(skip)
+
+
 def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
-              layers: int = 4, std: float = 0.02, with_mtp: bool = True, draft_vocab: int = 0) -> Path:
+              layers: int = 4, std: float = 0.02, with_mtp: bool = True, draft_vocab: int = 0,
+              fp8: bool = False, fp8_block: tuple[int, int] = (128, 128), experts: str = "stacked") -> Path:
     """Write a random checkpoint of `arch` to `out`: config.json, generation_config.json,
     model.safetensors (incl. mtp.* unless with_mtp=False; `mtp.d2t` with draft_vocab > 0)
     and tokenizer.json (only for
-    vocab_size >= 300; smaller models are driven with token ids)."""
+    vocab_size >= 300; smaller models are driven with token ids).
+
+    experts: MoE experts ``stacked`` (gate_up_proj / down_proj) or ``per_expert``.
+    fp8: block-quantize it like Qwen's -FP8 checkpoints (float8_e4m3fn weights,
+    ``*_scale_inv`` per fp8_block block, ``quantization_config`` in config.json)."""
     from safetensors.torch import save_file
 
     from hyspec.model.hybrid import HybridLM
@@ -109,6 +163,16 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         # a reduced draft vocabulary: the drafter scores these ids only (EAGLE-style offsets)
         ids = torch.randperm(vocab_size, generator=g)[:draft_vocab].sort().values
         tensors["mtp.d2t"] = ids - torch.arange(draft_vocab)
+    if experts not in ("stacked", "per_expert"):
+        raise ValueError(f"experts must be 'stacked' or 'per_expert', got {experts!r}")
+    if experts == "per_expert":
+        tensors = _per_expert(tensors)
+    if fp8:
+        from hyspec.quant import Fp8BlockConfig
+
+        tensors, skip = quantize_fp8(tensors, tuple(fp8_block))
+        qcfg = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip))
+        cfg_dict["quantization_config"] = qcfg.to_dict()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))

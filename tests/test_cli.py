@@ -98,7 +98,9 @@ def test_generate_json_fields(ckpt, capsys) -> None:
     assert len(d["tokens"]) == 8 and all(0 <= t < VOCAB for t in d["tokens"])
     assert d["text"] == tok.decode(d["tokens"])
     assert d["prompt_tokens"] == tok.encode(PROMPT)
-    assert d["samples"] == [{"tokens": d["tokens"], "text": d["text"], "stop_reason": d["stop_reason"]}]
+    assert len(d["samples"]) == 1 and d["samples"][0]["stats"]["generated_tokens"] == 8
+    assert {k: v for k, v in d["samples"][0].items() if k != "stats"} == \
+        {"tokens": d["tokens"], "text": d["text"], "stop_reason": d["stop_reason"]}
     assert d["stop_reason"] == "length"
     assert d["stats"]["generated_tokens"] == 8 and d["stats"]["num_samples"] == 1
     assert "spec" not in d["stats"]
@@ -112,7 +114,7 @@ def test_generate_prompt_ids_and_text_output(ckpt, capsys) -> None:
     d = run_json(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "5,6,7", "--max-new-tokens", "4",
                  "--ignore-eos")
     assert d["prompt_tokens"] == [5, 6, 7]
-    assert cap.out.strip() == d["text"].strip()
+    assert cap.out.strip() == (Tokenizer(ckpt).decode([5, 6, 7]) + d["text"]).strip()  # prompt echoed first
     assert "4 tokens" in cap.err
 
 
@@ -161,7 +163,7 @@ def test_generate_num_samples(ckpt, capsys) -> None:
     assert two["tokens"] == samples[2]["tokens"]
     # same command, same output
     again = gen(capsys, ckpt, "--max-new-tokens", "10", "--num-samples", "3", "--temperature", "1", "--seed", "5")
-    assert again["samples"] == samples
+    assert [(s["tokens"], s["text"]) for s in again["samples"]] == [(s["tokens"], s["text"]) for s in samples]
 
 
 def test_generate_coupled_draft_equals_plain(ckpt, capsys) -> None:
@@ -246,10 +248,10 @@ def test_prompt_id_out_of_vocabulary(ckpt, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--num-samples", "0"], "num_samples"),
+    (["--num-samples", "0"], "--num-samples"),
     (["--forced-rates", "0.9"], "--draft"),
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "0"], "top_p"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
 ], ids=["num_samples", "forced_without_draft", "temperature", "top_p"])
 def test_bad_generate_options(ckpt, capsys, argv, needle) -> None:
     err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1,2", *argv)
@@ -299,5 +301,6 @@ def test_bench_cpu_smoke(tmp_path, capsys) -> None:
     for kind in ("forced", "mtp"):
         for K in ("1", "2"):
             assert ex["spec"][kind][K]["tokens_equal_plain"], (kind, K)
-    assert r["exactness"]["all_equal"] and r["targets"]["exactness"]["met"]
+    assert r["exactness"]["all_equal"]
+    assert r["targets"] == {}  # the GPU targets are not judged on the CPU
     assert "hyspec bench" in capsys.readouterr().out

@@ -166,6 +166,8 @@ def _draft_one(seq: Sequence, rd: _Round, logits: torch.Tensor, j: int) -> bool:
     if mask is not None and not bool(mask.any()):
         return False
     logits = masked(logits, mask)
+    if mask is not None and not bool(torch.isfinite(logits).any()):
+        return False  # a reduced draft vocabulary (mtp.d2t) scores none of the allowed tokens
     hist = seq.history + rd.drafts
     q = None
     if p.greedy:

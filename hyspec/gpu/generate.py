@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -72,7 +73,8 @@ def forced_table(reference: list[int], rates, seed: int, capacity: int, k_max: i
 
 @torch.no_grad()
 def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_ids=(), exact: bool = True,
-                        decoder: FastDecoder | None = None, check_every: int = 32) -> GenerationResult:
+                        decoder: FastDecoder | None = None, check_every: int = 32,
+                        on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Greedy decoding on the fast path: prefill, then one captured decode step per token
     with the next token fed back on the device; the host looks every `check_every`
     steps (only when there are stop ids)."""
@@ -90,13 +92,15 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
     out: list[int] = []
     reason = "length"
     out.append(first)
+    if on_tokens is not None:
+        on_tokens([first])
     steps = max_new_tokens - 1
     if first in stops:
         reason, steps = "eos", 0
     dec.start_plain(first)
     dec.decode_step_capture_only()
     t1 = time.perf_counter()  # graph capture is set-up, not decoding
-    chunk = check_every if stops else max(steps, 1)
+    chunk = check_every if stops or on_tokens is not None else max(steps, 1)
     done = 0
     while done < steps:
         n = min(chunk, steps - done)
@@ -104,11 +108,14 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
             dec.decode_step()
         new = dec.out_buf[1 + done : 1 + done + n].tolist()  # the one sync
         done += n
+        n0 = len(out)
         for tok in new:
             out.append(tok)
             if tok in stops:
                 reason = "eos"
                 break
+        if on_tokens is not None:
+            on_tokens(out[n0:])
         if reason == "eos":
             break
     t2 = time.perf_counter()
@@ -124,13 +131,15 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
 def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions, stop_ids=(),
                               reference: list[int] | None = None, exact: bool = True,
                               decoder: FastDecoder | None = None, telemetry: SpecTelemetry | None = None,
-                              profile: bool = False, trace: list | None = None) -> GenerationResult:
+                              profile: bool = False, trace: list | None = None,
+                              on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Greedy speculative decoding on the fast path (MTP drafter, or the forced-acceptance
     drafter when opts.forced_rates is set). Output equals generate_plain_fast's bitwise
     in exact mode. opts.rollback is ignored (the runner's own commit: the Triton runner
     replays the accepted rows, the torch runner keeps per-row states); p_min > 0 and
     prime_pending=False are not supported here (use the reference loop). trace (a list)
-    receives (k, accepted, drafts) per round; profile adds per-phase GPU times."""
+    receives (k, accepted, drafts) per round; profile adds per-phase times (CUDA events on a
+    GPU, the wall clock on the CPU)."""
     check_prompt(prompt, model.cfg.vocab_size)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -162,6 +171,8 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
     out: list[int] = []
     reason = "length"
     out.append(pending)
+    if on_tokens is not None:
+        on_tokens([pending])
     if pending in stops:
         reason = "eos"
     dec.start_spec(prompt, pre, post, pending, opts.hidden)
@@ -181,20 +192,27 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
     mtp_forwards = 0
     k_next = K
 
+    def mark(ev: list) -> None:  # a phase boundary: a CUDA event, or the wall clock (CPU calls are synchronous)
+        if cuda:
+            ev.append(torch.cuda.Event(enable_timing=True))
+            ev[-1].record()
+        else:
+            ev.append(time.perf_counter())
+
     def launch(k: int, slot: int) -> None:
         t = k + 1
-        if profile and cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            ev[0].record()
+        ev: list = []
+        if profile:
+            mark(ev)
         dec.draft(k, forced)
-        if profile and cuda:
-            ev[1].record()
+        if profile:
+            mark(ev)
         dec.verify(t)
-        if profile and cuda:
-            ev[2].record()
+        if profile:
+            mark(ev)
         dec.commit(t)
-        if profile and cuda:
-            ev[3].record()
+        if profile:
+            mark(ev)
             phase_ev.append(ev)
         if cuda:
             res_host[slot].copy_(dec.res, non_blocking=True)
@@ -231,8 +249,11 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
             trace.append((k, n, list(drafts)))
         if k > 0:
             mtp_forwards += k
+        n0 = len(out)
         if emit(out, drafts[:n] + [bonus], stops, max_new_tokens):
             reason = "eos"
+        if on_tokens is not None:
+            on_tokens(out[n0:])
         if opts.adaptive:
             k_next = max(opts.adaptive_floor, min(n + 1, K))
         inflight = nxt
@@ -250,7 +271,7 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
         tot = [0.0, 0.0, 0.0]
         for ev in phase_ev:
             for i in range(3):
-                tot[i] += ev[i].elapsed_time(ev[i + 1])
+                tot[i] += ev[i].elapsed_time(ev[i + 1]) if cuda else (ev[i + 1] - ev[i]) * 1e3
         nr = len(phase_ev)
         stats["phases_ms"] = {"draft": tot[0], "verify": tot[1], "commit": tot[2],
                               "per_round": {"draft": tot[0] / nr, "verify": tot[1] / nr, "commit": tot[2] / nr},

@@ -68,8 +68,9 @@ def exact_block_rows(weight: torch.Tensor) -> int:
 
 
 def _fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """Row-invariant GPU matmul (Triton fixed split-K) when available, else None."""
-    if not x.is_cuda or x.shape[0] > 16:
+    """Row-invariant GPU matmul (Triton fixed split-K) when available, else None. Rows go
+    through the kernel 16 at a time, so every row of any batch takes the same kernel."""
+    if not x.is_cuda:
         return None
     try:
         from hyspec.kernels import gemm
@@ -77,7 +78,9 @@ def _fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if not hasattr(gemm, "skinny_matmul") or not gemm.triton_available():
         return None
-    return gemm.skinny_matmul(x, weight)
+    if x.shape[0] <= 16:
+        return gemm.skinny_matmul(x, weight)
+    return torch.cat([gemm.skinny_matmul(x[i: i + 16], weight) for i in range(0, x.shape[0], 16)])
 
 
 # Elementwise activations written with exp / log1p / division only. torch's CPU kernels

@@ -16,7 +16,7 @@ import torch
 from hyspec.core.request import GREEDY, Request
 from hyspec.decode import GenerationResult, run_request
 from hyspec.model.hybrid import HybridLM
-from hyspec.sampling import SamplingParams
+from hyspec.sampling import ParamError, SamplingParams
 from hyspec.spec.rollback import make_rollback
 from hyspec.spec.telemetry import SpecTelemetry
 
@@ -45,15 +45,15 @@ class SpecOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_DRAFT:
-            raise ValueError(f"draft length k must be an integer in 1..{MAX_DRAFT}, got {self.k!r} "
-                             f"(use --draft 0 for plain decoding)")
+            raise ParamError("k", self.k, f"the draft length must be an integer in 1..{MAX_DRAFT} "
+                             f"(use --draft 0 for plain decoding)", owner="SpecOptions")
         make_rollback(self.rollback)
-        if not 0.0 <= self.p_min < 1.0:
-            raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
-        if not 1 <= self.adaptive_floor <= self.k:
-            raise ValueError(f"adaptive_floor must be in 1..k={self.k}, got {self.adaptive_floor}")
+        if not isinstance(self.p_min, (int, float)) or isinstance(self.p_min, bool) or not 0.0 <= self.p_min < 1.0:
+            raise ParamError("p_min", self.p_min, "must be in [0, 1)", owner="SpecOptions")
+        if not isinstance(self.adaptive_floor, int) or not 1 <= self.adaptive_floor <= self.k:
+            raise ParamError("adaptive_floor", self.adaptive_floor, f"must be in 1..k={self.k}", owner="SpecOptions")
         if self.hidden not in ("post", "pre"):
-            raise ValueError(f"hidden must be 'post' or 'pre', got {self.hidden!r}")
+            raise ParamError("hidden", self.hidden, "must be 'post' or 'pre'", owner="SpecOptions")
         if self.forced_rates is not None and (not self.forced_rates
                                               or any(not 0.0 <= r <= 1.0 for r in self.forced_rates)):
             raise ValueError(f"forced acceptance rates must be in [0, 1], got {list(self.forced_rates)}")
@@ -62,9 +62,15 @@ class SpecOptions:
 @torch.no_grad()
 def generate_speculative(model: HybridLM, prompt: list[int], *, max_new_tokens: int, opts: SpecOptions,
                          params: SamplingParams | None = None, stop_ids=(), reference: list[int] | None = None,
-                         telemetry: SpecTelemetry | None = None, on_tokens=None) -> GenerationResult:
-    """One speculative request (K = opts.k) through the engine core's round driver."""
+                         telemetry: SpecTelemetry | None = None, on_tokens=None,
+                         constraint=None) -> GenerationResult:
+    """One speculative request (K = opts.k) through the engine core's round driver;
+    on_tokens(ids) is called with the tokens each round commits (the streaming hook).
+    `constraint` (hyspec.constraints.Constraint, advanced in place): drafts are drawn from
+    the drafter's rows masked by its state after the earlier drafts, verify row j is masked
+    by its state after drafts[:j], and after each round it has consumed the emitted tokens."""
     req = Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
                   params=params if params is not None else GREEDY, draft=opts.k, spec=opts, stop_ids=stop_ids,
-                  reference=reference, telemetry=telemetry, on_tokens=on_tokens)
+                  reference=reference, telemetry=telemetry,
+                  on_tokens=None if on_tokens is None else (lambda r, toks: on_tokens(toks)), constraint=constraint)
     return run_request(model, req)

@@ -542,6 +542,74 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+# bytes of saved activations per training token and layer, in units of 4 * hidden (fp32),
+# and per token in units of 4 * vocab (the two heads' logits, softmax and their grads);
+# measured on the CPU with the default model (0.74 MB per token at batch 1..4 x 512..2048)
+_ACT_PER_LAYER_HIDDEN = 64
+_ACT_PER_VOCAB = 6
+_FIXED_BYTES = 1 << 30  # interpreter, torch, the token streams
+
+
+def _train_memory_terms(a: TrainArgs, vocab_size: int) -> tuple[int, int]:
+    """(bytes independent of the batch, bytes per training token)."""
+    cfg = ModelConfig.from_dict(model_config(vocab_size, **a.arch))
+    per_token = 4 * ((cfg.num_hidden_layers + 1) * _ACT_PER_LAYER_HIDDEN * cfg.hidden_size
+                     + _ACT_PER_VOCAB * vocab_size)
+    return 16 * count_params(cfg) + _FIXED_BYTES, per_token
+
+
+def estimate_train_bytes(a: TrainArgs, vocab_size: int, device: str | torch.device = "cpu") -> int:
+    """Peak memory of a training run: fp32 weights + grads + two AdamW moments (16 B per
+    parameter), the activations autograd keeps for batch_size x seq_len tokens (target
+    layers + the MTP layer, and the two heads' logits), and a fixed overhead. Calibrated
+    on the CPU (fp32); a CUDA run (bf16 autocast, fla kernels) needs less."""
+    fixed, per_token = _train_memory_terms(a, vocab_size)
+    return fixed + a.batch_size * a.seq_len * per_token
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (else free physical pages), lowered to a cgroup v2
+    memory.max when one is set."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            import os
+
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_train_memory(a: TrainArgs, vocab_size: int, device) -> None:
+    """Refuse a CPU run whose estimated peak memory exceeds what is available (the OOM
+    killer would end it minutes later), naming the estimate and the flags to lower."""
+    if torch.device(device).type != "cpu":
+        return
+    need, avail = estimate_train_bytes(a, vocab_size), available_memory_bytes()
+    if avail is None or need <= 0.9 * avail:
+        return
+    fixed, per_token = _train_memory_terms(a, vocab_size)
+    fits = min(a.batch_size - 1, int((0.9 * avail - fixed) // (a.seq_len * per_token)))
+    hint = f"--batch-size {fits} fits" if fits >= 1 else "even --batch-size 1 does not fit at this --seq-len"
+    raise ValueError(f"training on the CPU needs about {need / 1e9:.1f} GB (--batch-size {a.batch_size} x "
+                     f"--seq-len {a.seq_len} tokens per step), but {avail / 1e9:.1f} GB is available: lower "
+                     f"--batch-size ({hint}) or --seq-len, or train on a GPU (--device cuda)")
+
+
 def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=print) -> dict:
     """Train, evaluate and write the checkpoint to a.out. Returns the log dict."""
     t_start = time.time()
@@ -557,14 +625,19 @@ def train(a: TrainArgs, streams: dict[str, torch.Tensor] | None = None, log=prin
         use_fla = cuda and fla_kernel() is not None
     amp = cuda
 
+    from tokenizers import Tokenizer
+
+    if not Path(a.tokenizer).is_file():
+        raise FileNotFoundError(f"--tokenizer {a.tokenizer} does not exist")
+    vocab = Tokenizer.from_file(str(a.tokenizer)).get_vocab_size(with_added_tokens=True)
+    check_train_memory(a, vocab, device)  # before anything large is allocated
     if streams is None:
+        if not Path(a.corpus).is_file():
+            raise FileNotFoundError(f"--corpus {a.corpus} does not exist")
         streams = load_streams(a.corpus, a.tokenizer)
     log(f"data: train {streams['train'].numel():,} tokens, val {streams['val'].numel():,}, "
         f"heldout {streams['heldout'].numel():,} ({time.time() - t_start:.1f}s)")
 
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(a.tokenizer)).get_vocab_size(with_added_tokens=True)
     cfg_dict = model_config(vocab, **a.arch)
     cfg = ModelConfig.from_dict(cfg_dict)
     model = HybridLM(cfg, with_mtp=True)
@@ -830,32 +903,37 @@ def selfcheck(device: str = "cuda") -> dict:
 
 # ---------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    from hyspec.cli import HelpFormatter
+
     d = TrainArgs()
-    ap = argparse.ArgumentParser(description="Train the default hyspec hybrid model (+MTP head).")
-    ap.add_argument("--corpus", default=d.corpus)
-    ap.add_argument("--tokenizer", default=d.tokenizer)
-    ap.add_argument("--out", default=d.out)
+    ap = argparse.ArgumentParser(prog="hyspec train", description="Train the default hyspec hybrid model (+MTP head). "
+                                 "On the CPU the run is refused up front when its estimated memory does not fit.",
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--corpus", default=d.corpus, help="corpus (.jsonl.xz of documents)")
+    ap.add_argument("--tokenizer", default=d.tokenizer, help="tokenizer.json")
+    ap.add_argument("--out", default=d.out, help="output checkpoint directory")
     ap.add_argument("--minutes", type=float, default=d.minutes, help="training time budget")
     ap.add_argument("--wall-minutes", type=float, default=d.wall_minutes,
                     help="stop training early enough that the whole process ends within this (0: off)")
     ap.add_argument("--steps", type=int, default=d.steps, help="fixed step count (0: from the time budget)")
-    ap.add_argument("--device", default=d.device)
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--batch-size", type=int, default=d.batch_size)
-    ap.add_argument("--seq-len", type=int, default=d.seq_len)
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    ap.add_argument("--warmup", type=int, default=d.warmup)
-    ap.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    ap.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    ap.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
-    ap.add_argument("--dropout", type=float, default=d.dropout)
-    ap.add_argument("--log-every", type=int, default=d.log_every)
-    ap.add_argument("--n-evals", type=int, default=d.n_evals)
-    ap.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens)
-    ap.add_argument("--fla", choices=("auto", "on", "off"), default=d.fla)
+    ap.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N ('': cuda when available)")
+    ap.add_argument("--seed", type=int, default=d.seed, help="init and data order seed")
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
+    ap.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
+    ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    ap.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr (cosine)")
+    ap.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps")
+    ap.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    ap.add_argument("--grad-clip", type=float, default=d.grad_clip, help="gradient norm clip")
+    ap.add_argument("--mtp-weight", type=float, default=d.mtp_weight, help="weight of the MTP loss")
+    ap.add_argument("--dropout", type=float, default=d.dropout, help="residual dropout")
+    ap.add_argument("--log-every", type=int, default=d.log_every, help="log every N steps")
+    ap.add_argument("--n-evals", type=int, default=d.n_evals, help="validation evaluations in the run")
+    ap.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens,
+                    help="tokens per validation evaluation (0: the whole split)")
+    ap.add_argument("--fla", choices=("auto", "on", "off"), default=d.fla, help="fla GDN kernels (CUDA)")
     ap.add_argument("--no-check-fla", dest="check_fla", action="store_false",
-                    help="skip the fla-vs-torch comparison on the first batch")
+                    help="skip the fla-vs-torch comparison on the first batch (default: compare)")
     for k, v in DEFAULT_ARCH.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"model: {k}")
     ap.add_argument("--selfcheck", action="store_true", help="compare the fla and torch GDN paths and exit")

@@ -1,0 +1,235 @@
+"""Load test of `hyspec serve` on the loopback interface (not a unit test).
+
+Starts `hyspec serve` as a subprocess on 127.0.0.1 (a free port), runs C concurrent
+streaming clients x R requests each (openai.AsyncOpenAI), then checks every streamed text
+against the offline Engine.generate output for the same prompt and parameters, and times
+an offline batch generation of the same requests (the Scheduler when this hyspec has one,
+else Engine.generate one request after another). Bounded: C x R requests, and
+--max-seconds for the load phase (requests not finished by then count as failed).
+
+    python bench/serve_load.py                       # 64 clients x 10 requests, default model, CPU
+    python bench/serve_load.py --clients 8 --requests 2 --out /tmp/x.json   # a quick look
+
+Writes bench/results/serve_load_cpu.json (git commit and dirty flag included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hyspec.provenance import git_state  # noqa: E402
+
+PROMPTS = [
+    "def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
+    "def read_config(filename):\n    \"\"\"Read a config file.\"\"\"", "import json\n\n\ndef load(path):",
+    "def is_prime(n):", "class Node:\n    def __init__(self, value):", "def merge_sort(items):",
+    "import re\n\n\ndef tokenize(text):", "def parse_args(argv=None):", "class Timer:\n    def __enter__(self):",
+    "def flatten(nested):", "import socket\n\n\ndef connect(host, port):", "def main():\n    parser = ",
+    "def __repr__(self):\n    return", "try:\n    import numpy as np\nexcept ImportError:",
+]
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
+
+
+def request_spec(c: int, r: int, args) -> dict:
+    """Request r of client c: a prompt from the list, greedy or seeded sampling alternately."""
+    i = c * args.requests + r
+    greedy = i % 2 == 0
+    return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": args.max_tokens,
+            "temperature": 0.0 if greedy else 0.8, "seed": 0 if greedy else 1000 + (i // 2) % 8}
+
+
+async def client_task(cl: openai.AsyncOpenAI, c: int, args, model: str, out: list, deadline: float) -> None:
+    for r in range(args.requests):
+        spec = request_spec(c, r, args)
+        rec = {"client": c, "req": r, **spec, "ok": False}
+        t0 = time.perf_counter()
+        try:
+            if time.perf_counter() > deadline:
+                raise TimeoutError("load phase time limit")
+            stream = await cl.completions.create(model=model, prompt=spec["prompt"], max_tokens=spec["max_tokens"],
+                                                 temperature=spec["temperature"], seed=spec["seed"], stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"draft": args.draft})
+            text, times, usage, finish = "", [], None, None
+            async for ch in stream:
+                now = time.perf_counter()
+                if ch.usage is not None:
+                    usage = ch.usage
+                for choice in ch.choices:
+                    if choice.text:
+                        text += choice.text
+                        times.append(now)
+                    finish = choice.finish_reason or finish
+            rec.update(ok=True, text=text, finish=finish, t_start=t0, t_end=time.perf_counter(),
+                       ttft=(times[0] - t0) if times else None, chunk_times=times,
+                       completion_tokens=usage.completion_tokens if usage else None)
+        except Exception as e:  # noqa: BLE001 - counted as a failed request
+            rec.update(error=f"{type(e).__name__}: {e}")
+        out.append(rec)
+
+
+async def load_phase(url: str, args, model: str) -> tuple[list, float]:
+    out: list = []
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    async with httpx.AsyncClient(limits=limits, timeout=args.max_seconds) as hc:
+        cl = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, http_client=hc)
+        t0 = time.perf_counter()
+        deadline = t0 + args.max_seconds
+        tasks = [asyncio.create_task(client_task(cl, c, args, model, out, deadline)) for c in range(args.clients)]
+        done, pending = await asyncio.wait(tasks, timeout=args.max_seconds + 30)
+        for t in pending:
+            t.cancel()
+        return out, time.perf_counter() - t0
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def offline(args, specs: list[dict]):
+    """Reference outputs (Engine.generate, once per distinct request) and the offline batch
+    generation time of all requests."""
+    import torch
+
+    from hyspec.engine import Engine
+    from hyspec.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    eng = Engine.load(args.model)
+    refs = {}
+    for s in specs:
+        key = (s["prompt"], s["temperature"], s["seed"])
+        if key not in refs:
+            out = eng.generate(s["prompt"], max_new_tokens=s["max_tokens"],
+                               params=SamplingParams(temperature=s["temperature"], seed=s["seed"]), draft=args.draft)
+            toks = out.tokens
+            refs[key] = (toks, eng.tokenizer.decode(toks[:-1] if toks and toks[-1] in eng.eos_ids else toks,
+                                                    skip_special_tokens=True))
+    from hyspec.server.worker import scheduler_module
+
+    mod = scheduler_module()
+    if mod is not None:
+        Request, Scheduler = mod.Request, mod.Scheduler
+        mode = f"Scheduler(max_batch={args.max_batch})"
+    else:
+        Scheduler = None
+        mode = "Engine.generate, one request after another"
+    t0 = time.perf_counter()
+    n_tok = 0
+    if Scheduler is not None:
+        sched = Scheduler(eng.model, max_batch=args.max_batch)
+        reqs = [sched.submit(Request(prompt_ids=eng.encode(s["prompt"]), max_new_tokens=s["max_tokens"],
+                                     params=SamplingParams(temperature=s["temperature"], seed=s["seed"]),
+                                     draft=args.draft, stop_ids=set(eng.eos_ids))) for s in specs]
+        sched.run()
+        n_tok = sum(len(r.tokens) for r in reqs)
+        mismatched = sum(r.tokens != refs[(s["prompt"], s["temperature"], s["seed"])][0] for r, s in zip(reqs, specs))
+    else:
+        for s in specs:
+            n_tok += len(eng.generate(s["prompt"], max_new_tokens=s["max_tokens"], draft=args.draft,
+                                      params=SamplingParams(temperature=s["temperature"], seed=s["seed"])).tokens)
+        mismatched = 0
+    dt = time.perf_counter() - t0
+    return refs, {"mode": mode, "seconds": dt, "tokens": n_tok, "tok_s": n_tok / dt,
+                  "outputs_differing_from_engine": mismatched}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=10, help="requests per client, one after another")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--draft", type=int, default=3)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-seconds", type=float, default=1200.0, help="time limit of the load phase")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load_cpu.json"))
+    args = ap.parse_args()
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "hyspec.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--draft", str(args.draft), "--max-batch", str(args.max_batch),
+           "--max-queue", str(args.clients * 2), "--served-model-name", "bench", "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t_end = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > t_end:
+                raise SystemExit("the server did not start")
+            time.sleep(0.2)
+        server_engine = httpx.get(url + "/health").json().get("engine")
+        recs, wall = asyncio.run(load_phase(url, args, "bench"))
+        metrics_text = httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    specs = [request_spec(c, r, args) for c in range(args.clients) for r in range(args.requests)]
+    refs, off = offline(args, specs)
+    ok = [r for r in recs if r["ok"]]
+    failed = len(specs) - len(ok)
+    mismatched = [r for r in ok if r["text"] != refs[(r["prompt"], r["temperature"], r["seed"])][1]]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    gaps = [b - a for r in ok for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+    itl_req = [(r["chunk_times"][-1] - r["chunk_times"][0]) / (r["completion_tokens"] - 1)
+               for r in ok if r["completion_tokens"] and r["completion_tokens"] > 1 and len(r["chunk_times"]) > 1]
+    gen_tokens = sum(r["completion_tokens"] or 0 for r in ok)
+    spec_len = next((float(line.split()[-1]) for line in metrics_text.splitlines()
+                     if line.startswith("hyspec_spec_mean_acceptance_length ")), None)
+    res = {
+        "git": git_state(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "device": "cpu"},
+        "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_cmd": " ".join(cmd[1:]),
+                   "server_engine": server_engine},
+        "requests": len(specs), "failed": failed, "outputs_differing_from_engine": len(mismatched),
+        "errors": sorted({r.get("error", "") for r in recs if not r["ok"]})[:5],
+        "load_wall_s": wall, "generated_tokens": gen_tokens, "server_tok_s": gen_tokens / wall if wall else None,
+        "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "mean": statistics.fmean(ttft) if ttft else None},
+        "inter_chunk_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "n": len(gaps)},
+        "itl_per_request_mean_s": {"p50": pct(itl_req, 50), "p99": pct(itl_req, 99)},
+        "spec_mean_acceptance_length": spec_len,
+        "offline_batch": off,
+        "server_vs_offline_tok_s": (gen_tokens / wall) / off["tok_s"] if wall and off["tok_s"] else None,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k not in ("config",)}, indent=1))
+    return 0 if failed == 0 and not mismatched else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Constrained decoding: output that matches a JSON schema, any JSON object, a regex, a
+Lark grammar or one of a few choices, through llguidance (``pip install hyspec[constraints]``).
+
+A :class:`Constraint` wraps one ``llguidance.LLMatcher`` whose state is the tokens
+committed so far. The decoding loops ask it, for each row they sample from, which tokens
+are allowed, and mask the others to ``-inf`` before any sampling transform::
+
+    c = Constraint.json_schema(engine, {"type": "object", "properties": {"a": {"type": "integer"}}})
+    c.allowed([])          # bool [V_model]: allowed next tokens after the committed ones
+    c.allowed([d1, d2])    # ... after the committed ones + the drafts d1, d2 (not consumed)
+    c.commit([d1, bonus])  # the round's emitted tokens
+    c.clone()              # an independent copy (fork / session checkpoint)
+    c.finished             # the grammar is complete: only EOS can follow
+
+The model's EOS ids (``config.json`` / ``generation_config.json``) are the matcher's EOS
+tokens: the grammar's end allows exactly them. Ids the tokenizer does not have (the model's
+vocabulary is often padded past the tokenizer's) are never allowed. See docs/constraints.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+# JSON: compact output unless the schema's "x-guidance" says otherwise (a flexible-whitespace
+# grammar lets a small model fill its token budget with blanks)
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - depends on the install
+        raise ImportError("constrained decoding needs llguidance: pip install 'hyspec[constraints]' "
+                          "(or pip install llguidance)") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What a constraint needs to know about a model: the llguidance tokenizer, the model's
+    vocabulary size (rows of the logits) and its EOS ids."""
+
+    lltok: Any
+    vocab_size: int  # V_model
+    eos_ids: tuple[int, ...]
+
+    @property
+    def tok_vocab(self) -> int:
+        return int(self.lltok.vocab_size)
+
+
+_VOCAB_CACHE: dict = {}
+
+
+def vocab_for(source, *, vocab_size: int | None = None, eos_ids=None) -> Vocab:
+    """A :class:`Vocab` from an Engine, a checkpoint directory, a tokenizer.json path, or a
+    Vocab. For a file or directory without config.json, vocab_size defaults to the
+    tokenizer's and eos_ids to the tokenizer's EOS guess."""
+    if isinstance(source, Vocab):
+        return source
+    path = None
+    if hasattr(source, "model") and hasattr(source, "tokenizer"):  # an Engine
+        cfg = source.model.cfg
+        vocab_size = cfg.vocab_size if vocab_size is None else vocab_size
+        eos_ids = cfg.eos_token_ids if eos_ids is None else eos_ids
+        if source.model_dir is not None and (Path(source.model_dir) / "tokenizer.json").is_file():
+            path = Path(source.model_dir) / "tokenizer.json"
+        elif source.tokenizer is not None:
+            key = ("engine-tok", id(source.tokenizer), vocab_size, tuple(eos_ids or ()))
+            if key not in _VOCAB_CACHE:
+                _VOCAB_CACHE[key] = _make_vocab(source.tokenizer._tok.to_str(), vocab_size, eos_ids)
+            return _VOCAB_CACHE[key]
+        else:
+            raise ValueError("constraints need the checkpoint's tokenizer.json (this model has none)")
+    else:
+        p = Path(source)
+        if p.is_dir():
+            if vocab_size is None or eos_ids is None:
+                if (p / "config.json").is_file():
+                    from hyspec.config import ModelConfig
+
+                    cfg = ModelConfig.from_dir(p)
+                    vocab_size = cfg.vocab_size if vocab_size is None else vocab_size
+                    eos_ids = cfg.eos_token_ids if eos_ids is None else eos_ids
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise ValueError(f"constraints need a tokenizer.json; there is none at {p}")
+        path = p
+    key = (str(Path(path).resolve()), vocab_size, None if eos_ids is None else tuple(eos_ids))
+    if key not in _VOCAB_CACHE:
+        _VOCAB_CACHE[key] = _make_vocab(Path(path).read_text(encoding="utf-8"), vocab_size, eos_ids)
+    return _VOCAB_CACHE[key]
+
+
+def _make_vocab(tokenizer_json: str, vocab_size: int | None, eos_ids) -> Vocab:
+    llg = _llg()
+    probe = llg.LLTokenizer(tokenizer_json)
+    n_tok = int(probe.vocab_size)
+    if eos_ids is None or len(tuple(eos_ids)) == 0:
+        eos = [int(t) for t in probe.eos_tokens]
+    else:
+        eos = [int(t) for t in eos_ids if 0 <= int(t) < n_tok]
+        if not eos:
+            raise ValueError(f"the model's EOS id(s) {list(eos_ids)} are outside the tokenizer's vocabulary "
+                             f"({n_tok} tokens), so a constrained output could never end")
+    lltok = llg.LLTokenizer(tokenizer_json, eos_token=eos)
+    return Vocab(lltok, int(vocab_size) if vocab_size is not None else n_tok, tuple(eos))
+
+
+# --------------------------------------------------------------------------------------
+# Grammars
+# --------------------------------------------------------------------------------------
+
+
+def _json_text(schema, arg: str) -> str:
+    """A schema given as a dict, a JSON string or a path to a .json file -> JSON text."""
+    if isinstance(schema, (dict, bool)):
+        return json.dumps(schema)
+    if not isinstance(schema, str):
+        raise ValueError(f"{arg}: expected a JSON schema (dict, JSON text or a file), got {type(schema).__name__}")
+    s = schema.strip()
+    if not s.startswith(("{", "[")) and s not in ("true", "false"):
+        p = Path(s)
+        if p.is_file():
+            s = p.read_text(encoding="utf-8")
+        else:
+            raise ValueError(f"{arg}: {schema!r} is neither JSON text nor an existing file")
+    try:
+        json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{arg}: not valid JSON ({e})") from None
+    return s
+
+
+def grammar_for(kind: str, value, arg: str | None = None) -> str:
+    """The llguidance grammar (a string) for a constraint of `kind`; ValueError naming `arg`
+    on a malformed value (validity of the grammar itself is checked by :func:`_validated`)."""
+    llg = _llg()
+    arg = arg or kind  # errors name the argument: the Python kind, or the CLI flag passed in
+    if kind == "json_schema":
+        text = _json_text(value, arg)
+        if not text.lstrip().startswith("{") and text.strip() not in ("true", "false"):
+            raise ValueError(f"{arg}: a JSON schema must be a JSON object")
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(text, defaults=dict(JSON_DEFAULTS))
+        except ValueError as e:
+            raise ValueError(f"{arg}: {e}") from None
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=dict(JSON_DEFAULTS))
+    if kind == "regex":
+        if not isinstance(value, str) or value == "":
+            raise ValueError(f"{arg}: expected a non-empty regular expression")
+        return llg.LLMatcher.grammar_from_regex(value)
+    if kind == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{arg}: expected Lark grammar text")
+        return llg.LLMatcher.grammar_from_lark(value)
+    if kind == "choice":
+        if isinstance(value, str):
+            value = [value]
+        choices = list(value) if value is not None else []
+        if not choices or any(not isinstance(c, str) or c == "" for c in choices):
+            raise ValueError(f"{arg}: expected one or more non-empty strings, got {value!r}")
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    raise ValueError(f"unknown constraint kind {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def _validated(grammar: str, vocab: Vocab, arg: str) -> str:
+    llg = _llg()
+    is_err, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, vocab.lltok)
+    if is_err:
+        raise ValueError(f"{arg}: {msgs[0].strip() if msgs else 'invalid grammar'}")
+    return grammar
+
+
+# --------------------------------------------------------------------------------------
+# The constraint
+# --------------------------------------------------------------------------------------
+
+
+class Constraint:
+    """One sequence's grammar state. Build with a factory (:meth:`json_schema`,
+    :meth:`json_object`, :meth:`regex`, :meth:`grammar`, :meth:`choice`) or
+    :func:`make_constraint`; every factory validates the grammar and raises ValueError
+    naming the offending argument before any generation."""
+
+    def __init__(self, vocab: Vocab, grammar: str, *, kind: str = "grammar", arg: str | None = None,
+                 _matcher=None) -> None:
+        llg = _llg()
+        self.vocab = vocab
+        self.kind = kind
+        self.grammar_text = grammar
+        if _matcher is None:
+            _validated(grammar, vocab, arg or kind)
+            _matcher = llg.LLMatcher(vocab.lltok, grammar, log_level=0)
+            if _matcher.is_error():
+                raise ValueError(f"{arg or kind}: {_matcher.get_error()}")
+        self._m = _matcher
+        self._cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self.tokens: list[int] = []  # the tokens consumed so far
+        self._recorded: list[bool] = []  # per token: in the matcher's rollback history
+
+    # -- factories ---------------------------------------------------------------------
+    @classmethod
+    def json_schema(cls, source, schema, *, arg: str = "json_schema", **kw) -> "Constraint":
+        return cls(vocab_for(source, **kw), grammar_for("json_schema", schema, arg), kind="json_schema", arg=arg)
+
+    @classmethod
+    def json_object(cls, source, *, arg: str = "json_object", **kw) -> "Constraint":
+        return cls(vocab_for(source, **kw), grammar_for("json_object", None, arg), kind="json_object", arg=arg)
+
+    @classmethod
+    def regex(cls, source, pattern: str, *, arg: str = "regex", **kw) -> "Constraint":
+        return cls(vocab_for(source, **kw), grammar_for("regex", pattern, arg), kind="regex", arg=arg)
+
+    @classmethod
+    def grammar(cls, source, lark_text: str, *, arg: str = "grammar", **kw) -> "Constraint":
+        return cls(vocab_for(source, **kw), grammar_for("grammar", lark_text, arg), kind="grammar", arg=arg)
+
+    @classmethod
+    def choice(cls, source, choices, *, arg: str = "choice", **kw) -> "Constraint":
+        return cls(vocab_for(source, **kw), grammar_for("choice", choices, arg), kind="choice", arg=arg)
+
+    # -- the interface the decoding loops use -------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.vocab.eos_ids
+
+    def _mask_now(self) -> torch.Tensor:
+        """The matcher's bitmask (one bit per tokenizer token, little-endian words) as bools
+        over the model's vocabulary."""
+        V = self.vocab.vocab_size
+        n = min(self.vocab.tok_vocab, V)
+        bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), count=n, bitorder="little")
+        if n == V:
+            return torch.from_numpy(bits.view(np.bool_))
+        out = np.zeros(V, dtype=np.bool_)
+        out[:n] = bits.view(np.bool_)
+        return torch.from_numpy(out)
+
+    def allowed(self, prefix=()) -> torch.Tensor:
+        """bool [V_model]: the tokens allowed after the committed tokens + `prefix` (earlier
+        drafts of this round; they are validated, consumed and rolled back, never kept).
+        All False when nothing may follow: the grammar is dead or already ended with EOS,
+        or `prefix` itself is not allowed. The returned tensor is cached: do not modify it."""
+        key = tuple(int(t) for t in prefix)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        m = self._m
+        if m.is_error() or self._ended() or (key and (self._n_valid(key) < len(key) or key[-1] in self.vocab.eos_ids)):
+            mask = self._none()  # nothing follows an EOS or an invalid prefix
+        elif key:
+            # key is valid and has no EOS (an EOS is always the last valid token): exact rollback
+            if not m.consume_tokens(list(key)):  # cannot happen after _n_valid
+                raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
+            mask = self._mask_now()
+            if not m.rollback(len(key)):
+                raise RuntimeError(f"constraint: rollback of {len(key)} tokens failed: {m.get_error()}")
+        else:
+            mask = self._mask_now()
+        self._cache[key] = mask
+        return mask
+
+    def _none(self) -> torch.Tensor:
+        return torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
+
+    def _n_valid(self, toks) -> int:
+        """How many of `toks` (from the current state) the grammar allows, not consuming them.
+        llguidance's validate_tokens refuses an EOS once the grammar has stopped (though
+        consume_token takes it there), so an EOS is judged here: valid exactly when the state
+        before it accepts; nothing is valid after it."""
+        toks = list(toks)
+        if self._ended():
+            return 0
+        n_tok, eos = self.vocab.tok_vocab, self.vocab.eos_ids
+        stop = next((i for i, t in enumerate(toks) if t in eos or not 0 <= t < n_tok), len(toks))
+        m = self._m
+        n = m.validate_tokens(toks[:stop]) if stop else 0
+        if n == stop < len(toks) and toks[stop] in eos:
+            if n and not m.consume_tokens(toks[:n]):
+                raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
+            ok = m.is_accepting()
+            if n and not m.rollback(n):
+                raise RuntimeError(f"constraint: rollback of {n} tokens failed: {m.get_error()}")
+            n += 1 if ok else 0
+        return n
+
+    def _ended(self) -> bool:
+        """An EOS was committed: nothing (not even another EOS) may follow."""
+        return bool(self.tokens) and self.tokens[-1] in self.vocab.eos_ids
+
+    def commit(self, tokens) -> None:
+        """Consume the round's emitted tokens (accepted drafts + bonus). A token the grammar
+        does not allow is an error (the loops only emit masked choices)."""
+        toks = [int(t) for t in tokens]
+        if not toks:
+            return
+        m = self._m
+        n_ok = self._n_valid(toks)
+        if n_ok < len(toks):
+            raise ValueError(f"constraint: token {toks[n_ok]} (position {self.committed + n_ok}) is not allowed "
+                             f"by the {self.kind} constraint")
+        for t in toks:
+            # an EOS consumed after the grammar stopped is not in llguidance's history (its
+            # rollback would undo the token before it), so such an EOS is kept here only
+            recorded = not (t in self.vocab.eos_ids and m.is_stopped())
+            if not m.consume_token(t):
+                raise RuntimeError(f"constraint: {m.get_error()}")
+            self._recorded.append(recorded)
+        self.tokens.extend(toks)
+        self._cache.clear()
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n committed tokens."""
+        if n < 0 or n > self.committed:
+            raise ValueError(f"cannot roll back {n} of {self.committed} committed tokens")
+        if n == 0:
+            return
+        real = sum(self._recorded[len(self._recorded) - n:])
+        if real and not self._m.rollback(real):
+            raise RuntimeError(f"constraint: rollback failed: {self._m.get_error()}")
+        del self.tokens[len(self.tokens) - n:]
+        del self._recorded[len(self._recorded) - n:]
+        self._cache.clear()
+
+    def clone(self) -> "Constraint":
+        """An independent copy at the same state (the matcher's deep_copy: microseconds)."""
+        c = Constraint.__new__(Constraint)
+        c.vocab, c.kind, c.grammar_text = self.vocab, self.kind, self.grammar_text
+        c._m = self._m.deep_copy()
+        c._cache = dict(self._cache)  # masks are never modified in place
+        c.tokens = list(self.tokens)
+        c._recorded = list(self._recorded)
+        return c
+
+    snapshot = clone
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self._m.reset()
+        self.tokens = []
+        self._recorded = []
+        self._cache.clear()
+
+    @property
+    def committed(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and nothing but EOS may follow (or EOS was consumed)."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def accepting(self) -> bool:
+        """The tokens so far form a complete match (EOS is allowed now)."""
+        return bool(self._m.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.kind}, committed={self.committed}, finished={self.finished})"
+
+
+def make_constraint(source, kind: str, value=None, *, arg: str | None = None, **kw) -> Constraint:
+    """One entry point: kind in json_schema | json_object | regex | grammar | choice.
+    `source`: an Engine, a checkpoint directory or a tokenizer.json path. `arg` names the
+    argument in error messages (the CLI passes its flag, e.g. "--json-schema")."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown constraint kind {kind!r}; choose one of {', '.join(KINDS)}")
+    arg = arg or kind
+    vocab = vocab_for(source, **kw)
+    return Constraint(vocab, grammar_for(kind, value, arg), kind=kind, arg=arg)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [V] (or [N, V]) with the disallowed tokens set to -inf (a new tensor)."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

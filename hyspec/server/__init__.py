@@ -1,0 +1,69 @@
+"""`hyspec serve`: an OpenAI-compatible HTTP server (docs/server.md).
+
+This package module stays import-light (no FastAPI) so `hyspec --help` does not pay for it;
+the app lives in hyspec.server.app and all engine interaction in hyspec.server.worker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hyspec.spec.loop import MAX_DRAFT
+
+    p = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--draft", type=int, default=None,
+                   help=f"default drafts per round K for requests that do not set `draft` (0..{MAX_DRAFT}; "
+                        "default 3 when the model has an MTP head, else 0)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=256, help="sequences waiting for a batch slot; beyond: 429")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def make_app(args):
+    """Load the engine and build the FastAPI app for parsed `hyspec serve` arguments."""
+    from pathlib import Path
+
+    import torch
+
+    from hyspec.engine import Engine
+    from hyspec.server.app import ServerConfig, create_app
+    from hyspec.spec.loop import MAX_DRAFT
+
+    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
+        torch.set_num_threads(1)
+    draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)
+    if not 0 <= draft <= MAX_DRAFT:
+        raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {draft}")
+    if draft and not eng.model.has_mtp:
+        raise ValueError("this checkpoint has no MTP head: use --draft 0")
+    name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
+    cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
+                       api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    return create_app(eng, cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        app = make_app(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hyspec serve: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,160 @@
+"""Request validation: the model's limits applied to a parsed request. Every failure is an
+APIError carrying the HTTP status and OpenAI's error fields."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from hyspec.sampling import SamplingParams
+from hyspec.spec.loop import MAX_DRAFT
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error"}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _finite(name: str, v) -> None:
+    if v is not None and not math.isfinite(v):
+        raise bad(f"{name} must be a finite number, got {v}", name)
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    has_mtp: bool
+    default_draft: int
+    capacity: int  # max_batch + max_queue
+
+
+def check_response_format(rf) -> None:
+    """Hook for constrained decoding. Only {"type": "text"} is accepted for now; the
+    structured-output work replaces this function (and returns a constraint for the job)."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type in ("json_object", "json_schema"):
+        raise APIError(400, f"response_format type {rf.type!r} is not supported yet (only 'text')",
+                       param="response_format", code="unsupported_value")
+    raise bad(f"unknown response_format type {rf.type!r}", "response_format")
+
+
+def check_prompt_ids(ids: list[int], lim: Limits, param: str) -> None:
+    if not ids:
+        raise bad("the prompt is empty: give at least one token", param)
+    badids = [t for t in ids if not 0 <= t < lim.vocab_size]
+    if badids:
+        raise bad(f"token id(s) {badids[:5]} out of range for vocabulary size {lim.vocab_size}", param)
+    if len(ids) >= lim.max_model_len:
+        raise bad(f"the prompt is {len(ids)} tokens, longer than the model's context of {lim.max_model_len} "
+                  f"tokens (at least one must be left to generate)", param)
+
+
+def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow_zero: bool) -> int:
+    name = "max_tokens"
+    mt = req.max_tokens
+    if getattr(req, "max_completion_tokens", None) is not None:
+        mt, name = req.max_completion_tokens, "max_completion_tokens"
+    room = lim.max_model_len - prompt_len
+    if mt is None:
+        return min(default, room) if default is not None else room
+    if mt < (0 if allow_zero else 1):
+        raise bad(f"{name} must be at least {0 if allow_zero else 1}, got {mt}", name)
+    if mt > room:
+        raise bad(f"{name}={mt} is too large: the prompt has {prompt_len} tokens and the context holds "
+                  f"{lim.max_model_len}, so at most {room} can be generated", name)
+    return mt
+
+
+def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
+    """(SamplingParams of sample 0, n, draft K)."""
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        _finite(name, getattr(req, name))
+    t = 1.0 if req.temperature is None else req.temperature
+    if t < 0:
+        raise bad(f"temperature must be >= 0 (0 = greedy), got {t}", "temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    if top_k < 0:
+        raise bad(f"top_k must be >= 0, or -1 / 0 for off, got {req.top_k}", "top_k")
+    min_p = 0.0 if req.min_p is None else req.min_p
+    if not 0.0 <= min_p < 1.0:
+        raise bad(f"min_p must be in [0, 1), got {min_p}", "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise bad(f"{name} must be in [-2, 2], got {v}", name)
+    rp = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    if rp <= 0:
+        raise bad(f"repetition_penalty must be > 0 (1 = off), got {rp}", "repetition_penalty")
+    pln = 64 if req.penalty_last_n is None else req.penalty_last_n
+    if pln < -1:
+        raise bad(f"penalty_last_n must be >= -1, got {pln}", "penalty_last_n")
+    n = 1 if req.n is None else req.n
+    limit = min(MAX_N, lim.capacity)
+    if not 1 <= n <= limit:
+        raise bad(f"n must be in 1..{limit}, got {n}", "n")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad("best_of other than n is not supported", "best_of")
+    if req.logit_bias:
+        raise bad("logit_bias is not supported", "logit_bias")
+    seed = req.seed
+    if seed is None:
+        seed = 0 if t == 0 else secrets.randbits(63)
+    elif not -(1 << 63) <= seed < (1 << 64):
+        raise bad("seed must fit in 64 bits", "seed")
+    draft = lim.default_draft if req.draft is None else req.draft
+    if not 0 <= draft <= MAX_DRAFT:
+        raise bad(f"draft must be in 0..{MAX_DRAFT} (0 = no speculation), got {draft}", "draft")
+    if draft > 0 and not lim.has_mtp:
+        draft = 0 if req.draft is None else draft
+        if draft:
+            raise bad("this model has no MTP head, so it cannot speculate: use draft=0", "draft")
+    for tid in req.stop_token_ids or []:
+        if not 0 <= tid < lim.vocab_size:
+            raise bad(f"stop_token_ids: {tid} is out of range for vocabulary size {lim.vocab_size}",
+                      "stop_token_ids")
+    check_response_format(req.response_format)
+    params = SamplingParams(temperature=float(t), top_k=top_k, top_p=float(top_p), min_p=float(min_p),
+                            repetition_penalty=float(rp), frequency_penalty=float(req.frequency_penalty or 0.0),
+                            presence_penalty=float(req.presence_penalty or 0.0), penalty_last_n=pln, seed=seed,
+                            mode=req.sampling_mode or "rejection")
+    return params, n, draft
+
+
+def stop_strings(req) -> list[str]:
+    s = req.stop
+    if s is None:
+        return []
+    stops = [x for x in ([s] if isinstance(s, str) else s) if x]
+    if len(stops) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
+    return stops

@@ -1,0 +1,97 @@
+"""Request bodies of the OpenAI-compatible API (pydantic v2).
+
+Field names follow OpenAI; the non-OpenAI ones (top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, draft, ...) arrive through the client's `extra_body`, as with
+vLLM. Types are strict (a string where a number belongs is a 400, not a coercion); fields
+this server does not know are ignored. Value ranges are checked in hyspec.server.params,
+where the model's limits are known."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: Optional[bool] = False
+
+
+class ResponseFormat(_Base):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    json_schema: Optional[dict[str, Any]] = None
+
+
+class _Sampling(_Base):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    penalty_last_n: Optional[int] = None
+    sampling_mode: Optional[Literal["rejection", "coupled"]] = None
+    seed: Optional[int] = None
+    n: Optional[int] = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = False
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    response_format: Optional[ResponseFormat] = None
+    draft: Optional[int] = None
+    return_token_ids: Optional[bool] = False  # extension: each choice also carries `token_ids`
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class TextPart(_Base):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Base):
+    model_config = ConfigDict(strict=True, extra="allow")  # tool_calls, name, ... reach the template
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+class TokenizeRequest(_Base):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: Optional[bool] = True
+
+
+class DetokenizeRequest(_Base):
+    model: Optional[str] = None
+    tokens: list[int]

@@ -1,0 +1,278 @@
+"""The only place the server touches the engine.
+
+One engine thread owns the model (and, when hyspec.core.scheduler exists, the batched
+Scheduler). The asyncio side talks to it through a thread-safe inbox: submissions,
+cancellations and calls into the engine (prompt scoring for echo logprobs) are taken
+between scheduler steps; tokens, finishes and call results go back to the event loop with
+loop.call_soon_threadsafe, so Job callbacks always run on the loop thread.
+
+Admission: at most max_batch jobs are inside the scheduler ("running"); the rest wait in
+this module's FIFO ("waiting"). submit() refuses at once (QueueFull -> HTTP 429) when
+running + waiting + new jobs would exceed max_batch + max_queue.
+
+Without the Scheduler (HYSPEC_SERVE_SCHEDULER=0, or a hyspec without hyspec.core.scheduler)
+a fallback runs jobs one at a time through Engine.generate: same outputs, but tokens of a
+job arrive all at once at its end and there is no batching.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from hyspec.sampling import SamplingParams
+
+log = logging.getLogger("hyspec.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    """One sequence to generate (a request with n > 1 or several prompts is several jobs)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    draft: int
+    stop_ids: set[int]
+    logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token's logprob + top N
+    # loop-thread callbacks: on_tokens(ids, logprobs or None), on_finish(stop_reason, stats)
+    on_tokens: Callable[[list[int], list | None], None] = lambda ids, lps: None
+    on_finish: Callable[[str, dict], None] = lambda reason, stats: None
+    cancelled: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+    _req: Any = None
+    _n_lp: int = 0
+
+
+def scheduler_module():
+    """hyspec.core.scheduler, or None (absent, or HYSPEC_SERVE_SCHEDULER=0)."""
+    if os.environ.get("HYSPEC_SERVE_SCHEDULER", "1") == "0":
+        return None
+    import hyspec
+
+    # only this hyspec's own scheduler (an editable install elsewhere must not leak one in)
+    if not (Path(hyspec.__file__).parent / "core" / "scheduler.py").is_file():
+        return None
+    try:
+        from hyspec.core import scheduler
+    except ImportError:
+        return None
+    return scheduler
+
+
+class EngineWorker:
+    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.max_batch = max(1, int(max_batch))
+        self.max_queue = max(0, int(max_queue))
+        self._sched_mod = scheduler_module()
+        self.batched = self._sched_mod is not None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting: deque[Job] = deque()  # engine thread only
+        self._running: set[Job] = set()  # engine thread only
+        self._n_pending = 0  # submitted and not finished (any thread, under _lock)
+        self._n_waiting = 0
+        self._loop = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._sched = None
+
+    # ---- loop-thread API -------------------------------------------------------------
+    def start(self, loop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="hyspec-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch + self.max_queue
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._lock:
+            return self._n_pending - self._n_waiting, self._n_waiting
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue all jobs or none (QueueFull)."""
+        with self._lock:
+            if self._n_pending + len(jobs) > self.capacity:
+                raise QueueFull(f"the server is at capacity ({self.capacity} sequences running or queued)")
+            self._n_pending += len(jobs)
+            self._n_waiting += len(jobs)
+        for j in jobs:
+            self._inbox.put(("submit", j))
+
+    def cancel(self, job: Job) -> None:
+        if not job.cancelled:
+            job.cancelled = True
+            self._inbox.put(("cancel", job))
+
+    def call(self, fn: Callable[[Any], Any]):
+        """Run fn(engine) in the engine thread between steps; returns an asyncio future."""
+        fut = self._loop.create_future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    # ---- engine thread ---------------------------------------------------------------
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _set_future(self, fut, result=None, exc=None) -> None:
+        def done():
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        self._to_loop(done)
+
+    def _finish(self, job: Job, reason: str, stats: dict) -> None:
+        with self._lock:
+            self._n_pending -= 1
+        self._running.discard(job)
+        self._to_loop(job.on_finish, reason, stats)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, x = item
+            if kind == "submit":
+                self._waiting.append(x)
+            elif kind == "cancel":
+                if x in self._waiting:
+                    self._waiting.remove(x)
+                    with self._lock:
+                        self._n_waiting -= 1
+                    self._finish(x, "cancelled", {})
+                elif x in self._running and x._req is not None and self._sched is not None:
+                    self._sched.cancel(x._req)
+            elif kind == "call":
+                fn, fut = x
+                try:
+                    self._set_future(fut, fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    self._set_future(fut, exc=e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _pop_waiting(self) -> Job:
+        job = self._waiting.popleft()
+        with self._lock:
+            self._n_waiting -= 1
+        self._running.add(job)
+        return job
+
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                busy = bool(self._running) or bool(self._waiting)
+                self._drain(block=not busy)
+                try:
+                    if self.batched:
+                        self._step_batched()
+                    elif self._waiting:
+                        self._run_one(self._pop_waiting())
+                except Exception as e:  # noqa: BLE001 - the server must survive an engine fault
+                    log.exception("engine step failed; failing the running requests")
+                    for job in list(self._running):
+                        self._finish(job, "error", {"error": f"engine failure: {type(e).__name__}"})
+                    self._sched = None
+
+    # -- batched path (hyspec.core.scheduler) ---------------------------------------------
+    def _step_batched(self) -> None:
+        mod = self._sched_mod
+        if self._sched is None:
+            self._sched = mod.Scheduler(self.engine.model, max_batch=self.max_batch)
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._pop_waiting()
+            job._req = mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
+                                   draft=job.draft, stop_ids=set(job.stop_ids), logprobs=job.logprobs,
+                                   on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job))
+            try:
+                self._sched.submit(job._req)
+            except ValueError as e:  # refused by the scheduler's own checks: this job only
+                log.error("sequence refused by the scheduler: %s", e)
+                self._finish(job, "error", {"error": str(e)})
+        if self._sched.has_work():
+            self._sched.step()
+
+    def _cb_tokens(self, job: Job):
+        def on_tokens(req, new_ids):
+            lps = None
+            if job.logprobs is not None:
+                all_lps = getattr(req, "token_logprobs", None) or []
+                lps = list(all_lps[job._n_lp: job._n_lp + len(new_ids)])
+                job._n_lp += len(lps)
+            self._to_loop(job.on_tokens, list(new_ids), lps)
+        return on_tokens
+
+    def _cb_finish(self, job: Job):
+        def on_finish(req):
+            stats = dict(getattr(req, "stats", None) or {})
+            if req.stop_reason == "error":
+                log.error("sequence failed in the engine: %s", getattr(req, "error", None))
+                stats["error"] = getattr(req, "error", None) or "engine failure"
+            self._finish(job, req.stop_reason, stats)
+        return on_finish
+
+    # -- fallback path: one job at a time through Engine.generate ---------------------------
+    def _run_one(self, job: Job) -> None:
+        if job.cancelled:
+            self._finish(job, "cancelled", {})
+            return
+        eng = self.engine
+        try:
+            out = eng.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
+                               draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True)
+        except ValueError as e:
+            log.error("sequence failed in the engine: %s", e)
+            self._finish(job, "error", {"error": str(e)})
+            return
+        smp = out.samples[0]
+        lps = self._logprobs(job.prompt_ids, smp.tokens, job.logprobs) if job.logprobs is not None else None
+        if smp.tokens:
+            self._to_loop(job.on_tokens, list(smp.tokens), lps)
+        stats = dict(smp.stats)
+        if "spec" in out.stats:
+            stats["spec"] = out.stats["spec"]
+        self._finish(job, smp.stop_reason, stats)
+
+    def _logprobs(self, prompt: list[int], tokens: list[int], top: int) -> list:
+        """[(logprob, [(id, logprob), ...top]), ...] of each generated token under the
+        model's raw distribution (teacher-forced, one forward over prompt + tokens)."""
+        if not tokens:
+            return []
+        res = self.engine.score(list(prompt) + list(tokens), top_logprobs=max(top, 1))
+        P = len(prompt)
+        rows = range(P - 1, P - 1 + len(tokens))
+        return [(res["logprobs"][r], [(int(t[0]), float(t[1])) for t in res["top_logprobs"][r][:top]])
+                for r in rows]

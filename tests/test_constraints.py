@@ -1,0 +1,296 @@
+"""The Constraint object (hyspec.constraints) on its own, the CLI flags and the Engine plumbing.
+
+* Masks equal a brute-force check: for a finite language L, token t is allowed after the
+  committed tokens s iff bytes(s + t) is a prefix of a string of L; EOS iff bytes(s) is in L.
+* allowed(prefix) does not move the state and equals commit(prefix) + allowed([]).
+* rollback (including an EOS consumed after the grammar stopped, which llguidance does not
+  keep in its own history) and clone independence.
+* Bad constraints fail before generation with the library's message and the argument named.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from hyspec.constraints import Constraint, make_constraint, vocab_for  # noqa: E402
+from hyspec.engine import DEFAULT_MODEL_DIR, Engine  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return vocab_for(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def token_bytes(vocab):
+    return [vocab.lltok.decode_bytes([i]) for i in range(vocab.tok_vocab)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load()
+
+
+def brute_force(committed: list[int], language: list[bytes], token_bytes, eos: tuple[int, ...], V: int):
+    cur = b"".join(token_bytes[t] for t in committed)
+    out = torch.zeros(V, dtype=torch.bool)
+    for t, tb in enumerate(token_bytes):
+        if t in eos:
+            out[t] = cur in language
+        elif tb:
+            cand = cur + tb
+            out[t] = any(s.startswith(cand) for s in language)
+    return out
+
+
+FINITE = [
+    ("choice", ["yes", "no", "maybe so", '{"a": 1}', "no way"], None),
+    ("regex", "[0-9]{2}(px|em)?", [f"{i:02d}{u}".encode() for i in range(100) for u in ("", "px", "em")]),
+    ("grammar", 'start: ("ab" | "cd" | "abc") "-" ("x" | "yz" | "x y")', [
+        f"{a}-{b}".encode() for a in ("ab", "cd", "abc") for b in ("x", "yz", "x y")]),
+]
+
+
+@pytest.mark.parametrize("kind,value,language", FINITE, ids=[f[0] for f in FINITE])
+def test_masks_match_brute_force(vocab, token_bytes, kind, value, language):
+    """Sound: every allowed token keeps the output a prefix of a string of L (EOS: the output
+    is in L). Live: something is allowed exactly when some continuation exists. Complete on
+    the canonical tokenization: every string of L, tokenized by the tokenizer, is allowed
+    token by token and then EOS. (llguidance admits only canonical tokens where the next
+    bytes are forced -- after "m" of "maybe so" it allows "ay", not "a" -- so the mask is a
+    subset of the brute-force set there, never a superset.)"""
+    if language is None:
+        language = [s.encode() for s in value]
+    V, eos = vocab.vocab_size, vocab.eos_ids
+    c = make_constraint(vocab, kind, value)
+    rng = random.Random(0)
+    states = equal = 0
+    for walk in range(6):
+        c.reset()
+        path: list[int] = []
+        while True:
+            a = c.allowed([])
+            want = brute_force(path, language, token_bytes, eos, V)
+            assert not (a & ~want).any(), (kind, path, (a & ~want).nonzero().flatten().tolist()[:10])
+            assert bool(a.any()) == bool(want.any()), (kind, path)
+            equal += bool(torch.equal(a, want))
+            # the same mask from the root, through allowed(prefix), without moving the state
+            root = make_constraint(vocab, kind, value)
+            assert torch.equal(root.allowed(path), a) and root.committed == 0
+            states += 1
+            choices = a.nonzero().flatten().tolist()
+            if not choices:
+                break
+            t = rng.choice(choices)
+            c.commit([t])
+            path.append(t)
+            if t in eos:
+                assert c.finished and not c.allowed([]).any()
+                break
+    assert states > 15 and equal > states // 3  # the free choices are exact
+    for s in language:
+        c.reset()
+        for t in vocab.lltok.tokenize_bytes(s):
+            assert c.allowed([])[t], (s, t)
+            c.commit([t])
+        assert all(c.allowed([])[e] for e in eos), s
+
+
+def test_allowed_does_not_move_the_state_and_matches_commit(engine):
+    c = Constraint.json_schema(engine, SCHEMA)
+    ids = engine.encode('{"name":"bob","n":42}')
+    before = c.allowed([]).clone()
+    for i in range(len(ids) + 1):
+        a = c.allowed(ids[:i])
+        d = c.clone()
+        d.commit(ids[:i])
+        assert torch.equal(a, d.allowed([])), i
+    assert c.committed == 0 and torch.equal(c.allowed([]), before)
+    # the full object: EOS (the model's id 0) is the only continuation, then nothing
+    assert c.allowed(ids).nonzero().flatten().tolist() == [0]
+    assert not c.allowed(ids + [0]).any()
+    # an invalid prefix allows nothing; a wrong commit is an error that leaves the state alone
+    bad = engine.encode("[1]")
+    assert not c.allowed(bad).any()
+    with pytest.raises(ValueError, match="not allowed"):
+        c.commit(bad)
+    assert c.committed == 0 and torch.equal(c.allowed([]), before)
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(engine):
+    V_tok = vocab_for(engine).tok_vocab
+    c = Constraint.regex(DEFAULT_MODEL_DIR, ".*", vocab_size=V_tok + 100)
+    a = c.allowed([])
+    assert a.shape == (V_tok + 100,) and a[:V_tok].any() and not a[V_tok:].any()
+    assert not c.allowed([V_tok + 5]).any()
+
+
+def test_eos_is_the_models_eos(tmp_path):
+    """The grammar's end allows the model's EOS ids (config.json), not the tokenizer's guess."""
+    c = Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["ok"], eos_ids=(7,))
+    ids = [t for t in c.vocab.lltok.tokenize_str("ok")]
+    assert c.allowed(ids).nonzero().flatten().tolist() == [7]
+    with pytest.raises(ValueError, match="EOS"):
+        Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["ok"], eos_ids=(99999,))
+
+
+@pytest.mark.parametrize("grammar,text,stopped", [("regex", "[0-9]{2}", True), ("regex", "[0-9]+", False)])
+def test_rollback_and_clone(vocab, grammar, text, stopped):
+    c = make_constraint(vocab, grammar, text)
+    toks = vocab.lltok.tokenize_str("12")
+    masks = [c.allowed([]).clone()]
+    for t in toks:
+        c.commit([t])
+        masks.append(c.allowed([]).clone())
+    assert c.finished == stopped and c.accepting
+    snap = c.clone()
+    c.commit([0])  # EOS, after the grammar stopped (regex {2}) or while it can still grow (+)
+    assert c.finished and not c.allowed([]).any()
+    assert snap.finished == stopped  # the clone did not move
+    assert torch.equal(snap.allowed([]), masks[-1]) and snap.committed == len(toks)
+    c.rollback(1)  # undoes the EOS only (llguidance alone would also drop the last digit)
+    assert torch.equal(c.allowed([]), masks[-1]) and c.committed == len(toks)
+    c.rollback(len(toks))
+    assert torch.equal(c.allowed([]), masks[0]) and c.committed == 0
+    # independence both ways
+    d = snap.clone()
+    d.commit([0])
+    assert not snap.allowed([]).equal(d.allowed([]))
+    assert torch.equal(snap.allowed([]), masks[-1])
+    with pytest.raises(ValueError):
+        c.rollback(1)
+
+
+def test_json_object_and_finished(engine):
+    c = Constraint.json_object(engine)
+    first = c.allowed([]).nonzero().flatten().tolist()
+    assert engine.encode("{")[0] in first and all(engine.decode([t]).startswith("{") for t in first)
+    ids = engine.encode('{"a":[1,2]}')
+    c.commit(ids)
+    assert c.accepting and c.finished
+    assert c.allowed([]).nonzero().flatten().tolist() == list(engine.eos_ids)
+
+
+BAD = [
+    ("json_schema", '{"type": "foo"}', "json_schema", "Invalid type"),
+    ("json_schema", '{"type": "array", "uniqueItems": true}', "json_schema", "uniqueItems"),
+    ("json_schema", "{not json", "json_schema", "not valid JSON"),
+    ("json_schema", "/no/such/schema.json", "json_schema", "neither JSON text nor an existing file"),
+    ("regex", "[0-9", "regex", "unclosed character class"),
+    ("grammar", "start: foo(", "grammar", "Expected token"),
+    ("grammar", "start: undefined_rule", "grammar", "undefined_rule"),
+    ("choice", [], "choice", "non-empty strings"),
+]
+
+
+@pytest.mark.parametrize("kind,value,arg,msg", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_constraints_name_the_argument(vocab, kind, value, arg, msg):
+    with pytest.raises(ValueError) as e:
+        make_constraint(vocab, kind, value)
+    assert str(e.value).startswith(arg + ":") and msg in str(e.value), str(e.value)
+
+
+def test_unknown_kind(vocab):
+    with pytest.raises(ValueError, match="unknown constraint kind"):
+        make_constraint(vocab, "xml", "x")
+
+
+# --------------------------------------------------------------------------------------
+# Engine plumbing and the CLI
+# --------------------------------------------------------------------------------------
+
+
+def test_engine_generate_constraint(engine):
+    c = engine.constraint("choice", ["alpha", "beta", "gamma"])
+    for draft in (0, 3):
+        out = engine.generate("x = ", max_new_tokens=10, draft=draft, constraint=c)
+        assert out.samples[0].stop_reason == "eos"
+        assert out.text.replace("<|endoftext|>", "") in ("alpha", "beta", "gamma")
+    assert c.committed == 0  # each sample runs on a clone
+    from hyspec.sampling import SamplingParams
+
+    out = engine.generate("x = ", max_new_tokens=10, draft=2, constraint=c, num_samples=4,
+                          params=SamplingParams(temperature=1.0, seed=3))
+    assert all(s.text.replace("<|endoftext|>", "") in ("alpha", "beta", "gamma") for s in out.samples)
+    with pytest.raises(ValueError, match="constraint must be"):
+        engine.generate("x", constraint="json")
+
+
+def test_stop_reason_constraint_when_nothing_is_allowed(engine):
+    """ignore_eos: once the grammar ended with EOS nothing may follow, so generation stops
+    with stop_reason "constraint" and the output so far (plain and speculative alike)."""
+    c = engine.constraint("regex", "[0-9]{3}")
+    outs = [engine.generate("n = ", max_new_tokens=30, draft=d, constraint=c, ignore_eos=True) for d in (0, 1, 3)]
+    for o in outs:
+        assert o.samples[0].stop_reason == "constraint"
+        assert o.tokens[-1] == 0 and len(o.text.replace("<|endoftext|>", "")) == 3
+    assert outs[0].tokens == outs[1].tokens == outs[2].tokens
+
+
+def _cli(capsys, *args):
+    from hyspec.cli import main
+
+    rc = main(["generate", "--prompt", "x = ", *args])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out, err)
+
+
+def test_cli_flags_parse_into_constraints(tmp_path):
+    from hyspec.cli import build_parser, constraint_from_args
+
+    eng = Engine.load()
+    schema_file = tmp_path / "s.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "a" | "b"\n')
+    cases = [(["--json-schema", str(schema_file)], "json_schema"), (["--json-schema", json.dumps(SCHEMA)], "json_schema"),
+             (["--constrain-json"], "json_object"), (["--regex", "[a-z]+"], "regex"),
+             (["--grammar", str(lark)], "grammar"), (["--choice", "a,b,c"], "choice"), ([], None)]
+    for flags, kind in cases:
+        args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+        c = constraint_from_args(eng, args)
+        assert (c.kind if c is not None else None) == kind, flags
+    with pytest.raises(SystemExit):  # one constraint at a time
+        build_parser().parse_args(["generate", "--prompt", "x", "--regex", "a", "--choice", "a,b"])
+
+
+def test_cli_generate_and_bad_constraint_errors(tmp_path, capsys):
+    r = _cli(capsys, "--choice", "yes,no", "--draft", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["text"].replace("<|endoftext|>", "") in ("yes", "no") and d["stop_reason"] == "eos"
+    bad = tmp_path / "bad.lark"
+    bad.write_text("start: foo(\n")
+    for flags, needle in [(["--json-schema", '{"type": "object", "not": {}}'], "--json-schema: Unimplemented keys"),
+                          (["--regex", "(ab"], "--regex: "), (["--grammar", str(bad)], f"--grammar {bad}: "),
+                          (["--grammar", str(tmp_path / "none.lark")], "--grammar: no such file")]:
+        r = _cli(capsys, *flags)
+        assert r.returncode == 2 and needle in r.stderr and r.stdout == "", (flags, r.stderr)
+
+
+def test_cli_prompts_file_with_a_constraint(tmp_path, capsys):
+    from hyspec.cli import main
+
+    f = tmp_path / "in.jsonl"
+    lines = [{"prompt": "a = ", "draft": 3}, {"prompt": "b = ", "temperature": 1.0, "seed": 2},
+             {"prompt_ids": [5, 6, 7], "draft": 2, "temperature": 1.0, "seed": 4}]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--prompts-file", str(f), "--out", str(out), "--max-new-tokens", "12",
+                 "--choice", "red,green,blue"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["stop_reason"] == "eos" and row["text"].replace("<|endoftext|>", "") in ("red", "green", "blue")
+    capsys.readouterr()

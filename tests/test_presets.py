@@ -1,0 +1,159 @@
+"""Bench presets with the published shapes (hyspec/presets.py): parameter counts against
+the published totals and an independent hand formula, bytes read per decode / verify /
+draft step, expected distinct experts, slots beside the weights, and a clean refusal to
+run GPU-size presets on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hyspec.presets import (
+    H200_BW,
+    PRESETS,
+    PUBLISHED,
+    build_on_device,
+    build_preset_model,
+    expected_distinct_experts,
+    preset_config,
+    slots_that_fit,
+    step_bytes,
+    summary,
+)
+
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return {n: {t: step_bytes(n, torch.bfloat16, t) for t in (1, 4)} for n in PRESETS}
+
+
+def test_published_shapes():
+    c = preset_config("qwen3.5-27b")
+    assert (c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size) == (5120, 64, 17408, 248320)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim) == (24, 4, 256, 64)
+    assert c.layer_types.count("full_attention") == 16 and c.layer_types[3] == "full_attention"
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim) == (16, 48, 128)
+    assert not c.has_moe and c.family == "qwen3_5"
+    c = preset_config("qwen3.5-35b-a3b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) == (2048, 40, 256, 8)
+    assert (c.moe_intermediate_size, c.shared_expert_intermediate_size, c.vocab_size) == (512, 512, 248320)
+    assert all(c.is_moe_layer(i) for i in range(40))
+    c = preset_config("qwen3-next-80b-a3b-fp8")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) == (2048, 48, 512, 10)
+    assert (c.moe_intermediate_size, c.shared_expert_intermediate_size, c.vocab_size) == (512, 512, 151936)
+    assert c.family == "qwen3_next" and c.rotary_dim == 64 and c.rope_theta == 1e7
+    assert c.raw["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_params_match_published_totals(steps, name):
+    s = steps[name][1]
+    pub = PUBLISHED[name]
+    assert abs(s["params_target"] / pub["total"] - 1) < 0.015, s["params_target"]  # within 1.5%
+    assert abs(s["params"] / pub["total"] - 1) < 0.02, s["params"]  # with the MTP head: within 2%
+    if "non_embedding" in pub:  # Qwen3-Next: 79B non-embedding (embedding table + LM head left out)
+        cfg = preset_config(name)
+        non_emb = s["params_target"] - 2 * cfg.vocab_size * cfg.hidden_size
+        assert abs(non_emb / pub["non_embedding"] - 1) < 0.01, non_emb
+    if name == "qwen3.5-35b-a3b":
+        assert abs(s["params_active"] / pub["active"] - 1) < 0.03, s["params_active"]
+
+
+def test_27b_params_by_hand(steps):
+    """Independent count from the config values (gated attention packs q | gate)."""
+    H, D, nq, nkv, I, V = 5120, 256, 24, 4, 17408, 248320
+    nk, nv, dk, dv, W = 16, 48, 128, 128, 4
+    attn = H * nq * D * 2 + 2 * H * nkv * D + nq * D * H + 2 * D
+    conv = 2 * nk * dk + nv * dv
+    gdn = H * conv + H * nv * dv + 2 * H * nv + conv * W + 2 * nv + dv + nv * dv * H
+    mlp = 3 * H * I
+    target = 2 * V * H + H + 16 * attn + 48 * gdn + 64 * (mlp + 2 * H)
+    mtp = 2 * H * H + 2 * H + attn + mlp + 2 * H + H
+    s = steps["qwen3.5-27b"][1]
+    assert s["params_target"] == target
+    assert s["params"] == target + mtp
+    # dense: a decode step reads every target weight but the embedding table (bf16; A_log/dt_bias fp32)
+    assert s["step_bytes"] == 2 * (target - V * H) + 2 * 48 * 2 * nv
+    assert steps["qwen3.5-27b"][4]["step_bytes"] == s["step_bytes"]
+
+
+def test_moe_step_bytes(steps):
+    for name, E, k, n_layers, inter in (("qwen3.5-35b-a3b", 256, 8, 40, 512),
+                                        ("qwen3-next-80b-a3b-fp8", 512, 10, 48, 512)):
+        s1, s4 = steps[name][1], steps[name][4]
+        H = 2048
+        fp8 = name.endswith("fp8")
+        per_expert = 3 * H * inter * (1 if fp8 else 2) + (3 * 4 * 4 * 16 if fp8 else 0)  # + fp32 128x128 scales
+        assert s1["expert_bytes"] == per_expert
+        assert s1["moe_layers"] == n_layers
+        assert s1["step_bytes"] == pytest.approx(s1["shared_bytes"] + n_layers * k * per_expert)
+        d4 = E * (1 - (1 - k / E) ** 4)
+        assert s4["experts_per_layer_expected"] == pytest.approx(d4)
+        assert s4["step_bytes"] == pytest.approx(s1["shared_bytes"] + n_layers * d4 * per_expert)
+        assert s4["step_bytes_worst"] == pytest.approx(s1["shared_bytes"] + n_layers * 4 * k * per_expert)
+        # the shared part holds the shared expert, router, attention/GDN and LM head, not the table
+        assert s1["shared_bytes"] < s1["weight_bytes_total"] - s1["routed_bytes_total"]
+
+
+def test_fp8_preset_bytes(steps):
+    s = steps["qwen3-next-80b-a3b-fp8"][1]
+    # ~1 byte per weight (+ bf16 embedding / LM head / small projections, fp32 block scales)
+    assert 80 * GB < s["weight_bytes_total"] < 84 * GB
+    # a decode step: ~1 byte per active weight, LM head in bf16
+    assert 3.5 * GB < s["step_bytes"] < 4.5 * GB
+
+
+def test_expected_distinct_experts():
+    assert expected_distinct_experts(512, 10, 1) == pytest.approx(10)
+    g = torch.Generator().manual_seed(0)
+    for E, k, t in ((512, 10, 4), (256, 8, 5), (8, 2, 3)):
+        hits = []
+        for _ in range(4000):
+            rows = [torch.randperm(E, generator=g)[:k] for _ in range(t)]
+            hits.append(len(torch.unique(torch.cat(rows))))
+        mc = sum(hits) / len(hits)
+        assert expected_distinct_experts(E, k, t) == pytest.approx(mc, rel=0.01)
+        assert expected_distinct_experts(E, k, t) <= min(E, t * k)
+
+
+def test_slots_beside_weights():
+    cfg = preset_config("qwen3.5-27b")
+    L = 32768
+    kv = 16 * 2 * 4 * 256 * 2 * L  # 16 attention layers, K+V, 4 heads of 256, bf16
+    draft = 2 * 4 * 256 * 2 * L
+    conv_dim = 2 * 16 * 128 + 48 * 128
+    lin = 48 * (3 * conv_dim * 2 + 48 * 128 * 128 * 4)  # conv window (bf16) + fp32 SSM state
+    r = slots_that_fit(cfg, torch.bfloat16, L, 10 * GB)
+    assert r["slot_bytes"] == kv + draft + lin
+    assert r["slots"] == int(10 * GB // (kv + draft + lin))
+    s = summary("qwen3.5-27b", lengths=(L,))
+    assert s["slots"][0]["slots"] == int((141e9 - s["weight_bytes"]) // r["slot_bytes"])
+    assert s["roofline_decode"]["ms"] == pytest.approx(s["decode_bytes"] / H200_BW * 1e3)
+
+
+def test_bench_refuses_presets_on_cpu(tmp_path, capsys):
+    from hyspec.bench import main
+
+    for name in PRESETS:
+        out = tmp_path / f"{name}.json"
+        assert main(["--config", name, "--device", "cpu", "--out", str(out)]) == 2
+        text = capsys.readouterr().out
+        assert "GPU-size" in text and "roofline" in text and "slots of" in text
+        r = json.loads(out.read_text())
+        assert "preset" in r["errors"] and r["preset"]["decode_bytes"] > 0
+
+
+def test_build_on_device_one_copy_in_dtype():
+    from hyspec.tiny import tiny_config
+
+    m = build_on_device(tiny_config("qwen3_5_moe"), "cpu", torch.bfloat16)
+    for n, p in m.named_parameters():
+        assert p.dtype == (torch.float32 if n.endswith(("A_log", "dt_bias")) else torch.bfloat16), n
+        assert torch.isfinite(p.float()).all()
+    assert torch.isfinite(m(torch.tensor([1, 2, 3]))).all()
+    with pytest.raises(RuntimeError, match="GPU FP8"):
+        build_preset_model("qwen3-next-80b-a3b-fp8", "cpu", torch.bfloat16)

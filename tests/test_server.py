@@ -1,0 +1,407 @@
+"""`hyspec serve` end to end: a real uvicorn server on 127.0.0.1 (free port), driven with the
+official `openai` client and httpx, outputs checked against the offline Engine."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from hyspec.engine import Engine  # noqa: E402
+from hyspec.sampling import SamplingParams  # noqa: E402
+from hyspec.server.app import ServerConfig, create_app  # noqa: E402
+from hyspec.server.thread import ServerThread  # noqa: E402
+
+MODEL = "hyspec-default"
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):"]
+
+
+@pytest.fixture(scope="module")
+def ref_engine():
+    return Engine.load()
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, draft=3, max_batch=8, max_queue=64))
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(eng, prompt, max_tokens, *, temperature=0.0, seed=0, n=1, draft=3, top_p=1.0, ignore_eos=False):
+    params = SamplingParams(temperature=temperature, seed=seed, top_p=top_p)
+    out = eng.generate(prompt, max_new_tokens=max_tokens, params=params, draft=draft, num_samples=n,
+                       ignore_eos=ignore_eos)
+    return [s.tokens for s in out.samples]
+
+
+def text_of(eng, tokens):
+    if tokens and tokens[-1] in eng.eos_ids:
+        tokens = tokens[:-1]
+    return eng.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def metric(server, name, labels=""):
+    body = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+-]+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+# ---- basics ------------------------------------------------------------------------------
+
+
+def test_health_models_tokenize(server, client, ref_engine):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    ids = ref_engine.encode(PROMPTS[0])
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == ids and r["count"] == len(ids)
+    assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == PROMPTS[0]
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert ref_engine.tokenizer.decode(r["tokens"]) == "user:\nhi\n\nassistant:\n"  # documented fallback
+
+
+def test_completions_equal_engine_greedy(client, ref_engine):
+    for prompt, draft in ((PROMPTS[0], 3), (PROMPTS[1], 0)):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"draft": draft, "return_token_ids": True})
+        want = reference(ref_engine, prompt, 12, draft=draft)[0]
+        c = r.choices[0]
+        assert c.token_ids == want
+        assert c.text == text_of(ref_engine, want)
+        assert c.finish_reason == ("stop" if want[-1] in ref_engine.eos_ids else "length")
+        assert r.usage.prompt_tokens == len(ref_engine.encode(prompt))
+        assert r.usage.completion_tokens == len(want)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # a batch of prompts, as strings and as token ids
+    ids = [ref_engine.encode(p) for p in PROMPTS[:2]]
+    r1 = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0)
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in r1.choices] == [c.text for c in r2.choices]
+    assert [c.index for c in r1.choices] == [0, 1]
+    assert r1.choices[1].text == text_of(ref_engine, reference(ref_engine, PROMPTS[1], 6)[0])
+
+
+def test_seeded_n_samples_reproducible(client, ref_engine):
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, n=3,
+              extra_body={"return_token_ids": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    want = reference(ref_engine, PROMPTS[2], 10, temperature=0.9, top_p=0.95, seed=1234, n=3)
+    assert [c.token_ids for c in a.choices] == want
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({tuple(t) for t in want}) > 1  # the samples differ from one another
+    assert a.usage.completion_tokens == sum(len(t) for t in want)
+
+
+def test_chat_and_streaming(server, client, ref_engine):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    want = reference(ref_engine, ids, 14, ignore_eos=True)[0]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=14, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == ref_engine.tokenizer.decode(want, skip_special_tokens=True)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 14
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=14, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    # completions streaming, n = 2 seeded: each index reassembles to the non-streamed text
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0.8, seed=7, n=2)
+    ns = client.completions.create(**kw)
+    parts = {0: "", 1: ""}
+    for ch in client.completions.create(**kw, stream=True):
+        for c in ch.choices:
+            parts[c.index] += c.text
+    assert parts == {c.index: c.text for c in ns.choices}
+
+
+def test_stop_strings(client, ref_engine):
+    toks = reference(ref_engine, PROMPTS[0], 24, ignore_eos=True)[0]
+    pieces = [ref_engine.tokenizer.decode([t]) for t in toks]
+    full = "".join(pieces)
+    # a stop string straddling the boundary between generated tokens 3 and 4
+    k = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    at = sum(len(p) for p in pieces[:k]) + 1
+    stop = full[at: at + len(pieces[k])]
+    cut = full.find(stop)
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+              stop=["@@never@@", stop], extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 24
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True) if ch.choices)
+    assert streamed == full[:cut]
+    assert stop not in streamed
+
+
+def test_logprobs(client, ref_engine):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    c = r.choices[0]
+    ids = ref_engine.encode(PROMPTS[1])
+    sc = ref_engine.score(ids + c.token_ids, top_logprobs=3)
+    want = sc["logprobs"][len(ids) - 1:]
+    assert c.logprobs.token_logprobs == pytest.approx(want, abs=1e-5)
+    assert len(c.logprobs.tokens) == 6 and all(len(t) == 3 for t in c.logprobs.top_logprobs)
+    for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+        assert max(top.values()) == pytest.approx(lp, abs=1e-6)  # greedy picks the top token
+    assert "".join(c.logprobs.tokens) == c.text
+    ch = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = "}], max_tokens=4,
+                                        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = ch.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 2 for e in content)
+    assert "".join(e.token for e in content) == ch.choices[0].message.content
+    # echo: the prompt comes back first, its first token without a logprob
+    e = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True, logprobs=1)
+    assert e.choices[0].text.startswith(PROMPTS[0])
+    assert e.choices[0].logprobs.token_logprobs[0] is None
+    assert len(e.choices[0].logprobs.tokens) == len(ref_engine.encode(PROMPTS[0])) + 3
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == e.choices[0].text
+    streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(e.choices[0].logprobs.token_logprobs)
+    assert streamed[1:] == pytest.approx(e.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
+
+
+BAD = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"n": 1000}, "n"),
+    ({"prompt": [[1, 2, 99999]]}, "prompt"),
+    ({"prompt": [5] * 5000}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"stop": 7}, "stop"),
+    ({"stop": ["a"] * 17}, "stop"),
+    ({"draft": 99}, "draft"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": 99}, "logprobs"),
+]
+
+
+def _check_error(resp, status, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in resp.text
+    if code:
+        assert err["code"] == code
+    return err
+
+
+def test_errors(server, client):
+    url = server.url + "/v1/completions"
+    for patch, param in BAD:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, **patch}
+        err = _check_error(httpx.post(url, json=body), 400)
+        assert err["param"] == param, (patch, err)
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    err = _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x", "response_format": rf}), 400)
+    assert "not supported yet" in err["message"]
+    ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, "response_format": {"type": "text"}})
+    assert ok.status_code == 200
+    _check_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    _check_error(httpx.post(server.url + "/v1/chat/completions",
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": -1}), 400)
+    _check_error(httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+    _check_error(httpx.post(server.url + "/v1/chat/completions",
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
+                 400)
+    _check_error(httpx.post(url, json={"model": "gpt-4", "prompt": "x"}), 404, "model_not_found")
+    _check_error(httpx.get(server.url + "/v1/nothing-here"), 404)
+    _check_error(httpx.post(url, content=b"x" * (5 << 20)), 413)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=-1)
+    assert ei.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=4)
+    # the server still answers normally
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
+
+
+def test_metrics_move(server, client):
+    before = {k: metric(server, k) for k in ("hyspec_generation_tokens_total", "hyspec_prompt_tokens_total",
+                                             "hyspec_spec_drafts_total", "hyspec_spec_draft_tokens_total",
+                                             "hyspec_time_to_first_token_seconds_count",
+                                             "hyspec_e2e_request_latency_seconds_count")}
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body={"draft": 3, "ignore_eos": True})
+    after = {k: metric(server, k) for k in before}
+    assert after["hyspec_generation_tokens_total"] - before["hyspec_generation_tokens_total"] == 8
+    assert after["hyspec_prompt_tokens_total"] - before["hyspec_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["hyspec_spec_drafts_total"] > before["hyspec_spec_drafts_total"]
+    assert after["hyspec_spec_draft_tokens_total"] > before["hyspec_spec_draft_tokens_total"]
+    assert after["hyspec_time_to_first_token_seconds_count"] == before["hyspec_time_to_first_token_seconds_count"] + 1
+    assert after["hyspec_e2e_request_latency_seconds_count"] == before["hyspec_e2e_request_latency_seconds_count"] + 1
+    body = httpx.get(server.url + "/metrics").text
+    for name in ("hyspec_requests_running", "hyspec_requests_waiting", "hyspec_inter_token_latency_seconds_bucket",
+                 "hyspec_prefix_cache_queries_total", "hyspec_prefix_cache_hits_total",
+                 "hyspec_prefix_cache_cached_tokens_total", "hyspec_spec_accepted_tokens_total",
+                 'hyspec_spec_accepted_tokens_per_pos_total{position="0"}', "hyspec_spec_mean_acceptance_length"):
+        assert name in body, name
+    assert 1.0 <= metric(server, "hyspec_spec_mean_acceptance_length") <= 4.0
+
+
+def test_concurrent_outputs_equal_engine(server, client, ref_engine):
+    """Mixed greedy / seeded, streamed / not, draft 0 / 3 requests at once: each equals the
+    offline engine's output for its own parameters."""
+    cases = []
+    for i in range(8):
+        cases.append(dict(prompt=PROMPTS[i % 3], max_tokens=8 + i % 3, temperature=0.0 if i % 2 else 0.7,
+                          seed=100 + i, draft=3 if i % 3 else 0, stream=i % 4 == 0))
+
+    def go(c):
+        kw = dict(model=MODEL, prompt=c["prompt"], max_tokens=c["max_tokens"], temperature=c["temperature"],
+                  seed=c["seed"], extra_body={"draft": c["draft"], "ignore_eos": True, "return_token_ids": True})
+        if c["stream"]:
+            return "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True) if ch.choices)
+        return client.completions.create(**kw).choices[0].token_ids
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(go, cases))
+    for c, g in zip(cases, got):
+        want = reference(ref_engine, c["prompt"], c["max_tokens"], temperature=c["temperature"], seed=c["seed"],
+                         draft=c["draft"], ignore_eos=True)[0]
+        assert g == (ref_engine.tokenizer.decode(want, skip_special_tokens=True) if c["stream"] else want), c
+
+
+def test_auth_queue_full_and_disconnect(ref_engine):
+    eng = Engine.load()
+    app = create_app(eng, ServerConfig(served_model_name=MODEL, draft=3, max_batch=1, max_queue=0, api_key="sekret",
+                                       max_body_bytes=64 << 10))
+    with ServerThread(app) as s:
+        url = s.url + "/v1/completions"
+        _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x"}), 401)
+        _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x"}, headers={"authorization": "Bearer no"}), 401)
+        assert httpx.get(s.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0, timeout=60)
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
+        _check_error(httpx.post(url, content=b"{" + b" " * (100 << 10) + b"}",
+                                headers={"authorization": "Bearer sekret"}), 413)
+        # capacity 1: while one sequence runs, another request is refused at once with 429
+        hdr = {"authorization": "Bearer sekret"}
+        with httpx.stream("POST", s.url + "/v1/chat/completions", headers=hdr, timeout=60,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 400,
+                                "temperature": 0, "stream": True, "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["delta"]["role"] == "assistant"
+            t = time.perf_counter()
+            r = httpx.post(url, headers=hdr, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert time.perf_counter() - t < 2.0
+            _check_error(r, 429)
+        # the client went away: its sequence is cancelled and the slot frees up
+        batched = app.state.hyspec.worker.batched
+        t_end = time.monotonic() + (10 if batched else 60)
+        while metric(s, "hyspec_requests_running") and time.monotonic() < t_end:
+            time.sleep(0.05)
+        if not batched:
+            pytest.skip("Engine.generate fallback: a running sequence cannot be cancelled mid-generation")
+        assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 1
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
+        # a non-streamed request whose client gives up is cancelled too
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, headers=hdr, timeout=1.0, json={"model": MODEL, "prompt": "x", "max_tokens": 400,
+                                                           "temperature": 0, "ignore_eos": True})
+        t_end = time.monotonic() + 10
+        while metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') < 2 and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 2
+        assert metric(s, "hyspec_requests_running") == 0
+
+
+def test_engine_fault_is_contained(monkeypatch):
+    """An exception inside the engine answers that request with a 500 in OpenAI's shape (no
+    traceback) and the server goes on serving."""
+    monkeypatch.setenv("HYSPEC_SERVE_SCHEDULER", "0")  # the sequential worker: the fault is easy to inject
+    eng = Engine.load()
+    real = eng.generate
+    poison = eng.encode("poison")
+
+    def generate(prompt, **kw):
+        if list(prompt) == poison:
+            raise RuntimeError("injected engine fault")
+        return real(prompt, **kw)
+
+    monkeypatch.setattr(eng, "generate", generate)
+    with ServerThread(create_app(eng, ServerConfig(served_model_name=MODEL))) as s:
+        url = s.url + "/v1/completions"
+        err = _check_error(httpx.post(url, json={"model": MODEL, "prompt": "poison", "max_tokens": 3}), 500)
+        assert "injected" not in err["message"]
+        r = httpx.post(url, json={"model": MODEL, "prompt": "poison", "max_tokens": 3, "stream": True})
+        assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]")
+        ok = httpx.post(url, json={"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_rounds_stream_and_requests_join_the_batch(server, client):
+    """With the batched engine: a stream gets tokens round by round, and a request that
+    arrives while a long one runs joins the batch and finishes first."""
+    st = server.server.config.app.state.hyspec if hasattr(server.server.config.app, "state") else None
+    if st is None or not st.worker.batched:
+        pytest.skip("the sequential Engine.generate fallback streams a request's tokens at its end")
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "draft": 3})
+    it = iter(stream)
+    first = next(it)
+    assert first.choices[0].text
+    t = time.perf_counter()
+    short = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    assert short.choices[0].finish_reason in ("length", "stop") and time.perf_counter() - t < 5
+    rest = [ch for ch in it if ch.choices and ch.choices[0].text]
+    assert len(rest) >= 20  # ~200 tokens at an acceptance length of ~2: many rounds, many chunks
+    stream.close()
+
+
+def test_cli_wiring_and_request_log(server, client, caplog):
+    """`hyspec serve` parses its flags into the app (defaults: the embedded model, K=3), and
+    each request logs one line with its id, tokens in/out, acceptance length and latency."""
+    import logging
+
+    from hyspec.cli import build_parser
+    from hyspec.server import build_parser as serve_parser
+    from hyspec.server import make_app
+
+    assert "serve" in build_parser().format_help()
+    args = serve_parser().parse_args(["--port", "0", "--max-batch", "4", "--api-key", "k"])
+    st = make_app(args).state.hyspec
+    assert (st.cfg.served_model_name, st.cfg.draft, st.cfg.max_batch, st.cfg.api_key) == ("hyspec-default", 3, 4, "k")
+    assert st.engine.model_dir.endswith("default_model")
+    with caplog.at_level(logging.INFO, logger="hyspec.server"):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith(r.id)]
+    assert len(lines) == 1
+    assert re.fullmatch(rf"{r.id} in={r.usage.prompt_tokens} out=5 accept_len=[0-9.]+ latency=[0-9.]+s finish=length",
+                        lines[0]), lines

@@ -1,0 +1,129 @@
+"""Stop-string matching / detokenisation and chat-template rendering (no server, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyspec.engine import DEFAULT_MODEL_DIR
+from hyspec.server.text import FALLBACK_CHAT_TEMPLATE, ChatTemplate, StopMatcher, TemplateError, load_chat_template
+from hyspec.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer(DEFAULT_MODEL_DIR)
+
+
+def _dec(tok):
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_across_token_boundary(tok):
+    text = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+    ids = tok.encode(text)
+    pieces = [tok.decode([t]) for t in ids]
+    # a stop string that starts inside one token and ends inside a later one
+    k = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 1)
+    start = sum(len(p) for p in pieces[:k]) + 1
+    stop = text[start: start + len(pieces[k]) - 1 + 1]
+    assert stop and text.find(stop) == start
+    m = StopMatcher(_dec(tok), [stop])
+    for j in range(0, len(ids), 3):  # rounds of 3 tokens
+        m.feed(ids[j: j + 3])
+        if m.stopped:
+            break
+    assert m.stopped and m.text == text[:start]
+    assert m.n_tokens == k + 2  # the token that completed the match is counted, later ones are not
+    assert m.emittable() == text[:start]
+
+
+def test_stop_holdback_and_no_stop(tok):
+    text = "x = 1\ny = 2\n"
+    ids = tok.encode(text)
+    m = StopMatcher(_dec(tok), ["y = 3"])
+    m.feed(ids)
+    assert not m.stopped and m.text == text
+    # streaming never shows a prefix of the stop string before it is ruled out
+    m2 = StopMatcher(_dec(tok), ["\ny = 3"])
+    m2.feed(tok.encode("x = 1\ny"))
+    assert m2.emittable() == "x = 1" and m2.emittable(final=True) == "x = 1\ny"
+    # no stop strings: everything is emittable, one decode per feed
+    m3 = StopMatcher(_dec(tok), None)
+    m3.feed(ids[:2])
+    m3.feed(ids[2:])
+    assert m3.emittable() == text and m3.n_tokens == len(ids)
+
+
+def test_drop_final_stop_id_and_incomplete_utf8(tok):
+    ids = tok.encode("a = 'é'")
+    m = StopMatcher(_dec(tok), [], drop_ids={0})
+    m.feed(ids + [0])
+    assert m.text == "a = 'é'" and m.n_tokens == len(ids) + 1
+    raw = "é".encode()  # two bytes -> two byte-level tokens in this vocabulary
+    byte_ids = [t for t in tok.encode("é")]
+    if len(byte_ids) == 2:
+        m2 = StopMatcher(_dec(tok), [])
+        m2.feed(byte_ids[:1])
+        assert m2.emittable() == ""  # half a character is held back
+        m2.feed(byte_ids[1:])
+        assert m2.emittable() == raw.decode()
+
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_chat_template_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    msgs = [{"role": "user", "content": "Write a loop."}, {"role": "assistant", "content": "for i in x:"},
+            {"role": "user", "content": "thanks"}]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    want = hf.apply_chat_template(msgs, chat_template=CHATML, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate(CHATML).render(msgs, add_generation_prompt=True) == want
+    # the same template read from a checkpoint's tokenizer_config.json
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    src, own, specials = load_chat_template(tmp_path)
+    assert own and src == CHATML and specials["eos_token"] == "<|im_end|>"
+
+
+def test_fallback_template_and_errors():
+    src, own, _ = load_chat_template(DEFAULT_MODEL_DIR)  # the default model has no chat template
+    assert not own and src == FALLBACK_CHAT_TEMPLATE
+    out = ChatTemplate(src).render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert out == "user:\nhi\n\nassistant:\n"
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
+    with pytest.raises(TemplateError, match="user first"):
+        strict.render([{"role": "assistant", "content": "x"}])
+    with pytest.raises(TemplateError):  # the sandbox refuses attribute games
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+
+
+def test_incremental_decode_equals_full_decode(tok):
+    """Committed text plus a re-decoded tail equals decoding everything at once, for rounds
+    of any size, multi-byte characters included; what is emittable is always a prefix of
+    the final text."""
+    import random
+
+    text = "naïve = '日本語 ✓ — ok'\nfor x in range(3):\n    print(x, '€')\n"
+    ids = tok.encode(text)
+    rng = random.Random(0)
+    for stops in (None, ["@@"]):
+        for _ in range(5):
+            m = StopMatcher(_dec(tok), stops, drop_ids={0})
+            i, shown = 0, []
+            while i < len(ids):
+                n = rng.randint(1, 4)
+                m.feed(ids[i: i + n])
+                i += n
+                cur = m.emittable()
+                assert text.startswith(cur)
+                assert len(cur) >= len(shown)
+                shown = cur
+            m.feed([0])  # a final EOS: counted, not shown
+            assert m.text == tok.decode(ids) == text and m.n_tokens == len(ids) + 1
