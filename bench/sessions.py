@@ -21,7 +21,6 @@ import argparse
 import json
 import lzma
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,10 +34,10 @@ from hyspec.engine import Engine  # noqa: E402
 
 
 def git_info() -> dict:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    from hyspec.provenance import git_state
 
-    return {"git_commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    st = git_state(ROOT)
+    return {"git_commit": st["commit"], "dirty": st["dirty"]}
 
 
 def heldout_text(min_chars: int) -> str:
