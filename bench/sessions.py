@@ -82,6 +82,9 @@ def logprob_diff(eng, prompt, k, n) -> tuple[float, bool]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    ap.add_argument("--config", default=None, choices=["b2"],
+                    help="instead of --model: hyspec bench's in-memory b2 model (random weights; text is "
+                         "tokenized with the default model's tokenizer, whose ids fit b2's vocabulary)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--turns", type=int, default=10)
@@ -95,7 +98,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    if args.config:
+        from hyspec.bench import B2, build_config_model
+        from hyspec.loading import parse_dtype
+
+        tok = Engine.load().tokenizer
+        eng = Engine(build_config_model(B2, torch.device(args.device), parse_dtype(args.dtype)), tok)
+    else:
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     ids = eng.encode(heldout_text(args.turns * args.user_tokens * 8))
     msgs = [ids[i * args.user_tokens:(i + 1) * args.user_tokens] for i in range(args.turns)]
     k = args.draft
@@ -140,7 +150,7 @@ def main(argv=None) -> int:
         "max_abs_logprob_diff_store_vs_cold": max((r["max_abs_logprob_diff_store_vs_cold"] or 0.0) for r in rows),
         "store": eng.store.stats(),
     }
-    res = {**git_info(), "bench": "sessions", "model": args.model or "default", "device": args.device,
+    res = {**git_info(), "bench": "sessions", "model": args.config or args.model or "default", "device": args.device,
            "dtype": args.dtype, "threads": args.threads, "draft": k, "user_tokens": args.user_tokens,
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,
            "turns": rows, "summary": summary}

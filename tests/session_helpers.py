@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import os
+
 import torch
 
 from hyspec.core.state import SeqState, same_state
@@ -10,9 +13,20 @@ from hyspec.engine import Engine
 MAX_NEW = 9
 
 
+# HYSPEC_TEST_DEVICE=cuda runs the session tests on the GPU (fp32 models there): the
+# promises are tested on CPU in CI and on the H200 with the same code
+DEVICE = os.environ.get("HYSPEC_TEST_DEVICE", "cpu")
+_on_device: dict = {}
+
+
 def engine(zoo, arch: str, variant: str = "coop", dtype: str = "float64") -> Engine:
     """A fresh Engine (its own prefix store and session slots) over a cached zoo model."""
-    return Engine(zoo.model("tiny", arch, dtype, variant))
+    if DEVICE == "cpu":
+        return Engine(zoo.model("tiny", arch, dtype, variant))
+    key = (arch, variant)
+    if key not in _on_device:
+        _on_device[key] = copy.deepcopy(zoo.model("tiny", arch, "float32", variant)).to(DEVICE)
+    return Engine(_on_device[key])
 
 
 def messages(vocab: int, n: int = 4, seed: int = 0) -> list[list[int]]:
