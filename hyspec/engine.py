@@ -266,6 +266,7 @@ class Engine:
                 spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
             cb = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
             res = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference, cb)
+            res.stats.setdefault("cached_tokens", 0)  # the fast path prefills the whole prompt
             sample = Sample(res.tokens, self.decode(res.tokens), res.stop_reason, res.stats)
             return self._output([sample], ids, draft > 0, capped, max_new_tokens)
         reqs = []
