@@ -2,8 +2,9 @@
 
 ReferenceBackend runs the model's own modules (hyspec/model): the readable definition,
 on the CPU or eagerly on any device. Every batched call runs in exact mode (row-invariant
-matmuls, one query row at a time in attention, the row-by-row Gated-DeltaNet scan), so a
-sequence's numbers never depend on which other sequences share the forward. Prefill
+matmuls, one query row at a time in attention, the row-by-row Gated-DeltaNet scan, norms
+in fixed row blocks on CUDA: hyspec.model.ops.row_reduce), so a sequence's numbers never
+depend on which other sequences share the forward. Prefill
 runs one sequence at a time in the chunked form.
 """
 
@@ -24,11 +25,6 @@ class ReferenceBackend:
     def __init__(self, model: HybridLM) -> None:
         self.model = model
         self.device = model.device
-        # torch's CUDA reductions (the norms) pick their strategy from the number of rows, so
-        # on a GPU a row's norm is not invariant to how many rows share the call: there the
-        # batched calls run one sequence at a time (each a function of that sequence alone);
-        # on the CPU the batched rows share one forward (tests/test_batch.py pins that)
-        self.stack_rows = self.device.type != "cuda"
         self.draft_vocab = draft_vocab(model)  # None, or a reduced draft vocabulary (mtp.d2t)
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
@@ -52,8 +48,6 @@ class ReferenceBackend:
     # -- a batch of sequences (exact) -----------------------------------------------------
     def mtp(self, items: list[tuple]) -> list[torch.Tensor]:
         """items: (draft_kv, tokens [n], hidden [n, H], start row) per sequence -> MTP hidden [n, H] each."""
-        if not self.stack_rows and len(items) > 1:
-            return [h for item in items for h in self.mtp([item])]
         sizes = [len(t) for _, t, _, _ in items]
         toks = self._ids([x for _, t, _, _ in items for x in t])
         h = torch.cat([hid for _, _, hid, _ in items])
@@ -69,8 +63,6 @@ class ReferenceBackend:
     def verify(self, items: list[tuple]) -> list[tuple]:
         """items: (cache, tokens [t], record) per sequence, appended at each cache's pos ->
         (pre [t, H], post [t, H], logits [t, V]) per sequence."""
-        if not self.stack_rows and len(items) > 1:
-            return [r for item in items for r in self.verify([item])]
         sizes = [len(t) for _, t, _ in items]
         toks = self._ids([x for _, t, _ in items for x in t])
         ctxs = [StepCtx(start=c.pos, exact=True, record=r) for c, _, r in items]

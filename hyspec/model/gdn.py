@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, sigmoid, silu, softplus
+from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, row_reduce, sigmoid, silu, softplus
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,7 +27,11 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    return x * torch.rsqrt(row_reduce(x, _sum_square) + eps)
+
+
+def _sum_square(x: torch.Tensor) -> torch.Tensor:
+    return (x * x).sum(-1, keepdim=True)
 
 
 # ---------------------------------------------------------------------------------------

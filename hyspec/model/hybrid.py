@@ -16,7 +16,7 @@ from hyspec.config import FULL, ModelConfig
 from hyspec.model.attention import GatedAttention, KVBuffer
 from hyspec.model.ffn import MLP, MoE
 from hyspec.model.gdn import GatedDeltaNet, LinearState
-from hyspec.model.ops import Linear, RMSNorm, StepCtx
+from hyspec.model.ops import Linear, RMSNorm, StepCtx, exact_rows
 
 
 class DecoderLayer(nn.Module):
@@ -132,13 +132,15 @@ class HybridLM(nn.Module):
             if cache is not None and ctx.start + n > cache.max_len:
                 raise ValueError(f"context full: {ctx.start + n} tokens exceed the cache's max length "
                                  f"{cache.max_len}")
-        x = self.model.embed_tokens(ids)
-        for i, layer in enumerate(self.model.layers):
-            x = layer.forward_batch(x, ctxs, [None if c is None else c.layer_state(i) for c in caches], sizes)
+        with exact_rows(ctxs[0].exact):
+            x = self.model.embed_tokens(ids)
+            for i, layer in enumerate(self.model.layers):
+                x = layer.forward_batch(x, ctxs, [None if c is None else c.layer_state(i) for c in caches], sizes)
+            post = self.model.norm(x)
         for cache, n in zip(caches, sizes):
             if cache is not None:
                 cache.pos += n
-        return x, self.model.norm(x)
+        return x, post
 
     def forward_hidden(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx) -> torch.Tensor:
         """ids [T] -> post-final-norm hidden [T, H] (see forward_states)."""
@@ -167,7 +169,8 @@ class HybridLM(nn.Module):
         """mtp_hidden for several sequences' rows stacked (each with its own draft KV)."""
         if self.mtp is None:
             raise ValueError("this checkpoint has no MTP head (no mtp.* weights): it cannot draft")
-        return self.mtp(self.model.embed_tokens(tokens), h_prev, ctxs, kvs, sizes)
+        with exact_rows(ctxs[0].exact):
+            return self.mtp(self.model.embed_tokens(tokens), h_prev, ctxs, kvs, sizes)
 
     def new_draft_kv(self, max_len: int) -> KVBuffer:
         c = self.cfg

@@ -8,6 +8,8 @@ K draft length.
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +114,46 @@ class Linear(nn.Module):
         return linear(x, self.weight, ctx)
 
 
+# Row reductions (norms) in exact mode. torch's CUDA reduction kernels choose how to split
+# a row's sum from the tensor's whole shape, so on a GPU the same row can round differently
+# when 1 or 4 or 64 rows share the call (seen on the H200: a bf16 verify of 4 rows != 4
+# decode steps for some prompts). Inside an exact forward (HybridLM.forward_batch with
+# exact ctxs) row reductions on CUDA therefore run in fixed blocks of 16 rows (zero-padded):
+# every call has the same shape, so a row's result depends on that row alone. On the CPU a
+# row's reduction does not depend on the row count (tests/test_exact.py, test_batch.py).
+_EXACT_ROWS = contextvars.ContextVar("hyspec_exact_rows", default=False)
+ROW_BLOCK = 16
+
+
+@contextmanager
+def exact_rows(on: bool = True):
+    """Within this block, row_reduce runs row-invariantly on CUDA (see above)."""
+    token = _EXACT_ROWS.set(on)
+    try:
+        yield
+    finally:
+        _EXACT_ROWS.reset(token)
+
+
+def row_reduce(x: torch.Tensor, fn) -> torch.Tensor:
+    """fn(x) for a per-row reduction over the last dim (e.g. the mean of squares, keepdim),
+    row-invariant inside exact_rows() on CUDA."""
+    if not (x.is_cuda and _EXACT_ROWS.get()) or x.dim() < 2:
+        return fn(x)
+    lead, D = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, D)
+    n = flat.shape[0]
+    pad = (-n) % ROW_BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, D)])
+    out = torch.cat([fn(flat[i: i + ROW_BLOCK]) for i in range(0, n + pad, ROW_BLOCK)])[:n]
+    return out.reshape(*lead, out.shape[-1])
+
+
+def _mean_square(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1, keepdim=True)
+
+
 class RMSNorm(nn.Module):
     """Zero-centred RMSNorm used by Qwen3-Next/3.5: x̂ · (1 + w), computed in fp32.
 
@@ -124,7 +166,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float() if x.dtype != torch.float64 else x
-        xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xhat = xf * torch.rsqrt(row_reduce(xf, _mean_square) + self.eps)
         return (xhat * (1.0 + self.weight.to(xhat.dtype))).to(x.dtype)
 
 
@@ -139,7 +181,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float() if dtype != torch.float64 else x
-        xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xhat = xf * torch.rsqrt(row_reduce(xf, _mean_square) + self.eps)
         y = self.weight * xhat.to(dtype)
         zf = z.float() if z.dtype != torch.float64 else z
         return (y * silu(zf)).to(dtype)
