@@ -73,8 +73,9 @@ def test_health_models_tokenize(server, client, ref_engine):
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert r["tokens"] == ids and r["count"] == len(ids)
     assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == PROMPTS[0]
-    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
-    assert ref_engine.tokenizer.decode(r["tokens"]) == "user:\nhi\n\nassistant:\n"  # documented fallback
+    msgs = [{"role": "user", "content": "def f(x):\n"}, {"role": "assistant", "content": "    return x"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    assert ref_engine.tokenizer.decode(r["tokens"]) == "def f(x):\n    return x"  # the documented plain fallback
 
 
 def test_completions_equal_engine_greedy(client, ref_engine):

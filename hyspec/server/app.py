@@ -24,7 +24,8 @@ from hyspec.server import schemas as S
 from hyspec.server.metrics import Metrics
 from hyspec.server.params import MAX_LOGPROBS, APIError, Limits, bad, check_prompt_ids, max_new_tokens, sampling
 from hyspec.server.params import ConstraintSpec, constraint_spec, stop_strings
-from hyspec.server.text import ChatTemplate, StopMatcher, TemplateError, load_chat_template
+from hyspec.chat_template import ChatTemplate, TemplateError, load_template
+from hyspec.server.text import StopMatcher
 from hyspec.server.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hyspec.server")
@@ -279,10 +280,11 @@ class ServerState:
         self.limits = Limits(vocab_size=mc.vocab_size, max_model_len=int(mc.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,
                              capacity=self.worker.capacity)
-        src, self.own_template, specials = load_chat_template(engine.model_dir)
-        if "eos_token" not in specials and engine.eos_ids:
+        src, where, specials = load_template(engine.model_dir)
+        self.own_template = where != "plain"
+        if specials.get("eos_token") is None and engine.eos_ids:
             specials["eos_token"] = self.tok.decode([engine.eos_ids[0]])
-        self.template = ChatTemplate(src, specials)
+        self.template = ChatTemplate(src, specials, where)
         try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
             from hyspec.constraints import vocab_for
 
