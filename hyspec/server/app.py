@@ -42,6 +42,7 @@ class ServerConfig:
     max_queue: int = 256
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    prefix_store: bool = True  # requests resume from / leave their end states in engine.store
 
 
 # ------------------------------------------------------------------------------------------
@@ -276,7 +277,9 @@ class ServerState:
         self.tok = engine.tokenizer
         mc = engine.model.cfg
         self.metrics = Metrics()
-        self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue)
+        self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
+                                   prefix_store=cfg.prefix_store)
+        self.metrics.prefix_store = self.worker.store is not None
         self.limits = Limits(vocab_size=mc.vocab_size, max_model_len=int(mc.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,
                              capacity=self.worker.capacity)
@@ -414,7 +417,10 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     # ---- simple endpoints --------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "engine": "batched" if st.worker.batched else "sequential"}
+        store = st.worker.store
+        return {"status": "ok", "engine": "batched" if st.worker.batched else "sequential",
+                "prefix_store": None if store is None else {k: store.stats()[k] for k in (
+                    "entries", "hits", "misses", "tokens_saved", "bytes_device", "bytes_host")}}
 
     def model_card():
         return {"id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "hyspec",
