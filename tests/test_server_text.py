@@ -7,8 +7,13 @@ import json
 
 import pytest
 
+from hyspec.chat_template import (
+    PLAIN_TEMPLATE,
+    ChatTemplate,
+    TemplateError,
+    load_template,
+)
 from hyspec.engine import DEFAULT_MODEL_DIR
-from hyspec.chat_template import PLAIN_TEMPLATE, ChatTemplate, TemplateError, load_template
 from hyspec.server.text import StopMatcher
 from hyspec.tokenizer import Tokenizer
 

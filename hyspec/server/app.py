@@ -19,12 +19,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hyspec.chat_template import ChatTemplate, TemplateError, load_template
 from hyspec.engine import derive_seed
 from hyspec.server import schemas as S
 from hyspec.server.metrics import Metrics
-from hyspec.server.params import MAX_LOGPROBS, APIError, Limits, bad, check_prompt_ids, max_new_tokens, sampling
-from hyspec.server.params import ConstraintSpec, constraint_spec, stop_strings
-from hyspec.chat_template import ChatTemplate, TemplateError, load_template
+from hyspec.server.params import (
+    MAX_LOGPROBS,
+    APIError,
+    ConstraintSpec,
+    Limits,
+    bad,
+    check_prompt_ids,
+    constraint_spec,
+    max_new_tokens,
+    sampling,
+    stop_strings,
+)
 from hyspec.server.text import StopMatcher
 from hyspec.server.worker import EngineWorker, Job, QueueFull
 
