@@ -8,12 +8,17 @@ Where the template comes from (first found):
   3. PLAIN_TEMPLATE: every message's content as is, concatenated, no role markers.
      The embedded default model is a Python *code* model, not an instruction-tuned chat
      model: with the plain template a chat with it is "type code, the model continues it".
+     The same fallback serves `hyspec chat` and `hyspec serve` (docs/server.md, docs/sessions.md).
 
 Rendering matches transformers' `apply_chat_template`: a sandboxed (immutable) Jinja
 environment with trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson`
 filter, the `raise_exception(message)` and `strftime_now(format)` globals, and the
 variables messages, add_generation_prompt, bos_token / eos_token / unk_token / pad_token
-(from tokenizer_config.json; a string or an AddedToken dict), tools=None, documents=None.
+(from tokenizer_config.json; a string or an AddedToken dict), tools=None, documents=None,
+plus any extra keyword arguments (the server's `chat_template_kwargs`).
+
+This is the one implementation: `hyspec chat` (hyspec/chat.py) and the server
+(hyspec/server/app.py) both use it.
 """
 
 from __future__ import annotations
@@ -65,8 +70,14 @@ def load_template(model_dir) -> tuple[str, str, dict]:
     d = Path(model_dir) if model_dir is not None else None
     cfg = {}
     if d is not None and (d / "tokenizer_config.json").is_file():
-        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        try:
+            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cfg = {}
+        if not isinstance(cfg, dict):
+            cfg = {}
     special = {k: _token_text(cfg.get(k)) for k in _SPECIAL}
+    special = {k: v if isinstance(v, str) else None for k, v in special.items()}
     tpl = cfg.get("chat_template")
     if isinstance(tpl, list):
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
@@ -74,7 +85,7 @@ def load_template(model_dir) -> tuple[str, str, dict]:
     if isinstance(tpl, str) and tpl:
         return tpl, "tokenizer_config.json", special
     if d is not None and (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(), "chat_template.jinja", special
+        return (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja", special
     return PLAIN_TEMPLATE, "plain", special
 
 
@@ -85,14 +96,39 @@ def render_chat(messages: list[dict], model_dir, add_generation_prompt: bool = T
 
 
 def render_template(source: str, messages: list[dict], add_generation_prompt: bool = True,
-                    special: dict | None = None) -> str:
+                    special: dict | None = None, tools=None, **kwargs) -> str:
+    """Render `source` (see the module docstring); kwargs are extra template variables."""
     import jinja2
 
     try:
-        tokens = {k: v for k, v in (special or {}).items() if v is not None}
-        return _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       tools=None, documents=None, **tokens)
+        variables = {"tools": tools, "documents": None}
+        variables.update({k: v for k, v in (special or {}).items() if v is not None})
+        variables.update(kwargs)
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        return _compile(source).render(**variables)
     except TemplateError:
         raise
     except jinja2.TemplateError as e:
         raise TemplateError(f"the chat template does not render: {e}") from None
+
+
+class ChatTemplate:
+    """A checkpoint's template, loaded once: `ChatTemplate.for_model(dir).render(messages)`."""
+
+    def __init__(self, source: str, special: dict | None = None, where: str = "given") -> None:
+        self.source, self.where = source, where
+        self.special = {k: v for k, v in (special or {}).items() if v is not None}
+        _compile(source)  # a template that does not parse fails here, not at the first request
+
+    @classmethod
+    def for_model(cls, model_dir) -> "ChatTemplate":
+        source, where, special = load_template(model_dir)
+        return cls(source, special, where)
+
+    @property
+    def plain(self) -> bool:
+        """True for the fallback (the checkpoint has no template of its own)."""
+        return self.where == "plain"
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        return render_template(self.source, messages, add_generation_prompt, self.special, tools=tools, **kwargs)

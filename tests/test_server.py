@@ -73,8 +73,9 @@ def test_health_models_tokenize(server, client, ref_engine):
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert r["tokens"] == ids and r["count"] == len(ids)
     assert httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == PROMPTS[0]
-    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
-    assert ref_engine.tokenizer.decode(r["tokens"]) == "user:\nhi\n\nassistant:\n"  # documented fallback
+    msgs = [{"role": "user", "content": "def f(x):\n"}, {"role": "assistant", "content": "    return x"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    assert ref_engine.tokenizer.decode(r["tokens"]) == "def f(x):\n    return x"  # the documented plain fallback
 
 
 def test_completions_equal_engine_greedy(client, ref_engine):
@@ -266,6 +267,63 @@ def test_metrics_move(server, client):
                  'hyspec_spec_accepted_tokens_per_pos_total{position="0"}', "hyspec_spec_mean_acceptance_length"):
         assert name in body, name
     assert 1.0 <= metric(server, "hyspec_spec_mean_acceptance_length") <= 4.0
+
+
+PREFIX_METRICS = ("hyspec_prefix_cache_queries_total", "hyspec_prefix_cache_hits_total",
+                  "hyspec_prefix_cache_cached_tokens_total")
+
+
+def test_second_chat_turn_resumes_from_the_prefix_store(server, client, ref_engine):
+    """Turn 2 repeats turn 1's messages + its reply + a new user message: the rendered prompt
+    (the plain template: contents concatenated) extends turn 1's prompt + generated tokens, so
+    the request resumes from turn 1's stored end state. Its output equals Engine.generate on
+    the same prompt from scratch (greedy), and the prefix-store metrics move."""
+    first = [{"role": "user", "content": "def fibonacci(n):"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=16, temperature=0,
+                                        extra_body={"draft": 3, "ignore_eos": True})
+    reply = r1.choices[0].message.content
+    assert r1.choices[0].finish_reason == "length"
+    p1 = ref_engine.encode(first[0]["content"])
+    gen1 = reference(ref_engine, p1, 16, draft=3, ignore_eos=True)[0]
+    assert reply == text_of(ref_engine, gen1)
+    before = {k: metric(server, k) for k in PREFIX_METRICS}
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "\n\ndef factorial(n):"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=12, temperature=0,
+                                        extra_body={"draft": 3})
+    after = {k: metric(server, k) for k in PREFIX_METRICS}
+    p2 = ref_engine.encode("".join(m["content"] for m in second))
+    # what makes the hit possible: re-encoding the text extends turn 1's token sequence here
+    assert p2[: len(p1) + len(gen1)] == p1 + gen1
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached == len(p1) + len(gen1) - 1  # the stored state; its pending last token is fed again
+    assert r2.usage.prompt_tokens == len(p2)
+    want = reference(ref_engine, p2, 12, draft=3)[0]
+    assert r2.choices[0].message.content == text_of(ref_engine, want)
+    assert r2.usage.completion_tokens == len(want)
+    assert after["hyspec_prefix_cache_queries_total"] == before["hyspec_prefix_cache_queries_total"] + 1
+    assert after["hyspec_prefix_cache_hits_total"] == before["hyspec_prefix_cache_hits_total"] + 1
+    assert after["hyspec_prefix_cache_cached_tokens_total"] == before["hyspec_prefix_cache_cached_tokens_total"] + cached
+    assert httpx.get(server.url + "/health").json()["prefix_store"]["hits"] >= 1
+
+
+def test_no_prefix_store_flag():
+    from hyspec.server import build_parser as serve_parser
+    from hyspec.server import make_app
+
+    st = make_app(serve_parser().parse_args(["--prefix-store-bytes", "12345"])).state.hyspec
+    assert st.worker.store is st.engine.store and st.engine.store.budget_bytes == 12345
+    st = make_app(serve_parser().parse_args(["--no-prefix-store"])).state.hyspec
+    assert st.worker.store is None and not st.metrics.prefix_store
+    with ServerThread(create_app(st.engine, st.cfg)) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "def fibonacci(n):"}]
+        r1 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "\n"}]
+        r2 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens == 0
+        assert all(metric(s, k) == 0 for k in PREFIX_METRICS)
+        assert httpx.get(s.url + "/health").json()["prefix_store"] is None
 
 
 def test_concurrent_outputs_equal_engine(server, client, ref_engine):

@@ -1,4 +1,5 @@
-"""Stop-string matching / detokenisation and chat-template rendering (no server, no model)."""
+"""Stop-string matching / detokenisation and chat-template rendering as the server uses it
+(hyspec/chat_template.py; no server, no model)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import json
 
 import pytest
 
+from hyspec.chat_template import (
+    PLAIN_TEMPLATE,
+    ChatTemplate,
+    TemplateError,
+    load_template,
+)
 from hyspec.engine import DEFAULT_MODEL_DIR
-from hyspec.server.text import FALLBACK_CHAT_TEMPLATE, ChatTemplate, StopMatcher, TemplateError, load_chat_template
+from hyspec.server.text import StopMatcher
 from hyspec.tokenizer import Tokenizer
 
 
@@ -88,20 +95,27 @@ def test_chat_template_matches_transformers(tmp_path):
     assert ChatTemplate(CHATML).render(msgs, add_generation_prompt=True) == want
     # the same template read from a checkpoint's tokenizer_config.json
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    src, own, specials = load_chat_template(tmp_path)
-    assert own and src == CHATML and specials["eos_token"] == "<|im_end|>"
+    src, where, specials = load_template(tmp_path)
+    assert where == "tokenizer_config.json" and src == CHATML and specials["eos_token"] == "<|im_end|>"
+    tpl = ChatTemplate.for_model(tmp_path)
+    assert not tpl.plain and tpl.render(msgs, add_generation_prompt=True) == want
 
 
 def test_fallback_template_and_errors():
-    src, own, _ = load_chat_template(DEFAULT_MODEL_DIR)  # the default model has no chat template
-    assert not own and src == FALLBACK_CHAT_TEMPLATE
-    out = ChatTemplate(src).render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert out == "user:\nhi\n\nassistant:\n"
+    src, where, _ = load_template(DEFAULT_MODEL_DIR)  # the default model has no chat template
+    assert where == "plain" and src == PLAIN_TEMPLATE
+    msgs = [{"role": "user", "content": "def f():\n"}, {"role": "assistant", "content": "    pass"}]
+    assert ChatTemplate(src).render(msgs, add_generation_prompt=True) == "def f():\n    pass"  # contents only
     strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
     with pytest.raises(TemplateError, match="user first"):
         strict.render([{"role": "assistant", "content": "x"}])
     with pytest.raises(TemplateError):  # the sandbox refuses attribute games
         ChatTemplate("{{ messages.__class__.__mro__ }}").render([])
+    with pytest.raises(TemplateError):  # a template that does not parse
+        ChatTemplate("{% for %}")
+    # chat_template_kwargs reach the template
+    t = ChatTemplate("{{ greeting }}{{ messages | length }}{{ add_generation_prompt }}")
+    assert t.render([{"role": "user", "content": "x"}], True, greeting="hi") == "hi1True"
 
 
 def test_incremental_decode_equals_full_decode(tok):

@@ -25,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--no-prefix-store", action="store_true",
+                   help="do not keep finished requests' end states in the prefix store nor resume prompts from it")
+    p.add_argument("--prefix-store-bytes", type=int, default=1 << 30,
+                   help="prefix store budget on the model's device (least recently used states beyond it move "
+                        "to host memory)")
+    p.add_argument("--prefix-store-host-bytes", type=int, default=4 << 30,
+                   help="prefix store budget in host memory (least recently used states beyond it are dropped)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -49,9 +56,17 @@ def make_app(args):
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {draft}")
     if draft and not eng.model.has_mtp:
         raise ValueError("this checkpoint has no MTP head: use --draft 0")
+    if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
+        raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
+    if not args.no_prefix_store:
+        from hyspec.prefix_store import PrefixStore
+
+        eng.store = PrefixStore(budget_bytes=args.prefix_store_bytes, host_budget_bytes=args.prefix_store_host_bytes,
+                                device=eng.model.device)
     name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
-                       api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+                       api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                       prefix_store=not args.no_prefix_store)
     return create_app(eng, cfg)
 
 

@@ -19,12 +19,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hyspec.chat_template import ChatTemplate, TemplateError, load_template
 from hyspec.engine import derive_seed
 from hyspec.server import schemas as S
 from hyspec.server.metrics import Metrics
-from hyspec.server.params import MAX_LOGPROBS, APIError, Limits, bad, check_prompt_ids, max_new_tokens, sampling
-from hyspec.server.params import ConstraintSpec, constraint_spec, stop_strings
-from hyspec.server.text import ChatTemplate, StopMatcher, TemplateError, load_chat_template
+from hyspec.server.params import (
+    MAX_LOGPROBS,
+    APIError,
+    ConstraintSpec,
+    Limits,
+    bad,
+    check_prompt_ids,
+    constraint_spec,
+    max_new_tokens,
+    sampling,
+    stop_strings,
+)
+from hyspec.server.text import StopMatcher
 from hyspec.server.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hyspec.server")
@@ -41,6 +52,7 @@ class ServerConfig:
     max_queue: int = 256
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    prefix_store: bool = True  # requests resume from / leave their end states in engine.store
 
 
 # ------------------------------------------------------------------------------------------
@@ -275,14 +287,17 @@ class ServerState:
         self.tok = engine.tokenizer
         mc = engine.model.cfg
         self.metrics = Metrics()
-        self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue)
+        self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
+                                   prefix_store=cfg.prefix_store)
+        self.metrics.prefix_store = self.worker.store is not None
         self.limits = Limits(vocab_size=mc.vocab_size, max_model_len=int(mc.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,
                              capacity=self.worker.capacity)
-        src, self.own_template, specials = load_chat_template(engine.model_dir)
-        if "eos_token" not in specials and engine.eos_ids:
+        src, where, specials = load_template(engine.model_dir)
+        self.own_template = where != "plain"
+        if specials.get("eos_token") is None and engine.eos_ids:
             specials["eos_token"] = self.tok.decode([engine.eos_ids[0]])
-        self.template = ChatTemplate(src, specials)
+        self.template = ChatTemplate(src, specials, where)
         try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
             from hyspec.constraints import vocab_for
 
@@ -412,7 +427,10 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
     # ---- simple endpoints --------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {"status": "ok", "engine": "batched" if st.worker.batched else "sequential"}
+        store = st.worker.store
+        return {"status": "ok", "engine": "batched" if st.worker.batched else "sequential",
+                "prefix_store": None if store is None else {k: store.stats()[k] for k in (
+                    "entries", "hits", "misses", "tokens_saved", "bytes_device", "bytes_host")}}
 
     def model_card():
         return {"id": cfg.served_model_name, "object": "model", "created": st.created, "owned_by": "hyspec",

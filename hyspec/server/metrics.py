@@ -45,10 +45,12 @@ class Metrics:
                                    registry=r)
         self._rounds = 0
         self._accepted = 0
+        self.prefix_store = True  # the server looks prompts up in a prefix store (--no-prefix-store: False)
 
     def observe_finish(self, reason: str, stats: dict) -> None:
         self.requests.labels(finish_reason=reason).inc()
-        self.prefix_queries.inc()
+        if self.prefix_store:
+            self.prefix_queries.inc()
         cached = int(stats.get("cached_tokens", 0) or 0)
         if cached > 0:
             self.prefix_hits.inc()

@@ -1,22 +1,9 @@
-"""Text side of the server: incremental detokenisation with stop strings, and chat templates.
+"""Text side of the server: incremental detokenisation with stop strings. (Chat templates:
+hyspec/chat_template.py, shared with `hyspec chat`.)
 
 Nothing here touches the model; everything is pure and unit-testable."""
 
 from __future__ import annotations
-
-import json
-from datetime import datetime
-from pathlib import Path
-
-# Used when a checkpoint has no `chat_template` (the embedded default model is a plain
-# Python-code model and has none). One block per message, "<role>:\n<content>\n\n", and
-# with add_generation_prompt the header of the assistant's turn. Documented in docs/server.md.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}:\n{{ message['content'] }}\n\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant:\n{% endif %}"
-)
 
 
 class StopMatcher:
@@ -115,78 +102,3 @@ class StopMatcher:
         while end > 0 and text[end - 1] == "\ufffd":
             end -= 1
         return text[:end]
-
-
-# --------------------------------------------------------------------------------------
-# Chat templates
-# --------------------------------------------------------------------------------------
-
-
-def load_chat_template(model_dir: str | Path | None) -> tuple[str, bool, dict]:
-    """(template source, whether it is the checkpoint's own, special tokens) for a checkpoint
-    directory: tokenizer_config.json's `chat_template` (a string, or a list of named
-    templates of which "default" is taken), else chat_template.jinja, else the fallback."""
-    specials: dict = {}
-    if model_dir is not None:
-        d = Path(model_dir)
-        cfg_path = d / "tokenizer_config.json"
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                cfg = {}
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-                v = cfg.get(key)
-                if isinstance(v, dict):
-                    v = v.get("content")
-                if isinstance(v, str):
-                    specials[key] = v
-            tpl = cfg.get("chat_template")
-            if isinstance(tpl, list):
-                named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-                tpl = named.get("default") or next(iter(named.values()), None)
-            if isinstance(tpl, str) and tpl:
-                return tpl, True, specials
-        jinja_path = d / "chat_template.jinja"
-        if jinja_path.is_file():
-            return jinja_path.read_text(encoding="utf-8"), True, specials
-    return FALLBACK_CHAT_TEMPLATE, False, specials
-
-
-class TemplateError(ValueError):
-    """The template refused the conversation (raise_exception) or failed to render."""
-
-
-class ChatTemplate:
-    """Renders a conversation the way transformers' apply_chat_template does: a sandboxed
-    jinja2 environment with trim_blocks / lstrip_blocks, the loopcontrols extension, a
-    `tojson` filter, and `raise_exception` / `strftime_now` globals."""
-
-    def __init__(self, source: str, specials: dict | None = None):
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(str(message))
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.template = env.from_string(source)
-        self.specials = dict(specials or {})
-
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
-        import jinja2
-
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=tools, **self.specials, **kwargs)
-        except TemplateError:
-            raise
-        except jinja2.TemplateError as e:
-            raise TemplateError(f"the chat template failed to render: {e}") from None

@@ -73,12 +73,16 @@ def scheduler_module():
 
 
 class EngineWorker:
-    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256) -> None:
+    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256, prefix_store: bool = True) -> None:
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
         self.max_queue = max(0, int(max_queue))
         self._sched_mod = scheduler_module()
         self.batched = self._sched_mod is not None
+        # the engine's prefix store (hyspec/prefix_store.py): every finished sequence leaves its
+        # end state there, and a prompt that extends a stored sequence resumes from it (batched
+        # path only; the sequential fallback neither stores nor looks up)
+        self.store = engine.store if (prefix_store and self.batched) else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting: deque[Job] = deque()  # engine thread only
@@ -212,12 +216,13 @@ class EngineWorker:
     def _step_batched(self) -> None:
         mod = self._sched_mod
         if self._sched is None:
-            self._sched = mod.Scheduler(self.engine.model, max_batch=self.max_batch)
+            self._sched = mod.Scheduler(self.engine.model, max_batch=self.max_batch, store=self.store)
         while self._waiting and len(self._running) < self.max_batch:
             job = self._pop_waiting()
             job._req = mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
                                    draft=job.draft, stop_ids=set(job.stop_ids), logprobs=job.logprobs,
-                                   constraint=job.constraint, on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job))
+                                   constraint=job.constraint, on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job),
+                                   use_store=self.store is not None, store_state=self.store is not None)
             try:
                 self._sched.submit(job._req)
             except ValueError as e:  # refused by the scheduler's own checks: this job only
@@ -253,7 +258,8 @@ class EngineWorker:
         eng = self.engine
         try:
             out = eng.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
-                               draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True, constraint=job.constraint)
+                               draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True, constraint=job.constraint,
+                               use_store=False)
         except ValueError as e:
             log.error("sequence failed in the engine: %s", e)
             self._finish(job, "error", {"error": str(e)})
