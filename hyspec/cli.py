@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", type=_ids, default=None, help="extra stop token ids")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's EOS ids")
     g.add_argument("--num-samples", type=int, default=1, help="independent completions (seeds derived from --seed)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: split the layers over this many processes (GPUs); see docs/multi-gpu.md")
     g.add_argument("--no-stream", action="store_true",
                    help="print the text when generation ends instead of as it is generated")
     _add_sampling_args(g)
@@ -191,7 +193,12 @@ def _load(args):
 
     from hyspec.engine import Engine
 
-    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    from hyspec import parallel
+
+    if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
+        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+    else:
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
     return eng
@@ -485,6 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     old_format = warnings.formatwarning
     warnings.formatwarning = _format_warning
     try:
+        if cmd in ("generate", "bench", "serve") and "--pp" in " ".join(argv):
+            from hyspec import parallel
+
+            pp = parallel.pp_from_argv(argv)
+            if pp > 1 and cmd == "serve":
+                raise ValueError("--pp is not wired into `hyspec serve` yet (docs/multi-gpu.md); use generate or bench")
+            if pp > 1 and parallel.ACTIVE is None:
+                return parallel.run_cli(argv, pp, main)
         if cmd == "bench":
             from hyspec.bench import main as bench_main
 

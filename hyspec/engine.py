@@ -123,6 +123,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
+        self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu") -> "Engine":
@@ -287,7 +288,7 @@ class Engine:
                             r.draft > 0)
 
     def _run_requests(self, reqs: list[Request], max_batch: int) -> None:
-        sched = Scheduler(self.model, max_batch=max_batch)
+        sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend)
         for i, r in enumerate(reqs):
             try:
                 sched.validate(r)
@@ -367,7 +368,8 @@ class Engine:
 
     def _fast_path(self, params: SamplingParams):
         """The CUDA-graph fast path (greedy, no penalties) when running on a GPU."""
-        if not self.model.device.type == "cuda" or not params.greedy or params.has_penalties:
+        if not self.model.device.type == "cuda" or not params.greedy or params.has_penalties \
+                or self.backend is not None:
             return None
         try:
             from hyspec import gpu
