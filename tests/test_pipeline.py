@@ -19,6 +19,7 @@ from conftest import ARCHS, make_cooperative
 
 from hyspec.engine import Engine
 from hyspec.loading import load_model
+from hyspec.parallel import free_port
 from hyspec.parallel.local import run_job, run_jobs
 from hyspec.parallel.pipeline import split_layers, stage_ranges
 from hyspec.spec.loop import SpecOptions
@@ -128,7 +129,7 @@ def test_cli_pp2_torchrun(ckpts):
     path = str(ckpts["qwen3_5"])
     args = ["generate", "--model", path, "--prompt-ids", "4,5,6", "--max-new-tokens", "8", "--draft", "2", "--json"]
     one = json.loads(_cli(args).stdout)
-    tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
           "-m", "hyspec.cli"]
     r = _cli(args + ["--pp", "2"], env={"OMP_NUM_THREADS": "1"}, launcher=tr)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
