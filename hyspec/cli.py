@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1, help="independent completions (seeds derived from --seed)")
     g.add_argument("--pp", type=int, default=1,
                    help="pipeline stages: split the layers over this many processes (GPUs); see docs/multi-gpu.md")
+    g.add_argument("--lanes", type=int, default=1,
+                   help="with --pp and several requests (--prompts-file, --num-samples): batch groups that alternate "
+                        "through the stages, so each stage works on one while the next works on another")
     g.add_argument("--no-stream", action="store_true",
                    help="print the text when generation ends instead of as it is generated")
     _add_sampling_args(g)
@@ -197,6 +200,7 @@ def _load(args):
 
     if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
         eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+        eng.lanes = getattr(args, "lanes", 1)
     else:
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:

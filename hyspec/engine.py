@@ -124,6 +124,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
+        self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu") -> "Engine":
@@ -294,9 +295,14 @@ class Engine:
                 sched.validate(r)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
-        for r in reqs:
-            sched.submit(r)
-        sched.run()
+        if self.lanes > 1 and len(reqs) > 1 and hasattr(self.backend, "driver"):
+            from hyspec.parallel.lanes import run_lanes
+
+            run_lanes(self.model, self.backend, reqs, max_batch=max_batch, lanes=self.lanes)
+        else:
+            for r in reqs:
+                sched.submit(r)
+            sched.run()
         for r in reqs:
             exc = getattr(r, "exception", None)
             if exc is not None:

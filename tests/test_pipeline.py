@@ -39,6 +39,12 @@ JOBS = [
     ("generate", {"prompt": P3, "max_new_tokens": 12, "draft": 2, "spec": SpecOptions(rollback="replay")}),
     ("generate_batch", {"prompts": [P1, P2, P3], "max_new_tokens": [10, 14, 12], "draft": [0, 2, 3],
                         "params": [{"temperature": 0.0}, SAMPLED, {"temperature": 0.0}], "max_batch": 3}),
+    # two-session lanes (hyspec/parallel/lanes.py): the same tokens
+    ("generate_batch", {"prompts": [P1, P2, P3, P2], "max_new_tokens": [10, 14, 12, 9], "draft": [3, 0, 2, 3],
+                        "params": [SAMPLED, {"temperature": 0.0}, {"temperature": 0.0}, SAMPLED], "max_batch": 4,
+                        "lanes": 2}),
+    ("generate", {"prompt": P2, "max_new_tokens": 10, "draft": 2, "params": SAMPLED, "num_samples": 3,
+                  "lanes": 2}),
 ]
 
 

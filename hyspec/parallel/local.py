@@ -30,6 +30,7 @@ def _params(kw: dict) -> dict:
 def run_job(eng, job):
     kind, kw = job
     kw = _params(kw)
+    eng.lanes = kw.pop("lanes", 1)
     if kind == "generate":
         return [s.tokens for s in eng.generate(**kw).samples]
     if kind == "generate_batch":

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import threading
 import time
 import traceback
 
@@ -104,39 +105,60 @@ class Link:
     def __init__(self, rank: int, world: int, device: torch.device) -> None:
         self.rank, self.world = rank, world
         self.comm_dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.wait_s = 0.0  # time spent blocked in recv (the bubble seen by this rank)
+        self.wait_s = 0.0  # time this rank had nothing to do: every lane blocked in a recv (the bubble)
+        self.lanes = 1  # threads that use this link (lanes on the driver); idle = all of them waiting
+        self._waiting = 0
+        self._idle_since = 0.0
+        self._mu = threading.Lock()
 
-    def send_obj(self, obj, dst: int) -> None:
+    def _wait_begin(self) -> None:
+        with self._mu:
+            self._waiting += 1
+            if self._waiting == self.lanes:
+                self._idle_since = time.perf_counter()
+
+    def _wait_end(self) -> None:
+        with self._mu:
+            if self._waiting == self.lanes:
+                self.wait_s += time.perf_counter() - self._idle_since
+            self._waiting -= 1
+
+    def send_obj(self, obj, dst: int, tag: int = 0) -> None:
         data = pickle.dumps(obj)
-        dist.send(torch.tensor([len(data)], dtype=torch.long, device=self.comm_dev), dst)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_dev), dst)
+        dist.send(torch.tensor([len(data)], dtype=torch.long, device=self.comm_dev), dst, tag=tag)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.comm_dev), dst, tag=tag)
 
-    def recv_obj(self, src: int):
-        t0 = time.perf_counter()
-        n = torch.empty(1, dtype=torch.long, device=self.comm_dev)
-        dist.recv(n, src)
-        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.comm_dev)
-        dist.recv(buf, src)
-        self.wait_s += time.perf_counter() - t0
+    def recv_obj(self, src: int, tag: int = 0):
+        self._wait_begin()
+        try:
+            n = torch.empty(1, dtype=torch.long, device=self.comm_dev)
+            dist.recv(n, src, tag=tag)
+            buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.comm_dev)
+            dist.recv(buf, src, tag=tag)
+        finally:
+            self._wait_end()
         return pickle.loads(buf.cpu().numpy().tobytes())
 
-    def send_x(self, x: torch.Tensor | None, dst: int, error: str | None = None) -> None:
-        dist.send(torch.tensor([0 if error is None else 1], dtype=torch.long, device=self.comm_dev), dst)
+    def send_x(self, x: torch.Tensor | None, dst: int, error: str | None = None, tag: int = 1) -> None:
+        dist.send(torch.tensor([0 if error is None else 1], dtype=torch.long, device=self.comm_dev), dst, tag=tag)
         if error is not None:
-            self.send_obj(error, dst)
+            self.send_obj(error, dst, tag=tag)
         else:
-            dist.send(x.contiguous().to(self.comm_dev), dst)
+            dist.send(x.contiguous().to(self.comm_dev), dst, tag=tag)
 
-    def recv_x(self, src: int, shape, dtype, device) -> torch.Tensor:
-        t0 = time.perf_counter()
-        st = torch.empty(1, dtype=torch.long, device=self.comm_dev)
-        dist.recv(st, src)
-        if int(st.item()) != 0:
-            self.wait_s += time.perf_counter() - t0
-            raise RuntimeError(f"pipeline stage before rank {self.rank} failed: {self.recv_obj(src)}")
-        x = torch.empty(shape, dtype=dtype, device=self.comm_dev)
-        dist.recv(x, src)
-        self.wait_s += time.perf_counter() - t0
+    def recv_x(self, src: int, shape, dtype, device, tag: int = 1) -> torch.Tensor:
+        """A stage's output rows from rank src (tag = 1 + lane)."""
+        self._wait_begin()
+        try:
+            st = torch.empty(1, dtype=torch.long, device=self.comm_dev)
+            dist.recv(st, src, tag=tag)
+            if int(st.item()) != 0:
+                raise RuntimeError(f"pipeline stage before rank {self.rank} failed: "
+                                   f"{self.recv_obj(src, tag=tag)}")
+            x = torch.empty(shape, dtype=dtype, device=self.comm_dev)
+            dist.recv(x, src, tag=tag)
+        finally:
+            self._wait_end()
         return x.to(device)
 
 
@@ -182,27 +204,44 @@ class Driver:
 
     def __init__(self, model: HybridLM, link: Link) -> None:
         self.model, self.link = model, link
-        self.ops: list[tuple] = []
+        self._ops: dict[int, list[tuple]] = {}
+        self._local = threading.local()  # .lane: which lane (thread) is calling
+        self._send = threading.Lock()  # one command message at a time on the wire
         self.forwards = 0
         self.compute_s = 0.0
         model.cache_factory = lambda max_len: PipelineCache(model.cfg, max_len, model.device, model.dtype,
                                                             model.stage_layers, self)
         model.forward_batch = self.forward_batch  # instance attribute: shadows the class method
 
+    @property
+    def lane(self) -> int:
+        return getattr(self._local, "lane", 0)
+
+    @lane.setter
+    def lane(self, v: int) -> None:
+        self._local.lane = v
+
+    @property
+    def ops(self) -> list[tuple]:
+        """The calling lane's queued cache operations (each cache belongs to one lane)."""
+        return self._ops.setdefault(self.lane, [])
+
     def forward_batch(self, ids, ctxs: list[StepCtx], caches: list, sizes: list[int], *, layers=None, x=None):
         if layers is not None or x is not None:
             raise ValueError("a pipelined model runs whole forwards only")
         check_batch(ctxs, caches, sizes)
+        lane = self.lane
         N = int(sum(sizes))
         fwd = {"ids": ids.tolist(), "sizes": list(sizes),
                "seqs": [(None if c is None else c.uid, 0 if c is None else c.max_len, ctx.start, ctx.exact, ctx.record,
                          ctx.chunked) for ctx, c in zip(ctxs, caches)]}
-        msg = {"ops": self.ops, "fwd": fwd}
-        self.ops = []
-        for r in range(self.link.world - 1):
-            self.link.send_obj(msg, r)
+        msg = {"ops": self.ops, "fwd": fwd, "lane": lane}
+        self._ops[lane] = []
+        with self._send:
+            for r in range(self.link.world - 1):
+                self.link.send_obj(msg, r)
         m = self.model
-        h = self.link.recv_x(self.link.rank - 1, (N, m.cfg.hidden_size), m.dtype, m.device)
+        h = self.link.recv_x(self.link.rank - 1, (N, m.cfg.hidden_size), m.dtype, m.device, tag=1 + lane)
         t0 = time.perf_counter()
         out = HybridLM.forward_batch(m, None, ctxs, caches, sizes, layers=m.stage_layers, x=h)
         self.compute_s += time.perf_counter() - t0
@@ -210,8 +249,9 @@ class Driver:
         return out
 
     def stop(self, result=None) -> None:
-        for r in range(self.link.world - 1):
-            self.link.send_obj({"stop": True, "result": result if r == 0 else None}, r)
+        with self._send:
+            for r in range(self.link.world - 1):
+                self.link.send_obj({"stop": True, "result": result if r == 0 else None}, r)
 
 
 class PipelineBackend(ReferenceBackend):
@@ -303,11 +343,11 @@ class Worker:
                     self._apply(op)
             except Exception:
                 error = f"rank {link.rank}: " + traceback.format_exc(limit=3)
-            fwd = msg["fwd"]
+            fwd, tag = msg["fwd"], 1 + msg.get("lane", 0)
             h = None
             if link.rank > 0:
                 try:
-                    h = link.recv_x(link.rank - 1, (len(fwd["ids"]), m.cfg.hidden_size), m.dtype, m.device)
+                    h = link.recv_x(link.rank - 1, (len(fwd["ids"]), m.cfg.hidden_size), m.dtype, m.device, tag=tag)
                 except RuntimeError as e:
                     error = error or str(e)
                 t0 = time.perf_counter()
@@ -319,7 +359,7 @@ class Worker:
                 except Exception:
                     error = f"rank {link.rank}: " + traceback.format_exc(limit=3)
             self.busy_s += time.perf_counter() - t0
-            link.send_x(x, link.rank + 1, error)
+            link.send_x(x, link.rank + 1, error, tag=tag)
 
 
 # ---------------------------------------------------------------------------------------
