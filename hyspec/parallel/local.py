@@ -29,6 +29,10 @@ def _params(kw: dict) -> dict:
 
 def run_job(eng, job):
     kind, kw = job
+    if kind == "mark":
+        if eng.backend is not None:
+            eng.backend.driver.mark()
+        return None
     kw = _params(kw)
     eng.lanes = kw.pop("lanes", 1)
     if kind == "generate":
@@ -56,9 +60,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, dtype: str, device: 
         if rank < world - 1:
             model = load_stage(path, world, rank, dtype=dtype, device=dev)
             w = Worker(model, link)
-            t0 = time.perf_counter()
             w.run()
-            wall = time.perf_counter() - t0
+            wall = time.perf_counter() - w.t_mark
             link.send_obj({"busy_s": w.busy_s, "wait_s": link.wait_s, "wall_s": wall, "forwards": w.forwards},
                           world - 1)
             return
@@ -66,13 +69,12 @@ def _rank_main(rank: int, world: int, port: int, path: str, dtype: str, device: 
         eng = parallel.active_engine(path, dtype=dtype, device=device)
         driver = parallel.ACTIVE["driver"]
         results, error = [], None
-        t0 = time.perf_counter()
         try:
             for job in jobs:
                 results.append(run_job(eng, job))
         except Exception as e:  # reported to the caller
             error = f"{type(e).__name__}: {e}"
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - driver.t_mark
         driver.stop()
         stats = {"driver": {"compute_s": driver.compute_s, "wait_s": link.wait_s, "wall_s": wall,
                             "forwards": driver.forwards},

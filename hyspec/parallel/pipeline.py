@@ -209,6 +209,7 @@ class Driver:
         self._send = threading.Lock()  # one command message at a time on the wire
         self.forwards = 0
         self.compute_s = 0.0
+        self.t_mark = time.perf_counter()
         model.cache_factory = lambda max_len: PipelineCache(model.cfg, max_len, model.device, model.dtype,
                                                             model.stage_layers, self)
         model.forward_batch = self.forward_batch  # instance attribute: shadows the class method
@@ -247,6 +248,14 @@ class Driver:
         self.compute_s += time.perf_counter() - t0
         self.forwards += 1
         return out
+
+    def mark(self) -> None:
+        """Start the timing counters here, on every rank (the bench calls it after warm-up)."""
+        with self._send:
+            for r in range(self.link.world - 1):
+                self.link.send_obj({"mark": True}, r)
+        self.link.wait_s, self.compute_s, self.forwards = 0.0, 0.0, 0
+        self.t_mark = time.perf_counter()
 
     def stop(self, result=None) -> None:
         with self._send:
@@ -288,6 +297,7 @@ class Worker:
         self.snaps: dict[int, dict[int, object]] = {}
         self.busy_s = 0.0
         self.forwards = 0
+        self.t_mark = time.perf_counter()
 
     def _cache(self, uid, max_len: int, start: int):
         if uid is None:
@@ -336,6 +346,10 @@ class Worker:
             msg = link.recv_obj(driver)
             if msg.get("stop"):
                 return msg.get("result")
+            if msg.get("mark"):
+                link.wait_s, self.busy_s, self.forwards = 0.0, 0.0, 0
+                self.t_mark = time.perf_counter()
+                continue
             t0 = time.perf_counter()
             error = None
             try:
