@@ -147,3 +147,13 @@ def test_cli_pp_errors(ckpts):
                         "--prompt-ids", "1,2", "--draft", "99", "--pp", "2"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--draft must be in" in r.stderr
+
+
+def test_bench_pp2(tmp_path):
+    out = tmp_path / "pp.json"
+    r = _cli(["bench", "--pp", "2", "--layers", "4", "--hidden", "64", "--batch", "2", "--new-tokens", "4",
+              "--prompt-len", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["mode"] for x in rows] == ["1 process", "--pp 2", "--pp 2 --lanes 2"]
+    assert all(x["same_tokens"] for x in rows) and all(0 <= b <= 1 for x in rows[1:] for b in x["bubble"])
+    assert "bubble" in r.stdout
