@@ -500,8 +500,6 @@ def main(argv: list[str] | None = None) -> int:
             from hyspec import parallel
 
             pp = parallel.pp_from_argv(argv)
-            if pp > 1 and cmd == "serve":
-                raise ValueError("--pp is not wired into `hyspec serve` yet (docs/multi-gpu.md); use generate or bench")
             if pp > 1 and parallel.ACTIVE is None and cmd != "bench":  # the pipeline bench starts its own ranks
                 return parallel.run_cli(argv, pp, main)
         if cmd == "bench":

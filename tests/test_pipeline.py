@@ -157,3 +157,40 @@ def test_bench_pp2(tmp_path):
     assert [x["mode"] for x in rows] == ["1 process", "--pp 2", "--pp 2 --lanes 2"]
     assert all(x["same_tokens"] for x in rows) and all(0 <= b <= 1 for x in rows[1:] for b in x["bubble"])
     assert "bubble" in r.stdout
+
+
+def test_serve_pp2(ckpts):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import signal
+    import time
+
+    path = ckpts["qwen3_5_moe"]
+    ref = Engine(load_model(path, dtype="float32"))
+    prompt = [3, 14, 15, 92, 65]
+    want = ref.generate(prompt, max_new_tokens=10, draft=2, ignore_eos=True).tokens
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "hyspec.cli", "serve", "--pp", "2", "--model", str(path), "--port",
+                          str(port), "--draft", "2", "--log-level", "warning"], cwd=ROOT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None, "server exited"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": path.name, "prompt": [prompt], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -95,8 +95,12 @@ def run_cli(argv: list[str], world: int, main) -> int:
             ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
             out, err = io.StringIO(), io.StringIO()
             rc = 1
+            # `serve` runs the HTTP server on this (driver) rank and logs live; other commands'
+            # output is handed to rank 0, which prints it
+            live = bool(argv) and argv[0] == "serve"
             try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                with contextlib.nullcontext() if live else contextlib.redirect_stdout(out), \
+                        contextlib.nullcontext() if live else contextlib.redirect_stderr(err):
                     rc = main(argv)
             finally:
                 driver = ACTIVE.get("driver")
