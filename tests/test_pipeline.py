@@ -111,9 +111,18 @@ def test_pipeline_matches_single_process(ckpts, arch):
 
 
 def _cli(args, env=None, launcher=None):
+    import signal
+
     cmd = (launcher or [sys.executable, "-m", "hyspec.cli"]) + args
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, **(env or {})})
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the ranks too
+        p.communicate()
+        raise
+    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     assert r.returncode == 0, r.stderr
     return r
 
@@ -194,3 +203,11 @@ def test_serve_pp2(ckpts):
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_three_stages(ckpts):
+    """A middle stage (receives from rank 0, sends to the driver) keeps the tokens too."""
+    path = ckpts["qwen3_next"]
+    jobs = [JOBS[1], JOBS[6], JOBS[7]]
+    eng = Engine(load_model(path, dtype="float32"))
+    assert run_jobs(path, jobs, world=3) == [run_job(eng, job) for job in jobs]

@@ -40,6 +40,12 @@ def _model_args(argv: list[str]):
     return args
 
 
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,6 +58,13 @@ def launch(argv: list[str], world: int) -> int:
     exit code (or the first failure's)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
            "LOCAL_WORLD_SIZE": str(world)}
+    import signal
+
+    def _term(*_):
+        raise KeyboardInterrupt
+
+    if threading_main():
+        signal.signal(signal.SIGTERM, _term)  # stop the ranks too
     procs = [subprocess.Popen([sys.executable, "-m", "hyspec.cli", *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     try:
