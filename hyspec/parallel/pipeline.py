@@ -399,7 +399,9 @@ def init(world: int, device: str = "cpu") -> tuple[int, torch.device]:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        timeout = datetime.timedelta(seconds=float(os.environ.get("HYSPEC_PP_TIMEOUT", "600")))
+        # a worker waits for the driver's next command as long as the driver lives (an idle
+        # server may send nothing for days); a dead rank ends the others through the launcher
+        timeout = datetime.timedelta(seconds=float(os.environ.get("HYSPEC_PP_TIMEOUT", str(365 * 86400))))
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return dist.get_rank(), dev
 
