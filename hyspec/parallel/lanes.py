@@ -7,8 +7,9 @@ lanes, the requests are dealt round-robin into `lanes` groups, each with its own
 (continuous batching inside the group), and each group's rounds run in their own driver
 thread: while the driver works on group A's verify rows (and A's accept and drafts), rank 0
 already runs group B's rows through its layers. Commands reach the workers in the order
-the driver sends them; each lane's stage outputs come back under its own message tag
-(1 + lane), so the lanes never read each other's rows. Every sequence's tokens are the same
+the driver sends them and served in that order, so the lanes take the replies in ticket
+(send) order, one receive at a time -- never depending on message tags (NCCL has none;
+gloo also tags each lane's replies with 1 + lane). Every sequence's tokens are the same
 as without lanes (exact mode: a row's result does not depend on its batch).
 """
 

@@ -31,6 +31,7 @@ At the end D sends {"stop": True, "result": (stdout, stderr, rc)} to every worke
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -146,9 +147,10 @@ class Link:
         else:
             dist.send(x.contiguous().to(self.comm_dev), dst, tag=tag)
 
-    def recv_x(self, src: int, shape, dtype, device, tag: int = 1) -> torch.Tensor:
+    def recv_x(self, src: int, shape, dtype, device, tag: int = 1, account: bool = True) -> torch.Tensor:
         """A stage's output rows from rank src (tag = 1 + lane)."""
-        self._wait_begin()
+        if account:
+            self._wait_begin()
         try:
             st = torch.empty(1, dtype=torch.long, device=self.comm_dev)
             dist.recv(st, src, tag=tag)
@@ -158,7 +160,8 @@ class Link:
             x = torch.empty(shape, dtype=dtype, device=self.comm_dev)
             dist.recv(x, src, tag=tag)
         finally:
-            self._wait_end()
+            if account:
+                self._wait_end()
         return x.to(device)
 
 
@@ -207,6 +210,16 @@ class Driver:
         self._ops: dict[int, list[tuple]] = {}
         self._local = threading.local()  # .lane: which lane (thread) is calling
         self._send = threading.Lock()  # one command message at a time on the wire
+        # replies come back in command order (the workers serve commands first come, first
+        # served), so the lanes receive in ticket order: no reliance on message tags (NCCL
+        # ignores them) and never two receives from the same rank at once
+        self._turn = threading.Condition()
+        # NCCL calls on one communicator must not run from two threads at once: there a
+        # lane's receive also holds the send lock (the lanes still alternate: a lane sends
+        # its next command as soon as the other lane's reply is in)
+        self._recv_lock = self._send if link.comm_dev.type == "cuda" else contextlib.nullcontext()
+        self._next_ticket = 0
+        self._serving = 0
         self.forwards = 0
         self.compute_s = 0.0
         self.t_mark = time.perf_counter()
@@ -239,10 +252,24 @@ class Driver:
         msg = {"ops": self.ops, "fwd": fwd, "lane": lane}
         self._ops[lane] = []
         with self._send:
+            ticket = self._next_ticket
+            self._next_ticket += 1
             for r in range(self.link.world - 1):
                 self.link.send_obj(msg, r)
         m = self.model
-        h = self.link.recv_x(self.link.rank - 1, (N, m.cfg.hidden_size), m.dtype, m.device, tag=1 + lane)
+        self.link._wait_begin()
+        try:
+            with self._turn:
+                while self._serving != ticket:
+                    self._turn.wait()
+            with self._recv_lock:
+                h = self.link.recv_x(self.link.rank - 1, (N, m.cfg.hidden_size), m.dtype, m.device, tag=1 + lane,
+                                     account=False)
+        finally:
+            self.link._wait_end()
+            with self._turn:
+                self._serving += 1
+                self._turn.notify_all()
         t0 = time.perf_counter()
         out = HybridLM.forward_batch(m, None, ctxs, caches, sizes, layers=m.stage_layers, x=h)
         self.compute_s += time.perf_counter() - t0
