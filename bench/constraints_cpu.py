@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hyspec import constraints as C  # noqa: E402
+from hyspec.provenance import git_state  # noqa: E402
 from hyspec.engine import Engine  # noqa: E402
 from hyspec.sampling import SamplingParams  # noqa: E402
 
@@ -49,13 +49,6 @@ SCHEMA = {
 PROMPTS = ["# module summary as JSON\nsummary = ", "def describe(mod):\n    return ", "config = ",
            "import json\n\ndata = json.loads('"]
 MAX_NEW = 128
-
-
-def git_meta() -> dict:
-    def run(*a):
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 
 class Timer:
@@ -134,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench/results/constraints_cpu.json"))
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    meta = git_meta()  # the code that runs: recorded before it runs
+    meta = git_state()  # the code that runs: recorded before it runs
     torch.set_num_threads(1)
     eng = Engine.load()
     import llguidance

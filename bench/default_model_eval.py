@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hyspec.engine import Engine  # noqa: E402
+from hyspec.provenance import git_state  # noqa: E402
 from hyspec.spec.replay import replay_acceptance  # noqa: E402
 from hyspec.spec.telemetry import SpecTelemetry  # noqa: E402
 from hyspec.train.corpus import load_corpus  # noqa: E402
@@ -39,7 +40,10 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft", type=int, default=3)
+    ap.add_argument("--parts", default="replay,generate", help="which parts to run (replay, generate)")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    git = git_state()  # the code that runs, recorded before it runs
     if a.device == "cpu":
         torch.set_num_threads(1)
 
@@ -47,7 +51,24 @@ def main() -> int:
     heldout = load_corpus(ROOT / "data/pystdlib_corpus.jsonl.xz")["heldout"]
     eos = eng.eos_ids[0]
 
-    # 1. replay over every held-out file (each file its own text, EOS-terminated)
+    replay = gen = None
+    if "replay" in parts:
+        replay = run_replay(eng, heldout, eos, a)
+    if "generate" in parts:
+        gen = run_generate(eng, heldout, a)
+    res = {
+        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "git": git,
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__} "
+                   f"threads {torch.get_num_threads()}", "device": a.device, "dtype": a.dtype,
+        "replay": replay, "generate": gen,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def run_replay(eng, heldout, eos, a) -> dict:
+    """Replay over every held-out file (each file its own text, EOS-terminated)."""
     t0 = time.perf_counter()
     tot_nll = tot_tok = 0.0
     tel_pos = 0
@@ -80,8 +101,11 @@ def main() -> int:
     print(f"replay: {tot_tok:.0f} held-out tokens, ppl {replay['perplexity']:.3f}; "
           f"acceptance length by K vs text {replay['acceptance_length_by_k']}, vs target's greedy "
           f"{replay['vs_target_acceptance_length_by_k']}")
+    return replay
 
-    # 2. generation from held-out prompts: plain vs speculative, same run
+
+def run_generate(eng, heldout, a) -> dict:
+    """Generation from held-out prompts: plain vs speculative, same run."""
     gens = []
     tel = SpecTelemetry()
     t_plain = t_spec = 0.0
@@ -108,15 +132,7 @@ def main() -> int:
     print(f"generate: {len(gens)} held-out prompts, outputs equal: {all_equal}; K={a.draft} acceptance length "
           f"{tel.acceptance_length:.3f}; {a.device} plain {gen['plain_tok_s']:.1f} tok/s, "
           f"speculative {gen['spec_tok_s']:.1f} tok/s ({gen['speedup']:.2f}x)")
-    res = {
-        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__} "
-                   f"threads {torch.get_num_threads()}", "device": a.device, "dtype": a.dtype,
-        "replay": replay, "generate": gen,
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
-    return 0
+    return gen
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hyspec.provenance import git_state  # noqa: E402
+
 PROMPTS = [
     "def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
     "def read_config(filename):\n    \"\"\"Read a config file.\"\"\"", "import json\n\n\ndef load(path):",
@@ -40,12 +42,6 @@ PROMPTS = [
     "def flatten(nested):", "import socket\n\n\ndef connect(host, port):", "def main():\n    parser = ",
     "def __repr__(self):\n    return", "try:\n    import numpy as np\nexcept ImportError:",
 ]
-
-
-def git_state() -> dict:
-    def run(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
 
 
 def pct(xs: list[float], q: float) -> float | None:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from hyspec.provenance import git_state
+
 B2 = {
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
     "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24, "full_attention_interval": 4,
@@ -378,7 +380,8 @@ def main(argv=None) -> int:
             "dtype": str(dtype).replace("torch.", ""),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "command": "hyspec bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "config": args.model or args.config, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+            "config": args.model or args.config, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "git": git_state()}
     log(f"# {meta}")
     result: dict = {"meta": meta, "errors": {}}
     t_start = time.perf_counter()

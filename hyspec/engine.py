@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 

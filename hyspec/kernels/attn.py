@@ -34,9 +34,9 @@ thing and waits for its predecessors before its first load (see ``hyspec.kernels
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
+
+from hyspec.kernels.pdl import kernels_per_mode
 
 __all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "BLOCK_N"]
 
@@ -48,17 +48,8 @@ def _p2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+@kernels_per_mode
 def _kernel():
-    """The compiled kernels for the current mode: Triton's interpreter when TRITON_INTERPRET=1 (CPU
-    tests) else the GPU JIT; built once per mode, so interpreter tests and GPU tests can share one
-    process whichever runs first."""
-    from hyspec.kernels.pdl import interpreting
-
-    return _build_kernel(interpreting())
-
-
-@lru_cache(maxsize=None)
-def _build_kernel(interpret: bool):
     import triton
     import triton.language as tl
 

@@ -30,12 +30,11 @@ torch model rounds), so in fp32 they agree with the model to float rounding.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from hyspec.kernels.pdl import launch_kwargs
+from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
 __all__ = [
     "rmsnorm", "rmsnorm_ref", "attn_prep", "attn_prep_ref", "attn_decode", "attn_decode_ref",
@@ -192,17 +191,8 @@ def expert_gemv_ref(x, w, ids, xdiv, *, act=False):
 # ======================================================================================
 # Triton kernels (defined lazily so the module imports without triton)
 # ======================================================================================
+@kernels_per_mode
 def _kernels():
-    """The compiled kernels for the current mode: Triton's interpreter when TRITON_INTERPRET=1 (CPU
-    tests) else the GPU JIT; built once per mode, so interpreter tests and GPU tests can share one
-    process whichever runs first."""
-    from hyspec.kernels.pdl import interpreting
-
-    return _build_kernels(interpreting())
-
-
-@lru_cache(maxsize=None)
-def _build_kernels(interpret: bool):
     import triton
     import triton.language as tl
 

@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from hyspec.kernels.pdl import launch_kwargs
+from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
 __all__ = [
     "skinny_matmul_ref",
@@ -127,17 +127,8 @@ def triton_available() -> bool:
     return True
 
 
+@kernels_per_mode
 def _kernels():
-    """The compiled kernels for the current mode: Triton's interpreter when TRITON_INTERPRET=1 (CPU
-    tests) else the GPU JIT; built once per mode, so interpreter tests and GPU tests can share one
-    process whichever runs first."""
-    from hyspec.kernels.pdl import interpreting
-
-    return _build_kernels(interpreting())
-
-
-@lru_cache(maxsize=None)
-def _build_kernels(interpret: bool):
     import triton
     import triton.language as tl
 

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["pdl_enabled", "set_pdl", "launch_kwargs", "interpreting"]
+__all__ = ["pdl_enabled", "set_pdl", "launch_kwargs", "interpreting", "kernels_per_mode"]
 
 _override: bool | None = None
 
@@ -33,6 +33,22 @@ _override: bool | None = None
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), read at each call."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_per_mode(build):
+    """Decorator for a module's lazy kernel builder: build() runs once per Triton mode (the
+    CPU interpreter when TRITON_INTERPRET=1, else the GPU JIT) and is cached per mode, so
+    interpreter and GPU kernels never mix whichever mode a process used first."""
+    built: dict = {}
+
+    def get():
+        mode = interpreting()
+        if mode not in built:
+            built[mode] = build()
+        return built[mode]
+
+    get.__doc__, get.__name__ = build.__doc__, build.__name__
+    return get
 
 
 def _supported() -> bool:

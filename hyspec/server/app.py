@@ -23,12 +23,14 @@ from hyspec.engine import derive_seed
 from hyspec.server import schemas as S
 from hyspec.server.metrics import Metrics
 from hyspec.server.params import MAX_LOGPROBS, APIError, Limits, bad, check_prompt_ids, max_new_tokens, sampling
-from hyspec.server.params import stop_strings
+from hyspec.server.params import ConstraintSpec, constraint_spec, stop_strings
 from hyspec.server.text import ChatTemplate, StopMatcher, TemplateError, load_chat_template
 from hyspec.server.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("hyspec.server")
 SSE = "text/event-stream"
+# how constraint errors name a response_format schema (the `param` stays "response_format")
+CONSTRAINT_ARGS = {"json_schema": "response_format.json_schema.schema", "json_object": "response_format"}
 
 
 @dataclass
@@ -205,12 +207,12 @@ class Run:
     def notify(self) -> None:
         self.event.set()
 
-    def add(self, prompt_ids, max_tokens, params, n, draft, stops, stop_ids, logprobs) -> None:
+    def add(self, prompt_ids, max_tokens, params, n, draft, stops, stop_ids, logprobs, constraint=None) -> None:
         self.prompts.append(prompt_ids)
         for j in range(n):
             p = params if j == 0 else replace(params, seed=derive_seed(params.seed, j))
             job = Job(prompt_ids=prompt_ids, max_new_tokens=max_tokens, params=p, draft=draft, stop_ids=stop_ids,
-                      logprobs=logprobs)
+                      logprobs=logprobs, constraint=None if constraint is None else constraint.clone())
             matcher = StopMatcher(self.state.decode_skip, stops, drop_ids=stop_ids)
             self.choices.append(Choice(self, len(self.choices), prompt_ids, job, matcher))
 
@@ -281,6 +283,12 @@ class ServerState:
         if "eos_token" not in specials and engine.eos_ids:
             specials["eos_token"] = self.tok.decode([engine.eos_ids[0]])
         self.template = ChatTemplate(src, specials)
+        try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
+            from hyspec.constraints import vocab_for
+
+            vocab_for(engine)
+        except Exception as e:  # noqa: BLE001 - no llguidance: constrained requests get a 400 later
+            log.debug("constraint vocabulary not prepared: %s", e)
         self.created = int(time.time())
 
     def decode_skip(self, ids: list[int]) -> str:
@@ -445,7 +453,28 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         return {"prompt": st.tok.decode(req.tokens)}
 
     # ---- generation --------------------------------------------------------------------
-    def common(req, prompts: list[list[int]], param: str, default_max, allow_zero: bool, logprobs, rid, t0) -> Run:
+    def build_constraint(spec: ConstraintSpec):
+        """The request's Constraint (built once; each sequence gets a clone). Any failure is
+        a 400 naming the field, with the library's message."""
+        try:
+            return engine.constraint(spec.kind, spec.value, arg=CONSTRAINT_ARGS.get(spec.kind, spec.param)
+                                     if spec.param == "response_format" else spec.param)
+        except ImportError as e:
+            raise APIError(400, f"{spec.param}: constrained decoding is not available on this server ({e})",
+                           param=spec.param, code="unsupported_value") from None
+        except Exception as e:  # noqa: BLE001 - the library's message on the user's input: a 400, never a 500
+            raise bad(str(e) or type(e).__name__, spec.param) from None
+
+    async def request_constraint(req):
+        """Validate the request's constraint fields and build its Constraint, off the event
+        loop (a few ms for ordinary schemas; a large one must not stall other requests)."""
+        spec = constraint_spec(req)
+        if spec is None:
+            return None
+        return await asyncio.to_thread(build_constraint, spec)
+
+    def common(req, prompts: list[list[int]], param: str, default_max, allow_zero: bool, logprobs, rid, t0,
+               constraint=None) -> Run:
         params, n, draft = sampling(req, st.limits)
         stops = stop_strings(req)
         stop_ids = set(req.stop_token_ids or ()) | (set() if req.ignore_eos else set(engine.eos_ids))
@@ -455,7 +484,7 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         for ids in prompts:
             check_prompt_ids(ids, st.limits, param)
             mt = max_new_tokens(req, len(ids), st.limits, default_max, allow_zero)
-            run.add(ids, mt, params, n, draft, stops, stop_ids, logprobs)
+            run.add(ids, mt, params, n, draft, stops, stop_ids, logprobs, constraint)
         return run
 
     async def watch_disconnect(request: Request) -> None:
@@ -559,7 +588,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
             raise bad(f"logprobs must be in 0..{MAX_LOGPROBS}, got {lp}", "logprobs")
         rid = "cmpl-" + uuid.uuid4().hex
-        run = common(req, prompts, "prompt", 16, bool(req.echo), lp, rid, t0)
+        constraint = await request_constraint(req)
+        run = common(req, prompts, "prompt", 16, bool(req.echo), lp, rid, t0, constraint)
         run.object, run.created = "text_completion", int(time.time())
         echo_lps: dict[int, list] = {}
         if req.echo and lp is not None:
@@ -638,7 +668,8 @@ def create_app(engine, cfg: ServerConfig | None = None) -> FastAPI:
         text = st.render_chat(req.messages, bool(req.add_generation_prompt), req.tools, req.chat_template_kwargs)
         ids = st.tok.encode(text)
         rid = "chatcmpl-" + uuid.uuid4().hex
-        run = common(req, [ids], "messages", None, False, lp, rid, t0)
+        constraint = await request_constraint(req)
+        run = common(req, [ids], "messages", None, False, lp, rid, t0, constraint)
         run.object, run.created = "chat.completion.chunk", int(time.time())
         run.start()
 

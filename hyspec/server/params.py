@@ -53,15 +53,63 @@ class Limits:
     capacity: int  # max_batch + max_queue
 
 
-def check_response_format(rf) -> None:
-    """Hook for constrained decoding. Only {"type": "text"} is accepted for now; the
-    structured-output work replaces this function (and returns a constraint for the job)."""
+GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
+          ("guided_choice", "choice"))
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request asks its output to match: a hyspec.constraints kind, its value, and
+    the request field it came from (error messages and `param` name it)."""
+
+    kind: str
+    value: object
+    param: str
+
+
+def check_response_format(rf) -> ConstraintSpec | None:
+    """OpenAI's response_format: text (or absent) -> None; json_object; json_schema with
+    json_schema.schema (name / strict / description are accepted; the schema is always
+    enforced, strict or not)."""
     if rf is None or rf.type == "text":
         return None
-    if rf.type in ("json_object", "json_schema"):
-        raise APIError(400, f"response_format type {rf.type!r} is not supported yet (only 'text')",
-                       param="response_format", code="unsupported_value")
-    raise bad(f"unknown response_format type {rf.type!r}", "response_format")
+    if rf.type == "json_object":
+        return ConstraintSpec("json_object", None, "response_format")
+    if rf.type == "json_schema":
+        js = rf.json_schema
+        if not isinstance(js, dict):
+            raise bad("response_format of type 'json_schema' needs a json_schema object "
+                      '({"name": ..., "schema": {...}})', "response_format")
+        schema = js.get("schema")
+        if schema is None:
+            raise bad("response_format.json_schema.schema is missing (the JSON schema the output must match)",
+                      "response_format")
+        if not isinstance(schema, dict):
+            raise bad("response_format.json_schema.schema must be a JSON object (a JSON schema), got "
+                      f"{type(schema).__name__}", "response_format")
+        if "name" in js and not isinstance(js["name"], str):
+            raise bad("response_format.json_schema.name must be a string", "response_format")
+        if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+            raise bad("response_format.json_schema.strict must be a boolean", "response_format")
+        return ConstraintSpec("json_schema", schema, "response_format")
+    raise bad(f"unknown response_format type {rf.type!r} (text | json_object | json_schema)", "response_format")
+
+
+def constraint_spec(req) -> ConstraintSpec | None:
+    """The request's one output constraint (response_format or a guided_* extension), or
+    None; two or more is a 400."""
+    found = []
+    rf = check_response_format(req.response_format)
+    if rf is not None:
+        found.append(rf)
+    for field, kind in GUIDED:
+        v = getattr(req, field, None)
+        if v is not None:
+            found.append(ConstraintSpec(kind, v, field))
+    if len(found) > 1:
+        names = ", ".join(f.param for f in found)
+        raise bad(f"at most one output constraint per request; this one has {names}", found[1].param)
+    return found[0] if found else None
 
 
 def check_prompt_ids(ids: list[int], lim: Limits, param: str) -> None:
@@ -142,7 +190,6 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
         if not 0 <= tid < lim.vocab_size:
             raise bad(f"stop_token_ids: {tid} is out of range for vocabulary size {lim.vocab_size}",
                       "stop_token_ids")
-    check_response_format(req.response_format)
     params = SamplingParams(temperature=float(t), top_k=top_k, top_p=float(top_p), min_p=float(min_p),
                             repetition_penalty=float(rp), frequency_penalty=float(req.frequency_penalty or 0.0),
                             presence_penalty=float(req.presence_penalty or 0.0), penalty_last_n=pln, seed=seed,

@@ -24,7 +24,7 @@ class StreamOptions(_Base):
 class ResponseFormat(_Base):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[dict[str, Any]] = None  # {"name", "schema", "strict", "description"}
 
 
 class _Sampling(_Base):
@@ -53,6 +53,11 @@ class _Sampling(_Base):
     return_token_ids: Optional[bool] = False  # extension: each choice also carries `token_ids`
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
+    # constrained decoding beyond response_format (extensions, vLLM's names); at most one
+    guided_json: Optional[Union[dict[str, Any], str]] = None  # a JSON schema (object or JSON text)
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None  # Lark grammar text (llguidance's dialect)
+    guided_choice: Optional[list[str]] = None
 
 
 class CompletionRequest(_Sampling):

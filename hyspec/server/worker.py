@@ -46,6 +46,7 @@ class Job:
     draft: int
     stop_ids: set[int]
     logprobs: int | None = None  # None: no logprobs; N >= 0: chosen token's logprob + top N
+    constraint: Any = None  # this sequence's own hyspec.constraints.Constraint (a clone), or None
     # loop-thread callbacks: on_tokens(ids, logprobs or None), on_finish(stop_reason, stats)
     on_tokens: Callable[[list[int], list | None], None] = lambda ids, lps: None
     on_finish: Callable[[str, dict], None] = lambda reason, stats: None
@@ -217,7 +218,7 @@ class EngineWorker:
             job = self._pop_waiting()
             job._req = mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
                                    draft=job.draft, stop_ids=set(job.stop_ids), logprobs=job.logprobs,
-                                   on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job))
+                                   constraint=job.constraint, on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job))
             try:
                 self._sched.submit(job._req)
             except ValueError as e:  # refused by the scheduler's own checks: this job only
@@ -253,7 +254,7 @@ class EngineWorker:
         eng = self.engine
         try:
             out = eng.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
-                               draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True)
+                               draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True, constraint=job.constraint)
         except ValueError as e:
             log.error("sequence failed in the engine: %s", e)
             self._finish(job, "error", {"error": str(e)})

@@ -1,0 +1,27 @@
+"""Where a result came from: the git commit of the code that produced it and whether the
+tree had uncommitted changes (every results file under bench/results records this)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_state(root: str | Path = ROOT) -> dict:
+    """{"commit": sha or None, "dirty": bool or None} of the checkout at `root` (None
+    outside a git checkout, e.g. an installed wheel). HYSPEC_GIT_COMMIT / HYSPEC_GIT_DIRTY
+    override both: for a copy of a working tree whose .git is not the one it was copied from
+    (the GPU machine gets such a copy)."""
+    if os.environ.get("HYSPEC_GIT_COMMIT"):
+        return {"commit": os.environ["HYSPEC_GIT_COMMIT"], "dirty": os.environ.get("HYSPEC_GIT_DIRTY", "0") == "1",
+                "source": "HYSPEC_GIT_COMMIT"}
+    def run(*args):
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = run("rev-parse", "HEAD")
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
