@@ -114,7 +114,12 @@ def run_cli(argv: list[str], world: int, main) -> int:
             try:
                 with contextlib.nullcontext() if live else contextlib.redirect_stdout(out), \
                         contextlib.nullcontext() if live else contextlib.redirect_stderr(err):
-                    rc = main(argv)
+                    try:
+                        rc = main(argv)
+                    except SystemExit as e:  # argparse: --help, usage errors
+                        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+                        if not isinstance(e.code, (int, type(None))):
+                            print(e.code, file=sys.stderr)
             finally:
                 driver = ACTIVE.get("driver")
                 result = (out.getvalue(), err.getvalue(), rc)
@@ -177,6 +182,12 @@ def active_engine(path, *, dtype: str, device: str):
     a = ACTIVE
     path = Path(path) if path is not None else default_model_dir()
     model = load_stage(path, a["world"], a["rank"], dtype=dtype, device=a["device"])
+    from hyspec.parallel.pipeline import stage_ranges
+
+    ranges = stage_ranges(model.cfg, a["world"], model.dtype)
+    print(f"[pipeline: {a['world']} stages, layers " + " | ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
+          + f", {a['link'].comm_dev.type} {'nccl' if a['link'].comm_dev.type == 'cuda' else 'gloo'}]",
+          file=sys.stderr)
     backend = PipelineBackend(model, a["link"])
     a["driver"] = backend.driver
     tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
