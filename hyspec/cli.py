@@ -1,4 +1,4 @@
-"""`hyspec` command line: generate, score, replay, make-tiny, bench, train, serve.
+"""`hyspec` command line: generate, score, replay, make-tiny, bench, train, serve, chat.
 
 Thin by design: parse, call the engine, print. Sampling and drafter flags are derived
 from the SamplingParams / SpecOptions dataclasses, so defaults cannot drift."""
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)
     sub.add_parser("train", help="train the small default model (see `hyspec train --help`)", add_help=False)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `hyspec serve --help`)", add_help=False)
+    sub.add_parser("chat", help="interactive chat with a kept session state (see `hyspec chat --help`)",
+                   add_help=False)
     return ap
 
 
@@ -514,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
             from hyspec.server import main as serve_main
 
             return serve_main(argv[1:])
+        if cmd == "chat":
+            from hyspec.chat import main as chat_main
+
+            return chat_main(argv[1:])
         args = build_parser().parse_args(argv)
         handlers = {"generate": _cmd_generate, "score": _cmd_score, "replay": _cmd_replay,
                     "make-tiny": _cmd_make_tiny}

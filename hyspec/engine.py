@@ -124,6 +124,46 @@ class Engine:
         self.model_dir = model_dir
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
+        self._store = None  # the prefix store (created with the first session, or by .store)
+        self._session_sched = None
+
+    # -- sessions and the prefix store ---------------------------------------------------
+    @property
+    def store(self):
+        """The engine's prefix store (hyspec/prefix_store.py): turn-boundary states that any
+        request extending them resumes from."""
+        if self._store is None:
+            from hyspec.prefix_store import PrefixStore
+
+            self._store = PrefixStore(device=self.model.device)
+        return self._store
+
+    @store.setter
+    def store(self, store) -> None:
+        """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...))."""
+        self._store = store
+        if self._session_sched is not None:
+            self._session_sched.store = store
+
+    def session(self, **kw):
+        """A conversation whose state is kept between turns (hyspec/session.py): draft, params,
+        spec, max_new_tokens, stop_ids, ignore_eos, use_store."""
+        from hyspec.session import Session
+
+        if self.backend is not None:
+            raise ValueError("sessions are not supported on a pipeline (--pp): the other stages do not keep "
+                             "session states (docs/multi-gpu.md)")
+        self.store  # noqa: B018  (sessions store their turn boundaries)
+        return Session(self, **kw)
+
+    def session_scheduler(self) -> Scheduler:
+        """The scheduler whose slot pool holds the sessions' slots between turns."""
+        if self._session_sched is None:
+            from hyspec.core.slots import SlotPool
+
+            self._session_sched = Scheduler(self.model, max_batch=16, pool=SlotPool(self.model, max_slots=1 << 16),
+                                            store=self.store)
+        return self._session_sched
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu") -> "Engine":
@@ -186,7 +226,7 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
                  draft: int = 0, spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                  num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
-                 constraint=None, logprobs: int | None = None) -> Output:
+                 constraint=None, logprobs: int | None = None, use_store: bool = True) -> Output:
         """draft = 0: plain decoding; draft = K: speculative with K drafts per round (spec
         gives the other drafter options; its k is replaced by `draft`). The samples of a
         --num-samples run decode together in one batch (each equals a run of its own).
@@ -200,7 +240,10 @@ class Engine:
 
         constraint: a hyspec.constraints.Constraint (see Engine.constraint) the output must
         match; each sample runs on its own clone, so the object passed in is not advanced.
-        A sample whose constraint allows no further token ends with stop_reason "constraint"."""
+        A sample whose constraint allows no further token ends with stop_reason "constraint".
+
+        use_store: resume from the longest prefix held in the engine's prefix store (sessions
+        fill it), prefilling only the rest."""
         params = params if params is not None else GREEDY
         if not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.SamplingParams (or None for greedy)")
@@ -222,6 +265,8 @@ class Engine:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
                                        stop_ids=()).tokens
         fast = self._fast_path(params) if constraint is None and logprobs is None else None
+        if use_store and self._store is not None and len(self._store):
+            fast = None  # the store's states resume through the engine core
         if fast is not None and num_samples == 1 and (spec is None or (
                 spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
             cb = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
@@ -234,7 +279,7 @@ class Engine:
             cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             reqs.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=p, draft=draft, spec=spec,
                                 stop_ids=stops, reference=reference, on_tokens=cb, logprobs=logprobs,
-                                constraint=None if constraint is None else constraint.clone()))
+                                constraint=None if constraint is None else constraint.clone(), use_store=use_store))
         self._run_requests(reqs, max_batch=num_samples)
         samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in reqs]
         out = self._output(samples, ids, draft > 0, capped, max_new_tokens)
@@ -288,7 +333,9 @@ class Engine:
                             r.draft > 0)
 
     def _run_requests(self, reqs: list[Request], max_batch: int) -> None:
-        sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend)
+        # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
+        sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
+                          store=self._store if self.backend is None else None)
         for i, r in enumerate(reqs):
             try:
                 sched.validate(r)

@@ -31,6 +31,13 @@ class Request:
         on_tokens       called as on_tokens(request, new_token_ids) after each round that emits
         on_finish       called as on_finish(request) once it is done
         telemetry       a SpecTelemetry to record rounds into (default: a fresh one)
+        keep            sessions: do not free the slot at the end; the Sequence is left in
+                        `sequence` (its state continues in a later request's `resume`)
+        resume          continue from a kept Sequence or a hyspec.core.state.SeqState; the
+                        prompt_ids are then only the tokens after it (may be empty when the
+                        state has a pending token)
+        use_store       look the prompt up in the scheduler's prefix store (if it has one)
+        store_state     put the final state into the scheduler's prefix store
     Outputs (filled by the scheduler)
         tokens          generated ids so far
         done            finished (see stop_reason: "eos" | "length" | "cancelled" | "constraint" | "error")
@@ -52,6 +59,10 @@ class Request:
     on_finish: Callable[["Request"], None] | None = None
     telemetry: Any = None
     request_id: Any = None
+    keep: bool = False
+    resume: Any = None
+    use_store: bool = True
+    store_state: bool = False
 
     tokens: list[int] = field(default_factory=list)
     done: bool = False
@@ -60,6 +71,7 @@ class Request:
     token_logprobs: list = field(default_factory=list)
     error: str | None = None
     cancel_requested: bool = False
+    sequence: Any = None
 
     def __post_init__(self) -> None:
         if self.request_id is None:

@@ -70,6 +70,8 @@ class Sequence:
         self.stops = stops
         self.vocab = vocab
         self.out: list[int] = req.tokens
+        self.feed: list[int] = self.prompt  # tokens the prefill runs (a resumed turn: only the new ones)
+        self.carry = None  # a resumed turn: the drafter rows still queued (hyspec.core.state.Carry)
         self.pending: int | None = None
         self.h_last = self.fill_h = self.last_logits = None
         self.fill_tokens: list[int] = []
@@ -291,7 +293,10 @@ def run_round(backend, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
             tok = choose_token(masked(s.last_logits[0], m), s.history, s.params, rd.base)
             s.pending = tok
             s.direct += 1
-            s.fill_tokens, s.fill_h, s.fill_start = [tok], s.h_last, rd.base - 1
+            if s.speculative and rd.k == 0:  # the drafter did not run: its queued rows stay queued
+                s.fill_tokens, s.fill_h = s.fill_tokens + [tok], torch.cat([s.fill_h, s.h_last])
+            elif s.speculative:
+                s.fill_tokens, s.fill_h, s.fill_start = [tok], s.h_last, rd.base - 1
             emitted[s] = s.emit([tok], [s.last_logits[0]])
         else:
             rd.vtok = ([s.pending] if s.pending is not None else []) + rd.drafts
@@ -315,6 +320,10 @@ def run_round(backend, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
         n, bonus = res
         if s.speculative:
             s.tel.record_round(len(rd.drafts), n)
+        for i, t in enumerate(rd.drafts[:n]):  # a stop among the accepted drafts ends the round there:
+            if t in s.stops:  # commit only what is emitted (the cache then matches the history)
+                n, bonus = i, t
+                break
         _commit(s, rd, n, vpre, vpost, rows, bonus)
         emitted[s] = s.emit(rd.drafts[:n] + ([bonus] if bonus is not None else []), list(rows[: n + 1]))
         if bonus is None:
@@ -336,9 +345,13 @@ def _commit(s: Sequence, rd: _Round, n: int, vpre, vpost, rows, bonus) -> None:
             s.rollback.keep(s.model, s.cache, rd.snap, j, rd.vtok)
         vseed = vpost if s.opts.hidden == "post" else vpre
         # draft rows for the committed tokens get the target's true hiddens, then the new pending
-        s.fill_tokens = rd.vtok[:j] + ([bonus] if bonus is not None else [])
-        s.fill_h = torch.cat([s.h_last, vseed[:j]])
-        s.fill_start = rd.base - 1
+        toks = rd.vtok[:j] + ([bonus] if bonus is not None else [])
+        hs = torch.cat([s.h_last, vseed[:j]])
+        if rd.k == 0 and s.fill_tokens:  # the drafter did not run: its queued rows (the last one
+            # is this round's (pending, h_last) pair again) stay queued
+            s.fill_tokens, s.fill_h = s.fill_tokens[:-1] + toks, torch.cat([s.fill_h[:-1], hs])
+        else:
+            s.fill_tokens, s.fill_h, s.fill_start = toks, hs, rd.base - 1
         if j > 0:
             s.h_last = vseed[j - 1: j]
         s.last_logits = rows[n: n + 1]

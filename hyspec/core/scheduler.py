@@ -20,6 +20,7 @@ from hyspec.core.backend import PREFILL_CHUNK, ReferenceBackend
 from hyspec.core.request import Request
 from hyspec.core.round import Sequence, choose_token, masked, run_round
 from hyspec.core.slots import SlotPool
+from hyspec.core.state import Carry, RoundTxn, SeqState, capture, carry_of, drafter_of, restore_into
 from hyspec.sampling import SamplingParams
 
 MAX_DRAFT = 16
@@ -57,7 +58,7 @@ def spec_options(req: Request):
 
 class Scheduler:
     def __init__(self, model, *, max_batch: int = 16, backend=None, pool: SlotPool | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, store=None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model = model
@@ -69,12 +70,20 @@ class Scheduler:
         self.prefilling: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.rounds = 0
+        self.store = store  # a hyspec.prefix_store.PrefixStore: prompts resume from its longest stored prefix
 
     # -- requests ----------------------------------------------------------------------
     def validate(self, req: Request):
         """Check a request before it is queued; returns (SpecOptions or None, stop set)."""
         cfg = self.model.cfg
-        check_prompt(req.prompt_ids, cfg.vocab_size)
+        if req.resume is None:
+            check_prompt(req.prompt_ids, cfg.vocab_size)
+        elif req.prompt_ids:
+            check_prompt(req.prompt_ids, cfg.vocab_size)
+        elif req.resume.pending is None:
+            raise ValueError("nothing to send: the conversation has no pending token, give at least one token")
+        if req.resume is not None and isinstance(req.max_new_tokens, int) and req.max_new_tokens == 0:
+            raise ValueError("a resumed request needs max_new_tokens >= 1")
         if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {req.max_new_tokens!r}")
         if not isinstance(req.params, SamplingParams):
@@ -122,10 +131,13 @@ class Scheduler:
             worked = True
         if self.active:
             batch = list(self.active)
+            txn = {s: RoundTxn(s) for s in batch if s.req.keep}  # kept sequences: the round is a transaction
             try:
                 emitted = run_round(self.backend, batch)
             except Exception as e:  # a failed round ends its sequences, never the scheduler
                 for s in batch:
+                    if s in txn:
+                        txn[s].restore(s)  # back to the last committed state, still usable
                     self._finish(s, "error", e)
                 return True
             self.rounds += 1
@@ -150,6 +162,7 @@ class Scheduler:
         return dropped
 
     def _admit(self, req: Request) -> None:
+        t0 = time.perf_counter()  # the time to first token counts the store lookup and restore too
         try:
             opts, stops = self.validate(req)
             if opts is not None:
@@ -159,11 +172,35 @@ class Scheduler:
                 k = opts.k
             else:
                 rollback, k = None, 0
-            slot = self.pool.alloc(len(req.prompt_ids) + req.max_new_tokens + k + 2)
+            resume, new = req.resume, list(req.prompt_ids)
+            if resume is None and self.store is not None and req.use_store:
+                resume = self.store.lookup(new, drafter=opts.hidden if opts is not None else None)
+                if resume is not None:
+                    new = new[len(resume.tokens):]
+            if resume is None:
+                slot = self.pool.alloc(len(new) + req.max_new_tokens + k + 2)
+            else:
+                if opts is not None and (resume.drafter if isinstance(resume, SeqState) else drafter_of(resume)) \
+                        != opts.hidden:
+                    raise ValueError("this conversation state has no drafter rows for speculation "
+                                     f"(hidden={opts.hidden!r}): it was decoded without drafts")
+                pending = [resume.pending] if resume.pending is not None else []
+                need = (resume.pos if isinstance(resume, SeqState) else resume.cache.pos) + len(pending) + len(new) \
+                    + req.max_new_tokens + k + 2
+                if isinstance(resume, SeqState):
+                    slot = self.pool.alloc(need)
+                    restore_into(resume, slot)
+                else:
+                    slot = resume.slot
+                    if need > slot.length:  # grow (keeping every row), with headroom for later turns
+                        slot.grow(self.model, max(need, slot.length + slot.length // 2))
         except Exception as e:
             self._finish_request(req, "error", e)
             return
         seq = Sequence(self.model, req, slot, opts, rollback, stops)
+        seq.t_start = t0
+        if resume is not None:
+            self._resume(seq, resume, new)
         if req.max_new_tokens == 0:
             self._finish(seq, "length")
             return
@@ -173,22 +210,31 @@ class Scheduler:
         """Run the next chunk of s's prompt; when the prompt is done, take its first token
         and move it to the active batch."""
         try:
-            P = len(s.prompt)
-            part = s.prompt[s.prefilled: s.prefilled + self.prefill_chunk]
+            part = s.feed[s.prefilled: s.prefilled + self.prefill_chunk]
             pre, post = self.backend.prefill(s.cache, part)
             s.prefilled += len(part)
             if s.speculative:
                 s.hidden_parts.append(post if s.opts.hidden == "post" else pre)
-            if s.prefilled < P:
+            if s.prefilled < len(s.feed):
                 return
             self.prefilling.popleft()
-            self._start(s, P, post)
+            self._start(s, post)
         except Exception as e:
             if s in self.prefilling:
                 self.prefilling.remove(s)
             self._finish(s, "error", e)
 
-    def _start(self, s: Sequence, P: int, post: torch.Tensor) -> None:
+    def _resume(self, s: Sequence, src, new: list[int]) -> None:
+        """Set a new turn's Sequence up to continue `src` (a kept Sequence or a SeqState):
+        the history is the whole transcript, the prefill runs [pending] + the new tokens."""
+        s.prompt = list(src.tokens if isinstance(src, SeqState) else src.history) + new
+        s.feed = ([src.pending] if src.pending is not None else []) + new
+        s.carry = carry_of(src) if s.speculative else None
+        if s.speculative and s.opts.adaptive and src.k_next:
+            s.k_next = max(s.opts.adaptive_floor, min(src.k_next, s.opts.k))
+
+    def _start(self, s: Sequence, post: torch.Tensor) -> None:
+        P = s.cache.pos  # absolute position of the next token (= len(s.prompt))
         s.last_logits = self.backend.logits(post[-1:])  # [1, V] the row predicting position P
         s.t_prefilled = time.perf_counter()
         if s.speculative:
@@ -205,15 +251,21 @@ class Scheduler:
             kept = s.emit([s.pending], [s.last_logits[0]])
             if kept and s.req.on_tokens is not None:
                 s.req.on_tokens(s.req, kept)
-            fill_tokens, fill_h = s.prompt[1:] + [s.pending], (seed_h if s.speculative else None)
-        else:  # the no-pending form: the first round drafts straight from the prompt
-            fill_tokens, fill_h = s.prompt[1:], seed_h[:-1]
         if s.speculative:
-            # draft rows 0..m-2 now (this sequence alone); the last pair is the first round's refill
+            # drafter pairs (token r+1, hidden r): the queued ones, then the fed tokens with their
+            # hiddens, then the new pending token (the no-pending form keeps the last hidden back)
+            c = s.carry if s.carry is not None else Carry([], seed_h[:0], 0, seed_h[:0], True)
+            fill_tokens = c.tokens + (s.feed[1:] if c.first_queued else s.feed)
+            fill_h = torch.cat([c.h] + ([] if c.first_queued else [c.h_last]) + [seed_h[:-1]])
+            if s.pending is not None:
+                fill_tokens, fill_h = fill_tokens + [s.pending], torch.cat([fill_h, seed_h[-1:]])
+            # draft rows up to the last pair now (this sequence alone); the last pair is the first round's refill
             m = len(fill_tokens)
             if m > 1:
-                self.backend.prefill_draft(s.slot.draft_kv, fill_tokens[:-1], fill_h[:-1], 0)
-            s.fill_tokens, s.fill_h, s.fill_start = fill_tokens[-1:], fill_h[-1:], m - 1
+                self.backend.prefill_draft(s.slot.draft_kv, fill_tokens[:-1], fill_h[:-1], c.start)
+            s.fill_tokens, s.fill_h, s.fill_start = fill_tokens[-1:], fill_h[-1:], c.start + m - 1
+            s.carry = None
+        s.started = True
         if s.reason is not None:
             self._finish(s, s.reason)
         else:
@@ -225,8 +277,14 @@ class Scheduler:
             self.active.remove(s)
         if s in self.prefilling:
             self.prefilling.remove(s)
-        self.pool.release(s.slot)
+        if s.req.keep:
+            s.req.sequence = s  # the slot stays held: a session continues from it
+        else:
+            self.pool.release(s.slot)
         s.req.stats = sequence_stats(s)
+        if s.req.store_state and self.store is not None and exc is None and getattr(s, "started", False) \
+                and reason in ("eos", "length", "constraint"):
+            self.store.put(capture(s))
         self._finish_request(s.req, reason, exc)
 
     def _finish_request(self, req: Request, reason: str, exc: Exception | None = None) -> None:
@@ -248,7 +306,7 @@ def sequence_stats(s: Sequence) -> dict:
         "prompt_tokens": len(s.prompt), "generated_tokens": n, "prefill_s": t_pre - s.t_start, "decode_s": dec,
         "decode_tok_s": (n - 1) / dec if n > 1 and dec > 0 else None,
         "time_to_first_token_s": (s.t_first - s.t_start) if s.t_first is not None else None,
-        "cached_tokens": 0,
+        "cached_tokens": len(s.prompt) - len(s.feed),
     }
     if s.speculative:
         stats.update({

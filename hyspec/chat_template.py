@@ -1,0 +1,98 @@
+"""Chat templates: a checkpoint's `chat_template` rendered the way Hugging Face
+transformers renders it, or a documented plain template when the checkpoint has none.
+
+Where the template comes from (first found):
+  1. tokenizer_config.json "chat_template": a string, or a list of {"name", "template"}
+     (the one named "default", else the first);
+  2. chat_template.jinja next to it (newer transformers save it there);
+  3. PLAIN_TEMPLATE: every message's content as is, concatenated, no role markers.
+     The embedded default model is a Python *code* model, not an instruction-tuned chat
+     model: with the plain template a chat with it is "type code, the model continues it".
+
+Rendering matches transformers' `apply_chat_template`: a sandboxed (immutable) Jinja
+environment with trim_blocks and lstrip_blocks, the loopcontrols extension, a `tojson`
+filter, the `raise_exception(message)` and `strftime_now(format)` globals, and the
+variables messages, add_generation_prompt, bos_token / eos_token / unk_token / pad_token
+(from tokenizer_config.json; a string or an AddedToken dict), tools=None, documents=None.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TemplateError(ValueError):
+    """raise_exception() from a template, or a template that does not render."""
+
+
+def _raise(message):
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str):
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TemplateError(f"the chat template does not parse: {e}") from None
+
+
+def _token_text(v):
+    if isinstance(v, dict):
+        return v.get("content")
+    return v
+
+
+def load_template(model_dir) -> tuple[str, str, dict]:
+    """(template source, where it came from, special tokens {bos_token: ..., ...})."""
+    d = Path(model_dir) if model_dir is not None else None
+    cfg = {}
+    if d is not None and (d / "tokenizer_config.json").is_file():
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    special = {k: _token_text(cfg.get(k)) for k in _SPECIAL}
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default") or next(iter(named.values()), None)
+    if isinstance(tpl, str) and tpl:
+        return tpl, "tokenizer_config.json", special
+    if d is not None and (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text(), "chat_template.jinja", special
+    return PLAIN_TEMPLATE, "plain", special
+
+
+def render_chat(messages: list[dict], model_dir, add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's prompt text (see the module docstring)."""
+    source, _, special = load_template(model_dir)
+    return render_template(source, messages, add_generation_prompt, special)
+
+
+def render_template(source: str, messages: list[dict], add_generation_prompt: bool = True,
+                    special: dict | None = None) -> str:
+    import jinja2
+
+    try:
+        tokens = {k: v for k, v in (special or {}).items() if v is not None}
+        return _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       tools=None, documents=None, **tokens)
+    except TemplateError:
+        raise
+    except jinja2.TemplateError as e:
+        raise TemplateError(f"the chat template does not render: {e}") from None

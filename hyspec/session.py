@@ -1,0 +1,286 @@
+"""Sessions: a conversation whose decoding state is kept between turns.
+
+    eng = Engine.load()
+    s = eng.session(draft=3)                 # or params=SamplingParams(temperature=0.8, seed=1)
+    out = s.send("def fib(n):\\n", max_new_tokens=48)
+    out = s.send("def main():\\n")            # prefills only [pending] + these tokens
+    s.rewind()                                # back to the exact state before the last turn
+    t = s.fork()                              # an independent copy
+    s.save("chat.pt"); s2 = Session.load(eng, "chat.pt")
+
+A session is a Sequence of the engine core (hyspec/core/round.py) whose slot is not freed
+when a turn ends (Request.keep). The next turn is a Request that resumes it: the
+scheduler prefills [pending token] + the new tokens after the kept state, carries the
+drafter's queued rows, and runs the same rounds as any request. A turn that starts from
+a SeqState (a fork, a rewind, a loaded file, a prefix-store hit) goes through the same
+path: the state is written into a slot, then resumed. At every turn boundary the state
+is captured (hyspec.core.state.capture) — it is the next turn's rewind point and goes
+into the engine's prefix store, where any request extending the transcript finds it.
+
+The transcript (`tokens`) is every token so far: the first turn's prompt, each turn's
+generated tokens, each later turn's new tokens. The last generated token is *pending*
+(emitted, not yet run through the model); the next turn runs it first. Sampling draws
+are keyed by absolute position, so a seeded session is reproducible as a whole.
+
+A session is plain (draft 0) or speculative (draft >= 1) from its first turn on: a
+speculative turn needs the drafter's rows for the whole transcript, which a plain turn
+does not build. K may change between speculative turns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from hyspec.core.request import GREEDY, Request
+from hyspec.core.state import SeqState, capture
+from hyspec.sampling import SamplingParams
+from hyspec.spec.telemetry import SpecTelemetry
+
+FORMAT = "hyspec-session/1"
+
+
+def model_fingerprint(model) -> str:
+    """Identifies a model's config and weights (a saved session loads only into the same model)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(repr(sorted(model.cfg.__dict__.items())).encode())
+    h.update(str(model.dtype).encode())
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(repr(float(p.double().sum())).encode())
+    return h.hexdigest()
+
+
+class Session:
+    def __init__(self, engine, *, draft: int = 0, params: SamplingParams | None = None, spec=None,
+                 max_new_tokens: int = 64, stop_ids=None, ignore_eos: bool = False, use_store: bool = True) -> None:
+        self.engine = engine
+        self.draft = draft
+        engine._spec_options(draft, spec)  # validates draft / MTP head
+        self.params = params if params is not None else GREEDY
+        self.spec = spec
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = list(stop_ids or ())
+        self.ignore_eos = ignore_eos
+        self.use_store = use_store
+        self._seq = None  # the live Sequence (holds a slot) ...
+        self._state: SeqState | None = None  # ... or the state the next turn resumes from
+        self._boundary: SeqState | None = None  # the current state, captured when the last turn ended
+        self._history: list[SeqState | None] = []  # the state before each turn (None: empty)
+        self._speculative: bool | None = None
+        self.turns = 0
+        self.telemetry = SpecTelemetry()  # all turns
+        self.last_stats: dict = {}
+        self.closed = False
+
+    # -- what the session holds ----------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """The transcript: every token so far (the last one is pending when `pending` is not None)."""
+        return list(self._boundary.tokens) if self._boundary is not None else []
+
+    @property
+    def pending(self) -> int | None:
+        return self._boundary.pending if self._boundary is not None else None
+
+    def state(self) -> SeqState | None:
+        """The current state (captured at the end of the last turn; None before the first)."""
+        return self._boundary
+
+    def live_state(self) -> SeqState | None:
+        """A fresh capture of the slot's contents (what the next turn reads)."""
+        return capture(self._seq) if self._seq is not None else self._state
+
+    @property
+    def num_turns(self) -> int:
+        return len(self._history)
+
+    # -- a turn ------------------------------------------------------------------------
+    def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
+             draft: int | None = None, stop_ids=None, on_tokens=None):
+        """Append `message` (text or token ids) to the conversation and generate; returns the
+        turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
+        on_tokens(new_ids) is called as rounds commit tokens."""
+        from hyspec.engine import Sample
+
+        self._check_open()
+        eng = self.engine
+        ids = eng.encode(message) if isinstance(message, str) else [int(t) for t in message]
+        k = self.draft if draft is None else draft
+        opts = eng._spec_options(k, self.spec)
+        if self._speculative is not None and (k > 0) != self._speculative:
+            raise ValueError(f"this session decodes {'with' if self._speculative else 'without'} drafts since its "
+                             f"first turn; draft={k} would need the drafter's rows for the whole transcript "
+                             "(use a new session)")
+        mnt = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {mnt!r}")
+        limit = eng.model.cfg.max_position_embeddings
+        total = len(self.tokens) + len(ids) + mnt
+        if total > limit:
+            raise ValueError(f"the conversation would reach {total} tokens ({len(self.tokens)} so far + {len(ids)} "
+                             f"new + max_new_tokens {mnt}), beyond the model's maximum context of {limit} tokens "
+                             "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
+        stops = eng._stops(list(self.stop_ids) + list(stop_ids or ()), self.ignore_eos)
+        cb = None if on_tokens is None else (lambda r, t: on_tokens(t))
+        req = Request(prompt_ids=ids, max_new_tokens=mnt, params=params if params is not None else self.params,
+                      draft=k, spec=opts, stop_ids=stops, on_tokens=cb, keep=True, use_store=self.use_store,
+                      resume=self._seq if self._seq is not None else self._state)
+        sched = eng.session_scheduler()
+        sched.submit(req)  # invalid input raises here; the session is unchanged
+        while not req.done:
+            sched.step()
+        seq = req.sequence
+        if req.stop_reason == "error" and (seq is None or not getattr(seq, "started", False)):
+            # failed before the first round (admission or prefill): back to the state before the turn
+            if seq is not None:
+                sched.pool.release(seq.slot)
+                self._seq, self._state = None, self._boundary
+            raise req.exception
+        # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
+        self._history.append(self._boundary)
+        self._seq, self._state = seq, None
+        self._boundary = capture(seq)
+        self._speculative = k > 0
+        self.turns += 1
+        if self.use_store:
+            eng.store.put(self._boundary)
+        if "spec" in req.stats:
+            self.telemetry.merge(SpecTelemetry.from_dict(req.stats["spec"]))
+        if req.stop_reason == "error":
+            raise req.exception
+        out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens), req.stop_reason, req.stats)], ids, k > 0)
+        out.stats["turn"] = self.num_turns
+        out.stats["context_tokens"] = len(self.tokens)
+        out.stats["session"] = {"turns": self.num_turns, "spec": self.telemetry.to_dict() if k > 0 else None}
+        out.stats["store"] = eng.store.stats() if eng._store is not None else None
+        self.last_stats = out.stats
+        return out
+
+    # -- moving in the conversation ----------------------------------------------------
+    def rewind(self, n: int = 1) -> None:
+        """Return to the exact state before the last n turns."""
+        self._check_open()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"rewind needs a number of turns >= 1, got {n!r}")
+        if n > len(self._history):
+            raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._history)}")
+        target = self._history[-n]
+        del self._history[-n:]
+        self._release()
+        self._state = self._boundary = target
+        self.last_stats = {}
+        if target is None:
+            self._speculative = None
+
+    def reset(self) -> None:
+        """Back to an empty conversation (the same settings)."""
+        self._check_open()
+        self._release()
+        self._state = self._boundary = None
+        self._history = []
+        self._speculative = None
+        self.telemetry = SpecTelemetry()
+        self.last_stats = {}
+
+    def fork(self) -> "Session":
+        """An independent copy: the same transcript, state and rewind points, its own slot."""
+        self._check_open()
+        other = self._clone_settings()
+        other._state = other._boundary = self._boundary
+        other._history = list(self._history)
+        other._speculative = self._speculative
+        other.turns = self.turns
+        other.telemetry = self.telemetry.copy()
+        return other
+
+    def close(self) -> None:
+        """Free the slot (the session cannot be used afterwards)."""
+        if not self.closed:
+            self._release()
+            self._state = self._boundary = None
+            self._history = []
+            self.closed = True
+
+    def __del__(self) -> None:  # a dropped session gives its slot back to the pool
+        try:
+            if getattr(self, "_seq", None) is not None:
+                self._release()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    def _release(self) -> None:
+        if self._seq is not None:
+            self.engine.session_scheduler().pool.release(self._seq.slot)
+            self._seq = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this session is closed")
+
+    def _clone_settings(self) -> "Session":
+        return Session(self.engine, draft=self.draft, params=self.params, spec=self.spec,
+                       max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, ignore_eos=self.ignore_eos,
+                       use_store=self.use_store)
+
+    @classmethod
+    def from_state(cls, engine, state: SeqState, **settings) -> "Session":
+        """A session that continues from a captured state (no rewind points)."""
+        s = cls(engine, **settings)
+        s._state = s._boundary = state
+        return s
+
+    # -- on disk -----------------------------------------------------------------------
+    def to_dict(self, extra: dict | None = None) -> dict:
+        return {
+            "format": FORMAT, "model": model_fingerprint(self.engine.model),
+            "settings": {"draft": self.draft, "params": asdict(self.params),
+                         "spec": None if self.spec is None else asdict(self.spec),
+                         "max_new_tokens": self.max_new_tokens, "stop_ids": list(self.stop_ids),
+                         "ignore_eos": self.ignore_eos, "use_store": self.use_store},
+            "state": None if self._boundary is None else self._boundary.to_dict(),
+            "history": [None if h is None else h.to_dict() for h in self._history],
+            "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
+            "extra": extra or {},
+        }
+
+    def save(self, path, extra: dict | None = None) -> None:
+        """Write the session (state, rewind points, settings) to a file; Session.load reads it
+        back bitwise, in any process, for the same model."""
+        self._check_open()
+        torch.save(self.to_dict(extra), str(path))
+
+    @classmethod
+    def load(cls, engine, path) -> "Session":
+        d = torch.load(str(path), map_location="cpu", weights_only=True)
+        return cls.from_dict(engine, d)
+
+    @classmethod
+    def from_dict(cls, engine, d: dict) -> "Session":
+        from hyspec.spec.loop import SpecOptions
+
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not a hyspec session file (expected format {FORMAT!r})")
+        if d["model"] != model_fingerprint(engine.model):
+            raise ValueError("this session was saved with a different model (config or weights differ)")
+        st = d["settings"]
+        spec = st["spec"]
+        if spec is not None and spec.get("forced_rates") is not None:
+            spec["forced_rates"] = tuple(spec["forced_rates"])
+        s = cls(engine, draft=st["draft"], params=SamplingParams(**st["params"]),
+                spec=None if spec is None else SpecOptions(**spec), max_new_tokens=st["max_new_tokens"],
+                stop_ids=st["stop_ids"], ignore_eos=st["ignore_eos"], use_store=st["use_store"])
+        dev = engine.model.device
+        s._state = s._boundary = None if d["state"] is None else SeqState.from_dict(d["state"], dev)
+        s._history = [None if h is None else SeqState.from_dict(h, dev) for h in d["history"]]
+        s._speculative, s.turns = d["speculative"], d["turns"]
+        s.telemetry = SpecTelemetry.from_dict(d["telemetry"])
+        s.extra = d.get("extra", {})
+        return s
+
+
+def session_file_extra(path) -> dict:
+    return torch.load(str(Path(path)), map_location="cpu", weights_only=True).get("extra", {})

@@ -1,0 +1,107 @@
+"""The prefix store: longest stored prefix, token-tuple identity, drafter compatibility,
+digest check, byte budget with LRU demotion to host and eviction, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyspec.prefix_store import PrefixStore
+from session_helpers import MAX_NEW, engine, messages
+
+
+@pytest.fixture(scope="module")
+def states(zoo):
+    """Boundary states of a 4-turn speculative session and of a plain one."""
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=20)
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    spec = []
+    for m in msgs:
+        s.send(m)
+        spec.append(s.state())
+    p = eng.session(draft=0, max_new_tokens=MAX_NEW, use_store=False)
+    p.send(msgs[0])
+    return spec, p.state(), msgs
+
+
+def test_longest_prefix_and_identity(states):
+    spec, plain, msgs = states
+    st = PrefixStore()
+    for x in spec[:3]:
+        st.put(x)
+    toks = list(spec[2].tokens) + [5, 6]
+    assert st.lookup(toks, drafter="post") is spec[2]
+    assert st.lookup(list(spec[1].tokens) + [9], drafter="post") is spec[1]
+    bad = list(spec[2].tokens)
+    bad[3] = (bad[3] + 1) % 50  # differs at one position: only a shorter entry could match (none does)
+    assert st.lookup(bad + [1]) is None
+    assert st.lookup(list(spec[2].tokens), drafter="post") is spec[2]  # equal to an entry with a pending token
+    assert st.lookup(toks, drafter="pre") is None  # drafter rows built from another hidden
+    s = st.stats()
+    assert (s["hits"], s["misses"], s["entries"]) == (3, 2, 3)
+    assert s["tokens_saved"] == spec[2].pos + spec[1].pos + spec[2].pos
+
+
+def test_plain_entries_serve_plain_requests_only(states):
+    spec, plain, msgs = states
+    st = PrefixStore()
+    st.put(plain)
+    assert st.lookup(list(plain.tokens) + [3]) is plain
+    assert st.lookup(list(plain.tokens) + [3], drafter="post") is None
+    st.put(spec[0]) if spec[0].tokens == plain.tokens else None
+
+
+def test_digest_check_drops_a_corrupted_entry(states):
+    spec, plain, msgs = states
+    st = PrefixStore()
+    st.put(spec[0])
+    st.put(spec[1])
+    corrupt = spec[1].to("cpu")
+    corrupt.ssm[0].view(-1)[0] += 1.0
+    st._entries[tuple(spec[1].tokens)].state = corrupt  # the state no longer matches its digest
+    got = st.lookup(list(spec[1].tokens) + [4], drafter="post")
+    assert got is spec[0]  # the corrupted entry is dropped; the next-longest serves
+    assert st.identity_failures == 1 and tuple(spec[1].tokens) not in st
+
+
+def test_budget_demotes_lru_then_evicts(states):
+    spec, plain, msgs = states
+    sizes = [x.nbytes() for x in spec]
+    st = PrefixStore(budget_bytes=sizes[2] + sizes[3], host_budget_bytes=sizes[2])
+    assert sizes[0] + sizes[1] > sizes[2]  # the recurrent state (the same size at every length) dominates
+    for x in spec:
+        st.put(x)
+    # device holds the two most recent; spec[1] was demoted to host; spec[0] demoted then evicted
+    assert [st.tier_of(x.tokens) for x in spec] == [None, "host", "device", "device"]
+    s = st.stats()
+    assert s["bytes_device"] == sizes[2] + sizes[3] and s["bytes_host"] == sizes[1]
+    assert s["demotions"] == 2 and s["evictions"] == 1
+    got = st.lookup(list(spec[1].tokens) + [7], drafter="post")  # promoted back; the LRU device entry goes to host
+    assert got is not spec[1] and got.digest() == spec[1].digest()
+    assert st.tier_of(spec[1].tokens) == "device" and st.promotions == 1
+    assert st.tier_of(spec[2].tokens) == "host"
+    assert st.tier_of(spec[3].tokens) == "device"
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="verify"):
+        PrefixStore(verify="sometimes")
+
+
+def test_one_shot_final_state_serves_a_later_request(zoo):
+    """Request(store_state=True) stores a one-shot's end state; a request extending its
+    transcript resumes from it and equals the second turn of a session with the same first turn."""
+    from hyspec.core import Request, Scheduler
+
+    eng = engine(zoo, "qwen3_next")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=21)
+    sched = Scheduler(eng.model, store=eng.store)
+    req = Request(prompt_ids=msgs[0], max_new_tokens=MAX_NEW, draft=2, store_state=True)
+    sched.submit(req)
+    sched.run()
+    assert len(eng.store) == 1 and sched.pool.stats()["slots_in_use"] == 0
+    one = eng.generate(msgs[0] + req.tokens + msgs[1], max_new_tokens=MAX_NEW, draft=2)
+    assert one.stats["cached_tokens"] == len(msgs[0]) + len(req.tokens) - 1
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == req.tokens
+    assert s.send(msgs[1]).tokens == one.tokens

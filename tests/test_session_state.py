@@ -1,0 +1,183 @@
+"""State identity and faults: a session's state restored from the prefix store (also after
+demotion to host memory and promotion back) or from a saved file is bitwise the live
+state, and continues with identical tokens; an exception mid-round leaves a session at
+its last committed state, usable, as if the round never started."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ARCHS
+from hyspec.core.slots import SlotPool
+from hyspec.core.state import capture, restore_into, same_state
+from hyspec.engine import Engine
+from hyspec.sampling import SamplingParams
+from hyspec.session import Session
+from session_helpers import MAX_NEW, assert_same, engine, messages
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+
+
+def slot_equals(slot, st) -> bool:
+    """The slot holds exactly the state's tensors in every row that is read later."""
+    c = slot.cache
+    if c.pos != st.pos:
+        return False
+    ok = all(a.conv.equal(cv) and a.ssm.equal(sm) for a, cv, sm in zip(c.linear_states, st.conv, st.ssm))
+    ok &= all(b.k[:, : st.pos].equal(k) and b.v[:, : st.pos].equal(v)
+              for b, k, v in zip(c.kv_buffers, st.kv_k, st.kv_v))
+    if st.draft_k is not None:
+        n = st.draft_k.shape[1]
+        ok &= slot.draft_kv.k[:, :n].equal(st.draft_k) and slot.draft_kv.v[:, :n].equal(st.draft_v)
+    return ok
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k,params", [(3, None), (2, SEEDED)])
+def test_store_hit_and_demotion_are_bitwise(zoo, arch, k, params):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=10)
+    s = eng.session(draft=k, params=params, max_new_tokens=MAX_NEW)
+    for m in msgs[:3]:
+        s.send(m)
+    live = s.live_state()
+    drafter = "post"
+    hit = eng.store.lookup(s.tokens + msgs[3], drafter=drafter)
+    assert_same(hit, live, "store hit")
+    eng.store.demote(s.tokens)
+    assert eng.store.tier_of(s.tokens) == "host" and eng.store.stats()["bytes_host"] > 0
+    back = eng.store.lookup(s.tokens + msgs[3], drafter=drafter)
+    assert eng.store.tier_of(s.tokens) == "device" and eng.store.promotions == 1
+    assert_same(back, live, "after demotion and promotion")
+    slot = SlotPool(eng.model).alloc(back.pos + 40)
+    restore_into(back, slot)
+    assert slot_equals(slot, live)
+    # continuing: the restored state (a fresh session, and a one-shot request) == the live session
+    twin = Session.from_state(eng, back, draft=k, params=params, max_new_tokens=MAX_NEW, use_store=False)
+    eng.store.demote(s.tokens)
+    one = eng.generate(s.tokens + msgs[3], max_new_tokens=MAX_NEW, draft=k, params=params)
+    want = s.send(msgs[3]).tokens
+    assert twin.send(msgs[3]).tokens == want and one.tokens == want
+    assert_same(twin.live_state(), s.live_state(), "continued")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_load_is_bitwise(zoo, arch, tmp_path):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=11)
+    s = eng.session(draft=3, params=SEEDED, max_new_tokens=MAX_NEW)
+    for m in msgs[:3]:
+        s.send(m)
+    s.save(tmp_path / "s.pt", extra={"note": "x"})
+    other = Engine(eng.model)  # a new engine: empty store, no slots
+    t = Session.load(other, tmp_path / "s.pt")
+    assert t.extra == {"note": "x"}
+    assert_same(t.state(), s.live_state(), "loaded")
+    assert t.state().digest() == s.state().digest()
+    for a, b in zip(t._history[1:], s._history[1:]):
+        assert_same(a, b, "rewind points")
+    assert t.send(msgs[3]).tokens == s.send(msgs[3]).tokens
+    assert_same(t.live_state(), s.live_state(), "continued after load")
+    t.rewind(2)
+    s.rewind(2)
+    assert_same(t.live_state(), s.live_state(), "rewound after load")
+    with pytest.raises(ValueError, match="different model"):
+        Session.load(Engine(zoo.model("tiny", arch, "float32", "coop")), tmp_path / "s.pt")
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def inject(backend, name: str, at: int):
+    """Make backend.<name> raise on its at-th call from now (1-based); returns an undo."""
+    orig = getattr(backend, name)
+    calls = {"n": 0}
+
+    def f(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise Boom(f"injected in {name}")
+        return orig(*a, **kw)
+
+    setattr(backend, name, f)
+    return lambda: setattr(backend, name, orig)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fault_in_the_drafter_mid_turn(zoo, arch):
+    """An exception in an MTP call (the refill or a chained draft) of some round: the
+    session is at the state after the round before, and continues from it."""
+    eng = engine(zoo, arch)
+    sched = eng.session_scheduler()
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=14)
+    ref = eng.session(draft=3, max_new_tokens=MAX_NEW + 6, use_store=False)
+    ref.send(msgs[0])
+    after_round = []
+    ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
+    for at in (4, 7):
+        s = eng.session(draft=3, max_new_tokens=MAX_NEW + 6, use_store=False)
+        s.send(msgs[0])
+        undo = inject(sched.backend, "mtp", at)
+        try:
+            with pytest.raises(Boom):
+                s.send(msgs[1])
+        finally:
+            undo()
+        match = [st for st in after_round if st.tokens == tuple(s.tokens)]
+        assert len(match) == 1, at
+        assert_same(s.live_state(), match[0], f"mtp call {at}")
+        twin = Session.from_state(eng, match[0], draft=3, max_new_tokens=MAX_NEW, use_store=False)
+        assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fault_mid_round_leaves_last_committed_state(zoo, arch):
+    eng = engine(zoo, arch)
+    sched = eng.session_scheduler()
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=12)
+    for k in (3, 0):
+        ref = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
+        ref.send(msgs[0])
+        after_round = []
+        ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
+        s = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
+        s.send(msgs[0])
+        undo = inject(sched.backend, "verify", 3)
+        try:
+            with pytest.raises(Boom):
+                s.send(msgs[1])
+        finally:
+            undo()
+        assert_same(s.live_state(), after_round[1], f"k={k}: after the failed round")
+        assert_same(s.state(), after_round[1])
+        twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
+        assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
+        assert_same(s.live_state(), twin.live_state())
+        s.rewind(2)  # the failed turn is a turn: rewinding it returns to before it
+        assert len(s.tokens) == len(ref._history[1].tokens)
+        assert_same(s.live_state(), ref._history[1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fault_in_prefill_leaves_the_turn_unstarted(zoo, arch):
+    eng = engine(zoo, arch)
+    sched = eng.session_scheduler()
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=13)
+    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    want = [ref.send(m).tokens for m in msgs]
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(msgs[0])
+    s.send(msgs[1])
+    before = s.state()
+    for name in ("prefill", "prefill_draft"):
+        undo = inject(sched.backend, name, 1)
+        try:
+            with pytest.raises(Boom):
+                s.send(msgs[2])
+        finally:
+            undo()
+        assert s.num_turns == 2 and s.state() is before
+        assert_same(s.live_state(), before)
+    assert s.send(msgs[2]).tokens == want[2]
+    assert same_state(s.live_state(), ref.live_state())

@@ -1,0 +1,202 @@
+"""Sessions on all three tiny families: the kept state continues a conversation exactly.
+
+Promises (docs/sessions.md): speculative session == plain session every turn (greedy and
+coupled sampling), tokens and target state bitwise; rewind() + the same send == the
+original turn; fork()ed sessions do not disturb each other; a one-shot request extending
+a stored conversation == continuing the live session; a slot that fills grows without
+losing state; the maximum context gives an error naming both numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ARCHS
+from hyspec.sampling import SamplingParams
+from hyspec.session import Session
+from session_helpers import MAX_NEW, assert_same, engine, messages, target_part
+
+COUPLED = SamplingParams(temperature=0.9, seed=7, mode="coupled")
+
+
+def run(sess, msgs, **kw):
+    outs = []
+    for m in msgs:
+        outs.append(sess.send(m, **kw).tokens)
+    return outs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_session_equals_plain(zoo, arch):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 4)
+    for params in (None, COUPLED):
+        plain = eng.session(draft=0, params=params, max_new_tokens=MAX_NEW)
+        spec = eng.session(draft=3, params=params, max_new_tokens=MAX_NEW, use_store=False)
+        for i, m in enumerate(msgs):
+            a, b = plain.send(m), spec.send(m)
+            assert a.tokens == b.tokens, (arch, params, i)
+            assert_same(target_part(plain.live_state()), target_part(spec.live_state()), f"turn {i}")
+        assert spec.telemetry.rounds > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_stop_inside_accepted_drafts_keeps_state_consistent(zoo, arch):
+    """A turn ending on a stop token (possibly among accepted drafts) leaves the stop token
+    pending; the next turn runs it first; spec == plain on every later turn."""
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=1)
+    ref = eng.session(max_new_tokens=MAX_NEW, use_store=False).send(msgs[0]).tokens
+    stop = ref[4]
+    plain = eng.session(draft=0, max_new_tokens=MAX_NEW, stop_ids=[stop], use_store=False)
+    spec = eng.session(draft=4, max_new_tokens=MAX_NEW, stop_ids=[stop], use_store=False)
+    for i, m in enumerate(msgs):
+        a, b = plain.send(m), spec.send(m)
+        assert a.tokens == b.tokens, i
+        assert_same(target_part(plain.live_state()), target_part(spec.live_state()), f"turn {i}")
+        st = spec.state()
+        assert st.pending == st.tokens[-1] and st.pos == len(st.tokens) - 1
+    assert plain.tokens.count(stop) >= 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rewind_then_same_send_is_the_original_turn(zoo, arch):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=2)
+    for k, params in ((3, None), (2, SamplingParams(temperature=1.0, seed=3))):
+        s = eng.session(draft=k, params=params, max_new_tokens=MAX_NEW)
+        states = [None]
+        outs = []
+        for m in msgs:
+            outs.append(s.send(m).tokens)
+            states.append(s.state())
+        s.rewind()
+        assert_same(s.live_state(), states[2], "after rewind()")
+        assert s.send(msgs[2]).tokens == outs[2]
+        assert_same(s.live_state(), states[3], "resent turn")
+        s.rewind(2)
+        assert_same(s.live_state(), states[1], "after rewind(2)")
+        assert run(s, msgs[1:]) == outs[1:]
+        s.rewind(3)
+        assert s.tokens == [] and s.live_state() is None
+        assert run(s, msgs) == outs
+        with pytest.raises(ValueError, match="cannot rewind 4"):
+            s.rewind(4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fork_is_independent(zoo, arch):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=3)
+    solo = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    base = run(solo, msgs[:2])
+    a_ref = run(solo, msgs[2:])
+    solo.rewind(2)
+    b_ref = run(solo, [msgs[3], msgs[2]])
+
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert run(s, msgs[:2]) == base
+    f = s.fork()
+    got_a, got_b = [], []
+    got_a.append(s.send(msgs[2]).tokens)  # interleaved
+    got_b.append(f.send(msgs[3]).tokens)
+    got_a.append(s.send(msgs[3]).tokens)
+    got_b.append(f.send(msgs[2]).tokens)
+    assert got_a == a_ref and got_b == b_ref
+    f.rewind(2)
+    assert f.tokens == s.tokens[: len(f.tokens)]
+    f.close()
+    assert s.send(msgs[0]).tokens  # the original is untouched by closing the fork
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_shot_extending_a_stored_conversation(zoo, arch):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=4)
+    for k, params in ((3, None), (0, SamplingParams(temperature=0.8, seed=5)), (2, COUPLED)):
+        s = eng.session(draft=k, params=params, max_new_tokens=MAX_NEW)
+        run(s, msgs[:3])
+        prompt = s.tokens + msgs[3]
+        hits = eng.store.hits
+        one = eng.generate(prompt, max_new_tokens=MAX_NEW, draft=k, params=params)
+        assert eng.store.hits == hits + 1
+        assert one.stats["cached_tokens"] == len(s.tokens) - 1
+        assert one.tokens == s.send(msgs[3]).tokens
+        cold = eng.generate(prompt, max_new_tokens=MAX_NEW, draft=k, params=params, use_store=False)
+        assert cold.stats["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_growth_keeps_state(zoo, arch):
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 6, seed=5)
+    s = eng.session(draft=3, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(msgs[0])
+    grown = 0
+    for m in msgs[1:]:
+        before = s.state()
+        length = s._seq.slot.length
+        twin = Session.from_state(eng, before, draft=3, max_new_tokens=MAX_NEW, use_store=False)
+        assert_same(s.live_state(), before)
+        a = s.send(m).tokens
+        grown += s._seq.slot.length > length
+        assert twin.send(m).tokens == a  # a fresh exactly-sized slot, restored from the state
+        assert_same(s.live_state(), twin.live_state())
+        twin.close()
+    assert grown >= 2
+
+
+def test_max_context_error_names_both_numbers(zoo):
+    eng = engine(zoo, "qwen3_5")
+    cfg = eng.model.cfg
+    old = cfg.max_position_embeddings
+    object.__setattr__(cfg, "max_position_embeddings", 30)
+    try:
+        s = eng.session(max_new_tokens=10)
+        s.send([5] * 12)  # 12 + 10 <= 30
+        with pytest.raises(ValueError, match=r"would reach 42 tokens.*maximum context of 30"):
+            s.send([6] * 10)
+        assert len(s.tokens) == 22  # unchanged by the refused turn
+        assert s.send([6] * 2, max_new_tokens=6).tokens
+    finally:
+        object.__setattr__(cfg, "max_position_embeddings", old)
+
+
+def test_switching_plain_and_speculative_is_refused(zoo):
+    eng = engine(zoo, "qwen3_next")
+    s = eng.session(draft=0, max_new_tokens=4)
+    s.send([3, 4, 5])
+    with pytest.raises(ValueError, match="without drafts"):
+        s.send([6], draft=2)
+    t = eng.session(draft=2, max_new_tokens=4)
+    t.send([3, 4, 5])
+    assert t.send([6], draft=4).tokens  # K may change between speculative turns
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_drafter_options_across_turns(zoo, arch):
+    """The no-pending form, the other rollback strategies, adaptive K and p_min: a
+    speculative session still equals the plain one on every turn."""
+    from hyspec.spec.loop import SpecOptions
+
+    eng = engine(zoo, arch)
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=6)
+    plain = eng.session(max_new_tokens=MAX_NEW, use_store=False)
+    want = run(plain, msgs)
+    for spec in (SpecOptions(prime_pending=False), SpecOptions(rollback="rescan", adaptive=True),
+                 SpecOptions(rollback="replay", p_min=0.05)):
+        s = eng.session(draft=3, spec=spec, max_new_tokens=MAX_NEW, use_store=False)
+        assert run(s, msgs) == want, spec
+        assert_same(target_part(s.live_state()), target_part(plain.live_state()))
+
+
+def test_seeded_session_is_reproducible_as_a_whole(zoo):
+    """RNG draws are keyed by absolute position: two sessions with one seed give the same
+    transcript turn after turn; another seed gives another."""
+    eng = engine(zoo, "qwen3_5_moe")
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=7)
+    p = SamplingParams(temperature=1.2, seed=21)
+    a = run(eng.session(draft=2, params=p, max_new_tokens=MAX_NEW, use_store=False), msgs)
+    b = run(eng.session(draft=2, params=p, max_new_tokens=MAX_NEW, use_store=False), msgs)
+    c = run(eng.session(draft=2, params=SamplingParams(temperature=1.2, seed=22), max_new_tokens=MAX_NEW,
+                        use_store=False), msgs)
+    assert a == b and a != c
