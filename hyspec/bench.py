@@ -307,6 +307,11 @@ _DEVICE_DEFAULTS = (
 
 def main(argv=None) -> int:
     from hyspec.cli import HelpFormatter
+
+    if "--pp" in (argv if argv is not None else sys.argv[1:]):
+        from hyspec.parallel.bench import main as pp_main  # pipeline stages: its own flags and report
+
+        return pp_main(argv)
     from hyspec.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="hyspec bench", description=__doc__, formatter_class=HelpFormatter)

@@ -26,20 +26,27 @@ class CacheSnapshot:
 
 
 class HybridCache:
-    def __init__(self, cfg: ModelConfig, max_len: int, device, dtype) -> None:
+    """layers: the decoder layers this cache holds state for (default: all). A pipeline
+    stage (hyspec/parallel) holds only its own layers; layer_state(i) of another stage's
+    layer is None, and snapshot / restore / rollback act on the held layers only."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int, device, dtype, layers: range | None = None) -> None:
         if max_len <= 0:
             raise ValueError(f"max_len must be positive, got {max_len}")
         self.cfg = cfg
         self.max_len = max_len
         self.pos = 0
-        self._states: list[KVBuffer | LinearState] = []
-        for t in cfg.layer_types:
-            if t == FULL:
+        self.layers = range(cfg.num_hidden_layers) if layers is None else layers
+        self._states: list[KVBuffer | LinearState | None] = []
+        for i, t in enumerate(cfg.layer_types):
+            if i not in self.layers:
+                self._states.append(None)
+            elif t == FULL:
                 self._states.append(KVBuffer(cfg.num_key_value_heads, max_len, cfg.head_dim, device, dtype))
             else:
                 self._states.append(LinearState(cfg, device, dtype))
 
-    def layer_state(self, i: int) -> KVBuffer | LinearState:
+    def layer_state(self, i: int) -> KVBuffer | LinearState | None:
         return self._states[i]
 
     @property

@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-ids", type=_ids, default=None, help="extra stop token ids")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's EOS ids")
     g.add_argument("--num-samples", type=int, default=1, help="independent completions (seeds derived from --seed)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: split the layers over this many processes (GPUs); see docs/multi-gpu.md")
+    g.add_argument("--lanes", type=int, default=1,
+                   help="with --pp and several requests (--prompts-file, --num-samples): batch groups that alternate "
+                        "through the stages, so each stage works on one while the next works on another")
     g.add_argument("--no-stream", action="store_true",
                    help="print the text when generation ends instead of as it is generated")
     _add_sampling_args(g)
@@ -193,7 +198,13 @@ def _load(args):
 
     from hyspec.engine import Engine
 
-    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    from hyspec import parallel
+
+    if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
+        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+        eng.lanes = getattr(args, "lanes", 1)
+    else:
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
     return eng
@@ -487,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     old_format = warnings.formatwarning
     warnings.formatwarning = _format_warning
     try:
+        if cmd in ("generate", "bench", "serve") and "--pp" in " ".join(argv):
+            from hyspec import parallel
+
+            pp = parallel.pp_from_argv(argv)
+            if pp > 1 and parallel.ACTIVE is None and cmd != "bench":  # the pipeline bench starts its own ranks
+                return parallel.run_cli(argv, pp, main)
         if cmd == "bench":
             from hyspec.bench import main as bench_main
 

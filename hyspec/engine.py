@@ -122,6 +122,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
+        self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
+        self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
 
@@ -148,6 +150,9 @@ class Engine:
         spec, max_new_tokens, stop_ids, ignore_eos, use_store."""
         from hyspec.session import Session
 
+        if self.backend is not None:
+            raise ValueError("sessions are not supported on a pipeline (--pp): the other stages do not keep "
+                             "session states (docs/multi-gpu.md)")
         self.store  # noqa: B018  (sessions store their turn boundaries)
         return Session(self, **kw)
 
@@ -329,15 +334,22 @@ class Engine:
                             r.draft > 0)
 
     def _run_requests(self, reqs: list[Request], max_batch: int) -> None:
-        sched = Scheduler(self.model, max_batch=max_batch, store=self._store)
+        # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
+        sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
+                          store=self._store if self.backend is None else None)
         for i, r in enumerate(reqs):
             try:
                 sched.validate(r)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
-        for r in reqs:
-            sched.submit(r)
-        sched.run()
+        if self.lanes > 1 and len(reqs) > 1 and hasattr(self.backend, "driver"):
+            from hyspec.parallel.lanes import run_lanes
+
+            run_lanes(self.model, self.backend, reqs, max_batch=max_batch, lanes=self.lanes)
+        else:
+            for r in reqs:
+                sched.submit(r)
+            sched.run()
         for r in reqs:
             exc = getattr(r, "exception", None)
             if exc is not None:
@@ -409,7 +421,8 @@ class Engine:
 
     def _fast_path(self, params: SamplingParams):
         """The CUDA-graph fast path (greedy, no penalties) when running on a GPU."""
-        if not self.model.device.type == "cuda" or not params.greedy or params.has_penalties:
+        if not self.model.device.type == "cuda" or not params.greedy or params.has_penalties \
+                or self.backend is not None:
             return None
         try:
             from hyspec import gpu

@@ -81,8 +81,8 @@ def _quant_config(path: Path):
     return parse_quantization_config(raw) if isinstance(raw, dict) else None
 
 
-def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtype = torch.float32
-                 ) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtype = torch.float32,
+                 keep=None) -> dict[str, torch.Tensor]:
     """All language-model tensors of a checkpoint directory, keys normalised (on CPU).
 
     FP8 block-quantized checkpoints (hyspec/quant.py): with ``dequantize`` (the default)
@@ -90,7 +90,9 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
     ``*_scale_inv`` consumed, and per-expert
     keys are stacked as usual. ``dequantize=False`` is the hook for a GPU FP8 path: the
     float8 weights and their scales come back as stored (keys normalised, per-expert
-    keys NOT stacked), after the same validation of the quantization config."""
+    keys NOT stacked), after the same validation of the quantization config.
+    keep: optional predicate on the normalised key; other tensors are never read (a
+    pipeline stage reads only its own layers)."""
     from safetensors import safe_open
 
     from hyspec.quant import dequantize_tensors
@@ -103,7 +105,7 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
                     k = _normalize(key)
-                    if k is not None:
+                    if k is not None and (keep is None or keep(k)):
                         out[k] = sf.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types for bad files
             raise CheckpointError(f"{f.name}: cannot read safetensors file ({size} bytes): {e}") from None
@@ -138,10 +140,29 @@ def _keep_fp32(name: str) -> bool:
     return name.endswith(("A_log", "dt_bias"))
 
 
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def stage_keeps(key: str, layers: range, last: bool) -> bool:
+    """Whether a pipeline stage holding decoder `layers` (and, on the last stage, the final
+    norm, LM head and MTP head) reads checkpoint tensor `key`. Every stage reads the
+    embedding (the first for its input, the last for the MTP head and a tied LM head)."""
+    m = _LAYER_KEY.match(key)
+    if m:
+        return int(m.group(1)) in layers
+    if key.startswith(("mtp.", "lm_head.", "model.norm.")) or key == "d2t":
+        return last
+    return True
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               load_mtp: bool = True) -> HybridLM:
+               load_mtp: bool = True, layers: range | None = None) -> HybridLM:
     """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
-    naming the field, key or shape at fault."""
+    naming the field, key or shape at fault.
+
+    layers: build one pipeline stage (hyspec/parallel): only these decoder layers' weights
+    are read; the stage that ends at the last layer also gets the final norm, LM head and
+    MTP head; other layers are empty placeholders (model.stage_layers = layers)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
@@ -152,7 +173,15 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     cfg = ModelConfig.from_dir(path)
     # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU: the device
     # only ever holds the model's one copy of the weights
-    tensors = read_tensors(path, dtype=dtype)
+    last = True
+    keep = None
+    if layers is not None:
+        if not (0 <= layers.start < layers.stop <= cfg.num_hidden_layers) or layers.step != 1:
+            raise ValueError(f"stage layers {layers} are not a contiguous range of 0..{cfg.num_hidden_layers - 1}")
+        last = layers.stop == cfg.num_hidden_layers
+        load_mtp = load_mtp and last
+        keep = (lambda k: stage_keeps(k, layers, last))
+    tensors = read_tensors(path, dtype=dtype, keep=keep)
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
     if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
         warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
@@ -161,6 +190,15 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
 
     with torch.device("meta"):
         model = HybridLM(cfg, with_mtp=has_mtp)
+        if layers is not None:
+            for i in range(cfg.num_hidden_layers):
+                if i not in layers:
+                    model.model.layers[i] = torch.nn.Module()  # another stage's layer: no weights here
+            if not last:
+                model.model.norm = torch.nn.Module()
+                if not cfg.tie_word_embeddings:
+                    del model.lm_head
+            model.stage_layers = layers
     model = model.to(dtype)
     for name, p in model.named_parameters():
         if _keep_fp32(name) and dtype != torch.float64:

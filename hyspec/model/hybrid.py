@@ -19,6 +19,18 @@ from hyspec.model.gdn import GatedDeltaNet, LinearState
 from hyspec.model.ops import Linear, RMSNorm, StepCtx, exact_rows
 
 
+def check_batch(ctxs: list[StepCtx], caches: list, sizes: list[int]) -> None:
+    """The checks before a batched forward (positions, room in the cache, one mode)."""
+    if len({c.exact for c in ctxs}) > 1:
+        raise ValueError("a batched forward runs all sequences in the same (exact or not) mode")
+    for ctx, cache, n in zip(ctxs, caches, sizes):
+        if cache is not None and ctx.start != cache.pos:
+            raise ValueError(f"forward at position {ctx.start} but the cache holds {cache.pos} tokens")
+        if cache is not None and ctx.start + n > cache.max_len:
+            raise ValueError(f"context full: {ctx.start + n} tokens exceed the cache's max length "
+                             f"{cache.max_len}")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_type: str, moe: bool) -> None:
         super().__init__()
@@ -110,8 +122,19 @@ class HybridLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    # a pipeline stage (hyspec/parallel) holds only layers[stage_layers] (the others are
+    # placeholders without weights); None = the whole model
+    stage_layers: range | None = None
+    cache_factory = None  # set by a pipeline driver: max_len -> its stage cache
+
+    @property
+    def layer_range(self) -> range:
+        return range(self.cfg.num_hidden_layers) if self.stage_layers is None else self.stage_layers
+
     def new_cache(self, max_len: int) -> HybridCache:
-        return HybridCache(self.cfg, max_len, self.device, self.dtype)
+        if self.cache_factory is not None:
+            return self.cache_factory(max_len)
+        return HybridCache(self.cfg, max_len, self.device, self.dtype, self.stage_layers)
 
     # -- target ------------------------------------------------------------------------
     def forward_states(self, ids: torch.Tensor, cache: HybridCache | None, ctx: StepCtx):
@@ -119,24 +142,25 @@ class HybridLM(nn.Module):
         With a cache, ctx.start must equal cache.pos; the cache advances by T."""
         return self.forward_batch(ids, [ctx], [cache], [ids.shape[0]])
 
-    def forward_batch(self, ids: torch.Tensor, ctxs: list[StepCtx], caches: list, sizes: list[int]):
+    def forward_batch(self, ids: torch.Tensor | None, ctxs: list[StepCtx], caches: list, sizes: list[int],
+                      *, layers: range | None = None, x: torch.Tensor | None = None):
         """Several sequences in one forward: ids [N] = sizes[0] tokens of sequence 0 (at
         positions ctxs[0].start..), then sequence 1's, ...; each sequence has its own cache
         (or None). Returns (pre-norm residual [N, H], post-final-norm hidden [N, H]); every
-        cache advances by its sequence's rows. The one layer loop of the model."""
-        if len({c.exact for c in ctxs}) > 1:
-            raise ValueError("a batched forward runs all sequences in the same (exact or not) mode")
-        for ctx, cache, n in zip(ctxs, caches, sizes):
-            if cache is not None and ctx.start != cache.pos:
-                raise ValueError(f"forward at position {ctx.start} but the cache holds {cache.pos} tokens")
-            if cache is not None and ctx.start + n > cache.max_len:
-                raise ValueError(f"context full: {ctx.start + n} tokens exceed the cache's max length "
-                                 f"{cache.max_len}")
+        cache advances by its sequence's rows. The one layer loop of the model.
+
+        A pipeline stage runs a layer range: `layers` (default all), starting from the
+        embedding of ids, or from the previous stage's residual `x` [N, H]; the final norm
+        runs only when the range ends at the last layer (else post is None)."""
+        check_batch(ctxs, caches, sizes)
+        rng = range(self.cfg.num_hidden_layers) if layers is None else layers
         with exact_rows(ctxs[0].exact):
-            x = self.model.embed_tokens(ids)
-            for i, layer in enumerate(self.model.layers):
-                x = layer.forward_batch(x, ctxs, [None if c is None else c.layer_state(i) for c in caches], sizes)
-            post = self.model.norm(x)
+            if x is None:
+                x = self.model.embed_tokens(ids)
+            for i in rng:
+                x = self.model.layers[i].forward_batch(x, ctxs, [None if c is None else c.layer_state(i)
+                                                                 for c in caches], sizes)
+            post = self.model.norm(x) if rng.stop == self.cfg.num_hidden_layers else None
         for cache, n in zip(caches, sizes):
             if cache is not None:
                 cache.pos += n

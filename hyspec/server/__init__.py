@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (processes / GPUs); the HTTP server runs on the last rank (docs/multi-gpu.md)")
     return p
 
 
@@ -48,7 +50,12 @@ def make_app(args):
     from hyspec.server.app import ServerConfig, create_app
     from hyspec.spec.loop import MAX_DRAFT
 
-    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    from hyspec import parallel
+
+    if parallel.ACTIVE is not None:  # --pp: this process is the pipeline driver (the last stage)
+        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+    else:
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)
     draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)

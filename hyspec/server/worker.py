@@ -216,7 +216,8 @@ class EngineWorker:
     def _step_batched(self) -> None:
         mod = self._sched_mod
         if self._sched is None:
-            self._sched = mod.Scheduler(self.engine.model, max_batch=self.max_batch, store=self.store)
+            self._sched = mod.Scheduler(self.engine.model, max_batch=self.max_batch, store=self.store,
+                                        backend=getattr(self.engine, "backend", None))
         while self._waiting and len(self._running) < self.max_batch:
             job = self._pop_waiting()
             job._req = mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,

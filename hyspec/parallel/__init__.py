@@ -1,0 +1,196 @@
+"""Multi-process (multi-GPU) inference: pipeline stages over torch.distributed
+(NCCL on GPUs, gloo on CPU). See docs/multi-gpu.md and hyspec/parallel/pipeline.py.
+
+    hyspec generate --pp 2 ...            # hyspec starts its 2 ranks itself (127.0.0.1, a free port)
+    torchrun --nproc-per-node 2 -m hyspec.cli generate --pp 2 ...   # ranks launched by the user
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+
+# set in a rank process while the CLI runs there: {"world", "rank", "device", "link"}
+ACTIVE: dict | None = None
+
+
+def pp_from_argv(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--pp", type=int, default=1)
+    args, _ = ap.parse_known_args(argv)
+    return args.pp
+
+
+def _model_args(argv: list[str]):
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    args, _ = ap.parse_known_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], world: int) -> int:
+    """Start `world` ranks of `python -m hyspec.cli ARGV` on this machine (what torchrun
+    would do) and wait for them; if one fails, the others are stopped. Returns rank 0's
+    exit code (or the first failure's)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+           "LOCAL_WORLD_SIZE": str(world)}
+    import signal
+
+    def _term(*_):
+        raise KeyboardInterrupt
+
+    if threading_main():
+        signal.signal(signal.SIGTERM, _term)  # stop the ranks too
+    procs = [subprocess.Popen([sys.executable, "-m", "hyspec.cli", *argv],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    try:
+        while True:
+            rcs = [p.poll() for p in procs]
+            bad = [rc for rc in rcs if rc not in (None, 0)]
+            if bad or all(rc is not None for rc in rcs):
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        bad = [130]
+    if bad:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+        return procs[0].returncode if procs[0].returncode not in (None, 0, -15) else bad[0]
+    return procs[0].returncode
+
+
+def run_cli(argv: list[str], world: int, main) -> int:
+    """Run one rank of a `--pp world` command: the last rank runs the command (`main`) as
+    the pipeline driver, its stdout/stderr captured and handed to rank 0 at the end; the
+    other ranks serve their stages; rank 0 prints."""
+    global ACTIVE
+    if world < 1:
+        raise ValueError(f"--pp must be >= 1, got {world}")
+    if "RANK" not in os.environ:
+        return launch(argv, world)
+    import torch
+    import torch.distributed as dist
+
+    from hyspec.parallel.pipeline import Link, Worker, init, load_stage
+
+    margs = _model_args(argv)
+    rank, dev = init(world, margs.device)
+    link = Link(rank, world, dev)
+    try:
+        if rank == world - 1:
+            ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
+            out, err = io.StringIO(), io.StringIO()
+            rc = 1
+            # `serve` runs the HTTP server on this (driver) rank and logs live; other commands'
+            # output is handed to rank 0, which prints it
+            live = bool(argv) and argv[0] == "serve"
+            try:
+                with contextlib.nullcontext() if live else contextlib.redirect_stdout(out), \
+                        contextlib.nullcontext() if live else contextlib.redirect_stderr(err):
+                    try:
+                        rc = main(argv)
+                    except SystemExit as e:  # argparse: --help, usage errors
+                        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+                        if not isinstance(e.code, (int, type(None))):
+                            print(e.code, file=sys.stderr)
+            finally:
+                driver = ACTIVE.get("driver")
+                result = (out.getvalue(), err.getvalue(), rc)
+                if driver is not None:
+                    driver.stop(result)
+                else:  # the command ended before it loaded the model (e.g. a bad flag)
+                    for r in range(world - 1):
+                        link.send_obj({"stop": True, "result": result if r == 0 else None}, r)
+                ACTIVE = None
+            return rc if world == 1 else 0
+        from hyspec.engine import default_model_dir
+
+        path = margs.model if margs.model is not None else default_model_dir()
+        model = None
+        try:
+            model = load_stage(path, world, rank, dtype=margs.dtype, device=dev)
+            if dev.type == "cpu" and sum(p.numel() for p in model.parameters()) < 50_000_000:
+                torch.set_num_threads(1)
+        except Exception:
+            pass  # the driver reports the load error (it loads the same checkpoint)
+        if model is None:
+            result = _drain(link)
+        else:
+            result = Worker(model, link).run()
+        if rank == 0 and result is not None:
+            out, err, rc = result
+            sys.stdout.write(out)
+            sys.stdout.flush()
+            sys.stderr.write(err)
+            sys.stderr.flush()
+            return rc
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _drain(link):
+    """A worker that could not load its stage: fail every forward until the driver stops."""
+    while True:
+        msg = link.recv_obj(link.world - 1)
+        if msg.get("stop"):
+            return msg.get("result")
+        if link.rank > 0:
+            try:
+                link.recv_x(link.rank - 1, (1, 1), None, None)
+            except RuntimeError:
+                pass
+        link.send_x(None, link.rank + 1, f"rank {link.rank} could not load its stage")
+
+
+def active_engine(path, *, dtype: str, device: str):
+    """In a pipeline driver: the Engine over this rank's (last) stage with PipelineBackend."""
+    from pathlib import Path
+
+    from hyspec.engine import Engine, default_model_dir
+    from hyspec.parallel.pipeline import PipelineBackend, load_stage
+    from hyspec.tokenizer import Tokenizer
+
+    a = ACTIVE
+    path = Path(path) if path is not None else default_model_dir()
+    model = load_stage(path, a["world"], a["rank"], dtype=dtype, device=a["device"])
+    from hyspec.parallel.pipeline import stage_ranges
+
+    ranges = stage_ranges(model.cfg, a["world"], model.dtype)
+    print(f"[pipeline: {a['world']} stages, layers " + " | ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
+          + f", {a['link'].comm_dev.type} {'nccl' if a['link'].comm_dev.type == 'cuda' else 'gloo'}]",
+          file=sys.stderr)
+    backend = PipelineBackend(model, a["link"])
+    a["driver"] = backend.driver
+    tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    eng = Engine(model, tok, str(path))
+    eng.backend = backend
+    return eng

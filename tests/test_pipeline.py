@@ -1,0 +1,213 @@
+"""Pipeline stages (hyspec/parallel): two gloo processes on the CPU give bitwise the tokens
+of one process -- greedy and seeded sampling, plain and speculative, single requests and a
+mixed-K batch -- for all three families; the CLI's --pp 2 (self-launched and torchrun)
+prints what a single process prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ARCHS, make_cooperative
+
+from hyspec.engine import Engine
+from hyspec.loading import load_model
+from hyspec.parallel import free_port
+from hyspec.parallel.local import run_job, run_jobs
+from hyspec.parallel.pipeline import split_layers, stage_ranges
+from hyspec.spec.loop import SpecOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+P1 = [1, 17, 42, 99, 7, 250, 3, 88]
+P2 = [5, 9, 200, 31]
+P3 = [300, 2, 2, 2, 77, 12]
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 5}
+
+JOBS = [
+    ("generate", {"prompt": P1, "max_new_tokens": 16}),
+    ("generate", {"prompt": P1, "max_new_tokens": 16, "draft": 3}),
+    ("generate", {"prompt": P1, "max_new_tokens": 16, "draft": 2, "params": SAMPLED}),
+    ("generate", {"prompt": P2, "max_new_tokens": 12, "params": {"temperature": 0.8, "seed": 11}}),
+    ("generate", {"prompt": P2, "max_new_tokens": 12, "draft": 3, "spec": SpecOptions(rollback="rescan")}),
+    ("generate", {"prompt": P3, "max_new_tokens": 12, "draft": 2, "spec": SpecOptions(rollback="replay")}),
+    ("generate_batch", {"prompts": [P1, P2, P3], "max_new_tokens": [10, 14, 12], "draft": [0, 2, 3],
+                        "params": [{"temperature": 0.0}, SAMPLED, {"temperature": 0.0}], "max_batch": 3}),
+    # two-session lanes (hyspec/parallel/lanes.py): the same tokens
+    ("generate_batch", {"prompts": [P1, P2, P3, P2], "max_new_tokens": [10, 14, 12, 9], "draft": [3, 0, 2, 3],
+                        "params": [SAMPLED, {"temperature": 0.0}, {"temperature": 0.0}, SAMPLED], "max_batch": 4,
+                        "lanes": 2}),
+    ("generate", {"prompt": P2, "max_new_tokens": 10, "draft": 2, "params": SAMPLED, "num_samples": 3,
+                  "lanes": 2}),
+]
+
+
+def coop_checkpoint(arch: str, d: Path) -> Path:
+    """An 8-layer tiny checkpoint whose MTP head agrees with the target part of the time
+    (so speculative rounds accept some drafts and roll back after others)."""
+    from safetensors.torch import save_file
+
+    from hyspec.tiny import make_tiny
+
+    base, out = d / "base", d / "coop"
+    make_tiny(arch, base, seed=0, layers=8)
+    m = make_cooperative(load_model(base, dtype="float64"))
+    out.mkdir()
+    for f in base.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    save_file({k: p.detach().float().contiguous() for k, p in m.named_parameters()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return {a: coop_checkpoint(a, tmp_path_factory.mktemp(f"pp_{a}")) for a in ARCHS}
+
+
+def test_split_rule():
+    # balanced bytes: the last stage's head bytes count against it
+    assert split_layers([10] * 8, 0, 0, 2) == [range(0, 4), range(4, 8)]
+    assert split_layers([10] * 8, 0, 20, 2) == [range(0, 5), range(5, 8)]
+    assert split_layers([10] * 9, 5, 5, 3) == [range(0, 3), range(3, 6), range(6, 9)]
+    with pytest.raises(ValueError):
+        split_layers([10] * 2, 0, 0, 3)
+
+
+def test_stage_loads_only_its_layers(ckpts):
+    path = ckpts["qwen3_5_moe"]
+    from hyspec.config import ModelConfig
+
+    ranges = stage_ranges(ModelConfig.from_dir(path), 2)
+    assert ranges[0].start == 0 and ranges[0].stop == ranges[1].start and ranges[1].stop == 8
+    s0 = load_model(path, layers=ranges[0])
+    s1 = load_model(path, layers=ranges[1])
+    full = load_model(path)
+    n0 = {k for k, _ in s0.named_parameters()}
+    n1 = {k for k, _ in s1.named_parameters()}
+    assert not any(k.startswith(("mtp.", "lm_head.", "model.norm.")) for k in n0)
+    assert any(k.startswith("mtp.") for k in n1)
+    assert all(f"layers.{i}." not in k for k in n0 for i in ranges[1])
+    assert (n0 | n1) == {k for k, _ in full.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipeline_matches_single_process(ckpts, arch):
+    path = ckpts[arch]
+    eng = Engine(load_model(path, dtype="float32"))
+    want = [run_job(eng, job) for job in JOBS]
+    got = run_jobs(path, JOBS, world=2)
+    for job, w, g in zip(JOBS, want, got):
+        assert g == w, job
+    # the speculative jobs really accepted and rejected drafts (so stages rolled back)
+    specs = [eng.generate(p, max_new_tokens=16, draft=3).stats["spec"] for p in (P1, P2, P3)]
+    assert 0 < sum(s["accepted"] for s in specs) < sum(s["drafted"] for s in specs)
+
+
+def _cli(args, env=None, launcher=None):
+    import signal
+
+    cmd = (launcher or [sys.executable, "-m", "hyspec.cli"]) + args
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the ranks too
+        p.communicate()
+        raise
+    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_cli_pp2(ckpts):
+    path = str(ckpts["qwen3_next"])
+    args = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "12", "--draft", "3",
+            "--temperature", "0.7", "--seed", "3", "--json"]
+    one = json.loads(_cli(args).stdout)
+    pp = _cli(args + ["--pp", "2"])
+    two = json.loads(pp.stdout)  # exactly one JSON object: only rank 0 prints
+    assert two["tokens"] == one["tokens"] and two["text"] == one["text"]
+    # text mode: the same printed completion
+    targs = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "10", "--draft", "2"]
+    assert _cli(targs + ["--pp", "2"]).stdout == _cli(targs).stdout
+
+
+def test_cli_pp2_torchrun(ckpts):
+    path = str(ckpts["qwen3_5"])
+    args = ["generate", "--model", path, "--prompt-ids", "4,5,6", "--max-new-tokens", "8", "--draft", "2", "--json"]
+    one = json.loads(_cli(args).stdout)
+    tr = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+          "-m", "hyspec.cli"]
+    r = _cli(args + ["--pp", "2"], env={"OMP_NUM_THREADS": "1"}, launcher=tr)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["tokens"] == one["tokens"]
+
+
+def test_cli_pp_errors(ckpts):
+    r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--model", str(ckpts["qwen3_5"]),
+                        "--prompt-ids", "1,2", "--draft", "99", "--pp", "2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--draft must be in" in r.stderr
+
+
+def test_bench_pp2(tmp_path):
+    out = tmp_path / "pp.json"
+    r = _cli(["bench", "--pp", "2", "--layers", "4", "--hidden", "64", "--batch", "2", "--new-tokens", "4",
+              "--prompt-len", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["mode"] for x in rows] == ["1 process", "--pp 2", "--pp 2 --lanes 2"]
+    assert all(x["same_tokens"] for x in rows) and all(0 <= b <= 1 for x in rows[1:] for b in x["bubble"])
+    assert "bubble" in r.stdout
+
+
+def test_serve_pp2(ckpts):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import signal
+    import time
+
+    path = ckpts["qwen3_5_moe"]
+    ref = Engine(load_model(path, dtype="float32"))
+    prompt = [3, 14, 15, 92, 65]
+    want = ref.generate(prompt, max_new_tokens=10, draft=2, ignore_eos=True).tokens
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "hyspec.cli", "serve", "--pp", "2", "--model", str(path), "--port",
+                          str(port), "--draft", "2", "--log-level", "warning"], cwd=ROOT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None, "server exited"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": path.name, "prompt": [prompt], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_three_stages(ckpts):
+    """A middle stage (receives from rank 0, sends to the driver) keeps the tokens too."""
+    path = ckpts["qwen3_next"]
+    jobs = [JOBS[1], JOBS[6], JOBS[7]]
+    eng = Engine(load_model(path, dtype="float32"))
+    assert run_jobs(path, jobs, world=3) == [run_job(eng, job) for job in jobs]
