@@ -5,6 +5,9 @@ that runs many sequences per forward (continuous batching).
     request.py    what a caller asks for (Request) and what it gets back
     round.py      the round, written once: draft -> verify -> accept -> commit -> refresh
     scheduler.py  admit (prefill), run rounds over the active batch, retire, stream
+    backend.py    the compute a round calls (ReferenceBackend: the model's own modules)
+    state.py      a sequence's state as values: session turns, the prefix store, /save
+    batch_bench.py  `hyspec bench --batch`: aggregate throughput, batch invariance, memory
 """
 
 from hyspec.core.request import Request
