@@ -1,0 +1,65 @@
+"""TrainConfig: every setting of a training run, with the help text the CLI shows for it
+(``hyspec.train.cli`` builds its flags from these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyspec.train.model import DEFAULT_ARCH
+
+
+@dataclass
+class TrainConfig:
+    corpus: str = "data/pystdlib_corpus.jsonl.xz"
+    tokenizer: str = "data/tokenizer/tokenizer.json"
+    out: str = "runs/default_model"
+    minutes: float = 7.5
+    wall_minutes: float = 0.0  # 0: none; else stop training so the whole process ends within this
+    steps: int = 0  # 0: choose from the time budget after timing the first steps
+    device: str = ""
+    seed: int = 0
+    batch_size: int = 32
+    seq_len: int = 2048
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.5
+    dropout: float = 0.1
+    log_every: int = 10
+    n_evals: int = 8
+    eval_max_tokens: int = 0  # 0: whole val split
+    fla: str = "auto"  # auto | on | off
+    check_fla: bool = True  # compare fla vs torch GDN (loss, grads) on the first batch; fall back if off
+    arch: dict = field(default_factory=lambda: dict(DEFAULT_ARCH))  # model shape, keys of DEFAULT_ARCH
+
+
+TrainArgs = TrainConfig  # the earlier name
+
+# the CLI help of each field (a bool field's flag is --no-NAME when it defaults to True)
+HELP = {
+    "corpus": "corpus (.jsonl.xz of documents)",
+    "tokenizer": "tokenizer.json",
+    "out": "output checkpoint directory",
+    "minutes": "training time budget",
+    "wall_minutes": "stop training early enough that the whole process ends within this (0: off)",
+    "steps": "fixed step count (0: from the time budget)",
+    "device": "cpu, cuda or cuda:N ('': cuda when available)",
+    "seed": "init and data order seed",
+    "batch_size": "windows per step",
+    "seq_len": "tokens per window",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "final lr / peak lr (cosine)",
+    "warmup": "warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient norm clip",
+    "mtp_weight": "weight of the MTP loss",
+    "dropout": "residual dropout",
+    "log_every": "log every N steps",
+    "n_evals": "validation evaluations in the run",
+    "eval_max_tokens": "tokens per validation evaluation (0: the whole split)",
+    "fla": "fla GDN kernels (CUDA)",
+    "check_fla": "skip the fla-vs-torch comparison on the first batch (default: compare)",
+}
+CHOICES = {"fla": ("auto", "on", "off")}
