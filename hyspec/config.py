@@ -31,6 +31,17 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 
 
+# The one wording of "this model cannot draft": every path that refuses speculation (engine,
+# scheduler, server, fast path, replay) builds its error from these, adding its own tail.
+NO_MTP_HEAD = "this checkpoint has no MTP head (no mtp.* weights)"
+NO_MTP_SPEC_TAIL = ", so it cannot speculate; use --draft 0 for plain decoding"
+
+
+def no_mtp_error(tail: str = NO_MTP_SPEC_TAIL) -> ValueError:
+    """The ValueError raised when speculation (or drafting) is asked of a model without MTP weights."""
+    return ValueError(NO_MTP_HEAD + tail)
+
+
 class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
 

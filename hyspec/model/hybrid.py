@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hyspec.cache import HybridCache
-from hyspec.config import FULL, ModelConfig
+from hyspec.config import FULL, ModelConfig, no_mtp_error
 from hyspec.model.attention import GatedAttention, KVBuffer
 from hyspec.model.ffn import MLP, MoE
 from hyspec.model.gdn import GatedDeltaNet, LinearState
@@ -192,7 +192,7 @@ class HybridLM(nn.Module):
                   sizes: list[int]) -> torch.Tensor:
         """mtp_hidden for several sequences' rows stacked (each with its own draft KV)."""
         if self.mtp is None:
-            raise ValueError("this checkpoint has no MTP head (no mtp.* weights): it cannot draft")
+            raise no_mtp_error(": it cannot draft")
         with exact_rows(ctxs[0].exact):
             return self.mtp(self.model.embed_tokens(tokens), h_prev, ctxs, kvs, sizes)
 

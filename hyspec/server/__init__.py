@@ -46,6 +46,7 @@ def make_app(args):
 
     import torch
 
+    from hyspec.config import no_mtp_error
     from hyspec.engine import Engine
     from hyspec.server.app import ServerConfig, create_app
     from hyspec.spec.loop import MAX_DRAFT
@@ -62,7 +63,7 @@ def make_app(args):
     if not 0 <= draft <= MAX_DRAFT:
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {draft}")
     if draft and not eng.model.has_mtp:
-        raise ValueError("this checkpoint has no MTP head: use --draft 0")
+        raise no_mtp_error()
     if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
         raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
     if not args.no_prefix_store:
