@@ -172,10 +172,9 @@ class HybridLM(nn.Module):
 
     def logits(self, h: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
         """h [T, H] -> logits [T, V] in fp32 (fp64 for fp64 models)."""
-        from hyspec.model.ops import linear
+        from hyspec.model.ops import linear, upcast
 
-        out = linear(h, self.head_weight, ctx)
-        return out if out.dtype == torch.float64 else out.float()
+        return upcast(linear(h, self.head_weight, ctx))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Whole-sequence logits [T, V] without a cache (scoring, tests, training)."""

@@ -11,6 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hyspec.config import DTYPE_NAMES
     from hyspec.spec.loop import MAX_DRAFT
 
     p = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to host memory)")
     p.add_argument("--prefix-store-host-bytes", type=int, default=4 << 30,
                    help="prefix store budget in host memory (least recently used states beyond it are dropped)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--pp", type=int, default=1,
