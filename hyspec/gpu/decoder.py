@@ -437,7 +437,3 @@ class FastDecoder:
     def _ensure(self, key, fn) -> None:
         if self.graphs and not self._graph_failed and key not in self._graphs:
             self._capture(key, fn)
-
-    def replay_key(self, key) -> None:
-        """Replay a captured graph without touching its inputs (timing)."""
-        self._graphs[key].replay()

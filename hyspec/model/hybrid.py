@@ -127,10 +127,6 @@ class HybridLM(nn.Module):
     stage_layers: range | None = None
     cache_factory = None  # set by a pipeline driver: max_len -> its stage cache
 
-    @property
-    def layer_range(self) -> range:
-        return range(self.cfg.num_hidden_layers) if self.stage_layers is None else self.stage_layers
-
     def new_cache(self, max_len: int) -> HybridCache:
         if self.cache_factory is not None:
             return self.cache_factory(max_len)
