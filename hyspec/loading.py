@@ -242,4 +242,4 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     return model
 
 
-__all__ = ["load_model", "read_tensors", "CheckpointError", "ConfigError", "parse_dtype", "DTYPES"]
+__all__ = ["load_model", "read_tensors", "CheckpointError", "ConfigError", "parse_dtype", "DTYPES", "cast_params"]
