@@ -68,6 +68,7 @@ def _si(x: float) -> str:
 def build_config_model(d: dict, device, dtype, seed: int = 0):
     """HybridLM with an MTP head from a config dict, random HF-like init, built on the device."""
     from hyspec.config import ModelConfig
+    from hyspec.loading import cast_params
     from hyspec.model.hybrid import HybridLM
     from hyspec.tiny import init_weights
 
@@ -76,10 +77,7 @@ def build_config_model(d: dict, device, dtype, seed: int = 0):
         model = HybridLM(cfg, with_mtp=True)
     g = torch.Generator(device=device).manual_seed(seed)
     init_weights(model, g)
-    model = model.to(dtype)
-    for name, p in model.named_parameters():  # as hyspec.loading keeps them
-        if name.endswith(("A_log", "dt_bias")) and dtype != torch.float64:
-            p.data = p.data.float()
+    model = cast_params(model, dtype)  # as hyspec.loading keeps them
     model.eval().requires_grad_(False)
     return model
 

@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 
+from hyspec.config import DTYPE_NAMES
 from hyspec.sampling import ParamError, SamplingParams
 from hyspec.spec.loop import MAX_DRAFT, SpecOptions
 
@@ -54,7 +55,7 @@ def _rates(s: str) -> tuple[float, ...]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                    help="weight dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")

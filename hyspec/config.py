@@ -31,6 +31,30 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 
 
+# Parameters a checkpoint keeps in fp32 whatever the model's dtype (the DeltaNet decay terms);
+# hyspec.loading.cast_params applies it, everything that sizes or builds a model follows it.
+FP32_PARAMS = ("A_log", "dt_bias")
+
+# The model dtypes one can ask for by name (--dtype, Engine.load); hyspec.loading.DTYPES maps them.
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether parameter `name` stays fp32 in a non-fp64 model (see FP32_PARAMS)."""
+    return name.endswith(FP32_PARAMS)
+
+
+# The one wording of "this model cannot draft": every path that refuses speculation (engine,
+# scheduler, server, fast path, replay) builds its error from these, adding its own tail.
+NO_MTP_HEAD = "this checkpoint has no MTP head (no mtp.* weights)"
+NO_MTP_SPEC_TAIL = ", so it cannot speculate; use --draft 0 for plain decoding"
+
+
+def no_mtp_error(tail: str = NO_MTP_SPEC_TAIL) -> ValueError:
+    """The ValueError raised when speculation (or drafting) is asked of a model without MTP weights."""
+    return ValueError(NO_MTP_HEAD + tail)
+
+
 class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
 

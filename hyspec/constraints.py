@@ -386,8 +386,3 @@ def make_constraint(source, kind: str, value=None, *, arg: str | None = None, **
     arg = arg or kind
     vocab = vocab_for(source, **kw)
     return Constraint(vocab, grammar_for(kind, value, arg), kind=kind, arg=arg)
-
-
-def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits [V] (or [N, V]) with the disallowed tokens set to -inf (a new tensor)."""
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.round import choose_token  # noqa: F401  (re-exported: the plain token rule)
 from hyspec.core.scheduler import Scheduler, check_prompt, check_stop  # noqa: F401
-from hyspec.sampling import SamplingParams, row_probs
+from hyspec.sampling import SamplingParams
 
 
 @dataclass
@@ -18,12 +18,6 @@ class GenerationResult:
     tokens: list[int]  # generated ids (prompt excluded)
     stop_reason: str  # "eos" | "length" | "constraint"
     stats: dict = field(default_factory=dict)
-
-
-def target_probs(logits, history, params: SamplingParams):
-    """The distribution plain sampling draws from at a row: penalties over `history`
-    (all tokens before the position), then temperature / top-k / top-p / min-p."""
-    return row_probs(logits, history, params)
 
 
 def emit(out: list[int], tokens: list[int], stops: set[int], max_new_tokens: int) -> bool:

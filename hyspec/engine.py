@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hyspec.config import no_mtp_error
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
 from hyspec.decode import GREEDY, GenerationResult, generate_plain
@@ -216,8 +217,7 @@ class Engine:
         if draft == 0:
             return None
         if not self.model.has_mtp:
-            raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
-                             "use --draft 0 for plain decoding")
+            raise no_mtp_error()
         return SpecOptions(**{**(spec.__dict__ if spec else {}), "k": draft})
 
     def _stops(self, stop_ids, ignore_eos: bool) -> set[int]:

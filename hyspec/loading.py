@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from hyspec.config import ConfigError, ModelConfig
+from hyspec.config import DTYPE_NAMES, ConfigError, ModelConfig, keeps_fp32
 from hyspec.model.hybrid import HybridLM
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class CheckpointError(ValueError):
@@ -136,8 +136,15 @@ def _stack_experts(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return t
 
 
-def _keep_fp32(name: str) -> bool:
-    return name.endswith(("A_log", "dt_bias"))
+def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """model.to(dtype), except the parameters a checkpoint keeps in fp32 (config.keeps_fp32),
+    which a non-fp64 model holds in fp32. Every builder of a model (loader, presets, bench) uses it."""
+    model = model.to(dtype)
+    if dtype != torch.float64:
+        for name, p in model.named_parameters():
+            if keeps_fp32(name):
+                p.data = p.data.float()
+    return model
 
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -199,10 +206,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                 if not cfg.tie_word_embeddings:
                     del model.lm_head
             model.stage_layers = layers
-    model = model.to(dtype)
-    for name, p in model.named_parameters():
-        if _keep_fp32(name) and dtype != torch.float64:
-            p.data = p.data.float()
+    model = cast_params(model, dtype)
     model = model.to_empty(device=device)
 
     expected = dict(model.named_parameters())
@@ -238,4 +242,4 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     return model
 
 
-__all__ = ["load_model", "read_tensors", "CheckpointError", "ConfigError", "parse_dtype", "DTYPES"]
+__all__ = ["load_model", "read_tensors", "CheckpointError", "ConfigError", "parse_dtype", "DTYPES", "cast_params"]

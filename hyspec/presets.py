@@ -40,6 +40,8 @@ import math
 
 import torch
 
+from hyspec.config import keeps_fp32
+
 H200_BW = 4.26e12  # bytes/s: the roofline figure the issue states for one H200 (copy bandwidth measured ~ this)
 H200_MEM = 141e9  # bytes of HBM3e on one H200 (the device reports ~139.8 GiB)
 
@@ -143,7 +145,7 @@ def param_bytes(name: str, shape, dtype: torch.dtype, fp8_block: tuple[int, int]
     if fp8_block is not None and _fp8_quantized(name, shape):
         lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
         return n + 4 * lead * math.ceil(shape[-2] / fp8_block[0]) * math.ceil(shape[-1] / fp8_block[1])
-    if name.endswith(("A_log", "dt_bias")):
+    if keeps_fp32(name):
         return 4 * n
     return torch.empty((), dtype=dtype).element_size() * n
 
@@ -288,13 +290,11 @@ def build_on_device(d: dict, device, dtype: torch.dtype, seed: int = 0):
     `device` in `dtype`: meta -> empty on the device -> in-place init, so the device never
     holds a second (fp32 staging) copy of the weights."""
     from hyspec.config import ModelConfig
+    from hyspec.loading import cast_params
     from hyspec.tiny import init_weights
 
     cfg = ModelConfig.from_dict(d)
-    m = meta_model(cfg).to(dtype)
-    for n, p in m.named_parameters():  # as hyspec.loading keeps them
-        if n.endswith(("A_log", "dt_bias")) and dtype != torch.float64:
-            p.data = p.data.float()
+    m = cast_params(meta_model(cfg), dtype)  # as hyspec.loading keeps them
     m = m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     init_weights(m, g)

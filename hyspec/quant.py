@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from hyspec.config import ConfigError
+from hyspec.model.ops import acc_dtype
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -143,7 +144,7 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
     if not scale_inv.is_floating_point() or scale_inv.dtype == FP8_DTYPE:
         raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has dtype {scale_inv.dtype}; "
                               f"expected float32 (or bf16) scales")
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = acc_dtype(dtype)
     out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block).to(acc)
     return out if out.dtype == dtype else out.to(dtype)
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
@@ -280,7 +279,3 @@ class Session:
         s.telemetry = SpecTelemetry.from_dict(d["telemetry"])
         s.extra = d.get("extra", {})
         return s
-
-
-def session_file_extra(path) -> dict:
-    return torch.load(str(Path(path)), map_location="cpu", weights_only=True).get("extra", {})

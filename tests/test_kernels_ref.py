@@ -1,4 +1,5 @@
 """CPU tests of the plain-torch kernel references (no triton needed)."""
+import inspect
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hyspec.kernels.fused import gdn_conv_ref, gdn_step_ref
+from hyspec.kernels import gemm
 from hyspec.kernels.gemm import linear, skinny_config, skinny_matmul_ref
 from hyspec.model.gdn import recurrent_scan
 
@@ -89,18 +91,60 @@ def test_linear_cpu_falls_back_to_torch():
     assert torch.equal(linear(x3, w), F.linear(x3, w))
 
 
-def test_skinny_config_depends_on_shape_only():
-    # worked examples from the docstring; split-K never depends on T (T is not an argument)
-    c = skinny_config(2048, 4096)
-    assert (c.block_n, c.block_k, c.split_k, c.k_per_split) == (64, 128, 8, 512)
-    c = skinny_config(151936, 2048)
-    assert c.split_k == 1 and c.block_n == 128
-    c = skinny_config(96, 200, split_k=3, block_k=32)
-    assert c.split_k == 3 and c.k_per_split == 96  # ranges [0,96) [96,192) [192,200)
-    c = skinny_config(96, 200, split_k=3)  # BK=128: a third split would be empty
-    assert c.split_k == 2
+# (N, K) of the model's projections at a few sizes, plus odd shapes (K not a multiple of BK,
+# tiny N, huge N), so the properties below are checked where the defaults change.
+_GEMM_SHAPES = [(96, 200), (48, 64), (1024, 1024), (2048, 4096), (4096, 2048), (8192, 2048),
+                (2048, 8192), (151936, 2048), (248320, 4096), (512, 100_000), (33, 7777)]
+
+
+def _check_skinny_config(c, N, K):
+    for name in ("block_n", "block_k"):
+        val = getattr(c, name)
+        assert val >= 16 and val & (val - 1) == 0, f"{name}={val} is not a power of two >= 16"
+    assert c.split_k >= 1
+    assert c.k_per_split % c.block_k == 0, "each split must cover whole BK steps"
+    # the splits cover K, and none is empty: the last one starts before K
+    assert c.split_k * c.k_per_split >= K
+    assert (c.split_k - 1) * c.k_per_split < K
+
+
+@pytest.mark.parametrize("N,K", _GEMM_SHAPES)
+def test_skinny_config_properties(N, K):
+    c = skinny_config(N, K)
+    _check_skinny_config(c, N, K)
+    assert skinny_config(N, K) == c, "the config is a function of (N, K) only"
+    if c.split_k > 1:  # split-K only when the column tiles alone leave programs idle...
+        n_tiles = -(-N // c.block_n)
+        assert n_tiles * c.split_k // 2 < gemm._TARGET_PROGRAMS
+        # ...and never so far that a split streams fewer than _MIN_K_PER_SPLIT columns
+        assert c.k_per_split >= gemm._MIN_K_PER_SPLIT
+
+
+def test_skinny_config_never_sees_the_row_count():
+    # T is not an argument: split-K (and with it the reduction order) cannot depend on it,
+    # so a row gives the same bits whether it is decoded alone or in a batch of <= 16.
+    assert "T" not in inspect.signature(skinny_config).parameters
+    assert gemm.BLOCK_T == 16 and gemm.MAX_SKINNY_ROWS <= gemm.BLOCK_T
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4, 7, 64])
+@pytest.mark.parametrize("block_k", [16, 32, 128])
+def test_skinny_config_requested_split_never_leaves_an_empty_split(split_k, block_k):
+    for N, K in _GEMM_SHAPES:
+        c = skinny_config(N, K, split_k=split_k, block_k=block_k)
+        _check_skinny_config(c, N, K)
+        assert c.block_k == block_k
+        assert c.split_k <= split_k  # fewer only where a requested split would be empty
+        if -(-K // block_k) >= split_k and (K // block_k) % split_k == 0 and K % block_k == 0:
+            assert c.split_k == split_k  # the K blocks divide evenly: the request is kept
+
+
+@pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_k=8), dict(block_k=96), dict(split_k=0)])
+def test_skinny_config_rejects_bad_overrides(bad):
     with pytest.raises(ValueError):
-        skinny_config(96, 200, block_n=48)
+        skinny_config(96, 200, **bad)
+    with pytest.raises(ValueError):
+        skinny_config(0, 200)
 
 
 def test_recurrent_scan_vs_dead_simple_loop():

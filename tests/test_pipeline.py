@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import ARCHS, make_cooperative
 

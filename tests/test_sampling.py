@@ -14,28 +14,103 @@ import pytest
 import torch
 from scipy import stats
 
-from hyspec.rng import Stream, u01, u01_tensor
+from hyspec.rng import Stream, gumbel_noise_batch, u01, u01_tensor
 from hyspec.sampling import (
     SamplingParams,
     accept_or_resample,
-    accept_or_resample_batch,
     apply_penalties,
     coupled_speculative,
     coupled_token,
-    coupled_tokens,
     draft_token,
     filter_probs,
     greedy_token,
     plain_token,
     row_probs,
     sample_index,
-    sample_indices,
     speculative_sample,
 )
 
 ALPHA = 1e-3
 BIASED_MAX_P = 1e-6
 F64 = torch.float64
+
+
+# --------------------------------------------------------------------------------------
+# Vectorised twins of the package's one-row rules, for drawing tens of thousands of
+# samples per statistical test. Test-only (the package samples row by row); each is
+# checked against its scalar rule below (test_sample_indices_distribution,
+# test_batch_matches_scalar, test_coupled_token_distribution).
+# --------------------------------------------------------------------------------------
+
+
+def sample_indices(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Vectorised hyspec.sampling.sample_index (same rule, checked against it below).
+
+    probs: [V] (shared by every draw) or [N, V], non-negative, need not be exactly
+    normalised; u: [N] uniforms in (0, 1).  Returns LongTensor [N].
+
+    The target ``u * total`` is located in the float64 cumulative sum with
+    ``searchsorted(right=True)`` (first index whose cumulative mass exceeds it); such an
+    index always has positive probability.  If rounding puts the target at or past the
+    final cumulative value, the last token with positive probability is returned.
+    """
+    p = probs.to(torch.float64)
+    u = u.to(device=p.device, dtype=torch.float64).reshape(-1)  # [N]
+    N = u.shape[0]
+    if p.dim() == 1:
+        p = p.unsqueeze(0).expand(N, -1)  # [N, V]
+    if p.dim() != 2 or p.shape[0] != N:
+        raise ValueError(f"probs {tuple(probs.shape)} does not match u [{N}]")
+    if bool((p < 0).any()):
+        raise ValueError("probabilities must be non-negative")
+    cdf = torch.cumsum(p, dim=-1)  # [N, V]
+    total = cdf[:, -1]  # [N]
+    if not bool((total > 0).all()):
+        raise ValueError("a probability row has zero total mass")
+    target = (u * total).unsqueeze(-1)  # [N, 1]
+    idx = torch.searchsorted(cdf.contiguous(), target, right=True).squeeze(-1)  # [N]
+    V = p.shape[1]
+    last_pos = (V - 1) - torch.argmax(torch.flip(p > 0, dims=[-1]).to(torch.int8), dim=-1)
+    return torch.where(idx >= V, last_pos, idx)
+
+
+def accept_or_resample_batch(
+    p: torch.Tensor,
+    q: torch.Tensor,
+    drafts: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_resid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised :func:`accept_or_resample` over N independent steps.
+
+    p, q: [V] (shared) or [N, V]; drafts, u_accept, u_resid: [N].
+    Returns (accepted bool [N], token long [N]) where token is the residual draw for
+    rejected rows and -1 for accepted rows.
+    """
+    N = drafts.shape[0]
+    p64 = p.to(torch.float64)
+    q64 = q.to(torch.float64)
+    P = p64.unsqueeze(0).expand(N, -1) if p64.dim() == 1 else p64  # [N, V]
+    Q = q64.unsqueeze(0).expand(N, -1) if q64.dim() == 1 else q64  # [N, V]
+    d = drafts.to(torch.int64).unsqueeze(-1)  # [N, 1]
+    pd = P.gather(-1, d).squeeze(-1)  # [N]
+    qd = Q.gather(-1, d).squeeze(-1)  # [N]
+    accepted = u_accept.to(torch.float64) * qd < pd  # [N]
+    resid = torch.clamp(P - Q, min=0.0)  # [N, V]
+    empty = ~(resid.sum(dim=-1) > 0)  # [N]
+    resid = torch.where(empty.unsqueeze(-1), P, resid)
+    drawn = sample_indices(resid, u_resid)  # [N]
+    return accepted, torch.where(accepted, torch.full_like(drawn, -1), drawn)
+
+
+def coupled_tokens(probs: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Vectorised :func:`coupled_token`: probs [V] or [N, V], positions [N] -> LongTensor [N]."""
+    p = probs.to(torch.float64)
+    pos = positions.reshape(-1)
+    g = gumbel_noise_batch(seed, Stream.COUPLED, pos, p.shape[-1], device=p.device)  # [N, V]
+    p = p.unsqueeze(0).expand_as(g) if p.dim() == 1 else p
+    score = torch.where(p > 0, torch.log(p) + g, torch.full_like(g, -math.inf))
+    return torch.argmax(score, dim=-1)
 
 
 def _t(xs: list[float]) -> torch.Tensor:

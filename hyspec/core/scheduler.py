@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from hyspec.config import no_mtp_error
 from hyspec.core.backend import PREFILL_CHUNK, ReferenceBackend
 from hyspec.core.request import Request
 from hyspec.core.round import Sequence, choose_token, masked, run_round
@@ -24,8 +25,6 @@ from hyspec.core.state import Carry, RoundTxn, SeqState, capture, carry_of, draf
 from hyspec.sampling import SamplingParams
 
 MAX_DRAFT = 16
-NO_MTP = ("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
-          "use --draft 0 for plain decoding")
 
 
 def check_prompt(prompt: list[int], vocab: int) -> None:
@@ -90,7 +89,7 @@ class Scheduler:
             raise ValueError(f"params must be a SamplingParams, got {type(req.params).__name__}")
         opts = spec_options(req)
         if opts is not None and not self.model.has_mtp:
-            raise ValueError(NO_MTP)
+            raise no_mtp_error()
         if opts is not None and opts.forced_rates is not None and req.reference is None:
             raise ValueError("the forced-acceptance drafter needs a reference continuation")
         if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)

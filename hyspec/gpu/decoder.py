@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from hyspec.config import FULL
+from hyspec.config import FULL, no_mtp_error
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import chunked_scan, state_dtype
 from hyspec.model.ops import StepCtx
@@ -259,8 +259,7 @@ class FastDecoder:
         prompt's target hiddens. Static mode fills rows 0..P-2 now (model modules) and
         leaves the pending pair to the first round; otherwise the first round fills all P."""
         if not self.has_mtp:
-            raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
-                             "use --draft 0 for plain decoding")
+            raise no_mtp_error()
         self.hidden = hidden
         seed = post if hidden == "post" else pre
         P = len(prompt)
@@ -438,7 +437,3 @@ class FastDecoder:
     def _ensure(self, key, fn) -> None:
         if self.graphs and not self._graph_failed and key not in self._graphs:
             self._capture(key, fn)
-
-    def replay_key(self, key) -> None:
-        """Replay a captured graph without touching its inputs (timing)."""
-        self._graphs[key].replay()

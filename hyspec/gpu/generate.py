@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from hyspec.config import no_mtp_error
 from hyspec.decode import GenerationResult, check_prompt, check_stop, emit
 from hyspec.rng import u01_tensor
 from hyspec.spec.drafter import FORCED_STREAM
@@ -149,8 +150,7 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
         raise ValueError("the fast path always starts with the prefill's token pending (prime_pending=True)")
     stops = check_stop(stop_ids, model.cfg.vocab_size)
     if not model.has_mtp:
-        raise ValueError("this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate; "
-                         "use --draft 0 for plain decoding")
+        raise no_mtp_error()
     forced = opts.forced_rates is not None
     if forced and reference is None:
         raise ValueError("the forced-acceptance drafter needs a reference continuation")

@@ -16,7 +16,6 @@ from hyspec.model.ops import StepCtx
 
 
 class TorchRunner:
-    graphable = False
     records_states = True  # a verify saves the state after every row into dec.ssm_rows
 
     def __init__(self, dec) -> None:

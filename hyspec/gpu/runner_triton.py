@@ -49,8 +49,6 @@ def _pack_gdn_in(mod) -> torch.Tensor:
 
 
 class TritonRunner:
-    graphable = True
-
     def __init__(self, dec, exact: bool = True) -> None:
         self.dec = dec
         self.exact = exact

@@ -29,8 +29,6 @@ torch model rounds), so in fp32 they agree with the model to float rounding.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -676,10 +674,3 @@ def expert_gemv(x, w, ids, xdiv, out, *, act=False):
     k[(-(-N // BN), Q)](x, x.stride(0), w, ids, out, out.stride(0), Q, N, K, int(xdiv), w.stride(0), w.stride(1),
                         ACT=act, BLOCK_N=BN, BLOCK_K=BK, num_warps=4, **launch_kwargs())
     return out
-
-
-def attn_scale(head_dim: int) -> float:
-    return head_dim ** -0.5
-
-
-_ = math  # (kept for callers computing sizes)

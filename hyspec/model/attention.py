@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import Linear, RMSNorm, StepCtx, apply_rope, rope_cos_sin, sigmoid
+from hyspec.model.ops import Linear, RMSNorm, StepCtx, acc_dtype, apply_rope, rope_cos_sin, sigmoid
 
 
 class KVBuffer:
@@ -106,7 +106,7 @@ def _causal_mask(T: int, S: int, device) -> torch.Tensor:
 
 def _softmax_attend(q, keys, vals, scale, mask):
     """Plain attention; softmax in fp32 (fp64 for fp64 models), output in q's dtype."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     scores = (q @ keys.transpose(-1, -2)) * scale  # [Hq, T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import Linear, StepCtx, linear, sigmoid, silu
+from hyspec.model.ops import Linear, StepCtx, acc_dtype, linear, sigmoid, silu
 
 
 class MLP(nn.Module):
@@ -45,8 +45,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepCtx | None = None):
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k]); softmax in fp32."""
         logits = linear(x, self.weight, ctx)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        probs = torch.softmax(logits.to(acc), dim=-1)
+        probs = torch.softmax(logits.to(acc_dtype(x.dtype)), dim=-1)
         w, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.renorm:
             w = w / w.sum(-1, keepdim=True)

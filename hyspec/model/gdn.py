@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyspec.config import ModelConfig
-from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, row_reduce, sigmoid, silu, softplus
+from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, acc_dtype, row_reduce, sigmoid, silu, softplus
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+state_dtype = acc_dtype  # the recurrent state is kept at the accumulation precision
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hyspec.cache import HybridCache
-from hyspec.config import FULL, ModelConfig
+from hyspec.config import FULL, ModelConfig, no_mtp_error
 from hyspec.model.attention import GatedAttention, KVBuffer
 from hyspec.model.ffn import MLP, MoE
 from hyspec.model.gdn import GatedDeltaNet, LinearState
@@ -127,10 +127,6 @@ class HybridLM(nn.Module):
     stage_layers: range | None = None
     cache_factory = None  # set by a pipeline driver: max_len -> its stage cache
 
-    @property
-    def layer_range(self) -> range:
-        return range(self.cfg.num_hidden_layers) if self.stage_layers is None else self.stage_layers
-
     def new_cache(self, max_len: int) -> HybridCache:
         if self.cache_factory is not None:
             return self.cache_factory(max_len)
@@ -172,10 +168,9 @@ class HybridLM(nn.Module):
 
     def logits(self, h: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
         """h [T, H] -> logits [T, V] in fp32 (fp64 for fp64 models)."""
-        from hyspec.model.ops import linear
+        from hyspec.model.ops import linear, upcast
 
-        out = linear(h, self.head_weight, ctx)
-        return out if out.dtype == torch.float64 else out.float()
+        return upcast(linear(h, self.head_weight, ctx))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Whole-sequence logits [T, V] without a cache (scoring, tests, training)."""
@@ -192,7 +187,7 @@ class HybridLM(nn.Module):
                   sizes: list[int]) -> torch.Tensor:
         """mtp_hidden for several sequences' rows stacked (each with its own draft KV)."""
         if self.mtp is None:
-            raise ValueError("this checkpoint has no MTP head (no mtp.* weights): it cannot draft")
+            raise no_mtp_error(": it cannot draft")
         with exact_rows(ctxs[0].exact):
             return self.mtp(self.model.embed_tokens(tokens), h_prev, ctxs, kvs, sizes)
 

@@ -150,6 +150,17 @@ def row_reduce(x: torch.Tensor, fn) -> torch.Tensor:
     return out.reshape(*lead, out.shape[-1])
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The one precision rule: norms, softmaxes, logits, dequantisation and the DeltaNet state
+    are computed in fp32 whatever the model's dtype, except fp64 models, which stay fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in acc_dtype(x.dtype) (x itself when it already is)."""
+    return x.to(acc_dtype(x.dtype))
+
+
 def _mean_square(x: torch.Tensor) -> torch.Tensor:
     return x.pow(2).mean(-1, keepdim=True)
 
@@ -165,7 +176,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype != torch.float64 else x
+        xf = upcast(x)
         xhat = xf * torch.rsqrt(row_reduce(xf, _mean_square) + self.eps)
         return (xhat * (1.0 + self.weight.to(xhat.dtype))).to(x.dtype)
 
@@ -180,10 +191,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float() if dtype != torch.float64 else x
+        xf = upcast(x)
         xhat = xf * torch.rsqrt(row_reduce(xf, _mean_square) + self.eps)
         y = self.weight * xhat.to(dtype)
-        zf = z.float() if z.dtype != torch.float64 else z
+        zf = upcast(z)
         return (y * silu(zf)).to(dtype)
 
 

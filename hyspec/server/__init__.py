@@ -11,6 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hyspec.config import DTYPE_NAMES
     from hyspec.spec.loop import MAX_DRAFT
 
     p = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to host memory)")
     p.add_argument("--prefix-store-host-bytes", type=int, default=4 << 30,
                    help="prefix store budget in host memory (least recently used states beyond it are dropped)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--pp", type=int, default=1,
@@ -46,6 +47,7 @@ def make_app(args):
 
     import torch
 
+    from hyspec.config import no_mtp_error
     from hyspec.engine import Engine
     from hyspec.server.app import ServerConfig, create_app
     from hyspec.spec.loop import MAX_DRAFT
@@ -62,7 +64,7 @@ def make_app(args):
     if not 0 <= draft <= MAX_DRAFT:
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {draft}")
     if draft and not eng.model.has_mtp:
-        raise ValueError("this checkpoint has no MTP head: use --draft 0")
+        raise no_mtp_error()
     if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
         raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
     if not args.no_prefix_store:

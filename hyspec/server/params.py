@@ -7,6 +7,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+from hyspec.config import NO_MTP_HEAD
 from hyspec.sampling import SamplingParams
 from hyspec.spec.loop import MAX_DRAFT
 
@@ -185,7 +186,7 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     if draft > 0 and not lim.has_mtp:
         draft = 0 if req.draft is None else draft
         if draft:
-            raise bad("this model has no MTP head, so it cannot speculate: use draft=0", "draft")
+            raise bad(f"{NO_MTP_HEAD}, so it cannot speculate: use draft=0", "draft")
     for tid in req.stop_token_ids or []:
         if not 0 <= tid < lim.vocab_size:
             raise bad(f"stop_token_ids: {tid} is out of range for vocabulary size {lim.vocab_size}",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hyspec.model.ops import StepCtx, linear
+from hyspec.model.ops import StepCtx, linear, upcast
 
 FORCED_STREAM = 11  # rng stream for the forced-acceptance drafter's corruption draws
 
@@ -33,8 +33,7 @@ def draft_logits(model, h: torch.Tensor, vocab=None, ctx: StepCtx | None = None)
     if vocab is None:
         return model.logits(h, ctx)
     ids, w = vocab
-    sub = linear(h.to(w.dtype), w, ctx)
-    sub = sub if sub.dtype == torch.float64 else sub.float()
+    sub = upcast(linear(h.to(w.dtype), w, ctx))
     full = sub.new_full((h.shape[0], model.cfg.vocab_size), float("-inf"))
     full[:, ids] = sub
     return full

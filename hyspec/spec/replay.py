@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from hyspec.config import no_mtp_error
 from hyspec.decode import check_prompt
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
@@ -105,7 +106,7 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     if hidden not in ("post", "pre"):
         raise ValueError(f"hidden must be 'post' or 'pre', got {hidden!r}")
     if not model.has_mtp:
-        raise ValueError("this checkpoint has no MTP head (no mtp.* weights): there is nothing to replay")
+        raise no_mtp_error(": there is nothing to replay")
     ids = [int(t) for t in ids]
     if len(ids) < 2:
         raise ValueError(f"the text must have at least 2 tokens to replay, got {len(ids)}")
@@ -118,7 +119,7 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     cache = model.new_cache(N)
     # chained rows reach i+k-1 <= N-3; the fill reaches row N-2
     if not model.has_mtp:
-        raise ValueError("this checkpoint has no MTP head (no mtp.* weights): nothing to replay")
+        raise no_mtp_error(": there is nothing to replay")
     kv = model.new_draft_kv(N)
     vocab = draft_vocab(model)
     forwards = 0
