@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from hyspec.engine import Engine  # noqa: E402
 from hyspec.provenance import git_state  # noqa: E402
-from hyspec.spec.replay import replay_acceptance  # noqa: E402
-from hyspec.spec.telemetry import SpecTelemetry  # noqa: E402
+from hyspec.speculative.replay import replay_acceptance  # noqa: E402
+from hyspec.speculative.telemetry import SpecTelemetry  # noqa: E402
 from hyspec.train.corpus import load_corpus  # noqa: E402
 
 

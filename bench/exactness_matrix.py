@@ -60,7 +60,7 @@ def run_group(args) -> list[dict]:
     torch.set_num_threads(1)
     from hyspec.decode import generate_plain
     from hyspec.loading import load_model
-    from hyspec.spec.loop import SpecOptions, generate_speculative
+    from hyspec.speculative.loop import SpecOptions, generate_speculative
 
     path, fam, src, dtype = args
     m = load_model(path, dtype=dtype)

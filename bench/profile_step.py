@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from hyspec.bench import B2, build_config_model, time_fn  # noqa: E402
 from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast  # noqa: E402
 from hyspec.kernels.gemm import set_tuned  # noqa: E402
-from hyspec.spec.loop import SpecOptions  # noqa: E402
+from hyspec.speculative.loop import SpecOptions  # noqa: E402
 
 
 def kernel_table(fn, steps: int = 3) -> dict:

@@ -32,7 +32,7 @@ from hyspec.bench import B2, build_config_model, copy_bandwidth, log, time_fn
 def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):
     from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
     from hyspec.kernels import pdl
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     pdl.set_pdl(flags["pdl"])
     P, N = len(prompt), args.new_tokens

@@ -194,7 +194,7 @@ def hf_generate(model, prompt, n_tokens, dev, dtype, model_dir=None) -> dict:
 # ----------------------------------------------------------------------------- one variant
 def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> dict:
     from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     P, N = len(prompt), args.new_tokens
     k_max = max(max(args.ks), args.verify_max - 1, 3)  # 3: the exactness check drafts K=3
@@ -263,7 +263,7 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
 def exactness_check(model, args, dev, dec) -> dict:
     """Greedy speculative (K=3; forced 0.9/0.8/0.7/0.6 and the real MTP) vs plain, bitwise."""
     from hyspec.gpu import generate_plain_fast, generate_speculative_fast
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     V = model.cfg.vocab_size
     res = {"tokens": args.exact_tokens, "prompts": [], "k": 3}

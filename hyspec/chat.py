@@ -163,7 +163,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     from hyspec.cli import _ids, _load
     from hyspec.engine import default_model_dir
     from hyspec.sampling import SamplingParams
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout

@@ -15,7 +15,7 @@ import warnings
 
 from hyspec.config import DTYPE_NAMES
 from hyspec.sampling import ParamError, SamplingParams
-from hyspec.spec.loop import MAX_DRAFT, SpecOptions
+from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -390,7 +390,7 @@ def _cmd_generate(args) -> int:
         print(f"[--max-new-tokens {args.max_new_tokens} capped to {st['max_new_tokens_capped_to']}: prompt + "
               f"completion must fit in the model's context of {st['context_length']} tokens]", file=sys.stderr)
     if "spec" in st:
-        from hyspec.spec.telemetry import SpecTelemetry
+        from hyspec.speculative.telemetry import SpecTelemetry
 
         print(SpecTelemetry.from_dict(st["spec"]).summary_line(), file=sys.stderr)
     return 0
@@ -428,7 +428,7 @@ def _progress_bar(done: int, total: int, _state={"t": 0.0}) -> None:
 
 
 def _cmd_replay(args) -> int:
-    from hyspec.spec.replay import replay_acceptance
+    from hyspec.speculative.replay import replay_acceptance
 
     if os.path.isdir(args.text_file):
         raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")

@@ -1,6 +1,6 @@
 """Single-request entry points over the engine core, and the result type they return.
 
-generate_plain (K = 0) and hyspec.spec.loop.generate_speculative (K >= 1) are one request
+generate_plain (K = 0) and hyspec.speculative.loop.generate_speculative (K >= 1) are one request
 run through hyspec.core's scheduler and round driver; there is no separate loop."""
 
 from __future__ import annotations

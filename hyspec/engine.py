@@ -23,8 +23,8 @@ from hyspec.loading import load_model, parse_dtype
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import ParamError, SamplingParams
-from hyspec.spec.loop import MAX_DRAFT, SpecOptions
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
+from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -213,7 +213,7 @@ class Engine:
     def _spec_options(self, draft: int, spec: SpecOptions | None) -> SpecOptions | None:
         _int_arg("draft", draft, 0, MAX_DRAFT)
         if spec is not None and not isinstance(spec, SpecOptions):
-            raise ParamError("spec", spec, "must be a hyspec.spec.loop.SpecOptions or None")
+            raise ParamError("spec", spec, "must be a hyspec.speculative.loop.SpecOptions or None")
         if draft == 0:
             return None
         if not self.model.has_mtp:

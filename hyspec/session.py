@@ -37,7 +37,7 @@ import torch
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.state import SeqState, capture
 from hyspec.sampling import SamplingParams
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.telemetry import SpecTelemetry
 
 FORMAT = "hyspec-session/1"
 
@@ -259,7 +259,7 @@ class Session:
 
     @classmethod
     def from_dict(cls, engine, d: dict) -> "Session":
-        from hyspec.spec.loop import SpecOptions
+        from hyspec.speculative.loop import SpecOptions
 
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a hyspec session file (expected format {FORMAT!r})")

@@ -1,6 +1,6 @@
 """Small helpers shared by the speculative-loop tests."""
 
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.telemetry import SpecTelemetry
 
 
 class RoundLog(SpecTelemetry):

@@ -12,7 +12,7 @@ from conftest import ARCHS
 from hyspec.core import Request, Scheduler
 from hyspec.core.slots import Slot, slot_bytes
 from hyspec.sampling import SamplingParams
-from hyspec.spec.loop import SpecOptions
+from hyspec.speculative.loop import SpecOptions
 
 G = SamplingParams(temperature=0.0)
 

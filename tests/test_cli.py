@@ -17,7 +17,7 @@ import torch
 from hyspec.cli import main
 from hyspec.engine import derive_seed
 from hyspec.loading import load_model
-from hyspec.spec.loop import MAX_DRAFT
+from hyspec.speculative.loop import MAX_DRAFT
 from hyspec.tokenizer import Tokenizer
 
 VOCAB = 320  # >= 300: make-tiny writes a tokenizer.json

@@ -26,7 +26,7 @@ pytest.importorskip("llguidance")
 from hyspec.constraints import make_constraint  # noqa: E402
 from hyspec.decode import generate_plain  # noqa: E402
 from hyspec.sampling import SamplingParams, row_probs  # noqa: E402
-from hyspec.spec.loop import SpecOptions, generate_speculative  # noqa: E402
+from hyspec.speculative.loop import SpecOptions, generate_speculative  # noqa: E402
 
 EOS = 0
 ALPHA = 1e-3
@@ -176,7 +176,7 @@ def test_biased_acceptance_is_caught(t16, exact16, plain16, monkeypatch):
     """The same tests, with an always-accept rule in the loop, must fail."""
     import importlib
 
-    for name in ("hyspec.spec.loop", "hyspec.core.round"):
+    for name in ("hyspec.speculative.loop", "hyspec.core.round"):
         try:
             mod = importlib.import_module(name)
         except ImportError:

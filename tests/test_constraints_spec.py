@@ -23,7 +23,7 @@ from hyspec.constraints import make_constraint  # noqa: E402
 from hyspec.decode import generate_plain  # noqa: E402
 from hyspec.engine import Engine  # noqa: E402
 from hyspec.sampling import SamplingParams  # noqa: E402
-from hyspec.spec.loop import SpecOptions, generate_speculative  # noqa: E402
+from hyspec.speculative.loop import SpecOptions, generate_speculative  # noqa: E402
 
 EOS = 0
 REGEX = r"[a-z_ ]{3,40}\.?"

@@ -7,7 +7,7 @@ import pytest
 
 from hyspec.cli import main as cli_main
 from hyspec.engine import DEFAULT_MODEL_DIR, Engine
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.train.corpus import load_corpus
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,12 +1,12 @@
 """FastDecoder on CPU: with the torch runner (the model's own modules) its greedy output,
-telemetry and per-round drafts equal hyspec.decode / hyspec.spec.loop bitwise for every
+telemetry and per-round drafts equal hyspec.decode / hyspec.speculative.loop bitwise for every
 family (the Triton runner under the interpreter: tests/test_fast_kernels.py)."""
 import pytest
 
 from hyspec.decode import generate_plain
 from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
 from hyspec.core import round as round_mod
-from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.speculative.loop import SpecOptions, generate_speculative
 from hyspec.tiny import make_tiny
 from hyspec.loading import load_model
 

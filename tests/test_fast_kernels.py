@@ -130,7 +130,7 @@ def test_triton_runner_interpreted_spec_equals_plain(tmp_path):
     from hyspec.decode import generate_plain
     from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
     from hyspec.loading import load_model
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
     from hyspec.tiny import make_tiny
 
     m = load_model(make_tiny("qwen3_next", tmp_path / "m", seed=2, layers=4, hidden=32, vocab_size=128))

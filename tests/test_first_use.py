@@ -341,3 +341,13 @@ def test_missing_mtp_weights_warn_once(ckpt, tmp_path) -> None:
     r = cli("generate", "--model", str(out), "--prompt-ids", "1,2", "--max-new-tokens", "2")
     assert r.returncode == 0 and r.stderr.lower().count("speculat") == 1 and "Traceback" not in r.stderr
     assert torch is not None
+
+
+def test_old_module_name_still_imports() -> None:
+    """hyspec.spec was renamed hyspec.speculative; the old import paths keep working."""
+    from hyspec.spec.loop import SpecOptions as old
+    from hyspec.speculative.loop import SpecOptions as new
+    import hyspec.spec.telemetry
+    import hyspec.speculative.telemetry
+
+    assert old is new and hyspec.spec.telemetry is hyspec.speculative.telemetry

@@ -197,7 +197,7 @@ def _tiny(arch, dtype, tmp_path):
 def test_fast_decoder_spec_equals_plain(arch, dtype, tmp_path):
     from hyspec.decode import generate_plain
     from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     m = _tiny(arch, dtype, tmp_path)
     prompt = list(range(3, 40, 3))
@@ -235,7 +235,7 @@ def test_b2_exactness_bf16():
     """hyspec bench's exactness check on the b2 bench model (bf16, random weights)."""
     from hyspec.bench import B2, build_config_model
     from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     n_tok, n_prompts = (int(v) for v in os.environ.get("HYSPEC_B2_EXACT", "2000,4").split(","))
     m = build_config_model(B2, DEV, torch.bfloat16)

@@ -234,7 +234,7 @@ def test_multimodal_layout(ckpt, reference):
 
 
 def test_checkpoint_without_mtp(zoo):
-    from hyspec.spec.loop import SpecOptions, generate_speculative
+    from hyspec.speculative.loop import SpecOptions, generate_speculative
 
     m = load_model(zoo.path("tiny", ARCH, with_mtp=False))
     assert not m.has_mtp

@@ -21,7 +21,7 @@ from hyspec.loading import load_model
 from hyspec.parallel import free_port
 from hyspec.parallel.local import run_job, run_jobs
 from hyspec.parallel.pipeline import split_layers, stage_ranges
-from hyspec.spec.loop import SpecOptions
+from hyspec.speculative.loop import SpecOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 P1 = [1, 17, 42, 99, 7, 250, 3, 88]

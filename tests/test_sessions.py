@@ -176,7 +176,7 @@ def test_switching_plain_and_speculative_is_refused(zoo):
 def test_drafter_options_across_turns(zoo, arch):
     """The no-pending form, the other rollback strategies, adaptive K and p_min: a
     speculative session still equals the plain one on every turn."""
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     eng = engine(zoo, arch)
     msgs = messages(eng.model.cfg.vocab_size, 3, seed=6)

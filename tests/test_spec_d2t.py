@@ -7,8 +7,8 @@ from safetensors.torch import load_file, save_file
 from hyspec.decode import GREEDY, generate_plain
 from hyspec.loading import CheckpointError, load_model
 from hyspec.sampling import SamplingParams
-from hyspec.spec.drafter import draft_logits, draft_vocab
-from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.speculative.drafter import draft_logits, draft_vocab
+from hyspec.speculative.loop import SpecOptions, generate_speculative
 from hyspec.tiny import make_tiny
 
 PROMPT = list(range(3, 19))

@@ -13,9 +13,9 @@ import torch
 from conftest import ARCHS, PROMPT
 from hyspec.cache import HybridCache
 from hyspec.model.ops import StepCtx
-from hyspec.spec import rollback as rb_mod
+from hyspec.speculative import rollback as rb_mod
 from hyspec.core import round as round_mod
-from hyspec.spec.loop import MAX_DRAFT, SpecOptions, generate_speculative
+from hyspec.speculative.loop import MAX_DRAFT, SpecOptions, generate_speculative
 
 ROLLBACKS = ("checkpoint", "rescan", "replay")
 

@@ -18,7 +18,7 @@ import itertools
 import pytest
 
 from conftest import ARCHS, DTYPES, PROMPT, SOURCES
-from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.speculative.loop import SpecOptions, generate_speculative
 
 N_NEW = 200
 KS = (1, 2, 3, 5)

@@ -17,9 +17,9 @@ import torch
 from conftest import ARCHS, PROMPT
 from hyspec.model.ops import StepCtx
 from hyspec.core import round as round_mod
-from hyspec.spec.loop import SpecOptions, generate_speculative
-from hyspec.spec.replay import replay_acceptance
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.loop import SpecOptions, generate_speculative
+from hyspec.speculative.replay import replay_acceptance
+from hyspec.speculative.telemetry import SpecTelemetry
 
 
 from spec_helpers import RoundLog  # noqa: E402

@@ -69,7 +69,7 @@ from hyspec.loading import load_model
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import SamplingParams, row_probs
-from hyspec.spec.loop import SpecOptions, generate_speculative
+from hyspec.speculative.loop import SpecOptions, generate_speculative
 from hyspec.tiny import init_weights, tiny_config
 
 ALPHA = 1e-3  # significance level of every distribution test in this file

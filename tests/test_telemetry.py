@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hyspec.spec.telemetry import MAX_DEPTH, SpecTelemetry
+from hyspec.speculative.telemetry import MAX_DEPTH, SpecTelemetry
 
 
 def _from_masks(masks: list[list[bool]]) -> SpecTelemetry:

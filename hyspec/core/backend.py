@@ -14,7 +14,7 @@ import torch
 
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.spec.drafter import draft_logits, draft_vocab
+from hyspec.speculative.drafter import draft_logits, draft_vocab
 
 PREFILL_CHUNK = 512  # prompt rows per prefill forward (fixed, so prefill is a function of the prompt alone)
 

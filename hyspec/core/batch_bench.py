@@ -12,7 +12,7 @@ import torch
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
 from hyspec.core.slots import slot_bytes
-from hyspec.spec.loop import SpecOptions
+from hyspec.speculative.loop import SpecOptions
 
 
 def _sync(dev) -> None:

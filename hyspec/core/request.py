@@ -21,7 +21,7 @@ class Request:
         max_new_tokens  tokens to generate at most
         params          sampling (temperature 0 = greedy), per request
         draft           K drafts per round (0 = plain decoding), per request
-        spec            other drafter options (hyspec.spec.loop.SpecOptions; its k is replaced by `draft`)
+        spec            other drafter options (hyspec.speculative.loop.SpecOptions; its k is replaced by `draft`)
         stop_ids        generation ends after emitting one of these (EOS ids unless the caller ignores EOS)
         reference       the forced-acceptance drafter's continuation (tests, benchmarks)
         logprobs        None, or N >= 0: record each emitted token's log-probability (raw target

@@ -30,8 +30,8 @@ from hyspec.core.request import Request
 from hyspec.rng import u01
 from hyspec.sampling import (apply_penalties, coupled_speculative, coupled_token, draft_token, greedy_token,
                              plain_token, row_probs, speculative_sample)
-from hyspec.spec.drafter import FORCED_STREAM
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.drafter import FORCED_STREAM
+from hyspec.speculative.telemetry import SpecTelemetry
 
 
 

@@ -45,7 +45,7 @@ def check_stop(stop_ids, vocab: int) -> set[int]:
 
 def spec_options(req: Request):
     """The request's SpecOptions (k = req.draft), or None for plain decoding."""
-    from hyspec.spec.loop import SpecOptions
+    from hyspec.speculative.loop import SpecOptions
 
     if isinstance(req.draft, bool) or not isinstance(req.draft, int) or req.draft < 0:
         raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {req.draft!r}")
@@ -165,7 +165,7 @@ class Scheduler:
         try:
             opts, stops = self.validate(req)
             if opts is not None:
-                from hyspec.spec.rollback import make_rollback
+                from hyspec.speculative.rollback import make_rollback
 
                 rollback = make_rollback(opts.rollback)
                 k = opts.k

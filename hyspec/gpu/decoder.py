@@ -25,7 +25,7 @@ and the host reads `res` (n, bonus, drafts) once per round.
 
 The compute comes from a runner: ``TritonRunner`` (fused row-invariant kernels, graph
 capturable) or ``TorchRunner`` (the model's own modules; on CPU it makes the decoder
-bitwise equal to hyspec.decode / hyspec.spec.loop).  Prefill is eager and uses the model's
+bitwise equal to hyspec.decode / hyspec.speculative.loop).  Prefill is eager and uses the model's
 modules, with flash-linear-attention's chunked kernel for Gated DeltaNet on CUDA when it
 imports (else the torch chunked form).
 """
@@ -40,7 +40,7 @@ from hyspec.config import FULL, no_mtp_error
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import chunked_scan, state_dtype
 from hyspec.model.ops import StepCtx
-from hyspec.spec.drafter import draft_logits, draft_vocab
+from hyspec.speculative.drafter import draft_logits, draft_vocab
 
 
 class GraphFallbackWarning(RuntimeWarning):
@@ -155,7 +155,7 @@ class FastDecoder:
         return b
 
     def draft_logits_ref(self, h: torch.Tensor) -> torch.Tensor:
-        """The drafter's logits through the model's modules (hyspec.spec.drafter.draft_logits)."""
+        """The drafter's logits through the model's modules (hyspec.speculative.drafter.draft_logits)."""
         return draft_logits(self.model, h, self.d2t)
 
     # -- prefill ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Greedy plain and speculative generation on the FastDecoder (the GPU fast path).
 
 Same contract and result type as hyspec.decode.generate_plain /
-hyspec.spec.loop.generate_speculative for greedy decoding; sampled requests stay on the
+hyspec.speculative.loop.generate_speculative for greedy decoding; sampled requests stay on the
 reference loop.  The host touches the device once per speculative round (one copy of
 n, bonus and the drafts), and while far from the end the next round is already queued
 before that copy is read, so the GPU does not wait for the host.
@@ -17,9 +17,9 @@ import torch
 from hyspec.config import no_mtp_error
 from hyspec.decode import GenerationResult, check_prompt, check_stop, emit
 from hyspec.rng import u01_tensor
-from hyspec.spec.drafter import FORCED_STREAM
-from hyspec.spec.loop import SpecOptions
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.drafter import FORCED_STREAM
+from hyspec.speculative.loop import SpecOptions
+from hyspec.speculative.telemetry import SpecTelemetry
 
 from hyspec.gpu.decoder import FastDecoder
 

@@ -12,7 +12,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.config import DTYPE_NAMES
-    from hyspec.spec.loop import MAX_DRAFT
+    from hyspec.speculative.loop import MAX_DRAFT
 
     p = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
@@ -50,7 +50,7 @@ def make_app(args):
     from hyspec.config import no_mtp_error
     from hyspec.engine import Engine
     from hyspec.server.app import ServerConfig, create_app
-    from hyspec.spec.loop import MAX_DRAFT
+    from hyspec.speculative.loop import MAX_DRAFT
 
     from hyspec import parallel
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hyspec.config import NO_MTP_HEAD
 from hyspec.sampling import SamplingParams
-from hyspec.spec.loop import MAX_DRAFT
+from hyspec.speculative.loop import MAX_DRAFT
 
 MAX_N = 16
 MAX_LOGPROBS = 20

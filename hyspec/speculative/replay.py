@@ -5,7 +5,7 @@ running the speculative loop: the target runs once over the whole text with teac
 forcing (in chunks, so long files fit in memory), and at every ``stride``-th position the
 MTP head drafts K tokens greedily, exactly as a round of the loop would from that point.
 
-Indexing (the draft-KV layout of ``hyspec.spec.drafter``)::
+Indexing (the draft-KV layout of ``hyspec.speculative.drafter``)::
 
     text      t_0  t_1  t_2  t_3  ...
     target    h_0  h_1  h_2  ...          h_i = hidden of row i (it predicts t_{i+1})
@@ -40,9 +40,9 @@ from hyspec.config import no_mtp_error
 from hyspec.decode import check_prompt
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.spec.drafter import draft_logits, draft_vocab
-from hyspec.spec.loop import MAX_DRAFT
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.drafter import draft_logits, draft_vocab
+from hyspec.speculative.loop import MAX_DRAFT
+from hyspec.speculative.telemetry import SpecTelemetry
 
 Progress = Callable[[int, int], None]
 

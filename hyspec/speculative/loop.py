@@ -17,8 +17,8 @@ from hyspec.core.request import GREEDY, Request
 from hyspec.decode import GenerationResult, run_request
 from hyspec.model.hybrid import HybridLM
 from hyspec.sampling import ParamError, SamplingParams
-from hyspec.spec.rollback import make_rollback
-from hyspec.spec.telemetry import SpecTelemetry
+from hyspec.speculative.rollback import make_rollback
+from hyspec.speculative.telemetry import SpecTelemetry
 
 MAX_DRAFT = 16
 
