@@ -133,3 +133,35 @@ def triton_interpreter():
     nothing does (the GPU tests run the same kernels on the device) and these modules skip."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("CUDA is available: Triton kernels are tested on the device (tests/test_gpu_*.py)")
+
+
+# The server tests' fixtures (tests/test_server*.py): a real uvicorn server on 127.0.0.1
+# (free port) over the embedded default model, the official openai client, and an offline
+# Engine to compare with. Imported lazily: the server extras are optional.
+SERVER_MODEL = "hyspec-default"
+
+
+@pytest.fixture(scope="module")
+def ref_engine():
+    from hyspec.engine import Engine
+
+    return Engine.load()
+
+
+@pytest.fixture(scope="module")
+def server():
+    from hyspec.engine import Engine
+    from hyspec.server.app import ServerConfig, create_app
+    from hyspec.server.thread import ServerThread
+
+    app = create_app(Engine.load(), ServerConfig(served_model_name=SERVER_MODEL, draft=3, max_batch=8,
+                                                 max_queue=64))
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -20,25 +20,8 @@ from hyspec.sampling import SamplingParams  # noqa: E402
 from hyspec.server.app import ServerConfig, create_app  # noqa: E402
 from hyspec.server.thread import ServerThread  # noqa: E402
 
-MODEL = "hyspec-default"
+from conftest import SERVER_MODEL as MODEL  # noqa: E402  (server, client, ref_engine: conftest.py fixtures)
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef list_files(path):", "class Stack:\n    def __init__(self):"]
-
-
-@pytest.fixture(scope="module")
-def ref_engine():
-    return Engine.load()
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, draft=3, max_batch=8, max_queue=64))
-    with ServerThread(app) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def reference(eng, prompt, max_tokens, *, temperature=0.0, seed=0, n=1, draft=3, top_p=1.0, ignore_eos=False):

@@ -22,7 +22,7 @@ from hyspec.sampling import SamplingParams  # noqa: E402
 from hyspec.server.app import ServerConfig, create_app  # noqa: E402
 from hyspec.server.thread import ServerThread  # noqa: E402
 
-MODEL = "hyspec-default"
+from conftest import SERVER_MODEL as MODEL  # noqa: E402  (server, client, ref_engine: conftest.py fixtures)
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 16},
                          "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
@@ -30,23 +30,6 @@ TAGS = {"type": "object", "additionalProperties": False, "required": ["ok", "tag
         "properties": {"ok": {"type": "boolean"},
                        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "enum": ["a", "b", "c"]}}}}
 MSGS = [{"role": "user", "content": "Describe a person as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def ref_engine():
-    return Engine.load()
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, draft=3, max_batch=8, max_queue=64))
-    with ServerThread(app) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def rf_schema(schema, name="out"):
