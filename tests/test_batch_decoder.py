@@ -116,3 +116,21 @@ def test_stop_ids_and_errors(tmp_path):
         run_batch(dec, [LaneRequest(prompt=prompt, max_new_tokens=4, k=3)])
     with pytest.raises(ValueError, match="max_len"):
         run_batch(dec, [LaneRequest(prompt=prompt, max_new_tokens=40)])
+
+
+def test_pipelined_rounds_equal_unpipelined(tmp_path):
+    """Queuing the next round before reading this one (and draining it when a lane stops)
+    changes nothing: same tokens as the round-by-round loop and as the reference."""
+    from hyspec.decode import generate_plain
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+
+    m = _model(tmp_path, "qwen3_5")
+    prompts = [[5, 17, 99, 3], [8, 1, 2], [4, 4]]
+    Ns = [7, 4, 6]
+    ref = [generate_plain(m, p, max_new_tokens=n).tokens for p, n in zip(prompts, Ns)]
+    dec = BatchDecoder(m, 20, 1, slots=2, graphs=False)
+    for pipeline in (True, False):
+        reqs = [LaneRequest(prompt=p, max_new_tokens=n, k=k) for p, n, k in zip(prompts, Ns, (0, 1, 0))]
+        run_batch(dec, reqs, pipeline=pipeline)
+        assert [r.tokens for r in reqs] == ref
