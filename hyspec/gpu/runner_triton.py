@@ -119,6 +119,8 @@ class TritonRunner:
         # for Dv=128; gated norm in a second kernel). Measured on the H200 / b2: decode step
         # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms. None: one program per head.
         self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
+        if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
+            self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
