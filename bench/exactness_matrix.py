@@ -90,6 +90,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/exactness_matrix.json"))
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
+    from hyspec.provenance import git_state
+
+    git = git_state()  # the code that runs, recorded before it runs
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         dirs = build(Path(tmp))
@@ -98,7 +101,7 @@ def main() -> int:
             rows = [r for g in ex.map(run_group, groups) for r in g]
     bad = [r for r in rows if not (r["equal"] and r["identity"])]
     summary = {
-        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "git": git,
         "runs": len(rows), "all_equal": all(r["equal"] for r in rows),
         "all_identities": all(r["identity"] for r in rows), "failures": bad,
         "new_tokens": NEW, "seconds": time.perf_counter() - t0,

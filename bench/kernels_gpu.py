@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hyspec.kernels.gemm import skinny_config, skinny_matmul  # noqa: E402
+from hyspec.provenance import git_state
 
 # b2: hidden 2048, 24 layers = 18 Gated DeltaNet + 6 gated attention, vocab 151936.
 # (name, N out, K in, count per decode step); gate/up fused.  Sum of counts = 127.
@@ -309,7 +310,7 @@ def main(argv=None):
             "device": torch.cuda.get_device_name(0) if cuda else "cpu (triton interpreter)",
             "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
             "dtype": str(dtype), "reps": args.reps, "sections": sections,
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git_state(),
         },
         "errors": {},
     }

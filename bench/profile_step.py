@@ -6,7 +6,9 @@ by kernel, plus CUDA-graph timings of the decode step and verify t=4 for the GDN
 with one program per value head (default) and with each head's Dv split over 4 programs
 (``block_v=32``), and a bitwise spec == plain check for the split variant.
 
-    python bench/profile_step.py --tuned bench/results/b2_h200.json --out /tmp/profile.json
+    python bench/profile_step.py --out /tmp/profile.json
+    (bench/results/b2_h200_profile.json is such a run; the shipped GEMM configs are used unless
+    --tuned names a bench JSON with a "tuned_gemm" table, e.g. from `hyspec bench --tune step`)
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch  # noqa: E402
 from hyspec.bench import B2, build_config_model, time_fn  # noqa: E402
 from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast  # noqa: E402
 from hyspec.kernels.gemm import set_tuned  # noqa: E402
+from hyspec.provenance import git_state
 from hyspec.speculative.loop import SpecOptions  # noqa: E402
 
 
@@ -48,17 +51,17 @@ def kernel_table(fn, steps: int = 3) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tuned", default="bench/results/b2_h200.json")
+    ap.add_argument("--tuned", default=None, help="take the GEMM configs from this bench JSON's tuned_gemm")
     ap.add_argument("--out", default="/tmp/profile.json")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    if Path(args.tuned).is_file():
+    if args.tuned:
         tg = json.loads(Path(args.tuned).read_text()).get("tuned_gemm", {})
         set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tg.items()})
     model = build_config_model(B2, dev, torch.bfloat16)
     prompt = torch.randint(0, B2["vocab_size"], (512,), generator=torch.Generator().manual_seed(0)).tolist()
     dec = FastDecoder(model, 512 + 300, 3)
-    res = {}
+    res = {"git": git_state(), "tuned_from": args.tuned}
     ref = generate_plain_fast(model, prompt, max_new_tokens=256, decoder=dec).tokens
     for bv in (None, 32):
         dec.runner.gdn_block_v = bv

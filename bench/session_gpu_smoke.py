@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyspec.core.state import same_state  # noqa: E402
 from hyspec.engine import Engine  # noqa: E402
+from hyspec.provenance import git_state
 from hyspec.session import Session  # noqa: E402
 
 
@@ -25,7 +26,8 @@ def main() -> int:
     msgs = ["def add(a, b):\n", "    return a + b\n", "class Stack:\n", "    def push(self, x):\n"]
     plain = eng.session(max_new_tokens=24, ignore_eos=True, use_store=False)
     spec = eng.session(draft=3, max_new_tokens=24, ignore_eos=True)
-    res = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev, "dtype": dtype}
+    res = {"git": git_state(), "device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev,
+           "dtype": dtype}
     res["spec_equals_plain"] = all(plain.send(m).tokens == spec.send(m).tokens for m in msgs[:3])
     live = spec.live_state()
     key = spec.tokens

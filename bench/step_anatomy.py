@@ -3,7 +3,8 @@
 One run on the GPU (b2 preset, bf16, 512-token prompt):
   1. ablation, each row adding one change to the one above, every row a fresh decoder:
      base (reduce kernels, per-head attention, no PDL) -> fused split-K reduce -> grouped
-     attention -> PDL (the PDL + L2 weight prefetch rows of run1 came from commit e010fc1;
+     attention -> PDL (the PDL + L2 weight prefetch rows of bench/results/
+     step_anatomy_h200_ablation.json came from commit e010fc1;
      the prefetch was removed after measuring slower);
      per row: decode step, verify t=1/4/8, draft step (graph replays), plain tok/s, and
      forced K=3 speculative output == plain output (bitwise) on 256 tokens;
@@ -13,7 +14,9 @@ One run on the GPU (b2 preset, bf16, 512-token prompt):
      then the same figures again.  The tuned table is written in the bench JSON format
      (--tuned-from of hyspec bench reads it).
 
-    python bench/step_anatomy.py --tuned-from bench/results/b2_h200.json --out anatomy.json
+    python bench/step_anatomy.py --out anatomy.json
+    (--tuned-from FILE starts from FILE's tuned_gemm table, e.g. bench/results/
+    step_anatomy_h200_tuning.json; without it, the shipped hyspec.kernels.gemm.BUILTIN configs)
 """
 from __future__ import annotations
 
@@ -197,10 +200,12 @@ def main(argv=None) -> int:
     from hyspec.gpu.tune import model_shapes, tune_in_step
     from hyspec.kernels import pdl
     from hyspec.kernels.gemm import TUNED, set_tuned
+    from hyspec.provenance import git_state
 
     res = {"command": "python bench/step_anatomy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "pdl_supported": None, "rows": {}}
+           "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "git": git_state(),
+           "pdl_supported": None, "rows": {}}
     bw = copy_bandwidth(dev, 2 << 30)
     model = build_config_model(B2, dev, torch.bfloat16, 0)
     probe = FastDecoder(model, 8, 1, graphs=False)

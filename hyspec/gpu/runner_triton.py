@@ -117,7 +117,8 @@ class TritonRunner:
             self.dtb_all = torch.stack([lay.dt_bias for lay in self.gdn_layers]).contiguous()
         # GDN scan: split each value head's Dv over programs of 32 columns (4x the parallelism
         # for Dv=128; gated norm in a second kernel). Measured on the H200 / b2: decode step
-        # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms. None: one program per head.
+        # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms (bench/results/b2_h200_profile.json).
+        # None: one program per head.
         self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
         if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
             self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
@@ -125,7 +126,7 @@ class TritonRunner:
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
         # grouped-head attention uses tensor-core dots: faster in bf16/fp16 on the H200 (b2
-        # decode step -69 us, step_anatomy_h200_run1.json); with fp32's exact 'ieee' dots a
+        # decode step -69 us, bench/results/step_anatomy_h200_ablation.json); with fp32's exact 'ieee' dots a
         # development microbenchmark there found it slower (not kept in bench/results), so
         # fp32 keeps the per-head kernel
         self.attn_grouped = dt != torch.float32

@@ -625,7 +625,7 @@ def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, stat
     C, W = weight.shape
     k = _kernels()["gdn_conv"]
     # 256 channels per program.  64- and 128-channel blocks ran 1 % faster on the H200 but
-    # made speculative output differ from plain there (step_anatomy_h200_run3.json; the
+    # made speculative output differ from plain there (bench/results/step_anatomy_h200.json; the
     # interpreter agrees bitwise, cause not found): keep the block that passes every check.
     BC = 256
     xi = xin if xin is not None else y

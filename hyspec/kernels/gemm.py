@@ -267,7 +267,7 @@ def set_tuned(table: dict[tuple[int, int], dict]) -> None:
 
 
 # Configs picked by the in-step tuner on the H200 for the b2 bench model's shapes
-# (bench/results/step_anatomy_h200_run2.json); used when TUNED has no entry for the shape.
+# (bench/results/step_anatomy_h200_tuning.json); used when TUNED has no entry for the shape.
 BUILTIN: dict[tuple[int, int], dict] = {
     (2048, 4096): dict(block_n=32, block_k=256, split_k=4),
     (2048, 6144): dict(block_n=64, block_k=256, split_k=4, wt=True),
@@ -286,7 +286,7 @@ def _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages, wt=No
         if (N, K) in BUILTIN:
             return skinny_config(N, K, **BUILTIN[(N, K)])
         # the fused SiLU*mul input streams far better with the weight as the left operand
-        # (b2 down projection in the step: 10.3 vs 44.6 us, step_anatomy_h200_run2.json)
+        # (b2 down projection in the step: 10.3 vs 44.6 us, step_anatomy_h200_tuning.json)
         wt = act
     return skinny_config(N, K, split_k=split_k, block_n=block_n, block_k=block_k,
                          num_warps=num_warps, num_stages=num_stages, wt=bool(wt))

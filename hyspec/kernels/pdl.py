@@ -79,7 +79,7 @@ def pdl_enabled() -> bool:
     not under the interpreter.
 
     Off by default because it measured slower on the H200 for the b2 bench model
-    (bench/results/step_anatomy_h200_run2.json, tuned configs: decode step 1.688 ms without,
+    (bench/results/step_anatomy_h200_tuning.json, tuned configs: decode step 1.688 ms without,
     1.744 ms with PDL, 1.838 ms with PDL + a 16 MB L2 weight prefetch, since removed)."""
     if _override is not None:
         return _override and _supported()

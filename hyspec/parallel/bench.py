@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     from hyspec.loading import load_model
     from hyspec.parallel.local import run_job, run_jobs
     from hyspec.parallel.pipeline import stage_ranges
+    from hyspec.provenance import git_state
 
+    git = git_state()  # the code that runs, recorded before it runs
     torch.set_num_threads(args.threads)
     tmp = None
     path = args.model
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
         b = "-" if r["bubble"] is None else "  ".join(f"s{i}: {x:5.1%}" for i, x in enumerate(r["bubble"]))
         print(f"{r['mode']:<20} {r['tok_s']:8.1f} {r['wall_s']:8.2f}  {b:<28}  {r['same_tokens']}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "stages": [[r.start, r.stop] for r in ranges],
+        Path(args.out).write_text(json.dumps({"git": git, "args": vars(args), "stages": [[r.start, r.stop] for r in ranges],
                                               "rows": rows}, indent=1))
     if tmp is not None:
         tmp.cleanup()

@@ -13,6 +13,7 @@ import torch
 
 from hyspec.config import FULL, ModelConfig
 from hyspec.model.hybrid import HybridLM
+from hyspec.provenance import git_state
 from hyspec.train import forward as fwd
 from hyspec.train.checkpoint import (
     checkpoint_tensor_bytes,
@@ -57,6 +58,7 @@ def _sync(device) -> None:
 def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=print) -> dict:
     """Train, evaluate and write the checkpoint to a.out. Returns the log dict."""
     t_start = time.time()
+    git = git_state()  # the code that trains, recorded before it runs
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     torch.manual_seed(a.seed)
@@ -250,6 +252,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
     size = (out / "model.safetensors").stat().st_size
     train_tok_s = [h["tok_s"] for h in history[1:]] or [h["tok_s"] for h in history]
     result = {
+        "git": git,
         "args": {k: v for k, v in asdict(a).items()},
         "config": cfg_dict,
         "params": n_params,

@@ -1,0 +1,42 @@
+#!/bin/bash
+# The GPU test suite on the device, in one log headed by the commit it ran at:
+#   bash bench/gpu_tests.sh          (repo root, on the GPU machine; writes $OUT/gpu_tests_h200.txt)
+# Commit the log as bench/results/gpu_tests_h200.txt, beside the bench JSON of the same commit.
+# On a copy of the tree without its .git, name the commit: HYSPEC_GIT_COMMIT=<sha>
+# (HYSPEC_GIT_DIRTY=1 if the copy had uncommitted changes), as for hyspec bench.
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LOG=$OUT/${LOG_NAME:-gpu_tests_h200.txt}
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without network (as bench/device_run.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+export PYTHONUNBUFFERED=1
+{
+  python3 - <<'PY'
+import importlib.metadata as md
+import time
+
+import torch
+
+from hyspec.provenance import git_state
+
+g = git_state()
+state = {True: "dirty", False: "clean"}.get(g["dirty"], "dirty: unknown")
+print(f"commit {g['commit']} ({state}), {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+versions = [f"torch {torch.__version__}"]
+for pkg in ("triton", "fla-core"):
+    try:
+        versions.append(f"{pkg} {md.version(pkg)}")
+    except md.PackageNotFoundError:
+        versions.append(f"{pkg} absent")
+print(", ".join(versions))
+PY
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
+  rc=0
+  echo "== GPU tests (python3 -m pytest -q -s -m gpu tests)"
+  python3 -m pytest -q -s -m gpu tests || rc=1
+  echo "== session tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
+  HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q tests/test_sessions.py tests/test_session_state.py \
+    tests/test_prefix_store.py || rc=1
+  exit $rc
+} 2>&1 | tee "$LOG"

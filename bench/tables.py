@@ -1,0 +1,553 @@
+"""The results tables of the docs, regenerated from the JSON in bench/results/.
+
+    python bench/tables.py            # rewrite every table in place
+    python bench/tables.py --check    # exit 1 (with a diff) where a doc is out of date
+
+A table lives in a Markdown file (README.md, docs/*.md, bench/results/*.md) between two
+marker comments, and everything between them is generated:
+
+    <!-- tables:NAME begin -->
+    <!-- tables:NAME end -->
+
+NAME is a key of TABLES below, or the stem of a results file (bench/results/NAME.json),
+which gets the generic table: its batch runs if it has any, then its "targets" dict (and
+a "targets" dict one level down, e.g. under "batch"), each target as figure, value,
+target, met or missed. Targets this file does not know are printed by their key, so a new
+bench target shows up without a change here. Every row names the commit its file ran at:
+the short sha, "dirty" when the tree had uncommitted changes; a file from before results
+recorded their commit says "not recorded" and the commit that added it
+(bench/results/provenance_notes.json). --check also fails when a JSON in bench/results
+has neither a commit nor such a note.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+NOTES = "provenance_notes.json"
+DOC_GLOBS = ("README.md", "docs/*.md", "bench/results/*.md")
+MARKER = re.compile(r"(<!-- tables:(?P<name>[\w.-]+) begin -->\n)(?P<body>.*?)(<!-- tables:(?P=name) end -->)", re.DOTALL)
+
+
+# -- reading results ----------------------------------------------------------------------
+
+class Results:
+    """The results files under `root`, read once each, with where each came from."""
+
+    def __init__(self, root: Path = RESULTS):
+        self.root = Path(root)
+        self._cache: dict[str, dict] = {}
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> dict:
+        name = name if name.endswith(".json") else name + ".json"
+        if name not in self._cache:
+            self._cache[name] = json.loads((self.root / name).read_text())
+        self.used.add(name)
+        return self._cache[name]
+
+    def exists(self, name: str) -> bool:
+        return (self.root / (name if name.endswith(".json") else name + ".json")).is_file()
+
+    def notes(self) -> dict:
+        p = self.root / NOTES
+        return json.loads(p.read_text()).get("files", {}) if p.is_file() else {}
+
+    def first(self, names, pick):
+        """(name, pick(data)) for the first file in `names` where pick gives something."""
+        for n in names:
+            if self.exists(n):
+                got = pick(self(n))
+                if got:
+                    return n, got
+        return None, None
+
+    def commit(self, name: str) -> str:
+        """`abc1234`, `abc1234` dirty, or not recorded (added in `...`)."""
+        g = git_of(self(name))
+        if g:
+            sha = f"`{str(g['commit'])[:7]}`"
+            return sha + {True: " dirty", False: "", None: " (dirty: unknown)"}[g.get("dirty")]
+        note = self.notes().get(name if name.endswith(".json") else name + ".json")
+        return f"not recorded (added in `{note['added_in']}`)" if note else "not recorded"
+
+
+def git_of(d: dict) -> dict | None:
+    """{"commit", "dirty"} wherever a results file keeps them (the layouts in use: `git`,
+    `meta.git`, `meta.commit` + `meta.dirty`, `git_commit` + `dirty`), or None."""
+    meta = d.get("meta") if isinstance(d.get("meta"), dict) else {}
+    for g in (d.get("git"), meta.get("git"), meta):
+        if isinstance(g, dict) and g.get("commit"):
+            return {"commit": g["commit"], "dirty": g.get("dirty")}
+    if d.get("git_commit"):
+        return {"commit": d["git_commit"], "dirty": d.get("dirty")}
+    return None
+
+
+def missing_provenance(res: Results) -> list[str]:
+    """JSON files under the results folder with neither a recorded commit nor a note."""
+    notes = res.notes()
+    out = []
+    for p in sorted(res.root.glob("*.json")):
+        if p.name == NOTES or p.name in notes:
+            continue
+        if not git_of(json.loads(p.read_text())):
+            out.append(p.name)
+    return out
+
+
+# -- formatting ---------------------------------------------------------------------------
+
+def num(x, nd: int | None = None) -> str:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return str(x)
+    if nd is None:
+        nd = 0 if abs(x) >= 100 else (1 if abs(x) >= 10 else 2)
+    return f"{x:,.{nd}f}"
+
+
+def pct(x) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def times(x) -> str:
+    return f"×{x:.2f}"
+
+
+def yes(x) -> str:
+    return {True: "yes", False: "**no**"}.get(x, "")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run_command(d: dict) -> str:
+    """The command that wrote a file, without its --out (a path on the machine it ran on)."""
+    cmd = (d.get("meta") or {}).get("command") or d.get("command") or ""
+    cmd = re.sub(r"(--[\w-]+)  (?=-)", r"\1 '' ", cmd)  # an empty argument, e.g. --variants ''
+    return re.sub(r"\s+--out\s+\S+", "", cmd).strip()
+
+
+# -- targets (the "targets" dict of a bench JSON) -------------------------------------------
+
+AT_MOST = {"verify_t4_rel"}  # targets that are upper bounds (the others: lower bounds)
+
+
+def _exact(d):
+    return (d.get("variants") or {}).get("exact") or {}
+
+
+def _forced(d, k):
+    return ((_exact(d).get("spec") or {}).get("forced") or {}).get(str(k)) or {}
+
+
+def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
+    """(figure, value) for a target: the known ones in words, the others by their key."""
+    v = t.get("value")
+    if name == "plain_roofline_frac":
+        tok = _exact(d).get("plain", {}).get("tok_s")
+        roof = d.get("roofline_tok_s")
+        if tok and roof:
+            return "plain decode", f"{num(tok, 0)} tok/s = **{pct(v)}** of the {num(roof, 0)} tok/s roofline"
+        return "plain decode, share of the roofline", f"**{pct(v)}**"
+    if name == "verify_t4_rel":
+        return "verify of 4 tokens ÷ 1 token", f"{v:.2f}"
+    m = re.fullmatch(r"forced_k(\d+)_speedup", name)
+    if m:
+        f = _forced(d, m.group(1))
+        extra = (f" ({num(f['tok_s'], 0)} tok/s, acceptance length {f['acceptance_length']:.2f})"
+                 if f.get("tok_s") and f.get("acceptance_length") else "")
+        return f"speculative K={m.group(1)}, forced acceptance, over plain", f"**{times(v)}**{extra}"
+    m = re.fullmatch(r"forced_k(\d+)_ceiling_frac", name)
+    if m:
+        ceil = f" of the {times(t['ceiling'])} cost-model ceiling" if t.get("ceiling") else ""
+        return f"speculative K={m.group(1)}, forced, share of its ceiling", f"{pct(v)}{ceil}"
+    if name == "exactness":
+        what = f", {t['prompts']} prompts × {num(t['tokens'], 0)} tokens" if t.get("tokens") else ""
+        return "greedy speculative == plain (K=3, forced and MTP)", ("bitwise" if v else "**differs**") + what
+    m = re.fullmatch(r"plain_B(\d+)_vs_B(\d+)", name)
+    if m:
+        return f"plain aggregate tok/s, batch {m.group(1)} ÷ batch {m.group(2)}", times(v)
+    m = re.fullmatch(r"spec_K(\d+)_vs_plain_B(\d+)", name)
+    if m:
+        return f"forced K={m.group(1)} ÷ plain, batch {m.group(2)}", times(v)
+    if name == "batch_invariance_greedy":
+        return "each sequence alone == in a staggered batch (greedy plain and K=3)", "bitwise" if v else "**differs**"
+    extra = ", ".join(f"{k} {num(x)}" for k, x in t.items()
+                      if k not in ("value", "target", "met", "stretch") and not isinstance(x, (dict, list)))
+    shown = pct(v) if name.endswith("_frac") and isinstance(v, float) else num(v)
+    return f"`{name}`", shown + (f" ({extra})" if extra else "")
+
+
+def _target(name: str, t: dict) -> str:
+    tg = t.get("target")
+    if tg is None:
+        return "bitwise" if t.get("value") is True or t.get("value") is False else ""
+    if isinstance(tg, bool):
+        return "bitwise" if tg else str(tg)
+    v, met = t.get("value"), t.get("met")
+    if name in AT_MOST:
+        op = "≤"
+    elif isinstance(v, (int, float)) and not isinstance(v, bool) and v != tg and met is not None:
+        op = "≥" if (v > tg) == bool(met) else "≤"
+    else:
+        op = "≥"
+    if name.endswith("_frac"):
+        s = f"{op} {100 * tg:.0f} %"
+        return s + (f" (stretch {100 * t['stretch']:.0f} %)" if t.get("stretch") else "")
+    if re.search(r"speedup|_vs_", name):
+        return f"{op} ×{tg:g}"
+    return f"{op} {tg:g}" + (f" (stretch {t['stretch']:g})" if t.get("stretch") else "")
+
+
+def _met(t: dict) -> str:
+    return {True: "met", False: "**missed**"}.get(t.get("met"), "")
+
+
+def targets_of(d: dict) -> dict:
+    """The file's "targets" and any "targets" one level down (e.g. batch["targets"])."""
+    out = dict(d.get("targets") or {})
+    for v in d.values():
+        if isinstance(v, dict) and isinstance(v.get("targets"), dict):
+            out.update({k: x for k, x in v["targets"].items() if k not in out})
+    return out
+
+
+def target_rows(res: Results, name: str) -> list[list[str]]:
+    d = res(name)
+    return [[*_label_value(k, t, d), _target(k, t), _met(t), res.commit(name)] for k, t in targets_of(d).items()]
+
+
+FIGURE = ["figure", "value", "target", "", "commit"]
+
+
+# -- batch runs ---------------------------------------------------------------------------
+
+BATCH_COLUMNS = (  # (key, header, format); a column is shown when any run has the key
+    ("plain_tok_s", "plain tok/s", num),
+    ("spec_tok_s", "forced K=3 tok/s", num),
+    ("spec_vs_plain", "speculative ÷ plain", times),
+    ("plain_vs_B1", "plain ÷ batch 1", times),
+    ("plain_vs_smallest_batch", "plain ÷ smallest batch", times),
+    ("mean_accepted", "accepted per round", lambda x: f"{x:.2f}"),
+    ("spec_equals_plain", "speculative == plain", yes),
+    ("batch_invariant", "tokens == alone", yes),
+)
+
+
+def batch_of(d: dict) -> dict | None:
+    b = d.get("batch") if isinstance(d.get("batch"), dict) else d
+    return b if isinstance(b.get("runs"), dict) and b["runs"] else None
+
+
+def batch_table(res: Results, name: str) -> str:
+    d = res(name)
+    b = batch_of(d)
+    runs = sorted(b["runs"].items(), key=lambda kv: int(kv[0]))
+    cols = [c for c in BATCH_COLUMNS if any(c[0] in r for _, r in runs)]
+    rows = [[str(B), *[f(r[k]) if k in r else "" for k, _, f in cols], res.commit(name)] for B, r in runs]
+    cmd = run_command(d)
+    head = (f"`{cmd}`, " if cmd else "") + f"backend `{b.get('backend', '?')}`:"
+    return head + "\n\n" + table(["batch", *[h for _, h, _ in cols], "commit"], rows)
+
+
+def invariance_rows(res: Results, name: str) -> list[list[str]]:
+    b = batch_of(res(name)) or {}
+    inv = b.get("invariance")
+    if not isinstance(inv, dict):
+        return []
+    rows = []
+    for k, r in inv.items():
+        if isinstance(r, dict) and "equal" in r:
+            what = re.sub(r"^k(\d+)$", r"K=\1", k)
+            figure = f"alone vs batched ({inv.get('prompts')} prompts × {inv.get('tokens')} tokens, batch {inv.get('batch')})"
+            rows.append([f"{figure}, {what}", f"{r['equal']}/{inv.get('prompts')} bitwise equal",
+                         "", "", res.commit(name)])
+        elif isinstance(r, str):
+            rows.append([f"alone vs batched, {k}", r, "", "", res.commit(name)])
+    return rows
+
+
+def generic(res: Results, name: str) -> str:
+    """Any results file: its batch runs, then invariance and targets as figure rows."""
+    d = res(name)
+    parts = []
+    if batch_of(d):
+        parts.append(batch_table(res, name))
+    rows = invariance_rows(res, name) + target_rows(res, name)
+    if rows:
+        parts.append(table(FIGURE, rows))
+    if not parts:
+        raise ValueError(f"{name}.json has no batch runs and no targets: give it a renderer in bench/tables.py")
+    return "\n\n".join(parts)
+
+
+# -- the tables the docs quote --------------------------------------------------------------
+
+def _fast(d):
+    return (d.get("variants") or {}).get("fast")
+
+
+def _hf(d):
+    return d.get("hf") if (d.get("hf") or {}).get("decode_tok_s") else None
+
+
+def b2_h200(res: Results) -> str:
+    """README: the b2 fast-path figures and targets, with the cuBLAS and transformers baselines."""
+    rows = target_rows(res, "b2_h200")
+    files = ("b2_h200", "b2_h200_baselines")
+    n, fast = res.first(files, _fast)
+    if fast:
+        p = fast["plain"]
+        rows.append(["plain decode, cuBLAS matmuls (`exact=False`)",
+                     f"{num(p['tok_s'], 0)} tok/s ({pct(p['roofline_frac'])} of the roofline)", "", "", res.commit(n)])
+    n, hf = res.first(files, _hf)
+    if hf:
+        tv = (res(n).get("meta") or {}).get("transformers") or ""
+        rows.append([f"transformers {tv} `generate` (+ fla), same weights", f"{num(hf['decode_tok_s'], 1)} tok/s",
+                     "", "", res.commit(n)])
+    return table(["b2, batch 1, CUDA-graph fast path, exact mode", "measured", "target", "", "commit"], rows)
+
+
+def b2_h200_detail(res: Results) -> str:
+    """docs/gpu.md: per variant, the step costs and speed-ups; targets; transformers."""
+    d = res("b2_h200")
+    tg = targets_of(d)
+    rows = []
+    variants = [("exact", "b2_h200", _exact(d))]
+    n, fast = res.first(("b2_h200", "b2_h200_baselines"), _fast)
+    if fast:
+        variants.append(("fast (cuBLAS, not exact)", n, fast))
+    for label, n, v in variants:
+        c = res.commit(n)
+        roof_ms = res(n).get("roofline_ms")
+        t = tg.get("plain_roofline_frac", {}) if n == "b2_h200" and label == "exact" else {}
+        value = (f"{num(v['plain']['tok_s'], 0)} tok/s, {v['decode_step_ms']:.3f} ms/step "
+                 f"= {pct(v['plain']['roofline_frac'])} of the {roof_ms:.3f} ms roofline")
+        rows.append([f"plain decode, {label}", value,
+                     _target("plain_roofline_frac", t) if t else "", _met(t), c])
+        t = tg.get("verify_t4_rel", {}) if label == "exact" else {}
+        vr = v.get("verify_rel") or {}
+        rows.append([f"verify t=4 ÷ t=1, {label}", f"{vr.get('4', vr.get(4, float('nan'))):.2f}",
+                     _target("verify_t4_rel", t) if t else "", _met(t), c])
+        rows.append([f"draft step (MTP + LM head), {label}", f"{v['draft_step_ms']:.3f} ms", "", "", c])
+        f = (v.get("spec") or {}).get("forced", {}).get("3")
+        if f:
+            t = tg.get("forced_k3_speedup", {}) if label == "exact" else {}
+            tc = tg.get("forced_k3_ceiling_frac", {}) if label == "exact" else {}
+            ceil = f", {pct(f['ceiling_frac'])} of the {times(f['ceiling'])} cost-model ceiling" if f.get("ceiling") else ""
+            target = "; ".join(x for x in (_target("forced_k3_speedup", t) if t else "",
+                                           _target("forced_k3_ceiling_frac", tc) + " of it" if tc else "") if x)
+            met = _met({"met": t["met"] and tc.get("met", True)}) if t else ""
+            rows.append([f"forced K=3, {label}", f"{num(f['tok_s'], 0)} tok/s, {times(f['speedup'])} over plain{ceil}",
+                         target, met, c])
+    t = tg.get("exactness")
+    if t:
+        rows.append([*_label_value("exactness", t, d), _target("exactness", t), _met(t), res.commit("b2_h200")])
+    done = {"plain_roofline_frac", "verify_t4_rel", "forced_k3_speedup", "forced_k3_ceiling_frac", "exactness"}
+    rows += [r for k, r in zip(tg, target_rows(res, "b2_h200")) if k not in done]  # targets added later
+    n, hf = res.first(("b2_h200", "b2_h200_baselines"), _hf)
+    if hf:
+        tv = (res(n).get("meta") or {}).get("transformers") or ""
+        rows.append([f"transformers {tv} `generate` (+ fla), same weights", f"{num(hf['decode_tok_s'], 1)} tok/s",
+                     "", "", res.commit(n)])
+    return table(FIGURE, rows)
+
+
+def default_model(res: Results) -> str:
+    """README: what the embedded default model scores and how fast it runs."""
+    rows = []
+    ev = res("default_model_eval").get("replay") or {}
+    c = res.commit("default_model_eval")
+    if ev:
+        rows.append(["held-out perplexity (30 stdlib files, CPU float32)", f"{ev['perplexity']:.2f}", c])
+        acc = ev.get("vs_target_accept_through_depth") or []
+        rows.append(["MTP acceptance through depth 1 / 2 / 3 / 4 (teacher-forced, vs the target's greedy token)",
+                     " / ".join(f"{x:.3f}" for x in acc), c])
+        al = ev.get("vs_target_acceptance_length_by_k") or {}
+        rows.append(["implied acceptance length, K = 1 / 2 / 3 / 4",
+                     " / ".join(f"{al[k]:.2f}" for k in sorted(al, key=int)), c])
+    n, g = res.first(("default_model_generate_cpu", "default_model_eval"), lambda d: d.get("generate"))
+    if g:
+        c = res.commit(n)
+        same = "identical output" if g.get("outputs_equal") else "**output differs**"
+        rows.append([f"greedy generation, `--draft {g.get('k', 3)}`, {g.get('prompts')} held-out prompts",
+                     f"{same}, acceptance length {g['spec']['acceptance_length']:.2f}", c])
+        threads = (res(n).get("machine") or "").rsplit("threads", 1)[-1].strip()
+        rows.append([f"CPU plain vs speculative{f' ({threads} thread)' if threads == '1' else ''}",
+                     f"{num(g['plain_tok_s'], 0)} vs {num(g['spec_tok_s'], 0)} tok/s ({g['speedup']:.2f}x)", c])
+    d = res("default_model_h200")
+    ex = _exact(d)
+    mtp = ((ex.get("spec") or {}).get("mtp") or {}).get("3")
+    if mtp:
+        value = (f"{num(ex['plain']['tok_s'], 0)} vs {num(mtp['tok_s'], 0)} tok/s ({mtp['speedup']:.2f}x, "
+                 f"acceptance length {mtp['acceptance_length']:.2f})")
+        rows.append(["H200 plain vs speculative, MTP K=3 (bf16, random-token prompt)", value,
+                     res.commit("default_model_h200")])
+    return table(["default model", "measured", "commit"], rows)
+
+
+def default_model_h200(res: Results) -> str:
+    """docs/default_model.md: plain and MTP K=1..4 on the H200, transformers beside it."""
+    d = res("default_model_h200")
+    ex = _exact(d)
+    mtp = (ex.get("spec") or {}).get("mtp") or {}
+    ks = sorted(mtp, key=int)
+    c = res.commit("default_model_h200")
+    best = max(ks, key=lambda k: mtp[k]["tok_s"]) if ks else None
+    cell = {k: f"{num(mtp[k]['tok_s'], 0)} ({mtp[k]['speedup']:.2f}x)" for k in ks}
+    if best:
+        cell[best] = f"**{cell[best]}**"
+    rows = [["tok/s (exact mode)", num(ex["plain"]["tok_s"], 0), *[cell[k] for k in ks], c],
+            ["acceptance length", "", *[f"{mtp[k]['acceptance_length']:.2f}" for k in ks], c]]
+    n, hf = res.first(("default_model_h200", "default_model_h200_baselines"), _hf)
+    if hf:
+        tv = (res(n).get("meta") or {}).get("transformers") or ""
+        rows.append([f"transformers {tv} `generate`, tok/s", num(hf["decode_tok_s"], 1), *[""] * len(ks), res.commit(n)])
+    return table(["", "plain", *[f"MTP K={k}" for k in ks], "commit"], rows)
+
+
+def gpu_log_commit(path: Path) -> str:
+    """The commit in a GPU test log's first line (the header bench/gpu_tests.sh writes)."""
+    m = re.match(r"commit (\w+) \(([^)]*)\)", path.read_text())
+    if not m or m.group(1) == "None":
+        return "not recorded"
+    return f"`{m.group(1)[:7]}`" + ("" if m.group(2) == "clean" else f" {m.group(2)}")
+
+
+def gpu_tests(res: Results) -> str:
+    """docs/gpu.md: each GPU test log, the commit it ran at, and pytest's summary lines."""
+    rows = []
+    for p in sorted(res.root.glob("gpu_tests_*.txt")):
+        text = p.read_text()
+        commit = gpu_log_commit(p)
+        parts, section = [], "GPU tests"
+        for line in text.splitlines():
+            h = re.match(r"\.*== ([^=].*?)\s*$", line)  # "== session tests on CUDA", maybe after dots
+            if h:
+                section = re.sub(r"\s*\(.*\)$", "", h.group(1))
+            s = re.fullmatch(r"=*\s*(\d+ \w+(?:, \d+ \w+)*) in [\d.]+s.*", line.strip())
+            if s:  # pytest's summary line, without the warnings count
+                counts = [c for c in s.group(1).split(", ") if not re.fullmatch(r"\d+ warnings?", c)]
+                parts.append(f"{section}: {', '.join(counts)}")
+        rows.append([f"`{p.name}`", "; ".join(parts) or "no pytest summary line", commit])
+    return table(["log", "result", "commit"], rows)
+
+
+# How the files whose JSON does not record its command were made (the others: their
+# meta.command / command, shown without --out).
+MADE_BY = {
+    "b2_h200.md": "by hand: the b2 write-up (its current-figures table: `python bench/tables.py`)",
+    "b2_h200.png": "`python bench/plot_results.py bench/results/b2_h200.json bench/results/b2_h200_baselines.json "
+                   "--out bench/results/b2_h200.png` (needs matplotlib)",
+    "default_model_h200.png": "`python bench/plot_results.py bench/results/default_model_h200.json "
+                              "bench/results/default_model_h200_baselines.json --out "
+                              "bench/results/default_model_h200.png` (needs matplotlib)",
+    "b2_h200_profile.json": "`python bench/profile_step.py` (H200)",
+    "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
+    "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "gpu_tests_sessions_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python -m pytest tests/test_sessions.py "
+                                   "tests/test_prefix_store.py tests/test_session_state.py` (H200; "
+                                   "`bench/gpu_tests.sh` runs these too)",
+    "pp2_cpu.json": "`hyspec bench --pp 2` (the file's `args`)",
+    "serve_load_cpu.json": "`python3 bench/serve_load.py`",
+    "sessions_cpu.json": "`python bench/sessions.py`",
+    "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 8 "
+                          "--repeats 2 --lp-tokens 2`",
+    NOTES: "by hand: the results files whose commit was not recorded",
+}
+
+
+def results_files(res: Results) -> str:
+    """docs/gpu.md: every file under bench/results, how it was made, the commit it ran at."""
+    names = sorted(p.name for p in res.root.iterdir() if p.is_file())
+    logs = {n for n in names if n.endswith("_log.txt") and n[:-len("_log.txt")] + ".json" in names}
+    rows = []
+    for n in names:
+        if n in logs:
+            continue
+        log = n[:-len(".json")] + "_log.txt"
+        shown = f"`{n}`" + (f" + `{log}`" if log in logs else "")
+        commit = ""
+        how = MADE_BY.get(n)
+        if n.endswith(".json") and n != NOTES:
+            commit = res.commit(n)
+            cmd = run_command(res(n))
+            how = how or (f"`{cmd}`" if cmd else "not recorded")
+        elif n.startswith("gpu_tests_"):
+            commit = gpu_log_commit(res.root / n)
+        rows.append([shown, how or "not recorded", commit])
+    return table(["file", "made by", "commit"], rows)
+
+
+TABLES = {
+    "results_files": results_files,
+    "b2_h200": b2_h200,
+    "b2_h200_detail": b2_h200_detail,
+    "default_model": default_model,
+    "default_model_h200": default_model_h200,
+    "gpu_tests": gpu_tests,
+}
+
+
+def render(name: str, res: Results) -> str:
+    if name in TABLES:
+        return TABLES[name](res)
+    if res.exists(name):
+        return generic(res, name)
+    raise KeyError(f"no table named {name!r}: not in bench/tables.py TABLES and no bench/results/{name}.json")
+
+
+# -- the docs -----------------------------------------------------------------------------
+
+def docs(root: Path = ROOT) -> list[Path]:
+    return sorted({p for g in DOC_GLOBS for p in root.glob(g)})
+
+
+def regenerate(text: str, res: Results) -> str:
+    """`text` with every marked table rendered afresh."""
+    return MARKER.sub(lambda m: m.group(1) + render(m.group("name"), res) + "\n" + m.group(4), text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python bench/tables.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 where a doc is out of date")
+    ap.add_argument("--root", default=str(ROOT), help="repository root (default: this checkout)")
+    args = ap.parse_args(argv)
+    root = Path(args.root)
+    res = Results(root / "bench" / "results")
+    stale = 0
+    for path in docs(root):
+        old = path.read_text()
+        if "<!-- tables:" not in old:
+            continue
+        new = regenerate(old, res)
+        if new == old:
+            continue
+        rel = path.relative_to(root)
+        if args.check:
+            stale += 1
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       f"a/{rel}", f"b/{rel}"))
+        else:
+            path.write_text(new)
+            print(f"rewrote {rel}")
+    missing = missing_provenance(res)
+    for name in missing:
+        print(f"bench/results/{name}: no git commit recorded and no entry in bench/results/{NOTES}")
+    if args.check and stale:
+        print(f"{stale} file(s) out of date: run python bench/tables.py")
+    return 1 if (args.check and stale) or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
