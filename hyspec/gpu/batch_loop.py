@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -25,6 +26,8 @@ class LaneRequest:
     stop_ids: frozenset = frozenset()
     reference: list[int] | None = None  # continuation the forced-acceptance drafter proposes from
     arrival: int = 0  # the first round at which this request may join (staggered arrivals in benches)
+    on_tokens: Callable[[list[int]], None] | None = None  # streaming: the tokens each round emits
+    telemetry: Any = None  # a SpecTelemetry recording this request's rounds
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     rounds: int = 0
@@ -32,14 +35,17 @@ class LaneRequest:
     accepted: int = 0
 
     def emit(self, toks: list[int]) -> None:
+        n0 = len(self.tokens)
         for t in toks:
             self.tokens.append(t)
             if t in self.stop_ids:
                 self.reason = "eos"
-                return
+                break
             if len(self.tokens) >= self.max_new_tokens:
                 self.reason = "length"
-                return
+                break
+        if self.on_tokens is not None and len(self.tokens) > n0:
+            self.on_tokens(self.tokens[n0:])
 
 
 def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int | None = None,
@@ -123,6 +129,8 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
             r.rounds += 1
             r.drafted += r.k
             r.accepted += n
+            if r.telemetry is not None and r.k > 0:
+                r.telemetry.record_round(r.k, n)
             before = len(r.tokens)
             r.emit(row[2: 2 + n] + [bonus])
             st["tokens"] += len(r.tokens) - before
@@ -170,3 +178,58 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
         t_rounds += time.perf_counter() - t0
     return {"prefill_s": st["prefill_s"], "rounds_s": t_rounds, "rounds": st["round"], "round_tokens": st["tokens"],
             "round_tok_s": st["tokens"] / t_rounds if t_rounds > 0 else None}
+
+
+# ---------------------------------------------------------------------------------------
+# the engine's entry: hyspec.core.request.Request objects on the graph path
+# ---------------------------------------------------------------------------------------
+def graph_eligible(reqs) -> str | None:
+    """None when every request can run on the BatchDecoder (greedy, no penalties, no
+    constraint / logprobs / session state, fixed k with the post-norm hidden, one forced
+    profile); else the reason it cannot (the engine core's reference path serves it)."""
+    forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
+              for r in reqs if r.draft > 0}
+    if len(forced) > 1:
+        return "requests with different forced-drafter profiles"
+    for r in reqs:
+        if not r.params.greedy or r.params.has_penalties:
+            return "a sampled request"
+        if r.constraint is not None or r.logprobs is not None:
+            return "a constraint or logprobs"
+        if r.keep or r.resume is not None or r.store_state:
+            return "session state"
+        o = r.spec
+        if r.draft > 0 and o is not None and (o.p_min > 0 or o.adaptive or o.hidden != "post" or not o.prime_pending):
+            return "speculative options the graph round does not have (p_min, adaptive, hidden=pre, no priming)"
+    return None
+
+
+def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
+    """Run hyspec.core Requests to their end on the BatchDecoder; fills tokens, stop_reason,
+    stats and calls on_tokens / on_finish like the engine core's scheduler does."""
+    from hyspec.speculative.telemetry import SpecTelemetry
+
+    forced = next((r.spec for r in reqs if r.draft > 0 and r.spec is not None and r.spec.forced_rates), None)
+    lanes = []
+    for r in reqs:
+        cb = None if r.on_tokens is None else (lambda toks, r=r: r.on_tokens(r, toks))
+        if r.draft > 0 and r.telemetry is None:
+            r.telemetry = SpecTelemetry()
+        lanes.append(LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
+                                 stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb,
+                                 telemetry=r.telemetry if r.draft > 0 else None))
+    t0 = time.perf_counter()
+    stats = run_batch(dec, lanes, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
+                      forced_seed=forced.forced_seed if forced else 0)
+    wall = time.perf_counter() - t0
+    for r, lr in zip(reqs, lanes):
+        r.tokens[:] = lr.tokens
+        r.stop_reason = lr.reason or "length"
+        r.done = True
+        r.stats = {"prompt_tokens": len(r.prompt_ids), "generated_tokens": len(lr.tokens), "path": "batch-graphs",
+                   "graphs": dec.graphs and not dec._graph_failed, "exact": dec.exact, "cached_tokens": 0,
+                   "batch_wall_s": wall, "batch_round_tok_s": stats["round_tok_s"]}
+        if r.draft > 0:
+            r.stats.update({"k": r.draft, "target_forwards": lr.rounds, "spec": r.telemetry.to_dict()})
+        if r.on_finish is not None:
+            r.on_finish(r)
