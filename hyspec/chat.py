@@ -147,20 +147,20 @@ class Chat:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.cli import _add_model_args, _add_sampling_args, _add_spec_args
+    from hyspec.cli.common import add_model_args, add_sampling_args, add_spec_args
 
     p = argparse.ArgumentParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
-    _add_sampling_args(p)
-    _add_spec_args(p)
+    add_sampling_args(p)
+    add_spec_args(p)
     return p
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli import _ids, _load
+    from hyspec.cli.common import load_engine, parse_ids
     from hyspec.engine import default_model_dir
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
@@ -173,11 +173,11 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
                                adaptive_floor=min(args.adaptive_floor, args.draft), hidden=args.hidden)
-        eng = _load(args)
+        eng = load_engine(args)
         if eng.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer.json")
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
-                              stop_ids=_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos)
+                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos)
         chat = Chat(eng, session, args.model or default_model_dir(), out=stdout)
     except (ValueError, FileNotFoundError) as e:
         print(f"hyspec chat: error: {e}", file=sys.stderr)
