@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
+    ap.add_argument("--batch-inv-prompts", type=int, default=64,
+                    help="GPU --batch: prompts in the batch-invariance check (each x 500 tokens; 0: skip)")
     return ap
 
 
@@ -211,6 +213,24 @@ def run_variants(model, prompt, args, dev, roofline_ms: float, result: dict, sav
     return exact_decoder
 
 
+def run_batches(model, args, dev) -> dict:
+    """--batch: aggregate throughput per batch size; on a GPU the BatchDecoder (CUDA graphs
+    per batch size, with a batch-invariance check), on the CPU the engine core."""
+    sizes = [int(b) for b in args.batch.split(",")]
+    forced = [float(x) for x in args.forced.split(",")]
+    if dev.type == "cuda":
+        from hyspec.gpu.batch_bench import gpu_batch_bench
+
+        log("batched decoding on the GPU: BatchDecoder, CUDA graphs per batch size (prefill excluded)")
+        return gpu_batch_bench(model, sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, forced=forced,
+                               seed=args.seed, inv_prompts=args.batch_inv_prompts, log=log)
+    from hyspec.core.batch_bench import batch_bench
+
+    log("batched decoding through the engine core (prefill excluded)")
+    return batch_bench(model, sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, forced=forced,
+                       seed=args.seed, log=log)
+
+
 def main(argv=None) -> int:
     if "--pp" in (argv if argv is not None else sys.argv[1:]):
         from hyspec.parallel.bench import main as pp_main  # pipeline stages: its own flags and report
@@ -266,12 +286,7 @@ def main(argv=None) -> int:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     if args.batch:
-        from hyspec.core.batch_bench import batch_bench
-
-        log("batched decoding through the engine core (prefill excluded)")
-        result["batch"] = batch_bench(model, [int(b) for b in args.batch.split(",")], prompt_len=args.prompt_len,
-                                      new_tokens=args.new_tokens, forced=[float(x) for x in args.forced.split(",")],
-                                      seed=args.seed, log=log)
+        result["batch"] = run_batches(model, args, dev)
         save()
     if args.hf_tokens > 0:
         try:

@@ -145,9 +145,11 @@ def _kernels():
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, WT: tl.constexpr = False,
     ):
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        pid_t = tl.program_id(2)
+        # row tiles vary fastest: the programs of one weight tile run together, so a call
+        # with many row tiles reads each weight tile from HBM once (the others hit L2)
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_kb = tl.arange(0, BLOCK_K)
@@ -347,7 +349,7 @@ def skinny_matmul(
                 or ws.dtype != torch.float32 or ws.stride(2) != 1:
             ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
-    grid = (_cdiv(N, cfg.block_n), cfg.split_k, n_tblocks)
+    grid = (n_tblocks, _cdiv(N, cfg.block_n), cfg.split_k)
     lk = launch_kwargs()
     mm_kernel[grid](
         x, w, out, ws,
