@@ -7,11 +7,13 @@
 
 Over ~400 lines on purpose: it is the whole public Python API in one class (load, encode,
 generate, generate_batch, session, constraint, memory, score), and each method validates
-its own arguments here so errors name them; the work itself is in hyspec/core/.
+its own arguments here so errors name them and picks the path that runs them; the work
+itself is in hyspec/core/ (and hyspec/gpu/ on a GPU).
 
 Words: a *sample* is one completion of a --num-samples run (seed derived per sample); the
-*fast path* is hyspec/gpu's CUDA-graph decoder (one greedy sequence on a GPU); *capped*:
-max_new_tokens cut to what fits in the context after the prompt.
+*fast path* is hyspec/gpu's CUDA-graph decoder for one greedy sequence on a GPU, the
+*graph batch* its BatchDecoder for several; *capped*: max_new_tokens cut to what fits in
+the context after the prompt.
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
+        self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
+        self._batch_dec = None
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
@@ -345,6 +349,35 @@ class Engine:
         return self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
                             r.draft > 0)
 
+    def _graph_batch(self, requests: list[Request], max_batch: int):
+        """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
+        (or when batch_graphs is set: the Triton interpreter in tests), for greedy requests
+        without constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible)."""
+        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs) or len(requests) < 2:
+            return None
+        from hyspec.kernels.gemm import triton_available
+
+        if not triton_available():
+            return None
+        from hyspec.gpu.batch import BatchDecoder
+        from hyspec.gpu.batch_loop import graph_eligible
+
+        if graph_eligible(requests) is not None:
+            return None
+        slots = min(max(2, max_batch), 64)
+        need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
+        k = max(3, max(r.draft for r in requests))
+        decoder = self._batch_dec
+        if decoder is None or decoder.slots < slots or decoder.max_len < need or decoder.k_max < k:
+            self._batch_dec = decoder = None
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            max_len = max(need, 1024 if self.model.device.type == "cuda" else need)
+            decoder = self._batch_dec = BatchDecoder(self.model,
+                                                     min(max_len, self.model.cfg.max_position_embeddings + 64), k,
+                                                     slots)
+        return decoder
+
     def _run_requests(self, requests: list[Request], max_batch: int) -> None:
         # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
         sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
@@ -354,6 +387,12 @@ class Engine:
                 sched.validate(r)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from None
+        decoder = self._graph_batch(requests, max_batch)
+        if decoder is not None:
+            from hyspec.gpu.batch_loop import run_requests
+
+            run_requests(decoder, requests, max_batch)
+            return
         if self.lanes > 1 and len(requests) > 1 and hasattr(self.backend, "driver"):
             from hyspec.parallel.lanes import run_lanes
 

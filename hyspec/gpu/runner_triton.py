@@ -99,7 +99,11 @@ class TritonRunner:
             logits=torch.zeros(R, cfg.vocab_size, device=dev, dtype=dt),
         )
         self._ws = {}
-        self._ws_rows = max(16, -(-R // 16) * 16)  # split-K workspace rows: every call of the decoder fits
+        # rows per matmul program: 16 for one sequence; a batched decoder's calls have up to
+        # lanes x rows each, and 64-row tiles read every weight tile once for 64 of them
+        # (fixed per decoder, never chosen from a call's row count: row invariance)
+        self.block_t = int(os.environ.get("HYSPEC_BATCH_BLOCK_T", "64")) if self.batched else 16
+        self._ws_rows = -(-R // self.block_t) * self.block_t  # split-K workspace rows: every call fits
         # verify slabs for the commit replay: in_proj outputs and conv outputs per GDN layer
         self.gdn_layers = sorted((lay for lay in self.layers if lay.kind == "gdn"), key=lambda lay: lay.g)
         self.t_slab = dec.t_max
@@ -115,6 +119,8 @@ class TritonRunner:
         # for Dv=128; gated norm in a second kernel). Measured on the H200 / b2: decode step
         # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms. None: one program per head.
         self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
+        if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
+            self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
@@ -197,14 +203,26 @@ class TritonRunner:
             ws = self._ws.get((N, K))
             if ws is None:  # one fixed-shape split-K workspace per weight shape
                 c = _config_cached(N, K, None, None, None, None, None, None, act)
+                if self.block_t > 16:
+                    c = _config_cached(N, K, *self._tile(N, K, act).values())
                 ws = torch.empty((c.split_k, self._ws_rows, N), device=w.device, dtype=torch.float32) if c.split_k > 1 else False
                 self._ws[(N, K)] = ws
             use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
-            return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None)
+            return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None,
+                                 block_t=self.block_t, **self._tile(N, K, act))
         if act:
             K = w.shape[1]
             x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
         return torch.matmul(x, w.t(), out=out)
+
+    def _tile(self, N, K, act) -> dict:
+        """Tile overrides for the matmul of an [N, K] weight: none for one sequence; for
+        64-row tiles the shape's config with BK <= 128 and <= 3 stages (shared memory)."""
+        if self.block_t == 16:
+            return {}
+        c = _config_cached(N, K, None, None, None, None, None, None, act)
+        return dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
+                    num_stages=min(c.num_stages, 3), wt=c.wt)
 
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):

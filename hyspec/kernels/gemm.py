@@ -306,6 +306,7 @@ def skinny_matmul(
     act: bool = False,
     ws: torch.Tensor | None = None,
     defer: bool = False,
+    block_t: int = BLOCK_T,
 ):
     """Triton ``x [T, K] @ w [N, K].T -> [T, N]`` (fp32 accumulate, output x.dtype).
 
@@ -318,7 +319,11 @@ def skinny_matmul(
     ``defer=True``: when the config splits K, skip the reduce kernel and return a
     :class:`hyspec.kernels.fused.SplitPartials` over the workspace instead (its consumer,
     ``fused.rmsnorm``, reduces in the same order); with one split the product is returned.
+    ``block_t``: rows per program (16, or 64 for many-row batched calls: each weight tile is
+    then loaded once for 64 rows); like the other overrides it must not be chosen from T.
     """
+    if block_t not in (16, 32, 64, 128):
+        raise ValueError(f"skinny_matmul: block_t must be 16, 32, 64 or 128, got {block_t}")
     kx = 2 * w.shape[1] if act and w.dim() == 2 else (w.shape[1] if w.dim() == 2 else -1)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != kx:
         raise ValueError(f"skinny_matmul: want x [T, {'2K' if act else 'K'}] and w [N, K], got {tuple(x.shape)} "
@@ -337,8 +342,8 @@ def skinny_matmul(
         return out
     cfg = _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages, wt, act)
     mm_kernel, reduce_kernel = _kernels()
-    n_tblocks = _cdiv(T, BLOCK_T)
-    t_pad = n_tblocks * BLOCK_T  # workspace rows: strides then do not depend on T (T <= 16)
+    n_tblocks = _cdiv(T, block_t)
+    t_pad = n_tblocks * block_t  # workspace rows: strides then do not depend on T (T <= 16)
     direct = cfg.split_k == 1
     if direct:
         ws = out  # unused placeholder pointer
@@ -358,7 +363,7 @@ def skinny_matmul(
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
         sws_s, sws_t,
-        BLOCK_T=BLOCK_T, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
