@@ -150,7 +150,9 @@ def _window(history: Sequence[int] | torch.Tensor, last_n: int) -> list[int]:
     if isinstance(history, torch.Tensor):
         history = history.reshape(-1).tolist()
     hist = list(history)
-    return hist if last_n < 0 else hist[len(hist) - last_n :]
+    # max(0, ...): a history shorter than the window is the whole window (a bare
+    # len - last_n would go negative and slice from the end instead)
+    return hist if last_n < 0 else hist[max(0, len(hist) - last_n) :]
 
 
 def apply_penalties(

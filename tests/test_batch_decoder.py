@@ -162,3 +162,23 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
 
     out = eng.generate_batch(prompts[:2], max_new_tokens=3, params=SamplingParams(temperature=0.8, seed=1))
     assert out[0].samples[0].stats.get("path") != "batch-graphs"
+
+
+def test_packed_weights_are_held_once(tmp_path):
+    """The runner's packed matmul weights are the model's own storage (the modules read
+    views into them), and a second runner on the same model reuses them."""
+    from hyspec.gpu import FastDecoder
+    from hyspec.gpu.batch import BatchDecoder
+
+    m = _model(tmp_path, "qwen3_5")
+    before = [p.detach().clone() for p in m.parameters()]
+    d1 = FastDecoder(m, 16, 2, backend="triton", graphs=False)
+    d2 = BatchDecoder(m, 16, 2, slots=2, graphs=False)
+    for a, b in zip(d1.runner.layers, d2.runner.layers):
+        assert a.w_in is b.w_in and (a.w_gu is b.w_gu)
+    lay = m.model.layers[0]
+    w_gu = d1.runner.layers[0].w_gu
+    assert lay.mlp.gate_proj.weight.data_ptr() == w_gu.data_ptr()
+    assert lay.mlp.up_proj.weight.data_ptr() == w_gu[lay.mlp.gate_proj.weight.shape[0]:].data_ptr()
+    for p, q in zip(m.parameters(), before):  # values unchanged
+        assert torch.equal(p, q)
