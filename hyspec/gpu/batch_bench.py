@@ -30,8 +30,9 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     t0 = time.perf_counter()
     dec = BatchDecoder(model, max_len, k, slots)
     sizes = sorted({s for s in dec.sizes if s <= slots})
-    dec.capture(sizes, [k], forced=(False, True))
-    torch.cuda.synchronize(dev)
+    dec.capture(sizes, [k], forced=(False, True), sampled=(False, True))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     out = {"backend": "cuda-graphs", "slots": slots, "max_len": max_len, "lane_bytes": dec.slot_bytes(),
            "graph_pool_bytes": dec.graph_bytes, "graphs": len(dec._graphs), "graphs_ok": not dec._graph_failed,
            "setup_s": time.perf_counter() - t0, "runs": {}}
