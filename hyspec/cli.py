@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lanes", type=int, default=1,
                    help="with --pp and several requests (--prompts-file, --num-samples): batch groups that alternate "
                         "through the stages, so each stage works on one while the next works on another")
+    g.add_argument("--optimistic", action="store_true",
+                   help="with --pp: while the last stage resolves a round, the first stages already run the "
+                        "next round's verify on a guess (every draft accepted, the bonus guessed by the drafter); "
+                        "used when the guess was right, rolled back otherwise (output unchanged). Pauses after "
+                        "3 misses in a row; telemetry on stderr / in --json stats['fork'] (docs/multi-gpu.md)")
     g.add_argument("--no-stream", action="store_true",
                    help="print the text when generation ends instead of as it is generated")
     _add_sampling_args(g)
@@ -204,7 +209,10 @@ def _load(args):
     if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
         eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
         eng.lanes = getattr(args, "lanes", 1)
+        eng.optimistic = getattr(args, "optimistic", False)
     else:
+        if getattr(args, "optimistic", False):
+            raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
@@ -284,7 +292,19 @@ def _cmd_generate_file(args) -> int:
         bar.close()
         if args.out:
             sink.close()
+    fork = _fork_stats(eng)
+    if fork is not None:
+        print(fork.summary_line(), file=sys.stderr)
     return 0
+
+
+def _fork_stats(eng):
+    """The pipeline driver's optimistic-fork telemetry (hyspec/parallel/fork.py) when
+    --optimistic is on, else None."""
+    backend = getattr(eng, "backend", None)
+    if not getattr(eng, "optimistic", False) or not hasattr(backend, "driver"):
+        return None
+    return backend.driver.fork_tel
 
 
 class _Printer:
@@ -374,6 +394,9 @@ def _cmd_generate(args) -> int:
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
                        stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
                        on_tokens=printer if stream else None, constraint=constraint)
+    fork = _fork_stats(eng)
+    if fork is not None:
+        out.stats["fork"] = fork.to_dict()
     if args.json:
         print(json.dumps(out.to_dict()))
         return 0
@@ -393,6 +416,8 @@ def _cmd_generate(args) -> int:
         from hyspec.speculative.telemetry import SpecTelemetry
 
         print(SpecTelemetry.from_dict(st["spec"]).summary_line(), file=sys.stderr)
+    if fork is not None:
+        print(fork.summary_line(), file=sys.stderr)
     return 0
 
 

@@ -125,6 +125,7 @@ class Engine:
         self.model_dir = model_dir
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
+        self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
 
@@ -342,6 +343,8 @@ class Engine:
                 sched.validate(r)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
+        if hasattr(self.backend, "driver"):
+            self.backend.driver.optimistic = bool(self.optimistic)
         if self.lanes > 1 and len(reqs) > 1 and hasattr(self.backend, "driver"):
             from hyspec.parallel.lanes import run_lanes
 
