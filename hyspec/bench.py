@@ -337,6 +337,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
+    ap.add_argument("--batch-inv-prompts", type=int, default=64,
+                    help="GPU --batch: prompts in the batch-invariance check (each x 500 tokens; 0: skip)")
     args = ap.parse_args(argv)
     if args.device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -491,7 +493,15 @@ def main(argv=None) -> int:
     del exact_dec
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    if args.batch:
+    if args.batch and dev.type == "cuda":
+        from hyspec.gpu.batch_bench import gpu_batch_bench
+
+        log("batched decoding on the GPU: BatchDecoder, CUDA graphs per batch size (prefill excluded)")
+        result["batch"] = gpu_batch_bench(model, [int(b) for b in args.batch.split(",")], prompt_len=args.prompt_len,
+                                          new_tokens=args.new_tokens, forced=[float(x) for x in args.forced.split(",")],
+                                          seed=args.seed, inv_prompts=args.batch_inv_prompts, log=log)
+        save()
+    elif args.batch:
         from hyspec.core.batch_bench import batch_bench
 
         log("batched decoding through the engine core (prefill excluded)")

@@ -124,6 +124,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
+        self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
+        self._batch_dec = None
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
         self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
@@ -334,6 +336,34 @@ class Engine:
         return self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
                             r.draft > 0)
 
+    def _graph_batch(self, reqs: list[Request], max_batch: int):
+        """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
+        (or when batch_graphs is set: the Triton interpreter in tests), for greedy requests
+        without constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible)."""
+        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs) or len(reqs) < 2:
+            return None
+        from hyspec.kernels.gemm import triton_available
+
+        if not triton_available():
+            return None
+        from hyspec.gpu.batch import BatchDecoder
+        from hyspec.gpu.batch_loop import graph_eligible
+
+        if graph_eligible(reqs) is not None:
+            return None
+        slots = min(max(2, max_batch), 64)
+        need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in reqs)
+        k = max(3, max(r.draft for r in reqs))
+        dec = self._batch_dec
+        if dec is None or dec.slots < slots or dec.max_len < need or dec.k_max < k:
+            self._batch_dec = dec = None
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            max_len = max(need, 1024 if self.model.device.type == "cuda" else need)
+            dec = self._batch_dec = BatchDecoder(self.model, min(max_len, self.model.cfg.max_position_embeddings + 64),
+                                                 k, slots)
+        return dec
+
     def _run_requests(self, reqs: list[Request], max_batch: int) -> None:
         # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
         sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
@@ -343,6 +373,12 @@ class Engine:
                 sched.validate(r)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
+        dec = self._graph_batch(reqs, max_batch)
+        if dec is not None:
+            from hyspec.gpu.batch_loop import run_requests
+
+            run_requests(dec, reqs, max_batch)
+            return
         if hasattr(self.backend, "driver"):
             self.backend.driver.optimistic = bool(self.optimistic)
         if self.lanes > 1 and len(reqs) > 1 and hasattr(self.backend, "driver"):

@@ -56,6 +56,72 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
+def prefill_into(dec, prompt: list[int], kv: dict, conv_of, ssm_of):
+    """Run a prompt from position 0 through dec.model's own modules into one sequence's
+    state: kv {layer index: KVBuffer}, conv_of(g) / ssm_of(g) the g-th Gated-DeltaNet
+    layer's conv window [W-1, C] and state [Hv, Dk, Dv] (zeroed by the caller). Uses
+    flash-linear-attention's chunked kernel on CUDA when dec.use_fla and it imports
+    (dec._fla_fail(why) turns it off loudly), else the torch chunked scan.
+    Returns (pre [P, H], post [P, H], logits [1, V] of the last row)."""
+    m = dec.model
+    ids = torch.tensor(prompt, device=dec.dev)
+    ctx = StepCtx(start=0, chunked=True)
+    x = m.model.embed_tokens(ids)
+    for i, layer in enumerate(m.model.layers):
+        h = layer.input_layernorm(x)
+        if layer.layer_type == FULL:
+            h = layer.self_attn(h, ctx, kv[i])
+        else:
+            g = dec.gdn_index[i]
+            h = _gdn_prefill(dec, layer.linear_attn, h, ctx, conv_of(g), ssm_of(g))
+        x = x + h
+        x = x + layer.mlp(layer.post_attention_layernorm(x), ctx)
+    post = m.model.norm(x)
+    return x, post, m.logits(post[-1:])
+
+
+def _gdn_prefill(dec, mod, x, ctx, conv, ssm):
+    """GatedDeltaNet.forward (chunked) on one sequence's conv window / state; fla on CUDA."""
+    T = x.shape[0]
+    qkv, z, b, a = mod.project(x, ctx)
+    xcat = torch.cat([conv.to(qkv.dtype), qkv])
+    y = mod.conv(xcat)
+    o = None
+    if dec.use_fla and y.is_cuda:
+        o = _fla_prefill(dec, mod, y, b, a, ssm)
+    if o is None:
+        q, k, v, gg, beta = mod.prepare(y, b, a)
+        o, s_final = chunked_scan(q, k, v, gg, beta, ssm)
+        ssm.copy_(s_final)
+    conv.copy_(xcat[T:])
+    o = mod.norm(o.to(x.dtype), z)
+    return mod.out_proj(o.reshape(T, -1), ctx)
+
+
+def _fla_prefill(dec, mod, y, b, a, ssm):
+    fn = _fla_chunk()
+    if fn is None:
+        dec._fla_fail("flash-linear-attention (fla) is not importable")
+        return None
+    T = y.shape[0]
+    nk, nv, dk, dv = mod.nk, mod.nv, mod.dk, mod.dv
+    kd = nk * dk
+    try:
+        q = y[:, :kd].reshape(1, T, nk, dk)
+        k = y[:, kd : 2 * kd].reshape(1, T, nk, dk)
+        v = y[:, 2 * kd :].reshape(1, T, nv, dv)
+        beta = torch.sigmoid(b.float()).to(y.dtype).reshape(1, T, nv)
+        gg = (-mod.A_log.float().exp() * torch.nn.functional.softplus(a.float() + mod.dt_bias.float()))
+        o, fs = fn(q.contiguous(), k.contiguous(), v.contiguous(), g=gg.reshape(1, T, nv).contiguous(),
+                   beta=beta.contiguous(), scale=dk ** -0.5, initial_state=ssm[None].clone(),
+                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+    except Exception as e:  # pragma: no cover - GPU only
+        dec._fla_fail(f"fla chunk_gated_delta_rule failed: {type(e).__name__}: {e}")
+        return None
+    ssm.copy_(fs[0].to(ssm.dtype))
+    return o[0].float()
+
+
 class FastDecoder:
     def __init__(self, model, max_len: int, k_max: int = 4, *, exact: bool = True, backend: str = "auto",
                  graphs: bool | None = None, use_fla: bool | None = None) -> None:
@@ -169,61 +235,10 @@ class FastDecoder:
         self.conv.zero_()
         self.ssm.zero_()
         self.pos.zero_()
-        m = self.model
-        ids = torch.tensor(prompt, device=self.dev)
-        ctx = StepCtx(start=0, chunked=True)
-        x = m.model.embed_tokens(ids)
-        for i, layer in enumerate(m.model.layers):
-            h = layer.input_layernorm(x)
-            if layer.layer_type == FULL:
-                h = layer.self_attn(h, ctx, self.kvbuf(i))
-            else:
-                h = self._gdn_prefill(layer.linear_attn, h, ctx, self.gdn_index[i])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x), ctx)
-        post = m.model.norm(x)
+        kv = {i: self.kvbuf(i) for i in self.attn_index}
+        out = prefill_into(self, prompt, kv, lambda g: self.conv[g], lambda g: self.ssm[g])
         self.pos.fill_(P)
-        return x, post, m.logits(post[-1:])
-
-    def _gdn_prefill(self, mod, x, ctx, g):
-        """GatedDeltaNet.forward (chunked) on the decoder's state; fla's kernel on CUDA."""
-        T = x.shape[0]
-        qkv, z, b, a = mod.project(x, ctx)
-        xcat = torch.cat([self.conv[g].to(qkv.dtype), qkv])
-        y = mod.conv(xcat)
-        o = None
-        if self.use_fla and y.is_cuda:
-            o = self._fla_prefill(mod, y, b, a, g)
-        if o is None:
-            q, k, v, gg, beta = mod.prepare(y, b, a)
-            o, s_final = chunked_scan(q, k, v, gg, beta, self.ssm[g])
-            self.ssm[g].copy_(s_final)
-        self.conv[g].copy_(xcat[T:])
-        o = mod.norm(o.to(x.dtype), z)
-        return mod.out_proj(o.reshape(T, -1), ctx)
-
-    def _fla_prefill(self, mod, y, b, a, g):
-        fn = _fla_chunk()
-        if fn is None:
-            self._fla_fail("flash-linear-attention (fla) is not importable")
-            return None
-        T = y.shape[0]
-        nk, nv, dk, dv = mod.nk, mod.nv, mod.dk, mod.dv
-        kd = nk * dk
-        try:
-            q = y[:, :kd].reshape(1, T, nk, dk)
-            k = y[:, kd : 2 * kd].reshape(1, T, nk, dk)
-            v = y[:, 2 * kd :].reshape(1, T, nv, dv)
-            beta = torch.sigmoid(b.float()).to(y.dtype).reshape(1, T, nv)
-            gg = (-mod.A_log.float().exp() * torch.nn.functional.softplus(a.float() + mod.dt_bias.float()))
-            o, fs = fn(q.contiguous(), k.contiguous(), v.contiguous(), g=gg.reshape(1, T, nv).contiguous(),
-                       beta=beta.contiguous(), scale=dk ** -0.5, initial_state=self.ssm[g][None].clone(),
-                       output_final_state=True, use_qk_l2norm_in_kernel=True)
-        except Exception as e:  # pragma: no cover - GPU only
-            self._fla_fail(f"fla chunk_gated_delta_rule failed: {type(e).__name__}: {e}")
-            return None
-        self.ssm[g].copy_(fs[0].to(self.ssm.dtype))
-        return o[0].float()
+        return out
 
     def _fla_fail(self, why: str) -> None:
         self.use_fla = False

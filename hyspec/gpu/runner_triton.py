@@ -49,8 +49,14 @@ def _pack_gdn_in(mod) -> torch.Tensor:
 
 
 class TritonRunner:
+    """The compute of a FastDecoder (one sequence) or a BatchDecoder (lanes: several
+    sequences per launch, their state in per-lane slabs; hyspec.gpu.batch)."""
+
     def __init__(self, dec, exact: bool = True) -> None:
         self.dec = dec
+        # a BatchDecoder's state has a lane axis (slabs [S, ...]); the kernels get lane 0's
+        # view and the lane stride, and every call says how many lanes it covers
+        self.batched = bool(getattr(dec, "batched", False))
         self.exact = exact
         # commits replay the accepted rows (commit_linear) instead of copying a state saved
         # after every verify row; HYSPEC_REPLAY_COMMIT=0 keeps the per-row states instead
@@ -93,19 +99,28 @@ class TritonRunner:
             logits=torch.zeros(R, cfg.vocab_size, device=dev, dtype=dt),
         )
         self._ws = {}
+        # rows per matmul program: 16 for one sequence; a batched decoder's calls have up to
+        # lanes x rows each, and 64-row tiles read every weight tile once for 64 of them
+        # (fixed per decoder, never chosen from a call's row count: row invariance)
+        self.block_t = int(os.environ.get("HYSPEC_BATCH_BLOCK_T", "64")) if self.batched else 16
+        self._ws_rows = -(-R // self.block_t) * self.block_t  # split-K workspace rows: every call fits
         # verify slabs for the commit replay: in_proj outputs and conv outputs per GDN layer
         self.gdn_layers = sorted((lay for lay in self.layers if lay.kind == "gdn"), key=lambda lay: lay.g)
         self.t_slab = dec.t_max
         if self.gdn_layers:
             G = len(self.gdn_layers)
-            self.p_rows = torch.zeros(G, self.t_slab, self.gdn_layers[0].w_in.shape[0], device=dev, dtype=dt)
-            self.y_rows = torch.zeros(G, self.t_slab, cfg.conv_dim, device=dev, dtype=dt)
+            # batched: lane b's verify rows at b*t .. b*t + t-1 (the layout depends on t)
+            slab = self.t_slab * (dec.slots if self.batched else 1)
+            self.p_rows = torch.zeros(G, slab, self.gdn_layers[0].w_in.shape[0], device=dev, dtype=dt)
+            self.y_rows = torch.zeros(G, slab, cfg.conv_dim, device=dev, dtype=dt)
             self.alog_all = torch.stack([lay.A_log for lay in self.gdn_layers]).contiguous()
             self.dtb_all = torch.stack([lay.dt_bias for lay in self.gdn_layers]).contiguous()
         # GDN scan: split each value head's Dv over programs of 32 columns (4x the parallelism
         # for Dv=128; gated norm in a second kernel). Measured on the H200 / b2: decode step
         # 2.676 -> 2.602 ms, verify t=4 3.156 -> 2.874 ms. None: one program per head.
         self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
+        if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
+            self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
@@ -188,17 +203,34 @@ class TritonRunner:
             ws = self._ws.get((N, K))
             if ws is None:  # one fixed-shape split-K workspace per weight shape
                 c = _config_cached(N, K, None, None, None, None, None, None, act)
-                ws = torch.empty((c.split_k, 16, N), device=w.device, dtype=torch.float32) if c.split_k > 1 else False
+                if self.block_t > 16:
+                    c = _config_cached(N, K, *self._tile(N, K, act).values())
+                ws = torch.empty((c.split_k, self._ws_rows, N), device=w.device, dtype=torch.float32) if c.split_k > 1 else False
                 self._ws[(N, K)] = ws
-            use = ws if ws is not False and x.shape[0] <= 16 else None
-            return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None)
+            use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
+            return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None,
+                                 block_t=self.block_t, **self._tile(N, K, act))
         if act:
             K = w.shape[1]
             x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
         return torch.matmul(x, w.t(), out=out)
 
+    def _tile(self, N, K, act) -> dict:
+        """Tile overrides for the matmul of an [N, K] weight: none for one sequence; for
+        64-row tiles the shape's config with BK <= 128 and <= 3 stages (shared memory)."""
+        if self.block_t == 16:
+            return {}
+        c = _config_cached(N, K, None, None, None, None, None, None, act)
+        return dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
+                    num_stages=min(c.num_stages, 3), wt=c.wt)
+
     # -- target ---------------------------------------------------------------------
-    def target(self, ids, t, pos, record):
+    def _lane0(self, slab):
+        """(lane 0's view, lane stride) of a per-lane slab; (tensor, 0) for one sequence."""
+        return (slab[0], slab.stride(0)) if self.batched else (slab, 0)
+
+    def target(self, ids, t, pos, record, lanes=1):
+        """ids [t] (t = all rows: lanes x rows per lane, lane-major) at each lane's pos.."""
         dec = self.dec
         resid, xn = self._buf("resid", t), self._buf("xn", t)
         layers = self.layers
@@ -206,9 +238,10 @@ class TritonRunner:
         post = self._buf("post", t)
         for li, L in enumerate(layers):
             if L.kind == "gdn":
-                h = self._gdn(L, xn, t, record)
+                h = self._gdn(L, xn, t, record, lanes)
             else:
-                h = self._attn(L, xn, t, pos, 0, dec.kv_k[dec.attn_index[L.index]], dec.kv_v[dec.attn_index[L.index]])
+                h = self._attn(L, xn, t, pos, 0, dec.kv_k[dec.attn_index[L.index]], dec.kv_v[dec.attn_index[L.index]],
+                               lanes)
             fused.rmsnorm(resid, L.ln2, self.eps, out=xn, delta=h, resid_out=resid, rows=t)
             h = self._ffn(L, xn, t)
             last = li + 1 == len(layers)
@@ -216,54 +249,67 @@ class TritonRunner:
                           out=post if last else xn, delta=h, resid_out=resid, rows=t)
         return resid, post
 
-    def _gdn(self, L, xn, t, record):
+    def _gdn(self, L, xn, t, record, lanes=1):
         dec, cfg = self.dec, self.cfg
         g = L.g
         # a verify keeps its rows' projections and conv outputs per layer: the commit replays
         # the accepted ones (commit_linear) instead of saving a state after every row
-        if record and t > self.t_slab:
-            raise ValueError(f"verify of {t} rows > the decoder's t_max {self.t_slab}")
+        if record and t > self.t_slab * lanes:
+            raise ValueError(f"verify of {t // lanes} rows > the decoder's t_max {self.t_slab}")
         rec = record and not self.records_states
         proj = self.p_rows[g, :t] if rec else self._buf("proj", t, L.w_in.shape[0])
         self.mm(xn, L.w_in, proj)
         y = self.y_rows[g, :t] if rec else self._buf("y", t)
-        fused.gdn_conv(proj, dec.conv[g], L.conv_w, y, rows=t, update=not record,
-                       xin=dec.conv_in[g] if record else None)
+        conv, conv_stride = self._lane0(dec.conv[g])
+        ssm, ssm_stride = self._lane0(dec.ssm[g])
+        xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
+        fused.gdn_conv(proj, conv, L.conv_w, y, rows=t, update=not record, xin=xin, lanes=lanes,
+                       state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
         o = self._buf("o", t, cfg.linear_value_dim)
-        fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, dec.ssm[g], o,
+        fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, ssm, o,
                        nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                        dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
                        states=dec.ssm_rows[g] if record and self.records_states else None,
-                       block_v=self.gdn_block_v)
+                       block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         return self.mm(o, L.w_out, self._buf("h", t), defer=True)
 
-    def commit_linear(self, n) -> None:
+    def commit_linear(self, n, t=None, lanes=0) -> None:
         """After a verify of t rows with n accepted drafts: every GDN layer's state advances
-        by rows 0..n (one kernel for all layers, the decode step's arithmetic)."""
+        by rows 0..n (one kernel for all layers, the decode step's arithmetic).  Batched:
+        t rows per lane, n [lanes] per lane."""
         dec, cfg = self.dec, self.cfg
         if not self.gdn_layers:
             return
         if self.records_states:
             dec.commit_recorded_states(n)
             return
-        fused.gdn_replay(self.y_rows, self.p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
+        y_rows, p_rows = self.y_rows, self.p_rows
+        if lanes:
+            G = y_rows.shape[0]
+            y_rows = y_rows[:, : lanes * t].view(G, lanes, t, y_rows.shape[-1])
+            p_rows = p_rows[:, : lanes * t].view(G, lanes, t, p_rows.shape[-1])
+        fused.gdn_replay(y_rows, p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
                          dec.ssm, n, self.b.h, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
                          dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
-                         block_v=self.gdn_block_v)
+                         block_v=self.gdn_block_v, lanes=lanes)
 
-    def _attn(self, L, xn, t, pos, off, kc, vc):
+    def _attn(self, L, xn, t, pos, off, kc, vc, lanes=1):
         cfg = self.cfg
+        kc, kv_stride = self._lane0(kc)
+        vc, _ = self._lane0(vc)
         proj = self.mm(xn, L.w_in, self._buf("proj", t, L.w_in.shape[0]))
         q = self._buf("q", t)
         fused.attn_prep(proj, L.qn, L.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
-                        n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t)
+                        n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
+                        kv_lane_stride=kv_stride)
         o = self._buf("o", t, cfg.num_attention_heads * cfg.head_dim)
         ws = self._ws.get("attn")
         need = self.R * cfg.num_attention_heads * max(fused.ATTN_SPLITS, GROUPED_SPLITS) * (fused._p2(cfg.head_dim) + 2)
         if ws is None:
             ws = self._ws["attn"] = torch.empty(need, device=xn.device, dtype=torch.float32)
         attn = attn_decode_grouped if self.attn_grouped else fused.attn_decode
-        attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.R else None)
+        attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.R else None, lanes=lanes,
+             kv_lane_stride=kv_stride)
         return self.mm(o, L.w_out, self._buf("h", t), defer=True)
 
     def _ffn(self, L, xn, t):
@@ -306,8 +352,9 @@ class TritonRunner:
         return self.mm(h, self.head, self._buf("logits", t))
 
     # -- drafter --------------------------------------------------------------------
-    def mtp(self, tokens, h_prev, start, off):
-        """MTP rows for tokens [t] paired with h_prev [t, H] at draft-KV rows start+off.."""
+    def mtp(self, tokens, h_prev, start, off, lanes=1):
+        """MTP rows for tokens [t] paired with h_prev [t, H] at draft-KV rows start+off..
+        (batched: t // lanes rows per lane, lane b's at start[b] + off..)"""
         dec = self.dec
         t = tokens.shape[0]
         H = self.cfg.hidden_size
@@ -318,7 +365,7 @@ class TritonRunner:
         self.mm(cat2, self.mtp_fc, res)
         L = self.mtp_l
         fused.rmsnorm(res, L.ln1, self.eps, out=xn, rows=t)
-        h = self._attn(L, xn, t, start, off, dec.dkv_k, dec.dkv_v)
+        h = self._attn(L, xn, t, start, off, dec.dkv_k, dec.dkv_v, lanes)
         fused.rmsnorm(res, L.ln2, self.eps, out=xn, delta=h, resid_out=res, rows=t)
         h = self._ffn(L, xn, t)
         out = self._buf("mout", t)

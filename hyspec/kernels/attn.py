@@ -53,8 +53,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T", "off"])
-    def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale,
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
+    def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale, TL, skv,
                                      REP: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr,
                                      PDL: tl.constexpr):
@@ -64,7 +64,8 @@ def _kernel():
         hk = tl.program_id(0)
         r = tl.program_id(1)
         s = tl.program_id(2)
-        n_keys = tl.load(pos_ptr).to(tl.int64) + off + r + 1
+        lane = r // TL  # lane-major rows, each lane with its own cache and position
+        n_keys = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL) + 1
         offs_g = tl.arange(0, G)
         offs_d = tl.arange(0, BLOCK_D)
         mg = offs_g < REP
@@ -77,7 +78,7 @@ def _kernel():
         l_i = tl.zeros((G,), tl.float32)
         acc = tl.zeros((G, BLOCK_D), tl.float32)
         n_blocks = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
-        base = hk.to(tl.int64) * L * D
+        base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv
         for b in range(s, n_blocks, NS):  # only blocks that exist: m_new is finite below
             offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < n_keys
@@ -119,7 +120,7 @@ def _combine(ws, proj, out, T, Hq, D, BD, NS):
                                                   BLOCK_D=BD, NS=NS, num_warps=4)
 
 
-def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None):
+def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0):
     """Same contract as :func:`hyspec.kernels.fused.attn_decode` (reference
     :func:`~hyspec.kernels.fused.attn_decode_ref`): q [T, Hq, D] contiguous, caches
     kc/vc [Hkv, L, D]; row r attends keys 0..pos+off+r (pos: int64 [1] tensor); the gate
@@ -141,7 +142,7 @@ def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None):
     need = T * Hq * NS * (BD + 2)
     if ws is None or ws.numel() < need:
         ws = torch.empty(need, device=q.device, dtype=torch.float32)
-    _kernel()[(Hkv, T, NS)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5),
+    _kernel()[(Hkv, T, NS)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), T // lanes, int(kv_lane_stride),
                             REP=rep, G=G, BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=NS,
                             IEEE=kc.dtype == torch.float32, num_warps=4 if BD <= 128 else 8,
                             **launch_kwargs())

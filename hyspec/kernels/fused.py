@@ -231,16 +231,19 @@ def _kernels():
         y = xf * tl.rsqrt(var + eps) * (1.0 + w)
         tl.store(out_ptr + r * so + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit(do_not_specialize=["T", "off"])
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
     def _attn_prep_kernel(p_ptr, sp, qw_ptr, kw_ptr, invf_ptr, pos_ptr, off, q_ptr, kc_ptr, vc_ptr,
-                          T, HQ, HKV, D, ROT, L, eps,
+                          T, HQ, HKV, D, ROT, L, eps, TL, skv,
                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         hh = tl.program_id(1)
-        p = tl.load(pos_ptr).to(tl.int64) + off + r
+        lane = r // TL  # rows are lane-major: lane b holds rows b*TL .. b*TL + TL-1
+        p = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL)
+        kc_ptr += lane.to(tl.int64) * skv
+        vc_ptr += lane.to(tl.int64) * skv
         offs = tl.arange(0, BLOCK_D)
         md = offs < D
         k_col0 = HQ * 2 * D
@@ -281,8 +284,8 @@ def _kernels():
             else:
                 tl.store(kc_ptr + ((hh - HQ) * L + p) * D + offs, y, mask=md)
 
-    @triton.jit(do_not_specialize=["T", "off"])
-    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, REP, D, L, scale,
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
+    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, REP, D, L, scale, TL, skv,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -291,7 +294,8 @@ def _kernels():
         r = tl.program_id(1)
         s = tl.program_id(2)
         hk = h // REP
-        n_keys = tl.load(pos_ptr).to(tl.int64) + off + r + 1
+        lane = r // TL
+        n_keys = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL) + 1
         offs_d = tl.arange(0, BLOCK_D)
         md = offs_d < D
         q = tl.load(q_ptr + (r * HQ + h) * D + offs_d, mask=md, other=0.0).to(tl.float32) * scale
@@ -299,7 +303,7 @@ def _kernels():
         l_i = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
         acc = tl.zeros((BLOCK_D,), tl.float32)
         n_blocks = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
-        base = hk.to(tl.int64) * L * D
+        base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv
         for b in range(s, n_blocks, NS):
             offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < n_keys
@@ -347,13 +351,18 @@ def _kernels():
         sg = tl.sigmoid(gate).to(DT).to(tl.float32)
         tl.store(o_ptr + r * so + h * D + offs_d, (o * sg).to(DT), mask=md)
 
-    @triton.jit(do_not_specialize=["T", "update", "save", "sxin"])
-    def _gdn_conv_kernel(x_ptr, sx, st_ptr, w_ptr, y_ptr, sy, xin_ptr, sxin, T, C, update, save,
+    @triton.jit(do_not_specialize=["T", "update", "save", "sxin", "sst_b", "sxin_b"])
+    def _gdn_conv_kernel(x_ptr, sx, st_ptr, w_ptr, y_ptr, sy, xin_ptr, sxin, T, C, update, save, sst_b, sxin_b,
                          W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)
+        lane = tl.program_id(1).to(tl.int64)  # T rows per lane, lane-major; own window / slab
+        x_ptr += lane * T * sx
+        y_ptr += lane * T * sy
+        st_ptr += lane * sst_b
+        xin_ptr += lane * sxin_b
         offs = pid * BLOCK_C + tl.arange(0, BLOCK_C)
         mc = offs < C
         DT = y_ptr.dtype.element_ty
@@ -386,10 +395,11 @@ def _kernels():
                     v = tl.load(x_ptr + src * sx + offs, mask=mc, other=0.0)
                 tl.store(st_ptr + i * C + offs, v.to(st_ptr.dtype.element_ty), mask=mc)
 
-    @triton.jit(do_not_specialize=["T", "st_t", "sy", "sp", "so", "mode", "replay", "sy_g", "sp_g", "ss_g", "sa_g"])
+    @triton.jit(do_not_specialize=["T", "st_t", "sy", "sp", "so", "mode", "replay", "sy_g", "sp_g", "ss_g", "sa_g",
+                                   "NB", "sy_b", "sp_b", "ss_b", "so_b"])
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
                          T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
-                         BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+                         NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -400,15 +410,18 @@ def _kernels():
             tl.extra.cuda.gdc_wait()
         h = tl.program_id(0)
         pv = tl.program_id(1)
-        lay = tl.program_id(2).to(tl.int64)
-        y_ptr += lay * sy_g
-        p_ptr += lay * sp_g
-        s_ptr += lay * ss_g
-        st_ptr += lay * ss_g
+        pid2 = tl.program_id(2).to(tl.int64)  # (layer, lane) = divmod(pid2, NB); T rows per lane
+        lane = pid2 % NB
+        lay = pid2 // NB
+        y_ptr += lay * sy_g + lane * sy_b
+        p_ptr += lay * sp_g + lane * sp_b
+        s_ptr += lay * ss_g + lane * ss_b
+        st_ptr += lay * ss_g + lane * ss_b
+        o_ptr += lane * so_b
         alog_ptr += lay * sa_g
         dtb_ptr += lay * sa_g
         if replay != 0:
-            T = tl.load(n_ptr).to(tl.int32) + 1
+            T = tl.load(n_ptr + lane).to(tl.int32) + 1
         hk = h // R
         ok = tl.arange(0, BK)
         ov = pv * BV + tl.arange(0, BV)
@@ -563,18 +576,22 @@ def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=N
     return out
 
 
-def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_kv, head_dim, eps, rows):
+def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_kv, head_dim, eps, rows,
+              lanes=1, kv_lane_stride=0):
     """Triton :func:`attn_prep_ref` with the position read from device memory
-    (pos: int64 [1] tensor; the rows sit at pos + off + r)."""
+    (pos: int64 [1] tensor; the rows sit at pos + off + r).  lanes > 1: the rows are
+    ``lanes`` sequences of rows // lanes rows each (lane-major); lane b's rows sit at
+    pos[b] + off + r in its own cache ``kc + b * kv_lane_stride`` (kc / vc: lane 0's
+    [Hkv, L, D] view of a per-lane slab)."""
     D = head_dim
     k = _kernels()["attn_prep"]
     k[(rows, n_heads + 2 * n_kv)](proj, proj.stride(0), q_w, k_w, inv_freq, pos, int(off), q_out, kc, vc,
                                   rows, n_heads, n_kv, D, 2 * inv_freq.shape[0], kc.shape[1], float(eps),
-                                  BLOCK_D=_p2(D), num_warps=4 if D <= 128 else 8, **launch_kwargs())
+                                  rows // lanes, int(kv_lane_stride), BLOCK_D=_p2(D), num_warps=4 if D <= 128 else 8, **launch_kwargs())
     return q_out
 
 
-def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None):
+def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0):
     """Triton :func:`attn_decode_ref`: q [T, Hq, D] contiguous, caches [Hkv, L, D]; the
     gate is read from proj (per q head [q D | gate D]); out [T, Hq*D]."""
     T = rows
@@ -585,7 +602,7 @@ def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None):
     ks = _kernels()
     nw = 4 if D <= 128 else 8
     ks["attn_partial"][(Hq, T, ATTN_SPLITS)](q, kc, vc, pos, int(off), ws, T, Hq, Hq // kc.shape[0], D,
-                                             kc.shape[1], float(D ** -0.5),
+                                             kc.shape[1], float(D ** -0.5), T // lanes, int(kv_lane_stride),
                                              BLOCK_N=ATTN_BLOCK_N, BLOCK_D=BD, NS=ATTN_SPLITS, num_warps=nw,
                                              **launch_kwargs())
     _launch_combine(ws, proj, out, T, Hq, D, BD, ATTN_SPLITS)
@@ -598,10 +615,13 @@ def _launch_combine(ws, proj, out, T, Hq, D, BD, NS):
                                         BLOCK_D=BD, NS=NS, num_warps=4, **launch_kwargs())
 
 
-def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None):
+def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, state_lane_stride=0,
+             xin_lane_stride=0):
     """Triton :func:`gdn_conv_ref`. x: [T, >=C] rows (only the first C columns are read),
     state [W-1, C] (updated in place when update), weight [C, W], y [T, C] out; xin
-    (optional [T, C]) receives a copy of the new rows (for a later commit)."""
+    (optional [T, C]) receives a copy of the new rows (for a later commit).  lanes > 1:
+    rows // lanes rows per sequence (lane-major), lane b with its own window
+    ``state + b * state_lane_stride`` and slab ``xin + b * xin_lane_stride``."""
     C, W = weight.shape
     k = _kernels()["gdn_conv"]
     # 256 channels per program.  64- and 128-channel blocks ran 1 % faster on the H200 but
@@ -609,30 +629,35 @@ def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None):
     # interpreter agrees bitwise, cause not found): keep the block that passes every check.
     BC = 256
     xi = xin if xin is not None else y
-    k[(-(-C // BC),)](x, x.stride(0), state, weight, y, y.stride(0), xi, xi.stride(0), rows, C,
-                      int(update), int(xin is not None), W=W, BLOCK_C=BC, num_warps=4, **launch_kwargs())
+    k[(-(-C // BC), lanes)](x, x.stride(0), state, weight, y, y.stride(0), xi, xi.stride(0), rows // lanes, C,
+                            int(update), int(xin is not None), int(state_lane_stride), int(xin_lane_stride), W=W, BLOCK_C=BC, num_warps=4, **launch_kwargs())
     return y
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
-             block_v=None, keep_state=False):
+             block_v=None, keep_state=False, lanes=1, state_lane_stride=0):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
     every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
     written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
     otherwise ``state`` ends updated in place (a decode step). Same compiled kernel in
     every case. block_v < Dv splits each head's Dv over several programs (more
     parallelism) and applies the gated norm in a second kernel; the choice must not depend
-    on the row count (it does not here)."""
+    on the row count (it does not here).  lanes > 1: rows // lanes rows per sequence
+    (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states)."""
+    if states is not None and lanes > 1:
+        raise ValueError("gdn_step: per-row states are recorded for one lane only")
     if states is not None:
         st, st_t, mode = states, states.stride(0), 2
     else:
         st, st_t, mode = state, 0, 0 if keep_state else 1
     BK, BV, norm = _gdn_blocks(dk, dv, block_v)
     ks = _kernels()
-    ks["gdn_step"][(nv, -(-dv // BV), 1)](
+    TL = rows // lanes
+    ks["gdn_step"][(nv, -(-dv // BV), lanes)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
-        rows, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
-        mode, 0, state, 0, 0, 0, 0,
+        TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
+        mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
+        TL * out.stride(0),
         BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
@@ -647,20 +672,28 @@ def _gdn_blocks(dk, dv, block_v):
 
 
 def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like, *, nk, nv, dk, dv, eps,
-               block_v=None):
+               block_v=None, lanes=0):
     """Advance the state of every Gated-DeltaNet layer by the rows a verify saw, in place,
     with the very kernel (and so the very arithmetic) of :func:`gdn_step`: layer g's state
     ``ssm[g]`` [Hv, Dk, Dv] takes rows 0..n of ``y_rows[g]`` [t, C] / ``p_rows[g]`` [t, P]
     (n: int64 [1] device tensor, the accepted drafts; rows = n + 1). One launch for all
     layers (a grid axis over them). ``A_log_all`` / ``dt_bias_all`` [G, Hv] stacked per
-    layer; ``out_like`` any tensor of the output dtype (not written)."""
+    layer; ``out_like`` any tensor of the output dtype (not written).  lanes > 0: a lane
+    axis after the layer axis (y_rows [G, B, t, C], p_rows [G, B, t, P], ssm [G, B, Hv,
+    Dk, Dv], n [B]); the first ``lanes`` lanes advance, each by its own n[b] + 1 rows."""
     G = ssm.shape[0]
     BK, BV, norm = _gdn_blocks(dk, dv, block_v)
-    yg, pg = y_rows[0], p_rows[0]
-    _kernels()["gdn_step"][(nv, -(-dv // BV), G)](
+    if lanes:
+        yg, pg = y_rows[0, 0], p_rows[0, 0]
+        NB, sy_b, sp_b, ss_b = lanes, y_rows.stride(1), p_rows.stride(1), ssm.stride(1)
+    else:
+        yg, pg = y_rows[0], p_rows[0]
+        NB, sy_b, sp_b, ss_b = 1, 0, 0, 0
+    _kernels()["gdn_step"][(nv, -(-dv // BV), G * NB)](
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
+        NB, sy_b, sp_b, ss_b, 0,
         BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
     return ssm
 

@@ -145,9 +145,11 @@ def _kernels():
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, WT: tl.constexpr = False,
     ):
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        pid_t = tl.program_id(2)
+        # row tiles vary fastest: the programs of one weight tile run together, so a call
+        # with many row tiles reads each weight tile from HBM once (the others hit L2)
+        pid_t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_kb = tl.arange(0, BLOCK_K)
@@ -304,6 +306,7 @@ def skinny_matmul(
     act: bool = False,
     ws: torch.Tensor | None = None,
     defer: bool = False,
+    block_t: int = BLOCK_T,
 ):
     """Triton ``x [T, K] @ w [N, K].T -> [T, N]`` (fp32 accumulate, output x.dtype).
 
@@ -316,7 +319,11 @@ def skinny_matmul(
     ``defer=True``: when the config splits K, skip the reduce kernel and return a
     :class:`hyspec.kernels.fused.SplitPartials` over the workspace instead (its consumer,
     ``fused.rmsnorm``, reduces in the same order); with one split the product is returned.
+    ``block_t``: rows per program (16, or 64 for many-row batched calls: each weight tile is
+    then loaded once for 64 rows); like the other overrides it must not be chosen from T.
     """
+    if block_t not in (16, 32, 64, 128):
+        raise ValueError(f"skinny_matmul: block_t must be 16, 32, 64 or 128, got {block_t}")
     kx = 2 * w.shape[1] if act and w.dim() == 2 else (w.shape[1] if w.dim() == 2 else -1)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != kx:
         raise ValueError(f"skinny_matmul: want x [T, {'2K' if act else 'K'}] and w [N, K], got {tuple(x.shape)} "
@@ -335,8 +342,8 @@ def skinny_matmul(
         return out
     cfg = _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages, wt, act)
     mm_kernel, reduce_kernel = _kernels()
-    n_tblocks = _cdiv(T, BLOCK_T)
-    t_pad = n_tblocks * BLOCK_T  # workspace rows: strides then do not depend on T (T <= 16)
+    n_tblocks = _cdiv(T, block_t)
+    t_pad = n_tblocks * block_t  # workspace rows: strides then do not depend on T (T <= 16)
     direct = cfg.split_k == 1
     if direct:
         ws = out  # unused placeholder pointer
@@ -347,7 +354,7 @@ def skinny_matmul(
                 or ws.dtype != torch.float32 or ws.stride(2) != 1:
             ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
-    grid = (_cdiv(N, cfg.block_n), cfg.split_k, n_tblocks)
+    grid = (n_tblocks, _cdiv(N, cfg.block_n), cfg.split_k)
     lk = launch_kwargs()
     mm_kernel[grid](
         x, w, out, ws,
@@ -356,7 +363,7 @@ def skinny_matmul(
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
         sws_s, sws_t,
-        BLOCK_T=BLOCK_T, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),

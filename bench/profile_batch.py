@@ -1,0 +1,63 @@
+"""Where a batched round's time goes: CUDA time per kernel name for the BatchDecoder's plain
+step and speculative round at a few batch sizes (eager launches under torch.profiler; the
+graphs replay the same kernels).  GPU only.
+
+    python bench/profile_batch.py --config b2 --sizes 1,16,64 --out bench/results/profile_batch.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="b2")
+    ap.add_argument("--sizes", default="1,16,64")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from hyspec.bench import make_model
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.provenance import git_state
+
+    dev = torch.device("cuda")
+    model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    S = max(sizes)
+    dec = BatchDecoder(model, 512, args.k, S, graphs=False)
+    g = torch.Generator().manual_seed(0)
+    for lane in range(S):
+        p = torch.randint(0, model.cfg.vocab_size, (128,), generator=g).tolist()
+        pre, post, logits = dec.prefill(lane, p)
+        dec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
+    out = {"git": git_state(), "config": args.config, "k": args.k, "runs": {}}
+    for nb in sizes:
+        for name, fn in (("decode", lambda: dec.decode(nb)), (f"round_k{args.k}", lambda: dec.round(nb, args.k))):
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.reps):
+                    fn()
+                torch.cuda.synchronize()
+            per = defaultdict(float)
+            for e in prof.key_averages():
+                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+                if t:
+                    per[e.key[:60]] += t / args.reps / 1e3  # ms per call
+            total = sum(per.values())
+            top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+            out["runs"][f"{name}_B{nb}"] = {"total_ms": total, "top_ms": top}
+            print(f"{name} B={nb}: {total:.3f} ms of kernels; " + ", ".join(f"{k} {v:.3f}" for k, v in top[:8]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

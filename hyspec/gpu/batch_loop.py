@@ -1,0 +1,235 @@
+"""Continuous batching on the BatchDecoder: sequences join after their prefill, leave on
+a stop id or their token limit, and every round runs the active lanes in one captured
+graph set.  The host reads one small tensor per round (accepted count, bonus, drafts per
+lane) and does the bookkeeping: emit, stop, compaction of the lanes.
+
+Greedy requests only (plain k = 0, or speculative k >= 1, mixed freely in one batch):
+a request's tokens equal those of the same request decoded alone, bitwise.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hyspec.gpu.batch import BatchDecoder, padded_size
+
+
+@dataclass
+class LaneRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    k: int = 0  # drafts per round; 0 = plain decoding
+    stop_ids: frozenset = frozenset()
+    reference: list[int] | None = None  # continuation the forced-acceptance drafter proposes from
+    arrival: int = 0  # the first round at which this request may join (staggered arrivals in benches)
+    on_tokens: Callable[[list[int]], None] | None = None  # streaming: the tokens each round emits
+    telemetry: Any = None  # a SpecTelemetry recording this request's rounds
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def emit(self, toks: list[int]) -> None:
+        n0 = len(self.tokens)
+        for t in toks:
+            self.tokens.append(t)
+            if t in self.stop_ids:
+                self.reason = "eos"
+                break
+            if len(self.tokens) >= self.max_new_tokens:
+                self.reason = "length"
+                break
+        if self.on_tokens is not None and len(self.tokens) > n0:
+            self.on_tokens(self.tokens[n0:])
+
+
+def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int | None = None,
+              forced_rates=None, forced_seed: int = 0, pipeline: bool = True) -> dict:
+    """Decode every request to its end; returns timing stats (prefill and rounds apart).
+    pipeline: queue the next round before reading the current one's result when no lane
+    can finish by its token limit and nobody is due to join."""
+    from hyspec.gpu.generate import forced_table
+
+    cap = min(max_batch or dec.slots, dec.slots)
+    forced = forced_rates is not None
+    for r in requests:
+        if r.k > dec.k_max:
+            raise ValueError(f"a request drafts k={r.k} > the decoder's k_max {dec.k_max}")
+        if len(r.prompt) + r.max_new_tokens + r.k + 2 > dec.max_len:
+            raise ValueError(f"a request needs {len(r.prompt) + r.max_new_tokens + r.k + 2} positions > "
+                             f"the decoder's max_len {dec.max_len}")
+        if forced and r.k > 0 and r.reference is None:
+            raise ValueError("the forced-acceptance drafter needs each speculative request's reference")
+    order = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
+    active: list[LaneRequest] = []
+    cuda = dec.dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # results of a launched round: copied to pinned host memory behind an event, so the
+    # next round can be queued before the host reads this one (two buffers)
+    if cuda:
+        host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        events = [torch.cuda.Event() for _ in range(2)]
+    st = {"round": 0, "buf": 0, "prefill_s": 0.0, "tokens": 0}
+
+    def admit() -> None:
+        t0 = time.perf_counter()
+        while order and len(active) < cap and requests[order[0]].arrival <= st["round"]:
+            r = requests[order.popleft()]
+            if r.max_new_tokens == 0:
+                r.reason = "length"
+                continue
+            lane = len(active)
+            pre, post, logits = dec.prefill(lane, r.prompt)
+            first = int(torch.argmax(logits[0]))
+            r.emit([first])
+            if r.reason is not None:
+                dec.free(lane)
+                continue
+            dec.start(lane, r.prompt, pre, post, first, r.k)
+            if forced and r.k > 0:
+                dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(forced_rates),
+                                                  forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
+            active.append(r)
+        sync()
+        st["prefill_s"] += time.perf_counter() - t0
+
+    def launch():
+        nb = padded_size(len(active), dec.sizes)
+        k = max(r.k for r in active)
+        if k == 0:
+            dec.decode(nb)
+        else:
+            dec.round(nb, k, forced)
+        st["round"] += 1
+        b = st["buf"]
+        st["buf"] ^= 1
+        n = len(active)
+        if cuda:
+            host[b][:n, : 2 + k].copy_(dec.result[:n, : 2 + k], non_blocking=True)
+            events[b].record()
+            return b, n, k, None
+        return b, n, k, dec.result[:n, : 2 + k].clone()  # CPU: the call was synchronous
+
+    def read(launched) -> list[list[int]]:
+        b, n, k, copy = launched
+        if cuda:
+            events[b].synchronize()
+            return host[b][:n, : 2 + k].tolist()
+        return copy.tolist()
+
+    def take(rows, lanes) -> None:
+        for i in lanes:
+            r, row = active[i], rows[i]
+            n, bonus = row[0], row[1]
+            r.rounds += 1
+            r.drafted += r.k
+            r.accepted += n
+            if r.telemetry is not None and r.k > 0:
+                r.telemetry.record_round(r.k, n)
+            before = len(r.tokens)
+            r.emit(row[2: 2 + n] + [bonus])
+            st["tokens"] += len(r.tokens) - before
+
+    def may_queue_next(k) -> bool:
+        """Queue the next round before reading this one: only when no lane can reach its
+        token limit in this round and nobody is due to join (a stop id may still end a
+        lane: its extra round is then dropped)."""
+        if not pipeline:
+            return False
+        if order and len(active) < cap and requests[order[0]].arrival <= st["round"]:
+            return False
+        return all(r.max_new_tokens - len(r.tokens) > k + 1 for r in active)
+
+    t_rounds = 0.0
+    inflight = None
+    while order or active:
+        if inflight is None:
+            admit()
+            if not active:
+                st["round"] += 1
+                continue
+        t0 = time.perf_counter()
+        if inflight is None:
+            inflight = launch()
+        nxt = launch() if may_queue_next(inflight[2]) else None
+        take(read(inflight), range(len(active)))
+        inflight = None
+        if nxt is not None:
+            done = [r.reason is not None for r in active]
+            if any(done):  # drain: the lanes still going keep the queued round's tokens
+                take(read(nxt), [i for i in range(len(active)) if not done[i]])
+            else:
+                inflight = nxt
+        if inflight is None:
+            for i in reversed(range(len(active))):  # leave: the last lane moves into the hole
+                if active[i].reason is not None:
+                    last = len(active) - 1
+                    if i != last:
+                        dec.move(last, i)
+                        active[i] = active[last]
+                    else:
+                        dec.free(i)
+                    active.pop()
+        t_rounds += time.perf_counter() - t0
+    return {"prefill_s": st["prefill_s"], "rounds_s": t_rounds, "rounds": st["round"], "round_tokens": st["tokens"],
+            "round_tok_s": st["tokens"] / t_rounds if t_rounds > 0 else None}
+
+
+# ---------------------------------------------------------------------------------------
+# the engine's entry: hyspec.core.request.Request objects on the graph path
+# ---------------------------------------------------------------------------------------
+def graph_eligible(reqs) -> str | None:
+    """None when every request can run on the BatchDecoder (greedy, no penalties, no
+    constraint / logprobs / session state, fixed k with the post-norm hidden, one forced
+    profile); else the reason it cannot (the engine core's reference path serves it)."""
+    forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
+              for r in reqs if r.draft > 0}
+    if len(forced) > 1:
+        return "requests with different forced-drafter profiles"
+    for r in reqs:
+        if not r.params.greedy or r.params.has_penalties:
+            return "a sampled request"
+        if r.constraint is not None or r.logprobs is not None:
+            return "a constraint or logprobs"
+        if r.keep or r.resume is not None or r.store_state:
+            return "session state"
+        o = r.spec
+        if r.draft > 0 and o is not None and (o.p_min > 0 or o.adaptive or o.hidden != "post" or not o.prime_pending):
+            return "speculative options the graph round does not have (p_min, adaptive, hidden=pre, no priming)"
+    return None
+
+
+def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
+    """Run hyspec.core Requests to their end on the BatchDecoder; fills tokens, stop_reason,
+    stats and calls on_tokens / on_finish like the engine core's scheduler does."""
+    from hyspec.speculative.telemetry import SpecTelemetry
+
+    forced = next((r.spec for r in reqs if r.draft > 0 and r.spec is not None and r.spec.forced_rates), None)
+    lanes = []
+    for r in reqs:
+        cb = None if r.on_tokens is None else (lambda toks, r=r: r.on_tokens(r, toks))
+        if r.draft > 0 and r.telemetry is None:
+            r.telemetry = SpecTelemetry()
+        lanes.append(LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
+                                 stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb,
+                                 telemetry=r.telemetry if r.draft > 0 else None))
+    t0 = time.perf_counter()
+    stats = run_batch(dec, lanes, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
+                      forced_seed=forced.forced_seed if forced else 0)
+    wall = time.perf_counter() - t0
+    for r, lr in zip(reqs, lanes):
+        r.tokens[:] = lr.tokens
+        r.stop_reason = lr.reason or "length"
+        r.done = True
+        r.stats = {"prompt_tokens": len(r.prompt_ids), "generated_tokens": len(lr.tokens), "path": "batch-graphs",
+                   "graphs": dec.graphs and not dec._graph_failed, "exact": dec.exact, "cached_tokens": 0,
+                   "batch_wall_s": wall, "batch_round_tok_s": stats["round_tok_s"]}
+        if r.draft > 0:
+            r.stats.update({"k": r.draft, "target_forwards": lr.rounds, "spec": r.telemetry.to_dict()})
+        if r.on_finish is not None:
+            r.on_finish(r)

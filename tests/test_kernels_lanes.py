@@ -1,0 +1,129 @@
+"""The per-sequence kernels with a lane axis (several sequences in one launch) against
+the same kernels launched once per sequence: bitwise equal, whatever the lanes' positions.
+
+This is what makes the batched GPU decoder batch-invariant: a lane's numbers come from
+the one-lane arithmetic, only the base pointers move.  fp32 under the Triton interpreter
+(see test_kernels_triton.py for why).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+from hyspec.kernels import fused
+from hyspec.kernels.attn import attn_decode_grouped
+
+
+def _r(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+B, T = 3, 2  # lanes, rows per lane
+
+
+def test_attention_lanes_equal_single_lane_calls():
+    Hq, Hkv, D, L = 4, 2, 16, 40
+    proj_w = Hq * 2 * D + 2 * Hkv * D
+    proj = _r(B * T, proj_w, seed=1)
+    qw, kw = _r(D, seed=2) * 0.1, _r(D, seed=3) * 0.1
+    inv = fused.rope_inv_freq(8, 10000.0, "cpu")
+    kc0, vc0 = _r(B, Hkv, L, D, seed=4), _r(B, Hkv, L, D, seed=5)
+    pos = torch.tensor([3, 17, 0], dtype=torch.long)
+    for attn in (fused.attn_decode, attn_decode_grouped):
+        # all lanes in one launch
+        kc, vc = kc0.clone(), vc0.clone()
+        q = torch.zeros(B * T, Hq, D)
+        fused.attn_prep(proj, qw, kw, inv, pos, 0, q, kc[0], vc[0], n_heads=Hq, n_kv=Hkv, head_dim=D, eps=1e-6,
+                        rows=B * T, lanes=B, kv_lane_stride=kc.stride(0))
+        out = torch.zeros(B * T, Hq * D)
+        attn(q, kc[0], vc[0], pos, 0, proj, out, rows=B * T, lanes=B, kv_lane_stride=kc.stride(0))
+        # one lane at a time
+        kc1, vc1 = kc0.clone(), vc0.clone()
+        for b in range(B):
+            rows = slice(b * T, b * T + T)
+            q1 = torch.zeros(T, Hq, D)
+            fused.attn_prep(proj[rows], qw, kw, inv, pos[b: b + 1], 0, q1, kc1[b], vc1[b], n_heads=Hq, n_kv=Hkv,
+                            head_dim=D, eps=1e-6, rows=T)
+            o1 = torch.zeros(T, Hq * D)
+            attn(q1, kc1[b], vc1[b], pos[b: b + 1], 0, proj[rows], o1, rows=T)
+            assert torch.equal(q[rows], q1)
+            assert torch.equal(out[rows], o1), (attn.__name__, b)
+        assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+        # and against the torch reference for lane 1
+        ref = fused.attn_decode_ref(q[T: 2 * T], kc[1], vc[1], int(pos[1]),
+                                    proj[T: 2 * T, : Hq * 2 * D].reshape(T, Hq, 2 * D)[:, :, D:])
+        torch.testing.assert_close(out[T: 2 * T], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_gdn_conv_lanes(update):
+    C, W = 40, 4
+    x = _r(B * T, C + 8, seed=1)
+    w = _r(C, W, seed=2)
+    st0 = _r(B, W - 1, C, seed=3)
+    st = st0.clone()
+    y = torch.zeros(B * T, C)
+    xin = torch.zeros(B, 5, C)
+    fused.gdn_conv(x, st[0], w, y, rows=B * T, update=update, xin=None if update else xin[0], lanes=B,
+                   state_lane_stride=st.stride(0), xin_lane_stride=xin.stride(0))
+    for b in range(B):
+        s1 = st0[b].clone()
+        y1 = torch.zeros(T, C)
+        xin1 = torch.zeros(5, C)
+        fused.gdn_conv(x[b * T: b * T + T], s1, w, y1, rows=T, update=update, xin=None if update else xin1)
+        assert torch.equal(y[b * T: b * T + T], y1)
+        assert torch.equal(st[b], s1)
+        if not update:
+            assert torch.equal(xin[b], xin1)
+
+
+@pytest.mark.parametrize("block_v", [None, 8])
+def test_gdn_step_and_replay_lanes(block_v):
+    nk, nv, dk, dv = 2, 4, 8, 16
+    C = 2 * nk * dk + nv * dv
+    P = C + nv * dv + 2 * nv
+    y = _r(B * T, C, seed=1)
+    proj = _r(B * T, P, seed=2)
+    A, dtb, nw = _r(nv, seed=3) * 0.1, _r(nv, seed=4) * 0.1, _r(dv, seed=5) * 0.1
+    S0 = _r(B, nv, dk, dv, seed=6) * 0.1
+    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6, block_v=block_v)
+    S = S0.clone()
+    out = torch.zeros(B * T, nv * dv)
+    fused.gdn_step(y, proj, A, dtb, nw, S[0], out, rows=B * T, lanes=B, state_lane_stride=S.stride(0), **kw)
+    for b in range(B):
+        s1 = S0[b].clone()
+        o1 = torch.zeros(T, nv * dv)
+        fused.gdn_step(y[b * T: b * T + T], proj[b * T: b * T + T], A, dtb, nw, s1, o1, rows=T, **kw)
+        assert torch.equal(out[b * T: b * T + T], o1)
+        assert torch.equal(S[b], s1)
+    # replay: every lane advances by its own n + 1 rows, as a decode of those rows would
+    G = 2
+    y_rows = _r(G, B, T, C, seed=7)
+    p_rows = _r(G, B, T, P, seed=8)
+    ssm = torch.stack([S0, S0 * 0.5]).contiguous()  # [G, B, nv, dk, dv]
+    A_all, dtb_all = torch.stack([A, A * 2]), torch.stack([dtb, dtb])
+    n = torch.tensor([1, 0, 1])
+    fused.gdn_replay(y_rows, p_rows, A_all, dtb_all, nw, ssm, n, out, lanes=B, **kw)
+    for g in range(G):
+        for b in range(B):
+            s1 = (S0[b] * (0.5 if g else 1.0)).clone()
+            rows = int(n[b]) + 1
+            fused.gdn_step(y_rows[g, b, :rows], p_rows[g, b, :rows], A_all[g], dtb_all[g], nw, s1,
+                           torch.zeros(rows, nv * dv), rows=rows, **kw)
+            assert torch.equal(ssm[g, b], s1), (g, b)
+
+
+def test_skinny_matmul_64_row_tiles_row_invariant():
+    """The batched decoder's matmul tile (64 rows per program): row r is the same bits in a
+    70-row call, a 3-row call and alone, and matches the reference."""
+    from hyspec.kernels.gemm import skinny_matmul, skinny_matmul_ref
+
+    w = _r(48, 96, seed=1)
+    x = _r(70, 96, seed=2)
+    kw = dict(block_t=64, split_k=2, block_n=16, block_k=32)
+    y = skinny_matmul(x, w, **kw)
+    torch.testing.assert_close(y, skinny_matmul_ref(x, w), atol=1e-4, rtol=1e-5)
+    assert torch.equal(skinny_matmul(x[65:68], w, **kw), y[65:68])
+    assert torch.equal(skinny_matmul(x[3:4], w, **kw)[0], y[3])
