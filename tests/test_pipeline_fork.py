@@ -14,7 +14,7 @@ from test_pipeline import P1, P2, P3, SAMPLED, coop_checkpoint
 
 from hyspec.engine import Engine
 from hyspec.loading import load_model
-from hyspec.parallel.fork import ForkController, fork_fwd, is_hit, PendingFork
+from hyspec.parallel.fork import ForkController, PendingFork, fork_fwd, is_hit
 from hyspec.parallel.local import run_job, run_jobs
 from hyspec.speculative.loop import SpecOptions
 

@@ -27,8 +27,7 @@ import time
 import torch
 
 from hyspec.core.request import Request
-from hyspec.rng import u01
-from hyspec.rng import Stream
+from hyspec.rng import Stream, u01
 from hyspec.sampling import (apply_penalties, coupled_speculative, coupled_token, draft_token, greedy_token,
                              plain_token, row_probs, sample_index, speculative_sample)
 from hyspec.speculative.drafter import FORCED_STREAM
