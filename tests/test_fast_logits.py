@@ -70,19 +70,22 @@ def test_decode_and_verify_rows_match_the_reference(tmp_path, arch):
 def test_swapped_weight_blocks_are_caught(tmp_path, swap):
     m, dec = _setup(tmp_path, "qwen3_5")
     layers = dec.runner.layers
+    # the packed weights are the model's own storage (pack_views): plant the bug in a copy
+    # the runner alone reads, so the reference keeps the right weights
     if swap == "gdn_in_qk":  # q and k rows of a Gated-DeltaNet layer's packed input projection
         L = next(x for x in layers if x.kind == "gdn")
         kd = m.cfg.linear_num_key_heads * m.cfg.linear_key_head_dim
-        w = L.w_in
+        w = L.w_in = L.w_in.clone()
         w[:kd], w[kd: 2 * kd] = w[kd: 2 * kd].clone(), w[:kd].clone()
     elif swap == "ffn_gate_up":  # gate and up halves of a dense FFN's packed weight
         L = next(x for x in layers if x.w_gu is not None)
         half = L.w_gu.shape[0] // 2
-        L.w_gu[:half], L.w_gu[half:] = L.w_gu[half:].clone(), L.w_gu[:half].clone()
+        w = L.w_gu = L.w_gu.clone()
+        w[:half], w[half:] = w[half:].clone(), w[:half].clone()
     else:  # keys and values of an attention layer's packed q|k|v
         L = next(x for x in layers if x.kind == "attn")
         nq = m.cfg.num_attention_heads * m.cfg.head_dim * 2
         kv = m.cfg.num_key_value_heads * m.cfg.head_dim
-        w = L.w_in
+        w = L.w_in = L.w_in.clone()
         w[nq: nq + kv], w[nq + kv: nq + 2 * kv] = w[nq + kv: nq + 2 * kv].clone(), w[nq: nq + kv].clone()
     assert _worst(_runner(dec, VERIFY, True), _reference(m, VERIFY)) > LOGPROB_ATOL

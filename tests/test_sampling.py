@@ -199,6 +199,9 @@ def test_penalty_window() -> None:
     params = SamplingParams(presence_penalty=1.0, penalty_last_n=3)
     out = apply_penalties(logits, torch.tensor([0, 7, 2]), params)
     assert torch.equal(out, torch.tensor([0.0, 1, 0, 1, 1]))
+    # a history shorter than the window: all of it (len 3 < 4 <= 2 * len once sliced from the end)
+    params = SamplingParams(presence_penalty=1.0, penalty_last_n=4)
+    assert torch.equal(apply_penalties(logits, [0, 3, 1], params), torch.tensor([0.0, 0, 1, 0, 1]))
 
 
 def test_penalties_keep_forbidden_tokens_forbidden() -> None:

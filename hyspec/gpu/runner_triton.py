@@ -34,6 +34,9 @@ def _pack_gdn_in(mod) -> torch.Tensor:
     [q (all key heads) | k | v | z | b | a] (Qwen3-Next's per-key-head groups unpacked)."""
     nk, nv, dk, dv = mod.nk, mod.nv, mod.dk, mod.dv
     if mod.family == "qwen3_next":
+        cached = getattr(mod, "_hyspec_packed_in", None)
+        if cached is not None:  # one re-ordered copy per model, shared by every runner
+            return cached
         r = nv // nk
         W = mod.in_proj_qkvz.weight  # [nk * (2dk + 2 r dv), H]
         H = W.shape[1]
@@ -43,9 +46,36 @@ def _pack_gdn_in(mod) -> torch.Tensor:
         b, a = BA[:, :r], BA[:, r:]
         parts = [q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H), z.reshape(-1, H),
                  b.reshape(-1, H), a.reshape(-1, H)]
-    else:
-        parts = [mod.in_proj_qkv.weight, mod.in_proj_z.weight, mod.in_proj_b.weight, mod.in_proj_a.weight]
-    return torch.cat(parts, 0).contiguous()
+        # a re-ordered copy: Qwen3-Next's layout is per key head, and the model's modules keep
+        # theirs (reading a packed layout would change the reference's matmul shapes)
+        mod._hyspec_packed_in = torch.cat(parts, 0).contiguous()
+        return mod._hyspec_packed_in
+    return pack_views([mod.in_proj_qkv.weight, mod.in_proj_z.weight, mod.in_proj_b.weight, mod.in_proj_a.weight])
+
+
+def pack_views(params) -> torch.Tensor:
+    """One [sum N_i, K] weight for weights [N_i, K] stacked by rows, held once: the
+    parameters become views into it (the model's modules then read the packed tensor),
+    and a later runner on the same model finds and reuses it. Packed at load, once, like
+    gpt-fast's load hook; no second copy of these weights stays on the device."""
+    prev = getattr(params[0], "_hyspec_packed", None)
+    if prev is not None:
+        off = 0
+        for p in params:
+            if p.data.data_ptr() != prev[off: off + p.shape[0]].data_ptr():
+                break
+            off += p.shape[0]
+        else:
+            if off == prev.shape[0]:
+                return prev
+    packed = torch.cat([p.data for p in params], 0).contiguous()
+    off = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = packed[off: off + n]
+        off += n
+    params[0]._hyspec_packed = packed
+    return packed
 
 
 class TritonRunner:
@@ -137,7 +167,7 @@ class TritonRunner:
             a = layer.self_attn
             L.kind = "attn"
             L.index = i
-            L.w_in = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).contiguous()
+            L.w_in = pack_views([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
             L.w_out = a.o_proj.weight
             L.qn, L.kn = a.q_norm.weight, a.k_norm.weight
         else:
@@ -154,12 +184,12 @@ class TritonRunner:
             L.w_gu = None
             if mlp.has_shared:
                 se = mlp.shared_expert
-                L.sh_gu = torch.cat([se.gate_proj.weight, se.up_proj.weight], 0).contiguous()
+                L.sh_gu = pack_views([se.gate_proj.weight, se.up_proj.weight])
                 L.sh_down = se.down_proj.weight
                 L.sh_gate = mlp.shared_expert_gate.weight
         else:
             L.moe = None
-            L.w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).contiguous()
+            L.w_gu = pack_views([mlp.gate_proj.weight, mlp.up_proj.weight])
             L.w_down = mlp.down_proj.weight
         return L
 

@@ -1,0 +1,524 @@
+"""hyspec.gpu.sampling (batched, graph-capturable sampling) against the scalar reference
+(hyspec.sampling / hyspec.core.round), lane by lane, on the CPU in float64: probabilities
+bitwise, tokens identical. The CUDA-graph test runs only where CUDA is available."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from hyspec.core.round import choose_token
+from hyspec.gpu.sampling import (
+    PenaltyWindow,
+    SamplingTable,
+    draft_tokens,
+    gumbel_lanes,
+    plain_tokens,
+    probs_batch,
+    sample_rows,
+    speculative_accept,
+    u01_lanes,
+    verify_probs,
+    window_counts,
+)
+from hyspec.rng import Stream, gumbel_noise, u01, u01_tensor
+from hyspec.sampling import (
+    SamplingParams,
+    apply_penalties,
+    coupled_speculative,
+    coupled_token,
+    draft_token,
+    greedy_token,
+    row_probs,
+    sample_index,
+    speculative_sample,
+)
+
+V = 97
+
+
+# --------------------------------------------------------------------------------------
+# random cases
+# --------------------------------------------------------------------------------------
+
+
+def rand_params(rng: random.Random, kind: str | None = None, vocab: int = V) -> SamplingParams:
+    kind = kind or rng.choice(["greedy", "rejection", "coupled"])
+    pen = rng.random() < 0.6
+    return SamplingParams(
+        temperature=0.0 if kind == "greedy" else rng.choice([0.3, 0.7, 1.0, 1.6]),
+        top_k=rng.choice([0, 0, 1, 3, 20, vocab, vocab + 5]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 1e-3]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        repetition_penalty=rng.choice([1.0, 1.3, 0.8]) if pen else 1.0,
+        frequency_penalty=rng.choice([0.0, 0.4, -0.2]) if pen else 0.0,
+        presence_penalty=rng.choice([0.0, 0.7]) if pen else 0.0,
+        penalty_last_n=rng.choice([-1, 0, 1, 4, 16, 64]),
+        seed=rng.choice([0, 7, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, rng.getrandbits(64)]),
+        mode="rejection" if kind != "coupled" else "coupled",
+    )
+
+
+def rand_row(gen: torch.Generator, shape: str, vocab: int = V) -> torch.Tensor:
+    """One logits row [vocab] float64 of the named shape."""
+    x = torch.randn(vocab, generator=gen, dtype=torch.float64) * 2.0
+    if shape == "ties":
+        x = torch.round(x)  # many equal logits
+    elif shape == "peaked":
+        x[torch.randint(vocab, (1,), generator=gen)] += 25.0
+    elif shape == "flat":
+        x = torch.zeros(vocab, dtype=torch.float64)
+    elif shape == "masked":  # forbidden tokens
+        x[torch.rand(vocab, generator=gen) < 0.6] = -math.inf
+        x[torch.randint(vocab, (1,), generator=gen)] = 0.5
+    elif shape == "single":
+        x = torch.full((vocab,), -math.inf, dtype=torch.float64)
+        x[torch.randint(vocab, (1,), generator=gen)] = 1.0
+    return x
+
+
+SHAPES = ["normal", "ties", "peaked", "flat", "masked", "single"]
+
+
+def rand_history(rng: random.Random, vocab: int = V) -> list[int]:
+    n = rng.choice([0, 1, 3, 10, 40, 120])
+    hot = [rng.randrange(vocab) for _ in range(5)]  # repeats, so counts > 1 occur
+    # ids outside [0, V) take a window place but are not counted
+    return [rng.choice(hot) if rng.random() < 0.5 else rng.randrange(vocab + 3) for _ in range(n)]
+
+
+def make_lanes(seed: int, B: int, vocab: int = V, kinds=None):
+    rng = random.Random(seed)
+    params = [rand_params(rng, kinds[b] if kinds else None, vocab) for b in range(B)]
+    hists = [rand_history(rng, vocab) for _ in range(B)]
+    table = SamplingTable(B)
+    window = PenaltyWindow(B, vocab, capacity=64)
+    for b in range(B):
+        table.set(b, params[b])
+        window.load(b, hists[b], params[b])
+    return rng, params, hists, table, window
+
+
+def rand_logits(gen: torch.Generator, B: int, vocab: int = V, rows: int | None = None) -> torch.Tensor:
+    shapes = [SHAPES[i % len(SHAPES)] for i in range(B * (rows or 1))]
+    x = torch.stack([rand_row(gen, s, vocab) for s in shapes])
+    return x.view(B, vocab) if rows is None else x.view(B, rows, vocab)
+
+
+# --------------------------------------------------------------------------------------
+# Philox with per-lane keys
+# --------------------------------------------------------------------------------------
+
+
+def test_u01_lanes_bitwise_equals_u01() -> None:
+    seeds = [0, 1, 0xFFFFFFFF, 1 << 32, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0x0123456789ABCDEF]
+    table = SamplingTable(len(seeds))
+    for b, s in enumerate(seeds):
+        table.set(b, SamplingParams(seed=s))
+    counters = torch.tensor([[0, 1, 5, (1 << 32) + 3, (1 << 40) + 11, (1 << 62) + 9]] * len(seeds))
+    for stream in Stream:
+        got = u01_lanes(table.seed, stream, counters)
+        for b, s in enumerate(seeds):
+            want = [u01(s, stream, int(c)) for c in counters[b]]
+            assert got[b].tolist() == want
+            assert torch.equal(got[b], u01_tensor(s, stream, counters[b]))
+
+
+def test_gumbel_lanes_bitwise_equals_gumbel_noise() -> None:
+    seeds = [3, (1 << 64) - 5, 1 << 63]
+    table = SamplingTable(3)
+    for b, s in enumerate(seeds):
+        table.set(b, SamplingParams(seed=s))
+    pos = torch.tensor([0, 17, (1 << 31) - 1])
+    g = gumbel_lanes(table.seed, Stream.COUPLED, pos, 1000)
+    for b, s in enumerate(seeds):
+        assert torch.equal(g[b], gumbel_noise(s, Stream.COUPLED, int(pos[b]), 1000))
+
+
+def test_philox_kernel_bitwise_equals_torch_reference() -> None:
+    """hyspec.kernels.philox.u01_rows (Triton: the CPU interpreter here, the GPU where CUDA
+    is available) == u01_lanes, the int64 torch port, bit for bit; and so Gumbel noise."""
+    from hyspec.kernels.gemm import triton_available
+    from hyspec.kernels.pdl import interpreting
+    from hyspec.kernels.philox import u01_rows
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    dev = torch.device("cpu" if interpreting() else "cuda")
+    seeds = [0, 1, 0xFFFFFFFF, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 0x0123456789ABCDEF]
+    table = SamplingTable(len(seeds), dev)
+    for b, s in enumerate(seeds):
+        table.set(b, SamplingParams(seed=s))
+    pos = torch.tensor([0, 1, 17, (1 << 31) - 1, 1 << 20, 999, 5], device=dev)
+    vocab = 2500  # not a multiple of the block
+    for stream in (Stream.COUPLED, Stream.PLAIN):
+        got = u01_rows(table.seed, stream, pos, vocab)
+        want = u01_lanes(table.seed, stream, (pos.unsqueeze(1) << 32) + torch.arange(vocab, device=dev))
+        assert torch.equal(got, want)
+    g = gumbel_lanes(table.seed, Stream.COUPLED, pos, vocab, kernel=True)
+    assert torch.equal(g, gumbel_lanes(table.seed, Stream.COUPLED, pos, vocab, kernel=False))
+
+
+# --------------------------------------------------------------------------------------
+# penalty window
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_penalty_window_push_matches_reference_window(seed: int) -> None:
+    rng, params, hists, _, window = make_lanes(seed, 10)
+    for b in range(10):  # loaded counts == the reference window's
+        n = params[b].penalty_last_n if params[b].has_penalties else 0
+        assert torch.equal(window.counts[b], window_counts(hists[b], n, V))
+    for step in range(30):
+        m = rng.choice([1, 2, 4])
+        toks = torch.tensor([[rng.randrange(V + 2) for _ in range(m)] for _ in range(10)])
+        n_valid = torch.tensor([rng.randrange(m + 1) for _ in range(10)])
+        window.push_many(toks, n_valid)
+        for b in range(10):
+            hists[b] += toks[b, : int(n_valid[b])].tolist()
+            n = params[b].penalty_last_n if params[b].has_penalties else 0
+            assert torch.equal(window.counts[b], window_counts(hists[b], n, V)), (step, b)
+            assert int(window.length[b]) == len(hists[b])
+
+
+def test_penalty_window_capacity() -> None:
+    w = PenaltyWindow(2, V, capacity=8)
+    with pytest.raises(ValueError, match="capacity"):
+        w.load(0, [1, 2, 3], SamplingParams(repetition_penalty=1.2, penalty_last_n=9))
+    w.load(0, list(range(50)), SamplingParams(repetition_penalty=1.2, penalty_last_n=-1))  # unbounded: fine
+    assert int(w.counts[0].sum()) == 50
+
+
+# --------------------------------------------------------------------------------------
+# probabilities and plain decoding
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_probs_batch_equals_row_probs(seed: int, dtype: torch.dtype) -> None:
+    B = 18
+    _, params, hists, table, window = make_lanes(seed, B)
+    gen = torch.Generator().manual_seed(seed)
+    logits = rand_logits(gen, B).to(dtype)
+    got = probs_batch(logits, table, window.counts)
+    assert got.dtype == torch.float64 and got.shape == (B, V)
+    for b in range(B):
+        assert torch.equal(got[b], row_probs(logits[b], hists[b], params[b])), b
+
+
+def test_probs_batch_filter_boundaries() -> None:
+    """Rows whose masses land exactly on the top-k / top-p / min-p boundaries."""
+    flat = torch.zeros(4, dtype=torch.float64)  # softmax = 1/4 each, exactly
+    halves = torch.tensor([math.log(2.0), 0.0, 0.0, -math.inf], dtype=torch.float64)  # 1/2, 1/4, 1/4, 0
+    cases = [
+        (flat, SamplingParams(top_p=0.5)),  # mass before token 2 == top_p exactly
+        (flat, SamplingParams(top_p=0.75)),
+        (flat, SamplingParams(top_p=0.25)),
+        (flat, SamplingParams(top_k=2)),  # ties across the top-k boundary: lowest ids win
+        (halves, SamplingParams(min_p=0.5)),  # p == min_p * p_max exactly: kept
+        (halves, SamplingParams(top_p=0.5)),
+        (halves, SamplingParams(top_k=2, top_p=0.9, min_p=0.4)),
+        (halves, SamplingParams(temperature=0.0)),
+    ]
+    table = SamplingTable(len(cases))
+    for b, (_, prm) in enumerate(cases):
+        table.set(b, prm)
+    got = probs_batch(torch.stack([row for row, _ in cases]), table)
+    for b, (row, prm) in enumerate(cases):
+        assert torch.equal(got[b], row_probs(row, [], prm)), b
+    assert (got[0] > 0).sum() == 2 and (got[3] > 0).tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_plain_tokens_equal_reference(seed: int) -> None:
+    B = 24
+    rng, params, hists, table, window = make_lanes(seed, B)
+    gen = torch.Generator().manual_seed(100 + seed)
+    for _ in range(3):
+        logits = rand_logits(gen, B)
+        positions = torch.tensor([rng.randrange(1 << 20) for _ in range(B)])
+        probs = probs_batch(logits, table, window.counts)
+        got = plain_tokens(probs, table, positions)
+        for b in range(B):
+            pos = int(positions[b])
+            assert int(got[b]) == choose_token(logits[b], hists[b], params[b], pos), b
+
+
+def test_sample_rows_edge_cases() -> None:
+    # u close to 1: rounding can put u * total at or past the last cdf step -> last positive token
+    rows = torch.tensor(
+        [
+            [0.1, 0.2, 0.7, 0.0, 0.0],
+            [1 / 3, 1 / 3, 1 / 3, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 1.0],
+            [0.5, 0.0, 0.5, 0.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    for u in [2.0**-54, 0.1, 0.3, 0.5, 1 - 2.0**-53]:
+        got = sample_rows(rows, torch.full((4,), u, dtype=torch.float64))
+        assert got.tolist() == [sample_index(r, u) for r in rows]
+
+
+# --------------------------------------------------------------------------------------
+# a whole speculative round: draft, verify, accept, push
+# --------------------------------------------------------------------------------------
+
+
+def reference_draft(params, hist, logits_j, position):
+    """hyspec.core.round._draft_one without forced drafts / p_min / constraints."""
+    if params.greedy:
+        lg = apply_penalties(logits_j, hist, params) if params.has_penalties else logits_j
+        return greedy_token(lg), None
+    q = row_probs(logits_j, hist, params)
+    tok = coupled_token(q, params.seed, position) if params.mode == "coupled" else draft_token(q, params.seed, position)
+    return tok, q
+
+
+def reference_accept(params, hist, rows, drafts, q_rows, position):
+    """hyspec.core.round.accept (speculative lane, no constraint)."""
+    k = len(drafts)
+    if params.greedy:
+        for j in range(k + 1):
+            lg = apply_penalties(rows[j], hist + drafts[:j], params) if params.has_penalties else rows[j]
+            t = greedy_token(lg)
+            if j == k or t != drafts[j]:
+                return j, t
+    p_rows = torch.stack([row_probs(rows[j], hist + drafts[:j], params) for j in range(k + 1)])
+    if params.mode == "coupled":
+        return coupled_speculative(p_rows, drafts, params.seed, position)
+    q = torch.stack(q_rows) if k else p_rows[:0]
+    return speculative_sample(p_rows, q, drafts, params.seed, position)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.3, 3.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_speculative_round_equals_reference(seed: int, noise: float) -> None:
+    B, K = 16, 4
+    rng, params, hists, table, window = make_lanes(seed, B)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    n_seen = torch.zeros(K + 1, dtype=torch.int64)
+    for rnd in range(4):
+        k_lane = torch.tensor([rng.randrange(K + 1) for _ in range(B)])
+        positions = torch.tensor([len(h) + rng.randrange(50) for h in hists])
+        target = rand_logits(gen, B, rows=K + 1)  # [B, K+1, V]
+        drafter = target[:, :K] + noise * torch.randn(B, K, V, generator=gen, dtype=torch.float64)
+
+        # drafting: a scratch window advanced with each draft, exactly like the verify rows
+        # in the last round some lanes' first draft is planted off-distribution (a draft
+        # with p[d] = 0 or q[d] = 0 then happens)
+        planted = torch.tensor([rnd == 3 and rng.random() < 0.5 for _ in range(B)])
+        planted_tok = torch.tensor([rng.randrange(V) for _ in range(B)])
+        scratch = window.clone()
+        q = torch.zeros(B, K, V, dtype=torch.float64)
+        drafts = torch.full((B, K), -1, dtype=torch.int64)  # -1: no draft
+        for j in range(K):
+            q[:, j] = probs_batch(drafter[:, j], table, scratch.counts)
+            d = draft_tokens(q[:, j], table, positions + j)
+            if j == 0:
+                d = torch.where(planted, planted_tok, d)
+            drafts[:, j] = torch.where(j < k_lane, d, drafts[:, j])
+            scratch.push(drafts[:, j], j < k_lane)
+
+        p = verify_probs(target, table, window, drafts)
+        n, nxt = speculative_accept(p, q, drafts, table, positions, k_lane)
+
+        emitted = torch.cat([drafts, torch.zeros(B, 1, dtype=torch.int64)], dim=1)
+        for b in range(B):
+            kb, pos, hist = int(k_lane[b]), int(positions[b]), hists[b]
+            ds, q_rows = [], []
+            for j in range(kb):
+                tok, qj = reference_draft(params[b], hist + ds, drafter[b, j], pos + j)
+                if not (j == 0 and planted[b]):
+                    assert int(drafts[b, j]) == tok, (rnd, b, j)
+                ds.append(int(drafts[b, j]))
+                if qj is not None:
+                    q_rows.append(qj)
+                    assert torch.equal(q[b, j], qj)
+            for j in range(kb + 1):
+                assert torch.equal(p[b, j], row_probs(target[b, j], hist + ds[:j], params[b])), (b, j)
+            want = reference_accept(params[b], hist, target[b, : kb + 1], ds, q_rows, pos)
+            assert (int(n[b]), int(nxt[b])) == want, (rnd, b, params[b])
+            n_seen[want[0]] += 1
+            hist += ds[: want[0]] + [want[1]]
+            emitted[b, int(n[b])] = nxt[b]
+        window.push_many(emitted, n + 1)
+        for b in range(B):
+            pn = params[b].penalty_last_n if params[b].has_penalties else 0
+            assert torch.equal(window.counts[b], window_counts(hists[b], pn, V))
+    if noise == 0.0:
+        assert n_seen[1:].sum() > 0  # some drafts were accepted
+    assert n_seen[:K].sum() > 0  # some were rejected or the lane had fewer drafts
+
+
+@pytest.mark.parametrize("kind", ["greedy", "rejection", "coupled"])
+def test_speculative_accept_k_lane_truncation(kind: str) -> None:
+    """k_lane[b] < k: the same as the scalar function called with k_lane drafts."""
+    B, K = 6, 3
+    _, params, _, table, _ = make_lanes(7, B, kinds=[kind] * B)
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=gen, dtype=torch.float64), -1)
+    if kind == "greedy":  # greedy lanes' rows are one-hot
+        p = torch.zeros_like(p).scatter_(2, p.argmax(2, keepdim=True), 1.0)
+    q = p[:, :K].clone()
+    drafts = torch.stack([p[:, j].argmax(1) for j in range(K)], dim=1)  # likely accepted
+    positions = torch.arange(B) * 10
+    for kl in range(K + 1):
+        k_lane = torch.full((B,), kl)
+        n, nxt = speculative_accept(p, q, drafts, table, positions, k_lane)
+        for b in range(B):
+            ds, pos, s = drafts[b, :kl].tolist(), int(positions[b]), params[b].seed
+            if kind == "greedy":
+                want = reference_accept(params[b], [], p[b, : kl + 1], ds, [], pos)
+            elif kind == "coupled":
+                want = coupled_speculative(p[b, : kl + 1], ds, s, pos)
+            else:
+                want = speculative_sample(p[b, : kl + 1], q[b, :kl], ds, s, pos)
+            assert (int(n[b]), int(nxt[b])) == want
+
+
+def test_k_zero() -> None:
+    B = 5
+    _, params, _, table, _ = make_lanes(3, B)
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(B, 1, V, generator=gen, dtype=torch.float64), -1)
+    p = torch.where(table.greedy.view(B, 1, 1), torch.zeros_like(p).scatter_(2, p.argmax(2, keepdim=True), 1.0), p)
+    positions = torch.arange(B)
+    n, nxt = speculative_accept(p, p[:, :0], torch.zeros(B, 0, dtype=torch.int64), table, positions,
+                                torch.zeros(B, dtype=torch.int64))
+    assert n.tolist() == [0] * B
+    for b in range(B):
+        if params[b].greedy:
+            want = (0, int(p[b, 0].argmax()))
+        elif params[b].mode == "coupled":
+            want = coupled_speculative(p[b], [], params[b].seed, b)
+        else:
+            want = speculative_sample(p[b], p[b, :0], [], params[b].seed, b)
+        assert int(nxt[b]) == want[1]
+
+
+def test_larger_vocab_bitwise() -> None:
+    """A vocabulary larger than a vector chunk / parallel grain (tails in different places)."""
+    B, Vb, K = 4, 40_000, 2
+    kinds = ["rejection", "coupled", "rejection", "greedy"]
+    _, params, hists, table, window = make_lanes(11, B, vocab=Vb, kinds=kinds)
+    gen = torch.Generator().manual_seed(11)
+    target = torch.randn(B, K + 1, Vb, generator=gen, dtype=torch.float64) * 3
+    drafts = torch.stack([target[:, j].argmax(1) for j in range(K)], dim=1)
+    positions = torch.tensor([5, 1 << 20, 77, 3])
+    p = verify_probs(target, table, window, drafts)
+    q = p[:, :K].clone()
+    n, nxt = speculative_accept(p, q, drafts, table, positions, torch.full((B,), K))
+    toks = plain_tokens(p[:, 0], table, positions)
+    for b in range(B):
+        ds = drafts[b].tolist()
+        for j in range(K + 1):
+            assert torch.equal(p[b, j], row_probs(target[b, j], hists[b] + ds[:j], params[b]))
+        assert int(toks[b]) == choose_token(target[b, 0], hists[b], params[b], int(positions[b]))
+        want = reference_accept(params[b], hists[b], target[b], ds, list(q[b]), int(positions[b]))
+        assert (int(n[b]), int(nxt[b])) == want
+
+
+# --------------------------------------------------------------------------------------
+# no host synchronisation / CUDA graphs
+# --------------------------------------------------------------------------------------
+
+
+def _one_round(table, window, target, drafter, positions, k_lane):
+    K = target.shape[1] - 1
+    scratch = window.clone()
+    qs, ds = [], []
+    for j in range(K):
+        qs.append(probs_batch(drafter[:, j], table, scratch.counts))
+        ds.append(draft_tokens(qs[-1], table, positions + j))
+        scratch.push(ds[-1], j < k_lane)
+    q, drafts = torch.stack(qs, 1), torch.stack(ds, 1)
+    p = verify_probs(target, table, window, drafts)
+    n, nxt = speculative_accept(p, q, drafts, table, positions, k_lane)
+    plain = plain_tokens(p[:, 0], table, positions)
+    window.push_many(torch.cat([drafts, nxt.unsqueeze(1)], 1), n + 1)
+    return drafts, n, nxt, plain
+
+
+def test_no_host_sync(monkeypatch) -> None:
+    """Every batched call runs with the tensor->host conversions made to raise."""
+    B, K = 8, 3
+    _, _, _, table, window = make_lanes(4, B)
+    gen = torch.Generator().manual_seed(4)
+    target = rand_logits(gen, B, rows=K + 1)
+    drafter = target[:, :K] + 0.2 * torch.randn(B, K, V, generator=gen, dtype=torch.float64)
+    positions = torch.arange(B) * 3
+    k_lane = torch.tensor([0, 1, 2, 3, 3, 2, 1, 3])
+
+    def boom(*a, **k):
+        raise AssertionError("host sync inside a batched sampling call")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(torch, "nonzero", boom)
+    _one_round(table, window, target, drafter, positions, k_lane)
+    monkeypatch.undo()
+    with pytest.raises(AssertionError):  # the trap works
+        monkeypatch.setattr(torch.Tensor, "item", boom)
+        torch.zeros(1).item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_and_replay() -> None:
+    """Capture one round (draft, verify, accept, plain, push) as a CUDA graph with sync
+    debugging set to raise, then replay it with other params written into the same table
+    tensors: drafts, n, next and plain tokens and the window counts equal the CPU batched
+    path's (itself == the scalar reference). CPU and GPU floating-point reductions may
+    round differently; with these rows no decision falls within that rounding."""
+    dev = torch.device("cuda")
+    B, K = 8, 3
+    gen = torch.Generator().manual_seed(9)
+    target = rand_logits(gen, B, rows=K + 1)
+    drafter = target[:, :K] + 0.2 * torch.randn(B, K, V, generator=gen, dtype=torch.float64)
+    positions = torch.arange(B) * 3 + 40
+    k_lane = torch.tensor([0, 1, 2, 3, 3, 2, 1, 3])
+
+    def setup(seed):
+        _, params, hists, table_cpu, window_cpu = make_lanes(seed, B)
+        table = SamplingTable(B, dev)
+        window = PenaltyWindow(B, V, capacity=64, device=dev)
+        for b in range(B):
+            table.set(b, params[b])
+            window.load(b, hists[b], params[b])
+        return table_cpu, window_cpu, table, window, params, hists
+
+    _, _, table, window, _, _ = setup(0)
+    s_target, s_drafter = target.to(dev), drafter.to(dev)
+    s_pos, s_kl = positions.to(dev), k_lane.to(dev)
+    state0 = window.clone()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up
+            _one_round(table, window, s_target, s_drafter, s_pos, s_kl)
+        torch.cuda.current_stream().wait_stream(side)
+        window.copy_(state0)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = _one_round(table, window, s_target, s_drafter, s_pos, s_kl)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+    for seed in (0, 1, 2):  # new params in the same tensors, same graph
+        table_cpu, window_cpu, t2, w2, _, _ = setup(seed)
+        for name in vars(t2):
+            if isinstance(getattr(t2, name), torch.Tensor):
+                getattr(table, name).copy_(getattr(t2, name))
+        window.copy_(w2)
+        g.replay()
+        torch.cuda.synchronize()
+        ref = _one_round(table_cpu, window_cpu, target, drafter, positions, k_lane)
+        for got, want in zip(outs, ref):
+            assert torch.equal(got.cpu(), want), seed
+        assert torch.equal(window.counts.cpu(), window_cpu.counts)
