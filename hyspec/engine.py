@@ -137,6 +137,7 @@ class Engine:
         self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
         self._batch_dec = None
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
+        self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
 
@@ -393,6 +394,8 @@ class Engine:
 
             run_requests(decoder, requests, max_batch)
             return
+        if hasattr(self.backend, "driver"):
+            self.backend.driver.optimistic = bool(self.optimistic)
         if self.lanes > 1 and len(requests) > 1 and hasattr(self.backend, "driver"):
             from hyspec.parallel.lanes import run_lanes
 

@@ -117,6 +117,15 @@ def constraint_from_args(eng, args):
     return None
 
 
+def fork_telemetry(eng):
+    """The pipeline driver's optimistic-fork telemetry (hyspec/parallel/fork.py
+    ForkTelemetry) when --optimistic is on, else None."""
+    backend = getattr(eng, "backend", None)
+    if not getattr(eng, "optimistic", False) or not hasattr(backend, "driver"):
+        return None
+    return backend.driver.fork_tel
+
+
 def load_engine(args):
     """The Engine of --model / --dtype / --device (the pipeline driver's under --pp)."""
     import torch
@@ -127,7 +136,10 @@ def load_engine(args):
     if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
         eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
         eng.lanes = getattr(args, "lanes", 1)
+        eng.optimistic = getattr(args, "optimistic", False)
     else:
+        if getattr(args, "optimistic", False):
+            raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost

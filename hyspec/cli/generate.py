@@ -14,6 +14,7 @@ from hyspec.cli.common import (
     add_sampling_args,
     add_spec_args,
     constraint_from_args,
+    fork_telemetry,
     load_engine,
     parse_ids,
 )
@@ -44,6 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--lanes", type=int, default=1,
                    help="with --pp and several requests (--prompts-file, --num-samples): batch groups that alternate "
                         "through the stages, so each stage works on one while the next works on another")
+    p.add_argument("--optimistic", action="store_true",
+                   help="with --pp: while the last stage resolves a round, the first stages already run the "
+                        "next round's verify on a guess (every draft accepted, the bonus guessed by the drafter); "
+                        "used when the guess was right, rolled back otherwise (output unchanged). Pauses after "
+                        "3 misses in a row; telemetry on stderr / in --json stats['fork'] (docs/multi-gpu.md)")
     p.add_argument("--no-stream", action="store_true",
                    help="print the text when generation ends instead of as it is generated")
     add_sampling_args(p)
@@ -125,6 +131,9 @@ def run_file(args) -> int:
         bar.close()
         if args.out:
             sink.close()
+    fork = fork_telemetry(eng)
+    if fork is not None:
+        print(fork.summary_line(), file=sys.stderr)
     return 0
 
 
@@ -216,6 +225,9 @@ def run(args) -> int:
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
                        stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
                        on_tokens=printer if stream else None, constraint=constraint)
+    fork = fork_telemetry(eng)
+    if fork is not None:
+        out.stats["fork"] = fork.to_dict()
     if args.json:
         print(json.dumps(out.to_dict()))
         return 0
@@ -235,4 +247,6 @@ def run(args) -> int:
         from hyspec.speculative.telemetry import SpecTelemetry
 
         print(SpecTelemetry.from_dict(stats["spec"]).summary_line(), file=sys.stderr)
+    if fork is not None:
+        print(fork.summary_line(), file=sys.stderr)
     return 0
