@@ -82,9 +82,10 @@ def logprob_diff(eng, prompt, k, n) -> tuple[float, bool]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    ap.add_argument("--config", default=None, choices=["b2"],
-                    help="instead of --model: hyspec bench's in-memory b2 model (random weights; text is "
-                         "tokenized with the default model's tokenizer, whose ids fit b2's vocabulary)")
+    ap.add_argument("--config", default=None, choices=["qwen3-next-2b-dense", "b2"],
+                    help="instead of --model: hyspec bench's in-memory qwen3-next-2b-dense model (old name b2; "
+                         "random weights; text is tokenized with the default model's tokenizer, whose ids fit its "
+                         "vocabulary)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--turns", type=int, default=10)
@@ -99,11 +100,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     if args.config:
-        from hyspec.bench import B2, build_config_model
+        from hyspec.bench import build_config_model
         from hyspec.loading import parse_dtype
+        from hyspec.presets import model_dict
 
         tok = Engine.load().tokenizer
-        eng = Engine(build_config_model(B2, torch.device(args.device), parse_dtype(args.dtype)), tok)
+        eng = Engine(build_config_model(model_dict(args.config), torch.device(args.device), parse_dtype(args.dtype)),
+                     tok)
     else:
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     ids = eng.encode(heldout_text(args.turns * args.user_tokens * 8))

@@ -131,8 +131,18 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def run_command(d: dict) -> str:
-    """The command that wrote a file, without its --out (a path on the machine it ran on)."""
+    """The command that wrote a file, without its --out (a path on the machine it ran on):
+    as recorded, or rebuilt from the parsed arguments `hyspec bench --pp` records."""
     cmd = (d.get("meta") or {}).get("command") or d.get("command") or ""
+    args = d.get("args")
+    if not cmd and isinstance(args, dict) and "pp" in args:
+        flags = []
+        for k, v in args.items():
+            flag = "--" + k.replace("_", "-")
+            if k == "out" or v is None or v is False:
+                continue
+            flags += [flag] if v is True else [f"{flag} {x}" for x in v] if isinstance(v, list) else [f"{flag} {v}"]
+        cmd = " ".join(["hyspec bench", *flags])
     cmd = re.sub(r"(--[\w-]+)  (?=-)", r"\1 '' ", cmd)  # an empty argument, e.g. --variants ''
     return re.sub(r"\s+--out\s+\S+", "", cmd).strip()
 
@@ -294,7 +304,8 @@ def generic(res: Results, name: str) -> str:
 # -- the tables the docs quote --------------------------------------------------------------
 
 def _fast(d):
-    return (d.get("variants") or {}).get("fast")
+    v = d.get("variants") or {}
+    return v.get("cublas") or v.get("fast")  # the cuBLAS variant (old name fast)
 
 
 def _hf(d):
@@ -308,14 +319,15 @@ def b2_h200(res: Results) -> str:
     n, fast = res.first(files, _fast)
     if fast:
         p = fast["plain"]
-        rows.append(["plain decode, cuBLAS matmuls (`exact=False`)",
+        rows.append(["plain decode, `cublas` variant (cuBLAS matmuls, not exact)",
                      f"{num(p['tok_s'], 0)} tok/s ({pct(p['roofline_frac'])} of the roofline)", "", "", res.commit(n)])
     n, hf = res.first(files, _hf)
     if hf:
         tv = (res(n).get("meta") or {}).get("transformers") or ""
         rows.append([f"transformers {tv} `generate` (+ fla), same weights", f"{num(hf['decode_tok_s'], 1)} tok/s",
                      "", "", res.commit(n)])
-    return table(["b2, batch 1, CUDA-graph fast path, exact mode", "measured", "target", "", "commit"], rows)
+    return table(["qwen3-next-2b-dense (b2), batch 1, CUDA-graph fast path, exact mode", "measured", "target", "",
+                  "commit"], rows)
 
 
 def b2_h200_detail(res: Results) -> str:
@@ -326,7 +338,7 @@ def b2_h200_detail(res: Results) -> str:
     variants = [("exact", "b2_h200", _exact(d))]
     n, fast = res.first(("b2_h200", "b2_h200_baselines"), _fast)
     if fast:
-        variants.append(("fast (cuBLAS, not exact)", n, fast))
+        variants.append(("cublas (cuBLAS matmuls, not exact)", n, fast))
     for label, n, v in variants:
         c = res.commit(n)
         roof_ms = res(n).get("roofline_ms")
@@ -458,7 +470,6 @@ MADE_BY = {
     "gpu_tests_sessions_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python -m pytest tests/test_sessions.py "
                                    "tests/test_prefix_store.py tests/test_session_state.py` (H200; "
                                    "`bench/gpu_tests.sh` runs these too)",
-    "pp2_cpu.json": "`hyspec bench --pp 2` (the file's `args`)",
     "serve_load_cpu.json": "`python3 bench/serve_load.py`",
     "sessions_cpu.json": "`python bench/sessions.py`",
     "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 8 "

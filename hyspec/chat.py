@@ -47,17 +47,17 @@ class Chat:
 
     # -- a turn ------------------------------------------------------------------------
     def user(self, text: str) -> dict:
-        eng, s = self.eng, self.session
+        eng, session = self.eng, self.session
         if self.plain:
-            msgs = self.messages + [{"role": "user", "content": text + "\n"}] if text else list(self.messages)
+            messages_now = self.messages + [{"role": "user", "content": text + "\n"}] if text else list(self.messages)
         else:
-            msgs = self.messages + [{"role": "user", "content": text}]
-        full = self.render(msgs, True)
-        if s.tokens and full.startswith(self.rendered):
+            messages_now = self.messages + [{"role": "user", "content": text}]
+        full = self.render(messages_now, True)
+        if session.tokens and full.startswith(self.rendered):
             ids = eng.encode(full[len(self.rendered):])
         else:  # first turn, or the template re-renders the past differently: start from the whole text
-            if s.tokens:
-                s.reset()
+            if session.tokens:
+                session.reset()
                 self.stack = []
             ids = eng.encode(full)
         turn: list[int] = []
@@ -73,14 +73,14 @@ class Chat:
             shown[0] = len(text)
 
         before = (list(self.messages), self.rendered)
-        out = s.send(ids, on_tokens=stream)
+        out = session.send(ids, on_tokens=stream)
         text = eng.decode(out.tokens)
         self.out.write(text[shown[0]:] + "\n")
         self.out.flush()
-        stops = eng._stops(s.stop_ids, s.ignore_eos)
+        stops = eng._stops(session.stop_ids, session.ignore_eos)
         body = out.tokens[:-1] if (out.tokens and out.tokens[-1] in stops and not self.plain) else out.tokens
         self.stack.append(before)
-        self.messages = msgs + [{"role": "assistant", "content": text if self.plain else eng.decode(body)}]
+        self.messages = messages_now + [{"role": "assistant", "content": text if self.plain else eng.decode(body)}]
         self.rendered = full + text
         return out.stats
 
@@ -117,9 +117,9 @@ class Chat:
             new = Session.load(self.eng, arg)
             self.session.close()
             self.session = new
-            ex = new.extra
-            self.messages, self.rendered = ex.get("messages", []), ex.get("rendered", "")
-            self.stack = [(m, r) for m, r in ex.get("stack", [])]
+            extra = new.extra
+            self.messages, self.rendered = extra.get("messages", []), extra.get("rendered", "")
+            self.stack = [(m, r) for m, r in extra.get("stack", [])]
             self.say(f"[loaded {len(new.tokens)} tokens from {arg}]")
         elif cmd == "/help":
             self.say(HELP)
@@ -128,39 +128,40 @@ class Chat:
         return True
 
     def stats(self) -> dict:
-        s = self.session
-        last = s.last_stats or {}
+        session = self.session
+        last = session.last_stats or {}
         spec = last.get("spec")
-        st = s.state()
+        state = session.state()
         return {
-            "turns": s.num_turns, "context_tokens": len(s.tokens),
-            "turn_tokens": last.get("generated_tokens") and s.tokens[len(s.tokens) - last["generated_tokens"]:],
+            "turns": session.num_turns, "context_tokens": len(session.tokens),
+            "turn_tokens": last.get("generated_tokens")
+            and session.tokens[len(session.tokens) - last["generated_tokens"]:],
             "turn_prefilled": (last.get("prompt_tokens", 0) - last.get("cached_tokens", 0)) if last else None,
             "turn_ttft_s": last.get("time_to_first_token_s"),
             "turn_acceptance": None if not spec else {k: spec[k] for k in ("acceptance_length", "acceptance_rate")},
-            "overall_acceptance": (None if not s.telemetry.rounds else
-                                   {"acceptance_length": s.telemetry.acceptance_length,
-                                    "acceptance_rate": s.telemetry.acceptance_rate}),
+            "overall_acceptance": (None if not session.telemetry.rounds else
+                                   {"acceptance_length": session.telemetry.acceptance_length,
+                                    "acceptance_rate": session.telemetry.acceptance_rate}),
             "store": self.eng.store.stats(),
-            "state_digest": None if st is None else st.digest(),
+            "state_digest": None if state is None else state.digest(),
         }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.cli import _add_model_args, _add_sampling_args, _add_spec_args
+    from hyspec.cli.common import add_model_args, add_sampling_args, add_spec_args
 
     p = argparse.ArgumentParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
-    _add_sampling_args(p)
-    _add_spec_args(p)
+    add_sampling_args(p)
+    add_spec_args(p)
     return p
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli import _ids, _load
+    from hyspec.cli.common import load_engine, parse_ids
     from hyspec.engine import default_model_dir
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
@@ -173,11 +174,11 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
                                adaptive_floor=min(args.adaptive_floor, args.draft), hidden=args.hidden)
-        eng = _load(args)
+        eng = load_engine(args)
         if eng.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer.json")
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
-                              stop_ids=_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos)
+                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos)
         chat = Chat(eng, session, args.model or default_model_dir(), out=stdout)
     except (ValueError, FileNotFoundError) as e:
         print(f"hyspec chat: error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ variables messages, add_generation_prompt, bos_token / eos_token / unk_token / p
 plus any extra keyword arguments (the server's `chat_template_kwargs`).
 
 This is the one implementation: `hyspec chat` (hyspec/chat.py) and the server
-(hyspec/server/app.py) both use it.
+(hyspec/server/state.py, ServerState.render_chat) both use it.
 """
 
 from __future__ import annotations

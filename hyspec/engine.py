@@ -4,6 +4,16 @@
     eng = Engine.load("path/to/checkpoint")            # or Engine.load() for the embedded default
     out = eng.generate("def fibonacci(n):", max_new_tokens=64, draft=3)
     print(out.text, out.stats["spec"]["acceptance_length"])
+
+Over ~400 lines on purpose: it is the whole public Python API in one class (load, encode,
+generate, generate_batch, session, constraint, memory, score), and each method validates
+its own arguments here so errors name them and picks the path that runs them; the work
+itself is in hyspec/core/ (and hyspec/gpu/ on a GPU).
+
+Words: a *sample* is one completion of a --num-samples run (seed derived per sample); the
+*fast path* is hyspec/gpu's CUDA-graph decoder for one greedy sequence on a GPU, the
+*graph batch* its BatchDecoder for several; *capped*: max_new_tokens cut to what fits in
+the context after the prompt.
 """
 
 from __future__ import annotations
@@ -127,6 +137,7 @@ class Engine:
         self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
         self._batch_dec = None
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
+        self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
 
@@ -271,23 +282,25 @@ class Engine:
             fast = None  # the store's states resume through the engine core
         if fast is not None and num_samples == 1 and (spec is None or (
                 spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
-            cb = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
-            res = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference, cb)
-            res.stats.setdefault("cached_tokens", 0)  # the fast path prefills the whole prompt
-            sample = Sample(res.tokens, self.decode(res.tokens), res.stop_reason, res.stats)
+            stream = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
+            result = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference, stream)
+            result.stats.setdefault("cached_tokens", 0)  # the fast path prefills the whole prompt
+            sample = Sample(result.tokens, self.decode(result.tokens), result.stop_reason, result.stats)
             return self._output([sample], ids, draft > 0, capped, max_new_tokens)
-        reqs = []
+        requests = []
         for i in range(num_samples):
-            p = params if i == 0 else SamplingParams(**{**params.__dict__, "seed": derive_seed(params.seed, i)})
-            cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
-            reqs.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=p, draft=draft, spec=spec,
-                                stop_ids=stops, reference=reference, on_tokens=cb, logprobs=logprobs,
-                                constraint=None if constraint is None else constraint.clone(), use_store=use_store))
-        self._run_requests(reqs, max_batch=num_samples)
-        samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in reqs]
+            sample_params = params if i == 0 else SamplingParams(**{**params.__dict__,
+                                                                     "seed": derive_seed(params.seed, i)})
+            stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            requests.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=sample_params, draft=draft,
+                                    spec=spec, stop_ids=stops, reference=reference, on_tokens=stream,
+                                    logprobs=logprobs, constraint=None if constraint is None else constraint.clone(),
+                                    use_store=use_store))
+        self._run_requests(requests, max_batch=num_samples)
+        samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in requests]
         out = self._output(samples, ids, draft > 0, capped, max_new_tokens)
         if logprobs is not None:
-            out.logprobs = [r.token_logprobs for r in reqs]
+            out.logprobs = [r.token_logprobs for r in requests]
         return out
 
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
@@ -308,38 +321,40 @@ class Engine:
                 return list(v)
             return [v] * n
 
-        news, ps, ks = per("max_new_tokens", max_new_tokens), per("params", params), per("draft", draft)
-        cs = per("constraint", constraint)
-        for c in cs:
+        limits, params_each = per("max_new_tokens", max_new_tokens), per("params", params)
+        drafts, constraints = per("draft", draft), per("constraint", constraint)
+        for c in constraints:
             if c is not None:
                 self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
-        reqs = []
-        for i, (prompt, mnt, p, k, c) in enumerate(zip(prompts, news, ps, ks, cs)):
+        requests = []
+        for i, (prompt, limit, prompt_params, k, c) in enumerate(zip(prompts, limits, params_each, drafts,
+                                                                     constraints)):
             try:
                 ids = self.encode(prompt)
                 opts = self._spec_options(k, spec)
-                _int_arg("max_new_tokens", mnt, 0)
-                mnt, _ = self._cap(ids, mnt)
+                _int_arg("max_new_tokens", limit, 0)
+                limit, _ = self._cap(ids, limit)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            cb = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
-            fin = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
-            reqs.append(Request(prompt_ids=ids, max_new_tokens=mnt, params=p if p is not None else GREEDY, draft=k,
-                                spec=opts, stop_ids=stops, on_tokens=cb, on_finish=fin,
-                                constraint=None if c is None else c.clone()))
-        self._run_requests(reqs, max_batch=max_batch)
-        return [self._request_output(r) for r in reqs]
+            stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            finished = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
+            requests.append(Request(prompt_ids=ids, max_new_tokens=limit,
+                                    params=prompt_params if prompt_params is not None else GREEDY, draft=k,
+                                    spec=opts, stop_ids=stops, on_tokens=stream, on_finish=finished,
+                                    constraint=None if c is None else c.clone()))
+        self._run_requests(requests, max_batch=max_batch)
+        return [self._request_output(r) for r in requests]
 
     def _request_output(self, r: Request) -> Output:
         return self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
                             r.draft > 0)
 
-    def _graph_batch(self, reqs: list[Request], max_batch: int):
+    def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
         (or when batch_graphs is set: the Triton interpreter in tests), for greedy requests
         without constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible)."""
-        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs) or len(reqs) < 2:
+        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs) or len(requests) < 2:
             return None
         from hyspec.kernels.gemm import triton_available
 
@@ -348,45 +363,48 @@ class Engine:
         from hyspec.gpu.batch import BatchDecoder
         from hyspec.gpu.batch_loop import graph_eligible
 
-        if graph_eligible(reqs) is not None:
+        if graph_eligible(requests) is not None:
             return None
         slots = min(max(2, max_batch), 64)
-        need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in reqs)
-        k = max(3, max(r.draft for r in reqs))
-        dec = self._batch_dec
-        if dec is None or dec.slots < slots or dec.max_len < need or dec.k_max < k:
-            self._batch_dec = dec = None
+        need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
+        k = max(3, max(r.draft for r in requests))
+        decoder = self._batch_dec
+        if decoder is None or decoder.slots < slots or decoder.max_len < need or decoder.k_max < k:
+            self._batch_dec = decoder = None
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()
             max_len = max(need, 1024 if self.model.device.type == "cuda" else need)
-            dec = self._batch_dec = BatchDecoder(self.model, min(max_len, self.model.cfg.max_position_embeddings + 64),
-                                                 k, slots)
-        return dec
+            decoder = self._batch_dec = BatchDecoder(self.model,
+                                                     min(max_len, self.model.cfg.max_position_embeddings + 64), k,
+                                                     slots)
+        return decoder
 
-    def _run_requests(self, reqs: list[Request], max_batch: int) -> None:
+    def _run_requests(self, requests: list[Request], max_batch: int) -> None:
         # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
         sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
                           store=self._store if self.backend is None else None)
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(requests):
             try:
                 sched.validate(r)
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}" if len(reqs) > 1 else str(e)) from None
-        dec = self._graph_batch(reqs, max_batch)
-        if dec is not None:
+                raise ValueError(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from None
+        decoder = self._graph_batch(requests, max_batch)
+        if decoder is not None:
             from hyspec.gpu.batch_loop import run_requests
 
-            run_requests(dec, reqs, max_batch)
+            run_requests(decoder, requests, max_batch)
             return
-        if self.lanes > 1 and len(reqs) > 1 and hasattr(self.backend, "driver"):
+        if hasattr(self.backend, "driver"):
+            self.backend.driver.optimistic = bool(self.optimistic)
+        if self.lanes > 1 and len(requests) > 1 and hasattr(self.backend, "driver"):
             from hyspec.parallel.lanes import run_lanes
 
-            run_lanes(self.model, self.backend, reqs, max_batch=max_batch, lanes=self.lanes)
+            run_lanes(self.model, self.backend, requests, max_batch=max_batch, lanes=self.lanes)
         else:
-            for r in reqs:
+            for r in requests:
                 sched.submit(r)
             sched.run()
-        for r in reqs:
+        for r in requests:
             exc = getattr(r, "exception", None)
             if exc is not None:
                 raise exc
@@ -396,11 +414,11 @@ class Engine:
         """One Output over the samples: stats are totals (counters and times add up, spec
         telemetry is merged); a sample that ran into a context cap ends with "context"."""
         total = SpecTelemetry()
-        for smp in samples:
-            if capped and smp.stop_reason == "length":
-                smp.stop_reason = "context"
-            if "spec" in smp.stats:
-                total.merge(SpecTelemetry.from_dict(smp.stats["spec"]))
+        for sample in samples:
+            if capped and sample.stop_reason == "length":
+                sample.stop_reason = "context"
+            if "spec" in sample.stats:
+                total.merge(SpecTelemetry.from_dict(sample.stats["spec"]))
         stats = dict(samples[0].stats)  # per-run constants (prompt_tokens, k, rollback, path...)
         for key in _SUMMED_STATS:
             if any(key in s.stats for s in samples) or key in ("prefill_s", "decode_s"):
@@ -478,29 +496,29 @@ class Engine:
             raise ValueError("scoring needs at least 2 tokens")
         self._check_context(len(ids), "the text to score")
         _int_arg("top_logprobs", top_logprobs, 0)
-        V = self.model.cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"token id(s) {bad[:5]} out of range for vocabulary size {V}")
+        vocab_size = self.model.cfg.vocab_size
+        out_of_range = [t for t in ids if not 0 <= t < vocab_size]
+        if out_of_range:
+            raise ValueError(f"token id(s) {out_of_range[:5]} out of range for vocabulary size {vocab_size}")
         model = self.model
         cache = model.new_cache(len(ids))
-        lps: list[float] = []
-        tops: list[list[list]] = []
+        logprobs: list[float] = []  # [len(ids) - 1]
+        top_lists: list[list[list]] = []  # per position: [[id, logprob(, text)], ...]
         dev = model.device
-        for s in range(0, len(ids) - 1, chunk):
-            part = ids[s : min(s + chunk, len(ids) - 1)]
-            h = model.forward_hidden(torch.tensor(part, device=dev), cache, StepCtx(start=s, chunked=True))
-            logp = torch.log_softmax(model.logits(h).double(), dim=-1)  # [t, V]
-            nxt = torch.tensor(ids[s + 1 : s + 1 + len(part)], device=dev)
-            lps.extend(logp.gather(1, nxt[:, None])[:, 0].tolist())
+        for start in range(0, len(ids) - 1, chunk):
+            part = ids[start : min(start + chunk, len(ids) - 1)]
+            hidden = model.forward_hidden(torch.tensor(part, device=dev), cache, StepCtx(start=start, chunked=True))
+            log_probs = torch.log_softmax(model.logits(hidden).double(), dim=-1)  # [t, V]
+            next_ids = torch.tensor(ids[start + 1 : start + 1 + len(part)], device=dev)  # [t]
+            logprobs.extend(log_probs.gather(1, next_ids[:, None])[:, 0].tolist())
             if top_logprobs:
-                v, i = torch.topk(logp, min(top_logprobs, V), dim=-1)
-                for row_v, row_i in zip(v.tolist(), i.tolist()):
-                    tops.append([[t, lp] + ([self.tokenizer.decode([t])] if self.tokenizer else [])
-                                 for t, lp in zip(row_i, row_v)])
-        nll = -sum(lps)
+                values, top_ids = torch.topk(log_probs, min(top_logprobs, vocab_size), dim=-1)
+                for row_values, row_ids in zip(values.tolist(), top_ids.tolist()):
+                    top_lists.append([[t, lp] + ([self.tokenizer.decode([t])] if self.tokenizer else [])
+                                      for t, lp in zip(row_ids, row_values)])
+        nll = -sum(logprobs)
         return {
-            "tokens": ids, "logprobs": lps, "top_logprobs": tops if top_logprobs else None,
-            "nll": nll, "mean_nll": nll / len(lps), "perplexity": math.exp(nll / len(lps)),
-            "scored_tokens": len(lps),
+            "tokens": ids, "logprobs": logprobs, "top_logprobs": top_lists if top_logprobs else None,
+            "nll": nll, "mean_nll": nll / len(logprobs), "perplexity": math.exp(nll / len(logprobs)),
+            "scored_tokens": len(logprobs),
         }

@@ -1,5 +1,6 @@
 """Bench presets with the published shapes of the checkpoints users run, and what one
-decode step of each must read (the memory-bandwidth roofline).
+decode step of each must read (the memory-bandwidth roofline). Also the bench's own
+in-memory model, ``qwen3-next-2b-dense`` (old name ``b2``, kept as an alias: ALIASES).
 
 Shapes are the published ``config.json`` values (text model only; the vision tower of the
 Qwen3.5 checkpoints is not part of decoding). Sources, as found with the project's search
@@ -91,6 +92,44 @@ QWEN3_NEXT_80B_A3B_FP8 = {
                                                        "mtp.fc"]},
 }
 
+# The bench's own model. Not a published checkpoint: the Qwen3-Next layout with a dense FFN
+# (no experts), hidden 2048, 24 layers ([3 linear : 1 full] x 6), one MTP layer: ~2.3 B
+# parameters, random weights, built in memory. `hyspec bench` measures it by default.
+# Old name "b2" (an alias: commands, scripts and result files use it).
+QWEN3_NEXT_2B_DENSE = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 24, "full_attention_interval": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "intermediate_size": 6144,
+    "num_experts": 0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False, "mtp_num_hidden_layers": 1, "hidden_act": "silu",
+}
+
+# in-memory bench models that are not published shapes (no PUBLISHED totals to check against)
+BENCH_MODELS: dict[str, dict] = {"qwen3-next-2b-dense": QWEN3_NEXT_2B_DENSE}
+
+# old names -> descriptive names (old commands keep working: `hyspec bench --config b2`)
+ALIASES: dict[str, str] = {"b2": "qwen3-next-2b-dense"}
+
+
+def canonical_name(name: str) -> str:
+    """The descriptive name of a preset or bench model given any of its names."""
+    return ALIASES.get(name, name)
+
+
+def model_dict(name: str) -> dict:
+    """The config dict of a preset or bench model, by any of its names (aliases too)."""
+    full = canonical_name(name)
+    if full in PRESETS:
+        return PRESETS[full]
+    if full in BENCH_MODELS:
+        return BENCH_MODELS[full]
+    known = [*PRESETS, *BENCH_MODELS, *ALIASES]
+    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(known)}")
+
+
 PRESETS: dict[str, dict] = {
     "qwen3.5-27b": QWEN3_5_27B,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
@@ -111,9 +150,7 @@ PUBLISHED = {
 def preset_config(name: str):
     from hyspec.config import ModelConfig
 
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return ModelConfig.from_dict(PRESETS[name])
+    return ModelConfig.from_dict(model_dict(name))
 
 
 def meta_model(cfg):
@@ -331,6 +368,7 @@ def check_runnable(name: str, dev: torch.device, dtype: torch.dtype) -> str | No
     return None
 
 
-__all__ = ["PRESETS", "PUBLISHED", "preset_config", "step_bytes", "expected_distinct_experts", "roofline",
+__all__ = ["PRESETS", "PUBLISHED", "BENCH_MODELS", "ALIASES", "QWEN3_NEXT_2B_DENSE", "canonical_name", "model_dict",
+           "preset_config", "step_bytes", "expected_distinct_experts", "roofline",
            "slots_that_fit", "summary", "format_summary", "build_preset_model", "build_on_device", "check_runnable",
            "H200_BW"]

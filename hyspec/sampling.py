@@ -13,6 +13,12 @@ Conventions
   :func:`speculative_sample` for the exact scheme.
 * Ties are broken towards the lowest token id everywhere (argmax, top-k, top-p), so
   results never depend on sort stability or device.
+
+Words: *p* = the target's distribution for a position, *q* = the drafter's; a draft is
+*accepted* when the target keeps it (rejection test ``u * q[d] < p[d]``, or in coupled
+mode the same Gumbel-max choice); at the first rejection the *residual* token is drawn
+from normalize(max(0, p - q)); after a full accept the *bonus* token is drawn from the
+target's row after the last draft. Each round emits accepted drafts + one token.
 """
 
 from __future__ import annotations
@@ -221,23 +227,23 @@ def filter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     x = x / params.temperature
     # Descending stable sort: equal logits keep ascending id order.
-    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [N, V] each
-    keep = torch.isfinite(xs)  # [N, V]; column 0 is always finite
+    sorted_logits, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [N, V] each
+    keep = torch.isfinite(sorted_logits)  # [N, V]; column 0 is always finite
 
     if 0 < params.top_k < V:
         keep[:, params.top_k :] = False
     if params.top_p < 1.0:
-        ps = _masked_softmax(xs, keep)  # [N, V], sorted order
-        cum = torch.cumsum(ps, dim=-1)  # [N, V]
-        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        sorted_probs = _masked_softmax(sorted_logits, keep)  # [N, V], sorted order
+        cumulative = torch.cumsum(sorted_probs, dim=-1)  # [N, V]
+        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
         keep &= mass_before < params.top_p
         keep[:, 0] = True
     if params.min_p > 0.0:
-        ps = _masked_softmax(xs, keep)
-        keep &= ps >= params.min_p * ps[:, :1]  # ps[:, 0] is the row maximum
+        sorted_probs = _masked_softmax(sorted_logits, keep)
+        keep &= sorted_probs >= params.min_p * sorted_probs[:, :1]  # column 0 is the row maximum
 
-    ps = _masked_softmax(xs, keep)  # [N, V], sorted order
-    out = torch.zeros_like(ps).scatter_(-1, order, ps)  # back to token order
+    sorted_probs = _masked_softmax(sorted_logits, keep)  # [N, V], sorted order
+    out = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)  # back to token order
     return out[0] if squeeze else out
 
 
@@ -309,14 +315,14 @@ def accept_or_resample(
     drawn with ``u_resid`` from normalize(max(0, p - q)), or from p when that residual
     has no mass (p == q).  Returns (True, None) or (False, token).
     """
-    pd = float(p[draft])
-    qd = float(q[draft])
-    if u_accept * qd < pd:
+    p_draft = float(p[draft])
+    q_draft = float(q[draft])
+    if u_accept * q_draft < p_draft:
         return True, None
-    resid = torch.clamp(p.to(torch.float64) - q.to(torch.float64), min=0.0)  # [V]
-    if not float(resid.sum()) > 0.0:
-        resid = p
-    return False, sample_index(resid, u_resid)
+    residual = torch.clamp(p.to(torch.float64) - q.to(torch.float64), min=0.0)  # [V]
+    if not float(residual.sum()) > 0.0:
+        residual = p
+    return False, sample_index(residual, u_resid)
 
 
 def speculative_sample(
@@ -349,24 +355,24 @@ def speculative_sample(
     afresh (same counter, new context) in the next round.  The same seed therefore gives
     the same output whenever the rounds see the same p and q.
     """
-    d = drafts.tolist() if isinstance(drafts, torch.Tensor) else [int(t) for t in drafts]
-    k = len(d)
+    draft_ids = drafts.tolist() if isinstance(drafts, torch.Tensor) else [int(t) for t in drafts]
+    k = len(draft_ids)
     if p_rows.dim() != 2 or p_rows.shape[0] != k + 1:
         raise ValueError(f"p_rows must be [k+1={k + 1}, V], got {tuple(p_rows.shape)}")
     if k and (q_rows.dim() != 2 or q_rows.shape[0] != k):
         raise ValueError(f"q_rows must be [k={k}, V], got {tuple(q_rows.shape)}")
     for j in range(k):
-        t = position + j
-        ok, tok = accept_or_resample(
+        decided = position + j  # absolute position of the token this step decides
+        accepted, residual_token = accept_or_resample(
             p_rows[j],
             q_rows[j],
-            d[j],
-            u01(seed, Stream.ACCEPT, t),
-            u01(seed, Stream.RESIDUAL, t),
+            draft_ids[j],
+            u01(seed, Stream.ACCEPT, decided),
+            u01(seed, Stream.RESIDUAL, decided),
         )
-        if not ok:
-            assert tok is not None
-            return j, tok
+        if not accepted:
+            assert residual_token is not None
+            return j, residual_token
     return k, sample_index(p_rows[k], u01(seed, Stream.BONUS, position + k))
 
 
@@ -403,12 +409,12 @@ def coupled_speculative(
     equals it.  The first mismatch (or row k after a full accept) gives next_token.  The
     output equals plain coupled decoding token for token.  p_rows: [k+1, V].
     """
-    d = drafts.tolist() if isinstance(drafts, torch.Tensor) else [int(t) for t in drafts]
-    k = len(d)
+    draft_ids = drafts.tolist() if isinstance(drafts, torch.Tensor) else [int(t) for t in drafts]
+    k = len(draft_ids)
     if p_rows.dim() != 2 or p_rows.shape[0] != k + 1:
         raise ValueError(f"p_rows must be [k+1={k + 1}, V], got {tuple(p_rows.shape)}")
     for j in range(k):
-        tok = coupled_token(p_rows[j], seed, position + j)
-        if tok != d[j]:
-            return j, tok
+        target_token = coupled_token(p_rows[j], seed, position + j)
+        if target_token != draft_ids[j]:
+            return j, target_token
     return k, coupled_token(p_rows[k], seed, position + k)

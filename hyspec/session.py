@@ -25,6 +25,10 @@ are keyed by absolute position, so a seeded session is reproducible as a whole.
 A session is plain (draft 0) or speculative (draft >= 1) from its first turn on: a
 speculative turn needs the drafter's rows for the whole transcript, which a plain turn
 does not build. K may change between speculative turns.
+
+Words: *boundary* = the state captured when the last turn ended (what `state()` returns
+and the store keeps); *history* = the boundary before each turn (the rewind points);
+*live* = the slot's current contents (the Sequence the next turn resumes).
 """
 
 from __future__ import annotations
@@ -108,26 +112,26 @@ class Session:
         self._check_open()
         eng = self.engine
         ids = eng.encode(message) if isinstance(message, str) else [int(t) for t in message]
-        k = self.draft if draft is None else draft
-        opts = eng._spec_options(k, self.spec)
-        if self._speculative is not None and (k > 0) != self._speculative:
+        n_drafts = self.draft if draft is None else draft
+        opts = eng._spec_options(n_drafts, self.spec)
+        if self._speculative is not None and (n_drafts > 0) != self._speculative:
             raise ValueError(f"this session decodes {'with' if self._speculative else 'without'} drafts since its "
-                             f"first turn; draft={k} would need the drafter's rows for the whole transcript "
+                             f"first turn; draft={n_drafts} would need the drafter's rows for the whole transcript "
                              "(use a new session)")
-        mnt = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {mnt!r}")
-        limit = eng.model.cfg.max_position_embeddings
-        total = len(self.tokens) + len(ids) + mnt
-        if total > limit:
+        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {limit!r}")
+        context = eng.model.cfg.max_position_embeddings
+        total = len(self.tokens) + len(ids) + limit
+        if total > context:
             raise ValueError(f"the conversation would reach {total} tokens ({len(self.tokens)} so far + {len(ids)} "
-                             f"new + max_new_tokens {mnt}), beyond the model's maximum context of {limit} tokens "
+                             f"new + max_new_tokens {limit}), beyond the model's maximum context of {context} tokens "
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
         stops = eng._stops(list(self.stop_ids) + list(stop_ids or ()), self.ignore_eos)
-        cb = None if on_tokens is None else (lambda r, t: on_tokens(t))
-        req = Request(prompt_ids=ids, max_new_tokens=mnt, params=params if params is not None else self.params,
-                      draft=k, spec=opts, stop_ids=stops, on_tokens=cb, keep=True, use_store=self.use_store,
-                      resume=self._seq if self._seq is not None else self._state)
+        stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
+        req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
+                      draft=n_drafts, spec=opts, stop_ids=stops, on_tokens=stream, keep=True,
+                      use_store=self.use_store, resume=self._seq if self._seq is not None else self._state)
         sched = eng.session_scheduler()
         sched.submit(req)  # invalid input raises here; the session is unchanged
         while not req.done:
@@ -143,7 +147,7 @@ class Session:
         self._history.append(self._boundary)
         self._seq, self._state = seq, None
         self._boundary = capture(seq)
-        self._speculative = k > 0
+        self._speculative = n_drafts > 0
         self.turns += 1
         if self.use_store:
             eng.store.put(self._boundary)
@@ -151,10 +155,11 @@ class Session:
             self.telemetry.merge(SpecTelemetry.from_dict(req.stats["spec"]))
         if req.stop_reason == "error":
             raise req.exception
-        out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens), req.stop_reason, req.stats)], ids, k > 0)
+        out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens), req.stop_reason, req.stats)], ids,
+                          n_drafts > 0)
         out.stats["turn"] = self.num_turns
         out.stats["context_tokens"] = len(self.tokens)
-        out.stats["session"] = {"turns": self.num_turns, "spec": self.telemetry.to_dict() if k > 0 else None}
+        out.stats["session"] = {"turns": self.num_turns, "spec": self.telemetry.to_dict() if n_drafts > 0 else None}
         out.stats["store"] = eng.store.stats() if eng._store is not None else None
         self.last_stats = out.stats
         return out
@@ -228,9 +233,9 @@ class Session:
     @classmethod
     def from_state(cls, engine, state: SeqState, **settings) -> "Session":
         """A session that continues from a captured state (no rewind points)."""
-        s = cls(engine, **settings)
-        s._state = s._boundary = state
-        return s
+        session = cls(engine, **settings)
+        session._state = session._boundary = state
+        return session
 
     # -- on disk -----------------------------------------------------------------------
     def to_dict(self, extra: dict | None = None) -> dict:
@@ -265,17 +270,18 @@ class Session:
             raise ValueError(f"not a hyspec session file (expected format {FORMAT!r})")
         if d["model"] != model_fingerprint(engine.model):
             raise ValueError("this session was saved with a different model (config or weights differ)")
-        st = d["settings"]
-        spec = st["spec"]
+        settings = d["settings"]
+        spec = settings["spec"]
         if spec is not None and spec.get("forced_rates") is not None:
             spec["forced_rates"] = tuple(spec["forced_rates"])
-        s = cls(engine, draft=st["draft"], params=SamplingParams(**st["params"]),
-                spec=None if spec is None else SpecOptions(**spec), max_new_tokens=st["max_new_tokens"],
-                stop_ids=st["stop_ids"], ignore_eos=st["ignore_eos"], use_store=st["use_store"])
+        session = cls(engine, draft=settings["draft"], params=SamplingParams(**settings["params"]),
+                      spec=None if spec is None else SpecOptions(**spec), max_new_tokens=settings["max_new_tokens"],
+                      stop_ids=settings["stop_ids"], ignore_eos=settings["ignore_eos"],
+                      use_store=settings["use_store"])
         dev = engine.model.device
-        s._state = s._boundary = None if d["state"] is None else SeqState.from_dict(d["state"], dev)
-        s._history = [None if h is None else SeqState.from_dict(h, dev) for h in d["history"]]
-        s._speculative, s.turns = d["speculative"], d["turns"]
-        s.telemetry = SpecTelemetry.from_dict(d["telemetry"])
-        s.extra = d.get("extra", {})
-        return s
+        session._state = session._boundary = None if d["state"] is None else SeqState.from_dict(d["state"], dev)
+        session._history = [None if h is None else SeqState.from_dict(h, dev) for h in d["history"]]
+        session._speculative, session.turns = d["speculative"], d["turns"]
+        session.telemetry = SpecTelemetry.from_dict(d["telemetry"])
+        session.extra = d.get("extra", {})
+        return session

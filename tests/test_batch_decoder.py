@@ -157,10 +157,17 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
         assert g.samples[0].tokens == w.samples[0].tokens == seen[i]
         assert g.samples[0].stats["path"] == "batch-graphs"
     assert got[1].samples[0].stats["spec"]["rounds"] > 0
-    # a sampled request is not eligible: the engine core serves the batch
+    # sampled requests run on the graph path too (same tokens as the engine core); a request
+    # with penalties is not eligible: the engine core serves that batch
     from hyspec.sampling import SamplingParams
 
-    out = eng.generate_batch(prompts[:2], max_new_tokens=3, params=SamplingParams(temperature=0.8, seed=1))
+    sp = SamplingParams(temperature=0.8, seed=1)
+    out = eng.generate_batch(prompts[:2], max_new_tokens=3, params=sp, draft=[0, 2])
+    want = ref_eng.generate_batch(prompts[:2], max_new_tokens=3, params=sp, draft=[0, 2])
+    assert out[0].samples[0].stats["path"] == "batch-graphs"
+    assert [o.samples[0].tokens for o in out] == [w.samples[0].tokens for w in want]
+    pen = SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.3)
+    out = eng.generate_batch(prompts[:2], max_new_tokens=3, params=pen)
     assert out[0].samples[0].stats.get("path") != "batch-graphs"
 
 
@@ -182,3 +189,36 @@ def test_packed_weights_are_held_once(tmp_path):
     assert lay.mlp.up_proj.weight.data_ptr() == w_gu[lay.mlp.gate_proj.weight.shape[0]:].data_ptr()
     for p, q in zip(m.parameters(), before):  # values unchanged
         assert torch.equal(p, q)
+
+
+def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
+    """Sampling on the device inside the batched round: seeded rejection-mode and coupled
+    lanes, plain and speculative, mixed with greedy lanes, give the engine core's tokens
+    (the same positions and counter streams), and each lane alone gives the same."""
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    m = _model(tmp_path, "qwen3_next")
+    N = 6
+    prompts = [[5, 17, 99, 3], [8, 1], [60, 61, 62], [7, 7, 7, 7, 7]]
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=11), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_k=20, seed=5, mode="coupled"),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3)]
+    ks = [2, 1, 3, 0]
+    sched = Scheduler(m, max_batch=4)
+    core = [Request(prompt_ids=p, max_new_tokens=N, params=sp, draft=k) for p, sp, k in zip(prompts, params, ks)]
+    for r in core:
+        sched.submit(r)
+    sched.run()
+    dec = BatchDecoder(m, 5 + N + 8, 3, slots=2, graphs=False)
+    reqs = [LaneRequest(prompt=p, max_new_tokens=N, k=k, params=sp, arrival=a)
+            for p, sp, k, a in zip(prompts, params, ks, (0, 0, 1, 1))]
+    run_batch(dec, reqs)
+    for r, c in zip(reqs, core):
+        assert r.tokens == c.tokens
+    alone = LaneRequest(prompt=prompts[0], max_new_tokens=N, k=ks[0], params=params[0])
+    run_batch(dec, [alone])
+    assert alone.tokens == reqs[0].tokens

@@ -205,8 +205,11 @@ def test_serve_pp2(ckpts):
 
 
 def test_three_stages(ckpts):
-    """A middle stage (receives from rank 0, sends to the driver) keeps the tokens too."""
+    """A middle stage (receives from rank 0, sends to the driver) keeps the tokens too,
+    also with the optimistic fork (forks run through both workers; hits and misses)."""
     path = ckpts["qwen3_next"]
-    jobs = [JOBS[1], JOBS[6], JOBS[7]]
+    fork = ("generate", {"prompt": P1, "max_new_tokens": 17, "draft": 3, "ignore_eos": True, "optimistic": True,
+                         "spec": SpecOptions(forced_rates=(1.0, 0.8, 0.7))})
+    jobs = [JOBS[1], JOBS[6], JOBS[7], fork]
     eng = Engine(load_model(path, dtype="float32"))
     assert run_jobs(path, jobs, world=3) == [run_job(eng, job) for job in jobs]

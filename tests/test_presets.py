@@ -157,3 +157,27 @@ def test_build_on_device_one_copy_in_dtype():
     assert torch.isfinite(m(torch.tensor([1, 2, 3]))).all()
     with pytest.raises(RuntimeError, match="GPU FP8"):
         build_preset_model("qwen3-next-80b-a3b-fp8", "cpu", torch.bfloat16)
+
+
+def test_old_names_resolve_to_the_same_config():
+    """The bench model's descriptive name and its old name "b2" are one config, everywhere
+    a name is taken (presets, `hyspec bench --config`, the scripts' hyspec.bench.B2); the
+    bench variant "fast" is "cublas"."""
+    from hyspec.bench import B2, build_parser
+    from hyspec.bench.variants import variant_names
+    from hyspec.presets import ALIASES, BENCH_MODELS, QWEN3_NEXT_2B_DENSE, canonical_name, model_dict
+
+    assert ALIASES["b2"] == "qwen3-next-2b-dense" and canonical_name("b2") == "qwen3-next-2b-dense"
+    assert model_dict("b2") is model_dict("qwen3-next-2b-dense") is BENCH_MODELS["qwen3-next-2b-dense"]
+    assert B2 is QWEN3_NEXT_2B_DENSE
+    assert preset_config("b2").to_dict() == preset_config("qwen3-next-2b-dense").to_dict()
+    for name in ("b2", "qwen3-next-2b-dense"):
+        assert canonical_name(build_parser().parse_args(["--config", name]).config) == "qwen3-next-2b-dense"
+    assert build_parser().parse_args([]).config == "qwen3-next-2b-dense"  # the default, under its new name
+    s = step_bytes("b2")
+    assert 2.2e9 < s["params_target"] < 2.4e9 and s["params_active"] is None  # dense, ~2.3 B: the name holds
+    assert variant_names("exact,fast") == variant_names("exact,cublas") == ["exact", "cublas"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        variant_names("exact,turbo")
+    with pytest.raises(ValueError, match="unknown preset"):
+        model_dict("b3")

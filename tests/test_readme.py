@@ -19,8 +19,8 @@ README = ROOT / "README.md"
 
 # not run here: installs, the test suite itself, GPU runs, the large bench, training,
 # placeholders for the user's own files
-SKIP = ("pip install", "pytest", "--device cuda", "--config b2", "hyspec train", "/path/to/",
-        "hyspec serve", "hyspec chat", "curl ")  # servers and interactive programs: tests/test_server.py, test_chat.py
+SKIP = ("pip install", "pytest", "--device cuda", "--config b2", "--config qwen3-next-2b-dense", "hyspec train",
+        "/path/to/", "hyspec serve", "hyspec chat", "curl ")  # servers and interactive programs: tests/test_server.py, test_chat.py
 
 
 def readme_commands() -> list[str]:

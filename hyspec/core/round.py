@@ -27,9 +27,9 @@ import time
 import torch
 
 from hyspec.core.request import Request
-from hyspec.rng import u01
+from hyspec.rng import Stream, u01
 from hyspec.sampling import (apply_penalties, coupled_speculative, coupled_token, draft_token, greedy_token,
-                             plain_token, row_probs, speculative_sample)
+                             plain_token, row_probs, sample_index, speculative_sample)
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 
@@ -147,6 +147,15 @@ class _Round:
         self.masks: dict[int, torch.Tensor | None] = {}
         self.h = None  # the MTP hidden that predicts the next draft
         self.row = 0  # next draft-KV row
+        self.prefix: list[int] = []  # tokens between the history and the drafts (a guessed round: next_round_guess)
+
+    @classmethod
+    def scratch(cls, k: int, first_draft_pos: int, prefix: list[int]) -> "_Round":
+        """A round that exists only to draft a guess (next_round_guess): no cache position."""
+        rd = cls.__new__(cls)
+        rd.k, rd.base, rd.first_draft_pos, rd.prefix = k, first_draft_pos - 1, first_draft_pos, list(prefix)
+        rd.drafts, rd.q_rows, rd.masks, rd.h, rd.row = [], [], {}, None, 0
+        return rd
 
     def mask(self, seq: Sequence, j: int):
         if j not in self.masks:
@@ -168,7 +177,7 @@ def _draft_one(seq: Sequence, rd: _Round, logits: torch.Tensor, j: int) -> bool:
     logits = masked(logits, mask)
     if mask is not None and not bool(torch.isfinite(logits).any()):
         return False  # a reduced draft vocabulary (mtp.d2t) scores none of the allowed tokens
-    hist = seq.history + rd.drafts
+    hist = seq.history + rd.prefix + rd.drafts
     q = None
     if p.greedy:
         lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
@@ -225,6 +234,122 @@ def draft(backend, seqs: list[Sequence]) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# the optimistic fork's guess of the next round (hyspec/parallel/fork.py)
+# ---------------------------------------------------------------------------------------
+LOOKUP_WINDOW = 2048  # plain sequences: how far back prompt lookup searches
+
+
+def prompt_lookup(history: list[int]) -> int:
+    """The token that followed the latest earlier occurrence of the last 3, 2 or 1 tokens
+    (the last token itself when none recurs)."""
+    h = history[-LOOKUP_WINDOW:]
+    L = len(h)
+    for n in (3, 2, 1):
+        if L <= n:
+            continue
+        key = h[L - n:]
+        for i in range(L - n - 1, -1, -1):
+            if h[i: i + n] == key:
+                return h[i + n]
+    return h[-1]
+
+
+def _guess_bonus(seq: Sequence, logits: torch.Tensor, hist: list[int], depth: int, position: int) -> int:
+    """The bonus the target would take at `position` after a full accept if its row were
+    the drafter's: the same transformation and the same random draw (BONUS uniform,
+    coupled noise), or the forced drafter's token at that depth."""
+    p = seq.params
+    if seq.forced_ref is not None:
+        o = seq.opts
+        return forced_token(seq.forced_ref, o.forced_rates, o.forced_seed, seq.vocab, depth, position)
+    if p.greedy:
+        return greedy_token(apply_penalties(logits, hist, p) if p.has_penalties else logits)
+    q = row_probs(logits, hist, p)
+    if p.mode == "coupled":
+        return coupled_token(q, p.seed, position)
+    return sample_index(q, u01(p.seed, Stream.BONUS, position))
+
+
+class _Guess:
+    def __init__(self, s: Sequence, n: int, P: int, k2: int) -> None:
+        self.s, self.n, self.P, self.k2 = s, n, P, k2
+        self.h, self.row = s.round.h, s.round.row
+        self.bonus: int | None = None
+        self.rd: _Round | None = None
+
+
+def _mtp_step(backend, items: list[_Guess], tokens: list[int]) -> None:
+    """One batched MTP chain step: each guess feeds its token at its next draft-KV row."""
+    hs = backend.mtp([(g.s.slot.draft_kv, [t], g.h, g.row) for g, t in zip(items, tokens)])
+    for g, h in zip(items, hs):
+        g.h, g.row = h, g.row + 1
+
+
+def next_round_guess(backend, seqs: list[Sequence]) -> list[list[int]] | None:
+    """The verify tokens each of `seqs` (this round's verifying sequences, after drafting)
+    would send next round if every draft of this round is accepted: [bonus guess] + the
+    next round's drafts, drawn by _draft_one as the next round would draw them (for a
+    plain sequence: [prompt-lookup guess], or the request's reference token when it has
+    one: the forced-acceptance drafter's testing hook). None when there is no next round to guess for
+    some sequence (it could finish this round: token limit or a stop id among the
+    drafts or as the guessed bonus) or the guess cannot be made (a constraint, whose
+    state advances with the emitted tokens; a round that did not run the drafter).
+    Side effects: MTP steps write draft-KV rows past the drafts (scratch rows: the next
+    round's refill rewrites them before they are read); the sequences' counters are untouched."""
+    plain: dict[int, list[int]] = {}
+    spec: list[_Guess] = []
+    for i, s in enumerate(seqs):
+        rd = s.round
+        if s.req.constraint is not None or any(t in s.stops for t in rd.drafts):
+            return None
+        n = len(rd.drafts)
+        left = s.req.max_new_tokens - len(s.out) - n - 1  # tokens still to come after a full accept
+        if left <= 0:
+            return None
+        P = rd.first_draft_pos + n  # position of the bonus (the next round's first verify token)
+        if not s.speculative:
+            ref = s.prompt + list(s.req.reference or ())  # a reference (testing hook) is the guess
+            g = ref[P] if P < len(ref) else prompt_lookup(s.history)
+            if g in s.stops:
+                return None
+            plain[i] = [g]
+            continue
+        if rd.h is None or s.slot.draft_kv is None:
+            return None
+        kn = max(s.opts.adaptive_floor, min(n + 1, s.opts.k)) if s.opts.adaptive else s.k_next
+        k2 = min(kn, left - 1)
+        if P + k2 + 1 > s.slot.draft_kv.capacity:
+            return None
+        spec.append(_Guess(s, n, P, k2))
+    if spec:
+        # the hidden predicting the bonus: the drafter stopped before k (p_min) -> it already
+        # has it; else one more chain step on the last draft
+        full = [g for g in spec if g.n == g.s.round.k]
+        if full:
+            _mtp_step(backend, full, [g.s.round.drafts[-1] for g in full])
+        rows = backend.draft_logits(torch.cat([g.h for g in spec]))
+        for g, row in zip(spec, rows):
+            s = g.s
+            g.bonus = _guess_bonus(s, row, s.history + s.round.drafts, g.n, g.P)
+            if g.bonus in s.stops:
+                return None
+            g.rd = _Round.scratch(g.k2, g.P + 1, s.round.drafts + [g.bonus])
+        active = [g for g in spec if g.k2 > 0]
+        if active:
+            _mtp_step(backend, active, [g.bonus for g in active])
+        j = 0
+        while active:
+            rows = backend.draft_logits(torch.cat([g.h for g in active]))
+            chain = [g for g, row in zip(active, rows) if _draft_one(g.s, g.rd, row, j) and j + 1 < g.k2]
+            if chain:
+                _mtp_step(backend, chain, [g.rd.drafts[-1] for g in chain])
+            active = chain
+            j += 1
+    by_seq = {id(g.s): [g.bonus] + g.rd.drafts for g in spec}
+    return [plain[i] if i in plain else by_seq[id(s)] for i, s in enumerate(seqs)]
+
+
+# ---------------------------------------------------------------------------------------
 # accept
 # ---------------------------------------------------------------------------------------
 def accept(seq: Sequence, rd: _Round, rows: torch.Tensor) -> tuple[int, int | None] | None:
@@ -270,9 +395,13 @@ def accept(seq: Sequence, rd: _Round, rows: torch.Tensor) -> tuple[int, int | No
 # ---------------------------------------------------------------------------------------
 # the round
 # ---------------------------------------------------------------------------------------
-def run_round(backend, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+def run_round(backend, seqs: list[Sequence], may_fork: bool = True) -> dict[Sequence, list[int]]:
     """One round for every sequence in `seqs` (each unfinished, prefilled). Returns the
-    tokens each sequence emitted; finished sequences have .reason set."""
+    tokens each sequence emitted; finished sequences have .reason set.
+
+    may_fork: the caller expects the same batch next round (no prefill in between); then a
+    backend that forks (the pipeline with --optimistic) gets a guess of the next round's
+    verify with this round's (next_round_guess)."""
     emitted: dict[Sequence, list[int]] = {}
     for s in seqs:
         remaining = s.req.max_new_tokens - len(s.out)
@@ -305,8 +434,11 @@ def run_round(backend, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
     if not verifying:
         return emitted
 
-    results = backend.verify([(s.cache, s.round.vtok, s.rollback.record if s.speculative else "none")
-                              for s in verifying])
+    items = [(s.cache, s.round.vtok, s.rollback.record if s.speculative else "none") for s in verifying]
+    if may_fork and len(verifying) == len(seqs) and getattr(backend, "forking", False):
+        results = backend.verify(items, guess=lambda: next_round_guess(backend, verifying))
+    else:
+        results = backend.verify(items)
     for s, (vpre, vpost, vlogits) in zip(verifying, results):
         rd = s.round
         rows = vlogits if s.pending is not None else torch.cat([s.last_logits, vlogits])

@@ -132,7 +132,10 @@ class Scheduler:
             batch = list(self.active)
             txn = {s: RoundTxn(s) for s in batch if s.req.keep}  # kept sequences: the round is a transaction
             try:
-                emitted = run_round(self.backend, batch)
+                # the optimistic fork (pipeline --optimistic) guesses the next round of this same
+                # batch: not worth it while a prefill or an admission comes first
+                may_fork = not self.prefilling and not (self.waiting and self.running < self.max_batch)
+                emitted = run_round(self.backend, batch, may_fork=may_fork)
             except Exception as e:  # a failed round ends its sequences, never the scheduler
                 for s in batch:
                     if s in txn:
@@ -146,6 +149,8 @@ class Scheduler:
                     s.req.on_tokens(s.req, toks)
                 if s.reason is not None or len(s.out) >= s.req.max_new_tokens:
                     self._finish(s, s.reason or "length")
+            if not self.has_work() and hasattr(self.backend, "settle"):
+                self.backend.settle()  # the pipeline throws away a fork of the round that ended the work
             worked = True
         return worked
 

@@ -26,7 +26,13 @@ One round = three graphs keyed by (nb, k): draft (fill + k chained MTP steps), v
 (nb x (k+1) rows), commit (accept per lane, roll the linear layers back to the accepted
 row, next fill).  Lanes may use fewer drafts than k (k_lane): their extra rows are
 computed and ignored, so a lane's result is the same as in a round of its own k.
-Greedy only for now; sampled lanes are served by the reference engine core.
+Sampled lanes (temperature, top-k, top-p, min-p; rejection or coupled mode) run in their
+own graphs of the same rounds, keyed by (sampled, ...): the drafter's and the target's
+rows become probabilities on the device and the accept test, residual and bonus draws use
+the counter-based RNG there (hyspec.gpu.sampling), at the positions the engine core uses,
+so no host step is added. Every per-row sampling op runs on fixed 16-row blocks (torch's
+GPU softmax / cumsum pick their kernel from the tensor's shape; a fixed shape keeps a
+lane's numbers independent of the batch). Penalties stay on the engine core's path.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import warnings
 import torch
 
 from hyspec.config import FULL, no_mtp_error
+from hyspec.gpu import sampling as dsamp
 from hyspec.gpu.decoder import GraphFallbackWarning, prefill_into
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import state_dtype
@@ -43,6 +50,48 @@ from hyspec.model.ops import StepCtx
 from hyspec.speculative.drafter import draft_vocab
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+SAMPLE_BLOCK = 16  # rows per sampling call (a fixed shape: batch invariance on the GPU)
+
+
+def _table_rows(table, lanes: int, per_lane: int = 1):
+    """A SamplingTable over the first `lanes` lanes, each repeated per_lane times (rows)."""
+    view = dsamp.SamplingTable.__new__(dsamp.SamplingTable)
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "seed", "coupled", "greedy"):
+        t = getattr(table, name)[:lanes]
+        setattr(view, name, t.repeat_interleave(per_lane) if per_lane > 1 else t)
+    view.batch = lanes * per_lane
+    return view
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
+
+
+def _blocked(fn, n: int, *rows_args):
+    """fn over row-aligned args in fixed SAMPLE_BLOCK-row calls (the last one padded with
+    copies of its first row); tensors concatenated back to n rows."""
+    outs = []
+    for s in range(0, n, SAMPLE_BLOCK):
+        e = min(n, s + SAMPLE_BLOCK)
+        args = [_pad_rows(a[s:e], SAMPLE_BLOCK) if isinstance(a, torch.Tensor) else _table_block(a, s, e)
+                for a in rows_args]
+        out = fn(*args)
+        outs.append(tuple(o[: e - s] for o in out) if isinstance(out, tuple) else out[: e - s])
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(x) for x in zip(*outs))
+    return torch.cat(outs)
+
+
+def _table_block(table, s: int, e: int):
+    view = dsamp.SamplingTable.__new__(dsamp.SamplingTable)
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "seed", "coupled", "greedy"):
+        setattr(view, name, _pad_rows(getattr(table, name)[s:e], SAMPLE_BLOCK))
+    view.batch = SAMPLE_BLOCK
+    return view
 
 
 def padded_size(n: int, sizes=BATCH_SIZES) -> int:
@@ -115,6 +164,7 @@ class BatchDecoder:
         self.pos = torch.zeros(S, **long)
         self.pending = torch.zeros(S, **long)
         self.k_lane = torch.zeros(S, **long)
+        self.spec_lane = torch.zeros(S, **long)  # 1: a speculative request (its k may be 0 in a round)
         self.live = torch.zeros(S, **long)
         self.fill_start = torch.zeros(S, **long)
         self.fill_m = torch.ones(S, **long)
@@ -127,6 +177,8 @@ class BatchDecoder:
         self.result = torch.zeros(S, 2 + k_max, **long)
         self.forced = torch.zeros(S, L * max(k_max, 1), **long)
         self.hidden = "post"
+        self.table = dsamp.SamplingTable(S, device=dev)  # per-lane sampling parameters
+        self.q = None  # [S, k_max, V] float64: the drafter's distributions (sampled rounds; made on first use)
 
         from hyspec.gpu.runner_triton import TritonRunner
 
@@ -186,7 +238,14 @@ class BatchDecoder:
         self.h_last[lane] = seed[P - 1]
         self.pending[lane] = pending
         self.k_lane[lane] = k
+        self.spec_lane[lane] = int(k > 0)
         self.live[lane] = 1
+
+    def set_params(self, lane: int, params) -> None:
+        """Lane's SamplingParams (None or greedy: argmax). Penalties are not on this path."""
+        if params is not None and params.has_penalties:
+            raise ValueError("penalties are not on the batched graph path (the engine core serves them)")
+        self.table.set(lane, params)
 
     def set_forced(self, lane: int, table: torch.Tensor | None) -> None:
         """table [capacity, k_max] (the forced drafter's token at (position, depth)) for lane."""
@@ -196,8 +255,10 @@ class BatchDecoder:
             self.forced[lane, :n].copy_(table.reshape(-1)[:n].to(self.dev))
 
     def _lane_tensors(self):
-        t = [self.pos, self.pending, self.k_lane, self.live, self.fill_start, self.fill_m, self.fill_tok, self.fill_h,
-             self.h_last, self.forced] + self.kv_k + self.kv_v
+        tb = self.table
+        t = [self.pos, self.pending, self.k_lane, self.spec_lane, self.live, self.fill_start, self.fill_m, self.fill_tok, self.fill_h,
+             self.h_last, self.forced, tb.temperature, tb.top_k, tb.top_p, tb.min_p, tb.repetition_penalty,
+             tb.frequency_penalty, tb.presence_penalty, tb.seed, tb.coupled, tb.greedy] + self.kv_k + self.kv_v
         if self.has_mtp:
             t += [self.dkv_k, self.dkv_v]
         return t
@@ -211,6 +272,7 @@ class BatchDecoder:
             t[dst].copy_(t[src])
         self.conv[:, dst].copy_(self.conv[:, src])
         self.ssm[:, dst].copy_(self.ssm[:, src])
+        self.table.params[dst] = self.table.params[src]
         self.free(src)
 
     def free(self, lane: int) -> None:
@@ -220,21 +282,33 @@ class BatchDecoder:
         self.fill_start[lane] = 0
         self.fill_m[lane] = 1
         self.k_lane[lane] = 0
+        self.spec_lane[lane] = 0
+        self.table.set(lane, None)
 
     # -- the round bodies (graph-captured) ---------------------------------------------
-    def _decode_body(self, nb: int) -> None:
-        """Plain greedy step for lanes 0..nb-1: pending -> target -> argmax -> pending."""
+    def _decode_body(self, nb: int, sampled: bool = False) -> None:
+        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
         run = self.runner
         _, post = run.target(self.pending[:nb], nb, self.pos, False, nb)
-        tok = run.logits(post).argmax(-1)
+        logits = run.logits(post)
+        if sampled:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
+            tbl = _table_rows(self.table, nb)
+            tok = _blocked(lambda lg, tb, ps: dsamp.plain_tokens(dsamp.probs_batch(lg, tb), tb, ps), nb,
+                           logits, tbl, self.pos[:nb] + 1)
+        else:
+            tok = logits.argmax(-1)
         self.result[:nb, 0].zero_()
         self.result[:nb, 1].copy_(tok)
         self.pending[:nb].copy_(tok)
         self.pos[:nb].add_(self.live[:nb])
 
-    def _draft_body(self, nb: int, k: int, forced: bool) -> None:
+    def _draft_body(self, nb: int, k: int, forced: bool, sampled: bool = False) -> None:
         if k == 0:
             return
+        if sampled and self.q is None:
+            self.q = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
+                                 dtype=torch.float64)
+        tbl = _table_rows(self.table, nb) if sampled else None
         run = self.runner
         R = self.lane_rows
         lanes = self.lane_ids[:nb]
@@ -243,10 +317,18 @@ class BatchDecoder:
         chain = self.fill_start + self.fill_m  # draft-KV row of the first chained step, per lane
         K = max(self.k_max, 1)
         for i in range(k):
-            d = run.draft_logits(hsel).argmax(-1)
+            logits = run.draft_logits(hsel)
+            if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
+                q, d = _blocked(lambda lg, tb, ps: _draft_sample(lg, tb, ps), nb, logits, tbl, self.pos[:nb] + 1 + i)
+            else:
+                d = logits.argmax(-1)
             if forced:
                 idx = (self.pos[:nb] + (1 + i)) * K + i
                 d = self.forced[:nb].gather(1, idx[:, None])[:, 0]
+                if sampled:  # a deterministic proposal: q is one-hot at it
+                    q = torch.zeros_like(q).scatter_(1, d[:, None], 1.0)
+            if sampled:
+                self.q[:nb, i].copy_(q)
             self.vtok[:nb, 1 + i].copy_(d)
             if i + 1 < k:
                 hsel = run.mtp(d, hsel, chain, i, nb)
@@ -258,17 +340,20 @@ class BatchDecoder:
         self.seed_buf[:nb, :t].copy_(seed.view(nb, t, -1))
         self.argmax[:nb, :t].copy_(self.runner.logits(post).argmax(-1).view(nb, t))
 
-    def _commit_body(self, nb: int, t: int) -> None:
+    def _commit_body(self, nb: int, t: int, sampled: bool = False) -> None:
         k = t - 1
         lanes = self.lane_ids[:nb]
         am = self.argmax[:nb, :t]
         vt = self.vtok[:nb, :t]
-        if k > 0:
-            match = (am[:, :k] == vt[:, 1:t]).to(torch.long)
-            n = torch.minimum(torch.cumprod(match, 1).sum(1), self.k_lane[:nb])
+        if sampled:
+            n, bonus = self._accept_sampled(nb, t)
         else:
-            n = torch.zeros(nb, device=self.dev, dtype=torch.long)
-        bonus = am[lanes, n]
+            if k > 0:
+                match = (am[:, :k] == vt[:, 1:t]).to(torch.long)
+                n = torch.minimum(torch.cumprod(match, 1).sum(1), self.k_lane[:nb])
+            else:
+                n = torch.zeros(nb, device=self.dev, dtype=torch.long)
+            bonus = am[lanes, n]
         j = n + 1
         # linear layers: state after row n; conv window = rows j..j+W-2 of cat(window, new rows)
         self.runner.commit_linear(n, t, nb)
@@ -292,18 +377,49 @@ class BatchDecoder:
         if k > 0:
             self.result[:nb, 2: 2 + k].copy_(vt[:, 1:t])
 
-    # -- launching ---------------------------------------------------------------------
-    def decode(self, nb: int) -> None:
-        self._run(("decode", nb), lambda: self._decode_body(nb))
+    def _accept_sampled(self, nb: int, t: int):
+        """(n accepted, next token) per lane from the verify logits (still in the runner's
+        logits buffer): target probabilities per row, then the rejection / coupled test
+        (hyspec.gpu.sampling.speculative_accept) at the first draft's position pos + 1;
+        plain lanes take their row-0 token as plain decoding does (stream PLAIN); a
+        speculative lane drafting nothing this round (its last token) draws it as the
+        bonus of an empty round, as the engine core does."""
+        k = t - 1
+        V = self.cfg.vocab_size
+        logits = self.runner.b.logits[: nb * t]
+        tbl_rows = _table_rows(self.table, nb, t)
+        p = _blocked(dsamp.probs_batch, nb * t, logits, tbl_rows).view(nb, t, V)
+        tbl = _table_rows(self.table, nb)
+        pos1 = self.pos[:nb] + 1
+        kl = self.k_lane[:nb]
+        if k > 0:
+            q = self.q[:nb, :k]
+            n, nxt = _blocked(lambda pp, qq, dd, tb, ps, kk: dsamp.speculative_accept(pp, qq, dd, tb, ps, kk), nb,
+                              p, q, self.vtok[:nb, 1:t], tbl, pos1, kl)
+        else:
+            n = torch.zeros(nb, device=self.dev, dtype=torch.long)
+            nxt = torch.zeros(nb, device=self.dev, dtype=torch.long)
+        plain = _blocked(dsamp.plain_tokens, nb, p[:, 0], tbl, pos1)
+        if k == 0:
+            nxt = _blocked(lambda pp, tb, ps: dsamp.speculative_accept(pp, pp[:, :0], pp.new_zeros(pp.shape[0], 0,
+                                                                                               dtype=torch.long),
+                                                                       tb, ps, torch.zeros_like(ps))[1],
+                           nb, p, tbl, pos1)
+        return n, torch.where(self.spec_lane[:nb] == 0, plain, nxt)
 
-    def round(self, nb: int, k: int, forced: bool = False) -> None:
-        """One speculative round (k drafts; lanes with k_lane < k use fewer) for lanes 0..nb-1."""
+    # -- launching ---------------------------------------------------------------------
+    def decode(self, nb: int, sampled: bool = False) -> None:
+        self._run(("decode", nb, sampled), lambda: self._decode_body(nb, sampled))
+
+    def round(self, nb: int, k: int, forced: bool = False, sampled: bool = False) -> None:
+        """One speculative round (k drafts; lanes with k_lane < k use fewer) for lanes
+        0..nb-1; sampled: some lane samples (the graphs with sampling on the device)."""
         if k > self.k_max:
             raise ValueError(f"k={k} > k_max {self.k_max}")
         if k > 0:
-            self._run(("draft", nb, k, forced), lambda: self._draft_body(nb, k, forced))
+            self._run(("draft", nb, k, forced, sampled), lambda: self._draft_body(nb, k, forced, sampled))
         self._run(("verify", nb, k + 1), lambda: self._verify_body(nb, k + 1))
-        self._run(("commit", nb, k + 1), lambda: self._commit_body(nb, k + 1))
+        self._run(("commit", nb, k + 1, sampled), lambda: self._commit_body(nb, k + 1, sampled))
 
     def _mutable(self):
         return [self.pos, self.pending, self.fill_start, self.fill_m, self.fill_tok, self.fill_h, self.h_last,
@@ -355,23 +471,30 @@ class BatchDecoder:
         self._graphs[key] = g
         return g
 
-    def capture(self, sizes, ks, forced=(False,), decode=True) -> None:
+    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,)) -> None:
         """Capture the graphs of these batch sizes and draft counts ahead of time."""
         if not self.graphs:
             return
         for nb in sizes:
-            if decode:
-                self._ensure(("decode", nb), lambda nb=nb: self._decode_body(nb))
-            for k in ks:
-                for f in forced:
-                    if k > 0:
-                        self._ensure(("draft", nb, k, f), lambda nb=nb, k=k, f=f: self._draft_body(nb, k, f))
-                self._ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
-                self._ensure(("commit", nb, k + 1), lambda nb=nb, k=k: self._commit_body(nb, k + 1))
+            for sm in sampled:
+                if decode:
+                    self._ensure(("decode", nb, sm), lambda nb=nb, sm=sm: self._decode_body(nb, sm))
+                for k in ks:
+                    for f in forced:
+                        if k > 0:
+                            self._ensure(("draft", nb, k, f, sm),
+                                         lambda nb=nb, k=k, f=f, sm=sm: self._draft_body(nb, k, f, sm))
+                    self._ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
+                    self._ensure(("commit", nb, k + 1, sm), lambda nb=nb, k=k, sm=sm: self._commit_body(nb, k + 1, sm))
 
     def _ensure(self, key, fn) -> None:
         if self.graphs and not self._graph_failed and key not in self._graphs:
             self._capture(key, fn)
+
+
+def _draft_sample(logits, tbl, positions):
+    q = dsamp.probs_batch(logits, tbl)
+    return q, dsamp.draft_tokens(q, tbl, positions)
 
 
 BatchDecoder._fla_fail = __import__("hyspec.gpu.decoder", fromlist=["FastDecoder"]).FastDecoder._fla_fail

@@ -30,8 +30,9 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     t0 = time.perf_counter()
     dec = BatchDecoder(model, max_len, k, slots)
     sizes = sorted({s for s in dec.sizes if s <= slots})
-    dec.capture(sizes, [k], forced=(False, True))
-    torch.cuda.synchronize(dev)
+    dec.capture(sizes, [k], forced=(False, True), sampled=(False, True))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     out = {"backend": "cuda-graphs", "slots": slots, "max_len": max_len, "lane_bytes": dec.slot_bytes(),
            "graph_pool_bytes": dec.graph_bytes, "graphs": len(dec._graphs), "graphs_ok": not dec._graph_failed,
            "setup_s": time.perf_counter() - t0, "runs": {}}
@@ -56,12 +57,55 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     base = out["runs"][min(batches)]["plain_tok_s"]
     for row in out["runs"].values():
         row["plain_vs_B1"] = row["plain_tok_s"] / base
+    try:
+        out["sampled"] = sampled_speed(dec, prompts, [b for b in (1, 16) if b in batches] or [min(batches)],
+                                       new_tokens, k, rates, log)
+    except Exception as e:  # noqa: BLE001 - record and go on
+        out["errors"] = {"sampled": f"{type(e).__name__}: {e}"}
+        log(f"!! sampled speed failed: {e}")
     if inv_prompts > 0:
-        out["invariance"] = invariance(dec, model, inv_prompts, inv_tokens, inv_batch, k, prompt_len, g, log)
+        try:
+            out["invariance"] = invariance(dec, model, inv_prompts, inv_tokens, inv_batch, k, prompt_len, g, log)
+        except Exception as e:  # noqa: BLE001
+            out.setdefault("errors", {})["invariance"] = f"{type(e).__name__}: {e}"
+            log(f"!! invariance failed: {e}")
     out["targets"] = _targets(out, k)
     for name, t in out["targets"].items():
         log(f"  {name}: {t['value']} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
     return out
+
+
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log) -> dict:
+    """Sampled (T=0.8, top-p 0.95, coupled mode, per-request seeds) vs greedy on the same
+    prompts: plain, and speculative with the forced drafter proposing each run's own plain
+    output (coupled speculative output equals plain output, so both see the forced
+    profile's acceptance)."""
+    from hyspec.sampling import SamplingParams
+
+    res = {}
+    for B in batches:
+        ps = [SamplingParams(seed=i, mode="coupled", **SAMPLED) for i in range(B)]
+        greedy = [LaneRequest(prompt=p, max_new_tokens=new_tokens) for p in prompts[:B]]
+        tg = run_batch(dec, greedy, max_batch=B)["round_tok_s"]
+        gs = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, reference=r.tokens) for p, r in zip(prompts, greedy)]
+        tgs = run_batch(dec, gs, max_batch=B, forced_rates=rates)["round_tok_s"]
+        sp = [LaneRequest(prompt=p, max_new_tokens=new_tokens, params=q) for p, q in zip(prompts, ps)]
+        tsp = run_batch(dec, sp, max_batch=B)["round_tok_s"]
+        ss = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, params=q, reference=r.tokens)
+              for p, q, r in zip(prompts, ps, sp)]
+        tss = run_batch(dec, ss, max_batch=B, forced_rates=rates)["round_tok_s"]
+        acc_g = sum(r.accepted for r in gs) / max(1, sum(r.rounds for r in gs))
+        acc_s = sum(r.accepted for r in ss) / max(1, sum(r.rounds for r in ss))
+        res[B] = {"greedy_plain_tok_s": tg, "sampled_plain_tok_s": tsp, "greedy_spec_tok_s": tgs,
+                  "sampled_spec_tok_s": tss, "sampled_vs_greedy_spec": tss / tgs, "sampled_vs_greedy_plain": tsp / tg,
+                  "accepted_per_round_greedy": acc_g, "accepted_per_round_sampled": acc_s,
+                  "sampled_spec_equals_sampled_plain": all(a.tokens == b.tokens for a, b in zip(ss, sp))}
+        log(f"B={B:>3} sampled (T=0.8, top-p 0.95): plain {tsp:9.1f} tok/s (greedy {tg:9.1f}), forced K={k} "
+            f"{tss:9.1f} tok/s (greedy {tgs:9.1f}; x{tss / tgs:.2f}; accepted/round {acc_s:.2f} vs {acc_g:.2f})")
+    return res
 
 
 def invariance(dec, model, n_prompts, n_tokens, batch, k, prompt_len, g, log) -> dict:
@@ -70,25 +114,36 @@ def invariance(dec, model, n_prompts, n_tokens, batch, k, prompt_len, g, log) ->
     V = model.cfg.vocab_size
     lens = torch.randint(max(1, prompt_len // 8), max(prompt_len, 2) + 1, (n_prompts,), generator=g).tolist()
     prompts = [torch.randint(0, V, (L,), generator=g).tolist() for L in lens]
+    from hyspec.sampling import SamplingParams
+
     res = {"prompts": n_prompts, "tokens": n_tokens, "batch": batch}
-    for name, kk in (("plain", 0), (f"k{k}", k)):
+    n_s, t_s = max(1, n_prompts // 4), max(1, n_tokens * 2 // 5)  # sampled: a quarter of the prompts, 2/5 the tokens
+    for name, kk, sampled in (("plain", 0, False), (f"k{k}", k, False), ("sampled_plain", 0, True),
+                              (f"sampled_k{k}", k, True)):
+        ps = prompts[:n_s] if sampled else prompts
+        nt = t_s if sampled else n_tokens
+
+        def par(i):
+            return SamplingParams(seed=1000 + i, mode="coupled" if i % 2 else "rejection", **SAMPLED) if sampled else None
+
         t0 = time.perf_counter()
         alone = []
-        for p in prompts:
-            r = LaneRequest(prompt=p, max_new_tokens=n_tokens, k=kk)
+        for i, p in enumerate(ps):
+            r = LaneRequest(prompt=p, max_new_tokens=nt, k=kk, params=par(i))
             run_batch(dec, [r], max_batch=1)
             alone.append(r.tokens)
         t_alone = time.perf_counter() - t0
-        # arrivals: four at a time every 7 rounds; lengths and k as above
-        reqs = [LaneRequest(prompt=p, max_new_tokens=n_tokens, k=kk, arrival=7 * (i // 4)) for i, p in enumerate(prompts)]
+        # arrivals: four at a time every 7 rounds; mixed prompt lengths
+        reqs = [LaneRequest(prompt=p, max_new_tokens=nt, k=kk, params=par(i), arrival=7 * (i // 4))
+                for i, p in enumerate(ps)]
         t0 = time.perf_counter()
         run_batch(dec, reqs, max_batch=batch)
         t_batch = time.perf_counter() - t0
         equal = sum(r.tokens == a for r, a in zip(reqs, alone))
-        res[name] = {"equal": equal, "all_equal": equal == n_prompts, "alone_s": t_alone, "batched_s": t_batch}
-        log(f"invariance {name}: {equal}/{n_prompts} sequences bitwise equal alone vs batched "
-            f"({n_prompts} x {n_tokens} tokens; alone {t_alone:.1f} s, batched {t_batch:.1f} s)")
-    res["sampled"] = "not run: sampled requests are not on the batched graph path yet"
+        res[name] = {"equal": equal, "all_equal": equal == len(ps), "prompts": len(ps), "tokens": nt,
+                     "alone_s": t_alone, "batched_s": t_batch}
+        log(f"invariance {name}: {equal}/{len(ps)} sequences bitwise equal alone vs batched "
+            f"({len(ps)} x {nt} tokens; alone {t_alone:.1f} s, batched {t_batch:.1f} s)")
     return res
 
 
@@ -108,6 +163,12 @@ def _targets(out, k) -> dict:
     if inv:
         ok = all(inv[x]["all_equal"] for x in ("plain", f"k{k}"))
         t["batch_invariance_greedy"] = {"value": ok, "target": True, "met": ok}
+        ok = all(inv[x]["all_equal"] for x in ("sampled_plain", f"sampled_k{k}"))
+        t["batch_invariance_seeded_sampling"] = {"value": ok, "target": True, "met": ok}
+    smp = out.get("sampled", {})
+    for B, row in smp.items():
+        v = row["sampled_vs_greedy_spec"]
+        t[f"sampled_vs_greedy_spec_B{B}"] = {"value": round(v, 2), "target": 0.9, "met": v >= 0.9}
     return t
 
 

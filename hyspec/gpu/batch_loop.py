@@ -3,8 +3,9 @@ a stop id or their token limit, and every round runs the active lanes in one cap
 graph set.  The host reads one small tensor per round (accepted count, bonus, drafts per
 lane) and does the bookkeeping: emit, stop, compaction of the lanes.
 
-Greedy requests only (plain k = 0, or speculative k >= 1, mixed freely in one batch):
-a request's tokens equal those of the same request decoded alone, bitwise.
+Greedy and sampled requests (plain k = 0, or speculative k >= 1, mixed freely in one
+batch; sampling without penalties): a request's tokens equal those of the same request
+decoded alone, bitwise.
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ class LaneRequest:
     arrival: int = 0  # the first round at which this request may join (staggered arrivals in benches)
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: the tokens each round emits
     telemetry: Any = None  # a SpecTelemetry recording this request's rounds
+    params: Any = None  # SamplingParams (None: greedy)
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
+    k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -53,6 +56,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
     """Decode every request to its end; returns timing stats (prefill and rounds apart).
     pipeline: queue the next round before reading the current one's result when no lane
     can finish by its token limit and nobody is due to join."""
+    from hyspec.core.round import choose_token
     from hyspec.gpu.generate import forced_table
 
     cap = min(max_batch or dec.slots, dec.slots)
@@ -85,12 +89,17 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                 continue
             lane = len(active)
             pre, post, logits = dec.prefill(lane, r.prompt)
-            first = int(torch.argmax(logits[0]))
+            if r.params is None or r.params.greedy:
+                first = int(torch.argmax(logits[0]))
+            else:  # the token at position P, as the engine core chooses it
+                first = choose_token(logits[0], r.prompt, r.params, len(r.prompt))
+            dec.set_params(lane, r.params)
             r.emit([first])
             if r.reason is not None:
                 dec.free(lane)
                 continue
             dec.start(lane, r.prompt, pre, post, first, r.k)
+            r.k_now = r.k
             if forced and r.k > 0:
                 dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(forced_rates),
                                                   forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
@@ -99,12 +108,20 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
         st["prefill_s"] += time.perf_counter() - t0
 
     def launch():
+        # a lane drafts at most remaining - 1 (the engine core's rule: a round never decides
+        # positions past the limit, which keeps sampled output equal to the core's)
+        for i, r in enumerate(active):
+            k_eff = max(0, min(r.k, r.max_new_tokens - len(r.tokens) - 1))
+            if k_eff != r.k_now:
+                dec.k_lane[i] = k_eff
+                r.k_now = k_eff
         nb = padded_size(len(active), dec.sizes)
         k = max(r.k for r in active)
+        sampled = any(r.params is not None and not r.params.greedy for r in active)
         if k == 0:
-            dec.decode(nb)
+            dec.decode(nb, sampled)
         else:
-            dec.round(nb, k, forced)
+            dec.round(nb, k, forced, sampled)
         st["round"] += 1
         b = st["buf"]
         st["buf"] ^= 1
@@ -127,10 +144,10 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
             r, row = active[i], rows[i]
             n, bonus = row[0], row[1]
             r.rounds += 1
-            r.drafted += r.k
+            r.drafted += r.k_now
             r.accepted += n
             if r.telemetry is not None and r.k > 0:
-                r.telemetry.record_round(r.k, n)
+                r.telemetry.record_round(r.k_now, n)
             before = len(r.tokens)
             r.emit(row[2: 2 + n] + [bonus])
             st["tokens"] += len(r.tokens) - before
@@ -143,7 +160,8 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
             return False
         if order and len(active) < cap and requests[order[0]].arrival <= st["round"]:
             return False
-        return all(r.max_new_tokens - len(r.tokens) > k + 1 for r in active)
+        # (with >= 2k + 2 left before this round, every lane still drafts its full k in the next)
+        return all(r.max_new_tokens - len(r.tokens) >= 2 * (k + 1) for r in active)
 
     t_rounds = 0.0
     inflight = None
@@ -184,16 +202,16 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
 # the engine's entry: hyspec.core.request.Request objects on the graph path
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
-    """None when every request can run on the BatchDecoder (greedy, no penalties, no
-    constraint / logprobs / session state, fixed k with the post-norm hidden, one forced
-    profile); else the reason it cannot (the engine core's reference path serves it)."""
+    """None when every request can run on the BatchDecoder (greedy or sampled without
+    penalties, no constraint / logprobs / session state, fixed k with the post-norm
+    hidden, one forced profile); else the reason it cannot (the engine core serves it)."""
     forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
               for r in reqs if r.draft > 0}
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
-        if not r.params.greedy or r.params.has_penalties:
-            return "a sampled request"
+        if r.params.has_penalties:
+            return "a request with penalties"
         if r.constraint is not None or r.logprobs is not None:
             return "a constraint or logprobs"
         if r.keep or r.resume is not None or r.store_state:
@@ -217,7 +235,7 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
             r.telemetry = SpecTelemetry()
         lanes.append(LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
                                  stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb,
-                                 telemetry=r.telemetry if r.draft > 0 else None))
+                                 telemetry=r.telemetry if r.draft > 0 else None, params=r.params))
     t0 = time.perf_counter()
     stats = run_batch(dec, lanes, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
                       forced_seed=forced.forced_seed if forced else 0)

@@ -1,5 +1,5 @@
 """`hyspec bench --pp N`: pipeline stages against one process, and the bubble with and
-without two-session lanes.
+without two-session lanes (or, with --optimistic, with and without the optimistic fork).
 
 For each mode the same batch of requests runs to the end: one process (no pipeline),
 --pp N with one batch, --pp N with --lanes 2. Reported per mode: generated tokens per
@@ -8,6 +8,13 @@ with nothing to do (blocked waiting for the other stage; for the driver: every l
 waiting). Tokens are checked equal across the modes. On the CPU with gloo the numbers only
 show the mechanism (tiny layers, Python overhead, processes share cores); the GPU command
 is in docs/multi-gpu.md.
+
+With --optimistic: --batch single requests run one after the other (a fork is worth
+most with one sequence: the guess must hold for the whole batch), each mode on the same
+prompts: one process, --pp N, --pp N --optimistic; once per drafter setting
+(--forced-rates, repeatable; "mtp" = the checkpoint's MTP head). Reported besides tok/s
+and the bubble: forks, hits, wasted rows, and the workers' seconds of fork work (all /
+thrown away). Every results file records the git commit and dirty flag.
 
 Ranks: started here with torch.multiprocessing on 127.0.0.1 (hyspec/parallel/local.py),
 so this command is not for torchrun.
@@ -48,6 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--optimistic", action="store_true",
+                    help="compare --pp N with and without the optimistic fork instead of lanes (single requests)")
+    ap.add_argument("--forced-rates", action="append", default=None,
+                    help="with --optimistic: a drafter setting to run, repeatable: comma-separated forced-acceptance "
+                         "rates by depth, or 'mtp' (default: mtp)")
     args = ap.parse_args([a for a in (argv if argv is not None else sys.argv[1:])])
 
     import torch
@@ -78,6 +90,12 @@ def main(argv=None) -> int:
           f"{[f'{r.start}..{r.stop - 1}' for r in ranges]}, batch {args.batch}, K={args.draft}, "
           f"{args.new_tokens} new tokens, device {args.device}", file=sys.stderr)
 
+    if args.optimistic:
+        try:
+            return _fork_bench(args, path, cfg, prompts, ranges)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
     rows = []
     eng = Engine(load_model(path, dtype=args.dtype, device=args.device))
     run_job(eng, warm)
@@ -103,4 +121,69 @@ def main(argv=None) -> int:
                                               "rows": rows}, indent=1))
     if tmp is not None:
         tmp.cleanup()
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+def _fork_bench(args, path, cfg, prompts, ranges) -> int:
+    """--optimistic: one process vs --pp N vs --pp N --optimistic, single requests in turn,
+    per drafter setting."""
+    import platform
+
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.parallel.local import run_job, run_jobs
+    from hyspec.provenance import git_state
+    from hyspec.speculative.loop import SpecOptions
+
+    settings = args.forced_rates or ["mtp"]
+    eng = Engine(load_model(path, dtype=args.dtype, device=args.device))
+    # the reference continuations (the forced drafter's, and the tokens every mode must give)
+    refs = [run_job(eng, ("generate", {"prompt": p, "max_new_tokens": args.new_tokens + args.draft + 1,
+                                       "ignore_eos": True}))[0] for p in prompts]
+    n_tok = len(prompts) * args.new_tokens
+    rows = []
+    for setting in settings:
+        spec = None if setting == "mtp" or args.draft == 0 else \
+            SpecOptions(forced_rates=tuple(float(x) for x in setting.split(",")))
+        gen = [("generate", {"prompt": p, "max_new_tokens": args.new_tokens, "draft": args.draft, "spec": spec,
+                             "reference": r, "ignore_eos": True}) for p, r in zip(prompts, refs)]
+        warm = ("generate", {**gen[0][1], "max_new_tokens": 4})
+        run_job(eng, warm)
+        t0 = time.perf_counter()
+        base = [run_job(eng, j) for j in gen]
+        wall = time.perf_counter() - t0
+        rows.append({"drafter": setting, "mode": "1 process", "wall_s": wall, "tok_s": n_tok / wall,
+                     "bubble": None, "same_tokens": True})
+        for opt in (False, True):
+            jobs = [warm, ("mark", {})] + [(k, {**kw, "optimistic": opt}) for k, kw in gen] + [("fork_stats", {})]
+            res, st = run_jobs(path, jobs, world=args.pp, dtype=args.dtype, device=args.device,
+                               threads=args.threads, with_stats=True)
+            d = st["driver"]
+            bub = [w["wait_s"] / w["wall_s"] for w in st["workers"]] + [d["wait_s"] / d["wall_s"]]
+            fw = [w["fork"] for w in st["workers"]]
+            row = {"drafter": setting, "mode": f"--pp {args.pp}" + (" --optimistic" if opt else ""),
+                   "wall_s": d["wall_s"], "tok_s": n_tok / d["wall_s"], "bubble": bub,
+                   # idle or thrown-away share of each worker's time (the fork's wasted work counts as bubble)
+                   "bubble_or_wasted": [(w["wait_s"] + f["wasted_s"]) / w["wall_s"] for w, f in
+                                        zip(st["workers"], fw)],
+                   "same_tokens": res[2:2 + len(gen)] == base, "stats": st}
+            if opt:
+                row["fork"] = res[-1]
+                row["worker_fork"] = fw
+            rows.append(row)
+    print(f"{'drafter':<18} {'mode':<22} {'tok/s':>7} {'wall s':>7}  {'bubble per stage':<22} "
+          f"{'fork: hits/forks  wasted rows  worker fork s (wasted)':<52} same")
+    for r in rows:
+        b = "-" if r["bubble"] is None else " ".join(f"s{i} {x:4.0%}" for i, x in enumerate(r["bubble"]))
+        f = ""
+        if "fork" in r:
+            t, w = r["fork"], r["worker_fork"][0]
+            f = (f"{t['hits']}/{t['forks']} ({t['hit_rate']:.0%})  {t['wasted_rows']}/{t['forked_rows']}  "
+                 f"{w['fork_s']:.2f} ({w['wasted_s']:.2f})")
+        print(f"{r['drafter']:<18} {r['mode']:<22} {r['tok_s']:7.1f} {r['wall_s']:7.2f}  {b:<22} {f:<52} "
+              f"{r['same_tokens']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "args": vars(args), "stages": [[r.start, r.stop] for r in ranges], "rows": rows, "git": git_state(),
+            "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()}}, indent=1))
     return 0 if all(r["same_tokens"] for r in rows) else 1

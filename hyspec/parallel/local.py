@@ -4,7 +4,9 @@
 
 Every job runs on the driver rank's Engine (PipelineBackend); a job is
 ("generate", kwargs) -> the samples' token lists, ("generate_batch", kwargs) -> one token
-list per prompt, ("stats", {}) -> the driver's and workers' timing counters.
+list per prompt, ("mark", {}) -> starts the timing counters, ("fork_stats", {}) -> the driver's
+optimistic-fork telemetry since the last such job (hyspec/parallel/fork.py). A generate job's
+"lanes" and "optimistic" keys set Engine.lanes / Engine.optimistic for it.
 Processes: torch.multiprocessing (spawn), gloo on CPU / NCCL on CUDA, 127.0.0.1 and a free port.
 """
 
@@ -33,8 +35,13 @@ def run_job(eng, job):
         if eng.backend is not None:
             eng.backend.driver.mark()
         return None
+    if kind == "fork_stats":  # the driver's optimistic-fork telemetry since the last call (then reset)
+        if eng.backend is None:
+            return None
+        return eng.backend.driver.fork_stats(reset=kw.get("reset", True))
     kw = _params(kw)
     eng.lanes = kw.pop("lanes", 1)
+    eng.optimistic = kw.pop("optimistic", False)
     if kind == "generate":
         return [s.tokens for s in eng.generate(**kw).samples]
     if kind == "generate_batch":
@@ -62,8 +69,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, dtype: str, device: 
             w = Worker(model, link)
             w.run()
             wall = time.perf_counter() - w.t_mark
-            link.send_obj({"busy_s": w.busy_s, "wait_s": link.wait_s, "wall_s": wall, "forwards": w.forwards},
-                          world - 1)
+            link.send_obj({"busy_s": w.busy_s, "wait_s": link.wait_s, "wall_s": wall, "forwards": w.forwards,
+                           "fork": dict(w.fork_counts)}, world - 1)
             return
         parallel.ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
         eng = parallel.active_engine(path, dtype=dtype, device=device)
@@ -77,7 +84,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, dtype: str, device: 
         wall = time.perf_counter() - driver.t_mark
         driver.stop()
         stats = {"driver": {"compute_s": driver.compute_s, "wait_s": link.wait_s, "wall_s": wall,
-                            "forwards": driver.forwards},
+                            "forwards": driver.forwards, "fork": driver.fork_stats()},
                  "workers": [link.recv_obj(r) for r in range(world - 1)]}
         with open(out_file, "wb") as f:
             pickle.dump({"results": results, "error": error, "stats": stats}, f)

@@ -27,6 +27,15 @@ Protocol per target forward (driver D = world-1, workers 0..D-1):
     D: status + residual from D-1, its layers, final norm (-> logits, accept, commit)
 A worker error travels down the chain as status 1 plus the message; the driver raises it.
 At the end D sends {"stop": True, "result": (stdout, stderr, rc)} to every worker.
+
+Optimistic fork (--optimistic, hyspec/parallel/fork.py): once a verify's reply is in, D may
+send {fork: fwd} -- the next round's forward on a guess. Each worker puts aside what the
+forward changes in the forked caches and runs it (worker r passes its rows to r+1 as
+usual; the last worker keeps its output). The next command D sends carries fork_res:
+"hit" (it is the forked forward: the workers apply its cache ops to the put-aside state,
+put the forked state back, and the last worker sends the kept rows) or "miss" (every
+worker restores the put-aside state, then serves the command as usual). {"settle": True}
+throws a fork away when the scheduler runs out of work.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ from hyspec.cache import HybridCache
 from hyspec.core.backend import ReferenceBackend
 from hyspec.model.hybrid import HybridLM, check_batch
 from hyspec.model.ops import StepCtx
+from hyspec.parallel.fork import (ForkController, ForkTelemetry, PendingFork, capture, fork_fwd, install, is_hit,
+                                  same_state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,6 +234,11 @@ class Driver:
         self.forwards = 0
         self.compute_s = 0.0
         self.t_mark = time.perf_counter()
+        # optimistic fork (hyspec/parallel/fork.py): off unless asked for; one lane only
+        self.optimistic = False
+        self.fork: PendingFork | None = None
+        self.fork_ctl = ForkController()
+        self.fork_tel = ForkTelemetry()
         model.cache_factory = lambda max_len: PipelineCache(model.cfg, max_len, model.device, model.dtype,
                                                             model.stage_layers, self)
         model.forward_batch = self.forward_batch  # instance attribute: shadows the class method
@@ -240,22 +256,35 @@ class Driver:
         """The calling lane's queued cache operations (each cache belongs to one lane)."""
         return self._ops.setdefault(self.lane, [])
 
+    @property
+    def forking(self) -> bool:
+        """Whether a verify may fork now: --optimistic, and one lane (the lanes already keep
+        stage 0 busy with the other lane's rows)."""
+        return self.optimistic and self.link.lanes == 1
+
     def forward_batch(self, ids, ctxs: list[StepCtx], caches: list, sizes: list[int], *, layers=None, x=None):
         if layers is not None or x is not None:
             raise ValueError("a pipelined model runs whole forwards only")
         check_batch(ctxs, caches, sizes)
         lane = self.lane
         N = int(sum(sizes))
+        guess, self._local.guess = getattr(self._local, "guess", None), None
         fwd = {"ids": ids.tolist(), "sizes": list(sizes),
                "seqs": [(None if c is None else c.uid, 0 if c is None else c.max_len, ctx.start, ctx.exact, ctx.record,
                          ctx.chunked) for ctx, c in zip(ctxs, caches)]}
         msg = {"ops": self.ops, "fwd": fwd, "lane": lane}
         self._ops[lane] = []
         with self._send:
+            if self.fork is not None:  # the fork in flight: this command uses it or throws it away
+                msg["fork_res"] = self._resolve_fork(fwd, msg["ops"])
             ticket = self._next_ticket
             self._next_ticket += 1
             for r in range(self.link.world - 1):
                 self.link.send_obj(msg, r)
+        # the guess of the next round is made while stage 0 works on this one; it is sent
+        # once this command's reply is in (a blocking send now would wait on a worker that
+        # is itself blocked sending its reply to this rank)
+        nxt = self._fork_guess(fwd, guess) if guess is not None else None
         m = self.model
         self.link._wait_begin()
         try:
@@ -270,22 +299,106 @@ class Driver:
             with self._turn:
                 self._serving += 1
                 self._turn.notify_all()
+        if nxt is not None:
+            self._fork_send(nxt, lane)
         t0 = time.perf_counter()
         out = HybridLM.forward_batch(m, None, ctxs, caches, sizes, layers=m.stage_layers, x=h)
         self.compute_s += time.perf_counter() - t0
         self.forwards += 1
         return out
 
+    # -- the optimistic fork (hyspec/parallel/fork.py) ----------------------------------
+    def _fork_guess(self, fwd: dict, guess) -> dict | None:
+        """Right after sending a verify command: the forward command of the next round on
+        the guess (the driver's MTP steps overlap stage 0's work on this round), or None
+        (the controller pauses forking, or there is no guess)."""
+        tel = self.fork_tel
+        if not self.fork_ctl.allow():
+            tel.paused += 1
+            tel.event("p")
+            return None
+        t0 = time.perf_counter()
+        try:
+            guesses = guess()
+        except Exception as e:  # a guess must never break a round: forking stops, loudly
+            import sys
+            print(f"[optimistic fork disabled: the guess failed: {type(e).__name__}: {e}]", file=sys.stderr)
+            self.optimistic = False
+            guesses = None
+        tel.guess_s += time.perf_counter() - t0
+        nxt = fork_fwd(fwd, guesses) if guesses is not None else None
+        if nxt is None:
+            tel.no_guess += 1
+            tel.event(".")
+        return nxt
+
+    def _fork_send(self, nxt: dict, lane: int) -> None:
+        """Have the stages run the guessed forward now (they are done with this round's)."""
+        tel = self.fork_tel
+        with self._send:
+            for r in range(self.link.world - 1):
+                self.link.send_obj({"fork": nxt, "lane": lane}, r)
+            self.fork = PendingFork(nxt, len(nxt["ids"]))
+        tel.forks += 1
+        tel.forked_rows += self.fork.rows
+
+    def _resolve_fork(self, fwd: dict | None, ops: list) -> str:
+        """Hit or miss of the fork in flight against the command about to be sent (None: a
+        mark or stop, which throws it away). Caller holds the send lock."""
+        f, self.fork = self.fork, None
+        tel = self.fork_tel
+        if fwd is None:
+            tel.dropped += 1
+            tel.wasted_rows += f.rows
+            tel.event("d")
+            return "miss"
+        hit = is_hit(f, fwd, ops)
+        if hit:
+            tel.hits += 1
+            tel.hit_rows += f.rows
+        else:
+            tel.misses += 1
+            tel.wasted_rows += f.rows
+        tel.event("h" if hit else "m")
+        if self.fork_ctl.resolve(hit):
+            tel.trips += 1
+        return "hit" if hit else "miss"
+
+    def settle(self) -> None:
+        """The run is over: throw away a fork still in flight (the stages roll it back now,
+        not at the next run's first command). Its rows count as wasted ("dropped")."""
+        with self._send:
+            if self.fork is None:
+                return
+            msg = {"settle": True, "fork_res": self._resolve_fork(None, [])}
+            for r in range(self.link.world - 1):
+                self.link.send_obj(msg, r)
+
+    def fork_stats(self, reset: bool = False) -> dict:
+        """The fork telemetry (ForkTelemetry.to_dict + "enabled"); reset: start the
+        counters and the controller afresh after reading them."""
+        d = self.fork_tel.to_dict()
+        d["enabled"] = self.optimistic
+        if reset:
+            self.fork_ctl, self.fork_tel = ForkController(), ForkTelemetry()
+        return d
+
     def mark(self) -> None:
         """Start the timing counters here, on every rank (the bench calls it after warm-up)."""
         with self._send:
+            msg = {"mark": True}
+            if self.fork is not None:
+                msg["fork_res"] = self._resolve_fork(None, [])
             for r in range(self.link.world - 1):
-                self.link.send_obj({"mark": True}, r)
+                self.link.send_obj(msg, r)
         self.link.wait_s, self.compute_s, self.forwards = 0.0, 0.0, 0
+        self.fork_ctl, self.fork_tel = ForkController(), ForkTelemetry()
         self.t_mark = time.perf_counter()
 
     def stop(self, result=None) -> None:
         with self._send:
+            if self.fork is not None:
+                self._resolve_fork(None, [])
             for r in range(self.link.world - 1):
                 self.link.send_obj({"stop": True, "result": result if r == 0 else None}, r)
 
@@ -302,6 +415,25 @@ class PipelineBackend(ReferenceBackend):
             raise ValueError("the pipeline driver runs on the last stage")
         self.driver = Driver(model, link)
         super().__init__(model)
+
+    @property
+    def forking(self) -> bool:
+        """Whether the round driver should offer a guess of the next round (--optimistic)."""
+        return self.driver.forking
+
+    def settle(self) -> None:
+        """No more rounds for now: a fork still in flight is thrown away (Driver.settle)."""
+        self.driver.settle()
+
+    def verify(self, items: list[tuple], guess=None) -> list[tuple]:
+        """ReferenceBackend.verify; with `guess` (a callable returning the next round's
+        tokens per sequence, hyspec/core/round.py next_round_guess) the stages fork the
+        next round's verify on it while this one resolves (hyspec/parallel/fork.py)."""
+        self.driver._local.guess = guess if self.driver.forking else None
+        try:
+            return super().verify(items)
+        finally:
+            self.driver._local.guess = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,6 +457,14 @@ class Worker:
         self.busy_s = 0.0
         self.forwards = 0
         self.t_mark = time.perf_counter()
+        # the optimistic fork in flight (hyspec/parallel/fork.py): {"fwd", "pre": {uid: state}, "out", "s"}
+        self.fork: dict | None = None
+        self.deferred_error: str | None = None  # an error on a hit that had no reply to travel in
+        self.fork_counts = {"forks": 0, "hits": 0, "rollbacks": 0, "fork_s": 0.0, "wasted_s": 0.0}
+
+    @property
+    def last_worker(self) -> bool:
+        return self.link.rank == self.link.world - 2
 
     def _cache(self, uid, max_len: int, start: int):
         if uid is None:
@@ -365,6 +505,84 @@ class Worker:
         x, _ = HybridLM.forward_batch(m, ids, ctxs, caches, fwd["sizes"], layers=m.stage_layers, x=h)
         return x
 
+    # -- the optimistic fork ---------------------------------------------------------------
+    def _run_fork(self, msg: dict) -> None:
+        """Run the driver's guess of the next round's rows on this stage's layers, after
+        putting aside what the forward will change; the last worker keeps its output for
+        the driver (sent on a hit), the others pass theirs on as usual."""
+        link, m = self.link, self.model
+        fwd, tag = msg["fork"], 1 + msg.get("lane", 0)
+        t0 = time.perf_counter()
+        error, h, x = None, None, None
+        pre = {}
+        try:
+            for uid, *_ in fwd["seqs"]:
+                pre[uid] = capture(self.caches[uid])
+        except KeyError as e:
+            error = f"rank {link.rank}: fork on unknown cache {e}"
+        if link.rank > 0:
+            try:
+                h = link.recv_x(link.rank - 1, (len(fwd["ids"]), m.cfg.hidden_size), m.dtype, m.device, tag=tag)
+            except RuntimeError as e:
+                error = error or str(e)
+            t0 = time.perf_counter()
+        if error is None:
+            try:
+                x = self._forward(fwd, h)
+            except Exception:
+                error = f"rank {link.rank} (fork): " + traceback.format_exc(limit=3)
+        dt = time.perf_counter() - t0
+        self.busy_s += dt
+        self.fork_counts["forks"] += 1
+        self.fork_counts["fork_s"] += dt
+        self.fork = {"fwd": fwd, "pre": pre, "out": None, "error": error, "s": dt}
+        if self.last_worker:
+            self.fork["out"] = x
+        else:
+            link.send_x(x, link.rank + 1, error, tag=tag)
+
+    def _fork_rollback(self) -> None:
+        """A miss: every forked cache back to its state before the fork."""
+        f, self.fork = self.fork, None
+        for uid, state in f["pre"].items():
+            install(self.caches[uid], state)
+        self.fork_counts["rollbacks"] += 1
+        self.fork_counts["wasted_s"] += f["s"]
+
+    def _fork_hit(self, msg: dict) -> None:
+        """A hit: the command is the forked forward. Its cache operations (round r's full
+        accept `clear`, round r+1's `snap`) belong before the forked rows: they are applied
+        to the state from before the fork, which must come out of them unchanged, then the
+        forked state is put back; the last worker sends the kept output."""
+        f, self.fork = self.fork, None
+        link = self.link
+        t0 = time.perf_counter()
+        error = f["error"] or self.deferred_error
+        self.deferred_error = None
+        try:
+            if msg["fwd"] != f["fwd"]:
+                raise RuntimeError("pipeline desync: a fork hit for a different forward")
+            post = {uid: capture(self.caches[uid]) for uid in f["pre"]}
+            for uid, state in f["pre"].items():
+                install(self.caches[uid], state)
+            for op in msg["ops"]:
+                if op[1] in f["pre"] and op[0] not in ("clear", "snap"):
+                    raise RuntimeError(f"pipeline desync: cache op {op[0]!r} on a forked cache at a fork hit")
+                self._apply(op)
+            for uid, state in f["pre"].items():
+                if not same_state(self.caches[uid], state):
+                    raise RuntimeError("pipeline desync: a fork hit's cache ops changed the state")
+            for uid, state in post.items():
+                install(self.caches[uid], state)
+        except Exception:
+            error = error or f"rank {link.rank}: " + traceback.format_exc(limit=3)
+        self.fork_counts["hits"] += 1
+        self.busy_s += time.perf_counter() - t0
+        if self.last_worker:
+            link.send_x(f["out"] if error is None else None, link.rank + 1, error, tag=1 + msg.get("lane", 0))
+        elif error is not None:
+            self.deferred_error = error  # no reply travels from here on a hit: the next one carries it
+
     def run(self):
         """Serve until the driver says stop; returns the stop message's result."""
         link, m = self.link, self.model
@@ -373,17 +591,28 @@ class Worker:
             msg = link.recv_obj(driver)
             if msg.get("stop"):
                 return msg.get("result")
+            if "fork" in msg:
+                self._run_fork(msg)
+                continue
+            if self.fork is not None:
+                if msg.get("fork_res") == "hit":
+                    self._fork_hit(msg)
+                    continue
+                self._fork_rollback()
+            if msg.get("settle"):
+                continue
             if msg.get("mark"):
                 link.wait_s, self.busy_s, self.forwards = 0.0, 0.0, 0
+                self.fork_counts = {k: type(v)() for k, v in self.fork_counts.items()}
                 self.t_mark = time.perf_counter()
                 continue
             t0 = time.perf_counter()
-            error = None
+            error, self.deferred_error = self.deferred_error, None
             try:
                 for op in msg["ops"]:
                     self._apply(op)
             except Exception:
-                error = f"rank {link.rank}: " + traceback.format_exc(limit=3)
+                error = error or f"rank {link.rank}: " + traceback.format_exc(limit=3)
             fwd, tag = msg["fwd"], 1 + msg.get("lane", 0)
             h = None
             if link.rank > 0:

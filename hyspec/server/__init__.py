@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (processes / GPUs); the HTTP server runs on the last rank (docs/multi-gpu.md)")
+    p.add_argument("--optimistic", action="store_true",
+                   help="with --pp: fork the next round's verify on the first stages before the current one "
+                        "resolves (hyspec/parallel/fork.py; output unchanged)")
     return p
 
 
@@ -56,7 +59,10 @@ def make_app(args):
 
     if parallel.ACTIVE is not None:  # --pp: this process is the pipeline driver (the last stage)
         eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+        eng.optimistic = eng.backend.driver.optimistic = bool(args.optimistic)
     else:
+        if args.optimistic:
+            raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)

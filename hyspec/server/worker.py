@@ -52,8 +52,8 @@ class Job:
     on_finish: Callable[[str, dict], None] = lambda reason, stats: None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
-    _req: Any = None
-    _n_lp: int = 0
+    _req: Any = None  # its hyspec.core.request.Request once admitted (batched path)
+    _n_logprobs: int = 0  # logprob entries already handed to on_tokens
 
 
 def scheduler_module():
@@ -122,8 +122,8 @@ class EngineWorker:
                 raise QueueFull(f"the server is at capacity ({self.capacity} sequences running or queued)")
             self._n_pending += len(jobs)
             self._n_waiting += len(jobs)
-        for j in jobs:
-            self._inbox.put(("submit", j))
+        for job in jobs:
+            self._inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
         if not job.cancelled:
@@ -165,19 +165,20 @@ class EngineWorker:
         except queue.Empty:
             return
         while True:
-            kind, x = item
+            kind, payload = item
             if kind == "submit":
-                self._waiting.append(x)
+                self._waiting.append(payload)
             elif kind == "cancel":
-                if x in self._waiting:
-                    self._waiting.remove(x)
+                job = payload
+                if job in self._waiting:
+                    self._waiting.remove(job)
                     with self._lock:
                         self._n_waiting -= 1
-                    self._finish(x, "cancelled", {})
-                elif x in self._running and x._req is not None and self._sched is not None:
-                    self._sched.cancel(x._req)
+                    self._finish(job, "cancelled", {})
+                elif job in self._running and job._req is not None and self._sched is not None:
+                    self._sched.cancel(job._req)
             elif kind == "call":
-                fn, fut = x
+                fn, fut = payload
                 try:
                     self._set_future(fut, fn(self.engine))
                 except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -214,16 +215,17 @@ class EngineWorker:
 
     # -- batched path (hyspec.core.scheduler) ---------------------------------------------
     def _step_batched(self) -> None:
-        mod = self._sched_mod
+        scheduler = self._sched_mod
         if self._sched is None:
-            self._sched = mod.Scheduler(self.engine.model, max_batch=self.max_batch, store=self.store,
-                                        backend=getattr(self.engine, "backend", None))
+            self._sched = scheduler.Scheduler(self.engine.model, max_batch=self.max_batch, store=self.store,
+                                              backend=getattr(self.engine, "backend", None))
         while self._waiting and len(self._running) < self.max_batch:
             job = self._pop_waiting()
-            job._req = mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
-                                   draft=job.draft, stop_ids=set(job.stop_ids), logprobs=job.logprobs,
-                                   constraint=job.constraint, on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job),
-                                   use_store=self.store is not None, store_state=self.store is not None)
+            job._req = scheduler.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens,
+                                         params=job.params, draft=job.draft, stop_ids=set(job.stop_ids),
+                                         logprobs=job.logprobs, constraint=job.constraint,
+                                         on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job),
+                                         use_store=self.store is not None, store_state=self.store is not None)
             try:
                 self._sched.submit(job._req)
             except ValueError as e:  # refused by the scheduler's own checks: this job only
@@ -234,12 +236,12 @@ class EngineWorker:
 
     def _cb_tokens(self, job: Job):
         def on_tokens(req, new_ids):
-            lps = None
+            logprobs = None
             if job.logprobs is not None:
-                all_lps = getattr(req, "token_logprobs", None) or []
-                lps = list(all_lps[job._n_lp: job._n_lp + len(new_ids)])
-                job._n_lp += len(lps)
-            self._to_loop(job.on_tokens, list(new_ids), lps)
+                every = getattr(req, "token_logprobs", None) or []
+                logprobs = list(every[job._n_logprobs: job._n_logprobs + len(new_ids)])
+                job._n_logprobs += len(logprobs)
+            self._to_loop(job.on_tokens, list(new_ids), logprobs)
         return on_tokens
 
     def _cb_finish(self, job: Job):
@@ -265,22 +267,21 @@ class EngineWorker:
             log.error("sequence failed in the engine: %s", e)
             self._finish(job, "error", {"error": str(e)})
             return
-        smp = out.samples[0]
-        lps = self._logprobs(job.prompt_ids, smp.tokens, job.logprobs) if job.logprobs is not None else None
-        if smp.tokens:
-            self._to_loop(job.on_tokens, list(smp.tokens), lps)
-        stats = dict(smp.stats)
+        sample = out.samples[0]
+        logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs) if job.logprobs is not None else None
+        if sample.tokens:
+            self._to_loop(job.on_tokens, list(sample.tokens), logprobs)
+        stats = dict(sample.stats)
         if "spec" in out.stats:
             stats["spec"] = out.stats["spec"]
-        self._finish(job, smp.stop_reason, stats)
+        self._finish(job, sample.stop_reason, stats)
 
     def _logprobs(self, prompt: list[int], tokens: list[int], top: int) -> list:
         """[(logprob, [(id, logprob), ...top]), ...] of each generated token under the
         model's raw distribution (teacher-forced, one forward over prompt + tokens)."""
         if not tokens:
             return []
-        res = self.engine.score(list(prompt) + list(tokens), top_logprobs=max(top, 1))
-        P = len(prompt)
-        rows = range(P - 1, P - 1 + len(tokens))
-        return [(res["logprobs"][r], [(int(t[0]), float(t[1])) for t in res["top_logprobs"][r][:top]])
+        scored = self.engine.score(list(prompt) + list(tokens), top_logprobs=max(top, 1))
+        rows = range(len(prompt) - 1, len(prompt) - 1 + len(tokens))  # logprobs[r] scores token r + 1
+        return [(scored["logprobs"][r], [(int(t[0]), float(t[1])) for t in scored["top_logprobs"][r][:top]])
                 for r in rows]

@@ -28,12 +28,12 @@ def draft_vocab(model):
 
 
 def draft_logits(model, h: torch.Tensor, vocab=None, ctx: StepCtx | None = None) -> torch.Tensor:
-    """MTP hidden [T, H] -> logits [T, V] over the full target vocabulary; with a reduced
+    """MTP hidden h [T, H] -> logits [T, V] over the full target vocabulary; with a reduced
     draft vocabulary (from draft_vocab) only its ids are scored, the rest get -inf."""
     if vocab is None:
         return model.logits(h, ctx)
-    ids, w = vocab
-    sub = upcast(linear(h.to(w.dtype), w, ctx))
-    full = sub.new_full((h.shape[0], model.cfg.vocab_size), float("-inf"))
-    full[:, ids] = sub
+    target_ids, head_rows = vocab  # [Vd], [Vd, H]
+    scored = upcast(linear(h.to(head_rows.dtype), head_rows, ctx))  # [T, Vd]
+    full = scored.new_full((h.shape[0], model.cfg.vocab_size), float("-inf"))  # [T, V]
+    full[:, target_ids] = scored
     return full

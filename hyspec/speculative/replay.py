@@ -47,10 +47,11 @@ from hyspec.speculative.telemetry import SpecTelemetry
 Progress = Callable[[int, int], None]
 
 
-def _prefix_len(drafts: list[int], ref: list[int]) -> int:
+def _prefix_len(drafts: list[int], reference: list[int]) -> int:
+    """How many leading drafts equal the reference tokens (the accepted count)."""
     n = 0
-    for d, r in zip(drafts, ref):
-        if d != r:
+    for drafted, wanted in zip(drafts, reference):
+        if drafted != wanted:
             break
         n += 1
     return n
@@ -59,14 +60,14 @@ def _prefix_len(drafts: list[int], ref: list[int]) -> int:
 def _rates(accepted_at: list[int], n: int, k: int) -> dict:
     """Per-depth summary from counts of positions accepting at least d+1 drafts."""
     through = [a / n if n else 0.0 for a in accepted_at]  # P(d_1..d_{d+1} all accepted)
-    cond = []
+    conditional = []
     for d in range(k):
-        den = n if d == 0 else accepted_at[d - 1]
-        cond.append(accepted_at[d] / den if den else 0.0)
+        reached = n if d == 0 else accepted_at[d - 1]
+        conditional.append(accepted_at[d] / reached if reached else 0.0)
     # a round drafting K' tokens accepts min(a, K'), whose mean is sum_{d<K'} P(a > d)
-    acc_len = [1.0 + sum(through[:kk]) for kk in range(1, k + 1)]
-    return {"accepted_at": list(accepted_at), "accept_rate_at": through, "conditional_rate_at": cond,
-            "acceptance_length": acc_len}
+    acceptance_length = [1.0 + sum(through[:depth]) for depth in range(1, k + 1)]
+    return {"accepted_at": list(accepted_at), "accept_rate_at": through, "conditional_rate_at": conditional,
+            "acceptance_length": acceptance_length}
 
 
 @torch.no_grad()
@@ -113,102 +114,106 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     check_prompt(ids, model.cfg.vocab_size)
 
     t0 = time.perf_counter()
-    N = len(ids)
+    n_tokens = len(ids)
     dev = model.device
-    tok = torch.tensor(ids, device=dev, dtype=torch.long)
-    cache = model.new_cache(N)
-    # chained rows reach i+k-1 <= N-3; the fill reaches row N-2
-    if not model.has_mtp:
-        raise no_mtp_error(": there is nothing to replay")
-    kv = model.new_draft_kv(N)
+    token_ids = torch.tensor(ids, device=dev, dtype=torch.long)
+    cache = model.new_cache(n_tokens)
+    # chained rows reach i+k-1 <= n_tokens-3; the fill reaches row n_tokens-2
+    draft_kv = model.new_draft_kv(n_tokens)
     vocab = draft_vocab(model)
     forwards = 0
 
     nll_sum = 0.0
     top1 = 0
-    greedy = [-1] * (N + 1)  # greedy[p] = target argmax of row p-1 (its prediction of t_p)
-    tel = SpecTelemetry()
-    tel_t = SpecTelemetry()
-    pos_list: list[int] = []
-    acc_list: list[int] = []
-    acc_t_list: list[int] = []
+    greedy = [-1] * (n_tokens + 1)  # greedy[p] = target argmax of row p-1 (its prediction of t_p)
+    vs_text = SpecTelemetry()  # drafts judged against the text
+    vs_target = SpecTelemetry()  # drafts judged against the target's greedy tokens
+    positions: list[int] = []
+    accepted: list[int] = []
+    accepted_vs_target: list[int] = []
     drafts_out: list[list[int]] = []
-    queue: deque[tuple[int, torch.Tensor, int]] = deque()  # (position i, MTP hidden of row i [1, H], d_1)
+    # positions waiting for their judgement: (position i, MTP hidden of row i [1, H], first draft d_1)
+    queue: deque[tuple[int, torch.Tensor, int]] = deque()
 
-    def judge(i: int, m_row: torch.Tensor, d: int) -> None:
+    def judge(i: int, mtp_row: torch.Tensor, draft: int) -> None:
         nonlocal forwards
         text = ids[i + 2 : i + 2 + k]
-        tgt = greedy[i + 2 : i + 2 + k]
-        drafts = [d]
+        target = greedy[i + 2 : i + 2 + k]
+        drafts = [draft]
         if k > 1:
             lo, hi = i + 1, i + k  # draft KV rows the chain overwrites
-            saved_k, saved_v = kv.k[:, lo:hi].clone(), kv.v[:, lo:hi].clone()
-            h = m_row
+            saved_k, saved_v = draft_kv.k[:, lo:hi].clone(), draft_kv.v[:, lo:hi].clone()
+            mtp_hidden = mtp_row
             for j in range(1, k):
-                if not return_drafts and _prefix_len(drafts, text) < j and _prefix_len(drafts, tgt) < j:
+                if not return_drafts and _prefix_len(drafts, text) < j and _prefix_len(drafts, target) < j:
                     break  # both prefixes already broken: deeper drafts cannot count
-                h = model.mtp_hidden(torch.tensor([d], device=dev), h, StepCtx(start=i + j), kv)
+                mtp_hidden = model.mtp_hidden(torch.tensor([draft], device=dev), mtp_hidden, StepCtx(start=i + j),
+                                              draft_kv)
                 forwards += 1
-                d = int(torch.argmax(draft_logits(model, h, vocab)[0]))
-                drafts.append(d)
-            kv.k[:, lo:hi] = saved_k
-            kv.v[:, lo:hi] = saved_v
-        a, a_t = _prefix_len(drafts, text), _prefix_len(drafts, tgt)
-        tel.record_round(k, a)
-        tel_t.record_round(k, a_t)
-        pos_list.append(i)
-        acc_list.append(a)
-        acc_t_list.append(a_t)
+                draft = int(torch.argmax(draft_logits(model, mtp_hidden, vocab)[0]))
+                drafts.append(draft)
+            draft_kv.k[:, lo:hi] = saved_k
+            draft_kv.v[:, lo:hi] = saved_v
+        n_text, n_target = _prefix_len(drafts, text), _prefix_len(drafts, target)
+        vs_text.record_round(k, n_text)
+        vs_target.record_round(k, n_target)
+        positions.append(i)
+        accepted.append(n_text)
+        accepted_vs_target.append(n_target)
         if return_drafts:
             drafts_out.append(drafts)
 
-    s = 0
-    while s < N:
-        e = min(s + chunk, N)
-        pre, post = model.forward_states(tok[s:e], cache, StepCtx(start=s, chunked=True))
-        logits = model.logits(post)  # [T, V]; row r predicts t_{s+r+1}
-        preds = torch.argmax(logits, dim=-1).tolist()
-        for r, p in enumerate(preds):
-            greedy[s + r + 1] = p
-        r_end = min(e, N - 1)  # rows with a real next token (and a draft KV pair)
-        n = r_end - s
-        if n > 0:
-            nxt = tok[s + 1 : r_end + 1]
-            lp = logits[:n].gather(1, nxt[:, None])[:, 0] - torch.logsumexp(logits[:n], dim=-1)
-            nll_sum -= float(lp.double().sum())
-            top1 += int((torch.tensor(preds[:n], device=dev) == nxt).sum())
-            seed = (post if hidden == "post" else pre)[:n]
-            m = model.mtp_hidden(nxt, seed, StepCtx(start=s), kv)  # draft KV rows s..r_end-1
+    start = 0
+    while start < n_tokens:
+        end = min(start + chunk, n_tokens)
+        hidden_pre, hidden_post = model.forward_states(token_ids[start:end], cache,
+                                                       StepCtx(start=start, chunked=True))
+        logits = model.logits(hidden_post)  # [T, V]; row r predicts t_{start+r+1}
+        predictions = torch.argmax(logits, dim=-1).tolist()
+        for r, predicted in enumerate(predictions):
+            greedy[start + r + 1] = predicted
+        rows_end = min(end, n_tokens - 1)  # rows with a real next token (and a draft KV pair)
+        n_rows = rows_end - start
+        if n_rows > 0:
+            next_ids = token_ids[start + 1 : rows_end + 1]  # [n_rows]
+            logprobs = (logits[:n_rows].gather(1, next_ids[:, None])[:, 0]
+                        - torch.logsumexp(logits[:n_rows], dim=-1))
+            nll_sum -= float(logprobs.double().sum())
+            top1 += int((torch.tensor(predictions[:n_rows], device=dev) == next_ids).sum())
+            seed = (hidden_post if hidden == "post" else hidden_pre)[:n_rows]
+            # fills draft KV rows start..rows_end-1
+            mtp_rows = model.mtp_hidden(next_ids, seed, StepCtx(start=start), draft_kv)
             forwards += 1
-            sel = [i for i in range(s + (-s) % stride, r_end, stride) if i + k + 1 < N]
-            if sel:  # first drafts of the chunk's positions in one head matmul
-                rows = torch.tensor(sel, device=dev) - s
-                d1 = torch.argmax(draft_logits(model, m[rows], vocab), dim=-1).tolist()
-                queue.extend((i, m[i - s : i - s + 1], d) for i, d in zip(sel, d1))
+            chunk_positions = [i for i in range(start + (-start) % stride, rows_end, stride) if i + k + 1 < n_tokens]
+            if chunk_positions:  # first drafts of the chunk's positions in one head matmul
+                rows = torch.tensor(chunk_positions, device=dev) - start
+                first_drafts = torch.argmax(draft_logits(model, mtp_rows[rows], vocab), dim=-1).tolist()
+                queue.extend((i, mtp_rows[i - start : i - start + 1], d)
+                             for i, d in zip(chunk_positions, first_drafts))
         # judge every queued position whose K drafts' targets are all known (rows <= i+k done)
-        while queue and queue[0][0] + k + 1 <= e:
+        while queue and queue[0][0] + k + 1 <= end:
             judge(*queue.popleft())
-        del logits, pre, post
-        s = e
+        del logits, hidden_pre, hidden_post
+        start = end
         if progress is not None:
-            progress(s, N)
+            progress(start, n_tokens)
     assert not queue
 
-    npos = len(pos_list)
-    text_rates = _rates(tel.accepted_at + [0] * (k - len(tel.accepted_at)), npos, k)
-    tgt_rates = _rates(tel_t.accepted_at + [0] * (k - len(tel_t.accepted_at)), npos, k)
-    n_tok = N - 1
-    nll = nll_sum / n_tok
+    n_positions = len(positions)
+    text_rates = _rates(vs_text.accepted_at + [0] * (k - len(vs_text.accepted_at)), n_positions, k)
+    target_rates = _rates(vs_target.accepted_at + [0] * (k - len(vs_target.accepted_at)), n_positions, k)
+    n_scored = n_tokens - 1
+    nll = nll_sum / n_scored
     out = {
-        "tokens": N, "positions": npos, "k": k, "stride": stride, "chunk": chunk, "hidden": hidden,
-        "nll": nll, "nll_sum": nll_sum, "nll_tokens": n_tok, "perplexity": math.exp(min(nll, 700.0)),
-        "target_top1": top1 / n_tok,
-        "drafted_at": [npos] * k,
+        "tokens": n_tokens, "positions": n_positions, "k": k, "stride": stride, "chunk": chunk, "hidden": hidden,
+        "nll": nll, "nll_sum": nll_sum, "nll_tokens": n_scored, "perplexity": math.exp(min(nll, 700.0)),
+        "target_top1": top1 / n_scored,
+        "drafted_at": [n_positions] * k,
         **text_rates,
-        "tau": tel.tau,
-        "telemetry": tel.to_dict(),
-        "vs_target": {**tgt_rates, "tau": tel_t.tau},
-        "per_position": {"position": pos_list, "accepted": acc_list, "accepted_vs_target": acc_t_list},
+        "tau": vs_text.tau,
+        "telemetry": vs_text.to_dict(),
+        "vs_target": {**target_rates, "tau": vs_target.tau},
+        "per_position": {"position": positions, "accepted": accepted, "accepted_vs_target": accepted_vs_target},
         "mtp_forwards": forwards,
         "seconds": time.perf_counter() - t0,
     }

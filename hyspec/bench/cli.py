@@ -1,0 +1,307 @@
+"""`hyspec bench` flags and the run itself: main calls the steps below in order and keeps
+going past a failing variant (partial results are still worth writing)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from hyspec.bench.hf import hf_generate
+from hyspec.bench.models import make_model
+from hyspec.bench.report import format_memory, log, memory_report, print_table, si, targets, write_json
+from hyspec.bench.timing import copy_bandwidth
+from hyspec.bench.variants import VARIANT_ALIASES, VARIANTS, bench_variant, exactness_check, variant_names
+from hyspec.provenance import git_state
+
+# flags whose default depends on the device: (flag, type, GPU default, CPU default, help)
+DEVICE_DEFAULTS = (
+    ("--prompt-len", int, 512, 32, "prompt tokens"),
+    ("--new-tokens", int, 256, 32, "tokens per timed generation"),
+    ("--ks", str, "1,2,3,4", "1,2,3", "draft lengths K measured"),
+    ("--verify-max", int, 8, 4, "verify cost measured for t = 1..N rows"),
+    ("--variants", str, "exact,cublas", "exact",
+     "exact (row-invariant kernels), cublas (cuBLAS matmuls, not exact; old name: fast)"),
+    ("--exact-tokens", int, 2000, 64, "tokens per prompt in the exactness check"),
+    ("--exact-prompts", int, 4, 1, "prompts in the exactness check"),
+    ("--hf-tokens", int, 32, 0, "tokens for the transformers comparison (0: skip it)"),
+    ("--reps", int, 30, 2, "repetitions of each timed step"),
+)
+_DEVICE_DEFAULTS = DEVICE_DEFAULTS  # old name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import hyspec.bench
+    from hyspec.cli.common import HelpFormatter
+    from hyspec.presets import ALIASES, BENCH_MODELS, PRESETS
+
+    ap = argparse.ArgumentParser(prog="hyspec bench", description=hyspec.bench.__doc__,
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--config", default="qwen3-next-2b-dense", choices=[*BENCH_MODELS, *ALIASES, "tiny", *PRESETS],
+                    help="in-memory random model: qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
+                         "tiny, or a preset with published shapes (qwen3.5-27b, qwen3.5-35b-a3b, "
+                         "qwen3-next-80b-a3b-fp8; GPU only; hyspec/presets.py)")
+    ap.add_argument("--slot-lengths", default="4096,32768,131072",
+                    help="context lengths for the 'sequence slots that fit beside the weights' report")
+    ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
+    ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    for flag, typ, gpu, cpu, what in DEVICE_DEFAULTS:
+        ap.add_argument(flag, type=typ, default=None, help=f"{what} (default: {gpu} on a GPU, {cpu} on the CPU)")
+    ap.add_argument("--forced", default="0.9,0.8,0.7,0.6", help="forced drafter acceptance rate by depth")
+    ap.add_argument("--tune", default="none", choices=["none", "step"],
+                    help="GEMM config search before measuring: none (the shipped configs: "
+                         "hyspec.kernels.gemm.BUILTIN, picked in the step on the H200, else shape defaults), "
+                         "step (each shape's candidates timed inside the real decode step)")
+    ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
+    ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes copied to measure bandwidth "
+                    "(at most 64 MiB on the CPU)")
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--batch", default=None,
+                    help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
+    ap.add_argument("--batch-inv-prompts", type=int, default=64,
+                    help="GPU --batch: prompts in the batch-invariance check (each x 500 tokens; 0: skip)")
+    return ap
+
+
+def resolve_device(args) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of --device / --dtype ('auto' resolved), with the
+    device-dependent defaults and list flags filled in on `args`."""
+    if args.device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        from hyspec.engine import check_device
+
+        dev = check_device(args.device)
+    for flag, _, gpu, cpu, _ in DEVICE_DEFAULTS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if dev.type == "cuda" else cpu)
+    try:
+        args.ks = [int(x) for x in args.ks.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--ks: expected comma-separated draft lengths like 1,2,3, got {args.ks!r}") from None
+    args.variant_list = variant_names(args.variants)
+    if args.dtype == "auto":
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        from hyspec.loading import parse_dtype
+
+        dtype = parse_dtype(args.dtype)
+    if dev.type != "cuda":
+        args.copy_bytes = min(args.copy_bytes, 64 << 20)
+    return dev, dtype
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
+
+
+def run_meta(args, argv, dev, dtype) -> dict:
+    """Where and what: device, library versions, the command, the model, the git state."""
+    from hyspec.presets import canonical_name
+
+    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
+            "python": platform.python_version(), "dtype": str(dtype).replace("torch.", ""),
+            "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "command": "hyspec bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "config": args.model or canonical_name(args.config), "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "git": git_state()}
+
+
+def preset_figures(args, dev, dtype, result: dict) -> bool:
+    """A published-shape preset: its byte / roofline / slot figures first (no device
+    needed); False when it cannot run here (the reason is in result["errors"])."""
+    from hyspec.presets import canonical_name, check_runnable, format_summary, summary
+
+    name = canonical_name(args.config)
+    lengths = tuple(int(x) for x in args.slot_lengths.split(",") if x)
+    result["preset"] = summary(name, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths)
+    log(format_summary(result["preset"]))
+    why = check_runnable(name, dev, dtype)
+    if why:
+        log(f"!! {why}")
+        result["errors"]["preset"] = why
+        return False
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    return True
+
+
+def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, int]:
+    """Weight bytes a decode step and a draft step read (from the Triton runner's packing),
+    and the skinny-GEMM configs: from --tuned-from, tuned in the step (--tune step), or the
+    shipped ones (recorded in result)."""
+    from hyspec.gpu import FastDecoder
+
+    probe = FastDecoder(model, 8, 1, backend="triton" if dev.type == "cuda" else "torch", graphs=False)
+    if dev.type == "cuda":
+        step_bytes, draft_bytes = probe.runner.weight_bytes_per_step(), probe.runner.draft_bytes_per_step()
+    else:  # same count without packing
+        from hyspec.gpu.runner_triton import TritonRunner
+
+        runner = TritonRunner(probe, exact=True)
+        step_bytes, draft_bytes = runner.weight_bytes_per_step(), runner.draft_bytes_per_step()
+    if args.tuned_from:
+        from hyspec.kernels.gemm import set_tuned
+
+        tuned = json.loads(Path(args.tuned_from).read_text()).get("tuned_gemm", {})
+        set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tuned.items()})
+        result["tuned_gemm"] = tuned
+        log(f"GEMM configs from {args.tuned_from}")
+    shapes = None
+    if dev.type == "cuda" and args.tune == "step" and not args.tuned_from:
+        from hyspec.gpu.tune import model_shapes
+
+        shapes = model_shapes(probe.runner)
+    del probe  # before tuning: its buffers are not needed
+    if shapes:
+        from hyspec.gpu.tune import tune_in_step
+
+        log("tuning skinny-GEMM configs inside the decode step (chosen by shape only)")
+        generator = torch.Generator().manual_seed(args.seed)
+        tune_decoder = FastDecoder(model, args.prompt_len + 64, 1)
+        prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        _, _, logits = tune_decoder.prefill(prompt)
+        tune_decoder.start_plain(int(torch.argmax(logits[0])))
+        tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log)
+        result["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
+        del tune_decoder
+    if "tuned_gemm" not in result and dev.type == "cuda":
+        from hyspec.kernels.gemm import BUILTIN, TUNED
+
+        result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
+                                  "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()}}
+    return step_bytes, draft_bytes
+
+
+def failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+
+
+def run_variants(model, prompt, args, dev, roofline_ms: float, result: dict, save):
+    """Each --variants entry in turn; returns the exact variant's decoder (or None)."""
+    result["variants"] = {}
+    exact_decoder = None
+    for variant in args.variant_list:
+        try:
+            figures = bench_variant(model, prompt, args, VARIANTS[variant], dev, roofline_ms)
+            decoder = figures.pop("_decoder")
+            if variant == "exact":
+                exact_decoder = decoder
+            else:
+                del decoder
+            result["variants"][variant] = figures
+        except Exception as e:  # keep going: partial results are still worth writing
+            result["errors"][variant] = failure(e)
+            log(f"!! variant {variant} failed: {type(e).__name__}: {e}")
+            traceback.print_exc()
+        save()
+    return exact_decoder
+
+
+def run_batches(model, args, dev) -> dict:
+    """--batch: aggregate throughput per batch size; on a GPU the BatchDecoder (CUDA graphs
+    per batch size, with a batch-invariance check), on the CPU the engine core."""
+    sizes = [int(b) for b in args.batch.split(",")]
+    forced = [float(x) for x in args.forced.split(",")]
+    if dev.type == "cuda":
+        from hyspec.gpu.batch_bench import gpu_batch_bench
+
+        log("batched decoding on the GPU: BatchDecoder, CUDA graphs per batch size (prefill excluded)")
+        return gpu_batch_bench(model, sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, forced=forced,
+                               seed=args.seed, inv_prompts=args.batch_inv_prompts, log=log)
+    from hyspec.core.batch_bench import batch_bench
+
+    log("batched decoding through the engine core (prefill excluded)")
+    return batch_bench(model, sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, forced=forced,
+                       seed=args.seed, log=log)
+
+
+def main(argv=None) -> int:
+    if "--pp" in (argv if argv is not None else sys.argv[1:]):
+        from hyspec.parallel.bench import main as pp_main  # pipeline stages: its own flags and report
+
+        return pp_main(argv)
+    from hyspec.presets import PRESETS, canonical_name
+
+    args = build_parser().parse_args(argv)
+    dev, dtype = resolve_device(args)
+    result: dict = {"meta": run_meta(args, argv, dev, dtype), "errors": {}}
+    log(f"# {result['meta']}")
+    t_start = time.perf_counter()
+
+    def save():
+        write_json(args.out, result)
+
+    if canonical_name(args.config) in PRESETS and not args.model:  # published shapes: figures, then run if it can
+        if not preset_figures(args, dev, dtype, result):
+            save()
+            return 2
+
+    bandwidth = copy_bandwidth(dev, args.copy_bytes)
+    result["copy_bandwidth_GBps"] = bandwidth
+    log(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)")
+    model = make_model(args, dev, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
+        result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
+        log(format_memory(result["memory"]))
+    if dev.type == "cpu" and n_params < 50_000_000:
+        torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost (as the CLI)
+    step_bytes, draft_bytes = step_bytes_and_gemm_configs(model, args, dev, result)
+    roofline_ms = step_bytes / (bandwidth * 1e9) * 1e3
+    result["model"] = {"config": model.cfg.to_dict(), "params": n_params, "weight_bytes_per_step": step_bytes,
+                       "draft_bytes_per_step": draft_bytes}
+    result["roofline_ms"] = roofline_ms
+    result["roofline_tok_s"] = 1e3 / roofline_ms
+    log(f"model: {si(n_params)} params; a decode step reads {si(step_bytes)}B -> roofline "
+        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {si(draft_bytes)}B")
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
+
+    exact_decoder = run_variants(model, prompt, args, dev, roofline_ms, result, save)
+    if exact_decoder is not None and args.exact_prompts > 0:
+        try:
+            log("exactness check (exact variant): speculative K=3 vs plain, bitwise")
+            result["exactness"] = exactness_check(model, args, dev, exact_decoder)
+        except Exception as e:
+            result["errors"]["exactness"] = failure(e)
+            log(f"!! exactness check failed: {e}")
+        save()
+    del exact_decoder
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.batch:
+        result["batch"] = run_batches(model, args, dev)
+        save()
+    if args.hf_tokens > 0:
+        try:
+            log("transformers generate (same weights)")
+            result["hf"] = hf_generate(model, prompt, args.hf_tokens, dev, dtype, model_dir=args.model)
+            log(f"  HF: {result['hf'].get('decode_tok_s', 0):.1f} tok/s (fla importable: "
+                f"{result['hf'].get('fla_importable')})")
+        except Exception as e:
+            result["errors"]["hf"] = failure(e)
+            log(f"!! HF comparison failed: {e}")
+    result["targets"] = targets(result) if dev.type == "cuda" else {}  # GPU goals: not judged on a CPU
+    result["wall_s"] = time.perf_counter() - t_start
+    save()
+    print_table(result)
+    return 0
+
+
+__all__ = ["main", "build_parser", "DEVICE_DEFAULTS", "VARIANTS", "VARIANT_ALIASES"]

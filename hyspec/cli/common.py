@@ -1,0 +1,146 @@
+"""What the subcommands share: the help formatter, flag groups derived from the
+SamplingParams / SpecOptions dataclasses (so defaults cannot drift), argument parsers for
+id and rate lists, the constraint flags, and loading the engine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hyspec.config import DTYPE_NAMES
+from hyspec.sampling import SamplingParams
+from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help shows its default (unless the help already says it)."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default:" in (action.help or "") else super()._get_help_string(action)
+
+
+SAMPLING_HELP = {
+    "temperature": "0 = greedy",
+    "top_k": "keep the k most likely tokens (0 = off)",
+    "top_p": "nucleus sampling mass (1 = off)",
+    "min_p": "drop tokens below min_p * p_max (0 = off)",
+    "repetition_penalty": "divide positive / multiply negative logits of seen tokens (1 = off)",
+    "frequency_penalty": "subtract this times the count of each seen token",
+    "presence_penalty": "subtract this from every seen token",
+    "penalty_last_n": "penalties look at the last N tokens (0 = off, -1 = all)",
+    "seed": "random seed (counter-based: same seed, same output)",
+    "mode": "rejection sampling, or coupled (Gumbel-max: speculative output equals plain output)",
+}
+
+
+def parse_ids(text: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3] (argparse type)."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    """'0.9,0.8' -> (0.9, 0.8) (argparse type)."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates like 0.9,0.8,0.7, got {text!r}") from None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                   help="weight dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("sampling")
+    for f in dataclasses.fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "mode":
+            group.add_argument("--sampling-mode", dest="mode", default="rejection", choices=["rejection", "coupled"],
+                               help=SAMPLING_HELP["mode"])
+            continue
+        default = 0.0 if f.name == "temperature" else f.default
+        group.add_argument(flag, dest=f.name, type=type(f.default), default=default, help=SAMPLING_HELP.get(f.name))
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("speculative decoding")
+    defaults = SpecOptions()
+    group.add_argument("--draft", type=int, default=0,
+                       help=f"drafts per round K (0 = plain decoding, 1..{MAX_DRAFT})")
+    group.add_argument("--rollback", default=defaults.rollback, choices=["checkpoint", "rescan", "replay"],
+                       help="how linear-attention state is rolled back after a partial accept")
+    group.add_argument("--p-min", type=float, default=defaults.p_min,
+                       help="stop drafting below this draft probability")
+    group.add_argument("--adaptive", action="store_true", help="next K = clamp(accepted + 1, floor, K)")
+    group.add_argument("--adaptive-floor", type=int, default=defaults.adaptive_floor,
+                       help="smallest K with --adaptive")
+    group.add_argument("--hidden", default=defaults.hidden, choices=["post", "pre"],
+                       help="target hidden that seeds the MTP head (post final norm: Qwen convention)")
+    group.add_argument("--forced-rates", type=parse_rates, default=None,
+                       help="testing/benchmarking: forced-acceptance drafter with these per-depth rates")
+
+
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("constraints (the output must match; needs llguidance)")
+    one_of = group.add_mutually_exclusive_group()
+    one_of.add_argument("--json-schema", metavar="FILE_OR_JSON", help="a JSON schema: a .json file or JSON text")
+    one_of.add_argument("--constrain-json", action="store_true", help="any JSON object")
+    one_of.add_argument("--regex", help="a regular expression (Rust regex syntax) the whole output matches")
+    one_of.add_argument("--grammar", metavar="FILE.lark", help="a Lark grammar file (llguidance's Lark dialect)")
+    one_of.add_argument("--choice", metavar="A,B,C", help="exactly one of these comma-separated strings")
+
+
+def constraint_from_args(eng, args):
+    """The Constraint the generate flags ask for (None without one); errors name the flag."""
+    from pathlib import Path
+
+    if getattr(args, "json_schema", None) is not None:
+        return eng.constraint("json_schema", args.json_schema, arg="--json-schema")
+    if getattr(args, "constrain_json", False):
+        return eng.constraint("json_object", arg="--constrain-json")
+    if getattr(args, "regex", None) is not None:
+        return eng.constraint("regex", args.regex, arg="--regex")
+    if getattr(args, "grammar", None) is not None:
+        path = Path(args.grammar)
+        if not path.is_file():
+            raise ValueError(f"--grammar: no such file {args.grammar!r}")
+        return eng.constraint("grammar", path.read_text(encoding="utf-8"), arg=f"--grammar {args.grammar}")
+    if getattr(args, "choice", None) is not None:
+        return eng.constraint("choice", [c for c in args.choice.split(",")], arg="--choice")
+    return None
+
+
+def fork_telemetry(eng):
+    """The pipeline driver's optimistic-fork telemetry (hyspec/parallel/fork.py
+    ForkTelemetry) when --optimistic is on, else None."""
+    backend = getattr(eng, "backend", None)
+    if not getattr(eng, "optimistic", False) or not hasattr(backend, "driver"):
+        return None
+    return backend.driver.fork_tel
+
+
+def load_engine(args):
+    """The Engine of --model / --dtype / --device (the pipeline driver's under --pp)."""
+    import torch
+
+    from hyspec import parallel
+    from hyspec.engine import Engine
+
+    if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
+        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+        eng.lanes = getattr(args, "lanes", 1)
+        eng.optimistic = getattr(args, "optimistic", False)
+    else:
+        if getattr(args, "optimistic", False):
+            raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
+        torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
+    return eng

@@ -1,0 +1,94 @@
+"""The `hyspec` entry point: the top-level parser and the dispatch to each subcommand.
+
+generate / score / replay / make-tiny are parsed here (each module adds its subparser);
+bench, train, serve and chat own their whole argument list and are handed argv as is."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from hyspec.cli import generate, make_tiny, replay, score
+from hyspec.sampling import ParamError
+
+SUBCOMMANDS = {"generate": generate, "score": score, "replay": replay, "make-tiny": make_tiny}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import hyspec.cli
+
+    parser = argparse.ArgumentParser(prog="hyspec", description=hyspec.cli.__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for module in SUBCOMMANDS.values():
+        module.add_parser(sub)
+    sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)
+    sub.add_parser("train", help="train the small default model (see `hyspec train --help`)", add_help=False)
+    sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `hyspec serve --help`)", add_help=False)
+    sub.add_parser("chat", help="interactive chat with a kept session state (see `hyspec chat --help`)",
+                   add_help=False)
+    return parser
+
+
+# Python argument / option names -> the flags a user types
+FLAG_NAMES = {"mode": "--sampling-mode", "k": "--draft", "prompt": "--prompt / --prompt-ids"}
+
+
+def flag_name(name: str) -> str:
+    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def error_message(e: Exception) -> str:
+    if isinstance(e, ParamError):
+        return f"argument {flag_name(e.field)}: {e.why} (got {e.value!r})"
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    return str(e)
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    return f"hyspec: warning: {message}\n"
+
+
+def _delegated(cmd: str):
+    """The main(argv) of a subcommand that parses its own arguments (None for the others)."""
+    if cmd == "bench":
+        from hyspec.bench import main
+    elif cmd == "train":
+        from hyspec.train.train import main
+    elif cmd == "serve":
+        from hyspec.server import main
+    elif cmd == "chat":
+        from hyspec.chat import main
+    else:
+        return None
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. User errors (bad values, missing files) end in one `hyspec CMD:
+    error: ...` line and exit code 2, never a traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[0] if argv else None
+    old_format = warnings.formatwarning
+    warnings.formatwarning = _format_warning
+    try:
+        if cmd in ("generate", "bench", "serve") and "--pp" in " ".join(argv):
+            from hyspec import parallel
+
+            stages = parallel.pp_from_argv(argv)
+            if stages > 1 and parallel.ACTIVE is None and cmd != "bench":  # the pipeline bench starts its own ranks
+                return parallel.run_cli(argv, stages, main)
+        delegated = _delegated(cmd)
+        if delegated is not None:
+            return delegated(argv[1:])
+        args = build_parser().parse_args(argv)
+        return SUBCOMMANDS[args.cmd].run(args)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"hyspec {cmd}: error: {error_message(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nhyspec: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        warnings.formatwarning = old_format

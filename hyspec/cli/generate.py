@@ -1,0 +1,252 @@
+"""`hyspec generate`: one prompt (streamed as rounds commit) or a JSONL file of requests
+decoded together (`--prompts-file`, one JSON result per line in input order)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from hyspec.cli.common import (
+    HelpFormatter,
+    add_constraint_args,
+    add_model_args,
+    add_sampling_args,
+    add_spec_args,
+    constraint_from_args,
+    fork_telemetry,
+    load_engine,
+    parse_ids,
+)
+from hyspec.sampling import SamplingParams
+from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text (plain or speculative)", formatter_class=HelpFormatter,
+                       description="Generate a completion: the prompt, then the text as rounds commit.\n"
+                                   "prompt + new tokens must fit in the model's context (max_position_embeddings);\n"
+                                   "--max-new-tokens beyond it is capped (stop_reason 'context').")
+    add_model_args(p)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, comma-separated")
+    source.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...} or "
+                        "{\"prompt_ids\": [...]}, optional max_new_tokens, draft and sampling fields (temperature, "
+                        "seed, top_p, ...); one JSON result per line, in input order")
+    p.add_argument("--out", default=None, help="with --prompts-file: write the results here instead of stdout")
+    p.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="token limit (capped at the model's context)")
+    p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's EOS ids")
+    p.add_argument("--num-samples", type=int, default=1, help="independent completions (seeds derived from --seed)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: split the layers over this many processes (GPUs); see docs/multi-gpu.md")
+    p.add_argument("--lanes", type=int, default=1,
+                   help="with --pp and several requests (--prompts-file, --num-samples): batch groups that alternate "
+                        "through the stages, so each stage works on one while the next works on another")
+    p.add_argument("--optimistic", action="store_true",
+                   help="with --pp: while the last stage resolves a round, the first stages already run the "
+                        "next round's verify on a guess (every draft accepted, the bonus guessed by the drafter); "
+                        "used when the guess was right, rolled back otherwise (output unchanged). Pauses after "
+                        "3 misses in a row; telemetry on stderr / in --json stats['fork'] (docs/multi-gpu.md)")
+    p.add_argument("--no-stream", action="store_true",
+                   help="print the text when generation ends instead of as it is generated")
+    add_sampling_args(p)
+    add_spec_args(p)
+    add_constraint_args(p)
+
+
+# ---------------------------------------------------------------------------- --prompts-file
+LINE_KEYS = {"prompt", "prompt_ids", "max_new_tokens", "draft"} | {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def read_prompts_file(path: str, args) -> list[dict]:
+    """Parse and check every line before anything runs; errors name the line."""
+    base = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
+            unknown = sorted(set(obj) - LINE_KEYS)
+            if unknown:
+                raise ValueError(f"{path}:{line_no}: unknown field(s) {unknown}; known: {sorted(LINE_KEYS)}")
+            if ("prompt" in obj) == ("prompt_ids" in obj):
+                raise ValueError(f"{path}:{line_no}: give exactly one of \"prompt\" or \"prompt_ids\"")
+            try:
+                params = SamplingParams(**{**base, **{k: v for k, v in obj.items() if k in base}})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{line_no}: {e}") from None
+            limit, draft = obj.get("max_new_tokens", args.max_new_tokens), obj.get("draft", args.draft)
+            for name, value in (("max_new_tokens", limit), ("draft", draft)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{path}:{line_no}: {name} must be an integer >= 0, got {value!r}")
+            requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
+                             "params": params, "draft": draft, "line": line_no})
+    if not requests:
+        raise ValueError(f"{path}: no requests in the file")
+    return requests
+
+
+def run_file(args) -> int:
+    from tqdm import tqdm
+
+    requests = read_prompts_file(args.prompts_file, args)
+    spec = None
+    if any(r["draft"] > 0 for r in requests):
+        spec = SpecOptions(k=max(r["draft"] for r in requests), rollback=args.rollback, p_min=args.p_min,
+                           adaptive=args.adaptive, hidden=args.hidden)
+    eng = load_engine(args)
+    constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
+    sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    finished_early: dict[int, object] = {}  # outputs that wait for an earlier line to finish
+    written = 0
+    bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=None)
+
+    def finished(i, out) -> None:  # write results in input order as soon as the prefix is complete
+        nonlocal written
+        finished_early[i] = out
+        bar.update(1)
+        while written in finished_early:
+            output = finished_early.pop(written)
+            row = {"index": written, "tokens": output.tokens, "text": output.text,
+                   "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            written += 1
+
+    try:
+        eng.generate_batch([r["prompt"] for r in requests], max_new_tokens=[r["max_new_tokens"] for r in requests],
+                           params=[r["params"] for r in requests], draft=[r["draft"] for r in requests], spec=spec,
+                           stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
+                           on_finish=finished, constraint=constraint)
+    finally:
+        bar.close()
+        if args.out:
+            sink.close()
+    fork = fork_telemetry(eng)
+    if fork is not None:
+        print(fork.summary_line(), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------- one prompt
+class StreamPrinter:
+    """Prints each sample as its tokens arrive: the prompt first, then the completion.
+
+    Incremental detokenisation: the text of the tokens since `decoded_from` is decoded
+    again and only what is new beyond the last printed token is written; while the text
+    ends in an incomplete UTF-8 sequence (U+FFFD) nothing is written, so byte tokens that
+    make up one character come out together."""
+
+    def __init__(self, eng, prompt_ids: list[int], prompt_text: str | None, num_samples: int, out=None) -> None:
+        self.eng, self.num_samples, self.out = eng, num_samples, out or sys.stdout
+        self.tokenizer = eng.tokenizer
+        self.prompt = prompt_text if prompt_text is not None else (
+            self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else ",".join(map(str, prompt_ids)) + " |")
+        self.current = -1  # the sample being printed
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def _start(self, sample: int) -> None:
+        if self.current >= 0:
+            self._flush(final=True)
+            self._write("\n")
+        self.current, self.ids, self.decoded_from, self.printed = sample, [], 0, 0
+        if self.num_samples > 1:
+            self._write(f"--- sample {sample} ---\n")
+        self._write(self.prompt)
+
+    def _flush(self, final: bool) -> None:
+        if self.tokenizer is None:
+            new = self.ids[self.printed:]
+            if new:
+                self._write(" " + ",".join(map(str, new)) if self.printed == 0 else "," + ",".join(map(str, new)))
+            self.printed = len(self.ids)
+            return
+        if self.printed == len(self.ids):
+            return
+        before = self.tokenizer.decode(self.ids[self.decoded_from : self.printed])
+        text = self.tokenizer.decode(self.ids[self.decoded_from :])
+        if text.endswith("\ufffd") and not final:
+            return  # part of a character: wait for the rest of its bytes
+        if len(text) >= len(before) and text.startswith(before):
+            self._write(text[len(before):])
+            self.decoded_from, self.printed = self.printed, len(self.ids)
+        elif final:
+            self._write(text)
+            self.printed = len(self.ids)
+
+    def __call__(self, sample: int, tokens: list[int]) -> None:
+        while self.current < sample:
+            self._start(self.current + 1)
+        self.ids.extend(tokens)
+        self._flush(final=False)
+
+    def finish(self) -> None:
+        while self.current < self.num_samples - 1:
+            self._start(self.current + 1)
+        self._flush(final=True)
+        self._write("\n")
+
+
+def run(args) -> int:
+    if args.prompts_file is not None:
+        return run_file(args)
+    if args.prompt is None and args.prompt_ids is None:
+        raise ValueError("give --prompt TEXT, --prompt-ids 1,2,3 or --prompts-file FILE.jsonl")
+    if args.draft < 0 or args.draft > MAX_DRAFT:
+        raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
+    params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
+    spec = None
+    if args.draft > 0:
+        spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
+                           adaptive_floor=min(args.adaptive_floor, args.draft), hidden=args.hidden,
+                           forced_rates=args.forced_rates)
+    elif args.forced_rates is not None:
+        raise ValueError("--forced-rates needs --draft K > 0")
+    eng = load_engine(args)
+    constraint = constraint_from_args(eng, args)  # a bad constraint fails here, before any generation
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    printer = None
+    if not args.json:
+        printer = StreamPrinter(eng, eng.encode(prompt), args.prompt, args.num_samples)
+    # samples decode together in one batch, so their tokens interleave: stream only a single sample
+    stream = printer is not None and not args.no_stream and args.num_samples == 1
+    out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
+                       stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
+                       on_tokens=printer if stream else None, constraint=constraint)
+    fork = fork_telemetry(eng)
+    if fork is not None:
+        out.stats["fork"] = fork.to_dict()
+    if args.json:
+        print(json.dumps(out.to_dict()))
+        return 0
+    if not stream:
+        for i, sample in enumerate(out.samples):
+            printer(i, sample.tokens)
+    printer.finish()
+    stats = out.stats
+    rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
+    per = f" over {stats['num_samples']} samples" if stats["num_samples"] > 1 else ""
+    print(f"[{stats['generated_tokens']} tokens{per}, prefill {stats['prefill_s']*1e3:.0f} ms, decode {rate}]",
+          file=sys.stderr)
+    if "max_new_tokens_capped_to" in stats:
+        print(f"[--max-new-tokens {args.max_new_tokens} capped to {stats['max_new_tokens_capped_to']}: prompt + "
+              f"completion must fit in the model's context of {stats['context_length']} tokens]", file=sys.stderr)
+    if "spec" in stats:
+        from hyspec.speculative.telemetry import SpecTelemetry
+
+        print(SpecTelemetry.from_dict(stats["spec"]).summary_line(), file=sys.stderr)
+    if fork is not None:
+        print(fork.summary_line(), file=sys.stderr)
+    return 0

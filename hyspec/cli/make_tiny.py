@@ -1,0 +1,39 @@
+"""`hyspec make-tiny`: write a random tiny checkpoint (mtp.* weights and a tokenizer) of one
+model family, for tests and quick experiments (hyspec.tiny)."""
+
+from __future__ import annotations
+
+from hyspec.cli.common import HelpFormatter
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("make-tiny", help="write a random tiny checkpoint (with mtp.* weights and a tokenizer)",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--arch", required=True, choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"],
+                   help="model family (required)")
+    p.add_argument("--out", required=True, help="output directory (required)")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary size (>= 300: with a tokenizer.json)")
+    p.add_argument("--hidden-size", type=int, default=64, help="hidden size")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--init-std", type=float, default=0.02, help="weight scale (larger = more peaked logits)")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* weights")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="also write a reduced draft vocabulary (mtp.d2t) of N ids")
+    p.add_argument("--fp8", action="store_true",
+                   help="block-FP8 weights like Qwen's -FP8 checkpoints (float8_e4m3fn + weight_scale_inv, "
+                        "quantization_config in config.json)")
+    p.add_argument("--fp8-block", default="128,128", help="weight_block_size for --fp8, as ROWS,COLS")
+    p.add_argument("--experts", default="stacked", choices=["stacked", "per_expert"],
+                   help="MoE expert layout: stacked gate_up_proj/down_proj or per-expert keys")
+
+
+def run(args) -> int:
+    from hyspec.tiny import make_tiny
+
+    out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
+                    layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
+                    draft_vocab=args.draft_vocab, fp8=args.fp8,
+                    fp8_block=tuple(int(x) for x in args.fp8_block.split(",")), experts=args.experts)
+    print(f"wrote {args.arch} {'FP8 ' if args.fp8 else ''}checkpoint to {out}")
+    return 0

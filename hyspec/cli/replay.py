@@ -1,0 +1,71 @@
+"""`hyspec replay`: teacher-forced MTP acceptance over a text file
+(hyspec.speculative.replay): how often the drafter's K guesses would be accepted there."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from hyspec.cli.common import HelpFormatter, add_model_args, load_engine
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay", help="teacher-forced MTP acceptance over a text file", formatter_class=HelpFormatter)
+    add_model_args(p)
+    p.add_argument("--text-file", required=True, help="UTF-8 text file to replay (required)")
+    p.add_argument("--k", type=int, default=4, help="deepest draft depth measured")
+    p.add_argument("--stride", type=int, default=1, help="draft from every N-th position")
+    p.add_argument("--chunk", type=int, default=512, help="target forward chunk length")
+    p.add_argument("--hidden", default="post", choices=["post", "pre"], help="target hidden that seeds the MTP head")
+    p.add_argument("--max-tokens", type=int, default=None, help="only the first N tokens of the file (None: all)")
+
+
+class ProgressBar:
+    """`[####....] done/total` on stderr, redrawn at most every 0.2 s (and at the end)."""
+
+    def __init__(self, width: int = 30) -> None:
+        self.width, self.last_draw = width, 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.time()
+        if done < total and now - self.last_draw < 0.2:
+            return
+        self.last_draw = now
+        filled = int(self.width * done / max(total, 1))
+        print(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from hyspec.speculative.replay import replay_acceptance
+
+    if os.path.isdir(args.text_file):
+        raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")
+    if not os.path.isfile(args.text_file):
+        raise ValueError(f"--text-file {args.text_file} does not exist")
+    eng = load_engine(args)
+    try:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    ids = eng.encode(text)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    if len(ids) > eng.context_length:
+        raise ValueError(f"--text-file {args.text_file} has {len(ids)} tokens, more than the model's context of "
+                         f"{eng.context_length} tokens: replay a prefix with --max-tokens {eng.context_length}")
+    report = replay_acceptance(eng.model, ids, k=args.k, stride=args.stride, chunk=args.chunk, hidden=args.hidden,
+                               progress=None if args.json else ProgressBar())
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{report['tokens']} tokens, target perplexity {report['perplexity']:.3f}; "
+          f"{report['positions']} draft positions (stride {report['stride']}, K={report['k']})")
+    print("depth                      " + "".join(f"{d + 1:>8}" for d in range(report["k"])))
+    for label, rates in (("accepted vs text", report), ("accepted vs target greedy", report["vs_target"])):
+        print(f"{label:<27}" + "".join(f"{x:8.3f}" for x in rates["accept_rate_at"]))
+        print(f"{'  acceptance length, K=d':<27}" + "".join(f"{x:8.3f}" for x in rates["acceptance_length"]))
+    return 0

@@ -1,0 +1,38 @@
+"""`hyspec score`: per-token log-probabilities of a text (teacher forcing), optionally with
+the top alternatives at each position."""
+
+from __future__ import annotations
+
+import json
+
+from hyspec.cli.common import HelpFormatter, add_model_args, load_engine, parse_ids
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("score", help="per-token log-probabilities of a text", formatter_class=HelpFormatter)
+    add_model_args(p)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="text to score (with the checkpoint's tokenizer)")
+    source.add_argument("--ids", type=parse_ids, help="token ids to score, comma-separated")
+    p.add_argument("--top-logprobs", type=int, default=0,
+                   help="also show the N most likely tokens at each position (a table; 0 = off)")
+
+
+def run(args) -> int:
+    eng = load_engine(args)
+    scored = eng.score(args.text if args.text is not None else args.ids, top_logprobs=args.top_logprobs)
+    if args.json:
+        print(json.dumps(scored))
+        return 0
+    if args.top_logprobs:
+        def show(token_id: int) -> str:
+            s = repr(eng.tokenizer.decode([token_id])) if eng.tokenizer is not None else str(token_id)
+            return s if len(s) <= 14 else s[:13] + "~"
+
+        print(f"{'pos':>5}  {'token':<14} {'logprob':>8}   top {args.top_logprobs} (token logprob)")
+        for i, (logprob, top) in enumerate(zip(scored["logprobs"], scored["top_logprobs"]), start=1):
+            alternatives = "  ".join(f"{show(e[0])} {e[1]:.2f}" for e in top)
+            print(f"{i:>5}  {show(scored['tokens'][i]):<14} {logprob:>8.3f}   {alternatives}")
+    print(f"{scored['scored_tokens']} tokens  NLL {scored['nll']:.3f}  mean {scored['mean_nll']:.4f}  "
+          f"perplexity {scored['perplexity']:.3f}")
+    return 0

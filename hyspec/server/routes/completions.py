@@ -1,0 +1,121 @@
+"""POST /v1/completions: one or more prompts (text or ids) x n choices, optional echo of
+the prompt (with its logprobs, scored by the engine); streamed as `text_completion`
+chunks or answered whole."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from hyspec.server import schemas
+from hyspec.server.errors import parse_body
+from hyspec.server.generation import new_run, request_constraint
+from hyspec.server.logprobs import completion_logprobs
+from hyspec.server.params import MAX_LOGPROBS, bad
+from hyspec.server.streaming import SSE, stream_events, wait_all
+
+
+def prompt_ids(state, prompt) -> list[list[int]]:
+    """The request's prompts as id lists (a string, strings, an id list or id lists)."""
+    if isinstance(prompt, str):
+        return [state.tokenizer.encode(prompt)]
+    if prompt and isinstance(prompt[0], str):
+        return [state.tokenizer.encode(x) for x in prompt]
+    if prompt and isinstance(prompt[0], list):
+        return [list(x) for x in prompt]
+    return [list(prompt)]
+
+
+async def echo_entries(state, prompts: list[list[int]], top_n: int) -> dict[int, list]:
+    """Logprob entries of each prompt's own tokens (echo + logprobs), by prompt index; the
+    first token has none."""
+    out: dict[int, list] = {}
+    for i, ids in enumerate(prompts):
+        scored = await state.worker.call(lambda eng, ids=ids: eng.score(ids, top_logprobs=max(top_n, 1))
+                                         if len(ids) > 1 else {"logprobs": [], "top_logprobs": []})
+        rows = zip(ids[1:], scored["logprobs"], scored["top_logprobs"])
+        out[i] = [(ids[0], None, None)] + [
+            (t, float(v), [(int(a[0]), float(a[1])) for a in top[:top_n]]) for t, v, top in rows]
+    return out
+
+
+def register(app, state) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t0 = time.perf_counter()
+        req = await parse_body(request, schemas.CompletionRequest)
+        state.check_model(req.model)
+        if req.suffix:
+            raise bad("suffix is not supported", "suffix")
+        prompts = prompt_ids(state, req.prompt)
+        if not prompts:
+            raise bad("prompt must not be an empty list", "prompt")
+        top_n = req.logprobs  # None: no logprobs
+        if top_n is not None and not 0 <= top_n <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be in 0..{MAX_LOGPROBS}, got {top_n}", "logprobs")
+        request_id = "cmpl-" + uuid.uuid4().hex
+        constraint = await request_constraint(state.engine, req)
+        run = new_run(state, req, prompts, "prompt", 16, bool(req.echo), top_n, request_id, t0, constraint)
+        run.object, run.created = "text_completion", int(time.time())
+        echoed = await echo_entries(state, prompts, top_n) if req.echo and top_n is not None else {}
+        run.start()
+        n = len(run.choices) // len(prompts)  # choices per prompt
+
+        def prompt_text(choice) -> str:
+            return state.decode_skip(choice.prompt_ids) if req.echo else ""
+
+        def logprobs_obj(choice, entries, first: bool):
+            if top_n is None:
+                return None
+            echo = echoed.get(choice.index // n, []) if (req.echo and first) else []
+            offset = 0
+            if not first:
+                offset = len(prompt_text(choice)) + sum(
+                    len(state.token_str(t)) for t in choice.matcher.ids[: choice.sent_logprobs])
+            return completion_logprobs(state, echo, entries or [], offset)
+
+        if req.stream:
+            usage_on = bool(req.stream_options and req.stream_options.include_usage)
+            base = {"id": request_id, "object": "text_completion", "created": run.created,
+                    "model": state.model_name}
+            extra = {"usage": None} if usage_on else {}
+            first_sent: set[int] = set()
+
+            def chunk(choice, delta: str, entries):
+                first = choice.index not in first_sent
+                first_sent.add(choice.index)
+                text = (prompt_text(choice) if first else "") + delta
+                return {**base, "choices": [{"index": choice.index, "text": text, "finish_reason": None,
+                                             "logprobs": logprobs_obj(choice, entries, first)}], **extra}
+
+            def finish(choice):
+                return {**base, "choices": [{"index": choice.index, "text": "", "logprobs": None,
+                                             "finish_reason": choice.finish_reason}], **extra}
+
+            headers = []
+            if req.echo:  # the prompt goes out at once
+                for choice in run.choices:
+                    first_sent.add(choice.index)
+                    body = {"index": choice.index, "text": prompt_text(choice),
+                            "logprobs": logprobs_obj(choice, [], True), "finish_reason": None}
+                    headers.append({**base, "choices": [body], **extra})
+            return StreamingResponse(stream_events(state, request, run, chunk, finish, usage_on, headers),
+                                     media_type=SSE)
+
+        await wait_all(run, request)
+        run.check_error()
+        choices = []
+        for choice in run.choices:
+            entries = choice.logprob_entries(0, choice.matcher.n_tokens)
+            body = {"index": choice.index, "text": prompt_text(choice) + choice.matcher.emittable(final=True),
+                    "logprobs": logprobs_obj(choice, entries, True) if top_n is not None else None,
+                    "finish_reason": choice.finish_reason}
+            if req.return_token_ids:
+                body["token_ids"] = list(choice.matcher.ids)
+            choices.append(body)
+        run.log_line()
+        return {"id": request_id, "object": "text_completion", "created": run.created, "model": state.model_name,
+                "choices": choices, "usage": run.usage()}

@@ -1,0 +1,21 @@
+"""GET /health (engine kind, prefix-store counters) and GET /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+from fastapi.responses import Response
+
+PREFIX_STORE_FIELDS = ("entries", "hits", "misses", "tokens_saved", "bytes_device", "bytes_host")
+
+
+def register(app, state) -> None:
+    @app.get("/health")
+    async def health():
+        store = state.worker.store
+        return {"status": "ok", "engine": "batched" if state.worker.batched else "sequential",
+                "prefix_store": None if store is None else {k: store.stats()[k] for k in PREFIX_STORE_FIELDS}}
+
+    @app.get("/metrics")
+    async def metrics():
+        running, waiting = state.worker.counts()
+        return Response(state.metrics.render(running, waiting),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,32 @@
+"""POST /tokenize (a prompt or chat messages -> ids) and POST /detokenize (ids -> text)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from hyspec.server import schemas
+from hyspec.server.errors import parse_body
+from hyspec.server.params import bad
+
+
+def register(app, state) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse_body(request, schemas.TokenizeRequest)
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad("give exactly one of prompt or messages", "prompt")
+        text = req.prompt if req.prompt is not None else state.render_chat(req.messages,
+                                                                           bool(req.add_generation_prompt))
+        ids = state.tokenizer.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse_body(request, schemas.DetokenizeRequest)
+        state.check_model(req.model)
+        vocab_size = state.limits.vocab_size
+        out_of_range = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if out_of_range:
+            raise bad(f"token id(s) {out_of_range[:5]} out of range for vocabulary size {vocab_size}", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}

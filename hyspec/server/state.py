@@ -1,0 +1,102 @@
+"""What every route shares: the server's settings (ServerConfig) and its state
+(ServerState: the engine, its worker thread, limits, chat template, metrics)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from hyspec.chat_template import ChatTemplate, TemplateError, load_template
+from hyspec.server import schemas
+from hyspec.server.metrics import Metrics
+from hyspec.server.params import APIError, Limits, bad
+from hyspec.server.worker import EngineWorker
+
+log = logging.getLogger("hyspec.server")
+
+
+@dataclass
+class ServerConfig:
+    served_model_name: str = "hyspec-default"
+    draft: int = 0
+    max_batch: int = 16
+    max_queue: int = 256
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    prefix_store: bool = True  # requests resume from / leave their end states in engine.store
+
+
+class ServerState:
+    """One per app (`app.state.hyspec`): the engine and the worker thread that owns it, the
+    request limits, the chat template, the metrics."""
+
+    def __init__(self, engine, cfg: ServerConfig) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("hyspec serve needs a checkpoint with tokenizer.json")
+        self.engine, self.cfg = engine, cfg
+        self.tokenizer = engine.tokenizer
+        model_cfg = engine.model.cfg
+        self.metrics = Metrics()
+        self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
+                                   prefix_store=cfg.prefix_store)
+        self.metrics.prefix_store = self.worker.store is not None
+        self.limits = Limits(vocab_size=model_cfg.vocab_size, max_model_len=int(model_cfg.max_position_embeddings),
+                             has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,
+                             capacity=self.worker.capacity)
+        source, where, specials = load_template(engine.model_dir)
+        self.own_template = where != "plain"
+        if specials.get("eos_token") is None and engine.eos_ids:
+            specials["eos_token"] = self.tokenizer.decode([engine.eos_ids[0]])
+        self.template = ChatTemplate(source, specials, where)
+        try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
+            from hyspec.constraints import vocab_for
+
+            vocab_for(engine)
+        except Exception as e:  # noqa: BLE001 - no llguidance: constrained requests get a 400 later
+            log.debug("constraint vocabulary not prepared: %s", e)
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.served_model_name
+
+    def decode_skip(self, ids: list[int]) -> str:
+        """Text of generated ids, special tokens left out (what responses show)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.cfg.served_model_name!r}", param="model", code="model_not_found")
+
+    def render_chat(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool, tools=None,
+                    kwargs: dict | None = None) -> str:
+        """The prompt text of a chat request (the checkpoint's template); a 400 on bad input."""
+        if not messages:
+            raise bad("messages must not be empty", "messages")
+        rendered = []
+        for message in messages:
+            as_dict = message.model_dump(exclude_none=False)
+            content = message.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise bad(f"message content parts of type {part.type!r} are not supported (text only)",
+                                  "messages")
+                    parts.append(part.text)
+                as_dict["content"] = "".join(parts)
+            elif content is None:
+                as_dict["content"] = ""
+            rendered.append(as_dict)
+        try:
+            return self.template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
+                                        **(kwargs or {}))
+        except TemplateError as e:
+            raise bad(str(e), "messages") from None
+        except Exception:  # noqa: BLE001 - a template bug must not become a 500 with a traceback
+            raise bad("the chat template failed to render these messages", "messages") from None

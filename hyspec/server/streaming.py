@@ -1,0 +1,113 @@
+"""Waiting on a Run: server-sent events for `stream: true`, the plain wait otherwise, and
+cancellation when the client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from fastapi import Request
+
+from hyspec.server.params import APIError
+
+if TYPE_CHECKING:
+    from hyspec.server.choices import Choice, Run
+    from hyspec.server.state import ServerState
+
+log = logging.getLogger("hyspec.server")
+SSE = "text/event-stream"
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def watch_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body was read already: the next message
+    is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def next_change(run: "Run", watcher) -> bool:
+    """Wait for news from the engine; False when the client disconnected instead."""
+    waiter = asyncio.ensure_future(run.wait_change())
+    done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if waiter not in done:
+        waiter.cancel()
+        return False
+    return True
+
+
+def cancel_unfinished(run: "Run") -> None:
+    if not run.done:
+        run.cancel()
+        log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
+
+
+async def wait_all(run: "Run", request: Request) -> None:
+    """Until every sequence finished; a client that disconnects cancels the run."""
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    try:
+        while not run.done:
+            if not await next_change(run, watcher):
+                raise asyncio.CancelledError()
+    finally:
+        watcher.cancel()
+        cancel_unfinished(run)
+
+
+async def stream_events(state: "ServerState", request: Request, run: "Run",
+                        make_chunk: Callable[["Choice", str, list | None], dict],
+                        finish_chunk: Callable[["Choice"], dict], usage_on: bool, header_chunks: list):
+    """SSE generator: header chunks, then per change each choice's new text (make_chunk),
+    then each choice's finish chunk, the usage chunk if asked, and [DONE]."""
+    watcher = asyncio.ensure_future(watch_disconnect(request))
+    try:
+        for header in header_chunks:
+            yield sse(header)
+        while True:
+            for choice in run.choices:
+                if choice.sent_final:
+                    continue
+                final = choice.finish_reason is not None
+                if choice.error is not None:
+                    raise APIError(500, "the engine failed while generating this request", code="engine_error")
+                text = choice.matcher.emittable(final=final)
+                delta = text[choice.sent_text:]
+                wants_logprobs = choice.job.logprobs is not None
+                n_logprobs = len(choice.token_logprobs) if wants_logprobs else 0
+                if final:
+                    n_logprobs = min(n_logprobs, choice.matcher.n_tokens)
+                entries = choice.logprob_entries(choice.sent_logprobs, n_logprobs) if wants_logprobs else None
+                if delta or entries:
+                    chunk = make_chunk(choice, delta, entries)
+                    choice.sent_text, choice.sent_logprobs = len(text), n_logprobs
+                    yield sse(chunk)
+                if final and choice.finish_reason != "cancelled":
+                    choice.sent_final = True
+                    yield sse(finish_chunk(choice))
+            if all(c.sent_final or c.finish_reason == "cancelled" for c in run.choices) and run.done:
+                break
+            if not await next_change(run, watcher):
+                return  # the client went away (finally cancels the run)
+        if usage_on:
+            yield sse({"id": run.id, "object": run.object, "created": run.created, "model": state.model_name,
+                       "choices": [], "usage": run.usage()})
+        yield "data: [DONE]\n\n"
+        run.log_line()
+    except APIError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+    except Exception:  # noqa: BLE001
+        log.exception("stream %s failed", run.id)
+        yield sse(APIError(500, "internal server error", code="internal_error").body())
+    finally:
+        watcher.cancel()
+        cancel_unfinished(run)
