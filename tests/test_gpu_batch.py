@@ -10,7 +10,7 @@ import torch
 
 from conftest import ARCHS
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 LOGPROB_ATOL = 1e-4
 
 

@@ -468,6 +468,7 @@ def test_no_host_sync(monkeypatch) -> None:
         torch.zeros(1).item()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_capture_and_replay() -> None:
     """Capture one round (draft, verify, accept, plain, push) as a CUDA graph with sync
