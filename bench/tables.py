@@ -279,8 +279,9 @@ def invariance_rows(res: Results, name: str) -> list[list[str]]:
     for k, r in inv.items():
         if isinstance(r, dict) and "equal" in r:
             what = re.sub(r"^k(\d+)$", r"K=\1", k)
-            figure = f"alone vs batched ({inv.get('prompts')} prompts × {inv.get('tokens')} tokens, batch {inv.get('batch')})"
-            rows.append([f"{figure}, {what}", f"{r['equal']}/{inv.get('prompts')} bitwise equal",
+            n_p, n_t = r.get("prompts", inv.get("prompts")), r.get("tokens", inv.get("tokens"))
+            figure = f"alone vs batched ({n_p} prompts × {n_t} tokens, batch {inv.get('batch')})"
+            rows.append([f"{figure}, {what}", f"{r['equal']}/{n_p} bitwise equal",
                          "", "", res.commit(name)])
         elif isinstance(r, str):
             rows.append([f"alone vs batched, {k}", r, "", "", res.commit(name)])

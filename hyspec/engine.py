@@ -352,9 +352,12 @@ class Engine:
 
     def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
-        (or when batch_graphs is set: the Triton interpreter in tests), for greedy requests
-        without constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible)."""
-        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs) or len(requests) < 2:
+        (or when batch_graphs is set: the Triton interpreter in tests), for requests without
+        penalties, constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible):
+        batches, and single sampled requests (a single greedy one takes the FastDecoder)."""
+        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs):
+            return None
+        if len(requests) < 2 and all(r.params.greedy for r in requests):
             return None
         from hyspec.kernels.gemm import triton_available
 
@@ -365,7 +368,7 @@ class Engine:
 
         if graph_eligible(requests) is not None:
             return None
-        slots = min(max(2, max_batch), 64)
+        slots = min(max(16 if self.model.device.type == "cuda" else 2, max_batch), 64)
         need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
         k = max(3, max(r.draft for r in requests))
         decoder = self._batch_dec
