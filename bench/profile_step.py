@@ -65,7 +65,7 @@ def main() -> int:
     ref = generate_plain_fast(model, prompt, max_new_tokens=256, decoder=dec).tokens
     for bv in (None, 32):
         dec.runner.gdn_block_v = bv
-        dec._graphs.clear()
+        dec.step_graphs.graphs.clear()
         pre, post, lg = dec.prefill(prompt)
         dec.start_spec(prompt, pre, post, int(torch.argmax(lg[0])))
         dec.start_plain(ref[0])

@@ -93,8 +93,8 @@ def split_step(dec, dev, reps):
         return k.get("out", a[-1] if a else None)
 
     for name, patch in (("no_gemm", "mm"), ("gemm_only", "other")):
-        snap = [t.clone() for t in dec._mutable()] + [dec.out_buf.clone()]
-        dec._graphs.pop(("decode",), None)
+        snap = dec.step_graphs.snapshot()
+        dec.step_graphs.graphs.pop(("decode",), None)
         try:
             if patch == "mm":
                 run.mm = no_mm
@@ -111,9 +111,8 @@ def split_step(dec, dev, reps):
             for n, f in saved.items():
                 setattr(fused, n, f)
             rt.attn_decode_grouped = saved_grouped
-            dec._graphs.pop(("decode",), None)
-            for t, v in zip(dec._mutable() + [dec.out_buf], snap):
-                t.copy_(v)
+            dec.step_graphs.graphs.pop(("decode",), None)
+            dec.step_graphs.restore(snap)
         log(f"  {name}: {res[name] if isinstance(res[name], str) else f'{res[name]:.4f} ms'}")
     return res
 

@@ -71,7 +71,7 @@ def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
         alone = reqs()[i]
         run_batch(dec, [alone], max_batch=1)
         assert alone.tokens == b.tokens, i
-    assert not dec._graph_failed and dec._graphs
+    assert not dec.step_graphs.failed and dec.step_graphs.graphs
     if not sampled:  # speculative lanes equal plain decoding of the same prompt
         for i, b in enumerate(batched):
             plain = LaneRequest(prompt=prompts[i], max_new_tokens=N)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hyspec.core.round import choose_token
+from hyspec.gpu.penalties import PenaltyWindow, verify_probs, window_counts
 from hyspec.gpu.sampling import (
-    PenaltyWindow,
     SamplingTable,
     draft_tokens,
     gumbel_lanes,
@@ -21,8 +21,6 @@ from hyspec.gpu.sampling import (
     sample_rows,
     speculative_accept,
     u01_lanes,
-    verify_probs,
-    window_counts,
 )
 from hyspec.rng import Stream, gumbel_noise, u01, u01_tensor
 from hyspec.sampling import (

@@ -2,7 +2,8 @@
 
     from hyspec.gpu import generate_plain_fast, generate_speculative_fast, FastDecoder
 """
-from hyspec.gpu.decoder import FastDecoder, GraphFallbackWarning
+from hyspec.gpu.decoder import FastDecoder
+from hyspec.gpu.graphs import GraphFallbackWarning
 from hyspec.gpu.generate import forced_table, generate_plain_fast, generate_speculative_fast, get_decoder
 
 __all__ = ["FastDecoder", "GraphFallbackWarning", "generate_plain_fast", "generate_speculative_fast",

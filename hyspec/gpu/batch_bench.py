@@ -34,20 +34,21 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     out = {"backend": "cuda-graphs", "slots": slots, "max_len": max_len, "lane_bytes": dec.slot_bytes(),
-           "graph_pool_bytes": dec.graph_bytes, "graphs": len(dec._graphs), "graphs_ok": not dec._graph_failed,
+           "graph_pool_bytes": dec.step_graphs.pool_bytes, "graphs": len(dec.step_graphs.graphs),
+           "graphs_ok": not dec.step_graphs.failed,
            "setup_s": time.perf_counter() - t0, "runs": {}}
     log(f"BatchDecoder: {slots} lanes of {max_len} positions, {dec.slot_bytes() / 2**20:.1f} MiB per lane; "
-        f"{len(dec._graphs)} graphs captured ({dec.graph_bytes / 2**20:.1f} MiB pool) in {out['setup_s']:.1f} s")
+        f"{len(dec.step_graphs.graphs)} graphs captured ({dec.step_graphs.pool_bytes / 2**20:.1f} MiB pool) in {out['setup_s']:.1f} s")
     prompts = [torch.randint(0, V, (prompt_len,), generator=g).tolist() for _ in range(B_max)]
     rates = tuple(forced)
     for B in batches:
         plain = [LaneRequest(prompt=p, max_new_tokens=new_tokens) for p in prompts[:B]]
-        sp = run_batch(dec, plain, max_batch=B)
+        plain_stats = run_batch(dec, plain, max_batch=B)
         spec = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, reference=r.tokens)
                 for p, r in zip(prompts[:B], plain)]
-        ss = run_batch(dec, spec, max_batch=B, forced_rates=rates)
-        row = {"plain_tok_s": sp["round_tok_s"], "spec_tok_s": ss["round_tok_s"],
-               "spec_vs_plain": ss["round_tok_s"] / sp["round_tok_s"],
+        spec_stats = run_batch(dec, spec, max_batch=B, forced_rates=rates)
+        row = {"plain_tok_s": plain_stats["round_tok_s"], "spec_tok_s": spec_stats["round_tok_s"],
+               "spec_vs_plain": spec_stats["round_tok_s"] / plain_stats["round_tok_s"],
                "spec_equals_plain": all(a.tokens == b.tokens for a, b in zip(spec, plain)),
                "mean_accepted": sum(r.accepted for r in spec) / max(1, sum(r.rounds for r in spec))}
         out["runs"][B] = row
@@ -85,27 +86,32 @@ def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log) -> dict:
     profile's acceptance)."""
     from hyspec.sampling import SamplingParams
 
-    res = {}
+    out = {}
     for B in batches:
-        ps = [SamplingParams(seed=i, mode="coupled", **SAMPLED) for i in range(B)]
-        greedy = [LaneRequest(prompt=p, max_new_tokens=new_tokens) for p in prompts[:B]]
-        tg = run_batch(dec, greedy, max_batch=B)["round_tok_s"]
-        gs = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, reference=r.tokens) for p, r in zip(prompts, greedy)]
-        tgs = run_batch(dec, gs, max_batch=B, forced_rates=rates)["round_tok_s"]
-        sp = [LaneRequest(prompt=p, max_new_tokens=new_tokens, params=q) for p, q in zip(prompts, ps)]
-        tsp = run_batch(dec, sp, max_batch=B)["round_tok_s"]
-        ss = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, params=q, reference=r.tokens)
-              for p, q, r in zip(prompts, ps, sp)]
-        tss = run_batch(dec, ss, max_batch=B, forced_rates=rates)["round_tok_s"]
-        acc_g = sum(r.accepted for r in gs) / max(1, sum(r.rounds for r in gs))
-        acc_s = sum(r.accepted for r in ss) / max(1, sum(r.rounds for r in ss))
-        res[B] = {"greedy_plain_tok_s": tg, "sampled_plain_tok_s": tsp, "greedy_spec_tok_s": tgs,
-                  "sampled_spec_tok_s": tss, "sampled_vs_greedy_spec": tss / tgs, "sampled_vs_greedy_plain": tsp / tg,
+        params = [SamplingParams(seed=i, mode="coupled", **SAMPLED) for i in range(B)]
+        greedy_plain = [LaneRequest(prompt=p, max_new_tokens=new_tokens) for p in prompts[:B]]
+        tps_greedy_plain = run_batch(dec, greedy_plain, max_batch=B)["round_tok_s"]
+        greedy_spec = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, reference=r.tokens)
+                       for p, r in zip(prompts, greedy_plain)]
+        tps_greedy_spec = run_batch(dec, greedy_spec, max_batch=B, forced_rates=rates)["round_tok_s"]
+        sampled_plain = [LaneRequest(prompt=p, max_new_tokens=new_tokens, params=q) for p, q in zip(prompts, params)]
+        tps_sampled_plain = run_batch(dec, sampled_plain, max_batch=B)["round_tok_s"]
+        sampled_spec = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, params=q, reference=r.tokens)
+                        for p, q, r in zip(prompts, params, sampled_plain)]
+        tps_sampled_spec = run_batch(dec, sampled_spec, max_batch=B, forced_rates=rates)["round_tok_s"]
+        acc_g = sum(r.accepted for r in greedy_spec) / max(1, sum(r.rounds for r in greedy_spec))
+        acc_s = sum(r.accepted for r in sampled_spec) / max(1, sum(r.rounds for r in sampled_spec))
+        out[B] = {"greedy_plain_tok_s": tps_greedy_plain, "sampled_plain_tok_s": tps_sampled_plain,
+                  "greedy_spec_tok_s": tps_greedy_spec, "sampled_spec_tok_s": tps_sampled_spec,
+                  "sampled_vs_greedy_spec": tps_sampled_spec / tps_greedy_spec,
+                  "sampled_vs_greedy_plain": tps_sampled_plain / tps_greedy_plain,
                   "accepted_per_round_greedy": acc_g, "accepted_per_round_sampled": acc_s,
-                  "sampled_spec_equals_sampled_plain": all(a.tokens == b.tokens for a, b in zip(ss, sp))}
-        log(f"B={B:>3} sampled (T=0.8, top-p 0.95): plain {tsp:9.1f} tok/s (greedy {tg:9.1f}), forced K={k} "
-            f"{tss:9.1f} tok/s (greedy {tgs:9.1f}; x{tss / tgs:.2f}; accepted/round {acc_s:.2f} vs {acc_g:.2f})")
-    return res
+                  "sampled_spec_equals_sampled_plain": all(a.tokens == b.tokens
+                                                           for a, b in zip(sampled_spec, sampled_plain))}
+        log(f"B={B:>3} sampled (T=0.8, top-p 0.95): plain {tps_sampled_plain:9.1f} tok/s (greedy "
+            f"{tps_greedy_plain:9.1f}), forced K={k} {tps_sampled_spec:9.1f} tok/s (greedy {tps_greedy_spec:9.1f}; "
+            f"x{tps_sampled_spec / tps_greedy_spec:.2f}; accepted/round {acc_s:.2f} vs {acc_g:.2f})")
+    return out
 
 
 def invariance(dec, model, n_prompts, n_tokens, batch, k, prompt_len, g, log) -> dict:
@@ -116,7 +122,7 @@ def invariance(dec, model, n_prompts, n_tokens, batch, k, prompt_len, g, log) ->
     prompts = [torch.randint(0, V, (L,), generator=g).tolist() for L in lens]
     from hyspec.sampling import SamplingParams
 
-    res = {"prompts": n_prompts, "tokens": n_tokens, "batch": batch}
+    out = {"prompts": n_prompts, "tokens": n_tokens, "batch": batch}
     n_s, t_s = max(1, n_prompts // 4), max(1, n_tokens * 2 // 5)  # sampled: a quarter of the prompts, 2/5 the tokens
     for name, kk, sampled in (("plain", 0, False), (f"k{k}", k, False), ("sampled_plain", 0, True),
                               (f"sampled_k{k}", k, True)):
@@ -140,11 +146,11 @@ def invariance(dec, model, n_prompts, n_tokens, batch, k, prompt_len, g, log) ->
         run_batch(dec, reqs, max_batch=batch)
         t_batch = time.perf_counter() - t0
         equal = sum(r.tokens == a for r, a in zip(reqs, alone))
-        res[name] = {"equal": equal, "all_equal": equal == len(ps), "prompts": len(ps), "tokens": nt,
+        out[name] = {"equal": equal, "all_equal": equal == len(ps), "prompts": len(ps), "tokens": nt,
                      "alone_s": t_alone, "batched_s": t_batch}
         log(f"invariance {name}: {equal}/{len(ps)} sequences bitwise equal alone vs batched "
             f"({len(ps)} x {nt} tokens; alone {t_alone:.1f} s, batched {t_batch:.1f} s)")
-    return res
+    return out
 
 
 def _targets(out, k) -> dict:

@@ -78,11 +78,11 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
     if cuda:
         host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
         events = [torch.cuda.Event() for _ in range(2)]
-    st = {"round": 0, "buf": 0, "prefill_s": 0.0, "tokens": 0}
+    progress = {"round": 0, "buf": 0, "prefill_s": 0.0, "tokens": 0}  # rounds launched, next host buffer, ...
 
     def admit() -> None:
         t0 = time.perf_counter()
-        while order and len(active) < cap and requests[order[0]].arrival <= st["round"]:
+        while order and len(active) < cap and requests[order[0]].arrival <= progress["round"]:
             r = requests[order.popleft()]
             if r.max_new_tokens == 0:
                 r.reason = "length"
@@ -105,7 +105,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                                                   forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
             active.append(r)
         sync()
-        st["prefill_s"] += time.perf_counter() - t0
+        progress["prefill_s"] += time.perf_counter() - t0
 
     def launch():
         # a lane drafts at most remaining - 1 (the engine core's rule: a round never decides
@@ -122,26 +122,26 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
             dec.decode(nb, sampled)
         else:
             dec.round(nb, k, forced, sampled)
-        st["round"] += 1
-        b = st["buf"]
-        st["buf"] ^= 1
+        progress["round"] += 1
+        buf = progress["buf"]
+        progress["buf"] ^= 1
         n = len(active)
         if cuda:
-            host[b][:n, : 2 + k].copy_(dec.result[:n, : 2 + k], non_blocking=True)
-            events[b].record()
-            return b, n, k, None
-        return b, n, k, dec.result[:n, : 2 + k].clone()  # CPU: the call was synchronous
+            host[buf][:n, : 2 + k].copy_(dec.result[:n, : 2 + k], non_blocking=True)
+            events[buf].record()
+            return buf, n, k, None
+        return buf, n, k, dec.result[:n, : 2 + k].clone()  # CPU: the call was synchronous
 
     def read(launched) -> list[list[int]]:
-        b, n, k, copy = launched
+        buf, n, k, copy = launched
         if cuda:
-            events[b].synchronize()
-            return host[b][:n, : 2 + k].tolist()
+            events[buf].synchronize()
+            return host[buf][:n, : 2 + k].tolist()
         return copy.tolist()
 
     def take(rows, lanes) -> None:
         for i in lanes:
-            r, row = active[i], rows[i]
+            r, row = active[i], rows[i]  # row: (accepted n, bonus, d1..dk) of lane i
             n, bonus = row[0], row[1]
             r.rounds += 1
             r.drafted += r.k_now
@@ -150,7 +150,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                 r.telemetry.record_round(r.k_now, n)
             before = len(r.tokens)
             r.emit(row[2: 2 + n] + [bonus])
-            st["tokens"] += len(r.tokens) - before
+            progress["tokens"] += len(r.tokens) - before
 
     def may_queue_next(k) -> bool:
         """Queue the next round before reading this one: only when no lane can reach its
@@ -158,7 +158,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
         lane: its extra round is then dropped)."""
         if not pipeline:
             return False
-        if order and len(active) < cap and requests[order[0]].arrival <= st["round"]:
+        if order and len(active) < cap and requests[order[0]].arrival <= progress["round"]:
             return False
         # (with >= 2k + 2 left before this round, every lane still drafts its full k in the next)
         return all(r.max_new_tokens - len(r.tokens) >= 2 * (k + 1) for r in active)
@@ -169,7 +169,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
         if inflight is None:
             admit()
             if not active:
-                st["round"] += 1
+                progress["round"] += 1
                 continue
         t0 = time.perf_counter()
         if inflight is None:
@@ -194,8 +194,8 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                         dec.free(i)
                     active.pop()
         t_rounds += time.perf_counter() - t0
-    return {"prefill_s": st["prefill_s"], "rounds_s": t_rounds, "rounds": st["round"], "round_tokens": st["tokens"],
-            "round_tok_s": st["tokens"] / t_rounds if t_rounds > 0 else None}
+    return {"prefill_s": progress["prefill_s"], "rounds_s": t_rounds, "rounds": progress["round"], "round_tokens": progress["tokens"],
+            "round_tok_s": progress["tokens"] / t_rounds if t_rounds > 0 else None}
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
         r.stop_reason = lr.reason or "length"
         r.done = True
         r.stats = {"prompt_tokens": len(r.prompt_ids), "generated_tokens": len(lr.tokens), "path": "batch-graphs",
-                   "graphs": dec.graphs and not dec._graph_failed, "exact": dec.exact, "cached_tokens": 0,
+                   "graphs": dec.step_graphs.active, "exact": dec.exact, "cached_tokens": 0,
                    "batch_wall_s": wall, "batch_round_tok_s": stats["round_tok_s"]}
         if r.draft > 0:
             r.stats.update({"k": r.draft, "target_forwards": lr.rounds, "spec": r.telemetry.to_dict()})

@@ -49,12 +49,16 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _prefill_first(dec: FastDecoder, prompt: list[int]):
-    """Start the clock, prefill, take the greedy first token: (t0, pre, post, first)."""
+def _prefill_first(dec: FastDecoder, prompt: list[int], stops, on_tokens):
+    """Start the clock, prefill, take the greedy first token and emit it:
+    (t0, pre, post, first, out [first], reason: "eos" when first is a stop id else "length")."""
     _sync(dec.dev)
     t0 = time.perf_counter()
     pre, post, logits = dec.prefill(prompt)
-    return t0, pre, post, int(torch.argmax(logits[0]))
+    first = int(torch.argmax(logits[0]))
+    if on_tokens is not None:
+        on_tokens([first])
+    return t0, pre, post, first, [first], "eos" if first in stops else "length"
 
 
 def forced_table(reference: list[int], rates, seed: int, capacity: int, k_max: int, vocab: int) -> torch.Tensor:
@@ -89,15 +93,8 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
         raise ValueError(f"decoder max_len {dec.max_len} < {P + max_new_tokens + 1} needed")
     if max_new_tokens == 0:
         return GenerationResult([], "length", {"prompt_tokens": P, "generated_tokens": 0})
-    t0, _, _, first = _prefill_first(dec, prompt)
-    out: list[int] = []
-    reason = "length"
-    out.append(first)
-    if on_tokens is not None:
-        on_tokens([first])
-    steps = max_new_tokens - 1
-    if first in stops:
-        reason, steps = "eos", 0
+    t0, _, _, first, out, reason = _prefill_first(dec, prompt, stops, on_tokens)
+    steps = 0 if reason == "eos" else max_new_tokens - 1
     dec.start_plain(first)
     dec.decode_step_capture_only()
     t1 = time.perf_counter()  # graph capture is set-up, not decoding
@@ -124,7 +121,7 @@ def generate_plain_fast(model, prompt: list[int], *, max_new_tokens: int, stop_i
         "prompt_tokens": P, "generated_tokens": len(out), "prefill_s": t1 - t0, "decode_s": t2 - t1,
         "decode_tok_s": (len(out) - 1) / (t2 - t1) if len(out) > 1 and t2 > t1 else None,
         "target_forwards": max(len(out) - 1, 0), "path": f"fast-{dec.backend}", "exact": dec.exact,
-        "graphs": dec.graphs and not dec._graph_failed,
+        "graphs": dec.step_graphs.active,
     })
 
 
@@ -167,14 +164,7 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
                                     dec.capacity, dec.k_max, model.cfg.vocab_size))
     if max_new_tokens == 0:
         return GenerationResult([], "length", {"prompt_tokens": P, "generated_tokens": 0})
-    t0, pre, post, pending = _prefill_first(dec, prompt)
-    out: list[int] = []
-    reason = "length"
-    out.append(pending)
-    if on_tokens is not None:
-        on_tokens([pending])
-    if pending in stops:
-        reason = "eos"
+    t0, pre, post, pending, out, reason = _prefill_first(dec, prompt, stops, on_tokens)
     dec.start_spec(prompt, pre, post, pending, opts.hidden)
     _sync(dev)
     t_prefill = time.perf_counter() - t0
@@ -186,7 +176,7 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
 
     slots = 2
     if cuda:
-        res_host = [torch.empty(2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(slots)]
+        result_host = [torch.empty(2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(slots)]
         events = [torch.cuda.Event() for _ in range(slots)]
     phase_ev = []  # (e0, e1, e2, e3) per round when profiling
     mtp_forwards = 0
@@ -215,14 +205,14 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
             mark(ev)
             phase_ev.append(ev)
         if cuda:
-            res_host[slot].copy_(dec.res, non_blocking=True)
+            result_host[slot].copy_(dec.result, non_blocking=True)
             events[slot].record()
 
-    def result(slot: int) -> list[int]:
+    def read_result(slot: int) -> list[int]:
         if cuda:
             events[slot].synchronize()
-            return res_host[slot].tolist()
-        return dec.res.tolist()
+            return result_host[slot].tolist()
+        return dec.result.tolist()
 
     inflight = None  # (k, slot)
     slot = 0
@@ -240,10 +230,10 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
             launch(K, slot)  # the next round's k is K whatever this round emits
             nxt = (K, slot)
             slot = (slot + 1) % slots
-        r = result(s)
+        row = read_result(s)  # (accepted n, bonus, d1..dk)
         rounds += 1
-        n, bonus = r[0], r[1]
-        drafts = r[2 : 2 + k]
+        n, bonus = row[0], row[1]
+        drafts = row[2 : 2 + k]
         tel.record_round(k, n)
         if trace is not None:
             trace.append((k, n, list(drafts)))
@@ -265,7 +255,7 @@ def generate_speculative_fast(model, prompt: list[int], *, max_new_tokens: int, 
         "decode_tok_s": (len(out) - 1) / (t2 - t1) if len(out) > 1 and t2 > t1 else None,
         "target_forwards": tel.rounds, "mtp_forwards": mtp_forwards, "k": K, "rollback": "checkpoint",
         "spec": tel.to_dict(), "path": f"fast-{dec.backend}", "exact": dec.exact,
-        "graphs": dec.graphs and not dec._graph_failed,
+        "graphs": dec.step_graphs.active,
     }
     if phase_ev:
         tot = [0.0, 0.0, 0.0]

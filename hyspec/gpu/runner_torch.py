@@ -27,10 +27,10 @@ class TorchRunner:
         """ids [t] at positions pos.. -> (pre-norm [t, H], post-norm [t, H]). KV rows are
         written; linear layers either advance in place (decode) or record the per-row
         states / conv inputs into the decoder's slabs (verify; state untouched)."""
-        dec, m = self.dec, self.model
+        dec, model = self.dec, self.model
         ctx = StepCtx(start=int(pos.item()), exact=True)
-        x = m.model.embed_tokens(ids[:t])
-        for i, layer in enumerate(m.model.layers):
+        x = model.model.embed_tokens(ids[:t])
+        for i, layer in enumerate(model.model.layers):
             h = layer.input_layernorm(x)
             if layer.layer_type == FULL:
                 h = layer.self_attn(h, ctx, dec.kvbuf(i))
@@ -38,7 +38,7 @@ class TorchRunner:
                 h = self._gdn(layer.linear_attn, h, ctx, dec.gdn_index[i], record)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x), ctx)
-        return x, m.model.norm(x)
+        return x, model.model.norm(x)
 
     def _gdn(self, mod, x, ctx, g, record):
         """GatedDeltaNet.forward with the decoder's state (same calls, same order)."""

@@ -37,12 +37,11 @@ Layout
 
 * :class:`SamplingTable`: the lanes' :class:`~hyspec.sampling.SamplingParams` as
   tensors ``[B]``.
-* :class:`PenaltyWindow`: per lane, the token counts ``[B, V]`` of the last
-  ``penalty_last_n`` history tokens (exactly the reference's ``_window``), kept up to
-  date on the device by :meth:`PenaltyWindow.push` with a ring buffer ``[B, C]``.
-* :func:`probs_batch` (= ``row_probs``), :func:`verify_probs` (the ``k+1`` verify rows,
-  row ``j`` penalised with the history plus ``drafts[:j]``), :func:`plain_tokens`,
-  :func:`draft_tokens`, :func:`speculative_accept`.
+* :func:`probs_batch` (= ``row_probs``; penalties from per-lane token counts),
+  :func:`plain_tokens`, :func:`draft_tokens`, :func:`speculative_accept`.
+* the penalty window (per-lane token counts kept on the device) and the verify rows'
+  penalised probabilities: :mod:`hyspec.gpu.penalties` (tested against the reference;
+  the graph round does not use penalties yet: the engine core serves them).
 
 Preconditions the reference checks and this module cannot (checking would need a host
 sync): logits have no NaN or ``+inf`` and every row has a finite entry; probability rows
@@ -60,16 +59,13 @@ import torch
 from hyspec.kernels.gemm import triton_available
 from hyspec.kernels.philox import u01_rows
 from hyspec.rng import _TWO_M53, _TWO_M54, Stream, _philox4x32_tensor
-from hyspec.sampling import SamplingParams, _window
+from hyspec.sampling import SamplingParams
 
 __all__ = [
     "SamplingTable",
-    "PenaltyWindow",
-    "window_counts",
     "u01_lanes",
     "gumbel_lanes",
     "probs_batch",
-    "verify_probs",
     "sample_rows",
     "coupled_rows",
     "plain_tokens",
@@ -140,106 +136,6 @@ class SamplingTable:
             raise ValueError(f"expected {self.batch} lanes' params, got {len(params)}")
         for lane, p in enumerate(params):
             self.set(lane, p)
-
-
-# --------------------------------------------------------------------------------------
-# Penalty window
-# --------------------------------------------------------------------------------------
-
-
-def window_counts(history: Sequence[int] | torch.Tensor, last_n: int, vocab: int) -> torch.Tensor:
-    """Host helper: int32 [vocab] counts of the tokens in the reference's penalty window
-    (the last ``last_n`` history tokens, -1 = all, 0 = none; ids outside [0, vocab)
-    occupy window places but are not counted)."""
-    window = [t for t in _window(history, last_n) if 0 <= t < vocab] if last_n != 0 else []
-    return torch.bincount(torch.tensor(window, dtype=torch.int64), minlength=vocab).to(torch.int32)
-
-
-class PenaltyWindow:
-    """Per-lane token counts of the penalty window, updated on the device.
-
-    The window of a lane is exactly the reference's ``_window(history, penalty_last_n)``:
-    the last ``N = penalty_last_n`` tokens of the history (all of it for -1, none for 0;
-    the whole history while it is shorter than N), counting only ids in [0, V).  A lane with a finite window keeps its last N tokens in
-    a ring buffer: history token ``h`` lives in ``ring[lane, h % N]``, so appending token
-    number ``L`` evicts ``ring[lane, L % N]`` (history token ``L - N``) once ``L >= N``.
-    A whole-history lane (-1) only ever adds.  All updates are integer scatter-adds, so
-    the counts are exact on every device.
-
-    Lanes whose params have no penalties get N = 0 (nothing counted, nothing needed).
-    """
-
-    def __init__(
-        self, batch: int, vocab: int, capacity: int = 256, device: torch.device | str | None = None
-    ) -> None:
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        self.batch, self.vocab, self.capacity, self.device = batch, vocab, capacity, dev
-        self.last_n = torch.zeros(batch, dtype=torch.int64, device=dev)  # [B] N: -1 all, 0 off
-        self.length = torch.zeros(batch, dtype=torch.int64, device=dev)  # [B] history tokens seen
-        self.ring = torch.full((batch, capacity), -1, dtype=torch.int64, device=dev)  # [B, C]
-        self.counts = torch.zeros(batch, vocab, dtype=torch.int32, device=dev)  # [B, V]
-
-    # host side ------------------------------------------------------------------------
-    def load(self, lane: int, history: Sequence[int] | torch.Tensor, params: SamplingParams | int) -> None:
-        """Rebuild a lane from its whole history (a list on the host) and its params (or
-        an explicit penalty_last_n).  Host work plus one copy per field; not for capture."""
-        if isinstance(history, torch.Tensor):
-            history = history.reshape(-1).tolist()
-        hist = [int(t) for t in history]
-        if isinstance(params, SamplingParams):
-            n = params.penalty_last_n if params.has_penalties else 0
-        else:
-            n = int(params)
-        if n > self.capacity:
-            raise ValueError(f"penalty_last_n={n} exceeds the window capacity {self.capacity}")
-        if n < -1:
-            raise ValueError(f"penalty_last_n must be >= -1, got {n}")
-        ring = torch.full((self.capacity,), -1, dtype=torch.int64)
-        if n > 0:
-            for h in range(max(0, len(hist) - n), len(hist)):
-                ring[h % n] = hist[h]
-        self.last_n[lane] = n
-        self.length[lane] = len(hist)
-        self.ring[lane].copy_(ring)
-        self.counts[lane].copy_(window_counts(hist, n, self.vocab))
-
-    # device side ----------------------------------------------------------------------
-    def push(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> None:
-        """Append one token per lane: tokens [B] int64; active [B] bool (None = all)."""
-        B, V = self.batch, self.vocab
-        t = tokens.to(torch.int64)  # [B]
-        act = torch.ones(B, dtype=torch.bool, device=self.device) if active is None else active  # [B]
-        n, L = self.last_n, self.length  # [B]
-        ring_lane = act & (n > 0)  # [B] finite window
-        slot = (L % n.clamp(min=1)).unsqueeze(1)  # [B, 1]
-        old = self.ring.gather(1, slot).squeeze(1)  # [B] history token L - N (or -1)
-        evict = ring_lane & (L >= n) & (old >= 0) & (old < V)  # [B]
-        add = act & (n != 0) & (t >= 0) & (t < V)  # [B]
-        self.counts.scatter_add_(1, old.clamp(0, V - 1).unsqueeze(1), -evict.to(torch.int32).unsqueeze(1))
-        self.counts.scatter_add_(1, t.clamp(0, V - 1).unsqueeze(1), add.to(torch.int32).unsqueeze(1))
-        self.ring.scatter_(1, slot, torch.where(ring_lane, t, old).unsqueeze(1))
-        self.length.add_(act.to(torch.int64))
-
-    def push_many(self, tokens: torch.Tensor, n_valid: torch.Tensor) -> None:
-        """Append tokens[b, :n_valid[b]] per lane (tokens [B, m], n_valid [B]): the tokens a
-        round emitted, e.g. ``drafts[:n]`` then ``next_token``."""
-        for i in range(tokens.shape[1]):  # m is a static shape
-            self.push(tokens[:, i], n_valid > i)
-
-    def copy_(self, other: PenaltyWindow) -> PenaltyWindow:
-        """In-place copy of another window's state (static addresses: graph friendly)."""
-        self.last_n.copy_(other.last_n)
-        self.length.copy_(other.length)
-        self.ring.copy_(other.ring)
-        self.counts.copy_(other.counts)
-        return self
-
-    def clone(self) -> PenaltyWindow:
-        w = PenaltyWindow.__new__(PenaltyWindow)
-        w.batch, w.vocab, w.capacity, w.device = self.batch, self.vocab, self.capacity, self.device
-        w.last_n, w.length = self.last_n.clone(), self.length.clone()
-        w.ring, w.counts = self.ring.clone(), self.counts.clone()
-        return w
 
 
 # --------------------------------------------------------------------------------------
@@ -316,7 +212,7 @@ def probs_batch(
     logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``row_probs`` for every lane: logits [B, V] (any float dtype), counts [B, V] (the
-    lanes' :attr:`PenaltyWindow.counts`, None = no penalties) -> float64 probs [B, V].
+    lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V].
 
     Penalties -> temperature -> top-k -> top-p -> min-p, each a mask over the row sorted
     by decreasing logit (stable: ties keep ascending ids); greedy lanes get a one-hot at
@@ -347,27 +243,6 @@ def probs_batch(
     ps = _softmax_kept(xs, keep)  # [B, V], sorted order
     sampled = torch.zeros_like(ps).scatter_(1, order, ps)  # [B, V], token order
     return torch.where(greedy, onehot, sampled)
-
-
-def verify_probs(
-    logits: torch.Tensor,
-    table: SamplingTable,
-    window: PenaltyWindow | None,
-    drafts: torch.Tensor,
-) -> torch.Tensor:
-    """Probabilities of a round's verify rows: logits [B, R, V], drafts [B, R-1] ->
-    float64 [B, R, V], row j penalised with the history plus ``drafts[:, :j]`` (the
-    reference's ``row_probs(rows[j], hist + drafts[:j], params)``).  ``window`` is not
-    modified (a scratch copy advances).  The drafter's rows need the same: advance a
-    scratch window with :meth:`PenaltyWindow.push` after each draft."""
-    R = logits.shape[1]
-    scratch = window.clone() if window is not None else None
-    rows = []
-    for j in range(R):  # R = k + 1 is a static shape
-        rows.append(probs_batch(logits[:, j], table, scratch.counts if scratch is not None else None))
-        if scratch is not None and j < R - 1:
-            scratch.push(drafts[:, j])
-    return torch.stack(rows, dim=1)
 
 
 # --------------------------------------------------------------------------------------

@@ -18,12 +18,12 @@ from hyspec.kernels.gemm import set_tuned, skinny_config
 def model_shapes(runner) -> list[tuple[int, int]]:
     """The (N, K) of every matmul weight the Triton runner uses (target + MTP + head)."""
     shapes = {tuple(runner.head.shape)}
-    layers = list(runner.layers) + ([runner.mtp_l] if runner.mtp_l is not None else [])
+    layers = list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else [])
     for L in layers:
         for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
             if w is not None:
                 shapes.add(tuple(w.shape))
-    if runner.mtp_l is not None:
+    if runner.mtp_layer is not None:
         shapes.add(tuple(runner.mtp_fc.shape))
     return sorted(shapes)
 
@@ -71,18 +71,18 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     from hyspec.kernels.gemm import BUILTIN
 
     table = {s: dict(TUNED.get(s) or BUILTIN.get(s, {})) for s in shapes}
-    snap = [t.clone() for t in dec._mutable()] + [dec.out_buf.clone()]
+    graphs = dec.step_graphs
+    snap = graphs.snapshot()
 
     def step_ms() -> float:
         set_tuned(table)
-        dec.runner._ws.clear()
-        dec._graphs.pop(("decode",), None)
+        dec.runner._workspaces.clear()
+        graphs.graphs.pop(("decode",), None)
         dec.decode_step_capture_only()
-        g = dec._graphs.get(("decode",))
+        g = graphs.graphs.get(("decode",))
         if g is None:  # the capture failed (e.g. a tile over the shared-memory limit)
-            dec._graph_failed = False
-            for t, v in zip(dec._mutable() + [dec.out_buf], snap):
-                t.copy_(v)
+            graphs.failed = False
+            graphs.restore(snap)
             raise RuntimeError("decode-step capture failed for this config")
         for _ in range(3):
             g.replay()
@@ -96,8 +96,7 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
             b.record()
             b.synchronize()
             best = min(best, a.elapsed_time(b) / reps)
-        for t, v in zip(dec._mutable() + [dec.out_buf], snap):
-            t.copy_(v)
+        graphs.restore(snap)
         return best
 
     t0 = time.perf_counter()
@@ -131,8 +130,8 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
         out[s] = {"config": table[s], "step_ms": cur_ms, "tried": len(seen[s])}
         log(f"  in-step tune {s[0]}x{s[1]}: {table[s]} -> step {cur_ms:.4f} ms ({len(tried)} tried)")
     set_tuned(table)
-    dec.runner._ws.clear()
-    dec._graphs.clear()
+    dec.runner._workspaces.clear()
+    graphs.graphs.clear()
     for v in out.values():
         v["start_step_ms"] = start
     return out

@@ -1,5 +1,6 @@
 """Waiting on a Run: server-sent events for `stream: true`, the plain wait otherwise, and
-cancellation when the client disconnects."""
+cancellation when the client disconnects; the response envelopes both routes share
+(stream_response, whole_response): the route supplies only a choice's own fields."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from hyspec.server.params import APIError
 
@@ -111,3 +113,46 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
     finally:
         watcher.cancel()
         cancel_unfinished(run)
+
+
+def stream_response(state: "ServerState", request: Request, run: "Run", req,
+                    chunk_fields: Callable[["Choice", str, list | None], dict],
+                    finish_fields: dict, header_fields: list[tuple["Choice", dict]] = ()) -> StreamingResponse:
+    """The SSE response of a started run: every chunk is {id, object (run.object), created,
+    model, choices: [{"index": ..., fields}], "usage": None when the request asked for
+    usage}. chunk_fields(choice, delta, entries) gives a choice's new text (and logprobs);
+    finish_fields the content of its last chunk (before logprobs None and finish_reason);
+    header_fields (choice, fields) chunks go out first."""
+    usage_on = bool(req.stream_options and req.stream_options.include_usage)
+    base = {"id": run.id, "object": run.object, "created": run.created, "model": state.model_name}
+    extra = {"usage": None} if usage_on else {}
+
+    def chunk(choice: "Choice", fields: dict) -> dict:
+        return {**base, "choices": [{"index": choice.index, **fields}], **extra}
+
+    return StreamingResponse(
+        stream_events(state, request, run,
+                      lambda choice, delta, entries: chunk(choice, chunk_fields(choice, delta, entries)),
+                      lambda choice: chunk(choice, {**finish_fields, "logprobs": None,
+                                                    "finish_reason": choice.finish_reason}),
+                      usage_on, [chunk(choice, fields) for choice, fields in header_fields]),
+        media_type=SSE)
+
+
+async def whole_response(state: "ServerState", request: Request, run: "Run", req, object_name: str,
+                         choice_fields: Callable[["Choice", list], dict]) -> dict:
+    """The non-streamed response once every sequence finished: choices [{"index", fields
+    (choice_fields(choice, its logprob entries)), "finish_reason", "token_ids" when asked}]
+    and the usage."""
+    await wait_all(run, request)
+    run.check_error()
+    choices = []
+    for choice in run.choices:
+        entries = choice.logprob_entries(0, choice.matcher.n_tokens)
+        body = {"index": choice.index, **choice_fields(choice, entries), "finish_reason": choice.finish_reason}
+        if req.return_token_ids:
+            body["token_ids"] = list(choice.matcher.ids)
+        choices.append(body)
+    run.log_line()
+    return {"id": run.id, "object": object_name, "created": run.created, "model": state.model_name,
+            "choices": choices, "usage": run.usage()}

@@ -7,14 +7,13 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.generation import new_run, request_constraint
 from hyspec.server.logprobs import chat_logprobs
 from hyspec.server.params import MAX_LOGPROBS, bad
-from hyspec.server.streaming import SSE, stream_events, wait_all
+from hyspec.server.streaming import stream_response, whole_response
 
 
 def register(app, state) -> None:
@@ -37,38 +36,18 @@ def register(app, state) -> None:
         run.object, run.created = "chat.completion.chunk", int(time.time())
         run.start()
 
+        def logprobs(entries):
+            return chat_logprobs(state, entries) if top_n is not None else None
+
         if req.stream:
-            usage_on = bool(req.stream_options and req.stream_options.include_usage)
-            base = {"id": request_id, "object": "chat.completion.chunk", "created": run.created,
-                    "model": state.model_name}
-            extra = {"usage": None} if usage_on else {}
-
-            def chunk(choice, delta: str, entries):
-                return {**base, "choices": [{"index": choice.index, "delta": {"content": delta},
-                                             "logprobs": chat_logprobs(state, entries) if top_n is not None else None,
-                                             "finish_reason": None}], **extra}
-
-            def finish(choice):
-                return {**base, "choices": [{"index": choice.index, "delta": {}, "logprobs": None,
-                                             "finish_reason": choice.finish_reason}], **extra}
-
-            headers = [{**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}], **extra} for c in run.choices]
-            return StreamingResponse(stream_events(state, request, run, chunk, finish, usage_on, headers),
-                                     media_type=SSE)
-
-        await wait_all(run, request)
-        run.check_error()
-        choices = []
-        for choice in run.choices:
-            entries = choice.logprob_entries(0, choice.matcher.n_tokens)
-            body = {"index": choice.index,
-                    "message": {"role": "assistant", "content": choice.matcher.emittable(final=True)},
-                    "logprobs": chat_logprobs(state, entries) if top_n is not None else None,
-                    "finish_reason": choice.finish_reason}
-            if req.return_token_ids:
-                body["token_ids"] = list(choice.matcher.ids)
-            choices.append(body)
-        run.log_line()
-        return {"id": request_id, "object": "chat.completion", "created": run.created, "model": state.model_name,
-                "choices": choices, "usage": run.usage()}
+            return stream_response(
+                state, request, run, req,
+                lambda choice, delta, entries: {"delta": {"content": delta}, "logprobs": logprobs(entries),
+                                                "finish_reason": None},
+                {"delta": {}},
+                [(c, {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+                 for c in run.choices])
+        return await whole_response(
+            state, request, run, req, "chat.completion",
+            lambda choice, entries: {"message": {"role": "assistant", "content": choice.matcher.emittable(final=True)},
+                                     "logprobs": logprobs(entries)})

@@ -8,14 +8,13 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.generation import new_run, request_constraint
 from hyspec.server.logprobs import completion_logprobs
 from hyspec.server.params import MAX_LOGPROBS, bad
-from hyspec.server.streaming import SSE, stream_events, wait_all
+from hyspec.server.streaming import stream_response, whole_response
 
 
 def prompt_ids(state, prompt) -> list[list[int]]:
@@ -78,44 +77,22 @@ def register(app, state) -> None:
             return completion_logprobs(state, echo, entries or [], offset)
 
         if req.stream:
-            usage_on = bool(req.stream_options and req.stream_options.include_usage)
-            base = {"id": request_id, "object": "text_completion", "created": run.created,
-                    "model": state.model_name}
-            extra = {"usage": None} if usage_on else {}
             first_sent: set[int] = set()
 
             def chunk(choice, delta: str, entries):
                 first = choice.index not in first_sent
                 first_sent.add(choice.index)
                 text = (prompt_text(choice) if first else "") + delta
-                return {**base, "choices": [{"index": choice.index, "text": text, "finish_reason": None,
-                                             "logprobs": logprobs_obj(choice, entries, first)}], **extra}
-
-            def finish(choice):
-                return {**base, "choices": [{"index": choice.index, "text": "", "logprobs": None,
-                                             "finish_reason": choice.finish_reason}], **extra}
+                return {"text": text, "finish_reason": None, "logprobs": logprobs_obj(choice, entries, first)}
 
             headers = []
             if req.echo:  # the prompt goes out at once
                 for choice in run.choices:
                     first_sent.add(choice.index)
-                    body = {"index": choice.index, "text": prompt_text(choice),
-                            "logprobs": logprobs_obj(choice, [], True), "finish_reason": None}
-                    headers.append({**base, "choices": [body], **extra})
-            return StreamingResponse(stream_events(state, request, run, chunk, finish, usage_on, headers),
-                                     media_type=SSE)
-
-        await wait_all(run, request)
-        run.check_error()
-        choices = []
-        for choice in run.choices:
-            entries = choice.logprob_entries(0, choice.matcher.n_tokens)
-            body = {"index": choice.index, "text": prompt_text(choice) + choice.matcher.emittable(final=True),
-                    "logprobs": logprobs_obj(choice, entries, True) if top_n is not None else None,
-                    "finish_reason": choice.finish_reason}
-            if req.return_token_ids:
-                body["token_ids"] = list(choice.matcher.ids)
-            choices.append(body)
-        run.log_line()
-        return {"id": request_id, "object": "text_completion", "created": run.created, "model": state.model_name,
-                "choices": choices, "usage": run.usage()}
+                    headers.append((choice, {"text": prompt_text(choice), "logprobs": logprobs_obj(choice, [], True),
+                                             "finish_reason": None}))
+            return stream_response(state, request, run, req, chunk, {"text": ""}, headers)
+        return await whole_response(
+            state, request, run, req, "text_completion",
+            lambda choice, entries: {"text": prompt_text(choice) + choice.matcher.emittable(final=True),
+                                     "logprobs": logprobs_obj(choice, entries, True) if top_n is not None else None})

@@ -1,0 +1,99 @@
+"""Sampling inside the BatchDecoder's graphs: the per-lane draws of a round, on the device.
+
+Every per-row sampling op runs on fixed SAMPLE_BLOCK-row blocks: torch's GPU softmax /
+cumsum pick their kernel from the tensor's shape, so a fixed shape keeps a lane's numbers
+independent of how many lanes the round has (batch invariance).  The draws use the
+counter-based RNG of hyspec.gpu.sampling at the positions the engine core uses (streams
+PLAIN, DRAFT, and the accept / residual / bonus streams of speculative_accept).
+"""
+from __future__ import annotations
+
+import torch
+
+from hyspec.gpu import sampling as dsamp
+
+SAMPLE_BLOCK = 16  # rows per sampling call (a fixed shape: batch invariance on the GPU)
+_TABLE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "seed", "coupled", "greedy")
+
+
+def _table_view(table: dsamp.SamplingTable, rows, batch: int) -> dsamp.SamplingTable:
+    """A SamplingTable whose every field is rows(field [B]) (batch rows)."""
+    view = dsamp.SamplingTable.__new__(dsamp.SamplingTable)
+    for name in _TABLE_FIELDS:
+        setattr(view, name, rows(getattr(table, name)))
+    view.batch = batch
+    return view
+
+
+def table_rows(table: dsamp.SamplingTable, lanes: int, per_lane: int = 1) -> dsamp.SamplingTable:
+    """The table over the first `lanes` lanes, each repeated per_lane times (one per row)."""
+    return _table_view(table, lambda t: t[:lanes].repeat_interleave(per_lane) if per_lane > 1 else t[:lanes],
+                       lanes * per_lane)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
+
+
+def blocked(fn, n: int, *row_args):
+    """fn over row-aligned args (tensors or SamplingTables) in fixed SAMPLE_BLOCK-row calls
+    (the last one padded with copies of its first row); outputs concatenated back to n rows."""
+    outs = []
+    for s in range(0, n, SAMPLE_BLOCK):
+        e = min(n, s + SAMPLE_BLOCK)
+        args = [_pad_rows(a[s:e], SAMPLE_BLOCK) if isinstance(a, torch.Tensor)
+                else _table_view(a, lambda t: _pad_rows(t[s:e], SAMPLE_BLOCK), SAMPLE_BLOCK)
+                for a in row_args]
+        out = fn(*args)
+        outs.append(tuple(o[: e - s] for o in out) if isinstance(out, tuple) else out[: e - s])
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(x) for x in zip(*outs))
+    return torch.cat(outs)
+
+
+def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor) -> torch.Tensor:
+    """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN)."""
+    return blocked(lambda lg, tb, ps: dsamp.plain_tokens(dsamp.probs_batch(lg, tb), tb, ps), logits.shape[0],
+                   logits, table, positions)
+
+
+def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor):
+    """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream DRAFT)."""
+    def draw(lg, tb, ps):
+        q = dsamp.probs_batch(lg, tb)
+        return q, dsamp.draft_tokens(q, tb, ps)
+
+    return blocked(draw, logits.shape[0], logits, table, positions)
+
+
+def accept_sampled(dec, nb: int, t: int):
+    """(n accepted [nb], next token [nb]) per lane from the verify logits (still in the
+    runner's logits buffer): target probabilities per row, then the rejection / coupled
+    test (hyspec.gpu.sampling.speculative_accept) at the first draft's position pos + 1;
+    plain lanes take their row-0 token as plain decoding does (stream PLAIN); a
+    speculative lane drafting nothing this round (its last token) draws it as the bonus
+    of an empty round, as the engine core does."""
+    k = t - 1
+    V = dec.cfg.vocab_size
+    logits = dec.runner.bufs.logits[: nb * t]  # [nb * t, V]
+    probs = blocked(dsamp.probs_batch, nb * t, logits, table_rows(dec.sampling_table, nb, t)).view(nb, t, V)
+    table = table_rows(dec.sampling_table, nb)
+    first_pos = dec.pos[:nb] + 1  # [nb] the first draft's position
+    k_lane = dec.k_lane[:nb]
+    if k > 0:
+        drafts = dec.verify_tokens[:nb, 1:t]  # [nb, k]
+        n, next_token = blocked(dsamp.speculative_accept, nb, probs, dec.draft_probs[:nb, :k], drafts, table,
+                                first_pos, k_lane)
+    else:
+        n = torch.zeros(nb, device=dec.dev, dtype=torch.long)
+
+        def bonus_of_empty_round(p, tb, ps):
+            no_drafts = p.new_zeros(p.shape[0], 0, dtype=torch.long)
+            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps))[1]
+
+        next_token = blocked(bonus_of_empty_round, nb, probs, table, first_pos)
+    plain = blocked(dsamp.plain_tokens, nb, probs[:, 0], table, first_pos)
+    return n, torch.where(dec.spec_lane[:nb] == 0, plain, next_token)

@@ -1,0 +1,97 @@
+"""CUDA graphs of a decoder's step bodies: captured on first use, replayed after.
+
+Both decoders (FastDecoder: one sequence, BatchDecoder: lanes) launch every step as
+``step_graphs.run(key, body)``, ``key`` naming the body and its static shape (e.g.
+``("verify", t)``, ``("commit", nb, t, sampled)``).  The first run of a key warms the
+body up on a side stream (Triton compiles there), puts the owner's mutable state back,
+captures the body into a graph and puts the state back again, so capturing never
+advances a sequence; then it replays.  A capture that fails turns graphs off for the
+owner, loudly and once (GraphFallbackWarning + a line on stderr): every body then runs
+eagerly, with the same numbers, only slower.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+class GraphFallbackWarning(RuntimeWarning):
+    """A CUDA-graph capture failed; that step runs eagerly from now on (slower, same result)."""
+
+
+class StepGraphs:
+    """The graphs of one decoder, by key.
+
+    enabled   graphs were asked for (the decoder's ``graphs``); False: every run is eager
+    mutable   () -> the owner's tensors a body writes (saved and put back around a capture)
+    """
+
+    def __init__(self, enabled: bool, device: torch.device, mutable: Callable[[], list[torch.Tensor]]) -> None:
+        self.enabled = enabled
+        self.device = device
+        self.mutable = mutable
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self.failed = False  # a capture failed: eager from then on
+        self.pool_bytes = 0  # device memory the captures reserved (their graph pool), bytes
+
+    @property
+    def active(self) -> bool:
+        """Steps replay graphs (asked for, and no capture has failed)."""
+        return self.enabled and not self.failed
+
+    def run(self, key: Hashable, body: Callable[[], None]) -> None:
+        """Replay key's graph (capturing it first when new); eager when graphs are off."""
+        if self.active:
+            graph = self.graphs.get(key)
+            if graph is None:
+                graph = self.capture(key, body)
+            if graph is not None:
+                graph.replay()
+                return
+        with torch.no_grad():
+            body()
+
+    def ensure(self, key: Hashable, body: Callable[[], None]) -> None:
+        """Capture key's graph ahead of time (the owner's state is left unchanged)."""
+        if self.active and key not in self.graphs:
+            self.capture(key, body)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of the owner's mutable tensors (for restore)."""
+        return [t.clone() for t in self.mutable()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, v in zip(self.mutable(), saved):
+            t.copy_(v)
+
+    def capture(self, key: Hashable, body: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        """Warm up, capture and store key's graph; None (and graphs off) if that fails."""
+        saved = self.snapshot()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                body()  # compile + warm up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            self.restore(saved)
+            before = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), torch.no_grad():
+                body()
+            torch.cuda.synchronize()
+            self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back loudly, once
+            torch.cuda.synchronize()
+            self.restore(saved)
+            self.failed = True
+            msg = (f"hyspec.gpu: CUDA-graph capture of {key} failed ({type(e).__name__}: {e}); "
+                   f"running eagerly from now on")
+            warnings.warn(msg, GraphFallbackWarning, stacklevel=3)
+            print(msg, file=sys.stderr)
+            return None
+        self.restore(saved)
+        self.graphs[key] = graph
+        return graph
