@@ -23,9 +23,20 @@ from types import SimpleNamespace
 import torch
 
 from hyspec.config import FULL
-from hyspec.kernels import fused
-from hyspec.kernels.attn import GROUPED_SPLITS, attn_decode_grouped
-from hyspec.kernels.gemm import _config_cached, skinny_matmul
+from hyspec.kernels.attention import (
+    ATTN_SPLITS,
+    GROUPED_SPLITS,
+    attn_decode,
+    attn_decode_grouped,
+    attn_prep,
+    rope_inv_freq,
+)
+from hyspec.kernels.common import p2
+from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
+from hyspec.kernels.matmul import skinny_matmul
+from hyspec.kernels.matmul.config import _config_cached
+from hyspec.kernels.moe import expert_gemv
+from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.model.ffn import MoE
 
 
@@ -101,7 +112,7 @@ class TritonRunner:
         self.final_norm = m.model.norm.weight
         self.embed = m.model.embed_tokens.weight
         self.head = m.head_weight
-        self.inv_freq = fused.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)
+        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)
         self.mtp_l = None
         if m.mtp is not None:
             mt = m.mtp
@@ -227,7 +238,7 @@ class TritonRunner:
 
     def mm(self, x, w, out, act=False, defer=False):
         """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N].  defer: the
-        result only feeds ``fused.rmsnorm``'s delta, which may then take the split-K
+        result only feeds ``rmsnorm``'s delta, which may then take the split-K
         partials and reduce them itself (exact mode, ``fuse_reduce``)."""
         if self.exact:
             N, K = w.shape
@@ -265,7 +276,7 @@ class TritonRunner:
         dec = self.dec
         resid, xn = self._buf("resid", t), self._buf("xn", t)
         layers = self.layers
-        fused.rmsnorm(self.embed, layers[0].ln1, self.eps, out=xn, ids=ids, resid_out=resid, rows=t)
+        rmsnorm(self.embed, layers[0].ln1, self.eps, out=xn, ids=ids, resid_out=resid, rows=t)
         post = self._buf("post", t)
         for li, L in enumerate(layers):
             if L.kind == "gdn":
@@ -273,11 +284,11 @@ class TritonRunner:
             else:
                 h = self._attn(L, xn, t, pos, 0, dec.kv_k[dec.attn_index[L.index]], dec.kv_v[dec.attn_index[L.index]],
                                lanes)
-            fused.rmsnorm(resid, L.ln2, self.eps, out=xn, delta=h, resid_out=resid, rows=t)
+            rmsnorm(resid, L.ln2, self.eps, out=xn, delta=h, resid_out=resid, rows=t)
             h = self._ffn(L, xn, t)
             last = li + 1 == len(layers)
-            fused.rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
-                          out=post if last else xn, delta=h, resid_out=resid, rows=t)
+            rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
+                    out=post if last else xn, delta=h, resid_out=resid, rows=t)
         return resid, post
 
     def _gdn(self, L, xn, t, record, lanes=1):
@@ -294,14 +305,14 @@ class TritonRunner:
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
         xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
-        fused.gdn_conv(proj, conv, L.conv_w, y, rows=t, update=not record, xin=xin, lanes=lanes,
-                       state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
+        gdn_conv(proj, conv, L.conv_w, y, rows=t, update=not record, xin=xin, lanes=lanes,
+                 state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
         o = self._buf("o", t, cfg.linear_value_dim)
-        fused.gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, ssm, o,
-                       nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                       dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
-                       states=dec.ssm_rows[g] if record and self.records_states else None,
-                       block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
+        gdn_step(y, proj, L.A_log, L.dt_bias, L.norm_w, ssm, o,
+                 nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
+                 dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
+                 states=dec.ssm_rows[g] if record and self.records_states else None,
+                 block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         return self.mm(o, L.w_out, self._buf("h", t), defer=True)
 
     def commit_linear(self, n, t=None, lanes=0) -> None:
@@ -319,10 +330,10 @@ class TritonRunner:
             G = y_rows.shape[0]
             y_rows = y_rows[:, : lanes * t].view(G, lanes, t, y_rows.shape[-1])
             p_rows = p_rows[:, : lanes * t].view(G, lanes, t, p_rows.shape[-1])
-        fused.gdn_replay(y_rows, p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
-                         dec.ssm, n, self.b.h, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
-                         dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
-                         block_v=self.gdn_block_v, lanes=lanes)
+        gdn_replay(y_rows, p_rows, self.alog_all, self.dtb_all, self.gdn_layers[0].norm_w,
+                   dec.ssm, n, self.b.h, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
+                   dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
+                   block_v=self.gdn_block_v, lanes=lanes)
 
     def _attn(self, L, xn, t, pos, off, kc, vc, lanes=1):
         cfg = self.cfg
@@ -330,15 +341,15 @@ class TritonRunner:
         vc, _ = self._lane0(vc)
         proj = self.mm(xn, L.w_in, self._buf("proj", t, L.w_in.shape[0]))
         q = self._buf("q", t)
-        fused.attn_prep(proj, L.qn, L.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
-                        n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
-                        kv_lane_stride=kv_stride)
+        attn_prep(proj, L.qn, L.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
+                  n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
+                  kv_lane_stride=kv_stride)
         o = self._buf("o", t, cfg.num_attention_heads * cfg.head_dim)
         ws = self._ws.get("attn")
-        need = self.R * cfg.num_attention_heads * max(fused.ATTN_SPLITS, GROUPED_SPLITS) * (fused._p2(cfg.head_dim) + 2)
+        need = self.R * cfg.num_attention_heads * max(ATTN_SPLITS, GROUPED_SPLITS) * (p2(cfg.head_dim) + 2)
         if ws is None:
             ws = self._ws["attn"] = torch.empty(need, device=xn.device, dtype=torch.float32)
-        attn = attn_decode_grouped if self.attn_grouped else fused.attn_decode
+        attn = attn_decode_grouped if self.attn_grouped else attn_decode
         attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.R else None, lanes=lanes,
              kv_lane_stride=kv_stride)
         return self.mm(o, L.w_out, self._buf("h", t), defer=True)
@@ -363,9 +374,9 @@ class TritonRunner:
         ids = idx.reshape(-1)
         ex = moe.experts
         I2 = ex.gate_up_proj.shape[1]
-        gu = fused.expert_gemv(x, ex.gate_up_proj, ids, k, torch.empty(t * k, I2, device=x.device, dtype=x.dtype))
-        y = fused.expert_gemv(gu, ex.down_proj, ids, 1, torch.empty(t * k, x.shape[1], device=x.device,
-                                                                    dtype=x.dtype), act=True)
+        gu = expert_gemv(x, ex.gate_up_proj, ids, k, torch.empty(t * k, I2, device=x.device, dtype=x.dtype))
+        y = expert_gemv(gu, ex.down_proj, ids, 1, torch.empty(t * k, x.shape[1], device=x.device,
+                                                              dtype=x.dtype), act=True)
         y = y.view(t, k, -1)
         out = y[:, 0] * w[:, 0:1]
         for s in range(1, k):  # elementwise, fixed slot order: row-invariant
@@ -390,17 +401,17 @@ class TritonRunner:
         t = tokens.shape[0]
         H = self.cfg.hidden_size
         cat2 = self._buf("cat2", t)
-        fused.rmsnorm(self.embed, self.mtp_ne, self.eps, out=cat2[:, :H], ids=tokens, rows=t)
-        fused.rmsnorm(h_prev, self.mtp_nh, self.eps, out=cat2[:, H:], rows=t)
+        rmsnorm(self.embed, self.mtp_ne, self.eps, out=cat2[:, :H], ids=tokens, rows=t)
+        rmsnorm(h_prev, self.mtp_nh, self.eps, out=cat2[:, H:], rows=t)
         res, xn = self._buf("mres", t), self._buf("mxn", t)
         self.mm(cat2, self.mtp_fc, res)
         L = self.mtp_l
-        fused.rmsnorm(res, L.ln1, self.eps, out=xn, rows=t)
+        rmsnorm(res, L.ln1, self.eps, out=xn, rows=t)
         h = self._attn(L, xn, t, start, off, dec.dkv_k, dec.dkv_v, lanes)
-        fused.rmsnorm(res, L.ln2, self.eps, out=xn, delta=h, resid_out=res, rows=t)
+        rmsnorm(res, L.ln2, self.eps, out=xn, delta=h, resid_out=res, rows=t)
         h = self._ffn(L, xn, t)
         out = self._buf("mout", t)
-        fused.rmsnorm(res, self.mtp_norm, self.eps, out=out, delta=h, resid_out=res, rows=t)
+        rmsnorm(res, self.mtp_norm, self.eps, out=out, delta=h, resid_out=res, rows=t)
         return out
 
     def draft_logits(self, h):
