@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hyspec.kernels.gemm import skinny_config, skinny_matmul  # noqa: E402
+from hyspec.kernels.matmul import skinny_config, skinny_matmul  # noqa: E402
 from hyspec.provenance import git_state
 
 # b2: hidden 2048, 24 layers = 18 Gated DeltaNet + 6 gated attention, vocab 151936.

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from hyspec.bench import B2, build_config_model, time_fn  # noqa: E402
 from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast  # noqa: E402
-from hyspec.kernels.gemm import set_tuned  # noqa: E402
+from hyspec.kernels.matmul import set_tuned  # noqa: E402
 from hyspec.provenance import git_state
 from hyspec.speculative.loop import SpecOptions  # noqa: E402
 

@@ -16,7 +16,7 @@ One run on the GPU (b2 preset, bf16, 512-token prompt):
 
     python bench/step_anatomy.py --out anatomy.json
     (--tuned-from FILE starts from FILE's tuned_gemm table, e.g. bench/results/
-    step_anatomy_h200_tuning.json; without it, the shipped hyspec.kernels.gemm.BUILTIN configs)
+    step_anatomy_h200_tuning.json; without it, the shipped hyspec.kernels.matmul.BUILTIN configs)
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):
 
 def split_step(dec, dev, reps):
     """Decode-step time with the matmuls as no-ops, and with everything else as no-ops."""
-    from hyspec.kernels import fused
+    import hyspec.gpu.runner_triton as rt
 
     run = dec.runner
     res = {}
@@ -84,10 +84,9 @@ def split_step(dec, dev, reps):
     def no_mm(x, w, out, act=False, defer=False):
         return out if out is not None else torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
 
-    saved = {n: getattr(fused, n) for n in ("rmsnorm", "gdn_conv", "gdn_step", "attn_prep", "attn_decode")}
-    import hyspec.gpu.runner_triton as rt
-
-    saved_grouped = rt.attn_decode_grouped
+    # the runner's own names for the kernels (it imports them from hyspec/kernels/<op>/)
+    saved = {n: getattr(rt, n) for n in ("rmsnorm", "gdn_conv", "gdn_step", "attn_prep", "attn_decode",
+                                         "attn_decode_grouped")}
 
     def noop(*a, **k):
         return k.get("out", a[-1] if a else None)
@@ -100,8 +99,7 @@ def split_step(dec, dev, reps):
                 run.mm = no_mm
             else:
                 for n in saved:
-                    setattr(fused, n, noop)
-                rt.attn_decode_grouped = noop
+                    setattr(rt, n, noop)
             dec.decode_step_capture_only()
             res[name] = time_fn(dec.decode_step, dev, reps)
         except Exception as e:
@@ -109,8 +107,7 @@ def split_step(dec, dev, reps):
         finally:
             run.mm = real_mm
             for n, f in saved.items():
-                setattr(fused, n, f)
-            rt.attn_decode_grouped = saved_grouped
+                setattr(rt, n, f)
             dec.step_graphs.graphs.pop(("decode",), None)
             dec.step_graphs.restore(snap)
         log(f"  {name}: {res[name] if isinstance(res[name], str) else f'{res[name]:.4f} ms'}")
@@ -198,7 +195,7 @@ def main(argv=None) -> int:
     from hyspec.gpu import FastDecoder
     from hyspec.gpu.tune import model_shapes, tune_in_step
     from hyspec.kernels import pdl
-    from hyspec.kernels.gemm import TUNED, set_tuned
+    from hyspec.kernels.matmul import TUNED, set_tuned
     from hyspec.provenance import git_state
 
     res = {"command": "python bench/step_anatomy.py " + " ".join(argv if argv is not None else sys.argv[1:]),

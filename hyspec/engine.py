@@ -359,7 +359,7 @@ class Engine:
             return None
         if len(requests) < 2 and all(r.params.greedy for r in requests):
             return None
-        from hyspec.kernels.gemm import triton_available
+        from hyspec.kernels.common import triton_available
 
         if not triton_available():
             return None

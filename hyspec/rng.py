@@ -39,6 +39,7 @@ __all__ = [
     "philox4x32",
     "u01",
     "u01_tensor",
+    "u01_lanes",
     "gumbel_noise",
     "gumbel_noise_batch",
     "gumbel_counters",
@@ -172,6 +173,27 @@ def u01_tensor(seed: int, stream: int, counters: torch.Tensor) -> torch.Tensor:
     c3 = torch.zeros_like(c)
     o0, o1, _, _ = _philox4x32_tensor(c0, c1, c2, c3, k0, k1)
     m = ((o0 >> 5) << 26) | (o1 >> 6)  # [*] int64 < 2**53, exact in float64
+    u = m.to(torch.float64) * _TWO_M53
+    return torch.where(m == 0, torch.full_like(u, _TWO_M54), u)
+
+
+def u01_lanes(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> torch.Tensor:
+    """:func:`hyspec.rng.u01_tensor` with one key per lane and no checks (no host sync).
+
+    seeds: int64 [B] (the uint64 seed's bits); counters: int64 [B, ...] in [0, 2**63).
+    Returns float64 [B, ...], bit-identical to ``u01(seed[b], stream, counter)``: it runs
+    the same int64 Philox block function as ``u01_tensor``, keyed per element.
+    """
+    c = counters.to(torch.int64)
+    s = seeds.to(torch.int64).reshape(seeds.shape + (1,) * (c.dim() - seeds.dim()))  # [B, 1...]
+    k0 = s & _MASK32
+    k1 = (s >> 32) & _MASK32  # arithmetic shift, then the high word's 32 bits
+    c0 = c & _MASK32
+    c1 = c >> 32
+    c2 = torch.full_like(c, int(stream))
+    c3 = torch.zeros_like(c)
+    o0, o1, _, _ = _philox4x32_tensor(c0, c1, c2, c3, k0, k1)
+    m = ((o0 >> 5) << 26) | (o1 >> 6)  # int64 < 2**53
     u = m.to(torch.float64) * _TWO_M53
     return torch.where(m == 0, torch.full_like(u, _TWO_M54), u)
 

@@ -255,8 +255,29 @@ def test_kernel_modules_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # make `import triton` fail
         "import hyspec.kernels.gemm as g, hyspec.kernels.fused, hyspec.kernels.attn, hyspec.kernels.pdl\n"
+        "import hyspec.kernels.philox, hyspec.kernels.rmsnorm, hyspec.kernels.attention, hyspec.kernels.gdn\n"
+        "import hyspec.kernels.moe, hyspec.kernels.matmul, hyspec.kernels.rng\n"
         "assert not g.triton_available()\n"
     )
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_flat_kernel_modules_reexport_the_op_folders():
+    """fused / attn / gemm / philox are shims: the very objects of hyspec/kernels/<op>/, so
+    old imports and the config tables they expose act on the code that runs."""
+    from hyspec.kernels import attention, attn, fused, gdn, matmul, moe, philox, rmsnorm, rng
+    from hyspec.kernels.matmul import config
+
+    for name in fused.__all__:
+        home = next(m for m in (rmsnorm, attention, gdn, moe) if hasattr(m, name))
+        assert getattr(fused, name) is getattr(home, name), name
+    assert set(fused._kernels()) == {"rmsnorm", "attn_prep", "attn_partial", "attn_combine", "gdn_conv",
+                                     "gdn_step", "gated_norm", "expert_gemv"}
+    assert attn.attn_decode_grouped is attention.attn_decode_grouped and attn.GROUPED_SPLITS == 16
+    for name in gemm.__all__:
+        assert getattr(gemm, name) is getattr(matmul, name), name
+    assert gemm.TUNED is config.TUNED and gemm.BUILTIN is config.BUILTIN
+    assert gemm._config_cached is config._config_cached
+    assert philox.u01_rows is rng.u01_rows

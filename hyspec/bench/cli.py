@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forced", default="0.9,0.8,0.7,0.6", help="forced drafter acceptance rate by depth")
     ap.add_argument("--tune", default="none", choices=["none", "step"],
                     help="GEMM config search before measuring: none (the shipped configs: "
-                         "hyspec.kernels.gemm.BUILTIN, picked in the step on the H200, else shape defaults), "
+                         "hyspec.kernels.matmul.BUILTIN, picked in the step on the H200, else shape defaults), "
                          "step (each shape's candidates timed inside the real decode step)")
     ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
@@ -156,7 +156,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         runner = TritonRunner(probe, exact=True)
         step_bytes, draft_bytes = runner.weight_bytes_per_step(), runner.draft_bytes_per_step()
     if args.tuned_from:
-        from hyspec.kernels.gemm import set_tuned
+        from hyspec.kernels.matmul import set_tuned
 
         tuned = json.loads(Path(args.tuned_from).read_text()).get("tuned_gemm", {})
         set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tuned.items()})
@@ -181,7 +181,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         result["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
         del tune_decoder
     if "tuned_gemm" not in result and dev.type == "cuda":
-        from hyspec.kernels.gemm import BUILTIN, TUNED
+        from hyspec.kernels.matmul import BUILTIN, TUNED
 
         result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
                                   "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()}}

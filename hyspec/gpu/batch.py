@@ -67,7 +67,7 @@ class BatchDecoder:
                  graphs: bool | None = None, use_fla: bool | None = None, sizes=BATCH_SIZES) -> None:
         if max_len <= 0 or k_max < 0 or slots <= 0:
             raise ValueError(f"BatchDecoder: need max_len > 0, k_max >= 0, slots > 0; got {max_len}, {k_max}, {slots}")
-        from hyspec.kernels.gemm import triton_available
+        from hyspec.kernels.common import triton_available
 
         if not triton_available():
             raise RuntimeError("BatchDecoder needs triton (pip install triton); the reference engine core runs without it")

@@ -65,7 +65,7 @@ class FastDecoder:
         self.capacity = max_len + 2 * (k_max + 2) + 8  # verify / fill rows may run past the end
         cuda = self.dev.type == "cuda"
         if backend == "auto":
-            from hyspec.kernels.gemm import triton_available
+            from hyspec.kernels.common import triton_available
 
             backend = "triton" if cuda and triton_available() else "torch"
         if backend not in ("triton", "torch"):

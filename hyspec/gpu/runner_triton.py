@@ -23,9 +23,20 @@ from types import SimpleNamespace
 import torch
 
 from hyspec.gpu.packing import layer_weight_bytes, pack_layer, pack_views
-from hyspec.kernels import fused
-from hyspec.kernels.attn import GROUPED_SPLITS, attn_decode_grouped
-from hyspec.kernels.gemm import _config_cached, skinny_matmul
+from hyspec.kernels.attention import (
+    ATTN_SPLITS,
+    GROUPED_SPLITS,
+    attn_decode,
+    attn_decode_grouped,
+    attn_prep,
+    rope_inv_freq,
+)
+from hyspec.kernels.common import p2
+from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
+from hyspec.kernels.matmul import skinny_matmul
+from hyspec.kernels.matmul.config import _config_cached
+from hyspec.kernels.moe import expert_gemv
+from hyspec.kernels.rmsnorm import rmsnorm
 
 __all__ = ["TritonRunner", "pack_views"]
 
@@ -54,7 +65,7 @@ class TritonRunner:
         self.final_norm = model.model.norm.weight  # [H]
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.head_weight  # [V, H]
-        self.inv_freq = fused.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)  # [rotary_dim / 2]
+        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)  # [rotary_dim / 2]
         self.mtp_layer = None  # the drafter's (MTP) decoder layer, packed
         if model.mtp is not None:
             mtp = model.mtp
@@ -146,7 +157,7 @@ class TritonRunner:
 
     def mm(self, x, w, out, act=False, defer=False):
         """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N].  defer: the
-        result only feeds ``fused.rmsnorm``'s delta, which may then take the split-K
+        result only feeds ``rmsnorm``'s delta, which may then take the split-K
         partials and reduce them itself (exact mode, ``fuse_reduce``)."""
         if self.exact:
             N, K = w.shape
@@ -185,7 +196,7 @@ class TritonRunner:
         dec = self.dec
         resid, normed = self._buf("resid", t), self._buf("normed", t)
         layers = self.layers
-        fused.rmsnorm(self.embed, layers[0].ln1, self.eps, out=normed, ids=ids, resid_out=resid, rows=t)
+        rmsnorm(self.embed, layers[0].ln1, self.eps, out=normed, ids=ids, resid_out=resid, rows=t)
         post = self._buf("post", t)
         for li, layer in enumerate(layers):
             if layer.kind == "gdn":
@@ -193,11 +204,11 @@ class TritonRunner:
             else:
                 a = dec.attn_index[layer.index]
                 h = self._attn(layer, normed, t, pos, 0, dec.kv_k[a], dec.kv_v[a], lanes)
-            fused.rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
+            rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
             h = self._ffn(layer, normed, t)
             last = li + 1 == len(layers)
-            fused.rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
-                          out=post if last else normed, delta=h, resid_out=resid, rows=t)
+            rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
+                    out=post if last else normed, delta=h, resid_out=resid, rows=t)
         return resid, post
 
     def _gdn(self, layer, normed, t, record, lanes=1):
@@ -214,14 +225,14 @@ class TritonRunner:
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
         xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
-        fused.gdn_conv(proj, conv, layer.conv_w, conv_out, rows=t, update=not record, xin=xin, lanes=lanes,
-                       state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
+        gdn_conv(proj, conv, layer.conv_w, conv_out, rows=t, update=not record, xin=xin, lanes=lanes,
+                 state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
         o = self._buf("mixer_out", t, cfg.linear_value_dim)
-        fused.gdn_step(conv_out, proj, layer.A_log, layer.dt_bias, layer.norm_w, ssm, o,
-                       nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                       dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
-                       states=dec.ssm_rows[g] if record and self.records_states else None,
-                       block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
+        gdn_step(conv_out, proj, layer.A_log, layer.dt_bias, layer.norm_w, ssm, o,
+                 nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
+                 dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
+                 states=dec.ssm_rows[g] if record and self.records_states else None,
+                 block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def commit_linear(self, n, t=None, lanes=0) -> None:
@@ -239,10 +250,10 @@ class TritonRunner:
             G = conv_out.shape[0]
             conv_out = conv_out[:, : lanes * t].view(G, lanes, t, conv_out.shape[-1])
             proj = proj[:, : lanes * t].view(G, lanes, t, proj.shape[-1])
-        fused.gdn_replay(conv_out, proj, self.A_log_all, self.dt_bias_all, self.gdn_layers[0].norm_w,
-                         dec.ssm, n, self.bufs.delta, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
-                         dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
-                         block_v=self.gdn_block_v, lanes=lanes)
+        gdn_replay(conv_out, proj, self.A_log_all, self.dt_bias_all, self.gdn_layers[0].norm_w,
+                   dec.ssm, n, self.bufs.delta, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
+                   dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
+                   block_v=self.gdn_block_v, lanes=lanes)
 
     def _attn(self, layer, normed, t, pos, off, kc, vc, lanes=1):
         cfg = self.cfg
@@ -250,15 +261,15 @@ class TritonRunner:
         vc, _ = self._lane0(vc)
         proj = self.mm(normed, layer.w_in, self._buf("proj", t, layer.w_in.shape[0]))
         q = self._buf("query", t)
-        fused.attn_prep(proj, layer.qn, layer.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
-                        n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
-                        kv_lane_stride=kv_stride)
+        attn_prep(proj, layer.qn, layer.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
+                  n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
+                  kv_lane_stride=kv_stride)
         o = self._buf("mixer_out", t, cfg.num_attention_heads * cfg.head_dim)
         ws = self._workspaces.get("attn")
-        need = self.rows_cap * cfg.num_attention_heads * max(fused.ATTN_SPLITS, GROUPED_SPLITS) * (fused._p2(cfg.head_dim) + 2)
+        need = self.rows_cap * cfg.num_attention_heads * max(ATTN_SPLITS, GROUPED_SPLITS) * (p2(cfg.head_dim) + 2)
         if ws is None:
             ws = self._workspaces["attn"] = torch.empty(need, device=normed.device, dtype=torch.float32)
-        attn = attn_decode_grouped if self.attn_grouped else fused.attn_decode
+        attn = attn_decode_grouped if self.attn_grouped else attn_decode
         attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.rows_cap else None, lanes=lanes,
              kv_lane_stride=kv_stride)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
@@ -283,9 +294,9 @@ class TritonRunner:
         ids = idx.reshape(-1)
         ex = moe.experts
         I2 = ex.gate_up_proj.shape[1]
-        gu = fused.expert_gemv(x, ex.gate_up_proj, ids, k, torch.empty(t * k, I2, device=x.device, dtype=x.dtype))
-        y = fused.expert_gemv(gu, ex.down_proj, ids, 1, torch.empty(t * k, x.shape[1], device=x.device,
-                                                                    dtype=x.dtype), act=True)
+        gu = expert_gemv(x, ex.gate_up_proj, ids, k, torch.empty(t * k, I2, device=x.device, dtype=x.dtype))
+        y = expert_gemv(gu, ex.down_proj, ids, 1, torch.empty(t * k, x.shape[1], device=x.device,
+                                                              dtype=x.dtype), act=True)
         y = y.view(t, k, -1)
         out = y[:, 0] * w[:, 0:1]
         for s in range(1, k):  # elementwise, fixed slot order: row-invariant
@@ -310,17 +321,17 @@ class TritonRunner:
         t = tokens.shape[0]
         H = self.cfg.hidden_size
         concat = self._buf("mtp_concat", t)
-        fused.rmsnorm(self.embed, self.mtp_norm_embed, self.eps, out=concat[:, :H], ids=tokens, rows=t)
-        fused.rmsnorm(h_prev, self.mtp_norm_hidden, self.eps, out=concat[:, H:], rows=t)
+        rmsnorm(self.embed, self.mtp_norm_embed, self.eps, out=concat[:, :H], ids=tokens, rows=t)
+        rmsnorm(h_prev, self.mtp_norm_hidden, self.eps, out=concat[:, H:], rows=t)
         resid, normed = self._buf("mtp_resid", t), self._buf("mtp_normed", t)
         self.mm(concat, self.mtp_fc, resid)
         layer = self.mtp_layer
-        fused.rmsnorm(resid, layer.ln1, self.eps, out=normed, rows=t)
+        rmsnorm(resid, layer.ln1, self.eps, out=normed, rows=t)
         h = self._attn(layer, normed, t, start, off, dec.draft_k, dec.draft_v, lanes)
-        fused.rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
+        rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
         h = self._ffn(layer, normed, t)
         out = self._buf("mtp_out", t)
-        fused.rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
+        rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
         return out
 
     def draft_logits(self, h):

@@ -56,9 +56,9 @@ from collections.abc import Sequence
 
 import torch
 
-from hyspec.kernels.gemm import triton_available
-from hyspec.kernels.philox import u01_rows
-from hyspec.rng import _TWO_M53, _TWO_M54, Stream, _philox4x32_tensor
+from hyspec.kernels.common import triton_available
+from hyspec.kernels.rng import u01_rows, u01_rows_ref
+from hyspec.rng import Stream, u01_lanes
 from hyspec.sampling import SamplingParams
 
 __all__ = [
@@ -73,7 +73,6 @@ __all__ = [
     "speculative_accept",
 ]
 
-_MASK32 = 0xFFFFFFFF
 _GREEDY = SamplingParams(temperature=0.0, penalty_last_n=0)  # what an unused lane holds
 
 
@@ -143,42 +142,19 @@ class SamplingTable:
 # --------------------------------------------------------------------------------------
 
 
-def u01_lanes(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> torch.Tensor:
-    """:func:`hyspec.rng.u01_tensor` with one key per lane and no checks (no host sync).
-
-    seeds: int64 [B] (the uint64 seed's bits); counters: int64 [B, ...] in [0, 2**63).
-    Returns float64 [B, ...], bit-identical to ``u01(seed[b], stream, counter)``: it runs
-    the same int64 Philox block function as ``u01_tensor``, keyed per element.
-    """
-    c = counters.to(torch.int64)
-    s = seeds.to(torch.int64).reshape(seeds.shape + (1,) * (c.dim() - seeds.dim()))  # [B, 1...]
-    k0 = s & _MASK32
-    k1 = (s >> 32) & _MASK32  # arithmetic shift, then the high word's 32 bits
-    c0 = c & _MASK32
-    c1 = c >> 32
-    c2 = torch.full_like(c, int(stream))
-    c3 = torch.zeros_like(c)
-    o0, o1, _, _ = _philox4x32_tensor(c0, c1, c2, c3, k0, k1)
-    m = ((o0 >> 5) << 26) | (o1 >> 6)  # int64 < 2**53
-    u = m.to(torch.float64) * _TWO_M53
-    return torch.where(m == 0, torch.full_like(u, _TWO_M54), u)
-
-
 def gumbel_lanes(
     seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: int, kernel: bool | None = None
 ) -> torch.Tensor:
     """:func:`hyspec.rng.gumbel_noise` per lane: float64 [B, vocab], counters
     ``position * 2**32 + token``.  The uniforms come from the Triton kernel
-    :func:`hyspec.kernels.philox.u01_rows` on CUDA (kernel=None) and from
-    :func:`u01_lanes` otherwise; both are bit-identical."""
+    :func:`hyspec.kernels.rng.u01_rows` on CUDA (kernel=None) and from its torch reference
+    (:func:`u01_lanes` over the same counters) otherwise; both are bit-identical."""
     if kernel is None:
         kernel = positions.is_cuda and triton_available()
     if kernel:
         u = u01_rows(seeds, stream, positions, vocab)  # [B, V]
     else:
-        ids = torch.arange(vocab, dtype=torch.int64, device=positions.device)  # [V]
-        counters = (positions.to(torch.int64).unsqueeze(1) << 32) + ids  # [B, V]
-        u = u01_lanes(seeds, stream, counters)
+        u = u01_rows_ref(seeds, stream, positions, vocab)  # [B, V]: u01_lanes over those counters
     return -torch.log(-torch.log(u))
 
 

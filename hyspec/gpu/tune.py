@@ -1,7 +1,7 @@
 """Pick the skinny-GEMM tile / split-K per weight shape on the running GPU (t = 1).
 
 Configs are chosen from (N, K) only and installed before any decoding
-(``hyspec.kernels.gemm.set_tuned``), so every row count keeps using the same config: the
+(``hyspec.kernels.matmul.set_tuned``), so every row count keeps using the same config: the
 row invariance that exact mode needs is untouched.  Each candidate is timed inside a
 CUDA graph of the real decode step (``tune_in_step``): a matmul's best tile between the
 step's small kernels is not the one it gets timed alone.
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hyspec.kernels.gemm import set_tuned, skinny_config
+from hyspec.kernels.matmul import set_tuned, skinny_config
 
 
 def model_shapes(runner) -> list[tuple[int, int]]:
@@ -66,9 +66,7 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     runner, graphs) after a prefill; its state is left unchanged.  Installs the table
     (``set_tuned``) and returns {(N, K): {"config", "step_ms", "start_step_ms", "tried"}}.
     Configs still depend on (N, K) only, so row invariance is untouched."""
-    from hyspec.kernels.gemm import TUNED
-
-    from hyspec.kernels.gemm import BUILTIN
+    from hyspec.kernels.matmul import BUILTIN, TUNED
 
     table = {s: dict(TUNED.get(s) or BUILTIN.get(s, {})) for s in shapes}
     graphs = dec.step_graphs

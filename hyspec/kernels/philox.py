@@ -1,72 +1,7 @@
-"""Philox uniforms for a whole vocabulary row per lane, in one Triton kernel.
-
-Coupled (Gumbel-max) sampling needs ``u01(seed, stream, position * 2**32 + i)`` for every
-token i of a row.  The int64 torch version (:func:`hyspec.gpu.sampling.u01_lanes`, the
-reference) spends ~270 elementwise passes over a [B, V] tensor on it; this kernel does
-the same integer arithmetic in registers: 32-bit words as uint32, ``umulhi`` / wrapping
-``*`` for the 32x32 -> 64 bit products, the same 53-bit mantissa.  Integer arithmetic and
-one exact int -> float64 conversion: the result is bit-identical to the reference (and
-so to :func:`hyspec.rng.u01`) on every device.
-"""
+"""Former home of the Philox row kernel, kept so old imports work: it now lives in
+:mod:`hyspec.kernels.rng` (``kernel.py``, ``reference.py``)."""
 from __future__ import annotations
 
-import torch
-
-from hyspec.kernels.pdl import kernels_per_mode
+from hyspec.kernels.rng.kernel import _BLOCK, _kernels, u01_rows  # noqa: F401
 
 __all__ = ["u01_rows"]
-
-_BLOCK = 1024
-
-
-@kernels_per_mode
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _u01_rows_kernel(seed_ptr, pos_ptr, out_ptr, V, stream, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # token ids of this block
-        s = tl.load(seed_ptr + b)  # int64: the uint64 seed's bits
-        pos = tl.load(pos_ptr + b)  # int64 in [0, 2**31)
-        zero = tl.zeros([BLOCK], dtype=tl.uint32)
-        k0 = (s & 0xFFFFFFFF).to(tl.uint32)
-        k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        # counter = pos * 2**32 + i -> words (i, pos, stream, 0)
-        c0 = i.to(tl.uint32)
-        c1 = zero + pos.to(tl.uint32)
-        c2 = zero + stream.to(tl.uint32)
-        c3 = zero
-        m0 = tl.full([BLOCK], 0xD2511F53, tl.uint32)
-        m1 = tl.full([BLOCK], 0xCD9E8D57, tl.uint32)
-        for r in tl.static_range(10):
-            if r > 0:
-                k0 = k0 + tl.full([], 0x9E3779B9, tl.uint32)  # wraps mod 2**32
-                k1 = k1 + tl.full([], 0xBB67AE85, tl.uint32)
-            hi0 = tl.umulhi(c0, m0)
-            lo0 = c0 * m0
-            hi1 = tl.umulhi(c2, m1)
-            lo1 = c2 * m1
-            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        m = ((c0 >> 5).to(tl.int64) << 26) | (c1 >> 6).to(tl.int64)  # 53 bits
-        u = m.to(tl.float64) * 1.1102230246251565e-16  # 2**-53, exact
-        u = tl.where(m == 0, 5.551115123125783e-17, u)  # 2**-54
-        tl.store(out_ptr + b.to(tl.int64) * V + i, u, mask=i < V)
-
-    return _u01_rows_kernel
-
-
-def u01_rows(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: int,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 [B, vocab]: ``u01(seed[b], stream, positions[b] * 2**32 + i)`` for token i.
-
-    seeds, positions: int64 [B] on the device (positions in [0, 2**31)).  No host sync;
-    graph capturable."""
-    B = seeds.shape[0]
-    if out is None:
-        out = torch.empty(B, vocab, dtype=torch.float64, device=seeds.device)
-    grid = (B, -(-vocab // _BLOCK))
-    _kernels()[grid](seeds.contiguous(), positions.to(torch.int64).contiguous(), out, vocab, int(stream),
-                     BLOCK=_BLOCK)
-    return out

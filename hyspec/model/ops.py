@@ -75,14 +75,14 @@ def _fast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not x.is_cuda:
         return None
     try:
-        from hyspec.kernels import gemm
+        from hyspec.kernels import matmul
     except Exception:  # pragma: no cover - GPU-only path
         return None
-    if not hasattr(gemm, "skinny_matmul") or not gemm.triton_available():
+    if not matmul.triton_available():
         return None
     if x.shape[0] <= 16:
-        return gemm.skinny_matmul(x, weight)
-    return torch.cat([gemm.skinny_matmul(x[i: i + 16], weight) for i in range(0, x.shape[0], 16)])
+        return matmul.skinny_matmul(x, weight)
+    return torch.cat([matmul.skinny_matmul(x[i: i + 16], weight) for i in range(0, x.shape[0], 16)])
 
 
 # Elementwise activations written with exp / log1p / division only. torch's CPU kernels

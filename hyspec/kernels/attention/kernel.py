@@ -1,0 +1,190 @@
+"""Triton kernels and launchers of attention prep, split-key decode and the fixed-order
+combine (contract: ``hyspec/kernels/attention/__init__.py``)."""
+from __future__ import annotations
+
+import torch
+
+from hyspec.kernels.common import p2
+from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
+
+__all__ = ["attn_prep", "attn_decode", "launch_combine", "rope_inv_freq", "ATTN_SPLITS", "ATTN_BLOCK_N"]
+
+ATTN_SPLITS = 8  # NS: key-block sets per (row, head); a constant, never chosen from T
+ATTN_BLOCK_N = 32  # keys per block
+
+
+def rope_inv_freq(rot: int, theta: float, device) -> torch.Tensor:
+    """inv_freq [rot/2] fp32, computed exactly as hyspec.model.ops.rope_cos_sin does."""
+    return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+
+
+@kernels_per_mode
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    # Every kernel starts with the PDL prologue (hyspec.kernels.pdl): let the next kernel
+    # start launching, then wait until every earlier kernel of the stream is done.  It is
+    # compiled away when PDL is False (written out in each kernel: the interpreter does not
+    # resolve nested jit helpers).
+
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
+    def _attn_prep_kernel(p_ptr, sp, qw_ptr, kw_ptr, invf_ptr, pos_ptr, off, q_ptr, kc_ptr, vc_ptr,
+                          T, HQ, HKV, D, ROT, L, eps, TL, skv,
+                          BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        r = tl.program_id(0)
+        hh = tl.program_id(1)
+        lane = r // TL  # rows are lane-major: lane b holds rows b*TL .. b*TL + TL-1
+        p = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL)
+        kc_ptr += lane.to(tl.int64) * skv
+        vc_ptr += lane.to(tl.int64) * skv
+        offs = tl.arange(0, BLOCK_D)
+        md = offs < D
+        k_col0 = HQ * 2 * D
+        v_col0 = k_col0 + HKV * D
+        row = p_ptr + r * sp
+        if hh >= HQ + HKV:  # a value head: copy into the cache
+            hv = hh - HQ - HKV
+            v = tl.load(row + v_col0 + hv * D + offs, mask=md, other=0.0)
+            tl.store(vc_ptr + (hv * L + p) * D + offs, v.to(vc_ptr.dtype.element_ty), mask=md)
+        else:
+            is_q = hh < HQ
+            col = tl.where(is_q, hh * 2 * D, k_col0 + (hh - HQ) * D)
+            half = ROT // 2
+            inrot = offs < ROT
+            lo = offs < half
+            part = tl.where(inrot, tl.where(lo, offs + half, offs - half), offs)
+            x = tl.load(row + col + offs, mask=md, other=0.0).to(tl.float32)
+            xp = tl.load(row + col + part, mask=md, other=0.0).to(tl.float32)
+            wq = tl.load(qw_ptr + offs, mask=md, other=0.0).to(tl.float32)
+            wk = tl.load(kw_ptr + offs, mask=md, other=0.0).to(tl.float32)
+            wqp = tl.load(qw_ptr + part, mask=md, other=0.0).to(tl.float32)
+            wkp = tl.load(kw_ptr + part, mask=md, other=0.0).to(tl.float32)
+            w = tl.where(is_q, wq, wk)
+            wp = tl.where(is_q, wqp, wkp)
+            inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            DT = q_ptr.dtype.element_ty
+            xn = (x * inv * (1.0 + w)).to(DT).to(tl.float32)
+            xpn = (xp * inv * (1.0 + wp)).to(DT).to(tl.float32)
+            fi = tl.where(inrot, tl.where(lo, offs, offs - half), 0)
+            ang = p.to(tl.float32) * tl.load(invf_ptr + fi, mask=inrot, other=0.0)
+            c = tl.cos(ang).to(DT).to(tl.float32)
+            s = tl.sin(ang).to(DT).to(tl.float32)
+            rot = tl.where(lo, -xpn, xpn)
+            yr = (xn * c).to(DT).to(tl.float32) + (rot * s).to(DT).to(tl.float32)
+            y = tl.where(inrot, yr, xn).to(DT)
+            if is_q:
+                tl.store(q_ptr + (r * HQ + hh) * D + offs, y, mask=md)
+            else:
+                tl.store(kc_ptr + ((hh - HQ) * L + p) * D + offs, y, mask=md)
+
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
+    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, REP, D, L, scale, TL, skv,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        h = tl.program_id(0)
+        r = tl.program_id(1)
+        s = tl.program_id(2)
+        hk = h // REP
+        lane = r // TL
+        n_keys = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL) + 1
+        offs_d = tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        q = tl.load(q_ptr + (r * HQ + h) * D + offs_d, mask=md, other=0.0).to(tl.float32) * scale
+        m_i = tl.max(tl.full((BLOCK_N,), float("-inf"), tl.float32), axis=0)
+        l_i = tl.sum(tl.zeros((BLOCK_N,), tl.float32), axis=0)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        n_blocks = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
+        base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv
+        for b in range(s, n_blocks, NS):
+            offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = offs_n < n_keys
+            kv_off = base + offs_n[:, None] * D + offs_d[None, :]
+            mk = valid[:, None] & md[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=mk, other=0.0).to(tl.float32)
+            sc = tl.sum(k * q[None, :], axis=1)
+            sc = tl.where(valid, sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(sc - m_new)
+            v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(pr, axis=0)
+            acc = acc * alpha + tl.sum(pr[:, None] * v, axis=0)
+            m_i = m_new
+        wbase = ((r * HQ + h) * NS + s) * (BLOCK_D + 2)
+        tl.store(ws_ptr + wbase + offs_d, acc)
+        tl.store(ws_ptr + wbase + BLOCK_D, m_i)
+        tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _attn_combine_kernel(ws_ptr, p_ptr, sp, o_ptr, so, T, HQ, D,
+                             BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_d = tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        wrow = (r * HQ + h) * NS * (BLOCK_D + 2)
+        M = tl.load(ws_ptr + wrow + BLOCK_D)
+        for s in tl.static_range(1, NS):
+            M = tl.maximum(M, tl.load(ws_ptr + wrow + s * (BLOCK_D + 2) + BLOCK_D))
+        Lsum = tl.sum(tl.zeros((BLOCK_D,), tl.float32), axis=0)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for s in tl.static_range(NS):  # fixed order 0..NS-1
+            b = wrow + s * (BLOCK_D + 2)
+            w = tl.exp(tl.load(ws_ptr + b + BLOCK_D) - M)
+            Lsum += tl.load(ws_ptr + b + BLOCK_D + 1) * w
+            acc += tl.load(ws_ptr + b + offs_d) * w
+        DT = o_ptr.dtype.element_ty
+        o = (acc / Lsum).to(DT).to(tl.float32)
+        gate = tl.load(p_ptr + r * sp + h * 2 * D + D + offs_d, mask=md, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(gate).to(DT).to(tl.float32)
+        tl.store(o_ptr + r * so + h * D + offs_d, (o * sg).to(DT), mask=md)
+
+    return dict(attn_prep=_attn_prep_kernel, attn_partial=_attn_partial_kernel, attn_combine=_attn_combine_kernel)
+
+
+def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_kv, head_dim, eps, rows,
+              lanes=1, kv_lane_stride=0):
+    """Triton :func:`attn_prep_ref` with the position read from device memory
+    (pos: int64 [1] tensor; the rows sit at pos + off + r).  lanes > 1: the rows are
+    ``lanes`` sequences of rows // lanes rows each (lane-major); lane b's rows sit at
+    pos[b] + off + r in its own cache ``kc + b * kv_lane_stride`` (kc / vc: lane 0's
+    [Hkv, L, D] view of a per-lane slab)."""
+    D = head_dim
+    k = _kernels()["attn_prep"]
+    k[(rows, n_heads + 2 * n_kv)](proj, proj.stride(0), q_w, k_w, inv_freq, pos, int(off), q_out, kc, vc,
+                                  rows, n_heads, n_kv, D, 2 * inv_freq.shape[0], kc.shape[1], float(eps),
+                                  rows // lanes, int(kv_lane_stride), BLOCK_D=p2(D), num_warps=4 if D <= 128 else 8, **launch_kwargs())
+    return q_out
+
+
+def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0):
+    """Triton :func:`attn_decode_ref`: q [T, Hq, D] contiguous, caches [Hkv, L, D]; the
+    gate is read from proj (per q head [q D | gate D]); out [T, Hq*D]."""
+    T = rows
+    Hq, D = q.shape[1], q.shape[2]
+    BD = p2(D)
+    if ws is None or ws.numel() < T * Hq * ATTN_SPLITS * (BD + 2):
+        ws = torch.empty(T * Hq * ATTN_SPLITS * (BD + 2), device=q.device, dtype=torch.float32)
+    ks = _kernels()
+    nw = 4 if D <= 128 else 8
+    ks["attn_partial"][(Hq, T, ATTN_SPLITS)](q, kc, vc, pos, int(off), ws, T, Hq, Hq // kc.shape[0], D,
+                                             kc.shape[1], float(D ** -0.5), T // lanes, int(kv_lane_stride),
+                                             BLOCK_N=ATTN_BLOCK_N, BLOCK_D=BD, NS=ATTN_SPLITS, num_warps=nw,
+                                             **launch_kwargs())
+    launch_combine(ws, proj, out, T, Hq, D, BD, ATTN_SPLITS)
+    return out
+
+
+def launch_combine(ws, proj, out, T, Hq, D, BD, NS):
+    """The fixed-order combine of NS attention partials (layout of ``attn_decode``'s ws)."""
+    _kernels()["attn_combine"][(T, Hq)](ws, proj, proj.stride(0), out, out.stride(0), T, Hq, D,
+                                        BLOCK_D=BD, NS=NS, num_warps=4, **launch_kwargs())

@@ -1,0 +1,242 @@
+"""Triton kernels and launchers of the Gated-DeltaNet conv, step (scan), replay and gated
+norm (contract: ``hyspec/kernels/gdn/__init__.py``)."""
+from __future__ import annotations
+
+from hyspec.kernels.common import p2
+from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
+
+__all__ = ["gdn_conv", "gdn_step", "gdn_replay"]
+
+
+@kernels_per_mode
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    # Every kernel starts with the PDL prologue (hyspec.kernels.pdl): let the next kernel
+    # start launching, then wait until every earlier kernel of the stream is done.  It is
+    # compiled away when PDL is False (written out in each kernel: the interpreter does not
+    # resolve nested jit helpers).
+
+    @triton.jit(do_not_specialize=["T", "update", "save", "sxin", "sst_b", "sxin_b"])
+    def _gdn_conv_kernel(x_ptr, sx, st_ptr, w_ptr, y_ptr, sy, xin_ptr, sxin, T, C, update, save, sst_b, sxin_b,
+                         W: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        pid = tl.program_id(0)
+        lane = tl.program_id(1).to(tl.int64)  # T rows per lane, lane-major; own window / slab
+        x_ptr += lane * T * sx
+        y_ptr += lane * T * sy
+        st_ptr += lane * sst_b
+        xin_ptr += lane * sxin_b
+        offs = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        mc = offs < C
+        DT = y_ptr.dtype.element_ty
+        for t in range(T):
+            acc = tl.zeros((BLOCK_C,), tl.float32)
+            for j in tl.static_range(W):
+                i = t + j - (W - 1)  # row of x; negative: state row W-1+i
+                if i < 0:
+                    xv = tl.load(st_ptr + (W - 1 + i) * C + offs, mask=mc, other=0.0).to(tl.float32)
+                else:
+                    xv = tl.load(x_ptr + i * sx + offs, mask=mc, other=0.0).to(tl.float32)
+                wj = tl.load(w_ptr + offs * W + j, mask=mc, other=0.0).to(tl.float32)
+                prod = (xv * wj).to(DT).to(tl.float32)
+                if j == 0:
+                    acc = prod
+                else:
+                    acc = (acc + prod).to(DT).to(tl.float32)
+            y = acc / (1.0 + tl.exp(-acc))
+            tl.store(y_ptr + t * sy + offs, y.to(DT), mask=mc)
+            if save != 0:
+                xr = tl.load(x_ptr + t * sx + offs, mask=mc, other=0.0)
+                tl.store(xin_ptr + t * sxin + offs, xr, mask=mc)
+        if update != 0:
+            # new window = last W-1 rows of cat(state, x); ascending order is safe in place
+            for i in tl.static_range(W - 1):
+                src = T + i - (W - 1)
+                if src < 0:
+                    v = tl.load(st_ptr + (W - 1 + src) * C + offs, mask=mc, other=0.0)
+                else:
+                    v = tl.load(x_ptr + src * sx + offs, mask=mc, other=0.0)
+                tl.store(st_ptr + i * C + offs, v.to(st_ptr.dtype.element_ty), mask=mc)
+
+    @triton.jit(do_not_specialize=["T", "st_t", "sy", "sp", "so", "mode", "replay", "sy_g", "sp_g", "ss_g", "sa_g",
+                                   "NB", "sy_b", "sp_b", "ss_b", "so_b"])
+    def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
+                         T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
+                         NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+        # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
+        # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
+        # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
+        # no output).  Every flag and stride is a runtime value, so the state arithmetic is
+        # the same instructions in all of them: bitwise the same states.
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        h = tl.program_id(0)
+        pv = tl.program_id(1)
+        pid2 = tl.program_id(2).to(tl.int64)  # (layer, lane) = divmod(pid2, NB); T rows per lane
+        lane = pid2 % NB
+        lay = pid2 // NB
+        y_ptr += lay * sy_g + lane * sy_b
+        p_ptr += lay * sp_g + lane * sp_b
+        s_ptr += lay * ss_g + lane * ss_b
+        st_ptr += lay * ss_g + lane * ss_b
+        o_ptr += lane * so_b
+        alog_ptr += lay * sa_g
+        dtb_ptr += lay * sa_g
+        if replay != 0:
+            T = tl.load(n_ptr + lane).to(tl.int32) + 1
+        hk = h // R
+        ok = tl.arange(0, BK)
+        ov = pv * BV + tl.arange(0, BV)
+        mk = ok < DK
+        mv = ov < DV
+        m2 = mk[:, None] & mv[None, :]
+        soff = h.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :]
+        S = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
+        A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h).to(tl.float32)
+        nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+        DT = o_ptr.dtype.element_ty
+        for t in range(T):
+            yrow = y_ptr + t * sy
+            prow = p_ptr + t * sp
+            k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+            b = tl.load(prow + C + VD + h).to(tl.float32)
+            a = tl.load(prow + C + VD + NV + h).to(tl.float32)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            beta = 1.0 / (1.0 + tl.exp(-b))
+            xa = a + dtb
+            spl = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
+            g = A * spl
+            S = S * tl.exp(g)
+            kS = tl.sum(k[:, None] * S, axis=0)
+            delta = (v - kS) * beta
+            S = S + k[:, None] * delta[None, :]
+            if mode == 2:
+                tl.store(st_ptr + t * st_t + soff, S, mask=m2)
+            elif mode == 1:
+                if t == T - 1:
+                    tl.store(st_ptr + soff, S, mask=m2)
+            if replay == 0:
+                q = tl.load(yrow + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+                o = tl.sum(q[:, None] * S, axis=0)
+                if NORM:  # this program holds the whole head: gated RMSNorm here
+                    z = tl.load(prow + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+                    ob = o.to(DT).to(tl.float32)
+                    var = tl.sum(ob * ob, axis=0) / DV
+                    xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+                    yv = (nw * xh).to(DT).to(tl.float32)
+                    out = yv * (z / (1.0 + tl.exp(-z)))
+                    tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
+                else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
+                    tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        ov = tl.arange(0, BV)
+        mv = ov < DV
+        DT = o_ptr.dtype.element_ty
+        ob = tl.load(o_ptr + r * so + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+        z = tl.load(p_ptr + r * sp + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+        var = tl.sum(ob * ob, axis=0) / DV
+        xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+        yv = (nw * xh).to(DT).to(tl.float32)
+        out = yv * (z / (1.0 + tl.exp(-z)))
+        tl.store(o_ptr + r * so + h * DV + ov, out.to(DT), mask=mv)
+
+    return dict(gdn_conv=_gdn_conv_kernel, gdn_step=_gdn_step_kernel, gated_norm=_gated_norm_kernel)
+
+
+def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, state_lane_stride=0,
+             xin_lane_stride=0):
+    """Triton :func:`gdn_conv_ref`. x: [T, >=C] rows (only the first C columns are read),
+    state [W-1, C] (updated in place when update), weight [C, W], y [T, C] out; xin
+    (optional [T, C]) receives a copy of the new rows (for a later commit).  lanes > 1:
+    rows // lanes rows per sequence (lane-major), lane b with its own window
+    ``state + b * state_lane_stride`` and slab ``xin + b * xin_lane_stride``."""
+    C, W = weight.shape
+    k = _kernels()["gdn_conv"]
+    # 256 channels per program.  64- and 128-channel blocks ran 1 % faster on the H200 but
+    # made speculative output differ from plain there (bench/results/step_anatomy_h200.json; the
+    # interpreter agrees bitwise, cause not found): keep the block that passes every check.
+    BC = 256
+    xi = xin if xin is not None else y
+    k[(-(-C // BC), lanes)](x, x.stride(0), state, weight, y, y.stride(0), xi, xi.stride(0), rows // lanes, C,
+                            int(update), int(xin is not None), int(state_lane_stride), int(xin_lane_stride), W=W, BLOCK_C=BC, num_warps=4, **launch_kwargs())
+    return y
+
+
+def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
+             block_v=None, keep_state=False, lanes=1, state_lane_stride=0):
+    """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
+    every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
+    written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
+    otherwise ``state`` ends updated in place (a decode step). Same compiled kernel in
+    every case. block_v < Dv splits each head's Dv over several programs (more
+    parallelism) and applies the gated norm in a second kernel; the choice must not depend
+    on the row count (it does not here).  lanes > 1: rows // lanes rows per sequence
+    (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states)."""
+    if states is not None and lanes > 1:
+        raise ValueError("gdn_step: per-row states are recorded for one lane only")
+    if states is not None:
+        st, st_t, mode = states, states.stride(0), 2
+    else:
+        st, st_t, mode = state, 0, 0 if keep_state else 1
+    BK, BV, norm = _gdn_blocks(dk, dv, block_v)
+    ks = _kernels()
+    TL = rows // lanes
+    ks["gdn_step"][(nv, -(-dv // BV), lanes)](
+        y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
+        TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
+        mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
+        TL * out.stride(0),
+        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
+    if not norm:
+        ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
+                                     2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
+    return out
+
+
+def _gdn_blocks(dk, dv, block_v):
+    BK, BVf = p2(dk), p2(dv)
+    BV = BVf if block_v is None or block_v >= BVf else p2(block_v)
+    return BK, BV, BV == BVf
+
+
+def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like, *, nk, nv, dk, dv, eps,
+               block_v=None, lanes=0):
+    """Advance the state of every Gated-DeltaNet layer by the rows a verify saw, in place,
+    with the very kernel (and so the very arithmetic) of :func:`gdn_step`: layer g's state
+    ``ssm[g]`` [Hv, Dk, Dv] takes rows 0..n of ``y_rows[g]`` [t, C] / ``p_rows[g]`` [t, P]
+    (n: int64 [1] device tensor, the accepted drafts; rows = n + 1). One launch for all
+    layers (a grid axis over them). ``A_log_all`` / ``dt_bias_all`` [G, Hv] stacked per
+    layer; ``out_like`` any tensor of the output dtype (not written).  lanes > 0: a lane
+    axis after the layer axis (y_rows [G, B, t, C], p_rows [G, B, t, P], ssm [G, B, Hv,
+    Dk, Dv], n [B]); the first ``lanes`` lanes advance, each by its own n[b] + 1 rows."""
+    G = ssm.shape[0]
+    BK, BV, norm = _gdn_blocks(dk, dv, block_v)
+    if lanes:
+        yg, pg = y_rows[0, 0], p_rows[0, 0]
+        NB, sy_b, sp_b, ss_b = lanes, y_rows.stride(1), p_rows.stride(1), ssm.stride(1)
+    else:
+        yg, pg = y_rows[0], p_rows[0]
+        NB, sy_b, sp_b, ss_b = 1, 0, 0, 0
+    _kernels()["gdn_step"][(nv, -(-dv // BV), G * NB)](
+        yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
+        out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
+        float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
+        NB, sy_b, sp_b, ss_b, 0,
+        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
+    return ssm

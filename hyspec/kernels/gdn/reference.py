@@ -1,0 +1,67 @@
+"""Torch references of :func:`hyspec.kernels.gdn.gdn_conv` and
+:func:`~hyspec.kernels.gdn.gdn_step` (whose kernel :func:`~hyspec.kernels.gdn.gdn_replay`
+re-runs)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["gdn_conv_ref", "gdn_step_ref"]
+
+
+def gdn_conv_ref(x, state, weight):
+    """x [T, C] new conv inputs, state [W-1, C] (row-major window), weight [C, W].
+    y[r] = silu(sum_j w[:, j] * win[r + j]) with win = cat(state, x), accumulated in
+    x.dtype like the model's conv. Returns (y [T, C], new state [W-1, C])."""
+    W = weight.shape[1]
+    T = x.shape[0]
+    win = torch.cat([state.to(x.dtype), x])
+    w = weight.to(x.dtype)
+    y = win[0:T] * w[:, 0]
+    for i in range(1, W):
+        y = y + win[i : i + T] * w[:, i]
+    return F.silu(y), win[T:].clone()
+
+
+def gdn_step_ref(y, proj, A_log, dt_bias, norm_w, state, *, nk, nv, dk, dv, eps, return_states=False):
+    """Fused Gated-DeltaNet step over T rows.
+
+    y [T, C] conv output (q | k | v), proj [T, C + Hv*Dv + 2*Hv] (its z | b | a columns
+    after the first C), state [Hv, Dk, Dv] fp32 (not modified).
+    Returns (o [T, Hv*Dv] gated-normed in y.dtype, final state, states [T, Hv, Dk, Dv] or None)."""
+    T = y.shape[0]
+    kd, vd = nk * dk, nv * dv
+    C = 2 * kd + vd
+    r = nv // nk
+    sd = state.dtype
+    q = y[:, :kd].reshape(T, nk, dk).to(sd)
+    k = y[:, kd : 2 * kd].reshape(T, nk, dk).to(sd)
+    v = y[:, 2 * kd : C].reshape(T, nv, dv).to(sd)
+    z = proj[:, C : C + vd].reshape(T, nv, dv)
+    b = proj[:, C + vd : C + vd + nv].to(sd)
+    a = proj[:, C + vd + nv : C + vd + 2 * nv].to(sd)
+
+    def l2(x):
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    q = l2(q).repeat_interleave(r, 1) * dk ** -0.5
+    k = l2(k).repeat_interleave(r, 1)
+    beta = torch.sigmoid(b)
+    g = -A_log.to(sd).exp() * F.softplus(a + dt_bias.to(sd))
+    S = state.clone()
+    o = torch.empty(T, nv, dv, dtype=sd, device=y.device)
+    states = torch.empty(T, nv, dk, dv, dtype=sd, device=y.device) if return_states else None
+    for t in range(T):
+        S = S * g[t].exp()[:, None, None]
+        kS = (S * k[t][:, :, None]).sum(-2)
+        delta = (v[t] - kS) * beta[t][:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        o[t] = (S * q[t][:, :, None]).sum(-2)
+        if states is not None:
+            states[t] = S
+    dt = y.dtype
+    of = o.to(dt).float()
+    xhat = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    yv = norm_w.to(dt) * xhat.to(dt)
+    out = (yv * F.silu(z.float())).to(dt)
+    return out.reshape(T, vd), S, states

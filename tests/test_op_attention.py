@@ -1,0 +1,51 @@
+"""hyspec.kernels.attention over a grid of odd head shapes (Triton interpreter on CPU):
+attn_prep (norms, RoPE, KV write) and the split-key attn_decode vs the torch references,
+and bitwise row invariance of both (a t-row call == t one-row calls at off = r).  The
+grouped decode has its own grid (tests/test_kernels_attn.py); fp32 only, as there."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the CPU interpreter
+
+from kernel_grid import assert_rel, rnd  # noqa: E402
+
+from hyspec.kernels.attention import attn_decode, attn_decode_ref, attn_prep, attn_prep_ref, rope_inv_freq  # noqa: E402
+
+# (T, Hq, Hkv, D, rot, pos): rows sit at pos..pos+T-1, row r sees pos+r+1 keys
+CASES = [
+    (1, 1, 1, 4, 4, 0),  # one key, 7 of 8 splits empty, full rotary
+    (2, 3, 1, 12, 4, 31),  # REP 3, keys straddle the first 32-key block edge
+    (3, 4, 2, 20, 8, 64),  # D not a power of two, partial rotary, three blocks
+    (2, 6, 3, 40, 16, 290),  # > 8 blocks: splits walk two blocks each
+]
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,rot,pos", CASES)
+def test_attention_grid(T, Hq, Hkv, D, rot, pos):
+    L = pos + T + 3
+    proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, seed=1)
+    qw, kw = rnd(D, seed=2, scale=0.1), rnd(D, seed=3, scale=0.1)
+    invf = rope_inv_freq(rot, 1e4, "cpu")
+    kc0, vc0 = rnd(Hkv, L, D, seed=4), rnd(Hkv, L, D, seed=5)
+    kc, vc, kr, vr = kc0.clone(), vc0.clone(), kc0.clone(), vc0.clone()
+    posd = torch.tensor([pos])
+    dims = dict(n_heads=Hq, n_kv=Hkv, head_dim=D, eps=1e-6)
+    q = torch.empty(T, Hq, D)
+    attn_prep(proj, qw, kw, invf, posd, 0, q, kc, vc, rows=T, **dims)
+    qr = attn_prep_ref(proj, qw, kw, invf, pos, kr, vr, **dims)
+    assert_rel("q", q, qr, 1e-5)
+    assert_rel("k cache", kc, kr, 1e-5)
+    assert torch.equal(vc, vr)
+    o = torch.empty(T, Hq * D)
+    attn_decode(q, kc, vc, posd, 0, proj, o, rows=T)
+    gate = proj[:, : Hq * 2 * D].view(T, Hq, 2 * D)[..., D:]
+    assert_rel("attention", o, attn_decode_ref(q, kc, vc, pos, gate), 1e-5)
+    kc1, vc1 = kc0.clone(), vc0.clone()
+    for r in range(T):
+        q1, o1 = torch.empty(1, Hq, D), torch.empty(1, Hq * D)
+        attn_prep(proj[r: r + 1], qw, kw, invf, posd, r, q1, kc1, vc1, rows=1, **dims)
+        assert torch.equal(q1[0], q[r])
+        attn_decode(q1, kc, vc, posd, r, proj[r: r + 1], o1, rows=1)
+        assert torch.equal(o1[0], o[r]), r
+    assert torch.equal(kc1, kc) and torch.equal(vc1, vc)

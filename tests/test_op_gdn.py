@@ -1,0 +1,66 @@
+"""hyspec.kernels.gdn over a grid of odd head shapes (Triton interpreter on CPU): the
+causal conv (verify: save the new rows; decode: advance the window) and the fused step
+(whole-head and split-Dv programs) vs the torch references, and bitwise row invariance
+(a t-row call == t one-row calls, states included).  fp32 only (see test_kernels_triton)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the CPU interpreter
+
+from kernel_grid import assert_rel, rnd  # noqa: E402
+
+from hyspec.kernels.gdn import gdn_conv, gdn_conv_ref, gdn_step, gdn_step_ref  # noqa: E402
+
+# (nk, nv, dk, dv, W, T): key / value heads and dims, conv width, rows
+CASES = [
+    (1, 1, 4, 4, 2, 1),
+    (1, 3, 6, 5, 3, 2),  # three value heads per key head, odd dims
+    (2, 4, 12, 10, 4, 3),  # T < W - 1: the window's older rows still feed the last row
+    (2, 2, 9, 17, 4, 5),  # T > W - 1; Dv past a power of two (block_v 8: three programs)
+]
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv,W,T", CASES)
+def test_gdn_conv_grid(nk, nv, dk, dv, W, T):
+    C = 2 * nk * dk + nv * dv
+    x = rnd(T, C + 3, seed=1)  # extra columns: only the first C are read
+    st0, wc = rnd(W - 1, C, seed=2), rnd(C, W, seed=3, scale=0.5)
+    y, xin = torch.empty(T, C), torch.empty(T, C)
+    gdn_conv(x, st0, wc, y, rows=T, update=False, xin=xin)
+    yr, new_state = gdn_conv_ref(x[:, :C], st0, wc)
+    assert_rel("conv", y, yr, 1e-6)
+    assert torch.equal(xin, x[:, :C])
+    st = st0.clone()
+    for r in range(T):
+        y1 = torch.empty(1, C)
+        gdn_conv(x[r: r + 1], st, wc, y1, rows=1, update=True)
+        assert torch.equal(y1[0], y[r]), r
+    assert torch.equal(st, new_state)
+
+
+@pytest.mark.parametrize("block_v", [None, 8], ids=["whole_head", "split_dv"])
+@pytest.mark.parametrize("nk,nv,dk,dv,W,T", CASES)
+def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v):
+    C = 2 * nk * dk + nv * dv
+    y = rnd(T, C, seed=1)
+    proj = rnd(T, C + nv * dv + 2 * nv, seed=2)
+    A_log = torch.rand(nv, generator=torch.Generator().manual_seed(3)).mul(3).add(0.1).log()
+    dtb, nw = rnd(nv, seed=4), rnd(dv, seed=5, scale=0.1) + 1
+    S0 = rnd(nv, dk, dv, seed=6, scale=0.1)
+    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
+    o, states = torch.empty(T, nv * dv), torch.empty(T, nv, dk, dv)
+    gdn_step(y, proj, A_log, dtb, nw, S0, o, rows=T, states=states, block_v=block_v, **kw)
+    o_ref, S_ref, states_ref = gdn_step_ref(y, proj, A_log, dtb, nw, S0, return_states=True, **kw)
+    assert_rel("output", o, o_ref, 1e-5)
+    assert_rel("states", states, states_ref, 1e-5)
+    S = S0.clone()
+    for r in range(T):  # decode steps: the state in place
+        o1 = torch.empty(1, nv * dv)
+        gdn_step(y[r: r + 1], proj[r: r + 1], A_log, dtb, nw, S, o1, rows=1, block_v=block_v, **kw)
+        assert torch.equal(o1[0], o[r]) and torch.equal(S, states[r]), r
+    assert_rel("final state", S, S_ref, 1e-5)
+    keep = S0.clone()  # keep_state: output only, the state untouched
+    o2 = torch.empty(T, nv * dv)
+    gdn_step(y, proj, A_log, dtb, nw, keep, o2, rows=T, keep_state=True, block_v=block_v, **kw)
+    assert torch.equal(o2, o) and torch.equal(keep, S0)
