@@ -1,4 +1,6 @@
 """Sampling: penalties, filters, and lossless speculative sampling.
+(One module on purpose: the scalar reference every other sampler — the engine core, the
+device sampler in hyspec/gpu/sampling.py — is tested against.)
 
 Conventions
 -----------

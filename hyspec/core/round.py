@@ -1,4 +1,6 @@
 """One speculative round for a batch of sequences — the only place a round is written.
+(Kept as one module of ~490 lines on purpose: draft, accept and commit share the
+per-sequence round state and read top to bottom as one round.)
 
 Words (docs/speculative.md): *pending* = the last emitted token, not yet run through the
 target; *draft* = the MTP head's guesses d1..dk for the positions after it; *verify* = one

@@ -1,4 +1,6 @@
 """Pipeline parallelism: the decoder layers split into stages, one process (GPU) per stage.
+(One module on purpose: the driver and the stage workers speak one message protocol,
+and each command's sender and receiver sit side by side.)
 
 Split rule (split_layers): contiguous layer ranges, one per rank in order, chosen to make the
 largest stage's weight bytes as small as possible (balanced bytes; every stage gets >= 1
