@@ -523,10 +523,8 @@ class Worker:
         except KeyError as e:
             error = f"rank {link.rank}: fork on unknown cache {e}"
         if link.rank > 0:
-            try:
-                h = link.recv_x(link.rank - 1, (len(fwd["ids"]), m.cfg.hidden_size), m.dtype, m.device, tag=tag)
-            except RuntimeError as e:
-                error = error or str(e)
+            h, err = _recv_hidden(link, m, len(fwd["ids"]), tag)
+            error = error or err
             t0 = time.perf_counter()
         if error is None:
             try:
@@ -618,10 +616,8 @@ class Worker:
             fwd, tag = msg["fwd"], 1 + msg.get("lane", 0)
             h = None
             if link.rank > 0:
-                try:
-                    h = link.recv_x(link.rank - 1, (len(fwd["ids"]), m.cfg.hidden_size), m.dtype, m.device, tag=tag)
-                except RuntimeError as e:
-                    error = error or str(e)
+                h, err = _recv_hidden(link, m, len(fwd["ids"]), tag)
+                error = error or err
                 t0 = time.perf_counter()
             x = None
             if error is None:
@@ -672,3 +668,11 @@ def load_stage(path, world: int, rank: int, *, dtype="float32", device="cpu") ->
     cfg = ModelConfig.from_dir(path)
     ranges = stage_ranges(cfg, world, parse_dtype(dtype))
     return load_model(path, dtype=dtype, device=device, layers=ranges[rank])
+
+
+def _recv_hidden(link, m, rows: int, tag: int):
+    """The previous stage's hidden rows [rows, H] -> (tensor, None), or (None, error text)."""
+    try:
+        return link.recv_x(link.rank - 1, (rows, m.cfg.hidden_size), m.dtype, m.device, tag=tag), None
+    except RuntimeError as e:
+        return None, str(e)
