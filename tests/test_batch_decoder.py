@@ -202,7 +202,7 @@ def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
     from hyspec.sampling import SamplingParams
 
     m = _model(tmp_path, "qwen3_next")
-    N = 5
+    N = 4
     prompts = [[5, 17, 99, 3], [8, 1], [60, 61, 62], [7, 7, 7, 7, 7]]
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=11), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.2, top_k=20, seed=5, mode="coupled"),
