@@ -430,13 +430,13 @@ def run_round(backend, seqs: list[Sequence], may_fork: bool = True) -> dict[Sequ
                 s.fill_tokens, s.fill_h, s.fill_start = [tok], s.h_last, rd.base - 1
             emitted[s] = s.emit([tok], [s.last_logits[0]])
         else:
-            rd.vtok = ([s.pending] if s.pending is not None else []) + rd.drafts
+            rd.verify_tokens = ([s.pending] if s.pending is not None else []) + rd.drafts
             rd.snap = s.cache.snapshot() if s.speculative else None
             verifying.append(s)
     if not verifying:
         return emitted
 
-    items = [(s.cache, s.round.vtok, s.rollback.record if s.speculative else "none") for s in verifying]
+    items = [(s.cache, s.round.verify_tokens, s.rollback.record if s.speculative else "none") for s in verifying]
     if may_fork and len(verifying) == len(seqs) and getattr(backend, "forking", False):
         results = backend.verify(items, guess=lambda: next_round_guess(backend, verifying))
     else:
@@ -471,15 +471,15 @@ def _commit(s: Sequence, rd: _Round, n: int, vpre, vpost, rows, bonus) -> None:
     """Keep pending + the n accepted drafts in the cache; set up the next round."""
     j = n + (1 if s.pending is not None else 0)  # verify rows to keep
     if s.speculative:
-        if j == len(rd.vtok):
+        if j == len(rd.verify_tokens):
             s.cache.clear_records()  # full accept: the cache is already right
         elif j == 0:
             s.cache.restore(rd.snap)  # no pending and nothing accepted: fold the round away
         else:
-            s.rollback.keep(s.model, s.cache, rd.snap, j, rd.vtok)
+            s.rollback.keep(s.model, s.cache, rd.snap, j, rd.verify_tokens)
         vseed = vpost if s.opts.hidden == "post" else vpre
         # draft rows for the committed tokens get the target's true hiddens, then the new pending
-        toks = rd.vtok[:j] + ([bonus] if bonus is not None else [])
+        toks = rd.verify_tokens[:j] + ([bonus] if bonus is not None else [])
         hs = torch.cat([s.h_last, vseed[:j]])
         if rd.k == 0 and s.fill_tokens:  # the drafter did not run: its queued rows (the last one
             # is this round's (pending, h_last) pair again) stay queued
