@@ -208,9 +208,7 @@ class BatchDecoder:
         """The per-lane tensors with the lane axis first (a lane move copies row src to dst)."""
         tb = self.sampling_table
         tensors = [self.pos, self.pending, self.k_lane, self.spec_lane, self.live, self.fill_start, self.fill_rows,
-                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens, tb.temperature, tb.top_k, tb.top_p,
-                   tb.min_p, tb.repetition_penalty, tb.frequency_penalty, tb.presence_penalty, tb.seed, tb.coupled,
-                   tb.greedy] + self.kv_k + self.kv_v
+                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens] + tb.fields() + self.kv_k + self.kv_v
         if self.has_mtp:
             tensors += [self.draft_k, self.draft_v]
         return tensors

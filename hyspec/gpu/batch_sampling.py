@@ -13,23 +13,10 @@ import torch
 from hyspec.gpu import sampling as dsamp
 
 SAMPLE_BLOCK = 16  # rows per sampling call (a fixed shape: batch invariance on the GPU)
-_TABLE_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty", "seed", "coupled", "greedy")
-
-
-def _table_view(table: dsamp.SamplingTable, rows, batch: int) -> dsamp.SamplingTable:
-    """A SamplingTable whose every field is rows(field [B]) (batch rows)."""
-    view = dsamp.SamplingTable.__new__(dsamp.SamplingTable)
-    for name in _TABLE_FIELDS:
-        setattr(view, name, rows(getattr(table, name)))
-    view.batch = batch
-    return view
-
-
 def table_rows(table: dsamp.SamplingTable, lanes: int, per_lane: int = 1) -> dsamp.SamplingTable:
     """The table over the first `lanes` lanes, each repeated per_lane times (one per row)."""
-    return _table_view(table, lambda t: t[:lanes].repeat_interleave(per_lane) if per_lane > 1 else t[:lanes],
-                       lanes * per_lane)
+    return table.view(lambda t: t[:lanes].repeat_interleave(per_lane) if per_lane > 1 else t[:lanes],
+                      lanes * per_lane)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -45,7 +32,7 @@ def blocked(fn, n: int, *row_args):
     for s in range(0, n, SAMPLE_BLOCK):
         e = min(n, s + SAMPLE_BLOCK)
         args = [_pad_rows(a[s:e], SAMPLE_BLOCK) if isinstance(a, torch.Tensor)
-                else _table_view(a, lambda t: _pad_rows(t[s:e], SAMPLE_BLOCK), SAMPLE_BLOCK)
+                else a.view(lambda t: _pad_rows(t[s:e], SAMPLE_BLOCK), SAMPLE_BLOCK)
                 for a in row_args]
         out = fn(*args)
         outs.append(tuple(o[: e - s] for o in out) if isinstance(out, tuple) else out[: e - s])

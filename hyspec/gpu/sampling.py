@@ -95,6 +95,10 @@ class SamplingTable:
     values (1, 0, 0), so whatever their counts are the penalty step leaves them unchanged.
     """
 
+    # the per-lane tensor fields, each [B] (views, lane moves and row selections go over these)
+    FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+              "presence_penalty", "seed", "coupled", "greedy")
+
     def __init__(self, batch: int, device: torch.device | str | None = None) -> None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         f64 = {"dtype": torch.float64, "device": dev}
@@ -112,6 +116,17 @@ class SamplingTable:
         self.coupled = torch.zeros(batch, dtype=torch.bool, device=dev)  # [B] mode == "coupled"
         self.greedy = torch.ones(batch, dtype=torch.bool, device=dev)  # [B] temperature == 0
         self.params: list[SamplingParams] = [_GREEDY] * batch  # host copy, for inspection
+
+    def fields(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.FIELDS]
+
+    def view(self, rows, batch: int) -> "SamplingTable":
+        """A table whose every field is rows(field) (a selection of `batch` rows)."""
+        out = SamplingTable.__new__(SamplingTable)
+        for name in self.FIELDS:
+            setattr(out, name, rows(getattr(self, name)))
+        out.batch, out.device, out.params = batch, self.device, None
+        return out
 
     def set(self, lane: int, params: SamplingParams | None) -> None:
         """Write lane's parameters (None: an unused lane, greedy and neutral).  A host to
