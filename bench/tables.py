@@ -466,6 +466,9 @@ MADE_BY = {
                               "bench/results/default_model_h200_baselines.json --out "
                               "bench/results/default_model_h200.png` (needs matplotlib)",
     "b2_h200_profile.json": "`python bench/profile_step.py` (H200)",
+    "b2_h200_batch_ablation.json": "`python -m hyspec.gpu.batch_bench --config b2 ...` (H200; one command per run, in the file)",
+    "gpu_tests_batch_h200.txt": "`python3 -m pytest -q -m gpu tests/test_gpu_batch.py tests/test_gpu_sampling.py "
+                                "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
     "gpu_tests_sessions_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python -m pytest tests/test_sessions.py "
