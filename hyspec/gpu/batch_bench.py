@@ -56,7 +56,7 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
         row = {"plain_tok_s": plain_stats["round_tok_s"], "spec_tok_s": spec_stats["round_tok_s"],
                "spec_vs_plain": spec_stats["round_tok_s"] / plain_stats["round_tok_s"],
                "spec_equals_plain": all(a.tokens == b.tokens for a, b in zip(spec, plain)),
-               "mean_accepted": sum(r.accepted for r in spec) / max(1, sum(r.rounds for r in spec))}
+               "mean_accepted": sum(r.telemetry.accepted for r in spec) / max(1, sum(r.rounds for r in spec))}
         out["runs"][B] = row
         log(f"B={B:>3}: plain {row['plain_tok_s']:9.1f} tok/s, forced K={k} {row['spec_tok_s']:9.1f} tok/s "
             f"(x{row['spec_vs_plain']:.2f}, {row['mean_accepted']:.2f} accepted/round), spec == plain: "
@@ -105,8 +105,8 @@ def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log) -> dict:
         sampled_spec = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, params=q, reference=r.tokens)
                         for p, q, r in zip(prompts, params, sampled_plain)]
         tps_sampled_spec = run_batch(dec, sampled_spec, max_batch=B, forced_rates=rates)["round_tok_s"]
-        acc_g = sum(r.accepted for r in greedy_spec) / max(1, sum(r.rounds for r in greedy_spec))
-        acc_s = sum(r.accepted for r in sampled_spec) / max(1, sum(r.rounds for r in sampled_spec))
+        acc_g = sum(r.telemetry.accepted for r in greedy_spec) / max(1, sum(r.rounds for r in greedy_spec))
+        acc_s = sum(r.telemetry.accepted for r in sampled_spec) / max(1, sum(r.rounds for r in sampled_spec))
         out[B] = {"greedy_plain_tok_s": tps_greedy_plain, "sampled_plain_tok_s": tps_sampled_plain,
                   "greedy_spec_tok_s": tps_greedy_spec, "sampled_spec_tok_s": tps_sampled_spec,
                   "sampled_vs_greedy_spec": tps_sampled_spec / tps_greedy_spec,

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.gpu.batch import BatchDecoder, padded_size
 
 
@@ -28,14 +29,12 @@ class LaneRequest:
     reference: list[int] | None = None  # continuation the forced-acceptance drafter proposes from
     arrival: int = 0  # the first round at which this request may join (staggered arrivals in benches)
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: the tokens each round emits
-    telemetry: Any = None  # a SpecTelemetry recording this request's rounds
+    telemetry: SpecTelemetry = field(default_factory=SpecTelemetry)  # its speculative rounds
     params: Any = None  # SamplingParams (None: greedy)
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    rounds: int = 0  # target forwards (plain steps and speculative rounds)
 
     def emit(self, toks: list[int]) -> None:
         n0 = len(self.tokens)
@@ -144,9 +143,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
             r, row = active[i], rows[i]  # row: (accepted n, bonus, d1..dk) of lane i
             n, bonus = row[0], row[1]
             r.rounds += 1
-            r.drafted += r.k_now
-            r.accepted += n
-            if r.telemetry is not None and r.k > 0:
+            if r.k > 0:
                 r.telemetry.record_round(r.k_now, n)
             before = len(r.tokens)
             r.emit(row[2: 2 + n] + [bonus])
@@ -225,8 +222,6 @@ def graph_eligible(reqs) -> str | None:
 def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
     """Run hyspec.core Requests to their end on the BatchDecoder; fills tokens, stop_reason,
     stats and calls on_tokens / on_finish like the engine core's scheduler does."""
-    from hyspec.speculative.telemetry import SpecTelemetry
-
     forced = next((r.spec for r in reqs if r.draft > 0 and r.spec is not None and r.spec.forced_rates), None)
     lanes = []
     for r in reqs:
@@ -235,7 +230,7 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
             r.telemetry = SpecTelemetry()
         lanes.append(LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
                                  stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb,
-                                 telemetry=r.telemetry if r.draft > 0 else None, params=r.params))
+                                 telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params))
     t0 = time.perf_counter()
     stats = run_batch(dec, lanes, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
                       forced_seed=forced.forced_seed if forced else 0)
