@@ -39,6 +39,8 @@ __all__ = [
     "ParamError",
     "apply_penalties",
     "filter_probs",
+    "fixed_mass",
+    "top_p_threshold",
     "row_probs",
     "greedy_token",
     "sample_index",
@@ -198,17 +200,45 @@ def _masked_softmax(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.softmax(torch.where(keep, x, torch.full_like(x, -math.inf)), dim=-1)
 
 
+MASS_BITS = 62
+MASS_ONE = 1 << MASS_BITS  # the fixed-point unit of top-p masses: probability 1
+
+
+def fixed_mass(probs: torch.Tensor) -> torch.Tensor:
+    """Probabilities as int64 multiples of 2**-62, rounded down (exact: a power-of-two
+    scale and a truncation). Sums of them are exact in any order, so the top-p nucleus
+    does not depend on how a sort or a device adds the masses up."""
+    return (probs * float(MASS_ONE)).to(torch.int64)
+
+
+def top_p_threshold(top_p: float) -> int:
+    """top_p in the fixed-point unit of :func:`fixed_mass` (rounded down)."""
+    return int(top_p * MASS_ONE)
+
+
 def filter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Filtered sampling distribution(s): temperature -> top-k -> top-p -> min-p.
 
     logits: [V] or [N, V] (``-inf`` marks forbidden tokens).  Returns float64 probs of
     the same shape; each row sums to 1.
 
+    Tokens are ranked by decreasing logit, ties towards the lowest id (the ranking of the
+    logits before temperature, which temperature does not change; ranking the divided
+    values instead could only add ties where a division rounds two logits together).
+    With ``x = logits / temperature`` in float64:
+
     * greedy (temperature 0): one-hot at the argmax (lowest id on ties).
-    * top-k: the k largest logits (lowest ids win ties at the boundary).
-    * top-p: smallest prefix of the sorted distribution (renormalised after top-k) whose
-      mass reaches top_p; the top token is always kept.
-    * min-p: keep tokens with p >= min_p * p_max.
+    * top-k: the k best-ranked tokens.
+    * top-p: with ``m = fixed_mass(softmax(x over the top-k tokens))`` (exact integers), a
+      token is kept when the mass of the tokens ranked before it is below
+      ``top_p_threshold(top_p)``: the smallest prefix of the ranking whose mass reaches
+      top_p; the top token is always kept.
+    * min-p: keep tokens with ``p >= min_p * p_max``, i.e. ``x - max(x) >= log(min_p)``.
+
+    The result is ``softmax(x)`` over the kept tokens, computed in token order. Every
+    decision is an exact comparison (integer masses, a rounded subtraction against
+    ``math.log(min_p)``), so the batched device sampler (hyspec.gpu.sampling) finds the same
+    kept set without sorting, and the same floating-point softmax gives the same bits.
     """
     x = logits.to(torch.float64)
     squeeze = x.dim() == 1
@@ -227,25 +257,25 @@ def filter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         out = torch.zeros_like(x).scatter_(-1, idx, 1.0)
         return out[0] if squeeze else out
 
-    x = x / params.temperature
-    # Descending stable sort: equal logits keep ascending id order.
-    sorted_logits, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [N, V] each
-    keep = torch.isfinite(sorted_logits)  # [N, V]; column 0 is always finite
-
-    if 0 < params.top_k < V:
-        keep[:, params.top_k :] = False
+    xt = x / params.temperature  # [N, V]
+    keep = torch.isfinite(xt)  # [N, V]
+    use_k = 0 < params.top_k < V
+    if use_k or params.top_p < 1.0:
+        # descending stable sort of the logits: equal logits keep ascending id order
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices  # [N, V] token at each rank
+        ranks = torch.arange(V, device=x.device).expand(N, V)
+        rank = torch.empty_like(order).scatter_(-1, order, ranks)  # [N, V] rank of each token
+    if use_k:
+        keep &= rank < params.top_k
     if params.top_p < 1.0:
-        sorted_probs = _masked_softmax(sorted_logits, keep)  # [N, V], sorted order
-        cumulative = torch.cumsum(sorted_probs, dim=-1)  # [N, V]
-        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
-        keep &= mass_before < params.top_p
-        keep[:, 0] = True
+        mass = fixed_mass(_masked_softmax(xt, keep))  # [N, V] int64, token order
+        ranked = mass.gather(-1, order)  # [N, V] in rank order
+        before = (ranked.cumsum(-1) - ranked).gather(-1, rank)  # [N, V] mass ranked ahead, exact
+        keep &= (before < top_p_threshold(params.top_p)) | (rank == 0)
     if params.min_p > 0.0:
-        sorted_probs = _masked_softmax(sorted_logits, keep)
-        keep &= sorted_probs >= params.min_p * sorted_probs[:, :1]  # column 0 is the row maximum
+        keep &= (xt - xt.amax(dim=-1, keepdim=True)) >= math.log(params.min_p)  # the top token: 0 >= log < 0
 
-    sorted_probs = _masked_softmax(sorted_logits, keep)  # [N, V], sorted order
-    out = torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)  # back to token order
+    out = _masked_softmax(xt, keep)  # [N, V], token order
     return out[0] if squeeze else out
 
 

@@ -53,16 +53,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hyspec.kernels.common import triton_available
 from hyspec.kernels.rng import u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
-from hyspec.sampling import SamplingParams
+from hyspec.sampling import MASS_ONE, SamplingParams, fixed_mass
 
 __all__ = [
     "SamplingTable",
+    "SampledGraphKey",
+    "ALL_STAGES",
+    "order_key",
+    "prefix_select",
     "u01_lanes",
     "gumbel_lanes",
     "probs_batch",
@@ -96,7 +101,7 @@ class SamplingTable:
     """
 
     # the per-lane tensor fields, each [B] (views, lane moves and row selections go over these)
-    FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+    FIELDS = ("temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty", "frequency_penalty",
               "presence_penalty", "seed", "coupled", "greedy")
 
     def __init__(self, batch: int, device: torch.device | str | None = None) -> None:
@@ -109,6 +114,7 @@ class SamplingTable:
         self.top_k = torch.zeros(batch, **i64)  # [B] 0 = off
         self.top_p = torch.ones(batch, **f64)  # [B] 1 = off
         self.min_p = torch.zeros(batch, **f64)  # [B] 0 = off
+        self.log_min_p = torch.full((batch,), -math.inf, **f64)  # [B] math.log(min_p) (the reference's number)
         self.repetition_penalty = torch.ones(batch, **f64)  # [B] 1 = off
         self.frequency_penalty = torch.zeros(batch, **f64)  # [B] 0 = off
         self.presence_penalty = torch.zeros(batch, **f64)  # [B] 0 = off
@@ -138,6 +144,7 @@ class SamplingTable:
         self.top_k[lane] = int(p.top_k)
         self.top_p[lane] = float(p.top_p)
         self.min_p[lane] = float(p.min_p)
+        self.log_min_p[lane] = math.log(p.min_p) if p.min_p > 0 else -math.inf
         self.repetition_penalty[lane] = float(p.repetition_penalty) if pen else 1.0
         self.frequency_penalty[lane] = float(p.frequency_penalty) if pen else 0.0
         self.presence_penalty[lane] = float(p.presence_penalty) if pen else 0.0
@@ -174,6 +181,45 @@ def gumbel_lanes(
 
 
 # --------------------------------------------------------------------------------------
+# Sampling regimes: which stages a round's graphs contain
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampledGraphKey:
+    """The sampling work a batch needs, from its lanes' params (part of a graph's key: a
+    new regime captures its graphs once). A stage no lane uses is left out; every stage is
+    the identity, bitwise, for a lane that does not use it (top-k 0, top-p 1, min-p 0,
+    neutral penalties, the other mode's draw discarded), so a lane's numbers do not depend
+    on the regime its batch runs under. :data:`ALL_STAGES` (every field True) is the
+    general function the tests check against the reference."""
+
+    sampled: bool = True  # some lane samples (temperature > 0); False: greedy lanes with penalties only
+    top_k: bool = True  # some sampled lane has top_k > 0
+    top_p: bool = True  # ... top_p < 1
+    min_p: bool = True  # ... min_p > 0
+    coupled: bool = True  # some sampled lane is in coupled mode
+    rejection: bool = True  # some sampled lane is in rejection mode
+    penalties: bool = True  # some lane (greedy or sampled) has penalties
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams | None]) -> "SampledGraphKey | None":
+        """The regime of these lanes; None when every lane is greedy without penalties (the
+        argmax graphs)."""
+        ps = [p for p in params if p is not None]
+        smp = [p for p in ps if not p.greedy]
+        pen = any(p.has_penalties for p in ps)
+        if not smp and not pen:
+            return None
+        return cls(sampled=bool(smp), top_k=any(p.top_k > 0 for p in smp), top_p=any(p.top_p < 1.0 for p in smp),
+                   min_p=any(p.min_p > 0.0 for p in smp), coupled=any(p.mode == "coupled" for p in smp),
+                   rejection=any(p.mode != "coupled" for p in smp), penalties=pen)
+
+
+ALL_STAGES = SampledGraphKey()
+
+
+# --------------------------------------------------------------------------------------
 # Probabilities
 # --------------------------------------------------------------------------------------
 
@@ -199,41 +245,102 @@ def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor 
     return out - pp * present.to(dtype)
 
 
+_FLOAT_BITS = {torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16),
+               torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
+DIGIT_BITS = 16  # bits of the ranking key resolved per pass of prefix_select (65536 bins)
+
+
+def order_key(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(int64 key [B, V], bits n): an integer whose order is the order of the float values
+    (the IEEE bits with the magnitude flipped below zero; -0.0 is made +0.0 first, since
+    the two compare equal), in [-2**(n-1), 2**(n-1)); n is the float's width."""
+    view, n = _FLOAT_BITS[values.dtype]
+    v = torch.where(values == 0, torch.zeros_like(values), values)
+    bits = v.view(view).to(torch.int64)
+    return bits ^ ((bits >> (n - 1)) & ((1 << (n - 1)) - 1)), n
+
+
+def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: torch.Tensor,
+                  threshold: torch.Tensor) -> torch.Tensor:
+    """keep [B, V]: valid tokens whose *ahead weight* is below threshold [B, 1], without
+    sorting. Tokens are ranked by decreasing key, ties towards the lowest id; the ahead
+    weight of a token is the sum of ``weight`` (int64 >= 0) over the valid tokens ranked
+    before it. (top-k: weight 1, threshold k; top-p: the fixed-point masses and top_p.)
+
+    Exact, with the same result as a sort followed by an exclusive cumulative sum: the
+    ahead weight only grows along the ranking, so the kept tokens are a prefix of it, and
+    a radix search finds its end. Each pass takes the next DIGIT_BITS bits of the key:
+    a histogram of the undecided tokens' weights per digit (scatter-add of integers, exact
+    in any order) gives for every digit d the weight ranked ahead of it; tokens of digits
+    above the last digit whose own bin still starts below the threshold are kept, those
+    below it dropped, and the tokens of that digit go on to the next pass (with the weight
+    ahead of their bin carried). After the last pass the undecided tokens have equal keys
+    and are ranked by id: an exclusive cumulative sum in token order settles them."""
+    B, V = key.shape
+    nbins = 1 << DIGIT_BITS
+    active = valid.clone()  # [B, V] still undecided
+    kept = torch.zeros_like(valid)  # [B, V]
+    base = torch.zeros(B, 1, dtype=torch.int64, device=key.device)  # weight ranked ahead of the undecided
+    for shift in range(bits - DIGIT_BITS, -1, -DIGIT_BITS):
+        if shift == bits - DIGIT_BITS:  # the top digit of the signed key, in [0, nbins)
+            digit = (key >> shift) + (nbins >> 1)
+        else:
+            digit = (key >> shift) & (nbins - 1)  # [B, V]
+        w = torch.where(active, weight, torch.zeros_like(weight))  # [B, V]
+        hist = torch.zeros(B, nbins, dtype=torch.int64, device=key.device).scatter_add_(1, digit, w)  # [B, bins]
+        below = hist.cumsum(1) - hist  # [B, bins] undecided weight of the digits below d
+        total = hist.sum(1, keepdim=True)  # [B, 1]
+        # base + total - below = the weight ahead of bin d plus its own: below the threshold,
+        # every token of the bin is kept. It shrinks as d grows; d* = the last digit where it
+        # reaches the threshold: the bins above are kept, the ones below start at or past it.
+        reaches = base + total - below >= threshold  # [B, bins] true for d <= d*, false above
+        cut = reaches.sum(1, keepdim=True) - 1  # [B, 1] d*: -1 = every undecided token is kept
+        kept |= active & (digit > cut)
+        ahead = total - below - hist  # [B, bins] undecided weight of the digits above d
+        base = base + ahead.gather(1, cut.clamp(min=0))
+        active &= digit == cut
+    w = torch.where(active, weight, torch.zeros_like(weight))
+    before = w.cumsum(1) - w  # [B, V] equal keys: the lower ids are ahead
+    return kept | (active & (base + before < threshold))
+
+
 def probs_batch(
-    logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None
+    logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None,
+    regime: SampledGraphKey = ALL_STAGES,
 ) -> torch.Tensor:
     """``row_probs`` for every lane: logits [B, V] (any float dtype), counts [B, V] (the
     lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V].
 
-    Penalties -> temperature -> top-k -> top-p -> min-p, each a mask over the row sorted
-    by decreasing logit (stable: ties keep ascending ids); greedy lanes get a one-hot at
-    the argmax (lowest id on ties).
+    Penalties -> temperature -> top-k -> top-p -> min-p as the reference's filter_probs
+    defines them, without a sort: top-k and top-p are :func:`prefix_select` over the
+    (penalised) logits' ranking key, min-p an elementwise test; greedy lanes get a one-hot
+    at the argmax (lowest id on ties). ``regime`` leaves out the stages no lane uses.
     """
-    x = _penalised(logits, table, counts).to(torch.float64)  # [B, V]
-    V = x.shape[1]
+    x0 = _penalised(logits, table, counts if regime.penalties else None)  # [B, V] the ranking values
+    x = x0.to(torch.float64)  # [B, V]
+    B, V = x.shape
+    top = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)  # [B, V] first max = rank 0
+    if not regime.sampled:
+        return top
     greedy = table.greedy.unsqueeze(1)  # [B, 1]
-    onehot = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)  # [B, V]
-
     temp = torch.where(table.greedy, torch.ones_like(table.temperature), table.temperature)  # [B]
-    xs, order = torch.sort(x / temp.unsqueeze(1), dim=1, descending=True, stable=True)  # [B, V]
-    col = torch.arange(V, device=x.device).unsqueeze(0)  # [1, V] rank in the sorted row
-    keep = torch.isfinite(xs)  # [B, V]; column 0 is finite
-
-    k = table.top_k.unsqueeze(1)  # [B, 1]
-    keep &= ~((k > 0) & (col >= k))  # top-k (k >= V keeps everything)
-
-    top_p = table.top_p.unsqueeze(1)  # [B, 1]
-    cum = torch.cumsum(_softmax_kept(xs, keep), dim=1)  # [B, V]
-    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # [B, V]
-    keep = torch.where(top_p < 1.0, keep & ((mass_before < top_p) | (col == 0)), keep)
-
-    min_p = table.min_p.unsqueeze(1)  # [B, 1]
-    ps = _softmax_kept(xs, keep)  # [B, V]
-    keep = torch.where(min_p > 0.0, keep & (ps >= min_p * ps[:, :1]), keep)
-
-    ps = _softmax_kept(xs, keep)  # [B, V], sorted order
-    sampled = torch.zeros_like(ps).scatter_(1, order, ps)  # [B, V], token order
-    return torch.where(greedy, onehot, sampled)
+    xt = x / temp.unsqueeze(1)  # [B, V]
+    keep = torch.isfinite(xt)  # [B, V]
+    if regime.top_k or regime.top_p:
+        key, bits = order_key(x0)
+    if regime.top_k:
+        k = table.top_k.unsqueeze(1)  # [B, 1]
+        best_k = prefix_select(key, bits, keep, torch.ones_like(key), k)
+        keep = torch.where((k > 0) & (k < V), best_k, keep)  # best_k is within keep
+    if regime.top_p:
+        top_p = table.top_p.unsqueeze(1)  # [B, 1]
+        mass = fixed_mass(_softmax_kept(xt, keep))  # [B, V] int64
+        nucleus = prefix_select(key, bits, keep, mass, (top_p * float(MASS_ONE)).to(torch.int64))
+        keep = torch.where(top_p < 1.0, nucleus | (top > 0), keep)  # the top token is in keep
+    if regime.min_p:
+        near = (xt - xt.amax(dim=1, keepdim=True)) >= table.log_min_p.unsqueeze(1)  # [B, V]
+        keep = torch.where(table.min_p.unsqueeze(1) > 0.0, keep & near, keep)
+    return torch.where(greedy, top, _softmax_kept(xt, keep))
 
 
 # --------------------------------------------------------------------------------------
@@ -264,23 +371,33 @@ def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     return score.argmax(dim=1)
 
 
-def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    """greedy lanes: argmax; coupled lanes: Gumbel-max; others: inverse CDF with ``stream``."""
+def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, stream: int,
+            regime: SampledGraphKey = ALL_STAGES) -> torch.Tensor:
+    """greedy lanes: argmax; coupled lanes: Gumbel-max; others: inverse CDF with ``stream``
+    (a draw no lane of the regime uses is not made)."""
+    tok = probs.argmax(dim=1)  # [B]; greedy lanes (their rows are one-hot)
+    if not regime.sampled:
+        return tok
     pos = positions.to(torch.int64)
-    u = u01_lanes(table.seed, stream, pos)  # [B]
-    tok = torch.where(table.coupled, coupled_rows(probs, table.seed, pos), sample_rows(probs, u))
-    return torch.where(table.greedy, probs.argmax(dim=1), tok)
+    if regime.rejection:
+        u = u01_lanes(table.seed, stream, pos)  # [B]
+        tok = torch.where(table.greedy, tok, sample_rows(probs, u))
+    if regime.coupled:
+        tok = torch.where(table.coupled & ~table.greedy, coupled_rows(probs, table.seed, pos), tok)
+    return tok
 
 
-def plain_tokens(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor) -> torch.Tensor:
+def plain_tokens(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor,
+                 regime: SampledGraphKey = ALL_STAGES) -> torch.Tensor:
     """``plain_token`` per lane: probs [B, V], positions [B] (absolute) -> tokens [B]."""
-    return _choose(probs, table, positions, Stream.PLAIN)
+    return _choose(probs, table, positions, Stream.PLAIN, regime)
 
 
-def draft_tokens(q: torch.Tensor, table: SamplingTable, positions: torch.Tensor) -> torch.Tensor:
+def draft_tokens(q: torch.Tensor, table: SamplingTable, positions: torch.Tensor,
+                 regime: SampledGraphKey = ALL_STAGES) -> torch.Tensor:
     """The drafter's token per lane (as in hyspec.core.round): greedy -> argmax q,
     coupled -> ``coupled_token``, rejection -> ``draft_token`` (stream DRAFT)."""
-    return _choose(q, table, positions, Stream.DRAFT)
+    return _choose(q, table, positions, Stream.DRAFT, regime)
 
 
 def _row(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -295,6 +412,7 @@ def speculative_accept(
     table: SamplingTable,
     positions: torch.Tensor,
     k_lane: torch.Tensor,
+    regime: SampledGraphKey = ALL_STAGES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a round for every lane: (n accepted [B], next_token [B]).
 
@@ -305,6 +423,7 @@ def speculative_accept(
     acceptance (argmax-match prefix, then the argmax) called with the first
     ``k_lane[b]`` drafts and ``p[b, :k_lane[b] + 1]``; drafts past ``k_lane`` count as
     rejected and the lane's next token is decided by row ``k_lane`` as a bonus.
+    ``regime`` leaves out the coupled or the rejection work when no lane needs it.
     """
     B, R, V = p.shape
     k = R - 1
@@ -314,27 +433,37 @@ def speculative_accept(
     kl = k_lane.to(torch.int64)  # [B]
     j = torch.arange(max(k, 1), device=p.device).unsqueeze(0)  # [1, k]
     seeds = table.seed
+    coupled = regime.sampled and regime.coupled
+    rejection = regime.sampled and regime.rejection
 
     # the target's own choice at every row, for greedy and coupled lanes: [B, k+1]
     own = torch.stack(
         [
-            torch.where(table.greedy, p[:, r].argmax(dim=1), coupled_rows(p[:, r], seeds, pos + r))
+            torch.where(table.greedy | ~table.coupled, p[:, r].argmax(dim=1), coupled_rows(p[:, r], seeds, pos + r))
+            if coupled else p[:, r].argmax(dim=1)
             for r in range(R)
         ],
         dim=1,
     )
     match_lane = table.greedy | table.coupled  # [B]
+    if not rejection:  # every lane is greedy or coupled
+        match_lane = torch.ones_like(match_lane)
 
     if k > 0:
         d = drafts.to(torch.int64).clamp(0, V - 1)  # [B, k]; lanes' unused drafts are ignored
-        pd = p[:, :k].gather(2, d.unsqueeze(2)).squeeze(2)  # [B, k]
-        qd = q.gather(2, d.unsqueeze(2)).squeeze(2)  # [B, k]
-        u_acc = u01_lanes(seeds, Stream.ACCEPT, pos.unsqueeze(1) + j)  # [B, k]
-        accepted = torch.where(match_lane.unsqueeze(1), own[:, :k] == d, u_acc * qd < pd)
+        accepted = own[:, :k] == d
+        if rejection:
+            pd = p[:, :k].gather(2, d.unsqueeze(2)).squeeze(2)  # [B, k]
+            qd = q.gather(2, d.unsqueeze(2)).squeeze(2)  # [B, k]
+            u_acc = u01_lanes(seeds, Stream.ACCEPT, pos.unsqueeze(1) + j)  # [B, k]
+            accepted = torch.where(match_lane.unsqueeze(1), accepted, u_acc * qd < pd)
         accepted &= j < kl.unsqueeze(1)  # [B, k]
         n = torch.where(accepted, torch.full_like(j, k), j.expand(B, k)).amin(dim=1)  # first rejection
     else:
         n = torch.zeros(B, dtype=torch.int64, device=p.device)
+    own_n = own.gather(1, n.unsqueeze(1)).squeeze(1)  # [B]
+    if not rejection:
+        return n, own_n
 
     # sampled lanes: recovered token (residual at row n) or bonus (row n = k_lane)
     p_n = _row(p, n)  # [B, V]
@@ -351,5 +480,4 @@ def speculative_accept(
         u01_lanes(seeds, Stream.BONUS, pos + n),
     )
     sampled = sample_rows(dist, u)  # [B]
-    own_n = own.gather(1, n.unsqueeze(1)).squeeze(1)  # [B]
     return n, torch.where(match_lane, own_n, sampled)

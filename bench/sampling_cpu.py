@@ -1,0 +1,97 @@
+"""Micro-benchmark of the device sampler's functions alone (hyspec.gpu.sampling), on any
+device: the per-row probabilities (probs_batch) at the bench's sampling settings and one
+speculative round's sampling work as the BatchDecoder does it (k drafts, the verify
+rows, the accept) for a vocabulary of V tokens, at batch sizes 1 and 16.
+
+    PYTHONPATH=. python bench/sampling_cpu.py [--vocab 151936] [--batch 1,16] [--k 3]
+
+Prints one line per case (median of --reps timed runs, after one warm-up) and, with
+--out, writes them as JSON. Greedy lanes' cost is not in it (argmax only)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    from hyspec.gpu import batch_sampling as bs
+    from hyspec.gpu import sampling as dsamp
+    from hyspec.sampling import SamplingParams
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--scale", type=float, default=1.0, help="logit std (random rows)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    V, k = args.vocab, args.k
+    dt = getattr(torch, args.dtype)
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "coupled_T0.8_top_p0.95": dict(temperature=0.8, top_p=0.95, mode="coupled"),
+        "rejection_T0.8_top_p0.95": dict(temperature=0.8, top_p=0.95),
+        "rejection_T0.8": dict(temperature=0.8),
+        "rejection_T0.8_top_k50_top_p0.9_min_p0.05": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
+    }
+    out = {"vocab": V, "k": k, "device": str(dev), "threads": args.threads, "dtype": args.dtype, "runs": {}}
+    for name, kw in cases.items():
+        for B in [int(b) for b in args.batch.split(",")]:
+            table = dsamp.SamplingTable(B, dev)
+            for b in range(B):
+                table.set(b, SamplingParams(seed=b, **kw))
+            logits = (torch.randn(B * (k + 1), V, generator=g) * args.scale).to(dev, dt)
+            draft_logits = (torch.randn(B, V, generator=g) * args.scale).to(dev, dt)
+            pos = torch.arange(B, device=dev) * 7 + 100
+            rows_table = bs.table_rows(table, B, k + 1)
+
+            def probs():
+                return bs.blocked(dsamp.probs_batch, B, draft_logits, table)
+
+            def one_round():
+                qs, ds = [], []
+                for i in range(k):  # the drafter's k rows
+                    q, d = bs.draft_draws(draft_logits, table, pos + 1 + i)
+                    qs.append(q)
+                    ds.append(d)
+                p = bs.blocked(dsamp.probs_batch, B * (k + 1), logits, rows_table).view(B, k + 1, V)
+                q = torch.stack(qs, 1)
+                drafts = torch.stack(ds, 1)
+                n, nxt = bs.blocked(dsamp.speculative_accept, B, p, q, drafts, table, pos + 1,
+                                    torch.full((B,), k, device=dev))
+                return n, nxt
+
+            t_probs = _time(probs, args.reps)
+            t_round = _time(one_round, max(1, args.reps // 2))
+            out["runs"][f"{name}/B{B}"] = {"probs_batch_s": t_probs, "round_sampling_s": t_round}
+            print(f"{name:45s} B={B:3d}: probs_batch {t_probs * 1e3:9.2f} ms   one round's sampling (k={k}) "
+                  f"{t_round * 1e3:9.2f} ms", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
