@@ -157,8 +157,9 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
         assert g.samples[0].tokens == w.samples[0].tokens == seen[i]
         assert g.samples[0].stats["path"] == "batch-graphs"
     assert got[1].samples[0].stats["spec"]["rounds"] > 0
-    # sampled requests run on the graph path too (same tokens as the engine core); a request
-    # with penalties is not eligible: the engine core serves that batch
+    # sampled requests run on the graph path too (same tokens as the engine core), and so
+    # do requests with penalties
+    from hyspec.gpu.batch_loop import graph_eligible
     from hyspec.sampling import SamplingParams
 
     sp = SamplingParams(temperature=0.8, seed=1)
@@ -166,9 +167,10 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
     want = ref_eng.generate_batch(prompts[:2], max_new_tokens=3, params=sp, draft=[0, 1])
     assert out[0].samples[0].stats["path"] == "batch-graphs"
     assert [o.samples[0].tokens for o in out] == [w.samples[0].tokens for w in want]
+    from hyspec.core.request import Request
+
     pen = SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.3)
-    out = eng.generate_batch(prompts[:2], max_new_tokens=3, params=pen)
-    assert out[0].samples[0].stats.get("path") != "batch-graphs"
+    assert graph_eligible([Request(prompt_ids=prompts[0], max_new_tokens=3, params=pen)]) is None
 
 
 def test_packed_weights_are_held_once(tmp_path):
@@ -193,8 +195,10 @@ def test_packed_weights_are_held_once(tmp_path):
 
 def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
     """Sampling on the device inside the batched round: seeded rejection-mode and coupled
-    lanes, plain and speculative, mixed with greedy lanes, give the engine core's tokens
-    (the same positions and counter streams), and each lane alone gives the same."""
+    lanes, plain and speculative, mixed with greedy lanes, with penalties (greedy and
+    sampled speculative lanes with 2- and 3-token windows that evict while drafting, a
+    whole-history frequency penalty on a plain lane), give the engine core's tokens (the same
+    positions, counter streams and penalty windows), and each lane alone gives the same."""
     from hyspec.core.request import Request
     from hyspec.core.scheduler import Scheduler
     from hyspec.gpu.batch import BatchDecoder
@@ -204,9 +208,12 @@ def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
     m = _model(tmp_path, "qwen3_next")
     N = 4
     prompts = [[5, 17, 99, 3], [8, 1], [60, 61, 62], [7, 7, 7, 7, 7]]
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=11), SamplingParams(temperature=0.0),
+    # (lane 0 accepts drafts, so its later drafts and verify rows see the earlier drafts in
+    # their windows; a negative frequency penalty pulls lane 1 towards its last two tokens)
+    params = [SamplingParams(temperature=1.5, seed=12, presence_penalty=3.0, penalty_last_n=3),
+              SamplingParams(temperature=0.0, repetition_penalty=0.5, frequency_penalty=-1.0, penalty_last_n=2),
               SamplingParams(temperature=1.2, top_k=20, seed=5, mode="coupled"),
-              SamplingParams(temperature=0.7, min_p=0.05, seed=3)]
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3, frequency_penalty=3.0, penalty_last_n=-1)]
     ks = [2, 1, 2, 0]
     sched = Scheduler(m, max_batch=4)
     core = [Request(prompt_ids=p, max_new_tokens=N, params=sp, draft=k) for p, sp, k in zip(prompts, params, ks)]

@@ -16,6 +16,8 @@ from hyspec.gpu.sampling import (
     SamplingTable,
     draft_tokens,
     gumbel_lanes,
+    order_key,
+    prefix_select,
     plain_tokens,
     probs_batch,
     sample_rows,
@@ -230,6 +232,79 @@ def test_probs_batch_filter_boundaries() -> None:
     for b, (row, prm) in enumerate(cases):
         assert torch.equal(got[b], row_probs(row, [], prm)), b
     assert (got[0] > 0).sum() == 2 and (got[3] > 0).tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_prefix_select_equals_a_sort(dtype: torch.dtype) -> None:
+    """prefix_select (radix passes, no sort) == rank by (value desc, id asc) with a stable
+    sort, then an exclusive cumulative sum of the weights: keep iff it is below the
+    threshold. Rows full of ties (rounded values, +0.0 / -0.0), forbidden tokens, zero and
+    huge weights, thresholds at 0, 1, mid-way, the total and past it."""
+    gen = torch.Generator().manual_seed(dtype.itemsize)
+    B, Vs = 12, 700
+    vals = torch.randn(B, Vs, generator=gen, dtype=torch.float64) * 3
+    vals[0::3] = torch.round(vals[0::3] * 2) / 2  # many equal values
+    vals[1::4, ::7] = 0.0
+    vals[1::4, 3::7] = -0.0
+    vals[2, :] = 1.0  # one value only: ties everywhere
+    vals = vals.to(dtype)
+    valid = torch.rand(B, Vs, generator=gen) > 0.2
+    valid[:, 0] = True
+    w = torch.randint(0, 1 << 40, (B, Vs), generator=gen, dtype=torch.int64)
+    w[::2] = torch.randint(0, 3, (B // 2, Vs), generator=gen, dtype=torch.int64)  # small, with zeros
+    w[3] = 1  # counts (top-k)
+    key, bits = order_key(vals)
+    wv = torch.where(valid, w, torch.zeros_like(w))
+    order = torch.sort(vals.to(torch.float64), dim=1, descending=True, stable=True).indices
+    ranked = wv.gather(1, order)
+    ahead = torch.empty_like(ranked).scatter_(1, order, ranked.cumsum(1) - ranked)  # [B, V] token order
+    total = wv.sum(1, keepdim=True)
+    for thr in (torch.zeros_like(total), torch.ones_like(total), total // 3, total // 2 + 1, total, total + 5,
+                torch.full_like(total, 37)):
+        got = prefix_select(key, bits, valid, w, thr)
+        assert torch.equal(got, valid & (ahead < thr)), thr.flatten().tolist()
+
+
+def test_regimes_equal_all_stages() -> None:
+    """A batch's regime (SampledGraphKey.of its params) leaves stages out; every lane's
+    probabilities and tokens are bitwise those of the general functions."""
+    from hyspec.gpu.sampling import ALL_STAGES, SampledGraphKey
+
+    gen = torch.Generator().manual_seed(2)
+    groups = [
+        [SamplingParams(temperature=0.8, top_p=0.9, seed=1, mode="coupled"), SamplingParams(temperature=0.0)],
+        [SamplingParams(temperature=0.7, seed=2), SamplingParams(temperature=1.1, min_p=0.1, seed=3)],
+        [SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0)],
+        [SamplingParams(temperature=0.9, top_k=5, seed=4, presence_penalty=0.5),
+         SamplingParams(temperature=0.5, top_p=0.5, seed=5, mode="coupled")],
+    ]
+    K = 2
+    for params in groups:
+        B = len(params)
+        regime = SampledGraphKey.of(params)
+        assert regime is not None and regime != ALL_STAGES
+        table = SamplingTable(B)
+        window = PenaltyWindow(B, V, capacity=64)
+        for b, prm in enumerate(params):
+            table.set(b, prm)
+            window.load(b, [3, 5, 5, 9], prm)
+        target = rand_logits(gen, B, rows=K + 1).to(torch.float32)
+        counts = window.counts if regime.penalties else None
+        for r in range(K + 1):
+            a = probs_batch(target[:, r], table, window.counts, regime)
+            assert torch.equal(a, probs_batch(target[:, r], table, window.counts)), (params, r)
+        p = torch.stack([probs_batch(target[:, r], table, counts, regime) for r in range(K + 1)], 1)
+        q = p[:, :K] * 0.5 + torch.softmax(torch.randn(B, K, V, generator=gen, dtype=torch.float64), -1) * 0.5
+        pos = torch.tensor([11, 40])
+        drafts = draft_tokens(q[:, 0], table, pos, regime).unsqueeze(1).expand(B, K)
+        assert torch.equal(drafts[:, 0], draft_tokens(q[:, 0], table, pos))
+        assert torch.equal(plain_tokens(p[:, 0], table, pos, regime), plain_tokens(p[:, 0], table, pos))
+        for kl in range(K + 1):
+            k_lane = torch.full((B,), kl)
+            got = speculative_accept(p, q, drafts, table, pos, k_lane, regime)
+            want = speculative_accept(p, q, drafts, table, pos, k_lane)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (params, kl)
+    assert SampledGraphKey.of([None, SamplingParams(temperature=0.0)]) is None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -43,6 +43,7 @@ from hyspec.config import no_mtp_error
 from hyspec.gpu import sampling as dsamp
 from hyspec.gpu.batch_sampling import accept_sampled, draft_draws, plain_draws, table_rows
 from hyspec.gpu.graphs import StepGraphs
+from hyspec.gpu.penalties import PenaltyWindow, row_counts
 from hyspec.gpu.prefill import layer_indices, prefill_into
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import state_dtype
@@ -131,6 +132,9 @@ class BatchDecoder:
         self.hidden = "post"  # the target hidden that seeds the drafter (the graph round: post only)
         self.sampling_table = dsamp.SamplingTable(S, device=dev)  # per-lane sampling parameters [S]
         self.draft_probs = None  # [S, k_max, V] float64: the drafter's distributions (sampled rounds; made on first use)
+        self.window = None  # PenaltyWindow [S]: each lane's penalty window (made when a lane first has penalties)
+        self.window_scratch = None  # PenaltyWindow [S]: the window advanced over a round's drafts
+        self.row_counts = None  # [S * t_max, V] int32: the verify rows' counts (penalised rounds)
 
         from hyspec.gpu.runner_triton import TritonRunner
 
@@ -190,12 +194,32 @@ class BatchDecoder:
         self.k_lane[lane] = k
         self.spec_lane[lane] = int(k > 0)
         self.live[lane] = 1
+        self._load_window(lane, list(prompt) + [pending])
 
     def set_params(self, lane: int, params) -> None:
-        """Lane's SamplingParams (None or greedy: argmax). Penalties are not on this path."""
-        if params is not None and params.has_penalties:
-            raise ValueError("penalties are not on the batched graph path (the engine core serves them)")
+        """Lane's SamplingParams (None or greedy without penalties: argmax). Call before
+        start(), which loads a penalised lane's window from its prompt."""
+        if params is not None and params.has_penalties and self.window is None:
+            V = self.cfg.vocab_size
+            self.window = PenaltyWindow(self.slots, V, capacity=self.max_len, device=self.dev)
+            self.window_scratch = PenaltyWindow(self.slots, V, capacity=self.max_len, device=self.dev)
+            self.row_counts = torch.zeros(self.slots * self.t_max, V, dtype=torch.int32, device=self.dev)
         self.sampling_table.set(lane, params)
+
+    def _load_window(self, lane: int, history: list[int]) -> None:
+        """The lane's penalty window over its history (prompt + the pending token). A window
+        at least max_len long holds every token a lane can have: it is the whole history (-1)."""
+        if self.window is None:
+            return
+        p = self.sampling_table.params[lane]
+        n = p.penalty_last_n if p.has_penalties else 0
+        self.window.load(lane, history, -1 if n >= self.max_len else n)
+
+    def verify_counts(self, nb: int, t: int) -> torch.Tensor:
+        """int32 [nb, t, V]: the counts each verify row is penalised with (the lane's window
+        plus the drafts before the row)."""
+        out = self.row_counts[: nb * t].view(nb, t, -1)
+        return row_counts(self.window.head(nb), self.verify_tokens[:nb, 1:t], self.window_scratch.head(nb), out)
 
     def set_forced(self, lane: int, table: torch.Tensor | None) -> None:
         """table [capacity, k_max] (the forced drafter's token at (position, depth)) for lane."""
@@ -211,6 +235,8 @@ class BatchDecoder:
                    self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens] + tb.fields() + self.kv_k + self.kv_v
         if self.has_mtp:
             tensors += [self.draft_k, self.draft_v]
+        if self.window is not None:
+            tensors += [self.window.last_n, self.window.length, self.window.ring, self.window.counts]
         return tensors
 
     @torch.no_grad()
@@ -234,29 +260,42 @@ class BatchDecoder:
         self.k_lane[lane] = 0
         self.spec_lane[lane] = 0
         self.sampling_table.set(lane, None)
+        if self.window is not None:
+            self.window.last_n[lane] = 0
 
     # -- the round bodies (graph-captured) ---------------------------------------------
-    def _decode_body(self, nb: int, sampled: bool = False) -> None:
-        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
+    def _counts(self, nb: int, regime) -> torch.Tensor | None:
+        return self.window.head(nb).counts if regime is not None and regime.penalties else None
+
+    def _decode_body(self, nb: int, regime=None) -> None:
+        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending.
+        regime (a SampledGraphKey; None: argmax only): the sampling work on the device."""
         runner = self.runner
         _, post = runner.target(self.pending[:nb], nb, self.pos, False, nb)
         logits = runner.logits(post)
-        if sampled:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
-            token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1)
+        if regime is not None:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
+            token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime,
+                                self._counts(nb, regime))
         else:
             token = logits.argmax(-1)
         self.result[:nb, 0].zero_()
         self.result[:nb, 1].copy_(token)
         self.pending[:nb].copy_(token)
+        if regime is not None and regime.penalties:
+            self.window.head(nb).push(token, self.live[:nb] > 0)
         self.pos[:nb].add_(self.live[:nb])
 
-    def _draft_body(self, nb: int, k: int, forced: bool, sampled: bool = False) -> None:
+    def _draft_body(self, nb: int, k: int, forced: bool, regime=None) -> None:
         if k == 0:
             return
+        sampled = regime is not None
         if sampled and self.draft_probs is None:
             self.draft_probs = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
                                            dtype=torch.float64)
         table = table_rows(self.sampling_table, nb) if sampled else None
+        scratch = None
+        if sampled and regime.penalties:  # draft i is penalised with the window plus drafts 0..i-1
+            scratch = self.window_scratch.head(nb).copy_(self.window.head(nb))
         runner = self.runner
         R = self.lane_rows
         lanes = self.lane_ids[:nb]
@@ -267,7 +306,8 @@ class BatchDecoder:
         for i in range(k):
             logits = runner.draft_logits(hidden)
             if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-                q, draft = draft_draws(logits, table, self.pos[:nb] + 1 + i)
+                q, draft = draft_draws(logits, table, self.pos[:nb] + 1 + i, regime,
+                                       scratch.counts if scratch is not None else None)
             else:
                 draft = logits.argmax(-1)
             if forced:
@@ -278,6 +318,8 @@ class BatchDecoder:
             if sampled:
                 self.draft_probs[:nb, i].copy_(q)
             self.verify_tokens[:nb, 1 + i].copy_(draft)
+            if scratch is not None and i + 1 < k:
+                scratch.push(draft)
             if i + 1 < k:
                 hidden = runner.mtp(draft, hidden, chain, i, nb)
 
@@ -288,13 +330,13 @@ class BatchDecoder:
         self.seed_hidden[:nb, :t].copy_(seed.view(nb, t, -1))
         self.argmax[:nb, :t].copy_(self.runner.logits(post).argmax(-1).view(nb, t))
 
-    def _commit_body(self, nb: int, t: int, sampled: bool = False) -> None:
+    def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True) -> None:
         k = t - 1
         lanes = self.lane_ids[:nb]
         argmax = self.argmax[:nb, :t]
         verify_tokens = self.verify_tokens[:nb, :t]
-        if sampled:
-            n, bonus = accept_sampled(self, nb, t)
+        if regime is not None:
+            n, bonus = accept_sampled(self, nb, t, regime, plain)
         else:
             if k > 0:
                 match = (argmax[:, :k] == verify_tokens[:, 1:t]).to(torch.long)
@@ -319,6 +361,10 @@ class BatchDecoder:
         live = self.live[:nb]
         self.fill_start[:nb].copy_((self.pos[:nb] - 1).clamp_min(0) * live)
         self.fill_rows[:nb].copy_(torch.where(live > 0, j + 1, torch.ones_like(j)))
+        if regime is not None and regime.penalties:  # the emitted tokens: drafts 1..n, then the bonus
+            emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(bonus)[:, None]], 1).scatter(
+                1, n[:, None], bonus[:, None])
+            self.window.head(nb).push_many(emitted, j * live)
         self.pos[:nb].add_(j * live)
         self.pending[:nb].copy_(bonus)
         self.result[:nb, 0].copy_(n)
@@ -327,37 +373,63 @@ class BatchDecoder:
             self.result[:nb, 2: 2 + k].copy_(verify_tokens[:, 1:t])
 
     # -- launching ---------------------------------------------------------------------
-    def decode(self, nb: int, sampled: bool = False) -> None:
-        self.step_graphs.run(("decode", nb, sampled), lambda: self._decode_body(nb, sampled))
+    @staticmethod
+    def regime(sampled):
+        """A round's sampling regime: a SampledGraphKey, or True (every stage), False / None
+        (greedy lanes without penalties: argmax only)."""
+        if sampled is True:
+            return dsamp.ALL_STAGES
+        return sampled or None
 
-    def round(self, nb: int, k: int, forced: bool = False, sampled: bool = False) -> None:
+    def _check_regime(self, regime) -> None:
+        if regime is not None and regime.penalties and self.window is None:
+            raise ValueError("a penalised round before any lane was given penalties (set_params)")
+
+    def decode(self, nb: int, sampled=False) -> None:
+        regime = self.regime(sampled)
+        self._check_regime(regime)
+        self.step_graphs.run(("decode", nb, regime), lambda: self._decode_body(nb, regime))
+
+    def round(self, nb: int, k: int, forced: bool = False, sampled=False, plain: bool = True) -> None:
         """One speculative round (k drafts; lanes with k_lane < k use fewer) for lanes
-        0..nb-1; sampled: some lane samples (the graphs with sampling on the device)."""
+        0..nb-1; sampled: the lanes' sampling regime (a SampledGraphKey, or True for every
+        stage; the graphs with sampling on the device); plain: some lane decodes plainly (k = 0)."""
         if k > self.k_max:
             raise ValueError(f"k={k} > k_max {self.k_max}")
+        regime = self.regime(sampled)
+        self._check_regime(regime)
+        plain = bool(plain) and regime is not None  # the argmax commit serves plain lanes either way
         run = self.step_graphs.run
         if k > 0:
-            run(("draft", nb, k, forced, sampled), lambda: self._draft_body(nb, k, forced, sampled))
+            run(("draft", nb, k, forced, regime), lambda: self._draft_body(nb, k, forced, regime))
         run(("verify", nb, k + 1), lambda: self._verify_body(nb, k + 1))
-        run(("commit", nb, k + 1, sampled), lambda: self._commit_body(nb, k + 1, sampled))
+        run(("commit", nb, k + 1, regime, plain), lambda: self._commit_body(nb, k + 1, regime, plain))
 
     def _mutable(self) -> list[torch.Tensor]:
         """What a round writes besides the caches (saved and put back around a capture)."""
-        return [self.pos, self.pending, self.fill_start, self.fill_rows, self.fill_tokens, self.fill_h, self.h_last,
-                self.verify_tokens, self.argmax, self.seed_hidden, self.result, self.conv, self.ssm]
+        out = [self.pos, self.pending, self.fill_start, self.fill_rows, self.fill_tokens, self.fill_h, self.h_last,
+               self.verify_tokens, self.argmax, self.seed_hidden, self.result, self.conv, self.ssm]
+        if self.window is not None:
+            out += [self.window.length, self.window.ring, self.window.counts]
+        return out
 
-    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,)) -> None:
-        """Capture the graphs of these batch sizes and draft counts ahead of time."""
+    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,), plain=(True,)) -> None:
+        """Capture the graphs of these batch sizes, draft counts and sampling regimes (False,
+        True = every stage, or SampledGraphKeys) ahead of time."""
         if not self.graphs:
             return
         ensure = self.step_graphs.ensure
         for nb in sizes:
             for sm in sampled:
+                rg = self.regime(sm)
+                self._check_regime(rg)
                 if decode:
-                    ensure(("decode", nb, sm), lambda nb=nb, sm=sm: self._decode_body(nb, sm))
+                    ensure(("decode", nb, rg), lambda nb=nb, rg=rg: self._decode_body(nb, rg))
                 for k in ks:
                     for f in forced:
                         if k > 0:
-                            ensure(("draft", nb, k, f, sm), lambda nb=nb, k=k, f=f, sm=sm: self._draft_body(nb, k, f, sm))
+                            ensure(("draft", nb, k, f, rg), lambda nb=nb, k=k, f=f, rg=rg: self._draft_body(nb, k, f, rg))
                     ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
-                    ensure(("commit", nb, k + 1, sm), lambda nb=nb, k=k, sm=sm: self._commit_body(nb, k + 1, sm))
+                    for pl in {bool(p) and rg is not None for p in plain}:
+                        ensure(("commit", nb, k + 1, rg, pl),
+                               lambda nb=nb, k=k, rg=rg, pl=pl: self._commit_body(nb, k + 1, rg, pl))

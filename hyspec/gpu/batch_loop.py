@@ -3,9 +3,10 @@ a stop id or their token limit, and every round runs the active lanes in one cap
 graph set.  The host reads one small tensor per round (accepted count, bonus, drafts per
 lane) and does the bookkeeping: emit, stop, compaction of the lanes.
 
-Greedy and sampled requests (plain k = 0, or speculative k >= 1, mixed freely in one
-batch; sampling without penalties): a request's tokens equal those of the same request
-decoded alone, bitwise.
+Greedy and sampled requests, with or without penalties (plain k = 0, or speculative
+k >= 1, mixed freely in one batch): a request's tokens equal those of the same request
+decoded alone, bitwise. Each round runs the graphs of its lanes' sampling regime
+(hyspec.gpu.sampling.SampledGraphKey: the stages and draws some lane needs).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.gpu.batch import BatchDecoder, padded_size
+from hyspec.gpu.sampling import SampledGraphKey
 
 
 @dataclass
@@ -88,7 +90,7 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                 continue
             lane = len(active)
             pre, post, logits = dec.prefill(lane, r.prompt)
-            if r.params is None or r.params.greedy:
+            if r.params is None:
                 first = int(torch.argmax(logits[0]))
             else:  # the token at position P, as the engine core chooses it
                 first = choose_token(logits[0], r.prompt, r.params, len(r.prompt))
@@ -116,11 +118,11 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                 r.k_now = k_eff
         nb = padded_size(len(active), dec.sizes)
         k = max(r.k for r in active)
-        sampled = any(r.params is not None and not r.params.greedy for r in active)
+        regime = SampledGraphKey.of([r.params for r in active])  # None: argmax graphs
         if k == 0:
-            dec.decode(nb, sampled)
+            dec.decode(nb, regime)
         else:
-            dec.round(nb, k, forced, sampled)
+            dec.round(nb, k, forced, regime, plain=any(r.k == 0 for r in active))
         progress["round"] += 1
         buf = progress["buf"]
         progress["buf"] ^= 1
@@ -199,16 +201,14 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
 # the engine's entry: hyspec.core.request.Request objects on the graph path
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
-    """None when every request can run on the BatchDecoder (greedy or sampled without
-    penalties, no constraint / logprobs / session state, fixed k with the post-norm
-    hidden, one forced profile); else the reason it cannot (the engine core serves it)."""
+    """None when every request can run on the BatchDecoder (greedy or sampled, penalties
+    included; no constraint / logprobs / session state, fixed k with the post-norm hidden,
+    one forced profile); else the reason it cannot (the engine core serves it)."""
     forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
               for r in reqs if r.draft > 0}
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
-        if r.params.has_penalties:
-            return "a request with penalties"
         if r.constraint is not None or r.logprobs is not None:
             return "a constraint or logprobs"
         if r.keep or r.resume is not None or r.store_state:

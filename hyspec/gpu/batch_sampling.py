@@ -41,46 +41,64 @@ def blocked(fn, n: int, *row_args):
     return torch.cat(outs)
 
 
-def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor) -> torch.Tensor:
-    """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN)."""
-    return blocked(lambda lg, tb, ps: dsamp.plain_tokens(dsamp.probs_batch(lg, tb), tb, ps), logits.shape[0],
-                   logits, table, positions)
+def _rows_fn(fn, regime, with_counts: bool):
+    """fn(logits, table, [counts,] ...) as a row function for `blocked` (counts only when penalised)."""
+    if with_counts:
+        return lambda lg, tb, c, *rest: fn(dsamp.probs_batch(lg, tb, c, regime), tb, *rest)
+    return lambda lg, tb, *rest: fn(dsamp.probs_batch(lg, tb, None, regime), tb, *rest)
 
 
-def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor):
+def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
+                regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN);
+    counts [nb, V]: the lanes' penalty windows (regime.penalties)."""
+    fn = _rows_fn(lambda p, tb, ps: dsamp.plain_tokens(p, tb, ps, regime), regime, counts is not None)
+    args = (logits, table) + ((counts,) if counts is not None else ()) + (positions,)
+    return blocked(fn, logits.shape[0], *args)
+
+
+def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
+                regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None):
     """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream DRAFT)."""
-    def draw(lg, tb, ps):
-        q = dsamp.probs_batch(lg, tb)
-        return q, dsamp.draft_tokens(q, tb, ps)
-
-    return blocked(draw, logits.shape[0], logits, table, positions)
+    fn = _rows_fn(lambda q, tb, ps: (q, dsamp.draft_tokens(q, tb, ps, regime)), regime, counts is not None)
+    args = (logits, table) + ((counts,) if counts is not None else ()) + (positions,)
+    return blocked(fn, logits.shape[0], *args)
 
 
-def accept_sampled(dec, nb: int, t: int):
+def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, plain: bool = True):
     """(n accepted [nb], next token [nb]) per lane from the verify logits (still in the
-    runner's logits buffer): target probabilities per row, then the rejection / coupled
-    test (hyspec.gpu.sampling.speculative_accept) at the first draft's position pos + 1;
-    plain lanes take their row-0 token as plain decoding does (stream PLAIN); a
-    speculative lane drafting nothing this round (its last token) draws it as the bonus
-    of an empty round, as the engine core does."""
+    runner's logits buffer): target probabilities per row (penalised with the lane's
+    window plus the drafts before the row), then the rejection / coupled test
+    (hyspec.gpu.sampling.speculative_accept) at the first draft's position pos + 1;
+    plain lanes (plain: some lane has k = 0) take their row-0 token as plain decoding
+    does (stream PLAIN); a speculative lane drafting nothing this round (its last token)
+    draws it as the bonus of an empty round, as the engine core does."""
     k = t - 1
     V = dec.cfg.vocab_size
     logits = dec.runner.bufs.logits[: nb * t]  # [nb * t, V]
-    probs = blocked(dsamp.probs_batch, nb * t, logits, table_rows(dec.sampling_table, nb, t)).view(nb, t, V)
+    rows_table = table_rows(dec.sampling_table, nb, t)
+    if regime.penalties:
+        counts = dec.verify_counts(nb, t).view(nb * t, V)  # [nb * t, V]
+        probs = blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime), nb * t, logits, rows_table, counts)
+    else:
+        probs = blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime), nb * t, logits, rows_table)
+    probs = probs.view(nb, t, V)
     table = table_rows(dec.sampling_table, nb)
     first_pos = dec.pos[:nb] + 1  # [nb] the first draft's position
     k_lane = dec.k_lane[:nb]
     if k > 0:
         drafts = dec.verify_tokens[:nb, 1:t]  # [nb, k]
-        n, next_token = blocked(dsamp.speculative_accept, nb, probs, dec.draft_probs[:nb, :k], drafts, table,
-                                first_pos, k_lane)
+        n, next_token = blocked(lambda p, q, d, tb, ps, kl: dsamp.speculative_accept(p, q, d, tb, ps, kl, regime), nb,
+                                probs, dec.draft_probs[:nb, :k], drafts, table, first_pos, k_lane)
     else:
         n = torch.zeros(nb, device=dec.dev, dtype=torch.long)
 
         def bonus_of_empty_round(p, tb, ps):
             no_drafts = p.new_zeros(p.shape[0], 0, dtype=torch.long)
-            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps))[1]
+            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps), regime)[1]
 
         next_token = blocked(bonus_of_empty_round, nb, probs, table, first_pos)
-    plain = blocked(dsamp.plain_tokens, nb, probs[:, 0], table, first_pos)
-    return n, torch.where(dec.spec_lane[:nb] == 0, plain, next_token)
+    if not plain:
+        return n, next_token
+    plain_tok = blocked(lambda p, tb, ps: dsamp.plain_tokens(p, tb, ps, regime), nb, probs[:, 0], table, first_pos)
+    return n, torch.where(dec.spec_lane[:nb] == 0, plain_tok, next_token)

@@ -1,9 +1,10 @@
 """The penalty window on the device: per-lane token counts of the last ``penalty_last_n``
-history tokens, and the verify rows' probabilities penalised with them.
+history tokens, and the counts every row of a round is penalised with (the history plus
+the round's drafts before the row).
 
 Exactly the reference's ``hyspec.sampling._window`` / ``apply_penalties`` lane by lane
-(tests/test_gpu_sampling.py).  Not on the graph round yet: requests with penalties run on
-the engine core; these are the pieces a device-side penalty path would use.
+(tests/test_gpu_sampling.py). The BatchDecoder keeps one window per lane and advances it
+inside its graphs (hyspec/gpu/batch.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from hyspec.gpu.sampling import SamplingTable, probs_batch
 from hyspec.sampling import SamplingParams, _window
 
-__all__ = ["PenaltyWindow", "window_counts", "verify_probs"]
+__all__ = ["PenaltyWindow", "window_counts", "row_counts", "verify_probs"]
 
 
 def window_counts(history: Sequence[int] | torch.Tensor, last_n: int, vocab: int) -> torch.Tensor:
@@ -97,6 +98,14 @@ class PenaltyWindow:
         for i in range(tokens.shape[1]):  # m is a static shape
             self.push(tokens[:, i], n_valid > i)
 
+    def head(self, lanes: int) -> PenaltyWindow:
+        """The first ``lanes`` lanes as a window of views (its updates write through)."""
+        w = PenaltyWindow.__new__(PenaltyWindow)
+        w.batch, w.vocab, w.capacity, w.device = lanes, self.vocab, self.capacity, self.device
+        w.last_n, w.length = self.last_n[:lanes], self.length[:lanes]
+        w.ring, w.counts = self.ring[:lanes], self.counts[:lanes]
+        return w
+
     def copy_(self, other: PenaltyWindow) -> PenaltyWindow:
         """In-place copy of another window's state (static addresses: graph friendly)."""
         self.last_n.copy_(other.last_n)
@@ -111,6 +120,22 @@ class PenaltyWindow:
         w.last_n, w.length = self.last_n.clone(), self.length.clone()
         w.ring, w.counts = self.ring.clone(), self.counts.clone()
         return w
+
+
+def row_counts(window: PenaltyWindow, drafts: torch.Tensor, scratch: PenaltyWindow | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [B, R, V]: row j's counts = the window after ``drafts[:, :j]`` (drafts [B, R-1]),
+    the counts the reference penalises a round's row j with (``hist + drafts[:j]``).
+    ``scratch`` (same lanes; None: a clone) advances; ``window`` is not modified."""
+    R = drafts.shape[1] + 1
+    scratch = window.clone() if scratch is None else scratch.copy_(window)
+    if out is None:
+        out = torch.empty(window.batch, R, window.vocab, dtype=window.counts.dtype, device=window.device)
+    for j in range(R):  # R = k + 1 is a static shape
+        out[:, j].copy_(scratch.counts)
+        if j < R - 1:
+            scratch.push(drafts[:, j])
+    return out
 
 
 def verify_probs(
