@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--scale", type=float, default=1.0, help="logit std (random rows)")
+    ap.add_argument("--all-stages", action="store_true", help="every stage and draw (no regime)")
+    ap.add_argument("--only", default=None, help="run the cases whose name contains this")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -55,30 +57,37 @@ def main(argv=None) -> int:
         "rejection_T0.8": dict(temperature=0.8),
         "rejection_T0.8_top_k50_top_p0.9_min_p0.05": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
     }
-    out = {"vocab": V, "k": k, "device": str(dev), "threads": args.threads, "dtype": args.dtype, "runs": {}}
+    out = {"vocab": V, "k": k, "device": str(dev), "threads": args.threads, "dtype": args.dtype,
+           "all_stages": args.all_stages, "runs": {}}
+    key = getattr(dsamp, "SampledGraphKey", None)  # older trees: every stage always
     for name, kw in cases.items():
+        if args.only and args.only not in name:
+            continue
         for B in [int(b) for b in args.batch.split(",")]:
             table = dsamp.SamplingTable(B, dev)
+            params = [SamplingParams(seed=b, **kw) for b in range(B)]
             for b in range(B):
-                table.set(b, SamplingParams(seed=b, **kw))
+                table.set(b, params[b])
+            rg = () if key is None or args.all_stages else (key.of(params),)
             logits = (torch.randn(B * (k + 1), V, generator=g) * args.scale).to(dev, dt)
             draft_logits = (torch.randn(B, V, generator=g) * args.scale).to(dev, dt)
             pos = torch.arange(B, device=dev) * 7 + 100
             rows_table = bs.table_rows(table, B, k + 1)
 
             def probs():
-                return bs.blocked(dsamp.probs_batch, B, draft_logits, table)
+                return bs.blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, *rg), B, draft_logits, table)
 
             def one_round():
                 qs, ds = [], []
                 for i in range(k):  # the drafter's k rows
-                    q, d = bs.draft_draws(draft_logits, table, pos + 1 + i)
+                    q, d = bs.draft_draws(draft_logits, table, pos + 1 + i, *rg)
                     qs.append(q)
                     ds.append(d)
-                p = bs.blocked(dsamp.probs_batch, B * (k + 1), logits, rows_table).view(B, k + 1, V)
+                p = bs.blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, *rg), B * (k + 1), logits,
+                               rows_table).view(B, k + 1, V)
                 q = torch.stack(qs, 1)
                 drafts = torch.stack(ds, 1)
-                n, nxt = bs.blocked(dsamp.speculative_accept, B, p, q, drafts, table, pos + 1,
+                n, nxt = bs.blocked(lambda *a: dsamp.speculative_accept(*a, *rg), B, p, q, drafts, table, pos + 1,
                                     torch.full((B,), k, device=dev))
                 return n, nxt
 

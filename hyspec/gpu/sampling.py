@@ -225,7 +225,7 @@ ALL_STAGES = SampledGraphKey()
 
 
 def _softmax_kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(torch.where(keep, x, torch.full_like(x, -math.inf)), dim=-1)
+    return torch.softmax(torch.where(keep, x, -math.inf), dim=-1)
 
 
 def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None) -> torch.Tensor:
@@ -252,11 +252,10 @@ DIGIT_BITS = 16  # bits of the ranking key resolved per pass of prefix_select (6
 
 def order_key(values: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(int64 key [B, V], bits n): an integer whose order is the order of the float values
-    (the IEEE bits with the magnitude flipped below zero; -0.0 is made +0.0 first, since
-    the two compare equal), in [-2**(n-1), 2**(n-1)); n is the float's width."""
+    (the IEEE bits with the magnitude flipped below zero; -0.0 + 0.0 is +0.0: the two
+    compare equal), in [-2**(n-1), 2**(n-1)); n is the float's width."""
     view, n = _FLOAT_BITS[values.dtype]
-    v = torch.where(values == 0, torch.zeros_like(values), values)
-    bits = v.view(view).to(torch.int64)
+    bits = (values + 0.0).view(view).to(torch.int64)
     return bits ^ ((bits >> (n - 1)) & ((1 << (n - 1)) - 1)), n
 
 
@@ -268,40 +267,35 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
     before it. (top-k: weight 1, threshold k; top-p: the fixed-point masses and top_p.)
 
     Exact, with the same result as a sort followed by an exclusive cumulative sum: the
-    ahead weight only grows along the ranking, so the kept tokens are a prefix of it, and
-    a radix search finds its end. Each pass takes the next DIGIT_BITS bits of the key:
-    a histogram of the undecided tokens' weights per digit (scatter-add of integers, exact
-    in any order) gives for every digit d the weight ranked ahead of it; tokens of digits
-    above the last digit whose own bin still starts below the threshold are kept, those
-    below it dropped, and the tokens of that digit go on to the next pass (with the weight
-    ahead of their bin carried). After the last pass the undecided tokens have equal keys
-    and are ranked by id: an exclusive cumulative sum in token order settles them."""
+    ahead weight only grows along the ranking, so the kept tokens are a prefix of it,
+    ending at a cut key K*: every token with key > K* is kept, every token below dropped,
+    and the tokens with key == K* are ranked by id. A radix search finds K*, DIGIT_BITS
+    bits per pass: a histogram of the weights per digit of the tokens that share K*'s
+    higher digits (a scatter-add of integers: exact in any order) gives, for each digit,
+    the weight ranked ahead of its tokens; K*'s digit is the last one whose bin, with all
+    the weight ahead of it, reaches the threshold (0 when none does: then every such
+    token is kept, and the refinement of digit 0 keeps them too). An exclusive cumulative
+    sum in token order settles the ties at K*."""
     B, V = key.shape
     nbins = 1 << DIGIT_BITS
-    active = valid.clone()  # [B, V] still undecided
-    kept = torch.zeros_like(valid)  # [B, V]
-    base = torch.zeros(B, 1, dtype=torch.int64, device=key.device)  # weight ranked ahead of the undecided
+    w = torch.where(valid, weight, 0)  # [B, V]
+    base = torch.zeros(B, 1, dtype=torch.int64, device=key.device)  # weight ranked ahead of K*'s higher digits
+    cut_key = None  # [B, 1] K*'s digits found so far
     for shift in range(bits - DIGIT_BITS, -1, -DIGIT_BITS):
-        if shift == bits - DIGIT_BITS:  # the top digit of the signed key, in [0, nbins)
-            digit = (key >> shift) + (nbins >> 1)
+        if cut_key is None:  # the top digit of the signed key, in [0, nbins)
+            digit, wd = (key >> shift) + (nbins >> 1), w
         else:
             digit = (key >> shift) & (nbins - 1)  # [B, V]
-        w = torch.where(active, weight, torch.zeros_like(weight))  # [B, V]
-        hist = torch.zeros(B, nbins, dtype=torch.int64, device=key.device).scatter_add_(1, digit, w)  # [B, bins]
-        below = hist.cumsum(1) - hist  # [B, bins] undecided weight of the digits below d
-        total = hist.sum(1, keepdim=True)  # [B, 1]
-        # base + total - below = the weight ahead of bin d plus its own: below the threshold,
-        # every token of the bin is kept. It shrinks as d grows; d* = the last digit where it
-        # reaches the threshold: the bins above are kept, the ones below start at or past it.
-        reaches = base + total - below >= threshold  # [B, bins] true for d <= d*, false above
-        cut = reaches.sum(1, keepdim=True) - 1  # [B, 1] d*: -1 = every undecided token is kept
-        kept |= active & (digit > cut)
-        ahead = total - below - hist  # [B, bins] undecided weight of the digits above d
-        base = base + ahead.gather(1, cut.clamp(min=0))
-        active &= digit == cut
-    w = torch.where(active, weight, torch.zeros_like(weight))
-    before = w.cumsum(1) - w  # [B, V] equal keys: the lower ids are ahead
-    return kept | (active & (base + before < threshold))
+            wd = torch.where((key >> (shift + DIGIT_BITS)) == cut_key, w, 0)
+        hist = torch.zeros(B, nbins, dtype=torch.int64, device=key.device).scatter_add_(1, digit, wd)  # [B, bins]
+        reach = base + hist.flip(1).cumsum(1).flip(1)  # [B, bins] weight ahead of digit d's bin plus its own
+        cut = ((reach >= threshold).sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1] K*'s digit
+        base = reach.gather(1, cut) - hist.gather(1, cut)
+        cut_key = cut - (nbins >> 1) if cut_key is None else (cut_key << DIGIT_BITS) | cut
+    tie = key == cut_key  # [B, V]
+    wt = torch.where(tie, w, 0)
+    before = wt.cumsum(1) - wt  # [B, V] equal keys: the lower ids are ahead
+    return valid & ((key > cut_key) | (tie & (before < threshold - base)))
 
 
 def probs_batch(
@@ -316,16 +310,14 @@ def probs_batch(
     (penalised) logits' ranking key, min-p an elementwise test; greedy lanes get a one-hot
     at the argmax (lowest id on ties). ``regime`` leaves out the stages no lane uses.
     """
-    x0 = _penalised(logits, table, counts if regime.penalties else None)  # [B, V] the ranking values
-    x = x0.to(torch.float64)  # [B, V]
-    B, V = x.shape
-    top = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)  # [B, V] first max = rank 0
+    x0 = _penalised(logits, table, counts) if regime.penalties else logits  # [B, V] the ranking values
+    B, V = x0.shape
+    best = x0.argmax(dim=1, keepdim=True)  # [B, 1] the first max: rank 0
     if not regime.sampled:
-        return top
-    greedy = table.greedy.unsqueeze(1)  # [B, 1]
+        return torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
     temp = torch.where(table.greedy, torch.ones_like(table.temperature), table.temperature)  # [B]
-    xt = x / temp.unsqueeze(1)  # [B, V]
-    keep = torch.isfinite(xt)  # [B, V]
+    xt = x0.to(torch.float64) / temp.unsqueeze(1)  # [B, V]
+    keep = xt > -math.inf  # [B, V] (no NaN or +inf: a precondition)
     if regime.top_k or regime.top_p:
         key, bits = order_key(x0)
     if regime.top_k:
@@ -335,12 +327,16 @@ def probs_batch(
     if regime.top_p:
         top_p = table.top_p.unsqueeze(1)  # [B, 1]
         mass = fixed_mass(_softmax_kept(xt, keep))  # [B, V] int64
-        nucleus = prefix_select(key, bits, keep, mass, (top_p * float(MASS_ONE)).to(torch.int64))
-        keep = torch.where(top_p < 1.0, nucleus | (top > 0), keep)  # the top token is in keep
+        # threshold >= 1 keeps the top token (nothing is ahead of it; every other token has
+        # it, of positive mass, ahead): the reference's "or rank 0"
+        threshold = (top_p * float(MASS_ONE)).to(torch.int64).clamp(min=1)
+        keep = torch.where(top_p < 1.0, prefix_select(key, bits, keep, mass, threshold), keep)
     if regime.min_p:
         near = (xt - xt.amax(dim=1, keepdim=True)) >= table.log_min_p.unsqueeze(1)  # [B, V]
         keep = torch.where(table.min_p.unsqueeze(1) > 0.0, keep & near, keep)
-    return torch.where(greedy, top, _softmax_kept(xt, keep))
+    # greedy lanes keep their top token alone: the softmax of one entry is exactly one-hot
+    is_best = torch.arange(V, device=x0.device) == best  # [B, V]
+    return _softmax_kept(xt, torch.where(table.greedy.unsqueeze(1), is_best, keep))
 
 
 # --------------------------------------------------------------------------------------
