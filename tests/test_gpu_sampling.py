@@ -596,3 +596,106 @@ def test_cuda_graph_capture_and_replay() -> None:
         for got, want in zip(outs, ref):
             assert torch.equal(got.cpu(), want), seed
         assert torch.equal(window.counts.cpu(), window_cpu.counts)
+
+
+# --------------------------------------------------------------------------------------
+# the distribution of speculative sampling on the device (a GPU run)
+# --------------------------------------------------------------------------------------
+
+ALPHA = 1e-3  # significance level of the distribution test (as tests/test_sampling.py)
+BIASED_MAX_P = 1e-6  # a planted wrong rule must fall below this
+
+
+def _first_tokens(dec, prompt, seeds, k, params, forced=None, reference=None):
+    """The first 3 tokens of seeded requests decoded in dec's lanes with k drafts per round
+    (5 new tokens: with k = 3 the first round after the prefill's token drafts 3), and the
+    speculative telemetry (accepted, drafted, rounds that accepted all 3 drafts)."""
+    import dataclasses
+
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+
+    reqs = [LaneRequest(prompt=list(prompt), max_new_tokens=5, k=k, reference=reference,
+                        params=dataclasses.replace(params, seed=s)) for s in seeds]
+    run_batch(dec, reqs, forced_rates=forced)
+    tel = [r.telemetry.to_dict() for r in reqs]
+    acc = (sum(t["accepted"] for t in tel), sum(t["drafted"] for t in tel),
+           sum((t["accepted_at"] or [0, 0, 0])[-1] if len(t["accepted_at"] or []) == 3 else 0 for t in tel))
+    return [tuple(r.tokens[:3]) for r in reqs], acc
+
+
+def _two_sample_pvalue(a, b, min_cell=20):
+    """Chi-square test that two samples of outcomes come from one distribution: the 2 x C
+    table of counts, outcomes seen fewer than min_cell times in both together pooled."""
+    import collections
+
+    import numpy as np
+    from scipy import stats
+
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    cells = [c for c in set(ca) | set(cb) if ca[c] + cb[c] >= min_cell]
+    rest = [c for c in set(ca) | set(cb) if ca[c] + cb[c] < min_cell]
+    table = [[ca[c] for c in cells] + [sum(ca[c] for c in rest)], [cb[c] for c in cells] + [sum(cb[c] for c in rest)]]
+    table = np.array([row for row in np.array(table).T if row.sum() > 0]).T
+    return float(stats.chi2_contingency(table)[1])
+
+
+def run_distribution_check(device, n=1200, layers=2, graphs=None):
+    """(p-values) of the first 3 tokens, seeded sampling in the BatchDecoder: k = 3 with the
+    MTP drafter vs plain decoding, k = 3 with the forced drafter (a one-hot proposal
+    accepted most of the time: accept, residual and bonus all happen) vs plain, and the
+    forced arm again with a planted rule that accepts every draft the target allows."""
+    import tempfile
+    from pathlib import Path
+
+    from hyspec.gpu import sampling as dsamp
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_next", Path(tempfile.mkdtemp()) / "m", seed=3, layers=layers, hidden=64, vocab_size=32,
+                  std=0.5)
+    model = load_model(d, dtype=torch.float32, device=device)
+    prompt = [5, 17, 9, 3]
+    params = SamplingParams(temperature=1.0, top_k=4)
+
+    def decoder():
+        return BatchDecoder(model, 16, 3, slots=64, graphs=graphs)
+
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+
+    dec = decoder()
+    greedy = LaneRequest(prompt=list(prompt), max_new_tokens=8)
+    run_batch(dec, [greedy])
+    reference = greedy.tokens  # the greedy continuation: the forced drafter's proposals
+    arms = [range(i * n, (i + 1) * n) for i in range(4)]  # disjoint seeds: independent samples
+    plain, _ = _first_tokens(dec, prompt, arms[0], 0, params)
+    mtp, acc_mtp = _first_tokens(dec, prompt, arms[1], 3, params)
+    rates = (0.9, 0.8, 0.7)
+    forced, acc_forced = _first_tokens(dec, prompt, arms[2], 3, params, forced=rates, reference=reference)
+    exact = dsamp.speculative_accept
+
+    def accept_all(p, q, *rest):  # u * p[d] < p[d]: every draft the target allows is accepted
+        return exact(p, p[:, : q.shape[1]], *rest)
+
+    dsamp.speculative_accept = accept_all
+    try:
+        biased, _ = _first_tokens(decoder(), prompt, arms[3], 3, params, forced=rates, reference=reference)
+    finally:
+        dsamp.speculative_accept = exact
+    return {"mtp": _two_sample_pvalue(mtp, plain), "forced": _two_sample_pvalue(forced, plain),
+            "biased": _two_sample_pvalue(biased, plain), "accepted_mtp": acc_mtp, "accepted_forced": acc_forced}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_speculative_sampling_keeps_the_distribution() -> None:
+    """Seeded rejection sampling (T = 1, top-k 4) in the BatchDecoder's graphs on the GPU:
+    the joint distribution of the first 3 tokens with k = 3 drafts per round equals plain
+    decoding's (two-sample chi-square, 1200 seeds per arm, ALPHA), with the MTP drafter and
+    with the forced drafter; a planted rule that accepts every allowed draft fails the same
+    test (p < BIASED_MAX_P)."""
+    res = run_distribution_check(torch.device("cuda"))
+    accepted, drafted, full = res["accepted_forced"]
+    assert drafted // 5 < accepted < drafted and full > 0, res  # accepts, rejections (residual) and bonus draws
+    assert res["mtp"] > ALPHA and res["forced"] > ALPHA, res
+    assert res["biased"] < BIASED_MAX_P, res
