@@ -261,7 +261,7 @@ def test_prefix_select_equals_a_sort(dtype: torch.dtype) -> None:
     total = wv.sum(1, keepdim=True)
     for thr in (torch.zeros_like(total), torch.ones_like(total), total // 3, total // 2 + 1, total, total + 5,
                 torch.full_like(total, 37)):
-        got = prefix_select(key, bits, valid, w, thr)
+        got = prefix_select(key, bits, valid, wv, thr)
         assert torch.equal(got, valid & (ahead < thr)), thr.flatten().tolist()
 
 

@@ -36,7 +36,9 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     t0 = time.perf_counter()
     dec = BatchDecoder(model, max_len, k, slots)
     sizes = sorted({s for s in dec.sizes if s <= slots})
-    dec.capture(sizes, [k], forced=(False, True), sampled=(False, True))
+    # the regimes of the timed runs (greedy; sampled_speed's coupled top-p lanes, every lane
+    # speculative), captured up front; the invariance check's capture on first use
+    dec.capture(sizes, [k], forced=(False, True), sampled=(False, sampled_regime()), plain=(False,))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     out = {"backend": "cuda-graphs", "slots": slots, "max_len": max_len, "lane_bytes": dec.slot_bytes(),
@@ -83,6 +85,14 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+def sampled_regime():
+    """The sampling regime (graph key) of sampled_speed's requests."""
+    from hyspec.gpu.sampling import SampledGraphKey
+    from hyspec.sampling import SamplingParams
+
+    return SampledGraphKey.of([SamplingParams(seed=0, mode="coupled", **SAMPLED)])
 
 
 def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log) -> dict:

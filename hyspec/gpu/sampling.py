@@ -251,20 +251,21 @@ DIGIT_BITS = 16  # bits of the ranking key resolved per pass of prefix_select (6
 
 
 def order_key(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(int64 key [B, V], bits n): an integer whose order is the order of the float values
-    (the IEEE bits with the magnitude flipped below zero; -0.0 + 0.0 is +0.0: the two
-    compare equal), in [-2**(n-1), 2**(n-1)); n is the float's width."""
+    """(key [B, V], bits n): a signed integer of the float's width n (int16 / int32 /
+    int64) whose order is the order of the float values: the IEEE bits with the magnitude
+    flipped below zero (-0.0 + 0.0 is +0.0 first: the two compare equal)."""
     view, n = _FLOAT_BITS[values.dtype]
-    bits = (values + 0.0).view(view).to(torch.int64)
+    bits = (values + 0.0).view(view)
     return bits ^ ((bits >> (n - 1)) & ((1 << (n - 1)) - 1)), n
 
 
 def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: torch.Tensor,
                   threshold: torch.Tensor) -> torch.Tensor:
     """keep [B, V]: valid tokens whose *ahead weight* is below threshold [B, 1], without
-    sorting. Tokens are ranked by decreasing key, ties towards the lowest id; the ahead
-    weight of a token is the sum of ``weight`` (int64 >= 0) over the valid tokens ranked
-    before it. (top-k: weight 1, threshold k; top-p: the fixed-point masses and top_p.)
+    sorting. Tokens are ranked by decreasing key (:func:`order_key`), ties towards the
+    lowest id; the ahead weight of a token is the sum of ``weight`` (int64 >= 0, zero
+    outside ``valid``) over the tokens ranked before it. (top-k: weight 1, threshold k;
+    top-p: the fixed-point masses and top_p.)
 
     Exact, with the same result as a sort followed by an exclusive cumulative sum: the
     ahead weight only grows along the ranking, so the kept tokens are a prefix of it,
@@ -278,22 +279,22 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
     sum in token order settles the ties at K*."""
     B, V = key.shape
     nbins = 1 << DIGIT_BITS
-    w = torch.where(valid, weight, 0)  # [B, V]
     base = torch.zeros(B, 1, dtype=torch.int64, device=key.device)  # weight ranked ahead of K*'s higher digits
-    cut_key = None  # [B, 1] K*'s digits found so far
+    cut_key = None  # [B, 1] int64: K*'s digits found so far
     for shift in range(bits - DIGIT_BITS, -1, -DIGIT_BITS):
         if cut_key is None:  # the top digit of the signed key, in [0, nbins)
-            digit, wd = (key >> shift) + (nbins >> 1), w
+            digit, wd = (key >> shift).to(torch.int64) + (nbins >> 1), weight
         else:
-            digit = (key >> shift) & (nbins - 1)  # [B, V]
-            wd = torch.where((key >> (shift + DIGIT_BITS)) == cut_key, w, 0)
+            digit = ((key >> shift) & (nbins - 1)).to(torch.int64)  # [B, V]
+            wd = torch.where((key >> (shift + DIGIT_BITS)) == cut_key.to(key.dtype), weight, 0)
         hist = torch.zeros(B, nbins, dtype=torch.int64, device=key.device).scatter_add_(1, digit, wd)  # [B, bins]
         reach = base + hist.flip(1).cumsum(1).flip(1)  # [B, bins] weight ahead of digit d's bin plus its own
         cut = ((reach >= threshold).sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1] K*'s digit
         base = reach.gather(1, cut) - hist.gather(1, cut)
         cut_key = cut - (nbins >> 1) if cut_key is None else (cut_key << DIGIT_BITS) | cut
+    cut_key = cut_key.to(key.dtype)  # (it fits: a key's value)
     tie = key == cut_key  # [B, V]
-    wt = torch.where(tie, w, 0)
+    wt = torch.where(tie, weight, 0)
     before = wt.cumsum(1) - wt  # [B, V] equal keys: the lower ids are ahead
     return valid & ((key > cut_key) | (tie & (before < threshold - base)))
 
@@ -322,11 +323,11 @@ def probs_batch(
         key, bits = order_key(x0)
     if regime.top_k:
         k = table.top_k.unsqueeze(1)  # [B, 1]
-        best_k = prefix_select(key, bits, keep, torch.ones_like(key), k)
+        best_k = prefix_select(key, bits, keep, keep.to(torch.int64), k)
         keep = torch.where((k > 0) & (k < V), best_k, keep)  # best_k is within keep
     if regime.top_p:
         top_p = table.top_p.unsqueeze(1)  # [B, 1]
-        mass = fixed_mass(_softmax_kept(xt, keep))  # [B, V] int64
+        mass = fixed_mass(_softmax_kept(xt, keep))  # [B, V] int64, 0 outside keep
         # threshold >= 1 keeps the top token (nothing is ahead of it; every other token has
         # it, of positive mass, ahead): the reference's "or rank 0"
         threshold = (top_p * float(MASS_ONE)).to(torch.int64).clamp(min=1)
