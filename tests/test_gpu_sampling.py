@@ -162,6 +162,33 @@ def test_philox_kernel_bitwise_equals_torch_reference() -> None:
     assert torch.equal(g, gumbel_lanes(table.seed, Stream.COUPLED, pos, vocab, kernel=False))
 
 
+def test_gumbel_argmax_kernel_equals_torch() -> None:
+    """hyspec.kernels.rng.gumbel_argmax (Triton: the interpreter here, the GPU with CUDA)
+    == the torch ops (u01_rows_ref, two logs, log p, argmax): rows with zeros, a row
+    without mass (token 0), a strided row view, a vocabulary that is not a multiple of
+    the 1024-token chunk."""
+    from hyspec.kernels.gemm import triton_available
+    from hyspec.kernels.pdl import interpreting
+    from hyspec.kernels.rng import gumbel_argmax, gumbel_argmax_ref
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    dev = torch.device("cpu" if interpreting() else "cuda")
+    gen = torch.Generator().manual_seed(7)
+    B, Vg = 5, 2500
+    p = torch.softmax(torch.randn(B, 2, Vg, generator=gen, dtype=torch.float64) * 2, -1)
+    p[:, :, ::3] = 0.0
+    p[1, :, 1000:] = 0.0  # the best in the first chunks
+    p[3] = 0.0  # no mass: token 0
+    p = p.to(dev)
+    seeds = torch.tensor([0, 5, (1 << 63) - 1, -1, 12345], device=dev)
+    pos = torch.tensor([0, 17, 1 << 20, 9, (1 << 31) - 2], device=dev)  # (+ r: positions < 2**31)
+    for r in range(2):
+        got = gumbel_argmax(p[:, r], seeds, Stream.COUPLED, pos + r)  # [B, 2, V][:, r]: strided rows
+        assert torch.equal(got, gumbel_argmax_ref(p[:, r], seeds, Stream.COUPLED, pos + r)), r
+    assert int(got[3]) == 0
+
+
 # --------------------------------------------------------------------------------------
 # penalty window
 # --------------------------------------------------------------------------------------

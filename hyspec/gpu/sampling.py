@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from hyspec.kernels.common import triton_available
-from hyspec.kernels.rng import u01_rows, u01_rows_ref
+from hyspec.kernels.rng import gumbel_argmax, u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
 from hyspec.sampling import MASS_ONE, SamplingParams, fixed_mass
 
@@ -360,11 +360,18 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(idx >= V, last, idx)
 
 
-def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``coupled_token`` per row: argmax over {p > 0} of log p + Gumbel(seed, COUPLED, pos)."""
+def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                 kernel: bool | None = None) -> torch.Tensor:
+    """``coupled_token`` per row: argmax over {p > 0} of log p + Gumbel(seed, COUPLED, pos).
+    On CUDA (kernel=None) one fused Triton pass (:func:`hyspec.kernels.rng.gumbel_argmax`:
+    the same uniforms and operations, the noise never stored); elsewhere the torch ops."""
     p = probs.to(torch.float64)
-    g = gumbel_lanes(seeds, Stream.COUPLED, positions, p.shape[1])  # [B, V]
-    score = torch.where(p > 0, torch.log(p) + g, torch.full_like(p, -math.inf))
+    if kernel is None:
+        kernel = p.is_cuda and triton_available()
+    if kernel:
+        return gumbel_argmax(p, seeds, Stream.COUPLED, positions)
+    g = gumbel_lanes(seeds, Stream.COUPLED, positions, p.shape[1], kernel=False)  # [B, V]
+    score = torch.where(p > 0, torch.log(p) + g, -math.inf)
     return score.argmax(dim=1)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from hyspec.kernels.pdl import kernels_per_mode
 
-__all__ = ["u01_rows"]
+__all__ = ["u01_rows", "gumbel_argmax"]
 
 _BLOCK = 1024
 
@@ -61,3 +61,71 @@ def u01_rows(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: i
     _kernels()[grid](seeds.contiguous(), positions.to(torch.int64).contiguous(), out, vocab, int(stream),
                      BLOCK=_BLOCK)
     return out
+
+
+_GUMBEL_BLOCK = 1024
+
+
+@kernels_per_mode
+def _gumbel_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gumbel_max_kernel(p_ptr, stride_p, seed_ptr, pos_ptr, score_ptr, idx_ptr, V, n_chunks, stream,
+                           BLOCK: tl.constexpr):
+        """Chunk c of row b: the max over its tokens of log p + Gumbel noise (-inf where p = 0)
+        and its first index. The uniforms are _u01_rows_kernel's, word for word."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        i = c * BLOCK + tl.arange(0, BLOCK)  # token ids of this chunk
+        s = tl.load(seed_ptr + b)
+        pos = tl.load(pos_ptr + b)
+        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+        k0 = (s & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c0 = i.to(tl.uint32)
+        c1 = zero + pos.to(tl.uint32)
+        c2 = zero + stream.to(tl.uint32)
+        c3 = zero
+        m0 = tl.full([BLOCK], 0xD2511F53, tl.uint32)
+        m1 = tl.full([BLOCK], 0xCD9E8D57, tl.uint32)
+        for r in tl.static_range(10):
+            if r > 0:
+                k0 = k0 + tl.full([], 0x9E3779B9, tl.uint32)
+                k1 = k1 + tl.full([], 0xBB67AE85, tl.uint32)
+            hi0 = tl.umulhi(c0, m0)
+            lo0 = c0 * m0
+            hi1 = tl.umulhi(c2, m1)
+            lo1 = c2 * m1
+            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        m = ((c0 >> 5).to(tl.int64) << 26) | (c1 >> 6).to(tl.int64)
+        u = m.to(tl.float64) * 1.1102230246251565e-16
+        u = tl.where(m == 0, 5.551115123125783e-17, u)
+        p = tl.load(p_ptr + b.to(tl.int64) * stride_p + i, mask=i < V, other=0.0)
+        g = -tl.log(-tl.log(u))
+        score = tl.where(p > 0, tl.log(tl.where(p > 0, p, 1.0)) + g, float("-inf"))
+        tl.store(score_ptr + b * n_chunks + c, tl.max(score, 0))
+        tl.store(idx_ptr + b * n_chunks + c, c * BLOCK + tl.argmax(score, 0, tie_break_left=True))
+
+    return _gumbel_max_kernel
+
+
+def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positions: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: per row b, the first argmax over tokens i with probs[b, i] > 0 of
+    ``log probs[b, i] - log(-log u01(seeds[b], stream, positions[b] * 2**32 + i))`` (0 for a
+    row without mass): Gumbel-max sampling in one pass, without the [B, V] noise tensor.
+
+    probs: float64 [B, V] (rows may be strided); seeds, positions: int64 [B]. Chunks of
+    1024 tokens each give their best (first on ties), the first best chunk wins. No host
+    sync; graph capturable."""
+    B, V = probs.shape
+    if probs.stride(1) != 1:
+        probs = probs.contiguous()
+    n_chunks = -(-V // _GUMBEL_BLOCK)
+    score = torch.empty(B, n_chunks, dtype=torch.float64, device=probs.device)
+    idx = torch.empty(B, n_chunks, dtype=torch.int64, device=probs.device)
+    _gumbel_kernels()[(B, n_chunks)](probs, probs.stride(0), seeds.contiguous(),
+                                     positions.to(torch.int64).contiguous(), score, idx, V, n_chunks, int(stream),
+                                     BLOCK=_GUMBEL_BLOCK)
+    return idx.gather(1, score.argmax(dim=1, keepdim=True)).squeeze(1)
