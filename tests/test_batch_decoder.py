@@ -226,6 +226,7 @@ def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
     run_batch(dec, reqs)
     for r, c in zip(reqs, core):
         assert r.tokens == c.tokens
-    alone = LaneRequest(prompt=prompts[0], max_new_tokens=N, k=ks[0], params=params[0])
-    run_batch(dec, [alone])
-    assert alone.tokens == reqs[0].tokens
+    for i in (0, 2):  # alone, each runs its own regime (penalised; coupled only: no blocks)
+        alone = LaneRequest(prompt=prompts[i], max_new_tokens=N, k=ks[i], params=params[i])
+        run_batch(dec, [alone])
+        assert alone.tokens == reqs[i].tokens, i

@@ -1,10 +1,13 @@
 """Sampling inside the BatchDecoder's graphs: the per-lane draws of a round, on the device.
 
-Every per-row sampling op runs on fixed SAMPLE_BLOCK-row blocks: torch's GPU softmax /
-cumsum pick their kernel from the tensor's shape, so a fixed shape keeps a lane's numbers
-independent of how many lanes the round has (batch invariance).  The draws use the
-counter-based RNG of hyspec.gpu.sampling at the positions the engine core uses (streams
-PLAIN, DRAFT, and the accept / residual / bonus streams of speculative_accept).
+Every float row reduction (the probabilities' softmax, the inverse CDF's cumulative sum)
+runs on fixed SAMPLE_BLOCK-row blocks: torch's GPU softmax / cumsum pick their kernel
+from the tensor's shape, so a fixed shape keeps a lane's numbers independent of how many
+lanes the round has (batch invariance). The exact steps (argmax, integer Philox, the
+per-row Gumbel-max kernel, the accept comparisons) run on the rows as they are. The draws
+use the counter-based RNG of hyspec.gpu.sampling at the positions the engine core uses
+(streams PLAIN, DRAFT, and the accept / residual / bonus streams of speculative_accept);
+``regime`` (hyspec.gpu.sampling.SampledGraphKey) leaves out what no lane needs.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import torch
 from hyspec.gpu import sampling as dsamp
 
 SAMPLE_BLOCK = 16  # rows per sampling call (a fixed shape: batch invariance on the GPU)
+
+
 def table_rows(table: dsamp.SamplingTable, lanes: int, per_lane: int = 1) -> dsamp.SamplingTable:
     """The table over the first `lanes` lanes, each repeated per_lane times (one per row)."""
     return table.view(lambda t: t[:lanes].repeat_interleave(per_lane) if per_lane > 1 else t[:lanes],
@@ -41,28 +46,39 @@ def blocked(fn, n: int, *row_args):
     return torch.cat(outs)
 
 
-def _rows_fn(fn, regime, with_counts: bool):
-    """fn(logits, table, [counts,] ...) as a row function for `blocked` (counts only when penalised)."""
-    if with_counts:
-        return lambda lg, tb, c, *rest: fn(dsamp.probs_batch(lg, tb, c, regime), tb, *rest)
-    return lambda lg, tb, *rest: fn(dsamp.probs_batch(lg, tb, None, regime), tb, *rest)
+def _exact_choice(regime: dsamp.SampledGraphKey) -> bool:
+    """The regime's token choices and accept test are exact per row (argmax, integer
+    Philox, the per-row Gumbel-max kernel, comparisons; no inverse CDF, whose float
+    cumulative sum is the one row reduction left): they need no fixed-shape blocks."""
+    return not (regime.sampled and regime.rejection)
+
+
+def _probs(logits, table, regime, counts):
+    """probs_batch over fixed blocks (its softmax is a float row reduction)."""
+    if counts is None:
+        return blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime), logits.shape[0], logits, table)
+    return blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime), logits.shape[0], logits, table, counts)
+
+
+def _choose(fn, probs, table, positions, regime):
+    """fn(probs, table, positions, regime) per row: in blocks unless the choice is exact."""
+    if _exact_choice(regime):
+        return fn(probs, table, positions, regime)
+    return blocked(lambda p, tb, ps: fn(p, tb, ps, regime), probs.shape[0], probs, table, positions)
 
 
 def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
                 regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN);
     counts [nb, V]: the lanes' penalty windows (regime.penalties)."""
-    fn = _rows_fn(lambda p, tb, ps: dsamp.plain_tokens(p, tb, ps, regime), regime, counts is not None)
-    args = (logits, table) + ((counts,) if counts is not None else ()) + (positions,)
-    return blocked(fn, logits.shape[0], *args)
+    return _choose(dsamp.plain_tokens, _probs(logits, table, regime, counts), table, positions, regime)
 
 
 def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
                 regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None):
     """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream DRAFT)."""
-    fn = _rows_fn(lambda q, tb, ps: (q, dsamp.draft_tokens(q, tb, ps, regime)), regime, counts is not None)
-    args = (logits, table) + ((counts,) if counts is not None else ()) + (positions,)
-    return blocked(fn, logits.shape[0], *args)
+    q = _probs(logits, table, regime, counts)
+    return q, _choose(dsamp.draft_tokens, q, table, positions, regime)
 
 
 def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, plain: bool = True):
@@ -76,29 +92,28 @@ def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.A
     k = t - 1
     V = dec.cfg.vocab_size
     logits = dec.runner.bufs.logits[: nb * t]  # [nb * t, V]
-    rows_table = table_rows(dec.sampling_table, nb, t)
-    if regime.penalties:
-        counts = dec.verify_counts(nb, t).view(nb * t, V)  # [nb * t, V]
-        probs = blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime), nb * t, logits, rows_table, counts)
-    else:
-        probs = blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime), nb * t, logits, rows_table)
-    probs = probs.view(nb, t, V)
+    counts = dec.verify_counts(nb, t).view(nb * t, V) if regime.penalties else None  # [nb * t, V]
+    probs = _probs(logits, table_rows(dec.sampling_table, nb, t), regime, counts).view(nb, t, V)
     table = table_rows(dec.sampling_table, nb)
     first_pos = dec.pos[:nb] + 1  # [nb] the first draft's position
     k_lane = dec.k_lane[:nb]
     if k > 0:
         drafts = dec.verify_tokens[:nb, 1:t]  # [nb, k]
-        n, next_token = blocked(lambda p, q, d, tb, ps, kl: dsamp.speculative_accept(p, q, d, tb, ps, kl, regime), nb,
-                                probs, dec.draft_probs[:nb, :k], drafts, table, first_pos, k_lane)
+        q = dec.draft_probs[:nb, :k]  # [nb, k, V]
+        if _exact_choice(regime):
+            n, next_token = dsamp.speculative_accept(probs, q, drafts, table, first_pos, k_lane, regime)
+        else:
+            n, next_token = blocked(lambda p, q, d, tb, ps, kl: dsamp.speculative_accept(p, q, d, tb, ps, kl, regime),
+                                    nb, probs, q, drafts, table, first_pos, k_lane)
     else:
         n = torch.zeros(nb, device=dec.dev, dtype=torch.long)
 
-        def bonus_of_empty_round(p, tb, ps):
+        def bonus_of_empty_round(p, tb, ps, regime):
             no_drafts = p.new_zeros(p.shape[0], 0, dtype=torch.long)
             return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps), regime)[1]
 
-        next_token = blocked(bonus_of_empty_round, nb, probs, table, first_pos)
+        next_token = _choose(bonus_of_empty_round, probs, table, first_pos, regime)
     if not plain:
         return n, next_token
-    plain_tok = blocked(lambda p, tb, ps: dsamp.plain_tokens(p, tb, ps, regime), nb, probs[:, 0], table, first_pos)
+    plain_tok = _choose(dsamp.plain_tokens, probs[:, 0], table, first_pos, regime)
     return n, torch.where(dec.spec_lane[:nb] == 0, plain_tok, next_token)
