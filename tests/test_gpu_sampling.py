@@ -261,14 +261,16 @@ def test_probs_batch_filter_boundaries() -> None:
     assert (got[0] > 0).sum() == 2 and (got[3] > 0).tolist() == [True, True, False, False]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_prefix_select_equals_a_sort(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,Vs", [(torch.bfloat16, 700), (torch.float32, 700), (torch.float64, 700),
+                                      (torch.bfloat16, 1 << 17)])
+def test_prefix_select_equals_a_sort(dtype: torch.dtype, Vs: int) -> None:
     """prefix_select (radix passes, no sort) == rank by (value desc, id asc) with a stable
     sort, then an exclusive cumulative sum of the weights: keep iff it is below the
     threshold. Rows full of ties (rounded values, +0.0 / -0.0), forbidden tokens, zero and
-    huge weights, thresholds at 0, 1, mid-way, the total and past it."""
+    huge weights, thresholds at 0, 1, mid-way, the total and past it; several passes per
+    key (V = 700: 9-bit digits) and one (bf16 keys, V = 2**17: 16-bit digits)."""
     gen = torch.Generator().manual_seed(dtype.itemsize)
-    B, Vs = 12, 700
+    B = 12
     vals = torch.randn(B, Vs, generator=gen, dtype=torch.float64) * 3
     vals[0::3] = torch.round(vals[0::3] * 2) / 2  # many equal values
     vals[1::4, ::7] = 0.0

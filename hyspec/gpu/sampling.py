@@ -247,7 +247,7 @@ def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor 
 
 _FLOAT_BITS = {torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16),
                torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
-DIGIT_BITS = 16  # bits of the ranking key resolved per pass of prefix_select (65536 bins)
+DIGIT_BITS = 16  # at most this many bits of the ranking key per pass of prefix_select (65536 bins)
 
 
 def order_key(values: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -276,22 +276,28 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
     the weight ranked ahead of its tokens; K*'s digit is the last one whose bin, with all
     the weight ahead of it, reaches the threshold (0 when none does: then every such
     token is kept, and the refinement of digit 0 keeps them too). An exclusive cumulative
-    sum in token order settles the ties at K*."""
+    sum in token order settles the ties at K*. A pass takes about log2(V) bits (at most
+    DIGIT_BITS): its histogram is no larger than a row."""
     B, V = key.shape
-    nbins = 1 << DIGIT_BITS
+    width = max(4, min(DIGIT_BITS, V.bit_length() - 1))  # bits per pass
     base = torch.zeros(B, 1, dtype=torch.int64, device=key.device)  # weight ranked ahead of K*'s higher digits
     cut_key = None  # [B, 1] int64: K*'s digits found so far
-    for shift in range(bits - DIGIT_BITS, -1, -DIGIT_BITS):
+    done = 0  # key bits resolved
+    while done < bits:
+        w = min(width, bits - done)
+        shift = bits - done - w
+        nbins = 1 << w
         if cut_key is None:  # the top digit of the signed key, in [0, nbins)
             digit, wd = (key >> shift).to(torch.int64) + (nbins >> 1), weight
         else:
             digit = ((key >> shift) & (nbins - 1)).to(torch.int64)  # [B, V]
-            wd = torch.where((key >> (shift + DIGIT_BITS)) == cut_key.to(key.dtype), weight, 0)
+            wd = torch.where((key >> (shift + w)) == cut_key.to(key.dtype), weight, 0)
         hist = torch.zeros(B, nbins, dtype=torch.int64, device=key.device).scatter_add_(1, digit, wd)  # [B, bins]
         reach = base + hist.flip(1).cumsum(1).flip(1)  # [B, bins] weight ahead of digit d's bin plus its own
         cut = ((reach >= threshold).sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1] K*'s digit
         base = reach.gather(1, cut) - hist.gather(1, cut)
-        cut_key = cut - (nbins >> 1) if cut_key is None else (cut_key << DIGIT_BITS) | cut
+        cut_key = cut - (nbins >> 1) if cut_key is None else (cut_key << w) | cut
+        done += w
     cut_key = cut_key.to(key.dtype)  # (it fits: a key's value)
     tie = key == cut_key  # [B, V]
     wt = torch.where(tie, weight, 0)
