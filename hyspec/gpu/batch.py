@@ -26,12 +26,16 @@ One round = three graphs keyed by (nb, k): draft (fill + k chained MTP steps), v
 (nb x (k+1) rows), commit (accept per lane, roll the linear layers back to the accepted
 row, next fill).  Lanes may use fewer drafts than k (k_lane): their extra rows are
 computed and ignored, so a lane's result is the same as in a round of its own k.
-Sampled lanes (temperature, top-k, top-p, min-p; rejection or coupled mode) run in their
-own graphs of the same rounds, keyed by (sampled, ...): the drafter's and the target's
-rows become probabilities on the device and the accept test, residual and bonus draws use
-the counter-based RNG there (hyspec.gpu.sampling), at the positions the engine core uses,
-so no host step is added; hyspec.gpu.batch_sampling holds those draws (on fixed 16-row
-blocks: batch invariance on the GPU). Penalties stay on the engine core's path.
+Sampled lanes (temperature, top-k, top-p, min-p, penalties; rejection or coupled mode)
+run in their own graphs of the same rounds, keyed by the batch's sampling regime (a
+hyspec.gpu.sampling.SampledGraphKey: the stages and draws some lane needs; a new regime
+captures once): the drafter's and the target's rows become probabilities on the device
+and the accept test, residual and bonus draws use the counter-based RNG there
+(hyspec.gpu.sampling), at the positions the engine core uses, so no host step is added;
+hyspec.gpu.batch_sampling holds those draws (float row reductions on fixed 16-row blocks:
+batch invariance on the GPU). Penalties: each lane's token window (a PenaltyWindow,
+loaded from the prompt at start, advanced by the commit and decode graphs) plus the
+round's earlier drafts for every draft and verify row.
 The graphs (capture on first use, eager fallback) live in hyspec.gpu.graphs; the
 continuous-batching loop over this decoder in hyspec.gpu.batch_loop.
 """

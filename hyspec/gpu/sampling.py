@@ -36,12 +36,15 @@ the bonus token when ``n == k``; the round emits ``d_0..d_{n-1}`` then ``next_to
 Layout
 
 * :class:`SamplingTable`: the lanes' :class:`~hyspec.sampling.SamplingParams` as
-  tensors ``[B]``.
-* :func:`probs_batch` (= ``row_probs``; penalties from per-lane token counts),
-  :func:`plain_tokens`, :func:`draft_tokens`, :func:`speculative_accept`.
-* the penalty window (per-lane token counts kept on the device) and the verify rows'
-  penalised probabilities: :mod:`hyspec.gpu.penalties` (tested against the reference;
-  the graph round does not use penalties yet: the engine core serves them).
+  tensors ``[B]``; :class:`SampledGraphKey`: which stages and draws a batch needs (its
+  graphs leave the others out).
+* :func:`probs_batch` (= ``row_probs``; penalties from per-lane token counts; top-k and
+  top-p without a sort: :func:`prefix_select`, exact integer radix passes over the
+  logits' ranking key :func:`order_key`), :func:`plain_tokens`, :func:`draft_tokens`,
+  :func:`speculative_accept`; coupled draws through one fused kernel on CUDA
+  (:func:`hyspec.kernels.rng.gumbel_argmax`).
+* the penalty window (per-lane token counts kept on the device) and the counts of a
+  round's rows: :mod:`hyspec.gpu.penalties` (the BatchDecoder carries one per lane).
 
 Preconditions the reference checks and this module cannot (checking would need a host
 sync): logits have no NaN or ``+inf`` and every row has a finite entry; probability rows
