@@ -314,12 +314,13 @@ class BatchDecoder:
                                        scratch.counts if scratch is not None else None)
             else:
                 draft = logits.argmax(-1)
+            keep_q = sampled and regime.sampled and regime.rejection  # only the rejection test reads q
             if forced:
                 idx = (self.pos[:nb] + (1 + i)) * K + i
                 draft = self.forced_tokens[:nb].gather(1, idx[:, None])[:, 0]
-                if sampled:  # a deterministic proposal: q is one-hot at it
+                if keep_q:  # a deterministic proposal: q is one-hot at it
                     q = torch.zeros_like(q).scatter_(1, draft[:, None], 1.0)
-            if sampled:
+            if keep_q:
                 self.draft_probs[:nb, i].copy_(q)
             self.verify_tokens[:nb, 1 + i].copy_(draft)
             if scratch is not None and i + 1 < k:
