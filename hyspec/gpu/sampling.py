@@ -291,7 +291,7 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
         shift = bits - done - w
         nbins = 1 << w
         if cut_key is None:  # the top digit of the signed key, in [0, nbins)
-            digit, wd = (key >> shift).to(torch.int64) + (nbins >> 1), weight
+            digit, wd = (key >> shift if shift else key).to(torch.int64) + (nbins >> 1), weight
         else:
             digit = ((key >> shift) & (nbins - 1)).to(torch.int64)  # [B, V]
             wd = torch.where((key >> (shift + w)) == cut_key.to(key.dtype), weight, 0)
@@ -326,7 +326,7 @@ def probs_batch(
     if not regime.sampled:
         return torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
     temp = torch.where(table.greedy, torch.ones_like(table.temperature), table.temperature)  # [B]
-    xt = x0.to(torch.float64) / temp.unsqueeze(1)  # [B, V]
+    xt = torch.div(x0, temp.unsqueeze(1))  # [B, V] float64 (x0 widened exactly, then divided: one kernel)
     keep = xt > -math.inf  # [B, V] (no NaN or +inf: a precondition)
     if regime.top_k or regime.top_p:
         key, bits = order_key(x0)
