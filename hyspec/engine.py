@@ -353,12 +353,13 @@ class Engine:
     def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
         (or when batch_graphs is set: the Triton interpreter in tests), for requests without
-        penalties, constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible):
-        batches, and single sampled requests (a single greedy one takes the FastDecoder)."""
+        penalties, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible):
+        batches, single sampled requests and single constrained ones (a single unconstrained
+        greedy one takes the FastDecoder)."""
         if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs):
             return None
-        if len(requests) < 2 and all(r.params.greedy for r in requests):
-            return None
+        if len(requests) < 2 and all(r.params.greedy and r.constraint is None for r in requests):
+            return None  # the FastDecoder's (a constrained one: masks on the graph path)
         from hyspec.kernels.common import triton_available
 
         if not triton_available():

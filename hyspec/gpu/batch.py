@@ -131,6 +131,23 @@ class BatchDecoder:
         self.hidden = "post"  # the target hidden that seeds the drafter (the graph round: post only)
         self.sampling_table = dsamp.SamplingTable(S, device=dev)  # per-lane sampling parameters [S]
         self.draft_probs = None  # [S, k_max, V] float64: the drafter's distributions (sampled rounds; made on first use)
+        # constrained lanes (docs/constraints.md, "On the CUDA-graph path"): the allowed-token
+        # bits of every verify row, llguidance's layout (token v = bit v % 32 of word v // 32);
+        # row j is the constraint's state after the round's drafts d1..dj, so it masks draft
+        # j+1 and verify row j. An unconstrained lane's rows are all ones.
+        V = cfg.vocab_size
+        self.mask_words = (V + 31) // 32
+        self.mask = torch.full((self.t_max, S, self.mask_words), -1, device=dev, dtype=torch.int32)  # [t_max, S, W]
+        # the host's copy the rows are written into and uploaded from (pinned: asynchronous copies)
+        self.mask_host = torch.full((self.t_max, S, self.mask_words), -1, dtype=torch.int32,
+                                    pin_memory=True) if cuda else self.mask  # [t_max, S, W]
+        self.mask_host_ones = [True] * S  # per lane: its host rows are all ones (kept by the round driver)
+        cols = torch.arange(V, device=dev)
+        self.bit_word = cols >> 5  # [V] the word holding token v's bit
+        self.bit_shift = (cols & 31).to(torch.int32)  # [V] its bit
+        self.k_round = torch.zeros(S, **long)  # [S] masked rounds: drafts the lane really has (a dead mask ends them)
+        self.draft_h = torch.zeros(S, H, device=dev, dtype=dt)  # [S, H] masked rounds: the MTP hidden between graphs
+        self.draft_lg = torch.zeros(S, V, device=dev, dtype=dt)  # [S, V] ... and its draft logits
 
         from hyspec.gpu.runner_triton import TritonRunner
 
@@ -223,6 +240,7 @@ class BatchDecoder:
         self.conv[:, dst].copy_(self.conv[:, src])
         self.ssm[:, dst].copy_(self.ssm[:, src])
         self.sampling_table.params[dst] = self.sampling_table.params[src]
+        self.mask_host_ones[dst] = False  # the driver rewrites dst's host mask rows before they are used
         self.free(src)
 
     def free(self, lane: int) -> None:
@@ -236,50 +254,106 @@ class BatchDecoder:
         self.sampling_table.set(lane, None)
 
     # -- the round bodies (graph-captured) ---------------------------------------------
-    def _decode_body(self, nb: int, sampled: bool = False) -> None:
-        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
-        runner = self.runner
-        _, post = runner.target(self.pending[:nb], nb, self.pos, False, nb)
-        logits = runner.logits(post)
+    def _masked(self, logits: torch.Tensor, words: torch.Tensor):
+        """Rows of logits [r, V] with the tokens their mask words [r, W] do not allow at -inf.
+        Returns (masked logits, allowed [r, V] bool, dead [r] bool). A dead row (no allowed
+        token with a finite logit: an empty mask, or a reduced draft vocabulary scoring none
+        of the allowed tokens) keeps its unmasked logits, so nothing downstream sees a row
+        without mass; the round driver / commit treat its choice as no token."""
+        allowed = ((words.index_select(1, self.bit_word) >> self.bit_shift) & 1).bool()
+        m = logits.masked_fill(~allowed, float("-inf"))
+        dead = ~torch.isfinite(m).any(-1)
+        return torch.where(dead[:, None], logits, m), allowed, dead
+
+    def _decode_forward(self, nb: int):
+        """The plain step's target forward for lanes 0..nb-1: logits [nb, V] (the runner's buffer)."""
+        _, post = self.runner.target(self.pending[:nb], nb, self.pos, False, nb)
+        return self.runner.logits(post)
+
+    def _decode_pick(self, nb: int, logits: torch.Tensor, sampled: bool, masked: bool) -> None:
+        """The plain step's token per lane from logits [nb, V] -> result, pending, pos."""
+        if masked:  # mask row 0: the constraint's state now
+            logits, _, dead = self._masked(logits, self.mask[0, :nb])
         if sampled:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
             token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1)
         else:
             token = logits.argmax(-1)
         self.result[:nb, 0].zero_()
-        self.result[:nb, 1].copy_(token)
+        self.result[:nb, 1].copy_(torch.where(dead, -1, token) if masked else token)  # -1: no token allowed
         self.pending[:nb].copy_(token)
         self.pos[:nb].add_(self.live[:nb])
+
+    def _decode_body(self, nb: int, sampled: bool = False) -> None:
+        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
+        self._decode_pick(nb, self._decode_forward(nb), sampled, False)
+
+    def _draft_fill(self, nb: int) -> torch.Tensor:
+        """The drafter over each lane's fill rows: the hidden [nb, H] of its last fill row."""
+        R = self.lane_rows
+        h = self.runner.mtp(self.fill_tokens[:nb].reshape(-1), self.fill_h[:nb].reshape(nb * R, -1),
+                            self.fill_start, 0, nb)
+        return h.view(nb, R, -1)[self.lane_ids[:nb], self.fill_rows[:nb] - 1]  # [nb, H]
+
+    def _draft_choose(self, nb: int, i: int, logits: torch.Tensor, forced: bool, sampled: bool,
+                      masked: bool = False) -> torch.Tensor:
+        """Draft i (the token at position pos + 1 + i) of every lane from the drafter's
+        logits [nb, V]: into verify_tokens[:, 1 + i] (and its distribution into draft_probs)."""
+        if masked:  # mask row i: the constraint after drafts d1..di; a dead row ends the lane's drafts
+            logits, allowed, dead = self._masked(logits, self.mask[i, :nb])
+            kr = self.k_round[:nb]
+            kr.masked_fill_(dead & (kr > i), i)
+        if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
+            q, draft = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i)
+        else:
+            draft = logits.argmax(-1)
+        if forced:
+            K = max(self.k_max, 1)
+            idx = (self.pos[:nb] + (1 + i)) * K + i
+            draft = self.forced_tokens[:nb].gather(1, idx[:, None])[:, 0]
+            if masked:  # a forced token the constraint forbids: the masked argmax (hyspec.core.round)
+                draft = torch.where(allowed.gather(1, draft[:, None])[:, 0], draft, logits.argmax(-1))
+            if sampled:  # a deterministic proposal: q is one-hot at it
+                q = torch.zeros_like(q).scatter_(1, draft[:, None], 1.0)
+        if sampled:
+            self.draft_probs[:nb, i].copy_(q)
+        self.verify_tokens[:nb, 1 + i].copy_(draft)
+        return draft
+
+    def _ensure_draft_probs(self, sampled: bool) -> None:
+        if sampled and self.draft_probs is None:
+            self.draft_probs = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
+                                           dtype=torch.float64)
 
     def _draft_body(self, nb: int, k: int, forced: bool, sampled: bool = False) -> None:
         if k == 0:
             return
-        if sampled and self.draft_probs is None:
-            self.draft_probs = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
-                                           dtype=torch.float64)
-        table = table_rows(self.sampling_table, nb) if sampled else None
+        self._ensure_draft_probs(sampled)
         runner = self.runner
-        R = self.lane_rows
-        lanes = self.lane_ids[:nb]
-        h = runner.mtp(self.fill_tokens[:nb].reshape(-1), self.fill_h[:nb].reshape(nb * R, -1), self.fill_start, 0, nb)
-        hidden = h.view(nb, R, -1)[lanes, self.fill_rows[:nb] - 1]  # [nb, H] each lane's last fill row
+        hidden = self._draft_fill(nb)  # [nb, H] each lane's last fill row
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
-        K = max(self.k_max, 1)
         for i in range(k):
-            logits = runner.draft_logits(hidden)
-            if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-                q, draft = draft_draws(logits, table, self.pos[:nb] + 1 + i)
-            else:
-                draft = logits.argmax(-1)
-            if forced:
-                idx = (self.pos[:nb] + (1 + i)) * K + i
-                draft = self.forced_tokens[:nb].gather(1, idx[:, None])[:, 0]
-                if sampled:  # a deterministic proposal: q is one-hot at it
-                    q = torch.zeros_like(q).scatter_(1, draft[:, None], 1.0)
-            if sampled:
-                self.draft_probs[:nb, i].copy_(q)
-            self.verify_tokens[:nb, 1 + i].copy_(draft)
+            draft = self._draft_choose(nb, i, runner.draft_logits(hidden), forced, sampled)
             if i + 1 < k:
                 hidden = runner.mtp(draft, hidden, chain, i, nb)
+
+    # masked rounds: the same draft as three kinds of graphs, so the host can compute each
+    # depth's mask from the drafts before it while the device runs the drafter
+    def _cfill_body(self, nb: int) -> None:
+        """Fill rows -> hidden and draft logits of depth 0 (kept in draft_h / draft_lg)."""
+        self.draft_h[:nb].copy_(self._draft_fill(nb))
+        self.draft_lg[:nb].copy_(self.runner.draft_logits(self.draft_h[:nb]))
+        self.k_round[:nb].copy_(self.k_lane[:nb])
+
+    def _cpick_body(self, nb: int, i: int, forced: bool, sampled: bool) -> None:
+        """Draft i under mask row i."""
+        self._draft_choose(nb, i, self.draft_lg[:nb], forced, sampled, masked=True)
+
+    def _cadv_body(self, nb: int, i: int) -> None:
+        """One chained drafter step on draft i -> hidden and draft logits of depth i + 1."""
+        chain = self.fill_start + self.fill_rows
+        h = self.runner.mtp(self.verify_tokens[:nb, 1 + i].contiguous(), self.draft_h[:nb], chain, i, nb)
+        self.draft_h[:nb].copy_(h)
+        self.draft_lg[:nb].copy_(self.runner.draft_logits(self.draft_h[:nb]))
 
     def _verify_body(self, nb: int, t: int) -> None:
         self.verify_tokens[:nb, 0].copy_(self.pending[:nb])
@@ -288,17 +362,24 @@ class BatchDecoder:
         self.seed_hidden[:nb, :t].copy_(seed.view(nb, t, -1))
         self.argmax[:nb, :t].copy_(self.runner.logits(post).argmax(-1).view(nb, t))
 
-    def _commit_body(self, nb: int, t: int, sampled: bool = False) -> None:
+    def _commit_body(self, nb: int, t: int, sampled: bool = False, masked: bool = False) -> None:
         k = t - 1
         lanes = self.lane_ids[:nb]
         argmax = self.argmax[:nb, :t]
         verify_tokens = self.verify_tokens[:nb, :t]
+        k_lane = self.k_lane[:nb]
+        if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
+            logits = self.runner.bufs.logits[: nb * t]
+            m, _, dead = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1))
+            logits.copy_(m)
+            argmax.copy_(m.argmax(-1).view(nb, t))
+            k_lane = self.k_round[:nb]
         if sampled:
-            n, bonus = accept_sampled(self, nb, t)
+            n, bonus = accept_sampled(self, nb, t, k_lane)
         else:
             if k > 0:
                 match = (argmax[:, :k] == verify_tokens[:, 1:t]).to(torch.long)
-                n = torch.minimum(torch.cumprod(match, 1).sum(1), self.k_lane[:nb])
+                n = torch.minimum(torch.cumprod(match, 1).sum(1), k_lane)
             else:
                 n = torch.zeros(nb, device=self.dev, dtype=torch.long)
             bonus = argmax[lanes, n]
@@ -322,7 +403,8 @@ class BatchDecoder:
         self.pos[:nb].add_(j * live)
         self.pending[:nb].copy_(bonus)
         self.result[:nb, 0].copy_(n)
-        self.result[:nb, 1].copy_(bonus)
+        # masked: -1 when the bonus row allows nothing (the drafts are emitted, the lane ends)
+        self.result[:nb, 1].copy_(torch.where(dead.view(nb, t)[lanes, n], -1, bonus) if masked else bonus)
         if k > 0:
             self.result[:nb, 2: 2 + k].copy_(verify_tokens[:, 1:t])
 
@@ -341,14 +423,53 @@ class BatchDecoder:
         run(("verify", nb, k + 1), lambda: self._verify_body(nb, k + 1))
         run(("commit", nb, k + 1, sampled), lambda: self._commit_body(nb, k + 1, sampled))
 
+    # masked rounds (some lane constrained): the host runs these in order, writing mask rows
+    # between them (hyspec.gpu.batch_loop): plain: decode_forward, [row 0], decode_pick;
+    # speculative: draft_fill, [row 0], (draft_pick i, draft_advance i, [row i + 1]) for
+    # i < k - 1, draft_pick k-1, verify, [row k], commit. Each graph is keyed without the
+    # constraint: the masks are data.
+    def upload_mask(self, nb: int, row: int) -> None:
+        """mask_host[row, :nb] -> the device (asynchronous from pinned memory)."""
+        if self.mask_host is not self.mask:
+            self.mask[row, :nb].copy_(self.mask_host[row, :nb], non_blocking=True)
+
+    def masked_decode_forward(self, nb: int) -> None:
+        self.step_graphs.run(("mdecode_fwd", nb), lambda: self._decode_forward(nb))
+
+    def masked_decode_pick(self, nb: int, sampled: bool = False) -> None:
+        self.step_graphs.run(("mdecode_pick", nb, sampled),
+                             lambda: self._decode_pick(nb, self.runner.bufs.logits[:nb], sampled, True))
+
+    def masked_draft_fill(self, nb: int) -> None:
+        self.step_graphs.run(("mdraft_fill", nb), lambda: self._cfill_body(nb))
+
+    def masked_draft_pick(self, nb: int, i: int, forced: bool = False, sampled: bool = False) -> None:
+        self._ensure_draft_probs(sampled)
+        self.step_graphs.run(("mdraft_pick", nb, i, forced, sampled), lambda: self._cpick_body(nb, i, forced, sampled))
+
+    def masked_draft_advance(self, nb: int, i: int) -> None:
+        self.step_graphs.run(("mdraft_adv", nb, i), lambda: self._cadv_body(nb, i))
+
+    def verify(self, nb: int, t: int) -> None:
+        self.step_graphs.run(("verify", nb, t), lambda: self._verify_body(nb, t))
+
+    def masked_commit(self, nb: int, t: int, sampled: bool = False) -> None:
+        self.step_graphs.run(("commit", nb, t, sampled, True), lambda: self._commit_body(nb, t, sampled, True))
+
     def _mutable(self) -> list[torch.Tensor]:
         """What a round writes besides the caches (saved and put back around a capture)."""
         return [self.pos, self.pending, self.fill_start, self.fill_rows, self.fill_tokens, self.fill_h, self.h_last,
-                self.verify_tokens, self.argmax, self.seed_hidden, self.result, self.conv, self.ssm]
+                self.verify_tokens, self.argmax, self.seed_hidden, self.result, self.conv, self.ssm,
+                self.k_round, self.draft_h, self.draft_lg]
 
-    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,)) -> None:
-        """Capture the graphs of these batch sizes and draft counts ahead of time."""
+    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,), masked=(False,)) -> None:
+        """Capture the graphs of these batch sizes and draft counts ahead of time
+        (masked=(True,): the constrained rounds' graphs; (False, True): both)."""
         if not self.graphs:
+            return
+        if True in masked:
+            self._capture_masked(sizes, ks, forced, decode, sampled)
+        if False not in masked:
             return
         ensure = self.step_graphs.ensure
         for nb in sizes:
@@ -361,3 +482,26 @@ class BatchDecoder:
                             ensure(("draft", nb, k, f, sm), lambda nb=nb, k=k, f=f, sm=sm: self._draft_body(nb, k, f, sm))
                     ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
                     ensure(("commit", nb, k + 1, sm), lambda nb=nb, k=k, sm=sm: self._commit_body(nb, k + 1, sm))
+
+    def _capture_masked(self, sizes, ks, forced, decode, sampled) -> None:
+        ensure = self.step_graphs.ensure
+        for nb in sizes:
+            if decode:
+                ensure(("mdecode_fwd", nb), lambda nb=nb: self._decode_forward(nb))
+            for sm in sampled:
+                self._ensure_draft_probs(sm)
+                if decode:
+                    ensure(("mdecode_pick", nb, sm),
+                           lambda nb=nb, sm=sm: self._decode_pick(nb, self.runner.bufs.logits[:nb], sm, True))
+                for k in ks:
+                    if k > 0:
+                        ensure(("mdraft_fill", nb), lambda nb=nb: self._cfill_body(nb))
+                    for i in range(k):
+                        for f in forced:
+                            ensure(("mdraft_pick", nb, i, f, sm),
+                                   lambda nb=nb, i=i, f=f, sm=sm: self._cpick_body(nb, i, f, sm))
+                        if i + 1 < k:
+                            ensure(("mdraft_adv", nb, i), lambda nb=nb, i=i: self._cadv_body(nb, i))
+                    ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
+                    ensure(("commit", nb, k + 1, sm, True),
+                           lambda nb=nb, k=k, sm=sm: self._commit_body(nb, k + 1, sm, True))
