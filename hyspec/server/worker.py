@@ -292,7 +292,12 @@ class EngineWorker:
         if self.store is not None and self.store.extends(job.prompt_ids):
             return None
         if self._graph_dec is None:
-            self._graph_dec = graph_decoder(self.engine, self.max_batch, self._k_max)
+            try:
+                self._graph_dec = graph_decoder(self.engine, self.max_batch, self._k_max)
+            except Exception:  # noqa: BLE001 - e.g. out of memory: the engine core serves everything
+                log.exception("the batched graphs could not be set up; every request runs on the engine core")
+                self.graph_path = False
+                return None
         dec = self._graph_dec
         if job.draft > dec.k_max or len(job.prompt_ids) + job.max_new_tokens + job.draft + 2 > dec.max_len:
             return None
