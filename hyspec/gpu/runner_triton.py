@@ -219,9 +219,15 @@ class TritonRunner:
         if record and t > self.t_max * lanes:
             raise ValueError(f"verify of {t // lanes} rows > the decoder's t_max {self.t_max}")
         rec = record and not self.records_states
-        proj = self.verify_proj[g, :t] if rec else self._buf("proj", t, layer.w_in.shape[0])
+        # decode steps use the verify slabs too: the conv kernel then sees the same row
+        # strides in a decode and in a verify.  Triton specialises a kernel on a stride's
+        # divisibility by 16; with the runner's own buffers (another row stride) the decode
+        # ran a second binary whose bf16 conv output differed by an ulp from the verify's
+        # (tiny models on the H200: speculative != plain; b2's strides happened to agree)
+        slab = t <= self.verify_proj.shape[1]
+        proj = self.verify_proj[g, :t] if slab else self._buf("proj", t, layer.w_in.shape[0])
         self.mm(normed, layer.w_in, proj)
-        conv_out = self.verify_conv_out[g, :t] if rec else self._buf("conv_out", t)
+        conv_out = self.verify_conv_out[g, :t] if slab else self._buf("conv_out", t)
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
         xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
