@@ -65,6 +65,8 @@ class TritonRunner:
         self.final_norm = model.model.norm.weight  # [H]
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.head_weight  # [V, H]
+        d2t = getattr(dec, "d2t", None)  # a reduced draft vocabulary (ids, head rows), set before the runner
+        self.d2t_ascending = d2t is not None and bool((d2t[0][1:] > d2t[0][:-1]).all())
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)  # [rotary_dim / 2]
         self.mtp_layer = None  # the drafter's (MTP) decoder layer, packed
         if model.mtp is not None:
@@ -144,7 +146,8 @@ class TritonRunner:
     def draft_bytes_per_step(self) -> int:
         if self.mtp_layer is None:
             return 0
-        return (self.head.numel() * self.head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
+        head = self.head if self.dec.d2t is None else self.dec.d2t[1]  # a reduced draft vocabulary reads its rows
+        return (head.numel() * head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
                 + layer_weight_bytes(self.mtp_layer, with_moe=False))
 
     # -- primitives -------------------------------------------------------------------
@@ -339,6 +342,17 @@ class TritonRunner:
         out = self._buf("mtp_out", t)
         rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
         return out
+
+    def draft_argmax(self, h):
+        """The drafter's greedy choice per row, as target ids.  With a reduced draft
+        vocabulary whose ids ascend, the argmax over its Vd scores mapped through the ids
+        (the same id as the argmax of draft_logits, first maximum included) without
+        writing and scanning a [t, V] row of -inf."""
+        d2t = self.dec.d2t
+        if d2t is None or not self.d2t_ascending:
+            return self.draft_logits(h).argmax(-1)
+        ids, w = d2t
+        return ids.index_select(0, self.mm(h, w, None).argmax(-1))
 
     def draft_logits(self, h):
         d2t = self.dec.d2t
