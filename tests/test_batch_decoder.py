@@ -224,6 +224,37 @@ def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
     assert alone.tokens == reqs[0].tokens
 
 
+def test_decode_and_verify_give_the_kernels_the_same_strides(tmp_path, monkeypatch):
+    """Triton compiles one binary per stride divisibility (by 16): a decode step whose conv
+    input had another row stride than a verify's ran a second binary, and on the H200 its
+    bf16 output differed by an ulp (speculative != plain on tiny models).  Every tensor a
+    row-wise GDN kernel reads or writes must have the same strides and 16-byte alignment
+    in a decode step and in a verify."""
+    import hyspec.gpu.runner_triton as rt
+    from hyspec.gpu.batch import BatchDecoder
+
+    seen = []
+
+    def spy(name, fn):
+        def call(*a, **k):
+            seen.append((name, tuple((x.stride(), x.data_ptr() % 16) for x in a if isinstance(x, torch.Tensor))))
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(rt, "gdn_conv", spy("conv", rt.gdn_conv))
+    monkeypatch.setattr(rt, "gdn_step", spy("step", rt.gdn_step))
+    m = _model(tmp_path, "qwen3_5")
+    dec = BatchDecoder(m, 32, 3, slots=2, graphs=False)
+    for lane in range(2):
+        dec.prefill(lane, [5, 6, 7])
+    calls = {}
+    for record, t in ((False, 2), (True, 8)):
+        seen.clear()
+        dec.runner.target(torch.tensor([1] * t), t, dec.pos, record, 2)
+        calls[record] = list(seen)
+    assert calls[False] and calls[False] == calls[True]
+
+
 def _core_tokens(m, lanes) -> list[list[int]]:
     """Each LaneRequest's tokens from the engine core (each request's own computation: the
     same tokens whatever else runs with it)."""

@@ -265,11 +265,10 @@ class BatchDecoder:
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
         K = max(self.k_max, 1)
         for i in range(k):
-            logits = runner.draft_logits(hidden)
             if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-                q, draft = draft_draws(logits, table, self.pos[:nb] + 1 + i)
+                q, draft = draft_draws(runner.draft_logits(hidden), table, self.pos[:nb] + 1 + i)
             else:
-                draft = logits.argmax(-1)
+                draft = runner.draft_argmax(hidden)
             if forced:
                 idx = (self.pos[:nb] + (1 + i)) * K + i
                 draft = self.forced_tokens[:nb].gather(1, idx[:, None])[:, 0]
