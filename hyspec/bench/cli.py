@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     ap.add_argument("--batch-inv-prompts", type=int, default=64,
                     help="GPU --batch: prompts in the batch-invariance check (each x 500 tokens; 0: skip)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="also measure the exact variant with a reduced draft vocabulary of N ids (mtp.d2t; the "
+                         "first N ids on random weights): draft step and forced K=3 speed-up (issue target x2.2 "
+                         "at 32000)")
     return ap
 
 
@@ -213,6 +217,32 @@ def run_variants(model, prompt, args, dev, roofline_ms: float, result: dict, sav
     return exact_decoder
 
 
+def draft_vocab_figures(model, prompt, args, dev, roofline_ms: float) -> dict:
+    """The exact variant again with a reduced draft vocabulary (--draft-vocab N): the
+    drafter scores N ids (a view of the head's first N rows on random weights: no corpus to
+    rank by), plain and forced / MTP K=3 measured side by side in this run."""
+    import copy
+
+    from hyspec.speculative.drafter import build_d2t
+
+    if not model.has_mtp:
+        raise ValueError("--draft-vocab needs a model with an MTP head")
+    size = args.draft_vocab
+    log(f"reduced draft vocabulary: {size} of {model.cfg.vocab_size} ids (the first {size}; random weights)")
+    saved = model.d2t
+    model.d2t = build_d2t(size, model.cfg.vocab_size).to(dev)
+    try:
+        sub = copy.copy(args)
+        sub.ks = [3]
+        figures = bench_variant(model, prompt, sub, True, dev, roofline_ms)
+    finally:
+        model.d2t = saved
+    del figures["_decoder"]
+    figures["size"] = size
+    figures["ids"] = f"first {size} (random weights)"
+    return figures
+
+
 def run_batches(model, args, dev) -> dict:
     """--batch: aggregate throughput per batch size; on a GPU the BatchDecoder (CUDA graphs
     per batch size, with a batch-invariance check), on the CPU the engine core."""
@@ -285,6 +315,13 @@ def main(argv=None) -> int:
     del exact_decoder
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    if args.draft_vocab:
+        try:
+            result["draft_vocab"] = draft_vocab_figures(model, prompt, args, dev, roofline_ms)
+        except Exception as e:
+            result["errors"]["draft_vocab"] = failure(e)
+            log(f"!! draft-vocabulary run failed: {type(e).__name__}: {e}")
+        save()
     if args.batch:
         result["batch"] = run_batches(model, args, dev)
         save()

@@ -64,6 +64,12 @@ def targets(result: dict) -> dict:
         out["forced_k3_speedup"] = {"value": forced3["speedup"], "target": 1.9, "met": forced3["speedup"] >= 1.9}
         out["forced_k3_ceiling_frac"] = {"value": forced3["ceiling_frac"], "ceiling": forced3["ceiling"],
                                          "target": 0.9, "met": (forced3["ceiling_frac"] or 0) >= 0.9}
+    dv = (result.get("draft_vocab") or {}).get("spec", {}).get("forced", {}).get(3)
+    if dv:
+        out["forced_k3_speedup_draft_vocab"] = {
+            "value": dv["speedup"], "ceiling": dv["ceiling"], "draft_vocab": result["draft_vocab"]["size"],
+            "draft_step_ms": result["draft_vocab"]["draft_step_ms"],
+            "draft_step_ms_full_vocab": exact["draft_step_ms"], "target": 2.2, "met": dv["speedup"] >= 2.2}
     exactness = result.get("exactness")
     if exactness:
         out["exactness"] = {"value": exactness["all_equal"], "tokens": exactness["tokens"],
@@ -88,6 +94,12 @@ def print_table(result: dict) -> None:
             log(f"   {drafter:6s}: " + "  ".join(
                 f"K{K} {e['tok_s']:.0f} tok/s x{e['speedup']:.2f} (L {e['acceptance_length']:.2f}, ceil "
                 f"x{e['ceiling'] or 0:.2f}){'' if e['tokens_equal_plain'] else ' !='}" for K, e in by_k.items()))
+    if "draft_vocab" in result:
+        v = result["draft_vocab"]
+        f3 = v["spec"].get("forced", {}).get(3, {})
+        log(f"-- draft vocabulary {v['size']} ({v['ids']}): plain {v['plain']['tok_s']:.1f} tok/s; draft step "
+            f"{v['draft_step_ms']:.3f} ms; forced K3 x{f3.get('speedup', 0):.2f} (ceil x{f3.get('ceiling') or 0:.2f})"
+            f"{'' if f3.get('tokens_equal_plain', True) else ' !='}")
     if "exactness" in result:
         e = result["exactness"]
         log(f"-- exactness: {len(e['prompts'])} prompts x {e['tokens']} tokens, K=3 forced + MTP == plain: "

@@ -294,18 +294,21 @@ class BatchDecoder:
                             self.fill_start, 0, nb)
         return h.view(nb, R, -1)[self.lane_ids[:nb], self.fill_rows[:nb] - 1]  # [nb, H]
 
-    def _draft_choose(self, nb: int, i: int, logits: torch.Tensor, forced: bool, sampled: bool,
+    def _draft_choose(self, nb: int, i: int, forced: bool, sampled: bool, hidden: torch.Tensor | None = None,
                       masked: bool = False) -> torch.Tensor:
-        """Draft i (the token at position pos + 1 + i) of every lane from the drafter's
-        logits [nb, V]: into verify_tokens[:, 1 + i] (and its distribution into draft_probs)."""
+        """Draft i (the token at position pos + 1 + i) of every lane: from the MTP hidden
+        [nb, H] (unmasked), or masked: from the draft logits kept in draft_lg under mask row
+        i. Into verify_tokens[:, 1 + i] (and its distribution into draft_probs)."""
+        runner = self.runner
         if masked:  # mask row i: the constraint after drafts d1..di; a dead row ends the lane's drafts
-            logits, allowed, dead = self._masked(logits, self.mask[i, :nb])
+            logits, allowed, dead = self._masked(self.draft_lg[:nb], self.mask[i, :nb])
             kr = self.k_round[:nb]
             kr.masked_fill_(dead & (kr > i), i)
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-            q, draft = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i)
-        else:
-            draft = logits.argmax(-1)
+            q, draft = draft_draws(logits if masked else runner.draft_logits(hidden),
+                                   table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i)
+        else:  # (draft_argmax: the argmax of draft_logits without a [nb, V] row for a reduced draft vocabulary)
+            draft = logits.argmax(-1) if masked else runner.draft_argmax(hidden)
         if forced:
             K = max(self.k_max, 1)
             idx = (self.pos[:nb] + (1 + i)) * K + i
@@ -332,7 +335,7 @@ class BatchDecoder:
         hidden = self._draft_fill(nb)  # [nb, H] each lane's last fill row
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
         for i in range(k):
-            draft = self._draft_choose(nb, i, runner.draft_logits(hidden), forced, sampled)
+            draft = self._draft_choose(nb, i, forced, sampled, hidden=hidden)
             if i + 1 < k:
                 hidden = runner.mtp(draft, hidden, chain, i, nb)
 
@@ -346,7 +349,7 @@ class BatchDecoder:
 
     def _cpick_body(self, nb: int, i: int, forced: bool, sampled: bool) -> None:
         """Draft i under mask row i."""
-        self._draft_choose(nb, i, self.draft_lg[:nb], forced, sampled, masked=True)
+        self._draft_choose(nb, i, forced, sampled, masked=True)
 
     def _cadv_body(self, nb: int, i: int) -> None:
         """One chained drafter step on draft i -> hidden and draft logits of depth i + 1."""

@@ -65,6 +65,8 @@ class TritonRunner:
         self.final_norm = model.model.norm.weight  # [H]
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.head_weight  # [V, H]
+        d2t = getattr(dec, "d2t", None)  # a reduced draft vocabulary (ids, head rows), set before the runner
+        self.d2t_ascending = d2t is not None and bool((d2t[0][1:] > d2t[0][:-1]).all())
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)  # [rotary_dim / 2]
         self.mtp_layer = None  # the drafter's (MTP) decoder layer, packed
         if model.mtp is not None:
@@ -144,7 +146,8 @@ class TritonRunner:
     def draft_bytes_per_step(self) -> int:
         if self.mtp_layer is None:
             return 0
-        return (self.head.numel() * self.head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
+        head = self.head if self.dec.d2t is None else self.dec.d2t[1]  # a reduced draft vocabulary reads its rows
+        return (head.numel() * head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
                 + layer_weight_bytes(self.mtp_layer, with_moe=False))
 
     # -- primitives -------------------------------------------------------------------
@@ -219,9 +222,15 @@ class TritonRunner:
         if record and t > self.t_max * lanes:
             raise ValueError(f"verify of {t // lanes} rows > the decoder's t_max {self.t_max}")
         rec = record and not self.records_states
-        proj = self.verify_proj[g, :t] if rec else self._buf("proj", t, layer.w_in.shape[0])
+        # decode steps use the verify slabs too: the conv kernel then sees the same row
+        # strides in a decode and in a verify.  Triton specialises a kernel on a stride's
+        # divisibility by 16; with the runner's own buffers (another row stride) the decode
+        # ran a second binary whose bf16 conv output differed by an ulp from the verify's
+        # (tiny models on the H200: speculative != plain; b2's strides happened to agree)
+        slab = t <= self.verify_proj.shape[1]
+        proj = self.verify_proj[g, :t] if slab else self._buf("proj", t, layer.w_in.shape[0])
         self.mm(normed, layer.w_in, proj)
-        conv_out = self.verify_conv_out[g, :t] if rec else self._buf("conv_out", t)
+        conv_out = self.verify_conv_out[g, :t] if slab else self._buf("conv_out", t)
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
         xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
@@ -333,6 +342,17 @@ class TritonRunner:
         out = self._buf("mtp_out", t)
         rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
         return out
+
+    def draft_argmax(self, h):
+        """The drafter's greedy choice per row, as target ids.  With a reduced draft
+        vocabulary whose ids ascend, the argmax over its Vd scores mapped through the ids
+        (the same id as the argmax of draft_logits, first maximum included) without
+        writing and scanning a [t, V] row of -inf."""
+        d2t = self.dec.d2t
+        if d2t is None or not self.d2t_ascending:
+            return self.draft_logits(h).argmax(-1)
+        ids, w = d2t
+        return ids.index_select(0, self.mm(h, w, None).argmax(-1))
 
     def draft_logits(self, h):
         d2t = self.dec.d2t
