@@ -110,7 +110,8 @@ class BatchRunner:
         if self._cuda:
             self._host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
-            self._tok_host = torch.empty(dec.slots, dtype=torch.long, pin_memory=True)  # a masked round's drafts
+            # a masked round's drafts so far (the whole [lanes, t_max] block: one contiguous copy)
+            self._tok_host = torch.empty(dec.slots, dec.t_max, dtype=torch.long, pin_memory=True)
             self._tok_event = torch.cuda.Event()
         self._buf = 0  # the next host buffer
         for lane in range(dec.slots):  # a runner starts from idle lanes
@@ -328,7 +329,7 @@ class BatchRunner:
         for i in range(k):
             dec.masked_draft_pick(nb, i, self.forced, sampled)
             if self._cuda:
-                self._tok_host[:n].copy_(dec.verify_tokens[:n, 1 + i], non_blocking=True)
+                self._tok_host[:n].copy_(dec.verify_tokens[:n], non_blocking=True)
                 self._tok_event.record()
             else:
                 toks = dec.verify_tokens[:n, 1 + i].tolist()
@@ -338,7 +339,7 @@ class BatchRunner:
                 dec.verify(nb, k + 1)
             if self._cuda:
                 self._tok_event.synchronize()
-                toks = self._tok_host[:n].tolist()
+                toks = self._tok_host[:n, 1 + i].tolist()
             for lane, _ in cons:
                 drafts[lane].append(toks[lane])
             rows(i + 1)  # overlaps the next drafter step / the verify forward
