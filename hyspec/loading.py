@@ -6,7 +6,8 @@ with the multimodal prefix ``model.language_model.``; tied or untied LM head; ro
 experts stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) or stacked
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); FP8
 block-quantized checkpoints (``quantization_config`` with ``quant_method: fp8``, see
-hyspec/quant.py), dequantized at load.
+hyspec/quant.py), dequantized at load or (``fp8="keep"``, the default on CUDA) kept in
+float8 with their block scales.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
     ``*_scale_inv`` consumed, and per-expert
     keys are stacked as usual. ``dequantize=False`` is the hook for a GPU FP8 path: the
     float8 weights and their scales come back as stored (keys normalised, per-expert
-    keys NOT stacked), after the same validation of the quantization config.
+    keys NOT stacked), after the same validation of the quantization config
+    (``hyspec.quant.prepare_fp8`` then stacks them for load_model(fp8="keep")).
     keep: optional predicate on the normalised key; other tensors are never read (a
     pipeline stage reads only its own layers)."""
     from safetensors import safe_open
@@ -213,8 +215,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     if fp8 is None:
         fp8 = "keep" if torch.device(device).type == "cuda" else "dequantize"
     cfg = ModelConfig.from_dir(path)
-    # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU: the device
-    # only ever holds the model's one copy of the weights
+    # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU, or kept in
+    # float8 with their scales (fp8="keep"): the device only ever holds the model's one copy
     last = True
     keep = None
     if layers is not None:

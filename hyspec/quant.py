@@ -24,9 +24,12 @@ read it):
 * ``activation_scheme: dynamic`` means activations are quantized on the fly by the
   kernel: no ``input_scale`` / ``activation_scale`` tensors.
 
-The CPU reference dequantizes at load (``dequantize_tensors``). A GPU FP8 path can keep
-the fp8 weights and their scales instead: ``hyspec.loading.read_tensors(path,
-dequantize=False)`` returns them untouched (``QUANT_HOOK`` below says where to plug in).
+The CPU reference dequantizes at load (``dequantize_tensors``). The GPU fast path keeps
+the fp8 weights and their scales instead (``load_model(fp8="keep")``, the default on CUDA):
+``prepare_fp8`` validates and stacks the raw tensors, ``keep_fp8_params`` makes the modules
+hold float8 weights + ``*_scale_inv`` buffers (their torch forward dequantizes on the fly,
+``module_weight``), the Triton runner streams them (``Fp8Weight``,
+``hyspec.kernels.matmul.skinny_matmul_fp8``, ``hyspec.kernels.moe.moe_grouped``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ UNQUANTIZED_LINEARS = ("lm_head", "embed_tokens", "linear_attn.in_proj_a", "line
                        "linear_attn.in_proj_ba", "linear_attn.conv1d", "mlp.gate", "mlp.shared_expert_gate",
                        "mtp.fc")
 
-QUANT_HOOK = ("GPU FP8 path: call hyspec.loading.read_tensors(path, dequantize=False) to get the fp8 weights "
-              "with their '<name>_scale_inv' block scales, and hand them to FP8 matmul kernels; not implemented yet")
+QUANT_HOOK = ("GPU FP8 path: hyspec.loading.load_model(path, fp8='keep') (the default on CUDA) keeps the fp8 "
+              "weights with their '<name>_scale_inv' block scales on the device; the Triton runner streams them "
+              "(hyspec.kernels.matmul.skinny_matmul_fp8, hyspec.kernels.moe.moe_grouped)")
 
 
 class QuantConfigError(ConfigError):
