@@ -30,10 +30,11 @@ def experts(fp8: bool):
             Fp8Weight(*quantize(dn, block), block))
 
 
-def run(x, logits, gu, dn, shared=None, gate=None, stats=None, buf=None):
-    buf = buf or MoeBuffers(8, E, K_TOP, H, INTER, "cpu", torch.float32)
+def run(x, logits, gu, dn, shared=None, gate=None, stats=None, buf=None, fused=None):
+    buf = buf or MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", torch.float32)
     out = torch.empty(x.shape[0], H)
-    moe_grouped(x, logits, gu, dn, buf, out, renorm=True, shared=shared, shared_gate=gate, stats=stats)
+    moe_grouped(x, logits, gu, dn, buf, out, top_k=K_TOP, renorm=True, shared=shared, shared_gate=gate, stats=stats,
+                shared_experts=fused)
     return out
 
 
@@ -42,7 +43,7 @@ def test_moe_grouped_matches_ref_and_is_row_invariant(fp8):
     gu, dn = experts(fp8)
     x, logits = rnd(T, H, seed=3), rnd(T, E, seed=4, scale=2.0)
     sh, g = rnd(T, H, seed=5), rnd(T, 1, seed=6)
-    buf = MoeBuffers(8, E, K_TOP, H, INTER, "cpu", torch.float32)
+    buf = MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", torch.float32)
     stats = torch.zeros(9, 2, dtype=torch.int64)
     y = run(x, logits, gu, dn, sh, g, stats, buf)
     assert_rel("moe", y, moe_grouped_ref(x, logits, gu, dn, top_k=K_TOP, renorm=True, shared=sh, shared_gate=g),
@@ -67,3 +68,17 @@ def test_moe_grouped_reads_only_the_routed_experts():
     for e in (0, 3, 5):  # never routed: poisoned weights must not reach the output
         gu2[e], dn2[e] = float("nan"), float("nan")
     assert torch.equal(run(x, logits, gu2, dn2), y)
+
+
+def test_moe_grouped_shared_expert_fused_as_expert_e():
+    """The shared expert run inside the grouped kernels (expert E, slot k, gate = logits[:, E])
+    equals the reference and the unfused path's result up to rounding, row invariant."""
+    gu, dn = experts(True)
+    sgu, sdn = gu[0], dn[0]  # an fp8 expert laid out like the routed ones (same row map)
+    gu2, dn2 = experts(True)
+    x, logits = rnd(T, H, seed=10), rnd(T, E + 1, seed=11, scale=2.0)
+    y = run(x, logits, gu2, dn2, fused=(sgu, sdn))
+    want = moe_grouped_ref(x, logits, gu2, dn2, top_k=K_TOP, renorm=True, shared_experts=(sgu, sdn))
+    assert_rel("moe fused shared", y, want, 1e-5)
+    for r in (0, T - 1):
+        assert torch.equal(run(x[r: r + 1], logits[r: r + 1], gu2, dn2, fused=(sgu, sdn))[0], y[r])

@@ -7,8 +7,10 @@ Per target layer a SimpleNamespace with the weights the runner's kernels read:
     Gated DeltaNet w_in [2kd + 2vd + 2nv, H] (q | k | v | z | b | a), w_out [H, vd],
                    conv_w [C, W], A_log / dt_bias [Hv], norm_w [Dv]
     dense FFN      w_gu [2I, H] (gate | up), w_down [H, I]
-    MoE FFN        moe (the module: routed experts), w_gu None; shared expert sh_gu [2I, H],
-                   sh_down [H, I], sh_gate [1, H]
+    MoE FFN        moe (the module), w_gu None; router [E (+1), H] (the shared expert's gate
+                   as row E), ex_gu [E, 2I, H] / ex_down [E, H, I] the routed experts;
+                   shared expert sh_gu [2I, H], sh_down [H, I], fuse_shared (it runs as
+                   expert E inside the grouped MoE kernels)
 
 The packed tensors are the model's own storage where the layout allows (pack_views: the
 parameters become views into them), so no second copy stays on the device.
@@ -27,6 +29,7 @@ import torch
 
 from hyspec.config import FULL
 from hyspec.model.ffn import MoE
+from hyspec.kernels.moe.grouped import can_fuse_shared
 from hyspec.quant import SCALE_SUFFIX, Fp8Weight, module_fp8
 
 
@@ -250,14 +253,21 @@ def pack_layer(layer, gdn_index: int | None = None, layer_index: int | None = No
     if isinstance(mlp, MoE):
         packed.moe = mlp
         packed.w_gu = None
-        packed.router = mlp.gate.weight  # [E, H] (Qwen's FP8 checkpoints keep it bf16)
         packed.ex_gu = matmul_weight(mlp.experts, "gate_up_proj")  # [E, 2I, H]
         packed.ex_down = matmul_weight(mlp.experts, "down_proj")  # [E, H, I]
+        packed.fuse_shared = False
         if mlp.has_shared:
             se = mlp.shared_expert
+            # router | shared gate: one matmul, the gate's logit in column E ([E + 1, H]; both
+            # bf16 in Qwen's FP8 checkpoints)
+            packed.router = pack_rows([(mlp.gate, "weight"), (mlp.shared_expert_gate, "weight")])
             packed.sh_gu = pack_rows([(se.gate_proj, "weight"), (se.up_proj, "weight")])
             packed.sh_down = matmul_weight(se.down_proj)
-            packed.sh_gate = matmul_weight(mlp.shared_expert_gate)
+            # laid out like a routed expert: it runs inside the grouped gemms as expert E
+            packed.fuse_shared = not isinstance(packed.sh_gu, Segments) and can_fuse_shared(
+                packed.ex_gu, packed.ex_down, packed.sh_gu, packed.sh_down)
+        else:
+            packed.router = mlp.gate.weight  # [E, H]
     else:
         packed.moe = None
         packed.w_gu = pack_rows([(mlp.gate_proj, "weight"), (mlp.up_proj, "weight")])
@@ -281,8 +291,8 @@ def layer_weight_bytes(packed: SimpleNamespace, with_moe: bool = True, experts: 
     for name in ("w_in", "w_out", "w_gu", "w_down"):
         n += weight_nbytes(getattr(packed, name, None))
     if with_moe and packed.moe is not None:
-        n += weight_nbytes(packed.router)
-        for name in ("sh_gu", "sh_down", "sh_gate"):
+        n += weight_nbytes(packed.router)  # with the shared expert's gate
+        for name in ("sh_gu", "sh_down"):
             n += weight_nbytes(getattr(packed, name, None))
         E = packed.moe.experts.gate_up_proj.shape[0]
         n += expert_bytes(packed) * (E if experts is None else experts)

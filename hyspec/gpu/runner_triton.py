@@ -111,12 +111,12 @@ class TritonRunner:
         moe_layers = [lay for lay in packed if lay.moe is not None]
         if moe_layers:
             E, k = cfg.num_experts, cfg.num_experts_per_tok
-            self.bufs.router = rows(E)  # [R, E]
-            sh = [lay.sh_gu.shape[0] for lay in moe_layers if lay.moe.has_shared]
-            self.bufs.sh_gu = rows(max(sh) if sh else 1)  # [R, 2 Is]
+            self.bufs.router = rows(max(lay.router.shape[0] for lay in moe_layers))  # [R, E (+1: shared gate)]
+            sh = [lay.sh_gu.shape[0] for lay in moe_layers if lay.moe.has_shared and not lay.fuse_shared]
+            self.bufs.sh_gu = rows(max(sh) if sh else 1)  # [R, 2 Is] (a shared expert not fused)
             self.bufs.sh_out = rows(H)  # [R, H]
-            self.bufs.sh_gate = rows(1)  # [R, 1]
-            self.moe_buf = MoeBuffers(R, E, k, H, cfg.moe_intermediate_size, dev, dt)
+            fused = any(lay.fuse_shared for lay in moe_layers)  # the shared expert as expert E, slot k
+            self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt)
             self.moe_counts = torch.zeros(2, R + 1, 2, device=dev, dtype=torch.int64)
         self._workspaces = {}  # split-K workspaces by weight shape (N, K); "attn": the attention combine
         # rows per matmul program: 16 for one sequence; a batched decoder's calls have up to
@@ -349,22 +349,26 @@ class TritonRunner:
         """Routed experts through the grouped path (hyspec.kernels.moe.moe_grouped): router
         top-k on the device, each routed expert's weights read once for all the rows routed
         to it, the row's slots combined in slot order with the shared expert."""
-        moe = layer.moe
+        moe, cfg = layer.moe, self.cfg
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
         x = normed[:t]
-        logits = self.mm(x, layer.router, self._buf("router", t))
+        logits = self.mm(x, layer.router, self._buf("router", t, layer.router.shape[0]))  # [t, E (+1)]
+        buf = self.moe_buf
+        if t > buf.rows:  # an eager call past the static rows
+            buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
+                             x.dtype)
+        kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0])
+        out = self._buf("delta", t)
+        if layer.fuse_shared:  # the shared expert is expert E of the grouped kernels
+            return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out,
+                               shared_experts=(layer.sh_gu, layer.sh_down), **kw)
         shared = gate = None
         if moe.has_shared:
             sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))
             shared = self.mm(sgu, layer.sh_down, self._buf("sh_out", t), act=True)
-            gate = self.mm(x, layer.sh_gate, self._buf("sh_gate", t))
-        buf = self.moe_buf
-        if t > buf.rows:  # an eager call past the static rows
-            cfg = self.cfg
-            buf = MoeBuffers(t, cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
-                             x.device, x.dtype)
-        counts = self.moe_counts[1 if layer is self.mtp_layer else 0]
-        return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, self._buf("delta", t),
-                           renorm=moe.gate.renorm, shared=shared, shared_gate=gate, stats=counts)
+            gate = logits[:, E:E + 1]
+        return moe_grouped(x, logits[:, :E], layer.ex_gu, layer.ex_down, buf, out, shared=shared, shared_gate=gate,
+                           **kw)
 
     def logits(self, h):
         t = h.shape[0]

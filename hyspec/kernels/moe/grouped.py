@@ -18,6 +18,14 @@ matmul, the shared expert from the runner's own matmuls):
 5. ``combine`` (one program per (row, BH outputs)): sum over the row's k slots in slot
    order of ``weight * y`` in fp32, plus sigmoid(shared gate) * shared expert, rounded once.
 
+The shared expert, when its weights lie like one routed expert's (``can_fuse_shared``:
+Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B, shared and routed intermediate 512), runs inside
+the same kernels as expert E: the router matmul carries the shared gate as its column E,
+``route`` gives every row the extra slot k (expert E, weight sigmoid(gate)), the gemms
+read its weights through a second base pointer. Seven launches per MoE layer then
+(router matmul + its split-K reduction, route, align, two gemms, combine) instead of
+twelve or so with the shared expert's own matmuls.
+
 Row invariance (exact mode, speculative == plain): every number of row r comes from row
 r's inputs only. The router is per row; an expert tile's ``tl.dot`` never mixes rows (the
 same argument as the skinny matmul's 16-row tiles), whatever other rows share the tile
@@ -35,7 +43,7 @@ import torch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 
-__all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "BLOCK_M"]
+__all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "can_fuse_shared", "BLOCK_M"]
 
 BLOCK_M = 16  # rows per expert tile (a tl.dot needs >= 16)
 
@@ -49,14 +57,16 @@ def moe_tiles(rows: int, n_experts: int, top_k: int, block_m: int = BLOCK_M) -> 
 
 class MoeBuffers:
     """The grouped path's scratch for up to `rows` rows (allocated once, graph friendly;
-    one set serves every MoE layer of a runner, which run one after the other)."""
+    one set serves every MoE layer of a runner, which run one after the other).
+    n_experts / top_k: capacities, counting the shared expert as one more expert and one
+    more slot per row where it is fused (moe_grouped(shared_experts=...))."""
 
     def __init__(self, rows: int, n_experts: int, top_k: int, hidden: int, inter: int, device, dtype,
                  block_m: int = BLOCK_M) -> None:
         q = rows * top_k
         tiles = moe_tiles(rows, n_experts, top_k, block_m)
         i32 = dict(device=device, dtype=torch.int32)
-        self.rows, self.n_experts, self.top_k, self.block_m = rows, n_experts, top_k, block_m
+        self.rows, self.n_experts, self.top_k, self.block_m, self.tiles = rows, n_experts, top_k, block_m, tiles
         self.ids = torch.zeros(q, **i32)  # [Q] expert of pair q = t * k + j
         self.wts = torch.zeros(q, device=device, dtype=torch.float32)  # [Q] its routing weight (unrounded)
         self.rank = torch.zeros(q, **i32)  # [Q] its rank among its expert's pairs
@@ -77,7 +87,9 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "E"])
     def _route(logits_ptr, s_l, ids_ptr, w_ptr, rank_ptr, cnt_ptr, T, E,
                TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr,
-               PDL: tl.constexpr = False):
+               SH: tl.constexpr = False, KS: tl.constexpr = 1, PDL: tl.constexpr = False):
+        # KS slots per row: the TOPK routed ones, and with SH the shared expert (expert E, slot
+        # TOPK, weight sigmoid(logits[t, E]): the router matmul's extra column, the shared gate)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -100,16 +112,21 @@ def _kernels():
             ps = tl.where(offs == i, -2.0, ps)
         if RENORM:
             wv = wv / tl.sum(wv, 0)
-        mk = kk < TOPK
-        tl.store(ids_ptr + t * TOPK + kk, iv, mask=mk)
-        tl.store(w_ptr + t * TOPK + kk, wv, mask=mk)
+        if SH:
+            g = tl.load(logits_ptr + t * s_l + E).to(tl.float32)
+            wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
+            iv = tl.where(kk == TOPK, E, iv)
+        mk = kk < KS
+        tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
+        tl.store(w_ptr + t * KS + kk, wv, mask=mk)
         r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)
-        tl.store(rank_ptr + t * TOPK + kk, r, mask=mk)
+        tl.store(rank_ptr + t * KS + kk, r, mask=mk)
 
     @triton.jit(do_not_specialize=["T", "Q", "E", "TILES"])
     def _align(ids_ptr, rank_ptr, cnt_ptr, tile_start_ptr, tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr,
-               T, Q, E, TILES, EB: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
+               T, Q, E, TILES, NR, EB: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
                PDL: tl.constexpr = False):
+        # E experts in the tiles (the routed NR, and the shared expert when fused)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -121,7 +138,7 @@ def _kernels():
         tl.store(tile_start_ptr + offs_e, ts, mask=me)
         tl.store(cnt_ptr + offs_e, tl.zeros([EB], dtype=tl.int32), mask=me)  # ready for the next call
         if STATS:  # [sum of distinct experts, calls] of this row count
-            distinct = tl.sum(tl.where(c > 0, 1, 0), 0).to(tl.int64)
+            distinct = tl.sum(tl.where((c > 0) & (offs_e < NR), 1, 0), 0).to(tl.int64)  # routed ones
             tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
             tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
         for i0 in range(0, TILES, QBLK):
@@ -143,11 +160,13 @@ def _kernels():
             tl.store(slot_ptr + q, slot, mask=mq)
 
     @triton.jit
-    def _gemm(x_ptr, s_x, w_ptr, s_we, s_wn, s_wk, sc_ptr, s_se, s_sn, s_sk, rows_ptr,
-              tile_expert_ptr, pairs_ptr, y_ptr, s_y, N, K, XDIV, X_UP,
+    def _gemm(x_ptr, s_x, w_ptr, s_we, s_wn, s_wk, sc_ptr, s_se, s_sn, s_sk, rows_ptr, sh_w_ptr, sh_sc_ptr,
+              tile_expert_ptr, pairs_ptr, y_ptr, s_y, N, K, XDIV, X_UP, NR,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
               FP8: tl.constexpr, QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
-              IEEE: tl.constexpr, WT: tl.constexpr, PDL: tl.constexpr = False):
+              IEEE: tl.constexpr, WT: tl.constexpr, SH: tl.constexpr = False, PDL: tl.constexpr = False):
+        # SH: expert NR is the shared expert, its weight (and scales) at sh_w_ptr (sh_sc_ptr)
+        # with the routed experts' per-expert strides
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -167,12 +186,17 @@ def _kernels():
         offs_n = pid_n * BN + tl.arange(0, BN)
         mn = offs_n < N
         wb = w_ptr + e64 * s_we
+        if SH:
+            wb = tl.where(e == NR, sh_w_ptr, wb)
         if FP8:
             if ROW_MAP:
                 srow = tl.load(rows_ptr + offs_n, mask=mn, other=0)
             else:
                 srow = offs_n // QB_N
-            s_ptrs = sc_ptr + e64 * s_se + srow * s_sn
+            sb = sc_ptr + e64 * s_se
+            if SH:
+                sb = tl.where(e == NR, sh_sc_ptr, sb)
+            s_ptrs = sb + srow * s_sn
         DT = y_ptr.dtype.element_ty
         if WT:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -260,7 +284,30 @@ def gemm_config(N: int, K: int, act: bool, qb_k: int | None) -> dict:
     return dict(BN=bn, BK=bk, WT=act)
 
 
-def _gemm(x, w, buf, out, tiles, *, gather: bool, act: bool):
+def _same_layout(a, b) -> bool:
+    """Whether weight b ([N, K]) can be read with expert a[0]'s strides (and scale strides,
+    block, row map): the condition for running the shared expert as one more expert."""
+    from hyspec.quant import Fp8Weight
+
+    if isinstance(a, Fp8Weight) != isinstance(b, Fp8Weight):
+        return False
+    if isinstance(a, Fp8Weight):
+        if a.block != b.block or (a.rows is None) != (b.rows is None) or \
+                (a.rows is not None and not torch.equal(a.rows, b.rows)):
+            return False
+        if tuple(a.scale.shape[1:]) != tuple(b.scale.shape) or a.scale.stride()[1:] != b.scale.stride():
+            return False
+        a, b = a.w, b.w
+    return a.dtype == b.dtype and tuple(a.shape[1:]) == tuple(b.shape) and a.stride()[1:] == b.stride()
+
+
+def can_fuse_shared(gate_up, down, sh_gate_up, sh_down) -> bool:
+    """The shared expert's [2I, H] / [H, I] weights lie like one routed expert's: it can run
+    inside the grouped gemms as expert E (moe_grouped(shared_experts=...))."""
+    return _same_layout(gate_up, sh_gate_up) and _same_layout(down, sh_down)
+
+
+def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None):
     from hyspec.kernels.pdl import launch_kwargs
     from hyspec.quant import Fp8Weight
 
@@ -274,49 +321,63 @@ def _gemm(x, w, buf, out, tiles, *, gather: bool, act: bool):
     else:
         sc, qb, rows = w8, (1, 1), None
         s_se = s_sn = s_sk = 0
+    sh_w = sh_sc = w8
+    if shared is not None:
+        sh_w = shared.w if fp8 else shared
+        sh_sc = shared.scale if fp8 else sh_w
     _kernels()["gemm"][(tiles, -(-N // cfg["BN"]))](
         x, x.stride(0), w8, w8.stride(0), w8.stride(1), w8.stride(2), sc, s_se, s_sn, s_sk,
-        rows if rows is not None else buf.tile_expert, buf.tile_expert, buf.pairs, out, out.stride(0),
-        N, K, buf.top_k if gather else 1, K if act else 0,
+        rows if rows is not None else buf.tile_expert, sh_w, sh_sc, buf.tile_expert, buf.pairs, out, out.stride(0),
+        N, K, xdiv if gather else 1, K if act else 0, n_routed,
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
-        ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], num_warps=4, **launch_kwargs())
+        ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
+        num_warps=4, **launch_kwargs())
 
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
-                renorm: bool, shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
-                stats: torch.Tensor | None = None) -> torch.Tensor:
+                top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
+                shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output; gate_up [E, 2I, H] and down [E, H, I] as tensors or
-    hyspec.quant.Fp8Weight; shared [T, H] the shared expert's output and shared_gate [T, 1]
-    its gate logit (both or neither); stats: int64 [>= T+1, 2], row T gets (distinct
-    experts, 1) added per call."""
+    hyspec.quant.Fp8Weight. The shared expert, either
+    * fused (``shared_experts=(gate_up [2I, H], down [H, I])`` laid out like one routed
+      expert, can_fuse_shared): logits [T, E + 1], column E the shared gate's logit; the
+      shared expert runs as expert E in the grouped gemms, slot top_k of every row; or
+    * given as its output ``shared`` [T, H] and gate logit ``shared_gate`` [T, 1];
+    or absent. stats: int64 [>= T+1, 2], row T gets (distinct routed experts, 1) per call."""
     from hyspec.kernels.pdl import launch_kwargs
 
     T, H = x.shape
-    E, k = buf.n_experts, buf.top_k
-    if T > buf.rows:
-        raise ValueError(f"moe_grouped: {T} rows > the buffers' {buf.rows}")
-    if logits.shape != (T, E):
-        raise ValueError(f"moe_grouped: logits must be [{T}, {E}], got {tuple(logits.shape)}")
+    E = gate_up.shape[0]
+    fused = shared_experts is not None
+    e_all, slots = E + fused, top_k + fused
+    if T > buf.rows or e_all > buf.n_experts or slots > buf.top_k:
+        raise ValueError(f"moe_grouped: {T} rows, {e_all} experts, {slots} slots per row exceed the buffers' "
+                         f"{buf.rows}, {buf.n_experts}, {buf.top_k}")
+    if logits.shape != (T, e_all):
+        raise ValueError(f"moe_grouped: logits must be [{T}, {e_all}], got {tuple(logits.shape)}")
+    if fused and shared is not None:
+        raise ValueError("moe_grouped: give the shared expert fused (shared_experts) or as its output, not both")
     ks = _kernels()
     lk = launch_kwargs()
-    q = T * k
-    tiles = moe_tiles(T, E, k, buf.block_m)
+    q = T * slots
+    tiles = moe_tiles(T, e_all, slots, buf.block_m)
     ks["route"][(T,)](logits, logits.stride(0), buf.ids, buf.wts, buf.rank, buf.cnt, T, E,
-                      TOPK=k, EB=p2(E), KB=p2(k), RENORM=bool(renorm), num_warps=4, **lk)
+                      TOPK=top_k, EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, num_warps=4, **lk)
     use_stats = stats is not None and stats.shape[0] > T
     ks["align"][(1,)](buf.ids, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert, buf.pairs, buf.slot,
-                      stats if use_stats else buf.ids, T, q, E, tiles, EB=p2(E), BM=buf.block_m,
-                      QBLK=min(1024, max(16, p2(q))), STATS=use_stats, num_warps=4, **lk)
+                      stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
+                      QBLK=min(1024, max(16, p2(buf.rows * buf.top_k))), STATS=use_stats, num_warps=4, **lk)
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
-    _gemm(x, gate_up, buf, gu, tiles, gather=True, act=False)
-    _gemm(gu, down, buf, y, tiles, gather=False, act=True)
+    sh_gu, sh_down = shared_experts if fused else (None, None)
+    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu)
+    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down)
     has_shared = shared is not None
     BH = min(1024, p2(H))
     ks["combine"][(T, -(-H // BH))](y, y.stride(0), buf.wts, buf.slot, shared if has_shared else y,
                                     shared.stride(0) if has_shared else 0, shared_gate if has_shared else y,
                                     shared_gate.stride(0) if has_shared else 0, out, out.stride(0), T, H,
-                                    TOPK=k, BH=BH, SHARED=has_shared, num_warps=4, **lk)
+                                    TOPK=slots, BH=BH, SHARED=has_shared, num_warps=4, **lk)
     return out
