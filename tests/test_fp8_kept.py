@@ -101,3 +101,9 @@ def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
                                   opts=SpecOptions(k=2, forced_rates=(0.9, 0.7)), reference=p.tokens)
     assert s.tokens == p.tokens
     assert 2 <= dec.runner.moe_experts_read()[3]["experts_per_layer"] <= min(m.cfg.num_experts, 6)
+    # the bench's figures from those counts: t = 1 reads what weight_bytes_per_step says (top-k)
+    from hyspec.bench.variants import moe_figures
+
+    f = moe_figures(dec.runner, read, dec.runner.moe_experts_read(), 1.0, {}, 1.0)
+    assert f["by_rows"][1]["bytes_per_step"] == dec.runner.weight_bytes_per_step()
+    assert f["by_rows"][3]["bytes_per_step"] > f["by_rows"][1]["bytes_per_step"]
