@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="in-memory random model: qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
                          "tiny, or a preset with published shapes (qwen3.5-27b, qwen3.5-35b-a3b, "
                          "qwen3-next-80b-a3b-fp8; GPU only; hyspec/presets.py)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="in-memory models (presets, bench model, tiny): build the block-FP8 form (Qwen's -FP8 "
+                         "checkpoints: float8 weights + 128x128 block scales, kept FP8 on the device); the "
+                         "qwen3-next-80b-a3b-fp8 preset is FP8 anyway")
     ap.add_argument("--slot-lengths", default="4096,32768,131072",
                     help="context lengths for the 'sequence slots that fit beside the weights' report")
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
@@ -122,7 +126,8 @@ def run_meta(args, argv, dev, dtype) -> dict:
             "python": platform.python_version(), "dtype": str(dtype).replace("torch.", ""),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "command": "hyspec bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "config": args.model or canonical_name(args.config), "prompt_len": args.prompt_len,
+            "config": args.model or canonical_name(args.config) + (" (fp8)" if args.fp8 else ""),
+            "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "git": git_state()}
 
 
@@ -133,9 +138,10 @@ def preset_figures(args, dev, dtype, result: dict) -> bool:
 
     name = canonical_name(args.config)
     lengths = tuple(int(x) for x in args.slot_lengths.split(",") if x)
-    result["preset"] = summary(name, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths)
+    result["preset"] = summary(name, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths,
+                               fp8=args.fp8)
     log(format_summary(result["preset"]))
-    why = check_runnable(name, dev, dtype)
+    why = check_runnable(name, dev, dtype, fp8=args.fp8)
     if why:
         log(f"!! {why}")
         result["errors"]["preset"] = why
@@ -190,6 +196,14 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
                                   "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()}}
     return step_bytes, draft_bytes
+
+
+def fp8_block(model) -> list[int] | None:
+    """The block of the model's kept FP8 weights (None: no weight is kept in FP8)."""
+    for m in model.modules():
+        if getattr(m, "fp8_block", None) is not None:
+            return list(m.fp8_block)
+    return None
 
 
 def failure(e: Exception) -> str:
@@ -295,11 +309,15 @@ def main(argv=None) -> int:
     step_bytes, draft_bytes = step_bytes_and_gemm_configs(model, args, dev, result)
     roofline_ms = step_bytes / (bandwidth * 1e9) * 1e3
     result["model"] = {"config": model.cfg.to_dict(), "params": n_params, "weight_bytes_per_step": step_bytes,
-                       "draft_bytes_per_step": draft_bytes}
+                       "draft_bytes_per_step": draft_bytes, "fp8_block": fp8_block(model)}
     result["roofline_ms"] = roofline_ms
     result["roofline_tok_s"] = 1e3 / roofline_ms
-    log(f"model: {si(n_params)} params; a decode step reads {si(step_bytes)}B -> roofline "
-        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {si(draft_bytes)}B")
+    cfg = model.cfg
+    moe = (f" (MoE: everything shared + top-{cfg.num_experts_per_tok} of {cfg.num_experts} routed experts per "
+           f"layer)" if cfg.has_moe else "")
+    log(f"model: {si(n_params)} params{', block-FP8 weights' if fp8_block(model) else ''}; a decode step reads "
+        f"{si(step_bytes)}B{moe} -> roofline {roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s) at "
+        f"{bandwidth:.0f} GB/s; a draft step reads {si(draft_bytes)}B")
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
 

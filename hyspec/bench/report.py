@@ -33,6 +33,8 @@ def memory_report(model, dev, lengths) -> dict:
     from hyspec.presets import slots_that_fit
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                        if n.endswith(("_scale_inv", "_scale_rows")))  # block-FP8 scales
     free, total = torch.cuda.mem_get_info(dev)
     return {"weights_bytes": weight_bytes, "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
             "allocated_bytes": torch.cuda.memory_allocated(dev), "free_bytes": free, "total_bytes": total,
@@ -94,6 +96,10 @@ def print_table(result: dict) -> None:
             log(f"   {drafter:6s}: " + "  ".join(
                 f"K{K} {e['tok_s']:.0f} tok/s x{e['speedup']:.2f} (L {e['acceptance_length']:.2f}, ceil "
                 f"x{e['ceiling'] or 0:.2f}){'' if e['tokens_equal_plain'] else ' !='}" for K, e in by_k.items()))
+        if "moe" in v:  # routed experts counted on the device (hyspec.bench.variants.moe_figures)
+            log("   MoE experts read/layer (counted): " + "  ".join(
+                f"t{t}={r['experts_per_layer']:.1f} (unif. {r['expected_uniform']:.1f}) {si(r['bytes_per_step'])}B "
+                f"roofline {r['roofline_ms']:.3f} ms" for t, r in v["moe"]["by_rows"].items()))
     if "draft_vocab" in result:
         v = result["draft_vocab"]
         f3 = v["spec"].get("forced", {}).get(3, {})
