@@ -2,15 +2,18 @@
 
 Starts `hyspec serve` as a subprocess on 127.0.0.1 (a free port), runs C concurrent
 streaming clients x R requests each (openai.AsyncOpenAI), then checks every streamed text
-against the offline Engine.generate output for the same prompt and parameters, and times
-an offline batch generation of the same requests (the Scheduler when this hyspec has one,
-else Engine.generate one request after another). Bounded: C x R requests, and
---max-seconds for the load phase (requests not finished by then count as failed).
+against the offline Engine.generate_batch output for the same prompt and parameters, and
+times an offline batch generation of the same requests. On a GPU (--device cuda) the
+server runs these requests (greedy and seeded sampling, no penalties) on the batched CUDA
+graphs, and so does Engine.generate_batch; on the CPU both run the engine core. Bounded:
+C x R requests, and --max-seconds for the load phase (requests not finished by then count
+as failed).
 
     python bench/serve_load.py                       # 64 clients x 10 requests, default model, CPU
     python bench/serve_load.py --clients 8 --requests 2 --out /tmp/x.json   # a quick look
+    python bench/serve_load.py --model DIR --device cuda --dtype bfloat16   # the batched graphs
 
-Writes bench/results/serve_load_cpu.json (git commit and dirty flag included).
+Writes bench/results/serve_load_<cpu|cuda>.json (git commit and dirty flag included).
 """
 
 from __future__ import annotations
@@ -112,51 +115,36 @@ def free_port() -> int:
 
 
 def offline(args, specs: list[dict]):
-    """Reference outputs (Engine.generate, once per distinct request) and the offline batch
-    generation time of all requests."""
+    """Reference outputs (Engine.generate_batch over the distinct requests) and the time of
+    one offline Engine.generate_batch over all requests."""
     import torch
 
     from hyspec.engine import Engine
     from hyspec.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    eng = Engine.load(args.model)
-    refs = {}
-    for s in specs:
-        key = (s["prompt"], s["temperature"], s["seed"])
-        if key not in refs:
-            out = eng.generate(s["prompt"], max_new_tokens=s["max_tokens"],
-                               params=SamplingParams(temperature=s["temperature"], seed=s["seed"]), draft=args.draft)
-            toks = out.tokens
-            refs[key] = (toks, eng.tokenizer.decode(toks[:-1] if toks and toks[-1] in eng.eos_ids else toks,
-                                                    skip_special_tokens=True))
-    from hyspec.server.worker import scheduler_module
+    eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
 
-    mod = scheduler_module()
-    if mod is not None:
-        Request, Scheduler = mod.Request, mod.Scheduler
-        mode = f"Scheduler(max_batch={args.max_batch})"
-    else:
-        Scheduler = None
-        mode = "Engine.generate, one request after another"
+    def batch(keys):
+        return eng.generate_batch([k[0] for k in keys], max_new_tokens=args.max_tokens, draft=args.draft,
+                                  params=[SamplingParams(temperature=k[1], seed=k[2]) for k in keys],
+                                  max_batch=args.max_batch)
+
+    keys = [(s["prompt"], s["temperature"], s["seed"]) for s in specs]
+    distinct = list(dict.fromkeys(keys))
+    refs = {}
+    for key, out in zip(distinct, batch(distinct)):
+        toks = out.tokens
+        refs[key] = (toks, eng.tokenizer.decode(toks[:-1] if toks and toks[-1] in eng.eos_ids else toks,
+                                                skip_special_tokens=True))
     t0 = time.perf_counter()
-    n_tok = 0
-    if Scheduler is not None:
-        sched = Scheduler(eng.model, max_batch=args.max_batch)
-        reqs = [sched.submit(Request(prompt_ids=eng.encode(s["prompt"]), max_new_tokens=s["max_tokens"],
-                                     params=SamplingParams(temperature=s["temperature"], seed=s["seed"]),
-                                     draft=args.draft, stop_ids=set(eng.eos_ids))) for s in specs]
-        sched.run()
-        n_tok = sum(len(r.tokens) for r in reqs)
-        mismatched = sum(r.tokens != refs[(s["prompt"], s["temperature"], s["seed"])][0] for r, s in zip(reqs, specs))
-    else:
-        for s in specs:
-            n_tok += len(eng.generate(s["prompt"], max_new_tokens=s["max_tokens"], draft=args.draft,
-                                      params=SamplingParams(temperature=s["temperature"], seed=s["seed"])).tokens)
-        mismatched = 0
+    outs = batch(keys)
     dt = time.perf_counter() - t0
-    return refs, {"mode": mode, "seconds": dt, "tokens": n_tok, "tok_s": n_tok / dt,
-                  "outputs_differing_from_engine": mismatched}
+    n_tok = sum(len(o.tokens) for o in outs)
+    path = outs[0].samples[0].stats.get("path", "engine core") if outs else None
+    mismatched = sum(o.tokens != refs[k][0] for o, k in zip(outs, keys))
+    return refs, {"mode": f"Engine.generate_batch(max_batch={args.max_batch}) on the {path}", "seconds": dt,
+                  "tokens": n_tok, "tok_s": n_tok / dt, "outputs_differing_from_engine": mismatched}
 
 
 def main() -> int:
@@ -167,14 +155,19 @@ def main() -> int:
     ap.add_argument("--draft", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (server and offline engine)")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-seconds", type=float, default=1200.0, help="time limit of the load phase")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load_cpu.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/serve_load_<cpu|cuda>.json")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "bench" / "results" / f"serve_load_{args.device.split(':')[0]}.json")
 
     port = free_port()
     cmd = [sys.executable, "-m", "hyspec.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--draft", str(args.draft), "--max-batch", str(args.max_batch),
-           "--max-queue", str(args.clients * 2), "--served-model-name", "bench", "--log-level", "warning"]
+           "--max-queue", str(args.clients * 2), "--served-model-name", "bench", "--log-level", "warning",
+           "--device", args.device, "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -191,7 +184,10 @@ def main() -> int:
             if proc.poll() is not None or time.monotonic() > t_end:
                 raise SystemExit("the server did not start")
             time.sleep(0.2)
-        server_engine = httpx.get(url + "/health").json().get("engine")
+        health = httpx.get(url + "/health").json()
+        server_engine = health.get("engine")
+        if health.get("batch_graphs"):
+            server_engine += " + batch graphs"
         recs, wall = asyncio.run(load_phase(url, args, "bench"))
         metrics_text = httpx.get(url + "/metrics").text
     finally:
@@ -212,7 +208,7 @@ def main() -> int:
                      if line.startswith("hyspec_spec_mean_acceptance_length ")), None)
     res = {
         "git": git_state(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "device": "cpu"},
+        "machine": {"cpus": os.cpu_count(), "device": args.device},
         "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_cmd": " ".join(cmd[1:]),
                    "server_engine": server_engine},
         "requests": len(specs), "failed": failed, "outputs_differing_from_engine": len(mismatched),

@@ -204,7 +204,8 @@ class Constraint:
             if _matcher.is_error():
                 raise ValueError(f"{arg or kind}: {_matcher.get_error()}")
         self._m = _matcher
-        self._cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._cache: dict[tuple[int, ...], np.ndarray] = {}  # prefix -> packed mask words (mask_words)
+        self._bools: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> allowed() (unpacked from the words)
         self.tokens: list[int] = []  # the tokens consumed so far
         self._recorded: list[bool] = []  # per token: in the matcher's rollback history
 
@@ -238,17 +239,48 @@ class Constraint:
     def eos_ids(self) -> tuple[int, ...]:
         return self.vocab.eos_ids
 
-    def _mask_now(self) -> torch.Tensor:
-        """The matcher's bitmask (one bit per tokenizer token, little-endian words) as bools
-        over the model's vocabulary."""
+    @property
+    def mask_words(self) -> int:
+        """int32 words of a packed mask over the model's vocabulary: ceil(V_model / 32)."""
+        return (self.vocab.vocab_size + 31) // 32
+
+    def _words_now(self) -> np.ndarray:
+        """The matcher's bitmask now (llguidance's layout: token t is bit t % 32 of word
+        t // 32) over the model's vocabulary: int32 [mask_words], ids >= min(tokenizer
+        vocabulary, V_model) cleared."""
         V = self.vocab.vocab_size
         n = min(self.vocab.tok_vocab, V)
-        bits = np.unpackbits(np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8), count=n, bitorder="little")
-        if n == V:
-            return torch.from_numpy(bits.view(np.bool_))
-        out = np.zeros(V, dtype=np.bool_)
-        out[:n] = bits.view(np.bool_)
-        return torch.from_numpy(out)
+        words = np.frombuffer(self._m.compute_bitmask(), dtype="<i4")
+        out = np.zeros(self.mask_words, dtype=np.int32)
+        m = min(words.shape[0], (n + 31) // 32)
+        out[:m] = words[:m]
+        if n % 32:  # bits past the last valid id in its word
+            out[n // 32] &= np.int32((1 << (n % 32)) - 1)
+        return out
+
+    def allowed_words(self, prefix=()) -> np.ndarray:
+        """The mask of :meth:`allowed` packed as llguidance does (int32 [mask_words], bit
+        t % 32 of word t // 32 set when token t is allowed): what the CUDA-graph decoder
+        uploads and applies on the device. Cached per prefix until the next commit /
+        rollback: do not modify the returned array."""
+        key = tuple(int(t) for t in prefix)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        m = self._m
+        if m.is_error() or self._ended() or (key and (self._n_valid(key) < len(key) or key[-1] in self.vocab.eos_ids)):
+            words = np.zeros(self.mask_words, dtype=np.int32)  # nothing follows an EOS or an invalid prefix
+        elif key:
+            # key is valid and has no EOS (an EOS is always the last valid token): exact rollback
+            if not m.consume_tokens(list(key)):  # cannot happen after _n_valid
+                raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
+            words = self._words_now()
+            if not m.rollback(len(key)):
+                raise RuntimeError(f"constraint: rollback of {len(key)} tokens failed: {m.get_error()}")
+        else:
+            words = self._words_now()
+        self._cache[key] = words
+        return words
 
     def allowed(self, prefix=()) -> torch.Tensor:
         """bool [V_model]: the tokens allowed after the committed tokens + `prefix` (earlier
@@ -256,26 +288,14 @@ class Constraint:
         All False when nothing may follow: the grammar is dead or already ended with EOS,
         or `prefix` itself is not allowed. The returned tensor is cached: do not modify it."""
         key = tuple(int(t) for t in prefix)
-        hit = self._cache.get(key)
+        hit = self._bools.get(key)
         if hit is not None:
             return hit
-        m = self._m
-        if m.is_error() or self._ended() or (key and (self._n_valid(key) < len(key) or key[-1] in self.vocab.eos_ids)):
-            mask = self._none()  # nothing follows an EOS or an invalid prefix
-        elif key:
-            # key is valid and has no EOS (an EOS is always the last valid token): exact rollback
-            if not m.consume_tokens(list(key)):  # cannot happen after _n_valid
-                raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
-            mask = self._mask_now()
-            if not m.rollback(len(key)):
-                raise RuntimeError(f"constraint: rollback of {len(key)} tokens failed: {m.get_error()}")
-        else:
-            mask = self._mask_now()
-        self._cache[key] = mask
+        words = self.allowed_words(key)
+        bits = np.unpackbits(words.view(np.uint8), count=self.vocab.vocab_size, bitorder="little")
+        mask = torch.from_numpy(bits.view(np.bool_))
+        self._bools[key] = mask
         return mask
-
-    def _none(self) -> torch.Tensor:
-        return torch.zeros(self.vocab.vocab_size, dtype=torch.bool)
 
     def _n_valid(self, toks) -> int:
         """How many of `toks` (from the current state) the grammar allows, not consuming them.
@@ -321,7 +341,7 @@ class Constraint:
                 raise RuntimeError(f"constraint: {m.get_error()}")
             self._recorded.append(recorded)
         self.tokens.extend(toks)
-        self._cache.clear()
+        self._clear()
 
     def rollback(self, n: int) -> None:
         """Undo the last n committed tokens."""
@@ -334,7 +354,7 @@ class Constraint:
             raise RuntimeError(f"constraint: rollback failed: {self._m.get_error()}")
         del self.tokens[len(self.tokens) - n:]
         del self._recorded[len(self._recorded) - n:]
-        self._cache.clear()
+        self._clear()
 
     def clone(self) -> "Constraint":
         """An independent copy at the same state (the matcher's deep_copy: microseconds)."""
@@ -342,6 +362,7 @@ class Constraint:
         c.vocab, c.kind, c.grammar_text = self.vocab, self.kind, self.grammar_text
         c._m = self._m.deep_copy()
         c._cache = dict(self._cache)  # masks are never modified in place
+        c._bools = dict(self._bools)
         c.tokens = list(self.tokens)
         c._recorded = list(self._recorded)
         return c
@@ -353,7 +374,11 @@ class Constraint:
         self._m.reset()
         self.tokens = []
         self._recorded = []
+        self._clear()
+
+    def _clear(self) -> None:
         self._cache.clear()
+        self._bools.clear()
 
     @property
     def committed(self) -> int:

@@ -350,21 +350,35 @@ class Engine:
         return self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
                             r.draft > 0)
 
+    def graphs_available(self) -> bool:
+        """Whether the BatchDecoder (CUDA graphs over lanes) runs here: on a GPU, or when
+        batch_graphs is set (the Triton interpreter in tests); not on a pipeline; needs triton."""
+        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs):
+            return False
+        from hyspec.kernels.common import triton_available
+
+        return triton_available()
+
+    def new_batch_decoder(self, slots: int, max_len: int, k_max: int):
+        """A BatchDecoder of this model (max_len capped by the context; on a GPU the cached
+        blocks of a dropped decoder are freed first)."""
+        from hyspec.gpu.batch import BatchDecoder
+
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return BatchDecoder(self.model, min(max_len, self.model.cfg.max_position_embeddings + 64), k_max, slots)
+
     def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
         (or when batch_graphs is set: the Triton interpreter in tests), for requests without
-        constraints, logprobs or session state (hyspec.gpu.batch_loop.graph_eligible):
-        batches, and single sampled or penalised requests (a single plain greedy one takes the
-        FastDecoder)."""
-        if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs):
+        logprobs or session state (hyspec.gpu.batch_loop.graph_eligible): batches, single
+        sampled, penalised or constrained requests (a single unconstrained greedy one without
+        penalties takes the FastDecoder)."""
+        if not self.graphs_available():
             return None
-        if len(requests) < 2 and all(r.params.greedy and not r.params.has_penalties for r in requests):
-            return None  # the FastDecoder's
-        from hyspec.kernels.common import triton_available
-
-        if not triton_available():
-            return None
-        from hyspec.gpu.batch import BatchDecoder
+        if len(requests) < 2 and all(r.params.greedy and not r.params.has_penalties and r.constraint is None
+                                     for r in requests):
+            return None  # the FastDecoder's (a constrained one: masks on the graph path)
         from hyspec.gpu.batch_loop import graph_eligible
 
         if graph_eligible(requests) is not None:
@@ -374,13 +388,9 @@ class Engine:
         k = max(3, max(r.draft for r in requests))
         decoder = self._batch_dec
         if decoder is None or decoder.slots < slots or decoder.max_len < need or decoder.k_max < k:
-            self._batch_dec = decoder = None
-            if self.model.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._batch_dec = decoder = None  # dropped before the new one is allocated
             max_len = max(need, 1024 if self.model.device.type == "cuda" else need)
-            decoder = self._batch_dec = BatchDecoder(self.model,
-                                                     min(max_len, self.model.cfg.max_position_embeddings + 64), k,
-                                                     slots)
+            self._batch_dec = decoder = self.new_batch_decoder(slots, max_len, k)
         return decoder
 
     def _run_requests(self, requests: list[Request], max_batch: int) -> None:

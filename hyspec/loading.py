@@ -6,7 +6,8 @@ with the multimodal prefix ``model.language_model.``; tied or untied LM head; ro
 experts stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) or stacked
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]); FP8
 block-quantized checkpoints (``quantization_config`` with ``quant_method: fp8``, see
-hyspec/quant.py), dequantized at load.
+hyspec/quant.py), dequantized at load or (``fp8="keep"``, the default on CUDA) kept in
+float8 with their block scales.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
     ``*_scale_inv`` consumed, and per-expert
     keys are stacked as usual. ``dequantize=False`` is the hook for a GPU FP8 path: the
     float8 weights and their scales come back as stored (keys normalised, per-expert
-    keys NOT stacked), after the same validation of the quantization config.
+    keys NOT stacked), after the same validation of the quantization config
+    (``hyspec.quant.prepare_fp8`` then stacks them for load_model(fp8="keep")).
     keep: optional predicate on the normalised key; other tensors are never read (a
     pipeline stage reads only its own layers)."""
     from safetensors import safe_open
@@ -147,6 +149,28 @@ def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def _keep_fp8(model: torch.nn.Module, tensors: dict[str, torch.Tensor], qcfg) -> list[str]:
+    """Make the (meta) model keep the checkpoint's fp8 weights: every float8 tensor that is a
+    parameter of the model (in its shape) becomes a float8 parameter with its scale buffers.
+    Stacked experts stored transposed are dequantized here instead (their block would be
+    transposed too). Returns the parameter names kept in fp8."""
+    from hyspec.quant import SCALE_SUFFIX, dequantize, is_fp8, keep_fp8_params
+
+    params = dict(model.named_parameters())
+    specs = {}
+    for k in [k for k, v in tensors.items() if is_fp8(v)]:
+        p = params.get(k)
+        scale = tensors[k + SCALE_SUFFIX]
+        if p is not None and tuple(p.shape) == tuple(tensors[k].shape):
+            rows = tensors.get(k + "_scale_rows")
+            specs[k] = (tuple(scale.shape), None if rows is None else rows.shape[0])
+        else:  # not a parameter here (the loader reports it), or stored transposed
+            tensors[k] = dequantize(tensors[k], tensors.pop(k + SCALE_SUFFIX), qcfg.block, name=k,
+                                    rows=tensors.pop(k + "_scale_rows", None))
+    keep_fp8_params(model, specs, qcfg.block)
+    return list(specs)
+
+
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -162,14 +186,23 @@ def stage_keeps(key: str, layers: range, last: bool) -> bool:
     return True
 
 
+FP8_MODES = ("keep", "dequantize")
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               load_mtp: bool = True, layers: range | None = None) -> HybridLM:
+               load_mtp: bool = True, layers: range | None = None, fp8: str | None = None) -> HybridLM:
     """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
     naming the field, key or shape at fault.
 
     layers: build one pipeline stage (hyspec/parallel): only these decoder layers' weights
     are read; the stage that ends at the last layer also gets the final norm, LM head and
-    MTP head; other layers are empty placeholders (model.stage_layers = layers)."""
+    MTP head; other layers are empty placeholders (model.stage_layers = layers).
+
+    fp8: what an FP8 block-quantized checkpoint becomes. "dequantize": every weight in
+    `dtype` (the CPU reference's choice). "keep": quantized weights stay float8_e4m3fn on
+    the device with their ``*_scale_inv`` grids (hyspec.quant.keep_fp8_params; about half
+    the bytes): the model's torch forward dequantizes them on the fly, the Triton runner
+    streams them. Default (None): keep on CUDA, dequantize elsewhere."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
@@ -177,9 +210,13 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
     dtype = parse_dtype(dtype)
+    if fp8 is not None and fp8 not in FP8_MODES:
+        raise ValueError(f"fp8 must be one of {', '.join(FP8_MODES)}, got {fp8!r}")
+    if fp8 is None:
+        fp8 = "keep" if torch.device(device).type == "cuda" else "dequantize"
     cfg = ModelConfig.from_dir(path)
-    # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU: the device
-    # only ever holds the model's one copy of the weights
+    # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU, or kept in
+    # float8 with their scales (fp8="keep"): the device only ever holds the model's one copy
     last = True
     keep = None
     if layers is not None:
@@ -188,7 +225,13 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
         last = layers.stop == cfg.num_hidden_layers
         load_mtp = load_mtp and last
         keep = (lambda k: stage_keeps(k, layers, last))
-    tensors = read_tensors(path, dtype=dtype, keep=keep)
+    qcfg = _quant_config(path) if fp8 == "keep" else None
+    if qcfg is not None:
+        from hyspec.quant import prepare_fp8
+
+        tensors = prepare_fp8(read_tensors(path, dequantize=False, keep=keep), qcfg)
+    else:
+        tensors = read_tensors(path, dtype=dtype, keep=keep)
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
     if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
         warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
@@ -207,6 +250,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                     del model.lm_head
             model.stage_layers = layers
     model = cast_params(model, dtype)
+    kept = _keep_fp8(model, tensors, qcfg) if qcfg is not None else []
     model = model.to_empty(device=device)
 
     expected = dict(model.named_parameters())
@@ -226,6 +270,12 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                     raise CheckpointError(f"tensor '{name}' has shape {list(src.shape)}, expected {list(p.shape)} "
                                           f"from config.json")
             p.copy_(src.to(p.dtype))
+        for name in kept:  # the kept fp8 weights' scale grids (and row maps)
+            mod_name, _, attr = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            for suffix in ("_scale_inv", "_scale_rows"):
+                if attr + suffix in mod._buffers:
+                    mod._buffers[attr + suffix].copy_(tensors[name + suffix])
     d2t = tensors.get("mtp.d2t", tensors.get("d2t"))
     if d2t is not None and has_mtp:
         ids = torch.arange(d2t.shape[0]) + d2t.to(torch.long)
@@ -233,7 +283,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
             raise CheckpointError(f"tensor 'mtp.d2t' must map draft ids to target ids in 0..{cfg.vocab_size - 1} "
                                   f"(EAGLE offsets: target = i + d2t[i]); got shape {list(d2t.shape)}")
         model.d2t = d2t.to(device=device, dtype=torch.long)
-    unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in expected and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    consumed = {n + sfx for n in kept for sfx in ("_scale_inv", "_scale_rows")}
+    unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in expected and k not in consumed and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
               and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]
     if unused:
         warnings.warn(f"ignoring {len(unused)} unexpected tensor(s), e.g. {unused[:3]}", stacklevel=2)

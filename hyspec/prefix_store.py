@@ -101,6 +101,16 @@ class PrefixStore:
         self._lengths.clear()
 
     # -- lookup ------------------------------------------------------------------------
+    def extends(self, tokens) -> bool:
+        """Whether `tokens` extend a stored sequence (a peek: no hit or miss counted, nothing
+        moved; lookup may still refuse it for its drafter rows)."""
+        tokens = tuple(int(t) for t in tokens)
+        for L in self._lengths:
+            e = self._entries.get(tokens[:L]) if L <= len(tokens) else None
+            if e is not None and (L < len(tokens) or e.state.pending is not None):
+                return True
+        return False
+
     def lookup(self, tokens, drafter: str | None = None) -> SeqState | None:
         """The state of the longest stored sequence that `tokens` extends (None: a miss).
         drafter: the hidden a speculative request's drafter uses (None: plain decoding)."""

@@ -119,8 +119,35 @@ def canonical_name(name: str) -> str:
     return ALIASES.get(name, name)
 
 
-def model_dict(name: str) -> dict:
-    """The config dict of a preset or bench model, by any of its names (aliases too)."""
+# Qwen's FP8 checkpoints' quantization_config (block 128 x 128; the bf16 modules as in the
+# published Qwen3.5 -FP8 skip list, see the module docstring and hyspec.quant)
+FP8_QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128],
+                    "modules_to_not_convert": ["lm_head", "model.embed_tokens", "linear_attn.in_proj_a",
+                                               "linear_attn.in_proj_b", "linear_attn.in_proj_ba", "linear_attn.conv1d",
+                                               "mlp.gate", "mlp.shared_expert_gate", "mtp.fc"]}
+
+
+def with_fp8(d: dict) -> dict:
+    """A config dict's block-FP8 form (what a published "-FP8" checkpoint adds to config.json);
+    unchanged when it already is."""
+    if (d.get("quantization_config") or {}).get("quant_method") == "fp8":
+        return d
+    return {**d, "quantization_config": dict(FP8_QUANTIZATION)}
+
+
+def fp8_block_of(d_or_cfg) -> tuple[int, int] | None:
+    """The (rows, cols) block of a block-FP8 config (dict or ModelConfig), else None."""
+    raw = d_or_cfg if isinstance(d_or_cfg, dict) else (d_or_cfg.raw or {})
+    q = raw.get("quantization_config") or {}
+    return tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" else None
+
+
+def model_dict(name: str, fp8: bool = False) -> dict:
+    """The config dict of a preset or bench model, by any of its names (aliases too);
+    fp8: its block-FP8 form (with_fp8)."""
+    if fp8:
+        return with_fp8(model_dict(name))
     full = canonical_name(name)
     if full in PRESETS:
         return PRESETS[full]
@@ -147,10 +174,10 @@ PUBLISHED = {
 }
 
 
-def preset_config(name: str):
+def preset_config(name: str, fp8: bool = False):
     from hyspec.config import ModelConfig
 
-    return ModelConfig.from_dict(model_dict(name))
+    return ModelConfig.from_dict(model_dict(name, fp8))
 
 
 def meta_model(cfg):
@@ -205,8 +232,7 @@ def step_bytes(name_or_cfg, dtype: torch.dtype = torch.bfloat16, rows: int = 1) 
     * draft step: MTP block (its experts as one row) + mtp.fc + LM head.
     """
     cfg = preset_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
-    q = (cfg.raw or {}).get("quantization_config") or {}
-    block = tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" else None
+    block = fp8_block_of(cfg)
     m = meta_model(cfg)
     elt = torch.empty((), dtype=dtype).element_size()
     shared = routed_total = embed = mtp = mtp_routed = 0
@@ -274,9 +300,10 @@ def slots_that_fit(cfg, dtype: torch.dtype, length: int, free_bytes: float) -> d
 
 def summary(name: str, dtype: torch.dtype = torch.bfloat16, *, bandwidth: float = H200_BW,
             verify_rows: tuple[int, ...] = (1, 2, 3, 4, 5), mem: float = H200_MEM,
-            lengths: tuple[int, ...] = (4096, 32768, 131072)) -> dict:
-    """Everything the bench prints for a preset before running it (no device needed)."""
-    cfg = preset_config(name)
+            lengths: tuple[int, ...] = (4096, 32768, 131072), fp8: bool = False) -> dict:
+    """Everything the bench prints for a preset before running it (no device needed);
+    fp8: for its block-FP8 form (with_fp8)."""
+    cfg = preset_config(name, fp8)
     rows = {t: step_bytes(cfg, dtype, t) for t in verify_rows}
     one = rows[verify_rows[0]]
     free = mem - one["weight_bytes_total"]
@@ -325,42 +352,41 @@ def format_summary(s: dict) -> str:
 def build_on_device(d: dict, device, dtype: torch.dtype, seed: int = 0):
     """HybridLM (with MTP head) of config dict `d`, random HF-like weights, built directly on
     `device` in `dtype`: meta -> empty on the device -> in-place init, so the device never
-    holds a second (fp32 staging) copy of the weights."""
+    holds a second (fp32 staging) copy of the weights. A block-FP8 config (quantization_config)
+    keeps the weights Qwen's FP8 checkpoints quantize in float8 with their scale grids
+    (hyspec.quant.keep_fp8_params), as load_model(fp8="keep") does."""
     from hyspec.config import ModelConfig
     from hyspec.loading import cast_params
+    from hyspec.quant import keep_fp8_params, scale_shape
     from hyspec.tiny import init_weights
 
     cfg = ModelConfig.from_dict(d)
     m = cast_params(meta_model(cfg), dtype)  # as hyspec.loading keeps them
+    block = fp8_block_of(d)
+    if block is not None:
+        specs = {n: (scale_shape(tuple(p.shape), block), None) for n, p in m.named_parameters()
+                 if _fp8_quantized(n, tuple(p.shape))}
+        keep_fp8_params(m, specs, block)
     m = m.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     init_weights(m, g)
     return m.eval().requires_grad_(False)
 
 
-def build_preset_model(name: str, device, dtype: torch.dtype, seed: int = 0):
-    """The preset's model with random weights on `device` (see build_on_device)."""
-    cfg = preset_config(name)
-    if (cfg.raw.get("quantization_config") or {}).get("quant_method") == "fp8":
-        from hyspec.quant import QUANT_HOOK
-
-        raise RuntimeError(f"preset {name} keeps FP8 weights on the device, which needs the GPU FP8 matmul path "
-                           f"({QUANT_HOOK}); in bf16 ({2 * step_bytes(cfg)['params'] / 1e9:.0f} GB) it does not fit "
-                           f"one H200")
-    return build_on_device(PRESETS[name], device, dtype, seed)
+def build_preset_model(name: str, device, dtype: torch.dtype, seed: int = 0, fp8: bool = False):
+    """The preset's model with random weights on `device` (see build_on_device); FP8 presets
+    (and any preset with fp8=True) keep block-FP8 weights."""
+    return build_on_device(model_dict(name, fp8), device, dtype, seed)
 
 
-def check_runnable(name: str, dev: torch.device, dtype: torch.dtype) -> str | None:
+def check_runnable(name: str, dev: torch.device, dtype: torch.dtype, fp8: bool = False) -> str | None:
     """Why the preset cannot run here (None: it can)."""
-    s = step_bytes(name, dtype)
+    cfg = preset_config(name, fp8)
+    s = step_bytes(cfg, dtype)
     if dev.type != "cuda":
-        gb = step_bytes(name, torch.bfloat16)["weight_bytes_total"] / 1e9
+        gb = step_bytes(cfg, torch.bfloat16)["weight_bytes_total"] / 1e9
         return (f"preset {name} is GPU-size ({gb:.0f} GB of weights in bf16/FP8): run it on a CUDA "
                 f"device (one H200); on CPU use --config tiny. Its shape and byte figures are printed above.")
-    if (PRESETS[name].get("quantization_config") or {}).get("quant_method") == "fp8":
-        from hyspec.quant import QUANT_HOOK
-
-        return f"preset {name} needs the GPU FP8 path, which is not implemented yet ({QUANT_HOOK})"
     free, _ = torch.cuda.mem_get_info(dev)
     if s["weight_bytes_total"] > free:
         return (f"preset {name} needs {s['weight_bytes_total'] / 1e9:.1f} GB for its weights; the device has "
@@ -371,4 +397,5 @@ def check_runnable(name: str, dev: torch.device, dtype: torch.dtype) -> str | No
 __all__ = ["PRESETS", "PUBLISHED", "BENCH_MODELS", "ALIASES", "QWEN3_NEXT_2B_DENSE", "canonical_name", "model_dict",
            "preset_config", "step_bytes", "expected_distinct_experts", "roofline",
            "slots_that_fit", "summary", "format_summary", "build_preset_model", "build_on_device", "check_runnable",
+           "with_fp8", "fp8_block_of", "FP8_QUANTIZATION",
            "H200_BW"]

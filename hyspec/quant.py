@@ -24,14 +24,18 @@ read it):
 * ``activation_scheme: dynamic`` means activations are quantized on the fly by the
   kernel: no ``input_scale`` / ``activation_scale`` tensors.
 
-The CPU reference dequantizes at load (``dequantize_tensors``). A GPU FP8 path can keep
-the fp8 weights and their scales instead: ``hyspec.loading.read_tensors(path,
-dequantize=False)`` returns them untouched (``QUANT_HOOK`` below says where to plug in).
+The CPU reference dequantizes at load (``dequantize_tensors``). The GPU fast path keeps
+the fp8 weights and their scales instead (``load_model(fp8="keep")``, the default on CUDA):
+``prepare_fp8`` validates and stacks the raw tensors, ``keep_fp8_params`` makes the modules
+hold float8 weights + ``*_scale_inv`` buffers (their torch forward dequantizes on the fly,
+``module_weight``), the Triton runner streams them (``Fp8Weight``,
+``hyspec.kernels.matmul.skinny_matmul_fp8``, ``hyspec.kernels.moe.moe_grouped``).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +54,9 @@ UNQUANTIZED_LINEARS = ("lm_head", "embed_tokens", "linear_attn.in_proj_a", "line
                        "linear_attn.in_proj_ba", "linear_attn.conv1d", "mlp.gate", "mlp.shared_expert_gate",
                        "mtp.fc")
 
-QUANT_HOOK = ("GPU FP8 path: call hyspec.loading.read_tensors(path, dequantize=False) to get the fp8 weights "
-              "with their '<name>_scale_inv' block scales, and hand them to FP8 matmul kernels; not implemented yet")
+QUANT_HOOK = ("GPU FP8 path: hyspec.loading.load_model(path, fp8='keep') (the default on CUDA) keeps the fp8 "
+              "weights with their '<name>_scale_inv' block scales on the device; the Triton runner streams them "
+              "(hyspec.kernels.matmul.skinny_matmul_fp8, hyspec.kernels.moe.moe_grouped)")
 
 
 class QuantConfigError(ConfigError):
@@ -121,23 +126,30 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
     return tuple(shape[:-2]) + (math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
 
 
-def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
-    """Per-element fp32 scales of `shape`: each block's scale repeated, edge blocks cropped."""
-    s = scale.float().repeat_interleave(block[0], dim=-2)[..., : shape[-2], :]
+def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int],
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-element fp32 scales of `shape`: each block's scale repeated, edge blocks cropped.
+    rows: optional int map [R] (weight row -> scale row) for weights whose rows were
+    concatenated or reordered (row i takes scale row rows[i] instead of i // bR)."""
+    if rows is not None:
+        s = scale.float().index_select(-2, rows.to(device=scale.device, dtype=torch.long))
+    else:
+        s = scale.float().repeat_interleave(block[0], dim=-2)[..., : shape[-2], :]
     return s.repeat_interleave(block[1], dim=-1)[..., : shape[-1]]
 
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = "weight",
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float8_e4m3fn [..., R, C] and its scale grid -> `dtype` (the product is taken in fp32,
     fp64 for fp64, then cast). Raises CheckpointError naming `name` when the scale grid does
-    not match the weight and block size."""
+    not match the weight and block size. rows: the scale-row map of a weight whose rows
+    were concatenated or reordered (see expand_scales; the grid is then not checked)."""
     from hyspec.loading import CheckpointError
 
     if w.dim() < 2:
         raise CheckpointError(f"tensor '{name}' is float8 but has shape {list(w.shape)}; block scales need a matrix")
     want = scale_shape(tuple(w.shape), block)
-    if tuple(scale_inv.shape) != want:
+    if rows is None and tuple(scale_inv.shape) != want:
         raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has shape {list(scale_inv.shape)}, expected "
                               f"{list(want)} for weight shape "
                               f"{list(w.shape)} and weight_block_size {list(block)}")
@@ -145,7 +157,7 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
         raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has dtype {scale_inv.dtype}; "
                               f"expected float32 (or bf16) scales")
     acc = acc_dtype(dtype)
-    out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block).to(acc)
+    out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block, rows).to(acc)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -184,6 +196,16 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | 
     naming the key for a missing or mis-shaped scale, a scale without its weight, an fp8
     format other than e4m3fn, static activation scales, or fp8 weights without a
     quantization_config."""
+    fp8 = check_fp8_tensors(tensors, qcfg)
+    for k in fp8:
+        tensors[k] = dequantize(tensors[k], tensors.pop(scale_key_of(k)), qcfg.block, name=k, dtype=dtype)
+    return tensors
+
+
+def check_fp8_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None) -> list[str]:
+    """The float8 weight keys of a checkpoint's raw tensors, after checking them against the
+    quantization config (the errors of dequantize_tensors; scale grids are checked where the
+    weights are dequantized or kept)."""
     from hyspec.loading import CheckpointError
 
     fp8 = [k for k, v in tensors.items() if is_fp8(v)]
@@ -195,7 +217,7 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | 
         if fp8:
             raise CheckpointError(f"tensor '{fp8[0]}' is float8_e4m3fn but config.json has no quantization_config "
                                   f"(expected quant_method 'fp8' with weight_block_size)")
-        return tensors
+        return []
     static = [k for k in tensors if k.endswith((".input_scale", ".activation_scale"))]
     if static:
         raise CheckpointError(f"tensor '{static[0]}' is a static activation scale; only activation_scheme "
@@ -210,10 +232,167 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | 
         sk = scale_key_of(k)
         if sk not in tensors:
             raise CheckpointError(f"tensor '{k}' is float8_e4m3fn but its block scale '{sk}' is missing")
-        tensors[k] = dequantize(tensors[k], tensors.pop(sk), qcfg.block, name=k, dtype=dtype)
-    return tensors
+    return fp8
+
+
+# -- FP8 weights kept as FP8 (the GPU fast path) ----------------------------------------
+#
+# A module that keeps a quantized weight holds the float8 parameter under its usual name
+# (``weight``, ``gate_up_proj``, ...) plus the buffer ``<name>_scale_inv`` (the checkpoint's
+# scale grid, fp32) and, only where the rows were concatenated from parts whose sizes are
+# not multiples of the block (per-expert gate / up of a tiny model), ``<name>_scale_rows``
+# (int32 [R]: weight row -> scale row). ``module.fp8_block`` is the (rows, cols) block.
+# The reference forward dequantizes on the fly (``module_weight``), bitwise the weight a
+# dequantizing load would have built; the Triton runner streams the fp8 tiles instead.
+
+FP8_K_ALIGN = 16  # the kernels' K step divides the column block: the block needs a multiple of this
+
+
+class Fp8Weight:
+    """A block-FP8 weight as the kernels take it: ``w`` float8_e4m3fn [..., N, K], ``scale``
+    fp32 [..., SN, ceil(K / bK)], ``block`` (bN, bK) and ``rows`` (None: row n takes scale
+    row n // bN; else an int32 map [N], for rows concatenated or reordered off the block
+    grid). Leading dims (experts) are shared by w and scale; rows is common to them."""
+
+    __slots__ = ("w", "scale", "block", "rows")
+
+    def __init__(self, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                 rows: torch.Tensor | None = None) -> None:
+        if not is_fp8(w):
+            raise ValueError(f"Fp8Weight: weight is {w.dtype}, expected {FP8_DTYPE}")
+        if scale.shape[:-2] != w.shape[:-2] or scale.shape[-1] != math.ceil(w.shape[-1] / block[1]):
+            raise ValueError(f"Fp8Weight: scale grid {list(scale.shape)} does not fit weight {list(w.shape)} "
+                             f"with block {list(block)}")
+        if rows is None and scale.shape[-2] != math.ceil(w.shape[-2] / block[0]):
+            raise ValueError(f"Fp8Weight: scale grid {list(scale.shape)} does not fit weight {list(w.shape)} "
+                             f"with block {list(block)} (and no row map)")
+        if rows is not None and (rows.dim() != 1 or rows.shape[0] != w.shape[-2]):
+            raise ValueError(f"Fp8Weight: row map of shape {list(rows.shape)} for {w.shape[-2]} rows")
+        self.w, self.scale, self.block, self.rows = w, scale, (int(block[0]), int(block[1])), rows
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.w.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.device
+
+    def dim(self) -> int:
+        return self.w.dim()
+
+    def nbytes(self) -> int:
+        """Bytes a kernel reads to use all of it (weight + scales + row map)."""
+        n = self.w.numel() + self.scale.numel() * self.scale.element_size()
+        return n + (self.rows.numel() * self.rows.element_size() if self.rows is not None else 0)
+
+    def __getitem__(self, e: int) -> "Fp8Weight":
+        """Expert e of a stacked [E, N, K] weight."""
+        return Fp8Weight(self.w[e], self.scale[e], self.block, self.rows)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.w, self.scale, self.block, dtype=dtype, rows=self.rows)
+
+
+def module_fp8(mod: torch.nn.Module, name: str = "weight") -> Fp8Weight | None:
+    """The Fp8Weight a module keeps under `name` (None: that weight is not quantized)."""
+    scale = mod._buffers.get(name + SCALE_SUFFIX)
+    if scale is None:
+        return None
+    return Fp8Weight(getattr(mod, name), scale, mod.fp8_block, mod._buffers.get(name + "_scale_rows"))
+
+
+def module_weight(mod: torch.nn.Module, name: str, dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+    """The weight `name` of `mod` for a torch forward in `dtype` (slice `index` of stacked
+    experts): as stored, or dequantized from fp8 (fp32 product cast to dtype, exactly what
+    a dequantizing load stores)."""
+    q = module_fp8(mod, name)
+    if q is None:
+        w = getattr(mod, name)
+        return w if index is None else w[index]
+    if index is not None:
+        q = q[index]
+    return q.dequantize(dtype)
+
+
+def keep_fp8_params(model: torch.nn.Module, specs: dict[str, tuple], block: tuple[int, int]) -> int:
+    """Turn the named parameters into float8 ones (same shape, same device, contents
+    undefined: the caller fills them) with their scale buffers: specs maps a parameter name
+    to (scale grid shape, rows) where rows is None or the length of a row map. Returns the
+    number converted."""
+    n = 0
+    for name, (grid, rows) in specs.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        p = getattr(mod, attr)
+        dev = p.device
+        setattr(mod, attr, torch.nn.Parameter(torch.empty(p.shape, dtype=FP8_DTYPE, device=dev), requires_grad=False))
+        mod.register_buffer(attr + SCALE_SUFFIX, torch.empty(tuple(grid), dtype=torch.float32, device=dev))
+        if rows is not None:
+            mod.register_buffer(attr + "_scale_rows", torch.empty(int(rows), dtype=torch.int32, device=dev))
+        mod.fp8_block = (int(block[0]), int(block[1]))
+        n += 1
+    return n
+
+
+def prepare_fp8(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None) -> dict[str, torch.Tensor]:
+    """A checkpoint's raw tensors (read_tensors(dequantize=False)) for a model that keeps
+    its FP8 weights: validated like dequantize_tensors, scale grids checked, per-expert
+    keys stacked (fp8 weights and their scale grids; where gate's rows are not a multiple of
+    the block the stacked gate | up gets a ``..._scale_rows`` map). A column block the
+    kernels cannot step through (not a multiple of 16) dequantizes everything instead."""
+    from hyspec.loading import CheckpointError, _stack_experts
+
+    fp8 = check_fp8_tensors(tensors, qcfg)
+    if not fp8:
+        return _stack_experts(tensors)
+    block = qcfg.block
+    for k in fp8:
+        want = scale_shape(tuple(tensors[k].shape), block)
+        got = tuple(tensors[scale_key_of(k)].shape)
+        if got != want:
+            raise CheckpointError(f"tensor '{scale_key_of(k)}' has shape {list(got)}, expected {list(want)} for "
+                                  f"weight shape {list(tensors[k].shape)} and weight_block_size {list(block)}")
+    if block[1] % FP8_K_ALIGN:
+        import warnings
+
+        warnings.warn(f"weight_block_size {list(block)}: the FP8 kernels need a column block that is a multiple of "
+                      f"{FP8_K_ALIGN}; dequantizing the weights instead", stacklevel=3)
+        return _stack_experts(dequantize_tensors(tensors, qcfg, torch.float32))
+    groups: dict[str, dict[int, dict[str, str]]] = {}
+    for k in list(tensors):
+        m = _EXPERT_KEY.match(k)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = k
+    for prefix, experts in groups.items():
+        keys = [k for e in experts.values() for k in e.values()]
+        n = max(experts) + 1
+        if len(keys) != 3 * n or not all(is_fp8(tensors[k]) for k in keys):
+            for k in keys:  # incomplete (the stacking below names what is missing) or mixed: dequantize
+                if is_fp8(tensors[k]):
+                    tensors[k] = dequantize(tensors[k], tensors.pop(scale_key_of(k)), block, name=k)
+            continue
+        pop = lambda e, part: (tensors.pop(experts[e][part]), tensors.pop(scale_key_of(experts[e][part])))  # noqa: E731
+        gu_w, gu_s, d_w, d_s = [], [], [], []
+        inter = tensors[experts[0]["gate_proj"]].shape[0]
+        for e in range(n):
+            (gw, gs), (uw, us), (dw, ds) = pop(e, "gate_proj"), pop(e, "up_proj"), pop(e, "down_proj")
+            gu_w.append(torch.cat([gw, uw])), gu_s.append(torch.cat([gs, us]))
+            d_w.append(dw), d_s.append(ds)
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(gu_w)
+        tensors[f"{prefix}.gate_up_proj{SCALE_SUFFIX}"] = torch.stack(gu_s)
+        if inter % block[0]:
+            half = torch.arange(inter, dtype=torch.int32) // block[0]
+            tensors[f"{prefix}.gate_up_proj_scale_rows"] = torch.cat([half, half + math.ceil(inter / block[0])])
+        tensors[f"{prefix}.down_proj"] = torch.stack(d_w)
+        tensors[f"{prefix}.down_proj{SCALE_SUFFIX}"] = torch.stack(d_s)
+    return _stack_experts(tensors)
+
+
+_EXPERT_KEY = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 __all__ = ["Fp8BlockConfig", "QuantConfigError", "parse_quantization_config", "dequantize", "quantize",
+           "check_fp8_tensors", "prepare_fp8", "keep_fp8_params", "module_fp8", "module_weight", "Fp8Weight",
            "dequantize_tensors", "expand_scales", "scale_shape", "scale_key_of", "FP8_DTYPE", "UNQUANTIZED_LINEARS",
            "QUANT_HOOK"]

@@ -60,10 +60,24 @@ def tiny_config(arch: str, *, vocab_size: int = 512, hidden: int = 64, layers: i
 
 
 def init_weights(model: torch.nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
-    """HF-like random init: normal(0, std) matrices, identity norms, sane decays."""
+    """HF-like random init: normal(0, std) matrices, identity norms, sane decays. Weights kept
+    in block-FP8 (hyspec.quant.keep_fp8_params) get fp8 values ~ normal(0, 64) (clamped to
+    the fp8 range) and every block scale std / 64: the same spread, one byte each."""
+    from hyspec.quant import FP8_DTYPE, FP8_MAX, SCALE_SUFFIX
+
     with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith(SCALE_SUFFIX):
+                buf.fill_(std / 64.0)
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
+            if p.dtype == FP8_DTYPE:
+                flat = p.view(-1)
+                step = 1 << 26  # bf16 staging of 128 MiB at a time, not a copy of the weight
+                for i in range(0, flat.numel(), step):
+                    chunk = flat[i: i + step]
+                    tmp = torch.empty(chunk.shape, device=p.device, dtype=torch.bfloat16)
+                    chunk.copy_(tmp.normal_(0.0, 64.0, generator=generator).clamp_(-FP8_MAX, FP8_MAX))
+            elif name.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(1.0, 16.0, generator=generator).log())
             elif name.endswith("dt_bias"):
                 p.fill_(1.0)

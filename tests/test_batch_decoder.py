@@ -230,3 +230,107 @@ def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
         alone = LaneRequest(prompt=prompts[i], max_new_tokens=N, k=ks[i], params=params[i])
         run_batch(dec, [alone])
         assert alone.tokens == reqs[i].tokens, i
+
+
+def test_decode_and_verify_give_the_kernels_the_same_strides(tmp_path, monkeypatch):
+    """Triton compiles one binary per stride divisibility (by 16): a decode step whose conv
+    input had another row stride than a verify's ran a second binary, and on the H200 its
+    bf16 output differed by an ulp (speculative != plain on tiny models).  Every tensor a
+    row-wise GDN kernel reads or writes must have the same strides and 16-byte alignment
+    in a decode step and in a verify."""
+    import hyspec.gpu.runner_triton as rt
+    from hyspec.gpu.batch import BatchDecoder
+
+    seen = []
+
+    def spy(name, fn):
+        def call(*a, **k):
+            seen.append((name, tuple((x.stride(), x.data_ptr() % 16) for x in a if isinstance(x, torch.Tensor))))
+            return fn(*a, **k)
+        return call
+
+    monkeypatch.setattr(rt, "gdn_conv", spy("conv", rt.gdn_conv))
+    monkeypatch.setattr(rt, "gdn_step", spy("step", rt.gdn_step))
+    m = _model(tmp_path, "qwen3_5")
+    dec = BatchDecoder(m, 32, 3, slots=2, graphs=False)
+    for lane in range(2):
+        dec.prefill(lane, [5, 6, 7])
+    calls = {}
+    for record, t in ((False, 2), (True, 8)):
+        seen.clear()
+        dec.runner.target(torch.tensor([1] * t), t, dec.pos, record, 2)
+        calls[record] = list(seen)
+    assert calls[False] and calls[False] == calls[True]
+
+
+def _core_tokens(m, lanes) -> list[list[int]]:
+    """Each LaneRequest's tokens from the engine core (each request's own computation: the
+    same tokens whatever else runs with it)."""
+    from hyspec.core.request import GREEDY, Request
+    from hyspec.core.scheduler import Scheduler
+
+    sched = Scheduler(m, max_batch=len(lanes))
+    reqs = [sched.submit(Request(prompt_ids=r.prompt, max_new_tokens=r.max_new_tokens, draft=r.k,
+                                 params=r.params or GREEDY, stop_ids=r.stop_ids)) for r in lanes]
+    sched.run()
+    return [r.tokens for r in reqs]
+
+
+def test_open_queue_joins_between_rounds(tmp_path):
+    """BatchRunner: requests submitted while another runs (seeded sampling, plain and
+    speculative) join between rounds, one waiting for a free lane, and each gives its own
+    tokens (the engine core's, alone), streamed round by round."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest
+    from hyspec.sampling import SamplingParams
+
+    m = _model(tmp_path, "qwen3_5")
+    seen, finished = {}, []
+
+    def lane(i, prompt, n, k, params=None):
+        return LaneRequest(prompt=prompt, max_new_tokens=n, k=k, params=params,
+                           on_tokens=lambda t: seen.setdefault(i, []).extend(t), on_finish=finished.append)
+
+    reqs = [lane(0, [5, 17, 99, 3], 4, 1), lane(1, [8, 1], 2, 0, SamplingParams(temperature=0.9, seed=11)),
+            lane(2, [60, 61, 62], 3, 1, SamplingParams(temperature=1.1, top_k=20, seed=5))]
+    dec = BatchDecoder(m, 12, 1, slots=2, graphs=False)
+    runner = BatchRunner(dec)
+    runner.submit(reqs[0])
+    runner.step()
+    runner.submit(reqs[1])  # joins the running batch
+    runner.submit(reqs[2])  # both lanes taken: waits for one to leave
+    runner.step()
+    assert reqs[1].t_admit is not None and reqs[2].t_admit is None and reqs[0].reason is None
+    runner.run()
+    assert [r.tokens for r in reqs] == _core_tokens(m, reqs)
+    assert [seen[i] for i in range(3)] == [r.tokens for r in reqs]
+    assert sorted(id(r) for r in finished) == sorted(id(r) for r in reqs)
+    assert all(r.reason == "length" for r in reqs) and not runner.active and not dec.live.any()
+
+
+def test_cancel_frees_the_lane_within_a_round(tmp_path):
+    """A cancelled request leaves at the next round boundary (here while a pipelined round
+    is in flight): its lane is refilled by the last one, on_finish reports "cancelled", and
+    the others' tokens are unchanged; a cancelled waiting request never starts."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest
+
+    m = _model(tmp_path, "qwen3_5")
+    finished = []
+    reqs = [LaneRequest(prompt=p, max_new_tokens=6, on_finish=finished.append) for p in ([5, 17, 99, 3], [8, 1, 2])]
+    later = LaneRequest(prompt=[4, 4], max_new_tokens=6, on_finish=finished.append)
+    dec = BatchDecoder(m, 12, 1, slots=2, graphs=False)
+    runner = BatchRunner(dec)
+    for r in reqs + [later]:
+        runner.submit(r)
+    runner.step()
+    assert runner._inflight is not None  # the next round was queued before this one was read
+    runner.cancel(reqs[0])  # lane 0: lane 1 moves into it
+    runner.cancel(later)
+    runner.step()
+    assert reqs[0].reason == later.reason == "cancelled" and finished[:2] == [later, reqs[0]]
+    assert runner.active == [reqs[1]] and int(dec.live[1]) == 0 and later.tokens == []
+    n_cut = len(reqs[0].tokens)
+    runner.run()
+    assert len(reqs[0].tokens) == n_cut < 6
+    assert reqs[1].tokens == _core_tokens(m, reqs[1:])[0] and reqs[1].reason == "length"

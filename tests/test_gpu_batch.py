@@ -77,3 +77,71 @@ def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
             plain = LaneRequest(prompt=prompts[i], max_new_tokens=N)
             run_batch(dec, [plain], max_batch=1)
             assert plain.tokens == b.tokens, i
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_constrained_lanes_with_graphs(tmp_path, sampled):
+    """Constrained lanes (masks in the graphs) next to unconstrained ones, bf16 with CUDA
+    graphs, staggered: every sequence equals itself alone (an unconstrained lane that
+    shared masked rounds keeps its unmasked tokens), greedy constrained speculative lanes
+    equal constrained plain decoding, every constrained output is valid; and in fp32 a
+    constrained greedy and a seeded request equal the engine core."""
+    pytest.importorskip("llguidance")
+    from hyspec.constraints import make_constraint
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.loading import load_model
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=4, hidden=64, vocab_size=320, std=0.2)
+    m = load_model(d, dtype=torch.bfloat16, device=torch.device("cuda"))
+    cons = [make_constraint(d, "regex", r"[a-z_ ]{3,40}\.?"),
+            make_constraint(d, "json_schema", {"type": "object", "properties": {"x": {"type": "string", "maxLength": 9},
+                                                                                "y": {"type": "integer"}},
+                                               "required": ["x", "y"], "additionalProperties": False}),
+            None, make_constraint(d, "choice", ["ab cd", "xy"])]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 320, (L,), generator=g).tolist() for L in (5, 12, 3, 9, 20, 7, 4, 15)]
+    N = 30
+    dec = BatchDecoder(m, 20 + N + 8, 3, slots=4)
+
+    def params(i):
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, mode="coupled" if i % 3 == 0 else
+                              "rejection") if sampled else None
+
+    def reqs(arrivals=None, ks=(0, 3, 1, 2)):
+        return [LaneRequest(prompt=p, max_new_tokens=N, k=ks[i % 4], params=params(i), stop_ids=frozenset({0}),
+                            constraint=None if cons[i % 4] is None else cons[i % 4].clone(),
+                            arrival=0 if arrivals is None else arrivals[i]) for i, p in enumerate(prompts)]
+
+    batched = reqs([0, 0, 1, 3, 3, 5, 9, 9])
+    stats = run_batch(dec, batched, max_batch=4)
+    assert stats["masked_rounds"] > 0
+    for i, b in enumerate(batched):
+        alone = reqs()[i]
+        run_batch(dec, [alone], max_batch=1)
+        assert (alone.tokens, alone.reason) == (b.tokens, b.reason), i
+        if cons[i % 4] is not None:
+            c = cons[i % 4].clone()
+            c.commit(b.tokens)  # raises on a token the constraint forbids
+    assert not dec.step_graphs.failed and dec.step_graphs.graphs
+    if not sampled:
+        plain = reqs(ks=(0, 0, 0, 0))
+        run_batch(dec, plain, max_batch=4)
+        assert [(p.tokens, p.reason) for p in plain] == [(b.tokens, b.reason) for b in batched]
+    # fp32: the engine core's tokens
+    m32 = load_model(d, dtype=torch.float32, device=torch.device("cuda"))
+    dec32 = BatchDecoder(m32, 20 + N + 8, 3, slots=2)
+    sp = SamplingParams(temperature=0.9, seed=7) if sampled else SamplingParams(temperature=0.0)
+    for c, k in ((cons[0], 3), (cons[1], 0)):
+        sched = Scheduler(m32, max_batch=1)
+        core = Request(prompt_ids=prompts[0], max_new_tokens=N, params=sp, draft=k, stop_ids=(0,), constraint=c.clone())
+        sched.submit(core)
+        sched.run()
+        lane = LaneRequest(prompt=prompts[0], max_new_tokens=N, k=k, params=sp, stop_ids=frozenset({0}),
+                           constraint=c.clone())
+        run_batch(dec32, [lane])
+        assert (lane.tokens, lane.reason) == (list(core.tokens), core.stop_reason), k

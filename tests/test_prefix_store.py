@@ -30,6 +30,7 @@ def test_longest_prefix_and_identity(states):
     for x in spec[:3]:
         st.put(x)
     toks = list(spec[2].tokens) + [5, 6]
+    assert st.extends(toks) and not st.extends([t + 1 for t in toks])  # a peek: no hit or miss counted
     assert st.lookup(toks, drafter="post") is spec[2]
     assert st.lookup(list(spec[1].tokens) + [9], drafter="post") is spec[1]
     bad = list(spec[2].tokens)

@@ -15,7 +15,6 @@ from hyspec.presets import (
     PRESETS,
     PUBLISHED,
     build_on_device,
-    build_preset_model,
     expected_distinct_experts,
     preset_config,
     slots_that_fit,
@@ -155,8 +154,17 @@ def test_build_on_device_one_copy_in_dtype():
         assert p.dtype == (torch.float32 if n.endswith(("A_log", "dt_bias")) else torch.bfloat16), n
         assert torch.isfinite(p.float()).all()
     assert torch.isfinite(m(torch.tensor([1, 2, 3]))).all()
-    with pytest.raises(RuntimeError, match="GPU FP8"):
-        build_preset_model("qwen3-next-80b-a3b-fp8", "cpu", torch.bfloat16)
+    # the block-FP8 form (as the FP8 presets build): quantized weights float8 + scales, the rest bf16
+    from hyspec.presets import with_fp8
+    from hyspec.quant import FP8_DTYPE
+
+    m8 = build_on_device(with_fp8(tiny_config("qwen3_5_moe")), "cpu", torch.bfloat16)
+    kinds = {n: p.dtype for n, p in m8.named_parameters()}
+    assert kinds["model.layers.0.mlp.experts.gate_up_proj"] == FP8_DTYPE
+    assert kinds["model.layers.0.linear_attn.in_proj_qkv.weight"] == FP8_DTYPE
+    assert kinds["model.layers.0.mlp.gate.weight"] == kinds["lm_head.weight"] == torch.bfloat16
+    assert m8.model.layers[0].mlp.experts.gate_up_proj_scale_inv.dtype == torch.float32
+    assert torch.isfinite(m8(torch.tensor([1, 2, 3]))).all()
 
 
 def test_old_names_resolve_to_the_same_config():

@@ -58,3 +58,33 @@ def test_bad_d2t_is_a_clear_error(d2t_dir, tmp_path):
     save_file(t, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointError, match="mtp.d2t"):
         load_model(bad)
+
+
+def test_build_d2t_first_ids_and_most_frequent():
+    from hyspec.speculative.drafter import build_d2t
+
+    assert torch.equal(build_d2t(4, 10), torch.zeros(4, dtype=torch.long))  # the first 4 ids
+    counts = torch.tensor([0, 9, 1, 7, 0, 8, 0, 0, 3, 0])
+    d2t = build_d2t(3, 10, counts)
+    assert (torch.arange(3) + d2t).tolist() == [1, 3, 5]  # the 3 most frequent, ascending
+    with pytest.raises(ValueError, match="1..10"):
+        build_d2t(11, 10)
+    m = load_model(make_tiny("qwen3_5", __import__("tempfile").mkdtemp(), seed=5), dtype="float32")
+    m.d2t = build_d2t(8, m.cfg.vocab_size)
+    ids, rows = draft_vocab(m)
+    assert rows.data_ptr() == m.head_weight.data_ptr() and rows.shape[0] == 8  # a view, not a copy
+
+
+def test_draft_argmax_of_the_gpu_runner_equals_the_full_row_argmax(d2t_dir, triton_interpreter):
+    """The batched runner's greedy draft over a reduced vocabulary (argmax over the Vd scores,
+    mapped) equals the argmax of the full [V] draft row (reference: draft_logits)."""
+    pytest.importorskip("triton")
+    from hyspec.gpu.batch import BatchDecoder
+
+    m = load_model(d2t_dir, dtype="float32")
+    dec = BatchDecoder(m, 16, 1, slots=1, graphs=False)
+    assert dec.runner.d2t_ascending
+    h = torch.randn(5, m.cfg.hidden_size)
+    h[0] = 0.0  # all scores tie: the first id wins in both
+    want = draft_logits(m, h, draft_vocab(m)).argmax(-1)
+    assert torch.equal(dec.runner.draft_argmax(h), want)

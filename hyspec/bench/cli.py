@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="in-memory random model: qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
                          "tiny, or a preset with published shapes (qwen3.5-27b, qwen3.5-35b-a3b, "
                          "qwen3-next-80b-a3b-fp8; GPU only; hyspec/presets.py)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="in-memory models (presets, bench model, tiny): build the block-FP8 form (Qwen's -FP8 "
+                         "checkpoints: float8 weights + 128x128 block scales, kept FP8 on the device); the "
+                         "qwen3-next-80b-a3b-fp8 preset is FP8 anyway")
     ap.add_argument("--slot-lengths", default="4096,32768,131072",
                     help="context lengths for the 'sequence slots that fit beside the weights' report")
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
@@ -70,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     ap.add_argument("--batch-inv-prompts", type=int, default=64,
                     help="GPU --batch: prompts in the batch-invariance check (each x 500 tokens; 0: skip)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="also measure the exact variant with a reduced draft vocabulary of N ids (mtp.d2t; the "
+                         "first N ids on random weights): draft step and forced K=3 speed-up (issue target x2.2 "
+                         "at 32000)")
     return ap
 
 
@@ -118,7 +126,8 @@ def run_meta(args, argv, dev, dtype) -> dict:
             "python": platform.python_version(), "dtype": str(dtype).replace("torch.", ""),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "command": "hyspec bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "config": args.model or canonical_name(args.config), "prompt_len": args.prompt_len,
+            "config": args.model or canonical_name(args.config) + (" (fp8)" if args.fp8 else ""),
+            "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "git": git_state()}
 
 
@@ -129,9 +138,10 @@ def preset_figures(args, dev, dtype, result: dict) -> bool:
 
     name = canonical_name(args.config)
     lengths = tuple(int(x) for x in args.slot_lengths.split(",") if x)
-    result["preset"] = summary(name, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths)
+    result["preset"] = summary(name, torch.bfloat16 if dtype == torch.float32 else dtype, lengths=lengths,
+                               fp8=args.fp8)
     log(format_summary(result["preset"]))
-    why = check_runnable(name, dev, dtype)
+    why = check_runnable(name, dev, dtype, fp8=args.fp8)
     if why:
         log(f"!! {why}")
         result["errors"]["preset"] = why
@@ -188,6 +198,14 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
     return step_bytes, draft_bytes
 
 
+def fp8_block(model) -> list[int] | None:
+    """The block of the model's kept FP8 weights (None: no weight is kept in FP8)."""
+    for m in model.modules():
+        if getattr(m, "fp8_block", None) is not None:
+            return list(m.fp8_block)
+    return None
+
+
 def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
 
@@ -211,6 +229,32 @@ def run_variants(model, prompt, args, dev, roofline_ms: float, result: dict, sav
             traceback.print_exc()
         save()
     return exact_decoder
+
+
+def draft_vocab_figures(model, prompt, args, dev, roofline_ms: float) -> dict:
+    """The exact variant again with a reduced draft vocabulary (--draft-vocab N): the
+    drafter scores N ids (a view of the head's first N rows on random weights: no corpus to
+    rank by), plain and forced / MTP K=3 measured side by side in this run."""
+    import copy
+
+    from hyspec.speculative.drafter import build_d2t
+
+    if not model.has_mtp:
+        raise ValueError("--draft-vocab needs a model with an MTP head")
+    size = args.draft_vocab
+    log(f"reduced draft vocabulary: {size} of {model.cfg.vocab_size} ids (the first {size}; random weights)")
+    saved = model.d2t
+    model.d2t = build_d2t(size, model.cfg.vocab_size).to(dev)
+    try:
+        sub = copy.copy(args)
+        sub.ks = [3]
+        figures = bench_variant(model, prompt, sub, True, dev, roofline_ms)
+    finally:
+        model.d2t = saved
+    del figures["_decoder"]
+    figures["size"] = size
+    figures["ids"] = f"first {size} (random weights)"
+    return figures
 
 
 def run_batches(model, args, dev) -> dict:
@@ -265,11 +309,15 @@ def main(argv=None) -> int:
     step_bytes, draft_bytes = step_bytes_and_gemm_configs(model, args, dev, result)
     roofline_ms = step_bytes / (bandwidth * 1e9) * 1e3
     result["model"] = {"config": model.cfg.to_dict(), "params": n_params, "weight_bytes_per_step": step_bytes,
-                       "draft_bytes_per_step": draft_bytes}
+                       "draft_bytes_per_step": draft_bytes, "fp8_block": fp8_block(model)}
     result["roofline_ms"] = roofline_ms
     result["roofline_tok_s"] = 1e3 / roofline_ms
-    log(f"model: {si(n_params)} params; a decode step reads {si(step_bytes)}B -> roofline "
-        f"{roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s); a draft step reads {si(draft_bytes)}B")
+    cfg = model.cfg
+    moe = (f" (MoE: everything shared + top-{cfg.num_experts_per_tok} of {cfg.num_experts} routed experts per "
+           f"layer)" if cfg.has_moe else "")
+    log(f"model: {si(n_params)} params{', block-FP8 weights' if fp8_block(model) else ''}; a decode step reads "
+        f"{si(step_bytes)}B{moe} -> roofline {roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s) at "
+        f"{bandwidth:.0f} GB/s; a draft step reads {si(draft_bytes)}B")
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
 
@@ -285,6 +333,13 @@ def main(argv=None) -> int:
     del exact_decoder
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    if args.draft_vocab:
+        try:
+            result["draft_vocab"] = draft_vocab_figures(model, prompt, args, dev, roofline_ms)
+        except Exception as e:
+            result["errors"]["draft_vocab"] = failure(e)
+            log(f"!! draft-vocabulary run failed: {type(e).__name__}: {e}")
+        save()
     if args.batch:
         result["batch"] = run_batches(model, args, dev)
         save()

@@ -34,12 +34,19 @@ def make_model(args, device, dtype):
 
         return load_model(args.model, dtype=dtype, device=device)
     name = canonical_name(args.config)
-    if name in BENCH_MODELS:
-        return build_config_model(BENCH_MODELS[name], device, dtype, args.seed)
+    fp8 = getattr(args, "fp8", False)
     if name in PRESETS:  # real sizes: built in `dtype` directly on the device (one copy of the weights)
         from hyspec.presets import build_preset_model
 
-        return build_preset_model(name, device, dtype, args.seed)
-    from hyspec.tiny import tiny_config
+        return build_preset_model(name, device, dtype, args.seed, fp8=fp8)
+    if name in BENCH_MODELS:
+        config = BENCH_MODELS[name]
+    else:
+        from hyspec.tiny import tiny_config
 
-    return build_config_model(tiny_config("qwen3_next", vocab_size=512), device, dtype, args.seed)
+        config = tiny_config("qwen3_next", vocab_size=512)
+    if fp8:  # block-FP8 weights kept as FP8, built on the device like the presets
+        from hyspec.presets import build_on_device, with_fp8
+
+        return build_on_device(with_fp8(config), device, dtype, args.seed)
+    return build_config_model(config, device, dtype, args.seed)

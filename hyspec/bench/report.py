@@ -33,6 +33,8 @@ def memory_report(model, dev, lengths) -> dict:
     from hyspec.presets import slots_that_fit
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                        if n.endswith(("_scale_inv", "_scale_rows")))  # block-FP8 scales
     free, total = torch.cuda.mem_get_info(dev)
     return {"weights_bytes": weight_bytes, "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
             "allocated_bytes": torch.cuda.memory_allocated(dev), "free_bytes": free, "total_bytes": total,
@@ -64,6 +66,12 @@ def targets(result: dict) -> dict:
         out["forced_k3_speedup"] = {"value": forced3["speedup"], "target": 1.9, "met": forced3["speedup"] >= 1.9}
         out["forced_k3_ceiling_frac"] = {"value": forced3["ceiling_frac"], "ceiling": forced3["ceiling"],
                                          "target": 0.9, "met": (forced3["ceiling_frac"] or 0) >= 0.9}
+    dv = (result.get("draft_vocab") or {}).get("spec", {}).get("forced", {}).get(3)
+    if dv:
+        out["forced_k3_speedup_draft_vocab"] = {
+            "value": dv["speedup"], "ceiling": dv["ceiling"], "draft_vocab": result["draft_vocab"]["size"],
+            "draft_step_ms": result["draft_vocab"]["draft_step_ms"],
+            "draft_step_ms_full_vocab": exact["draft_step_ms"], "target": 2.2, "met": dv["speedup"] >= 2.2}
     exactness = result.get("exactness")
     if exactness:
         out["exactness"] = {"value": exactness["all_equal"], "tokens": exactness["tokens"],
@@ -88,6 +96,16 @@ def print_table(result: dict) -> None:
             log(f"   {drafter:6s}: " + "  ".join(
                 f"K{K} {e['tok_s']:.0f} tok/s x{e['speedup']:.2f} (L {e['acceptance_length']:.2f}, ceil "
                 f"x{e['ceiling'] or 0:.2f}){'' if e['tokens_equal_plain'] else ' !='}" for K, e in by_k.items()))
+        if "moe" in v:  # routed experts counted on the device (hyspec.bench.variants.moe_figures)
+            log("   MoE experts read/layer (counted): " + "  ".join(
+                f"t{t}={r['experts_per_layer']:.1f} (unif. {r['expected_uniform']:.1f}) {si(r['bytes_per_step'])}B "
+                f"roofline {r['roofline_ms']:.3f} ms" for t, r in v["moe"]["by_rows"].items()))
+    if "draft_vocab" in result:
+        v = result["draft_vocab"]
+        f3 = v["spec"].get("forced", {}).get(3, {})
+        log(f"-- draft vocabulary {v['size']} ({v['ids']}): plain {v['plain']['tok_s']:.1f} tok/s; draft step "
+            f"{v['draft_step_ms']:.3f} ms; forced K3 x{f3.get('speedup', 0):.2f} (ceil x{f3.get('ceiling') or 0:.2f})"
+            f"{'' if f3.get('tokens_equal_plain', True) else ' !='}")
     if "exactness" in result:
         e = result["exactness"]
         log(f"-- exactness: {len(e['prompts'])} prompts x {e['tokens']} tokens, K=3 forced + MTP == plain: "

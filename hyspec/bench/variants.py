@@ -47,7 +47,12 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
     label = "exact" if exact else "cublas"
 
     generate_plain_fast(model, prompt, max_new_tokens=min(n_new, 16), decoder=decoder)  # compile + capture
+    runner = decoder.runner
+    moe = getattr(runner, "moe_buf", None) is not None  # the Triton runner counts the experts it reads
+    if moe:
+        runner.reset_moe_counts()
     plain_run = generate_plain_fast(model, prompt, max_new_tokens=n_new, decoder=decoder)
+    plain_counts = runner.moe_experts_read() if moe else {}
     plain = plain_run.tokens
     tok_s = plain_run.stats["decode_tok_s"]
     out["plain"] = {"tok_s": tok_s, "ms_per_token": 1e3 / tok_s, "roofline_frac": roofline_ms / (1e3 / tok_s),
@@ -74,6 +79,8 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
         + f"; draft step {draft:.3f} ms")
 
     out["spec"] = {}
+    if moe:
+        runner.reset_moe_counts()
     rates = tuple(float(x) for x in args.forced.split(","))
     for drafter in ("forced", "mtp"):
         out["spec"][drafter] = {}
@@ -103,8 +110,46 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
                 f"x{ceiling or 0:.2f}, {100 * (entry['ceiling_frac'] or 0):.0f}% of it) phases/round draft "
                 f"{phases.get('draft', 0):.3f} verify {phases.get('verify', 0):.3f} commit "
                 f"{phases.get('commit', 0):.3f} ms; equal plain: {entry['tokens_equal_plain']}")
+    if moe:
+        out["moe"] = moe_figures(runner, plain_counts, runner.moe_experts_read(), roofline_ms, verify, step)
     out["_decoder"] = decoder
     return out
+
+
+def moe_figures(runner, plain_counts: dict, spec_counts: dict, roofline_ms: float, verify_ms: dict,
+                step_ms: float) -> dict:
+    """Routed experts the run read, counted on the device by the grouped MoE path (per MoE
+    layer call, by the call's row count t): t = 1 from the plain run, t = K + 1 from the
+    speculative runs' verifies. Bytes per step = everything shared + the counted experts
+    (hyspec.gpu.runner_triton.weight_bytes_per_step), the roofline at the bench's bandwidth
+    (the decode roofline's), next to the uniform-routing expectation and the worst case."""
+    from hyspec.presets import expected_distinct_experts
+
+    cfg = runner.cfg
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    per_ms = runner.weight_bytes_per_step() / roofline_ms  # bytes per ms at the measured bandwidth
+    counts = dict(spec_counts)
+    counts.update({t: c for t, c in plain_counts.items() if t == 1})
+    rows = {}
+    for t in sorted(counts):
+        d = counts[t]["experts_per_layer"]
+        nbytes = runner.weight_bytes_per_step(experts=d)
+        ms = verify_ms.get(t, step_ms if t == 1 else None)
+        rows[t] = {"experts_per_layer": d, "calls": counts[t]["calls"],
+                   "expected_uniform": expected_distinct_experts(E, k, t), "worst": min(E, t * k),
+                   "bytes_per_step": nbytes, "roofline_ms": nbytes / per_ms,
+                   "measured_ms": ms, "roofline_frac": (nbytes / per_ms) / ms if ms else None,
+                   "source": "plain decode" if t == 1 else "speculative verifies"}
+        r = rows[t]
+        log(f"  MoE t={t}: {d:.2f} distinct experts/layer read (counted over {r['calls']} layer calls; "
+            f"uniform routing {r['expected_uniform']:.2f}, worst {r['worst']}) -> {nbytes / 1e9:.3f} GB per "
+            f"forward, roofline {r['roofline_ms']:.3f} ms"
+            + (f"; measured {ms:.3f} ms ({100 * r['roofline_frac']:.0f}% of it)" if ms else ""))
+    draft = runner.moe_experts_read(drafter=True)
+    return {"experts": E, "top_k": k, "by_rows": rows,
+            "one_expert_per_layer_bytes": runner.weight_bytes_per_step(experts=1) - runner.weight_bytes_per_step(experts=0),
+            "shared_bytes": runner.weight_bytes_per_step(experts=0),
+            "drafter_by_rows": {t: c["experts_per_layer"] for t, c in draft.items()}}
 
 
 def exactness_check(model, args, dev, decoder) -> dict:

@@ -139,6 +139,23 @@ class BatchDecoder:
         self.window = None  # PenaltyWindow [S]: each lane's penalty window (made when a lane first has penalties)
         self.window_scratch = None  # PenaltyWindow [S]: the window advanced over a round's drafts
         self.row_counts = None  # [S * t_max, V] int32: the verify rows' counts (penalised rounds)
+        # constrained lanes (docs/constraints.md, "On the CUDA-graph path"): the allowed-token
+        # bits of every verify row, llguidance's layout (token v = bit v % 32 of word v // 32);
+        # row j is the constraint's state after the round's drafts d1..dj, so it masks draft
+        # j+1 and verify row j. An unconstrained lane's rows are all ones.
+        V = cfg.vocab_size
+        self.mask_words = (V + 31) // 32
+        self.mask = torch.full((self.t_max, S, self.mask_words), -1, device=dev, dtype=torch.int32)  # [t_max, S, W]
+        # the host's copy the rows are written into and uploaded from (pinned: asynchronous copies)
+        self.mask_host = torch.full((self.t_max, S, self.mask_words), -1, dtype=torch.int32,
+                                    pin_memory=True) if cuda else self.mask  # [t_max, S, W]
+        self.mask_host_ones = [True] * S  # per lane: its host rows are all ones (kept by the round driver)
+        cols = torch.arange(V, device=dev)
+        self.bit_word = cols >> 5  # [V] the word holding token v's bit
+        self.bit_shift = (cols & 31).to(torch.int32)  # [V] its bit
+        self.k_round = torch.zeros(S, **long)  # [S] masked rounds: drafts the lane really has (a dead mask ends them)
+        self.draft_h = torch.zeros(S, H, device=dev, dtype=dt)  # [S, H] masked rounds: the MTP hidden between graphs
+        self.draft_lg = torch.zeros(S, V, device=dev, dtype=dt)  # [S, V] ... and its draft logits
 
         from hyspec.gpu.runner_triton import TritonRunner
 
@@ -253,6 +270,7 @@ class BatchDecoder:
         self.conv[:, dst].copy_(self.conv[:, src])
         self.ssm[:, dst].copy_(self.ssm[:, src])
         self.sampling_table.params[dst] = self.sampling_table.params[src]
+        self.mask_host_ones[dst] = False  # the driver rewrites dst's host mask rows before they are used
         self.free(src)
 
     def free(self, lane: int) -> None:
@@ -268,65 +286,126 @@ class BatchDecoder:
             self.window.last_n[lane] = 0
 
     # -- the round bodies (graph-captured) ---------------------------------------------
-    def _counts(self, nb: int, regime) -> torch.Tensor | None:
-        return self.window.head(nb).counts if regime is not None and regime.penalties else None
+    def _masked(self, logits: torch.Tensor, words: torch.Tensor):
+        """Rows of logits [r, V] with the tokens their mask words [r, W] do not allow at -inf.
+        Returns (masked logits, allowed [r, V] bool, dead [r] bool). A dead row (no allowed
+        token with a finite logit: an empty mask, or a reduced draft vocabulary scoring none
+        of the allowed tokens) keeps its unmasked logits, so nothing downstream sees a row
+        without mass; the round driver / commit treat its choice as no token."""
+        allowed = ((words.index_select(1, self.bit_word) >> self.bit_shift) & 1).bool()
+        m = logits.masked_fill(~allowed, float("-inf"))
+        dead = ~torch.isfinite(m).any(-1)
+        return torch.where(dead[:, None], logits, m), allowed, dead
 
-    def _decode_body(self, nb: int, regime=None) -> None:
-        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending.
+    def _decode_forward(self, nb: int):
+        """The plain step's target forward for lanes 0..nb-1: logits [nb, V] (the runner's buffer)."""
+        _, post = self.runner.target(self.pending[:nb], nb, self.pos, False, nb)
+        return self.runner.logits(post)
+
+    def _penalised(self, regime) -> bool:
+        return regime is not None and regime.penalties
+
+    def _decode_pick(self, nb: int, logits: torch.Tensor, regime, masked: bool) -> None:
+        """The plain step's token per lane from logits [nb, V] -> result, pending, pos.
         regime (a SampledGraphKey; None: argmax only): the sampling work on the device."""
-        runner = self.runner
-        _, post = runner.target(self.pending[:nb], nb, self.pos, False, nb)
-        logits = runner.logits(post)
+        if masked:  # mask row 0: the constraint's state now
+            logits, _, dead = self._masked(logits, self.mask[0, :nb])
         if regime is not None:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
-            token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime,
-                                self._counts(nb, regime))
+            counts = self.window.head(nb).counts if self._penalised(regime) else None
+            token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts)
         else:
             token = logits.argmax(-1)
         self.result[:nb, 0].zero_()
-        self.result[:nb, 1].copy_(token)
+        self.result[:nb, 1].copy_(torch.where(dead, -1, token) if masked else token)  # -1: no token allowed
         self.pending[:nb].copy_(token)
-        if regime is not None and regime.penalties:
+        if self._penalised(regime):
             self.window.head(nb).push(token, self.live[:nb] > 0)
         self.pos[:nb].add_(self.live[:nb])
+
+    def _decode_body(self, nb: int, regime=None) -> None:
+        """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
+        self._decode_pick(nb, self._decode_forward(nb), regime, False)
+
+    def _draft_fill(self, nb: int) -> torch.Tensor:
+        """The drafter over each lane's fill rows: the hidden [nb, H] of its last fill row."""
+        R = self.lane_rows
+        h = self.runner.mtp(self.fill_tokens[:nb].reshape(-1), self.fill_h[:nb].reshape(nb * R, -1),
+                            self.fill_start, 0, nb)
+        return h.view(nb, R, -1)[self.lane_ids[:nb], self.fill_rows[:nb] - 1]  # [nb, H]
+
+    def _draft_choose(self, nb: int, i: int, forced: bool, regime, hidden: torch.Tensor | None = None,
+                      masked: bool = False) -> torch.Tensor:
+        """Draft i (the token at position pos + 1 + i) of every lane: from the MTP hidden
+        [nb, H] (unmasked), or masked: from the draft logits kept in draft_lg under mask row
+        i. Into verify_tokens[:, 1 + i] (and, for the rejection test, its distribution into
+        draft_probs). A penalised regime penalises it with the lane's window plus drafts
+        0..i-1 (window_scratch: copied from the window at draft 0, each draft pushed)."""
+        runner = self.runner
+        sampled = regime is not None
+        keep_q = sampled and regime.sampled and regime.rejection  # only the rejection test reads q
+        scratch = self.window_scratch.head(nb) if self._penalised(regime) else None
+        if scratch is not None and i == 0:
+            scratch.copy_(self.window.head(nb))
+        if masked:  # mask row i: the constraint after drafts d1..di; a dead row ends the lane's drafts
+            logits, allowed, dead = self._masked(self.draft_lg[:nb], self.mask[i, :nb])
+            kr = self.k_round[:nb]
+            kr.masked_fill_(dead & (kr > i), i)
+        if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
+            q, draft = draft_draws(logits if masked else runner.draft_logits(hidden),
+                                   table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
+                                   scratch.counts if scratch is not None else None)
+        else:  # (draft_argmax: the argmax of draft_logits without a [nb, V] row for a reduced draft vocabulary)
+            draft = logits.argmax(-1) if masked else runner.draft_argmax(hidden)
+        if forced:
+            K = max(self.k_max, 1)
+            idx = (self.pos[:nb] + (1 + i)) * K + i
+            draft = self.forced_tokens[:nb].gather(1, idx[:, None])[:, 0]
+            if masked:  # a forced token the constraint forbids: the masked argmax (hyspec.core.round)
+                draft = torch.where(allowed.gather(1, draft[:, None])[:, 0], draft, logits.argmax(-1))
+            if keep_q:  # a deterministic proposal: q is one-hot at it
+                q = torch.zeros_like(q).scatter_(1, draft[:, None], 1.0)
+        if keep_q:
+            self.draft_probs[:nb, i].copy_(q)
+        self.verify_tokens[:nb, 1 + i].copy_(draft)
+        if scratch is not None:
+            scratch.push(draft)
+        return draft
+
+    def _ensure_draft_probs(self, regime) -> None:
+        if regime is not None and self.draft_probs is None:
+            self.draft_probs = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
+                                           dtype=torch.float64)
 
     def _draft_body(self, nb: int, k: int, forced: bool, regime=None) -> None:
         if k == 0:
             return
-        sampled = regime is not None
-        if sampled and self.draft_probs is None:
-            self.draft_probs = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
-                                           dtype=torch.float64)
-        table = table_rows(self.sampling_table, nb) if sampled else None
-        scratch = None
-        if sampled and regime.penalties:  # draft i is penalised with the window plus drafts 0..i-1
-            scratch = self.window_scratch.head(nb).copy_(self.window.head(nb))
+        self._ensure_draft_probs(regime)
         runner = self.runner
-        R = self.lane_rows
-        lanes = self.lane_ids[:nb]
-        h = runner.mtp(self.fill_tokens[:nb].reshape(-1), self.fill_h[:nb].reshape(nb * R, -1), self.fill_start, 0, nb)
-        hidden = h.view(nb, R, -1)[lanes, self.fill_rows[:nb] - 1]  # [nb, H] each lane's last fill row
+        hidden = self._draft_fill(nb)  # [nb, H] each lane's last fill row
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
-        K = max(self.k_max, 1)
         for i in range(k):
-            logits = runner.draft_logits(hidden)
-            if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-                q, draft = draft_draws(logits, table, self.pos[:nb] + 1 + i, regime,
-                                       scratch.counts if scratch is not None else None)
-            else:
-                draft = logits.argmax(-1)
-            keep_q = sampled and regime.sampled and regime.rejection  # only the rejection test reads q
-            if forced:
-                idx = (self.pos[:nb] + (1 + i)) * K + i
-                draft = self.forced_tokens[:nb].gather(1, idx[:, None])[:, 0]
-                if keep_q:  # a deterministic proposal: q is one-hot at it
-                    q = torch.zeros_like(q).scatter_(1, draft[:, None], 1.0)
-            if keep_q:
-                self.draft_probs[:nb, i].copy_(q)
-            self.verify_tokens[:nb, 1 + i].copy_(draft)
-            if scratch is not None and i + 1 < k:
-                scratch.push(draft)
+            draft = self._draft_choose(nb, i, forced, regime, hidden=hidden)
             if i + 1 < k:
                 hidden = runner.mtp(draft, hidden, chain, i, nb)
+
+    # masked rounds: the same draft as three kinds of graphs, so the host can compute each
+    # depth's mask from the drafts before it while the device runs the drafter
+    def _cfill_body(self, nb: int) -> None:
+        """Fill rows -> hidden and draft logits of depth 0 (kept in draft_h / draft_lg)."""
+        self.draft_h[:nb].copy_(self._draft_fill(nb))
+        self.draft_lg[:nb].copy_(self.runner.draft_logits(self.draft_h[:nb]))
+        self.k_round[:nb].copy_(self.k_lane[:nb])
+
+    def _cpick_body(self, nb: int, i: int, forced: bool, regime) -> None:
+        """Draft i under mask row i."""
+        self._draft_choose(nb, i, forced, regime, masked=True)
+
+    def _cadv_body(self, nb: int, i: int) -> None:
+        """One chained drafter step on draft i -> hidden and draft logits of depth i + 1."""
+        chain = self.fill_start + self.fill_rows
+        h = self.runner.mtp(self.verify_tokens[:nb, 1 + i].contiguous(), self.draft_h[:nb], chain, i, nb)
+        self.draft_h[:nb].copy_(h)
+        self.draft_lg[:nb].copy_(self.runner.draft_logits(self.draft_h[:nb]))
 
     def _verify_body(self, nb: int, t: int) -> None:
         self.verify_tokens[:nb, 0].copy_(self.pending[:nb])
@@ -335,17 +414,24 @@ class BatchDecoder:
         self.seed_hidden[:nb, :t].copy_(seed.view(nb, t, -1))
         self.argmax[:nb, :t].copy_(self.runner.logits(post).argmax(-1).view(nb, t))
 
-    def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True) -> None:
+    def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True, masked: bool = False) -> None:
         k = t - 1
         lanes = self.lane_ids[:nb]
         argmax = self.argmax[:nb, :t]
         verify_tokens = self.verify_tokens[:nb, :t]
+        k_lane = self.k_lane[:nb]
+        if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
+            logits = self.runner.bufs.logits[: nb * t]
+            m, _, dead = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1))
+            logits.copy_(m)
+            argmax.copy_(m.argmax(-1).view(nb, t))
+            k_lane = self.k_round[:nb]
         if regime is not None:
-            n, bonus = accept_sampled(self, nb, t, regime, plain)
+            n, bonus = accept_sampled(self, nb, t, regime, plain, k_lane)
         else:
             if k > 0:
                 match = (argmax[:, :k] == verify_tokens[:, 1:t]).to(torch.long)
-                n = torch.minimum(torch.cumprod(match, 1).sum(1), self.k_lane[:nb])
+                n = torch.minimum(torch.cumprod(match, 1).sum(1), k_lane)
             else:
                 n = torch.zeros(nb, device=self.dev, dtype=torch.long)
             bonus = argmax[lanes, n]
@@ -366,14 +452,15 @@ class BatchDecoder:
         live = self.live[:nb]
         self.fill_start[:nb].copy_((self.pos[:nb] - 1).clamp_min(0) * live)
         self.fill_rows[:nb].copy_(torch.where(live > 0, j + 1, torch.ones_like(j)))
-        if regime is not None and regime.penalties:  # the emitted tokens: drafts 1..n, then the bonus
+        if self._penalised(regime):  # the emitted tokens into the window: drafts 1..n, then the bonus
             emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(bonus)[:, None]], 1).scatter(
                 1, n[:, None], bonus[:, None])
             self.window.head(nb).push_many(emitted, j * live)
         self.pos[:nb].add_(j * live)
         self.pending[:nb].copy_(bonus)
         self.result[:nb, 0].copy_(n)
-        self.result[:nb, 1].copy_(bonus)
+        # masked: -1 when the bonus row allows nothing (the drafts are emitted, the lane ends)
+        self.result[:nb, 1].copy_(torch.where(dead.view(nb, t)[lanes, n], -1, bonus) if masked else bonus)
         if k > 0:
             self.result[:nb, 2: 2 + k].copy_(verify_tokens[:, 1:t])
 
@@ -386,23 +473,23 @@ class BatchDecoder:
             return dsamp.ALL_STAGES
         return sampled or None
 
-    def _check_regime(self, regime) -> None:
-        if regime is not None and regime.penalties and self.window is None:
+    def _regime_of(self, sampled):
+        regime = self.regime(sampled)
+        if self._penalised(regime) and self.window is None:
             raise ValueError("a penalised round before any lane was given penalties (set_params)")
+        return regime
 
     def decode(self, nb: int, sampled=False) -> None:
-        regime = self.regime(sampled)
-        self._check_regime(regime)
+        regime = self._regime_of(sampled)
         self.step_graphs.run(("decode", nb, regime), lambda: self._decode_body(nb, regime))
 
     def round(self, nb: int, k: int, forced: bool = False, sampled=False, plain: bool = True) -> None:
         """One speculative round (k drafts; lanes with k_lane < k use fewer) for lanes
         0..nb-1; sampled: the lanes' sampling regime (a SampledGraphKey, or True for every
-        stage; the graphs with sampling on the device); plain: some lane decodes plainly (k = 0)."""
+        stage: the graphs with sampling on the device); plain: some lane decodes plainly (k = 0)."""
         if k > self.k_max:
             raise ValueError(f"k={k} > k_max {self.k_max}")
-        regime = self.regime(sampled)
-        self._check_regime(regime)
+        regime = self._regime_of(sampled)
         plain = bool(plain) and regime is not None  # the argmax commit serves plain lanes either way
         run = self.step_graphs.run
         if k > 0:
@@ -410,24 +497,69 @@ class BatchDecoder:
         run(("verify", nb, k + 1), lambda: self._verify_body(nb, k + 1))
         run(("commit", nb, k + 1, regime, plain), lambda: self._commit_body(nb, k + 1, regime, plain))
 
+    # masked rounds (some lane constrained): the host runs these in order, writing mask rows
+    # between them (hyspec.gpu.batch_loop): plain: decode_forward, [row 0], decode_pick;
+    # speculative: draft_fill, [row 0], (draft_pick i, draft_advance i, [row i + 1]) for
+    # i < k - 1, draft_pick k-1, verify, [row k], commit. Each graph is keyed without the
+    # constraint: the masks are data.
+    def upload_mask(self, nb: int, row: int) -> None:
+        """mask_host[row, :nb] -> the device (asynchronous from pinned memory)."""
+        if self.mask_host is not self.mask:
+            self.mask[row, :nb].copy_(self.mask_host[row, :nb], non_blocking=True)
+
+    def masked_decode_forward(self, nb: int) -> None:
+        self.step_graphs.run(("mdecode_fwd", nb), lambda: self._decode_forward(nb))
+
+    def masked_decode_pick(self, nb: int, sampled=False) -> None:
+        regime = self._regime_of(sampled)
+        self.step_graphs.run(("mdecode_pick", nb, regime),
+                             lambda: self._decode_pick(nb, self.runner.bufs.logits[:nb], regime, True))
+
+    def masked_draft_fill(self, nb: int) -> None:
+        self.step_graphs.run(("mdraft_fill", nb), lambda: self._cfill_body(nb))
+
+    def masked_draft_pick(self, nb: int, i: int, forced: bool = False, sampled=False) -> None:
+        regime = self._regime_of(sampled)
+        self._ensure_draft_probs(regime)
+        self.step_graphs.run(("mdraft_pick", nb, i, forced, regime), lambda: self._cpick_body(nb, i, forced, regime))
+
+    def masked_draft_advance(self, nb: int, i: int) -> None:
+        self.step_graphs.run(("mdraft_adv", nb, i), lambda: self._cadv_body(nb, i))
+
+    def verify(self, nb: int, t: int) -> None:
+        self.step_graphs.run(("verify", nb, t), lambda: self._verify_body(nb, t))
+
+    def masked_commit(self, nb: int, t: int, sampled=False, plain: bool = True) -> None:
+        regime = self._regime_of(sampled)
+        plain = bool(plain) and regime is not None
+        self.step_graphs.run(("commit", nb, t, regime, plain, True),
+                             lambda: self._commit_body(nb, t, regime, plain, True))
+
     def _mutable(self) -> list[torch.Tensor]:
         """What a round writes besides the caches (saved and put back around a capture)."""
         out = [self.pos, self.pending, self.fill_start, self.fill_rows, self.fill_tokens, self.fill_h, self.h_last,
-               self.verify_tokens, self.argmax, self.seed_hidden, self.result, self.conv, self.ssm]
+               self.verify_tokens, self.argmax, self.seed_hidden, self.result, self.conv, self.ssm,
+               self.k_round, self.draft_h, self.draft_lg]
         if self.window is not None:
             out += [self.window.length, self.window.ring, self.window.counts]
         return out
 
-    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,), plain=(True,)) -> None:
+    def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,), masked=(False,),
+                plain=(True,)) -> None:
         """Capture the graphs of these batch sizes, draft counts and sampling regimes (False,
-        True = every stage, or SampledGraphKeys) ahead of time."""
+        True = every stage, or SampledGraphKeys; plain: with / without plain lanes in the
+        speculative rounds) ahead of time (masked=(True,): the constrained rounds' graphs;
+        (False, True): both)."""
         if not self.graphs:
+            return
+        regimes = [self._regime_of(sm) for sm in sampled]
+        if True in masked:
+            self._capture_masked(sizes, ks, forced, decode, regimes, plain)
+        if False not in masked:
             return
         ensure = self.step_graphs.ensure
         for nb in sizes:
-            for sm in sampled:
-                rg = self.regime(sm)
-                self._check_regime(rg)
+            for rg in regimes:
                 if decode:
                     ensure(("decode", nb, rg), lambda nb=nb, rg=rg: self._decode_body(nb, rg))
                 for k in ks:
@@ -438,3 +570,27 @@ class BatchDecoder:
                     for pl in {bool(p) and rg is not None for p in plain}:
                         ensure(("commit", nb, k + 1, rg, pl),
                                lambda nb=nb, k=k, rg=rg, pl=pl: self._commit_body(nb, k + 1, rg, pl))
+
+    def _capture_masked(self, sizes, ks, forced, decode, regimes, plain) -> None:
+        ensure = self.step_graphs.ensure
+        for nb in sizes:
+            if decode:
+                ensure(("mdecode_fwd", nb), lambda nb=nb: self._decode_forward(nb))
+            for rg in regimes:
+                self._ensure_draft_probs(rg)
+                if decode:
+                    ensure(("mdecode_pick", nb, rg),
+                           lambda nb=nb, rg=rg: self._decode_pick(nb, self.runner.bufs.logits[:nb], rg, True))
+                for k in ks:
+                    if k > 0:
+                        ensure(("mdraft_fill", nb), lambda nb=nb: self._cfill_body(nb))
+                    for i in range(k):
+                        for f in forced:
+                            ensure(("mdraft_pick", nb, i, f, rg),
+                                   lambda nb=nb, i=i, f=f, rg=rg: self._cpick_body(nb, i, f, rg))
+                        if i + 1 < k:
+                            ensure(("mdraft_adv", nb, i), lambda nb=nb, i=i: self._cadv_body(nb, i))
+                    ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
+                    for pl in {bool(p) and rg is not None for p in plain}:
+                        ensure(("commit", nb, k + 1, rg, pl, True),
+                               lambda nb=nb, k=k, rg=rg, pl=pl: self._commit_body(nb, k + 1, rg, pl, True))

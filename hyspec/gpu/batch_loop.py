@@ -1,15 +1,27 @@
 """Continuous batching on the BatchDecoder: sequences join after their prefill, leave on
-a stop id or their token limit, and every round runs the active lanes in one captured
-graph set.  The host reads one small tensor per round (accepted count, bonus, drafts per
-lane) and does the bookkeeping: emit, stop, compaction of the lanes.
+a stop id, their token limit or a cancel, and every round runs the active lanes in one
+captured graph set.  The host reads one small tensor per round (accepted count, bonus,
+drafts per lane) and does the bookkeeping: emit, stop, compaction of the lanes.
 
-Greedy and sampled requests, with or without penalties (plain k = 0, or speculative
-k >= 1, mixed freely in one batch): a request's tokens equal those of the same request
-decoded alone, bitwise. Each round runs the graphs of its lanes' sampling regime
-(hyspec.gpu.sampling.SampledGraphKey: the stages and draws some lane needs).
+BatchRunner is the loop as an open queue (the server submits and cancels while it runs);
+run_batch runs a closed list of requests on one.  Greedy and sampled requests (plain
+k = 0, or speculative k >= 1, mixed freely in one batch; with or without penalties),
+constrained or not: a request's tokens equal those of the same request decoded alone,
+bitwise, whenever it joined and whoever else was in the batch, and the engine core's.
+Each round runs the graphs of its lanes' sampling regime (hyspec.gpu.sampling.
+SampledGraphKey: the stages and draws some lane needs).
+
+Constrained requests (a hyspec.constraints.Constraint each): a round with a constrained
+lane is a *masked* round (BatchRunner._run_masked; docs/constraints.md, "On the CUDA-graph
+path"). The drafter runs depth by depth (a graph per step); between two steps the host
+reads the drafted tokens and computes the next depth's mask with llguidance while the
+device runs the next drafter step, and the last depth's mask while the device runs the
+verify forward; the masks are applied inside the graphs. Masked rounds are not pipelined
+(the next round's first mask needs this round's tokens).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,7 +34,7 @@ from hyspec.gpu.batch import BatchDecoder, padded_size
 from hyspec.gpu.sampling import SampledGraphKey
 
 
-@dataclass
+@dataclass(eq=False)
 class LaneRequest:
     prompt: list[int]
     max_new_tokens: int
@@ -31,12 +43,17 @@ class LaneRequest:
     reference: list[int] | None = None  # continuation the forced-acceptance drafter proposes from
     arrival: int = 0  # the first round at which this request may join (staggered arrivals in benches)
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: the tokens each round emits
+    on_finish: Callable[["LaneRequest"], None] | None = None  # once it has left (reason set, lane freed)
     telemetry: SpecTelemetry = field(default_factory=SpecTelemetry)  # its speculative rounds
     params: Any = None  # SamplingParams (None: greedy)
+    constraint: Any = None  # hyspec.constraints.Constraint (advanced in place by the emitted tokens)
     tokens: list[int] = field(default_factory=list)
-    reason: str | None = None
+    reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
     rounds: int = 0  # target forwards (plain steps and speculative rounds)
+    t_admit: float | None = None  # perf_counter when its prefill started
+    t_first: float | None = None  # ... when its first token was chosen
+    t_done: float | None = None  # ... when it left
 
     def emit(self, toks: list[int]) -> None:
         n0 = len(self.tokens)
@@ -48,67 +65,204 @@ class LaneRequest:
             if len(self.tokens) >= self.max_new_tokens:
                 self.reason = "length"
                 break
+        if self.constraint is not None and len(self.tokens) > n0:
+            self.constraint.commit(self.tokens[n0:])
         if self.on_tokens is not None and len(self.tokens) > n0:
             self.on_tokens(self.tokens[n0:])
 
 
-def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int | None = None,
-              forced_rates=None, forced_seed: int = 0, pipeline: bool = True) -> dict:
-    """Decode every request to its end; returns timing stats (prefill and rounds apart).
-    pipeline: queue the next round before reading the current one's result when no lane
-    can finish by its token limit and nobody is due to join."""
-    from hyspec.core.round import choose_token
-    from hyspec.gpu.generate import forced_table
+class BatchRunner:
+    """The batched round over an open queue of LaneRequests.
 
-    cap = min(max_batch or dec.slots, dec.slots)
-    forced = forced_rates is not None
-    for r in requests:
+        runner = BatchRunner(dec, max_batch=16)
+        runner.submit(LaneRequest(prompt=[...], max_new_tokens=64, k=3, on_tokens=print))
+        while runner.has_work():
+            runner.step()        # admit (prefill) between rounds, one round, leave
+
+    One thread steps a runner: it owns the decoder's lanes.  submit() and cancel() may be
+    called from any thread: they only hand the request over (under a lock), and it takes
+    effect at the next round boundary (a cancelled request's lane is freed within one
+    round: the last lane moves into the hole).  Tokens reach on_tokens as each round
+    commits them; on_finish runs once the request has left.
+
+    pipeline: queue the next round before reading the current one's result when no lane
+    can finish by its token limit, nothing waits to join and nothing is cancelled."""
+
+    def __init__(self, dec: BatchDecoder, *, max_batch: int | None = None, forced_rates=None, forced_seed: int = 0,
+                 pipeline: bool = True) -> None:
+        self.dec = dec
+        self.cap = min(max_batch or dec.slots, dec.slots)
+        self.forced_rates, self.forced_seed = forced_rates, forced_seed
+        self.forced = forced_rates is not None
+        self.pipeline = pipeline
+        self.waiting: deque[LaneRequest] = deque()  # submitted, not in a lane yet (stepping thread)
+        self.active: list[LaneRequest] = []  # active[i] sits in lane i
+        self.round = 0  # rounds launched (and idle rounds waiting for a later arrival)
+        self.prefill_s = self.rounds_s = 0.0
+        self.tokens = 0  # tokens the rounds emitted (the prefills' first tokens not counted)
+        self.constraint_s = 0.0  # host seconds in the constraints (masks and commits; the first tokens' included)
+        self.masked_rounds = 0  # rounds with a constrained lane
+        self._lock = threading.Lock()
+        self._submitted: list[LaneRequest] = []  # handed over, not yet seen by step()
+        self._cancelled: list[LaneRequest] = []
+        self._inflight = None  # a launched round not read yet (pipelining)
+        self._cuda = dec.dev.type == "cuda"
+        self._sync = torch.cuda.synchronize if self._cuda else (lambda: None)
+        # results of a launched round: copied to pinned host memory behind an event, so the
+        # next round can be queued before the host reads this one (two buffers)
+        if self._cuda:
+            self._host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._events = [torch.cuda.Event() for _ in range(2)]
+            # a masked round's drafts so far (the whole [lanes, t_max] block: one contiguous copy)
+            self._tok_host = torch.empty(dec.slots, dec.t_max, dtype=torch.long, pin_memory=True)
+            self._tok_event = torch.cuda.Event()
+        self._buf = 0  # the next host buffer
+        for lane in range(dec.slots):  # a runner starts from idle lanes
+            dec.free(lane)
+
+    # -- any thread --------------------------------------------------------------------
+    def check(self, r: LaneRequest) -> None:
+        """ValueError when r cannot run on this decoder."""
+        dec = self.dec
         if r.k > dec.k_max:
             raise ValueError(f"a request drafts k={r.k} > the decoder's k_max {dec.k_max}")
         if len(r.prompt) + r.max_new_tokens + r.k + 2 > dec.max_len:
             raise ValueError(f"a request needs {len(r.prompt) + r.max_new_tokens + r.k + 2} positions > "
                              f"the decoder's max_len {dec.max_len}")
-        if forced and r.k > 0 and r.reference is None:
+        if self.forced and r.k > 0 and r.reference is None:
             raise ValueError("the forced-acceptance drafter needs each speculative request's reference")
-    order = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
-    active: list[LaneRequest] = []
-    cuda = dec.dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # results of a launched round: copied to pinned host memory behind an event, so the
-    # next round can be queued before the host reads this one (two buffers)
-    if cuda:
-        host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
-        events = [torch.cuda.Event() for _ in range(2)]
-    progress = {"round": 0, "buf": 0, "prefill_s": 0.0, "tokens": 0}  # rounds launched, next host buffer, ...
+        if r.constraint is not None and (not hasattr(r.constraint, "allowed_words")
+                                         or getattr(r.constraint, "vocab_size", None) != dec.cfg.vocab_size):
+            raise ValueError(f"a request's constraint has no packed masks (allowed_words) over this model's "
+                             f"vocabulary of {dec.cfg.vocab_size} tokens")
 
-    def admit() -> None:
+    def submit(self, r: LaneRequest) -> LaneRequest:
+        self.check(r)
+        with self._lock:
+            self._submitted.append(r)
+        return r
+
+    def cancel(self, r: LaneRequest) -> None:
+        """Stop r at the next round boundary (reason "cancelled"; a finished r is left as it is)."""
+        with self._lock:
+            self._cancelled.append(r)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            handed = bool(self._submitted or self._cancelled)
+        return handed or bool(self.waiting or self.active or self._inflight)
+
+    def run(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def stats(self) -> dict:
+        """Timing so far: prefill and rounds apart."""
+        return {"prefill_s": self.prefill_s, "rounds_s": self.rounds_s, "rounds": self.round,
+                "round_tokens": self.tokens, "round_tok_s": self.tokens / self.rounds_s if self.rounds_s > 0 else None,
+                "constraint_s": self.constraint_s, "masked_rounds": self.masked_rounds}
+
+    # -- the stepping thread -----------------------------------------------------------
+    def step(self) -> bool:
+        """Take what was handed over, admit waiting requests (between rounds), run one
+        round over the active lanes and let finished ones leave. Returns whether anything ran."""
+        self._take_handed()
+        if self._inflight is None:
+            self._leave()  # cancelled lanes go before the round (and before anyone joins)
+            self._admit()
+            if not self.active:
+                if self.waiting:  # nobody due yet: an idle round
+                    self.round += 1
+                    return True
+                return False
         t0 = time.perf_counter()
-        while order and len(active) < cap and requests[order[0]].arrival <= progress["round"]:
-            r = requests[order.popleft()]
+        if self._inflight is None:
+            self._inflight = self._launch()
+        nxt = self._launch() if self._may_queue_next(self._inflight[2]) else None
+        self._take(self._read(self._inflight))
+        self._inflight = None
+        if nxt is not None:
+            if any(r.reason is not None for r in self.active):
+                self._take(self._read(nxt))  # drain: the lanes still going keep the queued round's tokens
+            else:
+                self._inflight = nxt
+        if self._inflight is None:
+            self._leave()
+        self.rounds_s += time.perf_counter() - t0
+        return True
+
+    def _take_handed(self) -> None:
+        with self._lock:
+            submitted, cancelled = self._submitted, self._cancelled
+            self._submitted, self._cancelled = [], []
+        self.waiting.extend(submitted)
+        for r in cancelled:
+            if r.reason is not None:
+                continue  # it finished already
+            if r in self.waiting:
+                r.reason = "cancelled"
+                self.waiting.remove(r)
+                self._finished(r)
+            elif r in self.active:
+                r.reason = "cancelled"  # it leaves at the round boundary (_leave)
+
+    def _finished(self, r: LaneRequest) -> None:
+        r.t_done = time.perf_counter()
+        if r.on_finish is not None:
+            r.on_finish(r)
+
+    def _due(self) -> bool:
+        """Someone waits to join and a lane is free for it."""
+        return bool(self.waiting) and len(self.active) < self.cap and self.waiting[0].arrival <= self.round
+
+    def _admit(self) -> None:
+        from hyspec.core.round import choose_token, masked
+        from hyspec.gpu.generate import forced_table
+
+        dec = self.dec
+        t0 = time.perf_counter()
+        while self._due():
+            r = self.waiting.popleft()
+            r.t_admit = time.perf_counter()
             if r.max_new_tokens == 0:
                 r.reason = "length"
+                self._finished(r)
                 continue
-            lane = len(active)
+            lane = len(self.active)
             pre, post, logits = dec.prefill(lane, r.prompt)
+            row = logits[0]
+            if r.constraint is not None:  # the first token under the constraint's state now
+                t_c = time.perf_counter()
+                mask = r.constraint.allowed()
+                self.constraint_s += time.perf_counter() - t_c
+                if not bool(mask.any()):
+                    r.reason = "constraint"
+                    dec.free(lane)
+                    self._finished(r)
+                    continue
+                row = masked(row, mask)
             if r.params is None:
-                first = int(torch.argmax(logits[0]))
-            else:  # the token at position P, as the engine core chooses it
-                first = choose_token(logits[0], r.prompt, r.params, len(r.prompt))
+                first = int(torch.argmax(row))
+            else:  # the token at position P, as the engine core chooses it (penalised greedy too)
+                first = choose_token(row, r.prompt, r.params, len(r.prompt))
+            r.t_first = time.perf_counter()
             dec.set_params(lane, r.params)
-            r.emit([first])
+            self._emit(r, [first])
             if r.reason is not None:
                 dec.free(lane)
+                self._finished(r)
                 continue
             dec.start(lane, r.prompt, pre, post, first, r.k)
             r.k_now = r.k
-            if forced and r.k > 0:
-                dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(forced_rates),
-                                                  forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
-            active.append(r)
-        sync()
-        progress["prefill_s"] += time.perf_counter() - t0
+            if self.forced and r.k > 0:
+                dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
+                                                  self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
+            self.active.append(r)
+        self._sync()
+        self.prefill_s += time.perf_counter() - t0
 
-    def launch():
+    def _launch(self):
+        dec, active = self.dec, self.active
         # a lane drafts at most remaining - 1 (the engine core's rule: a round never decides
         # positions past the limit, which keeps sampled output equal to the core's)
         for i, r in enumerate(active):
@@ -118,83 +272,157 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
                 r.k_now = k_eff
         nb = padded_size(len(active), dec.sizes)
         k = max(r.k for r in active)
-        regime = SampledGraphKey.of([r.params for r in active])  # None: argmax graphs
-        if k == 0:
+        regime = SampledGraphKey.of([r.params for r in active])  # None: the argmax graphs
+        plain = any(r.k == 0 for r in active)
+        if any(r.constraint is not None for r in active):
+            self._run_masked(nb, k, regime, plain)
+        elif k == 0:
             dec.decode(nb, regime)
         else:
-            dec.round(nb, k, forced, regime, plain=any(r.k == 0 for r in active))
-        progress["round"] += 1
-        buf = progress["buf"]
-        progress["buf"] ^= 1
+            dec.round(nb, k, self.forced, regime, plain)
+        self.round += 1
+        buf = self._buf
+        self._buf ^= 1
         n = len(active)
-        if cuda:
-            host[buf][:n, : 2 + k].copy_(dec.result[:n, : 2 + k], non_blocking=True)
-            events[buf].record()
+        if self._cuda:
+            self._host[buf][:n, : 2 + k].copy_(dec.result[:n, : 2 + k], non_blocking=True)
+            self._events[buf].record()
             return buf, n, k, None
         return buf, n, k, dec.result[:n, : 2 + k].clone()  # CPU: the call was synchronous
 
-    def read(launched) -> list[list[int]]:
+    def _run_masked(self, nb: int, k: int, regime, plain: bool) -> None:
+        """One round with masks: the drafter depth by depth, the host writing mask row j
+        (each constrained lane's state after its drafts d1..dj) while the device runs the
+        drafter step (or, for the last row, the verify forward) that does not need it."""
+        dec, active = self.dec, self.active
+        self.masked_rounds += 1
+        n = len(active)
+        mask_np = dec.mask_host.numpy()  # [t_max, S, W] (on the CPU: the device's own buffer)
+        cons = [(i, r) for i, r in enumerate(active) if r.constraint is not None]
+        for i in range(nb):  # unconstrained and padding lanes: all-ones rows
+            if (i >= n or active[i].constraint is None) and not dec.mask_host_ones[i]:
+                mask_np[:, i] = -1
+                dec.mask_host_ones[i] = True
+        for i, _ in cons:
+            dec.mask_host_ones[i] = False
+        drafts = {i: [] for i, _ in cons}
+        dead = set()  # lanes whose mask emptied this round (every later row is empty too)
+
+        def rows(j: int) -> None:
+            t0 = time.perf_counter()
+            for i, r in cons:
+                if j > r.k_now:  # a row past the lane's drafts: never read
+                    continue
+                if i in dead:
+                    mask_np[j, i] = 0
+                    continue
+                words = r.constraint.allowed_words(drafts[i][:j])
+                mask_np[j, i] = words
+                if not words.any():
+                    dead.add(i)
+            self.constraint_s += time.perf_counter() - t0
+            dec.upload_mask(nb, j)
+
+        if k == 0:
+            dec.masked_decode_forward(nb)
+            rows(0)  # overlaps the target forward
+            dec.masked_decode_pick(nb, regime)
+            return
+        dec.masked_draft_fill(nb)
+        rows(0)  # overlaps the drafter's fill rows
+        for i in range(k):
+            dec.masked_draft_pick(nb, i, self.forced, regime)
+            if self._cuda:
+                self._tok_host[:n].copy_(dec.verify_tokens[:n], non_blocking=True)
+                self._tok_event.record()
+            else:
+                toks = dec.verify_tokens[:n, 1 + i].tolist()
+            if i + 1 < k:
+                dec.masked_draft_advance(nb, i)
+            else:
+                dec.verify(nb, k + 1)
+            if self._cuda:
+                self._tok_event.synchronize()
+                toks = self._tok_host[:n, 1 + i].tolist()
+            for lane, _ in cons:
+                drafts[lane].append(toks[lane])
+            rows(i + 1)  # overlaps the next drafter step / the verify forward
+        dec.masked_commit(nb, k + 1, regime, plain)
+
+    def _emit(self, r: LaneRequest, toks: list[int]) -> None:
+        t0 = time.perf_counter()
+        r.emit(toks)  # (commits them to r's constraint)
+        if r.constraint is not None:
+            self.constraint_s += time.perf_counter() - t0
+
+    def _read(self, launched) -> list[list[int]]:
         buf, n, k, copy = launched
-        if cuda:
-            events[buf].synchronize()
-            return host[buf][:n, : 2 + k].tolist()
+        if self._cuda:
+            self._events[buf].synchronize()
+            return self._host[buf][:n, : 2 + k].tolist()
         return copy.tolist()
 
-    def take(rows, lanes) -> None:
-        for i in lanes:
-            r, row = active[i], rows[i]  # row: (accepted n, bonus, d1..dk) of lane i
+    def _take(self, rows) -> None:
+        """Emit a read round's tokens to the lanes still going (a finished or cancelled
+        lane's row is dropped)."""
+        for r, row in zip(self.active, rows):  # row: (accepted n, bonus, d1..dk) of that lane
+            if r.reason is not None:
+                continue
             n, bonus = row[0], row[1]
             r.rounds += 1
             if r.k > 0:
                 r.telemetry.record_round(r.k_now, n)
             before = len(r.tokens)
-            r.emit(row[2: 2 + n] + [bonus])
-            progress["tokens"] += len(r.tokens) - before
+            if bonus < 0:  # a masked round: the constraint allows nothing after the accepted drafts
+                self._emit(r, row[2: 2 + n])
+                r.reason = r.reason or "constraint"
+            else:
+                self._emit(r, row[2: 2 + n] + [bonus])
+            self.tokens += len(r.tokens) - before
 
-    def may_queue_next(k) -> bool:
+    def _may_queue_next(self, k) -> bool:
         """Queue the next round before reading this one: only when no lane can reach its
-        token limit in this round and nobody is due to join (a stop id may still end a
-        lane: its extra round is then dropped)."""
-        if not pipeline:
-            return False
-        if order and len(active) < cap and requests[order[0]].arrival <= progress["round"]:
+        token limit in this round, nothing waits to join and nothing is cancelled (a stop
+        id may still end a lane: its extra round is then dropped)."""
+        if not self.pipeline or any(r.reason is not None or r.constraint is not None for r in self.active):
+            return False  # (a masked round needs this round's tokens for its first mask)
+        with self._lock:
+            if self._cancelled or (self._submitted and len(self.active) < self.cap):
+                return False
+        if self._due():
             return False
         # (with >= 2k + 2 left before this round, every lane still drafts its full k in the next)
-        return all(r.max_new_tokens - len(r.tokens) >= 2 * (k + 1) for r in active)
+        return all(r.max_new_tokens - len(r.tokens) >= 2 * (k + 1) for r in self.active)
 
-    t_rounds = 0.0
-    inflight = None
-    while order or active:
-        if inflight is None:
-            admit()
-            if not active:
-                progress["round"] += 1
+    def _leave(self) -> None:
+        """Free the lanes of finished requests: the last lane moves into each hole."""
+        dec, active = self.dec, self.active
+        for i in reversed(range(len(active))):
+            r = active[i]
+            if r.reason is None:
                 continue
-        t0 = time.perf_counter()
-        if inflight is None:
-            inflight = launch()
-        nxt = launch() if may_queue_next(inflight[2]) else None
-        take(read(inflight), range(len(active)))
-        inflight = None
-        if nxt is not None:
-            done = [r.reason is not None for r in active]
-            if any(done):  # drain: the lanes still going keep the queued round's tokens
-                take(read(nxt), [i for i in range(len(active)) if not done[i]])
+            last = len(active) - 1
+            if i != last:
+                dec.move(last, i)
+                active[i] = active[last]
             else:
-                inflight = nxt
-        if inflight is None:
-            for i in reversed(range(len(active))):  # leave: the last lane moves into the hole
-                if active[i].reason is not None:
-                    last = len(active) - 1
-                    if i != last:
-                        dec.move(last, i)
-                        active[i] = active[last]
-                    else:
-                        dec.free(i)
-                    active.pop()
-        t_rounds += time.perf_counter() - t0
-    return {"prefill_s": progress["prefill_s"], "rounds_s": t_rounds, "rounds": progress["round"], "round_tokens": progress["tokens"],
-            "round_tok_s": progress["tokens"] / t_rounds if t_rounds > 0 else None}
+                dec.free(i)
+            active.pop()
+            self._finished(r)
+
+
+def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int | None = None,
+              forced_rates=None, forced_seed: int = 0, pipeline: bool = True) -> dict:
+    """Decode every request to its end (joining by its arrival round); returns timing
+    stats (prefill and rounds apart)."""
+    runner = BatchRunner(dec, max_batch=max_batch, forced_rates=forced_rates, forced_seed=forced_seed,
+                         pipeline=pipeline)
+    for r in requests:
+        runner.check(r)
+    for r in sorted(requests, key=lambda r: r.arrival):
+        runner.submit(r)
+    runner.run()
+    return runner.stats()
 
 
 # ---------------------------------------------------------------------------------------
@@ -202,15 +430,17 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included; no constraint / logprobs / session state, fixed k with the post-norm hidden,
-    one forced profile); else the reason it cannot (the engine core serves it)."""
+    included, constrained or not, no logprobs / session state, fixed k with the post-norm
+    hidden, one forced profile); else the reason it cannot (the engine core serves it)."""
     forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
               for r in reqs if r.draft > 0}
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
-        if r.constraint is not None or r.logprobs is not None:
-            return "a constraint or logprobs"
+        if r.logprobs is not None:
+            return "logprobs"
+        if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
+            return "a constraint without packed masks (allowed_words)"
         if r.keep or r.resume is not None or r.store_state:
             return "session state"
         o = r.spec
@@ -219,30 +449,51 @@ def graph_eligible(reqs) -> str | None:
     return None
 
 
+def lane_of(r, on_finish=None) -> LaneRequest:
+    """The LaneRequest of a hyspec.core Request (its stream and telemetry passed through)."""
+    cb = None if r.on_tokens is None else (lambda toks: r.on_tokens(r, toks))
+    if r.draft > 0 and r.telemetry is None:
+        r.telemetry = SpecTelemetry()
+    return LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
+                       stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
+                       telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
+                       constraint=r.constraint)
+
+
+def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
+    """A finished lane's stats, with the engine core's keys (sequence_stats)."""
+    n = len(lr.tokens)
+    t_done = lr.t_done if lr.t_done is not None else time.perf_counter()
+    first = lr.t_first if lr.t_first is not None else t_done
+    prefill = first - lr.t_admit if lr.t_admit is not None else 0.0
+    decode = t_done - first
+    stats = {"prompt_tokens": len(lr.prompt), "generated_tokens": n, "path": "batch-graphs",
+             "graphs": dec.step_graphs.active, "exact": dec.exact, "cached_tokens": 0,
+             "prefill_s": prefill, "decode_s": decode, "decode_tok_s": (n - 1) / decode if n > 1 and decode > 0 else None,
+             "target_forwards": lr.rounds}
+    if lr.k > 0:
+        stats.update({"k": lr.k, "spec": lr.telemetry.to_dict()})
+    return stats
+
+
 def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
     """Run hyspec.core Requests to their end on the BatchDecoder; fills tokens, stop_reason,
     stats and calls on_tokens / on_finish like the engine core's scheduler does."""
     forced = next((r.spec for r in reqs if r.draft > 0 and r.spec is not None and r.spec.forced_rates), None)
-    lanes = []
-    for r in reqs:
-        cb = None if r.on_tokens is None else (lambda toks, r=r: r.on_tokens(r, toks))
-        if r.draft > 0 and r.telemetry is None:
-            r.telemetry = SpecTelemetry()
-        lanes.append(LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
-                                 stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb,
-                                 telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params))
+    runner = BatchRunner(dec, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
+                         forced_seed=forced.forced_seed if forced else 0)
+    lanes = [lane_of(r) for r in reqs]
+    for lr in lanes:
+        runner.check(lr)
     t0 = time.perf_counter()
-    stats = run_batch(dec, lanes, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
-                      forced_seed=forced.forced_seed if forced else 0)
+    for lr in lanes:
+        runner.submit(lr)
+    runner.run()
     wall = time.perf_counter() - t0
     for r, lr in zip(reqs, lanes):
         r.tokens[:] = lr.tokens
         r.stop_reason = lr.reason or "length"
         r.done = True
-        r.stats = {"prompt_tokens": len(r.prompt_ids), "generated_tokens": len(lr.tokens), "path": "batch-graphs",
-                   "graphs": dec.step_graphs.active, "exact": dec.exact, "cached_tokens": 0,
-                   "batch_wall_s": wall, "batch_round_tok_s": stats["round_tok_s"]}
-        if r.draft > 0:
-            r.stats.update({"k": r.draft, "target_forwards": lr.rounds, "spec": r.telemetry.to_dict()})
+        r.stats = {**lane_stats(lr, dec), "batch_wall_s": wall, "batch_round_tok_s": runner.stats()["round_tok_s"]}
         if r.on_finish is not None:
             r.on_finish(r)

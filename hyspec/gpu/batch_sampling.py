@@ -81,14 +81,16 @@ def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: tor
     return q, _choose(dsamp.draft_tokens, q, table, positions, regime)
 
 
-def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, plain: bool = True):
+def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, plain: bool = True,
+                   k_lane: torch.Tensor | None = None):
     """(n accepted [nb], next token [nb]) per lane from the verify logits (still in the
     runner's logits buffer): target probabilities per row (penalised with the lane's
     window plus the drafts before the row), then the rejection / coupled test
     (hyspec.gpu.sampling.speculative_accept) at the first draft's position pos + 1;
     plain lanes (plain: some lane has k = 0) take their row-0 token as plain decoding
     does (stream PLAIN); a speculative lane drafting nothing this round (its last token)
-    draws it as the bonus of an empty round, as the engine core does."""
+    draws it as the bonus of an empty round, as the engine core does. k_lane [nb]: the
+    drafts each lane has (default: dec.k_lane; a masked round passes dec.k_round)."""
     k = t - 1
     V = dec.cfg.vocab_size
     logits = dec.runner.bufs.logits[: nb * t]  # [nb * t, V]
@@ -96,7 +98,7 @@ def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.A
     probs = _probs(logits, table_rows(dec.sampling_table, nb, t), regime, counts).view(nb, t, V)
     table = table_rows(dec.sampling_table, nb)
     first_pos = dec.pos[:nb] + 1  # [nb] the first draft's position
-    k_lane = dec.k_lane[:nb]
+    k_lane = dec.k_lane[:nb] if k_lane is None else k_lane  # [nb] drafts per lane (masked rounds: k_round)
     if k > 0:
         drafts = dec.verify_tokens[:nb, 1:t]  # [nb, k]
         q = dec.draft_probs[:nb, :k]  # [nb, k, V]

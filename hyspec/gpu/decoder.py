@@ -226,7 +226,7 @@ class FastDecoder:
         hidden = h.index_select(0, self.fill_rows - 1)  # [1, H] the last fill row's
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step
         for i in range(k):
-            draft = runner.draft_logits(hidden).argmax(-1)
+            draft = runner.draft_argmax(hidden)
             if forced:
                 draft = self.forced_tokens.index_select(0, (self.pos + (1 + i)) * max(self.k_max, 1) + i)
             self.verify_tokens[1 + i : 2 + i].copy_(draft)
@@ -284,7 +284,7 @@ class FastDecoder:
 
     def _draft_step_body(self) -> None:
         h = self.runner.mtp(self.pending, self.h_last, self.fill_start + self.fill_rows, 0)
-        self.result[1:2].copy_(self.runner.draft_logits(h).argmax(-1))
+        self.result[1:2].copy_(self.runner.draft_argmax(h))
 
     def draft_step(self) -> None:
         """One chained MTP step + LM head + argmax on scratch draft rows (bench only)."""

@@ -11,6 +11,7 @@ eagerly, with the same numbers, only slower.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 from collections.abc import Callable, Hashable
@@ -70,6 +71,11 @@ class StepGraphs:
     def capture(self, key: Hashable, body: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         """Warm up, capture and store key's graph; None (and graphs off) if that fails."""
         saved = self.snapshot()
+        # no garbage collection while capturing: collecting an unreachable decoder would
+        # destroy its graphs mid-capture ("operation not permitted when stream is capturing",
+        # seen on the H200 between tests; torch.cuda.graph no longer collects first by default)
+        gc_was_on = gc.isenabled()
+        gc.disable()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -92,6 +98,9 @@ class StepGraphs:
             warnings.warn(msg, GraphFallbackWarning, stacklevel=3)
             print(msg, file=sys.stderr)
             return None
+        finally:
+            if gc_was_on:
+                gc.enable()
         self.restore(saved)
         self.graphs[key] = graph
         return graph

@@ -70,5 +70,8 @@ class TorchRunner:
         ctx = StepCtx(start=int(start.item()) + off)
         return self.model.mtp_hidden(tokens, h_prev, ctx, self.dec.draft_kvbuf())
 
+    def draft_argmax(self, h: torch.Tensor) -> torch.Tensor:
+        return self.draft_logits(h).argmax(-1)
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.dec.draft_logits_ref(h)

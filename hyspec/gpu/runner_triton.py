@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hyspec.gpu.packing import layer_weight_bytes, pack_layer, pack_views
+from hyspec.gpu.packing import Segments, layer_weight_bytes, pack_layer, pack_views
 from hyspec.kernels.attention import (
     ATTN_SPLITS,
     GROUPED_SPLITS,
@@ -33,10 +33,11 @@ from hyspec.kernels.attention import (
 )
 from hyspec.kernels.common import p2
 from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
-from hyspec.kernels.matmul import skinny_matmul
+from hyspec.kernels.matmul import fp8_config, skinny_matmul, skinny_matmul_fp8
 from hyspec.kernels.matmul.config import _config_cached
-from hyspec.kernels.moe import expert_gemv
+from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.rmsnorm import rmsnorm
+from hyspec.quant import Fp8Weight
 
 __all__ = ["TritonRunner", "pack_views"]
 
@@ -65,6 +66,8 @@ class TritonRunner:
         self.final_norm = model.model.norm.weight  # [H]
         self.embed = model.model.embed_tokens.weight  # [V, H]
         self.head = model.head_weight  # [V, H]
+        d2t = getattr(dec, "d2t", None)  # a reduced draft vocabulary (ids, head rows), set before the runner
+        self.d2t_ascending = d2t is not None and bool((d2t[0][1:] > d2t[0][:-1]).all())
         self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)  # [rotary_dim / 2]
         self.mtp_layer = None  # the drafter's (MTP) decoder layer, packed
         if model.mtp is not None:
@@ -101,6 +104,20 @@ class TritonRunner:
             mtp_out=rows(H),  # [R, H] the MTP hidden (final norm)
             logits=rows(cfg.vocab_size),  # [R, V]
         )
+        # MoE layers (hyspec.kernels.moe.moe_grouped): router logits, shared expert, the
+        # grouped path's scratch, and per row count t the distinct experts read
+        # (moe_counts[0] target, [1] drafter; [t] = (sum of distinct experts, layer calls))
+        self.moe_buf = None
+        moe_layers = [lay for lay in packed if lay.moe is not None]
+        if moe_layers:
+            E, k = cfg.num_experts, cfg.num_experts_per_tok
+            self.bufs.router = rows(max(lay.router.shape[0] for lay in moe_layers))  # [R, E (+1: shared gate)]
+            sh = [lay.sh_gu.shape[0] for lay in moe_layers if lay.moe.has_shared and not lay.fuse_shared]
+            self.bufs.sh_gu = rows(max(sh) if sh else 1)  # [R, 2 Is] (a shared expert not fused)
+            self.bufs.sh_out = rows(H)  # [R, H]
+            fused = any(lay.fuse_shared for lay in moe_layers)  # the shared expert as expert E, slot k
+            self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt)
+            self.moe_counts = torch.zeros(2, R + 1, 2, device=dev, dtype=torch.int64)
         self._workspaces = {}  # split-K workspaces by weight shape (N, K); "attn": the attention combine
         # rows per matmul program: 16 for one sequence; a batched decoder's calls have up to
         # lanes x rows each, and 64-row tiles read every weight tile once for 64 of them
@@ -136,16 +153,35 @@ class TritonRunner:
         self.attn_grouped = dt != torch.float32
 
     # -- weights read per step (bench roofline) -------------------------------------
-    def weight_bytes_per_step(self) -> int:
-        """Bytes of weights one target decode step reads (embedding table excluded: one
-        row is gathered; routed experts counted as if all were read)."""
-        return self.head.numel() * self.head.element_size() + sum(layer_weight_bytes(lay) for lay in self.layers)
+    def weight_bytes_per_step(self, experts: float | None = None) -> float:
+        """Bytes of weights one target step reads (embedding table excluded: one row is
+        gathered; fp8 weights with their scales). MoE layers: everything shared plus
+        `experts` routed experts per layer (None: top_k, what a one-row decode step reads;
+        a verify reads the distinct experts its rows hit, see moe_experts_read)."""
+        k = self.cfg.num_experts_per_tok if experts is None else experts
+        return self.head.numel() * self.head.element_size() + sum(layer_weight_bytes(lay, experts=k)
+                                                                  for lay in self.layers)
 
-    def draft_bytes_per_step(self) -> int:
+    def draft_bytes_per_step(self) -> float:
         if self.mtp_layer is None:
             return 0
-        return (self.head.numel() * self.head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
-                + layer_weight_bytes(self.mtp_layer, with_moe=False))
+        head = self.head if self.dec.d2t is None else self.dec.d2t[1]  # a reduced draft vocabulary reads its rows
+        return (head.numel() * head.element_size() + self.mtp_fc.numel() * self.mtp_fc.element_size()
+                + layer_weight_bytes(self.mtp_layer, experts=self.cfg.num_experts_per_tok))
+
+    def moe_experts_read(self, drafter: bool = False) -> dict[int, dict]:
+        """Distinct routed experts per MoE layer call, counted on the device since the last
+        reset_moe_counts(), by the call's row count t (lanes x rows in a batched decoder):
+        {t: {"calls": layer calls, "experts_per_layer": mean distinct experts}}."""
+        if self.moe_buf is None:
+            return {}
+        c = self.moe_counts[int(drafter)].cpu()
+        return {t: {"calls": int(c[t, 1]), "experts_per_layer": float(c[t, 0]) / int(c[t, 1])}
+                for t in range(c.shape[0]) if int(c[t, 1])}
+
+    def reset_moe_counts(self) -> None:
+        if self.moe_buf is not None:
+            self.moe_counts.zero_()
 
     # -- primitives -------------------------------------------------------------------
     def _buf(self, name, rows, cols=None):
@@ -158,7 +194,30 @@ class TritonRunner:
     def mm(self, x, w, out, act=False, defer=False):
         """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N].  defer: the
         result only feeds ``rmsnorm``'s delta, which may then take the split-K
-        partials and reduce them itself (exact mode, ``fuse_reduce``)."""
+        partials and reduce them itself (exact mode, ``fuse_reduce``).  w: a tensor, a
+        block-FP8 ``Fp8Weight`` (the FP8 kernel, exact or not: there is no cuBLAS
+        weight-only FP8 path) or ``Segments`` (one matmul per part into its columns)."""
+        if isinstance(w, Segments):
+            off = 0
+            for part in w.parts:
+                n = part.shape[0]
+                self.mm(x, part, out[:, off: off + n], act=act)
+                off += n
+            return out
+        if isinstance(w, Fp8Weight):
+            N, K = w.shape
+            tile = self._tile(N, K, act)
+            key = (N, K, w.block, act)
+            ws = self._workspaces.get(key)
+            if ws is None:
+                c = fp8_config(N, K, w.block, act, **tile)
+                ws = torch.empty((c.split_k, self._workspace_rows, N), device=w.device, dtype=torch.float32) \
+                    if c.split_k > 1 else False
+                self._workspaces[key] = ws
+            use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
+            return skinny_matmul_fp8(x, w, out=out, act=act, ws=use,
+                                     defer=defer and self.exact and self.fuse_reduce and use is not None,
+                                     block_t=self.block_t, **tile)
         if self.exact:
             N, K = w.shape
             ws = self._workspaces.get((N, K))
@@ -219,9 +278,15 @@ class TritonRunner:
         if record and t > self.t_max * lanes:
             raise ValueError(f"verify of {t // lanes} rows > the decoder's t_max {self.t_max}")
         rec = record and not self.records_states
-        proj = self.verify_proj[g, :t] if rec else self._buf("proj", t, layer.w_in.shape[0])
+        # decode steps use the verify slabs too: the conv kernel then sees the same row
+        # strides in a decode and in a verify.  Triton specialises a kernel on a stride's
+        # divisibility by 16; with the runner's own buffers (another row stride) the decode
+        # ran a second binary whose bf16 conv output differed by an ulp from the verify's
+        # (tiny models on the H200: speculative != plain; b2's strides happened to agree)
+        slab = t <= self.verify_proj.shape[1]
+        proj = self.verify_proj[g, :t] if slab else self._buf("proj", t, layer.w_in.shape[0])
         self.mm(normed, layer.w_in, proj)
-        conv_out = self.verify_conv_out[g, :t] if rec else self._buf("conv_out", t)
+        conv_out = self.verify_conv_out[g, :t] if slab else self._buf("conv_out", t)
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
         xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
@@ -281,33 +346,29 @@ class TritonRunner:
         return self._moe(layer, normed, t)
 
     def _moe(self, layer, normed, t):
-        """Routed experts, one row-invariant gemv per (token, slot), combined in slot order."""
-        moe = layer.moe
+        """Routed experts through the grouped path (hyspec.kernels.moe.moe_grouped): router
+        top-k on the device, each routed expert's weights read once for all the rows routed
+        to it, the row's slots combined in slot order with the shared expert."""
+        moe, cfg = layer.moe, self.cfg
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
         x = normed[:t]
-        logits = self.mm(x, moe.gate.weight, None)
-        probs = torch.softmax(logits.float(), dim=-1)
-        w, idx = torch.topk(probs, moe.gate.top_k, dim=-1)
-        if moe.gate.renorm:
-            w = w / w.sum(-1, keepdim=True)
-        w = w.to(x.dtype)
-        k = moe.gate.top_k
-        ids = idx.reshape(-1)
-        ex = moe.experts
-        I2 = ex.gate_up_proj.shape[1]
-        gu = expert_gemv(x, ex.gate_up_proj, ids, k, torch.empty(t * k, I2, device=x.device, dtype=x.dtype))
-        y = expert_gemv(gu, ex.down_proj, ids, 1, torch.empty(t * k, x.shape[1], device=x.device,
-                                                              dtype=x.dtype), act=True)
-        y = y.view(t, k, -1)
-        out = y[:, 0] * w[:, 0:1]
-        for s in range(1, k):  # elementwise, fixed slot order: row-invariant
-            out = out + y[:, s] * w[:, s : s + 1]
+        logits = self.mm(x, layer.router, self._buf("router", t, layer.router.shape[0]))  # [t, E (+1)]
+        buf = self.moe_buf
+        if t > buf.rows:  # an eager call past the static rows
+            buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
+                             x.dtype)
+        kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0])
+        out = self._buf("delta", t)
+        if layer.fuse_shared:  # the shared expert is expert E of the grouped kernels
+            return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out,
+                               shared_experts=(layer.sh_gu, layer.sh_down), **kw)
+        shared = gate = None
         if moe.has_shared:
-            sgu = self.mm(x, layer.sh_gu, None)
-            sh = self.mm(sgu, layer.sh_down, None, act=True)
-            out = out + torch.sigmoid(self.mm(x, layer.sh_gate, None)) * sh
-        h = self._buf("delta", t)
-        h.copy_(out)
-        return h
+            sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))
+            shared = self.mm(sgu, layer.sh_down, self._buf("sh_out", t), act=True)
+            gate = logits[:, E:E + 1]
+        return moe_grouped(x, logits[:, :E], layer.ex_gu, layer.ex_down, buf, out, shared=shared, shared_gate=gate,
+                           **kw)
 
     def logits(self, h):
         t = h.shape[0]
@@ -333,6 +394,17 @@ class TritonRunner:
         out = self._buf("mtp_out", t)
         rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
         return out
+
+    def draft_argmax(self, h):
+        """The drafter's greedy choice per row, as target ids.  With a reduced draft
+        vocabulary whose ids ascend, the argmax over its Vd scores mapped through the ids
+        (the same id as the argmax of draft_logits, first maximum included) without
+        writing and scanning a [t, V] row of -inf."""
+        d2t = self.dec.d2t
+        if d2t is None or not self.d2t_ascending:
+            return self.draft_logits(h).argmax(-1)
+        ids, w = d2t
+        return ids.index_select(0, self.mm(h, w, None).argmax(-1))
 
     def draft_logits(self, h):
         d2t = self.dec.d2t

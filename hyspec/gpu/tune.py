@@ -21,8 +21,9 @@ def model_shapes(runner) -> list[tuple[int, int]]:
     layers = list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else [])
     for L in layers:
         for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
-            if w is not None:
-                shapes.add(tuple(w.shape))
+            for part in getattr(w, "parts", [w]):  # Segments (fp8 | bf16 runs): each part is a matmul
+                if part is not None:
+                    shapes.add(tuple(part.shape))
     if runner.mtp_layer is not None:
         shapes.add(tuple(runner.mtp_fc.shape))
     return sorted(shapes)

@@ -32,6 +32,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
 
     def one(self, e: int, x: torch.Tensor, ctx: StepCtx | None) -> torch.Tensor:
+        if "gate_up_proj_scale_inv" in self._buffers or "down_proj_scale_inv" in self._buffers:
+            from hyspec.quant import module_weight  # block-FP8 experts: expert e dequantized for this call
+
+            gate, up = linear(x, module_weight(self, "gate_up_proj", x.dtype, e), ctx).chunk(2, dim=-1)
+            return linear(silu(gate) * up, module_weight(self, "down_proj", x.dtype, e), ctx)
         gate, up = linear(x, self.gate_up_proj[e], ctx).chunk(2, dim=-1)
         return linear(silu(gate) * up, self.down_proj[e], ctx)
 

@@ -103,14 +103,36 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20.0, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
 
 
+def fp8_linear(x: torch.Tensor, w, ctx: StepCtx | None = None) -> torch.Tensor:
+    """x [T, In] @ dequant(w)^T for a block-FP8 weight (hyspec.quant.Fp8Weight). On CUDA, for
+    an exact forward or a decode-sized one (<= 16 rows), the row-invariant FP8 kernel
+    streams the fp8 tiles; otherwise (CPU reference, prefill) the weight is dequantized to
+    x's dtype for this call (fp32 product cast: bitwise the weight a dequantizing load
+    stores) and multiplied as `linear` does."""
+    if x.is_cuda and x.dim() == 2 and ((ctx is not None and ctx.exact) or x.shape[0] <= 16):
+        try:
+            from hyspec.kernels import matmul
+        except Exception:  # pragma: no cover - GPU-only path
+            matmul = None
+        if matmul is not None and matmul.triton_available():
+            return torch.cat([matmul.skinny_matmul_fp8(x[i: i + 16], w) for i in range(0, x.shape[0], 16)])
+    return linear(x, w.dequantize(x.dtype), ctx)
+
+
 class Linear(nn.Module):
-    """A bias-free projection whose forward can run in exact (row-invariant) mode."""
+    """A bias-free projection whose forward can run in exact (row-invariant) mode. Its
+    weight may be kept block-FP8 (hyspec.quant.keep_fp8_params: float8 ``weight`` +
+    ``weight_scale_inv``), which the forward dequantizes on the fly."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))  # [Out, In]
 
     def forward(self, x: torch.Tensor, ctx: StepCtx | None = None) -> torch.Tensor:
+        if "weight_scale_inv" in self._buffers:
+            from hyspec.quant import module_fp8
+
+            return fp8_linear(x, module_fp8(self), ctx)
         return linear(x, self.weight, ctx)
 
 

@@ -39,7 +39,7 @@ class ServerState:
         model_cfg = engine.model.cfg
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
-                                   prefix_store=cfg.prefix_store)
+                                   prefix_store=cfg.prefix_store, draft=cfg.draft)
         self.metrics.prefix_store = self.worker.store is not None
         self.limits = Limits(vocab_size=model_cfg.vocab_size, max_model_len=int(model_cfg.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,

@@ -6,9 +6,16 @@ cancellations and calls into the engine (prompt scoring for echo logprobs) are t
 between scheduler steps; tokens, finishes and call results go back to the event loop with
 loop.call_soon_threadsafe, so Job callbacks always run on the loop thread.
 
-Admission: at most max_batch jobs are inside the scheduler ("running"); the rest wait in
-this module's FIFO ("waiting"). submit() refuses at once (QueueFull -> HTTP 429) when
-running + waiting + new jobs would exceed max_batch + max_queue.
+Two paths share the engine thread. Where the engine's batched GPU graphs run (a CUDA
+model, or engine.batch_graphs in tests), a job they can serve (hyspec.gpu.batch_loop.
+graph_eligible: no logprobs, penalties on the device, a constraint masked there; its prompt
+not extending a prefix-store state; it fits the decoder) becomes a lane of a BatchRunner;
+every other job goes to the engine core's Scheduler. The thread alternates one graph round and one core step while
+both have work, so both kinds progress; a cancel reaches either within one round.
+
+Admission: at most max_batch jobs are inside the scheduler or the runner ("running"); the
+rest wait in this module's FIFO ("waiting"). submit() refuses at once (QueueFull -> HTTP
+429) when running + waiting + new jobs would exceed max_batch + max_queue.
 
 Without the Scheduler (HYSPEC_SERVE_SCHEDULER=0, or a hyspec without hyspec.core.scheduler)
 a fallback runs jobs one at a time through Engine.generate: same outputs, but tokens of a
@@ -52,7 +59,8 @@ class Job:
     on_finish: Callable[[str, dict], None] = lambda reason, stats: None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
-    _req: Any = None  # its hyspec.core.request.Request once admitted (batched path)
+    _req: Any = None  # its hyspec.core.request.Request once admitted to the engine core (batched path)
+    _lane: Any = None  # its hyspec.gpu.batch_loop.LaneRequest once admitted to the batched graphs
     _n_logprobs: int = 0  # logprob entries already handed to on_tokens
 
 
@@ -72,8 +80,24 @@ def scheduler_module():
     return scheduler
 
 
+def graph_decoder(engine, max_batch: int, k_max: int):
+    """The server's BatchDecoder: a lane per batch slot (at most 64) and room for a whole
+    context (prompt + max tokens + drafts), halved while the lanes would take more than half
+    the free GPU memory (down to 2048 positions; longer requests then run on the engine core)."""
+    import torch
+
+    slots = min(max_batch, 64)
+    max_len = engine.context_length + k_max + 2
+    if engine.model.device.type == "cuda":
+        budget = torch.cuda.mem_get_info(engine.model.device)[0] // 2
+        while max_len > 2048 and slots * engine.memory(max_len)["slot_bytes"]["total"] > budget:
+            max_len //= 2
+    return engine.new_batch_decoder(slots, max_len, k_max)
+
+
 class EngineWorker:
-    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256, prefix_store: bool = True) -> None:
+    def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256, prefix_store: bool = True,
+                 draft: int = 3) -> None:
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
         self.max_queue = max(0, int(max_queue))
@@ -93,6 +117,12 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._sched = None
+        # the batched GPU graphs beside the engine core (a BatchRunner made on first use; its
+        # decoder drafts up to max(3, the server's default draft))
+        self.graph_path = self.batched and engine.graphs_available()
+        self._k_max = max(3, int(draft))
+        self._graph_dec = None
+        self._runner = None
 
     # ---- loop-thread API -------------------------------------------------------------
     def start(self, loop) -> None:
@@ -175,8 +205,11 @@ class EngineWorker:
                     with self._lock:
                         self._n_waiting -= 1
                     self._finish(job, "cancelled", {})
-                elif job in self._running and job._req is not None and self._sched is not None:
-                    self._sched.cancel(job._req)
+                elif job in self._running:
+                    if job._lane is not None and self._runner is not None:
+                        self._runner.cancel(job._lane)
+                    elif job._req is not None and self._sched is not None:
+                        self._sched.cancel(job._req)
             elif kind == "call":
                 fn, fut = payload
                 try:
@@ -211,28 +244,80 @@ class EngineWorker:
                     log.exception("engine step failed; failing the running requests")
                     for job in list(self._running):
                         self._finish(job, "error", {"error": f"engine failure: {type(e).__name__}"})
-                    self._sched = None
+                    self._sched = self._runner = None
 
-    # -- batched path (hyspec.core.scheduler) ---------------------------------------------
+    # -- batched path (hyspec.core.scheduler, and the batched graphs) -----------------------
     def _step_batched(self) -> None:
         scheduler = self._sched_mod
         if self._sched is None:
             self._sched = scheduler.Scheduler(self.engine.model, max_batch=self.max_batch, store=self.store,
                                               backend=getattr(self.engine, "backend", None))
         while self._waiting and len(self._running) < self.max_batch:
-            job = self._pop_waiting()
-            job._req = scheduler.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens,
-                                         params=job.params, draft=job.draft, stop_ids=set(job.stop_ids),
-                                         logprobs=job.logprobs, constraint=job.constraint,
-                                         on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job),
-                                         use_store=self.store is not None, store_state=self.store is not None)
-            try:
-                self._sched.submit(job._req)
-            except ValueError as e:  # refused by the scheduler's own checks: this job only
-                log.error("sequence refused by the scheduler: %s", e)
-                self._finish(job, "error", {"error": str(e)})
+            self._admit(self._pop_waiting())
+        if self._runner is not None and self._runner.has_work():
+            self._step_graphs()  # one round of the batched graphs, then one step of the engine core
         if self._sched.has_work():
             self._sched.step()
+
+    def _admit(self, job: Job) -> None:
+        """Hand a job to the batched graphs when they can run it, else to the engine core."""
+        req = self._sched_mod.Request(prompt_ids=job.prompt_ids, max_new_tokens=job.max_new_tokens,
+                                      params=job.params, draft=job.draft, stop_ids=set(job.stop_ids),
+                                      logprobs=job.logprobs, constraint=job.constraint,
+                                      on_tokens=self._cb_tokens(job), on_finish=self._cb_finish(job),
+                                      use_store=False, store_state=False)
+        try:
+            self._sched.validate(req)
+            lane = self._graph_lane(job, req)
+            if lane is not None:
+                job._lane = self._runner.submit(lane)
+                return
+            req.use_store = req.store_state = self.store is not None
+            job._req = req
+            self._sched.submit(req)
+        except ValueError as e:  # refused by the scheduler's own checks: this job only
+            log.error("sequence refused by the scheduler: %s", e)
+            self._finish(job, "error", {"error": str(e)})
+
+    def _graph_lane(self, job: Job, req):
+        """The job as a LaneRequest of the batched graphs, or None: the engine core runs it
+        (graph_eligible refuses it, its prompt extends a prefix-store state the core resumes
+        from, or it drafts more / runs longer than the decoder holds)."""
+        if not self.graph_path:
+            return None
+        from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, graph_eligible, lane_stats
+
+        if graph_eligible([req]) is not None:
+            return None
+        if self.store is not None and self.store.extends(job.prompt_ids):
+            return None
+        if self._graph_dec is None:
+            try:
+                self._graph_dec = graph_decoder(self.engine, self.max_batch, self._k_max)
+            except Exception:  # noqa: BLE001 - e.g. out of memory: the engine core serves everything
+                log.exception("the batched graphs could not be set up; every request runs on the engine core")
+                self.graph_path = False
+                return None
+        dec = self._graph_dec
+        if job.draft > dec.k_max or len(job.prompt_ids) + job.max_new_tokens + job.draft + 2 > dec.max_len:
+            return None
+        if self._runner is None:
+            self._runner = BatchRunner(dec)
+        return LaneRequest(prompt=list(job.prompt_ids), max_new_tokens=job.max_new_tokens, k=job.draft,
+                           stop_ids=frozenset(job.stop_ids), params=job.params, constraint=job.constraint,
+                           on_tokens=lambda ids: self._to_loop(job.on_tokens, list(ids), None),
+                           on_finish=lambda lane: self._finish(job, lane.reason, lane_stats(lane, dec)))
+
+    def _step_graphs(self) -> None:
+        """One round of the batched graphs; a fault fails their sequences only (the next
+        runner starts from idle lanes)."""
+        try:
+            self._runner.step()
+        except Exception as e:  # noqa: BLE001 - the server must survive an engine fault
+            log.exception("a batched-graph round failed; failing its sequences")
+            for job in [j for j in self._running if j._lane is not None]:
+                self._finish(job, "error", {"error": f"engine failure: {type(e).__name__}"})
+            self._runner = None
 
     def _cb_tokens(self, job: Job):
         def on_tokens(req, new_ids):

@@ -24,7 +24,24 @@ def draft_vocab(model):
     if d2t is None or not model.has_mtp:
         return None
     ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.to(torch.long)
+    if not bool(d2t.any()):  # the first Vd ids: the head's rows are a view (no second copy)
+        return ids, model.head_weight[: d2t.shape[0]]
     return ids, model.head_weight[ids].contiguous()
+
+
+def build_d2t(size: int, vocab_size: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """A reduced draft vocabulary of `size` ids as EAGLE offsets (target id = i + d2t[i]):
+    the `size` most frequent ids of `counts` ([vocab_size] token counts of a corpus), in
+    ascending id order; without counts the first `size` ids (random weights: no corpus)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
+    if counts is None:
+        ids = torch.arange(size)
+    else:
+        if counts.shape != (vocab_size,):
+            raise ValueError(f"token counts must have shape [{vocab_size}], got {list(counts.shape)}")
+        ids = torch.sort(torch.topk(counts.double(), size, sorted=True).indices).values
+    return ids - torch.arange(size)
 
 
 def draft_logits(model, h: torch.Tensor, vocab=None, ctx: StepCtx | None = None) -> torch.Tensor:

@@ -25,6 +25,13 @@ Contract::
     skinny_matmul(x [T, K] (act: [T, 2K] = [gate | up]), w [N, K], out=None, ws=None,
                   defer=False, act=False, <config overrides>) -> [T, N] in x.dtype
     linear(x, w)    the kernel for CUDA inputs of <= 16 rows, F.linear otherwise
+    skinny_matmul_fp8(x, w: Fp8Weight, ...)   the same with a block-FP8 weight (fp8.py)
+
+FP8 weights (``hyspec.quant.Fp8Weight``: float8_e4m3fn [N, K], fp32 scale grid
+[ceil(N/bN), ceil(K/bK)], optional row map): the weight tile is converted to x's dtype in
+registers (exact), each BK step (BK divides bK) is a fresh fp32 ``tl.dot`` added to the
+accumulator times its block scale per output column. Same config (BK clamped), same
+row invariance; the reference dequantizes in fp32 and multiplies in fp32.
 
 fp32 accumulation; fp32 inputs use ``ieee`` dot products (no TF32).  ``act``: the input
 fed is silu(gate) * up rounded like the torch MLP.  ``defer``: the fp32 split-K partials
@@ -42,10 +49,12 @@ from hyspec.kernels.matmul.config import (
     set_tuned,
     skinny_config,
 )
+from hyspec.kernels.matmul.fp8 import fp8_config, skinny_matmul_fp8
 from hyspec.kernels.matmul.kernel import BLOCK_T, MAX_SKINNY_ROWS, linear, skinny_matmul
-from hyspec.kernels.matmul.reference import skinny_matmul_ref
+from hyspec.kernels.matmul.reference import skinny_matmul_fp8_ref, skinny_matmul_ref
 
 __all__ = [
     "skinny_matmul", "skinny_matmul_ref", "skinny_config", "SkinnyConfig", "linear", "triton_available",
     "MAX_SKINNY_ROWS", "BLOCK_T", "TUNED", "BUILTIN", "set_tuned", "SplitPartials",
+    "skinny_matmul_fp8", "skinny_matmul_fp8_ref", "fp8_config",
 ]

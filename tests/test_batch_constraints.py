@@ -1,0 +1,106 @@
+"""Constrained lanes on the batched CUDA-graph decoder (hyspec.gpu.batch), on CPU through
+the Triton interpreter (fp32, a tiny model with its tiny tokenizer; short on purpose:
+every interpreted round costs seconds).
+
+* greedy: a constrained lane gives the engine core's constrained greedy tokens with k = 0
+  and with k = 3 (so speculative == plain, bitwise), next to an unconstrained lane whose
+  tokens stay the engine core's unconstrained ones; the forced drafter's wrong proposals
+  exercise the masked-argmax fallback;
+* a constraint that allows nothing more ends the lane with stop_reason "constraint"
+  (k = 3: the drafts up to the dead end are emitted without a bonus);
+* seeded sampling (rejection mode, the MTP drafter: accept tests and residuals on masked
+  distributions, a penalty over a 2-token window) through Engine.generate on the graph
+  path equals the engine core.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("llguidance")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+REGEX = r"[a-z_ ]{3,40}\.?"
+PROMPTS = [[5, 17, 99, 3], [8, 1, 2]]
+N = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path_factory.mktemp("cons_batch"), seed=3, layers=4, hidden=32, vocab_size=320,
+                  std=0.2)  # vocab >= 300: it has a tokenizer.json
+    return d, load_model(d)
+
+
+def _core(model, prompts, ks, params, constraints, n=N, stops=(0,)):
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+
+    sched = Scheduler(model, max_batch=len(prompts))
+    reqs = [Request(prompt_ids=list(p), max_new_tokens=n, params=sp, draft=k, stop_ids=stops,
+                    constraint=None if c is None else c.clone())
+            for p, k, sp, c in zip(prompts, ks, params, constraints)]
+    for r in reqs:
+        sched.submit(r)
+    sched.run()
+    return [(list(r.tokens), r.stop_reason) for r in reqs]
+
+
+def test_constrained_greedy_k0_k3_core_and_a_mixed_batch(tiny):
+    from hyspec.constraints import make_constraint
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    d, m = tiny
+    c = make_constraint(d, "regex", REGEX)
+    g = SamplingParams(temperature=0.0)
+    want = _core(m, PROMPTS, [0, 0], [g, g], [c, None])  # constrained lane 0, unconstrained lane 1
+    dec = BatchDecoder(m, 4 + N + 8, 3, slots=2, graphs=False)
+    # k = 3 with the forced drafter (proposals from the wanted outputs, some wrong: the
+    # constrained lane's wrong ones the regex forbids fall back to the masked argmax)
+    reqs = [LaneRequest(prompt=p, max_new_tokens=N, k=3, stop_ids=frozenset({0}), reference=w[0],
+                        constraint=cc) for p, w, cc in zip(PROMPTS, want, [c.clone(), None])]
+    stats = run_batch(dec, reqs, forced_rates=(0.9, 0.7, 0.6))
+    assert [(r.tokens, r.reason) for r in reqs] == want
+    assert stats["masked_rounds"] == stats["rounds"] > 0 and sum(r.telemetry.accepted for r in reqs) > 0
+    # k = 0: the same constrained tokens
+    plain = LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, stop_ids=frozenset({0}), constraint=c.clone())
+    run_batch(dec, [plain])
+    assert (plain.tokens, plain.reason) == want[0]
+    # a dead end (EOS is not a stop id, and nothing may follow it): the drafts up to it are
+    # emitted without a bonus, stop_reason "constraint", as in the engine core
+    ch = make_constraint(d, "choice", ["ab cd", "xy"])
+    end = _core(m, PROMPTS[:1], [3], [g], [ch], stops=())
+    assert end[0][1] == "constraint"
+    lane = LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3, constraint=ch.clone())
+    run_batch(dec, [lane])
+    assert (lane.tokens, lane.reason) == end[0]
+
+
+def test_constrained_sampling_on_the_graph_path_equals_the_engine_core(tiny):
+    """Engine.generate routes a constrained request to the BatchDecoder (batch_graphs: the
+    interpreter here, CUDA in production); seeded rejection sampling with the MTP drafter
+    with a presence penalty over the last 2 tokens (drafts included: the window crosses the
+    masked round's separate draft graphs) gives the engine core's tokens."""
+    from hyspec.constraints import make_constraint
+    from hyspec.engine import Engine
+    from hyspec.sampling import SamplingParams
+
+    d, m = tiny
+    c = make_constraint(d, "regex", REGEX)
+    sp = SamplingParams(temperature=0.9, seed=7, presence_penalty=2.0, penalty_last_n=2)
+    ref = Engine(m).generate(PROMPTS[0], max_new_tokens=N, params=sp, draft=3, constraint=c)
+    eng = Engine(m)
+    eng.batch_graphs = True
+    out = eng.generate(PROMPTS[0], max_new_tokens=N, params=sp, draft=3, constraint=c)
+    s = out.samples[0]
+    assert s.stats["path"] == "batch-graphs" and ref.samples[0].stats.get("path") != "batch-graphs"
+    assert (s.tokens, s.stop_reason) == (ref.samples[0].tokens, ref.samples[0].stop_reason)
+    spec = s.stats["spec"]
+    assert 0 < spec["accepted"] < spec["drafted"]  # accept tests passed and failed (residual draws)
+    assert c.committed == 0  # generate ran on a clone

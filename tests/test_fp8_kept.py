@@ -1,0 +1,109 @@
+"""FP8 weights kept as FP8 (load_model(fp8="keep"), the default on CUDA): the model holds
+float8 weights + scale grids and no dequantized copy; its torch forward (dequantizing on
+the fly) is bitwise the dequantizing load's; the Triton runner packs fp8 groups (params
+become views of the packed weight, mixed fp8 / bf16 groups become Segments, off-grid parts
+a row map) and decodes through the FP8 matmul and the grouped MoE kernels (interpreter):
+plain == the reference, speculative == plain, distinct experts counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyspec.loading import load_model
+from hyspec.quant import FP8_DTYPE, Fp8Weight, module_fp8, module_weight
+from hyspec.tiny import make_tiny
+
+TOKENS = torch.tensor([1, 17, 42, 99, 7, 250, 3, 88])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8kept")
+    cache = {}
+
+    def get(arch, experts="stacked", block=(128, 128), **kw):
+        key = (arch, experts, block, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = make_tiny(arch, root / f"{arch}_{experts}_{block[0]}x{block[1]}_{len(cache)}", seed=3,
+                                   fp8=True, fp8_block=block, experts=experts, **kw)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch,experts,block", [("qwen3_5_moe", "per_expert", (128, 128)),
+                                                ("qwen3_5_moe", "per_expert", (32, 48)),
+                                                ("qwen3_next", "stacked", (128, 128))])
+def test_kept_fp8_forward_is_the_dequantized_models(ckpt, arch, experts, block):
+    d = ckpt(arch, experts, block)
+    kept, deq = load_model(d, fp8="keep"), load_model(d)
+    params = dict(deq.named_parameters())
+    n8 = 0
+    for name, p in kept.named_parameters():
+        if p.dtype == FP8_DTYPE:
+            n8 += 1
+            mod_name, _, attr = name.rpartition(".")
+            w = module_weight(kept.get_submodule(mod_name), attr, torch.float32)
+            assert torch.equal(w, params[name]), name  # on-the-fly dequantization == the load's
+        else:
+            assert torch.equal(p, params[name]), name
+    assert n8 > 10
+    if experts == "per_expert" and block == (128, 128):  # gate | up of 64 rows each: a row map
+        assert "gate_up_proj_scale_rows" in kept.model.layers[0].mlp.experts._buffers
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    assert nbytes(kept) < 0.6 * nbytes(deq)  # fp32 tiny model: ~1 byte instead of 4 per quantized weight
+    with torch.no_grad():
+        assert torch.equal(kept(TOKENS), deq(TOKENS))
+
+
+def test_runner_packs_fp8_groups_without_copies(ckpt):
+    from hyspec.gpu.packing import Segments, pack_gdn_in, pack_layer
+
+    kept, deq = load_model(ckpt("qwen3_5", block=(32, 48)), fp8="keep"), load_model(ckpt("qwen3_5", block=(32, 48)))
+    lay, ref = kept.model.layers[0], deq.model.layers[0]
+    p = pack_layer(lay, 0, 0)
+    assert isinstance(p.w_in, Segments) and isinstance(p.w_in.parts[0], Fp8Weight)  # q|k|v|z fp8, b|a bf16
+    g = lay.linear_attn
+    packed = p.w_in.parts[0]
+    assert g.in_proj_qkv.weight.data_ptr() == packed.w.data_ptr()  # the module reads the packed tensor
+    assert g.in_proj_z.weight.data_ptr() == packed.w[g.in_proj_qkv.weight.shape[0]:].data_ptr()
+    want = pack_gdn_in(ref.linear_attn)
+    assert torch.equal(torch.cat([packed.dequantize(), p.w_in.parts[1]]), want)
+    assert isinstance(p.w_gu, Fp8Weight) and torch.equal(p.w_gu.dequantize(), torch.cat(
+        [ref.mlp.gate_proj.weight, ref.mlp.up_proj.weight]))
+    # Qwen3-Next: q|k|v|z re-ordered per key head, 128-row blocks over 32-row heads -> a row map
+    kept, deq = load_model(ckpt("qwen3_next"), fp8="keep"), load_model(ckpt("qwen3_next"))
+    w = pack_gdn_in(kept.model.layers[0].linear_attn)
+    assert isinstance(w, Segments) and w.parts[0].rows is not None
+    want = pack_gdn_in(deq.model.layers[0].linear_attn)
+    assert torch.equal(torch.cat([w.parts[0].dequantize(), w.parts[1]]), want)
+    assert module_fp8(kept.model.layers[0].linear_attn.in_proj_ba) is None
+
+
+def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
+    """The fast path on a block-FP8 MoE model (Triton interpreter, fp32 activations): FP8
+    matmuls (row maps: 128-row blocks over a 32-wide model) and the grouped MoE."""
+    from hyspec.decode import generate_plain
+    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
+    from hyspec.speculative.loop import SpecOptions
+
+    m = load_model(ckpt("qwen3_5_moe", "per_expert", (128, 128), layers=4, hidden=32, vocab_size=128), fp8="keep")
+    prompt, n = [5, 17, 99, 3, 7], 5
+    ref = generate_plain(m, prompt, max_new_tokens=n)
+    dec = FastDecoder(m, len(prompt) + n + 8, 2, backend="triton", graphs=False)
+    assert isinstance(dec.runner.layers[0].ex_gu, Fp8Weight) and dec.runner.layers[0].ex_gu.rows is not None
+    dec.runner.reset_moe_counts()
+    p = generate_plain_fast(m, prompt, max_new_tokens=n, decoder=dec)
+    assert p.tokens == ref.tokens
+    read = dec.runner.moe_experts_read()
+    assert read[1]["experts_per_layer"] == m.cfg.num_experts_per_tok  # a decode step: top-k distinct experts
+    s = generate_speculative_fast(m, prompt, max_new_tokens=n, decoder=dec,
+                                  opts=SpecOptions(k=2, forced_rates=(0.9, 0.7)), reference=p.tokens)
+    assert s.tokens == p.tokens
+    assert 2 <= dec.runner.moe_experts_read()[3]["experts_per_layer"] <= min(m.cfg.num_experts, 6)
+    # the bench's figures from those counts: t = 1 reads what weight_bytes_per_step says (top-k)
+    from hyspec.bench.variants import moe_figures
+
+    f = moe_figures(dec.runner, read, dec.runner.moe_experts_read(), 1.0, {}, 1.0)
+    assert f["by_rows"][1]["bytes_per_step"] == dec.runner.weight_bytes_per_step()
+    assert f["by_rows"][3]["bytes_per_step"] > f["by_rows"][1]["bytes_per_step"]

@@ -1,0 +1,155 @@
+"""GPU (CUDA) checks of the block-FP8 matmul and the grouped MoE kernels, and of the fast
+path on block-FP8 tiny models (weights kept FP8 on the device): kernels vs their torch
+references in bf16 and fp32 with bitwise row invariance; FastDecoder greedy speculative ==
+plain, bitwise; runner log-probs vs the reference model. Skipped without CUDA
+(the same kernels run in the CPU interpreter in tests/test_op_matmul_fp8.py,
+tests/test_op_moe_grouped.py and tests/test_fp8_kept.py)."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from hyspec.kernels.matmul import skinny_matmul_fp8, skinny_matmul_fp8_ref  # noqa: E402
+from hyspec.kernels.moe import MoeBuffers, moe_grouped, moe_grouped_ref  # noqa: E402
+from hyspec.quant import FP8_DTYPE, Fp8Weight, quantize  # noqa: E402
+
+DEV = torch.device("cuda")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def rnd(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def fp8_weight(*shape, block=(128, 128), seed=0):
+    q, s = quantize(rnd(*shape, seed=seed, scale=shape[-1] ** -0.5).cpu(), block)
+    return Fp8Weight(q.to(DEV), s.to(DEV), block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [dict(), dict(split_k=4), dict(wt=True, split_k=2), dict(block_t=64)],
+                         ids=["default", "s4", "wt", "t64"])
+def test_fp8_matmul(dtype, cfg):
+    N, K = 1120, 2048  # a partial 128-row block at the end
+    w = fp8_weight(N, K)
+    x = rnd(16, K, dtype=dtype, seed=1)
+    y = skinny_matmul_fp8(x, w, **cfg)
+    assert rel(y, skinny_matmul_fp8_ref(x, w)) < TOL[dtype]
+    for T in (1, 3, 5, 16):  # a verify of T rows == T one-row steps, bitwise
+        yt = skinny_matmul_fp8(x[:T], w, **cfg)
+        assert torch.equal(yt, y[:T]), T
+    for r in (0, 7, 15):
+        assert torch.equal(skinny_matmul_fp8(x[r: r + 1], w, **cfg)[0], y[r]), r
+    gu = rnd(4, 2 * 1024, dtype=dtype, seed=2)  # the SiLU*mul input
+    wd = fp8_weight(N, 1024, seed=3)
+    ya = skinny_matmul_fp8(gu, wd, act=True)
+    assert rel(ya, skinny_matmul_fp8_ref(gu, wd, act=True)) < TOL[dtype]
+    assert torch.equal(skinny_matmul_fp8(gu[3:], wd, act=True)[0], ya[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+@pytest.mark.parametrize("fused", [False, True], ids=["shared_out", "shared_fused"])
+def test_moe_grouped(dtype, fp8, fused):
+    E, k, H, inter, T = 64, 8, 512, 256, 9
+    if fp8:
+        gu, dn = fp8_weight(E, 2 * inter, H, seed=1), fp8_weight(E, H, inter, seed=2)
+        sgu, sdn = fp8_weight(2 * inter, H, seed=3), fp8_weight(H, inter, seed=4)
+    else:
+        gu, dn = rnd(E, 2 * inter, H, dtype=dtype, seed=1, scale=H ** -0.5), rnd(E, H, inter, dtype=dtype, seed=2,
+                                                                                 scale=inter ** -0.5)
+        sgu, sdn = gu[3].clone(), dn[5].clone()
+    x, logits = rnd(T, H, dtype=dtype, seed=5), rnd(T, E + 1, dtype=dtype, seed=6, scale=2.0)
+    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dtype)
+    stats = torch.zeros(17, 2, dtype=torch.int64, device=DEV)
+
+    def run(rows):
+        out = torch.empty(len(rows), H, device=DEV, dtype=dtype)
+        if fused:
+            return moe_grouped(x[rows], logits[rows], gu, dn, buf, out, top_k=k, renorm=True,
+                               shared_experts=(sgu, sdn), stats=stats)
+        from hyspec.kernels.moe.reference import _expert
+
+        sg, sd = (sgu.dequantize(), sdn.dequantize()) if fp8 else (sgu.float(), sdn.float())
+        sh = torch.stack([_expert(x[t], sg, sd, dtype) for t in rows]).to(dtype)  # per row: row invariant
+        return moe_grouped(x[rows], logits[rows, :E], gu, dn, buf, out, top_k=k, renorm=True, shared=sh,
+                           shared_gate=logits[rows, E:], stats=stats)
+
+    y = run(list(range(T)))
+    want = moe_grouped_ref(x.cpu(), logits.cpu(), _cpu(gu), _cpu(dn), top_k=k, renorm=True,
+                           shared_experts=(_cpu(sgu), _cpu(sdn)))
+    assert rel(y.cpu(), want) < TOL[dtype]
+    for r in range(T):
+        assert torch.equal(run([r])[0], y[r]), r
+    assert torch.equal(run([2, 0, 5])[1], y[0])
+    distinct = torch.topk(logits[:, :E].float(), k).indices.unique().numel()
+    assert int(stats[T, 0]) == distinct and int(buf.cnt.abs().sum()) == 0
+
+
+def _cpu(w):
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.w.cpu(), w.scale.cpu(), w.block, None if w.rows is None else w.rows.cpu())
+    return w.cpu()
+
+
+def _tiny_fp8(arch, tmp_path, experts="stacked", block=(128, 128)):
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny(arch, tmp_path / arch, seed=3, fp8=True, fp8_block=block, experts=experts)
+    m = load_model(d, dtype=torch.bfloat16, device="cuda")  # fp8="keep" is the default on CUDA
+    assert any(p.dtype == FP8_DTYPE for p in m.parameters())
+    return m
+
+
+@pytest.mark.parametrize("arch,experts", [("qwen3_5_moe", "per_expert"), ("qwen3_5_moe", "stacked"),
+                                          ("qwen3_next", "stacked"), ("qwen3_5", "stacked")])
+def test_fast_decoder_fp8_spec_equals_plain(arch, experts, tmp_path):
+    from hyspec.decode import generate_plain
+    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
+    from hyspec.speculative.loop import SpecOptions
+
+    m = _tiny_fp8(arch, tmp_path, experts)
+    prompt = list(range(3, 40, 3))
+    N = 64
+    dec = FastDecoder(m, len(prompt) + N + 8, 3)
+    p = generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec)
+    assert p.stats["graphs"], "CUDA graphs fell back to eager"
+    ref = generate_plain(m, prompt, max_new_tokens=N)
+    agree = next((i for i, (a, b) in enumerate(zip(p.tokens, ref.tokens)) if a != b), N)
+    print(f"{arch} fp8 bf16: fast plain agrees with the reference loop for {agree}/{N} tokens")
+    for K in (1, 3):
+        for rates in ((0.9, 0.8, 0.7, 0.6), None):
+            s = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=K, forced_rates=rates),
+                                          reference=p.tokens, decoder=dec)
+            assert s.tokens == p.tokens, (arch, K, rates)
+    if m.cfg.has_moe:
+        print(f"{arch}: experts read per layer by row count {dec.runner.moe_experts_read()}")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_fp8_runner_logits_match_the_reference(arch, tmp_path):
+    from hyspec.gpu import FastDecoder
+    from hyspec.model.ops import StepCtx
+
+    m = _tiny_fp8(arch, tmp_path)
+    prompt, verify = list(range(3, 60, 5)), [11, 23, 4, 60]
+    cache = m.new_cache(96)
+    m.forward_states(torch.tensor(prompt, device=DEV), cache, StepCtx(start=0, chunked=True))
+    _, post = m.forward_states(torch.tensor(verify, device=DEV), cache, StepCtx(start=len(prompt), exact=True))
+    ref = torch.log_softmax(m.logits(post).double(), -1)
+    dec = FastDecoder(m, 96, 3, graphs=False, use_fla=False)
+    for t in (1, len(verify)):
+        dec.prefill(prompt)
+        _, p = dec.runner.target(torch.tensor(verify[:t], device=DEV), t, dec.pos, t > 1)
+        got = torch.log_softmax(dec.runner.logits(p).double(), -1)
+        assert float((got - ref[:t]).abs().max()) <= 0.05, t

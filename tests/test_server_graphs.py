@@ -1,0 +1,113 @@
+"""`hyspec serve` on the batched GPU graphs (hyspec.gpu.batch_loop.BatchRunner), run here
+through the Triton interpreter (engine.batch_graphs = True) on a tiny checkpoint with a
+tokenizer: concurrent requests on the graph path (one with a penalty) and on the engine core
+(logprobs keep a request there) equal the offline Engine's outputs, the metrics and the request log are
+filled for graph-path requests, a full server answers 429, and clients that disconnect are
+cancelled and free their lanes."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import re
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("triton")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+from hyspec.engine import Engine  # noqa: E402
+from hyspec.sampling import SamplingParams  # noqa: E402
+from hyspec.server.app import ServerConfig, create_app  # noqa: E402
+from hyspec.server.thread import ServerThread  # noqa: E402
+
+MODEL = "tiny"
+
+
+def metric(server, name, labels=""):
+    body = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+-]+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from hyspec.tiny import make_tiny
+
+    # vocab_size >= 300: make_tiny writes a tokenizer.json
+    return make_tiny("qwen3_5", tmp_path_factory.mktemp("serve_graphs"), seed=3, layers=4, hidden=32,
+                     vocab_size=512, std=0.2)
+
+
+def test_server_on_the_batched_graphs(checkpoint, caplog):
+    eng = Engine.load(checkpoint)
+    eng.batch_graphs = True
+    ref = Engine.load(checkpoint)  # the engine core, offline
+    app = create_app(eng, ServerConfig(served_model_name=MODEL, draft=1, max_batch=3, max_queue=0))
+    worker = app.state.hyspec.worker
+    with ServerThread(app) as s:
+        assert worker.graph_path and httpx.get(s.url + "/health").json()["batch_graphs"] is True
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        # at once: greedy speculative and seeded plain with a penalty (streamed) on the graph
+        # path, and a request with logprobs on the engine core
+        cases = [dict(prompt="def add(a, b):", temperature=0.0, seed=0, draft=1, stream=False),
+                 dict(prompt="class Stack:", temperature=0.9, seed=7, draft=0, stream=True, presence_penalty=0.5),
+                 dict(prompt="import os", temperature=0.9, seed=3, draft=0, stream=False, logprobs=1)]
+
+        ids = {}  # prompt -> response id
+
+        def go(c):
+            kw = dict(model=MODEL, prompt=c["prompt"], max_tokens=3, temperature=c["temperature"], seed=c["seed"],
+                      presence_penalty=c.get("presence_penalty", 0.0), logprobs=c.get("logprobs"),
+                      extra_body={"draft": c["draft"], "ignore_eos": True, "return_token_ids": True})
+            if c["stream"]:
+                return "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True)
+                               if ch.choices)
+            r = client.completions.create(**kw)
+            ids[c["prompt"]] = r.id
+            return r.choices[0].token_ids
+
+        before = metric(s, "hyspec_spec_drafts_total")
+        with caplog.at_level(logging.INFO, logger="hyspec.server"), cf.ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(go, cases))
+        for c, g in zip(cases, got):
+            params = SamplingParams(temperature=c["temperature"], seed=c["seed"],
+                                    presence_penalty=c.get("presence_penalty", 0.0))
+            want = ref.generate(c["prompt"], max_new_tokens=3, params=params, draft=c["draft"], ignore_eos=True).tokens
+            assert g == (ref.tokenizer.decode(want, skip_special_tokens=True) if c["stream"] else want), c
+        assert worker._runner.round > 0 and worker._sched.rounds > 0  # both paths ran
+        # the graph path's speculative request fills the metrics and its log line
+        assert metric(s, "hyspec_spec_drafts_total") > before
+        line = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith(ids[cases[0]["prompt"]])]
+        assert len(line) == 1 and re.search(r" out=3 accept_len=[0-9.]+ latency=[0-9.]+s finish=length$", line[0])
+
+        # three streams fill the server (max_batch 3, no queue): a fourth request gets 429 at
+        # once; the clients disconnect and their sequences are cancelled, lanes freed
+        body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True, "draft": 0}
+        streams = [httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={**body, "prompt": p, **extra})
+                   for p, extra in (("x = ", {}), ("y = ", {}), ("z = ", {"logprobs": 1}))]
+        lines = [st.__enter__().iter_lines() for st in streams]  # kept: a dropped iterator closes its stream
+        for it in lines:
+            first = next(line for line in it if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["text"] is not None
+        t_end = time.monotonic() + 30  # (the first token goes out just before its lane is taken)
+        while len(worker._runner.active) < 2 and time.monotonic() < t_end:
+            time.sleep(0.01)
+        assert len(worker._runner.active) == 2
+        t = time.perf_counter()
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "w", "max_tokens": 2})
+        assert r.status_code == 429 and time.perf_counter() - t < 2.0
+        for st in streams:
+            st.__exit__(None, None, None)
+        t_end = time.monotonic() + 30
+        while metric(s, "hyspec_requests_running") and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert metric(s, "hyspec_requests_running") == 0
+        assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 3
+        assert not worker._runner.active and not worker._graph_dec.live.any()
