@@ -44,9 +44,15 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="logit std (random rows)")
     ap.add_argument("--all-stages", action="store_true", help="every stage and draw (no regime)")
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
+    ap.add_argument("--fast-uniforms", action="store_true",
+                    help="timing only: torch.rand instead of the int64 torch Philox reference for the coupled "
+                         "draws' [B, V] uniforms (a Triton kernel on CUDA; on the CPU it dominates coupled rounds)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.fast_uniforms:
+        dsamp.u01_rows_ref = lambda seeds, stream, positions, vocab: torch.rand(
+            seeds.shape[0], vocab, dtype=torch.float64, device=seeds.device)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     V, k = args.vocab, args.k
     dt = getattr(torch, args.dtype)
@@ -58,7 +64,7 @@ def main(argv=None) -> int:
         "rejection_T0.8_top_k50_top_p0.9_min_p0.05": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
     }
     out = {"vocab": V, "k": k, "device": str(dev), "threads": args.threads, "dtype": args.dtype,
-           "all_stages": args.all_stages, "runs": {}}
+           "all_stages": args.all_stages, "fast_uniforms": args.fast_uniforms, "runs": {}}
     key = getattr(dsamp, "SampledGraphKey", None)  # older trees: every stage always
     for name, kw in cases.items():
         if args.only and args.only not in name:

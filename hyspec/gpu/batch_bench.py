@@ -26,7 +26,9 @@ def _target(value: float, name: str) -> dict:
 
 def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: int, k: int = 3,
                     forced=(0.9, 0.8, 0.7, 0.6), seed: int = 0, inv_prompts: int = 64, inv_tokens: int = 500,
-                    inv_batch: int = 16, log=print) -> dict:
+                    inv_batch: int = 16, sampled_extra=(), log=print) -> dict:
+    """sampled_extra: names of SAMPLED_VARIANTS measured after the sampled speed (figures
+    only, no targets)."""
     dev = model.device
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +40,8 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     sizes = sorted({s for s in dec.sizes if s <= slots})
     # the regimes of the timed runs (greedy; sampled_speed's coupled top-p lanes, every lane
     # speculative), captured up front; the invariance check's capture on first use
-    dec.capture(sizes, [k], forced=(False, True), sampled=(False, sampled_regime()), plain=(False,))
+    regimes = [sampled_regime()] + [sampled_regime(SAMPLED_VARIANTS[v]) for v in sampled_extra]
+    dec.capture(sizes, [k], forced=(False, True), sampled=(False, *regimes), plain=(False,))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     out = {"backend": "cuda-graphs", "slots": slots, "max_len": max_len, "lane_bytes": dec.slot_bytes(),
@@ -72,6 +75,14 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     except Exception as e:  # noqa: BLE001 - record and go on
         out["errors"] = {"sampled": f"{type(e).__name__}: {e}"}
         log(f"!! sampled speed failed: {e}")
+    for name in sampled_extra:
+        try:
+            out.setdefault("sampled_extra", {})[name] = sampled_speed(
+                dec, prompts, [b for b in (1, 16) if b in batches] or [min(batches)], new_tokens, k, rates, log,
+                variant=SAMPLED_VARIANTS[name], label=name)
+        except Exception as e:  # noqa: BLE001
+            out.setdefault("errors", {})[f"sampled_{name}"] = f"{type(e).__name__}: {e}"
+            log(f"!! sampled {name} failed: {e}")
     if inv_prompts > 0:
         try:
             out["invariance"] = invariance(dec, model, inv_prompts, inv_tokens, inv_batch, k, prompt_len, g, log)
@@ -87,24 +98,32 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 
 
-def sampled_regime():
+# more sampled settings for --sampled-extra (overrides of the coupled T=0.8 / top-p 0.95 lanes)
+SAMPLED_VARIANTS = {
+    "rejection": dict(mode="rejection"),  # the default mode: accept tests, residual and bonus draws
+    "penalties": dict(repetition_penalty=1.1, frequency_penalty=0.1),  # coupled, penalty window 64
+    "top_k": dict(top_k=50),  # coupled, top-k 50 then top-p 0.95
+}
+
+
+def sampled_regime(variant=None):
     """The sampling regime (graph key) of sampled_speed's requests."""
     from hyspec.gpu.sampling import SampledGraphKey
     from hyspec.sampling import SamplingParams
 
-    return SampledGraphKey.of([SamplingParams(seed=0, mode="coupled", **SAMPLED)])
+    return SampledGraphKey.of([SamplingParams(seed=0, **{"mode": "coupled", **SAMPLED, **(variant or {})})])
 
 
-def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log) -> dict:
-    """Sampled (T=0.8, top-p 0.95, coupled mode, per-request seeds) vs greedy on the same
-    prompts: plain, and speculative with the forced drafter proposing each run's own plain
-    output (coupled speculative output equals plain output, so both see the forced
-    profile's acceptance)."""
+def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log, variant=None, label="") -> dict:
+    """Sampled (T=0.8, top-p 0.95, coupled mode, per-request seeds; variant: overrides) vs
+    greedy on the same prompts: plain, and speculative with the forced drafter proposing
+    each run's own plain output (coupled speculative output equals plain output, so both see
+    the forced profile's acceptance; rejection mode's does not: its acceptance differs)."""
     from hyspec.sampling import SamplingParams
 
     out = {}
     for B in batches:
-        params = [SamplingParams(seed=i, mode="coupled", **SAMPLED) for i in range(B)]
+        params = [SamplingParams(seed=i, **{"mode": "coupled", **SAMPLED, **(variant or {})}) for i in range(B)]
         greedy_plain = [LaneRequest(prompt=p, max_new_tokens=new_tokens) for p in prompts[:B]]
         tps_greedy_plain = run_batch(dec, greedy_plain, max_batch=B)["round_tok_s"]
         greedy_spec = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, reference=r.tokens)
@@ -124,7 +143,7 @@ def sampled_speed(dec, prompts, batches, new_tokens, k, rates, log) -> dict:
                   "accepted_per_round_greedy": acc_g, "accepted_per_round_sampled": acc_s,
                   "sampled_spec_equals_sampled_plain": all(a.tokens == b.tokens
                                                            for a, b in zip(sampled_spec, sampled_plain))}
-        log(f"B={B:>3} sampled (T=0.8, top-p 0.95): plain {tps_sampled_plain:9.1f} tok/s (greedy "
+        log(f"B={B:>3} sampled (T=0.8, top-p 0.95{', ' + label if label else ''}): plain {tps_sampled_plain:9.1f} tok/s (greedy "
             f"{tps_greedy_plain:9.1f}), forced K={k} {tps_sampled_spec:9.1f} tok/s (greedy {tps_greedy_spec:9.1f}; "
             f"x{tps_sampled_spec / tps_greedy_spec:.2f}; accepted/round {acc_s:.2f} vs {acc_g:.2f})")
     return out
@@ -205,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inv-tokens", type=int, default=500)
     ap.add_argument("--inv-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sampled-extra", default="", help=f"comma-separated: {', '.join(SAMPLED_VARIANTS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from types import SimpleNamespace
@@ -215,7 +235,8 @@ def main(argv=None) -> int:
                        torch.bfloat16)
     res = gpu_batch_bench(model, [int(b) for b in args.batch.split(",")], prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, seed=args.seed, inv_prompts=args.inv_prompts,
-                          inv_tokens=args.inv_tokens, inv_batch=args.inv_batch)
+                          inv_tokens=args.inv_tokens, inv_batch=args.inv_batch,
+                          sampled_extra=[v for v in args.sampled_extra.split(",") if v])
     res["git"] = git_state()
     res["device"] = torch.cuda.get_device_name()
     res["argv"] = argv
