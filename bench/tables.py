@@ -190,6 +190,19 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
     m = re.fullmatch(r"spec_K(\d+)_vs_plain_B(\d+)", name)
     if m:
         return f"forced K={m.group(1)} ÷ plain, batch {m.group(2)}", times(v)
+    if name == "forced_k3_speedup_draft_vocab":
+        ceil = f", cost-model ceiling {times(t['ceiling'])}" if t.get("ceiling") else ""
+        step = (f"; draft step {t['draft_step_ms']:.3f} ms vs {t['draft_step_ms_full_vocab']:.3f} ms"
+                if t.get("draft_step_ms") and t.get("draft_step_ms_full_vocab") else "")
+        return (f"speculative K=3, forced, over plain, {num(t.get('draft_vocab'), 0)}-id draft vocabulary",
+                f"**{times(v)}**{ceil}{step}")
+    m = re.fullmatch(r"sampled_vs_greedy_spec_B(\d+)", name)
+    if m:
+        return (f"sampled (T=0.8, top-p 0.95) ÷ greedy speculative K=3, forced, batch {m.group(1)}",
+                f"{v:.2f}")
+    if name == "batch_invariance_seeded_sampling":
+        return "each seeded sampled sequence alone == in a staggered batch (plain and K=3)", \
+            "bitwise" if v else "**differs**"
     if name == "batch_invariance_greedy":
         return "each sequence alone == in a staggered batch (greedy plain and K=3)", "bitwise" if v else "**differs**"
     extra = ", ".join(f"{k} {num(x)}" for k, x in t.items()
