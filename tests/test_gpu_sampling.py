@@ -367,6 +367,42 @@ def test_sample_rows_edge_cases() -> None:
         assert got.tolist() == [sample_index(r, u) for r in rows]
 
 
+def test_chunked_scans() -> None:
+    """cumsum_rows (chunks as rows, then the chunk offsets) == cumsum, exactly, for integer
+    rows shorter than, equal to and longer than a chunk (with padding); the two-level
+    inverse CDF the GPU uses picks the sequential scan's token for random rows with zeros
+    and zero chunks, never a zero-probability token, and the fallbacks (no mass: 0; u * total
+    past the end: the last positive token)."""
+    from hyspec.gpu.sampling import SCAN_CHUNK, cumsum_rows
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (700, SCAN_CHUNK, 3 * SCAN_CHUNK, 5 * SCAN_CHUNK - 37):
+        x = torch.randint(0, 1 << 50, (5, n), generator=gen, dtype=torch.int64)
+        x[1, : n // 2] = 0
+        assert torch.equal(cumsum_rows(x), x.cumsum(1)), n
+    B, Vc = 6, 5 * SCAN_CHUNK - 37
+    p = torch.softmax(torch.randn(B, Vc, generator=gen, dtype=torch.float64) * 3, -1)
+    p[:, ::2] = 0.0
+    p[1, SCAN_CHUNK: 3 * SCAN_CHUNK] = 0.0  # whole chunks without mass
+    p[2, :-5] = 0.0  # the mass in the last (padded) chunk
+    p[3] = 0.0  # no mass
+    p[4, 5] = 1.0
+    p[4, 6:] = 0.0
+    for _ in range(300):
+        u = torch.rand(B, generator=gen, dtype=torch.float64).clamp(min=2.0**-54)
+        a = sample_rows(p, u, chunked=True)
+        assert torch.equal(a, sample_rows(p, u, chunked=False)), u
+        assert bool((p.gather(1, a[:, None])[:, 0] > 0)[[0, 1, 2, 4, 5]].all()) and int(a[3]) == 0
+    u = torch.full((B,), 1 - 2.0**-53, dtype=torch.float64)
+    assert torch.equal(sample_rows(p, u, chunked=True), sample_rows(p, u, chunked=False))
+    # targets exactly on a step (dyadic masses in different chunks): the next token, as the scan's
+    q = torch.zeros(1, Vc, dtype=torch.float64)
+    q[0, [3, SCAN_CHUNK + 9, 2 * SCAN_CHUNK, Vc - 1]] = 0.25
+    for uu in (0.25, 0.5, 0.75, 0.125):
+        u = torch.tensor([uu], dtype=torch.float64)
+        assert torch.equal(sample_rows(q, u, chunked=True), sample_rows(q, u, chunked=False)), uu
+
+
 # --------------------------------------------------------------------------------------
 # a whole speculative round: draft, verify, accept, push
 # --------------------------------------------------------------------------------------

@@ -248,6 +248,27 @@ def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor 
     return out - pp * present.to(dtype)
 
 
+SCAN_CHUNK = 1024  # elements per row of the chunked scans (cumsum_rows)
+
+
+def cumsum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sum along dim 1 of an integer x [B, N], exact (the same as
+    x.cumsum(1)), as chunks of SCAN_CHUNK: a scan of every chunk (the chunks as rows) plus
+    the exclusive scan of the chunk totals. torch's CUDA scan of a 2-D tensor runs one
+    thread block per 32 rows, which crawls along rows as long as a vocabulary (one block
+    for a 16-row block of 151,936: about a millisecond); chunks as rows spread it out."""
+    B, N = x.shape
+    L = SCAN_CHUNK
+    if N <= L:
+        return x.cumsum(1)
+    C = -(-N // L)
+    xp = torch.nn.functional.pad(x, (0, C * L - N)) if C * L != N else x  # [B, C*L] (zeros add nothing)
+    within = xp.reshape(B * C, L).cumsum(1).view(B, C, L)  # [B, C, L]
+    total = within[:, :, -1]  # [B, C]
+    ahead = total.cumsum(1) - total  # [B, C] the chunks before
+    return (within + ahead.unsqueeze(2)).view(B, C * L)[:, :N]
+
+
 _FLOAT_BITS = {torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16),
                torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
 DIGIT_BITS = 16  # at most this many bits of the ranking key per pass of prefix_select (65536 bins)
@@ -296,7 +317,7 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
             digit = ((key >> shift) & (nbins - 1)).to(torch.int64)  # [B, V]
             wd = torch.where((key >> (shift + w)) == cut_key.to(key.dtype), weight, 0)
         hist = torch.zeros(B, nbins, dtype=torch.int64, device=key.device).scatter_add_(1, digit, wd)  # [B, bins]
-        reach = base + hist.flip(1).cumsum(1).flip(1)  # [B, bins] weight ahead of digit d's bin plus its own
+        reach = base + cumsum_rows(hist.flip(1)).flip(1)  # [B, bins] weight ahead of digit d's bin plus its own
         cut = ((reach >= threshold).sum(1, keepdim=True) - 1).clamp(min=0)  # [B, 1] K*'s digit
         base = reach.gather(1, cut) - hist.gather(1, cut)
         cut_key = cut - (nbins >> 1) if cut_key is None else (cut_key << w) | cut
@@ -304,7 +325,7 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
     cut_key = cut_key.to(key.dtype)  # (it fits: a key's value)
     tie = key == cut_key  # [B, V]
     wt = torch.where(tie, weight, 0)
-    before = wt.cumsum(1) - wt  # [B, V] equal keys: the lower ids are ahead
+    before = cumsum_rows(wt) - wt  # [B, V] equal keys: the lower ids are ahead
     return valid & ((key > cut_key) | (tie & (before < threshold - base)))
 
 
@@ -354,19 +375,52 @@ def probs_batch(
 # --------------------------------------------------------------------------------------
 
 
-def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, u: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
     """``sample_index`` per row: inverse-CDF token of probs [B, V] for uniforms u [B].
 
     The first token whose cumulative mass exceeds ``u * total``; if rounding leaves none,
-    the last token with positive probability (token 0 for a row without mass)."""
+    the last token with positive probability (token 0 for a row without mass). On the CPU
+    the reference's sequential float64 scan (the same bits); on CUDA (chunked=None)
+    :func:`_inverse_cdf_chunked`, which adds the masses in another order (the GPU's scan
+    never matched the CPU's bits) and avoids torch's slow long-row scan."""
     p = probs.to(torch.float64)
     V = p.shape[1]
-    cdf = torch.cumsum(p, dim=1)  # [B, V]
-    target = u.to(torch.float64).unsqueeze(1) * cdf[:, -1:]  # [B, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
+    if chunked is None:
+        chunked = p.is_cuda and V > SCAN_CHUNK
+    if chunked:
+        idx = _inverse_cdf_chunked(p, u)
+    else:
+        cdf = torch.cumsum(p, dim=1)  # [B, V]
+        target = u.to(torch.float64).unsqueeze(1) * cdf[:, -1:]  # [B, 1]
+        idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
     col = torch.arange(V, device=p.device)
     last = torch.where(p > 0, col, torch.full_like(col, -1)).amax(dim=1).clamp(min=0)  # [B]
     return torch.where(idx >= V, last, idx)
+
+
+def _inverse_cdf_chunked(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] the inverse-CDF index of u in float64 rows p [B, V] in two levels: the chunk
+    (SCAN_CHUNK tokens) where the running sum of chunk totals first exceeds u * total, then
+    the token inside it with a scan of that chunk alone (its target less the chunks
+    before). V (then sample_rows' fallback: the last positive token) when rounding puts the
+    target past the last chunk. A zero-mass token or chunk is never chosen: a running sum
+    is flat across it; a target past its chunk's own scan (rounding) takes that chunk's
+    last positive token."""
+    B, V = p.shape
+    L = SCAN_CHUNK
+    C = -(-V // L)
+    pc = (torch.nn.functional.pad(p, (0, C * L - V)) if C * L != V else p).reshape(B, C, L)  # [B, C, L]
+    running = pc.sum(2).cumsum(1)  # [B, C] mass up to the end of each chunk
+    target = u.to(torch.float64).unsqueeze(1) * running[:, -1:]  # [B, 1]
+    c = torch.searchsorted(running, target, right=True)  # [B, 1] (C: past the end)
+    cc = c.clamp(max=C - 1)
+    before = torch.where(cc > 0, running.gather(1, (cc - 1).clamp(min=0)), torch.zeros_like(target))  # [B, 1]
+    rows = pc.gather(1, cc.unsqueeze(2).expand(B, 1, L)).squeeze(1)  # [B, L] the chosen chunk
+    j = torch.searchsorted(rows.cumsum(1), target - before, right=True)  # [B, 1]
+    col = torch.arange(L, device=p.device)
+    last_j = torch.where(rows > 0, col, torch.full_like(col, -1)).amax(dim=1, keepdim=True)  # [B, 1]
+    j = torch.where(j >= L, last_j, j)
+    return torch.where(c >= C, V, cc * L + j).squeeze(1)
 
 
 def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
