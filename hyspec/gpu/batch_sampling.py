@@ -1,7 +1,7 @@
 """Sampling inside the BatchDecoder's graphs: the per-lane draws of a round, on the device.
 
-Every float row reduction (the probabilities' softmax, the inverse CDF's cumulative sum)
-runs on fixed SAMPLE_BLOCK-row blocks: torch's GPU softmax / cumsum pick their kernel
+Every float row reduction (the probabilities' softmax, the inverse CDF's sums)
+runs on fixed SAMPLE_BLOCK-row blocks: torch's GPU softmax / sum / cumsum pick their kernel
 from the tensor's shape, so a fixed shape keeps a lane's numbers independent of how many
 lanes the round has (batch invariance). The exact steps (argmax, integer Philox, the
 per-row Gumbel-max kernel, the accept comparisons) run on the rows as they are. The draws
