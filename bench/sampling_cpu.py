@@ -103,6 +103,9 @@ def main(argv=None) -> int:
             print(f"{name:45s} B={B:3d}: probs_batch {t_probs * 1e3:9.2f} ms   one round's sampling (k={k}) "
                   f"{t_round * 1e3:9.2f} ms", flush=True)
     if args.out:
+        from hyspec.provenance import git_state
+
+        out["git"] = git_state()
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return 0
