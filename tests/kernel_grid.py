@@ -3,8 +3,10 @@ error they assert, flash-linear-attention style (||a - b|| / ||b|| over the whol
 import torch
 
 
-def rnd(*shape, seed=0, scale=1.0, dtype=torch.float32):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+def rnd(*shape, seed=0, scale=1.0, dtype=torch.float32, device=None):
+    """Seeded normal values; on `device` (e.g. cuda) drawn by that device's generator."""
+    g = torch.Generator(device=device or "cpu").manual_seed(seed)
+    return (torch.randn(*shape, device=device, generator=g) * scale).to(dtype)
 
 
 def rel_err(got, want) -> float:

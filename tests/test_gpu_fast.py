@@ -4,6 +4,9 @@ Skipped without CUDA. HYSPEC_B2_EXACT="tokens,prompts" sizes the b2 exactness te
 (default 2000,4; it is also part of `hyspec bench`)."""
 import os
 
+import functools
+
+import kernel_grid
 import pytest
 import torch
 
@@ -19,14 +22,8 @@ DEV = torch.device("cuda")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def rnd(*shape, dtype=torch.float32, scale=1.0, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+rnd = functools.partial(kernel_grid.rnd, device=DEV)  # seeded inputs drawn on the GPU
+rel = kernel_grid.rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,6 +4,9 @@ references in bf16 and fp32 with bitwise row invariance; FastDecoder greedy spec
 plain, bitwise; runner log-probs vs the reference model. Skipped without CUDA
 (the same kernels run in the CPU interpreter in tests/test_op_matmul_fp8.py,
 tests/test_op_moe_grouped.py and tests/test_fp8_kept.py)."""
+import functools
+
+import kernel_grid
 import pytest
 import torch
 
@@ -20,14 +23,8 @@ DEV = torch.device("cuda")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def rnd(*shape, dtype=torch.float32, scale=1.0, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=g) * scale).to(dtype)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+rnd = functools.partial(kernel_grid.rnd, device=DEV)  # seeded inputs drawn on the GPU
+rel = kernel_grid.rel_err
 
 
 def fp8_weight(*shape, block=(128, 128), seed=0):
