@@ -1,6 +1,8 @@
 #!/bin/bash
 # The GPU test suite on the device, in one log headed by the commit it ran at:
 #   bash bench/gpu_tests.sh          (repo root, on the GPU machine; writes $OUT/gpu_tests_h200.txt)
+#   PYTEST_ARGS="-n 4" bash bench/gpu_tests.sh    (four test processes on the one GPU: pytest-xdist,
+#                                     carried as a wheel in .whl/ like the others)
 # Commit the log as bench/results/gpu_tests_h200.txt, beside the bench JSON of the same commit.
 # On a copy of the tree without its .git, name the commit: HYSPEC_GIT_COMMIT=<sha>
 # (HYSPEC_GIT_DIRTY=1 if the copy had uncommitted changes), as for hyspec bench.
@@ -33,10 +35,10 @@ print(", ".join(versions))
 PY
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
   rc=0
-  echo "== GPU tests (python3 -m pytest -q -s -m gpu tests)"
-  python3 -m pytest -q -s -m gpu tests || rc=1
+  echo "== GPU tests (python3 -m pytest -q -s -m gpu tests $PYTEST_ARGS)"
+  python3 -m pytest -q -s -m gpu $PYTEST_ARGS --durations=15 tests || rc=1
   echo "== session tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
-  HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q tests/test_sessions.py tests/test_session_state.py \
+  HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q $PYTEST_ARGS tests/test_sessions.py tests/test_session_state.py \
     tests/test_prefix_store.py || rc=1
   exit $rc
 } 2>&1 | tee "$LOG"

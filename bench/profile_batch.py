@@ -20,10 +20,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sampled", action="store_true",
+                    help="also the sampled rounds (coupled T=0.8 / top-p 0.95 lanes, as batch_bench's sampled speed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.bench import make_model
     from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_bench import sampled_regime
     from hyspec.provenance import git_state
 
     dev = torch.device("cuda")
@@ -37,8 +40,19 @@ def main() -> None:
         pre, post, logits = dec.prefill(lane, p)
         dec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
     out = {"git": git_state(), "config": args.config, "k": args.k, "runs": {}}
+    cases = [("decode", False), (f"round_k{args.k}", False)]
+    if args.sampled:
+        from hyspec.gpu.batch_bench import SAMPLED
+        from hyspec.sampling import SamplingParams
+
+        regime = sampled_regime()
+        for lane in range(S):
+            dec.set_params(lane, SamplingParams(seed=lane, mode="coupled", **SAMPLED))
+        cases += [("decode_sampled", regime), (f"round_k{args.k}_sampled", regime)]
     for nb in sizes:
-        for name, fn in (("decode", lambda: dec.decode(nb)), (f"round_k{args.k}", lambda: dec.round(nb, args.k))):
+        for name, sm in cases:
+            fn = (lambda: dec.decode(nb, sampled=sm)) if name.startswith("decode") else \
+                (lambda: dec.round(nb, args.k, sampled=sm))
             fn()
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
