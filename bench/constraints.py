@@ -311,7 +311,7 @@ def graphs_main(args, argv) -> int:
     t0 = time.time()
     results = []
     for name, model, c, fr in models:
-        if callable(model):
+        if not isinstance(model, torch.nn.Module):  # a builder (a module is callable too)
             model = model()
         if c is None:  # the default model's tokenizer over this model's (padded) vocabulary; EOS = its EOS id 0
             c = C.Constraint.json_schema(tok_json, SCHEMA, vocab_size=model.cfg.vocab_size, eos_ids=(0,))
