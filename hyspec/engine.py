@@ -383,6 +383,9 @@ class Engine:
 
         if graph_eligible(requests) is not None:
             return None
+        store = self._store
+        if store is not None and len(store) and any(r.use_store and store.extends(r.prompt_ids) for r in requests):
+            return None  # a prompt that extends a stored state resumes from it on the engine core
         slots = min(max(16 if self.model.device.type == "cuda" else 2, max_batch), 64)
         need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
         k = max(3, max(r.draft for r in requests))

@@ -200,3 +200,20 @@ def test_seeded_session_is_reproducible_as_a_whole(zoo):
     c = run(eng.session(draft=2, params=SamplingParams(temperature=1.2, seed=22), max_new_tokens=MAX_NEW,
                         use_store=False), msgs)
     assert a == b and a != c
+
+
+def test_one_shot_extending_a_stored_conversation_where_graphs_run(zoo, triton_interpreter):
+    """Where the batched graphs run (CUDA; here engine.batch_graphs through the Triton
+    interpreter), a sampled one-shot request that extends a stored conversation still
+    resumes from the prefix store (it went to the graphs and prefilled everything)."""
+    pytest.importorskip("triton")
+    eng = engine(zoo, "qwen3_5")
+    eng.batch_graphs = True
+    msgs = messages(eng.model.cfg.vocab_size, 4, seed=4)
+    params = SamplingParams(temperature=0.8, seed=5)
+    s = eng.session(draft=0, params=params, max_new_tokens=MAX_NEW)
+    run(s, msgs[:3])
+    hits = eng.store.hits
+    one = eng.generate(s.tokens + msgs[3], max_new_tokens=MAX_NEW, draft=0, params=params)
+    assert eng.store.hits == hits + 1 and one.stats["cached_tokens"] == len(s.tokens) - 1
+    assert one.tokens == s.send(msgs[3]).tokens
