@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -39,7 +40,8 @@ def main() -> None:
         p = torch.randint(0, model.cfg.vocab_size, (128,), generator=g).tolist()
         pre, post, logits = dec.prefill(lane, p)
         dec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
-    out = {"git": git_state(), "config": args.config, "k": args.k, "runs": {}}
+    out = {"git": git_state(), "command": "python bench/profile_batch.py " + " ".join(sys.argv[1:]),
+           "config": args.config, "k": args.k, "runs": {}}
     cases = [("decode", False), (f"round_k{args.k}", False)]
     if args.sampled:
         from hyspec.gpu.batch_bench import SAMPLED
