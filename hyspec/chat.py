@@ -148,7 +148,7 @@ class Chat:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.cli.common import add_model_args, add_sampling_args, add_spec_args
+    from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args
 
     p = argparse.ArgumentParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
     add_model_args(p)
@@ -157,11 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     add_sampling_args(p)
     add_spec_args(p)
+    add_constraint_args(p)  # every reply must match (docs/constraints.md, "In sessions")
     return p
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli.common import load_engine, parse_ids
+    from hyspec.cli.common import constraint_from_args, load_engine, parse_ids
     from hyspec.engine import default_model_dir
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
@@ -178,9 +179,10 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         if eng.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer.json")
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
-                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos)
+                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
+                              constraint=constraint_from_args(eng, args))
         chat = Chat(eng, session, args.model or default_model_dir(), out=stdout)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"hyspec chat: error: {e}", file=sys.stderr)
         return 2
     tty = hasattr(stdin, "isatty") and stdin.isatty()

@@ -161,7 +161,7 @@ class Engine:
 
     def session(self, **kw):
         """A conversation whose state is kept between turns (hyspec/session.py): draft, params,
-        spec, max_new_tokens, stop_ids, ignore_eos, use_store."""
+        spec, max_new_tokens, stop_ids, ignore_eos, use_store, constraint."""
         from hyspec.session import Session
 
         if self.backend is not None:

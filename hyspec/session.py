@@ -22,6 +22,14 @@ generated tokens, each later turn's new tokens. The last generated token is *pen
 (emitted, not yet run through the model); the next turn runs it first. Sampling draws
 are keyed by absolute position, so a seeded session is reproducible as a whole.
 
+Constraints (hyspec/constraints.py): `eng.session(constraint=c)` constrains every reply;
+`send(..., constraint=c)` one turn (`constraint=False`: this turn free). Each reply starts
+its own copy of the constraint at c's state, except a turn with an empty message
+(`send([])`: "go on") after a reply the constraint had not finished (cut by
+max_new_tokens): that turn continues the same matcher. The matcher's state after each turn
+is part of the turn's checkpoint: rewind() restores it, fork() copies it, save() writes it
+(kind, grammar and the tokens consumed; load rebuilds it by consuming them again).
+
 A session is plain (draft 0) or speculative (draft >= 1) from its first turn on: a
 speculative turn needs the drafter's rows for the whole transcript, which a plain turn
 does not build. K may change between speculative turns.
@@ -59,8 +67,12 @@ def model_fingerprint(model) -> str:
 
 class Session:
     def __init__(self, engine, *, draft: int = 0, params: SamplingParams | None = None, spec=None,
-                 max_new_tokens: int = 64, stop_ids=None, ignore_eos: bool = False, use_store: bool = True) -> None:
+                 max_new_tokens: int = 64, stop_ids=None, ignore_eos: bool = False, use_store: bool = True,
+                 constraint=None) -> None:
         self.engine = engine
+        if constraint is not None:
+            engine._check_constraint(constraint)
+        self.constraint = constraint  # every reply's constraint (each turn uses a copy)
         self.draft = draft
         engine._spec_options(draft, spec)  # validates draft / MTP head
         self.params = params if params is not None else GREEDY
@@ -73,6 +85,8 @@ class Session:
         self._state: SeqState | None = None  # ... or the state the next turn resumes from
         self._boundary: SeqState | None = None  # the current state, captured when the last turn ended
         self._history: list[SeqState | None] = []  # the state before each turn (None: empty)
+        self._matcher = None  # the constraint's state after the last turn (None: that turn was free)
+        self._matchers: list = []  # ... and before each turn (rewind points, beside _history)
         self._speculative: bool | None = None
         self.turns = 0
         self.telemetry = SpecTelemetry()  # all turns
@@ -101,12 +115,31 @@ class Session:
     def num_turns(self) -> int:
         return len(self._history)
 
+    @property
+    def matcher(self):
+        """A copy of the constraint's state after the last turn (None: that turn was unconstrained)."""
+        return None if self._matcher is None else self._matcher.clone()
+
+    def _turn_constraint(self, ids: list[int], constraint):
+        """The matcher this turn runs (a copy: the checkpoints are never mutated), or None."""
+        if constraint is False:
+            return None
+        if constraint is not None:
+            self.engine._check_constraint(constraint)
+            return constraint.clone()
+        if self.constraint is None:
+            return None
+        if not ids and self._matcher is not None and not self._matcher.finished:
+            return self._matcher.clone()  # "go on": the unfinished reply continues under its matcher
+        return self.constraint.clone()
+
     # -- a turn ------------------------------------------------------------------------
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
-             draft: int | None = None, stop_ids=None, on_tokens=None):
+             draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None):
         """Append `message` (text or token ids) to the conversation and generate; returns the
         turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
-        on_tokens(new_ids) is called as rounds commit tokens."""
+        on_tokens(new_ids) is called as rounds commit tokens. constraint: this turn's (None: the
+        session's, continued after an unfinished reply when the message is empty; False: none)."""
         from hyspec.engine import Sample
 
         self._check_open()
@@ -129,9 +162,11 @@ class Session:
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
         stops = eng._stops(list(self.stop_ids) + list(stop_ids or ()), self.ignore_eos)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
+        matcher = self._turn_constraint(ids, constraint)
         req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
                       draft=n_drafts, spec=opts, stop_ids=stops, on_tokens=stream, keep=True,
-                      use_store=self.use_store, resume=self._seq if self._seq is not None else self._state)
+                      use_store=self.use_store, resume=self._seq if self._seq is not None else self._state,
+                      constraint=matcher)
         sched = eng.session_scheduler()
         sched.submit(req)  # invalid input raises here; the session is unchanged
         while not req.done:
@@ -145,6 +180,8 @@ class Session:
             raise req.exception
         # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
         self._history.append(self._boundary)
+        self._matchers.append(self._matcher)
+        self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
         self._seq, self._state = seq, None
         self._boundary = capture(seq)
         self._speculative = n_drafts > 0
@@ -173,7 +210,9 @@ class Session:
         if n > len(self._history):
             raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._history)}")
         target = self._history[-n]
+        self._matcher = self._matchers[-n]
         del self._history[-n:]
+        del self._matchers[-n:]
         self._release()
         self._state = self._boundary = target
         self.last_stats = {}
@@ -186,6 +225,7 @@ class Session:
         self._release()
         self._state = self._boundary = None
         self._history = []
+        self._matcher, self._matchers = None, []
         self._speculative = None
         self.telemetry = SpecTelemetry()
         self.last_stats = {}
@@ -196,6 +236,7 @@ class Session:
         other = self._clone_settings()
         other._state = other._boundary = self._boundary
         other._history = list(self._history)
+        other._matcher, other._matchers = self._matcher, list(self._matchers)  # never mutated: shared
         other._speculative = self._speculative
         other.turns = self.turns
         other.telemetry = self.telemetry.copy()
@@ -228,7 +269,7 @@ class Session:
     def _clone_settings(self) -> "Session":
         return Session(self.engine, draft=self.draft, params=self.params, spec=self.spec,
                        max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, ignore_eos=self.ignore_eos,
-                       use_store=self.use_store)
+                       use_store=self.use_store, constraint=self.constraint)
 
     @classmethod
     def from_state(cls, engine, state: SeqState, **settings) -> "Session":
@@ -247,6 +288,8 @@ class Session:
                          "ignore_eos": self.ignore_eos, "use_store": self.use_store},
             "state": None if self._boundary is None else self._boundary.to_dict(),
             "history": [None if h is None else h.to_dict() for h in self._history],
+            "constraint": _constraint_dict(self.constraint), "matcher": _constraint_dict(self._matcher),
+            "matchers": [_constraint_dict(m) for m in self._matchers],
             "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
             "extra": extra or {},
         }
@@ -281,7 +324,29 @@ class Session:
         dev = engine.model.device
         session._state = session._boundary = None if d["state"] is None else SeqState.from_dict(d["state"], dev)
         session._history = [None if h is None else SeqState.from_dict(h, dev) for h in d["history"]]
+        session.constraint = _constraint_from(engine, d.get("constraint"))
+        session._matcher = _constraint_from(engine, d.get("matcher"))
+        session._matchers = [_constraint_from(engine, m) for m in d.get("matchers", [None] * len(session._history))]
         session._speculative, session.turns = d["speculative"], d["turns"]
         session.telemetry = SpecTelemetry.from_dict(d["telemetry"])
         session.extra = d.get("extra", {})
         return session
+
+
+def _constraint_dict(c) -> dict | None:
+    """A constraint as data: its kind, grammar and the tokens it has consumed."""
+    if c is None:
+        return None
+    return {"kind": c.kind, "grammar": c.grammar_text, "tokens": list(c.tokens)}
+
+
+def _constraint_from(engine, d: dict | None):
+    """_constraint_dict's inverse for this engine's vocabulary: the grammar at its start,
+    then its tokens consumed again."""
+    if d is None:
+        return None
+    from hyspec.constraints import Constraint, vocab_for
+
+    c = Constraint(vocab_for(engine), d["grammar"], kind=d["kind"])
+    c.commit(d["tokens"])
+    return c

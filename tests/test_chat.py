@@ -115,3 +115,23 @@ def test_chat_with_a_checkpoint_template_sends_only_the_new_text(zoo, tmp_path):
     assert stats["prompt_tokens"] - stats["cached_tokens"] == len(eng.encode(delta)) + 1  # + the pending token
     c.command("/rewind")
     assert c.session.tokens == first and len(c.messages) == 2
+
+
+def test_chat_constraint_flags():
+    """`hyspec chat --regex ...`: every reply matches; a bad pattern is an error naming the flag."""
+    import io
+    import re
+
+    pytest.importorskip("llguidance")
+    from hyspec.chat import main
+
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["--regex", "[a-z ]{3,30}[.]", "--max-new-tokens", "40", "--draft", "2"],
+                stdin=io.StringIO("def f():\nclass A:\n"), stdout=out) == 0
+    replies = [x.removesuffix("<|endoftext|>") for x in out.getvalue().splitlines()]
+    assert len(replies) == 2 and all(re.fullmatch(r"[a-z ]{3,30}[.]", r) for r in replies), replies
+    import contextlib
+
+    with contextlib.redirect_stderr(err):
+        assert main(["--regex", "[a-z"], stdin=io.StringIO(""), stdout=out) == 2
+    assert "--regex" in err.getvalue() and "Traceback" not in err.getvalue()

@@ -1,0 +1,100 @@
+"""Constraints in sessions (hyspec/session.py): every reply under its own matcher, exact.
+
+* Speculative == plain, every turn, greedy and coupled sampling, three tiny families.
+* A reply cut by max_new_tokens continues under the same matcher with an empty message,
+  and the pieces equal one uncut constrained generation.
+* The matcher's state is part of the turn checkpoint: rewind, fork and save/load restore it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from conftest import ARCHS  # noqa: E402
+from hyspec.constraints import make_constraint  # noqa: E402
+from hyspec.engine import Engine  # noqa: E402
+from hyspec.sampling import SamplingParams  # noqa: E402
+from hyspec.session import Session  # noqa: E402
+from session_helpers import messages  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"x": {"type": "string", "maxLength": 12}, "y": {"type": "integer"}},
+          "required": ["x", "y"], "additionalProperties": False}
+COUPLED = SamplingParams(temperature=0.9, seed=7, mode="coupled")
+
+
+def _engine(zoo, arch):
+    return Engine(zoo.model("tiny", arch, "float64", "coop"), model_dir=str(zoo.path("tiny", arch)))
+
+
+def _replies_valid(c, replies):
+    for r in replies:
+        d = c.clone()
+        d.commit(r)  # raises on a token the schema does not allow
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_constrained_speculative_session_equals_plain(zoo, arch):
+    eng = _engine(zoo, arch)
+    c = eng.constraint("json_schema", SCHEMA)
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=2)
+    for params in (None, COUPLED):
+        outs = {}
+        for k in (0, 3):
+            s = eng.session(draft=k, params=params, max_new_tokens=24, constraint=c, use_store=False)
+            outs[k] = [s.send(m).tokens for m in msgs]
+            s.close()
+        assert outs[3] == outs[0], (arch, params)
+        _replies_valid(c, outs[0])
+        free = eng.session(draft=0, params=params, max_new_tokens=24, use_store=False)
+        assert [free.send(m).tokens for m in msgs] != outs[0]  # the mask bites
+
+
+def test_a_cut_reply_continues_under_its_matcher(zoo):
+    eng = _engine(zoo, "qwen3_5")
+    c = eng.constraint("json_schema", SCHEMA)
+    msg = messages(eng.model.cfg.vocab_size, 1, seed=3)[0]
+    whole = eng.generate(msg, max_new_tokens=30, draft=3, constraint=c, use_store=False)
+    s = eng.session(draft=3, max_new_tokens=5, constraint=c, use_store=False)
+    pieces = s.send(msg).tokens
+    assert len(pieces) == 5 and not s.matcher.finished
+    while len(pieces) < len(whole.tokens):
+        pieces += s.send([], max_new_tokens=min(5, len(whole.tokens) - len(pieces))).tokens
+    assert pieces == whole.tokens
+    assert s.matcher.tokens == pieces  # one matcher consumed the whole reply
+    # a new message after a cut reply starts a fresh matcher; constraint=False frees a turn
+    t = eng.session(draft=3, max_new_tokens=5, constraint=c, use_store=False)
+    t.send(msg)
+    t.send([7, 8])
+    assert t.matcher.tokens == t.tokens[len(msg) + 5 + 2:]
+    t.send([9], constraint=False)
+    assert t.matcher is None
+
+
+def test_rewind_fork_and_save_restore_the_matcher(zoo, tmp_path):
+    eng = _engine(zoo, "qwen3_next")
+    c = eng.constraint("json_schema", SCHEMA)
+    msg = messages(eng.model.cfg.vocab_size, 1, seed=4)[0]
+    s = eng.session(draft=2, max_new_tokens=4, constraint=c, use_store=False)
+    s.send(msg)
+    before = s.matcher.tokens
+    second = s.send([]).tokens  # continues the cut reply
+    f = s.fork()
+    s.rewind()
+    assert s.matcher.tokens == before
+    assert s.send([]).tokens == second  # the same continuation from the restored matcher
+    s.rewind()
+    s.save(tmp_path / "s.pt")
+    t = Session.load(eng, tmp_path / "s.pt")
+    assert t.matcher.tokens == before and t.constraint is not None
+    assert t.send([]).tokens == second
+    assert f.matcher.tokens == before + second
+    assert f.send([]).tokens == t.send([]).tokens  # the fork and the loaded copy go on alike
+
+
+def test_session_constraint_for_another_vocabulary_is_refused(zoo):
+    eng = _engine(zoo, "qwen3_5")
+    other = make_constraint(zoo.path("tiny", "qwen3_5"), "regex", "[a-z]+", vocab_size=eng.model.cfg.vocab_size + 8)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.session(constraint=other)
