@@ -42,7 +42,9 @@ Layout
   top-p without a sort: :func:`prefix_select`, exact integer radix passes over the
   logits' ranking key :func:`order_key`), :func:`plain_tokens`, :func:`draft_tokens`,
   :func:`speculative_accept`; coupled draws through one fused kernel on CUDA
-  (:func:`hyspec.kernels.rng.gumbel_argmax`).
+  (:func:`hyspec.kernels.rng.gumbel_argmax`); on CUDA (``kernel`` arguments) the
+  softmaxes and the inverse CDF are the row kernels of :mod:`hyspec.kernels.probs`
+  (a row's result depends on that row alone, for any number of rows).
 * the penalty window (per-lane token counts kept on the device) and the counts of a
   round's rows: :mod:`hyspec.gpu.penalties` (the BatchDecoder carries one per lane).
 
