@@ -120,6 +120,48 @@ def test_inverse_cdf_rows_equals_torch() -> None:
         assert torch.equal(inverse_cdf_rows(pr[:, r], u[:6].to(dev)).cpu(), want)
 
 
+def _residual_case(B: int, R: int = 3, seed: int = 4):
+    """(p [B, R, V], q [B, R - 1, V], row [B], q_row [B], resid [B]): rows whose residual
+    has mass (some only in the partial last chunk), rows where q covers p (no residual
+    mass: p itself), rows that are not residual rows."""
+    from hyspec.kernels.probs import CHUNK
+
+    g = torch.Generator().manual_seed(seed)
+    V = 3 * CHUNK - 300
+    p = torch.softmax(torch.randn(B, R, V, generator=g, dtype=torch.float64) * 2, -1)
+    p[:, :, 1::4] = 0.0
+    q = torch.softmax(torch.randn(B, R - 1, V, generator=g, dtype=torch.float64) * 2, -1)
+    row = torch.randint(0, R, (B,), generator=g)
+    q_row = row.clamp(max=R - 2)
+    resid = torch.rand(B, generator=g) < 0.7
+    for b in range(0, B, 4):  # q == p at the row: no residual mass
+        q[b, q_row[b]] = p[b, row[b]]
+    for b in range(1, B, 4):  # the residual's mass in the last chunk only
+        q[b, q_row[b]] = p[b, row[b]]
+        q[b, q_row[b], -5:] = 0.0
+    return p, q, row, q_row, resid
+
+
+def test_inverse_cdf_residual_equals_torch() -> None:
+    """The residual form (speculative sampling's recovered token: rows n of p and q read
+    in place) == its torch reference (the gathers, max(p - q, 0), the mass test)."""
+    from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref
+
+    dev = _dev()
+    B = 64
+    p, q, row, q_row, resid = _residual_case(B)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        u = torch.rand(B, generator=g, dtype=torch.float64)
+        want = inverse_cdf_rows_ref(p, u, row, q, q_row, resid)
+        got = inverse_cdf_rows(*(a.to(dev) for a in (p, u, row, q, q_row, resid))).cpu()
+        assert torch.equal(got, want)
+        assert torch.equal(inverse_cdf_rows(p.to(dev), u.to(dev), row.to(dev)).cpu(), inverse_cdf_rows_ref(p, u, row))
+    pn = p[torch.arange(B), row]
+    res = (pn - q[torch.arange(B), q_row]).clamp(min=0)
+    assert bool((res[1::4, -5:] > 0).any()) and not bool((res[0::4] > 0).any())
+
+
 def _alone_and_in_batches(fn, B: int):
     """fn(rows [n] index tensor) -> [n, ...] outputs; asserts row r's output is bitwise the
     same in the B-row call, alone, and in a 3-row batch."""
@@ -134,7 +176,8 @@ def _alone_and_in_batches(fn, B: int):
 
 def test_row_kernels_are_row_invariant() -> None:
     """Row r of a 16-row call == row r alone == row r inside 3-row batches, bitwise: the
-    softmax (probabilities and masses, with every option) and the inverse CDF."""
+    softmax (probabilities and masses, with every option) and the inverse CDF (plain and
+    residual)."""
     from hyspec.kernels.probs import inverse_cdf_rows, softmax_rows
 
     dev = _dev()
@@ -146,6 +189,8 @@ def test_row_kernels_are_row_invariant() -> None:
     p = softmax_rows(x, t, keep)
     u = torch.rand(B, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dev)
     _alone_and_in_batches(lambda i: inverse_cdf_rows(p[i], u[i]), B)
+    p3, q3, row, q_row, resid = (a.to(dev) for a in _residual_case(B))
+    _alone_and_in_batches(lambda i: inverse_cdf_rows(p3[i], u[i], row[i], q3[i], q_row[i], resid[i]), B)
 
 
 def test_sampling_on_the_kernels_is_row_invariant() -> None:

@@ -506,6 +506,8 @@ def speculative_accept(
     kl = k_lane.to(torch.int64)  # [B]
     j = torch.arange(max(k, 1), device=p.device).unsqueeze(0)  # [1, k]
     seeds = table.seed
+    if kernel is None:
+        kernel = p.is_cuda and triton_available()
     coupled = regime.sampled and regime.coupled
     rejection = regime.sampled and regime.rejection
 
@@ -539,18 +541,22 @@ def speculative_accept(
         return n, own_n
 
     # sampled lanes: recovered token (residual at row n) or bonus (row n = k_lane)
-    p_n = _row(p, n)  # [B, V]
     rejected = n < kl  # [B]
+    u = torch.where(
+        rejected,
+        u01_lanes(seeds, Stream.RESIDUAL, pos + n),
+        u01_lanes(seeds, Stream.BONUS, pos + n),
+    )
+    if kernel:  # the kernel reads rows n of p and q in place and forms the residual itself
+        q_n = n.clamp(max=k - 1) if k > 0 else None
+        sampled = inverse_cdf_rows(p, u, n, q if k > 0 else None, q_n, rejected)  # [B]
+        return n, torch.where(match_lane, own_n, sampled)
+    p_n = _row(p, n)  # [B, V]
     if k > 0:
         resid = (p_n - _row(q, n.clamp(max=k - 1))).clamp(min=0.0)  # [B, V]
         has_mass = (resid > 0).any(dim=1, keepdim=True)  # [B, 1] == (resid.sum() > 0)
         dist = torch.where(rejected.unsqueeze(1) & has_mass, resid, p_n)
     else:
         dist = p_n
-    u = torch.where(
-        rejected,
-        u01_lanes(seeds, Stream.RESIDUAL, pos + n),
-        u01_lanes(seeds, Stream.BONUS, pos + n),
-    )
-    sampled = sample_rows(dist, u, kernel=kernel)  # [B]
+    sampled = sample_rows(dist, u, kernel=False)  # [B]
     return n, torch.where(match_lane, own_n, sampled)

@@ -11,10 +11,14 @@ Contract (B rows, V vocabulary, C = ceil(V / CHUNK) chunks)::
       rows: exactly one-hot). mass=True: int64 fixed-point masses (p * 2**62, truncated;
       hyspec.sampling.fixed_mass) instead of the probabilities.
 
-    inverse_cdf_rows(p float64 [B, V], u float64 [B]) -> int64 [B]
-    = the first token whose running mass exceeds u * total (the masses added per chunk,
-      then over the chunk totals, then inside the chosen chunk); the last token with
-      p > 0 when rounding leaves none; 0 for a row without mass.
+    inverse_cdf_rows(p float64 [B, V] | [B, R, V], u float64 [B], row [B] = None,
+                     q float64 [B, V] | [B, Rq, V] = None, q_row [B] = None, resid [B] bool = None)
+                     -> int64 [B]
+    = in each row's distribution d (p[b], or p[b, row[b]]; for resid rows with q the
+      residual max(d - q[b, q_row[b]], 0) if it has mass: speculative sampling's
+      recovered token), the first token whose running mass exceeds u * total (the
+      masses added per chunk, then over the chunk totals, then inside the chosen chunk);
+      the last token with mass when rounding leaves none; 0 for a row without mass.
 
 Row invariance: a row's programs read only that row, CHUNK is a constant and the chunk
 partials of a row are combined in one fixed order (every normalising program of the row

@@ -96,53 +96,90 @@ def _cdf_kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["sp"])
-    def _cdf_partials_kernel(p_ptr, sp, tot_ptr, last_ptr, V, n_chunks, BLOCK: tl.constexpr):
-        """Chunk c of row b: its total mass and its last token with p > 0 (-1: none)."""
+    @triton.jit(do_not_specialize=["sp", "spr", "sq", "sqr"])
+    def _cdf_kernel(p_ptr, sp, spr, prow_ptr, q_ptr, sq, sqr, qrow_ptr, resid_ptr, u_ptr, tot_ptr, last_ptr, out_ptr,
+                    V, n_chunks, HAS_Q: tl.constexpr, PICK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr):
+        """Row b's distribution: p[b, prow[b]], or (HAS_Q) where resid[b] and it has mass
+        max(p[b, prow[b]] - q[b, qrow[b]], 0). First launch, chunk c: its total mass and its
+        last token with mass (-1: none) -> tot, last [B, 2, n_chunks] (p's, then the
+        residual's). Second launch (PICK), one program per row: the chunk where the running
+        sum of chunk totals first exceeds u * total, then the token by a scan of that chunk."""
         b = tl.program_id(0)
-        c = tl.program_id(1)
-        i = c * BLOCK + tl.arange(0, BLOCK)
-        p = tl.load(p_ptr + b.to(tl.int64) * sp + i, mask=i < V, other=0.0)
-        tl.store(tot_ptr + b * n_chunks + c, tl.sum(p, 0))
-        tl.store(last_ptr + b * n_chunks + c, tl.max(tl.where(p > 0, i, -1), 0))
+        p_row = p_ptr + b.to(tl.int64) * sp + tl.load(prow_ptr + b) * spr
+        q_row = q_ptr + b.to(tl.int64) * sq + tl.load(qrow_ptr + b) * sqr  # (unread without HAS_Q)
+        parts = b * 2 * n_chunks
+        if PICK:
+            j = tl.arange(0, NC)
+            inside = j < n_chunks
+            tot = tl.load(tot_ptr + parts + j, mask=inside, other=0.0)
+            last = tl.load(last_ptr + parts + j, mask=inside, other=-1)
+            use_r = False
+            if HAS_Q:  # the residual has mass iff a chunk total is positive (sums of values >= 0)
+                tot_r = tl.load(tot_ptr + parts + n_chunks + j, mask=inside, other=0.0)
+                use_r = (tl.load(resid_ptr + b) != 0) & (tl.max(tot_r, 0) > 0)
+                tot = tl.where(use_r, tot_r, tot)
+                last = tl.where(use_r, tl.load(last_ptr + parts + n_chunks + j, mask=inside, other=-1), last)
+            running = tl.cumsum(tot, 0)  # [NC]
+            total = tl.sum(tl.where(j == n_chunks - 1, running, 0.0), 0)
+            target = tl.load(u_ptr + b) * total
+            c = tl.sum((inside & (running <= target)).to(tl.int32), 0)  # n_chunks: past the end
+            cc = tl.minimum(c, n_chunks - 1)
+            before = tl.sum(tl.where(j == cc - 1, running, 0.0), 0)  # 0 for the first chunk
+            t = tl.arange(0, BLOCK)
+            i = cc * BLOCK + t
+            rows = tl.load(p_row + i, mask=i < V, other=0.0)
+            if HAS_Q:
+                rows = tl.where(use_r, tl.maximum(rows - tl.load(q_row + i, mask=i < V, other=0.0), 0.0), rows)
+            k = tl.sum((tl.cumsum(rows, 0) <= target - before).to(tl.int32), 0)
+            k = tl.where(k >= BLOCK, tl.max(tl.where(rows > 0, t, -1), 0), k)
+            idx = tl.where(c >= n_chunks, tl.maximum(tl.max(last, 0), 0), cc * BLOCK + k)
+            tl.store(out_ptr + b, idx.to(tl.int64))
+        else:
+            c = tl.program_id(1)
+            i = c * BLOCK + tl.arange(0, BLOCK)
+            pv = tl.load(p_row + i, mask=i < V, other=0.0)
+            tl.store(tot_ptr + parts + c, tl.sum(pv, 0))
+            tl.store(last_ptr + parts + c, tl.max(tl.where(pv > 0, i, -1), 0))
+            if HAS_Q:
+                r = tl.maximum(pv - tl.load(q_row + i, mask=i < V, other=0.0), 0.0)
+                tl.store(tot_ptr + parts + n_chunks + c, tl.sum(r, 0))
+                tl.store(last_ptr + parts + n_chunks + c, tl.max(tl.where(r > 0, i, -1), 0))
 
-    @triton.jit(do_not_specialize=["sp"])
-    def _cdf_pick_kernel(p_ptr, sp, u_ptr, tot_ptr, last_ptr, out_ptr, V, n_chunks, BLOCK: tl.constexpr,
-                         NC: tl.constexpr):
-        """Row b: the chunk where the running sum of chunk totals first exceeds u * total,
-        then the token inside it by a scan of that chunk alone."""
-        b = tl.program_id(0)
-        j = tl.arange(0, NC)
-        inside = j < n_chunks
-        running = tl.cumsum(tl.load(tot_ptr + b * n_chunks + j, mask=inside, other=0.0), 0)  # [NC]
-        total = tl.sum(tl.where(j == n_chunks - 1, running, 0.0), 0)
-        target = tl.load(u_ptr + b) * total
-        c = tl.sum((inside & (running <= target)).to(tl.int32), 0)  # n_chunks: past the end
-        cc = tl.minimum(c, n_chunks - 1)
-        before = tl.sum(tl.where(j == cc - 1, running, 0.0), 0)  # 0 for the first chunk
-        i = tl.arange(0, BLOCK)
-        rows = tl.load(p_ptr + b.to(tl.int64) * sp + cc * BLOCK + i, mask=cc * BLOCK + i < V, other=0.0)
-        k = tl.sum((tl.cumsum(rows, 0) <= target - before).to(tl.int32), 0)
-        last_k = tl.max(tl.where(rows > 0, i, -1), 0)
-        k = tl.where(k >= BLOCK, last_k, k)
-        last = tl.maximum(tl.max(tl.load(last_ptr + b * n_chunks + j, mask=inside, other=-1), 0), 0)
-        idx = tl.where(c >= n_chunks, last, cc * BLOCK + k)
-        tl.store(out_ptr + b, idx.to(tl.int64))
-
-    return _cdf_partials_kernel, _cdf_pick_kernel
+    return _cdf_kernel
 
 
-def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: the inverse-CDF token of each float64 row p [B, V] (rows may be strided)
-    for the uniforms u [B] (see the package docstring). Two launches."""
-    B, V = p.shape
-    if p.stride(1) != 1:
-        p = p.contiguous()
+def _rows3(x: torch.Tensor, row: torch.Tensor | None, B: int):
+    """(x as [B, R, V] with a contiguous last dim, the row index per b [B] int64)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    if row is None:
+        row = torch.zeros(B, dtype=torch.int64, device=x.device)
+    return x, row.to(torch.int64).contiguous()
+
+
+def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor, row: torch.Tensor | None = None,
+                     q: torch.Tensor | None = None, q_row: torch.Tensor | None = None,
+                     resid: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [B]: the inverse-CDF token of each row's distribution for the uniforms u [B]
+    (see the package docstring): p float64 [B, V] or [B, R, V] with row [B] (rows may be
+    strided); with q [B, V] or [B, Rq, V] (q_row [B]) and resid [B] bool, a resid row
+    samples max(p - q, 0) when that has mass. Two launches."""
+    B, V = p.shape[0], p.shape[-1]
+    p3, prow = _rows3(p, row, B)
+    if q is not None:
+        q3, qrow = _rows3(q, q_row, B)
+        rs = resid.to(torch.int8).contiguous()
+    else:
+        q3, qrow, rs = p3, prow, prow
     C = -(-V // CHUNK)
-    tot = torch.empty(B, C, dtype=torch.float64, device=p.device)
-    last = torch.empty(B, C, dtype=torch.int32, device=p.device)
+    tot = torch.empty(B, 2, C, dtype=torch.float64, device=p.device)
+    last = torch.empty(B, 2, C, dtype=torch.int32, device=p.device)
     out = torch.empty(B, dtype=torch.int64, device=p.device)
-    partials, pick = _cdf_kernels()
-    partials[(B, C)](p, p.stride(0), tot, last, V, C, BLOCK=CHUNK)
-    pick[(B,)](p, p.stride(0), u.to(torch.float64).contiguous(), tot, last, out, V, C, BLOCK=CHUNK, NC=p2(C))
+    uu = u.to(torch.float64).contiguous()
+    kernel = _cdf_kernels()
+    for pick, grid in ((False, (B, C)), (True, (B,))):
+        kernel[grid](p3, p3.stride(0), p3.stride(1), prow, q3, q3.stride(0), q3.stride(1), qrow, rs, uu, tot, last,
+                     out, V, C, HAS_Q=q is not None, PICK=pick, BLOCK=CHUNK, NC=p2(C))
     return out

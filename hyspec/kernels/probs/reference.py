@@ -29,16 +29,31 @@ def softmax_rows_ref(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Ten
     return (p * MASS_SCALE).to(torch.int64) if mass else p
 
 
-def inverse_cdf_rows_ref(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _pick_rows(x: torch.Tensor, row: torch.Tensor | None) -> torch.Tensor:
+    """x [B, V], or x [B, R, V] and row [B]: the rows x[b, row[b]] as [B, V]."""
+    if x.dim() == 2:
+        return x
+    return x.gather(1, row.view(-1, 1, 1).expand(-1, 1, x.shape[2])).squeeze(1)
+
+
+def inverse_cdf_rows_ref(p: torch.Tensor, u: torch.Tensor, row: torch.Tensor | None = None,
+                         q: torch.Tensor | None = None, q_row: torch.Tensor | None = None,
+                         resid: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [B]: per row the first token whose running mass exceeds u * total, the
     masses added in two levels (the CHUNK-token chunk totals, then one chunk's scan);
     past the end (rounding): the last token with p > 0; 0 for a row without mass.
+    The row's distribution: p[b] (p [B, V]) or p[b, row[b]] (p [B, R, V]); with q, the
+    rows with resid[b] take max(p - q, 0) instead, when that has mass.
 
     The chunk is the first whose running total exceeds the target, the token the first
     whose in-chunk running sum exceeds the target less the chunks before it (the last
     positive token of the chunk when rounding leaves none). A zero-mass token or chunk is
     never chosen: a running sum is flat across it."""
-    p = p.to(torch.float64)
+    p = _pick_rows(p.to(torch.float64), row)
+    if q is not None:
+        r = (p - _pick_rows(q.to(torch.float64), q_row)).clamp(min=0.0)  # [B, V]
+        has_mass = (r > 0).any(dim=1, keepdim=True)  # [B, 1]
+        p = torch.where(resid.unsqueeze(1) & has_mass, r, p)
     B, V = p.shape
     L = CHUNK
     C = -(-V // L)
