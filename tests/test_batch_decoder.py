@@ -334,3 +334,55 @@ def test_cancel_frees_the_lane_within_a_round(tmp_path):
     runner.run()
     assert len(reqs[0].tokens) == n_cut < 6
     assert reqs[1].tokens == _core_tokens(m, reqs[1:])[0] and reqs[1].reason == "length"
+
+
+def test_sampled_rounds_run_the_row_kernels_on_their_rows(tmp_path, monkeypatch):
+    """The sampled draws of the batched rounds go through the row kernels
+    (hyspec.kernels.probs) over the round's own rows (no 16-row blocks), with a vocabulary
+    of two chunks: coupled lanes (top-p, top-k, min-p) drafting the plain continuation
+    (forced drafts: most are accepted) give plain decoding's tokens alone, in a batch of
+    3 (speculative == plain, batch invariance); a rejection lane gives its tokens alone."""
+    import hyspec.gpu.sampling as dsamp
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.loading import load_model
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    m = load_model(make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=2, hidden=32, vocab_size=1500, std=0.2))
+    rows = []
+
+    def spy(fn):
+        def call(x, *a, **k):
+            rows.append(x.shape[0])
+            return fn(x, *a, **k)
+        return call
+
+    monkeypatch.setattr(dsamp, "softmax_rows", spy(dsamp.softmax_rows))
+    monkeypatch.setattr(dsamp, "inverse_cdf_rows", spy(dsamp.inverse_cdf_rows))
+    N = 5
+    prompts = [[5, 17, 99, 3], [8, 1], [60, 61, 62]]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=1, mode="coupled"),
+              SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2, mode="coupled"),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3)]
+    dec = BatchDecoder(m, 4 + N + 8, 2, slots=3, graphs=False)
+    plain = []
+    for p, sp in zip(prompts, params):
+        r = LaneRequest(prompt=p, max_new_tokens=N, k=0, params=sp)
+        run_batch(dec, [r])
+        plain.append(r.tokens)
+    assert rows and set(rows) == {1}  # plain steps of one lane: one row per call
+    rows.clear()
+
+    def spec(i):
+        return LaneRequest(prompt=prompts[i], max_new_tokens=N, k=2, params=params[i], reference=plain[i])
+
+    batch = [spec(i) for i in range(3)]
+    run_batch(dec, batch, forced_rates=(0.9, 0.9))
+    assert 16 not in rows and 3 in rows and 9 in rows  # 3 lanes' draft rows, 3 x 3 verify rows
+    assert sum(r.telemetry.accepted for r in batch[:2]) > 0
+    for i in (0, 1):  # coupled: speculative == plain
+        assert batch[i].tokens == plain[i], i
+    alone = spec(2)
+    run_batch(dec, [alone], forced_rates=(0.9, 0.9))
+    assert alone.tokens == batch[2].tokens

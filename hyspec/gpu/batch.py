@@ -32,8 +32,8 @@ hyspec.gpu.sampling.SampledGraphKey: the stages and draws some lane needs; a new
 captures once): the drafter's and the target's rows become probabilities on the device
 and the accept test, residual and bonus draws use the counter-based RNG there
 (hyspec.gpu.sampling), at the positions the engine core uses, so no host step is added;
-hyspec.gpu.batch_sampling holds those draws (float row reductions on fixed 16-row blocks:
-batch invariance on the GPU). Penalties: each lane's token window (a PenaltyWindow,
+hyspec.gpu.batch_sampling holds those draws (float row reductions in the row kernels of
+hyspec.kernels.probs: batch invariance on the GPU without padding the rows). Penalties: each lane's token window (a PenaltyWindow,
 loaded from the prompt at start, advanced by the commit and decode graphs) plus the
 round's earlier drafts for every draft and verify row.
 The graphs (capture on first use, eager fallback) live in hyspec.gpu.graphs; the

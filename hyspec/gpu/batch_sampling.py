@@ -1,10 +1,14 @@
 """Sampling inside the BatchDecoder's graphs: the per-lane draws of a round, on the device.
 
-Every float row reduction (the probabilities' softmax, the inverse CDF's sums)
-runs on fixed SAMPLE_BLOCK-row blocks: torch's GPU softmax / sum / cumsum pick their kernel
-from the tensor's shape, so a fixed shape keeps a lane's numbers independent of how many
-lanes the round has (batch invariance). The exact steps (argmax, integer Philox, the
-per-row Gumbel-max kernel, the accept comparisons) run on the rows as they are. The draws
+Batch invariance (a lane's numbers independent of how many lanes the round has) needs
+every float row reduction (the probabilities' softmax, the inverse CDF's sums) computed
+per row whatever the row count. On CUDA, and on the CPU under the Triton interpreter
+(where the decoder's other kernels run too), they are the row kernels of
+:mod:`hyspec.kernels.probs`, so the round samples its rows as they are. Without them
+(torch ops: torch's GPU softmax / sum / cumsum pick their kernel from the tensor's shape)
+they run on fixed SAMPLE_BLOCK-row blocks (:func:`blocked`). The exact steps (argmax,
+integer scans and histograms, integer Philox, the per-row Gumbel-max kernel, the accept
+comparisons) are row-invariant as they are. The draws
 use the counter-based RNG of hyspec.gpu.sampling at the positions the engine core uses
 (streams PLAIN, DRAFT, and the accept / residual / bonus streams of speculative_accept);
 ``regime`` (hyspec.gpu.sampling.SampledGraphKey) leaves out what no lane needs.
@@ -14,8 +18,15 @@ from __future__ import annotations
 import torch
 
 from hyspec.gpu import sampling as dsamp
+from hyspec.kernels.common import triton_available
+from hyspec.kernels.pdl import interpreting
 
-SAMPLE_BLOCK = 16  # rows per sampling call (a fixed shape: batch invariance on the GPU)
+SAMPLE_BLOCK = 16  # rows per sampling call of the torch ops (a fixed shape: batch invariance on the GPU)
+
+
+def row_kernels(device: torch.device) -> bool:
+    """Whether the draws on `device` use the row kernels (CUDA, or the Triton interpreter)."""
+    return triton_available() and (device.type == "cuda" or interpreting())
 
 
 def table_rows(table: dsamp.SamplingTable, lanes: int, per_lane: int = 1) -> dsamp.SamplingTable:
@@ -54,17 +65,23 @@ def _exact_choice(regime: dsamp.SampledGraphKey) -> bool:
 
 
 def _probs(logits, table, regime, counts):
-    """probs_batch over fixed blocks (its softmax is a float row reduction)."""
+    """probs_batch of the rows: as they are with the row kernels, else over fixed blocks."""
+    if row_kernels(logits.device):
+        return dsamp.probs_batch(logits, table, counts, regime, kernel=True)
     if counts is None:
-        return blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime), logits.shape[0], logits, table)
-    return blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime), logits.shape[0], logits, table, counts)
+        return blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime, kernel=False), logits.shape[0],
+                       logits, table)
+    return blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime, kernel=False), logits.shape[0],
+                   logits, table, counts)
 
 
 def _choose(fn, probs, table, positions, regime):
-    """fn(probs, table, positions, regime) per row: in blocks unless the choice is exact."""
-    if _exact_choice(regime):
-        return fn(probs, table, positions, regime)
-    return blocked(lambda p, tb, ps: fn(p, tb, ps, regime), probs.shape[0], probs, table, positions)
+    """fn(probs, table, positions, regime, kernel) per row: in blocks unless the choice is
+    exact or made by the row kernels."""
+    kernel = row_kernels(probs.device)
+    if kernel or _exact_choice(regime):
+        return fn(probs, table, positions, regime, kernel)
+    return blocked(lambda p, tb, ps: fn(p, tb, ps, regime, False), probs.shape[0], probs, table, positions)
 
 
 def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
@@ -102,17 +119,22 @@ def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.A
     if k > 0:
         drafts = dec.verify_tokens[:nb, 1:t]  # [nb, k]
         q = dec.draft_probs[:nb, :k]  # [nb, k, V]
-        if _exact_choice(regime):
-            n, next_token = dsamp.speculative_accept(probs, q, drafts, table, first_pos, k_lane, regime)
+
+        def accept(p, tb, ps, regime, kernel, q, d, kl):
+            return dsamp.speculative_accept(p, q, d, tb, ps, kl, regime, kernel)
+
+        kernel = row_kernels(probs.device)
+        if kernel or _exact_choice(regime):
+            n, next_token = accept(probs, table, first_pos, regime, kernel, q, drafts, k_lane)
         else:
-            n, next_token = blocked(lambda p, q, d, tb, ps, kl: dsamp.speculative_accept(p, q, d, tb, ps, kl, regime),
-                                    nb, probs, q, drafts, table, first_pos, k_lane)
+            n, next_token = blocked(lambda p, tb, ps, q, d, kl: accept(p, tb, ps, regime, False, q, d, kl),
+                                    nb, probs, table, first_pos, q, drafts, k_lane)
     else:
         n = torch.zeros(nb, device=dec.dev, dtype=torch.long)
 
-        def bonus_of_empty_round(p, tb, ps, regime):
+        def bonus_of_empty_round(p, tb, ps, regime, kernel):
             no_drafts = p.new_zeros(p.shape[0], 0, dtype=torch.long)
-            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps), regime)[1]
+            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps), regime, kernel)[1]
 
         next_token = _choose(bonus_of_empty_round, probs, table, first_pos, regime)
     if not plain:

@@ -42,7 +42,9 @@ Layout
   top-p without a sort: :func:`prefix_select`, exact integer radix passes over the
   logits' ranking key :func:`order_key`), :func:`plain_tokens`, :func:`draft_tokens`,
   :func:`speculative_accept`; coupled draws through one fused kernel on CUDA
-  (:func:`hyspec.kernels.rng.gumbel_argmax`).
+  (:func:`hyspec.kernels.rng.gumbel_argmax`); on CUDA (``kernel`` arguments) the
+  softmaxes and the inverse CDF are the row kernels of :mod:`hyspec.kernels.probs`
+  (a row's result depends on that row alone, for any number of rows).
 * the penalty window (per-lane token counts kept on the device) and the counts of a
   round's rows: :mod:`hyspec.gpu.penalties` (the BatchDecoder carries one per lane).
 
@@ -61,6 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from hyspec.kernels.common import triton_available
+from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref, softmax_rows
 from hyspec.kernels.rng import gumbel_argmax, u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
 from hyspec.sampling import MASS_ONE, SamplingParams, fixed_mass
@@ -331,7 +334,7 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
 
 def probs_batch(
     logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None,
-    regime: SampledGraphKey = ALL_STAGES,
+    regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None,
 ) -> torch.Tensor:
     """``row_probs`` for every lane: logits [B, V] (any float dtype), counts [B, V] (the
     lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V].
@@ -340,6 +343,12 @@ def probs_batch(
     defines them, without a sort: top-k and top-p are :func:`prefix_select` over the
     (penalised) logits' ranking key, min-p an elementwise test; greedy lanes get a one-hot
     at the argmax (lowest id on ties). ``regime`` leaves out the stages no lane uses.
+
+    kernel (default: on CUDA with triton): the softmaxes run as the row kernel
+    :func:`hyspec.kernels.probs.softmax_rows`, with the temperature, the keep mask, min-p
+    and the greedy one-hot inside it and the top-p masses as its fixed-point output (a
+    row's result then depends on that row alone, for any row count; float64 to a few
+    ulps of the torch ops, which are the reference).
     """
     x0 = _penalised(logits, table, counts) if regime.penalties else logits  # [B, V] the ranking values
     B, V = x0.shape
@@ -347,8 +356,16 @@ def probs_batch(
     if not regime.sampled:
         return torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
     temp = torch.where(table.greedy, torch.ones_like(table.temperature), table.temperature)  # [B]
-    xt = torch.div(x0, temp.unsqueeze(1))  # [B, V] float64 (x0 widened exactly, then divided: one kernel)
-    keep = xt > -math.inf  # [B, V] (no NaN or +inf: a precondition)
+    if kernel is None:
+        kernel = x0.is_cuda and triton_available()
+    if kernel:  # x / t is formed inside the kernels; the finite logits are the valid tokens (x / t
+        # can overflow to -inf where x cannot only for a tiny t: such a token ranks below every
+        # finite one and the kernels' own x / t > -inf test gives it probability 0 all the same)
+        xt = None
+        keep = x0 > -math.inf if regime.top_k or regime.top_p else None  # [B, V]
+    else:
+        xt = torch.div(x0, temp.unsqueeze(1))  # [B, V] float64 (x0 widened exactly, then divided: one kernel)
+        keep = xt > -math.inf  # [B, V] (no NaN or +inf: a precondition)
     if regime.top_k or regime.top_p:
         key, bits = order_key(x0)
     if regime.top_k:
@@ -357,11 +374,16 @@ def probs_batch(
         keep = torch.where((k > 0) & (k < V), best_k, keep)  # best_k is within keep
     if regime.top_p:
         top_p = table.top_p.unsqueeze(1)  # [B, 1]
-        mass = fixed_mass(_softmax_kept(xt, keep))  # [B, V] int64, 0 outside keep
+        # [B, V] int64, 0 outside keep
+        mass = softmax_rows(x0, temp, keep, mass=True) if kernel else fixed_mass(_softmax_kept(xt, keep))
         # threshold >= 1 keeps the top token (nothing is ahead of it; every other token has
         # it, of positive mass, ahead): the reference's "or rank 0"
         threshold = (top_p * float(MASS_ONE)).to(torch.int64).clamp(min=1)
         keep = torch.where(top_p < 1.0, prefix_select(key, bits, keep, mass, threshold), keep)
+    if kernel:  # min-p against x[best] / t (= the max of x / t: division by t > 0 keeps the order)
+        only = torch.where(table.greedy, best.squeeze(1), -1)  # [B] greedy rows: their top token alone
+        floor = table.log_min_p if regime.min_p else None  # (min_p = 0: log_min_p = -inf keeps all)
+        return softmax_rows(x0, temp, keep, only=only, floor=floor, top=best)
     if regime.min_p:
         near = (xt - xt.amax(dim=1, keepdim=True)) >= table.log_min_p.unsqueeze(1)  # [B, V]
         keep = torch.where(table.min_p.unsqueeze(1) > 0.0, keep & near, keep)
@@ -375,52 +397,33 @@ def probs_batch(
 # --------------------------------------------------------------------------------------
 
 
-def sample_rows(probs: torch.Tensor, u: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, u: torch.Tensor, chunked: bool | None = None,
+                kernel: bool | None = None) -> torch.Tensor:
     """``sample_index`` per row: inverse-CDF token of probs [B, V] for uniforms u [B].
 
     The first token whose cumulative mass exceeds ``u * total``; if rounding leaves none,
     the last token with positive probability (token 0 for a row without mass). On the CPU
-    the reference's sequential float64 scan (the same bits); on CUDA (chunked=None)
-    :func:`_inverse_cdf_chunked`, which adds the masses in another order (the GPU's scan
-    never matched the CPU's bits) and avoids torch's slow long-row scan."""
+    the reference's sequential float64 scan (the same bits); on CUDA with triton
+    (kernel=None) the row kernel :func:`hyspec.kernels.probs.inverse_cdf_rows`, else
+    (chunked=None: CUDA) its torch form :func:`hyspec.kernels.probs.inverse_cdf_rows_ref`:
+    both add the masses in another order (per 1024-token chunk, then over the chunks; the
+    GPU's scan never matched the CPU's bits) and avoid torch's slow long-row scan."""
     p = probs.to(torch.float64)
     V = p.shape[1]
+    if kernel is None:
+        kernel = p.is_cuda and triton_available()
+    if kernel:
+        return inverse_cdf_rows(p, u)
     if chunked is None:
         chunked = p.is_cuda and V > SCAN_CHUNK
     if chunked:
-        idx = _inverse_cdf_chunked(p, u)
-    else:
-        cdf = torch.cumsum(p, dim=1)  # [B, V]
-        target = u.to(torch.float64).unsqueeze(1) * cdf[:, -1:]  # [B, 1]
-        idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
+        return inverse_cdf_rows_ref(p, u)
+    cdf = torch.cumsum(p, dim=1)  # [B, V]
+    target = u.to(torch.float64).unsqueeze(1) * cdf[:, -1:]  # [B, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
     col = torch.arange(V, device=p.device)
     last = torch.where(p > 0, col, torch.full_like(col, -1)).amax(dim=1).clamp(min=0)  # [B]
     return torch.where(idx >= V, last, idx)
-
-
-def _inverse_cdf_chunked(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[B] the inverse-CDF index of u in float64 rows p [B, V] in two levels: the chunk
-    (SCAN_CHUNK tokens) where the running sum of chunk totals first exceeds u * total, then
-    the token inside it with a scan of that chunk alone (its target less the chunks
-    before). V (then sample_rows' fallback: the last positive token) when rounding puts the
-    target past the last chunk. A zero-mass token or chunk is never chosen: a running sum
-    is flat across it; a target past its chunk's own scan (rounding) takes that chunk's
-    last positive token."""
-    B, V = p.shape
-    L = SCAN_CHUNK
-    C = -(-V // L)
-    pc = (torch.nn.functional.pad(p, (0, C * L - V)) if C * L != V else p).reshape(B, C, L)  # [B, C, L]
-    running = pc.sum(2).cumsum(1)  # [B, C] mass up to the end of each chunk
-    target = u.to(torch.float64).unsqueeze(1) * running[:, -1:]  # [B, 1]
-    c = torch.searchsorted(running, target, right=True)  # [B, 1] (C: past the end)
-    cc = c.clamp(max=C - 1)
-    before = torch.where(cc > 0, running.gather(1, (cc - 1).clamp(min=0)), torch.zeros_like(target))  # [B, 1]
-    rows = pc.gather(1, cc.unsqueeze(2).expand(B, 1, L)).squeeze(1)  # [B, L] the chosen chunk
-    j = torch.searchsorted(rows.cumsum(1), target - before, right=True)  # [B, 1]
-    col = torch.arange(L, device=p.device)
-    last_j = torch.where(rows > 0, col, torch.full_like(col, -1)).amax(dim=1, keepdim=True)  # [B, 1]
-    j = torch.where(j >= L, last_j, j)
-    return torch.where(c >= C, V, cc * L + j).squeeze(1)
 
 
 def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
@@ -439,32 +442,33 @@ def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
 
 
 def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, stream: int,
-            regime: SampledGraphKey = ALL_STAGES) -> torch.Tensor:
+            regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None) -> torch.Tensor:
     """greedy lanes: argmax; coupled lanes: Gumbel-max; others: inverse CDF with ``stream``
-    (a draw no lane of the regime uses is not made)."""
+    (a draw no lane of the regime uses is not made). kernel: as :func:`sample_rows` and
+    :func:`coupled_rows` (None: on CUDA)."""
     tok = probs.argmax(dim=1)  # [B]; greedy lanes (their rows are one-hot)
     if not regime.sampled:
         return tok
     pos = positions.to(torch.int64)
     if regime.rejection:
         u = u01_lanes(table.seed, stream, pos)  # [B]
-        tok = torch.where(table.greedy, tok, sample_rows(probs, u))
+        tok = torch.where(table.greedy, tok, sample_rows(probs, u, kernel=kernel))
     if regime.coupled:
-        tok = torch.where(table.coupled & ~table.greedy, coupled_rows(probs, table.seed, pos), tok)
+        tok = torch.where(table.coupled & ~table.greedy, coupled_rows(probs, table.seed, pos, kernel=kernel), tok)
     return tok
 
 
 def plain_tokens(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor,
-                 regime: SampledGraphKey = ALL_STAGES) -> torch.Tensor:
+                 regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None) -> torch.Tensor:
     """``plain_token`` per lane: probs [B, V], positions [B] (absolute) -> tokens [B]."""
-    return _choose(probs, table, positions, Stream.PLAIN, regime)
+    return _choose(probs, table, positions, Stream.PLAIN, regime, kernel)
 
 
 def draft_tokens(q: torch.Tensor, table: SamplingTable, positions: torch.Tensor,
-                 regime: SampledGraphKey = ALL_STAGES) -> torch.Tensor:
+                 regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None) -> torch.Tensor:
     """The drafter's token per lane (as in hyspec.core.round): greedy -> argmax q,
     coupled -> ``coupled_token``, rejection -> ``draft_token`` (stream DRAFT)."""
-    return _choose(q, table, positions, Stream.DRAFT, regime)
+    return _choose(q, table, positions, Stream.DRAFT, regime, kernel)
 
 
 def _row(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -480,6 +484,7 @@ def speculative_accept(
     positions: torch.Tensor,
     k_lane: torch.Tensor,
     regime: SampledGraphKey = ALL_STAGES,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a round for every lane: (n accepted [B], next_token [B]).
 
@@ -490,7 +495,8 @@ def speculative_accept(
     acceptance (argmax-match prefix, then the argmax) called with the first
     ``k_lane[b]`` drafts and ``p[b, :k_lane[b] + 1]``; drafts past ``k_lane`` count as
     rejected and the lane's next token is decided by row ``k_lane`` as a bonus.
-    ``regime`` leaves out the coupled or the rejection work when no lane needs it.
+    ``regime`` leaves out the coupled or the rejection work when no lane needs it;
+    kernel: the row kernels for the draws (as :func:`sample_rows`; None: on CUDA).
     """
     B, R, V = p.shape
     k = R - 1
@@ -500,13 +506,15 @@ def speculative_accept(
     kl = k_lane.to(torch.int64)  # [B]
     j = torch.arange(max(k, 1), device=p.device).unsqueeze(0)  # [1, k]
     seeds = table.seed
+    if kernel is None:
+        kernel = p.is_cuda and triton_available()
     coupled = regime.sampled and regime.coupled
     rejection = regime.sampled and regime.rejection
 
     # the target's own choice at every row, for greedy and coupled lanes: [B, k+1]
     own = torch.stack(
         [
-            torch.where(table.greedy | ~table.coupled, p[:, r].argmax(dim=1), coupled_rows(p[:, r], seeds, pos + r))
+            torch.where(table.greedy | ~table.coupled, p[:, r].argmax(dim=1), coupled_rows(p[:, r], seeds, pos + r, kernel))
             if coupled else p[:, r].argmax(dim=1)
             for r in range(R)
         ],
@@ -533,18 +541,22 @@ def speculative_accept(
         return n, own_n
 
     # sampled lanes: recovered token (residual at row n) or bonus (row n = k_lane)
-    p_n = _row(p, n)  # [B, V]
     rejected = n < kl  # [B]
+    u = torch.where(
+        rejected,
+        u01_lanes(seeds, Stream.RESIDUAL, pos + n),
+        u01_lanes(seeds, Stream.BONUS, pos + n),
+    )
+    if kernel:  # the kernel reads rows n of p and q in place and forms the residual itself
+        q_n = n.clamp(max=k - 1) if k > 0 else None
+        sampled = inverse_cdf_rows(p, u, n, q if k > 0 else None, q_n, rejected)  # [B]
+        return n, torch.where(match_lane, own_n, sampled)
+    p_n = _row(p, n)  # [B, V]
     if k > 0:
         resid = (p_n - _row(q, n.clamp(max=k - 1))).clamp(min=0.0)  # [B, V]
         has_mass = (resid > 0).any(dim=1, keepdim=True)  # [B, 1] == (resid.sum() > 0)
         dist = torch.where(rejected.unsqueeze(1) & has_mass, resid, p_n)
     else:
         dist = p_n
-    u = torch.where(
-        rejected,
-        u01_lanes(seeds, Stream.RESIDUAL, pos + n),
-        u01_lanes(seeds, Stream.BONUS, pos + n),
-    )
-    sampled = sample_rows(dist, u)  # [B]
+    sampled = sample_rows(dist, u, kernel=False)  # [B]
     return n, torch.where(match_lane, own_n, sampled)

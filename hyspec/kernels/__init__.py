@@ -12,6 +12,7 @@ exports its public functions:
 ``moe/``        routed-expert GEMV (optionally with the SiLU*mul input)
 ``matmul/``     skinny ``x @ w.T`` with a per-shape split-K config (``config.py``)
 ``rng/``        Philox uniforms for whole vocabulary rows
+``probs/``      sampling's row softmax and inverse CDF over (row, chunk) programs
 ==============  ===========================================================================
 
 Shared pieces: :mod:`hyspec.kernels.common` (block sizes, argument checks, the deferred

@@ -1,0 +1,185 @@
+"""Triton kernels and launchers of the probability rows (contract: ``hyspec/kernels/probs/__init__.py``)."""
+from __future__ import annotations
+
+import torch
+
+from hyspec.kernels.common import p2
+from hyspec.kernels.pdl import kernels_per_mode
+from hyspec.kernels.probs.reference import CHUNK, MASS_SCALE
+
+__all__ = ["softmax_rows", "inverse_cdf_rows"]
+
+
+@kernels_per_mode
+def _softmax_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["sx", "sk", "so"])
+    def _softmax_kernel(x_ptr, sx, t_ptr, keep_ptr, sk, only_ptr, floor_ptr, top_ptr, pm_ptr, ps_ptr, out_ptr, so,
+                        V, n_chunks, MASS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_ONLY: tl.constexpr,
+                        HAS_FLOOR: tl.constexpr, OUT_MASS: tl.constexpr, NORMALISE: tl.constexpr,
+                        BLOCK: tl.constexpr, NC: tl.constexpr):
+        """Chunk c of row b. First launch: the max m of its kept values and the sum of
+        exp(value - m) -> pm, ps [B, n_chunks]. Second launch (NORMALISE): the row's max M
+        and sum S from all its chunk partials (each program of the row reduces them alike),
+        then exp(value - M) / S."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        i = c * BLOCK + tl.arange(0, BLOCK)  # token ids of this chunk
+        inside = i < V
+        row = x_ptr + b.to(tl.int64) * sx
+        t = tl.load(t_ptr + b)
+        xt = tl.load(row + i, mask=inside, other=float("-inf")).to(tl.float64) / t
+        kept = inside & (xt > float("-inf"))
+        if HAS_KEEP:
+            kept = kept & (tl.load(keep_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0) != 0)
+        if HAS_FLOOR:  # min-p: within floor (a log ratio) of the row's top value
+            top = tl.load(row + tl.load(top_ptr + b)).to(tl.float64) / t
+            kept = kept & (xt - top >= tl.load(floor_ptr + b))
+        if HAS_ONLY:  # a row with only >= 0 keeps that token alone
+            only = tl.load(only_ptr + b)
+            kept = tl.where(only >= 0, i == only, kept)
+        v = tl.where(kept, xt, float("-inf"))
+        if NORMALISE:
+            j = tl.arange(0, NC)
+            pm = tl.load(pm_ptr + b * n_chunks + j, mask=j < n_chunks, other=float("-inf"))
+            ps = tl.load(ps_ptr + b * n_chunks + j, mask=j < n_chunks, other=0.0)
+            M = tl.max(pm, 0)
+            S = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - M), 0.0), 0)
+            p = tl.where(kept, tl.exp(v - M) / S, 0.0)
+            dst = out_ptr + b.to(tl.int64) * so + i
+            if OUT_MASS:
+                tl.store(dst, (p * MASS_SCALE).to(tl.int64), mask=inside)
+            else:
+                tl.store(dst, p, mask=inside)
+        else:
+            m = tl.max(v, 0)
+            s = tl.sum(tl.where(kept, tl.exp(v - tl.where(m > float("-inf"), m, 0.0)), 0.0), 0)
+            tl.store(pm_ptr + b * n_chunks + c, m)
+            tl.store(ps_ptr + b * n_chunks + c, s)
+
+    return _softmax_kernel
+
+
+def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor | None = None,
+                 only: torch.Tensor | None = None, floor: torch.Tensor | None = None,
+                 top: torch.Tensor | None = None, mass: bool = False) -> torch.Tensor:
+    """float64 [B, V] (int64 masses with mass=True): the softmax of each row's kept
+    x / temperature (see the package docstring). Two launches over (rows, chunks)."""
+    B, V = x.shape
+    if x.stride(1) != 1 or (keep is not None and keep.stride(1) != 1):
+        raise ValueError("softmax_rows: rows need a contiguous last dim")
+    if floor is not None and top is None:
+        raise ValueError("softmax_rows: floor needs top (the index of each row's largest x)")
+    dev = x.device
+    C = -(-V // CHUNK)
+    pm = torch.empty(B, C, dtype=torch.float64, device=dev)
+    ps = torch.empty(B, C, dtype=torch.float64, device=dev)
+    out = torch.empty(B, V, dtype=torch.int64 if mass else torch.float64, device=dev)
+    t = temperature.to(torch.float64).contiguous()
+    kp = keep.view(torch.uint8) if keep is not None else x  # (unread without HAS_KEEP)
+    sk = keep.stride(0) if keep is not None else 0
+    on = only.to(torch.int64).contiguous() if only is not None else t
+    fl = floor.to(torch.float64).contiguous() if floor is not None else t
+    tp = top.to(torch.int64).reshape(B).contiguous() if top is not None else t
+    flags = dict(HAS_KEEP=keep is not None, HAS_ONLY=only is not None, HAS_FLOOR=floor is not None)
+    kernel = _softmax_kernels()
+    for normalise in (False, True):
+        kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C,
+                       MASS_SCALE=MASS_SCALE, OUT_MASS=mass, NORMALISE=normalise, BLOCK=CHUNK, NC=p2(C), **flags)
+    return out
+
+
+@kernels_per_mode
+def _cdf_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["sp", "spr", "sq", "sqr"])
+    def _cdf_kernel(p_ptr, sp, spr, prow_ptr, q_ptr, sq, sqr, qrow_ptr, resid_ptr, u_ptr, tot_ptr, last_ptr, out_ptr,
+                    V, n_chunks, HAS_Q: tl.constexpr, PICK: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr):
+        """Row b's distribution: p[b, prow[b]], or (HAS_Q) where resid[b] and it has mass
+        max(p[b, prow[b]] - q[b, qrow[b]], 0). First launch, chunk c: its total mass and its
+        last token with mass (-1: none) -> tot, last [B, 2, n_chunks] (p's, then the
+        residual's). Second launch (PICK), one program per row: the chunk where the running
+        sum of chunk totals first exceeds u * total, then the token by a scan of that chunk."""
+        b = tl.program_id(0)
+        p_row = p_ptr + b.to(tl.int64) * sp + tl.load(prow_ptr + b) * spr
+        q_row = q_ptr + b.to(tl.int64) * sq + tl.load(qrow_ptr + b) * sqr  # (unread without HAS_Q)
+        parts = b * 2 * n_chunks
+        if PICK:
+            j = tl.arange(0, NC)
+            inside = j < n_chunks
+            tot = tl.load(tot_ptr + parts + j, mask=inside, other=0.0)
+            last = tl.load(last_ptr + parts + j, mask=inside, other=-1)
+            use_r = False
+            if HAS_Q:  # the residual has mass iff a chunk total is positive (sums of values >= 0)
+                tot_r = tl.load(tot_ptr + parts + n_chunks + j, mask=inside, other=0.0)
+                use_r = (tl.load(resid_ptr + b) != 0) & (tl.max(tot_r, 0) > 0)
+                tot = tl.where(use_r, tot_r, tot)
+                last = tl.where(use_r, tl.load(last_ptr + parts + n_chunks + j, mask=inside, other=-1), last)
+            running = tl.cumsum(tot, 0)  # [NC]
+            total = tl.sum(tl.where(j == n_chunks - 1, running, 0.0), 0)
+            target = tl.load(u_ptr + b) * total
+            c = tl.sum((inside & (running <= target)).to(tl.int32), 0)  # n_chunks: past the end
+            cc = tl.minimum(c, n_chunks - 1)
+            before = tl.sum(tl.where(j == cc - 1, running, 0.0), 0)  # 0 for the first chunk
+            t = tl.arange(0, BLOCK)
+            i = cc * BLOCK + t
+            rows = tl.load(p_row + i, mask=i < V, other=0.0)
+            if HAS_Q:
+                rows = tl.where(use_r, tl.maximum(rows - tl.load(q_row + i, mask=i < V, other=0.0), 0.0), rows)
+            k = tl.sum((tl.cumsum(rows, 0) <= target - before).to(tl.int32), 0)
+            k = tl.where(k >= BLOCK, tl.max(tl.where(rows > 0, t, -1), 0), k)
+            idx = tl.where(c >= n_chunks, tl.maximum(tl.max(last, 0), 0), cc * BLOCK + k)
+            tl.store(out_ptr + b, idx.to(tl.int64))
+        else:
+            c = tl.program_id(1)
+            i = c * BLOCK + tl.arange(0, BLOCK)
+            pv = tl.load(p_row + i, mask=i < V, other=0.0)
+            tl.store(tot_ptr + parts + c, tl.sum(pv, 0))
+            tl.store(last_ptr + parts + c, tl.max(tl.where(pv > 0, i, -1), 0))
+            if HAS_Q:
+                r = tl.maximum(pv - tl.load(q_row + i, mask=i < V, other=0.0), 0.0)
+                tl.store(tot_ptr + parts + n_chunks + c, tl.sum(r, 0))
+                tl.store(last_ptr + parts + n_chunks + c, tl.max(tl.where(r > 0, i, -1), 0))
+
+    return _cdf_kernel
+
+
+def _rows3(x: torch.Tensor, row: torch.Tensor | None, B: int):
+    """(x as [B, R, V] with a contiguous last dim, the row index per b [B] int64)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    if row is None:
+        row = torch.zeros(B, dtype=torch.int64, device=x.device)
+    return x, row.to(torch.int64).contiguous()
+
+
+def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor, row: torch.Tensor | None = None,
+                     q: torch.Tensor | None = None, q_row: torch.Tensor | None = None,
+                     resid: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [B]: the inverse-CDF token of each row's distribution for the uniforms u [B]
+    (see the package docstring): p float64 [B, V] or [B, R, V] with row [B] (rows may be
+    strided); with q [B, V] or [B, Rq, V] (q_row [B]) and resid [B] bool, a resid row
+    samples max(p - q, 0) when that has mass. Two launches."""
+    B, V = p.shape[0], p.shape[-1]
+    p3, prow = _rows3(p, row, B)
+    if q is not None:
+        q3, qrow = _rows3(q, q_row, B)
+        rs = resid.to(torch.int8).contiguous()
+    else:
+        q3, qrow, rs = p3, prow, prow
+    C = -(-V // CHUNK)
+    tot = torch.empty(B, 2, C, dtype=torch.float64, device=p.device)
+    last = torch.empty(B, 2, C, dtype=torch.int32, device=p.device)
+    out = torch.empty(B, dtype=torch.int64, device=p.device)
+    uu = u.to(torch.float64).contiguous()
+    kernel = _cdf_kernels()
+    for pick, grid in ((False, (B, C)), (True, (B,))):
+        kernel[grid](p3, p3.stride(0), p3.stride(1), prow, q3, q3.stride(0), q3.stride(1), qrow, rs, uu, tot, last,
+                     out, V, C, HAS_Q=q is not None, PICK=pick, BLOCK=CHUNK, NC=p2(C))
+    return out
