@@ -180,3 +180,31 @@ def test_end_state_only_when_exact(model, dec):
     runner.submit(r2)
     runner.run()
     assert r2.tokens == r.tokens and len(kept) == 1 and runner.states_not_kept == 1
+
+
+def test_stop_among_accepted_drafts_keeps_the_state(model, dec):
+    """A stop token accepted as a draft (the forced drafter proposes the plain continuation:
+    every draft is accepted) ends the device's commit there, as the engine core's does: the
+    cache keeps the tokens before it and the stop stays pending, so the lane's end state is
+    its transcript's, and its target part is bitwise the plain lane's that stopped there."""
+    from hyspec.gpu.batch_loop import BatchRunner
+
+    plain = _lane(PROMPT, 9, 0, None)
+    _run(dec, plain)
+    ref = plain.tokens
+    # rounds of k = 2 emit tokens 1-3, 4-6, 7-9 (two accepted drafts and the bonus each)
+    i = next(i for i in (4, 5, 7) if ref[i] not in ref[:i])
+    stop = frozenset({ref[i]})
+    kept = []
+    runner = BatchRunner(dec, forced_rates=(1.0, 1.0), forced_seed=0)
+    r = _lane(PROMPT, 9, 2, None, stop_ids=stop, reference=ref, on_state=kept.append)
+    runner.submit(r)
+    runner.run()
+    assert r.reason == "eos" and r.tokens == ref[: i + 1] and runner.states_kept == 1
+    assert r.telemetry.to_dict()["acceptance_length"] > 2
+    p = _lane(PROMPT, 9, 0, None, stop_ids=stop, on_state=kept.append)
+    _run(dec, p)
+    spec_state, plain_state = kept
+    assert spec_state.tokens == plain_state.tokens == tuple(PROMPT + ref[: i + 1])
+    assert spec_state.pending == ref[i] and spec_state.fill_tokens[-1] == ref[i]
+    assert_same(target_part(spec_state), target_part(plain_state))

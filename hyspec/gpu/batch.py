@@ -56,6 +56,7 @@ from hyspec.model.ops import StepCtx
 from hyspec.speculative.drafter import draft_vocab
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+STOP_SLOTS = 8  # stop ids per lane the device's commit knows (hyspec.gpu.batch_loop ends lanes on all of them)
 
 
 def padded_size(n: int, sizes=BATCH_SIZES) -> int:
@@ -154,6 +155,10 @@ class BatchDecoder:
         cols = torch.arange(V, device=dev)
         self.bit_word = cols >> 5  # [V] the word holding token v's bit
         self.bit_shift = (cols & 31).to(torch.int32)  # [V] its bit
+        # each lane's stop ids (-1: none; a lane with more keeps the first STOP_SLOTS): the
+        # commit ends at a stop token among the accepted drafts, as the engine core's does
+        self.stop_ids = torch.full((S, STOP_SLOTS), -1, **long)  # [S, STOP_SLOTS]
+        self.draft_index = torch.arange(max(k_max, 1), **long)  # [k_max] 0..k_max-1
         self.k_round = torch.zeros(S, **long)  # [S] masked rounds: drafts the lane really has (a dead mask ends them)
         self.draft_h = torch.zeros(S, H, device=dev, dtype=dt)  # [S, H] masked rounds: the MTP hidden between graphs
         self.draft_lg = torch.zeros(S, V, device=dev, dtype=dt)  # [S, V] ... and its draft logits
@@ -332,6 +337,13 @@ class BatchDecoder:
             st.fill_tokens, st.fill_h, st.fill_start = self.fill_tokens[lane, :n].tolist(), self.fill_h[lane, :n].clone(), fs
         return st
 
+    def set_stops(self, lane: int, stop_ids) -> None:
+        """Lane's stop ids for the commit's cut (the first STOP_SLOTS of them, in sorted order)."""
+        ids = sorted(int(t) for t in stop_ids)[:STOP_SLOTS]
+        self.stop_ids[lane].fill_(-1)
+        if ids:
+            self.stop_ids[lane, : len(ids)] = torch.tensor(ids, device=self.dev)
+
     def set_params(self, lane: int, params) -> None:
         """Lane's SamplingParams (None or greedy without penalties: argmax). Call before
         start(), which loads a penalised lane's window from its prompt."""
@@ -368,7 +380,7 @@ class BatchDecoder:
         """The per-lane tensors with the lane axis first (a lane move copies row src to dst)."""
         tb = self.sampling_table
         tensors = [self.pos, self.pending, self.k_lane, self.spec_lane, self.live, self.fill_start, self.fill_rows,
-                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens] + tb.fields() + self.kv_k + self.kv_v
+                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens, self.stop_ids] + tb.fields() + self.kv_k + self.kv_v
         if self.has_mtp:
             tensors += [self.draft_k, self.draft_v]
         if self.window is not None:
@@ -396,6 +408,7 @@ class BatchDecoder:
         self.fill_rows[lane] = 1
         self.k_lane[lane] = 0
         self.spec_lane[lane] = 0
+        self.stop_ids[lane].fill_(-1)
         self.sampling_table.set(lane, None)
         if self.window is not None:
             self.window.last_n[lane] = 0
@@ -550,9 +563,21 @@ class BatchDecoder:
             else:
                 n = torch.zeros(nb, device=self.dev, dtype=torch.long)
             bonus = argmax[lanes, n]
-        j = n + 1
-        # linear layers: state after row n; conv window = rows j..j+W-2 of cat(window, new rows)
-        self.runner.commit_linear(n, t, nb)
+        # the state keeps pending + the accepted drafts up to a stop token among them, which
+        # then stays pending (the engine core's run_round): the lane's state is its
+        # transcript's when it ends there. The result row (n, bonus) is the round's own: the
+        # host cuts the emitted tokens at the stop itself.
+        n_keep, keep = n, bonus
+        if k > 0:
+            drafts = verify_tokens[:, 1:t]
+            idx = self.draft_index[:k][None, :]
+            stop = (drafts[:, :, None] == self.stop_ids[:nb, None, :]).any(-1) & (idx < n[:, None])  # [nb, k]
+            first = torch.where(stop, idx, k).amin(1)  # the first accepted stop draft (k: none)
+            n_keep = torch.minimum(n, first)
+            keep = torch.where(first < n, drafts.gather(1, first.clamp(max=k - 1)[:, None])[:, 0], bonus)
+        j = n_keep + 1
+        # linear layers: state after row n_keep; conv window = rows j..j+W-2 of cat(window, new rows)
+        self.runner.commit_linear(n_keep, t, nb)
         G, C = self.conv.shape[0], self.conv.shape[-1]
         W1 = self.window_offsets.numel()
         window = torch.cat([self.conv[:, :nb], self.conv_in[:, : nb * t].view(G, nb, t, C)], 2)
@@ -560,19 +585,19 @@ class BatchDecoder:
         self.conv[:, :nb].copy_(window.gather(2, idx))
         # next fill: tokens verify_tokens[:j] + [bonus] with hiddens [h_last, seed[:j]] from row pos-1
         self.fill_tokens[:nb, :t].copy_(verify_tokens)
-        self.fill_tokens[:nb].scatter_(1, j[:, None], bonus[:, None])
+        self.fill_tokens[:nb].scatter_(1, j[:, None], keep[:, None])
         self.fill_h[:nb, 0].copy_(self.h_last[:nb])
         self.fill_h[:nb, 1: t + 1].copy_(self.seed_hidden[:nb, :t])
-        self.h_last[:nb].copy_(self.seed_hidden[lanes, n])
+        self.h_last[:nb].copy_(self.seed_hidden[lanes, n_keep])
         live = self.live[:nb]
         self.fill_start[:nb].copy_((self.pos[:nb] - 1).clamp_min(0) * live)
         self.fill_rows[:nb].copy_(torch.where(live > 0, j + 1, torch.ones_like(j)))
         if self._penalised(regime):  # the emitted tokens into the window: drafts 1..n, then the bonus
-            emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(bonus)[:, None]], 1).scatter(
-                1, n[:, None], bonus[:, None])
+            emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(keep)[:, None]], 1).scatter(
+                1, n_keep[:, None], keep[:, None])
             self.window.head(nb).push_many(emitted, j * live)
         self.pos[:nb].add_(j * live)
-        self.pending[:nb].copy_(bonus)
+        self.pending[:nb].copy_(keep)
         self.result[:nb, 0].copy_(n)
         # masked: -1 when the bonus row allows nothing (the drafts are emitted, the lane ends)
         self.result[:nb, 1].copy_(torch.where(dead.view(nb, t)[lanes, n], -1, bonus) if masked else bonus)

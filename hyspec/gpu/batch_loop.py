@@ -243,6 +243,7 @@ class BatchRunner:
                 self._finished(r)
                 continue
             lane = len(self.active)
+            dec.set_stops(lane, r.stop_ids)
             st, carry = r.resume, None
             if st is not None:  # the stored state, then [its pending token] + the prompt's new tokens
                 dec.load(lane, st, drafter=r.k > 0)
