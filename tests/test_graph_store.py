@@ -13,16 +13,23 @@ fp32, a tiny model:
 * an end state is handed over only when the lane's state is exactly its transcript's.
 
 Greedy and seeded sampling (plain: rejection mode; speculative: coupled, whose tokens do
-not depend on how the rounds are cut), plain and speculative (k = 2)."""
+not depend on how the rounds are cut), plain and speculative (k = 2).
+
+With CUDA the same tests run on the GPU (fp32, CUDA graphs, fla's prefill when it imports):
+there the engine core's reference modules are other kernels than the lanes', so the
+core's states are not compared bitwise with the lanes' (tokens still are)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from session_helpers import assert_same, target_part
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.usefixtures("triton_interpreter")
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 PROMPT = [5, 17, 99, 3, 7]
 NEW = [9, 4, 33]
@@ -46,14 +53,14 @@ def model(tmp_path_factory):
 
     d = make_tiny("qwen3_next", tmp_path_factory.mktemp("graph_store"), seed=3, layers=4, hidden=32, vocab_size=128,
                   std=0.2)
-    return load_model(d, dtype="float32")
+    return load_model(d, dtype="float32", device="cuda" if CUDA else "cpu")
 
 
 @pytest.fixture(scope="module")
 def dec(model):
     from hyspec.gpu.batch import BatchDecoder
 
-    return BatchDecoder(model, 40, 2, slots=2, graphs=False)
+    return BatchDecoder(model, 40, 2, slots=2, graphs=CUDA)
 
 
 def _lane(prompt, n, k, params, **kw):
@@ -113,14 +120,14 @@ def test_lane_state_round_trip(model, dec, k, kind):
         assert (state_c.draft_v[:, :f] == state_a.draft_v[:, :f]).all()
 
     # into the engine core: a prefix-store hit whose pending token is prefilled
-    store = PrefixStore()
+    store = PrefixStore(device=model.device)
     store.put(state_b)
     r = _core(model, store, state_b.tokens, M, k, params)
     assert store.hits == 1 and r.stats["cached_tokens"] == len(state_b.tokens) - 1
     assert r.tokens == a.tokens[N:]
 
     # and the other way: the engine core's end state, resumed on a graph lane
-    store = PrefixStore()
+    store = PrefixStore(device=model.device)
     core_b = _core(model, store, PROMPT, N, k, params, store_state=True)
     assert core_b.tokens == b.tokens
     from hyspec.gpu.batch_loop import stored_state
@@ -139,7 +146,7 @@ def test_lane_state_round_trip(model, dec, k, kind):
     _run(dec, g)
     state_g = kept.pop()
     assert g.cached == len(state_b.tokens) - 1 and state_g.tokens == tuple(prompt + g.tokens)
-    store = PrefixStore()
+    store = PrefixStore(device=model.device)
     store.put(state_b)
     r = _core(model, store, prompt, M, k, params)
     assert r.stats["cached_tokens"] == g.cached and r.tokens == g.tokens
@@ -152,7 +159,8 @@ def test_lane_state_round_trip(model, dec, k, kind):
     state_r1 = store.lookup(prompt + r1.tokens)
     assert r1.tokens == g1.tokens == g.tokens[:1] and state_r1.tokens == state_g1.tokens
     state_r1.last_logits = None  # (the lane does not keep the row that chose the pending token)
-    assert_same(state_g1, state_r1)
+    if not CUDA:
+        assert_same(state_g1, state_r1)
 
 
 def test_end_state_only_when_exact(model, dec):
