@@ -10,7 +10,8 @@ any sequences sitting in them:
     per lane       pos [S] tokens in the cache; pending [S] next token to verify; k_lane [S]
                    drafts this lane uses (0 = plain decoding); live [S] (padding lanes do
                    not advance); fill_tokens [S, R] / fill_h [S, R, H] / fill_start [S] /
-                   fill_rows [S] the drafter rows the next round refills; h_last [S, H]
+                   fill_rows [S] the drafter rows the next round refills; h_last [S, H];
+                   stop_ids [S, STOP_SLOTS] (the commit keeps no row past an accepted stop draft)
     round scratch  verify_tokens [S, t_max] (pending, d1..dk); argmax [S, t_max] the
                    target's choice per verify row; seed_hidden [S, t_max, H] their hiddens;
                    result [S, 2 + k_max] = (accepted n, bonus, d1..dk) read by the host
@@ -38,6 +39,12 @@ loaded from the prompt at start, advanced by the commit and decode graphs) plus 
 round's earlier drafts for every draft and verify row.
 The graphs (capture on first use, eager fallback) live in hyspec.gpu.graphs; the
 continuous-batching loop over this decoder in hyspec.gpu.batch_loop.
+
+Sequence states (the prefix store, docs/sessions.md "On the batched CUDA graphs"): export()
+copies a lane's state between rounds into a hyspec.core.state.SeqState in the engine
+core's layout; load() writes one into a lane, which then prefills only [pending] + new
+tokens from the state's position (prefill(start=pos), start(carry=...)) or, with nothing
+new, goes on from it directly (resume()).
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class LaneRequest:
     params: Any = None  # SamplingParams (None: greedy)
     constraint: Any = None  # hyspec.constraints.Constraint (advanced in place by the emitted tokens)
     resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
-    on_state: Callable[[Any], None] | None = None  # takes the lane's end state (a SeqState; see keep_state)
+    on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)

@@ -11,8 +11,9 @@ model, or engine.batch_graphs in tests), a job they can serve (hyspec.gpu.batch_
 graph_eligible: no logprobs, penalties on the device, a constraint masked there; it fits
 the decoder) becomes a lane of a BatchRunner; every other job goes to the engine core's
 Scheduler. Both paths share the prefix store: a lane resumes from the longest stored state
-its prompt extends and leaves its end state there, as a core sequence does. The thread alternates one graph round and one core step while
-both have work, so both kinds progress; a cancel reaches either within one round.
+its prompt extends and leaves its end state there, as a core sequence does. The thread
+alternates one graph round and one core step while both have work, so both kinds
+progress; a cancel reaches either within one round.
 
 Admission: at most max_batch jobs are inside the scheduler or the runner ("running"); the
 rest wait in this module's FIFO ("waiting"). submit() refuses at once (QueueFull -> HTTP
