@@ -3,7 +3,8 @@ through the Triton interpreter (engine.batch_graphs = True) on a tiny checkpoint
 tokenizer: concurrent requests on the graph path (one with a penalty) and on the engine core
 (logprobs keep a request there) equal the offline Engine's outputs, the metrics and the request log are
 filled for graph-path requests, a full server answers 429, and clients that disconnect are
-cancelled and free their lanes."""
+cancelled and free their lanes; a two-turn chat on the graph path resumes its second turn
+from the first turn's lane state in the prefix store."""
 
 from __future__ import annotations
 
