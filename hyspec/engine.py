@@ -278,8 +278,8 @@ class Engine:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
                                        stop_ids=()).tokens
         fast = self._fast_path(params) if constraint is None and logprobs is None else None
-        if use_store and self._store is not None and len(self._store):
-            fast = None  # the store's states resume through the engine core
+        if use_store and self._store is not None and self._store.extends(ids):
+            fast = None  # a stored state to resume from: the graph batch or the engine core
         if fast is not None and num_samples == 1 and (spec is None or (
                 spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
             stream = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
@@ -371,21 +371,22 @@ class Engine:
     def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
         (or when batch_graphs is set: the Triton interpreter in tests), for requests without
-        logprobs or session state (hyspec.gpu.batch_loop.graph_eligible): batches, single
-        sampled, penalised or constrained requests (a single unconstrained greedy one without
-        penalties takes the FastDecoder)."""
+        logprobs or a session slot (hyspec.gpu.batch_loop.graph_eligible): batches, single
+        sampled, penalised or constrained requests, and any request whose prompt extends a
+        prefix-store state (its lane resumes from it); a single unconstrained greedy one
+        without penalties and without a stored state takes the FastDecoder."""
         if not self.graphs_available():
             return None
-        if len(requests) < 2 and all(r.params.greedy and not r.params.has_penalties and r.constraint is None
-                                     for r in requests):
+        store = self._store
+        stored = store is not None and len(store) and any(r.use_store and store.extends(r.prompt_ids)
+                                                          for r in requests)
+        if len(requests) < 2 and not stored and all(r.params.greedy and not r.params.has_penalties
+                                                    and r.constraint is None for r in requests):
             return None  # the FastDecoder's (a constrained one: masks on the graph path)
         from hyspec.gpu.batch_loop import graph_eligible
 
         if graph_eligible(requests) is not None:
             return None
-        store = self._store
-        if store is not None and len(store) and any(r.use_store and store.extends(r.prompt_ids) for r in requests):
-            return None  # a prompt that extends a stored state resumes from it on the engine core
         slots = min(max(16 if self.model.device.type == "cuda" else 2, max_batch), 64)
         need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
         k = max(3, max(r.draft for r in requests))
@@ -409,7 +410,7 @@ class Engine:
         if decoder is not None:
             from hyspec.gpu.batch_loop import run_requests
 
-            run_requests(decoder, requests, max_batch)
+            run_requests(decoder, requests, max_batch, store=self._store)
             return
         if hasattr(self.backend, "driver"):
             self.backend.driver.optimistic = bool(self.optimistic)

@@ -3,7 +3,8 @@ through the Triton interpreter (engine.batch_graphs = True) on a tiny checkpoint
 tokenizer: concurrent requests on the graph path (one with a penalty) and on the engine core
 (logprobs keep a request there) equal the offline Engine's outputs, the metrics and the request log are
 filled for graph-path requests, a full server answers 429, and clients that disconnect are
-cancelled and free their lanes."""
+cancelled and free their lanes; a two-turn chat on the graph path resumes its second turn
+from the first turn's lane state in the prefix store."""
 
 from __future__ import annotations
 
@@ -111,3 +112,47 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         assert metric(s, "hyspec_requests_running") == 0
         assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 3
         assert not worker._runner.active and not worker._graph_dec.live.any()
+
+
+def test_chat_turns_resume_from_the_prefix_store_on_the_graph_path(checkpoint):
+    """A two-turn chat on the graph path (the plain template: turn 2's prompt is turn 1's
+    prompt + the reply + a new message): turn 1's lane leaves its end state in the prefix
+    store, turn 2's lane loads it and prefills only the pending token and the new message
+    (usage.prompt_tokens_details.cached_tokens), and its output equals the offline Engine's
+    for the whole prompt from scratch. Greedy and seeded sampling, with and without draft;
+    no sequence runs on the engine core."""
+    eng = Engine.load(checkpoint)
+    eng.batch_graphs = True
+    ref = Engine.load(checkpoint)
+    app = create_app(eng, ServerConfig(served_model_name=MODEL, draft=1, max_batch=2, max_queue=4))
+    worker = app.state.hyspec.worker
+    cases = [(0, 0.0, "rejection"), (1, 0.0, "rejection"), (0, 0.9, "rejection"), (1, 0.9, "coupled")]
+    with ServerThread(app) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i, (draft, temp, mode) in enumerate(cases):
+            params = SamplingParams(temperature=temp, seed=11, mode=mode)
+            kw = dict(model=MODEL, max_tokens=3, temperature=temp, seed=11,
+                      extra_body={"draft": draft, "ignore_eos": True, "sampling_mode": mode, "return_token_ids": True})
+            # a first message whose reply, decoded and re-encoded after it, keeps its token
+            # boundaries (what makes a hit possible; the tiny model's replies are random bytes)
+            for j in range(40):
+                first = [{"role": "user", "content": f"def f{j}(a, b):"}]
+                p1 = ref.encode(first[0]["content"])
+                gen1 = ref.generate(p1, max_new_tokens=3, params=params, draft=draft, ignore_eos=True).tokens
+                second = first + [{"role": "assistant", "content": ref.tokenizer.decode(gen1, skip_special_tokens=True)},
+                                  {"role": "user", "content": "\n    return a"}]
+                p2 = ref.encode("".join(m["content"] for m in second))
+                if p2[: len(p1) + len(gen1)] == p1 + gen1 and not eng.store.extends(p1):
+                    break
+            else:
+                pytest.fail("no first message keeps its reply's token boundaries")
+            r1 = client.chat.completions.create(messages=first, **kw)
+            assert r1.choices[0].token_ids == gen1 and r1.usage.prompt_tokens_details.cached_tokens == 0
+            assert r1.choices[0].message.content == second[1]["content"]
+            hits = eng.store.hits
+            r2 = client.chat.completions.create(messages=second, **kw)
+            assert eng.store.hits == hits + 1, (i, eng.store.stats())
+            assert r2.usage.prompt_tokens_details.cached_tokens == len(p1) + len(gen1) - 1, i
+            want = ref.generate(p2, max_new_tokens=3, params=params, draft=draft, ignore_eos=True).tokens
+            assert r2.choices[0].token_ids == want, i
+        assert worker._runner.states_kept == 2 * len(cases) and worker._sched.rounds == 0

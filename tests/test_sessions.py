@@ -204,10 +204,12 @@ def test_seeded_session_is_reproducible_as_a_whole(zoo):
 
 def test_one_shot_extending_a_stored_conversation_where_graphs_run(zoo, triton_interpreter):
     """Where the batched graphs run (CUDA; here engine.batch_graphs through the Triton
-    interpreter), a sampled one-shot request that extends a stored conversation still
-    resumes from the prefix store (it went to the graphs and prefilled everything)."""
+    interpreter), a sampled one-shot request that extends a stored conversation resumes from
+    the prefix store on a graph lane (the lane loads the stored state and prefills only the
+    new tokens) and equals the live session's turn. fp32: the graph path equals the engine
+    core there (in fp64 its sampled draws can differ from the core's, resumed or not)."""
     pytest.importorskip("triton")
-    eng = engine(zoo, "qwen3_5")
+    eng = engine(zoo, "qwen3_5", dtype="float32")
     eng.batch_graphs = True
     msgs = messages(eng.model.cfg.vocab_size, 4, seed=4)
     params = SamplingParams(temperature=0.8, seed=5)
@@ -216,4 +218,5 @@ def test_one_shot_extending_a_stored_conversation_where_graphs_run(zoo, triton_i
     hits = eng.store.hits
     one = eng.generate(s.tokens + msgs[3], max_new_tokens=MAX_NEW, draft=0, params=params)
     assert eng.store.hits == hits + 1 and one.stats["cached_tokens"] == len(s.tokens) - 1
+    assert one.stats["path"] == "batch-graphs"
     assert one.tokens == s.send(msgs[3]).tokens

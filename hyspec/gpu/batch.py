@@ -10,7 +10,8 @@ any sequences sitting in them:
     per lane       pos [S] tokens in the cache; pending [S] next token to verify; k_lane [S]
                    drafts this lane uses (0 = plain decoding); live [S] (padding lanes do
                    not advance); fill_tokens [S, R] / fill_h [S, R, H] / fill_start [S] /
-                   fill_rows [S] the drafter rows the next round refills; h_last [S, H]
+                   fill_rows [S] the drafter rows the next round refills; h_last [S, H];
+                   stop_ids [S, STOP_SLOTS] (the commit keeps no row past an accepted stop draft)
     round scratch  verify_tokens [S, t_max] (pending, d1..dk); argmax [S, t_max] the
                    target's choice per verify row; seed_hidden [S, t_max, H] their hiddens;
                    result [S, 2 + k_max] = (accepted n, bonus, d1..dk) read by the host
@@ -38,12 +39,19 @@ loaded from the prompt at start, advanced by the commit and decode graphs) plus 
 round's earlier drafts for every draft and verify row.
 The graphs (capture on first use, eager fallback) live in hyspec.gpu.graphs; the
 continuous-batching loop over this decoder in hyspec.gpu.batch_loop.
+
+Sequence states (the prefix store, docs/sessions.md "On the batched CUDA graphs"): export()
+copies a lane's state between rounds into a hyspec.core.state.SeqState in the engine
+core's layout; load() writes one into a lane, which then prefills only [pending] + new
+tokens from the state's position (prefill(start=pos), start(carry=...)) or, with nothing
+new, goes on from it directly (resume()).
 """
 from __future__ import annotations
 
 import torch
 
 from hyspec.config import no_mtp_error
+from hyspec.core.state import Carry
 from hyspec.gpu import sampling as dsamp
 from hyspec.gpu.batch_sampling import accept_sampled, draft_draws, plain_draws, table_rows
 from hyspec.gpu.graphs import StepGraphs
@@ -55,6 +63,7 @@ from hyspec.model.ops import StepCtx
 from hyspec.speculative.drafter import draft_vocab
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+STOP_SLOTS = 8  # stop ids per lane the device's commit knows (hyspec.gpu.batch_loop ends lanes on all of them)
 
 
 def padded_size(n: int, sizes=BATCH_SIZES) -> int:
@@ -153,6 +162,10 @@ class BatchDecoder:
         cols = torch.arange(V, device=dev)
         self.bit_word = cols >> 5  # [V] the word holding token v's bit
         self.bit_shift = (cols & 31).to(torch.int32)  # [V] its bit
+        # each lane's stop ids (-1: none; a lane with more keeps the first STOP_SLOTS): the
+        # commit ends at a stop token among the accepted drafts, as the engine core's does
+        self.stop_ids = torch.full((S, STOP_SLOTS), -1, **long)  # [S, STOP_SLOTS]
+        self.draft_index = torch.arange(max(k_max, 1), **long)  # [k_max] 0..k_max-1
         self.k_round = torch.zeros(S, **long)  # [S] masked rounds: drafts the lane really has (a dead mask ends them)
         self.draft_h = torch.zeros(S, H, device=dev, dtype=dt)  # [S, H] masked rounds: the MTP hidden between graphs
         self.draft_lg = torch.zeros(S, V, device=dev, dtype=dt)  # [S, V] ... and its draft logits
@@ -177,45 +190,166 @@ class BatchDecoder:
 
     # -- admission ---------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, lane: int, prompt: list[int]):
-        """Run a prompt into lane's (reset) state, eagerly with the model's modules (fla's
-        chunked kernel on CUDA when it imports). Returns (pre [P, H], post [P, H], logits [1, V])."""
-        P = len(prompt)
+    def prefill(self, lane: int, prompt: list[int], start: int = 0):
+        """Run prompt tokens into lane's state at positions start.., eagerly with the model's
+        modules (fla's chunked kernel on CUDA when it imports): from a reset state (start = 0),
+        or continuing a stored state that load() wrote (start = its pos: the tokens are then
+        the state's pending token and the new ones). Returns (pre [T, H], post [T, H],
+        logits [1, V]) of the T tokens run."""
+        P = start + len(prompt)
         if P + 1 > self.max_len:
             raise ValueError(f"prompt of {P} tokens does not fit the decoder's max_len {self.max_len}")
-        self.conv[:, lane].zero_()
-        self.ssm[:, lane].zero_()
+        if start == 0:
+            self.conv[:, lane].zero_()
+            self.ssm[:, lane].zero_()
+        elif int(self.pos[lane]) != start:
+            raise ValueError(f"lane {lane} holds {int(self.pos[lane])} positions, not the {start} a resumed prefill "
+                             "continues from (load the state first)")
         kv = {i: self._kvbuf(self.kv_k[a][lane], self.kv_v[a][lane]) for i, a in self.attn_index.items()}
-        pre, post, logits = prefill_into(self, prompt, kv, lambda g: self.conv[g, lane], lambda g: self.ssm[g, lane])
+        pre, post, logits = prefill_into(self, prompt, kv, lambda g: self.conv[g, lane], lambda g: self.ssm[g, lane],
+                                         start=start)
         self.pos[lane] = P
         return pre, post, logits
 
     @torch.no_grad()
-    def start(self, lane: int, prompt: list[int], pre, post, pending: int, k: int) -> None:
-        """After prefill: lane drafts k per round (0 = plain), pending is the first token.
-        The drafter rows of the prompt are filled now; the pending pair is the first
-        round's fill."""
+    def start(self, lane: int, prompt: list[int], pre, post, pending: int, k: int, carry=None) -> None:
+        """After prefill: lane drafts k per round (0 = plain), pending is the first token;
+        prompt is the whole history before it. The drafter rows of the prefilled tokens are
+        filled now (the engine core's Scheduler._start, one MTP prefill), after the queued
+        rows of a resumed state (carry: hyspec.core.state.Carry; None: a fresh prompt from
+        row 0); the last pair (pending, its hidden) is the first round's fill."""
         if k > self.k_max:
             raise ValueError(f"k={k} > the decoder's k_max {self.k_max}")
         if k > 0 and not self.has_mtp:
             raise no_mtp_error()
-        seed = post if self.hidden == "post" else pre
+        seed = post if self.hidden == "post" else pre  # [T, H] the prefilled tokens' hiddens
         P = len(prompt)
-        if k > 0 and P > 1:
-            ids = torch.tensor(prompt[1:], device=self.dev)
-            self.model.mtp_hidden(ids, seed[: P - 1], StepCtx(start=0),
-                                  self._kvbuf(self.draft_k[lane], self.draft_v[lane]))
+        if k > 0:
+            fed = list(prompt[P - seed.shape[0]:])  # the tokens this prefill ran
+            if carry is None:
+                carry = Carry([], seed[:0], 0, seed[:0], True)
+            # pairs (token r+1, hidden r): the queued ones, the fed tokens with their hiddens
+            # (the first pairs with h_last when it was not queued), then (pending, last hidden)
+            toks = list(carry.tokens) + (fed[1:] if carry.first_queued else fed) + [pending]
+            hs = torch.cat([carry.h] + ([] if carry.first_queued else [carry.h_last]) + [seed])
+            m = len(toks)
+            if m > 1:
+                self.model.mtp_hidden(torch.tensor(toks[:-1], device=self.dev), hs[:-1], StepCtx(start=carry.start),
+                                      self._kvbuf(self.draft_k[lane], self.draft_v[lane]))
+            fill_start = carry.start + m - 1
+        else:
+            fill_start = P - 1
         self.fill_tokens[lane].zero_()
         self.fill_tokens[lane, 0] = pending
-        self.fill_h[lane, 0] = seed[P - 1]
-        self.fill_start[lane] = P - 1
+        self.fill_h[lane, 0] = seed[-1]
+        self.fill_start[lane] = fill_start
         self.fill_rows[lane] = 1
-        self.h_last[lane] = seed[P - 1]
+        self.h_last[lane] = seed[-1]
+        self._go(lane, pending, k, list(prompt) + [pending])
+
+    def _go(self, lane: int, pending: int, k: int, history: list[int]) -> None:
         self.pending[lane] = pending
         self.k_lane[lane] = k
         self.spec_lane[lane] = int(k > 0)
         self.live[lane] = 1
-        self._load_window(lane, list(prompt) + [pending])
+        self._load_window(lane, history)
+
+    # -- sequence states (hyspec.core.state.SeqState: the prefix store's entries) --------
+    @torch.no_grad()
+    def load(self, lane: int, st, drafter: bool) -> None:
+        """Write a stored state into lane: every linear layer's conv window and SSM state,
+        the attention KV rows below st.pos, and (drafter: the lane will draft) the draft KV
+        rows below st.fill_start; pos = st.pos. Every row above is written before it is read
+        (by the prefill, the verify, the drafter's fill). Then prefill(lane, feed, st.pos)
+        and start(..., carry), or resume()."""
+        P = st.pos
+        if P + 1 > self.max_len:
+            raise ValueError(f"a state of {P} positions does not fit the decoder's max_len {self.max_len}")
+        if len(st.conv) != self.conv.shape[0] or len(st.kv_k) != len(self.kv_k):
+            raise ValueError("the state is not of this model (its layer counts differ)")
+        for g, (cv, sm) in enumerate(zip(st.conv, st.ssm)):
+            self.conv[g, lane].copy_(cv)
+            self.ssm[g, lane].copy_(sm)
+        for a, (k, v) in enumerate(zip(st.kv_k, st.kv_v)):
+            self.kv_k[a][lane, :, :P].copy_(k)
+            self.kv_v[a][lane, :, :P].copy_(v)
+        if drafter:
+            if st.drafter != self.hidden or st.draft_k is None:
+                raise ValueError(f"the state has no drafter rows built with hidden={self.hidden!r}")
+            n = st.draft_k.shape[1]
+            self.draft_k[lane, :, :n].copy_(st.draft_k)
+            self.draft_v[lane, :, :n].copy_(st.draft_v)
+        self.pos[lane] = P
+
+    @torch.no_grad()
+    def resume(self, lane: int, st, k: int) -> None:
+        """After load(): go on from a state whose pending token is the next to run, with no
+        prefill (a request whose prompt is exactly the stored transcript). The lane is then
+        what the lane that made the state was between two rounds: the queued drafter rows
+        are its fill (a longer queue, as the engine core's can be, has all but its last pair
+        written now)."""
+        if st.pending is None:
+            raise ValueError("a state without a pending token has nothing to run: prefill the new tokens")
+        self.fill_tokens[lane].zero_()
+        if k > 0:
+            n = len(st.fill_tokens)
+            toks, hs, start = list(st.fill_tokens), st.fill_h[:n], st.fill_start
+            if n > self.lane_rows:
+                self.model.mtp_hidden(torch.tensor(toks[:-1], device=self.dev), hs[:-1], StepCtx(start=start),
+                                      self._kvbuf(self.draft_k[lane], self.draft_v[lane]))
+                toks, hs, start = toks[-1:], hs[-1:], start + n - 1
+            self.fill_tokens[lane, : len(toks)] = torch.tensor(toks, device=self.dev)
+            self.fill_h[lane, : len(toks)] = hs
+            self.fill_start[lane] = start
+            self.fill_rows[lane] = len(toks)
+            self.h_last[lane] = st.h_last[0]
+        else:  # a plain lane's fill rows are never read (the drafter's rows of plain lanes are ignored)
+            self.fill_tokens[lane, 0] = st.pending
+            self.fill_h[lane].zero_()
+            self.fill_start[lane] = max(st.pos - 1, 0)
+            self.fill_rows[lane] = 1
+            self.h_last[lane].zero_()
+        self._go(lane, st.pending, k, list(st.tokens))
+
+    @torch.no_grad()
+    def export(self, lane: int, tokens: list[int], k: int):
+        """Lane's state between rounds as a SeqState (copies), in the engine core's layout
+        (hyspec.core.state.capture): tokens is the transcript (prompt + emitted tokens, the
+        last one pending). None when the lane's state is not that transcript's: the device
+        committed past the last emitted token (a stop token among accepted drafts, or a
+        pipelined round after the stop).
+
+        Same as the core: conv / SSM state, KV rows below pos, the pending token, and for a
+        drafting lane (k > 0) the draft KV rows below fill_start, h_last and the queued
+        drafter rows (the lane's fill rows). Not kept: last_logits (None; the row that chose
+        the pending token: a state with a pending token never reads it, its next turn runs
+        the pending token first). The queue can be shorter than the core's for the same
+        sequence (after a round that drafted nothing the core keeps its rows queued; the
+        lane's fill ran them): the same pairs, written to the draft KV rows one step earlier."""
+        from hyspec.core.state import SeqState
+
+        P, pending = int(self.pos[lane]), int(self.pending[lane])
+        if P != len(tokens) - 1 or pending != tokens[-1]:
+            return None
+        G = self.conv.shape[0]
+        st = SeqState(tuple(int(t) for t in tokens), P, [self.conv[g, lane].clone() for g in range(G)],
+                      [self.ssm[g, lane].clone() for g in range(G)],
+                      [kk[lane, :, :P].clone() for kk in self.kv_k], [vv[lane, :, :P].clone() for vv in self.kv_v],
+                      pending, k_next=k)
+        if k > 0:
+            fs, n = int(self.fill_start[lane]), int(self.fill_rows[lane])
+            st.drafter = self.hidden
+            st.draft_k, st.draft_v = self.draft_k[lane, :, :fs].clone(), self.draft_v[lane, :, :fs].clone()
+            st.h_last = self.h_last[lane: lane + 1].clone()
+            st.fill_tokens, st.fill_h, st.fill_start = self.fill_tokens[lane, :n].tolist(), self.fill_h[lane, :n].clone(), fs
+        return st
+
+    def set_stops(self, lane: int, stop_ids) -> None:
+        """Lane's stop ids for the commit's cut (the first STOP_SLOTS of them, in sorted order)."""
+        ids = sorted(int(t) for t in stop_ids)[:STOP_SLOTS]
+        self.stop_ids[lane].fill_(-1)
+        if ids:
+            self.stop_ids[lane, : len(ids)] = torch.tensor(ids, device=self.dev)
 
     def set_params(self, lane: int, params) -> None:
         """Lane's SamplingParams (None or greedy without penalties: argmax). Call before
@@ -253,7 +387,7 @@ class BatchDecoder:
         """The per-lane tensors with the lane axis first (a lane move copies row src to dst)."""
         tb = self.sampling_table
         tensors = [self.pos, self.pending, self.k_lane, self.spec_lane, self.live, self.fill_start, self.fill_rows,
-                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens] + tb.fields() + self.kv_k + self.kv_v
+                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens, self.stop_ids] + tb.fields() + self.kv_k + self.kv_v
         if self.has_mtp:
             tensors += [self.draft_k, self.draft_v]
         if self.window is not None:
@@ -281,6 +415,7 @@ class BatchDecoder:
         self.fill_rows[lane] = 1
         self.k_lane[lane] = 0
         self.spec_lane[lane] = 0
+        self.stop_ids[lane].fill_(-1)
         self.sampling_table.set(lane, None)
         if self.window is not None:
             self.window.last_n[lane] = 0
@@ -435,9 +570,21 @@ class BatchDecoder:
             else:
                 n = torch.zeros(nb, device=self.dev, dtype=torch.long)
             bonus = argmax[lanes, n]
-        j = n + 1
-        # linear layers: state after row n; conv window = rows j..j+W-2 of cat(window, new rows)
-        self.runner.commit_linear(n, t, nb)
+        # the state keeps pending + the accepted drafts up to a stop token among them, which
+        # then stays pending (the engine core's run_round): the lane's state is its
+        # transcript's when it ends there. The result row (n, bonus) is the round's own: the
+        # host cuts the emitted tokens at the stop itself.
+        n_keep, keep = n, bonus
+        if k > 0:
+            drafts = verify_tokens[:, 1:t]
+            idx = self.draft_index[:k][None, :]
+            stop = (drafts[:, :, None] == self.stop_ids[:nb, None, :]).any(-1) & (idx < n[:, None])  # [nb, k]
+            first = torch.where(stop, idx, k).amin(1)  # the first accepted stop draft (k: none)
+            n_keep = torch.minimum(n, first)
+            keep = torch.where(first < n, drafts.gather(1, first.clamp(max=k - 1)[:, None])[:, 0], bonus)
+        j = n_keep + 1
+        # linear layers: state after row n_keep; conv window = rows j..j+W-2 of cat(window, new rows)
+        self.runner.commit_linear(n_keep, t, nb)
         G, C = self.conv.shape[0], self.conv.shape[-1]
         W1 = self.window_offsets.numel()
         window = torch.cat([self.conv[:, :nb], self.conv_in[:, : nb * t].view(G, nb, t, C)], 2)
@@ -445,19 +592,19 @@ class BatchDecoder:
         self.conv[:, :nb].copy_(window.gather(2, idx))
         # next fill: tokens verify_tokens[:j] + [bonus] with hiddens [h_last, seed[:j]] from row pos-1
         self.fill_tokens[:nb, :t].copy_(verify_tokens)
-        self.fill_tokens[:nb].scatter_(1, j[:, None], bonus[:, None])
+        self.fill_tokens[:nb].scatter_(1, j[:, None], keep[:, None])
         self.fill_h[:nb, 0].copy_(self.h_last[:nb])
         self.fill_h[:nb, 1: t + 1].copy_(self.seed_hidden[:nb, :t])
-        self.h_last[:nb].copy_(self.seed_hidden[lanes, n])
+        self.h_last[:nb].copy_(self.seed_hidden[lanes, n_keep])
         live = self.live[:nb]
         self.fill_start[:nb].copy_((self.pos[:nb] - 1).clamp_min(0) * live)
         self.fill_rows[:nb].copy_(torch.where(live > 0, j + 1, torch.ones_like(j)))
         if self._penalised(regime):  # the emitted tokens into the window: drafts 1..n, then the bonus
-            emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(bonus)[:, None]], 1).scatter(
-                1, n[:, None], bonus[:, None])
+            emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(keep)[:, None]], 1).scatter(
+                1, n_keep[:, None], keep[:, None])
             self.window.head(nb).push_many(emitted, j * live)
         self.pos[:nb].add_(j * live)
-        self.pending[:nb].copy_(bonus)
+        self.pending[:nb].copy_(keep)
         self.result[:nb, 0].copy_(n)
         # masked: -1 when the bonus row allows nothing (the drafts are emitted, the lane ends)
         self.result[:nb, 1].copy_(torch.where(dead.view(nb, t)[lanes, n], -1, bonus) if masked else bonus)

@@ -34,6 +34,9 @@ from hyspec.gpu.batch import BatchDecoder, padded_size
 from hyspec.gpu.sampling import SampledGraphKey
 
 
+KEPT_ENDS = ("eos", "length")  # the ends whose state is kept (the engine core's rule; not cancelled, constraint)
+
+
 @dataclass(eq=False)
 class LaneRequest:
     prompt: list[int]
@@ -47,6 +50,8 @@ class LaneRequest:
     telemetry: SpecTelemetry = field(default_factory=SpecTelemetry)  # its speculative rounds
     params: Any = None  # SamplingParams (None: greedy)
     constraint: Any = None  # hyspec.constraints.Constraint (advanced in place by the emitted tokens)
+    resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
+    on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
@@ -54,6 +59,7 @@ class LaneRequest:
     t_admit: float | None = None  # perf_counter when its prefill started
     t_first: float | None = None  # ... when its first token was chosen
     t_done: float | None = None  # ... when it left
+    cached: int = 0  # prompt tokens not prefilled (resumed from `resume`)
 
     def emit(self, toks: list[int]) -> None:
         n0 = len(self.tokens)
@@ -102,6 +108,7 @@ class BatchRunner:
         self.tokens = 0  # tokens the rounds emitted (the prefills' first tokens not counted)
         self.constraint_s = 0.0  # host seconds in the constraints (masks and commits; the first tokens' included)
         self.masked_rounds = 0  # rounds with a constrained lane
+        self.states_kept = self.states_not_kept = 0  # end states handed to on_state / not exact (export)
         self._lock = threading.Lock()
         self._submitted: list[LaneRequest] = []  # handed over, not yet seen by step()
         self._cancelled: list[LaneRequest] = []
@@ -135,6 +142,13 @@ class BatchRunner:
                                          or getattr(r.constraint, "vocab_size", None) != dec.cfg.vocab_size):
             raise ValueError(f"a request's constraint has no packed masks (allowed_words) over this model's "
                              f"vocabulary of {dec.cfg.vocab_size} tokens")
+        st = r.resume
+        if st is not None:
+            n = len(st.tokens)
+            if tuple(r.prompt[:n]) != tuple(st.tokens) or (n == len(r.prompt) and st.pending is None):
+                raise ValueError("a resumed request's prompt must extend the state's tokens (with something to run)")
+            if r.k > 0 and st.drafter != dec.hidden:
+                raise ValueError(f"a drafting request needs a state with drafter rows of hidden={dec.hidden!r}")
 
     def submit(self, r: LaneRequest) -> LaneRequest:
         self.check(r)
@@ -217,7 +231,7 @@ class BatchRunner:
 
     def _admit(self) -> None:
         from hyspec.core.round import choose_token, masked
-        from hyspec.gpu.generate import forced_table
+        from hyspec.core.state import carry_of
 
         dec = self.dec
         t0 = time.perf_counter()
@@ -229,7 +243,22 @@ class BatchRunner:
                 self._finished(r)
                 continue
             lane = len(self.active)
-            pre, post, logits = dec.prefill(lane, r.prompt)
+            dec.set_stops(lane, r.stop_ids)
+            st, carry = r.resume, None
+            if st is not None:  # the stored state, then [its pending token] + the prompt's new tokens
+                dec.load(lane, st, drafter=r.k > 0)
+                feed = ([st.pending] if st.pending is not None else []) + list(r.prompt[len(st.tokens):])
+                r.cached = len(r.prompt) - len(feed)
+                if feed == [st.pending]:  # nothing new: the lane goes on from the state itself
+                    dec.set_params(lane, r.params)
+                    dec.resume(lane, st, r.k)
+                    r.t_first = time.perf_counter()
+                    self._join(r, lane)
+                    continue
+                pre, post, logits = dec.prefill(lane, feed, start=st.pos)
+                carry = carry_of(st) if r.k > 0 else None
+            else:
+                pre, post, logits = dec.prefill(lane, r.prompt)
             row = logits[0]
             if r.constraint is not None:  # the first token under the constraint's state now
                 t_c = time.perf_counter()
@@ -249,17 +278,35 @@ class BatchRunner:
             dec.set_params(lane, r.params)
             self._emit(r, [first])
             if r.reason is not None:
+                if r.on_state is not None and r.reason in KEPT_ENDS:  # its drafter rows belong to the state
+                    dec.start(lane, r.prompt, pre, post, first, r.k, carry)
+                    self._keep_state(lane, r)
                 dec.free(lane)
                 self._finished(r)
                 continue
-            dec.start(lane, r.prompt, pre, post, first, r.k)
-            r.k_now = r.k
-            if self.forced and r.k > 0:
-                dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
-                                                  self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
-            self.active.append(r)
+            dec.start(lane, r.prompt, pre, post, first, r.k, carry)
+            self._join(r, lane)
         self._sync()
         self.prefill_s += time.perf_counter() - t0
+
+    def _join(self, r: LaneRequest, lane: int) -> None:
+        dec = self.dec
+        r.k_now = r.k
+        if self.forced and r.k > 0:
+            from hyspec.gpu.generate import forced_table
+
+            dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
+                                              self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
+        self.active.append(r)
+
+    def _keep_state(self, lane: int, r: LaneRequest) -> None:
+        """Hand lane's end state to r.on_state (when it is exactly r's transcript's)."""
+        st = self.dec.export(lane, list(r.prompt) + r.tokens, r.k)
+        if st is None:
+            self.states_not_kept += 1
+            return
+        self.states_kept += 1
+        r.on_state(st)
 
     def _launch(self):
         dec, active = self.dec, self.active
@@ -386,6 +433,8 @@ class BatchRunner:
         id may still end a lane: its extra round is then dropped)."""
         if not self.pipeline or any(r.reason is not None or r.constraint is not None for r in self.active):
             return False  # (a masked round needs this round's tokens for its first mask)
+        if any(r.on_state is not None and r.stop_ids for r in self.active):
+            return False  # a stop token ending this round would leave the lane a round past its end state
         with self._lock:
             if self._cancelled or (self._submitted and len(self.active) < self.cap):
                 return False
@@ -401,6 +450,8 @@ class BatchRunner:
             r = active[i]
             if r.reason is None:
                 continue
+            if r.on_state is not None and r.reason in KEPT_ENDS:
+                self._keep_state(i, r)
             last = len(active) - 1
             if i != last:
                 dec.move(last, i)
@@ -430,8 +481,10 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included, constrained or not, no logprobs / session state, fixed k with the post-norm
-    hidden, one forced profile); else the reason it cannot (the engine core serves it)."""
+    included, constrained or not, no logprobs / session slot (keep, resume), fixed k with
+    the post-norm hidden, one forced profile); else the reason it cannot (the engine core
+    serves it). The prefix store is no reason: a lane resumes from a stored state and
+    leaves its end state there (store_state)."""
     forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
               for r in reqs if r.draft > 0}
     if len(forced) > 1:
@@ -441,7 +494,7 @@ def graph_eligible(reqs) -> str | None:
             return "logprobs"
         if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
             return "a constraint without packed masks (allowed_words)"
-        if r.keep or r.resume is not None or r.store_state:
+        if r.keep or r.resume is not None:
             return "session state"
         o = r.spec
         if r.draft > 0 and o is not None and (o.p_min > 0 or o.adaptive or o.hidden != "post" or not o.prime_pending):
@@ -449,15 +502,27 @@ def graph_eligible(reqs) -> str | None:
     return None
 
 
-def lane_of(r, on_finish=None) -> LaneRequest:
-    """The LaneRequest of a hyspec.core Request (its stream and telemetry passed through)."""
+def lane_of(r, on_finish=None, store=None) -> LaneRequest:
+    """The LaneRequest of a hyspec.core Request (its stream and telemetry passed through).
+    store: the prefix store: the lane resumes from the longest stored state its prompt
+    extends (r.use_store; a lookup, counted as a hit or a miss) and leaves its end state
+    there (r.store_state)."""
     cb = None if r.on_tokens is None else (lambda toks: r.on_tokens(r, toks))
     if r.draft > 0 and r.telemetry is None:
         r.telemetry = SpecTelemetry()
+    resume = stored_state(store, r.prompt_ids, r.draft) if store is not None and r.use_store else None
     return LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
                        stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
                        telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
-                       constraint=r.constraint)
+                       constraint=r.constraint, resume=resume,
+                       on_state=store.put if store is not None and r.store_state else None)
+
+
+def stored_state(store, prompt: list[int], k: int):
+    """The prefix store's state for a lane of this prompt (the longest stored prefix; a
+    drafting lane takes only states with drafter rows of the graph round's post-norm
+    hidden), or None. Counts a hit or a miss."""
+    return store.lookup(prompt, drafter="post" if k > 0 else None)
 
 
 def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
@@ -468,7 +533,7 @@ def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
     prefill = first - lr.t_admit if lr.t_admit is not None else 0.0
     decode = t_done - first
     stats = {"prompt_tokens": len(lr.prompt), "generated_tokens": n, "path": "batch-graphs",
-             "graphs": dec.step_graphs.active, "exact": dec.exact, "cached_tokens": 0,
+             "graphs": dec.step_graphs.active, "exact": dec.exact, "cached_tokens": lr.cached,
              "prefill_s": prefill, "decode_s": decode, "decode_tok_s": (n - 1) / decode if n > 1 and decode > 0 else None,
              "target_forwards": lr.rounds}
     if lr.k > 0:
@@ -476,13 +541,15 @@ def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
     return stats
 
 
-def run_requests(dec: BatchDecoder, reqs, max_batch: int) -> None:
+def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
     """Run hyspec.core Requests to their end on the BatchDecoder; fills tokens, stop_reason,
-    stats and calls on_tokens / on_finish like the engine core's scheduler does."""
+    stats and calls on_tokens / on_finish like the engine core's scheduler does. store: the
+    prefix store the requests resume from (use_store) and leave their end states in
+    (store_state), as on the engine core."""
     forced = next((r.spec for r in reqs if r.draft > 0 and r.spec is not None and r.spec.forced_rates), None)
     runner = BatchRunner(dec, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
                          forced_seed=forced.forced_seed if forced else 0)
-    lanes = [lane_of(r) for r in reqs]
+    lanes = [lane_of(r, store=store) for r in reqs]
     for lr in lanes:
         runner.check(lr)
     t0 = time.perf_counter()

@@ -45,16 +45,17 @@ def fla_off(dec, why: str) -> None:
     print(f"hyspec.gpu: prefill falls back to the torch chunked Gated-DeltaNet scan ({why})", file=sys.stderr)
 
 
-def prefill_into(dec, prompt: list[int], kv: dict, conv_of, ssm_of):
-    """Run a prompt from position 0 through dec.model's own modules into one sequence's
-    state: kv {layer index: KVBuffer}, conv_of(g) / ssm_of(g) the g-th Gated-DeltaNet
-    layer's conv window [W-1, C] and state [Hv, Dk, Dv] (zeroed by the caller). Uses
+def prefill_into(dec, prompt: list[int], kv: dict, conv_of, ssm_of, start: int = 0):
+    """Run prompt tokens at positions start.. through dec.model's own modules into one
+    sequence's state: kv {layer index: KVBuffer}, conv_of(g) / ssm_of(g) the g-th
+    Gated-DeltaNet layer's conv window [W-1, C] and state [Hv, Dk, Dv] (zeroed by the
+    caller for start = 0; a resumed sequence's state, with its KV rows below start, else). Uses
     flash-linear-attention's chunked kernel on CUDA when dec.use_fla and it imports
     (fla_off turns it off loudly when it cannot), else the torch chunked scan.
     Returns (pre [P, H], post [P, H], logits [1, V] of the last row)."""
     model = dec.model
     ids = torch.tensor(prompt, device=dec.dev)
-    ctx = StepCtx(start=0, chunked=True)
+    ctx = StepCtx(start=start, chunked=True)
     x = model.model.embed_tokens(ids)
     for i, layer in enumerate(model.model.layers):
         h = layer.input_layernorm(x)

@@ -8,10 +8,12 @@ loop.call_soon_threadsafe, so Job callbacks always run on the loop thread.
 
 Two paths share the engine thread. Where the engine's batched GPU graphs run (a CUDA
 model, or engine.batch_graphs in tests), a job they can serve (hyspec.gpu.batch_loop.
-graph_eligible: no logprobs, penalties on the device, a constraint masked there; its prompt
-not extending a prefix-store state; it fits the decoder) becomes a lane of a BatchRunner;
-every other job goes to the engine core's Scheduler. The thread alternates one graph round and one core step while
-both have work, so both kinds progress; a cancel reaches either within one round.
+graph_eligible: no logprobs, penalties on the device, a constraint masked there; it fits
+the decoder) becomes a lane of a BatchRunner; every other job goes to the engine core's
+Scheduler. Both paths share the prefix store: a lane resumes from the longest stored state
+its prompt extends and leaves its end state there, as a core sequence does. The thread
+alternates one graph round and one core step while both have work, so both kinds
+progress; a cancel reaches either within one round.
 
 Admission: at most max_batch jobs are inside the scheduler or the runner ("running"); the
 rest wait in this module's FIFO ("waiting"). submit() refuses at once (QueueFull -> HTTP
@@ -104,8 +106,8 @@ class EngineWorker:
         self._sched_mod = scheduler_module()
         self.batched = self._sched_mod is not None
         # the engine's prefix store (hyspec/prefix_store.py): every finished sequence leaves its
-        # end state there, and a prompt that extends a stored sequence resumes from it (batched
-        # path only; the sequential fallback neither stores nor looks up)
+        # end state there, and a prompt that extends a stored sequence resumes from it (engine
+        # core and batched graphs; the sequential fallback neither stores nor looks up)
         self.store = engine.store if (prefix_store and self.batched) else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -281,15 +283,14 @@ class EngineWorker:
 
     def _graph_lane(self, job: Job, req):
         """The job as a LaneRequest of the batched graphs, or None: the engine core runs it
-        (graph_eligible refuses it, its prompt extends a prefix-store state the core resumes
-        from, or it drafts more / runs longer than the decoder holds)."""
+        (graph_eligible refuses it, or it drafts more / runs longer than the decoder holds).
+        With the prefix store, the lane resumes from the longest stored state its prompt
+        extends and leaves its end state there, as the engine core's sequences do."""
         if not self.graph_path:
             return None
-        from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, graph_eligible, lane_stats
+        from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, graph_eligible, lane_stats, stored_state
 
         if graph_eligible([req]) is not None:
-            return None
-        if self.store is not None and self.store.extends(job.prompt_ids):
             return None
         if self._graph_dec is None:
             try:
@@ -303,8 +304,11 @@ class EngineWorker:
             return None
         if self._runner is None:
             self._runner = BatchRunner(dec)
+        store = self.store
+        resume = stored_state(store, job.prompt_ids, job.draft) if store is not None else None
         return LaneRequest(prompt=list(job.prompt_ids), max_new_tokens=job.max_new_tokens, k=job.draft,
                            stop_ids=frozenset(job.stop_ids), params=job.params, constraint=job.constraint,
+                           resume=resume, on_state=store.put if store is not None else None,
                            on_tokens=lambda ids: self._to_loop(job.on_tokens, list(ids), None),
                            on_finish=lambda lane: self._finish(job, lane.reason, lane_stats(lane, dec)))
 
