@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU test suite on the device, in one log headed by the commit it ran at:
-#   bash bench/gpu_tests.sh          (repo root, on the GPU machine; writes $OUT/gpu_tests_h200.txt)
+#   bash bench/gpu_tests.sh          (HYSPEC_B2_EXACT="tokens,prompts": the b2 exactness test's size; repo root, on the GPU machine; writes $OUT/gpu_tests_h200.txt)
 #   PYTEST_ARGS="-n 4" bash bench/gpu_tests.sh    (four test processes on the one GPU: pytest-xdist,
 #                                     carried as a wheel in .whl/ like the others)
 # Commit the log as bench/results/gpu_tests_h200.txt, beside the bench JSON of the same commit.
@@ -37,8 +37,8 @@ PY
   rc=0
   echo "== GPU tests (python3 -m pytest -q -s -m gpu tests $PYTEST_ARGS)"
   python3 -m pytest -q -s -m gpu $PYTEST_ARGS --durations=15 tests || rc=1
-  echo "== session tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
+  echo "== session and graph-store tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
   HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q $PYTEST_ARGS tests/test_sessions.py tests/test_session_state.py \
-    tests/test_prefix_store.py || rc=1
+    tests/test_prefix_store.py tests/test_graph_store.py || rc=1
   exit $rc
 } 2>&1 | tee "$LOG"
