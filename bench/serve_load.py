@@ -170,7 +170,8 @@ def main() -> int:
            "--device", args.device, "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the tree first, then whatever the caller's PYTHONPATH holds (wheels carried to a machine without network)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -212,6 +212,7 @@ def _targets(out, k) -> dict:
 def main(argv=None) -> int:
     import argparse
     import json
+    import sys
 
     from hyspec.provenance import git_state
 
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     res["git"] = git_state()
     res["device"] = torch.cuda.get_device_name()
     res["argv"] = argv
+    res["command"] = "python3 -m hyspec.gpu.batch_bench " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
