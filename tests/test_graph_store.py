@@ -43,7 +43,9 @@ def _params():
             "coupled": SamplingParams(temperature=0.9, seed=7, mode="coupled")}
 
 
-CASES = [(0, "greedy"), (0, "sampled"), (2, "greedy"), (2, "coupled")]
+# speculative: coupled sampling (its draws cover the sampled commit; greedy speculative lanes
+# round-trip in test_stop_among_accepted_drafts_keeps_the_state and the server chat test)
+CASES = [(0, "greedy"), (0, "sampled"), (2, "coupled")]
 
 
 @pytest.fixture(scope="module")
