@@ -64,6 +64,7 @@ import torch
 
 from hyspec.kernels.common import triton_available
 from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref, softmax_rows
+from hyspec.kernels.probs.topp import prefix_select_rows, topp_kernel_enabled
 from hyspec.kernels.rng import gumbel_argmax, u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
 from hyspec.sampling import MASS_ONE, SamplingParams, fixed_mass
@@ -287,7 +288,7 @@ def order_key(values: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: torch.Tensor,
-                  threshold: torch.Tensor) -> torch.Tensor:
+                  threshold: torch.Tensor, kernel: bool = False) -> torch.Tensor:
     """keep [B, V]: valid tokens whose *ahead weight* is below threshold [B, 1], without
     sorting. Tokens are ranked by decreasing key (:func:`order_key`), ties towards the
     lowest id; the ahead weight of a token is the sum of ``weight`` (int64 >= 0, zero
@@ -304,7 +305,14 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
     the weight ahead of it, reaches the threshold (0 when none does: then every such
     token is kept, and the refinement of digit 0 keeps them too). An exclusive cumulative
     sum in token order settles the ties at K*. A pass takes about log2(V) bits (at most
-    DIGIT_BITS): its histogram is no larger than a row."""
+    DIGIT_BITS): its histogram is no larger than a row.
+
+    kernel=True (16- and 32-bit keys; 64-bit ones stay here): the same search as the
+    Triton kernels :func:`hyspec.kernels.probs.topp.prefix_select_rows` (5 or 7 launches
+    instead of ~35 torch ops; this function is their reference). Tested in the
+    interpreter only so far: probs_batch turns it on with HYSPEC_TOPP_KERNEL=1."""
+    if kernel and bits in (16, 32):
+        return prefix_select_rows(key, bits, valid, weight, threshold)
     B, V = key.shape
     width = max(4, min(DIGIT_BITS, V.bit_length() - 1))  # bits per pass
     base = torch.zeros(B, 1, dtype=torch.int64, device=key.device)  # weight ranked ahead of K*'s higher digits
@@ -334,7 +342,7 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
 
 def probs_batch(
     logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None,
-    regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None,
+    regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None, topp_kernel: bool | None = None,
 ) -> torch.Tensor:
     """``row_probs`` for every lane: logits [B, V] (any float dtype), counts [B, V] (the
     lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V].
@@ -349,6 +357,10 @@ def probs_batch(
     and the greedy one-hot inside it and the top-p masses as its fixed-point output (a
     row's result then depends on that row alone, for any row count; float64 to a few
     ulps of the torch ops, which are the reference).
+
+    topp_kernel: top-k / top-p by the Triton kernels of :mod:`hyspec.kernels.probs.topp`
+    (the same keep sets, bitwise); default: with ``kernel`` and the environment variable
+    ``HYSPEC_TOPP_KERNEL=1`` only -- off on CUDA until a GPU run has verified them.
     """
     x0 = _penalised(logits, table, counts) if regime.penalties else logits  # [B, V] the ranking values
     B, V = x0.shape
@@ -358,6 +370,8 @@ def probs_batch(
     temp = torch.where(table.greedy, torch.ones_like(table.temperature), table.temperature)  # [B]
     if kernel is None:
         kernel = x0.is_cuda and triton_available()
+    if topp_kernel is None:
+        topp_kernel = bool(kernel) and topp_kernel_enabled()
     if kernel:  # x / t is formed inside the kernels; the finite logits are the valid tokens (x / t
         # can overflow to -inf where x cannot only for a tiny t: such a token ranks below every
         # finite one and the kernels' own x / t > -inf test gives it probability 0 all the same)
@@ -370,7 +384,7 @@ def probs_batch(
         key, bits = order_key(x0)
     if regime.top_k:
         k = table.top_k.unsqueeze(1)  # [B, 1]
-        best_k = prefix_select(key, bits, keep, keep.to(torch.int64), k)
+        best_k = prefix_select(key, bits, keep, keep.to(torch.int64), k, topp_kernel)
         keep = torch.where((k > 0) & (k < V), best_k, keep)  # best_k is within keep
     if regime.top_p:
         top_p = table.top_p.unsqueeze(1)  # [B, 1]
@@ -379,7 +393,7 @@ def probs_batch(
         # threshold >= 1 keeps the top token (nothing is ahead of it; every other token has
         # it, of positive mass, ahead): the reference's "or rank 0"
         threshold = (top_p * float(MASS_ONE)).to(torch.int64).clamp(min=1)
-        keep = torch.where(top_p < 1.0, prefix_select(key, bits, keep, mass, threshold), keep)
+        keep = torch.where(top_p < 1.0, prefix_select(key, bits, keep, mass, threshold, topp_kernel), keep)
     if kernel:  # min-p against x[best] / t (= the max of x / t: division by t > 0 keeps the order)
         only = torch.where(table.greedy, best.squeeze(1), -1)  # [B] greedy rows: their top token alone
         floor = table.log_min_p if regime.min_p else None  # (min_p = 0: log_min_p = -inf keeps all)

@@ -31,7 +31,9 @@ Rounding: float64 throughout; the kernels add in another order than torch (per c
 then over chunks), so they agree with the references to a few ulps (exactly where the
 math is exact: masked entries, one-hot rows, dyadic masses).
 
-Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch).
+Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch); ``topp.py``:
+the top-k / top-p cut (``prefix_select_rows``, integer radix passes; its reference is
+hyspec.gpu.sampling.prefix_select; off on CUDA unless HYSPEC_TOPP_KERNEL=1).
 """
 from hyspec.kernels.probs.kernel import inverse_cdf_rows, softmax_rows
 from hyspec.kernels.probs.reference import CHUNK, inverse_cdf_rows_ref, softmax_rows_ref

@@ -1,0 +1,169 @@
+"""Top-k / top-p cut as Triton kernels: :func:`hyspec.gpu.sampling.prefix_select` (the
+torch reference, same arguments, same result bitwise) in a handful of launches.
+
+Contract (B rows, V tokens, C = ceil(V / CHUNK))::
+
+    prefix_select_rows(key [B, V] int16 | int32, bits 16 | 32, valid [B, V] bool,
+                       weight [B, V] int64 >= 0 (0 outside valid), threshold [B, 1] int64)
+    -> keep [B, V] bool: the valid tokens whose ahead weight (the weight of the tokens
+       ranked before them: decreasing key, ties to the lowest id) is below threshold.
+
+The search is the reference's: radix passes of DIGIT bits over the key find the cut key
+K* (tokens above it kept, below it dropped), then a token-order exclusive scan of the
+weights at K* settles the ties. Per pass two launches: (1) per (row, chunk), the weights
+of the chunk's tokens that share K*'s digits found so far are added into the row's int64
+bins by digit (atomic integer adds: exact in any order); (2) one program per row walks its
+bins from the top digit down in fixed blocks, finds K*'s digit and the weight ranked ahead
+of it. Then (3) per (row, chunk) the weight of the chunk's ties, and (4) per (row, chunk)
+the chunks' totals before it plus an in-chunk scan give the keep mask. Launches: one
+memset of the bins, 2 per pass, 2 for the ties: 5 for 16-bit keys (bf16 / fp16 logits),
+7 for 32-bit ones (fp32).
+
+Row invariance: a program reads and writes its own row only; CHUNK and DIGIT are
+constants, and everything is integer arithmetic (exact whatever the order), so a row's
+result is bitwise the same for any row count. No host sync, static shapes: graph
+capturable.
+
+Status: written and tested in the Triton interpreter only (tests/test_kernels_topp.py);
+hyspec.gpu.sampling uses it on CUDA only with HYSPEC_TOPP_KERNEL=1 (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hyspec.kernels.common import p2
+from hyspec.kernels.pdl import kernels_per_mode
+from hyspec.kernels.probs.reference import CHUNK
+
+__all__ = ["DIGIT", "prefix_select_rows", "topp_kernel_enabled"]
+
+DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
+SCAN_BLOCK = 4096  # bins per step of the one-program-per-row walk
+
+
+def topp_kernel_enabled() -> bool:
+    """HYSPEC_TOPP_KERNEL=1: hyspec.gpu.sampling.probs_batch cuts top-k / top-p with these
+    kernels (with its row kernels; off by default until verified on a GPU)."""
+    return os.environ.get("HYSPEC_TOPP_KERNEL", "0") == "1"
+
+
+@kernels_per_mode
+def _topp_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["sk", "sw"])
+    def _hist_kernel(key_ptr, sk, w_ptr, sw, state_ptr, hist_ptr, V,
+                     SHIFT: tl.constexpr, FIRST: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+        """Chunk c of row b: add the weight of each token sharing K*'s higher digits
+        (state[b, 0]; every token on the first pass) into bin `digit` of the row's bins."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        inside = i < V
+        k = tl.load(key_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0).to(tl.int64)
+        w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0)
+        NB: tl.constexpr = 1 << W
+        if FIRST:  # the top digit of the signed key, moved to [0, NB)
+            d = (k >> SHIFT) + NB // 2
+        else:
+            d = (k >> SHIFT) & (NB - 1)
+            w = tl.where((k >> (SHIFT + W)) == tl.load(state_ptr + b * 2), w, 0)
+        tl.atomic_add(hist_ptr + b.to(tl.int64) * NB + d, w, mask=inside & (w != 0), sem="relaxed")
+
+    @triton.jit
+    def _cut_kernel(hist_ptr, thr_ptr, state_ptr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr):
+        """Row b: reach[d] = base + the weight in bins >= d (base: the weight ranked ahead of
+        K*'s higher digits); K*'s digit is the last d with reach[d] >= threshold (0 if none).
+        state[b] <- (K*'s digits so far, the weight ranked ahead of them)."""
+        b = tl.program_id(0)
+        NB: tl.constexpr = 1 << W
+        row = hist_ptr + b.to(tl.int64) * NB
+        thr = tl.load(thr_ptr + b)
+        if FIRST:
+            base = tl.zeros((), tl.int64)
+            prefix = tl.zeros((), tl.int64)
+        else:
+            prefix = tl.load(state_ptr + b * 2)
+            base = tl.load(state_ptr + b * 2 + 1)
+        above = tl.zeros((), tl.int64)  # weight of the bins above the current block
+        n_reach = tl.zeros((), tl.int64)  # digits with reach >= threshold: 0..cut
+        below = tl.zeros((), tl.int64)  # weight of the bins with reach < threshold
+        for s in range(NB // SB):  # blocks from the top digit down, a fixed order
+            h = tl.load(row + (NB - (s + 1) * SB) + tl.arange(0, SB))
+            reach = base + above + tl.cumsum(h, 0, reverse=True)
+            hit = reach >= thr
+            n_reach += tl.sum(hit.to(tl.int64), 0)
+            below += tl.sum(tl.where(hit, 0, h), 0)
+            above += tl.sum(h, 0)
+        cut = tl.maximum(n_reach - 1, 0)
+        # the weight ahead of K*'s digit: the bins above it (all but bin 0 when none reaches)
+        ahead = below - tl.where(n_reach == 0, tl.load(row), 0)
+        if FIRST:
+            key = cut - NB // 2
+        else:
+            key = (prefix << W) | cut
+        tl.store(state_ptr + b * 2, key)
+        tl.store(state_ptr + b * 2 + 1, base + ahead)
+
+    @triton.jit(do_not_specialize=["sk", "sw", "sv", "so"])
+    def _tie_kernel(key_ptr, sk, w_ptr, sw, valid_ptr, sv, thr_ptr, state_ptr, tot_ptr, out_ptr, so, V, n_chunks,
+                    KEEP: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr):
+        """Chunk c of row b, ties = its tokens with key K*. First launch: the ties' weight
+        -> tot[b, c]. Second (KEEP): keep = valid & (key > K* | tie & weight of the ties
+        before it (earlier chunks' totals, then an in-chunk scan) < threshold - base)."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        inside = i < V
+        k = tl.load(key_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0).to(tl.int64)
+        cut = tl.load(state_ptr + b * 2)
+        tie = inside & (k == cut)
+        wt = tl.where(tie, tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0), 0)
+        if KEEP:
+            j = tl.arange(0, NC)
+            earlier = tl.sum(tl.load(tot_ptr + b * n_chunks + j, mask=j < c, other=0), 0)
+            room = tl.load(thr_ptr + b) - tl.load(state_ptr + b * 2 + 1)
+            before = earlier + tl.cumsum(wt, 0) - wt
+            valid = tl.load(valid_ptr + b.to(tl.int64) * sv + i, mask=inside, other=0) != 0
+            keep = valid & ((k > cut) | (tie & (before < room)))
+            tl.store(out_ptr + b.to(tl.int64) * so + i, keep.to(tl.int8), mask=inside)
+        else:
+            tl.store(tot_ptr + b * n_chunks + c, tl.sum(wt, 0))
+
+    return _hist_kernel, _cut_kernel, _tie_kernel
+
+
+def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: torch.Tensor,
+                       threshold: torch.Tensor) -> torch.Tensor:
+    """keep [B, V] bool (see the module docstring): 16-bit keys in 5 launches, 32-bit in 7."""
+    B, V = key.shape
+    if bits % DIGIT or key.dtype not in (torch.int16, torch.int32) or bits != 8 * key.element_size():
+        raise ValueError(f"prefix_select_rows: 16- or 32-bit keys only, got {key.dtype} ({bits} bits)")
+    if key.stride(1) != 1 or valid.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("prefix_select_rows: rows need a contiguous last dim")
+    if weight.dtype != torch.int64:
+        raise ValueError("prefix_select_rows: int64 weights")
+    dev = key.device
+    passes = bits // DIGIT
+    C = -(-V // CHUNK)
+    thr = threshold.to(torch.int64).expand(B, 1).reshape(B)
+    if thr.stride(0) != 1:
+        thr = thr.contiguous()
+    hist = torch.zeros(passes, B, 1 << DIGIT, dtype=torch.int64, device=dev)  # the one memset
+    state = torch.empty(B, 2, dtype=torch.int64, device=dev)  # (K*'s digits so far, weight ahead of them)
+    tot = torch.empty(B, C, dtype=torch.int64, device=dev)
+    out = torch.empty(B, V, dtype=torch.bool, device=dev)
+    vu = valid.view(torch.uint8)
+    hist_k, cut_k, tie_k = _topp_kernels()
+    for p in range(passes):
+        first = p == 0
+        hist_k[(B, C)](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
+                       SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, BLOCK=CHUNK)
+        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK)
+    for keep in (False, True):
+        tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, vu.stride(0), thr, state, tot,
+                      out.view(torch.int8), out.stride(0), V, C, KEEP=keep, BLOCK=CHUNK, NC=p2(C))
+    return out

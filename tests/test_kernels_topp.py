@@ -1,0 +1,202 @@
+"""hyspec.kernels.probs.topp (the top-k / top-p cut as Triton kernels) against the torch
+prefix_select, bitwise (integer math), and row invariance; probs_batch with it against
+probs_batch without it. Interpreter on the CPU; compiled kernels where CUDA is available."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hyspec.kernels.common import triton_available
+from hyspec.kernels.pdl import interpreting
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+V = 2 * 1024 + 333  # three chunks, the last one partial
+
+
+def _dev() -> torch.device:
+    if interpreting():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA or the Triton interpreter")
+    return torch.device("cuda")
+
+
+def _logits(B: int, dtype, seed: int = 0) -> torch.Tensor:
+    """[B, V]: row kinds by b % 4: plain, -inf tokens, few distinct values (ties across
+    chunks), everything but a handful of tokens -inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, V, generator=g, dtype=torch.float64) * 3
+    x[1::4, ::3] = -math.inf
+    x[1::4, 1024:2048] = -math.inf  # a chunk without a valid token
+    x[2::4] = torch.round(x[2::4] / 2)  # ~10 distinct values: big ties spanning chunks
+    x[3::4] = -math.inf
+    x[3::4, 5::700] = 1.0  # four equal valid tokens
+    return x.to(dtype)
+
+
+def _case(B: int, dtype, topp: bool, seed: int = 0):
+    """(key, bits, valid, weight, threshold [B, 1]) with thresholds by b % 5: 1, within a
+    tie at the key of the row's 40th-ranked token, beyond the total, 0, the total."""
+    from hyspec.gpu.sampling import order_key
+    from hyspec.sampling import fixed_mass
+
+    x = _logits(B, dtype, seed)
+    valid = x > -math.inf
+    key, bits = order_key(x)
+    if topp:
+        weight = fixed_mass(torch.softmax(x.to(torch.float64) / 0.8, dim=1))
+    else:
+        weight = valid.to(torch.int64)
+    total = weight.sum(1)
+    k40 = key.to(torch.int64).sort(1, descending=True).values[:, 39:40]  # [B, 1]
+    above = torch.where(key.to(torch.int64) > k40, weight, 0).sum(1)
+    at = torch.where(key.to(torch.int64) == k40, weight, 0).sum(1)
+    thr = torch.stack([torch.ones_like(total), above + at // 2 + 1, total + 5, torch.zeros_like(total), total], 1)
+    threshold = thr.gather(1, (torch.arange(B) % 5).unsqueeze(1))  # [B, 1]
+    dev = _dev()
+    return key.to(dev), bits, valid.to(dev), weight.to(dev), threshold.to(dev)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("topp", [False, True], ids=["topk", "topp"])
+def test_prefix_select_kernel_equals_torch(dtype, topp) -> None:
+    from hyspec.gpu.sampling import prefix_select
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    key, bits, valid, weight, thr = _case(20, dtype, topp)
+    got = prefix_select_rows(key, bits, valid, weight, thr)
+    want = prefix_select(key, bits, valid, weight, thr)
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    n = want.sum(1)
+    assert bool((n[3::5] == 0).all()) and bool((n[2::5] == valid.sum(1)[2::5]).all())  # none / all kept
+    assert bool((n[0::5] == valid[0::5].any(1).to(torch.int64)).all())  # threshold 1: the top token alone
+    assert torch.equal(prefix_select(key, bits, valid, weight, thr, kernel=True), got)
+    order = torch.sort(key.to(torch.int64), dim=1, descending=True, stable=True).indices  # ties: lowest id first
+    ranked = weight.gather(1, order)
+    ahead = torch.empty_like(ranked).scatter_(1, order, ranked.cumsum(1) - ranked)  # [B, V] in token order
+    assert torch.equal(got, valid & (ahead < thr))  # the definition, by a sort
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+def test_prefix_select_kernel_raw_keys(dtype) -> None:
+    """Any keys of the width, the extremes included (the minimum key is the one digit 0
+    leads to when nothing reaches the threshold), random weights and thresholds."""
+    from hyspec.gpu.sampling import prefix_select
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    dev = _dev()
+    g = torch.Generator().manual_seed(7)
+    info = torch.iinfo(dtype)
+    B = 6
+    key = torch.randint(info.min, info.max + 1, (B, V), generator=g, dtype=torch.int64)
+    key[:, ::50] = info.min
+    key[:, 1::50] = info.max
+    key[1::2] = key[1::2] // (1 << (info.bits - 6))  # 64 distinct keys: ties
+    valid = torch.rand(B, V, generator=g) < 0.9
+    weight = torch.where(valid, torch.randint(0, 1 << 40, (B, V), generator=g), 0)
+    total = weight.sum(1, keepdim=True)
+    threshold = torch.cat([total[:2] + 1, total[2:4] // 3, torch.tensor([[1], [1 << 62]])])
+    args = key.to(dtype).to(dev), info.bits, valid.to(dev), weight.to(dev), threshold.to(dev)
+    want = prefix_select(*args)
+    assert torch.equal(prefix_select_rows(*args), want)
+    assert bool(want[:2].eq(valid[:2].to(dev)).all())
+
+
+def test_prefix_select_kernel_tie_order() -> None:
+    """Equal keys rank by id: the lowest ids win, across chunks."""
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    dev = _dev()
+    key = torch.zeros(1, V, dtype=torch.int16, device=dev)
+    valid = torch.ones(1, V, dtype=torch.bool, device=dev)
+    keep = prefix_select_rows(key, 16, valid, valid.to(torch.int64), torch.tensor([[1500]], device=dev))
+    assert torch.equal(keep[0], torch.arange(V, device=dev) < 1500)
+
+
+def test_prefix_select_kernel_row_invariant() -> None:
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    key, bits, valid, weight, thr = _case(16, torch.float32, True, seed=3)
+    whole = prefix_select_rows(key, bits, valid, weight, thr)
+    for rows in (range(0, 3), range(5, 8)):
+        r = list(rows)
+        assert torch.equal(prefix_select_rows(key[r], bits, valid[r], weight[r], thr[r]), whole[r])
+    for b in (0, 2, 7):
+        assert torch.equal(prefix_select_rows(key[b:b + 1], bits, valid[b:b + 1], weight[b:b + 1], thr[b:b + 1]),
+                           whole[b:b + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_probs_batch_with_topp_kernel(dtype) -> None:
+    """probs_batch with the top-k / top-p kernels equals probs_batch without them, bitwise
+    (the same keep sets into the same softmax)."""
+    from hyspec.gpu.sampling import SamplingTable, probs_batch
+    from hyspec.sampling import SamplingParams
+
+    B = 8
+    dev = _dev()
+    x = _logits(B, dtype, seed=5).to(dev)
+    table = SamplingTable(B, dev)
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=0.7, top_k=20),
+              SamplingParams(temperature=1.0, top_k=50, top_p=0.5), SamplingParams(temperature=0.5, top_p=0.3),
+              SamplingParams(temperature=1.2, top_k=1), None, SamplingParams(temperature=0.9, top_p=0.999),
+              SamplingParams(temperature=0.8, top_k=3000, min_p=0.05)]
+    table.set_all(params)
+    kernel = dev.type == "cuda" or interpreting()
+    want = probs_batch(x, table, kernel=kernel, topp_kernel=False)
+    got = probs_batch(x, table, kernel=kernel, topp_kernel=True)
+    assert torch.equal(got, want)
+    assert bool(((want > 0).sum(1)[[1, 4]] == torch.tensor([20, 1], device=dev)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs CUDA (compiled kernels)")
+def test_prefix_select_kernel_cuda_graph() -> None:
+    """Captured once (sync debugging set to raise), replayed with other thresholds and
+    weights in the same tensors: each replay equals the torch prefix_select."""
+    from hyspec.gpu.sampling import prefix_select
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    key, bits, valid, weight, thr = _case(16, torch.bfloat16, True)
+    w = weight.clone()
+    t = thr.clone()
+    prefix_select_rows(key, bits, valid, w, t)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = prefix_select_rows(key, bits, valid, w, t)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed in range(3):
+        _, _, _, w2, t2 = _case(16, torch.bfloat16, seed % 2 == 0, seed=seed)
+        w.copy_(torch.where(valid, w2, 0))
+        t.copy_(t2.roll(seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, prefix_select(key, bits, valid, w, t)), seed
+
+
+def test_probs_batch_topp_kernel_switch(monkeypatch) -> None:
+    """probs_batch with its row kernels uses the top-k / top-p kernels only with
+    HYSPEC_TOPP_KERNEL=1 (off by default until verified on a GPU)."""
+    import hyspec.gpu.sampling as dsamp
+    from hyspec.sampling import SamplingParams
+
+    dev = _dev()
+    calls = []
+    real = dsamp.prefix_select_rows
+    monkeypatch.setattr(dsamp, "prefix_select_rows", lambda *a: calls.append(1) or real(*a))
+    x = _logits(2, torch.bfloat16, seed=9).to(dev)
+    table = dsamp.SamplingTable(2, dev)
+    table.set_all([SamplingParams(temperature=0.8, top_p=0.9, top_k=40), SamplingParams(temperature=1.0, top_k=5)])
+    monkeypatch.delenv("HYSPEC_TOPP_KERNEL", raising=False)
+    off = dsamp.probs_batch(x, table, kernel=True)
+    assert not calls
+    monkeypatch.setenv("HYSPEC_TOPP_KERNEL", "1")
+    on = dsamp.probs_batch(x, table, kernel=True)
+    assert len(calls) == 2 and torch.equal(on, off)
