@@ -22,6 +22,13 @@ def _model(tmp_path, arch, dtype):
     return load_model(d, dtype=dtype, device=torch.device("cuda"))
 
 
+def _mixed_params(i: int):
+    """Lane i's seeded sampling: coupled for every third lane, rejection for the others."""
+    from hyspec.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, mode="coupled" if i % 3 == 0 else "rejection")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_verify_rows_match_the_reference_on_cuda(tmp_path, arch):
     from hyspec.gpu.batch import BatchDecoder
@@ -49,7 +56,6 @@ def test_batched_verify_rows_match_the_reference_on_cuda(tmp_path, arch):
 def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.batch_loop import LaneRequest, run_batch
-    from hyspec.sampling import SamplingParams
 
     m = _model(tmp_path, "qwen3_next", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -58,8 +64,7 @@ def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
     dec = BatchDecoder(m, 20 + N + 8, 3, slots=4)
 
     def params(i):
-        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, mode="coupled" if i % 3 == 0 else
-                              "rejection") if sampled else None
+        return _mixed_params(i) if sampled else None
 
     def reqs(arrivals=None):
         return [LaneRequest(prompt=p, max_new_tokens=N, k=(0, 3, 1, 2)[i % 4], params=params(i),
@@ -109,8 +114,7 @@ def test_constrained_lanes_with_graphs(tmp_path, sampled):
     dec = BatchDecoder(m, 20 + N + 8, 3, slots=4)
 
     def params(i):
-        return SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, mode="coupled" if i % 3 == 0 else
-                              "rejection") if sampled else None
+        return _mixed_params(i) if sampled else None
 
     def reqs(arrivals=None, ks=(0, 3, 1, 2)):
         return [LaneRequest(prompt=p, max_new_tokens=N, k=ks[i % 4], params=params(i), stop_ids=frozenset({0}),

@@ -19,7 +19,7 @@ from hyspec.kernels import fused  # noqa: E402
 from hyspec.kernels.gemm import skinny_matmul  # noqa: E402
 
 DEV = torch.device("cuda")
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOL = kernel_grid.GPU_TOL
 
 
 rnd = functools.partial(kernel_grid.rnd, device=DEV)  # seeded inputs drawn on the GPU

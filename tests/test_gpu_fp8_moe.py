@@ -20,7 +20,7 @@ from hyspec.kernels.moe import MoeBuffers, moe_grouped, moe_grouped_ref  # noqa:
 from hyspec.quant import FP8_DTYPE, Fp8Weight, quantize  # noqa: E402
 
 DEV = torch.device("cuda")
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOL = kernel_grid.GPU_TOL
 
 
 rnd = functools.partial(kernel_grid.rnd, device=DEV)  # seeded inputs drawn on the GPU

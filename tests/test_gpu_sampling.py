@@ -12,6 +12,7 @@ import torch
 
 from hyspec.core.round import choose_token
 from hyspec.gpu.penalties import PenaltyWindow, verify_probs, window_counts
+from kernel_grid import mass_edge_rows
 from hyspec.gpu.sampling import (
     SamplingTable,
     draft_tokens,
@@ -381,13 +382,7 @@ def test_chunked_scans() -> None:
         x[1, : n // 2] = 0
         assert torch.equal(cumsum_rows(x), x.cumsum(1)), n
     B, Vc = 6, 5 * SCAN_CHUNK - 37
-    p = torch.softmax(torch.randn(B, Vc, generator=gen, dtype=torch.float64) * 3, -1)
-    p[:, ::2] = 0.0
-    p[1, SCAN_CHUNK: 3 * SCAN_CHUNK] = 0.0  # whole chunks without mass
-    p[2, :-5] = 0.0  # the mass in the last (padded) chunk
-    p[3] = 0.0  # no mass
-    p[4, 5] = 1.0
-    p[4, 6:] = 0.0
+    p = mass_edge_rows(Vc, SCAN_CHUNK, gen)  # [B = 6, Vc]
     for _ in range(300):
         u = torch.rand(B, generator=gen, dtype=torch.float64).clamp(min=2.0**-54)
         a = sample_rows(p, u, chunked=True)

@@ -10,20 +10,13 @@ import pytest
 import torch
 
 from hyspec.kernels.common import triton_available
-from hyspec.kernels.pdl import interpreting
+from kernel_grid import kernel_device, mass_edge_rows
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 RTOL = 1e-13  # kernel vs torch softmax, per kept entry: the sums run in another order (a few ulps)
 Vk = 2 * 1024 + 452  # three chunks, the last one partial
 
-
-def _dev() -> torch.device:
-    if interpreting():
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA or the Triton interpreter")
-    return torch.device("cuda")
 
 
 def _cases(B: int, V: int = Vk, seed: int = 0, dtype=torch.float32):
@@ -62,7 +55,7 @@ def test_softmax_rows_equals_torch(dtype) -> None:
     from hyspec.sampling import MASS_ONE, fixed_mass
 
     assert MASS_SCALE == float(MASS_ONE)
-    dev = _dev()
+    dev = kernel_device()
     B = 12
     x, t, keep, only, floor, top = (a.to(dev) for a in _cases(B, dtype=dtype))
     for kw in ({}, {"keep": keep}, {"keep": keep, "only": only}, {"keep": keep, "floor": floor, "top": top},
@@ -89,16 +82,10 @@ def test_inverse_cdf_rows_equals_torch() -> None:
     from hyspec.gpu.sampling import sample_rows
     from hyspec.kernels.probs import CHUNK, inverse_cdf_rows, inverse_cdf_rows_ref
 
-    dev = _dev()
+    dev = kernel_device()
     gen = torch.Generator().manual_seed(3)
     Vc = 5 * CHUNK - 37
-    p = torch.softmax(torch.randn(6, Vc, generator=gen, dtype=torch.float64) * 3, -1)
-    p[:, ::2] = 0.0
-    p[1, CHUNK: 3 * CHUNK] = 0.0  # whole chunks without mass
-    p[2, :-5] = 0.0  # the mass in the last (partial) chunk
-    p[3] = 0.0  # no mass
-    p[4, 5] = 1.0
-    p[4, 6:] = 0.0
+    p = mass_edge_rows(Vc, CHUNK, gen)
     reps = 40
     rows = p.repeat(reps, 1)  # [6 * reps, V]: each row with many uniforms
     u = torch.rand(rows.shape[0], generator=gen, dtype=torch.float64).clamp(min=2.0**-54)
@@ -148,7 +135,7 @@ def test_inverse_cdf_residual_equals_torch() -> None:
     in place) == its torch reference (the gathers, max(p - q, 0), the mass test)."""
     from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref
 
-    dev = _dev()
+    dev = kernel_device()
     B = 64
     p, q, row, q_row, resid = _residual_case(B)
     g = torch.Generator().manual_seed(9)
@@ -181,7 +168,7 @@ def test_row_kernels_are_row_invariant() -> None:
     residual)."""
     from hyspec.kernels.probs import inverse_cdf_rows, softmax_rows
 
-    dev = _dev()
+    dev = kernel_device()
     B = 16
     x, t, keep, only, floor, top = (a.to(dev) for a in _cases(B, seed=5))
     _alone_and_in_batches(lambda i: softmax_rows(x[i], t[i], keep[i]), B)
@@ -203,7 +190,7 @@ def test_sampling_on_the_kernels_is_row_invariant() -> None:
     from hyspec.gpu.sampling import SamplingTable, plain_tokens, probs_batch, speculative_accept
     from hyspec.sampling import SamplingParams
 
-    dev = _dev()
+    dev = kernel_device()
     V = 3000
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=1, mode="coupled"),
               SamplingParams(temperature=0.0),

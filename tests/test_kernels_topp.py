@@ -10,18 +10,12 @@ import torch
 
 from hyspec.kernels.common import triton_available
 from hyspec.kernels.pdl import interpreting
+from kernel_grid import kernel_device
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 V = 2 * 1024 + 333  # three chunks, the last one partial
 
-
-def _dev() -> torch.device:
-    if interpreting():
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA or the Triton interpreter")
-    return torch.device("cuda")
 
 
 def _logits(B: int, dtype, seed: int = 0) -> torch.Tensor:
@@ -56,7 +50,7 @@ def _case(B: int, dtype, topp: bool, seed: int = 0):
     at = torch.where(key.to(torch.int64) == k40, weight, 0).sum(1)
     thr = torch.stack([torch.ones_like(total), above + at // 2 + 1, total + 5, torch.zeros_like(total), total], 1)
     threshold = thr.gather(1, (torch.arange(B) % 5).unsqueeze(1))  # [B, 1]
-    dev = _dev()
+    dev = kernel_device()
     return key.to(dev), bits, valid.to(dev), weight.to(dev), threshold.to(dev)
 
 
@@ -87,7 +81,7 @@ def test_prefix_select_kernel_raw_keys(dtype) -> None:
     from hyspec.gpu.sampling import prefix_select
     from hyspec.kernels.probs.topp import prefix_select_rows
 
-    dev = _dev()
+    dev = kernel_device()
     g = torch.Generator().manual_seed(7)
     info = torch.iinfo(dtype)
     B = 6
@@ -109,7 +103,7 @@ def test_prefix_select_kernel_tie_order() -> None:
     """Equal keys rank by id: the lowest ids win, across chunks."""
     from hyspec.kernels.probs.topp import prefix_select_rows
 
-    dev = _dev()
+    dev = kernel_device()
     key = torch.zeros(1, V, dtype=torch.int16, device=dev)
     valid = torch.ones(1, V, dtype=torch.bool, device=dev)
     keep = prefix_select_rows(key, 16, valid, valid.to(torch.int64), torch.tensor([[1500]], device=dev))
@@ -137,7 +131,7 @@ def test_probs_batch_with_topp_kernel(dtype) -> None:
     from hyspec.sampling import SamplingParams
 
     B = 8
-    dev = _dev()
+    dev = kernel_device()
     x = _logits(B, dtype, seed=5).to(dev)
     table = SamplingTable(B, dev)
     params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=0.7, top_k=20),
@@ -187,7 +181,7 @@ def test_probs_batch_topp_kernel_switch(monkeypatch) -> None:
     import hyspec.gpu.sampling as dsamp
     from hyspec.sampling import SamplingParams
 
-    dev = _dev()
+    dev = kernel_device()
     calls = []
     real = dsamp.prefix_select_rows
     monkeypatch.setattr(dsamp, "prefix_select_rows", lambda *a: calls.append(1) or real(*a))
