@@ -141,10 +141,12 @@ def offline(args, specs: list[dict]):
     outs = batch(keys)
     dt = time.perf_counter() - t0
     n_tok = sum(len(o.tokens) for o in outs)
-    path = outs[0].samples[0].stats.get("path", "engine core") if outs else None
+    stats = outs[0].samples[0].stats if outs else {}
+    path = stats.get("path", "engine core")
     mismatched = sum(o.tokens != refs[k][0] for o, k in zip(outs, keys))
     return refs, {"mode": f"Engine.generate_batch(max_batch={args.max_batch}) on the {path}", "seconds": dt,
-                  "tokens": n_tok, "tok_s": n_tok / dt, "outputs_differing_from_engine": mismatched}
+                  "tokens": n_tok, "tok_s": n_tok / dt, "outputs_differing_from_engine": mismatched,
+                  "batch_runner": stats.get("batch_runner")}  # the graph path's time split (prefill, rounds, ...)
 
 
 def main() -> int:
@@ -207,6 +209,8 @@ def main() -> int:
     gen_tokens = sum(r["completion_tokens"] or 0 for r in ok)
     spec_len = next((float(line.split()[-1]) for line in metrics_text.splitlines()
                      if line.startswith("hyspec_spec_mean_acceptance_length ")), None)
+    engine_s = {line.split('"')[1]: float(line.split()[-1]) for line in metrics_text.splitlines()
+                if line.startswith("hyspec_engine_seconds{")}
     res = {
         "git": git_state(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "device": args.device},
@@ -219,6 +223,7 @@ def main() -> int:
         "inter_chunk_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "n": len(gaps)},
         "itl_per_request_mean_s": {"p50": pct(itl_req, 50), "p99": pct(itl_req, 99)},
         "spec_mean_acceptance_length": spec_len,
+        "server_engine_seconds": engine_s,  # the engine thread's time by part during the run (GET /metrics)
         "offline_batch": off,
         "server_vs_offline_tok_s": (gen_tokens / wall) / off["tok_s"] if wall and off["tok_s"] else None,
     }

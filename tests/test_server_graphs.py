@@ -83,6 +83,9 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
             want = ref.generate(c["prompt"], max_new_tokens=3, params=params, draft=c["draft"], ignore_eos=True).tokens
             assert g == (ref.tokenizer.decode(want, skip_special_tokens=True) if c["stream"] else want), c
         assert worker._runner.round > 0 and worker._sched.rounds > 0  # both paths ran
+        # the engine thread's time split moves with both paths (GET /metrics)
+        for part in ("core", "graphs", "graph_prefill", "graph_rounds", "graph_store"):
+            assert metric(s, "hyspec_engine_seconds", f'{{part="{part}"}}') > 0, part
         # the graph path's speculative request fills the metrics and its log line
         assert metric(s, "hyspec_spec_drafts_total") > before
         line = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith(ids[cases[0]["prompt"]])]

@@ -109,6 +109,7 @@ class BatchRunner:
         self.constraint_s = 0.0  # host seconds in the constraints (masks and commits; the first tokens' included)
         self.masked_rounds = 0  # rounds with a constrained lane
         self.states_kept = self.states_not_kept = 0  # end states handed to on_state / not exact (export)
+        self.store_s = 0.0  # seconds exporting end states (_keep_state)
         self._lock = threading.Lock()
         self._submitted: list[LaneRequest] = []  # handed over, not yet seen by step()
         self._cancelled: list[LaneRequest] = []
@@ -172,9 +173,11 @@ class BatchRunner:
 
     def stats(self) -> dict:
         """Timing so far: prefill and rounds apart."""
+        g = self.dec.step_graphs
         return {"prefill_s": self.prefill_s, "rounds_s": self.rounds_s, "rounds": self.round,
                 "round_tokens": self.tokens, "round_tok_s": self.tokens / self.rounds_s if self.rounds_s > 0 else None,
-                "constraint_s": self.constraint_s, "masked_rounds": self.masked_rounds}
+                "constraint_s": self.constraint_s, "masked_rounds": self.masked_rounds, "store_s": self.store_s,
+                "graph_captures": g.captures, "graph_capture_s": g.capture_s}
 
     # -- the stepping thread -----------------------------------------------------------
     def step(self) -> bool:
@@ -301,12 +304,14 @@ class BatchRunner:
 
     def _keep_state(self, lane: int, r: LaneRequest) -> None:
         """Hand lane's end state to r.on_state (when it is exactly r's transcript's)."""
+        t0 = time.perf_counter()
         st = self.dec.export(lane, list(r.prompt) + r.tokens, r.k)
         if st is None:
             self.states_not_kept += 1
-            return
-        self.states_kept += 1
-        r.on_state(st)
+        else:
+            self.states_kept += 1
+            r.on_state(st)
+        self.store_s += time.perf_counter() - t0
 
     def _launch(self):
         dec, active = self.dec, self.active
@@ -561,6 +566,7 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
         r.tokens[:] = lr.tokens
         r.stop_reason = lr.reason or "length"
         r.done = True
-        r.stats = {**lane_stats(lr, dec), "batch_wall_s": wall, "batch_round_tok_s": runner.stats()["round_tok_s"]}
+        r.stats = {**lane_stats(lr, dec), "batch_wall_s": wall, "batch_round_tok_s": runner.stats()["round_tok_s"],
+                   "batch_runner": runner.stats()}
         if r.on_finish is not None:
             r.on_finish(r)

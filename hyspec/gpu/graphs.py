@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 import warnings
 from collections.abc import Callable, Hashable
 
@@ -37,6 +38,8 @@ class StepGraphs:
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.failed = False  # a capture failed: eager from then on
         self.pool_bytes = 0  # device memory the captures reserved (their graph pool), bytes
+        self.captures = 0  # graphs captured so far (warm-up + capture each)
+        self.capture_s = 0.0  # wall seconds those captures took
 
     @property
     def active(self) -> bool:
@@ -70,6 +73,7 @@ class StepGraphs:
 
     def capture(self, key: Hashable, body: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         """Warm up, capture and store key's graph; None (and graphs off) if that fails."""
+        t0 = time.perf_counter()
         saved = self.snapshot()
         # no garbage collection while capturing: collecting an unreachable decoder would
         # destroy its graphs mid-capture ("operation not permitted when stream is capturing",
@@ -103,4 +107,6 @@ class StepGraphs:
                 gc.enable()
         self.restore(saved)
         self.graphs[key] = graph
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
         return graph

@@ -43,6 +43,10 @@ class Metrics:
         self.spec_mean_len = Gauge("hyspec_spec_mean_acceptance_length",
                                    "tokens emitted per speculative round since start (accepted / drafts + 1)",
                                    registry=r)
+        self.engine_seconds = Gauge("hyspec_engine_seconds",
+                                    "engine-thread wall seconds since start, by part (core: engine-core steps; "
+                                    "graphs: batched-graph steps, of which graph_prefill, graph_rounds, graph_store, "
+                                    "graph_capture)", ["part"], registry=r)
         self._rounds = 0
         self._accepted = 0
         self.prefix_store = True  # the server looks prompts up in a prefix store (--no-prefix-store: False)
@@ -72,7 +76,9 @@ class Metrics:
             if self._rounds:
                 self.spec_mean_len.set(self._accepted / self._rounds + 1.0)
 
-    def render(self, running: int, waiting: int) -> bytes:
+    def render(self, running: int, waiting: int, engine_seconds: dict | None = None) -> bytes:
         self.running.set(running)
         self.waiting.set(waiting)
+        for part, v in (engine_seconds or {}).items():
+            self.engine_seconds.labels(part=part).set(v)
         return generate_latest(self.registry)

@@ -125,6 +125,10 @@ class EngineWorker:
         self._k_max = max(3, int(draft))
         self._graph_dec = None
         self._runner = None
+        # engine-thread seconds by part (GET /metrics: hyspec_engine_seconds{part}); a
+        # runner's own counters are folded in when it is dropped after a fault
+        self._core_s = self._graphs_s = 0.0
+        self._dropped = {"prefill": 0.0, "rounds": 0.0, "store": 0.0}
 
     # ---- loop-thread API -------------------------------------------------------------
     def start(self, loop) -> None:
@@ -146,6 +150,20 @@ class EngineWorker:
         """(running, waiting)."""
         with self._lock:
             return self._n_pending - self._n_waiting, self._n_waiting
+
+    def engine_seconds(self) -> dict[str, float]:
+        """Engine-thread wall seconds so far: core (engine-core steps), graphs (batched-graph
+        steps), and inside those: graph_prefill (admitting lanes), graph_rounds, graph_store
+        (exporting end states), graph_capture (CUDA-graph captures, within the rounds)."""
+        out = {"core": self._core_s, "graphs": self._graphs_s}
+        run = self._runner
+        st = run.stats() if run is not None else {"prefill_s": 0.0, "rounds_s": 0.0, "store_s": 0.0}
+        out["graph_prefill"] = self._dropped["prefill"] + st["prefill_s"]
+        out["graph_rounds"] = self._dropped["rounds"] + st["rounds_s"]
+        out["graph_store"] = self._dropped["store"] + st["store_s"]
+        dec = self._graph_dec
+        out["graph_capture"] = dec.step_graphs.capture_s if dec is not None else 0.0
+        return out
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue all jobs or none (QueueFull)."""
@@ -231,6 +249,19 @@ class EngineWorker:
         return job
 
     def _run(self) -> None:
+        path = os.environ.get("HYSPEC_PROFILE_ENGINE")
+        if not path:
+            self._loop_forever()
+            return
+        import cProfile  # a diagnostic: the engine thread's profile, written when the server stops
+
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(self._loop_forever)
+        finally:
+            prof.dump_stats(path)
+
+    def _loop_forever(self) -> None:
         import torch
 
         with torch.inference_mode():
@@ -257,9 +288,13 @@ class EngineWorker:
         while self._waiting and len(self._running) < self.max_batch:
             self._admit(self._pop_waiting())
         if self._runner is not None and self._runner.has_work():
+            t0 = time.perf_counter()
             self._step_graphs()  # one round of the batched graphs, then one step of the engine core
+            self._graphs_s += time.perf_counter() - t0
         if self._sched.has_work():
+            t0 = time.perf_counter()
             self._sched.step()
+            self._core_s += time.perf_counter() - t0
 
     def _admit(self, job: Job) -> None:
         """Hand a job to the batched graphs when they can run it, else to the engine core."""
@@ -321,6 +356,9 @@ class EngineWorker:
             log.exception("a batched-graph round failed; failing its sequences")
             for job in [j for j in self._running if j._lane is not None]:
                 self._finish(job, "error", {"error": f"engine failure: {type(e).__name__}"})
+            st = self._runner.stats()
+            for part in self._dropped:
+                self._dropped[part] += st[f"{part}_s"]
             self._runner = None
 
     def _cb_tokens(self, job: Job):

@@ -18,5 +18,5 @@ def register(app, state) -> None:
     @app.get("/metrics")
     async def metrics():
         running, waiting = state.worker.counts()
-        return Response(state.metrics.render(running, waiting),
+        return Response(state.metrics.render(running, waiting, state.worker.engine_seconds()),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
