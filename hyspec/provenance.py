@@ -14,14 +14,18 @@ def git_state(root: str | Path = ROOT) -> dict:
     """{"commit": sha or None, "dirty": bool or None} of the checkout at `root` (None
     outside a git checkout, e.g. an installed wheel). HYSPEC_GIT_COMMIT / HYSPEC_GIT_DIRTY
     override both: for a copy of a working tree whose .git is not the one it was copied from
-    (the GPU machine gets such a copy)."""
+    (the GPU machine gets such a copy). "env": the HYSPEC_* switches set for the run
+    (e.g. HYSPEC_TOPP_KERNEL), when any is."""
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith("HYSPEC_") and k not in ("HYSPEC_GIT_COMMIT", "HYSPEC_GIT_DIRTY")}
+    extra = {"env": env} if env else {}
     if os.environ.get("HYSPEC_GIT_COMMIT"):
         return {"commit": os.environ["HYSPEC_GIT_COMMIT"], "dirty": os.environ.get("HYSPEC_GIT_DIRTY", "0") == "1",
-                "source": "HYSPEC_GIT_COMMIT"}
+                "source": "HYSPEC_GIT_COMMIT", **extra}
     def run(*args):
         r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
 
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
+    return {"commit": commit, "dirty": None if status is None else bool(status), **extra}

@@ -176,8 +176,8 @@ def test_prefix_select_kernel_cuda_graph() -> None:
 
 
 def test_probs_batch_topp_kernel_switch(monkeypatch) -> None:
-    """probs_batch with its row kernels uses the top-k / top-p kernels only with
-    HYSPEC_TOPP_KERNEL=1 (off by default until verified on a GPU)."""
+    """probs_batch with its row kernels uses the top-k / top-p kernels on CUDA by default
+    (HYSPEC_TOPP_KERNEL=0 turns them off), in the interpreter only with HYSPEC_TOPP_KERNEL=1."""
     import hyspec.gpu.sampling as dsamp
     from hyspec.sampling import SamplingParams
 
@@ -189,8 +189,12 @@ def test_probs_batch_topp_kernel_switch(monkeypatch) -> None:
     table = dsamp.SamplingTable(2, dev)
     table.set_all([SamplingParams(temperature=0.8, top_p=0.9, top_k=40), SamplingParams(temperature=1.0, top_k=5)])
     monkeypatch.delenv("HYSPEC_TOPP_KERNEL", raising=False)
+    default = dsamp.probs_batch(x, table, kernel=True)
+    assert len(calls) == (2 if x.is_cuda else 0)
+    calls.clear()
+    monkeypatch.setenv("HYSPEC_TOPP_KERNEL", "0")
     off = dsamp.probs_batch(x, table, kernel=True)
     assert not calls
     monkeypatch.setenv("HYSPEC_TOPP_KERNEL", "1")
     on = dsamp.probs_batch(x, table, kernel=True)
-    assert len(calls) == 2 and torch.equal(on, off)
+    assert len(calls) == 2 and torch.equal(on, off) and torch.equal(default, off)

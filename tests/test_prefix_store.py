@@ -106,3 +106,29 @@ def test_one_shot_final_state_serves_a_later_request(zoo):
     s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
     assert s.send(msgs[0]).tokens == req.tokens
     assert s.send(msgs[1]).tokens == one.tokens
+
+
+def test_bytes_checksum_sees_any_one_word_and_moved_rows():
+    """The digest's tensor part (hyspec.core.state.bytes_checksum, reductions where the
+    tensors live): equal bytes -> equal checksums; any one 16-bit word changed, or two rows
+    swapped, changes it; byte-equal views of other dtypes agree; 1-byte dtypes are read too."""
+    import torch
+
+    from hyspec.core.state import bytes_checksum
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 40, generator=g)
+    base = bytes_checksum([a])
+    assert bytes_checksum([a.clone()]) == base and bytes_checksum([a.view(torch.int32)]) == base
+    for i in torch.randint(0, a.numel() * 2, (20,), generator=g).tolist():
+        b = a.clone()
+        b.view(torch.int16).view(-1)[i] ^= 1 << int(torch.randint(0, 16, (1,), generator=g))
+        assert bytes_checksum([b]) != base, i
+    swapped = a.clone()
+    swapped[[3, 29]] = swapped[[29, 3]]
+    assert bytes_checksum([swapped]) != base
+    assert bytes_checksum([a[:24], a[24:]]) == base  # the bytes in order, however split
+    f8 = torch.zeros(7, dtype=torch.uint8)
+    f8b = f8.clone()
+    f8b[6] = 1
+    assert bytes_checksum([f8.view(torch.float8_e4m3fn)]) != bytes_checksum([f8b.view(torch.float8_e4m3fn)])

@@ -159,3 +159,28 @@ def test_chat_turns_resume_from_the_prefix_store_on_the_graph_path(checkpoint):
             want = ref.generate(p2, max_new_tokens=3, params=params, draft=draft, ignore_eos=True).tokens
             assert r2.choices[0].token_ids == want, i
         assert worker._runner.states_kept == 2 * len(cases) and worker._sched.rounds == 0
+
+
+def test_warm_up_leaves_the_graphs_idle_and_stores_nothing(checkpoint):
+    """The worker's warm-up (on by default on a GPU) runs its sequences through the batched
+    graphs: rounds ran (greedy speculative and plain here), no lane stays
+    taken, the prefix store is untouched; a request afterwards equals the engine core's."""
+    from hyspec.gpu.batch_loop import LaneRequest
+    from hyspec.server.worker import EngineWorker
+
+    eng = Engine.load(checkpoint)
+    eng.batch_graphs = True
+    w = EngineWorker(eng, max_batch=3, draft=1)
+    assert not w.warm_up  # off on the CPU unless asked
+    w = EngineWorker(eng, max_batch=3, draft=1, warm_up=True)
+    w.warm_up_params = [None]  # greedy only: a sampled lane takes ~20 s in the Triton interpreter
+    n_store = len(eng.store)
+    w._warm_up()
+    run = w._runner
+    assert w.warm_s is not None and run is not None and run.round >= 1 and run.tokens >= 3
+    assert not run.active and not run.waiting and not bool(run.dec.live.any())
+    assert len(eng.store) == n_store
+    lane = run.submit(LaneRequest(prompt=eng.tokenizer.encode("def add(a, b):"), max_new_tokens=3, k=1))
+    run.run()
+    want = Engine.load(checkpoint).generate("def add(a, b):", max_new_tokens=3, draft=1, ignore_eos=True).tokens
+    assert lane.tokens == want

@@ -24,6 +24,33 @@ from dataclasses import dataclass, field
 import torch
 
 
+CHECKSUM_CHUNK = 1 << 22  # 16-bit words per reduction: each chunk's sums stay below 2**59
+
+
+def bytes_checksum(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(sum of words, position-weighted sum of words) mod 2**64 over the bytes of
+    `tensors` (one device), read as little-endian 16-bit words. Exact integer arithmetic,
+    so equal bytes give equal checksums on any device; a change of any one word always
+    changes the weighted sum (weights are in [1, 2**20]), and the weights differ along the
+    bytes, so moved or swapped rows show too."""
+    if not tensors:
+        return (0, 0)
+    flat = [t.detach().contiguous().reshape(-1) for t in tensors]
+    b = torch.cat([t.view(torch.uint8) for t in flat])
+    if b.numel() % 2:
+        b = torch.cat([b, b.new_zeros(1)])
+    words = b.view(torch.int16)
+    sums = []
+    for start in range(0, words.numel(), CHECKSUM_CHUNK):
+        w = words[start: start + CHECKSUM_CHUNK].to(torch.int64) & 0xFFFF  # [n] in [0, 65535]
+        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64)
+        weight = (((idx * 40503) ^ (idx >> 11)) & 0xFFFFF) + 1  # [n] in [1, 2**20]
+        sums.append(torch.stack([w.sum(), (w * weight).sum()]))
+    total = torch.stack(sums).tolist()  # one read back
+    mask = (1 << 64) - 1
+    return (sum(a for a, _ in total) & mask, sum(c for _, c in total) & mask)
+
+
 @dataclass(eq=False)
 class SeqState:
     tokens: tuple[int, ...]
@@ -74,12 +101,18 @@ class SeqState:
         return self.conv[0].device if self.conv else self.kv_k[0].device
 
     def digest(self) -> str:
-        """A hash of the metadata and every tensor's bytes (the state's identity)."""
+        """The state's identity: a hash of the metadata, every tensor's name, dtype and
+        shape, and a checksum of all tensor bytes computed where they live (bytes_checksum:
+        a few reductions on the device and one small read back, not a copy of the state
+        to the host)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(repr(sorted(self.meta().items())).encode())
+        by_dev: dict[torch.device, list[torch.Tensor]] = {}
         for name, t in self.tensors().items():
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            by_dev.setdefault(t.device, []).append(t)
+        for dev in sorted(by_dev, key=str):
+            h.update(f"{dev.type}:{bytes_checksum(by_dev[dev])}".encode())
         return h.hexdigest()
 
     def to(self, device) -> "SeqState":

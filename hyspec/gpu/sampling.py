@@ -309,8 +309,8 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
 
     kernel=True (16- and 32-bit keys; 64-bit ones stay here): the same search as the
     Triton kernels :func:`hyspec.kernels.probs.topp.prefix_select_rows` (5 or 7 launches
-    instead of ~35 torch ops; this function is their reference). Tested in the
-    interpreter only so far: probs_batch turns it on with HYSPEC_TOPP_KERNEL=1."""
+    instead of ~35 torch ops; this function is their reference). probs_batch uses it on
+    CUDA (HYSPEC_TOPP_KERNEL=0: off), in the interpreter with HYSPEC_TOPP_KERNEL=1."""
     if kernel and bits in (16, 32):
         return prefix_select_rows(key, bits, valid, weight, threshold)
     B, V = key.shape
@@ -359,8 +359,8 @@ def probs_batch(
     ulps of the torch ops, which are the reference).
 
     topp_kernel: top-k / top-p by the Triton kernels of :mod:`hyspec.kernels.probs.topp`
-    (the same keep sets, bitwise); default: with ``kernel`` and the environment variable
-    ``HYSPEC_TOPP_KERNEL=1`` only -- off on CUDA until a GPU run has verified them.
+    (the same keep sets, bitwise); default: with ``kernel`` on CUDA unless the environment
+    variable ``HYSPEC_TOPP_KERNEL=0``, in the Triton interpreter only with ``=1``.
     """
     x0 = _penalised(logits, table, counts) if regime.penalties else logits  # [B, V] the ranking values
     B, V = x0.shape
@@ -371,7 +371,7 @@ def probs_batch(
     if kernel is None:
         kernel = x0.is_cuda and triton_available()
     if topp_kernel is None:
-        topp_kernel = bool(kernel) and topp_kernel_enabled()
+        topp_kernel = bool(kernel) and topp_kernel_enabled(x0.is_cuda)
     if kernel:  # x / t is formed inside the kernels; the finite logits are the valid tokens (x / t
         # can overflow to -inf where x cannot only for a tiny t: such a token ranks below every
         # finite one and the kernels' own x / t > -inf test gives it probability 0 all the same)

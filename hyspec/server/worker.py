@@ -99,7 +99,7 @@ def graph_decoder(engine, max_batch: int, k_max: int):
 
 class EngineWorker:
     def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256, prefix_store: bool = True,
-                 draft: int = 3) -> None:
+                 draft: int = 3, warm_up: bool | None = None) -> None:
         self.engine = engine
         self.max_batch = max(1, int(max_batch))
         self.max_queue = max(0, int(max_queue))
@@ -123,8 +123,15 @@ class EngineWorker:
         # decoder drafts up to max(3, the server's default draft))
         self.graph_path = self.batched and engine.graphs_available()
         self._k_max = max(3, int(draft))
+        self._draft = max(0, int(draft))
         self._graph_dec = None
         self._runner = None
+        # warm_up (default: on a GPU with the batched graphs): before the first request the
+        # engine thread runs three short sequences through the graphs (_warm_up)
+        self.warm_up = (self.graph_path and engine.model.device.type == "cuda") if warm_up is None else bool(warm_up)
+        self.warm_s: float | None = None  # how long the warm-up took (None: none ran yet)
+        # the warm-up's speculative sequences (greedy, sampled); then one plain greedy
+        self.warm_up_params = [None, SamplingParams(temperature=0.8, top_p=0.95, seed=0)]
         # engine-thread seconds by part (GET /metrics: hyspec_engine_seconds{part}); a
         # runner's own counters are folded in when it is dropped after a fault
         self._core_s = self._graphs_s = 0.0
@@ -261,10 +268,41 @@ class EngineWorker:
         finally:
             prof.dump_stats(path)
 
+    def _warm_up(self) -> None:
+        """Run three short sequences through the batched graphs before the first request
+        (greedy and sampled at the server's draft: warm_up_params; greedy plain), so that the first users do
+        not pay for the one-time work: imports (flash-linear-attention's prefill pulls in
+        transformers and inductor: ~10 s seen on the H200), Triton compilation and the first
+        graph captures. Their states are not stored; a failure is logged and the server
+        goes on (the first requests then pay instead)."""
+        from hyspec.gpu.batch_loop import BatchRunner, LaneRequest
+
+        if not self.graph_path:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self._graph_dec is None:
+                self._graph_dec = graph_decoder(self.engine, self.max_batch, self._k_max)
+            if self._runner is None:
+                self._runner = BatchRunner(self._graph_dec)
+            k = min(self._draft, self._graph_dec.k_max) if self._graph_dec.has_mtp else 0
+            prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+            for params, kk in [(p, k) for p in self.warm_up_params] + [(None, 0)]:
+                # one full round each: the first token comes from the prefill, the round drafts kk
+                self._runner.submit(LaneRequest(prompt=prompt, max_new_tokens=kk + 2, k=kk, params=params))
+            self._runner.run()
+        except Exception:  # noqa: BLE001 - a warm-up fault must not stop the server
+            log.exception("the warm-up of the batched graphs failed; the first requests pay for it instead")
+            self._runner = None
+        self.warm_s = time.perf_counter() - t0
+        log.info("batched graphs warmed up in %.1f s", self.warm_s)
+
     def _loop_forever(self) -> None:
         import torch
 
         with torch.inference_mode():
+            if self.warm_up:
+                self._warm_up()
             while not self._stop.is_set():
                 busy = bool(self._running) or bool(self._waiting)
                 self._drain(block=not busy)

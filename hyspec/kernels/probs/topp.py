@@ -24,8 +24,11 @@ constants, and everything is integer arithmetic (exact whatever the order), so a
 result is bitwise the same for any row count. No host sync, static shapes: graph
 capturable.
 
-Status: written and tested in the Triton interpreter only (tests/test_kernels_topp.py);
-hyspec.gpu.sampling uses it on CUDA only with HYSPEC_TOPP_KERNEL=1 (docs/gpu.md).
+Status: tested in the Triton interpreter (tests/test_kernels_topp.py) and on an H200
+(the same tests plus tests/test_gpu_sampling.py with the kernels on: 66 passed at
+6d51b62, bench/results/topp_tests_h200.txt). hyspec.gpu.sampling uses it on CUDA by
+default (HYSPEC_TOPP_KERNEL=0 turns it off), in the interpreter only with
+HYSPEC_TOPP_KERNEL=1 (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -43,10 +46,12 @@ DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
 SCAN_BLOCK = 4096  # bins per step of the one-program-per-row walk
 
 
-def topp_kernel_enabled() -> bool:
-    """HYSPEC_TOPP_KERNEL=1: hyspec.gpu.sampling.probs_batch cuts top-k / top-p with these
-    kernels (with its row kernels; off by default until verified on a GPU)."""
-    return os.environ.get("HYSPEC_TOPP_KERNEL", "0") == "1"
+def topp_kernel_enabled(cuda: bool) -> bool:
+    """Whether hyspec.gpu.sampling.probs_batch (with its row kernels on) cuts top-k / top-p
+    with these kernels: HYSPEC_TOPP_KERNEL=1 on, =0 off; unset: on CUDA only (the Triton
+    interpreter runs them only when asked: slow, and the torch search is their reference)."""
+    v = os.environ.get("HYSPEC_TOPP_KERNEL", "")
+    return v == "1" if v in ("0", "1") else cuda
 
 
 @kernels_per_mode

@@ -12,7 +12,7 @@ def register(app, state) -> None:
     async def health():
         store = state.worker.store
         return {"status": "ok", "engine": "batched" if state.worker.batched else "sequential",
-                "batch_graphs": state.worker.graph_path,
+                "batch_graphs": state.worker.graph_path, "warmed_up_s": state.worker.warm_s,
                 "prefix_store": None if store is None else {k: store.stats()[k] for k in PREFIX_STORE_FIELDS}}
 
     @app.get("/metrics")
