@@ -128,6 +128,8 @@ def test_bytes_checksum_sees_any_one_word_and_moved_rows():
     swapped[[3, 29]] = swapped[[29, 3]]
     assert bytes_checksum([swapped]) != base
     assert bytes_checksum([a[:24], a[24:]]) == base  # the bytes in order, however split
+    if torch.cuda.is_available():  # wherever they live: the same bytes split across devices
+        assert bytes_checksum([a[:24].cuda(), a[24:]]) == base and bytes_checksum([a.cuda()]) == base
     f8 = torch.zeros(7, dtype=torch.uint8)
     f8b = f8.clone()
     f8b[6] = 1

@@ -29,26 +29,37 @@ CHECKSUM_CHUNK = 1 << 22  # 16-bit words per reduction: each chunk's sums stay b
 
 def bytes_checksum(tensors: list[torch.Tensor]) -> tuple[int, int]:
     """(sum of words, position-weighted sum of words) mod 2**64 over the bytes of
-    `tensors` (one device), read as little-endian 16-bit words. Exact integer arithmetic,
-    so equal bytes give equal checksums on any device; a change of any one word always
-    changes the weighted sum (weights are in [1, 2**20]), and the weights differ along the
-    bytes, so moved or swapped rows show too."""
-    if not tensors:
-        return (0, 0)
-    flat = [t.detach().contiguous().reshape(-1) for t in tensors]
-    b = torch.cat([t.view(torch.uint8) for t in flat])
-    if b.numel() % 2:
-        b = torch.cat([b, b.new_zeros(1)])
-    words = b.view(torch.int16)
-    sums = []
-    for start in range(0, words.numel(), CHECKSUM_CHUNK):
-        w = words[start: start + CHECKSUM_CHUNK].to(torch.int64) & 0xFFFF  # [n] in [0, 65535]
-        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64)
-        weight = (((idx * 40503) ^ (idx >> 11)) & 0xFFFFF) + 1  # [n] in [1, 2**20]
-        sums.append(torch.stack([w.sum(), (w * weight).sum()]))
-    total = torch.stack(sums).tolist()  # one read back
+    `tensors` in order (each padded to an even length), read as little-endian 16-bit words
+    and numbered along all of them. Exact integer arithmetic on the tensors' own devices
+    (one small read back per device), so equal bytes give equal checksums wherever they
+    live; a change of any one word always changes the weighted sum (weights are in
+    [1, 2**20]), and the weights differ along the bytes, so moved or swapped rows show too."""
+    runs: list[tuple[torch.device, list[torch.Tensor], int]] = []  # consecutive tensors of one device
+    start = 0
+    for t in tensors:
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if b.numel() % 2:
+            b = torch.cat([b, b.new_zeros(1)])
+        w = b.view(torch.int16)
+        if runs and runs[-1][0] == w.device:
+            runs[-1][1].append(w)
+        else:
+            runs.append((w.device, [w], start))
+        start += w.numel()
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    for dev, ws, first in runs:
+        words = torch.cat(ws) if len(ws) > 1 else ws[0]
+        for lo in range(0, words.numel(), CHECKSUM_CHUNK):
+            w = words[lo: lo + CHECKSUM_CHUNK].to(torch.int64) & 0xFFFF  # [n] in [0, 65535]
+            idx = torch.arange(first + lo, first + lo + w.numel(), device=dev, dtype=torch.int64)
+            weight = (((idx * 40503) ^ (idx >> 11)) & 0xFFFFF) + 1  # [n] in [1, 2**20]
+            sums.setdefault(dev, []).append(torch.stack([w.sum(), (w * weight).sum()]))
     mask = (1 << 64) - 1
-    return (sum(a for a, _ in total) & mask, sum(c for _, c in total) & mask)
+    a = c = 0
+    for parts in sums.values():
+        for x, y in torch.stack(parts).tolist():  # one read back per device
+            a, c = a + x, c + y
+    return (a & mask, c & mask)
 
 
 @dataclass(eq=False)
@@ -104,15 +115,13 @@ class SeqState:
         """The state's identity: a hash of the metadata, every tensor's name, dtype and
         shape, and a checksum of all tensor bytes computed where they live (bytes_checksum:
         a few reductions on the device and one small read back, not a copy of the state
-        to the host)."""
+        to the host; equal on every device, so a state demoted to host memory keeps it)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(repr(sorted(self.meta().items())).encode())
-        by_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for name, t in self.tensors().items():
+        tensors = self.tensors()
+        for name, t in tensors.items():
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            by_dev.setdefault(t.device, []).append(t)
-        for dev in sorted(by_dev, key=str):
-            h.update(f"{dev.type}:{bytes_checksum(by_dev[dev])}".encode())
+        h.update(repr(bytes_checksum(list(tensors.values()))).encode())  # the same on every device
         return h.hexdigest()
 
     def to(self, device) -> "SeqState":
