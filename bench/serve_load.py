@@ -213,6 +213,7 @@ def main() -> int:
                 if line.startswith("hyspec_engine_seconds{")}
     res = {
         "git": git_state(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["python3 bench/serve_load.py", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "device": args.device},
         "config": {**{k: v for k, v in vars(args).items() if k != "out"}, "server_cmd": " ".join(cmd[1:]),
                    "server_engine": server_engine},

@@ -496,8 +496,11 @@ MADE_BY = {
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
     "gpu_tests_sessions_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python -m pytest tests/test_sessions.py "
-                                   "tests/test_prefix_store.py tests/test_session_state.py` (H200; "
-                                   "`bench/gpu_tests.sh` runs these too)",
+                                   "tests/test_session_state.py tests/test_prefix_store.py tests/test_graph_store.py` "
+                                   "(H200; the second half of `bench/gpu_tests.sh`; the command is in the log)",
+    "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
+                              "the command and commit are in its header)",
+    "topp_tests_h200.txt": "`HYSPEC_TOPP_KERNEL=1 python3 -m pytest ...` (H200; the command and commit are in its header)",
     "serve_load_cpu.json": "`python3 bench/serve_load.py`",
     "sessions_cpu.json": "`python bench/sessions.py`",
     "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 8 "
