@@ -127,9 +127,27 @@ def test_bytes_checksum_sees_any_one_word_and_moved_rows():
     swapped = a.clone()
     swapped[[3, 29]] = swapped[[29, 3]]
     assert bytes_checksum([swapped]) != base
-    assert bytes_checksum([a[:24], a[24:]]) == base  # the bytes in order, however split
-    if torch.cuda.is_available():  # wherever they live: the same bytes split across devices
-        assert bytes_checksum([a[:24].cuda(), a[24:]]) == base and bytes_checksum([a.cuda()]) == base
+    assert bytes_checksum([a[:24], a[24:]]) != bytes_checksum([a[24:], a[:24]])  # tensors in order
+    if torch.cuda.is_available():  # wherever they live, on one device or several
+        assert bytes_checksum([a.cuda()]) == base
+        assert bytes_checksum([a[:24].cuda(), a[24:]]) == bytes_checksum([a[:24], a[24:]])
+    # chunks: a tensor longer than a chunk; two of its chunks swapped show
+    import hyspec.core.state as state_mod
+    long = torch.randn(3 * 1024, generator=g)
+    whole = bytes_checksum([long])
+    old = state_mod.CHECKSUM_CHUNK
+    try:
+        state_mod.CHECKSUM_CHUNK = 1024  # 16-bit words: 512 floats a chunk
+        state_mod._WEIGHTS.clear()
+        small = bytes_checksum([long])
+        swapped_chunks = torch.cat([long[512:1024], long[:512], long[1024:]])
+        assert bytes_checksum([swapped_chunks]) != small and small != whole
+    finally:
+        state_mod.CHECKSUM_CHUNK = old
+        state_mod._WEIGHTS.clear()
+    # a 1-byte tensor's slice at an odd offset (no 16-bit view of it exists)
+    u = torch.arange(9, dtype=torch.uint8)
+    assert bytes_checksum([u[1:5]]) == bytes_checksum([u[1:5].clone()]) != bytes_checksum([u[2:6]])
     f8 = torch.zeros(7, dtype=torch.uint8)
     f8b = f8.clone()
     f8b[6] = 1

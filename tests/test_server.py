@@ -302,6 +302,8 @@ def test_no_prefix_store_flag():
     assert st.worker.store is st.engine.store and st.engine.store.budget_bytes == 12345
     st = make_app(serve_parser().parse_args(["--no-prefix-store"])).state.hyspec
     assert st.worker.store is None and not st.metrics.prefix_store
+    assert st.cfg.warm_up is None and not st.worker.warm_up  # warm-up: on a GPU only
+    assert make_app(serve_parser().parse_args(["--no-warm-up"])).state.hyspec.cfg.warm_up is False
     with ServerThread(create_app(st.engine, st.cfg)) as s:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         msgs = [{"role": "user", "content": "def fibonacci(n):"}]

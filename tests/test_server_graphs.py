@@ -50,10 +50,22 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
     eng = Engine.load(checkpoint)
     eng.batch_graphs = True
     ref = Engine.load(checkpoint)  # the engine core, offline
-    app = create_app(eng, ServerConfig(served_model_name=MODEL, draft=1, max_batch=3, max_queue=0))
+    app = create_app(eng, ServerConfig(served_model_name=MODEL, draft=1, max_batch=3, max_queue=0, warm_up=True))
     worker = app.state.hyspec.worker
+    # the warm-up (on by default on a GPU; asked for here): greedy only, a sampled lane takes
+    # ~20 s in the Triton interpreter (the GPU runs greedy and sampled)
+    worker.warm_up_params = [None]
+    n_store = len(eng.store)
     with ServerThread(app) as s:
         assert worker.graph_path and httpx.get(s.url + "/health").json()["batch_graphs"] is True
+        t_end = time.monotonic() + 120
+        while httpx.get(s.url + "/health").json()["warm_up"] is None and time.monotonic() < t_end:
+            time.sleep(0.1)
+        # it ran its rounds, left no lane taken and nothing in the prefix store; the requests
+        # below (compared with the offline engine) get a fresh runner
+        assert httpx.get(s.url + "/health").json()["warm_up"]["ok"] is True and worker.warm_rounds >= 1
+        assert len(eng.store) == n_store and worker._runner is None
+        assert not bool(worker._graph_dec.live.any())
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         # at once: greedy speculative and seeded plain with a penalty (streamed) on the graph
         # path, and a request with logprobs on the engine core
@@ -84,7 +96,7 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
             assert g == (ref.tokenizer.decode(want, skip_special_tokens=True) if c["stream"] else want), c
         assert worker._runner.round > 0 and worker._sched.rounds > 0  # both paths ran
         # the engine thread's time split moves with both paths (GET /metrics)
-        for part in ("core", "graphs", "graph_prefill", "graph_rounds", "graph_store"):
+        for part in ("warm_up", "core", "graphs", "graph_prefill", "graph_rounds", "graph_store"):
             assert metric(s, "hyspec_engine_seconds", f'{{part="{part}"}}') > 0, part
         # the graph path's speculative request fills the metrics and its log line
         assert metric(s, "hyspec_spec_drafts_total") > before
@@ -160,27 +172,3 @@ def test_chat_turns_resume_from_the_prefix_store_on_the_graph_path(checkpoint):
             assert r2.choices[0].token_ids == want, i
         assert worker._runner.states_kept == 2 * len(cases) and worker._sched.rounds == 0
 
-
-def test_warm_up_leaves_the_graphs_idle_and_stores_nothing(checkpoint):
-    """The worker's warm-up (on by default on a GPU) runs its sequences through the batched
-    graphs: rounds ran (greedy speculative and plain here), no lane stays
-    taken, the prefix store is untouched; a request afterwards equals the engine core's."""
-    from hyspec.gpu.batch_loop import LaneRequest
-    from hyspec.server.worker import EngineWorker
-
-    eng = Engine.load(checkpoint)
-    eng.batch_graphs = True
-    w = EngineWorker(eng, max_batch=3, draft=1)
-    assert not w.warm_up  # off on the CPU unless asked
-    w = EngineWorker(eng, max_batch=3, draft=1, warm_up=True)
-    w.warm_up_params = [None]  # greedy only: a sampled lane takes ~20 s in the Triton interpreter
-    n_store = len(eng.store)
-    w._warm_up()
-    run = w._runner
-    assert w.warm_s is not None and run is not None and run.round >= 1 and run.tokens >= 3
-    assert not run.active and not run.waiting and not bool(run.dec.live.any())
-    assert len(eng.store) == n_store
-    lane = run.submit(LaneRequest(prompt=eng.tokenizer.encode("def add(a, b):"), max_new_tokens=3, k=1))
-    run.run()
-    want = Engine.load(checkpoint).generate("def add(a, b):", max_new_tokens=3, draft=1, ignore_eos=True).tokens
-    assert lane.tokens == want

@@ -24,41 +24,51 @@ from dataclasses import dataclass, field
 import torch
 
 
-CHECKSUM_CHUNK = 1 << 22  # 16-bit words per reduction: each chunk's sums stay below 2**59
+CHECKSUM_CHUNK = 1 << 21  # 16-bit words per reduction: a chunk's sums stay below 2**58
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # the position weights of a chunk, per device
+
+
+def _chunk_weights(dev: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(dev)
+    if w is None:
+        idx = torch.arange(CHECKSUM_CHUNK, dtype=torch.int64, device=dev)
+        w = _WEIGHTS[dev] = (((idx * 40503) ^ (idx >> 11)) & 0xFFFFF) + 1  # [CHUNK] in [1, 2**20]
+    return w
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as 16-bit words (a view; a padded copy when t's byte length is odd or
+    its bytes start at an odd offset, as a 1-byte tensor's slice can)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.numel() % 2 or b.storage_offset() % 2:
+        b = torch.cat([b, b.new_zeros(b.numel() % 2)])
+    return b.view(torch.int16)
 
 
 def bytes_checksum(tensors: list[torch.Tensor]) -> tuple[int, int]:
-    """(sum of words, position-weighted sum of words) mod 2**64 over the bytes of
-    `tensors` in order (each padded to an even length), read as little-endian 16-bit words
-    and numbered along all of them. Exact integer arithmetic on the tensors' own devices
-    (one small read back per device), so equal bytes give equal checksums wherever they
-    live; a change of any one word always changes the weighted sum (weights are in
-    [1, 2**20]), and the weights differ along the bytes, so moved or swapped rows show too."""
-    runs: list[tuple[torch.device, list[torch.Tensor], int]] = []  # consecutive tensors of one device
-    start = 0
+    """(sum of words, weighted sum of words) mod 2**64 over the bytes of `tensors`, read as
+    little-endian 16-bit words, chunk by chunk: a word's weight is in [1, 2**20] and
+    depends on its place in its chunk (CHECKSUM_CHUNK words from the start of its tensor),
+    a chunk's weighted sum is multiplied by an odd number that grows with the chunk's place
+    in the whole list. Exact integer arithmetic on the tensors' own devices (no copy of the
+    state; one small read back per device), so equal bytes give equal checksums wherever
+    they live; a change of any one word always changes the weighted sum, and moved or
+    swapped rows show too (their weights differ)."""
+    parts: dict[torch.device, list[torch.Tensor]] = {}
+    order: list[torch.device] = []  # the device of each chunk, in order
     for t in tensors:
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if b.numel() % 2:
-            b = torch.cat([b, b.new_zeros(1)])
-        w = b.view(torch.int16)
-        if runs and runs[-1][0] == w.device:
-            runs[-1][1].append(w)
-        else:
-            runs.append((w.device, [w], start))
-        start += w.numel()
-    sums: dict[torch.device, list[torch.Tensor]] = {}
-    for dev, ws, first in runs:
-        words = torch.cat(ws) if len(ws) > 1 else ws[0]
+        words = _words(t)
+        dev = words.device
         for lo in range(0, words.numel(), CHECKSUM_CHUNK):
             w = words[lo: lo + CHECKSUM_CHUNK].to(torch.int64) & 0xFFFF  # [n] in [0, 65535]
-            idx = torch.arange(first + lo, first + lo + w.numel(), device=dev, dtype=torch.int64)
-            weight = (((idx * 40503) ^ (idx >> 11)) & 0xFFFFF) + 1  # [n] in [1, 2**20]
-            sums.setdefault(dev, []).append(torch.stack([w.sum(), (w * weight).sum()]))
-    mask = (1 << 64) - 1
+            parts.setdefault(dev, []).append(torch.stack([w.sum(), (w * _chunk_weights(dev)[: w.numel()]).sum()]))
+            order.append(dev)
+    got = {dev: iter(torch.stack(p).tolist()) for dev, p in parts.items()}  # one read back per device
     a = c = 0
-    for parts in sums.values():
-        for x, y in torch.stack(parts).tolist():  # one read back per device
-            a, c = a + x, c + y
+    for k, dev in enumerate(order):
+        x, y = next(got[dev])
+        a, c = a + x, c + y * (2 * k + 1)
+    mask = (1 << 64) - 1
     return (a & mask, c & mask)
 
 

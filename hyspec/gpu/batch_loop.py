@@ -109,7 +109,9 @@ class BatchRunner:
         self.constraint_s = 0.0  # host seconds in the constraints (masks and commits; the first tokens' included)
         self.masked_rounds = 0  # rounds with a constrained lane
         self.states_kept = self.states_not_kept = 0  # end states handed to on_state / not exact (export)
-        self.store_s = 0.0  # seconds exporting end states (_keep_state)
+        self.store_s = 0.0  # seconds exporting end states (_keep_state; inside prefill_s or rounds_s)
+        # the decoder's captures so far: stats() reports this runner's own (inside its rounds_s)
+        self._captures0 = (dec.step_graphs.captures, dec.step_graphs.capture_s)
         self._lock = threading.Lock()
         self._submitted: list[LaneRequest] = []  # handed over, not yet seen by step()
         self._cancelled: list[LaneRequest] = []
@@ -177,7 +179,7 @@ class BatchRunner:
         return {"prefill_s": self.prefill_s, "rounds_s": self.rounds_s, "rounds": self.round,
                 "round_tokens": self.tokens, "round_tok_s": self.tokens / self.rounds_s if self.rounds_s > 0 else None,
                 "constraint_s": self.constraint_s, "masked_rounds": self.masked_rounds, "store_s": self.store_s,
-                "graph_captures": g.captures, "graph_capture_s": g.capture_s}
+                "graph_captures": g.captures - self._captures0[0], "graph_capture_s": g.capture_s - self._captures0[1]}
 
     # -- the stepping thread -----------------------------------------------------------
     def step(self) -> bool:

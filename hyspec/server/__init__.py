@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--no-prefix-store", action="store_true",
                    help="do not keep finished requests' end states in the prefix store nor resume prompts from it")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="on a GPU, do not run the batched graphs once before the first request (the first "
+                        "requests then pay for imports, compilation and the first graph captures)")
     p.add_argument("--prefix-store-bytes", type=int, default=1 << 30,
                    help="prefix store budget on the model's device (least recently used states beyond it move "
                         "to host memory)")
@@ -81,7 +84,7 @@ def make_app(args):
     name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                       prefix_store=not args.no_prefix_store)
+                       prefix_store=not args.no_prefix_store, warm_up=False if args.no_warm_up else None)
     return create_app(eng, cfg)
 
 

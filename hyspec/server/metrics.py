@@ -44,9 +44,10 @@ class Metrics:
                                    "tokens emitted per speculative round since start (accepted / drafts + 1)",
                                    registry=r)
         self.engine_seconds = Gauge("hyspec_engine_seconds",
-                                    "engine-thread wall seconds since start, by part (core: engine-core steps; "
-                                    "graphs: batched-graph steps, of which graph_prefill, graph_rounds, graph_store, "
-                                    "graph_capture)", ["part"], registry=r)
+                                    "engine-thread wall seconds since start, by part (warm_up; core: engine-core "
+                                    "steps; graphs: batched-graph steps, split into graph_prefill and graph_rounds; "
+                                    "graph_store lies inside those two, graph_capture inside graph_rounds)",
+                                    ["part"], registry=r)
         self._rounds = 0
         self._accepted = 0
         self.prefix_store = True  # the server looks prompts up in a prefix store (--no-prefix-store: False)

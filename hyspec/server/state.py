@@ -25,6 +25,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     prefix_store: bool = True  # requests resume from / leave their end states in engine.store
+    warm_up: bool | None = None  # run the batched graphs once before the first request (None: on a GPU)
 
 
 class ServerState:
@@ -39,7 +40,8 @@ class ServerState:
         model_cfg = engine.model.cfg
         self.metrics = Metrics()
         self.worker = EngineWorker(engine, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
-                                   prefix_store=cfg.prefix_store, draft=cfg.draft)
+                                   prefix_store=cfg.prefix_store, draft=cfg.draft,
+                                   warm_up=cfg.warm_up)
         self.metrics.prefix_store = self.worker.store is not None
         self.limits = Limits(vocab_size=model_cfg.vocab_size, max_model_len=int(model_cfg.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,

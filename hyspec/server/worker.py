@@ -130,12 +130,15 @@ class EngineWorker:
         # engine thread runs three short sequences through the graphs (_warm_up)
         self.warm_up = (self.graph_path and engine.model.device.type == "cuda") if warm_up is None else bool(warm_up)
         self.warm_s: float | None = None  # how long the warm-up took (None: none ran yet)
+        self.warm_rounds = 0  # rounds the warm-up ran
         # the warm-up's speculative sequences (greedy, sampled); then one plain greedy
         self.warm_up_params = [None, SamplingParams(temperature=0.8, top_p=0.95, seed=0)]
         # engine-thread seconds by part (GET /metrics: hyspec_engine_seconds{part}); a
         # runner's own counters are folded in when it is dropped after a fault
         self._core_s = self._graphs_s = 0.0
-        self._dropped = {"prefill": 0.0, "rounds": 0.0, "store": 0.0}
+        self._dropped = {"prefill": 0.0, "rounds": 0.0, "store": 0.0, "capture": 0.0}
+        self.warming_up = False
+        self.warm_up_ok: bool | None = None  # None: no warm-up ran
 
     # ---- loop-thread API -------------------------------------------------------------
     def start(self, loop) -> None:
@@ -159,18 +162,25 @@ class EngineWorker:
             return self._n_pending - self._n_waiting, self._n_waiting
 
     def engine_seconds(self) -> dict[str, float]:
-        """Engine-thread wall seconds so far: core (engine-core steps), graphs (batched-graph
-        steps), and inside those: graph_prefill (admitting lanes), graph_rounds, graph_store
-        (exporting end states), graph_capture (CUDA-graph captures, within the rounds)."""
-        out = {"core": self._core_s, "graphs": self._graphs_s}
-        run = self._runner
-        st = run.stats() if run is not None else {"prefill_s": 0.0, "rounds_s": 0.0, "store_s": 0.0}
-        out["graph_prefill"] = self._dropped["prefill"] + st["prefill_s"]
-        out["graph_rounds"] = self._dropped["rounds"] + st["rounds_s"]
-        out["graph_store"] = self._dropped["store"] + st["store_s"]
-        dec = self._graph_dec
-        out["graph_capture"] = dec.step_graphs.capture_s if dec is not None else 0.0
+        """Engine-thread wall seconds so far: warm_up (before the first request), core
+        (engine-core steps), graphs (batched-graph steps); inside graphs: graph_prefill
+        (admitting lanes) and graph_rounds; graph_store (exporting end states) lies inside
+        those two, graph_capture (CUDA-graph captures) inside graph_rounds."""
+        run = self._runner  # (read once: the engine thread may drop it meanwhile)
+        st = run.stats() if run is not None else {}
+        out = {"warm_up": self.warm_s or 0.0, "core": self._core_s, "graphs": self._graphs_s}
+        for part in ("prefill", "rounds", "store", "capture"):
+            out[f"graph_{part}"] = self._dropped[part] + st.get(f"{part}_s" if part != "capture" else "graph_capture_s", 0.0)
         return out
+
+    def _drop_runner(self) -> None:
+        """Forget the batched-graph runner (after a fault), keeping its seconds."""
+        run, self._runner = self._runner, None
+        if run is not None:
+            st = run.stats()
+            for part in ("prefill", "rounds", "store"):
+                self._dropped[part] += st[f"{part}_s"]
+            self._dropped["capture"] += st["graph_capture_s"]
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue all jobs or none (QueueFull)."""
@@ -280,22 +290,30 @@ class EngineWorker:
         if not self.graph_path:
             return
         t0 = time.perf_counter()
+        self.warming_up = True
+        ok = False
         try:
             if self._graph_dec is None:
                 self._graph_dec = graph_decoder(self.engine, self.max_batch, self._k_max)
-            if self._runner is None:
-                self._runner = BatchRunner(self._graph_dec)
+            runner = BatchRunner(self._graph_dec)
             k = min(self._draft, self._graph_dec.k_max) if self._graph_dec.has_mtp else 0
             prompt = [1, 2, 3, 4, 5, 6, 7, 8]
             for params, kk in [(p, k) for p in self.warm_up_params] + [(None, 0)]:
                 # one full round each: the first token comes from the prefill, the round drafts kk
-                self._runner.submit(LaneRequest(prompt=prompt, max_new_tokens=kk + 2, k=kk, params=params))
-            self._runner.run()
+                runner.submit(LaneRequest(prompt=prompt, max_new_tokens=kk + 2, k=kk, params=params))
+            while runner.has_work() and not self._stop.is_set():
+                runner.step()
+            ok = not runner.has_work()
+            self.warm_rounds = runner.round
         except Exception:  # noqa: BLE001 - a warm-up fault must not stop the server
             log.exception("the warm-up of the batched graphs failed; the first requests pay for it instead")
-            self._runner = None
+        # the requests get a runner of their own (its counters start after the warm-up)
+        self._runner = None
         self.warm_s = time.perf_counter() - t0
-        log.info("batched graphs warmed up in %.1f s", self.warm_s)
+        self.warm_up_ok = ok
+        self.warming_up = False
+        if ok:
+            log.info("batched graphs warmed up in %.1f s", self.warm_s)
 
     def _loop_forever(self) -> None:
         import torch
@@ -315,7 +333,8 @@ class EngineWorker:
                     log.exception("engine step failed; failing the running requests")
                     for job in list(self._running):
                         self._finish(job, "error", {"error": f"engine failure: {type(e).__name__}"})
-                    self._sched = self._runner = None
+                    self._sched = None
+                    self._drop_runner()
 
     # -- batched path (hyspec.core.scheduler, and the batched graphs) -----------------------
     def _step_batched(self) -> None:
@@ -394,10 +413,7 @@ class EngineWorker:
             log.exception("a batched-graph round failed; failing its sequences")
             for job in [j for j in self._running if j._lane is not None]:
                 self._finish(job, "error", {"error": f"engine failure: {type(e).__name__}"})
-            st = self._runner.stats()
-            for part in self._dropped:
-                self._dropped[part] += st[f"{part}_s"]
-            self._runner = None
+            self._drop_runner()
 
     def _cb_tokens(self, job: Job):
         def on_tokens(req, new_ids):

@@ -12,7 +12,9 @@ def register(app, state) -> None:
     async def health():
         store = state.worker.store
         return {"status": "ok", "engine": "batched" if state.worker.batched else "sequential",
-                "batch_graphs": state.worker.graph_path, "warmed_up_s": state.worker.warm_s,
+                "batch_graphs": state.worker.graph_path, "warming_up": state.worker.warming_up,
+                "warm_up": None if state.worker.warm_up_ok is None else
+                {"ok": state.worker.warm_up_ok, "seconds": state.worker.warm_s},
                 "prefix_store": None if store is None else {k: store.stats()[k] for k in PREFIX_STORE_FIELDS}}
 
     @app.get("/metrics")
