@@ -1,5 +1,6 @@
 """`hyspec generate --prompts-file`: one JSON result per line, in input order, each equal
-to what `hyspec generate --json` gives for that line alone; bad lines are named."""
+to what `hyspec generate --json` gives for that line alone (each line's own call of the
+CLI's main, with its own Engine); bad lines are named."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from cli_helpers import cli_each
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,15 +40,17 @@ def test_prompts_file_equals_one_by_one(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(LINES)))
-    for x, row in zip(LINES, rows):
+    calls = []
+    for x in LINES:
         args = ["generate", "--json", "--max-new-tokens", str(x["max_new_tokens"]), "--draft", str(x.get("draft", 0))]
         args += ["--prompt", x["prompt"]] if "prompt" in x else ["--prompt-ids", ",".join(map(str, x["prompt_ids"]))]
         for key in ("temperature", "seed", "top_p"):
             if key in x:
                 args += ["--" + key.replace("_", "-"), str(x[key])]
-        one = cli(*args)
-        assert one.returncode == 0, one.stderr
-        ref = json.loads(one.stdout)
+        calls.append(args)
+    for row, (code, stdout) in zip(rows, cli_each(calls)):
+        assert code == 0
+        ref = json.loads(stdout)
         assert row["tokens"] == ref["tokens"] and row["text"] == ref["text"]
         assert row["stop_reason"] == ref["stop_reason"]
         assert set(row["stats"]) >= {"prompt_tokens", "generated_tokens"}

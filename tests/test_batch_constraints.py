@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 REGEX = r"[a-z_ ]{3,40}\.?"
 PROMPTS = [[5, 17, 99, 3], [8, 1, 2]]
-N = 6
+N = 5
 
 
 @pytest.fixture(scope="module")

@@ -53,13 +53,14 @@ def test_batched_verify_rows_match_the_reference(tmp_path, arch):
         ref = _ref_logprobs(m, prompts[lane], verify[lane])
         assert float((got[lane] - ref).abs().max()) <= LOGPROB_ATOL, lane
     # a planted bug: lane 1 reading lane 0's KV / state (a wrong lane stride) must be caught
+    # (lanes 0 and 1, one verify row each, are enough to show it)
     dec2 = BatchDecoder(m, 48, 3, slots=3, graphs=False)
-    for lane, p in enumerate(prompts):
+    for lane, p in enumerate(prompts[:2]):
         dec2.prefill(lane, p)
     dec2.runner._lane0 = lambda slab: (slab[0], 0)
-    _, post2 = dec2.runner.target(ids, 12, dec2.pos, True, 3)
-    bad = torch.log_softmax(dec2.runner.logits(post2).double(), -1).view(3, 4, -1)
-    ref1 = _ref_logprobs(m, prompts[1], verify[1])
+    _, post2 = dec2.runner.target(torch.tensor([verify[0][0], verify[1][0]]), 2, dec2.pos, True, 2)
+    bad = torch.log_softmax(dec2.runner.logits(post2).double(), -1).view(2, 1, -1)
+    ref1 = _ref_logprobs(m, prompts[1], verify[1][:1])
     assert float((bad[1] - ref1).abs().max()) > LOGPROB_ATOL
 
 
@@ -118,22 +119,33 @@ def test_stop_ids_and_errors(tmp_path):
         run_batch(dec, [LaneRequest(prompt=prompt, max_new_tokens=40)])
 
 
-def test_pipelined_rounds_equal_unpipelined(tmp_path):
-    """Queuing the next round before reading this one (and draining it when a lane stops)
-    changes nothing: same tokens as the round-by-round loop and as the reference."""
+def test_pipelined_rounds_equal_unpipelined(tmp_path, monkeypatch):
+    """Queuing the next round before reading this one (and draining it when a lane stops:
+    here on a stop id while the next round is queued) changes nothing: the same tokens as
+    the reference, which is what the round-by-round loop gives (no round of
+    test_batch_equals_reference_and_alone is queued ahead)."""
     from hyspec.decode import generate_plain
     from hyspec.gpu.batch import BatchDecoder
-    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, run_batch
 
+    queued, reads = [], []  # _may_queue_next's answers; rounds read per step (2: a queued one drained)
+    may, step, take = BatchRunner._may_queue_next, BatchRunner.step, BatchRunner._take
+    monkeypatch.setattr(BatchRunner, "_may_queue_next", lambda self, k: queued.append(may(self, k)) or queued[-1])
+    monkeypatch.setattr(BatchRunner, "step", lambda self: reads.append(0) or step(self))
+    monkeypatch.setattr(BatchRunner, "_take", lambda self, rows: reads.__setitem__(-1, reads[-1] + 1) or take(self, rows))
     m = _model(tmp_path, "qwen3_5")
     prompts = [[5, 17, 99, 3], [8, 1, 2], [4, 4]]
     Ns = [5, 3, 4]
     ref = [generate_plain(m, p, max_new_tokens=n).tokens for p, n in zip(prompts, Ns)]
+    stop = ref[0][3]  # the first lane stops on its 4th token, in a round with the next one queued
+    assert stop not in ref[0][:3]
+    ref[0] = ref[0][:4]
     dec = BatchDecoder(m, 20, 1, slots=2, graphs=False)
-    for pipeline in (True, False):
-        reqs = [LaneRequest(prompt=p, max_new_tokens=n, k=k) for p, n, k in zip(prompts, Ns, (0, 1, 0))]
-        run_batch(dec, reqs, pipeline=pipeline)
-        assert [r.tokens for r in reqs] == ref
+    reqs = [LaneRequest(prompt=p, max_new_tokens=n, k=k, stop_ids=frozenset({stop}) if i == 0 else frozenset())
+            for i, (p, n, k) in enumerate(zip(prompts, Ns, (0, 1, 0)))]
+    run_batch(dec, reqs)
+    assert [r.tokens for r in reqs] == ref and reqs[0].reason == "eos"
+    assert any(queued) and 2 in reads, (queued, reads)  # rounds were queued ahead, and one was drained
 
 
 def test_engine_generate_batch_on_the_graph_path(tmp_path):
@@ -146,11 +158,11 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
     d = make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
     ref_eng = Engine(load_model(d))
     prompts = [[5, 17, 99, 3], [8, 1]]
-    want = ref_eng.generate_batch(prompts, max_new_tokens=4, draft=[0, 2], ignore_eos=True)
+    want = ref_eng.generate_batch(prompts, max_new_tokens=3, draft=[0, 2], ignore_eos=True)
     eng = Engine(load_model(d))
     eng.batch_graphs = True
     seen = {}
-    got = eng.generate_batch(prompts, max_new_tokens=4, draft=[0, 2], ignore_eos=True,
+    got = eng.generate_batch(prompts, max_new_tokens=3, draft=[0, 2], ignore_eos=True,
                              on_tokens=lambda i, t: seen.setdefault(i, []).extend(t))
     assert eng._batch_dec is not None
     for w, g, i in zip(want, got, range(2)):
@@ -360,7 +372,7 @@ def test_sampled_rounds_run_the_row_kernels_on_their_rows(tmp_path, monkeypatch)
 
     monkeypatch.setattr(dsamp, "softmax_rows", spy(dsamp.softmax_rows))
     monkeypatch.setattr(dsamp, "inverse_cdf_rows", spy(dsamp.inverse_cdf_rows))
-    N = 5
+    N = 4
     prompts = [[5, 17, 99, 3], [8, 1], [60, 61, 62]]
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=1, mode="coupled"),
               SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2, mode="coupled"),

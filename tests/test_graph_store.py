@@ -94,23 +94,22 @@ def test_lane_state_round_trip(model, dec, k, kind):
     from hyspec.prefix_store import PrefixStore
 
     params = _params()[kind]
-    kept = []
-    a = _lane(PROMPT, N + M, k, params, on_state=kept.append)  # the lane that never stops
-    _run(dec, a)
-    state_a = kept.pop()
-    b = _lane(PROMPT, N, k, params, on_state=kept.append)  # ... and the one that stops after N tokens
+    kept, kept_a = [], []
+    b = _lane(PROMPT, N, k, params, on_state=kept.append)  # the lane that stops after N tokens
     _run(dec, b)
     state_b = kept.pop()
-    assert b.tokens == a.tokens[:N]
     assert state_b.tokens == tuple(PROMPT + b.tokens) and state_b.pos == len(state_b.tokens) - 1
     assert state_b.pending == b.tokens[-1] and (state_b.drafter == "post") == (k > 0)
 
-    # back into a graph lane, lane 1 this time (another sequence holds lane 0), nothing new to
-    # prefill: it goes on from the state itself, bitwise the lane that never stopped
-    other = _lane([8, 1, 2], N + M, 0, None)
+    # back into a graph lane, lane 1 this time, nothing new to prefill: it goes on from the
+    # state itself, bitwise the lane that never stopped -- which is the other sequence beside
+    # it, in lane 0 (from the prompt: N positions behind, so lane 1 reading lane 0's cache or
+    # state would not go unnoticed)
+    a = _lane(PROMPT, N + M, k, params, on_state=kept_a.append)  # the lane that never stops
     c = _lane(state_b.tokens, M, k, params, resume=state_b, on_state=kept.append)
-    _run(dec, other, c)
-    state_c = kept.pop()
+    _run(dec, a, c)
+    state_a, state_c = kept_a.pop(), kept.pop()
+    assert b.tokens == a.tokens[:N]
     assert c.tokens == a.tokens[N:] and c.cached == len(state_b.tokens) - 1
     if k == 0:
         assert_same(state_c, state_a)
@@ -172,15 +171,14 @@ def test_end_state_only_when_exact(model, dec):
     token keeps its state."""
     from hyspec.gpu.batch_loop import BatchRunner
 
-    plain = _lane(PROMPT, 12, 0, None)
-    _run(dec, plain)
-    stop = next(t for i, t in enumerate(plain.tokens) if i >= 4 and t not in plain.tokens[:i])
+    plain = _core(model, None, PROMPT, 12, 0, None).tokens  # (the lanes give the engine core's tokens)
+    stop = next(t for i, t in enumerate(plain) if i >= 4 and t not in plain[:i])
     kept = []
     r = _lane(PROMPT, 12, 0, None, stop_ids=frozenset({stop}), on_state=kept.append)
     runner = BatchRunner(dec)
     runner.submit(r)
     runner.run()
-    assert r.reason == "eos" and r.tokens == plain.tokens[: plain.tokens.index(stop) + 1]
+    assert r.reason == "eos" and r.tokens == plain[: plain.index(stop) + 1]
     assert len(kept) == 1 and kept[0].tokens == tuple(PROMPT + r.tokens) and kept[0].pending == stop
     # the same request with rounds pipelined regardless (the wanted state disables it): the
     # round queued after the stop's moves the lane on, and its state is not handed over
@@ -199,9 +197,7 @@ def test_stop_among_accepted_drafts_keeps_the_state(model, dec):
     its transcript's, and its target part is bitwise the plain lane's that stopped there."""
     from hyspec.gpu.batch_loop import BatchRunner
 
-    plain = _lane(PROMPT, 9, 0, None)
-    _run(dec, plain)
-    ref = plain.tokens
+    ref = _core(model, None, PROMPT, 9, 0, None).tokens  # the plain continuation (the lanes give the core's tokens)
     # rounds of k = 2 emit tokens 1-3, 4-6, 7-9 (two accepted drafts and the bonus each)
     i = next(i for i in (4, 5, 7) if ref[i] not in ref[:i])
     stop = frozenset({ref[i]})

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import cli_each
 from conftest import ARCHS, make_cooperative
 
 from hyspec.engine import Engine
@@ -130,13 +131,16 @@ def test_cli_pp2(ckpts):
     path = str(ckpts["qwen3_next"])
     args = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "12", "--draft", "3",
             "--temperature", "0.7", "--seed", "3", "--json"]
-    one = json.loads(_cli(args).stdout)
+    targs = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "10", "--draft", "2"]
+    # what a single process prints, for each (each call alone, in one Python process)
+    (code, out), (tcode, tout) = cli_each([args, targs])
+    assert code == tcode == 0
+    one = json.loads(out)
     pp = _cli(args + ["--pp", "2"])
     two = json.loads(pp.stdout)  # exactly one JSON object: only rank 0 prints
     assert two["tokens"] == one["tokens"] and two["text"] == one["text"]
     # text mode: the same printed completion
-    targs = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "10", "--draft", "2"]
-    assert _cli(targs + ["--pp", "2"]).stdout == _cli(targs).stdout
+    assert _cli(targs + ["--pp", "2"]).stdout == tout
 
 
 def test_cli_pp2_torchrun(ckpts):
