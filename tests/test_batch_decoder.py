@@ -130,9 +130,22 @@ def test_pipelined_rounds_equal_unpipelined(tmp_path, monkeypatch):
 
     queued, reads = [], []  # _may_queue_next's answers; rounds read per step (2: a queued one drained)
     may, step, take = BatchRunner._may_queue_next, BatchRunner.step, BatchRunner._take
-    monkeypatch.setattr(BatchRunner, "_may_queue_next", lambda self, k: queued.append(may(self, k)) or queued[-1])
-    monkeypatch.setattr(BatchRunner, "step", lambda self: reads.append(0) or step(self))
-    monkeypatch.setattr(BatchRunner, "_take", lambda self, rows: reads.__setitem__(-1, reads[-1] + 1) or take(self, rows))
+
+    def spy_may(self, k):
+        queued.append(may(self, k))
+        return queued[-1]
+
+    def spy_step(self):
+        reads.append(0)
+        return step(self)
+
+    def spy_take(self, rows):
+        reads[-1] += 1
+        return take(self, rows)
+
+    monkeypatch.setattr(BatchRunner, "_may_queue_next", spy_may)
+    monkeypatch.setattr(BatchRunner, "step", spy_step)
+    monkeypatch.setattr(BatchRunner, "_take", spy_take)
     m = _model(tmp_path, "qwen3_5")
     prompts = [[5, 17, 99, 3], [8, 1, 2], [4, 4]]
     Ns = [5, 3, 4]
