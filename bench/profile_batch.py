@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sampled", action="store_true",
                     help="also the sampled rounds (coupled T=0.8 / top-p 0.95 lanes, as batch_bench's sampled speed)")
+    ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.bench import make_model
@@ -61,15 +62,19 @@ def main() -> None:
                 for _ in range(args.reps):
                     fn()
                 torch.cuda.synchronize()
-            per = defaultdict(float)
+            per, launches = defaultdict(float), defaultdict(int)
             for e in prof.key_averages():
                 t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
                 if t:
                     per[e.key[:60]] += t / args.reps / 1e3  # ms per call
+                    launches[e.key[:60]] += e.count // args.reps
             total = sum(per.values())
-            top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
-            out["runs"][f"{name}_B{nb}"] = {"total_ms": total, "top_ms": top}
-            print(f"{name} B={nb}: {total:.3f} ms of kernels; " + ", ".join(f"{k} {v:.3f}" for k, v in top[:8]))
+            top = sorted(per.items(), key=lambda kv: -kv[1])[:args.top]
+            out["runs"][f"{name}_B{nb}"] = {"total_ms": total, "launches": sum(launches.values()),
+                                            "top_ms": top, "top_launches": {k: launches[k] for k, _ in top}}
+            print(f"{name} B={nb}: {total:.3f} ms of kernels in {sum(launches.values())} launches")
+            for k, v in top:
+                print(f"   {v * 1e3:8.1f} us  x{launches[k]:4d}  {k}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
