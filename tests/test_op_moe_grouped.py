@@ -82,3 +82,59 @@ def test_moe_grouped_shared_expert_fused_as_expert_e():
     assert_rel("moe fused shared", y, want, 1e-5)
     for r in (0, T - 1):
         assert torch.equal(run(x[r: r + 1], logits[r: r + 1], gu2, dn2, fused=(sgu, sdn))[0], y[r])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])
+def test_route_align_one_program_and_split_partials_change_no_bit(monkeypatch, fused):
+    """Up to ROUTE_ALIGN_ROWS rows the route and align run as one program, past it as two
+    kernels; the router logits may come as split-K partials that the route kernel sums.
+    Every combination gives the same bits and the same distinct-expert count."""
+    from hyspec.kernels.common import SplitPartials
+    from hyspec.kernels.moe import grouped
+
+    gu, dn = experts(False)
+    sh = (gu[0], dn[0]) if fused else None
+    cols = E + 1 if fused else E
+    x = rnd(T, H, seed=12)
+    parts = torch.stack([rnd(T, cols, seed=13 + s, scale=2.0) for s in range(3)])  # [S, T, E (+1)]
+    partials = SplitPartials(torch.cat([parts, torch.zeros(3, 2, cols)], 1), 3)  # workspace rows past T
+    reduced = partials.value(T, torch.float32)
+    results = []
+    for rows in (8, 0):  # T = 5 rows: one program, then the two kernels
+        monkeypatch.setattr(grouped, "ROUTE_ALIGN_ROWS", rows)
+        for lg in (reduced, partials):
+            stats = torch.zeros(9, 2, dtype=torch.int64)
+            results.append((run(x, lg, gu, dn, stats=stats, fused=sh), stats[T].tolist()))
+    y0, s0 = results[0]
+    assert_rel("moe vs ref", y0, moe_grouped_ref(x, reduced, gu, dn, top_k=K_TOP, renorm=True,
+                                                 shared_experts=sh), 1e-5)
+    for y, st in results[1:]:
+        assert torch.equal(y, y0) and st == s0
+
+
+def test_moe_tuned_tiles_are_used_and_stay_exact(monkeypatch):
+    """A tile picked by the in-step tuner (MOE_TUNED, keyed by shape only) reaches the
+    expert matmuls, still matches the reference and keeps each row's bits when it runs
+    alone; FP8 tiles that straddle a scale block are refused; the tuner's key names round
+    trip and its candidate moves are valid tiles."""
+    from hyspec.gpu.tune import _moe_candidates, moe_key_name, parse_moe_key
+    from hyspec.kernels.moe import grouped
+
+    monkeypatch.setattr(grouped, "MOE_TUNED", {})
+    gu, dn = experts(False)
+    x, logits = rnd(T, H, seed=20), rnd(T, E, seed=21, scale=2.0)
+    before = run(x, logits, gu, dn)
+    grouped.set_moe_tuned({(2 * INTER, H, False, None): dict(BN=16, BK=16, num_warps=2),
+                           (H, INTER, True, None): dict(BN=16, BK=16, WT=False, num_stages=2)})
+    assert grouped.gemm_config(2 * INTER, H, False, None)["BK"] == 16
+    y = run(x, logits, gu, dn)
+    assert_rel("moe tuned", y, moe_grouped_ref(x, logits, gu, dn, top_k=K_TOP, renorm=True), 1e-5)
+    assert_rel("moe tuned vs default tile", y, before, 1e-5)
+    assert torch.equal(run(x[2:3], logits[2:3], gu, dn)[0], y[2])
+    grouped.set_moe_tuned({(64, 256, False, 128): dict(BK=256)})
+    with pytest.raises(ValueError, match="FP8 block"):
+        grouped.gemm_config(64, 256, False, 128)
+    for key in (("moe", 1024, 2048, False, None), ("moe", 2048, 512, True, 128)):
+        assert ("moe",) + parse_moe_key(moe_key_name(key)) == key
+        cands = _moe_candidates(key, {})
+        assert len(cands) > 5 and all(c["BK"] <= key[2] and (not key[4] or key[4] % c["BK"] == 0) for c in cands)

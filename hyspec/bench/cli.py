@@ -168,33 +168,49 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
     if args.tuned_from:
         from hyspec.kernels.matmul import set_tuned
 
-        tuned = json.loads(Path(args.tuned_from).read_text()).get("tuned_gemm", {})
+        from hyspec.gpu.tune import parse_moe_key
+        from hyspec.kernels.moe.grouped import set_moe_tuned
+
+        earlier = json.loads(Path(args.tuned_from).read_text())
+        tuned = earlier.get("tuned_gemm", {})
         set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tuned.items()})
         result["tuned_gemm"] = tuned
+        tuned_moe = earlier.get("tuned_moe_gemm", {})
+        set_moe_tuned({parse_moe_key(k): e["config"] for k, e in tuned_moe.items()})
+        if tuned_moe:
+            result["tuned_moe_gemm"] = tuned_moe
         log(f"GEMM configs from {args.tuned_from}")
     shapes = None
     if dev.type == "cuda" and args.tune == "step" and not args.tuned_from:
-        from hyspec.gpu.tune import model_shapes
+        from hyspec.gpu.tune import model_shapes, moe_shapes
 
-        shapes = model_shapes(probe.runner)
+        shapes = model_shapes(probe.runner) + moe_shapes(probe.runner)
     del probe  # before tuning: its buffers are not needed
     if shapes:
         from hyspec.gpu.tune import tune_in_step
 
-        log("tuning skinny-GEMM configs inside the decode step (chosen by shape only)")
+        log("tuning skinny-GEMM (and MoE expert-matmul) configs inside the decode step (chosen by shape only)")
         generator = torch.Generator().manual_seed(args.seed)
         tune_decoder = FastDecoder(model, args.prompt_len + 64, 1)
         prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
         _, _, logits = tune_decoder.prefill(prompt)
         tune_decoder.start_plain(int(torch.argmax(logits[0])))
         tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log)
-        result["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
+        from hyspec.gpu.tune import moe_key_name
+
+        result["tuned_gemm"] = {f"{s[0]}x{s[1]}": v for s, v in tuned.items() if s[0] != "moe"}
+        if any(s[0] == "moe" for s in tuned):
+            result["tuned_moe_gemm"] = {moe_key_name(s): v for s, v in tuned.items() if s[0] == "moe"}
         del tune_decoder
     if "tuned_gemm" not in result and dev.type == "cuda":
         from hyspec.kernels.matmul import BUILTIN, TUNED
 
+        from hyspec.gpu.tune import moe_key_name
+        from hyspec.kernels.moe.grouped import MOE_BUILTIN
+
         result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
-                                  "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()}}
+                                  "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()},
+                                  "moe_builtin": {moe_key_name(("moe",) + k): c for k, c in MOE_BUILTIN.items()}}
     return step_bytes, draft_bytes
 
 

@@ -352,7 +352,10 @@ class TritonRunner:
         moe, cfg = layer.moe, self.cfg
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         x = normed[:t]
-        logits = self.mm(x, layer.router, self._buf("router", t, layer.router.shape[0]))  # [t, E (+1)]
+        # [t, E (+1)]; exact mode: possibly the split-K partials, which the route kernel sums
+        # (one launch fewer), unless the shared gate's column is needed by itself below
+        logits = self.mm(x, layer.router, self._buf("router", t, layer.router.shape[0]),
+                         defer=layer.fuse_shared or not moe.has_shared)
         buf = self.moe_buf
         if t > buf.rows:  # an eager call past the static rows
             buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
@@ -367,8 +370,8 @@ class TritonRunner:
             sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))
             shared = self.mm(sgu, layer.sh_down, self._buf("sh_out", t), act=True)
             gate = logits[:, E:E + 1]
-        return moe_grouped(x, logits[:, :E], layer.ex_gu, layer.ex_down, buf, out, shared=shared, shared_gate=gate,
-                           **kw)
+        return moe_grouped(x, logits if gate is None else logits[:, :E], layer.ex_gu, layer.ex_down, buf, out,
+                           shared=shared, shared_gate=gate, **kw)
 
     def logits(self, h):
         t = h.shape[0]

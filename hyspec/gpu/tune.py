@@ -29,6 +29,71 @@ def model_shapes(runner) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
+def moe_shapes(runner) -> list[tuple]:
+    """The expert matmuls of the runner's MoE layers (hyspec.kernels.moe.grouped), as
+    ("moe", N, K, act, FP8 block K or None): gate|up (act False) and down (act True)."""
+    from hyspec.quant import Fp8Weight
+
+    keys = set()
+    layers = list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else [])
+    for L in layers:
+        if getattr(L, "moe", None) is None or getattr(L, "ex_gu", None) is None:
+            continue
+        for w, act in ((L.ex_gu, False), (L.ex_down, True)):
+            fp8 = isinstance(w, Fp8Weight)
+            w8 = w.w if fp8 else w
+            keys.add(("moe", int(w8.shape[1]), int(w8.shape[2]), act, int(w.block[1]) if fp8 else None))
+    return sorted(keys, key=str)
+
+
+def moe_key_name(key: tuple) -> str:
+    """("moe", N, K, act, qb_k) as text for a JSON key, e.g. "1024x2048xin" / "2048x512xactxfp8-128"."""
+    _, N, K, act, qb = key
+    return f"{N}x{K}x{'act' if act else 'in'}" + (f"xfp8-{qb}" if qb else "")
+
+
+def parse_moe_key(name: str) -> tuple:
+    parts = name.split("x")
+    qb = int(parts[3].split("-")[1]) if len(parts) > 3 else None
+    return int(parts[0]), int(parts[1]), parts[2] == "act", qb
+
+
+def _moe_candidates(key: tuple, cur: dict) -> list[dict]:
+    """One-parameter moves around an expert matmul's tile (BN, BK, WT, warps, stages)."""
+    from hyspec.kernels.moe.grouped import MOE_TUNED, gemm_config
+
+    _, N, K, act, qb = key
+    saved = MOE_TUNED.get(key[1:])
+    MOE_TUNED[key[1:]] = dict(cur)
+    try:
+        c0 = gemm_config(N, K, act, qb)
+    finally:
+        if saved is None:
+            MOE_TUNED.pop(key[1:], None)
+        else:
+            MOE_TUNED[key[1:]] = saved
+    out = []
+
+    def add(**kw):
+        c = dict(c0, **kw)
+        if c["BN"] < 16 or c["BN"] > 256 or c["BK"] < 16 or c["BK"] > K or (qb and qb % c["BK"]):
+            return
+        if c not in out and c != c0:
+            out.append(c)
+
+    for bn in (c0["BN"] // 2, c0["BN"] * 2):
+        add(BN=bn)
+    for bk in (64, 128, 256):
+        add(BK=bk)
+    for w in (2, 4, 8):
+        add(num_warps=w)
+    for st in (2, 3, 4, 5):
+        add(num_stages=st)
+    add(WT=not c0["WT"])
+    add(BN=c0["BN"] * 2, num_warps=8)
+    return [c0] + out
+
+
 def _candidates(N: int, K: int, cur: dict) -> list[dict]:
     """One-parameter moves around ``cur`` (block_n, block_k, split_k, num_warps, num_stages)."""
     base = skinny_config(N, K, **cur)
@@ -59,6 +124,10 @@ def _candidates(N: int, K: int, cur: dict) -> list[dict]:
     return [c0] + out
 
 
+def _name(s: tuple) -> str:
+    return "moe " + moe_key_name(s) if s[0] == "moe" else f"{s[0]}x{s[1]}"
+
+
 def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=print) -> dict:
     """Pick each weight shape's skinny-GEMM config by the time of the *whole decode step*
     (a CUDA graph of the real step, every other shape fixed), one shape at a time, largest
@@ -66,15 +135,27 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     stream best between the step's small kernels.  ``dec`` is a FastDecoder (triton
     runner, graphs) after a prefill; its state is left unchanged.  Installs the table
     (``set_tuned``) and returns {(N, K): {"config", "step_ms", "start_step_ms", "tried"}}.
-    Configs still depend on (N, K) only, so row invariance is untouched."""
+    Keys of the form ("moe", N, K, act, qb_k) (``moe_shapes``) tune the grouped MoE path's
+    expert matmuls the same way (``set_moe_tuned``).
+    Configs still depend on the shape only, so row invariance is untouched."""
     from hyspec.kernels.matmul import BUILTIN, TUNED
+    from hyspec.kernels.moe.grouped import MOE_BUILTIN, MOE_TUNED, set_moe_tuned
 
-    table = {s: dict(TUNED.get(s) or BUILTIN.get(s, {})) for s in shapes}
+    def start(s):
+        if s[0] == "moe":
+            return dict(MOE_TUNED.get(s[1:]) or MOE_BUILTIN.get(s[1:], {}))
+        return dict(TUNED.get(s) or BUILTIN.get(s, {}))
+
+    table = {s: start(s) for s in shapes}
     graphs = dec.step_graphs
     snap = graphs.snapshot()
 
+    def install():
+        set_tuned({s: c for s, c in table.items() if s[0] != "moe"})
+        set_moe_tuned({s[1:]: c for s, c in table.items() if s[0] == "moe"})
+
     def step_ms() -> float:
-        set_tuned(table)
+        install()
         dec.runner._workspaces.clear()
         graphs.graphs.pop(("decode",), None)
         dec.decode_step_capture_only()
@@ -102,12 +183,14 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     start = cur_ms = step_ms()
     log(f"  in-step tune: start {start:.4f} ms/step")
     out = {}
-    weights = {s: s[0] * s[1] for s in shapes}
+    per_step = dec.runner.cfg.num_experts_per_tok + 1 if getattr(dec.runner.cfg, "num_experts", 0) else 1
+    weights = {s: s[1] * s[2] * per_step if s[0] == "moe" else s[0] * s[1] for s in shapes}
     order = sorted(shapes, key=lambda s: -weights[s])
     seen = {s: [] for s in shapes}
     for s in order + order:  # two passes of one-parameter moves while the budget lasts
         tried = []
-        for c in _candidates(s[0], s[1], table[s])[1:]:
+        cands = _moe_candidates(s, table[s]) if s[0] == "moe" else _candidates(s[0], s[1], table[s])
+        for c in cands[1:]:
             if c in seen[s]:
                 continue
             seen[s].append(c)
@@ -118,7 +201,7 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
             try:
                 ms = step_ms()
             except Exception as e:  # e.g. out of shared memory for a large tile
-                log(f"  in-step tune {s[0]}x{s[1]} {c}: {type(e).__name__}")
+                log(f"  in-step tune {_name(s)} {c}: {type(e).__name__}")
                 table[s] = old
                 continue
             tried.append((ms, c))
@@ -127,8 +210,8 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
             else:
                 table[s] = old
         out[s] = {"config": table[s], "step_ms": cur_ms, "tried": len(seen[s])}
-        log(f"  in-step tune {s[0]}x{s[1]}: {table[s]} -> step {cur_ms:.4f} ms ({len(tried)} tried)")
-    set_tuned(table)
+        log(f"  in-step tune {_name(s)}: {table[s]} -> step {cur_ms:.4f} ms ({len(tried)} tried)")
+    install()
     dec.runner._workspaces.clear()
     graphs.graphs.clear()
     for v in out.values():

@@ -1,7 +1,8 @@
 """Grouped MoE for decode / verify: every routed expert's weights read once per step.
 
-A fixed sequence of five kernels per MoE layer (router logits come from the skinny
-matmul, the shared expert from the runner's own matmuls):
+A fixed sequence of five kernels per MoE layer, four for a few rows (router logits come
+from the skinny matmul, possibly still as split-K partials that ``route`` sums; the shared
+expert from the runner's own matmuls unless fused, below):
 
 1. ``route`` (one program per row): fp32 softmax of the router logits, top-k (largest
    first, ties to the lowest expert id), ``norm_topk_prob`` renormalisation; writes the
@@ -18,13 +19,17 @@ matmul, the shared expert from the runner's own matmuls):
 5. ``combine`` (one program per (row, BH outputs)): sum over the row's k slots in slot
    order of ``weight * y`` in fp32, plus sigmoid(shared gate) * shared expert, rounded once.
 
+Up to ``ROUTE_ALIGN_ROWS`` rows (decode, a single sequence's verify), 1 and 2 run as one
+single-program kernel ``route_align`` (the rows one after the other, one warp), with the
+same per-row arithmetic.
+
 The shared expert, when its weights lie like one routed expert's (``can_fuse_shared``:
 Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B, shared and routed intermediate 512), runs inside
 the same kernels as expert E: the router matmul carries the shared gate as its column E,
 ``route`` gives every row the extra slot k (expert E, weight sigmoid(gate)), the gemms
-read its weights through a second base pointer. Seven launches per MoE layer then
-(router matmul + its split-K reduction, route, align, two gemms, combine) instead of
-twelve or so with the shared expert's own matmuls.
+read its weights through a second base pointer. Five launches per MoE layer then for a
+few rows (router matmul, route_align, two gemms, combine; six past ROUTE_ALIGN_ROWS) instead
+of twelve or so with the shared expert's own matmuls and the router's split-K reduction.
 
 Row invariance (exact mode, speculative == plain): every number of row r comes from row
 r's inputs only. The router is per row; an expert tile's ``tl.dot`` never mixes rows (the
@@ -43,9 +48,14 @@ import torch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 
-__all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "can_fuse_shared", "BLOCK_M"]
+__all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "can_fuse_shared", "BLOCK_M", "gemm_config", "set_moe_tuned",
+           "MOE_TUNED", "MOE_BUILTIN"]
 
 BLOCK_M = 16  # rows per expert tile (a tl.dot needs >= 16)
+# Up to this many rows, route + align run as one single-program kernel (_route_align), one
+# launch fewer per MoE layer; past it, one route program per row. Same bits either way.
+ROUTE_ALIGN_ROWS = 8
+ROUTE_ALIGN_WARPS = 1  # the top-k's max / min reductions then stay inside one warp
 
 
 def moe_tiles(rows: int, n_experts: int, top_k: int, block_m: int = BLOCK_M) -> int:
@@ -84,80 +94,97 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T", "E"])
-    def _route(logits_ptr, s_l, ids_ptr, w_ptr, rank_ptr, cnt_ptr, T, E,
-               TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr,
-               SH: tl.constexpr = False, KS: tl.constexpr = 1, PDL: tl.constexpr = False):
-        # KS slots per row: the TOPK routed ones, and with SH the shared expert (expert E, slot
-        # TOPK, weight sigmoid(logits[t, E]): the router matmul's extra column, the shared gate)
+    @triton.jit(do_not_specialize=["T", "Q", "E", "EA", "TILES", "S"])
+    def _route_align(lg_ptr, s_ls, s_lt, S, x_ptr, ids_ptr, w_ptr, rank_ptr, cnt_ptr, tile_start_ptr,
+                     tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr, T, Q, E, EA, TILES,
+                     TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr,
+                     SH: tl.constexpr, KS: tl.constexpr, PART: tl.constexpr, EBA: tl.constexpr, BM: tl.constexpr,
+                     QBLK: tl.constexpr, STATS: tl.constexpr, ROUTE: tl.constexpr, ALIGN: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        # ROUTE only: "route", one program per row. ALIGN only: "align", one program.
+        # Both: one program routes the rows one after the other, then aligns (a launch
+        # fewer for a few rows). A row's numbers are the same in every mode.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        t = tl.program_id(0)
-        offs = tl.arange(0, EB)
-        m = offs < E
-        lg = tl.load(logits_ptr + t * s_l + offs, mask=m, other=float("-inf")).to(tl.float32)
-        mx = tl.max(lg, 0)
-        ex = tl.where(m, tl.exp(lg - mx), 0.0)
-        p = ex / tl.sum(ex, 0)
-        ps = tl.where(m, p, -1.0)
-        kk = tl.arange(0, KB)
-        wv = tl.zeros([KB], dtype=tl.float32)
-        iv = tl.zeros([KB], dtype=tl.int32)
-        for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
-            v = tl.max(ps, 0)
-            i = tl.min(tl.where(ps == v, offs, EB), 0)
-            wv = tl.where(kk == j, v, wv)
-            iv = tl.where(kk == j, i, iv)
-            ps = tl.where(offs == i, -2.0, ps)
-        if RENORM:
-            wv = wv / tl.sum(wv, 0)
-        if SH:
-            g = tl.load(logits_ptr + t * s_l + E).to(tl.float32)
-            wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
-            iv = tl.where(kk == TOPK, E, iv)
-        mk = kk < KS
-        tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
-        tl.store(w_ptr + t * KS + kk, wv, mask=mk)
-        r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)
-        tl.store(rank_ptr + t * KS + kk, r, mask=mk)
-
-    @triton.jit(do_not_specialize=["T", "Q", "E", "TILES"])
-    def _align(ids_ptr, rank_ptr, cnt_ptr, tile_start_ptr, tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr,
-               T, Q, E, TILES, NR, EB: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
-               PDL: tl.constexpr = False):
-        # E experts in the tiles (the routed NR, and the shared expert when fused)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        offs_e = tl.arange(0, EB)
-        me = offs_e < E
-        c = tl.load(cnt_ptr + offs_e, mask=me, other=0)
-        nt = (c + BM - 1) // BM
-        ts = tl.cumsum(nt, 0) - nt  # exclusive prefix sum: first tile of each expert
-        tl.store(tile_start_ptr + offs_e, ts, mask=me)
-        tl.store(cnt_ptr + offs_e, tl.zeros([EB], dtype=tl.int32), mask=me)  # ready for the next call
-        if STATS:  # [sum of distinct experts, calls] of this row count
-            distinct = tl.sum(tl.where((c > 0) & (offs_e < NR), 1, 0), 0).to(tl.int64)  # routed ones
-            tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
-            tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
-        for i0 in range(0, TILES, QBLK):
-            o = i0 + tl.arange(0, QBLK)
-            tl.store(tile_expert_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES)
-        for i0 in range(0, TILES * BM, QBLK):
-            o = i0 + tl.arange(0, QBLK)
-            tl.store(pairs_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES * BM)
-        tl.debug_barrier()  # the clears and tile_start are visible to every thread below
-        for j in range(0, tl.cdiv(T, BM)):  # an expert has at most T pairs (top-k ids are distinct)
-            tl.store(tile_expert_ptr + ts + j, offs_e, mask=me & (j < nt))
-        for q0 in range(0, Q, QBLK):
-            q = q0 + tl.arange(0, QBLK)
-            mq = q < Q
-            e = tl.load(ids_ptr + q, mask=mq, other=0)
-            r = tl.load(rank_ptr + q, mask=mq, other=0)
-            slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + r
-            tl.store(pairs_ptr + slot, q, mask=mq)
-            tl.store(slot_ptr + q, slot, mask=mq)
+        if ROUTE:
+            if ALIGN:
+                t_lo, t_hi = 0, T
+            else:
+                t_lo = tl.program_id(0)
+                t_hi = t_lo + 1
+            offs = tl.arange(0, EB)
+            m = offs < E
+            kk = tl.arange(0, KB)
+            mk = kk < KS
+            for t in range(t_lo, t_hi):
+                # row t's logits: with PART the router matmul's S split-K partials (fp32),
+                # summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
+                # kernel would write. KS slots per row: the TOPK routed ones, and with SH the
+                # shared expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router
+                # matmul's extra column, the shared gate)
+                lg = tl.load(lg_ptr + t * s_lt + offs, mask=m, other=0.0).to(tl.float32)
+                g = tl.load(lg_ptr + t * s_lt + E, mask=SH, other=0.0).to(tl.float32)
+                if PART:
+                    for sp in range(1, S):
+                        lg += tl.load(lg_ptr + sp * s_ls + t * s_lt + offs, mask=m, other=0.0)
+                        g += tl.load(lg_ptr + sp * s_ls + t * s_lt + E, mask=SH, other=0.0)
+                    lg = lg.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+                lg = tl.where(m, lg, float("-inf"))
+                mx = tl.max(lg, 0)
+                ex = tl.where(m, tl.exp(lg - mx), 0.0)
+                p = ex / tl.sum(ex, 0)
+                ps = tl.where(m, p, -1.0)
+                wv = tl.zeros([KB], dtype=tl.float32)
+                iv = tl.zeros([KB], dtype=tl.int32)
+                for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
+                    v = tl.max(ps, 0)
+                    i = tl.min(tl.where(ps == v, offs, EB), 0)
+                    wv = tl.where(kk == j, v, wv)
+                    iv = tl.where(kk == j, i, iv)
+                    ps = tl.where(offs == i, -2.0, ps)
+                if RENORM:
+                    wv = wv / tl.sum(wv, 0)
+                if SH:
+                    wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
+                    iv = tl.where(kk == TOPK, E, iv)
+                tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
+                tl.store(w_ptr + t * KS + kk, wv, mask=mk)
+                r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)  # the pair's rank among its expert's pairs
+                tl.store(rank_ptr + t * KS + kk, r, mask=mk)
+        if ALIGN:
+            # EA experts in the tiles (the routed E, and the shared expert when fused)
+            if ROUTE:
+                tl.debug_barrier()  # every row's ranks are taken
+            offs_e = tl.arange(0, EBA)
+            me = offs_e < EA
+            c = tl.atomic_xchg(cnt_ptr + offs_e, tl.zeros([EBA], dtype=tl.int32), mask=me)  # read, reset
+            c = tl.where(me, c, 0)
+            nt = (c + BM - 1) // BM
+            ts = tl.cumsum(nt, 0) - nt  # exclusive prefix sum: first tile of each expert
+            tl.store(tile_start_ptr + offs_e, ts, mask=me)
+            if STATS:  # [sum of distinct experts, calls] of this row count
+                distinct = tl.sum(tl.where((c > 0) & (offs_e < E), 1, 0), 0).to(tl.int64)  # routed ones
+                tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
+                tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
+            for i0 in range(0, TILES, QBLK):
+                o = i0 + tl.arange(0, QBLK)
+                tl.store(tile_expert_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES)
+            for i0 in range(0, TILES * BM, QBLK):
+                o = i0 + tl.arange(0, QBLK)
+                tl.store(pairs_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES * BM)
+            tl.debug_barrier()  # the clears and tile_start are visible to every thread below
+            for j in range(0, tl.cdiv(T, BM)):  # an expert has at most T pairs (top-k ids are distinct)
+                tl.store(tile_expert_ptr + ts + j, offs_e, mask=me & (j < nt))
+            for q0 in range(0, Q, QBLK):
+                q = q0 + tl.arange(0, QBLK)
+                mq = q < Q
+                e = tl.load(ids_ptr + q, mask=mq, other=0)
+                r = tl.load(rank_ptr + q, mask=mq, other=0)
+                slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + r
+                tl.store(pairs_ptr + slot, q, mask=mq)
+                tl.store(slot_ptr + q, slot, mask=mq)
 
     @triton.jit
     def _gemm(x_ptr, s_x, w_ptr, s_we, s_wn, s_wk, sc_ptr, s_se, s_sn, s_sk, rows_ptr, sh_w_ptr, sh_sc_ptr,
@@ -271,7 +298,22 @@ def _kernels():
             acc += gate * tl.load(sh_ptr + t * s_sh + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * s_o + offs, acc.to(DT), mask=m)
 
-    return dict(route=_route, align=_align, gemm=_gemm, combine=_combine)
+    return dict(route_align=_route_align, gemm=_gemm, combine=_combine)
+
+
+# Expert-matmul tiles picked on the GPU (hyspec.gpu.tune.tune_in_step: timed inside the
+# decode step's CUDA graph), keyed by (N, K, act, FP8 block K or None) -- the shape only, so
+# the row invariance holds whatever is chosen. Values override gemm_config's defaults.
+MOE_TUNED: dict[tuple, dict] = {}
+# Picked on the H200 for the presets' expert shapes (bench/results/qwen3.5-35b-a3b_h200.json's
+# tuned_moe_gemm); used where MOE_TUNED has no entry.
+MOE_BUILTIN: dict[tuple, dict] = {}
+
+
+def set_moe_tuned(table: dict) -> None:
+    """Replace the tuned expert-matmul tiles (keys (N, K, act, qb_k), values gemm_config keys)."""
+    MOE_TUNED.clear()
+    MOE_TUNED.update(table)
 
 
 def gemm_config(N: int, K: int, act: bool, qb_k: int | None) -> dict:
@@ -281,7 +323,12 @@ def gemm_config(N: int, K: int, act: bool, qb_k: int | None) -> dict:
     if qb_k is not None:
         while bk > 16 and qb_k % bk:
             bk //= 2
-    return dict(BN=bn, BK=bk, WT=act)
+    cfg = dict(BN=bn, BK=bk, WT=act, num_warps=4, num_stages=3)
+    key = (N, K, bool(act), qb_k)
+    cfg.update(MOE_TUNED.get(key) or MOE_BUILTIN.get(key) or {})
+    if qb_k is not None and qb_k % cfg["BK"]:
+        raise ValueError(f"moe gemm config for {key}: BK {cfg['BK']} does not divide the FP8 block {qb_k}")
+    return cfg
 
 
 def _same_layout(a, b) -> bool:
@@ -331,7 +378,7 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
         N, K, xdiv if gather else 1, K if act else 0, n_routed,
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
         ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
-        num_warps=4, **launch_kwargs())
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs())
 
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
@@ -339,7 +386,10 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
                 shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
-    logits [T, E] the router's output; gate_up [E, 2I, H] and down [E, H, I] as tensors or
+    logits [T, E] the router's output, or its split-K partials (a
+    hyspec.kernels.common.SplitPartials over [S, >=T, E], from skinny_matmul(defer=True)):
+    the route kernel then sums them in order 0..S-1 and rounds to x's dtype, the bits the
+    reduce kernel would have written, with one launch fewer; gate_up [E, 2I, H] and down [E, H, I] as tensors or
     hyspec.quant.Fp8Weight. The shared expert, either
     * fused (``shared_experts=(gate_up [2I, H], down [H, I])`` laid out like one routed
       expert, can_fuse_shared): logits [T, E + 1], column E the shared gate's logit; the
@@ -348,6 +398,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     or absent. stats: int64 [>= T+1, 2], row T gets (distinct routed experts, 1) per call."""
     from hyspec.kernels.pdl import launch_kwargs
 
+    from hyspec.kernels.common import SplitPartials
+
     T, H = x.shape
     E = gate_up.shape[0]
     fused = shared_experts is not None
@@ -355,20 +407,30 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     if T > buf.rows or e_all > buf.n_experts or slots > buf.top_k:
         raise ValueError(f"moe_grouped: {T} rows, {e_all} experts, {slots} slots per row exceed the buffers' "
                          f"{buf.rows}, {buf.n_experts}, {buf.top_k}")
-    if logits.shape != (T, e_all):
-        raise ValueError(f"moe_grouped: logits must be [{T}, {e_all}], got {tuple(logits.shape)}")
+    part = isinstance(logits, SplitPartials)
+    lg = logits.ws if part else logits
+    if lg.dim() != (3 if part else 2) or lg.shape[-2] < T or lg.shape[-1] != e_all or (not part and lg.shape[0] != T):
+        raise ValueError(f"moe_grouped: logits must be [{T}, {e_all}], got {tuple(lg.shape)}")
+    if lg.stride(-1) != 1:
+        raise ValueError("moe_grouped: the logits' last dimension must be contiguous")
     if fused and shared is not None:
         raise ValueError("moe_grouped: give the shared expert fused (shared_experts) or as its output, not both")
     ks = _kernels()
     lk = launch_kwargs()
     q = T * slots
     tiles = moe_tiles(T, e_all, slots, buf.block_m)
-    ks["route"][(T,)](logits, logits.stride(0), buf.ids, buf.wts, buf.rank, buf.cnt, T, E,
-                      TOPK=top_k, EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, num_warps=4, **lk)
+    s_ls, s_lt, n_split = (lg.stride(0), lg.stride(1), logits.S) if part else (0, lg.stride(0), 1)
     use_stats = stats is not None and stats.shape[0] > T
-    ks["align"][(1,)](buf.ids, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert, buf.pairs, buf.slot,
-                      stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
-                      QBLK=min(1024, max(16, p2(buf.rows * buf.top_k))), STATS=use_stats, num_warps=4, **lk)
+    qblk = min(1024, max(16, p2(buf.rows * buf.top_k)))
+    args = (lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert,
+            buf.pairs, buf.slot, stats if use_stats else buf.ids, T, q, E, e_all, tiles)
+    kw = dict(TOPK=top_k, EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part,
+              EBA=p2(buf.n_experts), BM=buf.block_m, QBLK=qblk, STATS=use_stats, **lk)
+    if T <= ROUTE_ALIGN_ROWS:  # one program: route every row, then align
+        ks["route_align"][(1,)](*args, ROUTE=True, ALIGN=True, num_warps=ROUTE_ALIGN_WARPS, **kw)
+    else:  # one route program per row, then the align program
+        ks["route_align"][(T,)](*args, ROUTE=True, ALIGN=False, num_warps=4, **kw)
+        ks["route_align"][(1,)](*args, ROUTE=False, ALIGN=True, num_warps=4, **kw)
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
