@@ -85,12 +85,11 @@ def test_moe_grouped_shared_expert_fused_as_expert_e():
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])
-def test_route_align_one_program_and_split_partials_change_no_bit(monkeypatch, fused):
-    """Up to ROUTE_ALIGN_ROWS rows the route and align run as one program, past it as two
-    kernels; the router logits may come as split-K partials that the route kernel sums.
-    Every combination gives the same bits and the same distinct-expert count."""
+def test_router_split_partials_change_no_bit(fused):
+    """The router logits may come as split-K partials, which the route kernel sums in order
+    and rounds (the reduce kernel's bits): the same output and distinct-expert count as the
+    reduced logits."""
     from hyspec.kernels.common import SplitPartials
-    from hyspec.kernels.moe import grouped
 
     gu, dn = experts(False)
     sh = (gu[0], dn[0]) if fused else None
@@ -100,16 +99,14 @@ def test_route_align_one_program_and_split_partials_change_no_bit(monkeypatch, f
     partials = SplitPartials(torch.cat([parts, torch.zeros(3, 2, cols)], 1), 3)  # workspace rows past T
     reduced = partials.value(T, torch.float32)
     results = []
-    for rows in (8, 0):  # T = 5 rows: one program, then the two kernels
-        monkeypatch.setattr(grouped, "ROUTE_ALIGN_ROWS", rows)
-        for lg in (reduced, partials):
-            stats = torch.zeros(9, 2, dtype=torch.int64)
-            results.append((run(x, lg, gu, dn, stats=stats, fused=sh), stats[T].tolist()))
-    y0, s0 = results[0]
+    for lg in (reduced, partials):
+        stats = torch.zeros(9, 2, dtype=torch.int64)
+        results.append((run(x, lg, gu, dn, stats=stats, fused=sh), stats[T].tolist()))
+    (y0, s0), (y1, s1) = results
     assert_rel("moe vs ref", y0, moe_grouped_ref(x, reduced, gu, dn, top_k=K_TOP, renorm=True,
                                                  shared_experts=sh), 1e-5)
-    for y, st in results[1:]:
-        assert torch.equal(y, y0) and st == s0
+    assert torch.equal(y1, y0) and s1 == s0
+    assert torch.equal(run(x[1:2], SplitPartials(partials.ws[:, 1:], 3), gu, dn, fused=sh)[0], y0[1])
 
 
 def test_moe_tuned_tiles_are_used_and_stay_exact(monkeypatch):

@@ -1,8 +1,8 @@
 """Grouped MoE for decode / verify: every routed expert's weights read once per step.
 
-A fixed sequence of five kernels per MoE layer, four for a few rows (router logits come
-from the skinny matmul, possibly still as split-K partials that ``route`` sums; the shared
-expert from the runner's own matmuls unless fused, below):
+A fixed sequence of five kernels per MoE layer (router logits come from the skinny matmul,
+possibly still as split-K partials that ``route`` sums; the shared expert from the runner's
+own matmuls unless fused, below):
 
 1. ``route`` (one program per row): fp32 softmax of the router logits, top-k (largest
    first, ties to the lowest expert id), ``norm_topk_prob`` renormalisation; writes the
@@ -19,17 +19,20 @@ expert from the runner's own matmuls unless fused, below):
 5. ``combine`` (one program per (row, BH outputs)): sum over the row's k slots in slot
    order of ``weight * y`` in fp32, plus sigmoid(shared gate) * shared expert, rounded once.
 
-Up to ``ROUTE_ALIGN_ROWS`` rows (decode, a single sequence's verify), 1 and 2 run as one
-single-program kernel ``route_align`` (the rows one after the other, one warp), with the
-same per-row arithmetic.
+(Route and align as one single-program kernel for a few rows, one warp, was tried at
+5d1a7f7 and dropped: on the H200 the 35B decode step did not get faster, that run's verify
+steps were 0.2-0.35 ms slower (with tuned expert tiles too, so not all of it is the fused
+kernel), and launched with another number of warps than the per-row route it broke the
+row invariance on the GPU -- the softmax's sum then runs in another order -- which
+tests/test_gpu_fp8_moe.py caught and the interpreter cannot.)
 
 The shared expert, when its weights lie like one routed expert's (``can_fuse_shared``:
 Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B, shared and routed intermediate 512), runs inside
 the same kernels as expert E: the router matmul carries the shared gate as its column E,
 ``route`` gives every row the extra slot k (expert E, weight sigmoid(gate)), the gemms
-read its weights through a second base pointer. Five launches per MoE layer then for a
-few rows (router matmul, route_align, two gemms, combine; six past ROUTE_ALIGN_ROWS) instead
-of twelve or so with the shared expert's own matmuls and the router's split-K reduction.
+read its weights through a second base pointer. Six launches per MoE layer then (router
+matmul, route, align, two gemms, combine) instead of twelve or so with the shared expert's
+own matmuls and the router's split-K reduction.
 
 Row invariance (exact mode, speculative == plain): every number of row r comes from row
 r's inputs only. The router is per row; an expert tile's ``tl.dot`` never mixes rows (the
@@ -52,10 +55,6 @@ __all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "can_fuse_shared", "BLOCK_M
            "MOE_TUNED", "MOE_BUILTIN"]
 
 BLOCK_M = 16  # rows per expert tile (a tl.dot needs >= 16)
-# Up to this many rows, route + align run as one single-program kernel (_route_align), one
-# launch fewer per MoE layer; past it, one route program per row. Same bits either way.
-ROUTE_ALIGN_ROWS = 8
-ROUTE_ALIGN_WARPS = 1  # the top-k's max / min reductions then stay inside one warp
 
 
 def moe_tiles(rows: int, n_experts: int, top_k: int, block_m: int = BLOCK_M) -> int:
@@ -94,97 +93,91 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T", "Q", "E", "EA", "TILES", "S"])
-    def _route_align(lg_ptr, s_ls, s_lt, S, x_ptr, ids_ptr, w_ptr, rank_ptr, cnt_ptr, tile_start_ptr,
-                     tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr, T, Q, E, EA, TILES,
-                     TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr,
-                     SH: tl.constexpr, KS: tl.constexpr, PART: tl.constexpr, EBA: tl.constexpr, BM: tl.constexpr,
-                     QBLK: tl.constexpr, STATS: tl.constexpr, ROUTE: tl.constexpr, ALIGN: tl.constexpr,
-                     PDL: tl.constexpr = False):
-        # ROUTE only: "route", one program per row. ALIGN only: "align", one program.
-        # Both: one program routes the rows one after the other, then aligns (a launch
-        # fewer for a few rows). A row's numbers are the same in every mode.
+    @triton.jit(do_not_specialize=["T", "E", "S"])
+    def _route(lg_ptr, s_ls, s_lt, S, x_ptr, ids_ptr, w_ptr, rank_ptr, cnt_ptr, T, E,
+               TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr, SH: tl.constexpr,
+               KS: tl.constexpr, PART: tl.constexpr, PDL: tl.constexpr = False):
+        # Row t = program_id. Its logits: with PART the router matmul's S split-K partials
+        # (fp32), summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
+        # kernel would write. KS slots per row: the TOPK routed ones, and with SH the shared
+        # expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router matmul's
+        # extra column, the shared gate). Always launched with the same num_warps: the
+        # softmax's and top-k's reductions are then in one fixed order for every row count.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        if ROUTE:
-            if ALIGN:
-                t_lo, t_hi = 0, T
-            else:
-                t_lo = tl.program_id(0)
-                t_hi = t_lo + 1
-            offs = tl.arange(0, EB)
-            m = offs < E
-            kk = tl.arange(0, KB)
-            mk = kk < KS
-            for t in range(t_lo, t_hi):
-                # row t's logits: with PART the router matmul's S split-K partials (fp32),
-                # summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
-                # kernel would write. KS slots per row: the TOPK routed ones, and with SH the
-                # shared expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router
-                # matmul's extra column, the shared gate)
-                lg = tl.load(lg_ptr + t * s_lt + offs, mask=m, other=0.0).to(tl.float32)
-                g = tl.load(lg_ptr + t * s_lt + E, mask=SH, other=0.0).to(tl.float32)
-                if PART:
-                    for sp in range(1, S):
-                        lg += tl.load(lg_ptr + sp * s_ls + t * s_lt + offs, mask=m, other=0.0)
-                        g += tl.load(lg_ptr + sp * s_ls + t * s_lt + E, mask=SH, other=0.0)
-                    lg = lg.to(x_ptr.dtype.element_ty).to(tl.float32)
-                    g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
-                lg = tl.where(m, lg, float("-inf"))
-                mx = tl.max(lg, 0)
-                ex = tl.where(m, tl.exp(lg - mx), 0.0)
-                p = ex / tl.sum(ex, 0)
-                ps = tl.where(m, p, -1.0)
-                wv = tl.zeros([KB], dtype=tl.float32)
-                iv = tl.zeros([KB], dtype=tl.int32)
-                for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
-                    v = tl.max(ps, 0)
-                    i = tl.min(tl.where(ps == v, offs, EB), 0)
-                    wv = tl.where(kk == j, v, wv)
-                    iv = tl.where(kk == j, i, iv)
-                    ps = tl.where(offs == i, -2.0, ps)
-                if RENORM:
-                    wv = wv / tl.sum(wv, 0)
-                if SH:
-                    wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
-                    iv = tl.where(kk == TOPK, E, iv)
-                tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
-                tl.store(w_ptr + t * KS + kk, wv, mask=mk)
-                r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)  # the pair's rank among its expert's pairs
-                tl.store(rank_ptr + t * KS + kk, r, mask=mk)
-        if ALIGN:
-            # EA experts in the tiles (the routed E, and the shared expert when fused)
-            if ROUTE:
-                tl.debug_barrier()  # every row's ranks are taken
-            offs_e = tl.arange(0, EBA)
-            me = offs_e < EA
-            c = tl.atomic_xchg(cnt_ptr + offs_e, tl.zeros([EBA], dtype=tl.int32), mask=me)  # read, reset
-            c = tl.where(me, c, 0)
-            nt = (c + BM - 1) // BM
-            ts = tl.cumsum(nt, 0) - nt  # exclusive prefix sum: first tile of each expert
-            tl.store(tile_start_ptr + offs_e, ts, mask=me)
-            if STATS:  # [sum of distinct experts, calls] of this row count
-                distinct = tl.sum(tl.where((c > 0) & (offs_e < E), 1, 0), 0).to(tl.int64)  # routed ones
-                tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
-                tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
-            for i0 in range(0, TILES, QBLK):
-                o = i0 + tl.arange(0, QBLK)
-                tl.store(tile_expert_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES)
-            for i0 in range(0, TILES * BM, QBLK):
-                o = i0 + tl.arange(0, QBLK)
-                tl.store(pairs_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES * BM)
-            tl.debug_barrier()  # the clears and tile_start are visible to every thread below
-            for j in range(0, tl.cdiv(T, BM)):  # an expert has at most T pairs (top-k ids are distinct)
-                tl.store(tile_expert_ptr + ts + j, offs_e, mask=me & (j < nt))
-            for q0 in range(0, Q, QBLK):
-                q = q0 + tl.arange(0, QBLK)
-                mq = q < Q
-                e = tl.load(ids_ptr + q, mask=mq, other=0)
-                r = tl.load(rank_ptr + q, mask=mq, other=0)
-                slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + r
-                tl.store(pairs_ptr + slot, q, mask=mq)
-                tl.store(slot_ptr + q, slot, mask=mq)
+        t = tl.program_id(0)
+        offs = tl.arange(0, EB)
+        m = offs < E
+        kk = tl.arange(0, KB)
+        mk = kk < KS
+        lg = tl.load(lg_ptr + t * s_lt + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(lg_ptr + t * s_lt + E, mask=SH, other=0.0).to(tl.float32)
+        if PART:
+            for sp in range(1, S):
+                lg += tl.load(lg_ptr + sp * s_ls + t * s_lt + offs, mask=m, other=0.0)
+                g += tl.load(lg_ptr + sp * s_ls + t * s_lt + E, mask=SH, other=0.0)
+            lg = lg.to(x_ptr.dtype.element_ty).to(tl.float32)
+            g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+        lg = tl.where(m, lg, float("-inf"))
+        mx = tl.max(lg, 0)
+        ex = tl.where(m, tl.exp(lg - mx), 0.0)
+        p = ex / tl.sum(ex, 0)
+        ps = tl.where(m, p, -1.0)
+        wv = tl.zeros([KB], dtype=tl.float32)
+        iv = tl.zeros([KB], dtype=tl.int32)
+        for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
+            v = tl.max(ps, 0)
+            i = tl.min(tl.where(ps == v, offs, EB), 0)
+            wv = tl.where(kk == j, v, wv)
+            iv = tl.where(kk == j, i, iv)
+            ps = tl.where(offs == i, -2.0, ps)
+        if RENORM:
+            wv = wv / tl.sum(wv, 0)
+        if SH:
+            wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
+            iv = tl.where(kk == TOPK, E, iv)
+        tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
+        tl.store(w_ptr + t * KS + kk, wv, mask=mk)
+        r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)  # the pair's rank among its expert's pairs
+        tl.store(rank_ptr + t * KS + kk, r, mask=mk)
+
+    @triton.jit(do_not_specialize=["T", "Q", "E", "TILES"])
+    def _align(ids_ptr, rank_ptr, cnt_ptr, tile_start_ptr, tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr,
+               T, Q, E, TILES, NR, EB: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
+               PDL: tl.constexpr = False):
+        # E experts in the tiles (the routed NR, and the shared expert when fused)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        offs_e = tl.arange(0, EB)
+        me = offs_e < E
+        c = tl.load(cnt_ptr + offs_e, mask=me, other=0)
+        nt = (c + BM - 1) // BM
+        ts = tl.cumsum(nt, 0) - nt  # exclusive prefix sum: first tile of each expert
+        tl.store(tile_start_ptr + offs_e, ts, mask=me)
+        tl.store(cnt_ptr + offs_e, tl.zeros([EB], dtype=tl.int32), mask=me)  # ready for the next call
+        if STATS:  # [sum of distinct experts, calls] of this row count
+            distinct = tl.sum(tl.where((c > 0) & (offs_e < NR), 1, 0), 0).to(tl.int64)  # routed ones
+            tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
+            tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
+        for i0 in range(0, TILES, QBLK):
+            o = i0 + tl.arange(0, QBLK)
+            tl.store(tile_expert_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES)
+        for i0 in range(0, TILES * BM, QBLK):
+            o = i0 + tl.arange(0, QBLK)
+            tl.store(pairs_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES * BM)
+        tl.debug_barrier()  # the clears and tile_start are visible to every thread below
+        for j in range(0, tl.cdiv(T, BM)):  # an expert has at most T pairs (top-k ids are distinct)
+            tl.store(tile_expert_ptr + ts + j, offs_e, mask=me & (j < nt))
+        for q0 in range(0, Q, QBLK):
+            q = q0 + tl.arange(0, QBLK)
+            mq = q < Q
+            e = tl.load(ids_ptr + q, mask=mq, other=0)
+            r = tl.load(rank_ptr + q, mask=mq, other=0)
+            slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + r
+            tl.store(pairs_ptr + slot, q, mask=mq)
+            tl.store(slot_ptr + q, slot, mask=mq)
 
     @triton.jit
     def _gemm(x_ptr, s_x, w_ptr, s_we, s_wn, s_wk, sc_ptr, s_se, s_sn, s_sk, rows_ptr, sh_w_ptr, sh_sc_ptr,
@@ -298,7 +291,7 @@ def _kernels():
             acc += gate * tl.load(sh_ptr + t * s_sh + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * s_o + offs, acc.to(DT), mask=m)
 
-    return dict(route_align=_route_align, gemm=_gemm, combine=_combine)
+    return dict(route=_route, align=_align, gemm=_gemm, combine=_combine)
 
 
 # Expert-matmul tiles picked on the GPU (hyspec.gpu.tune.tune_in_step: timed inside the
@@ -422,15 +415,11 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     s_ls, s_lt, n_split = (lg.stride(0), lg.stride(1), logits.S) if part else (0, lg.stride(0), 1)
     use_stats = stats is not None and stats.shape[0] > T
     qblk = min(1024, max(16, p2(buf.rows * buf.top_k)))
-    args = (lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert,
-            buf.pairs, buf.slot, stats if use_stats else buf.ids, T, q, E, e_all, tiles)
-    kw = dict(TOPK=top_k, EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part,
-              EBA=p2(buf.n_experts), BM=buf.block_m, QBLK=qblk, STATS=use_stats, **lk)
-    if T <= ROUTE_ALIGN_ROWS:  # one program: route every row, then align
-        ks["route_align"][(1,)](*args, ROUTE=True, ALIGN=True, num_warps=ROUTE_ALIGN_WARPS, **kw)
-    else:  # one route program per row, then the align program
-        ks["route_align"][(T,)](*args, ROUTE=True, ALIGN=False, num_warps=4, **kw)
-        ks["route_align"][(1,)](*args, ROUTE=False, ALIGN=True, num_warps=4, **kw)
+    ks["route"][(T,)](lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, T, E, TOPK=top_k,
+                      EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part, num_warps=4, **lk)
+    ks["align"][(1,)](buf.ids, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert, buf.pairs, buf.slot,
+                      stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
+                      QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
