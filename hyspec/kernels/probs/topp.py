@@ -99,9 +99,13 @@ def _topp_kernels():
     def _cut_kernel(hist_ptr, thr_ptr, state_ptr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr):
         """Row b: reach[d] = base + the weight in bins >= d (base: the weight ranked ahead of
         K*'s higher digits); K*'s digit is the last d with reach[d] >= threshold (0 if none).
-        state[b] <- (K*'s digits so far, the weight ranked ahead of them)."""
+        state[b] <- (K*'s digits so far, the weight ranked ahead of them).
+        reach never grows with d (weights are >= 0), so the search sums whole blocks of SB
+        bins from the top digit down and stops at the first block whose lowest digit
+        reaches the threshold; only that block is scanned bin by bin."""
         b = tl.program_id(0)
         NB: tl.constexpr = 1 << W
+        NBLK: tl.constexpr = NB // SB
         row = hist_ptr + b.to(tl.int64) * NB
         thr = tl.load(thr_ptr + b)
         if FIRST:
@@ -110,16 +114,23 @@ def _topp_kernels():
         else:
             prefix = tl.load(state_ptr + b * 2)
             base = tl.load(state_ptr + b * 2 + 1)
-        above = tl.zeros((), tl.int64)  # weight of the bins above the current block
-        n_reach = tl.zeros((), tl.int64)  # digits with reach >= threshold: 0..cut
-        below = tl.zeros((), tl.int64)  # weight of the bins with reach < threshold
-        for s in range(NB // SB):  # blocks from the top digit down, a fixed order
-            h = tl.load(row + (NB - (s + 1) * SB) + tl.arange(0, SB))
-            reach = base + above + tl.cumsum(h, 0, reverse=True)
-            hit = reach >= thr
-            n_reach += tl.sum(hit.to(tl.int64), 0)
-            below += tl.sum(tl.where(hit, 0, h), 0)
-            above += tl.sum(h, 0)
+        above = tl.zeros((), tl.int64)  # weight of the bins above block s
+        s = tl.zeros((), tl.int32)  # blocks from the top
+        found = tl.zeros((), tl.int32)
+        while (found == 0) & (s < NBLK):
+            tot = tl.sum(tl.load(row + (NB - (s + 1) * SB) + tl.arange(0, SB)), 0)
+            hit = base + above + tot >= thr  # block s's lowest digit reaches the threshold
+            found = hit.to(tl.int32)
+            above = tl.where(hit, above, above + tot)
+            s = tl.where(hit, s, s + 1)
+        blk = tl.minimum(s, NBLK - 1)
+        lo = NB - (blk + 1) * SB  # block blk's lowest digit
+        h = tl.load(row + lo + tl.arange(0, SB))
+        hit = (base + above + tl.cumsum(h, 0, reverse=True) >= thr) & (found != 0)
+        # digits with reach >= threshold (all below block blk, and its hits), 0 if none
+        n_reach = tl.where(found != 0, lo + tl.sum(hit.to(tl.int64), 0), 0)
+        # weight of the bins with reach < threshold (every bin when none reaches: above)
+        below = above + tl.where(found != 0, tl.sum(tl.where(hit, 0, h), 0), 0)
         cut = tl.maximum(n_reach - 1, 0)
         # the weight ahead of K*'s digit: the bins above it (all but bin 0 when none reaches)
         ahead = below - tl.where(n_reach == 0, tl.load(row), 0)
