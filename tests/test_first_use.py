@@ -1,7 +1,8 @@
 """Issue 18: what a new user hits first. One test (or a few) per item of the issue;
 CLI behaviour is checked through a subprocess running THIS tree's `hyspec.cli`
 (PYTHONPATH = the worktree root), so tracebacks, streaming and exit codes are seen
-exactly as a user sees them."""
+exactly as a user sees them (several calls may share one process, each with its own
+captured output and exit code: cli_helpers.cli_many)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from cli_helpers import cli_many
 
 from hyspec.engine import Engine
 from hyspec.loading import load_model
@@ -32,13 +35,22 @@ def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def cli_error(*argv: str) -> str:
+def _user_error(code: int, stdout: str, stderr: str) -> str:
     """A user error: exit code 2, one `hyspec ...: error:` line, never a traceback."""
+    assert code == 2, (code, stdout[-2000:], stderr[-2000:])
+    assert "Traceback" not in stderr, stderr
+    assert "error:" in stderr, stderr
+    return stderr
+
+
+def cli_error(*argv: str) -> str:
     r = cli(*argv)
-    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    assert "Traceback" not in r.stderr, r.stderr
-    assert "error:" in r.stderr, r.stderr
-    return r.stderr
+    return _user_error(r.returncode, r.stdout, r.stderr)
+
+
+def cli_errors(*calls: list[str]) -> list[str]:
+    """cli_error for each argument list, all in one process (cli_helpers.cli_many)."""
+    return [_user_error(*r) for r in cli_many([list(c) for c in calls], env=ENV)]
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +89,16 @@ def test_max_new_tokens_is_capped_at_the_context(ckpt) -> None:
 
 def test_prompt_longer_than_the_context_is_an_error(ckpt, eng, tmp_path) -> None:
     ids = ",".join(["5"] * (CTX + 8))
-    err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", ids)
-    assert str(CTX + 8) in err and str(CTX) in err
-    err = cli_error("generate", "--prompt-ids", ",".join(["5"] * 5000))  # the default model: 4096
-    assert "5000" in err and "4096" in err
-    with pytest.raises(ValueError, match=f"{CTX + 1}.*{CTX}"):
-        eng.score([5] * (CTX + 1))
     long = tmp_path / "long.txt"
     long.write_text("def f(x):\n    return x\n" * 40)
-    err = cli_error("replay", "--model", str(ckpt), "--text-file", str(long))
-    assert f"context of {CTX}" in err and "--max-tokens" in err
+    errs = cli_errors(["generate", "--model", str(ckpt), "--prompt-ids", ids],
+                      ["generate", "--prompt-ids", ",".join(["5"] * 5000)],  # the default model: 4096
+                      ["replay", "--model", str(ckpt), "--text-file", str(long)])
+    assert str(CTX + 8) in errs[0] and str(CTX) in errs[0]
+    assert "5000" in errs[1] and "4096" in errs[1]
+    assert f"context of {CTX}" in errs[2] and "--max-tokens" in errs[2]
+    with pytest.raises(ValueError, match=f"{CTX + 1}.*{CTX}"):
+        eng.score([5] * (CTX + 1))
     r = cli("replay", "--model", str(ckpt), "--text-file", str(long), "--max-tokens", str(CTX), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
 
@@ -110,22 +122,21 @@ def test_capped_request_allocates_only_the_capped_size(eng, monkeypatch) -> None
 
 
 def test_cli_user_errors_are_one_line(ckpt, tmp_path) -> None:
-    err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--device", "tpu")
-    assert "tpu" in err and "--device" in err
-    err = cli_error("replay", "--model", str(ckpt), "--text-file", str(tmp_path))
-    assert "--text-file" in err and "directory" in err
     f = tmp_path / "file.txt"
     f.write_text("x")
-    err = cli_error("generate", "--model", str(f), "--prompt-ids", "1")
-    assert "not a directory" in err and "does not exist" not in err
-    err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--temperature", "-1")
-    assert "--temperature" in err and "SamplingParams" not in err
-    err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--top-p", "0")
-    assert "--top-p" in err and "top_p" not in err
-    err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--draft", "2", "--p-min", "2")
-    assert "--p-min" in err and "p_min" not in err
-    err = cli_error("generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--num-samples", "0")
-    assert "--num-samples" in err
+    gen = ["generate", "--model", str(ckpt), "--prompt-ids", "1,2"]
+    errs = cli_errors(gen + ["--device", "tpu"],
+                      ["replay", "--model", str(ckpt), "--text-file", str(tmp_path)],
+                      ["generate", "--model", str(f), "--prompt-ids", "1"],
+                      gen + ["--temperature", "-1"], gen + ["--top-p", "0"], gen + ["--draft", "2", "--p-min", "2"],
+                      gen + ["--num-samples", "0"])
+    assert "tpu" in errs[0] and "--device" in errs[0]
+    assert "--text-file" in errs[1] and "directory" in errs[1]
+    assert "not a directory" in errs[2] and "does not exist" not in errs[2]
+    assert "--temperature" in errs[3] and "SamplingParams" not in errs[3]
+    assert "--top-p" in errs[4] and "top_p" not in errs[4]
+    assert "--p-min" in errs[5] and "p_min" not in errs[5]
+    assert "--num-samples" in errs[6]
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -204,11 +215,10 @@ def test_generate_streams_to_the_terminal() -> None:
 
 
 def test_no_stream_prints_the_same_text(ckpt) -> None:
-    args = ("generate", "--model", str(ckpt), "--prompt", "def f(x):", "--max-new-tokens", "20", "--ignore-eos")
-    a, b = cli(*args), cli(*args, "--no-stream")
-    assert a.returncode == b.returncode == 0
-    j = json.loads(cli(*args, "--json").stdout)
-    assert a.stdout == b.stdout == "def f(x):" + j["text"] + "\n"
+    args = ["generate", "--model", str(ckpt), "--prompt", "def f(x):", "--max-new-tokens", "20", "--ignore-eos"]
+    (ca, a, _), (cb, b, _), (cj, j, _) = cli_many([args, args + ["--no-stream"], args + ["--json"]], env=ENV)
+    assert ca == cb == cj == 0
+    assert a == b == "def f(x):" + json.loads(j)["text"] + "\n"
 
 
 def test_score_top_logprobs_prints_a_table(ckpt) -> None:
@@ -236,17 +246,27 @@ def _option_entries(help_text: str) -> list[str]:
     return [e for e in entries if e and not e.strip().startswith("-h")]
 
 
-@pytest.mark.parametrize("cmd", ["generate", "score", "replay", "make-tiny", "bench", "train"])
-def test_help_shows_every_default(cmd) -> None:
-    r = cli(cmd, "--help")
-    assert r.returncode == 0
-    assert r.stdout.startswith(f"usage: hyspec {cmd}")
-    entries = _option_entries(r.stdout)
+HELP_CMDS = ["generate", "score", "replay", "make-tiny", "bench", "train"]
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    """`hyspec CMD --help` of every command, in one process: {cmd: (exit code, stdout)}."""
+    return {cmd: (code, out) for cmd, (code, out, _) in zip(HELP_CMDS, cli_many([[c, "--help"] for c in HELP_CMDS],
+                                                                                 env=ENV))}
+
+
+@pytest.mark.parametrize("cmd", HELP_CMDS)
+def test_help_shows_every_default(cmd, helps) -> None:
+    code, stdout = helps[cmd]
+    assert code == 0
+    assert stdout.startswith(f"usage: hyspec {cmd}")
+    entries = _option_entries(stdout)
     assert len(entries) > 2
     missing = [e.split()[0] for e in entries if "default" not in e]
     assert not missing, missing
     if cmd == "bench":
-        assert "python -m hyspec.bench" not in r.stdout and "hyspec bench --config tiny" in r.stdout
+        assert "python -m hyspec.bench" not in stdout and "hyspec bench --config tiny" in stdout
 
 
 def test_cpu_bench_is_quick_and_honest(tmp_path) -> None:

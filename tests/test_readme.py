@@ -1,7 +1,7 @@
 """The README's shell examples run: every command of a ```sh block that needs no GPU, no
 network and no long run is executed through this tree's CLI (`hyspec` = `python -m
-hyspec.cli` with PYTHONPATH = the worktree root) and must exit 0, so the README cannot
-drift from the code."""
+hyspec.cli` with PYTHONPATH = the worktree root; all of them in one process, each with
+its own output and exit code) and must exit 0, so the README cannot drift from the code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from cli_helpers import cli_many
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -73,20 +73,41 @@ def test_readme_score_example_scores_real_newlines(tmp_path) -> None:
     assert "\n" in scored and "\\" not in scored, repr(scored)  # a newline, not a backslash and an n
 
 
-@pytest.mark.parametrize("cmd", runnable())
-def test_readme_example_runs(cmd, tmp_path) -> None:
+def shell_argvs(cmds: list[str], cwd: Path) -> list[list[str]]:
+    """Each command's `hyspec` arguments as the shell expands them (quotes, $(...)):
+    `sh` runs the commands with `hyspec` a function that prints its arguments."""
+    script = "hyspec() { for a in \"$@\"; do printf '%s\\0' \"$a\"; done; printf '@@end@@\\0'; }\n" + "\n".join(cmds)
+    r = subprocess.run(["sh", "-c", script], cwd=cwd, capture_output=True, text=True, timeout=60, check=True)
+    argvs, cur = [], []
+    for arg in r.stdout.split("\0")[:-1]:
+        if arg == "@@end@@":
+            argvs.append(cur)
+            cur = []
+        else:
+            cur.append(arg)
+    assert len(argvs) == len(cmds), (cmds, r.stdout)
+    return argvs
+
+
+def test_readme_examples_run(tmp_path) -> None:
+    """Every runnable example, one after the other in one Python process (its argv as the
+    shell expands it; its own stdout, stderr and exit code: cli_helpers.cli_many)."""
     # files the examples name, written where they run
     (tmp_path / "some_file.py").write_text((ROOT / "hyspec" / "tokenizer.py").read_text())
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "def add(a, b):", "max_new_tokens": 8, "draft": 3}\n'
                                             '{"prompt": "import os", "max_new_tokens": 8, "temperature": 0.8}\n')
-    r = run_sh(cmd, tmp_path)
-    assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-3000:])
-    assert "Traceback" not in r.stderr
-    if cmd.startswith("hyspec generate --prompts-file") and "--out" in cmd:  # one JSON object per request
-        out = tmp_path / cmd.split("--out", 1)[1].split()[0]
-        assert all(json.loads(line)["tokens"] for line in out.read_text().splitlines()), cmd
-    elif cmd.startswith("hyspec generate") and "--json" not in cmd:
-        assert r.stdout.strip(), cmd
-        lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-        # worth looking at: not one line repeated to the token limit
-        assert len(set(lines)) >= len(lines) // 2, r.stdout
+    cmds = runnable()
+    argvs = shell_argvs(cmds, tmp_path)
+    assert argvs[cmds.index(next(c for c in cmds if "$(printf" in c))][2] == "def add(a, b):\n    return a + b"  # $(...) expanded
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for cmd, (code, stdout, stderr) in zip(cmds, cli_many(argvs, env=env, cwd=tmp_path, timeout=600)):
+        assert code == 0, (cmd, stdout[-2000:], stderr[-3000:])
+        assert "Traceback" not in stderr, (cmd, stderr)
+        if cmd.startswith("hyspec generate --prompts-file") and "--out" in cmd:  # one JSON object per request
+            out = tmp_path / cmd.split("--out", 1)[1].split()[0]
+            assert all(json.loads(line)["tokens"] for line in out.read_text().splitlines()), cmd
+        elif cmd.startswith("hyspec generate") and "--json" not in cmd:
+            assert stdout.strip(), cmd
+            lines = [ln for ln in stdout.splitlines() if ln.strip()]
+            # worth looking at: not one line repeated to the token limit
+            assert len(set(lines)) >= len(lines) // 2, (cmd, stdout)
