@@ -72,25 +72,19 @@ def _moe_candidates(key: tuple, cur: dict) -> list[dict]:
             MOE_TUNED.pop(key[1:], None)
         else:
             MOE_TUNED[key[1:]] = saved
+    moves = [dict(BN=c0["BN"] // 2), dict(BN=c0["BN"] * 2)] + [dict(BK=bk) for bk in (64, 128, 256)]
+    moves += [dict(num_warps=w) for w in (2, 4, 8)] + [dict(num_stages=st) for st in (2, 3, 4, 5)]
+    moves += [dict(WT=not c0["WT"]), dict(BN=c0["BN"] * 2, num_warps=8)]
+    return _moves(c0, moves, lambda c: 16 <= c["BN"] <= 256 and 16 <= c["BK"] <= K and not (qb and qb % c["BK"]))
+
+
+def _moves(c0: dict, moves: list[dict], valid) -> list[dict]:
+    """[c0] + each one-parameter move of c0 that is valid and new."""
     out = []
-
-    def add(**kw):
+    for kw in moves:
         c = dict(c0, **kw)
-        if c["BN"] < 16 or c["BN"] > 256 or c["BK"] < 16 or c["BK"] > K or (qb and qb % c["BK"]):
-            return
-        if c not in out and c != c0:
+        if valid(c) and c not in out and c != c0:
             out.append(c)
-
-    for bn in (c0["BN"] // 2, c0["BN"] * 2):
-        add(BN=bn)
-    for bk in (64, 128, 256):
-        add(BK=bk)
-    for w in (2, 4, 8):
-        add(num_warps=w)
-    for st in (2, 3, 4, 5):
-        add(num_stages=st)
-    add(WT=not c0["WT"])
-    add(BN=c0["BN"] * 2, num_warps=8)
     return [c0] + out
 
 
@@ -99,29 +93,14 @@ def _candidates(N: int, K: int, cur: dict) -> list[dict]:
     base = skinny_config(N, K, **cur)
     c0 = dict(block_n=base.block_n, block_k=base.block_k, split_k=base.split_k, num_warps=base.num_warps,
               num_stages=base.num_stages, wt=base.wt)
-    out = []
-
-    def add(**kw):
-        c = dict(c0, **kw)
-        if c["block_n"] < 16 or c["block_k"] < 16 or c["split_k"] < 1 or K // c["split_k"] < c["block_k"]:
-            return
-        if c not in out and c != c0:
-            out.append(c)
-
-    for bn in (c0["block_n"] // 2, c0["block_n"] * 2):
-        add(block_n=bn)
-    for bk in (128, 256, 512):
-        add(block_k=bk)
-    for s in (c0["split_k"] // 2, c0["split_k"] * 2):
-        add(split_k=s)
-    for w in (2, 4, 8):
-        add(num_warps=w)
-    for st in (2, 3, 4, 5, 6):
-        add(num_stages=st)
-    add(wt=not c0["wt"])
-    add(wt=not c0["wt"], num_stages=4)
-    add(num_stages=c0["num_stages"] + 1, block_n=c0["block_n"] // 2)
-    return [c0] + out
+    moves = [dict(block_n=c0["block_n"] // 2), dict(block_n=c0["block_n"] * 2)]
+    moves += [dict(block_k=bk) for bk in (128, 256, 512)]
+    moves += [dict(split_k=c0["split_k"] // 2), dict(split_k=c0["split_k"] * 2)]
+    moves += [dict(num_warps=w) for w in (2, 4, 8)] + [dict(num_stages=st) for st in (2, 3, 4, 5, 6)]
+    moves += [dict(wt=not c0["wt"]), dict(wt=not c0["wt"], num_stages=4),
+              dict(num_stages=c0["num_stages"] + 1, block_n=c0["block_n"] // 2)]
+    return _moves(c0, moves, lambda c: c["block_n"] >= 16 and c["block_k"] >= 16 and c["split_k"] >= 1
+                  and K // c["split_k"] >= c["block_k"])
 
 
 def _name(s: tuple) -> str:
