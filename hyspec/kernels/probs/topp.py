@@ -12,9 +12,9 @@ The search is the reference's: radix passes of DIGIT bits over the key find the 
 K* (tokens above it kept, below it dropped), then a token-order exclusive scan of the
 weights at K* settles the ties. Per pass two launches: (1) per (row, chunk), the weights
 of the chunk's tokens that share K*'s digits found so far are added into the row's int64
-bins by digit (atomic integer adds: exact in any order); (2) one program per row walks its
-bins from the top digit down in fixed blocks, finds K*'s digit and the weight ranked ahead
-of it. Then (3) per (row, chunk) the weight of the chunk's ties, and (4) per (row, chunk)
+bins by digit (atomic integer adds: exact in any order); (2) one program per row sums its
+bins in fixed blocks from the top digit down until a block reaches the threshold, scans
+that block alone, and so finds K*'s digit and the weight ranked ahead of it. Then (3) per (row, chunk) the weight of the chunk's ties, and (4) per (row, chunk)
 the chunks' totals before it plus an in-chunk scan give the keep mask. Launches: one
 memset of the bins, 2 per pass, 2 for the ties: 5 for 16-bit keys (bf16 / fp16 logits),
 7 for 32-bit ones (fp32).
