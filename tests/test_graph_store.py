@@ -136,16 +136,17 @@ def test_lane_state_round_trip(model, dec, k, kind):
     st = stored_state(store, state_b.tokens, k)
     assert st is not None and st.tokens == state_b.tokens
     d = _lane(st.tokens, M, k, params, resume=st)
-    _run(dec, d)
-    assert d.tokens == a.tokens[N:]
 
     # a prompt that extends the state by new tokens: the lane prefills [pending] + new after
     # loading it, as the engine core does from the same state (the chunked prefill from the
-    # state's position): the same tokens
+    # state's position): the same tokens. (It runs beside d, in one batch: each lane's
+    # tokens are its own, whoever else is in the batch.)
     prompt = list(state_b.tokens) + NEW
     g = _lane(prompt, M, k, params, resume=state_b, on_state=kept.append)
-    _run(dec, g)
+    _run(dec, d, g)
+    assert d.tokens == a.tokens[N:]
     state_g = kept.pop()
+    assert not kept
     assert g.cached == len(state_b.tokens) - 1 and state_g.tokens == tuple(prompt + g.tokens)
     store = PrefixStore(device=model.device)
     store.put(state_b)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import cli_each
 from conftest import ARCHS, make_cooperative
 
 from hyspec.engine import Engine
@@ -101,12 +100,22 @@ def test_stage_loads_only_its_layers(ckpts):
 def test_pipeline_matches_single_process(ckpts, arch):
     path = ckpts[arch]
     eng = Engine(load_model(path, dtype="float32"))
+    specs = []  # the speculative single-request jobs' round counts (from the reference runs themselves)
+    generate = eng.generate
+
+    def spy(*a, **kw):
+        out = generate(*a, **kw)
+        if kw.get("draft"):
+            specs.append(out.stats["spec"])
+        return out
+
+    eng.generate = spy
     want = [run_job(eng, job) for job in JOBS]
     got = run_jobs(path, JOBS, world=2)
     for job, w, g in zip(JOBS, want, got):
         assert g == w, job
     # the speculative jobs really accepted and rejected drafts (so stages rolled back)
-    specs = [eng.generate(p, max_new_tokens=16, draft=3).stats["spec"] for p in (P1, P2, P3)]
+    assert len(specs) == sum(k == "generate" and bool(kw.get("draft")) for k, kw in JOBS)
     assert 0 < sum(s["accepted"] for s in specs) < sum(s["drafted"] for s in specs)
 
 
@@ -127,20 +136,35 @@ def _cli(args, env=None, launcher=None):
     return r
 
 
+def _each(calls):
+    """cli_each (tests/cli_helpers.py) in a new session: the --pp calls' ranks are stopped
+    with it on a timeout."""
+    from cli_helpers import _EACH
+
+    r = _cli(["-c", _EACH, json.dumps(calls)], env={"PYTHONPATH": str(ROOT)}, launcher=[sys.executable])
+    out = []
+    for part in r.stdout.split("\n@@hyspec-call@@\n")[1:]:
+        text, code = part.rsplit("\n@@hyspec-exit@@ ", 1)
+        out.append((int(code), text))
+    assert len(out) == len(calls), r.stdout
+    return out
+
+
 def test_cli_pp2(ckpts):
     path = str(ckpts["qwen3_next"])
     args = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "12", "--draft", "3",
             "--temperature", "0.7", "--seed", "3", "--json"]
     targs = ["generate", "--model", path, "--prompt-ids", "1,17,42,99,7", "--max-new-tokens", "10", "--draft", "2"]
-    # what a single process prints, for each (each call alone, in one Python process)
-    (code, out), (tcode, tout) = cli_each([args, targs])
-    assert code == tcode == 0
+    # what a single process prints, for each, and what --pp 2 prints (each call alone, one
+    # after the other, in one Python process: a --pp 2 call launches its own ranks)
+    (code, out), (tcode, tout), (pcode, pout), (ptcode, ptout) = _each(
+        [args, targs, args + ["--pp", "2"], targs + ["--pp", "2"]])
+    assert code == tcode == pcode == ptcode == 0
     one = json.loads(out)
-    pp = _cli(args + ["--pp", "2"])
-    two = json.loads(pp.stdout)  # exactly one JSON object: only rank 0 prints
+    two = json.loads(pout)  # exactly one JSON object: only rank 0 prints
     assert two["tokens"] == one["tokens"] and two["text"] == one["text"]
     # text mode: the same printed completion
-    assert _cli(targs + ["--pp", "2"]).stdout == tout
+    assert ptout == tout
 
 
 def test_cli_pp2_torchrun(ckpts):
@@ -161,14 +185,26 @@ def test_cli_pp_errors(ckpts):
     assert r.returncode == 2 and "--draft must be in" in r.stderr
 
 
-def test_bench_pp2(tmp_path):
+def test_bench_pp2(tmp_path, capsys):
+    # `hyspec bench --pp 2` run in this process (its stages are processes of their own; the
+    # bench sets this process's torch threads, put back after)
+    import torch
+
+    from hyspec.cli.dispatch import main
+
     out = tmp_path / "pp.json"
-    r = _cli(["bench", "--pp", "2", "--layers", "4", "--hidden", "64", "--batch", "2", "--new-tokens", "4",
-              "--prompt-len", "4", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        code = main(["bench", "--pp", "2", "--layers", "4", "--hidden", "64", "--batch", "2", "--new-tokens", "4",
+                     "--prompt-len", "4", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    r = capsys.readouterr()
+    assert code == 0, r.err
     rows = json.loads(out.read_text())["rows"]
     assert [x["mode"] for x in rows] == ["1 process", "--pp 2", "--pp 2 --lanes 2"]
     assert all(x["same_tokens"] for x in rows) and all(0 <= b <= 1 for x in rows[1:] for b in x["bubble"])
-    assert "bubble" in r.stdout
+    assert "bubble" in r.out
 
 
 def test_serve_pp2(ckpts):
