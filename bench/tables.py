@@ -495,9 +495,6 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
-    "gpu_tests_sessions_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python -m pytest tests/test_sessions.py "
-                                   "tests/test_session_state.py tests/test_prefix_store.py tests/test_graph_store.py` "
-                                   "(H200; the second half of `bench/gpu_tests.sh`; the command is in the log)",
     "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
                               "the command and commit are in its header)",
     "topp_tests_h200.txt": "`HYSPEC_TOPP_KERNEL=1 python3 -m pytest ...` (H200; the command and commit are in its header)",
