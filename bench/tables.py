@@ -454,11 +454,20 @@ def default_model_h200(res: Results) -> str:
 
 
 def gpu_log_commit(path: Path) -> str:
-    """The commit in a GPU test log's first line (the header bench/gpu_tests.sh writes)."""
-    m = re.match(r"commit (\w+) \(([^)]*)\)", path.read_text())
-    if not m or m.group(1) == "None":
+    """The commit in a text log's header: `commit SHA (clean|dirty)` (bench/gpu_tests.sh), or
+    `commit SHA dirty=0|1` / `commit SHA dirty False|True` in its first lines (the
+    device scripts' `# ...` headers of diagnostic logs)."""
+    text = path.read_text()
+    m = re.match(r"commit (\w+) \(([^)]*)\)", text)
+    if m:
+        if m.group(1) == "None":
+            return "not recorded"
+        return f"`{m.group(1)[:7]}`" + ("" if m.group(2) == "clean" else f" {m.group(2)}")
+    head = "\n".join(text.splitlines()[:3])
+    m = re.search(r"commit ([0-9a-f]{7,40}) dirty[= ](0|1|False|True)\b", head)
+    if not m:
         return "not recorded"
-    return f"`{m.group(1)[:7]}`" + ("" if m.group(2) == "clean" else f" {m.group(2)}")
+    return f"`{m.group(1)[:7]}`" + ("" if m.group(2) in ("0", "False") else " dirty")
 
 
 def gpu_tests(res: Results) -> str:
@@ -522,8 +531,9 @@ def results_files(res: Results) -> str:
             commit = res.commit(n)
             cmd = run_command(res(n))
             how = how or (f"`{cmd}`" if cmd else "not recorded")
-        elif n.startswith("gpu_tests_"):
+        elif n.endswith(".txt"):
             commit = gpu_log_commit(res.root / n)
+            commit = "" if commit == "not recorded" else commit
         rows.append([shown, how or "not recorded", commit])
     return table(["file", "made by", "commit"], rows)
 
