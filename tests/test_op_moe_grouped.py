@@ -135,3 +135,42 @@ def test_moe_tuned_tiles_are_used_and_stay_exact(monkeypatch):
         assert ("moe",) + parse_moe_key(moe_key_name(key)) == key
         cands = _moe_candidates(key, {})
         assert len(cands) > 5 and all(c["BK"] <= key[2] and (not key[4] or key[4] % c["BK"] == 0) for c in cands)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])
+def test_router_partials_are_rounded_like_the_reduce_kernel(fused):
+    """bf16: the route kernel's sum of the router's split-K partials is rounded to bf16
+    exactly as the skinny matmul's reduce kernel rounds it (two experts whose logits differ
+    only below bf16's precision tie after rounding: the tie goes to the lower id), so the
+    ids, weights and output equal those from the reduced logits bit for bit (a review's
+    test: compared with the reduce kernel, not torch, whose bf16 cast the interpreter does
+    not share)."""
+    from hyspec.kernels.common import SplitPartials
+    from hyspec.kernels.matmul.kernel import _kernels as mm_kernels
+
+    t, inter = 3, 16
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).bfloat16()
+    dn = (torch.randn(E, H, inter, generator=g) * inter ** -0.5).bfloat16()
+    x = torch.randn(t, H, generator=g).bfloat16()
+    cols = E + fused
+    base = torch.full((t, cols), -3.0)
+    base[:, 1] = 1.0
+    base[:, 4] = 1.0 + 2 ** -10  # equal to expert 1 once rounded to bf16
+    if fused:
+        base[:, E] = 0.3 + 2 ** -12
+    p0 = base * 0.5
+    ws = torch.cat([torch.stack([p0, base - p0, torch.zeros(t, cols)]), torch.zeros(3, 2, cols)], 1)
+    reduced = torch.empty(t, cols, dtype=torch.bfloat16)
+    mm_kernels()[1][(1, t)](ws, reduced, t, cols, 3, ws.stride(0), ws.stride(1), reduced.stride(0), 1, BLOCK=1024)
+    sh = (gu[0], dn[0]) if fused else None
+    res = []
+    for lg in (reduced, SplitPartials(ws, 3)):
+        buf = MoeBuffers(8, E + 1, K_TOP + 1, H, inter, "cpu", torch.bfloat16)
+        out = torch.empty(t, H, dtype=torch.bfloat16)
+        moe_grouped(x, lg, gu, dn, buf, out, top_k=K_TOP, renorm=True, shared_experts=sh)
+        n = t * (K_TOP + fused)
+        res.append((out.clone(), buf.ids[:n].clone(), buf.wts[:n].clone()))
+    (o0, i0, w0), (o1, i1, w1) = res
+    assert i0.view(t, -1)[:, 0].tolist() == [1] * t  # the tie went to the lower id: rounding happened
+    assert torch.equal(i0, i1) and torch.equal(w0, w1) and torch.equal(o0, o1)

@@ -189,3 +189,31 @@ def test_old_names_resolve_to_the_same_config():
         variant_names("exact,turbo")
     with pytest.raises(ValueError, match="unknown preset"):
         model_dict("b3")
+
+
+def test_each_preset_is_judged_by_its_own_targets():
+    """hyspec bench judges a preset by issue 15's goals for it (the 27B: x2.3 forced and
+    2 x 1000 tokens; the MoE presets: 60 % of the active-bytes roofline, the MoE verifies
+    by their own bytes, 90 % of the ceiling), b2 and other configs by b2's; results read
+    back from JSON (string keys) are judged the same way."""
+    from hyspec.bench.report import preset_targets, targets
+
+    exact = {"plain": {"roofline_frac": 0.62}, "verify_rel": {"4": 1.5},
+             "spec": {"forced": {"3": {"speedup": 2.0, "ceiling_frac": 0.95, "ceiling": 2.1}}},
+             "moe": {"by_rows": {"1": {"roofline_frac": 0.62}, "4": {"roofline_frac": 0.55}}}}
+    result = {"meta": {"config": "qwen3.5-35b-a3b"}, "variants": {"exact": exact},
+              "exactness": {"all_equal": True, "tokens": 1000, "prompts": [0, 1]}}
+    t = targets(json.loads(json.dumps(result)))
+    assert t["plain_roofline_frac"]["met"] and t["plain_roofline_frac"]["target"] == 0.6
+    assert not t["moe_verify_t4_roofline_frac"]["met"] and "moe_verify_t1_roofline_frac" not in t
+    assert t["forced_k3_ceiling_frac"]["met"] and "forced_k3_speedup" not in t and "verify_t4_rel" not in t
+    assert t["exactness"]["met"]
+    result["meta"]["config"] = "qwen3.5-27b"
+    t = targets(result)
+    assert not t["forced_k3_speedup"]["met"] and t["forced_k3_speedup"]["target"] == 2.3
+    assert not t["plain_roofline_frac"]["met"]  # 62 % < 75 %
+    result["meta"]["config"] = "b2"
+    t = targets(result)
+    assert t["forced_k3_speedup"]["met"] and not t["verify_t4_rel"]["met"]
+    assert not t["exactness"]["met"]  # b2: 4 x 2000 tokens
+    assert preset_targets("b2 (fp8)") is preset_targets("qwen3-next-2b-dense") is preset_targets("/a/checkpoint")
