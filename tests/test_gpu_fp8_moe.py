@@ -150,3 +150,35 @@ def test_fp8_runner_logits_match_the_reference(arch, tmp_path):
         _, p = dec.runner.target(torch.tensor(verify[:t], device=DEV), t, dec.pos, t > 1)
         got = torch.log_softmax(dec.runner.logits(p).double(), -1)
         assert float((got - ref[:t]).abs().max()) <= 0.05, t
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared_fused"])
+def test_moe_router_split_partials_on_the_device(fused):
+    """The router matmul's split-K partials (skinny_matmul(defer=True)) summed and rounded
+    by the route kernel give the same ids, weights and output, bitwise, as the reduce
+    kernel's bf16 logits, for one row and for nine (the GPU rounds to nearest, the CPU
+    interpreter truncates: this is where the rounding is checked for real)."""
+    from hyspec.kernels.common import SplitPartials
+    from hyspec.kernels.matmul import skinny_matmul
+
+    E, k, H, inter, T = 64, 8, 1024, 256, 9
+    dt = torch.bfloat16
+    gu, dn = rnd(E, 2 * inter, H, dtype=dt, seed=1, scale=H ** -0.5), rnd(E, H, inter, dtype=dt, seed=2,
+                                                                         scale=inter ** -0.5)
+    router = rnd(E + fused, H, dtype=dt, seed=3, scale=H ** -0.5)
+    x = rnd(T, H, dtype=dt, seed=4)
+    sh = (gu[3].clone(), dn[5].clone()) if fused else None
+    for rows in (list(range(T)), [4]):
+        xs = x[rows]
+        parts = skinny_matmul(xs, router, split_k=4, defer=True)
+        assert isinstance(parts, SplitPartials) and parts.S == 4
+        reduced = skinny_matmul(xs, router, split_k=4)
+        res = []
+        for lg in (reduced, parts):
+            buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dt)
+            out = torch.empty(len(rows), H, device=DEV, dtype=dt)
+            moe_grouped(xs, lg, gu, dn, buf, out, top_k=k, renorm=True, shared_experts=sh)
+            n = len(rows) * (k + fused)
+            res.append((out, buf.ids[:n].clone(), buf.wts[:n].clone()))
+        (o0, i0, w0), (o1, i1, w1) = res
+        assert torch.equal(i0, i1) and torch.equal(w0, w1) and torch.equal(o0, o1)
