@@ -32,11 +32,16 @@ def cli_each(calls: list[list[str]], env: dict | None = None, timeout: float = 3
     r = subprocess.run([sys.executable, "-c", _EACH, json.dumps(calls)], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout, check=False)
     assert r.returncode == 0, r.stderr
+    return parse_each(r.stdout, len(calls))
+
+
+def parse_each(stdout: str, n: int) -> list[tuple[int, str]]:
+    """[(exit code, stdout)] per call from the output of the _EACH script (n calls)."""
     out = []
-    for part in r.stdout.split("\n@@hyspec-call@@\n")[1:]:
+    for part in stdout.split("\n@@hyspec-call@@\n")[1:]:
         text, code = part.rsplit("\n@@hyspec-exit@@ ", 1)
         out.append((int(code), text))
-    assert len(out) == len(calls), r.stdout
+    assert len(out) == n, stdout
     return out
 
 

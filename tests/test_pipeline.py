@@ -139,15 +139,10 @@ def _cli(args, env=None, launcher=None):
 def _each(calls):
     """cli_each (tests/cli_helpers.py) in a new session: the --pp calls' ranks are stopped
     with it on a timeout."""
-    from cli_helpers import _EACH
+    from cli_helpers import _EACH, parse_each
 
     r = _cli(["-c", _EACH, json.dumps(calls)], env={"PYTHONPATH": str(ROOT)}, launcher=[sys.executable])
-    out = []
-    for part in r.stdout.split("\n@@hyspec-call@@\n")[1:]:
-        text, code = part.rsplit("\n@@hyspec-exit@@ ", 1)
-        out.append((int(code), text))
-    assert len(out) == len(calls), r.stdout
-    return out
+    return parse_each(r.stdout, len(calls))
 
 
 def test_cli_pp2(ckpts):
