@@ -156,6 +156,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
     and the skinny-GEMM configs: from --tuned-from, tuned in the step (--tune step), or the
     shipped ones (recorded in result)."""
     from hyspec.gpu import FastDecoder
+    from hyspec.gpu.tune import moe_key_name, parse_moe_key
 
     probe = FastDecoder(model, 8, 1, backend="triton" if dev.type == "cuda" else "torch", graphs=False)
     if dev.type == "cuda":
@@ -167,8 +168,6 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         step_bytes, draft_bytes = runner.weight_bytes_per_step(), runner.draft_bytes_per_step()
     if args.tuned_from:
         from hyspec.kernels.matmul import set_tuned
-
-        from hyspec.gpu.tune import parse_moe_key
         from hyspec.kernels.moe.grouped import set_moe_tuned
 
         earlier = json.loads(Path(args.tuned_from).read_text())
@@ -196,16 +195,12 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         _, _, logits = tune_decoder.prefill(prompt)
         tune_decoder.start_plain(int(torch.argmax(logits[0])))
         tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log)
-        from hyspec.gpu.tune import moe_key_name
-
         result["tuned_gemm"] = {f"{s[0]}x{s[1]}": v for s, v in tuned.items() if s[0] != "moe"}
         if any(s[0] == "moe" for s in tuned):
             result["tuned_moe_gemm"] = {moe_key_name(s): v for s, v in tuned.items() if s[0] == "moe"}
         del tune_decoder
     if "tuned_gemm" not in result and dev.type == "cuda":
         from hyspec.kernels.matmul import BUILTIN, TUNED
-
-        from hyspec.gpu.tune import moe_key_name
         from hyspec.kernels.moe.grouped import MOE_BUILTIN
 
         result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",

@@ -60,18 +60,10 @@ def parse_moe_key(name: str) -> tuple:
 
 def _moe_candidates(key: tuple, cur: dict) -> list[dict]:
     """One-parameter moves around an expert matmul's tile (BN, BK, WT, warps, stages)."""
-    from hyspec.kernels.moe.grouped import MOE_TUNED, gemm_config
+    from hyspec.kernels.moe.grouped import gemm_config
 
     _, N, K, act, qb = key
-    saved = MOE_TUNED.get(key[1:])
-    MOE_TUNED[key[1:]] = dict(cur)
-    try:
-        c0 = gemm_config(N, K, act, qb)
-    finally:
-        if saved is None:
-            MOE_TUNED.pop(key[1:], None)
-        else:
-            MOE_TUNED[key[1:]] = saved
+    c0 = gemm_config(N, K, act, qb, tile=cur or None)  # {}: the shipped / default tile
     moves = [dict(BN=c0["BN"] // 2), dict(BN=c0["BN"] * 2)] + [dict(BK=bk) for bk in (64, 128, 256)]
     moves += [dict(num_warps=w) for w in (2, 4, 8)] + [dict(num_stages=st) for st in (2, 3, 4, 5)]
     moves += [dict(WT=not c0["WT"]), dict(BN=c0["BN"] * 2, num_warps=8)]
@@ -120,12 +112,12 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     from hyspec.kernels.matmul import BUILTIN, TUNED
     from hyspec.kernels.moe.grouped import MOE_BUILTIN, MOE_TUNED, set_moe_tuned
 
-    def start(s):
+    def initial(s):
         if s[0] == "moe":
             return dict(MOE_TUNED.get(s[1:]) or MOE_BUILTIN.get(s[1:], {}))
         return dict(TUNED.get(s) or BUILTIN.get(s, {}))
 
-    table = {s: start(s) for s in shapes}
+    table = {s: initial(s) for s in shapes}
     graphs = dec.step_graphs
     snap = graphs.snapshot()
 

@@ -97,6 +97,10 @@ def graph_decoder(engine, max_batch: int, k_max: int):
     return engine.new_batch_decoder(slots, max_len, k_max)
 
 
+# hyspec_engine_seconds parts taken from the batched-graph runner's stats() (part -> key)
+_RUNNER_SECONDS = {"prefill": "prefill_s", "rounds": "rounds_s", "store": "store_s", "capture": "graph_capture_s"}
+
+
 class EngineWorker:
     def __init__(self, engine, *, max_batch: int = 16, max_queue: int = 256, prefix_store: bool = True,
                  draft: int = 3, warm_up: bool | None = None) -> None:
@@ -136,7 +140,7 @@ class EngineWorker:
         # engine-thread seconds by part (GET /metrics: hyspec_engine_seconds{part}); a
         # runner's own counters are folded in when it is dropped after a fault
         self._core_s = self._graphs_s = 0.0
-        self._dropped = {"prefill": 0.0, "rounds": 0.0, "store": 0.0, "capture": 0.0}
+        self._dropped = dict.fromkeys(_RUNNER_SECONDS, 0.0)
         self.warming_up = False
         self.warm_up_ok: bool | None = None  # None: no warm-up ran
 
@@ -169,8 +173,8 @@ class EngineWorker:
         run = self._runner  # (read once: the engine thread may drop it meanwhile)
         st = run.stats() if run is not None else {}
         out = {"warm_up": self.warm_s or 0.0, "core": self._core_s, "graphs": self._graphs_s}
-        for part in ("prefill", "rounds", "store", "capture"):
-            out[f"graph_{part}"] = self._dropped[part] + st.get(f"{part}_s" if part != "capture" else "graph_capture_s", 0.0)
+        for part, key in _RUNNER_SECONDS.items():
+            out[f"graph_{part}"] = self._dropped[part] + st.get(key, 0.0)
         return out
 
     def _drop_runner(self) -> None:
@@ -178,9 +182,8 @@ class EngineWorker:
         run, self._runner = self._runner, None
         if run is not None:
             st = run.stats()
-            for part in ("prefill", "rounds", "store"):
-                self._dropped[part] += st[f"{part}_s"]
-            self._dropped["capture"] += st["graph_capture_s"]
+            for part, key in _RUNNER_SECONDS.items():
+                self._dropped[part] += st[key]
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue all jobs or none (QueueFull)."""

@@ -310,8 +310,9 @@ def set_moe_tuned(table: dict) -> None:
     MOE_TUNED.update(table)
 
 
-def gemm_config(N: int, K: int, act: bool, qb_k: int | None) -> dict:
-    """Tile of an expert matmul: from (N, K) (and the quant block) only, never from T."""
+def gemm_config(N: int, K: int, act: bool, qb_k: int | None, tile: dict | None = None) -> dict:
+    """Tile of an expert matmul: from (N, K) (and the quant block) only, never from T.
+    tile: overrides to use instead of MOE_TUNED / MOE_BUILTIN's entry (the tuner's candidates)."""
     bn = 32 if N <= 1024 else 64
     bk = 128 if K >= 128 else max(16, p2(K))
     if qb_k is not None:
@@ -319,7 +320,7 @@ def gemm_config(N: int, K: int, act: bool, qb_k: int | None) -> dict:
             bk //= 2
     cfg = dict(BN=bn, BK=bk, WT=act, num_warps=4, num_stages=3)
     key = (N, K, bool(act), qb_k)
-    cfg.update(MOE_TUNED.get(key) or MOE_BUILTIN.get(key) or {})
+    cfg.update(tile if tile is not None else MOE_TUNED.get(key) or MOE_BUILTIN.get(key) or {})
     if qb_k is not None and qb_k % cfg["BK"]:
         raise ValueError(f"moe gemm config for {key}: BK {cfg['BK']} does not divide the FP8 block {qb_k}")
     return cfg

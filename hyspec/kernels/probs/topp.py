@@ -14,8 +14,9 @@ weights at K* settles the ties. Per pass two launches: (1) per (row, chunk), the
 of the chunk's tokens that share K*'s digits found so far are added into the row's int64
 bins by digit (atomic integer adds: exact in any order); (2) one program per row sums its
 bins in fixed blocks from the top digit down until a block reaches the threshold, scans
-that block alone, and so finds K*'s digit and the weight ranked ahead of it. Then (3) per (row, chunk) the weight of the chunk's ties, and (4) per (row, chunk)
-the chunks' totals before it plus an in-chunk scan give the keep mask. Launches: one
+that block alone, and so finds K*'s digit and the weight ranked ahead of it. Then (3) per
+(row, chunk) the weight of the chunk's ties, and (4) per (row, chunk) the chunks' totals
+before it plus an in-chunk scan give the keep mask. Launches: one
 memset of the bins, 2 per pass, 2 for the ties: 5 for 16-bit keys (bf16 / fp16 logits),
 7 for 32-bit ones (fp32).
 
@@ -44,7 +45,7 @@ from hyspec.kernels.probs.reference import CHUNK
 __all__ = ["DIGIT", "prefix_select_rows", "topp_kernel_enabled"]
 
 DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
-SCAN_BLOCK = 4096  # bins per step of the one-program-per-row walk
+SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
 
 
 def topp_kernel_enabled(cuda: bool) -> bool:
