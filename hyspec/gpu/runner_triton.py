@@ -42,6 +42,14 @@ from hyspec.quant import Fp8Weight
 __all__ = ["TritonRunner", "pack_views"]
 
 
+
+def tall_tile(N: int, K: int, act: bool = False) -> dict:
+    """The config overrides of an [N, K] weight's matmul in a batched decoder's 32- or
+    64-row tiles: the shape's own config with BK <= 128 and <= 3 stages (shared memory)."""
+    c = _config_cached(N, K, None, None, None, None, None, None, act)
+    return dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
+                num_stages=min(c.num_stages, 3), wt=c.wt)
+
 class TritonRunner:
     """The compute of a FastDecoder (one sequence) or a BatchDecoder (lanes: several
     sequences per launch, their state in per-lane slabs; hyspec.gpu.batch)."""
@@ -237,13 +245,9 @@ class TritonRunner:
         return torch.matmul(x, w.t(), out=out)
 
     def _tile(self, N, K, act) -> dict:
-        """Tile overrides for the matmul of an [N, K] weight: none for one sequence; for
-        64-row tiles the shape's config with BK <= 128 and <= 3 stages (shared memory)."""
-        if self.block_t == 16:
-            return {}
-        c = _config_cached(N, K, None, None, None, None, None, None, act)
-        return dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
-                    num_stages=min(c.num_stages, 3), wt=c.wt)
+        """Tile overrides for the matmul of an [N, K] weight: none for one sequence, else
+        :func:`tall_tile`."""
+        return {} if self.block_t == 16 else tall_tile(N, K, act)
 
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):

@@ -1,0 +1,68 @@
+"""GPU (CUDA) check: does a matmul row's value depend on the height of the row tile it
+runs in?  The batched decoder runs every matmul in 64-row tiles (``block_t=64``), fixed
+per decoder so that a lane's rows are bitwise the same whatever the batch.  A round with
+few rows wastes most of such a tile (b2 at one lane: 415 vs 588 tok/s with 16-row tiles,
+docs/gpu.md).  Choosing the tile height from a call's row count keeps the batch
+invariance only if a row's bits are the same in a 16-, 32- or 64-row tile with the same
+split-K, BK and column tile; these tests measure that on the device for the b2 shapes
+(bf16 and block-FP8).  Skipped without CUDA."""
+import functools
+
+import kernel_grid
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from hyspec.gpu.runner_triton import tall_tile  # noqa: E402
+from hyspec.kernels.matmul import skinny_matmul, skinny_matmul_fp8  # noqa: E402
+from hyspec.kernels.matmul.config import BUILTIN  # noqa: E402
+from hyspec.quant import Fp8Weight, quantize  # noqa: E402
+
+DEV = torch.device("cuda")
+rnd = functools.partial(kernel_grid.rnd, device=DEV)
+
+# b2's weight shapes (the in-step tuner's table) and the down projection's fused SiLU*mul input
+SHAPES = [(N, K, False) for (N, K) in sorted(BUILTIN)] + [(2048, 6144, True)]
+VARIANTS = {  # name -> (block_t, whether the config is the tall tile's)
+    "t16_tall": (16, True),
+    "t32_tall": (32, True),
+    "t16_own": (16, False),  # the one-sequence decoder's own config (BK up to 256, more stages)
+}
+
+
+def _ids(s):
+    return f"{s[0]}x{s[1]}{'_act' if s[2] else ''}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+def test_row_bits_do_not_depend_on_tile_height(shape, variant):
+    N, K, act = shape
+    w = rnd(N, K, dtype=torch.bfloat16, seed=0, scale=K ** -0.5)
+    x = rnd(64, 2 * K if act else K, dtype=torch.bfloat16, seed=1)
+    tall = tall_tile(N, K, act)
+    ref = skinny_matmul(x, w, act=act, block_t=64, **tall)  # [64, N] the batched decoder's rows
+    block_t, same = VARIANTS[variant]
+    cfg = tall if same else {}
+    for T in (1, 3, 16, 40):
+        if T > 16 and block_t == 16 and not same:
+            continue
+        y = skinny_matmul(x[:T], w, act=act, block_t=block_t, **cfg)
+        diff = (y.float() - ref[:T].float()).abs().max().item()
+        assert torch.equal(y, ref[:T]), f"T={T}: max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("block_t", [16, 32])
+def test_fp8_row_bits_do_not_depend_on_tile_height(block_t):
+    N, K = 2048, 4096
+    q, s = quantize(rnd(N, K, seed=0, scale=K ** -0.5).cpu(), (128, 128))
+    w = Fp8Weight(q.to(DEV), s.to(DEV), (128, 128))
+    x = rnd(64, K, dtype=torch.bfloat16, seed=1)
+    tall = tall_tile(N, K)
+    ref = skinny_matmul_fp8(x, w, block_t=64, **tall)
+    for T in (1, 5, 16):
+        assert torch.equal(skinny_matmul_fp8(x[:T], w, block_t=block_t, **tall), ref[:T]), T
