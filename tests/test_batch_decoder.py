@@ -64,6 +64,28 @@ def test_batched_verify_rows_match_the_reference(tmp_path, arch):
     assert float((bad[1] - ref1).abs().max()) > LOGPROB_ATOL
 
 
+def test_row_tile_height_policy(tmp_path, monkeypatch):
+    """HYSPEC_BATCH_BLOCK_T: auto picks the matmul row-tile height from a call's rows for
+    bf16 models on CUDA only (16 / 32 / 64; the GPU test tests/test_gpu_batch.py checks a lane's bits
+    across them); off CUDA (the interpreter's numpy dots change bits with the tile width)
+    auto means 64; a fixed value holds for every call; a bad value is a clear error."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.runner_triton import _fixed_height
+
+    m = _model(tmp_path, "qwen3_next")
+    assert BatchDecoder(m, 16, 1, slots=2, graphs=False).runner.height(3) == 64
+    assert _fixed_height("auto", torch.device("cuda")) is None
+    assert _fixed_height("auto", torch.device("cuda"), torch.float32) == 64
+    monkeypatch.setenv("HYSPEC_BATCH_BLOCK_T", "32")
+    r = BatchDecoder(m, 16, 1, slots=2, graphs=False).runner
+    assert [r.height(n) for n in (1, 40)] == [32, 32]
+    r.block_t = None  # what auto sets on CUDA
+    assert [r.height(n) for n in (1, 16, 17, 32, 33, 200)] == [16, 16, 32, 32, 64, 64]
+    monkeypatch.setenv("HYSPEC_BATCH_BLOCK_T", "48")
+    with pytest.raises(ValueError, match="HYSPEC_BATCH_BLOCK_T='48'"):
+        BatchDecoder(m, 16, 1, slots=2, graphs=False)
+
+
 def _requests(prompts, ks, n, arrivals, refs=None):
     from hyspec.gpu.batch_loop import LaneRequest
 

@@ -52,6 +52,36 @@ def test_batched_verify_rows_match_the_reference_on_cuda(tmp_path, arch):
         assert float((got[lane] - ref).abs().max()) <= LOGPROB_ATOL, lane
 
 
+def test_a_lane_has_the_same_bits_in_every_row_tile_height(tmp_path):
+    """On CUDA the batched runner picks each matmul's row-tile height from the call's rows
+    (HYSPEC_BATCH_BLOCK_T=auto, bf16: 16, 32 or 64; fp32 models keep 64). Lane 0's verify logits are bitwise the same
+    with 1 lane (4 rows: 16-row tiles), 5 lanes (20 rows: 32) and 10 lanes (40 rows: 64);
+    a height-dependent config (a planted K split at 16 rows) is caught."""
+    from hyspec.gpu.batch import BatchDecoder
+
+    m = _model(tmp_path, "qwen3_next", torch.bfloat16)
+    prompts = [[(7 * i + j) % 256 for j in range(3 + i % 4)] for i in range(10)]
+    verify = [[(11 * i + 3 * j + 1) % 256 for j in range(4)] for i in range(10)]
+
+    def lane0_logits(lanes, plant=False):
+        dec = BatchDecoder(m, 24, 3, slots=10, graphs=False, use_fla=False)
+        assert dec.runner.block_t is None  # auto heights
+        if plant:
+            tile = dec.runner._tile
+            dec.runner._tile = lambda N, K, act, h, fp8=None: dict(tile(N, K, act, 64, fp8), split_k=2, block_k=16) \
+                if h == 16 else tile(N, K, act, h, fp8)
+        for lane in range(lanes):
+            dec.prefill(lane, prompts[lane])
+        ids = torch.tensor([t for v in verify[:lanes] for t in v], device="cuda")
+        _, post = dec.runner.target(ids, 4 * lanes, dec.pos, True, lanes)
+        return dec.runner.logits(post)[:4].clone()
+
+    alone = lane0_logits(1)
+    for lanes in (5, 10):
+        assert torch.equal(lane0_logits(lanes), alone), lanes
+    assert not torch.equal(lane0_logits(1, plant=True), alone)
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
     from hyspec.gpu.batch import BatchDecoder

@@ -4,8 +4,8 @@ per decoder so that a lane's rows are bitwise the same whatever the batch.  A ro
 few rows wastes most of such a tile (b2 at one lane: 415 vs 588 tok/s with 16-row tiles,
 docs/gpu.md).  Choosing the tile height from a call's row count keeps the batch
 invariance only if a row's bits are the same in a 16-, 32- or 64-row tile with the same
-split-K, BK and column tile; these tests measure that on the device for the b2 shapes
-(bf16 and block-FP8).  Skipped without CUDA."""
+split-K and column tile; these tests measure that on the device for the b2 shapes (bf16
+and block-FP8; the runner relies on it for bf16 models: hyspec.gpu.runner_triton).  Skipped without CUDA."""
 import functools
 
 import kernel_grid
@@ -41,9 +41,20 @@ def _ids(s):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 def test_row_bits_do_not_depend_on_tile_height(shape, variant):
+    _check(shape, variant, torch.bfloat16)
+
+
+@pytest.mark.xfail(reason="fp32 (ieee dots) across tile heights: not relied on (fp32 models keep 64-row tiles); "
+                          "measured to know", strict=False)
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=_ids)
+def test_fp32_row_bits_across_tile_heights(shape):
+    _check(shape, "t16_tall", torch.float32)
+
+
+def _check(shape, variant, dtype):
     N, K, act = shape
-    w = rnd(N, K, dtype=torch.bfloat16, seed=0, scale=K ** -0.5)
-    x = rnd(64, 2 * K if act else K, dtype=torch.bfloat16, seed=1)
+    w = rnd(N, K, dtype=dtype, seed=0, scale=K ** -0.5)
+    x = rnd(64, 2 * K if act else K, dtype=dtype, seed=1)
     tall = tall_tile(N, K, act)
     ref = skinny_matmul(x, w, act=act, block_t=64, **tall)  # [64, N] the batched decoder's rows
     block_t, same = VARIANTS[variant]

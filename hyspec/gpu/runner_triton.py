@@ -43,6 +43,17 @@ __all__ = ["TritonRunner", "pack_views"]
 
 
 
+def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int | None:
+    """HYSPEC_BATCH_BLOCK_T: 16, 32 or 64 (one row-tile height for every call), or auto
+    (None: by the call's rows, for bf16 models on CUDA; 64 elsewhere)."""
+    v = value.strip().lower()
+    if v in ("", "auto"):
+        return None if torch.device(device).type == "cuda" and dtype == torch.bfloat16 else 64
+    if v not in ("16", "32", "64"):
+        raise ValueError(f"HYSPEC_BATCH_BLOCK_T={value!r}: use auto, 16, 32 or 64")
+    return int(v)
+
+
 def tall_tile(N: int, K: int, act: bool = False) -> dict:
     """The config overrides of an [N, K] weight's matmul in a batched decoder's 32- or
     64-row tiles: the shape's own config with BK <= 128 and <= 3 stages (shared memory)."""
@@ -127,11 +138,20 @@ class TritonRunner:
             self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt)
             self.moe_counts = torch.zeros(2, R + 1, 2, device=dev, dtype=torch.int64)
         self._workspaces = {}  # split-K workspaces by weight shape (N, K); "attn": the attention combine
-        # rows per matmul program: 16 for one sequence; a batched decoder's calls have up to
-        # lanes x rows each, and 64-row tiles read every weight tile once for 64 of them
-        # (fixed per decoder, never chosen from a call's row count: row invariance)
-        self.block_t = int(os.environ.get("HYSPEC_BATCH_BLOCK_T", "64")) if self.batched else 16
-        self._workspace_rows = -(-R // self.block_t) * self.block_t  # split-K workspace rows: every call fits
+        self._own_ok = {}  # (N, K, act, fp8 block) -> whether the own config splits K as the tall tile's
+        # rows per matmul program (the row-tile height): 16 for one sequence. A batched
+        # decoder's calls have up to lanes x rows each: by default (HYSPEC_BATCH_BLOCK_T=auto)
+        # the height follows the call's row count (16 up to 16 rows, with the one-sequence
+        # config; 32 up to 32; else 64, where each weight tile is read once for 64 rows).
+        # On CUDA a row's bits do not depend on the height at a fixed split-K (the MMAs
+        # chain their fp32 accumulator through K alike; measured on the H200 for every b2
+        # shape, bf16 and FP8: tests/test_gpu_tile_heights.py), so the batch invariance
+        # holds. The Triton interpreter's dots are numpy matmuls whose bits change with the
+        # tile's width, so off CUDA auto means 64 always, and so it does for fp32 models
+        # (not measured). HYSPEC_BATCH_BLOCK_T=16/32/64 fixes one height.
+        self.block_t = _fixed_height(os.environ.get("HYSPEC_BATCH_BLOCK_T", "auto"), dev, dt) if self.batched else 16
+        top = self.block_t or 64
+        self._workspace_rows = -(-R // top) * top  # split-K workspace rows: every call fits
         # verify slabs for the commit replay: in_proj outputs and conv outputs per GDN layer
         self.gdn_layers = sorted((lay for lay in self.layers if lay.kind == "gdn"), key=lambda lay: lay.g)
         self.t_max = dec.t_max  # verify rows per lane the slabs hold
@@ -214,7 +234,8 @@ class TritonRunner:
             return out
         if isinstance(w, Fp8Weight):
             N, K = w.shape
-            tile = self._tile(N, K, act)
+            height = self.height(x.shape[0])
+            tile = self._tile(N, K, act, height, w.block)
             key = (N, K, w.block, act)
             ws = self._workspaces.get(key)
             if ws is None:
@@ -225,29 +246,51 @@ class TritonRunner:
             use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
             return skinny_matmul_fp8(x, w, out=out, act=act, ws=use,
                                      defer=defer and self.exact and self.fuse_reduce and use is not None,
-                                     block_t=self.block_t, **tile)
+                                     block_t=height, **tile)
         if self.exact:
             N, K = w.shape
+            height = self.height(x.shape[0])
+            tile = self._tile(N, K, act, height)
             ws = self._workspaces.get((N, K))
-            if ws is None:  # one fixed-shape split-K workspace per weight shape
+            if ws is None:  # one fixed-shape split-K workspace per weight shape (every height splits alike)
                 c = _config_cached(N, K, None, None, None, None, None, None, act)
-                if self.block_t > 16:
-                    c = _config_cached(N, K, *self._tile(N, K, act).values())
                 ws = torch.empty((c.split_k, self._workspace_rows, N), device=w.device, dtype=torch.float32) \
                     if c.split_k > 1 else False
                 self._workspaces[(N, K)] = ws
             use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
             return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None,
-                                 block_t=self.block_t, **self._tile(N, K, act))
+                                 block_t=height, **tile)
         if act:
             K = w.shape[1]
             x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
         return torch.matmul(x, w.t(), out=out)
 
-    def _tile(self, N, K, act) -> dict:
-        """Tile overrides for the matmul of an [N, K] weight: none for one sequence, else
-        :func:`tall_tile`."""
-        return {} if self.block_t == 16 else tall_tile(N, K, act)
+    def height(self, rows: int) -> int:
+        """The row-tile height of a matmul call with `rows` rows (see __init__)."""
+        if self.block_t:
+            return self.block_t
+        return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+    def _tile(self, N, K, act, height, fp8_block=None) -> dict:
+        """Tile overrides for the matmul of an [N, K] weight in row tiles of `height`:
+        :func:`tall_tile`, or none (the shape's own config, as one sequence runs it) for
+        16-row tiles of a shape whose own config splits K exactly as the tall one (a row's
+        bits then match across heights; a different split would sum other partials)."""
+        if self.block_t == 16 or (not self.batched):
+            return {}
+        tall = tall_tile(N, K, act)
+        if height != 16:
+            return tall
+        key = (N, K, act, fp8_block)
+        same = self._own_ok.get(key)
+        if same is None:
+            if fp8_block is None:
+                own, alt = _config_cached(N, K, None, None, None, None, None, None, act), \
+                    _config_cached(N, K, *tall.values())
+            else:
+                own, alt = fp8_config(N, K, fp8_block, act), fp8_config(N, K, fp8_block, act, **tall)
+            same = self._own_ok[key] = (own.split_k, own.k_per_split) == (alt.split_k, alt.k_per_split)
+        return {} if same else tall
 
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):
