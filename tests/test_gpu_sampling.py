@@ -458,8 +458,15 @@ def test_speculative_round_equals_reference(seed: int, noise: float) -> None:
             drafts[:, j] = torch.where(j < k_lane, d, drafts[:, j])
             scratch.push(drafts[:, j], j < k_lane)
 
-        p = verify_probs(target, table, window, drafts)
+        p, best = verify_probs(target, table, window, drafts, with_best=True)
         n, nxt = speculative_accept(p, q, drafts, table, positions, k_lane)
+        # with probs_batch's best per row (no argmax over p; the coupled draws in one call):
+        # the same decisions; a wrong best (the next token) changes some
+        assert all(torch.equal(a, b) for a, b in zip(speculative_accept(p, q, drafts, table, positions, k_lane,
+                                                                         best=best), (n, nxt)))
+        if noise == 0.0 and rnd == 0:
+            bad = speculative_accept(p, q, drafts, table, positions, k_lane, best=(best + 1) % V)
+            assert not all(torch.equal(a, b) for a, b in zip(bad, (n, nxt)))
 
         emitted = torch.cat([drafts, torch.zeros(B, 1, dtype=torch.int64)], dim=1)
         for b in range(B):

@@ -31,8 +31,7 @@ def row_kernels(device: torch.device) -> bool:
 
 def table_rows(table: dsamp.SamplingTable, lanes: int, per_lane: int = 1) -> dsamp.SamplingTable:
     """The table over the first `lanes` lanes, each repeated per_lane times (one per row)."""
-    return table.view(lambda t: t[:lanes].repeat_interleave(per_lane) if per_lane > 1 else t[:lanes],
-                      lanes * per_lane)
+    return table.repeat(lanes, per_lane)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -65,22 +64,24 @@ def _exact_choice(regime: dsamp.SampledGraphKey) -> bool:
 
 
 def _probs(logits, table, regime, counts):
-    """probs_batch of the rows: as they are with the row kernels, else over fixed blocks."""
+    """(probs_batch of the rows, their best [rows] or None): as they are with the row
+    kernels, else over fixed blocks (best None: the choices take the argmax of p)."""
     if row_kernels(logits.device):
-        return dsamp.probs_batch(logits, table, counts, regime, kernel=True)
+        return dsamp.probs_batch(logits, table, counts, regime, kernel=True, with_best=True)
     if counts is None:
         return blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime, kernel=False), logits.shape[0],
-                       logits, table)
+                       logits, table), None
     return blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime, kernel=False), logits.shape[0],
-                   logits, table, counts)
+                   logits, table, counts), None
 
 
-def _choose(fn, probs, table, positions, regime):
-    """fn(probs, table, positions, regime, kernel) per row: in blocks unless the choice is
-    exact or made by the row kernels."""
+def _choose(fn, probs, table, positions, regime, best=None):
+    """fn(probs, table, positions, regime, kernel[, best]) per row: in blocks unless the
+    choice is exact or made by the row kernels."""
     kernel = row_kernels(probs.device)
     if kernel or _exact_choice(regime):
-        return fn(probs, table, positions, regime, kernel)
+        return fn(probs, table, positions, regime, kernel) if best is None \
+            else fn(probs, table, positions, regime, kernel, best)
     return blocked(lambda p, tb, ps: fn(p, tb, ps, regime, False), probs.shape[0], probs, table, positions)
 
 
@@ -88,14 +89,15 @@ def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: tor
                 regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN);
     counts [nb, V]: the lanes' penalty windows (regime.penalties)."""
-    return _choose(dsamp.plain_tokens, _probs(logits, table, regime, counts), table, positions, regime)
+    probs, best = _probs(logits, table, regime, counts)
+    return _choose(dsamp.plain_tokens, probs, table, positions, regime, best)
 
 
 def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
                 regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None):
     """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream DRAFT)."""
-    q = _probs(logits, table, regime, counts)
-    return q, _choose(dsamp.draft_tokens, q, table, positions, regime)
+    q, best = _probs(logits, table, regime, counts)
+    return q, _choose(dsamp.draft_tokens, q, table, positions, regime, best)
 
 
 def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, plain: bool = True,
@@ -112,7 +114,8 @@ def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.A
     V = dec.cfg.vocab_size
     logits = dec.runner.bufs.logits[: nb * t]  # [nb * t, V]
     counts = dec.verify_counts(nb, t).view(nb * t, V) if regime.penalties else None  # [nb * t, V]
-    probs = _probs(logits, table_rows(dec.sampling_table, nb, t), regime, counts).view(nb, t, V)
+    probs, best = _probs(logits, table_rows(dec.sampling_table, nb, t), regime, counts)
+    probs = probs.view(nb, t, V)  # best: [nb * t] or None
     table = table_rows(dec.sampling_table, nb)
     first_pos = dec.pos[:nb] + 1  # [nb] the first draft's position
     k_lane = dec.k_lane[:nb] if k_lane is None else k_lane  # [nb] drafts per lane (masked rounds: k_round)
@@ -120,24 +123,26 @@ def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.A
         drafts = dec.verify_tokens[:nb, 1:t]  # [nb, k]
         q = dec.draft_probs[:nb, :k]  # [nb, k, V]
 
-        def accept(p, tb, ps, regime, kernel, q, d, kl):
-            return dsamp.speculative_accept(p, q, d, tb, ps, kl, regime, kernel)
+        def accept(p, tb, ps, regime, kernel, q, d, kl, best=None):
+            return dsamp.speculative_accept(p, q, d, tb, ps, kl, regime, kernel, best)
 
         kernel = row_kernels(probs.device)
         if kernel or _exact_choice(regime):
-            n, next_token = accept(probs, table, first_pos, regime, kernel, q, drafts, k_lane)
+            n, next_token = accept(probs, table, first_pos, regime, kernel, q, drafts, k_lane, best)
         else:
             n, next_token = blocked(lambda p, tb, ps, q, d, kl: accept(p, tb, ps, regime, False, q, d, kl),
                                     nb, probs, table, first_pos, q, drafts, k_lane)
     else:
         n = torch.zeros(nb, device=dec.dev, dtype=torch.long)
 
-        def bonus_of_empty_round(p, tb, ps, regime, kernel):
+        def bonus_of_empty_round(p, tb, ps, regime, kernel, best=None):
             no_drafts = p.new_zeros(p.shape[0], 0, dtype=torch.long)
-            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps), regime, kernel)[1]
+            return dsamp.speculative_accept(p, p[:, :0], no_drafts, tb, ps, torch.zeros_like(ps), regime, kernel,
+                                            best)[1]
 
-        next_token = _choose(bonus_of_empty_round, probs, table, first_pos, regime)
+        next_token = _choose(bonus_of_empty_round, probs, table, first_pos, regime, best)
     if not plain:
         return n, next_token
-    plain_tok = _choose(dsamp.plain_tokens, probs[:, 0], table, first_pos, regime)
+    best0 = None if best is None else best.view(nb, t)[:, 0]
+    plain_tok = _choose(dsamp.plain_tokens, probs[:, 0], table, first_pos, regime, best0)
     return n, torch.where(dec.spec_lane[:nb] == 0, plain_tok, next_token)

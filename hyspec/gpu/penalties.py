@@ -143,17 +143,22 @@ def verify_probs(
     table: SamplingTable,
     window: PenaltyWindow | None,
     drafts: torch.Tensor,
-) -> torch.Tensor:
+    with_best: bool = False,
+):
     """Probabilities of a round's verify rows: logits [B, R, V], drafts [B, R-1] ->
     float64 [B, R, V], row j penalised with the history plus ``drafts[:, :j]`` (the
     reference's ``row_probs(rows[j], hist + drafts[:j], params)``).  ``window`` is not
     modified (a scratch copy advances).  The drafter's rows need the same: advance a
-    scratch window with :meth:`PenaltyWindow.push` after each draft."""
+    scratch window with :meth:`PenaltyWindow.push` after each draft. with_best: also
+    probs_batch's best per row, [B, R]."""
     R = logits.shape[1]
     scratch = window.clone() if window is not None else None
-    rows = []
+    rows, best = [], []
     for j in range(R):  # R = k + 1 is a static shape
-        rows.append(probs_batch(logits[:, j], table, scratch.counts if scratch is not None else None))
+        p, b = probs_batch(logits[:, j], table, scratch.counts if scratch is not None else None, with_best=True)
+        rows.append(p)
+        best.append(b)
         if scratch is not None and j < R - 1:
             scratch.push(drafts[:, j])
-    return torch.stack(rows, dim=1)
+    probs = torch.stack(rows, dim=1)
+    return (probs, torch.stack(best, dim=1)) if with_best else probs

@@ -99,36 +99,48 @@ def _signed64(seed: int) -> int:
 # --------------------------------------------------------------------------------------
 
 
+KEEP_ALL = (1 << 63) - 1  # a prefix_select threshold no ahead weight reaches: every valid token kept
+
+
 class SamplingTable:
     """Sampling parameters of ``batch`` lanes as device tensors (filled on the host with
     :meth:`set`, read by the batched functions).
 
     Lanes without penalties (``SamplingParams.has_penalties`` false) hold the neutral
     values (1, 0, 0), so whatever their counts are the penalty step leaves them unchanged.
+    Besides the parameters the table holds what the device would otherwise recompute
+    every call: ``temp_eff`` (1 for greedy lanes), and the top-k / top-p thresholds of
+    :func:`prefix_select` (``KEEP_ALL`` where the filter is off, which keeps every valid
+    token: the same keep set as no filter). The fields are rows of three storages (float64,
+    int64, bool), so :meth:`repeat` makes the per-row table of a verify in three copies.
     """
 
     # the per-lane tensor fields, each [B] (views, lane moves and row selections go over these)
-    FIELDS = ("temperature", "top_k", "top_p", "min_p", "log_min_p", "repetition_penalty", "frequency_penalty",
-              "presence_penalty", "seed", "coupled", "greedy")
+    F64 = ("temperature", "temp_eff", "top_p", "min_p", "log_min_p", "repetition_penalty", "frequency_penalty",
+           "presence_penalty")
+    I64 = ("top_k", "topk_threshold", "topp_threshold", "seed")
+    BOOL = ("coupled", "greedy")
+    FIELDS = F64 + I64 + BOOL
+    # neutral values: greedy, no filter, no penalty
+    _NEUTRAL = dict(temperature=0.0, temp_eff=1.0, top_p=1.0, min_p=0.0, log_min_p=-math.inf, repetition_penalty=1.0,
+                    frequency_penalty=0.0, presence_penalty=0.0, top_k=0, topk_threshold=KEEP_ALL,
+                    topp_threshold=KEEP_ALL, seed=0, coupled=False, greedy=True)
 
     def __init__(self, batch: int, device: torch.device | str | None = None) -> None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        f64 = {"dtype": torch.float64, "device": dev}
-        i64 = {"dtype": torch.int64, "device": dev}
         self.batch = batch
         self.device = dev
-        self.temperature = torch.zeros(batch, **f64)  # [B] 0 = greedy
-        self.top_k = torch.zeros(batch, **i64)  # [B] 0 = off
-        self.top_p = torch.ones(batch, **f64)  # [B] 1 = off
-        self.min_p = torch.zeros(batch, **f64)  # [B] 0 = off
-        self.log_min_p = torch.full((batch,), -math.inf, **f64)  # [B] math.log(min_p) (the reference's number)
-        self.repetition_penalty = torch.ones(batch, **f64)  # [B] 1 = off
-        self.frequency_penalty = torch.zeros(batch, **f64)  # [B] 0 = off
-        self.presence_penalty = torch.zeros(batch, **f64)  # [B] 0 = off
-        self.seed = torch.zeros(batch, **i64)  # [B] the uint64 seed's bits as int64
-        self.coupled = torch.zeros(batch, dtype=torch.bool, device=dev)  # [B] mode == "coupled"
-        self.greedy = torch.ones(batch, dtype=torch.bool, device=dev)  # [B] temperature == 0
+        self._f64 = torch.tensor([[self._NEUTRAL[n]] * batch for n in self.F64], dtype=torch.float64, device=dev)
+        self._i64 = torch.tensor([[self._NEUTRAL[n]] * batch for n in self.I64], dtype=torch.int64, device=dev)
+        self._bool = torch.tensor([[self._NEUTRAL[n]] * batch for n in self.BOOL], dtype=torch.bool, device=dev)
+        self._bind()
         self.params: list[SamplingParams] = [_GREEDY] * batch  # host copy, for inspection
+
+    def _bind(self) -> None:
+        """Each field as a [B] view: a row of its storage."""
+        for store, names in ((self._f64, self.F64), (self._i64, self.I64), (self._bool, self.BOOL)):
+            for i, name in enumerate(names):
+                setattr(self, name, store[i])
 
     def fields(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.FIELDS]
@@ -141,23 +153,38 @@ class SamplingTable:
         out.batch, out.device, out.params = batch, self.device, None
         return out
 
+    def repeat(self, lanes: int, per_lane: int = 1) -> "SamplingTable":
+        """The table over the first `lanes` lanes, each repeated per_lane times (a row per
+        verify row, lane-major): one copy per storage."""
+        out = SamplingTable.__new__(SamplingTable)
+        for name in ("_f64", "_i64", "_bool"):
+            st = getattr(self, name)[:, :lanes]
+            setattr(out, name, st.repeat_interleave(per_lane, dim=1) if per_lane > 1 else st)
+        out._bind()
+        out.batch, out.device, out.params = lanes * per_lane, self.device, None
+        return out
+
     def set(self, lane: int, params: SamplingParams | None) -> None:
         """Write lane's parameters (None: an unused lane, greedy and neutral).  A host to
-        device copy per field; call it outside a graph capture, between replays."""
+        device copy per storage; call it outside a graph capture, between replays."""
         p = _GREEDY if params is None else params
         pen = p.has_penalties
         self.params[lane] = p
-        self.temperature[lane] = float(p.temperature)
-        self.top_k[lane] = int(p.top_k)
-        self.top_p[lane] = float(p.top_p)
-        self.min_p[lane] = float(p.min_p)
-        self.log_min_p[lane] = math.log(p.min_p) if p.min_p > 0 else -math.inf
-        self.repetition_penalty[lane] = float(p.repetition_penalty) if pen else 1.0
-        self.frequency_penalty[lane] = float(p.frequency_penalty) if pen else 0.0
-        self.presence_penalty[lane] = float(p.presence_penalty) if pen else 0.0
-        self.seed[lane] = _signed64(p.seed)
-        self.coupled[lane] = p.mode == "coupled"
-        self.greedy[lane] = p.greedy
+        v = dict(
+            temperature=float(p.temperature),
+            temp_eff=1.0 if p.greedy else float(p.temperature),
+            top_p=float(p.top_p), min_p=float(p.min_p),
+            log_min_p=math.log(p.min_p) if p.min_p > 0 else -math.inf,
+            repetition_penalty=float(p.repetition_penalty) if pen else 1.0,
+            frequency_penalty=float(p.frequency_penalty) if pen else 0.0,
+            presence_penalty=float(p.presence_penalty) if pen else 0.0,
+            top_k=int(p.top_k), topk_threshold=int(p.top_k) if p.top_k > 0 else KEEP_ALL,
+            # probs_batch's threshold: top_p in fixed-point masses, at least 1 (the top token)
+            topp_threshold=max(1, int(float(p.top_p) * float(MASS_ONE))) if p.top_p < 1.0 else KEEP_ALL,
+            seed=_signed64(p.seed), coupled=p.mode == "coupled", greedy=p.greedy)
+        for store, names, dt in ((self._f64, self.F64, torch.float64), (self._i64, self.I64, torch.int64),
+                                 (self._bool, self.BOOL, torch.bool)):
+            store[:, lane].copy_(torch.tensor([v[n] for n in names], dtype=dt))
 
     def set_all(self, params: Sequence[SamplingParams | None]) -> None:
         if len(params) != self.batch:
@@ -343,14 +370,19 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
 def probs_batch(
     logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None,
     regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None, topp_kernel: bool | None = None,
-) -> torch.Tensor:
+    with_best: bool = False,
+):
     """``row_probs`` for every lane: logits [B, V] (any float dtype), counts [B, V] (the
-    lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V].
+    lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V]
+    (with_best: (probs, best [B]), best = the first argmax of the penalised logits, which
+    is the argmax of a greedy lane's one-hot row).
 
     Penalties -> temperature -> top-k -> top-p -> min-p as the reference's filter_probs
     defines them, without a sort: top-k and top-p are :func:`prefix_select` over the
-    (penalised) logits' ranking key, min-p an elementwise test; greedy lanes get a one-hot
-    at the argmax (lowest id on ties). ``regime`` leaves out the stages no lane uses.
+    (penalised) logits' ranking key (a lane with the filter off has the KEEP_ALL
+    threshold, which keeps every valid token), min-p an elementwise test; greedy lanes get
+    a one-hot at the argmax (lowest id on ties). ``regime`` leaves out the stages no lane
+    uses.
 
     kernel (default: on CUDA with triton): the softmaxes run as the row kernel
     :func:`hyspec.kernels.probs.softmax_rows`, with the temperature, the keep mask, min-p
@@ -366,8 +398,9 @@ def probs_batch(
     B, V = x0.shape
     best = x0.argmax(dim=1, keepdim=True)  # [B, 1] the first max: rank 0
     if not regime.sampled:
-        return torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
-    temp = torch.where(table.greedy, torch.ones_like(table.temperature), table.temperature)  # [B]
+        p = torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
+        return (p, best.squeeze(1)) if with_best else p
+    temp = table.temp_eff  # [B] (1 for greedy lanes)
     if kernel is None:
         kernel = x0.is_cuda and triton_available()
     if topp_kernel is None:
@@ -382,28 +415,26 @@ def probs_batch(
         keep = xt > -math.inf  # [B, V] (no NaN or +inf: a precondition)
     if regime.top_k or regime.top_p:
         key, bits = order_key(x0)
-    if regime.top_k:
-        k = table.top_k.unsqueeze(1)  # [B, 1]
-        best_k = prefix_select(key, bits, keep, keep.to(torch.int64), k, topp_kernel)
-        keep = torch.where((k > 0) & (k < V), best_k, keep)  # best_k is within keep
+    if regime.top_k:  # the k best (threshold k; KEEP_ALL for k = 0; k >= V keeps all the same)
+        keep = prefix_select(key, bits, keep, keep.to(torch.int64), table.topk_threshold.unsqueeze(1), topp_kernel)
     if regime.top_p:
-        top_p = table.top_p.unsqueeze(1)  # [B, 1]
         # [B, V] int64, 0 outside keep
         mass = softmax_rows(x0, temp, keep, mass=True) if kernel else fixed_mass(_softmax_kept(xt, keep))
-        # threshold >= 1 keeps the top token (nothing is ahead of it; every other token has
-        # it, of positive mass, ahead): the reference's "or rank 0"
-        threshold = (top_p * float(MASS_ONE)).to(torch.int64).clamp(min=1)
-        keep = torch.where(top_p < 1.0, prefix_select(key, bits, keep, mass, threshold, topp_kernel), keep)
+        # the threshold (top_p in fixed point, >= 1) keeps the top token (nothing is ahead of
+        # it; every other token has it, of positive mass, ahead): the reference's "or rank 0"
+        keep = prefix_select(key, bits, keep, mass, table.topp_threshold.unsqueeze(1), topp_kernel)
     if kernel:  # min-p against x[best] / t (= the max of x / t: division by t > 0 keeps the order)
         only = torch.where(table.greedy, best.squeeze(1), -1)  # [B] greedy rows: their top token alone
         floor = table.log_min_p if regime.min_p else None  # (min_p = 0: log_min_p = -inf keeps all)
-        return softmax_rows(x0, temp, keep, only=only, floor=floor, top=best)
+        p = softmax_rows(x0, temp, keep, only=only, floor=floor, top=best)
+        return (p, best.squeeze(1)) if with_best else p
     if regime.min_p:
         near = (xt - xt.amax(dim=1, keepdim=True)) >= table.log_min_p.unsqueeze(1)  # [B, V]
         keep = torch.where(table.min_p.unsqueeze(1) > 0.0, keep & near, keep)
     # greedy lanes keep their top token alone: the softmax of one entry is exactly one-hot
     is_best = torch.arange(V, device=x0.device) == best  # [B, V]
-    return _softmax_kept(xt, torch.where(table.greedy.unsqueeze(1), is_best, keep))
+    p = _softmax_kept(xt, torch.where(table.greedy.unsqueeze(1), is_best, keep))
+    return (p, best.squeeze(1)) if with_best else p
 
 
 # --------------------------------------------------------------------------------------
@@ -456,11 +487,13 @@ def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
 
 
 def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, stream: int,
-            regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None) -> torch.Tensor:
+            regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None,
+            best: torch.Tensor | None = None) -> torch.Tensor:
     """greedy lanes: argmax; coupled lanes: Gumbel-max; others: inverse CDF with ``stream``
     (a draw no lane of the regime uses is not made). kernel: as :func:`sample_rows` and
-    :func:`coupled_rows` (None: on CUDA)."""
-    tok = probs.argmax(dim=1)  # [B]; greedy lanes (their rows are one-hot)
+    :func:`coupled_rows` (None: on CUDA); best [B]: probs_batch's best (the argmax of a
+    greedy lane's one-hot row, so no pass over the probabilities)."""
+    tok = probs.argmax(dim=1) if best is None else best  # [B]; greedy lanes (their rows are one-hot)
     if not regime.sampled:
         return tok
     pos = positions.to(torch.int64)
@@ -473,16 +506,18 @@ def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, 
 
 
 def plain_tokens(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor,
-                 regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None) -> torch.Tensor:
+                 regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None,
+                 best: torch.Tensor | None = None) -> torch.Tensor:
     """``plain_token`` per lane: probs [B, V], positions [B] (absolute) -> tokens [B]."""
-    return _choose(probs, table, positions, Stream.PLAIN, regime, kernel)
+    return _choose(probs, table, positions, Stream.PLAIN, regime, kernel, best)
 
 
 def draft_tokens(q: torch.Tensor, table: SamplingTable, positions: torch.Tensor,
-                 regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None) -> torch.Tensor:
+                 regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None,
+                 best: torch.Tensor | None = None) -> torch.Tensor:
     """The drafter's token per lane (as in hyspec.core.round): greedy -> argmax q,
     coupled -> ``coupled_token``, rejection -> ``draft_token`` (stream DRAFT)."""
-    return _choose(q, table, positions, Stream.DRAFT, regime, kernel)
+    return _choose(q, table, positions, Stream.DRAFT, regime, kernel, best)
 
 
 def _row(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
@@ -499,6 +534,7 @@ def speculative_accept(
     k_lane: torch.Tensor,
     regime: SampledGraphKey = ALL_STAGES,
     kernel: bool | None = None,
+    best: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify a round for every lane: (n accepted [B], next_token [B]).
 
@@ -510,7 +546,9 @@ def speculative_accept(
     ``k_lane[b]`` drafts and ``p[b, :k_lane[b] + 1]``; drafts past ``k_lane`` count as
     rejected and the lane's next token is decided by row ``k_lane`` as a bonus.
     ``regime`` leaves out the coupled or the rejection work when no lane needs it;
-    kernel: the row kernels for the draws (as :func:`sample_rows`; None: on CUDA).
+    kernel: the row kernels for the draws (as :func:`sample_rows`; None: on CUDA);
+    best [B, k+1]: probs_batch's best per row (a greedy lane's argmax without a pass
+    over p; the coupled draws of all rows then run as one call).
     """
     B, R, V = p.shape
     k = R - 1
@@ -526,14 +564,22 @@ def speculative_accept(
     rejection = regime.sampled and regime.rejection
 
     # the target's own choice at every row, for greedy and coupled lanes: [B, k+1]
-    own = torch.stack(
-        [
-            torch.where(table.greedy | ~table.coupled, p[:, r].argmax(dim=1), coupled_rows(p[:, r], seeds, pos + r, kernel))
-            if coupled else p[:, r].argmax(dim=1)
-            for r in range(R)
-        ],
-        dim=1,
-    )
+    if best is None:
+        own = torch.stack(
+            [
+                torch.where(table.greedy | ~table.coupled, p[:, r].argmax(dim=1),
+                            coupled_rows(p[:, r], seeds, pos + r, kernel))
+                if coupled else p[:, r].argmax(dim=1)
+                for r in range(R)
+            ],
+            dim=1,
+        )
+    else:  # the same choices: best is a greedy row's argmax (a rejection lane's own is unused)
+        own = best.view(B, R)
+        if coupled:
+            rows = pos.unsqueeze(1) + torch.arange(R, device=p.device)  # [B, R] each row's position
+            drawn = coupled_rows(p.reshape(B * R, V), seeds.repeat_interleave(R), rows.reshape(-1), kernel)
+            own = torch.where((table.coupled & ~table.greedy).unsqueeze(1), drawn.view(B, R), own)
     match_lane = table.greedy | table.coupled  # [B]
     if not rejection:  # every lane is greedy or coupled
         match_lane = torch.ones_like(match_lane)
