@@ -78,13 +78,13 @@ def test_prefix_select_kernel_equals_torch(dtype, topp) -> None:
 def test_prefix_select_kernel_raw_keys(dtype) -> None:
     """Any keys of the width, the extremes included (the minimum key is the one digit 0
     leads to when nothing reaches the threshold), random weights and thresholds."""
-    from hyspec.gpu.sampling import prefix_select
+    from hyspec.gpu.sampling import KEEP_ALL, prefix_select
     from hyspec.kernels.probs.topp import prefix_select_rows
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(7)
     info = torch.iinfo(dtype)
-    B = 6
+    B = 7
     key = torch.randint(info.min, info.max + 1, (B, V), generator=g, dtype=torch.int64)
     key[:, ::50] = info.min
     key[:, 1::50] = info.max
@@ -92,11 +92,13 @@ def test_prefix_select_kernel_raw_keys(dtype) -> None:
     valid = torch.rand(B, V, generator=g) < 0.9
     weight = torch.where(valid, torch.randint(0, 1 << 40, (B, V), generator=g), 0)
     total = weight.sum(1, keepdim=True)
-    threshold = torch.cat([total[:2] + 1, total[2:4] // 3, torch.tensor([[1], [1 << 62]])])
+    # the last row: KEEP_ALL, the threshold of a lane whose filter is off (every valid token kept)
+    threshold = torch.cat([total[:2] + 1, total[2:4] // 3, torch.tensor([[1], [1 << 62], [KEEP_ALL]])])
     args = key.to(dtype).to(dev), info.bits, valid.to(dev), weight.to(dev), threshold.to(dev)
     want = prefix_select(*args)
     assert torch.equal(prefix_select_rows(*args), want)
     assert bool(want[:2].eq(valid[:2].to(dev)).all())
+    assert bool(want[6].eq(valid[6].to(dev)).all())
 
 
 def test_prefix_select_kernel_tie_order() -> None:

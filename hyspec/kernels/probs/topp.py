@@ -12,9 +12,10 @@ The search is the reference's: radix passes of DIGIT bits over the key find the 
 K* (tokens above it kept, below it dropped), then a token-order exclusive scan of the
 weights at K* settles the ties. Per pass two launches: (1) per (row, chunk), the weights
 of the chunk's tokens that share K*'s digits found so far are added into the row's int64
-bins by digit (atomic integer adds: exact in any order); (2) one program per row sums its
-bins in fixed blocks from the top digit down until a block reaches the threshold, scans
-that block alone, and so finds K*'s digit and the weight ranked ahead of it. Then (3) per
+bins by digit and into the row's totals per block of SCAN_BLOCK bins (atomic integer adds:
+exact in any order); (2) one program per row finds from the block totals the first block
+from the top digit down that reaches the threshold, scans that block alone, and so finds
+K*'s digit and the weight ranked ahead of it. Then (3) per
 (row, chunk) the weight of the chunk's ties, and (4) per (row, chunk) the chunks' totals
 before it plus an in-chunk scan give the keep mask. Launches: one
 memset of the bins, 2 per pass, 2 for the ties: 5 for 16-bit keys (bf16 / fp16 logits),
@@ -79,9 +80,12 @@ def _topp_kernels():
 
     @triton.jit(do_not_specialize=["sk", "sw"])
     def _hist_kernel(key_ptr, sk, w_ptr, sw, state_ptr, hist_ptr, V,
-                     SHIFT: tl.constexpr, FIRST: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+                     SHIFT: tl.constexpr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr,
+                     BLOCK: tl.constexpr):
         """Chunk c of row b: add the weight of each token sharing K*'s higher digits
-        (state[b, 0]; every token on the first pass) into bin `digit` of the row's bins."""
+        (state[b, 0]; every token on the first pass) into bin `digit` of the row's bins,
+        and the chunk's weight per block of SB bins into the row's block totals (after
+        its NB bins)."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         i = c * BLOCK + tl.arange(0, BLOCK)
@@ -89,25 +93,33 @@ def _topp_kernels():
         k = tl.load(key_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0).to(tl.int64)
         w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0)
         NB: tl.constexpr = 1 << W
+        NBLK: tl.constexpr = NB // SB
         if FIRST:  # the top digit of the signed key, moved to [0, NB)
             d = (k >> SHIFT) + NB // 2
         else:
             d = (k >> SHIFT) & (NB - 1)
             w = tl.where((k >> (SHIFT + W)) == tl.load(state_ptr + b * 2), w, 0)
-        tl.atomic_add(hist_ptr + b.to(tl.int64) * NB + d, w, mask=inside & (w != 0), sem="relaxed")
+        row = hist_ptr + b.to(tl.int64) * (NB + NBLK)
+        tl.atomic_add(row + d, w, mask=inside & (w != 0), sem="relaxed")
+        blk = d // SB
+        j = tl.arange(0, NBLK)
+        per_block = tl.zeros([NBLK], tl.int64)
+        for jb in tl.static_range(NBLK):
+            per_block = tl.where(j == jb, tl.sum(tl.where(blk == jb, w, 0), 0), per_block)
+        tl.atomic_add(row + NB + j, per_block, mask=per_block != 0, sem="relaxed")
 
     @triton.jit
     def _cut_kernel(hist_ptr, thr_ptr, state_ptr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr):
         """Row b: reach[d] = base + the weight in bins >= d (base: the weight ranked ahead of
         K*'s higher digits); K*'s digit is the last d with reach[d] >= threshold (0 if none).
         state[b] <- (K*'s digits so far, the weight ranked ahead of them).
-        reach never grows with d (weights are >= 0), so the search sums whole blocks of SB
-        bins from the top digit down and stops at the first block whose lowest digit
-        reaches the threshold; only that block is scanned bin by bin."""
+        reach never grows with d (weights are >= 0), so from the block totals (the
+        hist kernel's, per SB bins) the first block from the top whose lowest digit reaches
+        the threshold is found at once; only that block is scanned bin by bin."""
         b = tl.program_id(0)
         NB: tl.constexpr = 1 << W
         NBLK: tl.constexpr = NB // SB
-        row = hist_ptr + b.to(tl.int64) * NB
+        row = hist_ptr + b.to(tl.int64) * (NB + NBLK)
         thr = tl.load(thr_ptr + b)
         if FIRST:
             base = tl.zeros((), tl.int64)
@@ -115,15 +127,12 @@ def _topp_kernels():
         else:
             prefix = tl.load(state_ptr + b * 2)
             base = tl.load(state_ptr + b * 2 + 1)
-        above = tl.zeros((), tl.int64)  # weight of the bins above block s
-        s = tl.zeros((), tl.int32)  # blocks from the top
-        found = tl.zeros((), tl.int32)
-        while (found == 0) & (s < NBLK):
-            tot = tl.sum(tl.load(row + (NB - (s + 1) * SB) + tl.arange(0, SB)), 0)
-            hit = base + above + tot >= thr  # block s's lowest digit reaches the threshold
-            found = hit.to(tl.int32)
-            above = tl.where(hit, above, above + tot)
-            s = tl.where(hit, s, s + 1)
+        j = tl.arange(0, NBLK)
+        top = tl.load(row + NB + (NBLK - 1 - j))  # [NBLK] block totals, the top block first
+        reached = base + tl.cumsum(top, 0) >= thr  # a suffix: the sums only grow
+        s = NBLK - tl.sum(reached.to(tl.int32), 0)  # blocks from the top before the first reaching one
+        found = (s < NBLK).to(tl.int32)
+        above = tl.sum(tl.where(j < s, top, 0), 0)  # weight of the bins above block s (all: none reached)
         blk = tl.minimum(s, NBLK - 1)
         lo = NB - (blk + 1) * SB  # block blk's lowest digit
         h = tl.load(row + lo + tl.arange(0, SB))
@@ -186,7 +195,8 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor, weight
     thr = threshold.to(torch.int64).expand(B, 1).reshape(B)
     if thr.stride(0) != 1:
         thr = thr.contiguous()
-    hist = torch.zeros(passes, B, 1 << DIGIT, dtype=torch.int64, device=dev)  # the one memset
+    # the one memset: per pass and row, the bins then their totals per SCAN_BLOCK bins
+    hist = torch.zeros(passes, B, (1 << DIGIT) + (1 << DIGIT) // SCAN_BLOCK, dtype=torch.int64, device=dev)
     state = torch.empty(B, 2, dtype=torch.int64, device=dev)  # (K*'s digits so far, weight ahead of them)
     tot = torch.empty(B, C, dtype=torch.int64, device=dev)
     out = torch.empty(B, V, dtype=torch.bool, device=dev)
@@ -195,7 +205,7 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor, weight
     for p in range(passes):
         first = p == 0
         hist_k[(B, C)](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
-                       SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, BLOCK=CHUNK)
+                       SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=CHUNK)
         cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK)
     for keep in (False, True):
         tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, vu.stride(0), thr, state, tot,
