@@ -200,3 +200,41 @@ def test_probs_batch_topp_kernel_switch(monkeypatch) -> None:
     monkeypatch.setenv("HYSPEC_TOPP_KERNEL", "1")
     on = dsamp.probs_batch(x, table, kernel=True)
     assert len(calls) == 2 and torch.equal(on, off) and torch.equal(default, off)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_top_p_from_the_values_bits(dtype) -> None:
+    """Top-p alone through the kernels (a top-p-only regime): they form order_key's key
+    and the valid mask (not -inf) from the logits' bits as they load them. The keep masks
+    equal the search over order_key's key tensor (-0.0 and +0.0 rank equal, -inf tokens are
+    never kept), and probs_batch equals its torch search, bitwise."""
+    from hyspec.gpu.sampling import SampledGraphKey, SamplingTable, fixed_mass, order_key, prefix_select, probs_batch
+    from hyspec.kernels.probs.topp import prefix_select_rows
+    from hyspec.sampling import SamplingParams
+
+    B = 8
+    dev = kernel_device()
+    x = _logits(B, dtype, seed=9)
+    x[0, 7::97] = -0.0  # signed zeros beside +0.0 (ties: the lower id first)
+    x[0, 8::97] = 0.0
+    x[4, ::2], x[4, 1::2] = -0.0, 0.0  # a row of zeros: the top token is token 0 (-0.0), lowest id
+    x = x.to(dev)
+    key, bits = order_key(x)
+    valid = x > -math.inf
+    weight = torch.where(valid, fixed_mass(torch.softmax(x.double(), 1)), 0)
+    total = weight.sum(1, keepdim=True)
+    thr = torch.cat([total[:4] // 2, torch.ones_like(total[:2]), total[6:] + 1])
+    want = prefix_select(key, bits, valid, weight, thr)
+    assert torch.equal(prefix_select_rows(key, bits, valid, weight, thr), want)
+    assert torch.equal(prefix_select_rows(x, bits, None, weight, thr), want)  # from the values
+    assert not bool(want[1::4][~valid[1::4]].any())
+    params = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=0.7, top_p=0.5), None,
+              SamplingParams(temperature=1.3, top_p=0.999), SamplingParams(temperature=0.9), None,
+              SamplingParams(temperature=0.5, top_p=0.2, min_p=0.1), SamplingParams(temperature=1.0, top_p=0.9)]
+    table = SamplingTable(B, dev)
+    table.set_all(params)
+    regime = SampledGraphKey.of(params)
+    assert regime.top_p and not regime.top_k
+    kernel = dev.type == "cuda" or interpreting()
+    got = probs_batch(x, table, regime=regime, kernel=kernel, topp_kernel=True)
+    assert torch.equal(got, probs_batch(x, table, regime=regime, kernel=kernel, topp_kernel=False))

@@ -280,6 +280,8 @@ def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor 
 
 
 SCAN_CHUNK = 1024  # elements per row of the chunked scans (cumsum_rows)
+# logits dtypes whose ranking key the top-p kernels form themselves (bits of the key)
+_FUSED_KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 
 
 def cumsum_rows(x: torch.Tensor) -> torch.Tensor:
@@ -334,8 +336,9 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
     sum in token order settles the ties at K*. A pass takes about log2(V) bits (at most
     DIGIT_BITS): its histogram is no larger than a row.
 
-    kernel=True (16- and 32-bit keys; 64-bit ones stay here): the same search as the
-    Triton kernels :func:`hyspec.kernels.probs.topp.prefix_select_rows` (5 or 7 launches
+    kernel=True (16- and 32-bit keys, or the bf16 / fp16 / fp32 values themselves, whose
+    key and valid mask (not -inf; valid may then be None) the kernels form as they load
+    them; 64-bit keys stay here): the same search as the Triton kernels :func:`hyspec.kernels.probs.topp.prefix_select_rows` (5 or 7 launches
     instead of ~35 torch ops; this function is their reference). probs_batch uses it on
     CUDA (HYSPEC_TOPP_KERNEL=0: off), in the interpreter with HYSPEC_TOPP_KERNEL=1."""
     if kernel and bits in (16, 32):
@@ -405,15 +408,20 @@ def probs_batch(
         kernel = x0.is_cuda and triton_available()
     if topp_kernel is None:
         topp_kernel = bool(kernel) and topp_kernel_enabled(x0.is_cuda)
+    # top-p alone through the kernels on 16- / 32-bit logits: they form the ranking key from
+    # the values' bits and the valid tokens (not -inf) themselves (no key or mask tensors)
+    fused = bool(kernel) and topp_kernel and regime.top_p and not regime.top_k and x0.dtype in _FUSED_KEY_BITS
     if kernel:  # x / t is formed inside the kernels; the finite logits are the valid tokens (x / t
         # can overflow to -inf where x cannot only for a tiny t: such a token ranks below every
         # finite one and the kernels' own x / t > -inf test gives it probability 0 all the same)
         xt = None
-        keep = x0 > -math.inf if regime.top_k or regime.top_p else None  # [B, V]
+        keep = x0 > -math.inf if (regime.top_k or regime.top_p) and not fused else None  # [B, V]
     else:
         xt = torch.div(x0, temp.unsqueeze(1))  # [B, V] float64 (x0 widened exactly, then divided: one kernel)
         keep = xt > -math.inf  # [B, V] (no NaN or +inf: a precondition)
-    if regime.top_k or regime.top_p:
+    if fused:
+        key, bits = x0, _FUSED_KEY_BITS[x0.dtype]
+    elif regime.top_k or regime.top_p:
         key, bits = order_key(x0)
     if regime.top_k:  # the k best (threshold k; KEEP_ALL for k = 0; k >= V keeps all the same)
         keep = prefix_select(key, bits, keep, keep.to(torch.int64), table.topk_threshold.unsqueeze(1), topp_kernel)

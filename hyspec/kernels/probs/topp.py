@@ -81,7 +81,7 @@ def _topp_kernels():
     @triton.jit(do_not_specialize=["sk", "sw"])
     def _hist_kernel(key_ptr, sk, w_ptr, sw, state_ptr, hist_ptr, V,
                      SHIFT: tl.constexpr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, RAW: tl.constexpr = False, HALF: tl.constexpr = 0):
         """Chunk c of row b: add the weight of each token sharing K*'s higher digits
         (state[b, 0]; every token on the first pass) into bin `digit` of the row's bins,
         and the chunk's weight per block of SB bins into the row's block totals (after
@@ -91,6 +91,9 @@ def _topp_kernels():
         i = c * BLOCK + tl.arange(0, BLOCK)
         inside = i < V
         k = tl.load(key_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0).to(tl.int64)
+        if RAW:  # a float's bits (sign-extended): order_key's key (-0.0 first made +0.0)
+            k = tl.where(k == -HALF, 0, k)
+            k = k ^ ((k >> 63) & (HALF - 1))
         w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0)
         NB: tl.constexpr = 1 << W
         NBLK: tl.constexpr = NB // SB
@@ -153,7 +156,8 @@ def _topp_kernels():
 
     @triton.jit(do_not_specialize=["sk", "sw", "sv", "so"])
     def _tie_kernel(key_ptr, sk, w_ptr, sw, valid_ptr, sv, thr_ptr, state_ptr, tot_ptr, out_ptr, so, V, n_chunks,
-                    KEEP: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr):
+                    KEEP: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr, RAW: tl.constexpr = False,
+                    HALF: tl.constexpr = 0, NEG_INF: tl.constexpr = 0, HAS_VALID: tl.constexpr = True):
         """Chunk c of row b, ties = its tokens with key K*. First launch: the ties' weight
         -> tot[b, c]. Second (KEEP): keep = valid & (key > K* | tie & weight of the ties
         before it (earlier chunks' totals, then an in-chunk scan) < threshold - base)."""
@@ -162,6 +166,10 @@ def _topp_kernels():
         i = c * BLOCK + tl.arange(0, BLOCK)
         inside = i < V
         k = tl.load(key_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0).to(tl.int64)
+        finite = k != NEG_INF  # (RAW: the bits of -inf mark an invalid token)
+        if RAW:
+            k = tl.where(k == -HALF, 0, k)
+            k = k ^ ((k >> 63) & (HALF - 1))
         cut = tl.load(state_ptr + b * 2)
         tie = inside & (k == cut)
         wt = tl.where(tie, tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0), 0)
@@ -170,7 +178,10 @@ def _topp_kernels():
             earlier = tl.sum(tl.load(tot_ptr + b * n_chunks + j, mask=j < c, other=0), 0)
             room = tl.load(thr_ptr + b) - tl.load(state_ptr + b * 2 + 1)
             before = earlier + tl.cumsum(wt, 0) - wt
-            valid = tl.load(valid_ptr + b.to(tl.int64) * sv + i, mask=inside, other=0) != 0
+            if HAS_VALID:
+                valid = tl.load(valid_ptr + b.to(tl.int64) * sv + i, mask=inside, other=0) != 0
+            else:
+                valid = finite
             keep = valid & ((k > cut) | (tie & (before < room)))
             tl.store(out_ptr + b.to(tl.int64) * so + i, keep.to(tl.int8), mask=inside)
         else:
@@ -179,13 +190,27 @@ def _topp_kernels():
     return _hist_kernel, _cut_kernel, _tie_kernel
 
 
-def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: torch.Tensor,
+_RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None, weight: torch.Tensor,
                        threshold: torch.Tensor) -> torch.Tensor:
-    """keep [B, V] bool (see the module docstring): 16-bit keys in 5 launches, 32-bit in 7."""
+    """keep [B, V] bool (see the module docstring): 16-bit keys in 5 launches, 32-bit in 7.
+
+    key may also be the float values themselves (bf16 / fp16 / fp32, no NaN): the kernels
+    then form :func:`hyspec.gpu.sampling.order_key`'s key from the bits as they load them
+    (no key tensor), and valid may be None: the tokens whose value is not -inf."""
     B, V = key.shape
+    raw = key.dtype in _RAW
+    neg_inf = 0
+    if raw:
+        neg_inf = int(torch.tensor(float("-inf"), dtype=key.dtype).view(_RAW[key.dtype]))
+        key = key.view(_RAW[key.dtype])
+    elif valid is None:
+        raise ValueError("prefix_select_rows: valid may be None only for float values")
     if bits % DIGIT or key.dtype not in (torch.int16, torch.int32) or bits != 8 * key.element_size():
         raise ValueError(f"prefix_select_rows: 16- or 32-bit keys only, got {key.dtype} ({bits} bits)")
-    if key.stride(1) != 1 or valid.stride(1) != 1 or weight.stride(1) != 1:
+    if key.stride(1) != 1 or (valid is not None and valid.stride(1) != 1) or weight.stride(1) != 1:
         raise ValueError("prefix_select_rows: rows need a contiguous last dim")
     if weight.dtype != torch.int64:
         raise ValueError("prefix_select_rows: int64 weights")
@@ -200,14 +225,18 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor, weight
     state = torch.empty(B, 2, dtype=torch.int64, device=dev)  # (K*'s digits so far, weight ahead of them)
     tot = torch.empty(B, C, dtype=torch.int64, device=dev)
     out = torch.empty(B, V, dtype=torch.bool, device=dev)
-    vu = valid.view(torch.uint8)
+    vu = valid.view(torch.uint8) if valid is not None else key  # (unread without HAS_VALID)
+    sv = valid.stride(0) if valid is not None else 0
+    half = 1 << (bits - 1) if raw else 0
     hist_k, cut_k, tie_k = _topp_kernels()
     for p in range(passes):
         first = p == 0
         hist_k[(B, C)](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
-                       SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=CHUNK)
+                       SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=CHUNK, RAW=raw,
+                       HALF=half)
         cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK)
     for keep in (False, True):
-        tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, vu.stride(0), thr, state, tot,
-                      out.view(torch.int8), out.stride(0), V, C, KEEP=keep, BLOCK=CHUNK, NC=p2(C))
+        tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, sv, thr, state, tot,
+                      out.view(torch.int8), out.stride(0), V, C, KEEP=keep, BLOCK=CHUNK, NC=p2(C), RAW=raw,
+                      HALF=half, NEG_INF=neg_inf, HAS_VALID=valid is not None)
     return out
