@@ -72,6 +72,12 @@ def test_softmax_rows_equals_torch(dtype) -> None:
     # a row kept down to one token is exactly one-hot
     got = softmax_rows(x, t, keep)
     assert torch.equal(got[3::4, -1], torch.ones_like(got[3::4, -1]))
+    # only_if (flags, with top): the same rows as only = where(flags, top, -1)
+    flags = torch.arange(B, device=dev) % 3 == 0
+    for kw in ({"keep": keep}, {"keep": keep, "floor": floor}):
+        want = softmax_rows(x, t, only=torch.where(flags, top, -1), top=top, **kw)
+        assert torch.equal(softmax_rows(x, t, only_if=flags, top=top, **kw), want)
+        assert not torch.equal(softmax_rows(x, t, only_if=~flags, top=top, **kw), want)
 
 
 def test_inverse_cdf_rows_equals_torch() -> None:

@@ -432,9 +432,9 @@ def probs_batch(
         # it; every other token has it, of positive mass, ahead): the reference's "or rank 0"
         keep = prefix_select(key, bits, keep, mass, table.topp_threshold.unsqueeze(1), topp_kernel)
     if kernel:  # min-p against x[best] / t (= the max of x / t: division by t > 0 keeps the order)
-        only = torch.where(table.greedy, best.squeeze(1), -1)  # [B] greedy rows: their top token alone
         floor = table.log_min_p if regime.min_p else None  # (min_p = 0: log_min_p = -inf keeps all)
-        p = softmax_rows(x0, temp, keep, only=only, floor=floor, top=best)
+        # greedy rows keep their top token alone
+        p = softmax_rows(x0, temp, keep, only_if=table.greedy, floor=floor, top=best)
         return (p, best.squeeze(1)) if with_best else p
     if regime.min_p:
         near = (xt - xt.amax(dim=1, keepdim=True)) >= table.log_min_p.unsqueeze(1)  # [B, V]

@@ -19,7 +19,7 @@ def _softmax_kernels():
     def _softmax_kernel(x_ptr, sx, t_ptr, keep_ptr, sk, only_ptr, floor_ptr, top_ptr, pm_ptr, ps_ptr, out_ptr, so,
                         V, n_chunks, MASS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_ONLY: tl.constexpr,
                         HAS_FLOOR: tl.constexpr, OUT_MASS: tl.constexpr, NORMALISE: tl.constexpr,
-                        BLOCK: tl.constexpr, NC: tl.constexpr):
+                        BLOCK: tl.constexpr, NC: tl.constexpr, ONLY_IF: tl.constexpr = False):
         """Chunk c of row b. First launch: the max m of its kept values and the sum of
         exp(value - m) -> pm, ps [B, n_chunks]. Second launch (NORMALISE): the row's max M
         and sum S from all its chunk partials (each program of the row reduces them alike),
@@ -38,7 +38,10 @@ def _softmax_kernels():
             top = tl.load(row + tl.load(top_ptr + b)).to(tl.float64) / t
             kept = kept & (xt - top >= tl.load(floor_ptr + b))
         if HAS_ONLY:  # a row with only >= 0 keeps that token alone
-            only = tl.load(only_ptr + b)
+            if ONLY_IF:  # only_ptr: a flag per row; the token is the row's top
+                only = tl.where(tl.load(only_ptr + b) != 0, tl.load(top_ptr + b), -1)
+            else:
+                only = tl.load(only_ptr + b)
             kept = tl.where(only >= 0, i == only, kept)
         v = tl.where(kept, xt, float("-inf"))
         if NORMALISE:
@@ -64,9 +67,16 @@ def _softmax_kernels():
 
 def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor | None = None,
                  only: torch.Tensor | None = None, floor: torch.Tensor | None = None,
-                 top: torch.Tensor | None = None, mass: bool = False) -> torch.Tensor:
+                 top: torch.Tensor | None = None, mass: bool = False,
+                 only_if: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [B, V] (int64 masses with mass=True): the softmax of each row's kept
-    x / temperature (see the package docstring). Two launches over (rows, chunks)."""
+    x / temperature (see the package docstring). Two launches over (rows, chunks).
+    only_if [B] bool (with top): the rows that keep their top token alone, the same as
+    only = where(only_if, top, -1) without forming it."""
+    if only_if is not None:
+        if only is not None or top is None:
+            raise ValueError("softmax_rows: only_if needs top and no only")
+        only = only_if.view(torch.uint8) if only_if.dtype == torch.bool else only_if
     B, V = x.shape
     if x.stride(1) != 1 or (keep is not None and keep.stride(1) != 1):
         raise ValueError("softmax_rows: rows need a contiguous last dim")
@@ -80,10 +90,11 @@ def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor 
     t = temperature.to(torch.float64).contiguous()
     kp = keep.view(torch.uint8) if keep is not None else x  # (unread without HAS_KEEP)
     sk = keep.stride(0) if keep is not None else 0
-    on = only.to(torch.int64).contiguous() if only is not None else t
+    on = (only.contiguous() if only_if is not None else only.to(torch.int64).contiguous()) if only is not None else t
     fl = floor.to(torch.float64).contiguous() if floor is not None else t
     tp = top.to(torch.int64).reshape(B).contiguous() if top is not None else t
-    flags = dict(HAS_KEEP=keep is not None, HAS_ONLY=only is not None, HAS_FLOOR=floor is not None)
+    flags = dict(HAS_KEEP=keep is not None, HAS_ONLY=only is not None, HAS_FLOOR=floor is not None,
+                 ONLY_IF=only_if is not None)
     kernel = _softmax_kernels()
     for normalise in (False, True):
         kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C,

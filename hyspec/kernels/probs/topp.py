@@ -94,14 +94,15 @@ def _topp_kernels():
         if RAW:  # a float's bits (sign-extended): order_key's key (-0.0 first made +0.0)
             k = tl.where(k == -HALF, 0, k)
             k = k ^ ((k >> 63) & (HALF - 1))
-        w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0)
         NB: tl.constexpr = 1 << W
         NBLK: tl.constexpr = NB // SB
         if FIRST:  # the top digit of the signed key, moved to [0, NB)
             d = (k >> SHIFT) + NB // 2
-        else:
+            w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0)
+        else:  # only the tokens under K*'s digits so far (a masked load reads no other weight)
             d = (k >> SHIFT) & (NB - 1)
-            w = tl.where((k >> (SHIFT + W)) == tl.load(state_ptr + b * 2), w, 0)
+            under = inside & ((k >> (SHIFT + W)) == tl.load(state_ptr + b * 2))
+            w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=under, other=0)
         row = hist_ptr + b.to(tl.int64) * (NB + NBLK)
         tl.atomic_add(row + d, w, mask=inside & (w != 0), sem="relaxed")
         blk = d // SB
@@ -172,7 +173,8 @@ def _topp_kernels():
             k = k ^ ((k >> 63) & (HALF - 1))
         cut = tl.load(state_ptr + b * 2)
         tie = inside & (k == cut)
-        wt = tl.where(tie, tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=inside, other=0), 0)
+        wt = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=tie, other=0)  # the ties' weights only (few: a
+        # masked load reads none of the others)
         if KEEP:
             j = tl.arange(0, NC)
             earlier = tl.sum(tl.load(tot_ptr + b * n_chunks + j, mask=j < c, other=0), 0)
