@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 
 __all__ = ["u01_rows", "gumbel_argmax"]
@@ -108,7 +109,17 @@ def _gumbel_kernels():
         tl.store(score_ptr + b * n_chunks + c, tl.max(score, 0))
         tl.store(idx_ptr + b * n_chunks + c, c * BLOCK + tl.argmax(score, 0, tie_break_left=True))
 
-    return _gumbel_max_kernel
+    @triton.jit
+    def _first_best_kernel(score_ptr, idx_ptr, out_ptr, n_chunks, NC: tl.constexpr):
+        """Row b: the index of its first best chunk (torch's argmax: the first of equal
+        maxima) -> out[b] = that chunk's token."""
+        b = tl.program_id(0)
+        j = tl.arange(0, NC)
+        sc = tl.load(score_ptr + b * n_chunks + j, mask=j < n_chunks, other=float("-inf"))
+        c = tl.argmax(sc, 0, tie_break_left=True)
+        tl.store(out_ptr + b, tl.load(idx_ptr + b * n_chunks + c))
+
+    return _gumbel_max_kernel, _first_best_kernel
 
 
 def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positions: torch.Tensor) -> torch.Tensor:
@@ -125,7 +136,9 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positio
     n_chunks = -(-V // _GUMBEL_BLOCK)
     score = torch.empty(B, n_chunks, dtype=torch.float64, device=probs.device)
     idx = torch.empty(B, n_chunks, dtype=torch.int64, device=probs.device)
-    _gumbel_kernels()[(B, n_chunks)](probs, probs.stride(0), seeds.contiguous(),
-                                     positions.to(torch.int64).contiguous(), score, idx, V, n_chunks, int(stream),
-                                     BLOCK=_GUMBEL_BLOCK)
-    return idx.gather(1, score.argmax(dim=1, keepdim=True)).squeeze(1)
+    out = torch.empty(B, dtype=torch.int64, device=probs.device)
+    chunks_k, best_k = _gumbel_kernels()
+    chunks_k[(B, n_chunks)](probs, probs.stride(0), seeds.contiguous(), positions.to(torch.int64).contiguous(),
+                            score, idx, V, n_chunks, int(stream), BLOCK=_GUMBEL_BLOCK)
+    best_k[(B,)](score, idx, out, n_chunks, NC=p2(n_chunks))  # the first best chunk's token
+    return out
