@@ -119,12 +119,14 @@ class SamplingTable:
     F64 = ("temperature", "temp_eff", "top_p", "min_p", "log_min_p", "repetition_penalty", "frequency_penalty",
            "presence_penalty")
     I64 = ("top_k", "topk_threshold", "topp_threshold", "seed")
-    BOOL = ("coupled", "greedy")
+    BOOL = ("coupled", "greedy", "coupled_draw", "matches")  # coupled_draw: coupled and not greedy;
+    # matches: greedy or coupled (a lane whose draft is accepted iff it equals the target's own choice)
     FIELDS = F64 + I64 + BOOL
     # neutral values: greedy, no filter, no penalty
     _NEUTRAL = dict(temperature=0.0, temp_eff=1.0, top_p=1.0, min_p=0.0, log_min_p=-math.inf, repetition_penalty=1.0,
                     frequency_penalty=0.0, presence_penalty=0.0, top_k=0, topk_threshold=KEEP_ALL,
-                    topp_threshold=KEEP_ALL, seed=0, coupled=False, greedy=True)
+                    topp_threshold=KEEP_ALL, seed=0, coupled=False, greedy=True, coupled_draw=False,
+                    matches=True)
 
     def __init__(self, batch: int, device: torch.device | str | None = None) -> None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -181,7 +183,8 @@ class SamplingTable:
             top_k=int(p.top_k), topk_threshold=int(p.top_k) if p.top_k > 0 else KEEP_ALL,
             # probs_batch's threshold: top_p in fixed-point masses, at least 1 (the top token)
             topp_threshold=max(1, int(float(p.top_p) * float(MASS_ONE))) if p.top_p < 1.0 else KEEP_ALL,
-            seed=_signed64(p.seed), coupled=p.mode == "coupled", greedy=p.greedy)
+            seed=_signed64(p.seed), coupled=p.mode == "coupled", greedy=p.greedy,
+            coupled_draw=p.mode == "coupled" and not p.greedy, matches=p.greedy or p.mode == "coupled")
         for store, names, dt in ((self._f64, self.F64, torch.float64), (self._i64, self.I64, torch.int64),
                                  (self._bool, self.BOOL, torch.bool)):
             store[:, lane].copy_(torch.tensor([v[n] for n in names], dtype=dt))
@@ -509,7 +512,7 @@ def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, 
         u = u01_lanes(table.seed, stream, pos)  # [B]
         tok = torch.where(table.greedy, tok, sample_rows(probs, u, kernel=kernel))
     if regime.coupled:
-        tok = torch.where(table.coupled & ~table.greedy, coupled_rows(probs, table.seed, pos, kernel=kernel), tok)
+        tok = torch.where(table.coupled_draw, coupled_rows(probs, table.seed, pos, kernel=kernel), tok)
     return tok
 
 
@@ -587,10 +590,8 @@ def speculative_accept(
         if coupled:
             rows = pos.unsqueeze(1) + torch.arange(R, device=p.device)  # [B, R] each row's position
             drawn = coupled_rows(p.reshape(B * R, V), seeds.repeat_interleave(R), rows.reshape(-1), kernel)
-            own = torch.where((table.coupled & ~table.greedy).unsqueeze(1), drawn.view(B, R), own)
-    match_lane = table.greedy | table.coupled  # [B]
-    if not rejection:  # every lane is greedy or coupled
-        match_lane = torch.ones_like(match_lane)
+            own = torch.where(table.coupled_draw.unsqueeze(1), drawn.view(B, R), own)
+    match_lane = table.matches  # [B] greedy or coupled (without rejection lanes: every lane, unread)
 
     if k > 0:
         d = drafts.to(torch.int64).clamp(0, V - 1)  # [B, k]; lanes' unused drafts are ignored
