@@ -197,9 +197,11 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
         return (f"speculative K=3, forced, over plain, {num(t.get('draft_vocab'), 0)}-id draft vocabulary",
                 f"**{times(v)}**{ceil}{step}")
     m = re.fullmatch(r"sampled_vs_greedy_spec_B(\d+)", name)
-    if m:
+    if m:  # the unrounded ratio where the file has it (the target's value is rounded to 2 places)
+        raw = ((d.get("sampled") or (d.get("batch") or {}).get("sampled") or {}).get(m.group(1)) or {}) \
+            .get("sampled_vs_greedy_spec")
         return (f"sampled (T=0.8, top-p 0.95) ÷ greedy speculative K=3, forced, batch {m.group(1)}",
-                f"{v:.2f}")
+                f"{raw:.3f}" if isinstance(raw, float) else f"{v:.2f}")
     if name == "batch_invariance_seeded_sampling":
         return "each seeded sampled sequence alone == in a staggered batch (plain and K=3)", \
             "bitwise" if v else "**differs**"
@@ -217,6 +219,8 @@ def _target(name: str, t: dict) -> str:
         return "bitwise" if t.get("value") is True or t.get("value") is False else ""
     if isinstance(tg, bool):
         return "bitwise" if tg else str(tg)
+    if isinstance(tg, str):  # a target in words (e.g. "4 x 2000 tokens bitwise")
+        return tg
     v, met = t.get("value"), t.get("met")
     if name in AT_MOST:
         op = "≤"
