@@ -508,6 +508,9 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "gpu_tests_tile_heights_h200.txt": "`python3 -m pytest -q -rfEX tests/test_gpu_tile_heights.py "
+                                       "tests/test_gpu_batch.py::test_a_lane_has_the_same_bits_in_every_row_tile_height` "
+                                       "(H200)",
     "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
                               "the command and commit are in its header)",
     "topp_tests_h200.txt": "`HYSPEC_TOPP_KERNEL=1 python3 -m pytest ...` (H200; the command and commit are in its header)",
