@@ -66,7 +66,7 @@ def test_batched_verify_rows_match_the_reference(tmp_path, arch):
 
 def test_row_tile_height_policy(tmp_path, monkeypatch):
     """HYSPEC_BATCH_BLOCK_T: auto picks the matmul row-tile height from a call's rows for
-    bf16 models on CUDA only (16 / 32 / 64; the GPU test tests/test_gpu_batch.py checks a lane's bits
+    bf16 models on a compute-capability 9.x GPU only (16 / 32 / 64; the GPU test tests/test_gpu_batch.py checks a lane's bits
     across them); off CUDA (the interpreter's numpy dots change bits with the tile width)
     auto means 64; a fixed value holds for every call; a bad value is a clear error."""
     from hyspec.gpu.batch import BatchDecoder
@@ -74,8 +74,12 @@ def test_row_tile_height_policy(tmp_path, monkeypatch):
 
     m = _model(tmp_path, "qwen3_next")
     assert BatchDecoder(m, 16, 1, slots=2, graphs=False).runner.height(3) == 64
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))  # an H200's
     assert _fixed_height("auto", torch.device("cuda")) is None
     assert _fixed_height("auto", torch.device("cuda"), torch.float32) == 64
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))  # not measured
+    assert _fixed_height("auto", torch.device("cuda")) == 64
+    monkeypatch.undo()
     monkeypatch.setenv("HYSPEC_BATCH_BLOCK_T", "32")
     r = BatchDecoder(m, 16, 1, slots=2, graphs=False).runner
     assert [r.height(n) for n in (1, 40)] == [32, 32]

@@ -295,6 +295,20 @@ def test_prefix_select_equals_a_sort(dtype: torch.dtype, Vs: int) -> None:
         assert torch.equal(got, valid & (ahead < thr)), thr.flatten().tolist()
 
 
+def test_table_views_repeat_and_are_read_only() -> None:
+    """A view() of a table (the fixed-block path's row selections) repeats per field like
+    the table's storages do, and refuses set() with a clear error."""
+    table = SamplingTable(4)
+    table.set_all([SamplingParams(temperature=0.5 + i, top_p=0.9, seed=i) for i in range(4)])
+    view = table.view(lambda t: t[1:3], 2)
+    for a, b in zip(view.repeat(2, 3).fields(), table.view(lambda t: t[1:3], 2).view(
+            lambda t: t.repeat_interleave(3), 6).fields()):
+        assert torch.equal(a, b)
+    assert torch.equal(table.repeat(3, 2).temperature, table.temperature[:3].repeat_interleave(2))
+    with pytest.raises(TypeError, match="read-only"):
+        view.set(0, None)
+
+
 def test_regimes_equal_all_stages() -> None:
     """A batch's regime (SampledGraphKey.of its params) leaves stages out; every lane's
     probabilities and tokens are bitwise those of the general functions."""

@@ -44,13 +44,16 @@ __all__ = ["TritonRunner", "pack_views"]
 
 
 def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int | None:
-    """HYSPEC_BATCH_BLOCK_T: 16, 32 or 64 (one row-tile height for every call), or auto
-    (None: by the call's rows, for bf16 models on CUDA; 64 elsewhere)."""
+    """HYSPEC_BATCH_BLOCK_T: 16, 32, 64 or 128 (one row-tile height for every call), or
+    auto (None: by the call's rows, for bf16 models on a compute-capability 9.x GPU, the
+    H200's, where a row's bits were measured not to depend on the height; 64 elsewhere)."""
     v = value.strip().lower()
     if v in ("", "auto"):
-        return None if torch.device(device).type == "cuda" and dtype == torch.bfloat16 else 64
-    if v not in ("16", "32", "64"):
-        raise ValueError(f"HYSPEC_BATCH_BLOCK_T={value!r}: use auto, 16, 32 or 64")
+        dev = torch.device(device)
+        measured = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
+        return None if measured and dtype == torch.bfloat16 else 64
+    if v not in ("16", "32", "64", "128"):
+        raise ValueError(f"HYSPEC_BATCH_BLOCK_T={value!r}: use auto, 16, 32, 64 or 128")
     return int(v)
 
 
@@ -138,17 +141,17 @@ class TritonRunner:
             self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt)
             self.moe_counts = torch.zeros(2, R + 1, 2, device=dev, dtype=torch.int64)
         self._workspaces = {}  # split-K workspaces by weight shape (N, K); "attn": the attention combine
-        self._own_ok = {}  # (N, K, act, fp8 block) -> whether the own config splits K as the tall tile's
         # rows per matmul program (the row-tile height): 16 for one sequence. A batched
         # decoder's calls have up to lanes x rows each: by default (HYSPEC_BATCH_BLOCK_T=auto)
         # the height follows the call's row count (16 up to 16 rows, with the one-sequence
         # config; 32 up to 32; else 64, where each weight tile is read once for 64 rows).
-        # On CUDA a row's bits do not depend on the height at a fixed split-K (the MMAs
-        # chain their fp32 accumulator through K alike; measured on the H200 for every b2
-        # shape, bf16 and FP8: tests/test_gpu_tile_heights.py), so the batch invariance
-        # holds. The Triton interpreter's dots are numpy matmuls whose bits change with the
+        # On the H200 a row's bits do not depend on the height at a fixed split-K (the
+        # MMAs chain their fp32 accumulator through K alike; measured for every b2 shape,
+        # bf16 and FP8: tests/test_gpu_tile_heights.py), so the batch invariance holds.
+        # The Triton interpreter's dots are numpy matmuls whose bits change with the
         # tile's width, so off CUDA auto means 64 always, and so it does for fp32 models
-        # (not measured). HYSPEC_BATCH_BLOCK_T=16/32/64 fixes one height.
+        # and GPUs other than compute capability 9.x (not measured).
+        # HYSPEC_BATCH_BLOCK_T=16/32/64/128 fixes one height.
         self.block_t = _fixed_height(os.environ.get("HYSPEC_BATCH_BLOCK_T", "auto"), dev, dt) if self.batched else 16
         top = self.block_t or 64
         self._workspace_rows = -(-R // top) * top  # split-K workspace rows: every call fits
@@ -274,23 +277,18 @@ class TritonRunner:
     def _tile(self, N, K, act, height, fp8_block=None) -> dict:
         """Tile overrides for the matmul of an [N, K] weight in row tiles of `height`:
         :func:`tall_tile`, or none (the shape's own config, as one sequence runs it) for
-        16-row tiles of a shape whose own config splits K exactly as the tall one (a row's
-        bits then match across heights; a different split would sum other partials)."""
+        16-row tiles of a bf16 shape whose own config splits K exactly as the tall one (a
+        row's bits then match across heights, measured; a different split would sum other
+        partials). Block-FP8 weights keep the tall config at every height (measured at 16,
+        32 and 64 rows; their own config at 16 rows was not)."""
         if self.block_t == 16 or (not self.batched):
             return {}
         tall = tall_tile(N, K, act)
-        if height != 16:
+        if height != 16 or fp8_block is not None:
             return tall
-        key = (N, K, act, fp8_block)
-        same = self._own_ok.get(key)
-        if same is None:
-            if fp8_block is None:
-                own, alt = _config_cached(N, K, None, None, None, None, None, None, act), \
-                    _config_cached(N, K, *tall.values())
-            else:
-                own, alt = fp8_config(N, K, fp8_block, act), fp8_config(N, K, fp8_block, act, **tall)
-            same = self._own_ok[key] = (own.split_k, own.k_per_split) == (alt.split_k, alt.k_per_split)
-        return {} if same else tall
+        own = _config_cached(N, K, None, None, None, None, None, None, act)  # (cached; set_tuned clears it)
+        alt = _config_cached(N, K, *tall.values())
+        return {} if (own.split_k, own.k_per_split) == (alt.split_k, alt.k_per_split) else tall
 
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):

@@ -157,7 +157,10 @@ class SamplingTable:
 
     def repeat(self, lanes: int, per_lane: int = 1) -> "SamplingTable":
         """The table over the first `lanes` lanes, each repeated per_lane times (a row per
-        verify row, lane-major): one copy per storage."""
+        verify row, lane-major): one copy per storage (per field for a :meth:`view`)."""
+        if not hasattr(self, "_f64"):  # a view: its fields are separate tensors
+            return self.view(lambda t: t[:lanes].repeat_interleave(per_lane) if per_lane > 1 else t[:lanes],
+                             lanes * per_lane)
         out = SamplingTable.__new__(SamplingTable)
         for name in ("_f64", "_i64", "_bool"):
             st = getattr(self, name)[:, :lanes]
@@ -169,6 +172,8 @@ class SamplingTable:
     def set(self, lane: int, params: SamplingParams | None) -> None:
         """Write lane's parameters (None: an unused lane, greedy and neutral).  A host to
         device copy per storage; call it outside a graph capture, between replays."""
+        if not hasattr(self, "_f64"):
+            raise TypeError("SamplingTable.set: a view() of a table is read-only; set the lane on the table itself")
         p = _GREEDY if params is None else params
         pen = p.has_penalties
         self.params[lane] = p
@@ -413,7 +418,8 @@ def probs_batch(
         topp_kernel = bool(kernel) and topp_kernel_enabled(x0.is_cuda)
     # top-p alone through the kernels on 16- / 32-bit logits: they form the ranking key from
     # the values' bits and the valid tokens (not -inf) themselves (no key or mask tensors)
-    fused = bool(kernel) and topp_kernel and regime.top_p and not regime.top_k and x0.dtype in _FUSED_KEY_BITS
+    fused = bool(kernel) and topp_kernel and regime.top_p and not regime.top_k and x0.dtype in _FUSED_KEY_BITS \
+        and x0.stride(1) == 1
     if kernel:  # x / t is formed inside the kernels; the finite logits are the valid tokens (x / t
         # can overflow to -inf where x cannot only for a tiny t: such a token ranks below every
         # finite one and the kernels' own x / t > -inf test gives it probability 0 all the same)
@@ -558,8 +564,8 @@ def speculative_accept(
     rejected and the lane's next token is decided by row ``k_lane`` as a bonus.
     ``regime`` leaves out the coupled or the rejection work when no lane needs it;
     kernel: the row kernels for the draws (as :func:`sample_rows`; None: on CUDA);
-    best [B, k+1]: probs_batch's best per row (a greedy lane's argmax without a pass
-    over p; the coupled draws of all rows then run as one call).
+    best [B, k+1] (or flat [B * (k+1)]): probs_batch's best per row (a greedy lane's
+    argmax without a pass over p; the coupled draws of all rows then run as one call).
     """
     B, R, V = p.shape
     k = R - 1

@@ -1,8 +1,9 @@
 """Pick the skinny-GEMM tile / split-K per weight shape on the running GPU (t = 1).
 
 Configs are chosen from (N, K) only and installed before any decoding
-(``hyspec.kernels.matmul.set_tuned``), so every row count keeps using the same config: the
-row invariance that exact mode needs is untouched.  Each candidate is timed inside a
+(``hyspec.kernels.matmul.set_tuned``), so every row count keeps using the same K split:
+the row invariance that exact mode needs is untouched (a batched decoder's row-tile
+heights all split K as the tuned config does: ``hyspec.gpu.runner_triton``).  Each candidate is timed inside a
 CUDA graph of the real decode step (``tune_in_step``): a matmul's best tile between the
 step's small kernels is not the one it gets timed alone.
 """

@@ -16,7 +16,9 @@ How row-invariance is obtained here (the contract every path in this folder keep
 * partial sums of the ``S`` K-splits are written in fp32 to a workspace
   ``[S, Tpad, N]`` and summed by a second kernel in the fixed order s = 0..S-1;
 * the row count ``T`` is passed with ``do_not_specialize`` so T=1 and T=5 run the
-  very same compiled binary.
+  very same compiled binary for one row-tile height (``block_t``); the batched decoder
+  picks the height from T on the H200, where a row's bits were measured not to depend on
+  it (``tests/test_gpu_tile_heights.py``).
 
 Glossary: T rows (tokens), K input features, N output features, S K-splits.
 

@@ -162,15 +162,19 @@ def skinny_matmul(
     Made for T <= 16 (one padded 16-row tile); larger T runs as several 16-row tiles and
     stays row-invariant.  Row r of the result is bitwise independent of T and of the
     other rows' values for a fixed ``(N, K)`` and fixed keyword overrides.
-    ``split_k`` etc. override :func:`skinny_config` (they must not be chosen from T by the
-    caller, or the row invariance is lost).  ``out`` (optional, [T, N], x.dtype) receives
+    ``split_k`` etc. override :func:`skinny_config`: the K split (split_k, and BK where
+    it changes the split's K ranges) must not be chosen from T by the caller, or the row
+    invariance is lost.  ``out`` (optional, [T, N], x.dtype) receives
     the result and is returned.  fp32 inputs use exact ``ieee`` dot products (no TF32).
     ``defer=True``: when the config splits K, skip the reduce kernel and return a
     :class:`hyspec.kernels.common.SplitPartials` over the workspace instead (its consumer,
     ``hyspec.kernels.rmsnorm.rmsnorm``, reduces in the same order); with one split the
     product is returned.
     ``block_t``: rows per program (16, or 64 for many-row batched calls: each weight tile is
-    then loaded once for 64 rows); like the other overrides it must not be chosen from T.
+    then loaded once for 64 rows). On the H200 a row's bits were measured not to depend on
+    block_t (nor on BK or the stage count) at a fixed K split, and the batched decoder
+    picks it from T there (``hyspec.gpu.runner_triton``); the Triton interpreter's dots
+    do change with the tile's width.
     """
     if block_t not in (16, 32, 64, 128):
         raise ValueError(f"skinny_matmul: block_t must be 16, 32, 64 or 128, got {block_t}")

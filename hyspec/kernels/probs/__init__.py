@@ -4,12 +4,14 @@ each row split into CHUNK-token programs (many thread blocks per row, any row co
 Contract (B rows, V vocabulary, C = ceil(V / CHUNK) chunks)::
 
     softmax_rows(x [B, V] float, temperature [B], keep [B, V] bool = None, only [B] = None,
-                 floor [B] = None, top [B] = None, mass=False) -> float64 [B, V]
+                 floor [B] = None, top [B] = None, mass=False, only_if [B] bool = None)
+                 -> float64 [B, V]
     = softmax over the kept tokens of xt = float64(x) / temperature (0 elsewhere), a token
       kept when xt > -inf, keep is true (if given), xt - xt[top] >= floor (if given: min-p,
       top the row's argmax) -- or, in a row with only >= 0, when it is token `only` (greedy
-      rows: exactly one-hot). mass=True: int64 fixed-point masses (p * 2**62, truncated;
-      hyspec.sampling.fixed_mass) instead of the probabilities.
+      rows: exactly one-hot); only_if (with top, without only) is the same as
+      only = where(only_if, top, -1). mass=True: int64 fixed-point masses (p * 2**62,
+      truncated; hyspec.sampling.fixed_mass) instead of the probabilities.
 
     inverse_cdf_rows(p float64 [B, V] | [B, R, V], u float64 [B], row [B] = None,
                      q float64 [B, V] | [B, Rq, V] = None, q_row [B] = None, resid [B] bool = None)
@@ -33,7 +35,7 @@ math is exact: masked entries, one-hot rows, dyadic masses).
 
 Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch); ``topp.py``:
 the top-k / top-p cut (``prefix_select_rows``, integer radix passes; its reference is
-hyspec.gpu.sampling.prefix_select; off on CUDA unless HYSPEC_TOPP_KERNEL=1).
+hyspec.gpu.sampling.prefix_select; on by default on CUDA, HYSPEC_TOPP_KERNEL=0 turns it off).
 """
 from hyspec.kernels.probs.kernel import inverse_cdf_rows, softmax_rows
 from hyspec.kernels.probs.reference import CHUNK, inverse_cdf_rows_ref, softmax_rows_ref

@@ -7,6 +7,9 @@ Contract (B rows, V tokens, C = ceil(V / CHUNK))::
                        weight [B, V] int64 >= 0 (0 outside valid), threshold [B, 1] int64)
     -> keep [B, V] bool: the valid tokens whose ahead weight (the weight of the tokens
        ranked before them: decreasing key, ties to the lowest id) is below threshold.
+    key may instead be the float values (bf16 / fp16 / fp32, no NaN; bits 16 / 32):
+    the kernels form order_key's key from their bits, and valid may then be None (the
+    tokens that are not -inf).
 
 The search is the reference's: radix passes of DIGIT bits over the key find the cut key
 K* (tokens above it kept, below it dropped), then a token-order exclusive scan of the
