@@ -76,12 +76,11 @@ def _probs(logits, table, regime, counts):
 
 
 def _choose(fn, probs, table, positions, regime, best=None):
-    """fn(probs, table, positions, regime, kernel[, best]) per row: in blocks unless the
-    choice is exact or made by the row kernels."""
+    """fn(probs, table, positions, regime, kernel, best) per row: in blocks (without best)
+    unless the choice is exact or made by the row kernels."""
     kernel = row_kernels(probs.device)
     if kernel or _exact_choice(regime):
-        return fn(probs, table, positions, regime, kernel) if best is None \
-            else fn(probs, table, positions, regime, kernel, best)
+        return fn(probs, table, positions, regime, kernel, best)
     return blocked(lambda p, tb, ps: fn(p, tb, ps, regime, False), probs.shape[0], probs, table, positions)
 
 

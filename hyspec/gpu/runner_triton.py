@@ -42,7 +42,6 @@ from hyspec.quant import Fp8Weight
 __all__ = ["TritonRunner", "pack_views"]
 
 
-
 def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int | None:
     """HYSPEC_BATCH_BLOCK_T: 16, 32, 64 or 128 (one row-tile height for every call), or
     auto (None: by the call's rows, for bf16 models on a compute-capability 9.x GPU, the
@@ -63,6 +62,7 @@ def tall_tile(N: int, K: int, act: bool = False) -> dict:
     c = _config_cached(N, K, None, None, None, None, None, None, act)
     return dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
                 num_stages=min(c.num_stages, 3), wt=c.wt)
+
 
 class TritonRunner:
     """The compute of a FastDecoder (one sequence) or a BatchDecoder (lanes: several

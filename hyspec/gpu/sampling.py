@@ -580,23 +580,13 @@ def speculative_accept(
     coupled = regime.sampled and regime.coupled
     rejection = regime.sampled and regime.rejection
 
-    # the target's own choice at every row, for greedy and coupled lanes: [B, k+1]
-    if best is None:
-        own = torch.stack(
-            [
-                torch.where(table.greedy | ~table.coupled, p[:, r].argmax(dim=1),
-                            coupled_rows(p[:, r], seeds, pos + r, kernel))
-                if coupled else p[:, r].argmax(dim=1)
-                for r in range(R)
-            ],
-            dim=1,
-        )
-    else:  # the same choices: best is a greedy row's argmax (a rejection lane's own is unused)
-        own = best.view(B, R)
-        if coupled:
-            rows = pos.unsqueeze(1) + torch.arange(R, device=p.device)  # [B, R] each row's position
-            drawn = coupled_rows(p.reshape(B * R, V), seeds.repeat_interleave(R), rows.reshape(-1), kernel)
-            own = torch.where(table.coupled_draw.unsqueeze(1), drawn.view(B, R), own)
+    # the target's own choice at every row, for greedy and coupled lanes: [B, k+1]; a greedy
+    # row's argmax is best (given: no pass over p); a rejection lane's own is unused
+    own = (p.reshape(B * R, V).argmax(dim=1) if best is None else best).view(B, R)
+    if coupled:  # the coupled draws of all rows in one call
+        rows = pos.unsqueeze(1) + torch.arange(R, device=p.device)  # [B, R] each row's position
+        drawn = coupled_rows(p.reshape(B * R, V), seeds.repeat_interleave(R), rows.reshape(-1), kernel)
+        own = torch.where(table.coupled_draw.unsqueeze(1), drawn.view(B, R), own)
     match_lane = table.matches  # [B] greedy or coupled (without rejection lanes: every lane, unread)
 
     if k > 0:
