@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sampled", action="store_true",
                     help="also the sampled rounds (coupled T=0.8 / top-p 0.95 lanes, as batch_bench's sampled speed)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--per-call", default="_gdn_step_kernel",
+                    help="kernel name whose calls are listed one by one (first repetition); '' for none")
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -35,10 +38,10 @@ def main() -> None:
     model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
-    dec = BatchDecoder(model, 512, args.k, S, graphs=False)
+    dec = BatchDecoder(model, args.prompt_len + 512, args.k, S, graphs=False)
     g = torch.Generator().manual_seed(0)
     for lane in range(S):
-        p = torch.randint(0, model.cfg.vocab_size, (128,), generator=g).tolist()
+        p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
         pre, post, logits = dec.prefill(lane, p)
         dec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
     out = {"git": git_state(), "command": "python bench/profile_batch.py " + " ".join(sys.argv[1:]),
@@ -69,12 +72,23 @@ def main() -> None:
                     per[e.key[:60]] += t / args.reps / 1e3  # ms per call
                     launches[e.key[:60]] += e.count // args.reps
             total = sum(per.values())
+            calls = []
+            if args.per_call:
+                for e in prof.events():
+                    if e.name.startswith(args.per_call):
+                        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+                        if t:
+                            calls.append(round(t, 1))
+                calls = calls[: len(calls) // args.reps]
             top = sorted(per.items(), key=lambda kv: -kv[1])[:args.top]
             out["runs"][f"{name}_B{nb}"] = {"total_ms": total, "launches": sum(launches.values()),
-                                            "top_ms": top, "top_launches": {k: launches[k] for k, _ in top}}
+                                            "top_ms": top, "top_launches": {k: launches[k] for k, _ in top},
+                                            "per_call_us": {args.per_call: calls} if args.per_call else {}}
             print(f"{name} B={nb}: {total:.3f} ms of kernels in {sum(launches.values())} launches")
             for k, v in top:
                 print(f"   {v * 1e3:8.1f} us  x{launches[k]:4d}  {k}")
+            if calls:
+                print(f"   {args.per_call} per call (us): {calls}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -66,7 +66,8 @@ def _kernels():
                                    "NB", "sy_b", "sp_b", "ss_b", "so_b"])
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
                          T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
-                         NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+                         NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
+                         PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -75,8 +76,15 @@ def _kernels():
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        h = tl.program_id(0)
-        pv = tl.program_id(1)
+        # PVF: a head's Dv blocks are neighbouring programs (they read one row of the state
+        # together); PF: the next row's vectors are loaded before this row's arithmetic.
+        # Neither changes an operation on a value.
+        if PVF:
+            pv = tl.program_id(0)
+            h = tl.program_id(1)
+        else:
+            h = tl.program_id(0)
+            pv = tl.program_id(1)
         pid2 = tl.program_id(2).to(tl.int64)  # (layer, lane) = divmod(pid2, NB); T rows per lane
         lane = pid2 % NB
         lay = pid2 // NB
@@ -101,13 +109,29 @@ def _kernels():
         dtb = tl.load(dtb_ptr + h).to(tl.float32)
         nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
         DT = o_ptr.dtype.element_ty
+        if PF:
+            kn = tl.load(y_ptr + KD + hk * DK + ok, mask=mk, other=0.0)  # row 0 (T >= 1 always)
+            vn = tl.load(y_ptr + 2 * KD + h * DV + ov, mask=mv, other=0.0)
+            bn = tl.load(p_ptr + C + VD + h)
+            an = tl.load(p_ptr + C + VD + NV + h)
         for t in range(T):
             yrow = y_ptr + t * sy
             prow = p_ptr + t * sp
-            k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
-            b = tl.load(prow + C + VD + h).to(tl.float32)
-            a = tl.load(prow + C + VD + NV + h).to(tl.float32)
+            if PF:
+                k = kn.to(tl.float32)
+                v = vn.to(tl.float32)
+                b = bn.to(tl.float32)
+                a = an.to(tl.float32)
+                tn = tl.minimum(t + 1, T - 1)  # the next row (the last row again at the end: unused)
+                kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
+                vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
+                bn = tl.load(p_ptr + tn * sp + C + VD + h)
+                an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
+            else:
+                k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+                b = tl.load(prow + C + VD + h).to(tl.float32)
+                a = tl.load(prow + C + VD + NV + h).to(tl.float32)
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             beta = 1.0 / (1.0 + tl.exp(-b))
             xa = a + dtb
@@ -159,6 +183,36 @@ def _kernels():
     return dict(gdn_conv=_gdn_conv_kernel, gdn_step=_gdn_step_kernel, gated_norm=_gated_norm_kernel)
 
 
+def _env_launch() -> dict:
+    import os
+
+    def flag(name):
+        return os.environ.get(name, "0") not in ("", "0")
+
+    return {"num_warps": int(os.environ.get("HYSPEC_GDN_WARPS", "0")) or None,
+            "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH")}
+
+
+# How the step kernel is launched (decode, verify and replay alike: they must run one
+# binary).  num_warps None: 8 for tiles of >= 8192 elements, else 4; pv_first: grid
+# (Dv blocks, heads, ...) instead of (heads, Dv blocks, ...); prefetch: the next row's
+# vectors load during this row's arithmetic.  None of them changes an operation on a
+# value; num_warps changes how tl.sum splits a reduction (so the bits may differ from
+# another setting's, never between decode, verify and replay).  Benches set it
+# (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH at import.
+STEP_LAUNCH = _env_launch()
+
+
+def _step_grid(nv, nvb, third):
+    return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
+
+
+def _step_meta(BK, BV, norm) -> dict:
+    nw = STEP_LAUNCH["num_warps"] or (8 if BK * BV >= 8192 else 4)
+    return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
+                num_warps=nw, **launch_kwargs())
+
+
 def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, state_lane_stride=0,
              xin_lane_stride=0):
     """Triton :func:`gdn_conv_ref`. x: [T, >=C] rows (only the first C columns are read),
@@ -197,12 +251,11 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     BK, BV, norm = _gdn_blocks(dk, dv, block_v)
     ks = _kernels()
     TL = rows // lanes
-    ks["gdn_step"][(nv, -(-dv // BV), lanes)](
+    ks["gdn_step"][_step_grid(nv, -(-dv // BV), lanes)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0),
-        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
+        TL * out.stride(0), **_step_meta(BK, BV, norm))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
@@ -233,10 +286,9 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
     else:
         yg, pg = y_rows[0], p_rows[0]
         NB, sy_b, sp_b, ss_b = 1, 0, 0, 0
-    _kernels()["gdn_step"][(nv, -(-dv // BV), G * NB)](
+    _kernels()["gdn_step"][_step_grid(nv, -(-dv // BV), G * NB)](
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
-        NB, sy_b, sp_b, ss_b, 0,
-        BK=BK, BV=BV, NORM=norm, num_warps=8 if BK * BV >= 8192 else 4, **launch_kwargs())
+        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm))
     return ssm

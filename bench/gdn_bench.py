@@ -1,0 +1,153 @@
+"""The Gated-DeltaNet step kernel at b2's shapes, launched several ways (block of Dv per
+program, warps, grid order, next-row prefetch): time per layer of a decode step, a 4-row
+verify and the commit replay (n accepted drafts, all layers in one launch), the state
+bytes they move and the bandwidth; for each way, whether its states and outputs are
+bitwise those of the current default, and whether a replay of n + 1 rows leaves the
+state bitwise equal to n + 1 decode steps (the exactness the speculative loop needs).
+GPU only.
+
+    python bench/gdn_bench.py --lanes 1,16,64 --out gdn_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+# (block_v, num_warps, pv_first, prefetch); the first is the default the runner uses
+WAYS = [(32, 4, False, False), (32, 4, True, False), (32, 4, False, True), (32, 4, True, True),
+        (32, 2, True, True), (32, 8, True, True), (16, 2, True, True), (16, 4, True, True),
+        (64, 4, True, True), (64, 8, True, True), (128, 8, True, True), (128, 16, True, True)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lanes", default="1,16,64")
+    ap.add_argument("--layers", type=int, default=18)
+    ap.add_argument("--verify-rows", type=int, default=4)
+    ap.add_argument("--accepted", type=int, default=2, help="n of the replay (n + 1 rows)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run in the Triton interpreter (no timing)")
+    ap.add_argument("--ways", type=int, default=len(WAYS), help="the first N ways only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from hyspec.kernels.gdn import kernel as gk
+    from hyspec.kernels.gdn import gdn_replay, gdn_step
+    from hyspec.provenance import git_state
+
+    dev = torch.device(args.device)
+    nk, nv, dk, dv, G = 16, 32, 128, 128, args.layers  # b2 (hyspec.presets.QWEN3_NEXT_2B_DENSE)
+    C = 2 * nk * dk + nv * dv
+    P = C + nv * dv + 2 * nv
+    T, n = args.verify_rows, args.accepted
+    lanes_list = [int(x) for x in args.lanes.split(",")]
+    B_max = max(lanes_list)
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+    y = torch.randn(G, B_max, T, C, device=dev, generator=g).to(bf)
+    proj = torch.randn(G, B_max, T, P, device=dev, generator=g).to(bf)
+    A_log = torch.rand(G, nv, device=dev, generator=g)
+    dtb = torch.rand(G, nv, device=dev, generator=g)
+    nw = torch.rand(dv, device=dev, generator=g).to(bf)
+    ssm0 = torch.randn(G, B_max, nv, dk, dv, device=dev, generator=g) * 0.1
+    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
+    state_bytes = nv * dk * dv * 4  # one lane, one layer
+    out = {"git": git_state(), "command": "python bench/gdn_bench.py " + " ".join(sys.argv[1:]),
+           "shape": {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "layers": G, "verify_rows": T, "accepted": n},
+           "ways": []}
+
+    def timed(fn) -> float:
+        fn()
+        if dev.type != "cuda":
+            return float("nan")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(args.reps):
+            graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / args.reps * 1e3  # us
+
+    base = {}
+    for bv, warps, pvf, pf in WAYS[: args.ways]:
+        gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf)
+        name = f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}"
+        row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf, "lanes": {}}
+        try:
+            for B in lanes_list:
+                ssm = ssm0[:, :B].clone()
+                o1 = torch.empty(B, nv * dv, device=dev, dtype=bf)
+                oT = torch.empty(B * T, nv * dv, device=dev, dtype=bf)
+                y1 = y[:, :B, 0].contiguous()  # [G, B, C]: one row per lane
+                p1 = proj[:, :B, 0].contiguous()
+                yT = y[:, :B].reshape(G, B * T, C)
+                pT = proj[:, :B].reshape(G, B * T, P)
+                ncount = torch.full((B,), n, device=dev, dtype=torch.long)
+
+                def decode():
+                    for gi in range(G):
+                        gdn_step(y1[gi], p1[gi], A_log[gi], dtb[gi], nw, ssm[gi], o1, rows=B, block_v=bv, lanes=B,
+                                 state_lane_stride=ssm.stride(1), **kw)
+
+                def verify():
+                    for gi in range(G):
+                        gdn_step(yT[gi], pT[gi], A_log[gi], dtb[gi], nw, ssm[gi], oT, rows=B * T, block_v=bv,
+                                 keep_state=True, lanes=B, state_lane_stride=ssm.stride(1), **kw)
+
+                def replay():
+                    gdn_replay(y[:, :B], proj[:, :B], A_log, dtb, nw, ssm, ncount, o1, block_v=bv, lanes=B, **kw)
+
+                t_dec, t_ver, t_rep = timed(decode), timed(verify), timed(replay)
+                # bits: one decode step / a verify's outputs / a replay from ssm0, against the default way
+                ssm.copy_(ssm0[:, :B])
+                decode()
+                bits = {"decode_state": ssm.clone(), "decode_out": o1.clone()}
+                ssm.copy_(ssm0[:, :B])
+                verify()
+                bits["verify_out"] = oT.clone()
+                ssm.copy_(ssm0[:, :B])
+                replay()
+                bits["replay_state"] = ssm.clone()
+                # exactness: n + 1 decode steps (rows 0..n of each lane) == the replay
+                seq = ssm0[:, :B].clone()
+                for r in range(n + 1):
+                    yr, pr = y[:, :B, r].contiguous(), proj[:, :B, r].contiguous()
+                    for gi in range(G):
+                        gdn_step(yr[gi], pr[gi], A_log[gi], dtb[gi], nw, seq[gi], o1, rows=B, block_v=bv, lanes=B,
+                                 state_lane_stride=seq.stride(1), **kw)
+                replay_exact = bool(torch.equal(seq, bits["replay_state"]))
+                if not base.get(B):
+                    base[B] = bits
+                same = {k: bool(torch.equal(v, base[B][k])) for k, v in bits.items()}
+                maxdiff = max(float((v.float() - base[B][k].float()).abs().max()) for k, v in bits.items())
+                gb = state_bytes * B / 1e9
+                row["lanes"][B] = {
+                    "decode_us_per_layer": t_dec / G, "verify_us_per_layer": t_ver / G, "replay_us_all_layers": t_rep,
+                    "decode_TBs": 2 * gb * G / (t_dec * 1e-6) / 1e3, "verify_TBs": gb * G / (t_ver * 1e-6) / 1e3,
+                    "replay_TBs": 2 * gb * G / (t_rep * 1e-6) / 1e3, "replay_equals_decode_steps": replay_exact,
+                    "bitwise_as_default": same, "max_abs_diff_vs_default": maxdiff}
+                r = row["lanes"][B]
+                print(f"{name:22s} B={B:3d}: decode {r['decode_us_per_layer']:7.1f} us/layer ({r['decode_TBs']:.2f} TB/s)"
+                      f"  verify t={T} {r['verify_us_per_layer']:7.1f} us/layer ({r['verify_TBs']:.2f} TB/s)"
+                      f"  replay n={n} {t_rep:7.1f} us ({r['replay_TBs']:.2f} TB/s)  replay==steps {replay_exact}"
+                      f"  same bits as default: {all(same.values())} (max diff {maxdiff:.2g})", flush=True)
+        except Exception as e:  # noqa: BLE001 - a way that does not compile or run: recorded
+            row["error"] = f"{type(e).__name__}: {e}"
+            print(f"{name}: {row['error']}", flush=True)
+        out["ways"].append(row)
+    gk.STEP_LAUNCH.update(gk._env_launch())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
