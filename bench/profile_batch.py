@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--per-call", default="_gdn_step_kernel",
                     help="kernel name whose calls are listed one by one (first repetition); '' for none")
+    ap.add_argument("--graph-time", type=int, default=0,
+                    help="also time N back-to-back CUDA-graph replays of each case (greedy)")
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -89,6 +91,27 @@ def main() -> None:
                 print(f"   {v * 1e3:8.1f} us  x{launches[k]:4d}  {k}")
             if calls:
                 print(f"   {args.per_call} per call (us): {calls}")
+    if args.graph_time:  # the same steps as CUDA-graph replays, timed with events (no host work between)
+        del dec
+        gdec = BatchDecoder(model, args.prompt_len + 512, args.k, S, graphs=True)
+        g = torch.Generator().manual_seed(0)
+        for lane in range(S):
+            p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+            pre, post, logits = gdec.prefill(lane, p)
+            gdec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
+        for nb in sizes:
+            for name, fn in (("decode", lambda: gdec.decode(nb)), (f"round_k{args.k}", lambda: gdec.round(nb, args.k))):
+                fn()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(args.graph_time):
+                    fn()
+                e1.record()
+                torch.cuda.synchronize()
+                ms = e0.elapsed_time(e1) / args.graph_time
+                out["runs"].setdefault(f"{name}_B{nb}", {})["graph_ms"] = ms
+                print(f"{name} B={nb}: {ms:.3f} ms per graph replay ({args.graph_time} back to back)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -78,6 +78,24 @@ def test_grouped_row_invariant_and_workspace():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,pos", [(4, 62), (6, 29), (3, 0)])
+def test_a_program_s_rows_straddling_a_block_edge(T, pos):
+    """One program serves GROUPED_ROWS rows of a lane; rows that end in different key
+    blocks (pos 62: rows 0-1 in blocks 0-1, rows 2-3 reach block 2, which split 2 holds
+    alone), more rows than one program takes (T 6: two programs, the second half full),
+    and a first row with one key: each row has the bits of its one-row call and the
+    reference's values (a row must not move on a block that holds none of its keys)."""
+    from hyspec.kernels.attn import GROUPED_ROWS
+
+    assert GROUPED_ROWS < 6
+    Hq, Hkv, D, L = 4, 2, 32, 96
+    q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=11)
+    out = run(q, kc, vc, pos, 0, proj)
+    for r in range(T):
+        assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], out[r]), r
+    torch.testing.assert_close(out, fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D)), atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture
 def bf16_dot(monkeypatch):
     import numpy as np

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hyspec.kernels.attention.grouped import (  # noqa: F401
     BLOCK_N,
+    GROUPED_ROWS,
     GROUPED_SPLITS,
     _kernel,
     attn_decode_grouped,
@@ -11,4 +12,4 @@ from hyspec.kernels.attention.grouped import (  # noqa: F401
 from hyspec.kernels.attention.kernel import launch_combine as _combine  # noqa: F401
 from hyspec.kernels.common import p2 as _p2  # noqa: F401
 
-__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "BLOCK_N"]
+__all__ = ["attn_decode_grouped", "GROUPED_ROWS", "GROUPED_SPLITS", "BLOCK_N"]

@@ -4,9 +4,12 @@ one program.
 
 Why: ``attn_decode`` runs one program per (q head, row, split); the REP = Hq/Hkv
 programs of a kv head each stream the same K/V blocks and reduce them with vector
-sums.  Here one program per (kv head, row, split) loads the REP query rows of its kv
-head as a [G, BLOCK_D] tile (G = max(16, next_pow2(REP)); the extra rows are zero and
-never stored, ``tl.dot`` needs M >= 16) and does both products on the tensor cores:
+sums.  Here one program per (kv head, group of TG = GROUPED_ROWS consecutive rows of a
+lane, split) loads the REP query rows of its kv head for each of the group's rows as a
+[G, BLOCK_D] tile (G = max(16, next_pow2(REP * TG)); tile row i is the group's row
+i // REP, q head i % REP; rows past the call's are zero and never stored, ``tl.dot``
+needs M >= 16), so a verify's rows of one lane read the lane's keys once, and does both
+products on the tensor cores:
 
     scores [G, BLOCK_N] = (q_tile @ k_tile.T) * D**-0.5      (fp32 accumulate)
     acc    [G, BLOCK_D] = acc * alpha + p.to(v dtype) @ v_tile
@@ -22,9 +25,13 @@ combine).  Partials go to the workspace in exactly the layout of ``attn_decode``
 l), so its fixed-order combine kernel (with NS = 16) finishes the job and applies the
 sigmoid gate with the same rounding.
 
-Row invariance (the contract of ``hyspec.kernels``): the program for (hk, r, s) reads q
-row r, the position ``pos + off + r`` and the cache only; its tile shapes, block walk and
-reduction order depend on constexprs fixed by the head shape, never on the row count.
+Row invariance (the contract of ``hyspec.kernels``): a row's numbers come from q row r,
+the position ``pos + off + r`` and the cache only.  The group walks the key blocks of its
+last row; a block that holds none of a row's keys leaves that row's m, l and acc exactly
+as they were (``tl.where``, not arithmetic with zeros: a row whose split has no block yet
+would form NaN), and a row's keys are masked per row, so a row computes what its one-row
+call computes (a tile row of an MMA does not depend on the other rows; the tile shape is
+fixed by REP and TG, constants, never by the row count).
 T and off are ``do_not_specialize``, so a t-row call and t 1-row calls (off + r) run the
 same binary and produce the same bits, and the combine is per (row, head) in a fixed
 order.  NS is a module constant, never chosen from T.
@@ -40,9 +47,10 @@ from hyspec.kernels.attention.kernel import launch_combine
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
-__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "BLOCK_N"]
+__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N"]
 
 GROUPED_SPLITS = 16  # NS: key-block sets per (row, kv head); a constant, never chosen from T
+GROUPED_ROWS = 4  # TG: a lane's rows per program (a verify's rows read the lane's keys once); a constant
 BLOCK_N = 32  # keys per block
 
 
@@ -51,58 +59,66 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
-    def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale, TL, skv,
-                                     REP: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv", "NGRP"])
+    def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale, TL, skv, NGRP,
+                                     REP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr,
                                      PDL: tl.constexpr):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         hk = tl.program_id(0)
-        r = tl.program_id(1)
+        rg = tl.program_id(1)  # (lane, group of TG consecutive rows of the lane)
         s = tl.program_id(2)
-        lane = r // TL  # lane-major rows, each lane with its own cache and position
-        n_keys = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL) + 1
-        offs_g = tl.arange(0, G)
+        lane = rg // NGRP
+        j0 = (rg - lane * NGRP) * TG  # the group's first row within the lane
+        # tile row i: the lane's row j0 + i // REP, q head hk*REP + i % REP
+        offs_i = tl.arange(0, G)
+        jr = j0 + offs_i // REP
+        mi = (offs_i < REP * TG) & (jr < TL)
+        r = lane * TL + jr  # the call's row
+        h = hk * REP + offs_i % REP
+        pos0 = tl.load(pos_ptr + lane).to(tl.int64) + off
+        n_keys = pos0 + jr + 1  # [G]: row r attends keys 0..pos+off+r
+        n_last = pos0 + tl.minimum(j0 + TG, TL)  # keys of the group's last row
         offs_d = tl.arange(0, BLOCK_D)
-        mg = offs_g < REP
         md = offs_d < D
-        h = hk * REP + offs_g  # q heads of this kv head (rows >= REP are padding)
         q_off = (r * HQ + h)[:, None] * D + offs_d[None, :]
         KT = kc_ptr.dtype.element_ty
-        q = tl.load(q_ptr + q_off, mask=mg[:, None] & md[None, :], other=0.0).to(KT)
+        q = tl.load(q_ptr + q_off, mask=mi[:, None] & md[None, :], other=0.0).to(KT)
         m_i = tl.full((G,), float("-inf"), tl.float32)
         l_i = tl.zeros((G,), tl.float32)
         acc = tl.zeros((G, BLOCK_D), tl.float32)
-        n_blocks = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
+        n_blocks = ((n_last + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
         base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv
-        for b in range(s, n_blocks, NS):  # only blocks that exist: m_new is finite below
+        for b in range(s, n_blocks, NS):  # blocks that exist for the group's last row
             offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = offs_n < n_keys
             kv_off = base + offs_n[:, None] * D + offs_d[None, :]
-            mk = valid[:, None] & md[None, :]
+            mk = (offs_n < n_last)[:, None] & md[None, :]
             k = tl.load(kc_ptr + kv_off, mask=mk, other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 sc = tl.dot(q, tl.trans(k))
-            sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+            valid = offs_n[None, :] < n_keys[:, None]  # [G, BLOCK_N]: the row's own keys
+            on = b * BLOCK_N < n_keys  # [G]: the block holds keys of the row (else the row stays as it is)
+            sc = tl.where(valid, sc * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
+            pr = tl.where(valid, tl.exp(sc - m_new[:, None]), 0.0)
             v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            l_new = l_i * alpha + tl.sum(pr, axis=1)
             if IEEE:
                 pv = tl.dot(pr.to(v.dtype), v, input_precision="ieee")
             else:
                 pv = tl.dot(pr.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            acc = tl.where(on[:, None], acc * alpha[:, None] + pv, acc)
+            l_i = tl.where(on, l_new, l_i)
+            m_i = tl.where(on, m_new, m_i)
         wbase = ((r * HQ + h) * NS + s) * (BLOCK_D + 2)  # [G]
-        tl.store(ws_ptr + wbase[:, None] + offs_d[None, :], acc, mask=mg[:, None])
-        tl.store(ws_ptr + wbase + BLOCK_D, m_i, mask=mg)
-        tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i, mask=mg)
+        tl.store(ws_ptr + wbase[:, None] + offs_d[None, :], acc, mask=mi[:, None])
+        tl.store(ws_ptr + wbase + BLOCK_D, m_i, mask=mi)
+        tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i, mask=mi)
 
     return _attn_grouped_partial_kernel
 
@@ -122,13 +138,16 @@ def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=
         raise ValueError("attn_decode_grouped: q must be contiguous [T, Hq, D]")
     rep = Hq // Hkv
     BD = max(16, p2(D))  # tl.dot needs K, N >= 16
-    G = max(16, p2(rep))
+    TG = GROUPED_ROWS
+    G = max(16, p2(rep * TG))
     NS = GROUPED_SPLITS
+    TL = T // lanes
+    ngrp = -(-TL // TG)
     need = T * Hq * NS * (BD + 2)
     if ws is None or ws.numel() < need:
         ws = torch.empty(need, device=q.device, dtype=torch.float32)
-    _kernel()[(Hkv, T, NS)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), T // lanes, int(kv_lane_stride),
-                            REP=rep, G=G, BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=NS,
+    _kernel()[(Hkv, lanes * ngrp, NS)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), TL,
+                                       int(kv_lane_stride), ngrp, REP=rep, TG=TG, G=G, BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=NS,
                             IEEE=kc.dtype == torch.float32, num_warps=4 if BD <= 128 else 8,
                             **launch_kwargs())
     launch_combine(ws, proj, out, T, Hq, D, BD, NS)

@@ -114,6 +114,7 @@ def _kernels():
             vn = tl.load(y_ptr + 2 * KD + h * DV + ov, mask=mv, other=0.0)
             bn = tl.load(p_ptr + C + VD + h)
             an = tl.load(p_ptr + C + VD + NV + h)
+            qn = tl.load(y_ptr + hk * DK + ok, mask=mk, other=0.0)  # (unused by a replay)
         for t in range(T):
             yrow = y_ptr + t * sy
             prow = p_ptr + t * sp
@@ -127,6 +128,8 @@ def _kernels():
                 vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
                 bn = tl.load(p_ptr + tn * sp + C + VD + h)
                 an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
+                qc = qn
+                qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)  # (unused by a replay)
             else:
                 k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
                 v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
@@ -147,7 +150,10 @@ def _kernels():
                 if t == T - 1:
                     tl.store(st_ptr + soff, S, mask=m2)
             if replay == 0:
-                q = tl.load(yrow + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                if PF:
+                    q = qc.to(tl.float32)
+                else:
+                    q = tl.load(yrow + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
                 q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
                 o = tl.sum(q[:, None] * S, axis=0)
                 if NORM:  # this program holds the whole head: gated RMSNorm here
@@ -187,19 +193,21 @@ def _env_launch() -> dict:
     import os
 
     def flag(name):
-        return os.environ.get(name, "0") not in ("", "0")
+        return os.environ.get(name, "1") not in ("", "0")
 
     return {"num_warps": int(os.environ.get("HYSPEC_GDN_WARPS", "0")) or None,
             "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
-# binary).  num_warps None: 8 for tiles of >= 8192 elements, else 4; pv_first: grid
+# binary).  num_warps None: 2 for tiles of <= 2048 elements (Dk 128 x a 16-wide Dv
+# block, the runner's default), 4 below 8192, else 8; pv_first: grid
 # (Dv blocks, heads, ...) instead of (heads, Dv blocks, ...); prefetch: the next row's
 # vectors load during this row's arithmetic.  None of them changes an operation on a
 # value; num_warps changes how tl.sum splits a reduction (so the bits may differ from
 # another setting's, never between decode, verify and replay).  Benches set it
-# (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH at import.
+# (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH at import (the last two
+# on by default: measured on the H200 with bench/gdn_bench.py, docs/gpu.md).
 STEP_LAUNCH = _env_launch()
 
 
@@ -208,7 +216,7 @@ def _step_grid(nv, nvb, third):
 
 
 def _step_meta(BK, BV, norm) -> dict:
-    nw = STEP_LAUNCH["num_warps"] or (8 if BK * BV >= 8192 else 4)
+    nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV <= 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 num_warps=nw, **launch_kwargs())
 
