@@ -19,7 +19,8 @@ import torch
 # (block_v, num_warps, pv_first, prefetch); the first is the default the runner uses, the
 # second the default until 26a63eb (the first run tried twelve ways: git history of
 # bench/results/gdn_bench_h200.json)
-WAYS = [(16, 2, True, True), (32, 4, False, False), (32, 4, True, True), (16, 2, False, True), (16, 4, True, True)]
+WAYS = [(16, 2, True, True), (32, 4, False, False), (32, 4, True, True), (16, 2, False, True), (16, 4, True, True),
+        (16, 1, True, True), (8, 1, True, True), (8, 2, True, True), (32, 1, True, True), (32, 2, True, True)]
 
 
 def main() -> None:

@@ -60,12 +60,15 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
         spec_stats = run_batch(dec, spec, max_batch=B, forced_rates=rates)
         row = {"plain_tok_s": plain_stats["round_tok_s"], "spec_tok_s": spec_stats["round_tok_s"],
                "spec_vs_plain": spec_stats["round_tok_s"] / plain_stats["round_tok_s"],
+               # of the rounds' wall time, the share the host spent waiting for the GPU (near 1: GPU-bound)
+               "plain_host_wait": plain_stats["wait_s"] / plain_stats["rounds_s"],
+               "spec_host_wait": spec_stats["wait_s"] / spec_stats["rounds_s"],
                "spec_equals_plain": all(a.tokens == b.tokens for a, b in zip(spec, plain)),
                "mean_accepted": sum(r.telemetry.accepted for r in spec) / max(1, sum(r.rounds for r in spec))}
         out["runs"][B] = row
         log(f"B={B:>3}: plain {row['plain_tok_s']:9.1f} tok/s, forced K={k} {row['spec_tok_s']:9.1f} tok/s "
             f"(x{row['spec_vs_plain']:.2f}, {row['mean_accepted']:.2f} accepted/round), spec == plain: "
-            f"{row['spec_equals_plain']}")
+            f"{row['spec_equals_plain']}; host waiting {row['plain_host_wait']:.0%} / {row['spec_host_wait']:.0%} of the rounds' time")
     base = out["runs"][min(batches)]["plain_tok_s"]
     for row in out["runs"].values():
         row["plain_vs_B1"] = row["plain_tok_s"] / base

@@ -105,6 +105,7 @@ class BatchRunner:
         self.active: list[LaneRequest] = []  # active[i] sits in lane i
         self.round = 0  # rounds launched (and idle rounds waiting for a later arrival)
         self.prefill_s = self.rounds_s = 0.0
+        self.wait_s = 0.0  # of rounds_s: the host waiting for a round's result (the rest is host work)
         self.tokens = 0  # tokens the rounds emitted (the prefills' first tokens not counted)
         self.constraint_s = 0.0  # host seconds in the constraints (masks and commits; the first tokens' included)
         self.masked_rounds = 0  # rounds with a constrained lane
@@ -176,7 +177,7 @@ class BatchRunner:
     def stats(self) -> dict:
         """Timing so far: prefill and rounds apart."""
         g = self.dec.step_graphs
-        return {"prefill_s": self.prefill_s, "rounds_s": self.rounds_s, "rounds": self.round,
+        return {"prefill_s": self.prefill_s, "rounds_s": self.rounds_s, "wait_s": self.wait_s, "rounds": self.round,
                 "round_tokens": self.tokens, "round_tok_s": self.tokens / self.rounds_s if self.rounds_s > 0 else None,
                 "constraint_s": self.constraint_s, "masked_rounds": self.masked_rounds, "store_s": self.store_s,
                 "graph_captures": g.captures - self._captures0[0], "graph_capture_s": g.capture_s - self._captures0[1]}
@@ -339,7 +340,10 @@ class BatchRunner:
         self._buf ^= 1
         n = len(active)
         if self._cuda:
-            self._host[buf][:n, : 2 + k].copy_(dec.result[:n, : 2 + k], non_blocking=True)
+            # whole rows: a column slice is not contiguous, and torch copies a non-contiguous
+            # tensor to the host through an unpinned temporary, which blocks until the GPU is
+            # done (plain rounds of 2+ lanes then ran unpipelined: 8 % of a batch-16 step)
+            self._host[buf][:n].copy_(dec.result[:n], non_blocking=True)
             self._events[buf].record()
             return buf, n, k, None
         return buf, n, k, dec.result[:n, : 2 + k].clone()  # CPU: the call was synchronous
@@ -412,7 +416,9 @@ class BatchRunner:
     def _read(self, launched) -> list[list[int]]:
         buf, n, k, copy = launched
         if self._cuda:
+            t0 = time.perf_counter()
             self._events[buf].synchronize()
+            self.wait_s += time.perf_counter() - t0
             return self._host[buf][:n, : 2 + k].tolist()
         return copy.tolist()
 
