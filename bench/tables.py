@@ -276,6 +276,8 @@ BATCH_COLUMNS = (  # (key, header, format); a column is shown when any run has t
     ("spec_vs_plain", "speculative ÷ plain", times),
     ("plain_vs_B1", "plain ÷ batch 1", times),
     ("plain_vs_smallest_batch", "plain ÷ smallest batch", times),
+    ("spec_dv_tok_s", "forced K=3, 32k draft vocabulary, tok/s", num),
+    ("spec_dv_vs_plain", "32k draft vocabulary ÷ plain", times),
     ("mean_accepted", "accepted per round", lambda x: f"{x:.2f}"),
     ("spec_equals_plain", "speculative == plain", yes),
     ("batch_invariant", "tokens == alone", yes),

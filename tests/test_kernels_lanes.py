@@ -127,3 +127,21 @@ def test_skinny_matmul_64_row_tiles_row_invariant():
     torch.testing.assert_close(y, skinny_matmul_ref(x, w), atol=1e-4, rtol=1e-5)
     assert torch.equal(skinny_matmul(x[65:68], w, **kw), y[65:68])
     assert torch.equal(skinny_matmul(x[3:4], w, **kw)[0], y[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_window_commit_equals_the_torch_form(dtype, t):
+    """gdn_window_commit (one launch: every layer and lane) leaves each lane's conv window
+    bitwise as gdn_window_commit_ref does, for every kept-row count 1..t, with lanes past
+    nb and the other slots' windows untouched."""
+    from hyspec.kernels.gdn import gdn_window_commit, gdn_window_commit_ref
+
+    G, S, W1, C, nb = 2, 5, 3, 300, 4  # C: not a multiple of the 256-channel block
+    conv = _r(G, S, W1, C, seed=1).to(dtype)
+    conv_in = _r(G, S * 4, C, seed=2).to(dtype)
+    j = torch.tensor([(b % t) + 1 for b in range(nb)])  # 1..t kept rows per lane
+    want = gdn_window_commit_ref(conv.clone(), conv_in, j, nb, t)
+    got = gdn_window_commit(conv.clone(), conv_in, j, nb, t)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, nb:], conv[:, nb:])  # lanes past nb: as they were

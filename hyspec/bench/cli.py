@@ -278,7 +278,8 @@ def run_batches(model, args, dev) -> dict:
 
         log("batched decoding on the GPU: BatchDecoder, CUDA graphs per batch size (prefill excluded)")
         return gpu_batch_bench(model, sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, forced=forced,
-                               seed=args.seed, inv_prompts=args.batch_inv_prompts, log=log)
+                               seed=args.seed, inv_prompts=args.batch_inv_prompts, draft_vocab=args.draft_vocab or 0,
+                               log=log)
     from hyspec.core.batch_bench import batch_bench
 
     log("batched decoding through the engine core (prefill excluded)")

@@ -57,6 +57,7 @@ from hyspec.gpu.batch_sampling import accept_sampled, draft_draws, plain_draws, 
 from hyspec.gpu.graphs import StepGraphs
 from hyspec.gpu.penalties import PenaltyWindow, row_counts
 from hyspec.gpu.prefill import layer_indices, prefill_into
+from hyspec.kernels.gdn import gdn_window_commit
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import state_dtype
 from hyspec.model.ops import StepCtx
@@ -116,7 +117,6 @@ class BatchDecoder:
         self.ssm = torch.zeros(G, S, nv, dk, dv, device=dev, dtype=state_dtype(dt))  # [G, S, Hv, Dk, Dv]
         self.ssm_rows = None  # the Triton runner replays accepted rows instead of recording states
         self.conv_in = torch.zeros(G, S * self.t_max, C, device=dev, dtype=dt)  # [G, S*t_max, C] lane b's rows at b*t..
-        self.window_offsets = torch.arange(W - 1, device=dev)  # [W-1] 0..W-2: a conv window's rows
         self.has_mtp = model.has_mtp
         if self.has_mtp:
             self.draft_k = torch.zeros(S, Hkv, L, D, device=dev, dtype=dt)  # [S, Hkv, L, D] drafter KV
@@ -585,11 +585,7 @@ class BatchDecoder:
         j = n_keep + 1
         # linear layers: state after row n_keep; conv window = rows j..j+W-2 of cat(window, new rows)
         self.runner.commit_linear(n_keep, t, nb)
-        G, C = self.conv.shape[0], self.conv.shape[-1]
-        W1 = self.window_offsets.numel()
-        window = torch.cat([self.conv[:, :nb], self.conv_in[:, : nb * t].view(G, nb, t, C)], 2)
-        idx = (j[:, None] + self.window_offsets[None, :])[None, :, :, None].expand(G, nb, W1, C)
-        self.conv[:, :nb].copy_(window.gather(2, idx))
+        gdn_window_commit(self.conv, self.conv_in, j, nb, t)  # (gdn_window_commit_ref: the torch form)
         # next fill: tokens verify_tokens[:j] + [bonus] with hiddens [h_last, seed[:j]] from row pos-1
         self.fill_tokens[:nb, :t].copy_(verify_tokens)
         self.fill_tokens[:nb].scatter_(1, j[:, None], keep[:, None])

@@ -26,9 +26,10 @@ def _target(value: float, name: str) -> dict:
 
 def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: int, k: int = 3,
                     forced=(0.9, 0.8, 0.7, 0.6), seed: int = 0, inv_prompts: int = 64, inv_tokens: int = 500,
-                    inv_batch: int = 16, sampled_extra=(), log=print) -> dict:
+                    inv_batch: int = 16, sampled_extra=(), draft_vocab: int = 0, log=print) -> dict:
     """sampled_extra: names of SAMPLED_VARIANTS measured after the sampled speed (figures
-    only, no targets)."""
+    only, no targets); draft_vocab N > 0: forced K=3 again at every batch size with a
+    reduced draft vocabulary of N ids (figures beside the full-vocabulary ones, no target)."""
     dev = model.device
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -72,6 +73,12 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     base = out["runs"][min(batches)]["plain_tok_s"]
     for row in out["runs"].values():
         row["plain_vs_B1"] = row["plain_tok_s"] / base
+    if draft_vocab:
+        try:
+            reduced_draft_vocab(model, batches, prompts, new_tokens, k, rates, draft_vocab, slots, max_len, out, log)
+        except Exception as e:  # noqa: BLE001 - record and go on
+            out.setdefault("errors", {})["draft_vocab"] = f"{type(e).__name__}: {e}"
+            log(f"!! reduced draft vocabulary failed: {e}")
     try:
         out["sampled"] = sampled_speed(dec, prompts, [b for b in (1, 16) if b in batches] or [min(batches)],
                                        new_tokens, k, rates, log)
@@ -96,6 +103,36 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     for name, t in out["targets"].items():
         log(f"  {name}: {t['value']} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
     return out
+
+
+def reduced_draft_vocab(model, batches, prompts, new_tokens, k, rates, size, slots, max_len, out, log) -> None:
+    """Forced K=3 at each batch size on a decoder whose drafter scores `size` ids (the first
+    ones: random weights have no corpus to rank by; hyspec.speculative.drafter.build_d2t),
+    the reference continuations and plain figures being the full run's (the drafter's
+    vocabulary changes only the drafts, and the forced drafter proposes the same tokens)."""
+    from hyspec.speculative.drafter import build_d2t
+
+    saved = model.d2t
+    model.d2t = build_d2t(size, model.cfg.vocab_size).to(model.device)
+    try:
+        dec = BatchDecoder(model, max_len, k, slots)
+        dec.capture(sorted({s for s in dec.sizes if s <= max(batches)}), [k], forced=(True,), decode=False)
+        for B in batches:
+            row = out["runs"][B]
+            plain = [LaneRequest(prompt=p, max_new_tokens=new_tokens) for p in prompts[:B]]
+            run_batch(dec, plain, max_batch=B)  # the reference (equal to the full run's plain output)
+            spec = [LaneRequest(prompt=p, max_new_tokens=new_tokens, k=k, reference=r.tokens)
+                    for p, r in zip(prompts[:B], plain)]
+            st = run_batch(dec, spec, max_batch=B, forced_rates=rates)
+            row["spec_dv_tok_s"] = st["round_tok_s"]
+            row["spec_dv_vs_plain"] = st["round_tok_s"] / row["plain_tok_s"]
+            row["spec_dv_equals_plain"] = all(a.tokens == b.tokens for a, b in zip(spec, plain))
+            log(f"B={B:>3}: forced K={k} with a {size}-id draft vocabulary {st['round_tok_s']:9.1f} tok/s "
+                f"(x{row['spec_dv_vs_plain']:.2f} over plain), spec == plain: {row['spec_dv_equals_plain']}")
+        out["draft_vocab"] = size
+        del dec
+    finally:
+        model.d2t = saved
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)
@@ -229,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inv-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sampled-extra", default="", help=f"comma-separated: {', '.join(SAMPLED_VARIANTS)}")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="also forced K=3 with a reduced draft vocabulary")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from types import SimpleNamespace
@@ -240,7 +278,7 @@ def main(argv=None) -> int:
     res = gpu_batch_bench(model, [int(b) for b in args.batch.split(",")], prompt_len=args.prompt_len,
                           new_tokens=args.new_tokens, seed=args.seed, inv_prompts=args.inv_prompts,
                           inv_tokens=args.inv_tokens, inv_batch=args.inv_batch,
-                          sampled_extra=[v for v in args.sampled_extra.split(",") if v])
+                          sampled_extra=[v for v in args.sampled_extra.split(",") if v], draft_vocab=args.draft_vocab)
     res["git"] = git_state()
     res["device"] = torch.cuda.get_device_name()
     res["argv"] = argv

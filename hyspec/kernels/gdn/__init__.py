@@ -18,6 +18,9 @@ channels, W conv width)::
     gdn_replay(y_rows [G, t, C], p_rows [G, t, P], A_log_all [G, Hv], dt_bias_all, norm_w,
                ssm [G, Hv, Dk, Dv], n [1], out_like, ...)
         advance every layer's state by rows 0..n, in one launch, with gdn_step's kernel
+    gdn_window_commit(conv [G, S, W-1, C], conv_in [G, >= nb*t, C], j [nb], nb, t)
+        after a verify of t rows per lane: lane b's window becomes rows j[b] .. j[b]+W-2 of
+        cat(window, its t new rows), every layer and lane in one launch (copies only)
 
 All three take ``lanes``: rows // lanes rows per sequence (lane-major), each lane with its
 own window / state.  One compiled step kernel serves decode, verify and replay (every
@@ -28,7 +31,8 @@ head's Dv over several programs and moves the gated norm into its own kernel
 
 Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch).
 """
-from hyspec.kernels.gdn.kernel import gdn_conv, gdn_replay, gdn_step
-from hyspec.kernels.gdn.reference import gdn_conv_ref, gdn_step_ref
+from hyspec.kernels.gdn.kernel import gdn_conv, gdn_replay, gdn_step, gdn_window_commit
+from hyspec.kernels.gdn.reference import gdn_conv_ref, gdn_step_ref, gdn_window_commit_ref
 
-__all__ = ["gdn_conv", "gdn_conv_ref", "gdn_step", "gdn_step_ref", "gdn_replay"]
+__all__ = ["gdn_conv", "gdn_conv_ref", "gdn_step", "gdn_step_ref", "gdn_replay", "gdn_window_commit",
+           "gdn_window_commit_ref"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
-__all__ = ["gdn_conv", "gdn_step", "gdn_replay"]
+__all__ = ["gdn_conv", "gdn_step", "gdn_replay", "gdn_window_commit"]
 
 
 @kernels_per_mode
@@ -186,7 +186,29 @@ def _kernels():
         out = yv * (z / (1.0 + tl.exp(-z)))
         tl.store(o_ptr + r * so + h * DV + ov, out.to(DT), mask=mv)
 
-    return dict(gdn_conv=_gdn_conv_kernel, gdn_step=_gdn_step_kernel, gated_norm=_gated_norm_kernel)
+    @triton.jit(do_not_specialize=["T", "sg", "ss", "sig"])
+    def _window_commit_kernel(conv_ptr, sg, ss, in_ptr, sig, j_ptr, T, C, W1: tl.constexpr, BLOCK_C: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        pid = tl.program_id(0)
+        lane = tl.program_id(1).to(tl.int64)
+        g = tl.program_id(2).to(tl.int64)
+        offs = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        mc = offs < C
+        j = tl.load(j_ptr + lane)
+        win = conv_ptr + g * sg + lane * ss
+        rows = in_ptr + g * sig + lane * T * C
+        # ascending rows in place: row w's source j + w >= w + 1 is never a row written before it
+        for w in tl.static_range(W1):
+            src = j + w  # row of cat(window, new rows)
+            old = tl.load(win + tl.minimum(src, W1 - 1) * C + offs, mask=mc, other=0.0)
+            new = tl.load(rows + tl.maximum(src - W1, 0) * C + offs, mask=mc, other=0.0)
+            tl.store(win + w * C + offs, tl.where(src < W1, old, new), mask=mc)
+
+    return dict(gdn_conv=_gdn_conv_kernel, gdn_step=_gdn_step_kernel, gated_norm=_gated_norm_kernel,
+                window_commit=_window_commit_kernel)
 
 
 def _env_launch() -> dict:
@@ -238,6 +260,19 @@ def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, stat
     k[(-(-C // BC), lanes)](x, x.stride(0), state, weight, y, y.stride(0), xi, xi.stride(0), rows // lanes, C,
                             int(update), int(xin is not None), int(state_lane_stride), int(xin_lane_stride), W=W, BLOCK_C=BC, num_warps=4, **launch_kwargs())
     return y
+
+
+def gdn_window_commit(conv, conv_in, j, nb: int, t: int):
+    """Triton :func:`gdn_window_commit_ref`: every layer's and lane's conv window advanced
+    past the lane's kept rows in one launch (copies only: bitwise the reference's)."""
+    G, S, W1, C = conv.shape
+    if conv.stride(3) != 1 or conv.stride(2) != C or conv_in.stride(-1) != 1 or conv_in.stride(1) != C:
+        raise ValueError("gdn_window_commit: rows of C contiguous channels expected")
+    BC = 256
+    _kernels()["window_commit"][(-(-C // BC), nb, G)](conv, conv.stride(0), conv.stride(1), conv_in,
+                                                      conv_in.stride(0), j, t, C, W1=W1, BLOCK_C=BC, num_warps=4,
+                                                      **launch_kwargs())
+    return conv
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,

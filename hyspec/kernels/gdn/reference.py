@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["gdn_conv_ref", "gdn_step_ref"]
+__all__ = ["gdn_conv_ref", "gdn_step_ref", "gdn_window_commit_ref"]
 
 
 def gdn_conv_ref(x, state, weight):
@@ -65,3 +65,17 @@ def gdn_step_ref(y, proj, A_log, dt_bias, norm_w, state, *, nk, nv, dk, dv, eps,
     yv = norm_w.to(dt) * xhat.to(dt)
     out = (yv * F.silu(z.float())).to(dt)
     return out.reshape(T, vd), S, states
+
+
+def gdn_window_commit_ref(conv, conv_in, j, nb: int, t: int):
+    """After a verify of t rows per lane: each lane's conv window becomes the W-1 rows after
+    its first j[b] rows of cat(window, the verify's t new rows), in place.  conv [G, S,
+    W-1, C] (lanes' windows), conv_in [G, >= nb*t, C] (lane b's rows at b*t ..), j [nb]
+    (1 .. t: the rows the lane keeps)."""
+    G, C = conv.shape[0], conv.shape[-1]
+    W1 = conv.shape[2]
+    window = torch.cat([conv[:, :nb], conv_in[:, : nb * t].view(G, nb, t, C)], 2)
+    offs = torch.arange(W1, device=conv.device)
+    idx = (j[:, None] + offs[None, :])[None, :, :, None].expand(G, nb, W1, C)
+    conv[:, :nb].copy_(window.gather(2, idx))
+    return conv
