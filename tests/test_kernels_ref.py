@@ -274,7 +274,7 @@ def test_flat_kernel_modules_reexport_the_op_folders():
         home = next(m for m in (rmsnorm, attention, gdn, moe) if hasattr(m, name))
         assert getattr(fused, name) is getattr(home, name), name
     assert set(fused._kernels()) == {"rmsnorm", "attn_prep", "attn_partial", "attn_combine", "gdn_conv",
-                                     "gdn_step", "gated_norm", "expert_gemv"}
+                                     "gdn_step", "gated_norm", "window_commit", "expert_gemv"}
     assert attn.attn_decode_grouped is attention.attn_decode_grouped and attn.GROUPED_SPLITS == 16
     for name in gemm.__all__:
         assert getattr(gemm, name) is getattr(matmul, name), name
