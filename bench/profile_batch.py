@@ -40,12 +40,18 @@ def main() -> None:
     model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
-    dec = BatchDecoder(model, args.prompt_len + 512, args.k, S, graphs=False)
-    g = torch.Generator().manual_seed(0)
-    for lane in range(S):
-        p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-        pre, post, logits = dec.prefill(lane, p)
-        dec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
+
+    def decoder(graphs: bool) -> BatchDecoder:
+        """A decoder with S lanes, each started on its own random prompt (the same ones every call)."""
+        d = BatchDecoder(model, args.prompt_len + 512, args.k, S, graphs=graphs)
+        g = torch.Generator().manual_seed(0)
+        for lane in range(S):
+            p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+            pre, post, logits = d.prefill(lane, p)
+            d.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
+        return d
+
+    dec = decoder(graphs=False)
     out = {"git": git_state(), "command": "python bench/profile_batch.py " + " ".join(sys.argv[1:]),
            "config": args.config, "k": args.k, "runs": {}}
     cases = [("decode", False), (f"round_k{args.k}", False)]
@@ -93,12 +99,7 @@ def main() -> None:
                 print(f"   {args.per_call} per call (us): {calls}")
     if args.graph_time:  # the same steps as CUDA-graph replays, timed with events (no host work between)
         del dec
-        gdec = BatchDecoder(model, args.prompt_len + 512, args.k, S, graphs=True)
-        g = torch.Generator().manual_seed(0)
-        for lane in range(S):
-            p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-            pre, post, logits = gdec.prefill(lane, p)
-            gdec.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
+        gdec = decoder(graphs=True)
         for nb in sizes:
             for name, fn in (("decode", lambda: gdec.decode(nb)), (f"round_k{args.k}", lambda: gdec.round(nb, args.k))):
                 fn()
