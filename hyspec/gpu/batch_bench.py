@@ -28,7 +28,7 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
                     forced=(0.9, 0.8, 0.7, 0.6), seed: int = 0, inv_prompts: int = 64, inv_tokens: int = 500,
                     inv_batch: int = 16, sampled_extra=(), draft_vocab: int = 0, log=print) -> dict:
     """sampled_extra: names of SAMPLED_VARIANTS measured after the sampled speed (figures
-    only, no targets); draft_vocab N > 0: forced K=3 again at every batch size with a
+    only, no targets); draft_vocab N > 0: forced speculation (k drafts) again at every batch size with a
     reduced draft vocabulary of N ids (figures beside the full-vocabulary ones, no target)."""
     dev = model.device
     V = model.cfg.vocab_size
@@ -106,7 +106,7 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
 
 
 def reduced_draft_vocab(model, batches, prompts, new_tokens, k, rates, size, slots, max_len, out, log) -> None:
-    """Forced K=3 at each batch size on a decoder whose drafter scores `size` ids (the first
+    """Forced speculation (k drafts) at each batch size on a decoder whose drafter scores `size` ids (the first
     ones: random weights have no corpus to rank by; hyspec.speculative.drafter.build_d2t),
     the reference continuations and plain figures being the full run's (the drafter's
     vocabulary changes only the drafts, and the forced drafter proposes the same tokens)."""

@@ -18,11 +18,12 @@ with the usual online softmax (m, l per query row, the formulas of ``attn_decode
 vectorised over G).  fp32 inputs use ``input_precision="ieee"``; bf16 the default.
 
 Keys come in blocks of ``BLOCK_N = 32``; block b belongs to split b % NS with the
-constant ``NS = GROUPED_SPLITS = 16``.  A split walks only blocks that exist, so one
-that has none stores m = -inf, l = 0 and no NaN is ever formed (exp(-inf - M) = 0 in the
-combine).  Partials go to the workspace in exactly the layout of ``attn_decode``
-(per q head h = hk*REP + g: base ((r*HQ + h)*NS + s)*(BLOCK_D + 2), acc, then m, then
-l), so its fixed-order combine kernel (with NS = 16) finishes the job and applies the
+constant ``NS = GROUPED_SPLITS = 16``.  A split walks only blocks that exist (for its
+group's last row), so a row without a block in it stores m = -inf, l = 0 (exp(-inf - M) =
+0 in the combine; the NaN such a row forms inside the kernel is discarded by the
+``tl.where`` below, never stored).  Partials go to the workspace in exactly the layout of
+``attn_decode`` (row r, q head h = hk*REP + i % REP for tile row i: base ((r*HQ + h)*NS +
+s)*(BLOCK_D + 2), acc, then m, then l), so its fixed-order combine kernel (with NS = 16) finishes the job and applies the
 sigmoid gate with the same rounding.
 
 Row invariance (the contract of ``hyspec.kernels``): a row's numbers come from q row r,
@@ -31,7 +32,11 @@ last row; a block that holds none of a row's keys leaves that row's m, l and acc
 as they were (``tl.where``, not arithmetic with zeros: a row whose split has no block yet
 would form NaN), and a row's keys are masked per row, so a row computes what its one-row
 call computes (a tile row of an MMA does not depend on the other rows; the tile shape is
-fixed by REP and TG, constants, never by the row count).
+fixed by REP and TG, constants, never by the row count).  One condition: the keys and
+values of the group's later rows are loaded too (zero weight for the earlier rows), so
+they must be finite -- they are the call's own rows, written by ``attn_prep`` from the
+model's projections; a non-finite value there would make an earlier row NaN where its
+one-row call is not (0 * inf in the ``p @ v`` product).
 T and off are ``do_not_specialize``, so a t-row call and t 1-row calls (off + r) run the
 same binary and produce the same bits, and the combine is per (row, head) in a fixed
 order.  NS is a module constant, never chosen from T.

@@ -22,8 +22,8 @@ channels, W conv width)::
         after a verify of t rows per lane: lane b's window becomes rows j[b] .. j[b]+W-2 of
         cat(window, its t new rows), every layer and lane in one launch (copies only)
 
-All three take ``lanes``: rows // lanes rows per sequence (lane-major), each lane with its
-own window / state.  One compiled step kernel serves decode, verify and replay (every
+The first three take ``lanes``: rows // lanes rows per sequence (lane-major), each lane
+with its own window / state (the window commit takes the lane count ``nb``).  One compiled step kernel serves decode, verify and replay (every
 flag and stride is a runtime argument), so the states are bitwise the same whichever ran
 them; the row count and the flags are ``do_not_specialize``.  ``block_v`` < Dv splits a
 head's Dv over several programs and moves the gated norm into its own kernel
