@@ -322,8 +322,8 @@ class BatchRunner:
         # positions past the limit, which keeps sampled output equal to the core's)
         for i, r in enumerate(active):
             k_eff = max(0, min(r.k, r.max_new_tokens - len(r.tokens) - 1))
-            if k_eff != r.k_now:
-                dec.k_lane[i] = k_eff
+            if k_eff != r.k_now:  # (fill_: a kernel with the value as argument; item assignment
+                dec.k_lane[i].fill_(k_eff)  # copied a host scalar through pageable memory, a sync)
                 r.k_now = k_eff
         nb = padded_size(len(active), dec.sizes)
         k = max(r.k for r in active)
