@@ -124,6 +124,88 @@ def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
             assert plain.tokens == b.tokens, i
 
 
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of a spinning kernel on an H200: far longer than a launch takes on the host
+
+
+def _launch_checked(launch, tag):
+    """Run launch() behind a long spinning kernel, under torch's sync debug mode (an
+    implicit synchronisation torch knows of raises), then check the spinning kernel is
+    still running: a launch that waited for the device by any means (a pageable copy
+    torch does not report included) finds it done."""
+    torch.cuda._sleep(SLEEP_CYCLES)
+    marker = torch.cuda.Event()
+    marker.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = launch()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not marker.query(), f"{tag}: the launch waited for the GPU"
+    return out
+
+
+@pytest.mark.parametrize("k,sampled", [(0, False), (2, False), (0, True), (2, True)],
+                         ids=["plain", "spec", "plain-sampled", "spec-sampled"])
+def test_a_round_is_launched_without_waiting_for_the_gpu(tmp_path, k, sampled):
+    """BatchRunner queues round n+1 before it reads round n: launching a round (graph
+    replay, the result's copy to pinned memory, the event) must not wait for the device.
+    Every launch of plain (k=0) and speculative rounds of 3 lanes, greedy and sampled,
+    including a lane's last rounds, which draft fewer tokens (k_lane rewritten), runs
+    through _launch_checked."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest
+    from hyspec.gpu.sampling import SampledGraphKey
+
+    m = _model(tmp_path, "qwen3_next", torch.bfloat16)
+    dec = BatchDecoder(m, 64, 2, slots=4)
+    params = [_mixed_params(i) if sampled else None for i in range(3)]
+    regime = SampledGraphKey.of(params)
+    dec.capture(dec.sizes, [k], sampled=(regime or False,))  # up front: a capture itself synchronises
+    torch.cuda.synchronize()
+    runner = BatchRunner(dec, max_batch=4)
+    launch = runner._launch
+    launches = []
+
+    def checked():
+        launches.append(_launch_checked(launch, f"round {len(launches)}"))
+        return launches[-1]
+
+    runner._launch = checked
+    reqs = [LaneRequest(prompt=[5 + i, 17, 99, 3], max_new_tokens=24 + 3 * i, k=k, params=params[i])
+            for i in range(3)]
+    for r in reqs:
+        runner.submit(r)
+    runner.run()
+    assert len(launches) >= 5
+    assert all(len(r.tokens) == r.max_new_tokens for r in reqs)
+
+
+def test_the_launch_check_catches_waiting_copies(tmp_path):
+    """The check above is able to fail, on the two waits found so far: copying a
+    non-contiguous column slice of the result to pinned memory (the runner's old copy: it
+    goes through an unpinned temporary and blocks, unseen by sync debug mode) and writing
+    a Python int into a device tensor by item assignment (the old k_lane write: a pageable
+    copy, which sync debug mode reports)."""
+    from hyspec.gpu.batch import BatchDecoder
+
+    m = _model(tmp_path, "qwen3_next", torch.bfloat16)
+    dec = BatchDecoder(m, 64, 2, slots=4)
+    host = torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True)
+    torch.cuda.synchronize()
+    with pytest.raises(AssertionError, match="waited"):
+        _launch_checked(lambda: host[:3, :2].copy_(dec.result[:3, :2], non_blocking=True), "column slice")
+    torch.cuda.synchronize()
+
+    def item_assignment():
+        dec.k_lane[1] = 2
+
+    with pytest.raises(RuntimeError):
+        _launch_checked(item_assignment, "item assignment")
+    torch.cuda.synchronize()
+    _launch_checked(lambda: dec.k_lane[1].fill_(2), "fill_")  # the form the runner uses passes
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_constrained_lanes_with_graphs(tmp_path, sampled):
     """Constrained lanes (masks in the graphs) next to unconstrained ones, bf16 with CUDA
