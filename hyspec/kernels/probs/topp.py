@@ -50,6 +50,10 @@ __all__ = ["DIGIT", "prefix_select_rows", "topp_kernel_enabled"]
 
 DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
 SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
+# launch settings of the histogram and cut kernels: the bins are integer sums (exact in any
+# order), so these change the speed, never a result (bench/topp_bench.py times them)
+HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 4}  # tokens per histogram program (any power of two), its warps
+CUT_WARPS = 4
 
 
 def topp_kernel_enabled(cuda: bool) -> bool:
@@ -234,12 +238,13 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     sv = valid.stride(0) if valid is not None else 0
     half = 1 << (bits - 1) if raw else 0
     hist_k, cut_k, tie_k = _topp_kernels()
+    hb = HIST_LAUNCH["BLOCK"]
     for p in range(passes):
         first = p == 0
-        hist_k[(B, C)](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
-                       SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=CHUNK, RAW=raw,
-                       HALF=half)
-        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK)
+        hist_k[(B, -(-V // hb))](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
+                                 SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=hb,
+                                 RAW=raw, HALF=half, num_warps=HIST_LAUNCH["num_warps"])
+        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, num_warps=CUT_WARPS)
     for keep in (False, True):
         tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, sv, thr, state, tot,
                       out.view(torch.int8), out.stride(0), V, C, KEEP=keep, BLOCK=CHUNK, NC=p2(C), RAW=raw,
