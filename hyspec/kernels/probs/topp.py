@@ -51,9 +51,13 @@ __all__ = ["DIGIT", "prefix_select_rows", "topp_kernel_enabled"]
 DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
 SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
 # launch settings of the histogram and cut kernels: the bins are integer sums (exact in any
-# order), so these change the speed, never a result (bench/topp_bench.py times them)
-HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 4}  # tokens per histogram program (any power of two), its warps
-CUT_WARPS = 4
+# order), so these change the speed, never a result.  bench/topp_bench.py on the H200
+# (bench/results/topp_bench_h200.json, b2's 151,936 tokens, bf16): 256-token programs on 2
+# warps for up to 16 rows (more programs for few rows: 1 row 31.1 -> 28.3 us), 1024 from 17
+# rows, and 8 warps for the one-program-per-row cut (4 rows 52.8 -> 51.3, 64 rows 296 -> 295 us).
+HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 2}  # tokens per histogram program (any power of two), its warps
+HIST_BLOCK_FEW_ROWS = 256  # ... for calls of up to 16 rows
+CUT_WARPS = 8
 
 
 def topp_kernel_enabled(cuda: bool) -> bool:
@@ -238,7 +242,7 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     sv = valid.stride(0) if valid is not None else 0
     half = 1 << (bits - 1) if raw else 0
     hist_k, cut_k, tie_k = _topp_kernels()
-    hb = HIST_LAUNCH["BLOCK"]
+    hb = HIST_BLOCK_FEW_ROWS if B <= 16 and HIST_BLOCK_FEW_ROWS else HIST_LAUNCH["BLOCK"]
     for p in range(passes):
         first = p == 0
         hist_k[(B, -(-V // hb))](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
