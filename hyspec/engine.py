@@ -11,9 +11,9 @@ its own arguments here so errors name them and picks the path that runs them; th
 itself is in hyspec/core/ (and hyspec/gpu/ on a GPU).
 
 Words: a *sample* is one completion of a --num-samples run (seed derived per sample); the
-*fast path* is hyspec/gpu's CUDA-graph decoder for one greedy sequence on a GPU, the
-*graph batch* its BatchDecoder for several; *capped*: max_new_tokens cut to what fits in
-the context after the prompt.
+*graph batch* is hyspec/gpu's BatchDecoder (CUDA graphs over lanes), which runs every
+request a GPU can take, one or many; *capped*: max_new_tokens cut to what fits in the
+context after the prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from hyspec.config import no_mtp_error
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
-from hyspec.decode import GREEDY, GenerationResult, generate_plain
+from hyspec.decode import GREEDY, generate_plain
 from hyspec.loading import load_model, parse_dtype
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
@@ -277,16 +277,6 @@ class Engine:
         if spec is not None and spec.forced_rates is not None and reference is None:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
                                        stop_ids=()).tokens
-        fast = self._fast_path(params) if constraint is None and logprobs is None else None
-        if use_store and self._store is not None and self._store.extends(ids):
-            fast = None  # a stored state to resume from: the graph batch or the engine core
-        if fast is not None and num_samples == 1 and (spec is None or (
-                spec.rollback == "checkpoint" and spec.p_min == 0.0 and spec.prime_pending)):
-            stream = None if on_tokens is None else (lambda toks: on_tokens(0, list(toks)))
-            result = self._run_fast(fast, ids, max_new_tokens, spec, stops, reference, stream)
-            result.stats.setdefault("cached_tokens", 0)  # the fast path prefills the whole prompt
-            sample = Sample(result.tokens, self.decode(result.tokens), result.stop_reason, result.stats)
-            return self._output([sample], ids, draft > 0, capped, max_new_tokens)
         requests = []
         for i in range(num_samples):
             sample_params = params if i == 0 else SamplingParams(**{**params.__dict__,
@@ -371,18 +361,11 @@ class Engine:
     def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
         (or when batch_graphs is set: the Triton interpreter in tests), for requests without
-        logprobs or a session slot (hyspec.gpu.batch_loop.graph_eligible): batches, single
-        sampled, penalised or constrained requests, and any request whose prompt extends a
-        prefix-store state (its lane resumes from it); a single unconstrained greedy one
-        without penalties and without a stored state takes the FastDecoder."""
+        logprobs or a session slot (hyspec.gpu.batch_loop.graph_eligible): one request or
+        many, greedy or sampled, penalised or constrained, and any request whose prompt
+        extends a prefix-store state (its lane resumes from it)."""
         if not self.graphs_available():
             return None
-        store = self._store
-        stored = store is not None and len(store) and any(r.use_store and store.extends(r.prompt_ids)
-                                                          for r in requests)
-        if len(requests) < 2 and not stored and all(r.params.greedy and not r.params.has_penalties
-                                                    and r.constraint is None for r in requests):
-            return None  # the FastDecoder's (a constrained one: masks on the graph path)
         from hyspec.gpu.batch_loop import graph_eligible
 
         if graph_eligible(requests) is not None:
@@ -483,26 +466,6 @@ class Engine:
             out["budget_bytes"] = budget_bytes
             out["slots_that_fit"] = int(budget_bytes // per["total"])
         return out
-
-    def _run_fast(self, fast, ids, max_new_tokens, spec, stops, reference, on_tokens=None) -> GenerationResult:
-        if spec is None:
-            return fast.generate_plain_fast(self.model, ids, max_new_tokens=max_new_tokens, stop_ids=stops,
-                                            on_tokens=on_tokens)
-        return fast.generate_speculative_fast(self.model, ids, max_new_tokens=max_new_tokens, opts=spec,
-                                              stop_ids=stops, reference=reference, on_tokens=on_tokens)
-
-    def _fast_path(self, params: SamplingParams):
-        """The CUDA-graph fast path (greedy, no penalties) when running on a GPU."""
-        if not self.model.device.type == "cuda" or not params.greedy or params.has_penalties \
-                or self.backend is not None:
-            return None
-        try:
-            from hyspec import gpu
-        except ImportError:
-            return None
-        if not hasattr(gpu, "generate_plain_fast"):
-            return None
-        return gpu
 
     # -- scoring -----------------------------------------------------------------------
     @torch.no_grad()

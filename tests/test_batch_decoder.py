@@ -224,6 +224,26 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
     assert graph_eligible([Request(prompt_ids=prompts[0], max_new_tokens=3, params=pen)]) is None
 
 
+def test_engine_generate_one_greedy_request_on_the_graph_path(tmp_path):
+    """Engine.generate of one greedy request (plain and speculative) runs on the BatchDecoder
+    too where graphs are available (every request a GPU can take has one decoder; forced
+    here off CUDA through the interpreter): the engine core's tokens, path batch-graphs."""
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    ref_eng = Engine(load_model(d))
+    eng = Engine(load_model(d))
+    eng.batch_graphs = True
+    for draft in (0, 2):
+        want = ref_eng.generate([5, 17, 99, 3], max_new_tokens=5, draft=draft, ignore_eos=True)
+        got = eng.generate([5, 17, 99, 3], max_new_tokens=5, draft=draft, ignore_eos=True)
+        assert got.samples[0].tokens == want.samples[0].tokens, draft
+        assert got.samples[0].stats["path"] == "batch-graphs" and want.samples[0].stats.get("path") != "batch-graphs"
+    assert got.samples[0].stats["spec"]["rounds"] > 0
+
+
 def test_packed_weights_are_held_once(tmp_path):
     """The runner's packed matmul weights are the model's own storage (the modules read
     views into them), and a second runner on the same model reuses them."""

@@ -124,6 +124,26 @@ def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
             assert plain.tokens == b.tokens, i
 
 
+def test_engine_generate_equals_its_lane_in_a_batch(tmp_path):
+    """On a GPU one greedy Engine.generate runs on the BatchDecoder (since the single-
+    sequence decoder left the engine): bf16 with CUDA graphs, plain and speculative, its
+    tokens are bitwise those of the same prompt inside a generate_batch of three (the
+    entry points can no longer differ at near-ties), and path is batch-graphs."""
+    from hyspec.engine import Engine
+
+    m = _model(tmp_path, "qwen3_next", torch.bfloat16)
+    eng = Engine(m)
+    prompts = [[5, 17, 99, 3], [8, 1, 60, 61, 62], [40, 41]]
+    tokens = {}
+    for draft in (0, 3):
+        one = eng.generate(prompts[1], max_new_tokens=40, draft=draft, ignore_eos=True)
+        many = eng.generate_batch(prompts, max_new_tokens=40, draft=draft, ignore_eos=True)
+        assert one.samples[0].stats["path"] == "batch-graphs"
+        assert one.samples[0].tokens == many[1].samples[0].tokens, draft
+        tokens[draft] = one.samples[0].tokens
+    assert tokens[3] == tokens[0]  # speculative == plain
+
+
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of a spinning kernel on an H200: far longer than a launch takes on the host
 
 
