@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from hyspec.rng import u01_tensor
+from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.gpu.batch import BatchDecoder, padded_size
 from hyspec.gpu.sampling import SampledGraphKey
@@ -299,8 +301,6 @@ class BatchRunner:
         dec = self.dec
         r.k_now = r.k
         if self.forced and r.k > 0:
-            from hyspec.gpu.generate import forced_table
-
             dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
                                               self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
         self.active.append(r)
@@ -487,6 +487,47 @@ def run_batch(dec: BatchDecoder, requests: list[LaneRequest], *, max_batch: int 
         runner.submit(r)
     runner.run()
     return runner.stats()
+
+
+def forced_table(reference: list[int], rates, seed: int, capacity: int, k_max: int, vocab: int) -> torch.Tensor:
+    """[capacity, k_max] tokens the forced drafter proposes at (position, depth): exactly
+    hyspec.core.round.forced_token, vectorised."""
+    K = max(k_max, 1)
+    pos = torch.arange(capacity, dtype=torch.long)[:, None]
+    depth = torch.arange(K, dtype=torch.long)[None, :]
+    ref = torch.tensor(list(reference) + [0] * max(0, capacity - len(reference)), dtype=torch.long)[:capacity]
+    rate = torch.tensor([rates[min(d, len(rates) - 1)] for d in range(K)], dtype=torch.float64)[None, :]
+    u = u01_tensor(seed, FORCED_STREAM, pos * 64 + depth)
+    r = ref[:, None].expand(capacity, K)
+    tok = torch.where(u < rate, r, (r + 1) % vocab)
+    tok[pos[:, 0] >= len(reference)] = 0
+    return tok
+
+
+@torch.no_grad()
+def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: int = 0, forced_rates=None,
+               forced_seed: int = 0, reference: list[int] | None = None, stop_ids=(), params=None):
+    """One sequence decoded alone on dec (one lane): plain (k = 0) or speculative with k
+    drafts per round, the real MTP drafter or, with forced_rates, the forced-acceptance one
+    (it proposes from reference). The round graphs it needs are captured first, outside
+    the timing. -> hyspec.decode.GenerationResult: tokens, stop_reason, stats (the engine's
+    lane stats; decode_tok_s = the tokens the rounds emitted per second of rounds, prefill
+    and set-up excluded; "spec": the telemetry of a speculative run; "runner": the
+    BatchRunner's stats)."""
+    from hyspec.decode import GenerationResult
+
+    forced = forced_rates is not None and k > 0
+    if dec.graphs:
+        regime = SampledGraphKey.of([params])
+        dec.capture([padded_size(1, dec.sizes)], [k], forced=(forced,), sampled=(regime or False,))
+    r = LaneRequest(prompt=list(prompt), max_new_tokens=max_new_tokens, k=k, stop_ids=frozenset(stop_ids),
+                    reference=list(reference) if reference is not None else None, params=params)
+    st = run_batch(dec, [r], max_batch=1, forced_rates=tuple(forced_rates) if forced else None,
+                   forced_seed=forced_seed)
+    stats = lane_stats(r, dec)
+    stats["decode_tok_s"] = st["round_tok_s"]
+    stats["runner"] = st
+    return GenerationResult(list(r.tokens), r.reason or "length", stats)
 
 
 # ---------------------------------------------------------------------------------------
