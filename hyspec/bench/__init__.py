@@ -1,25 +1,30 @@
-"""hyspec bench: decode / verify / draft / speculative throughput of the fast path, in one run.
+"""hyspec bench: decode / verify / draft / speculative throughput of one sequence, in one run.
 
     hyspec bench --config qwen3-next-2b-dense --prompt-len 512 --new-tokens 256 --out bench.json
-    hyspec bench --config tiny --device cpu             # CPU smoke (torch runner), ~10 s
+    hyspec bench --config tiny --device cpu             # CPU smoke (reference backend), ~10 s
     hyspec bench --model DIR                            # a checkpoint
     hyspec bench --config qwen3.5-27b                   # published shapes (hyspec/presets.py), GPU only
     hyspec bench --model DIR --batch 1,4,16             # aggregate throughput through the engine core
 
 qwen3-next-2b-dense (the default; old name: b2) is the bench's own ~2.3 B Qwen3-Next-layout
 model with random weights. On the CPU the defaults are small (a quick run: short prompt,
-few tokens, K = 1..3, the exact variant only, no transformers comparison), the per-phase
-times are wall-clock times, and the GPU targets (roofline fraction, speed-ups) are not
-judged.
+few tokens, K = 1..3, the exact variant only, no transformers comparison), the sequence
+runs through the engine core's reference backend, the per-phase times are wall-clock
+totals of its drafter and verify calls, and the GPU targets (roofline fraction,
+speed-ups) are not judged.
 
 Measures, on one device, batch 1, greedy:
   * device copy bandwidth (device-to-device copy, bytes read + written) and the roofline
     of one decode step = weight bytes a step reads / that bandwidth;
-  * plain decode tok/s (FastDecoder, CUDA graphs) and its fraction of the roofline;
-  * verify cost for t = 1..8 rows relative to t = 1, and one draft (MTP) step;
+  * plain decode tok/s (the BatchDecoder with one lane, CUDA graphs: the decoder every GPU
+    request runs on) and its fraction of the roofline;
+  * the graph replays of a decode step, a verify of t = 1..8 rows (relative to t = 1), the
+    draft graph of k drafts (fill rows + k chained MTP steps; a draft step = k = 1) and a
+    whole round;
   * speculative tok/s and speed-up over plain at K = 1..4 with the forced-acceptance
     drafter (rates by depth, default 0.9/0.8/0.7/0.6) and with the real MTP head, the
-    per-phase split (draft / verify / commit per round), and the cost-model ceiling
+    per-phase split (draft / verify graphs, commit = the round's graph minus both), and the
+    cost-model ceiling
     L * t_decode / (t_verify(K+1) + K * t_draft);
   * all of it for two variants: exact (row-invariant kernels) and cublas (the fastest
     non-exact one: cuBLAS matmuls; old name: fast);

@@ -155,17 +155,19 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
     """Weight bytes a decode step and a draft step read (from the Triton runner's packing),
     and the skinny-GEMM configs: from --tuned-from, tuned in the step (--tune step), or the
     shipped ones (recorded in result)."""
-    from hyspec.gpu import FastDecoder
     from hyspec.gpu.tune import moe_key_name, parse_moe_key
 
-    probe = FastDecoder(model, 8, 1, backend="triton" if dev.type == "cuda" else "torch", graphs=False)
-    if dev.type == "cuda":
-        step_bytes, draft_bytes = probe.runner.weight_bytes_per_step(), probe.runner.draft_bytes_per_step()
-    else:  # same count without packing
-        from hyspec.gpu.runner_triton import TritonRunner
+    probe = None
+    if dev.type == "cuda":  # the Triton runner's own count of what its matmuls read
+        from hyspec.gpu.batch import BatchDecoder
 
-        runner = TritonRunner(probe, exact=True)
-        step_bytes, draft_bytes = runner.weight_bytes_per_step(), runner.draft_bytes_per_step()
+        probe = BatchDecoder(model, 8, 1, 1, graphs=False)
+        step_bytes, draft_bytes = probe.runner.weight_bytes_per_step(), probe.runner.draft_bytes_per_step()
+    else:  # the CPU runs the reference backend: the count from the model's parameters
+        from hyspec.presets import step_bytes as count
+
+        c = count(model.cfg, dtype=model.dtype)
+        step_bytes, draft_bytes = c["step_bytes"], c["draft_bytes"]
     if args.tuned_from:
         from hyspec.kernels.matmul import set_tuned
         from hyspec.kernels.moe.grouped import set_moe_tuned
@@ -190,10 +192,12 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
 
         log("tuning skinny-GEMM (and MoE expert-matmul) configs inside the decode step (chosen by shape only)")
         generator = torch.Generator().manual_seed(args.seed)
-        tune_decoder = FastDecoder(model, args.prompt_len + 64, 1)
+        from hyspec.gpu.batch import BatchDecoder
+
+        tune_decoder = BatchDecoder(model, args.prompt_len + 64, 1, 1)
         prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
-        _, _, logits = tune_decoder.prefill(prompt)
-        tune_decoder.start_plain(int(torch.argmax(logits[0])))
+        pre, post, logits = tune_decoder.prefill(0, prompt)
+        tune_decoder.start(0, prompt, pre, post, int(torch.argmax(logits[0])), 0)
         tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log)
         result["tuned_gemm"] = {f"{s[0]}x{s[1]}": v for s, v in tuned.items() if s[0] != "moe"}
         if any(s[0] == "moe" for s in tuned):

@@ -138,7 +138,7 @@ def print_table(result: dict) -> None:
         f"{result['roofline_tok_s']:.0f} tok/s")
     for name, v in result.get("variants", {}).items():
         log(f"-- {name}: plain {v['plain']['tok_s']:.1f} tok/s ({100 * v['plain']['roofline_frac']:.1f}% roofline); "
-            f"step graph {v['decode_step_ms']:.3f} ms ({100 * v['decode_step_roofline_frac']:.1f}%); "
+            f"step {v['decode_step_ms']:.3f} ms ({100 * v['decode_step_roofline_frac']:.1f}%); "
             f"draft step {v['draft_step_ms']:.3f} ms")
         log("   verify/t1: " + " ".join(f"t{t}={x:.2f}" for t, x in v["verify_rel"].items()))
         for drafter, by_k in v["spec"].items():

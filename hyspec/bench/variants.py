@@ -1,20 +1,26 @@
 """One variant's figures, and the exactness check.
 
-A *variant* is a FastDecoder build: ``exact`` (row-invariant kernels: a verify row equals
+A *variant* is a decoder build: ``exact`` (row-invariant kernels: a verify row equals
 a decode step bitwise) or ``cublas`` (matmuls through cuBLAS: faster, not row-invariant;
-old name ``fast``). Words: *plain* = one target forward per token; *forced* drafter = drafts
-accepted with fixed per-depth rates (a controlled acceptance), *mtp* = the real MTP head;
-*acceptance length* L = tokens emitted per round (accepted drafts + the bonus token);
-*ceiling* = the cost model's speed-up L * t_decode / (t_verify(K+1) + K * t_draft)."""
+old name ``fast``). On a GPU the decoder is the BatchDecoder with one lane (the decoder
+every GPU request runs on); on the CPU the engine core's reference backend (the model's
+modules), timed per phase. Words: *plain* = one target forward per token; *forced* drafter
+= drafts accepted with fixed per-depth rates (a controlled acceptance), *mtp* = the real
+MTP head; *acceptance length* L = tokens emitted per round (accepted drafts + the bonus
+token); *ceiling* = the cost model's speed-up L * t_decode / (t_verify(K+1) + K * t_draft),
+t_draft = one drafter step (on a GPU the draft graph of K = 1: the fill rows' MTP forward
+and the head)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from hyspec.bench.report import log
 from hyspec.bench.timing import time_fn
 
-VARIANTS = {"exact": True, "cublas": False}  # name -> FastDecoder(exact=...)
+VARIANTS = {"exact": True, "cublas": False}  # name -> the decoder's exact=
 VARIANT_ALIASES = {"fast": "cublas"}  # old names
 
 
@@ -32,51 +38,173 @@ def first_mismatch(tokens: list[int], reference: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
 
 
+class LaneDecoder:
+    """GPU: one sequence at a time on a BatchDecoder with one lane (CUDA graphs)."""
+
+    kind = "BatchDecoder, one lane"
+
+    def __init__(self, model, max_len: int, k_max: int, exact: bool) -> None:
+        from hyspec.gpu.batch import BatchDecoder
+
+        self.dec = BatchDecoder(model, max_len, k_max, 1, exact=exact)
+        self.runner = self.dec.runner
+
+    def run(self, prompt, n: int, k: int = 0, forced_rates=None, reference=None):
+        from hyspec.gpu.batch_loop import decode_one
+
+        return decode_one(self.dec, prompt, n, k=k, forced_rates=forced_rates, reference=reference)
+
+    def step_costs(self, prompt, verify_rows, ks, dev, reps: int) -> dict:
+        """Graph replays after a prefill: the decode step, a verify of t rows, the draft
+        graph of k drafts (fill + k chained steps), a whole round of K (draft, verify,
+        commit; K from ks), ms each."""
+        dec = self.dec
+        pre, post, logits = dec.prefill(0, prompt)
+        dec.start(0, prompt, pre, post, int(torch.argmax(logits[0])), dec.k_max)
+        ks_all = sorted({t - 1 for t in verify_rows} | set(ks) | {1})
+        dec.capture([1], ks_all, decode=True)
+        out = {"verify": {t: time_fn(lambda t=t: dec.verify(1, t), dev, reps) for t in verify_rows},
+               "draft_graph": {k: time_fn(lambda k=k: dec.draft(1, k), dev, reps) for k in sorted(set(ks) | {1})},
+               "round": {k: time_fn(lambda k=k: dec.round(1, k), dev, reps) for k in ks}}
+        out["draft"] = out["draft_graph"][1]
+        pre, post, logits = dec.prefill(0, prompt)  # the rounds advanced the lane: back to the prompt
+        dec.start(0, prompt, pre, post, int(torch.argmax(logits[0])), 0)
+        out["decode"] = time_fn(lambda: dec.decode(1), dev, reps)
+        return out
+
+    def phases(self, costs: dict, K: int) -> dict:
+        """Per-round phase times of a K-draft round from the graph replays (commit: the
+        round minus its draft and verify graphs)."""
+        d, v, r = costs["draft_graph"][K], costs["verify"].get(K + 1), costs["round"][K]
+        return {"draft": d, "verify": v, "commit": r - d - (v or 0.0), "round": r}
+
+
+class TimedBackend:
+    """The engine core's reference backend with wall-clock totals per phase (CPU bench)."""
+
+    def __init__(self, model) -> None:
+        from hyspec.core.backend import ReferenceBackend
+
+        self.inner = ReferenceBackend(model)
+        self.draft_s = self.verify_s = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def mtp(self, items):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.mtp(items)
+        finally:
+            self.draft_s += time.perf_counter() - t0
+
+    def draft_logits(self, h):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.draft_logits(h)
+        finally:
+            self.draft_s += time.perf_counter() - t0
+
+    def verify(self, items, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self.inner.verify(items, **kw)
+        finally:
+            self.verify_s += time.perf_counter() - t0
+
+
+class ReferenceDecoder:
+    """CPU: one sequence at a time through the engine core (reference backend), its
+    drafter and verify time totalled per phase; commit = the rest of the decode time."""
+
+    kind = "engine core, reference backend"
+    runner = None
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.last_phases = None
+
+    def run(self, prompt, n: int, k: int = 0, forced_rates=None, reference=None):
+        from hyspec.core.request import Request
+        from hyspec.core.scheduler import Scheduler
+        from hyspec.decode import run_request
+        from hyspec.speculative.loop import SpecOptions
+
+        backend = TimedBackend(self.model)
+        spec = SpecOptions(k=k, forced_rates=forced_rates) if k > 0 else None
+        req = Request(prompt_ids=list(prompt), max_new_tokens=n, draft=k, spec=spec, reference=reference)
+        res = run_request(self.model, req, Scheduler(self.model, max_batch=1, backend=backend))
+        rounds = res.stats.get("target_forwards") or 1
+        dec_s = res.stats.get("decode_s") or 0.0
+        draft, verify = backend.draft_s * 1e3 / rounds, backend.verify_s * 1e3 / rounds
+        self.last_phases = {"draft": draft, "verify": verify, "commit": max(dec_s * 1e3 / rounds - draft - verify, 0.0)}
+        return res
+
+    def step_costs(self, prompt, verify_rows, ks, dev, reps: int) -> dict:
+        """The target forward of t rows after the prompt (model modules, exact mode), ms;
+        the decode step is t = 1; the draft step comes from the K = 1 runs (phases)."""
+        from hyspec.model.ops import StepCtx
+
+        m = self.model
+        cache = m.new_cache(len(prompt) + max(verify_rows) + 8)
+        m.forward_states(torch.tensor(prompt, device=dev), cache, StepCtx(start=0, chunked=True))
+        ids = torch.tensor(prompt[: max(verify_rows)] * max(verify_rows), device=dev)
+
+        def forward(t):  # (the same position every call: the linear states drift, the cost does not)
+            cache.pos = len(prompt)
+            _, post = m.forward_states(ids[:t], cache, StepCtx(start=len(prompt), exact=True))
+            m.logits(post)
+
+        with torch.no_grad():
+            verify = {t: time_fn(lambda t=t: forward(t), dev, reps) for t in verify_rows}
+        return {"verify": verify, "decode": verify[1], "draft": None}
+
+    def phases(self, costs: dict, K: int) -> dict:
+        return dict(self.last_phases)
+
+
 def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> dict:
     """Plain decode tok/s, per-step costs (decode, verify of t rows, draft) and speculative
     tok/s at each K with the forced and the MTP drafter. The decoder is returned under
     "_decoder" (the exactness check reuses the exact one)."""
-    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.speculative.loop import SpecOptions
-
     n_new = args.new_tokens
     k_max = max(max(args.ks), args.verify_max - 1, 3)  # 3: the exactness check drafts K=3
-    decoder = FastDecoder(model, len(prompt) + max(n_new, args.exact_tokens) + k_max + 4, k_max, exact=exact)
-    out: dict = {"backend": decoder.backend, "graphs": decoder.graphs}
+    cuda = dev.type == "cuda"
+    if cuda:
+        decoder = LaneDecoder(model, len(prompt) + max(n_new, args.exact_tokens) + k_max + 4, k_max, exact)
+    else:
+        if not exact:
+            raise ValueError("the cublas variant needs a GPU (the CPU bench runs the reference backend)")
+        decoder = ReferenceDecoder(model)
+    out: dict = {"backend": "triton" if cuda else "reference", "decoder": decoder.kind, "graphs": cuda}
     reps = args.reps
     label = "exact" if exact else "cublas"
 
-    generate_plain_fast(model, prompt, max_new_tokens=min(n_new, 16), decoder=decoder)  # compile + capture
+    decoder.run(prompt, min(n_new, 16))  # compile + capture
     runner = decoder.runner
     moe = getattr(runner, "moe_buf", None) is not None  # the Triton runner counts the experts it reads
     if moe:
         runner.reset_moe_counts()
-    plain_run = generate_plain_fast(model, prompt, max_new_tokens=n_new, decoder=decoder)
+    plain_run = decoder.run(prompt, n_new)
     plain_counts = runner.moe_experts_read() if moe else {}
     plain = plain_run.tokens
     tok_s = plain_run.stats["decode_tok_s"]
     out["plain"] = {"tok_s": tok_s, "ms_per_token": 1e3 / tok_s, "roofline_frac": roofline_ms / (1e3 / tok_s),
-                    "prefill_s": plain_run.stats["prefill_s"], "fla_prefill": decoder.fla_used}
+                    "prefill_s": plain_run.stats["prefill_s"],
+                    "fla_prefill": bool(getattr(getattr(decoder, "dec", None), "use_fla", False))}
     log(f"[{label}] plain decode {tok_s:.1f} tok/s ({1e3 / tok_s:.3f} ms/token, "
         f"{100 * out['plain']['roofline_frac']:.1f}% of roofline)")
 
-    # per-step costs (graph replays; state after a prefill so every position is valid)
-    hidden_pre, hidden_post, logits = decoder.prefill(prompt)
-    decoder.start_spec(prompt, hidden_pre, hidden_post, int(torch.argmax(logits[0])))
     verify_rows = list(range(1, args.verify_max + 1))
-    decoder.capture_all(verify_ts=verify_rows, decode=True, draft_step=True)
-    verify = {t: time_fn(lambda t=t: decoder.verify(t), dev, reps) for t in verify_rows}
-    draft = time_fn(decoder.draft_step, dev, reps)
-    decoder.start_plain(plain[0])
-    step = time_fn(decoder.decode_step, dev, reps)
+    costs = decoder.step_costs(prompt, verify_rows, args.ks, dev, reps)
+    step, verify = costs["decode"], costs["verify"]
     out["decode_step_ms"] = step
     out["decode_step_roofline_frac"] = roofline_ms / step
     out["verify_ms"] = verify
     out["verify_rel"] = {t: verify[t] / verify[1] for t in verify_rows}
-    out["draft_step_ms"] = draft
-    log(f"  step {step:.3f} ms; verify "
-        + " ".join(f"t{t}={verify[t]:.3f}({verify[t] / verify[1]:.2f}x)" for t in verify_rows)
-        + f"; draft step {draft:.3f} ms")
+    if "draft_graph" in costs:
+        out["draft_graph_ms"] = costs["draft_graph"]
+        out["round_ms"] = costs["round"]
 
     out["spec"] = {}
     if moe:
@@ -85,30 +213,37 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
     for drafter in ("forced", "mtp"):
         out["spec"][drafter] = {}
         for K in args.ks:
-            opts = SpecOptions(k=K, forced_rates=rates if drafter == "forced" else None)
-            generate_speculative_fast(model, prompt, max_new_tokens=min(n_new, 24), opts=opts, reference=plain,
-                                      decoder=decoder)  # capture
-            spec_run = generate_speculative_fast(model, prompt, max_new_tokens=n_new, opts=opts, reference=plain,
-                                                 decoder=decoder)
-            profiled = generate_speculative_fast(model, prompt, max_new_tokens=n_new, opts=opts, reference=plain,
-                                                 decoder=decoder, profile=True)
+            forced = rates if drafter == "forced" else None
+            decoder.run(prompt, min(n_new, 24), k=K, forced_rates=forced, reference=plain)  # capture
+            spec_run = decoder.run(prompt, n_new, k=K, forced_rates=forced, reference=plain)
             telemetry = spec_run.stats["spec"]
-            accept_len = telemetry["acceptance_length"]
-            verify_k = verify.get(K + 1)  # a round verifies pending + K drafts
-            ceiling = accept_len * step / (verify_k + K * draft) if verify_k else None
             speedup = spec_run.stats["decode_tok_s"] / tok_s
-            entry = {"tok_s": spec_run.stats["decode_tok_s"], "speedup": speedup, "acceptance_length": accept_len,
-                     "tau": telemetry["tau"], "per_depth_rate": telemetry["per_depth_rate"],
-                     "rounds": telemetry["rounds"], "ceiling": ceiling,
-                     "ceiling_frac": speedup / ceiling if ceiling else None,
-                     "phases_ms_per_round": profiled.stats.get("phases_ms", {}).get("per_round"),
-                     "tokens_equal_plain": spec_run.tokens == plain,
-                     "first_mismatch": first_mismatch(spec_run.tokens, plain)}
-            out["spec"][drafter][K] = entry
+            out["spec"][drafter][K] = {
+                "tok_s": spec_run.stats["decode_tok_s"], "speedup": speedup,
+                "acceptance_length": telemetry["acceptance_length"], "tau": telemetry["tau"],
+                "per_depth_rate": telemetry["per_depth_rate"], "rounds": telemetry["rounds"],
+                "phases_ms_per_round": decoder.phases(costs, K),
+                "tokens_equal_plain": spec_run.tokens == plain, "first_mismatch": first_mismatch(spec_run.tokens, plain)}
+    draft = costs["draft"]
+    if draft is None:  # CPU: the drafter's time per round of the smallest K's MTP run, per draft
+        k0 = min(args.ks)
+        draft = out["spec"]["mtp"][k0]["phases_ms_per_round"]["draft"] / k0
+    out["draft_step_ms"] = draft
+    log(f"  step {step:.3f} ms; verify "
+        + " ".join(f"t{t}={verify[t]:.3f}({verify[t] / verify[1]:.2f}x)" for t in verify_rows)
+        + f"; draft step {draft:.3f} ms")
+    for drafter in ("forced", "mtp"):
+        for K in args.ks:
+            entry = out["spec"][drafter][K]
+            verify_k = verify.get(K + 1)  # a round verifies pending + K drafts
+            ceiling = entry["acceptance_length"] * step / (verify_k + K * draft) if verify_k else None
+            entry["ceiling"] = ceiling
+            entry["ceiling_frac"] = entry["speedup"] / ceiling if ceiling else None
             phases = entry["phases_ms_per_round"] or {}
-            log(f"  {drafter:6s} K={K}: {entry['tok_s']:.1f} tok/s x{speedup:.2f} (L={accept_len:.2f}, ceiling "
-                f"x{ceiling or 0:.2f}, {100 * (entry['ceiling_frac'] or 0):.0f}% of it) phases/round draft "
-                f"{phases.get('draft', 0):.3f} verify {phases.get('verify', 0):.3f} commit "
+            log(f"  {drafter:6s} K={K}: {entry['tok_s']:.1f} tok/s x{entry['speedup']:.2f} "
+                f"(L={entry['acceptance_length']:.2f}, ceiling x{ceiling or 0:.2f}, "
+                f"{100 * (entry['ceiling_frac'] or 0):.0f}% of it) phases/round draft "
+                f"{phases.get('draft', 0):.3f} verify {phases.get('verify') or 0:.3f} commit "
                 f"{phases.get('commit', 0):.3f} ms; equal plain: {entry['tokens_equal_plain']}")
     if moe:
         out["moe"] = moe_figures(runner, plain_counts, runner.moe_experts_read(), roofline_ms, verify, step)
@@ -153,22 +288,19 @@ def moe_figures(runner, plain_counts: dict, spec_counts: dict, roofline_ms: floa
 
 
 def exactness_check(model, args, dev, decoder) -> dict:
-    """Greedy speculative (K=3; forced 0.9/0.8/0.7/0.6 and the real MTP) vs plain, bitwise."""
-    from hyspec.gpu import generate_plain_fast, generate_speculative_fast
-    from hyspec.speculative.loop import SpecOptions
-
+    """Greedy speculative (K=3; forced 0.9/0.8/0.7/0.6 and the real MTP) vs plain, bitwise,
+    on the exact variant's decoder."""
     vocab_size = model.cfg.vocab_size
-    report = {"tokens": args.exact_tokens, "prompts": [], "k": 3}
+    report = {"tokens": args.exact_tokens, "prompts": [], "k": 3, "decoder": decoder.kind}
     rates = tuple(float(x) for x in args.forced.split(","))
     for i in range(args.exact_prompts):
         generator = torch.Generator().manual_seed(1000 + i)
         prompt = torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist()
-        plain = generate_plain_fast(model, prompt, max_new_tokens=args.exact_tokens, decoder=decoder)
+        plain = decoder.run(prompt, args.exact_tokens)
         row = {"prompt_seed": 1000 + i, "plain_tok_s": plain.stats["decode_tok_s"]}
         for drafter in ("forced", "mtp"):
-            opts = SpecOptions(k=3, forced_rates=rates if drafter == "forced" else None)
-            spec = generate_speculative_fast(model, prompt, max_new_tokens=args.exact_tokens, opts=opts,
-                                             reference=plain.tokens, decoder=decoder)
+            spec = decoder.run(prompt, args.exact_tokens, k=3, forced_rates=rates if drafter == "forced" else None,
+                               reference=plain.tokens)
             row[drafter] = {"equal": spec.tokens == plain.tokens,
                             "first_mismatch": first_mismatch(spec.tokens, plain.tokens),
                             "tok_s": spec.stats["decode_tok_s"],

@@ -1,10 +1,13 @@
-"""GPU fast path: a static-shape, CUDA-graph-captured decoder for one sequence (see docs/gpu.md).
+"""hyspec.gpu: the CUDA-graph decoder, many sequences per forward (lanes; one request is
+one lane), with row-invariant Triton kernels (see docs/gpu.md).
 
-    from hyspec.gpu import generate_plain_fast, generate_speculative_fast, FastDecoder
+    from hyspec.gpu import BatchDecoder, decode_one
+    dec = BatchDecoder(model, 1024, 3, 16)               # max_len, k_max, slots (lanes)
+    out = decode_one(dec, prompt_ids, 256, k=3)          # one sequence; BatchRunner for many
 """
-from hyspec.gpu.decoder import FastDecoder
+from hyspec.gpu.batch import BatchDecoder
+from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, decode_one, forced_table, run_batch
 from hyspec.gpu.graphs import GraphFallbackWarning
-from hyspec.gpu.generate import forced_table, generate_plain_fast, generate_speculative_fast, get_decoder
 
-__all__ = ["FastDecoder", "GraphFallbackWarning", "generate_plain_fast", "generate_speculative_fast",
-           "get_decoder", "forced_table"]
+__all__ = ["BatchDecoder", "BatchRunner", "LaneRequest", "GraphFallbackWarning", "decode_one", "forced_table",
+           "run_batch"]

@@ -76,7 +76,6 @@ def padded_size(n: int, sizes=BATCH_SIZES) -> int:
 
 
 class BatchDecoder:
-    batched = True
 
     def __init__(self, model, max_len: int, k_max: int, slots: int, *, exact: bool = True,
                  graphs: bool | None = None, use_fla: bool | None = None, sizes=BATCH_SIZES) -> None:
@@ -639,6 +638,12 @@ class BatchDecoder:
             run(("draft", nb, k, forced, regime), lambda: self._draft_body(nb, k, forced, regime))
         run(("verify", nb, k + 1), lambda: self._verify_body(nb, k + 1))
         run(("commit", nb, k + 1, regime, plain), lambda: self._commit_body(nb, k + 1, regime, plain))
+
+    def draft(self, nb: int, k: int, forced: bool = False, sampled=False) -> None:
+        """The drafter part of a round alone (its graph: fill + k chained steps; the bench
+        times it; a round runs it through round())."""
+        regime = self._regime_of(sampled)
+        self.step_graphs.run(("draft", nb, k, forced, regime), lambda: self._draft_body(nb, k, forced, regime))
 
     # masked rounds (some lane constrained): the host runs these in order, writing mask rows
     # between them (hyspec.gpu.batch_loop): plain: decode_forward, [row 0], decode_pick;

@@ -1,6 +1,6 @@
 """CUDA graphs of a decoder's step bodies: captured on first use, replayed after.
 
-Both decoders (FastDecoder: one sequence, BatchDecoder: lanes) launch every step as
+The BatchDecoder launches every step as
 ``step_graphs.run(key, body)``, ``key`` naming the body and its static shape (e.g.
 ``("verify", t)``, ``("commit", nb, t, sampled)``).  The first run of a key warms the
 body up on a side stream (Triton compiles there), puts the owner's mutable state back,

@@ -65,14 +65,13 @@ def tall_tile(N: int, K: int, act: bool = False) -> dict:
 
 
 class TritonRunner:
-    """The compute of a FastDecoder (one sequence) or a BatchDecoder (lanes: several
-    sequences per launch, their state in per-lane slabs; hyspec.gpu.batch)."""
+    """The compute of a BatchDecoder (lanes: several sequences per launch, their state in
+    per-lane slabs; hyspec.gpu.batch)."""
 
     def __init__(self, dec, exact: bool = True) -> None:
         self.dec = dec
         # a BatchDecoder's state has a lane axis (slabs [S, ...]); the kernels get lane 0's
         # view and the lane stride, and every call says how many lanes it covers
-        self.batched = bool(getattr(dec, "batched", False))
         self.exact = exact
         # commits replay the accepted rows (commit_linear) instead of copying a state saved
         # after every verify row; HYSPEC_REPLAY_COMMIT=0 keeps the per-row states instead
@@ -141,8 +140,8 @@ class TritonRunner:
             self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt)
             self.moe_counts = torch.zeros(2, R + 1, 2, device=dev, dtype=torch.int64)
         self._workspaces = {}  # split-K workspaces by weight shape (N, K); "attn": the attention combine
-        # rows per matmul program (the row-tile height): 16 for one sequence. A batched
-        # decoder's calls have up to lanes x rows each: by default (HYSPEC_BATCH_BLOCK_T=auto)
+        # rows per matmul program (the row-tile height). A call has up to lanes x rows:
+        # by default (HYSPEC_BATCH_BLOCK_T=auto)
         # the height follows the call's row count (16 up to 16 rows, with the one-sequence
         # config; 32 up to 32; else 64, where each weight tile is read once for 64 rows).
         # On the H200 a row's bits do not depend on the height at a fixed split-K (the
@@ -152,7 +151,7 @@ class TritonRunner:
         # tile's width, so off CUDA auto means 64 always, and so it does for fp32 models
         # and GPUs other than compute capability 9.x (not measured).
         # HYSPEC_BATCH_BLOCK_T=16/32/64/128 fixes one height.
-        self.block_t = _fixed_height(os.environ.get("HYSPEC_BATCH_BLOCK_T", "auto"), dev, dt) if self.batched else 16
+        self.block_t = _fixed_height(os.environ.get("HYSPEC_BATCH_BLOCK_T", "auto"), dev, dt)
         top = self.block_t or 64
         self._workspace_rows = -(-R // top) * top  # split-K workspace rows: every call fits
         # verify slabs for the commit replay: in_proj outputs and conv outputs per GDN layer
@@ -160,8 +159,8 @@ class TritonRunner:
         self.t_max = dec.t_max  # verify rows per lane the slabs hold
         if self.gdn_layers:
             G = len(self.gdn_layers)
-            # batched: lane b's verify rows at b*t .. b*t + t-1 (the layout depends on t)
-            slab = self.t_max * (dec.slots if self.batched else 1)
+            # lane b's verify rows at b*t .. b*t + t-1 (the layout depends on t)
+            slab = self.t_max * dec.slots
             self.verify_proj = torch.zeros(G, slab, self.gdn_layers[0].w_in.shape[0], device=dev,
                                            dtype=dt)  # [G, slab, w_in rows] the verify rows' in_proj
             self.verify_conv_out = torch.zeros(G, slab, cfg.conv_dim, device=dev, dtype=dt)  # [G, slab, C]
@@ -282,7 +281,7 @@ class TritonRunner:
         row's bits then match across heights, measured; a different split would sum other
         partials). Block-FP8 weights keep the tall config at every height (measured at 16,
         32 and 64 rows; their own config at 16 rows was not)."""
-        if self.block_t == 16 or (not self.batched):
+        if self.block_t == 16:
             return {}
         tall = tall_tile(N, K, act)
         if height != 16 or fp8_block is not None:
@@ -293,8 +292,8 @@ class TritonRunner:
 
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):
-        """(lane 0's view, lane stride) of a per-lane slab; (tensor, 0) for one sequence."""
-        return (slab[0], slab.stride(0)) if self.batched else (slab, 0)
+        """(lane 0's view, lane stride) of a per-lane slab."""
+        return slab[0], slab.stride(0)
 
     def target(self, ids, t, pos, record, lanes=1):
         """ids [t] (t = all rows: lanes x rows per lane, lane-major) at each lane's pos.."""
@@ -335,7 +334,7 @@ class TritonRunner:
         conv_out = self.verify_conv_out[g, :t] if slab else self._buf("conv_out", t)
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
-        xin = (dec.conv_in[g, :t] if self.batched else dec.conv_in[g]) if record else None
+        xin = dec.conv_in[g, :t] if record else None
         gdn_conv(proj, conv, layer.conv_w, conv_out, rows=t, update=not record, xin=xin, lanes=lanes,
                  state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
         o = self._buf("mixer_out", t, cfg.linear_value_dim)

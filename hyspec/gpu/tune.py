@@ -104,8 +104,9 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     """Pick each weight shape's skinny-GEMM config by the time of the *whole decode step*
     (a CUDA graph of the real step, every other shape fixed), one shape at a time, largest
     total bytes first: the configs that stream best in isolation are not the ones that
-    stream best between the step's small kernels.  ``dec`` is a FastDecoder (triton
-    runner, graphs) after a prefill; its state is left unchanged.  Installs the table
+    stream best between the step's small kernels.  ``dec`` is a BatchDecoder (graphs)
+    whose lane 0 is started after a prefill; the timed step is its one-lane decode graph;
+    its state is left unchanged.  Installs the table
     (``set_tuned``) and returns {(N, K): {"config", "step_ms", "start_step_ms", "tried"}}.
     Keys of the form ("moe", N, K, act, qb_k) (``moe_shapes``) tune the grouped MoE path's
     expert matmuls the same way (``set_moe_tuned``).
@@ -129,9 +130,10 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     def step_ms() -> float:
         install()
         dec.runner._workspaces.clear()
-        graphs.graphs.pop(("decode",), None)
-        dec.decode_step_capture_only()
-        g = graphs.graphs.get(("decode",))
+        key = ("decode", 1, None)
+        graphs.graphs.pop(key, None)
+        graphs.ensure(key, lambda: dec._decode_body(1, None))
+        g = graphs.graphs.get(key)
         if g is None:  # the capture failed (e.g. a tile over the shared-memory limit)
             graphs.failed = False
             graphs.restore(snap)
