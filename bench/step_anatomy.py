@@ -1,22 +1,48 @@
 """Where the time of one b2 decode step goes, and what each fast-path change buys.
 
+Measures the BatchDecoder's one-lane step: hyspec.gpu.batch.BatchDecoder(model, max_len,
+7, 1) (one sequence = lane 0, slots=1), the decoder every GPU request runs on.  The
+result files bench/results/step_anatomy_h200*.json (and their _log.txt) were measured on
+the single-sequence FastDecoder before this script was ported to the BatchDecoder: they
+are historical (see "Since the FastDecoder" below for what a new run measures differently).
+
 One run on the GPU (b2 preset, bf16, 512-token prompt):
   1. ablation, each row adding one change to the one above, every row a fresh decoder:
      base (reduce kernels, per-head attention, no PDL) -> fused split-K reduce -> grouped
      attention -> PDL (the PDL + L2 weight prefetch rows of bench/results/
      step_anatomy_h200_ablation.json came from commit e010fc1;
-     the prefetch was removed after measuring slower);
-     per row: decode step, verify t=1/4/8, draft step (graph replays), plain tok/s, and
-     forced K=3 speculative output == plain output (bitwise) on 256 tokens;
+     the prefetch was removed after measuring slower); bv16 / bv64: the GDN scan's value
+     columns per program (runner.gdn_block_v);
+     per row: decode step (graph ("decode", 1, None)), verify t=1/4/8 (graphs ("verify",
+     1, t)), draft step (see below), all graph replays; plain tok/s, and forced K=3
+     speculative output == plain output (bitwise) on 256 tokens (both through
+     hyspec.gpu.batch_loop.decode_one);
   2. for the best row: the step with every matmul replaced by a no-op ("no GEMM") and with
      every non-matmul kernel replaced by a no-op ("GEMM only");
-  3. in-step tuning of the GEMM configs (hyspec.gpu.tune.tune_in_step) for the best row,
-     then the same figures again.  The tuned table is written in the bench JSON format
-     (--tuned-from of hyspec bench reads it).
+  3. in-step tuning of the GEMM configs (hyspec.gpu.tune.tune_in_step, on the one-lane
+     decode graph) for the best row, then the same figures again.  The tuned table is
+     written in the bench JSON format (--tuned-from of hyspec bench reads it).
 
     python bench/step_anatomy.py --out anatomy.json
     (--tuned-from FILE starts from FILE's tuned_gemm table, e.g. bench/results/
     step_anatomy_h200_tuning.json; without it, the shipped hyspec.kernels.matmul.BUILTIN configs)
+
+Since the FastDecoder (same rows, same JSON keys; "decoder" names the decoder measured):
+  * draft_step_ms: the FastDecoder had a bench-only graph of one chained MTP step + LM
+    head + argmax; the BatchDecoder has no single-step graph, so this is the closest one,
+    the draft graph of k=1 (key ("draft", 1, 1, False, None), body _draft_body(1, 1, False,
+    None)): the MTP forward over the lane's fill rows (k_max + 2 = 9 rows) + the head +
+    argmax, i.e. the drafter part of a k=1 round, not the marginal cost of one more
+    chained step.
+  * plain_tok_s / spec_k3_tok_s: decode_one's rate (the BatchRunner's rounds, one small
+    result read per step or round, pipelined one ahead; prefill and graph capture
+    excluded); the FastDecoder's plain loop read its tokens once per run.
+  * split_step_ms: timed from the prompt's end, like decode_step_ms (decode_one frees its
+    lane, so the lane is started again after the speculative run); the FastDecoder version
+    timed it where the speculative run had left the sequence, 256 tokens later.
+  * the runner is the same TritonRunner, batched (runner.batched): at one row its matmuls
+    use the shape's own config wherever that splits K as the batched tall tile does
+    (TritonRunner._tile), so a shape's config can differ from the FastDecoder's.
 """
 from __future__ import annotations
 
@@ -31,53 +57,85 @@ import torch
 
 from hyspec.bench import B2, build_config_model, copy_bandwidth, log, time_fn
 
+K_MAX = 7  # drafts per round the decoder holds: verify graphs up to t = 8
+SPEC_K = 3  # the speculative run's drafts per round (forced drafter)
+FORCED_RATES = (0.9, 0.8, 0.7, 0.6)
+DECODE_KEY = ("decode", 1, None)  # the one-lane greedy decode step's graph (BatchDecoder.decode(1))
+DRAFT_KEY = ("draft", 1, 1, False, None)  # the one-lane draft graph of k=1 (the draft step's stand-in)
+
+
+def decode_body(dec):
+    return lambda: dec._decode_body(1, None)
+
+
+def draft_body(dec):
+    return lambda: dec._draft_body(1, 1, False, None)
+
+
+def start_lane(dec, prompt, k: int) -> int:
+    """Prefill lane 0 with prompt and start it (k drafts per round, 0: plain); returns the
+    pending (first) token.  Timed graphs then run from the prompt's end."""
+    pre, post, logits = dec.prefill(0, prompt)
+    first = int(logits[0].argmax())
+    dec.start(0, prompt, pre, post, first, k)
+    return first
+
 
 def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):
-    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
+    """One ablation row on a fresh one-lane BatchDecoder.  Returns (figures, the decoder
+    with lane 0 started on the prompt again, the plain tokens)."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import decode_one
     from hyspec.kernels import pdl
-    from hyspec.speculative.loop import SpecOptions
 
     pdl.set_pdl(flags["pdl"])
     P, N = len(prompt), args.new_tokens
-    dec = FastDecoder(model, P + N + 16, 7, exact=True)
+    dec = BatchDecoder(model, P + N + 16, K_MAX, 1, exact=True)
     dec.runner.fuse_reduce = flags["fuse_reduce"]
     dec.runner.attn_grouped = flags["attn_grouped"]
     if "block_v" in flags:
         dec.runner.gdn_block_v = flags["block_v"]
-    generate_plain_fast(model, prompt, max_new_tokens=16, decoder=dec)
-    r = generate_plain_fast(model, prompt, max_new_tokens=N, decoder=dec)
+    decode_one(dec, prompt, 16)  # compile + capture
+    r = decode_one(dec, prompt, N)
     plain = r.tokens
     out = {"flags": flags, "plain_tok_s": r.stats["decode_tok_s"]}
-    pre, post, lg = dec.prefill(prompt)
-    dec.start_spec(prompt, pre, post, int(torch.argmax(lg[0])))
-    dec.capture_all(verify_ts=(1, 4, 8), decode=True, draft_step=True)
-    out["verify_ms"] = {t: time_fn(lambda t=t: dec.verify(t), dev, args.reps) for t in (1, 4, 8)}
-    out["draft_step_ms"] = time_fn(dec.draft_step, dev, args.reps)
-    dec.start_plain(plain[0])
-    out["decode_step_ms"] = time_fn(dec.decode_step, dev, args.reps)
+    # step costs as graph replays after a prefill (a drafting lane: the drafter rows are real).
+    # verify and draft do not advance the lane (only a round's commit does); decode does
+    start_lane(dec, prompt, SPEC_K)
+    ensure = dec.step_graphs.ensure
+    for t in (1, 4, 8):
+        ensure(("verify", 1, t), lambda t=t: dec._verify_body(1, t))
+    ensure(DRAFT_KEY, draft_body(dec))
+    ensure(DECODE_KEY, decode_body(dec))
+    out["verify_ms"] = {t: time_fn(lambda t=t: dec.verify(1, t), dev, args.reps) for t in (1, 4, 8)}
+    out["draft_step_ms"] = time_fn(lambda: dec.step_graphs.run(DRAFT_KEY, draft_body(dec)), dev, args.reps)
+    out["decode_step_ms"] = time_fn(lambda: dec.decode(1), dev, args.reps)  # pending = plain[0] already
     out["roofline_frac"] = roofline_ms / out["decode_step_ms"]
     out["verify4_rel"] = out["verify_ms"][4] / out["decode_step_ms"]
     out["verify8_rel"] = out["verify_ms"][8] / out["decode_step_ms"]
-    opts = SpecOptions(k=3, forced_rates=(0.9, 0.8, 0.7, 0.6))
-    generate_speculative_fast(model, prompt, max_new_tokens=24, opts=opts, reference=plain, decoder=dec)
-    s = generate_speculative_fast(model, prompt, max_new_tokens=N, opts=opts, reference=plain, decoder=dec)
+    spec = {"k": SPEC_K, "forced_rates": FORCED_RATES, "reference": plain}
+    decode_one(dec, prompt, 24, **spec)  # capture the round's graphs
+    s = decode_one(dec, prompt, N, **spec)
     out["spec_k3_tok_s"] = s.stats["decode_tok_s"]
     out["spec_k3_speedup"] = s.stats["decode_tok_s"] / out["plain_tok_s"]
     out["spec_equals_plain"] = s.tokens == plain
     out["plain_equals_base"] = None if plain_ref is None else plain == plain_ref
+    start_lane(dec, prompt, 0)  # decode_one freed the lane: the caller's split_step times the step on it
     log(f"  {flags}: step {out['decode_step_ms']:.4f} ms ({100 * out['roofline_frac']:.1f}% roofline), plain "
         f"{out['plain_tok_s']:.1f} tok/s, verify t1/t4/t8 {out['verify_ms'][1]:.3f}/{out['verify_ms'][4]:.3f}/"
-        f"{out['verify_ms'][8]:.3f} (t4 {out['verify4_rel']:.3f}x step), draft {out['draft_step_ms']:.3f}, "
-        f"K=3 forced {out['spec_k3_tok_s']:.1f} tok/s x{out['spec_k3_speedup']:.2f}, spec==plain "
-        f"{out['spec_equals_plain']}, plain==base {out['plain_equals_base']}")
+        f"{out['verify_ms'][8]:.3f} (t4 {out['verify4_rel']:.3f}x step), draft (k=1 graph) "
+        f"{out['draft_step_ms']:.3f}, K=3 forced {out['spec_k3_tok_s']:.1f} tok/s x{out['spec_k3_speedup']:.2f}, "
+        f"spec==plain {out['spec_equals_plain']}, plain==base {out['plain_equals_base']}")
     return out, dec, plain
 
 
 def split_step(dec, dev, reps):
-    """Decode-step time with the matmuls as no-ops, and with everything else as no-ops."""
+    """Decode-step time with the matmuls as no-ops, and with everything else as no-ops
+    (the one-lane decode graph recaptured under each patch; lane 0 must be started)."""
     import hyspec.gpu.runner_triton as rt
 
     run = dec.runner
+    graphs = dec.step_graphs
     res = {}
     real_mm = run.mm
 
@@ -92,24 +150,27 @@ def split_step(dec, dev, reps):
         return k.get("out", a[-1] if a else None)
 
     for name, patch in (("no_gemm", "mm"), ("gemm_only", "other")):
-        snap = dec.step_graphs.snapshot()
-        dec.step_graphs.graphs.pop(("decode",), None)
+        snap, failed = graphs.snapshot(), graphs.failed
+        graphs.graphs.pop(DECODE_KEY, None)
         try:
             if patch == "mm":
                 run.mm = no_mm
             else:
                 for n in saved:
                     setattr(rt, n, noop)
-            dec.decode_step_capture_only()
-            res[name] = time_fn(dec.decode_step, dev, reps)
+            graphs.ensure(DECODE_KEY, decode_body(dec))
+            if DECODE_KEY not in graphs.graphs:  # not an eager timing of the patched step
+                raise RuntimeError("the patched decode step's graph capture failed")
+            res[name] = time_fn(lambda: dec.decode(1), dev, reps)
         except Exception as e:
             res[name] = f"{type(e).__name__}: {e}"
         finally:
             run.mm = real_mm
             for n, f in saved.items():
                 setattr(rt, n, f)
-            dec.step_graphs.graphs.pop(("decode",), None)
-            dec.step_graphs.restore(snap)
+            graphs.graphs.pop(DECODE_KEY, None)
+            graphs.failed = failed  # a failed patched capture turned graphs off: the real step captures again
+            graphs.restore(snap)
         log(f"  {name}: {res[name] if isinstance(res[name], str) else f'{res[name]:.4f} ms'}")
     return res
 
@@ -186,13 +247,13 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tune-s", type=float, default=150.0)
-    ap.add_argument("--rows", default="base,fuse,grouped,pdl")
+    ap.add_argument("--rows", default="base,fuse,grouped,pdl", help="ablation rows, of base,fuse,grouped,pdl,bv16,bv64")
     ap.add_argument("--best", default=None, help="tune this row instead of the fastest one")
     ap.add_argument("--after-rows", default="", help="rows measured again with the tuned table")
     ap.add_argument("--out", default="anatomy.json")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    from hyspec.gpu import FastDecoder
+    from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.tune import model_shapes, tune_in_step
     from hyspec.kernels import pdl
     from hyspec.kernels.matmul import TUNED, set_tuned
@@ -201,10 +262,10 @@ def main(argv=None) -> int:
     res = {"command": "python bench/step_anatomy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "git": git_state(),
-           "pdl_supported": None, "rows": {}}
+           "decoder": "BatchDecoder, one lane (slots=1)", "pdl_supported": None, "rows": {}}
     bw = copy_bandwidth(dev, 2 << 30)
     model = build_config_model(B2, dev, torch.bfloat16, 0)
-    probe = FastDecoder(model, 8, 1, graphs=False)
+    probe = BatchDecoder(model, 8, 1, 1, graphs=False)
     wbytes = probe.runner.weight_bytes_per_step()
     shapes = model_shapes(probe.runner)
     del probe
@@ -273,8 +334,7 @@ def main(argv=None) -> int:
         flags = all_rows[best]
         pdl.set_pdl(flags["pdl"])
         dec = best_dec
-        pre, post, lg = dec.prefill(prompt)
-        dec.start_plain(int(torch.argmax(lg[0])))
+        start_lane(dec, prompt, 0)  # tune_in_step times the one-lane decode graph on lane 0
         try:
             tuned = tune_in_step(dec, shapes, budget_s=args.tune_s, log=log)
             res["tuned_gemm"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
