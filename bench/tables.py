@@ -512,7 +512,7 @@ MADE_BY = {
     "default_model_h200.png": "`python bench/plot_results.py bench/results/default_model_h200.json "
                               "bench/results/default_model_h200_baselines.json --out "
                               "bench/results/default_model_h200.png` (needs matplotlib)",
-    "b2_h200_profile.json": "`python bench/profile_step.py` (H200)",
+    "b2_h200_profile.json": "`python bench/profile_step.py` (H200; the script is gone since `1a938ad`)",
     "b2_h200_batch_ablation.json": "`python -m hyspec.gpu.batch_bench --config b2 ...` (H200; one command per run, in the file)",
     "gpu_tests_batch_h200.txt": "`python3 -m pytest -q -m gpu tests/test_gpu_batch.py tests/test_gpu_sampling.py "
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
