@@ -1,4 +1,5 @@
-"""The GPU fast path's Triton runner vs the reference model at the logit level.
+"""The GPU decoder's Triton runner (hyspec.gpu.runner_triton, as the BatchDecoder builds it:
+one sequence in lane 0) vs the reference model at the logit level.
 
 For each family, from the same prefilled state: a decode step and every row of a t-row
 verify through the runner's fused kernels (here in the Triton interpreter, fp32; on a GPU
@@ -23,12 +24,12 @@ VERIFY = [11, 23, 4, 60]
 
 
 def _setup(tmp_path, arch):
-    from hyspec.gpu import FastDecoder
+    from hyspec.gpu.batch import BatchDecoder
     from hyspec.loading import load_model
     from hyspec.tiny import make_tiny
 
     m = load_model(make_tiny(arch, tmp_path / arch, seed=3, layers=4, hidden=32, vocab_size=128, std=0.2))
-    dec = FastDecoder(m, 32, 3, backend="triton", graphs=False)
+    dec = BatchDecoder(m, 32, 3, slots=1, graphs=False)  # one lane: lane 0
     return m, dec
 
 
@@ -43,9 +44,11 @@ def _reference(m, tokens):
 
 
 def _runner(dec, tokens, record):
-    dec.prefill(PROMPT)
+    """The runner's log-probs [len(tokens), V]: lane 0 prefilled with the prompt (the model's
+    own modules), then the tokens as one decode step (record=False) or one verify."""
+    dec.prefill(0, PROMPT)
     ids = torch.tensor(tokens, dtype=torch.long)
-    _, post = dec.runner.target(ids, len(tokens), dec.pos, record)
+    _, post = dec.runner.target(ids, len(tokens), dec.pos, record, 1)
     return torch.log_softmax(dec.runner.logits(post).double(), -1)
 
 
