@@ -81,24 +81,24 @@ def test_runner_packs_fp8_groups_without_copies(ckpt):
 
 
 def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
-    """The fast path on a block-FP8 MoE model (Triton interpreter, fp32 activations): FP8
-    matmuls (row maps: 128-row blocks over a 32-wide model) and the grouped MoE."""
+    """The GPU decoder's Triton runner on a block-FP8 MoE model (Triton interpreter, fp32
+    activations; one sequence on a one-lane BatchDecoder through decode_one): FP8 matmuls
+    (row maps: 128-row blocks over a 32-wide model) and the grouped MoE."""
     from hyspec.decode import generate_plain
-    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.speculative.loop import SpecOptions
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import decode_one
 
     m = load_model(ckpt("qwen3_5_moe", "per_expert", (128, 128), layers=4, hidden=32, vocab_size=128), fp8="keep")
     prompt, n = [5, 17, 99, 3, 7], 5
     ref = generate_plain(m, prompt, max_new_tokens=n)
-    dec = FastDecoder(m, len(prompt) + n + 8, 2, backend="triton", graphs=False)
+    dec = BatchDecoder(m, len(prompt) + n + 8, 2, slots=1, graphs=False)
     assert isinstance(dec.runner.layers[0].ex_gu, Fp8Weight) and dec.runner.layers[0].ex_gu.rows is not None
     dec.runner.reset_moe_counts()
-    p = generate_plain_fast(m, prompt, max_new_tokens=n, decoder=dec)
+    p = decode_one(dec, prompt, n)
     assert p.tokens == ref.tokens
     read = dec.runner.moe_experts_read()
     assert read[1]["experts_per_layer"] == m.cfg.num_experts_per_tok  # a decode step: top-k distinct experts
-    s = generate_speculative_fast(m, prompt, max_new_tokens=n, decoder=dec,
-                                  opts=SpecOptions(k=2, forced_rates=(0.9, 0.7)), reference=p.tokens)
+    s = decode_one(dec, prompt, n, k=2, forced_rates=(0.9, 0.7), reference=p.tokens)
     assert s.tokens == p.tokens
     assert 2 <= dec.runner.moe_experts_read()[3]["experts_per_layer"] <= min(m.cfg.num_experts, 6)
     # the bench's figures from those counts: t = 1 reads what weight_bytes_per_step says (top-k)
