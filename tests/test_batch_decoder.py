@@ -246,13 +246,13 @@ def test_engine_generate_one_greedy_request_on_the_graph_path(tmp_path):
 
 def test_packed_weights_are_held_once(tmp_path):
     """The runner's packed matmul weights are the model's own storage (the modules read
-    views into them), and a second runner on the same model reuses them."""
-    from hyspec.gpu import FastDecoder
+    views into them), and a second runner on the same model (another BatchDecoder, with
+    another number of lanes) reuses them."""
     from hyspec.gpu.batch import BatchDecoder
 
     m = _model(tmp_path, "qwen3_5")
     before = [p.detach().clone() for p in m.parameters()]
-    d1 = FastDecoder(m, 16, 2, backend="triton", graphs=False)
+    d1 = BatchDecoder(m, 16, 2, slots=1, graphs=False)
     d2 = BatchDecoder(m, 16, 2, slots=2, graphs=False)
     for a, b in zip(d1.runner.layers, d2.runner.layers):
         assert a.w_in is b.w_in and (a.w_gu is b.w_gu)
