@@ -4,7 +4,9 @@
   model's log-probs (hyspec/model, exact mode) within LOGPROB_ATOL;
 * exactness and batch invariance: requests with mixed prompt lengths, mixed k (0 = plain,
   speculative with the MTP head or the forced drafter), staggered arrivals and lane reuse
-  give exactly the reference engine's greedy tokens, and the same tokens as alone.
+  give exactly the reference engine's greedy tokens, and the same tokens as alone;
+* one sequence alone (decode_one, one lane), every family: the engine core's tokens,
+  speculative telemetry and MTP drafts round by round.
 """
 
 from __future__ import annotations
@@ -124,6 +126,55 @@ def test_batch_equals_reference_and_alone(tmp_path, arch, drafter):
         alone = _requests([prompts[i]], [ks[i]], N, [0], [ref[i]])
         run_batch(dec, alone, forced_rates=forced)
         assert alone[0].tokens == ref[i]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_lane_equals_the_engine_core_with_its_telemetry_and_drafts(tmp_path, arch, monkeypatch):
+    """One sequence alone on the BatchDecoder (hyspec.gpu.batch_loop.decode_one: one lane)
+    against the engine core's loops (hyspec.decode.generate_plain, hyspec.speculative.loop.
+    generate_speculative), every family: plain decoding gives the reference tokens;
+    speculative decoding (k = 3) with the forced drafter and with the MTP drafter gives the
+    same tokens, the same telemetry and the same drafts round by round (greedy tokens do
+    not depend on the drafts: the drafts are compared themselves); short budgets (0, 1, 2
+    tokens: no round, a round that may draft nothing, one draft) end where the core ends."""
+    from hyspec.core import round as round_mod
+    from hyspec.decode import generate_plain
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import BatchRunner, decode_one
+    from hyspec.speculative.loop import SpecOptions, generate_speculative
+
+    m = _model(tmp_path, arch)
+    prompt, N = [5, 17, 99, 3, 7, 42], 6
+    ref = generate_plain(m, prompt, max_new_tokens=N).tokens
+    dec = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1, graphs=False)
+    assert decode_one(dec, prompt, N).tokens == ref
+    core_drafts, lane_drafts = [], []
+    draft, take = round_mod.draft, BatchRunner._take
+
+    def spy_draft(backend, seqs):  # the core's drafts of each round
+        out = draft(backend, seqs)
+        core_drafts.append(list(seqs[0].round.drafts))
+        return out
+
+    def spy_take(self, rows):  # the lane's: (accepted n, bonus, d1..dk) per round, k_now of them used
+        lane_drafts.append(list(rows[0][2: 2 + self.active[0].k_now]))
+        return take(self, rows)
+
+    monkeypatch.setattr(round_mod, "draft", spy_draft)
+    monkeypatch.setattr(BatchRunner, "_take", spy_take)
+    for rates in ((0.9, 0.8, 0.7), None):
+        core_drafts.clear()
+        lane_drafts.clear()
+        core = generate_speculative(m, prompt, max_new_tokens=N, opts=SpecOptions(k=3, forced_rates=rates),
+                                    reference=ref)
+        lane = decode_one(dec, prompt, N, k=3, forced_rates=rates, reference=ref)
+        assert lane.tokens == core.tokens == ref, rates
+        assert lane.stats["spec"] == core.stats["spec"] and lane.stats["spec"]["rounds"] > 0, rates
+        if rates is None:  # (the forced drafter replaces the MTP's tokens)
+            assert [d for d in lane_drafts if d] == [d for d in core_drafts if d] != []
+    for n in (0, 1, 2):
+        assert decode_one(dec, prompt, n).tokens == ref[:n]
+        assert decode_one(dec, prompt, n, k=3).tokens == ref[:n]
 
 
 def test_stop_ids_and_errors(tmp_path):
