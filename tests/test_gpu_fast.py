@@ -1,7 +1,8 @@
 """GPU fast path on CUDA: fused kernels vs their torch references (bf16 and fp32) with
-bitwise row invariance, and FastDecoder greedy exactness (speculative == plain, bitwise).
-Skipped without CUDA. HYSPEC_B2_EXACT="tokens,prompts" sizes the b2 exactness test
-(default 2000,4; it is also part of `hyspec bench`)."""
+bitwise row invariance, and one sequence on the BatchDecoder (one lane, CUDA graphs):
+greedy exactness (speculative == plain, bitwise) and the Triton runner's log-probs vs the
+reference model. Skipped without CUDA. HYSPEC_B2_EXACT="tokens,prompts" sizes the b2
+exactness test (default 2000,4; it is also part of `hyspec bench`)."""
 import os
 
 import functools
@@ -192,15 +193,19 @@ def _tiny(arch, dtype, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fast_decoder_spec_equals_plain(arch, dtype, tmp_path):
+    """One sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs): greedy
+    speculative decoding (K 1 and 3, the forced and the MTP drafter) == plain, bitwise;
+    plain vs the reference loop (fp32: the first 16 tokens agree); programmatic dependent
+    launch gives the same bits; the non-exact (cuBLAS) variant runs."""
     from hyspec.decode import generate_plain
-    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.speculative.loop import SpecOptions
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import decode_one
 
     m = _tiny(arch, dtype, tmp_path)
     prompt = list(range(3, 40, 3))
     N = 64
-    dec = FastDecoder(m, len(prompt) + N + 8, 3)
-    p = generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec)
+    dec = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
+    p = decode_one(dec, prompt, N)
     assert p.stats["graphs"], "CUDA graphs fell back to eager"
     ref = generate_plain(m, prompt, max_new_tokens=N)
     agree = next((i for i, (a, b) in enumerate(zip(p.tokens, ref.tokens)) if a != b), N)
@@ -209,41 +214,41 @@ def test_fast_decoder_spec_equals_plain(arch, dtype, tmp_path):
         assert agree >= 16
     for K in (1, 3):
         for rates in ((0.9, 0.8, 0.7, 0.6), None):
-            s = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=K, forced_rates=rates),
-                                          reference=p.tokens, decoder=dec)
+            s = decode_one(dec, prompt, N, k=K, forced_rates=rates, reference=p.tokens)
             assert s.tokens == p.tokens, (arch, dtype, K, rates)
     # programmatic dependent launch (off by default) only moves the schedule: same bits with it
     from hyspec.kernels import pdl
 
     pdl.set_pdl(True)
     try:
-        dec0 = FastDecoder(m, len(prompt) + N + 8, 3)
-        p0 = generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec0)
-        s0 = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=3), decoder=dec0)
+        dec0 = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
+        p0 = decode_one(dec0, prompt, N)
+        s0 = decode_one(dec0, prompt, N, k=3)
     finally:
         pdl.set_pdl(None)
     assert p0.tokens == p.tokens and s0.tokens == p.tokens
     # the non-exact (cuBLAS) variant runs too
-    dec2 = FastDecoder(m, len(prompt) + N + 8, 3, exact=False)
-    generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec2)
+    dec2 = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1, exact=False)
+    decode_one(dec2, prompt, N)
 
 
 def test_b2_exactness_bf16():
-    """hyspec bench's exactness check on the b2 bench model (bf16, random weights)."""
+    """hyspec bench's exactness check on the b2 bench model (bf16, random weights): one
+    sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs), speculative
+    (K=3, the forced and the MTP drafter) == plain, bitwise, for each prompt."""
     from hyspec.bench import B2, build_config_model
-    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.speculative.loop import SpecOptions
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import decode_one
 
     n_tok, n_prompts = (int(v) for v in os.environ.get("HYSPEC_B2_EXACT", "2000,4").split(","))
     m = build_config_model(B2, DEV, torch.bfloat16)
-    dec = FastDecoder(m, 512 + n_tok + 8, 3)
+    dec = BatchDecoder(m, 512 + n_tok + 8, 3, slots=1)
     for i in range(n_prompts):
         prompt = torch.randint(0, m.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(1000 + i)).tolist()
-        p = generate_plain_fast(m, prompt, max_new_tokens=n_tok, decoder=dec)
+        p = decode_one(dec, prompt, n_tok)
         for rates in ((0.9, 0.8, 0.7, 0.6), None):
-            s = generate_speculative_fast(m, prompt, max_new_tokens=n_tok, opts=SpecOptions(k=3, forced_rates=rates),
-                                          reference=p.tokens, decoder=dec)
-            assert s.tokens == p.tokens
+            s = decode_one(dec, prompt, n_tok, k=3, forced_rates=rates, reference=p.tokens)
+            assert s.tokens == p.tokens, (i, rates)
 
 
 # logit level: the runner (CUDA graphs off, so every call is inspectable) vs the reference model
@@ -265,18 +270,18 @@ def _reference_logprobs(m):
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_runner_logits_match_the_reference(arch, dtype, tmp_path):
-    """A decode step and every verify row of the Triton runner vs the reference model
-    (hyspec/model, exact mode) on the device, from the same prefilled state (the decoder's
-    torch prefill, which is the reference's own)."""
-    from hyspec.gpu import FastDecoder
+    """A decode step and every verify row of the Triton runner (a one-lane BatchDecoder's,
+    lane 0) vs the reference model (hyspec/model, exact mode) on the device, from the same
+    prefilled state (the decoder's torch prefill, which is the reference's own)."""
+    from hyspec.gpu.batch import BatchDecoder
 
     m = _tiny(arch, dtype, tmp_path)
     _, ref = _reference_logprobs(m)
-    dec = FastDecoder(m, 96, 3, graphs=False, use_fla=False)
+    dec = BatchDecoder(m, 96, 3, slots=1, graphs=False, use_fla=False)
     worst = {}
     for t in (1, len(LOGIT_VERIFY)):
-        dec.prefill(LOGIT_PROMPT)
-        _, p = dec.runner.target(torch.tensor(LOGIT_VERIFY[:t], device=DEV), t, dec.pos, t > 1)
+        dec.prefill(0, LOGIT_PROMPT)
+        _, p = dec.runner.target(torch.tensor(LOGIT_VERIFY[:t], device=DEV), t, dec.pos, t > 1, 1)
         got = torch.log_softmax(dec.runner.logits(p).double(), -1)
         worst[f"t={t}"] = float((got - ref[:t]).abs().max())
     print(f"runner {arch} {dtype}: max |dlogp| {worst}")
@@ -286,16 +291,16 @@ def test_runner_logits_match_the_reference(arch, dtype, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_prefill_logits_match_the_reference(arch, dtype, tmp_path):
-    """The decoder's prefill through flash-linear-attention's chunked kernel vs the
-    reference model's torch chunked form: last-row log-probs."""
+    """The BatchDecoder's prefill (lane 0) through flash-linear-attention's chunked kernel
+    vs the reference model's torch chunked form: last-row log-probs."""
     pytest.importorskip("fla")
-    from hyspec.gpu import FastDecoder
+    from hyspec.gpu.batch import BatchDecoder
 
     m = _tiny(arch, dtype, tmp_path)
     ref, _ = _reference_logprobs(m)
-    dec = FastDecoder(m, 96, 3, graphs=False, use_fla=True)
-    _, _, logits = dec.prefill(LOGIT_PROMPT)
-    assert dec.fla_used
+    dec = BatchDecoder(m, 96, 3, slots=1, graphs=False, use_fla=True)
+    _, _, logits = dec.prefill(0, LOGIT_PROMPT)
+    assert dec.use_fla  # (a failing fla call turns it off for the decoder: hyspec.gpu.prefill.fla_off)
     worst = float((torch.log_softmax(logits.double(), -1) - ref).abs().max())
     print(f"fla prefill {arch} {dtype}: max |dlogp| {worst}")
     if dtype == torch.float32 and worst > LOGIT_ATOL[dtype]:
