@@ -1,7 +1,8 @@
 """GPU (CUDA) checks of the block-FP8 matmul and the grouped MoE kernels, and of the fast
 path on block-FP8 tiny models (weights kept FP8 on the device): kernels vs their torch
-references in bf16 and fp32 with bitwise row invariance; FastDecoder greedy speculative ==
-plain, bitwise; runner log-probs vs the reference model. Skipped without CUDA
+references in bf16 and fp32 with bitwise row invariance; one sequence on the BatchDecoder
+(one lane, CUDA graphs): greedy speculative == plain, bitwise; runner log-probs vs the
+reference model. Skipped without CUDA
 (the same kernels run in the CPU interpreter in tests/test_op_matmul_fp8.py,
 tests/test_op_moe_grouped.py and tests/test_fp8_kept.py)."""
 import functools
@@ -111,23 +112,25 @@ def _tiny_fp8(arch, tmp_path, experts="stacked", block=(128, 128)):
 @pytest.mark.parametrize("arch,experts", [("qwen3_5_moe", "per_expert"), ("qwen3_5_moe", "stacked"),
                                           ("qwen3_next", "stacked"), ("qwen3_5", "stacked")])
 def test_fast_decoder_fp8_spec_equals_plain(arch, experts, tmp_path):
+    """One sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs) of a
+    block-FP8 model: greedy speculative (K 1 and 3, the forced and the MTP drafter) ==
+    plain, bitwise."""
     from hyspec.decode import generate_plain
-    from hyspec.gpu import FastDecoder, generate_plain_fast, generate_speculative_fast
-    from hyspec.speculative.loop import SpecOptions
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import decode_one
 
     m = _tiny_fp8(arch, tmp_path, experts)
     prompt = list(range(3, 40, 3))
     N = 64
-    dec = FastDecoder(m, len(prompt) + N + 8, 3)
-    p = generate_plain_fast(m, prompt, max_new_tokens=N, decoder=dec)
+    dec = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
+    p = decode_one(dec, prompt, N)
     assert p.stats["graphs"], "CUDA graphs fell back to eager"
     ref = generate_plain(m, prompt, max_new_tokens=N)
     agree = next((i for i, (a, b) in enumerate(zip(p.tokens, ref.tokens)) if a != b), N)
     print(f"{arch} fp8 bf16: fast plain agrees with the reference loop for {agree}/{N} tokens")
     for K in (1, 3):
         for rates in ((0.9, 0.8, 0.7, 0.6), None):
-            s = generate_speculative_fast(m, prompt, max_new_tokens=N, opts=SpecOptions(k=K, forced_rates=rates),
-                                          reference=p.tokens, decoder=dec)
+            s = decode_one(dec, prompt, N, k=K, forced_rates=rates, reference=p.tokens)
             assert s.tokens == p.tokens, (arch, K, rates)
     if m.cfg.has_moe:
         print(f"{arch}: experts read per layer by row count {dec.runner.moe_experts_read()}")
@@ -135,7 +138,9 @@ def test_fast_decoder_fp8_spec_equals_plain(arch, experts, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 def test_fp8_runner_logits_match_the_reference(arch, tmp_path):
-    from hyspec.gpu import FastDecoder
+    """A decode step and every verify row of the Triton runner (a one-lane BatchDecoder's,
+    lane 0) of a block-FP8 model vs the reference model, bf16: |d log p| <= 0.05."""
+    from hyspec.gpu.batch import BatchDecoder
     from hyspec.model.ops import StepCtx
 
     m = _tiny_fp8(arch, tmp_path)
@@ -144,10 +149,10 @@ def test_fp8_runner_logits_match_the_reference(arch, tmp_path):
     m.forward_states(torch.tensor(prompt, device=DEV), cache, StepCtx(start=0, chunked=True))
     _, post = m.forward_states(torch.tensor(verify, device=DEV), cache, StepCtx(start=len(prompt), exact=True))
     ref = torch.log_softmax(m.logits(post).double(), -1)
-    dec = FastDecoder(m, 96, 3, graphs=False, use_fla=False)
+    dec = BatchDecoder(m, 96, 3, slots=1, graphs=False, use_fla=False)
     for t in (1, len(verify)):
-        dec.prefill(prompt)
-        _, p = dec.runner.target(torch.tensor(verify[:t], device=DEV), t, dec.pos, t > 1)
+        dec.prefill(0, prompt)
+        _, p = dec.runner.target(torch.tensor(verify[:t], device=DEV), t, dec.pos, t > 1, 1)
         got = torch.log_softmax(dec.runner.logits(p).double(), -1)
         assert float((got - ref[:t]).abs().max()) <= 0.05, t
 
