@@ -287,7 +287,7 @@ def test_forced_rates_with_rejection_sampling(ckpt, capsys) -> None:
 
 
 def test_bench_cpu_smoke(tmp_path, capsys) -> None:
-    """`hyspec bench` on CPU (tiny preset, torch runner): runs end to end, writes the JSON
+    """`hyspec bench` on CPU (tiny preset, the reference backend): runs end to end, writes the JSON
     with every section, and its speculative runs equal plain decoding."""
     out = tmp_path / "b.json"
     rc = main(["bench", "--config", "tiny", "--prompt-len", "8", "--new-tokens", "8", "--ks", "1,2",
