@@ -147,11 +147,14 @@ def test_engine_generate_equals_its_lane_in_a_batch(tmp_path):
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of a spinning kernel on an H200: far longer than a launch takes on the host
 
 
-def _launch_checked(launch, tag):
+def _launch_checked(launch, tag, dec=None):
     """Run launch() behind a long spinning kernel, under torch's sync debug mode (an
     implicit synchronisation torch knows of raises), then check the spinning kernel is
     still running: a launch that waited for the device by any means (a pageable copy
-    torch does not report included) finds it done."""
+    torch does not report included) finds it done. -> (launch()'s result, checked): a
+    launch that captured a new graph of dec (a new key: capturing synchronises, once per
+    key) is not checked."""
+    captures = dec.step_graphs.captures if dec is not None else None
     torch.cuda._sleep(SLEEP_CYCLES)
     marker = torch.cuda.Event()
     marker.record()
@@ -160,8 +163,10 @@ def _launch_checked(launch, tag):
         out = launch()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    if dec is not None and dec.step_graphs.captures != captures:
+        return out, False
     assert not marker.query(), f"{tag}: the launch waited for the GPU"
-    return out
+    return out, True
 
 
 @pytest.mark.parametrize("k,sampled", [(0, False), (2, False), (0, True), (2, True)],
@@ -179,16 +184,19 @@ def test_a_round_is_launched_without_waiting_for_the_gpu(tmp_path, k, sampled):
     m = _model(tmp_path, "qwen3_next", torch.bfloat16)
     dec = BatchDecoder(m, 64, 2, slots=4)
     params = [_mixed_params(i) if sampled else None for i in range(3)]
-    regime = SampledGraphKey.of(params)
-    dec.capture(dec.sizes, [k], sampled=(regime or False,))  # up front: a capture itself synchronises
+    # up front (a capture itself synchronises): the regime of every set of lanes that may
+    # still be going as they leave, speculative rounds without plain lanes
+    subsets = [[p for j, p in enumerate(params) if mask >> j & 1] for mask in range(1, 8)]
+    regimes = {SampledGraphKey.of(sub) or False for sub in subsets}
+    dec.capture(dec.sizes, [k], sampled=tuple(regimes), plain=(True, False))
     torch.cuda.synchronize()
     runner = BatchRunner(dec, max_batch=4)
     launch = runner._launch
     launches = []
 
     def checked():
-        launches.append(_launch_checked(launch, f"round {len(launches)}"))
-        return launches[-1]
+        launches.append(_launch_checked(launch, f"round {len(launches)}", dec))
+        return launches[-1][0]
 
     runner._launch = checked
     reqs = [LaneRequest(prompt=[5 + i, 17, 99, 3], max_new_tokens=24 + 3 * i, k=k, params=params[i])
@@ -196,7 +204,8 @@ def test_a_round_is_launched_without_waiting_for_the_gpu(tmp_path, k, sampled):
     for r in reqs:
         runner.submit(r)
     runner.run()
-    assert len(launches) >= 5
+    assert sum(ok for _, ok in launches) >= 5, [ok for _, ok in launches]
+    assert all(ok for _, ok in launches), "graphs captured during the run (the up-front capture missed a key)"
     assert all(len(r.tokens) == r.max_new_tokens for r in reqs)
 
 
@@ -213,7 +222,7 @@ def test_the_launch_check_catches_waiting_copies(tmp_path):
     host = torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True)
     torch.cuda.synchronize()
     with pytest.raises(AssertionError, match="waited"):
-        _launch_checked(lambda: host[:3, :2].copy_(dec.result[:3, :2], non_blocking=True), "column slice")
+        _launch_checked(lambda: host[:3, :2].copy_(dec.result[:3, :2], non_blocking=True), "column slice", dec)
     torch.cuda.synchronize()
 
     def item_assignment():
