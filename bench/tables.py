@@ -518,6 +518,8 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "gpu_tests_launch_h200.txt": "`python3 -m pytest -q tests/test_gpu_batch.py -k \"without_waiting or "
+                                 "catches_waiting or engine_generate\"` (H200)",
     "gpu_tests_tile_heights_h200.txt": "`python3 -m pytest -q -rfEX tests/test_gpu_tile_heights.py "
                                        "tests/test_gpu_batch.py::test_a_lane_has_the_same_bits_in_every_row_tile_height` "
                                        "(H200)",
