@@ -30,6 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     from hyspec.bench import make_model
     from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.graphs import replay_ms
     from hyspec.gpu.tune import model_shapes
     from hyspec.kernels.matmul.config import _config_cached
     from hyspec.provenance import git_state
@@ -71,18 +72,7 @@ def main() -> None:
         gr.replay()
         torch.cuda.synchronize()
         lg = runner.bufs.logits[:nb].clone() if want_logits else None
-        for _ in range(3):
-            gr.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(3):
-            a.record()
-            for _ in range(args.reps):
-                gr.replay()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / args.reps)
+        best = replay_ms(gr, args.reps)
         graphs.restore(snap)
         return best, lg
 

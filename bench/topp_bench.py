@@ -26,19 +26,9 @@ def graph_ms(fn, reps: int = 50) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) / reps)
-    return best
+    from hyspec.gpu.graphs import replay_ms
+
+    return replay_ms(g, reps)
 
 
 def main() -> None:

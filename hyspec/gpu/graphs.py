@@ -20,6 +20,24 @@ from collections.abc import Callable, Hashable
 import torch
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 30, warmup: int = 3) -> float:
+    """ms per replay of a captured graph: the best of three batches of back-to-back
+    replays between two events (after warmup replays)."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / reps)
+    return best
+
+
 class GraphFallbackWarning(RuntimeWarning):
     """A CUDA-graph capture failed; that step runs eagerly from now on (slower, same result)."""
 

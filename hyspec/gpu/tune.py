@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-import torch
 
+from hyspec.gpu.graphs import replay_ms
 from hyspec.kernels.matmul import set_tuned, skinny_config
 
 
@@ -138,18 +138,7 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
             graphs.failed = False
             graphs.restore(snap)
             raise RuntimeError("decode-step capture failed for this config")
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(3):
-            a.record()
-            for _ in range(reps):
-                g.replay()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / reps)
+        best = replay_ms(g, reps)
         graphs.restore(snap)
         return best
 
