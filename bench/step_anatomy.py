@@ -40,7 +40,7 @@ Since the FastDecoder (same rows, same JSON keys; "decoder" names the decoder me
   * split_step_ms: timed from the prompt's end, like decode_step_ms (decode_one frees its
     lane, so the lane is started again after the speculative run); the FastDecoder version
     timed it where the speculative run had left the sequence, 256 tokens later.
-  * the runner is the same TritonRunner, batched (runner.batched): at one row its matmuls
+  * the runner is the same TritonRunner, now always over lanes: at one row its matmuls
     use the shape's own config wherever that splits K as the batched tall tile does
     (TritonRunner._tile), so a shape's config can differ from the FastDecoder's.
 """

@@ -370,7 +370,10 @@ class Engine:
 
         if graph_eligible(requests) is not None:
             return None
-        slots = min(max(16 if self.model.device.type == "cuda" else 2, max_batch), 64)
+        if len(requests) == 1 and max_batch <= 1:
+            slots = 1  # one request: one lane (16 lanes of a long context can outgrow the memory)
+        else:
+            slots = min(max(16 if self.model.device.type == "cuda" else 2, max_batch), 64)
         need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
         k = max(3, max(r.draft for r in requests))
         decoder = self._batch_dec

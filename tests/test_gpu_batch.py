@@ -126,9 +126,10 @@ def test_batch_invariance_with_graphs_bf16(tmp_path, sampled):
 
 def test_engine_generate_equals_its_lane_in_a_batch(tmp_path):
     """On a GPU one greedy Engine.generate runs on the BatchDecoder (since the single-
-    sequence decoder left the engine): bf16 with CUDA graphs, plain and speculative, its
-    tokens are bitwise those of the same prompt inside a generate_batch of three (the
-    entry points can no longer differ at near-ties), and path is batch-graphs."""
+    sequence decoder left the engine; a one-lane decoder for one request): bf16 with CUDA
+    graphs, plain and speculative, its tokens are bitwise those of the same prompt inside a
+    generate_batch of three (a 16-lane decoder: the entry points can no longer differ at
+    near-ties), and path is batch-graphs."""
     from hyspec.engine import Engine
 
     m = _model(tmp_path, "qwen3_next", torch.bfloat16)

@@ -192,7 +192,7 @@ def _tiny(arch, dtype, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fast_decoder_spec_equals_plain(arch, dtype, tmp_path):
+def test_one_lane_spec_equals_plain(arch, dtype, tmp_path):
     """One sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs): greedy
     speculative decoding (K 1 and 3, the forced and the MTP drafter) == plain, bitwise;
     plain vs the reference loop (fp32: the first 16 tokens agree); programmatic dependent

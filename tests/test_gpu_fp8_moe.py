@@ -111,7 +111,7 @@ def _tiny_fp8(arch, tmp_path, experts="stacked", block=(128, 128)):
 
 @pytest.mark.parametrize("arch,experts", [("qwen3_5_moe", "per_expert"), ("qwen3_5_moe", "stacked"),
                                           ("qwen3_next", "stacked"), ("qwen3_5", "stacked")])
-def test_fast_decoder_fp8_spec_equals_plain(arch, experts, tmp_path):
+def test_one_lane_fp8_spec_equals_plain(arch, experts, tmp_path):
     """One sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs) of a
     block-FP8 model: greedy speculative (K 1 and 3, the forced and the MTP drafter) ==
     plain, bitwise."""

@@ -194,7 +194,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         generator = torch.Generator().manual_seed(args.seed)
         from hyspec.gpu.batch import BatchDecoder
 
-        tune_decoder = BatchDecoder(model, args.prompt_len + 64, 1, 1)
+        tune_decoder = BatchDecoder(model, args.prompt_len + 160, 1, 1)  # (a timing replays the step 93 times)
         prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
         pre, post, logits = tune_decoder.prefill(0, prompt)
         tune_decoder.start(0, prompt, pre, post, int(torch.argmax(logits[0])), 0)

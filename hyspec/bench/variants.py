@@ -54,29 +54,43 @@ class LaneDecoder:
 
         return decode_one(self.dec, prompt, n, k=k, forced_rates=forced_rates, reference=reference)
 
+    @staticmethod
+    def replays(reps: int, warmup: int = 2) -> int:
+        """Calls time_fn makes: rounds and decode steps advance the lane that many times."""
+        return warmup + 3 * reps
+
     def step_costs(self, prompt, verify_rows, ks, dev, reps: int) -> dict:
         """Graph replays after a prefill: the decode step, a verify of t rows, the draft
-        graph of k drafts (fill + k chained steps), a whole round of K (draft, verify,
-        commit; K from ks), ms each."""
+        graph of k drafts (fill + k chained steps), a whole round of K with the MTP drafter,
+        ms each. Rounds and decode steps advance the lane: each K starts again from the
+        prompt (the decoder's max_len leaves room for replays(reps) rounds of K + 1 rows)."""
         dec = self.dec
         pre, post, logits = dec.prefill(0, prompt)
         dec.start(0, prompt, pre, post, int(torch.argmax(logits[0])), dec.k_max)
         ks_all = sorted({t - 1 for t in verify_rows} | set(ks) | {1})
         dec.capture([1], ks_all, decode=True)
-        out = {"verify": {t: time_fn(lambda t=t: dec.verify(1, t), dev, reps) for t in verify_rows},
-               "draft_graph": {k: time_fn(lambda k=k: dec.draft(1, k), dev, reps) for k in sorted(set(ks) | {1})},
-               "round": {k: time_fn(lambda k=k: dec.round(1, k), dev, reps) for k in ks}}
+        start = dec.step_graphs.snapshot()  # the lane just after the prompt
+
+        def from_start(fn):
+            dec.step_graphs.restore(start)
+            return time_fn(fn, dev, reps)
+
+        out = {"verify": {t: from_start(lambda t=t: dec.verify(1, t)) for t in verify_rows},
+               "draft_graph": {k: from_start(lambda k=k: dec.draft(1, k)) for k in sorted(set(ks) | {1})},
+               "round": {k: from_start(lambda k=k: dec.round(1, k)) for k in ks}}
         out["draft"] = out["draft_graph"][1]
-        pre, post, logits = dec.prefill(0, prompt)  # the rounds advanced the lane: back to the prompt
-        dec.start(0, prompt, pre, post, int(torch.argmax(logits[0])), 0)
+        dec.step_graphs.restore(start)
+        dec.k_lane[0].fill_(0)  # plain steps
         out["decode"] = time_fn(lambda: dec.decode(1), dev, reps)
         return out
 
-    def phases(self, costs: dict, K: int) -> dict:
-        """Per-round phase times of a K-draft round from the graph replays (commit: the
-        round minus its draft and verify graphs)."""
-        d, v, r = costs["draft_graph"][K], costs["verify"].get(K + 1), costs["round"][K]
-        return {"draft": d, "verify": v, "commit": r - d - (v or 0.0), "round": r}
+    def phases(self, costs: dict, K: int, round_ms: float) -> dict:
+        """Per-round phase times of a K-draft round of a run: the draft and verify graphs'
+        replay times, commit = the run's time per round minus both (the commit graph plus
+        whatever the host added); "round_graph": the MTP round's graph replayed alone."""
+        d, v = costs["draft_graph"][K], costs["verify"].get(K + 1)
+        return {"draft": d, "verify": v, "commit": round_ms - d - (v or 0.0), "round": round_ms,
+                "round_graph": costs["round"][K]}
 
 
 class TimedBackend:
@@ -159,7 +173,7 @@ class ReferenceDecoder:
             verify = {t: time_fn(lambda t=t: forward(t), dev, reps) for t in verify_rows}
         return {"verify": verify, "decode": verify[1], "draft": None}
 
-    def phases(self, costs: dict, K: int) -> dict:
+    def phases(self, costs: dict, K: int, round_ms: float) -> dict:
         return dict(self.last_phases)
 
 
@@ -170,8 +184,9 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
     n_new = args.new_tokens
     k_max = max(max(args.ks), args.verify_max - 1, 3)  # 3: the exactness check drafts K=3
     cuda = dev.type == "cuda"
-    if cuda:
-        decoder = LaneDecoder(model, len(prompt) + max(n_new, args.exact_tokens) + k_max + 4, k_max, exact)
+    if cuda:  # room for the longest run and for the timed rounds of the largest K
+        room = max(n_new, args.exact_tokens, LaneDecoder.replays(args.reps) * (max(args.ks) + 1))
+        decoder = LaneDecoder(model, len(prompt) + room + k_max + 4, k_max, exact)
     else:
         if not exact:
             raise ValueError("the cublas variant needs a GPU (the CPU bench runs the reference backend)")
@@ -218,11 +233,12 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
             spec_run = decoder.run(prompt, n_new, k=K, forced_rates=forced, reference=plain)
             telemetry = spec_run.stats["spec"]
             speedup = spec_run.stats["decode_tok_s"] / tok_s
+            round_ms = 1e3 * spec_run.stats["decode_s"] / max(telemetry["rounds"], 1)
             out["spec"][drafter][K] = {
                 "tok_s": spec_run.stats["decode_tok_s"], "speedup": speedup,
                 "acceptance_length": telemetry["acceptance_length"], "tau": telemetry["tau"],
                 "per_depth_rate": telemetry["per_depth_rate"], "rounds": telemetry["rounds"],
-                "phases_ms_per_round": decoder.phases(costs, K),
+                "phases_ms_per_round": decoder.phases(costs, K, round_ms),
                 "tokens_equal_plain": spec_run.tokens == plain, "first_mismatch": first_mismatch(spec_run.tokens, plain)}
     draft = costs["draft"]
     if draft is None:  # CPU: the drafter's time per round of the smallest K's MTP run, per draft

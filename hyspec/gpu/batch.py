@@ -114,7 +114,6 @@ class BatchDecoder:
         nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv = torch.zeros(G, S, W - 1, C, device=dev, dtype=dt)  # [G, S, W-1, C]
         self.ssm = torch.zeros(G, S, nv, dk, dv, device=dev, dtype=state_dtype(dt))  # [G, S, Hv, Dk, Dv]
-        self.ssm_rows = None  # the Triton runner replays accepted rows instead of recording states
         self.conv_in = torch.zeros(G, S * self.t_max, C, device=dev, dtype=dt)  # [G, S*t_max, C] lane b's rows at b*t..
         self.has_mtp = model.has_mtp
         if self.has_mtp:

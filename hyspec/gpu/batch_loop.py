@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from hyspec.config import no_mtp_error
 from hyspec.rng import u01_tensor
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
@@ -517,13 +518,21 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
     from hyspec.decode import GenerationResult
 
     forced = forced_rates is not None and k > 0
-    if dec.graphs:
-        regime = SampledGraphKey.of([params])
-        dec.capture([padded_size(1, dec.sizes)], [k], forced=(forced,), sampled=(regime or False,))
     r = LaneRequest(prompt=list(prompt), max_new_tokens=max_new_tokens, k=k, stop_ids=frozenset(stop_ids),
                     reference=list(reference) if reference is not None else None, params=params)
-    st = run_batch(dec, [r], max_batch=1, forced_rates=tuple(forced_rates) if forced else None,
-                   forced_seed=forced_seed)
+    if k > 0 and not dec.has_mtp:
+        raise no_mtp_error()
+    runner = BatchRunner(dec, max_batch=1, forced_rates=tuple(forced_rates) if forced else None,
+                         forced_seed=forced_seed)
+    runner.check(r)  # before any capture: a bad request is an error, not a failed graph
+    regime = SampledGraphKey.of([params])
+    if dec.graphs and not (regime is not None and regime.penalties):  # (penalised: captured on first use,
+        # once the lane has its penalty window)
+        dec.capture([padded_size(1, dec.sizes)], [k], forced=(forced,), sampled=(regime or False,),
+                    plain=(k == 0,))
+    runner.submit(r)
+    runner.run()
+    st = runner.stats()
     stats = lane_stats(r, dec)
     stats["decode_tok_s"] = st["round_tok_s"]
     stats["runner"] = st

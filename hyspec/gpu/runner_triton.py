@@ -73,9 +73,10 @@ class TritonRunner:
         # a BatchDecoder's state has a lane axis (slabs [S, ...]); the kernels get lane 0's
         # view and the lane stride, and every call says how many lanes it covers
         self.exact = exact
-        # commits replay the accepted rows (commit_linear) instead of copying a state saved
-        # after every verify row; HYSPEC_REPLAY_COMMIT=0 keeps the per-row states instead
-        self.records_states = os.environ.get("HYSPEC_REPLAY_COMMIT", "1") == "0"
+        # commits replay the accepted rows (commit_linear): no state is saved per verify row
+        if os.environ.get("HYSPEC_REPLAY_COMMIT", "1") == "0":
+            raise ValueError("HYSPEC_REPLAY_COMMIT=0 (a state saved after every verify row) is gone with the "
+                             "single-sequence decoder: the batched commit replays the accepted rows; unset it")
         model = dec.model
         cfg = model.cfg
         self.cfg = cfg
@@ -322,7 +323,7 @@ class TritonRunner:
         # the accepted ones (commit_linear) instead of saving a state after every row
         if record and t > self.t_max * lanes:
             raise ValueError(f"verify of {t // lanes} rows > the decoder's t_max {self.t_max}")
-        rec = record and not self.records_states
+        rec = record
         # decode steps use the verify slabs too: the conv kernel then sees the same row
         # strides in a decode and in a verify.  Triton specialises a kernel on a stride's
         # divisibility by 16; with the runner's own buffers (another row stride) the decode
@@ -341,7 +342,7 @@ class TritonRunner:
         gdn_step(conv_out, proj, layer.A_log, layer.dt_bias, layer.norm_w, ssm, o,
                  nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                  dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
-                 states=dec.ssm_rows[g] if record and self.records_states else None,
+                 states=None,
                  block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
@@ -351,9 +352,6 @@ class TritonRunner:
         t rows per lane, n [lanes] per lane."""
         dec, cfg = self.dec, self.cfg
         if not self.gdn_layers:
-            return
-        if self.records_states:
-            dec.commit_recorded_states(n)
             return
         conv_out, proj = self.verify_conv_out, self.verify_proj
         if lanes:
