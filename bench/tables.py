@@ -201,7 +201,7 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
         raw = ((d.get("sampled") or (d.get("batch") or {}).get("sampled") or {}).get(m.group(1)) or {}) \
             .get("sampled_vs_greedy_spec")
         return (f"sampled (T=0.8, top-p 0.95) ÷ greedy speculative K=3, forced, batch {m.group(1)}",
-                f"{raw:.3f}" if isinstance(raw, float) else f"{v:.2f}")
+                f"{raw:.4f}" if isinstance(raw, float) else f"{v:.2f}")
     if name == "batch_invariance_seeded_sampling":
         return "each seeded sampled sequence alone == in a staggered batch (plain and K=3)", \
             "bitwise" if v else "**differs**"
@@ -518,8 +518,8 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
-    "gpu_tests_launch_h200.txt": "`python3 -m pytest -q tests/test_gpu_batch.py -k \"without_waiting or "
-                                 "catches_waiting or engine_generate\"` (H200)",
+    "gpu_tests_launch_h200.txt": "`python3 -m pytest -q -n 4 tests/test_gpu_batch.py tests/test_gpu_fast.py tests/test_gpu_fp8_moe.py -k \"without_waiting or "
+                                 "catches_waiting or engine_generate or one_lane\"` (H200)",
     "gpu_tests_tile_heights_h200.txt": "`python3 -m pytest -q -rfEX tests/test_gpu_tile_heights.py "
                                        "tests/test_gpu_batch.py::test_a_lane_has_the_same_bits_in_every_row_tile_height` "
                                        "(H200)",
