@@ -47,8 +47,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         for lane in range(S):
             p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-            pre, post, logits = d.prefill(lane, p)
-            d.start(lane, p, pre, post, int(logits[0].argmax()), args.k)
+            d.prefill_start(lane, p, args.k)
         return d
 
     dec = decoder(graphs=False)

@@ -75,10 +75,7 @@ def draft_body(dec):
 def start_lane(dec, prompt, k: int) -> int:
     """Prefill lane 0 with prompt and start it (k drafts per round, 0: plain); returns the
     pending (first) token.  Timed graphs then run from the prompt's end."""
-    pre, post, logits = dec.prefill(0, prompt)
-    first = int(logits[0].argmax())
-    dec.start(0, prompt, pre, post, first, k)
-    return first
+    return int(dec.prefill_start(0, prompt, k)[0].argmax())
 
 
 def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):

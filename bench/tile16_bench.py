@@ -42,8 +42,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for lane in range(S):
         p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-        pre, post, logits = dec.prefill(lane, p)
-        dec.start(lane, p, pre, post, int(logits[0].argmax()), 3)
+        dec.prefill_start(lane, p, 3)
     runner = dec.runner
     graphs = dec.step_graphs
     snap = graphs.snapshot()

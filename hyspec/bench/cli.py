@@ -196,8 +196,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
 
         tune_decoder = BatchDecoder(model, args.prompt_len + 160, 1, 1)  # (a timing replays the step 93 times)
         prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
-        pre, post, logits = tune_decoder.prefill(0, prompt)
-        tune_decoder.start(0, prompt, pre, post, int(torch.argmax(logits[0])), 0)
+        tune_decoder.prefill_start(0, prompt, 0)
         tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log)
         result["tuned_gemm"] = {f"{s[0]}x{s[1]}": v for s, v in tuned.items() if s[0] != "moe"}
         if any(s[0] == "moe" for s in tuned):

@@ -65,8 +65,7 @@ class LaneDecoder:
         ms each. Rounds and decode steps advance the lane: each K starts again from the
         prompt (the decoder's max_len leaves room for replays(reps) rounds of K + 1 rows)."""
         dec = self.dec
-        pre, post, logits = dec.prefill(0, prompt)
-        dec.start(0, prompt, pre, post, int(torch.argmax(logits[0])), dec.k_max)
+        dec.prefill_start(0, prompt, dec.k_max)
         ks_all = sorted({t - 1 for t in verify_rows} | set(ks) | {1})
         dec.capture([1], ks_all, decode=True)
         start = dec.step_graphs.snapshot()  # the lane just after the prompt
@@ -105,26 +104,21 @@ class TimedBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def mtp(self, items):
+    def _timed(self, total: str, fn, *args, **kw):
         t0 = time.perf_counter()
         try:
-            return self.inner.mtp(items)
+            return fn(*args, **kw)
         finally:
-            self.draft_s += time.perf_counter() - t0
+            setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
+
+    def mtp(self, items):
+        return self._timed("draft_s", self.inner.mtp, items)
 
     def draft_logits(self, h):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.draft_logits(h)
-        finally:
-            self.draft_s += time.perf_counter() - t0
+        return self._timed("draft_s", self.inner.draft_logits, h)
 
     def verify(self, items, **kw):
-        t0 = time.perf_counter()
-        try:
-            return self.inner.verify(items, **kw)
-        finally:
-            self.verify_s += time.perf_counter() - t0
+        return self._timed("verify_s", self.inner.verify, items, **kw)
 
 
 class ReferenceDecoder:
