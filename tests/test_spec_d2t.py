@@ -88,3 +88,20 @@ def test_draft_argmax_of_the_gpu_runner_equals_the_full_row_argmax(d2t_dir, trit
     h[0] = 0.0  # all scores tie: the first id wins in both
     want = draft_logits(m, h, draft_vocab(m)).argmax(-1)
     assert torch.equal(dec.runner.draft_argmax(h), want)
+
+
+def test_first_ids_draft_vocab_is_put_back(tmp_path):
+    """The bench's reduced draft vocabulary (first ids) holds inside the block only, also
+    when the block raises."""
+    from hyspec.loading import load_model
+    from hyspec.speculative.drafter import draft_vocab, first_ids_draft_vocab
+    from hyspec.tiny import make_tiny
+
+    m = load_model(make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=2, hidden=32, vocab_size=128))
+    before = m.d2t
+    with pytest.raises(RuntimeError):
+        with first_ids_draft_vocab(m, 16):
+            ids, head = draft_vocab(m)
+            assert torch.equal(ids, torch.arange(16)) and head.shape[0] == 16
+            raise RuntimeError("inside")
+    assert m.d2t is before

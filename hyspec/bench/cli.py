@@ -251,20 +251,16 @@ def draft_vocab_figures(model, prompt, args, dev, roofline_ms: float) -> dict:
     rank by), plain and forced / MTP K=3 measured side by side in this run."""
     import copy
 
-    from hyspec.speculative.drafter import build_d2t
+    from hyspec.speculative.drafter import first_ids_draft_vocab
 
     if not model.has_mtp:
         raise ValueError("--draft-vocab needs a model with an MTP head")
     size = args.draft_vocab
     log(f"reduced draft vocabulary: {size} of {model.cfg.vocab_size} ids (the first {size}; random weights)")
-    saved = model.d2t
-    model.d2t = build_d2t(size, model.cfg.vocab_size).to(dev)
-    try:
-        sub = copy.copy(args)
-        sub.ks = [3]
+    sub = copy.copy(args)
+    sub.ks = [3]
+    with first_ids_draft_vocab(model, size):
         figures = bench_variant(model, prompt, sub, True, dev, roofline_ms)
-    finally:
-        model.d2t = saved
     del figures["_decoder"]
     figures["size"] = size
     figures["ids"] = f"first {size} (random weights)"

@@ -111,15 +111,13 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
 def reduced_draft_vocab(model, batches, prompts, references, new_tokens, k, rates, size, slots, max_len, out,
                         log) -> None:
     """Forced speculation (k drafts) at each batch size on a decoder whose drafter scores `size` ids (the first
-    ones: random weights have no corpus to rank by; hyspec.speculative.drafter.build_d2t),
+    ones: random weights have no corpus to rank by; hyspec.speculative.drafter.first_ids_draft_vocab),
     against the full run's plain outputs (references: B -> tokens per prompt) and rates
     (the drafter's vocabulary changes only the drafts, and the forced drafter proposes the
     same tokens); its output must equal those plain outputs."""
-    from hyspec.speculative.drafter import build_d2t
+    from hyspec.speculative.drafter import first_ids_draft_vocab
 
-    saved = model.d2t
-    model.d2t = build_d2t(size, model.cfg.vocab_size).to(model.device)
-    try:
+    with first_ids_draft_vocab(model, size):
         dec = BatchDecoder(model, max_len, k, slots)
         dec.capture(sorted({s for s in dec.sizes if s <= max(batches)}), [k], forced=(True,), decode=False)
         for B in batches:
@@ -134,8 +132,6 @@ def reduced_draft_vocab(model, batches, prompts, references, new_tokens, k, rate
                 f"(x{row['spec_dv_vs_plain']:.2f} over plain), spec == plain: {row['spec_dv_equals_plain']}")
         out["draft_vocab"] = size
         del dec
-    finally:
-        model.d2t = saved
 
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)

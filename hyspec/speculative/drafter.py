@@ -10,6 +10,8 @@ the first row whose pairing is not yet final.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from hyspec.model.ops import StepCtx, linear, upcast
@@ -42,6 +44,19 @@ def build_d2t(size: int, vocab_size: int, counts: torch.Tensor | None = None) ->
             raise ValueError(f"token counts must have shape [{vocab_size}], got {list(counts.shape)}")
         ids = torch.sort(torch.topk(counts.double(), size, sorted=True).indices).values
     return ids - torch.arange(size)
+
+
+@contextmanager
+def first_ids_draft_vocab(model, size: int):
+    """Inside: model drafts over its first `size` ids (build_d2t without counts: random
+    weights have no corpus to rank by); the model's own d2t is put back after. Decoders
+    built inside read it at construction (draft_vocab)."""
+    saved = model.d2t
+    model.d2t = build_d2t(size, model.cfg.vocab_size).to(model.device)
+    try:
+        yield
+    finally:
+        model.d2t = saved
 
 
 def draft_logits(model, h: torch.Tensor, vocab=None, ctx: StepCtx | None = None) -> torch.Tensor:
