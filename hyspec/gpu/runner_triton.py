@@ -346,18 +346,16 @@ class TritonRunner:
                  block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
-    def commit_linear(self, n, t=None, lanes=0) -> None:
-        """After a verify of t rows with n accepted drafts: every GDN layer's state advances
-        by rows 0..n (one kernel for all layers, the decode step's arithmetic).  Batched:
-        t rows per lane, n [lanes] per lane."""
+    def commit_linear(self, n, t: int, lanes: int) -> None:
+        """After a verify of t rows per lane with n [lanes] accepted drafts per lane: every
+        GDN layer's state of the first `lanes` lanes advances by its rows 0..n (one kernel
+        for all layers and lanes, the decode step's arithmetic)."""
         dec, cfg = self.dec, self.cfg
         if not self.gdn_layers:
             return
-        conv_out, proj = self.verify_conv_out, self.verify_proj
-        if lanes:
-            G = conv_out.shape[0]
-            conv_out = conv_out[:, : lanes * t].view(G, lanes, t, conv_out.shape[-1])
-            proj = proj[:, : lanes * t].view(G, lanes, t, proj.shape[-1])
+        G = self.verify_conv_out.shape[0]
+        conv_out = self.verify_conv_out[:, : lanes * t].view(G, lanes, t, -1)
+        proj = self.verify_proj[:, : lanes * t].view(G, lanes, t, -1)
         gdn_replay(conv_out, proj, self.A_log_all, self.dt_bias_all, self.gdn_layers[0].norm_w,
                    dec.ssm, n, self.bufs.delta, nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads,
                    dk=cfg.linear_key_head_dim, dv=cfg.linear_value_head_dim, eps=self.eps,
