@@ -1,8 +1,10 @@
 """The Gated-DeltaNet step kernel at b2's shapes, launched several ways (block of Dv per
 program, warps, grid order, next-row prefetch): time per layer of a decode step, a 4-row
 verify and the commit replay (n accepted drafts, all layers in one launch), the state
-bytes they move and the bandwidth; for each way, whether its states and outputs are
-bitwise those of the current default, and whether a replay of n + 1 rows leaves the
+bytes they move and the bandwidth, the registers of its decode kernel; for each way,
+whether its states and outputs are bitwise those of the first way of the same tile,
+warps and row form (several Dv blocks per decode program must not change a bit), how far
+the two row forms' results are apart, and whether a replay of n + 1 rows leaves the
 state bitwise equal to n + 1 decode steps (the exactness the speculative loop needs).
 GPU only.
 
@@ -16,12 +18,17 @@ import sys
 
 import torch
 
-# (block_v, num_warps, pv_first, prefetch); the first is the default the runner uses, the
-# second the default until 26a63eb (a first run at 26a63eb tried twelve ways, among them
-# 64- and 128-wide blocks on 4 to 16 warps, all slower: git history of
-# bench/results/gdn_bench_h200.json)
-WAYS = [(16, 2, True, True), (32, 4, False, False), (32, 4, True, True), (16, 2, False, True), (16, 4, True, True),
-        (16, 1, True, True), (8, 1, True, True), (8, 2, True, True), (32, 1, True, True), (32, 2, True, True)]
+# (block_v, num_warps, pv_first, prefetch, one_reduction, decode_blocks).  The first is the
+# runner's way until session 12 (the reference's row order: two dependent state reductions and
+# two norms per row), the second the same launch with one state reduction per row
+# (hyspec.kernels.gdn.kernel, ONE_RED), then Dv blocks per decode program (the next
+# block's state loading while this one is updated) and other tiles.  A run at 26a63eb
+# tried twelve ways, among them 64- and 128-wide blocks on 4 to 16 warps, all slower, and
+# one at e468594 the next ten (git history of bench/results/gdn_bench_h200.json).
+WAYS = [(16, 2, True, True, False, 1), (16, 2, True, True, True, 1), (16, 2, True, True, True, 2),
+        (16, 2, True, True, True, 4), (16, 2, True, True, True, 8), (16, 4, True, True, True, 1),
+        (16, 4, True, True, True, 2), (8, 1, True, True, True, 1), (8, 1, True, True, True, 4),
+        (8, 2, True, True, True, 1), (32, 4, True, True, True, 1), (32, 4, True, True, True, 2)]
 
 
 def main() -> None:
@@ -78,11 +85,14 @@ def main() -> None:
         torch.cuda.synchronize()
         return e0.elapsed_time(e1) / args.reps * 1e3  # us
 
-    base = {}
-    for bv, warps, pvf, pf in WAYS[: args.ways]:
-        gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf)
-        name = f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}"
-        row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf, "lanes": {}}
+    base, form_base = {}, {}
+    for bv, warps, pvf, pf, one_red, nbp in WAYS[: args.ways]:
+        gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
+                              decode_blocks=nbp, decode_blocks_min_lanes=1)
+        name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
+                f"{f'_dec{nbp}' if nbp > 1 else ''}")
+        row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf,
+               "one_reduction": one_red, "decode_blocks": nbp, "lanes": {}}
         try:
             for B in lanes_list:
                 ssm = ssm0[:, :B].clone()
@@ -107,7 +117,10 @@ def main() -> None:
                 def replay():
                     gdn_replay(y[:, :B], proj[:, :B], A_log, dtb, nw, ssm, ncount, o1, block_v=bv, lanes=B, **kw)
 
-                t_dec, t_ver, t_rep = timed(decode), timed(verify), timed(replay)
+                t_dec = timed(decode)
+                ck = gk.LAST.get("gdn_step")
+                regs = {"n_regs": getattr(ck, "n_regs", None), "n_spills": getattr(ck, "n_spills", None)}
+                t_ver, t_rep = timed(verify), timed(replay)
                 # bits: one decode step / a verify's outputs / a replay from ssm0, against the default way
                 ssm.copy_(ssm0[:, :B])
                 decode()
@@ -126,21 +139,31 @@ def main() -> None:
                         gdn_step(yr[gi], pr[gi], A_log[gi], dtb[gi], nw, seq[gi], o1, rows=B, block_v=bv, lanes=B,
                                  state_lane_stride=seq.stride(1), **kw)
                 replay_exact = bool(torch.equal(seq, bits["replay_state"]))
-                if not base.get(B):
-                    base[B] = bits
-                same = {k: bool(torch.equal(v, base[B][k])) for k, v in bits.items()}
-                maxdiff = max(float((v.float() - base[B][k].float()).abs().max()) for k, v in bits.items())
+                # bits: against the first way of the same tile, warps and form (a way with
+                # several decode blocks per program must equal its one-block way), and the
+                # first way of the other form (rounding only)
+                key = (B, bv, warps, one_red)
+                base.setdefault(key, bits)
+                form_base.setdefault((B, one_red), bits)
+                same = {k: bool(torch.equal(v, base[key][k])) for k, v in bits.items()}
+                maxdiff = max(float((v.float() - base[key][k].float()).abs().max()) for k, v in bits.items())
+                other = form_base.get((B, not one_red))
+                form_diff = (max(float((v.float() - other[k].float()).abs().max()) for k, v in bits.items())
+                             if other else None)
                 gb = state_bytes * B / 1e9
                 row["lanes"][B] = {
                     "decode_us_per_layer": t_dec / G, "verify_us_per_layer": t_ver / G, "replay_us_all_layers": t_rep,
                     "decode_TBs": 2 * gb * G / (t_dec * 1e-6) / 1e3, "verify_TBs": gb * G / (t_ver * 1e-6) / 1e3,
                     "replay_TBs": 2 * gb * G / (t_rep * 1e-6) / 1e3, "replay_equals_decode_steps": replay_exact,
-                    "bitwise_as_default": same, "max_abs_diff_vs_default": maxdiff}
+                    "bitwise_as_default": same, "max_abs_diff_vs_default": maxdiff,
+                    "max_abs_diff_vs_other_form": form_diff, "last_kernel": regs}
                 r = row["lanes"][B]
                 print(f"{name:22s} B={B:3d}: decode {r['decode_us_per_layer']:7.1f} us/layer ({r['decode_TBs']:.2f} TB/s)"
                       f"  verify t={T} {r['verify_us_per_layer']:7.1f} us/layer ({r['verify_TBs']:.2f} TB/s)"
                       f"  replay n={n} {t_rep:7.1f} us ({r['replay_TBs']:.2f} TB/s)  replay==steps {replay_exact}"
-                      f"  same bits as default: {all(same.values())} (max diff {maxdiff:.2g})", flush=True)
+                      f"  same bits as its one-block way: {all(same.values())} (max diff {maxdiff:.2g};"
+                      f" vs the other form {form_diff if form_diff is None else f'{form_diff:.2g}'})"
+                      f"  regs {regs['n_regs']} spills {regs['n_spills']}", flush=True)
         except Exception as e:  # noqa: BLE001 - a way that does not compile or run: recorded
             row["error"] = f"{type(e).__name__}: {e}"
             print(f"{name}: {row['error']}", flush=True)

@@ -59,6 +59,11 @@ def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v):
         o1 = torch.empty(1, nv * dv)
         gdn_step(y[r: r + 1], proj[r: r + 1], A_log, dtb, nw, S, o1, rows=1, block_v=block_v, **kw)
         assert torch.equal(o1[0], o[r]) and torch.equal(S, states[r]), r
+        for nbp in (2, 3):  # several Dv blocks per program (the batch decode's launch): same bits
+            Sb, ob = (states[r - 1] if r else S0).clone(), torch.empty(1, nv * dv)
+            gdn_step(y[r: r + 1], proj[r: r + 1], A_log, dtb, nw, Sb, ob, rows=1, block_v=block_v,
+                     blocks_per_program=nbp, **kw)
+            assert torch.equal(ob[0], o[r]) and torch.equal(Sb, states[r]), (r, nbp)
     assert_rel("final state", S, S_ref, 1e-5)
     keep = S0.clone()  # keep_state: output only, the state untouched
     o2 = torch.empty(T, nv * dv)

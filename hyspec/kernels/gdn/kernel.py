@@ -67,7 +67,8 @@ def _kernels():
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
                          T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
-                         PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False):
+                         PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
+                         NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -77,8 +78,14 @@ def _kernels():
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         # PVF: a head's Dv blocks are neighbouring programs (they read one row of the state
-        # together); PF: the next row's vectors are loaded before this row's arithmetic.
-        # Neither changes an operation on a value.
+        # together); PF: the next row's vectors are loaded before this row's arithmetic;
+        # NBP: Dv blocks per program, one after the other, the next block's state loading
+        # while this one is updated.  None of them changes an operation on a value.
+        # ONE_RED: per row one reduction over Dk of the state (k.S and q.S of the state
+        # before the row, together) and one of the row's vectors (k.k, q.q, q.k), with
+        # q.S_t = e q.S_{t-1} + (q.k) delta; else the reference's order (decay, k.S, update,
+        # then q.S_t: two dependent state reductions and two norms per row).  The two
+        # forms round differently; decode, verify and replay always share one.
         if PVF:
             pv = tl.program_id(0)
             h = tl.program_id(1)
@@ -99,73 +106,98 @@ def _kernels():
             T = tl.load(n_ptr + lane).to(tl.int32) + 1
         hk = h // R
         ok = tl.arange(0, BK)
-        ov = pv * BV + tl.arange(0, BV)
         mk = ok < DK
-        mv = ov < DV
-        m2 = mk[:, None] & mv[None, :]
-        soff = h.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :]
-        S = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
         A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h).to(tl.float32)
-        nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
         DT = o_ptr.dtype.element_ty
-        if PF:
-            kn = tl.load(y_ptr + KD + hk * DK + ok, mask=mk, other=0.0)  # row 0 (T >= 1 always)
-            vn = tl.load(y_ptr + 2 * KD + h * DV + ov, mask=mv, other=0.0)
-            bn = tl.load(p_ptr + C + VD + h)
-            an = tl.load(p_ptr + C + VD + NV + h)
-            qn = tl.load(y_ptr + hk * DK + ok, mask=mk, other=0.0)  # (unused by a replay)
-        for t in range(T):
-            yrow = y_ptr + t * sy
-            prow = p_ptr + t * sp
-            if PF:
-                k = kn.to(tl.float32)
-                v = vn.to(tl.float32)
-                b = bn.to(tl.float32)
-                a = an.to(tl.float32)
-                tn = tl.minimum(t + 1, T - 1)  # the next row (the last row again at the end: unused)
-                kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
-                vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
-                bn = tl.load(p_ptr + tn * sp + C + VD + h)
-                an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
-                qc = qn
-                qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)  # (unused by a replay)
+        for j in tl.static_range(NBP):
+            ov = (pv * NBP + j) * BV + tl.arange(0, BV)
+            mv = ov < DV
+            m2 = mk[:, None] & mv[None, :]
+            soff = h.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :]
+            if j == 0:
+                S = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
             else:
-                k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
-                v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
-                b = tl.load(prow + C + VD + h).to(tl.float32)
-                a = tl.load(prow + C + VD + NV + h).to(tl.float32)
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-            beta = 1.0 / (1.0 + tl.exp(-b))
-            xa = a + dtb
-            spl = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
-            g = A * spl
-            S = S * tl.exp(g)
-            kS = tl.sum(k[:, None] * S, axis=0)
-            delta = (v - kS) * beta
-            S = S + k[:, None] * delta[None, :]
-            if mode == 2:
-                tl.store(st_ptr + t * st_t + soff, S, mask=m2)
-            elif mode == 1:
-                if t == T - 1:
-                    tl.store(st_ptr + soff, S, mask=m2)
-            if replay == 0:
+                S = S_next  # noqa: F821 - loaded by the block before (static loop)
+            if j + 1 < NBP:
+                S_next = tl.load(s_ptr + soff + BV, mask=mk[:, None] & (ov[None, :] + BV < DV),  # noqa: F841 - read by the next block (static loop)
+                                 other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
+            if PF:
+                kn = tl.load(y_ptr + KD + hk * DK + ok, mask=mk, other=0.0)  # row 0 (T >= 1 always)
+                vn = tl.load(y_ptr + 2 * KD + h * DV + ov, mask=mv, other=0.0)
+                bn = tl.load(p_ptr + C + VD + h)
+                an = tl.load(p_ptr + C + VD + NV + h)
+                qn = tl.load(y_ptr + hk * DK + ok, mask=mk, other=0.0)
+            for t in range(T):
+                yrow = y_ptr + t * sy
+                prow = p_ptr + t * sp
                 if PF:
-                    q = qc.to(tl.float32)
+                    k = kn.to(tl.float32)
+                    v = vn.to(tl.float32)
+                    b = bn.to(tl.float32)
+                    a = an.to(tl.float32)
+                    q = qn.to(tl.float32)
+                    tn = tl.minimum(t + 1, T - 1)  # the next row (the last row again at the end: unused)
+                    kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
+                    vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
+                    bn = tl.load(p_ptr + tn * sp + C + VD + h)
+                    an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
+                    qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)
                 else:
+                    k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                    v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+                    b = tl.load(prow + C + VD + h).to(tl.float32)
+                    a = tl.load(prow + C + VD + NV + h).to(tl.float32)
                     q = tl.load(yrow + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
-                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-                o = tl.sum(q[:, None] * S, axis=0)
-                if NORM:  # this program holds the whole head: gated RMSNorm here
-                    z = tl.load(prow + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
-                    ob = o.to(DT).to(tl.float32)
-                    var = tl.sum(ob * ob, axis=0) / DV
-                    xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
-                    yv = (nw * xh).to(DT).to(tl.float32)
-                    out = yv * (z / (1.0 + tl.exp(-z)))
-                    tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
-                else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
-                    tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
+                beta = 1.0 / (1.0 + tl.exp(-b))
+                xa = a + dtb
+                spl = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
+                g = A * spl
+                if ONE_RED:
+                    e = tl.exp(g)
+                    # k.k, q.q, q.k in one reduction (a replay computes them too: the same
+                    # instructions as the decode step's, so the same bits)
+                    vec = tl.sum(tl.join(tl.join(k * k, q * q), tl.join(q * k, q * k)), axis=0)
+                    kkqq, qk2 = tl.split(vec)
+                    kk, qq = tl.split(kkqq)
+                    qk, _qk = tl.split(qk2)
+                    rk = tl.rsqrt(kk + 1e-6)
+                    rq = tl.rsqrt(qq + 1e-6) * scale
+                    k = k * rk
+                    q = q * rq
+                    # k.S and q.S of the state before this row, in one reduction
+                    red = tl.sum(tl.join(k[:, None] * S, q[:, None] * S), axis=0)
+                    kS, qS = tl.split(red)
+                    delta = (v - kS * e) * beta
+                    S = S * e
+                    S = S + k[:, None] * delta[None, :]
+                    o = qS * e + (qk * (rk * rq)) * delta  # q.S after the row
+                else:
+                    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+                    S = S * tl.exp(g)
+                    kS = tl.sum(k[:, None] * S, axis=0)
+                    delta = (v - kS) * beta
+                    S = S + k[:, None] * delta[None, :]
+                if mode == 2:
+                    tl.store(st_ptr + t * st_t + soff, S, mask=m2)
+                elif mode == 1:
+                    if t == T - 1:
+                        tl.store(st_ptr + soff, S, mask=m2)
+                if replay == 0:
+                    if not ONE_RED:
+                        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+                        o = tl.sum(q[:, None] * S, axis=0)
+                    if NORM:  # this program holds the whole head: gated RMSNorm here
+                        z = tl.load(prow + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+                        ob = o.to(DT).to(tl.float32)
+                        var = tl.sum(ob * ob, axis=0) / DV
+                        xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+                        yv = (nw * xh).to(DT).to(tl.float32)
+                        out = yv * (z / (1.0 + tl.exp(-z)))
+                        tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
+                    else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
+                        tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
 
     @triton.jit(do_not_specialize=["T"])
     def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr, PDL: tl.constexpr = False):
@@ -218,7 +250,10 @@ def _env_launch() -> dict:
         return os.environ.get(name, "1") not in ("", "0")
 
     return {"num_warps": int(os.environ.get("HYSPEC_GDN_WARPS", "0")) or None,
-            "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH")}
+            "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH"),
+            "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
+            "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
+            "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "2"))}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -227,20 +262,37 @@ def _env_launch() -> dict:
 # (Dv blocks, heads, ...) instead of (heads, Dv blocks, ...); prefetch: the next row's
 # vectors load during this row's arithmetic.  None of them changes an operation on a
 # value; num_warps changes how tl.sum splits a reduction (so the bits may differ from
-# another setting's, never between decode, verify and replay).  Benches set it
-# (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH at import (the last two
-# on by default: measured on the H200 with bench/gdn_bench.py, docs/gpu.md).
+# another setting's, never between decode, verify and replay).  one_reduction: the form of
+# the row arithmetic (the kernel's ONE_RED; it changes the rounding, so it is one setting
+# for every call of a process).  decode_blocks: Dv blocks per program of a decode step
+# (one row per lane, state written) from decode_blocks_min_lanes lanes up; the per-block
+# arithmetic is the same instructions, so the bits are those of one block per program
+# (bench/gdn_bench.py checks it for every way it times; verify and replay keep one block).
+# Benches set these (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH /
+# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES at import (measured on the
+# H200 with bench/gdn_bench.py, docs/gpu.md).
 STEP_LAUNCH = _env_launch()
+LAST: dict = {}  # the compiled step kernel of the last gdn_step call (benches read its registers)
 
 
 def _step_grid(nv, nvb, third):
     return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
 
 
-def _step_meta(BK, BV, norm) -> dict:
+def _step_meta(BK, BV, norm, nbp=1) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV <= 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
-                num_warps=nw, **launch_kwargs())
+                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), num_warps=nw, **launch_kwargs())
+
+
+def _decode_blocks(nvb, lanes, rows_per_lane, mode, blocks_per_program) -> int:
+    """Dv blocks per program: the caller's, else STEP_LAUNCH's for a decode step of enough
+    lanes, else one; never more than the head has."""
+    if blocks_per_program is None:
+        one_row = rows_per_lane == 1 and mode == 1
+        blocks_per_program = STEP_LAUNCH["decode_blocks"] if (
+            one_row and lanes >= STEP_LAUNCH["decode_blocks_min_lanes"]) else 1
+    return max(1, min(int(blocks_per_program), nvb))
 
 
 def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, state_lane_stride=0,
@@ -276,7 +328,7 @@ def gdn_window_commit(conv, conv_in, j, nb: int, t: int):
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
-             block_v=None, keep_state=False, lanes=1, state_lane_stride=0):
+             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
     every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
     written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
@@ -284,7 +336,9 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     every case. block_v < Dv splits each head's Dv over several programs (more
     parallelism) and applies the gated norm in a second kernel; the choice must not depend
     on the row count (it does not here).  lanes > 1: rows // lanes rows per sequence
-    (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states)."""
+    (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states).
+    blocks_per_program: Dv blocks per program (None: STEP_LAUNCH's choice; the bits do not
+    depend on it)."""
     if states is not None and lanes > 1:
         raise ValueError("gdn_step: per-row states are recorded for one lane only")
     if states is not None:
@@ -294,11 +348,13 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     BK, BV, norm = _gdn_blocks(dk, dv, block_v)
     ks = _kernels()
     TL = rows // lanes
-    ks["gdn_step"][_step_grid(nv, -(-dv // BV), lanes)](
+    nvb = -(-dv // BV)
+    nbp = _decode_blocks(nvb, lanes, TL, mode, blocks_per_program)
+    LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), **_step_meta(BK, BV, norm))
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
