@@ -18,6 +18,7 @@ CASES = [
     (1, 3, 6, 5, 3, 2),  # three value heads per key head, odd dims
     (2, 4, 12, 10, 4, 3),  # T < W - 1: the window's older rows still feed the last row
     (2, 2, 9, 17, 4, 5),  # T > W - 1; Dv past a power of two (block_v 8: three programs)
+    (2, 4, 8, 16, 4, 3),  # tiles that cover Dk and Dv exactly: the state without masks
 ]
 
 

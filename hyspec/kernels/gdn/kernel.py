@@ -68,7 +68,7 @@ def _kernels():
                          T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-                         NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True):
+                         NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -86,6 +86,10 @@ def _kernels():
         # q.S_t = e q.S_{t-1} + (q.k) delta; else the reference's order (decay, k.S, update,
         # then q.S_t: two dependent state reductions and two norms per row).  The two
         # forms round differently; decode, verify and replay always share one.
+        # EVEN: the tiles cover Dk and Dv exactly (no masks on the state).  The state's
+        # offsets inside a head are int32 (the head's base is a scalar int64 pointer): a
+        # [Dk, block] tile of int64 offsets, pointers and masks kept across the row loop
+        # took registers enough to spill (255 per thread, 22 spilled, at b2's shapes).
         if PVF:
             pv = tl.program_id(0)
             h = tl.program_id(1)
@@ -97,8 +101,8 @@ def _kernels():
         lay = pid2 // NB
         y_ptr += lay * sy_g + lane * sy_b
         p_ptr += lay * sp_g + lane * sp_b
-        s_ptr += lay * ss_g + lane * ss_b
-        st_ptr += lay * ss_g + lane * ss_b
+        s_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
+        st_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
         o_ptr += lane * so_b
         alog_ptr += lay * sa_g
         dtb_ptr += lay * sa_g
@@ -114,14 +118,20 @@ def _kernels():
             ov = (pv * NBP + j) * BV + tl.arange(0, BV)
             mv = ov < DV
             m2 = mk[:, None] & mv[None, :]
-            soff = h.to(tl.int64) * DK * DV + ok[:, None] * DV + ov[None, :]
+            soff = ok[:, None] * DV + ov[None, :]  # int32: inside the head
             if j == 0:
-                S = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
+                if EVEN:
+                    S = tl.load(s_ptr + soff).to(tl.float32)
+                else:
+                    S = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
             else:
                 S = S_next  # noqa: F821 - loaded by the block before (static loop)
-            if j + 1 < NBP:
-                S_next = tl.load(s_ptr + soff + BV, mask=mk[:, None] & (ov[None, :] + BV < DV),  # noqa: F841 - read by the next block (static loop)
-                                 other=0.0).to(tl.float32)
+            if j + 1 < NBP:  # noqa: F841 below: S_next is read by the next block (static loop)
+                if EVEN:
+                    S_next = tl.load(s_ptr + soff + BV).to(tl.float32)  # noqa: F841
+                else:
+                    S_next = tl.load(s_ptr + soff + BV, mask=mk[:, None] & (ov[None, :] + BV < DV),  # noqa: F841
+                                     other=0.0).to(tl.float32)
             nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
             if PF:
                 kn = tl.load(y_ptr + KD + hk * DK + ok, mask=mk, other=0.0)  # row 0 (T >= 1 always)
@@ -156,8 +166,7 @@ def _kernels():
                 g = A * spl
                 if ONE_RED:
                     e = tl.exp(g)
-                    # k.k, q.q, q.k in one reduction (a replay computes them too: the same
-                    # instructions as the decode step's, so the same bits)
+                    # k.k, q.q, q.k in one reduction
                     vec = tl.sum(tl.join(tl.join(k * k, q * q), tl.join(q * k, q * k)), axis=0)
                     kkqq, qk2 = tl.split(vec)
                     kk, qq = tl.split(kkqq)
@@ -166,13 +175,14 @@ def _kernels():
                     rq = tl.rsqrt(qq + 1e-6) * scale
                     k = k * rk
                     q = q * rq
+                    qf = qk * (rk * rq)
                     # k.S and q.S of the state before this row, in one reduction
                     red = tl.sum(tl.join(k[:, None] * S, q[:, None] * S), axis=0)
                     kS, qS = tl.split(red)
                     delta = (v - kS * e) * beta
                     S = S * e
                     S = S + k[:, None] * delta[None, :]
-                    o = qS * e + (qk * (rk * rq)) * delta  # q.S after the row
+                    o = qS * e + qf * delta  # q.S after the row
                 else:
                     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
                     S = S * tl.exp(g)
@@ -180,10 +190,16 @@ def _kernels():
                     delta = (v - kS) * beta
                     S = S + k[:, None] * delta[None, :]
                 if mode == 2:
-                    tl.store(st_ptr + t * st_t + soff, S, mask=m2)
+                    if EVEN:
+                        tl.store(st_ptr + t * st_t + soff, S)
+                    else:
+                        tl.store(st_ptr + t * st_t + soff, S, mask=m2)
                 elif mode == 1:
                     if t == T - 1:
-                        tl.store(st_ptr + soff, S, mask=m2)
+                        if EVEN:
+                            tl.store(st_ptr + soff, S)
+                        else:
+                            tl.store(st_ptr + soff, S, mask=m2)
                 if replay == 0:
                     if not ONE_RED:
                         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
@@ -252,8 +268,8 @@ def _env_launch() -> dict:
     return {"num_warps": int(os.environ.get("HYSPEC_GDN_WARPS", "0")) or None,
             "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH"),
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
-            "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
-            "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "2"))}
+            "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "2")),
+            "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8"))}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -264,7 +280,9 @@ def _env_launch() -> dict:
 # value; num_warps changes how tl.sum splits a reduction (so the bits may differ from
 # another setting's, never between decode, verify and replay).  one_reduction: the form of
 # the row arithmetic (the kernel's ONE_RED; it changes the rounding, so it is one setting
-# for every call of a process).  decode_blocks: Dv blocks per program of a decode step
+# for every call of a process; a replay computes q's sums too, unused: a replay that
+# reduced k alone gave other bits in the interpreter, whose sums of a joined tensor run
+# in another order).  decode_blocks: Dv blocks per program of a decode step
 # (one row per lane, state written) from decode_blocks_min_lanes lanes up; the per-block
 # arithmetic is the same instructions, so the bits are those of one block per program
 # (bench/gdn_bench.py checks it for every way it times; verify and replay keep one block).
@@ -279,10 +297,11 @@ def _step_grid(nv, nvb, third):
     return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
 
 
-def _step_meta(BK, BV, norm, nbp=1) -> dict:
+def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV <= 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
-                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), num_warps=nw, **launch_kwargs())
+                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % (BV * nbp) == 0,
+                num_warps=nw, **launch_kwargs())
 
 
 def _decode_blocks(nvb, lanes, rows_per_lane, mode, blocks_per_program) -> int:
@@ -354,7 +373,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp))
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
@@ -389,5 +408,5 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
-        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm))
+        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv))
     return ssm
