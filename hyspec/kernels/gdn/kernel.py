@@ -268,13 +268,14 @@ def _env_launch() -> dict:
     return {"num_warps": int(os.environ.get("HYSPEC_GDN_WARPS", "0")) or None,
             "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH"),
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
-            "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "2")),
+            "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8"))}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
-# binary).  num_warps None: 2 for tiles of <= 2048 elements (Dk 128 x a 16-wide Dv
-# block, the runner's default), 4 below 8192, else 8; pv_first: grid
+# binary).  num_warps None: 2 for tiles below 2048 elements, 4 from 2048 (Dk 128 x a
+# 16-wide Dv block, the runner's default: 128 registers per thread on 4 warps, 232 on 2;
+# bench/results/gdn_bench_h200.json at f666dc9) up to 8191, else 8; pv_first: grid
 # (Dv blocks, heads, ...) instead of (heads, Dv blocks, ...); prefetch: the next row's
 # vectors load during this row's arithmetic.  None of them changes an operation on a
 # value; num_warps changes how tl.sum splits a reduction (so the bits may differ from
@@ -286,6 +287,8 @@ def _env_launch() -> dict:
 # (one row per lane, state written) from decode_blocks_min_lanes lanes up; the per-block
 # arithmetic is the same instructions, so the bits are those of one block per program
 # (bench/gdn_bench.py checks it for every way it times; verify and replay keep one block).
+# It is off (1): two blocks helped at b33b848, when the kernel spilled, and lost at
+# f666dc9 (batch 16: 28.3 vs 27.8 us per layer on 2 warps, 32.7 vs 27.4 on 4).
 # Benches set these (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH /
 # _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES at import (measured on the
 # H200 with bench/gdn_bench.py, docs/gpu.md).
@@ -298,7 +301,7 @@ def _step_grid(nv, nvb, third):
 
 
 def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
-    nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV <= 2048 else 4 if BK * BV < 8192 else 8)
+    nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % (BV * nbp) == 0,
                 num_warps=nw, **launch_kwargs())
