@@ -184,6 +184,10 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
     if name == "exactness":
         what = f", {t['prompts']} prompts × {num(t['tokens'], 0)} tokens" if t.get("tokens") else ""
         return "greedy speculative == plain (K=3, forced and MTP)", ("bitwise" if v else "**differs**") + what
+    if name == "exactness_coupled":
+        what = f", {t['prompts']} prompts × {num(t['tokens'], 0)} tokens" if t.get("tokens") else ""
+        return ("coupled sampled speculative == plain (K=3, forced and MTP; T=0.8, top-p 0.95)",
+                ("bitwise" if v else "**differs**") + what)
     m = re.fullmatch(r"plain_B(\d+)_vs_B(\d+)", name)
     if m:
         return f"plain aggregate tok/s, batch {m.group(1)} ÷ batch {m.group(2)}", times(v)

@@ -302,5 +302,9 @@ def test_bench_cpu_smoke(tmp_path, capsys) -> None:
         for K in ("1", "2"):
             assert ex["spec"][kind][K]["tokens_equal_plain"], (kind, K)
     assert r["exactness"]["all_equal"]
+    # coupled sampling: speculative == plain for each prompt, and the sampled run is not the greedy one
+    assert r["exactness"]["coupled_all_equal"] and r["exactness"]["coupled"]["mode"] == "coupled"
+    row = r["exactness"]["prompts"][0]
+    assert row["coupled"]["forced"]["equal"] and row["coupled"]["mtp"]["equal"]
     assert r["targets"] == {}  # the GPU targets are not judged on the CPU
     assert "hyspec bench" in capsys.readouterr().out

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, typ, gpu, cpu, what in DEVICE_DEFAULTS:
         ap.add_argument(flag, type=typ, default=None, help=f"{what} (default: {gpu} on a GPU, {cpu} on the CPU)")
     ap.add_argument("--forced", default="0.9,0.8,0.7,0.6", help="forced drafter acceptance rate by depth")
+    ap.add_argument("--exact-coupled", action=argparse.BooleanOptionalAction, default=True,
+                    help="the exactness check also compares speculative with plain coupled sampling (T=0.8, "
+                         "top-p 0.95, a seed per prompt), token for token")
     ap.add_argument("--tune", default="none", choices=["none", "step"],
                     help="GEMM config search before measuring: none (the shipped configs: "
                          "hyspec.kernels.matmul.BUILTIN, picked in the step on the H200, else shape defaults), "
@@ -335,7 +338,8 @@ def main(argv=None) -> int:
     exact_decoder = run_variants(model, prompt, args, dev, roofline_ms, result, save)
     if exact_decoder is not None and args.exact_prompts > 0:
         try:
-            log("exactness check (exact variant): speculative K=3 vs plain, bitwise")
+            log("exactness check (exact variant): speculative K=3 vs plain, bitwise"
+                + (", greedy and coupled sampling" if args.exact_coupled else ""))
             result["exactness"] = exactness_check(model, args, dev, exact_decoder)
         except Exception as e:
             result["errors"]["exactness"] = failure(e)

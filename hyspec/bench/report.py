@@ -125,6 +125,13 @@ def targets(result: dict) -> dict:
         out["exactness"] = {"value": exactness["all_equal"], "tokens": tokens, "prompts": n,
                             "target": f"{goal['exact_prompts']} x {goal['exact_tokens']} tokens bitwise",
                             "met": bool(exactness["all_equal"]) and enough}
+        if "coupled_all_equal" in exactness:
+            c = exactness["coupled"]
+            out["exactness_coupled"] = {
+                "value": exactness["coupled_all_equal"], "tokens": tokens, "prompts": n,
+                "sampling": f"coupled, T={c['temperature']}, top-p {c['top_p']}, a seed per prompt",
+                "target": f"{goal['exact_prompts']} x {goal['exact_tokens']} tokens bitwise",
+                "met": bool(exactness["coupled_all_equal"]) and enough}
     return out
 
 
@@ -158,7 +165,8 @@ def print_table(result: dict) -> None:
     if "exactness" in result:
         e = result["exactness"]
         log(f"-- exactness: {len(e['prompts'])} prompts x {e['tokens']} tokens, K=3 forced + MTP == plain: "
-            f"{e['all_equal']}")
+            f"{e['all_equal']}" + (f"; coupled sampling (T={e['coupled']['temperature']}, top-p "
+                                  f"{e['coupled']['top_p']}): {e['coupled_all_equal']}" if "coupled" in e else ""))
     if "hf" in result:
         hf = result["hf"]
         log(f"-- transformers generate: {hf.get('decode_tok_s', 0):.1f} tok/s (fla: {hf.get('fla_importable')})")

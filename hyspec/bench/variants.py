@@ -49,10 +49,10 @@ class LaneDecoder:
         self.dec = BatchDecoder(model, max_len, k_max, 1, exact=exact)
         self.runner = self.dec.runner
 
-    def run(self, prompt, n: int, k: int = 0, forced_rates=None, reference=None):
+    def run(self, prompt, n: int, k: int = 0, forced_rates=None, reference=None, params=None):
         from hyspec.gpu.batch_loop import decode_one
 
-        return decode_one(self.dec, prompt, n, k=k, forced_rates=forced_rates, reference=reference)
+        return decode_one(self.dec, prompt, n, k=k, forced_rates=forced_rates, reference=reference, params=params)
 
     @staticmethod
     def replays(reps: int, warmup: int = 2) -> int:
@@ -132,15 +132,16 @@ class ReferenceDecoder:
         self.model = model
         self.last_phases = None
 
-    def run(self, prompt, n: int, k: int = 0, forced_rates=None, reference=None):
-        from hyspec.core.request import Request
+    def run(self, prompt, n: int, k: int = 0, forced_rates=None, reference=None, params=None):
+        from hyspec.core.request import GREEDY, Request
         from hyspec.core.scheduler import Scheduler
         from hyspec.decode import run_request
         from hyspec.speculative.loop import SpecOptions
 
         backend = TimedBackend(self.model)
         spec = SpecOptions(k=k, forced_rates=forced_rates) if k > 0 else None
-        req = Request(prompt_ids=list(prompt), max_new_tokens=n, draft=k, spec=spec, reference=reference)
+        req = Request(prompt_ids=list(prompt), max_new_tokens=n, params=params or GREEDY, draft=k, spec=spec,
+                      reference=reference)
         res = run_request(self.model, req, Scheduler(self.model, max_batch=1, backend=backend))
         rounds = res.stats.get("target_forwards") or 1
         dec_s = res.stats.get("decode_s") or 0.0
@@ -297,28 +298,56 @@ def moe_figures(runner, plain_counts: dict, spec_counts: dict, roofline_ms: floa
             "drafter_by_rows": {t: c["experts_per_layer"] for t, c in draft.items()}}
 
 
+# the sampled half of the exactness check: coupled mode (Gumbel-max with position-keyed
+# noise), whose speculative output must equal its plain output token for token
+COUPLED = dict(temperature=0.8, top_p=0.95, mode="coupled")
+
+
 def exactness_check(model, args, dev, decoder) -> dict:
-    """Greedy speculative (K=3; forced 0.9/0.8/0.7/0.6 and the real MTP) vs plain, bitwise,
-    on the exact variant's decoder."""
+    """Speculative (K=3; forced 0.9/0.8/0.7/0.6 and the real MTP) vs plain, bitwise, on the
+    exact variant's decoder: greedy, and (args.exact_coupled) coupled sampling at T=0.8,
+    top-p 0.95 with a seed per prompt."""
+    from hyspec.sampling import SamplingParams
+
     vocab_size = model.cfg.vocab_size
     report = {"tokens": args.exact_tokens, "prompts": [], "k": 3, "decoder": decoder.kind}
+    if getattr(args, "exact_coupled", False):
+        report["coupled"] = dict(COUPLED)
     rates = tuple(float(x) for x in args.forced.split(","))
-    for i in range(args.exact_prompts):
-        generator = torch.Generator().manual_seed(1000 + i)
-        prompt = torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist()
-        plain = decoder.run(prompt, args.exact_tokens)
-        row = {"prompt_seed": 1000 + i, "plain_tok_s": plain.stats["decode_tok_s"]}
+
+    def against(prompt, plain, params=None) -> dict:
+        row = {}
         for drafter in ("forced", "mtp"):
             spec = decoder.run(prompt, args.exact_tokens, k=3, forced_rates=rates if drafter == "forced" else None,
-                               reference=plain.tokens)
+                               reference=plain.tokens, params=params)
             row[drafter] = {"equal": spec.tokens == plain.tokens,
                             "first_mismatch": first_mismatch(spec.tokens, plain.tokens),
                             "tok_s": spec.stats["decode_tok_s"],
                             "acceptance_length": spec.stats["spec"]["acceptance_length"], "n": len(spec.tokens)}
+        return row
+
+    for i in range(args.exact_prompts):
+        generator = torch.Generator().manual_seed(1000 + i)
+        prompt = torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist()
+        plain = decoder.run(prompt, args.exact_tokens)
+        row = {"prompt_seed": 1000 + i, "plain_tok_s": plain.stats["decode_tok_s"], **against(prompt, plain)}
         row["distinct_tokens_in_plain"] = len(set(plain.tokens))
+        msg = (f"  exactness prompt {i}: forced equal={row['forced']['equal']} "
+               f"(L={row['forced']['acceptance_length']:.2f}) mtp equal={row['mtp']['equal']}; "
+               f"{row['distinct_tokens_in_plain']} distinct tokens")
+        if "coupled" in report:
+            params = SamplingParams(seed=2000 + i, **COUPLED)
+            plain_c = decoder.run(prompt, args.exact_tokens, params=params)
+            row["coupled"] = {"seed": 2000 + i, "plain_tok_s": plain_c.stats["decode_tok_s"],
+                              "distinct_tokens_in_plain": len(set(plain_c.tokens)),
+                              **against(prompt, plain_c, params)}
+            c = row["coupled"]
+            msg += (f"; coupled (seed {2000 + i}): forced equal={c['forced']['equal']} "
+                    f"(L={c['forced']['acceptance_length']:.2f}) mtp equal={c['mtp']['equal']}")
         report["prompts"].append(row)
-        log(f"  exactness prompt {i}: forced equal={row['forced']['equal']} "
-            f"(L={row['forced']['acceptance_length']:.2f}) mtp equal={row['mtp']['equal']}; "
-            f"{row['distinct_tokens_in_plain']} distinct tokens")
+        log(msg)
     report["all_equal"] = all(r["forced"]["equal"] and r["mtp"]["equal"] for r in report["prompts"])
+    if "coupled" in report:
+        report["coupled_all_equal"] = all(r["coupled"]["forced"]["equal"] and r["coupled"]["mtp"]["equal"]
+                                          for r in report["prompts"])
     return report
