@@ -361,9 +361,15 @@ def main(argv=None) -> int:
     if args.hf_tokens > 0:
         try:
             log("transformers generate (same weights)")
-            result["hf"] = hf_generate(model, prompt, args.hf_tokens, dev, dtype, model_dir=args.model)
-            log(f"  HF: {result['hf'].get('decode_tok_s', 0):.1f} tok/s (fla importable: "
-                f"{result['hf'].get('fla_importable')})")
+            result["hf"] = hf = hf_generate(model, prompt, args.hf_tokens, dev, dtype, model_dir=args.model)
+            ours = ((result.get("variants") or {}).get("exact") or {}).get("plain", {}).get("tok_s")
+            if hf.get("decode_tok_s") and ours:
+                hf["hyspec_plain_vs_hf"] = ours / hf["decode_tok_s"]  # the baseline ratio
+            if "skipped" in hf:
+                log(f"  HF comparison skipped: {hf['skipped']}")
+            else:
+                log(f"  HF: {hf.get('decode_tok_s', 0):.1f} tok/s (fla importable: {hf.get('fla_importable')})"
+                    + (f"; hyspec plain x{hf['hyspec_plain_vs_hf']:.1f} of it" if "hyspec_plain_vs_hf" in hf else ""))
         except Exception as e:
             result["errors"]["hf"] = failure(e)
             log(f"!! HF comparison failed: {e}")

@@ -169,7 +169,11 @@ def print_table(result: dict) -> None:
                                   f"{e['coupled']['top_p']}): {e['coupled_all_equal']}" if "coupled" in e else ""))
     if "hf" in result:
         hf = result["hf"]
-        log(f"-- transformers generate: {hf.get('decode_tok_s', 0):.1f} tok/s (fla: {hf.get('fla_importable')})")
+        if "skipped" in hf:
+            log(f"-- transformers generate: skipped ({hf['skipped']})")
+        else:
+            log(f"-- transformers generate: {hf.get('decode_tok_s', 0):.1f} tok/s (fla: {hf.get('fla_importable')})"
+                + (f"; hyspec plain x{hf['hyspec_plain_vs_hf']:.1f} of it" if "hyspec_plain_vs_hf" in hf else ""))
     if "memory" in result:
         log("-- " + format_memory(result["memory"]))
     for name, target in result.get("targets", {}).items():

@@ -1,0 +1,75 @@
+"""The bench's transformers baseline on an in-memory model: transformers' class of each family
+built around the model's own weight tensors (no copy) decodes the same greedy tokens as
+hyspec, and what it cannot wrap is named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from hyspec.bench.hf import hf_generate, hf_model_sharing_weights
+from hyspec.config import ModelConfig
+from hyspec.decode import generate_plain
+from hyspec.model.hybrid import HybridLM
+from hyspec.tiny import init_weights, tiny_config
+
+pytest.importorskip("transformers")
+
+
+def _model(arch: str) -> HybridLM:
+    cfg = ModelConfig.from_dict(tiny_config(arch))
+    model = HybridLM(cfg, with_mtp=True)
+    init_weights(model, torch.Generator().manual_seed(3), 0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_on_the_same_weights_decodes_the_same_tokens(arch):
+    model = _model(arch)
+    prompt = torch.randint(0, model.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = generate_plain(model, prompt, max_new_tokens=8).tokens
+    r = hf_generate(model, prompt, 8, torch.device("cpu"), torch.float32)
+    assert "skipped" not in r, r
+    assert r["greedy_tokens"] == ours
+    hf, missing, _ = hf_model_sharing_weights(model, torch.device("cpu"))
+    assert missing == []
+    # the very same tensors, not copies
+    ours_sd = model.state_dict()
+    shared = [n for n, p in hf.named_parameters() if n in ours_sd and p.data_ptr() == ours_sd[n].data_ptr()]
+    assert len(shared) == len(list(hf.named_parameters()))
+
+
+def test_a_planted_weight_change_shows():
+    """The comparison is of the same weights: perturbing one of ours after wrapping changes
+    transformers' logits too (shared storage), while a copy would not."""
+    model = _model("qwen3_5")
+    hf, _, _ = hf_model_sharing_weights(model, torch.device("cpu"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = hf(ids).logits.clone()
+        model.state_dict()["lm_head.weight"].mul_(2.0)
+        after = hf(ids).logits
+    assert not torch.allclose(before, after)
+
+
+def test_unknown_family_is_named():
+    model = _model("qwen3_next")
+    model.cfg.raw["model_type"] = "llama"
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        hf_model_sharing_weights(model, torch.device("cpu"))
+    assert "llama" in hf_generate(model, [1, 2], 2, torch.device("cpu"), torch.float32)["skipped"]
+
+
+def test_bench_prints_the_baseline_ratio(tmp_path, capsys):
+    from hyspec.cli import main
+
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--config", "tiny", "--prompt-len", "8", "--new-tokens", "8", "--ks", "1",
+               "--verify-max", "2", "--reps", "1", "--exact-prompts", "0", "--hf-tokens", "4",
+               "--variants", "exact", "--out", str(out)])
+    assert rc == 0
+    import json
+
+    r = json.loads(out.read_text())
+    assert not r["errors"] and r["hf"]["missing_keys"] == 0 and r["hf"]["hyspec_plain_vs_hf"] > 0
+    assert "hyspec plain x" in capsys.readouterr().out
