@@ -40,9 +40,15 @@ def test_gdn_conv_grid(nk, nv, dk, dv, W, T):
     assert torch.equal(st, new_state)
 
 
+@pytest.mark.parametrize("one_reduction", [True, False], ids=["one_red", "ref_order"])
 @pytest.mark.parametrize("block_v", [None, 8], ids=["whole_head", "split_dv"])
 @pytest.mark.parametrize("nk,nv,dk,dv,W,T", CASES)
-def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v):
+def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v, one_reduction, monkeypatch):
+    """Both row forms of the step kernel (one state reduction per row, the default; the
+    reference's order, kept for the ablation) against the torch reference."""
+    from hyspec.kernels.gdn import kernel as gk
+
+    monkeypatch.setitem(gk.STEP_LAUNCH, "one_reduction", one_reduction)
     C = 2 * nk * dk + nv * dv
     y = rnd(T, C, seed=1)
     proj = rnd(T, C + nv * dv + 2 * nv, seed=2)
