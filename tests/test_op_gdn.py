@@ -66,7 +66,8 @@ def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v, one_reduction, monkeypatch
         o1 = torch.empty(1, nv * dv)
         gdn_step(y[r: r + 1], proj[r: r + 1], A_log, dtb, nw, S, o1, rows=1, block_v=block_v, **kw)
         assert torch.equal(o1[0], o[r]) and torch.equal(S, states[r]), r
-        for nbp in (2, 3):  # several Dv blocks per program (the batch decode's launch): same bits
+        nvb = -(-dv // block_v) if block_v else 1
+        for nbp in [d for d in range(2, nvb + 1) if nvb % d == 0]:  # several Dv blocks per program: same bits
             Sb, ob = (states[r - 1] if r else S0).clone(), torch.empty(1, nv * dv)
             gdn_step(y[r: r + 1], proj[r: r + 1], A_log, dtb, nw, Sb, ob, rows=1, block_v=block_v,
                      blocks_per_program=nbp, **kw)
@@ -76,3 +77,15 @@ def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v, one_reduction, monkeypatch
     o2 = torch.empty(T, nv * dv)
     gdn_step(y, proj, A_log, dtb, nw, keep, o2, rows=T, keep_state=True, block_v=block_v, **kw)
     assert torch.equal(o2, o) and torch.equal(keep, S0)
+
+
+def test_blocks_per_program_must_divide_the_blocks():
+    """Blocks per program that do not divide a head's Dv blocks are refused (every program's
+    blocks stay inside the head, so decode, verify and replay compile the same masking)."""
+    nk, nv, dk, dv = 1, 1, 4, 17  # block_v 8: three blocks
+    C = 2 * nk * dk + nv * dv
+    y, proj = rnd(1, C, seed=1), rnd(1, C + nv * dv + 2 * nv, seed=2)
+    S, o = rnd(nv, dk, dv, seed=3), torch.empty(1, nv * dv)
+    with pytest.raises(ValueError, match="must divide the head's 3 Dv blocks"):
+        gdn_step(y, proj, torch.zeros(nv), torch.zeros(nv), torch.ones(dv), S, o, rows=1, block_v=8,
+                 blocks_per_program=2, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)

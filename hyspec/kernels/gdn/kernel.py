@@ -303,18 +303,25 @@ def _step_grid(nv, nvb, third):
 def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
-                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % (BV * nbp) == 0,
+                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
                 num_warps=nw, **launch_kwargs())
 
 
 def _decode_blocks(nvb, lanes, rows_per_lane, mode, blocks_per_program) -> int:
-    """Dv blocks per program: the caller's, else STEP_LAUNCH's for a decode step of enough
-    lanes, else one; never more than the head has."""
-    if blocks_per_program is None:
-        one_row = rows_per_lane == 1 and mode == 1
-        blocks_per_program = STEP_LAUNCH["decode_blocks"] if (
-            one_row and lanes >= STEP_LAUNCH["decode_blocks_min_lanes"]) else 1
-    return max(1, min(int(blocks_per_program), nvb))
+    """Dv blocks per program: the caller's (it must divide the head's block count), else
+    STEP_LAUNCH's for a decode step of enough lanes when it divides the block count, else
+    one.  Dividing keeps every program's blocks inside the head, so whether the state
+    needs masks (EVEN) is the same for every call of a shape: decode, verify and replay
+    compile the same masking whatever the block count."""
+    if blocks_per_program is not None:
+        nbp = int(blocks_per_program)
+        if nbp < 1 or nvb % nbp:
+            raise ValueError(f"gdn_step: blocks_per_program={blocks_per_program} must divide the head's {nvb} "
+                             "Dv blocks")
+        return nbp
+    nbp = STEP_LAUNCH["decode_blocks"] if (
+        rows_per_lane == 1 and mode == 1 and lanes >= STEP_LAUNCH["decode_blocks_min_lanes"]) else 1
+    return nbp if nbp >= 1 and nvb % nbp == 0 else 1
 
 
 def gdn_conv(x, state, weight, y, *, rows, update: bool, xin=None, lanes=1, state_lane_stride=0,
