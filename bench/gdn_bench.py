@@ -24,8 +24,9 @@ import torch
 # (hyspec.kernels.gdn.kernel, ONE_RED), then Dv blocks per decode program (the next
 # block's state loading while this one is updated) and other tiles.  A run at 26a63eb
 # tried twelve ways, among them 64- and 128-wide blocks on 4 to 16 warps, all slower, and
-# one at e468594 the next ten, one at b33b848 twelve of the
-# current ones before the state's offsets went int32 (git history of bench/results/gdn_bench_h200.json).
+# one at e468594 the next ten, one at b33b848 twelve of the current ones before the
+# state's offsets went int32 (git history of bench/results/gdn_bench_h200.json; b33b848's:
+# git show a44f100:bench/results/gdn_bench_h200.json).
 WAYS = [(16, 2, True, True, False, 1), (16, 2, True, True, True, 1), (16, 2, True, True, True, 2),
         (16, 4, True, True, True, 1), (16, 4, True, True, True, 2), (8, 1, True, True, True, 1),
         (8, 2, True, True, True, 1), (32, 4, True, True, True, 1), (32, 4, True, True, True, 2)]

@@ -170,9 +170,10 @@ class TritonRunner:
         # GDN scan: split each value head's Dv over programs (gated norm in a second kernel).
         # 32 columns first (H200 / b2: decode step 2.676 -> 2.602 ms, verify t=4 3.156 ->
         # 2.874 ms, bench/results/b2_h200_profile.json); now 16 columns on four warps with one
-        # state reduction per row, the fastest of the ways bench/gdn_bench.py tried at b2's
-        # shapes for decode, verify and replay taken together (hyspec.kernels.gdn.kernel.STEP_LAUNCH;
-        # 8 columns on one warp verify faster and decode slower).  None: one program per head.
+        # state reduction per row, the fastest plain decode step of the ways bench/gdn_bench.py
+        # tried at b2's shapes (hyspec.kernels.gdn.kernel.STEP_LAUNCH; 2 warps run a
+        # speculative round's verifies and replay ~1 % faster, 8 columns on one warp verify
+        # faster and decode slower).  None: one program per head.
         self.gdn_block_v = 16 if cfg.linear_value_head_dim >= 64 else None
         if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
             self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None

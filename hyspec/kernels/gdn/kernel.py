@@ -89,7 +89,9 @@ def _kernels():
         # EVEN: the tiles cover Dk and Dv exactly (no masks on the state).  The state's
         # offsets inside a head are int32 (the head's base is a scalar int64 pointer): a
         # [Dk, block] tile of int64 offsets, pointers and masks kept across the row loop
-        # took registers enough to spill (255 per thread, 22 spilled, at b2's shapes).
+        # took registers enough to spill (the one-reduction kernel on 2 warps at b2's
+        # shapes: 255 per thread, 12 spilled; 232 and none without: gdn_bench at b33b848
+        # and f666dc9).
         if PVF:
             pv = tl.program_id(0)
             h = tl.program_id(1)
