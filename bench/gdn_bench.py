@@ -140,6 +140,8 @@ def main() -> None:
                         gdn_step(yr[gi], pr[gi], A_log[gi], dtb[gi], nw, seq[gi], o1, rows=B, block_v=bv, lanes=B,
                                  state_lane_stride=seq.stride(1), **kw)
                 replay_exact = bool(torch.equal(seq, bits["replay_state"]))
+                # a verify's first row is the decode step's row: its outputs must be the same bits
+                verify_row0 = bool(torch.equal(bits["verify_out"].view(B, T, -1)[:, 0], bits["decode_out"]))
                 # bits: against the first way of the same tile, warps and form (a way with
                 # several decode blocks per program must equal its one-block way), and the
                 # first way of the other form (rounding only)
@@ -156,12 +158,13 @@ def main() -> None:
                     "decode_us_per_layer": t_dec / G, "verify_us_per_layer": t_ver / G, "replay_us_all_layers": t_rep,
                     "decode_TBs": 2 * gb * G / (t_dec * 1e-6) / 1e3, "verify_TBs": gb * G / (t_ver * 1e-6) / 1e3,
                     "replay_TBs": 2 * gb * G / (t_rep * 1e-6) / 1e3, "replay_equals_decode_steps": replay_exact,
+                    "verify_row0_equals_decode": verify_row0,
                     "bitwise_as_default": same, "max_abs_diff_vs_default": maxdiff,
                     "max_abs_diff_vs_other_form": form_diff, "last_kernel": regs}
                 r = row["lanes"][B]
                 print(f"{name:22s} B={B:3d}: decode {r['decode_us_per_layer']:7.1f} us/layer ({r['decode_TBs']:.2f} TB/s)"
                       f"  verify t={T} {r['verify_us_per_layer']:7.1f} us/layer ({r['verify_TBs']:.2f} TB/s)"
-                      f"  replay n={n} {t_rep:7.1f} us ({r['replay_TBs']:.2f} TB/s)  replay==steps {replay_exact}"
+                      f"  replay n={n} {t_rep:7.1f} us ({r['replay_TBs']:.2f} TB/s)  replay==steps {replay_exact} verify row 0==decode {verify_row0}"
                       f"  same bits as its one-block way: {all(same.values())} (max diff {maxdiff:.2g};"
                       f" vs the other form {form_diff if form_diff is None else f'{form_diff:.2g}'})"
                       f"  regs {regs['n_regs']} spills {regs['n_spills']}", flush=True)
