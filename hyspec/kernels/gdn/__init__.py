@@ -27,7 +27,11 @@ with its own window / state (the window commit takes the lane count ``nb``).  On
 flag and stride is a runtime argument), so the states are bitwise the same whichever ran
 them; the row count and the flags are ``do_not_specialize``.  ``block_v`` < Dv splits a
 head's Dv over several programs and moves the gated norm into its own kernel
-(``gated_norm``); it must not be chosen from the row count.
+(``gated_norm``); it must not be chosen from the row count.  The kernel reduces the
+state once per row (k.S and q.S of the state before the row together, the output as
+``e * q.S + (q.k) delta``): the reference's arithmetic in another order, equal within
+rounding (tests/test_op_gdn.py); ``STEP_LAUNCH["one_reduction"] = False`` runs the
+reference's order (an ablation).
 
 Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch).
 """
