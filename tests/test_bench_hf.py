@@ -73,3 +73,13 @@ def test_bench_prints_the_baseline_ratio(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert not r["errors"] and r["hf"]["missing_keys"] == 0 and r["hf"]["hyspec_plain_vs_hf"] > 0
     assert "hyspec plain x" in capsys.readouterr().out
+
+
+def test_fp8_weights_are_refused_by_name():
+    """Block-FP8 weights (kept FP8 on a GPU) are not wrapped: the skip names them."""
+    model = _model("qwen3_5")
+    w = model.state_dict()["lm_head.weight"]
+    model.lm_head.weight = torch.nn.Parameter(w.to(torch.float8_e4m3fn), requires_grad=False)  # as on a GPU
+    with pytest.raises(ValueError, match="block-FP8"):
+        hf_model_sharing_weights(model, torch.device("cpu"))
+    assert "block-FP8" in hf_generate(model, [1, 2], 2, torch.device("cpu"), torch.float32)["skipped"]

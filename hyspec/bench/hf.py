@@ -26,8 +26,8 @@ def hf_model_sharing_weights(model, dev):
     import transformers as tf
 
     cfg = model.cfg
-    if getattr(cfg, "quantization", None) is not None or any(
-            t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in model.state_dict().values()):
+    state = model.state_dict()
+    if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in state.values()):
         raise ValueError("block-FP8 weights: the in-memory transformers comparison is wired for unquantized "
                          "weights only")
     hf_config = dict(cfg.raw)
@@ -40,7 +40,7 @@ def hf_model_sharing_weights(model, dev):
     hf_config.pop("full_attention_interval", None)
     hf_config.pop("quantization_config", None)
     hf_config["layer_types"] = list(cfg.layer_types)
-    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    ours = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     dtype = next(iter(ours.values())).dtype
     hf_cfg = getattr(tf, cfg_name)(**hf_config)
     hf_cfg.dtype = dtype
