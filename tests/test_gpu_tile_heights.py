@@ -73,7 +73,7 @@ def test_fp8_row_bits_do_not_depend_on_tile_height(block_t):
     q, s = quantize(rnd(N, K, seed=0, scale=K ** -0.5).cpu(), (128, 128))
     w = Fp8Weight(q.to(DEV), s.to(DEV), (128, 128))
     x = rnd(64, K, dtype=torch.bfloat16, seed=1)
-    tall = tall_tile(N, K)
+    tall = tall_tile(N, K, fp8=True)
     ref = skinny_matmul_fp8(x, w, block_t=64, **tall)
     for T in (1, 5, 16):
         assert torch.equal(skinny_matmul_fp8(x[:T], w, block_t=block_t, **tall), ref[:T]), T

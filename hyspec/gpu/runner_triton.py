@@ -56,12 +56,34 @@ def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.b
     return int(v)
 
 
-def tall_tile(N: int, K: int, act: bool = False) -> dict:
+# Measured overrides of the tall (32- and 64-row) tiles of bf16 weights, by (N, K, act):
+# column tile, BK, warps, stages and operand order, found inside a 64-lane decode step
+# (`bench/tile_bench.py --height 64`: a move is kept only if the step is faster and its
+# logits stay bitwise the same).  They never change the K split (split_k and the K columns
+# per split), so a row adds the same partial sums in the same order at every height.
+# HYSPEC_TALL_TUNED=0 ignores the table (ablation).
+TALL: dict[tuple[int, int, bool], dict] = {}
+
+_TALL_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "wt")
+
+
+def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False) -> dict:
     """The config overrides of an [N, K] weight's matmul in a batched decoder's 32- or
-    64-row tiles: the shape's own config with BK <= 128 and <= 3 stages (shared memory)."""
+    64-row tiles: the shape's own config with BK <= 128 and <= 3 stages (shared memory),
+    then, for bf16 weights (``fp8`` False), the measured entry of :data:`TALL`."""
     c = _config_cached(N, K, None, None, None, None, None, None, act)
-    return dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
-                num_stages=min(c.num_stages, 3), wt=c.wt)
+    t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
+             num_stages=min(c.num_stages, 3), wt=c.wt)
+    entry = TALL.get((N, K, bool(act))) if not fp8 and os.environ.get("HYSPEC_TALL_TUNED", "1") != "0" else None
+    if entry:
+        bad = set(entry) - set(_TALL_KEYS)
+        if bad:
+            raise ValueError(f"TALL[{(N, K, act)}]: only {_TALL_KEYS} may be tuned, got {sorted(bad)}")
+        if c.k_per_split % entry.get("block_k", t["block_k"]):
+            raise ValueError(f"TALL[{(N, K, act)}]: block_k {entry['block_k']} would change the K split "
+                             f"({c.k_per_split} columns per split)")
+        t.update(entry)
+    return t
 
 
 class TritonRunner:
@@ -286,7 +308,7 @@ class TritonRunner:
         32 and 64 rows; their own config at 16 rows was not)."""
         if self.block_t == 16:
             return {}
-        tall = tall_tile(N, K, act)
+        tall = tall_tile(N, K, act, fp8=fp8_block is not None)
         if height != 16 or fp8_block is not None:
             return tall
         own = _config_cached(N, K, None, None, None, None, None, None, act)  # (cached; set_tuned clears it)
