@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--height", type=int, default=16, choices=(16, 64))
     ap.add_argument("--lanes", type=int, default=None, help="lanes of the timed decode step (default: the height)")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma list of shapes to search (NxK or NxKxact; default all)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--reps", type=int, default=30)
@@ -102,6 +103,9 @@ def main() -> None:
         if w is not None:
             acts[tuple(w.shape)] = True
     shapes = sorted(model_shapes(runner), key=lambda s: -s[0] * s[1])
+    if args.only:
+        want = set(args.only.split(","))
+        shapes = [(N, K) for N, K in shapes if f"{N}x{K}{'xact' if acts.get((N, K)) else ''}" in want]
     cur = base_ms
     t0 = time.perf_counter()
     for pass_no in range(args.passes):

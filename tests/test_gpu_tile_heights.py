@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from hyspec.gpu.runner_triton import tall_tile  # noqa: E402
-from hyspec.kernels.matmul import skinny_matmul, skinny_matmul_fp8  # noqa: E402
+from hyspec.kernels.matmul import silu_mul, skinny_matmul, skinny_matmul_fp8  # noqa: E402
 from hyspec.kernels.matmul.config import BUILTIN  # noqa: E402
 from hyspec.quant import Fp8Weight, quantize  # noqa: E402
 
@@ -65,6 +65,25 @@ def _check(shape, variant, dtype):
         y = skinny_matmul(x[:T], w, act=act, block_t=block_t, **cfg)
         diff = (y.float() - ref[:T].float()).abs().max().item()
         assert torch.equal(y, ref[:T]), f"T={T}: max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("height", [32, 64])
+def test_split_activation_gives_the_fused_bits(height):
+    """The runner's tall down projection (silu_mul, then the plain matmul in the act shape's
+    tall tile) against a one-sequence decode's fused SiLU*mul load in its own 16-row config:
+    bitwise, for every row count; a planted bug (the activation as gate * sigmoid(gate) * up,
+    equal in exact arithmetic) must give other bits."""
+    N, K = 2048, 6144
+    w = rnd(N, K, dtype=torch.bfloat16, seed=0, scale=K ** -0.5)
+    x = rnd(64, 2 * K, dtype=torch.bfloat16, seed=1)
+    tall = tall_tile(N, K, True)
+    for T in (1, 3, 16, 40, 64):
+        own = skinny_matmul(x[:T], w, act=True, block_t=16)
+        split = skinny_matmul(silu_mul(x[:T]), w, block_t=height, **tall)
+        assert torch.equal(split, own), f"T={T}: max |diff| {(split.float() - own.float()).abs().max().item():.3g}"
+    g, u = x[:, :K].float(), x[:, K:].float()
+    wrong = (g * torch.sigmoid(g) * u).to(torch.bfloat16)
+    assert not torch.equal(skinny_matmul(wrong, w, block_t=64, **tall), skinny_matmul(x, w, act=True, block_t=16))
 
 
 @pytest.mark.parametrize("block_t", [16, 32])

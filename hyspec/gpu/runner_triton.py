@@ -33,7 +33,7 @@ from hyspec.kernels.attention import (
 )
 from hyspec.kernels.common import p2
 from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
-from hyspec.kernels.matmul import fp8_config, skinny_matmul, skinny_matmul_fp8
+from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
 from hyspec.kernels.matmul.config import _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.rmsnorm import rmsnorm
@@ -62,7 +62,12 @@ def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.b
 # logits stay bitwise the same).  They never change the K split (split_k and the K columns
 # per split), so a row adds the same partial sums in the same order at every height.
 # HYSPEC_TALL_TUNED=0 ignores the table (ablation).
-TALL: dict[tuple[int, int, bool], dict] = {}
+TALL: dict[tuple[int, int, bool], dict] = {
+    # b2 (bench/results/tile64_h200.json, at 06b9d80: a 64-lane decode step 4.46 -> 4.13 ms)
+    (2048, 4096, False): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, wt=False),
+    (2048, 6144, True): dict(block_n=64, block_k=128, num_warps=8, num_stages=3, wt=True),
+    (9216, 2048, False): dict(block_n=128, block_k=128, num_warps=4, num_stages=4, wt=False),
+}
 
 _TALL_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "wt")
 
@@ -128,6 +133,9 @@ class TritonRunner:
         packed = self.layers + ([self.mtp_layer] if self.mtp_layer else [])
         widths = [lay.w_in.shape[0] for lay in packed]
         inter = [lay.w_gu.shape[0] for lay in packed if lay.w_gu is not None]
+        act_k = [1] + [(w.parts[0] if isinstance(w, Segments) else w).shape[1]
+                       for lay in packed for w in (getattr(lay, "w_down", None), getattr(lay, "sh_down", None))
+                       if w is not None]  # the K of every matmul fed silu(gate) * up
 
         def rows(*shape):
             return torch.zeros(R, *shape, device=dev, dtype=dt)
@@ -139,6 +147,7 @@ class TritonRunner:
             delta=rows(H),  # [R, H] a block's output, added to the residual by the next norm
             proj=rows(max(widths)),  # [R, max w_in rows] a layer's input projection
             gate_up=rows(max(inter) if inter else 1),  # [R, 2I] the FFN's gate | up
+            act=rows(max(act_k)),  # [R, I] silu(gate) * up: the input of a tall down projection
             conv_out=rows(cfg.conv_dim),  # [R, C] the GDN's causal-conv output
             mixer_out=rows(max(cfg.linear_value_dim, cfg.num_attention_heads * cfg.head_dim)),  # [R, vd | Hq D]
             query=rows(cfg.num_attention_heads, cfg.head_dim),  # [R, Hq, D] normed, rotated queries
@@ -207,6 +216,11 @@ class TritonRunner:
         # development microbenchmark there found it slower (not kept in bench/results), so
         # fp32 keeps the per-head kernel
         self.attn_grouped = dt != torch.float32
+        # the fused SiLU*mul input of the down projections: in 32- and 64-row tiles every
+        # column tile would recompute the activation of all its rows, so those calls run
+        # silu_mul once and a plain matmul instead (the same bits: same expression, same
+        # tile and K split); HYSPEC_TALL_ACT=fused keeps the fused load (ablation)
+        self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:
@@ -279,6 +293,12 @@ class TritonRunner:
             N, K = w.shape
             height = self.height(x.shape[0])
             tile = self._tile(N, K, act, height)
+            if act and height >= 32 and self.split_act:
+                # tall calls: the activation once (silu_mul, the fused x-load's very bits),
+                # then the plain matmul with the act shape's tile (same K split, same bits)
+                x = silu_mul(x, out=self._buf("act", x.shape[0], K))
+                act = False
+                tile = tile or dict(tall_tile(N, K, True))
             ws = self._workspaces.get((N, K))
             if ws is None:  # one fixed-shape split-K workspace per weight shape (every height splits alike)
                 c = _config_cached(N, K, None, None, None, None, None, None, act)

@@ -27,6 +27,7 @@ Contract::
     skinny_matmul(x [T, K] (act: [T, 2K] = [gate | up]), w [N, K], out=None, ws=None,
                   defer=False, act=False, <config overrides>) -> [T, N] in x.dtype
     linear(x, w)    the kernel for CUDA inputs of <= 16 rows, F.linear otherwise
+    silu_mul(x [T, 2I]) -> [T, I]   the act input by itself, the same bits (for tall calls)
     skinny_matmul_fp8(x, w: Fp8Weight, ...)   the same with a block-FP8 weight (fp8.py)
 
 FP8 weights (``hyspec.quant.Fp8Weight``: float8_e4m3fn [N, K], fp32 scale grid
@@ -52,11 +53,11 @@ from hyspec.kernels.matmul.config import (
     skinny_config,
 )
 from hyspec.kernels.matmul.fp8 import fp8_config, skinny_matmul_fp8
-from hyspec.kernels.matmul.kernel import BLOCK_T, MAX_SKINNY_ROWS, linear, skinny_matmul
+from hyspec.kernels.matmul.kernel import BLOCK_T, MAX_SKINNY_ROWS, linear, silu_mul, skinny_matmul
 from hyspec.kernels.matmul.reference import skinny_matmul_fp8_ref, skinny_matmul_ref
 
 __all__ = [
-    "skinny_matmul", "skinny_matmul_ref", "skinny_config", "SkinnyConfig", "linear", "triton_available",
+    "skinny_matmul", "skinny_matmul_ref", "silu_mul", "skinny_config", "SkinnyConfig", "linear", "triton_available",
     "MAX_SKINNY_ROWS", "BLOCK_T", "TUNED", "BUILTIN", "set_tuned", "SplitPartials",
     "skinny_matmul_fp8", "skinny_matmul_fp8_ref", "fp8_config",
 ]

@@ -215,7 +215,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
     if not direct:
         if defer:
             return SplitPartials(ws, cfg.split_k)
-        _, reduce_kernel = _bf16_kernels()
+        _, reduce_kernel, _ = _bf16_kernels()
         reduce_kernel[(_cdiv(N, 1024), T)](
             ws, out, T, N, cfg.split_k, sws_s, sws_t, out.stride(0), out.stride(1),
             BLOCK=1024, num_warps=4, **lk,

@@ -9,7 +9,7 @@ from hyspec.kernels.common import SplitPartials, triton_available
 from hyspec.kernels.matmul.config import _cdiv, _config_cached
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
-__all__ = ["skinny_matmul", "linear", "BLOCK_T", "MAX_SKINNY_ROWS"]
+__all__ = ["skinny_matmul", "silu_mul", "linear", "BLOCK_T", "MAX_SKINNY_ROWS"]
 
 BLOCK_T = 16  # the x-tile height; every row count <= 16 runs in one padded tile
 MAX_SKINNY_ROWS = 16  # the dispatcher sends T <= this to the Triton kernel
@@ -135,7 +135,30 @@ def _kernels():
             acc += tl.load(ws_ptr + s * stride_ws_s + t * stride_ws_t + offs_n, mask=mask, other=0.0)
         tl.store(out_ptr + t * stride_ot + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return _skinny_kernel, _splitk_reduce_kernel
+    @triton.jit(do_not_specialize=["T"])
+    def _silu_mul_kernel(x_ptr, out_ptr, T, I, stride_xt, stride_ot, BLOCK: tl.constexpr,
+                         EVEN: tl.constexpr):
+        # x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up, each rounded to x's dtype
+        # with the very expression _skinny_kernel's ACT x-load uses (the same bits)
+        t = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        row = x_ptr + t.to(tl.int64) * stride_xt
+        if EVEN:
+            xt = tl.load(row + offs)
+            xu = tl.load(row + I + offs).to(tl.float32)
+        else:
+            mask = offs < I
+            xt = tl.load(row + offs, mask=mask, other=0.0)
+            xu = tl.load(row + I + offs, mask=mask, other=0.0).to(tl.float32)
+        xg = xt.to(tl.float32)
+        sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (sg * xu).to(x_ptr.dtype.element_ty)
+        if EVEN:
+            tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, y)
+        else:
+            tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs, y, mask=mask)
+
+    return _skinny_kernel, _splitk_reduce_kernel, _silu_mul_kernel
 
 
 _REDUCE_BLOCK = 1024
@@ -195,7 +218,7 @@ def skinny_matmul(
     if T == 0:
         return out
     cfg = _config_cached(N, K, split_k, block_n, block_k, num_warps, num_stages, wt, act)
-    mm_kernel, reduce_kernel = _kernels()
+    mm_kernel, reduce_kernel, _ = _kernels()
     n_tblocks = _cdiv(T, block_t)
     t_pad = n_tblocks * block_t  # workspace rows: strides then do not depend on T (T <= 16)
     direct = cfg.split_k == 1
@@ -233,6 +256,33 @@ def skinny_matmul(
         )
     return out
 
+
+_ACT_BLOCK = 1024
+
+
+def silu_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, 2I] = [gate | up] -> [T, I]``: silu(gate) * up, each product rounded to x's
+    dtype exactly as ``skinny_matmul(..., act=True)`` rounds the input it feeds, so
+    ``skinny_matmul(silu_mul(x), w, **cfg)`` gives the bits of ``skinny_matmul(x, w,
+    act=True, **cfg)``.  For calls of many rows, where every column tile of the fused
+    kernel would recompute the activation of all its rows (the batched decoder's 32- and
+    64-row tiles)."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_mul: want x [T, 2I], got {tuple(x.shape)}")
+    T, I = x.shape[0], x.shape[1] // 2
+    if x.stride(1) != 1:
+        raise ValueError("silu_mul: x's rows must be contiguous")
+    if out is None:
+        out = torch.empty((T, I), device=x.device, dtype=x.dtype)
+    elif out.shape != (T, I) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"silu_mul: out must be [{T}, {I}] {x.dtype} with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    if T == 0:
+        return out
+    _, _, kernel = _kernels()
+    kernel[(_cdiv(I, _ACT_BLOCK), T)](x, out, T, I, x.stride(0), out.stride(0), BLOCK=_ACT_BLOCK,
+                                      EVEN=(I % _ACT_BLOCK == 0), num_warps=4)
+    return out
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
