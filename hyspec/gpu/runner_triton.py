@@ -63,9 +63,11 @@ def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.b
 # per split), so a row adds the same partial sums in the same order at every height.
 # HYSPEC_TALL_TUNED=0 ignores the table (ablation).
 TALL: dict[tuple[int, int, bool], dict] = {
-    # b2 (bench/results/tile64_h200.json, at 06b9d80: a 64-lane decode step 4.46 -> 4.13 ms)
+    # b2 (bench/results/tile64_h200.json, at 06b9d80: a 64-lane decode step 4.46 -> 4.13 ms;
+    # the down projection's stages re-searched with the split activation at 6620f2a,
+    # tile64_act_h200.json: 3.872 -> 3.843 ms)
     (2048, 4096, False): dict(block_n=32, block_k=128, num_warps=4, num_stages=4, wt=False),
-    (2048, 6144, True): dict(block_n=64, block_k=128, num_warps=8, num_stages=3, wt=True),
+    (2048, 6144, True): dict(block_n=64, block_k=128, num_warps=8, num_stages=4, wt=True),
     (9216, 2048, False): dict(block_n=128, block_k=128, num_warps=4, num_stages=4, wt=False),
 }
 
