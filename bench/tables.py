@@ -530,6 +530,10 @@ MADE_BY = {
     "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
                               "the command and commit are in its header)",
     "topp_tests_h200.txt": "`HYSPEC_TOPP_KERNEL=1 python3 -m pytest ...` (H200; the command and commit are in its header)",
+    "profile_act_fused.txt": "`HYSPEC_TALL_ACT=fused python3 bench/profile_batch.py --config b2 --sizes 16,64 "
+                             "--graph-time 30 --prompt-len 512` (H200; the command is in its header)",
+    "profile_act_split.txt": "`HYSPEC_TALL_ACT=split python3 bench/profile_batch.py --config b2 --sizes 16,64 "
+                             "--graph-time 30 --prompt-len 512` (H200; the command is in its header)",
     "serve_load_cpu.json": "`python3 bench/serve_load.py`",
     "sessions_cpu.json": "`python bench/sessions.py`",
     "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 8 "
