@@ -1,0 +1,40 @@
+"""The measured tall-tile table (hyspec.gpu.runner_triton.TALL): its entries may tune a
+32/64-row tile's shape but never the K split (split-K and K columns per split), which is
+what keeps a row's bits the same at every tile height; tall_tile refuses an entry that
+would change it, and FP8 weights never take the table.  CPU only (no kernel runs)."""
+import pytest
+
+pytest.importorskip("triton")
+
+from hyspec.gpu import runner_triton  # noqa: E402
+from hyspec.gpu.runner_triton import TALL, tall_tile  # noqa: E402
+from hyspec.kernels.matmul.config import _config_cached  # noqa: E402
+
+
+@pytest.mark.parametrize("key", sorted(TALL), ids=lambda k: f"{k[0]}x{k[1]}{'_act' if k[2] else ''}")
+def test_every_entry_keeps_the_k_split(key):
+    N, K, act = key
+    own = _config_cached(N, K, None, None, None, None, None, None, act)
+    t = tall_tile(N, K, act)
+    for name, value in TALL[key].items():
+        assert t[name] == value, name
+    c = _config_cached(N, K, *t.values())
+    assert (c.split_k, c.k_per_split) == (own.split_k, own.k_per_split)
+
+
+def test_fp8_and_the_ablation_switch_ignore_the_table(monkeypatch):
+    (N, K, act), entry = next(iter(TALL.items()))
+    base = tall_tile(N, K, act, fp8=True)
+    assert tall_tile(N, K, act) != base  # the entry changes something
+    monkeypatch.setenv("HYSPEC_TALL_TUNED", "0")
+    assert tall_tile(N, K, act) == base
+
+
+def test_an_entry_that_would_change_the_split_is_refused(monkeypatch):
+    # 2048 x 4096 splits K in 4 ranges of 1024 columns: BK 2048 would cut them differently
+    monkeypatch.setitem(runner_triton.TALL, (2048, 4096, False), dict(block_k=2048))
+    with pytest.raises(ValueError, match="K split"):
+        tall_tile(2048, 4096)
+    monkeypatch.setitem(runner_triton.TALL, (2048, 4096, False), dict(split_k=2))
+    with pytest.raises(ValueError, match="only"):
+        tall_tile(2048, 4096)
