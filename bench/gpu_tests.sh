@@ -35,8 +35,8 @@ print(", ".join(versions))
 PY
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
   rc=0
-  echo "== GPU tests (python3 -m pytest -q -s -m gpu tests $PYTEST_ARGS; HYSPEC_B2_EXACT=${HYSPEC_B2_EXACT:-2000,4})"
-  python3 -m pytest -q -s -m gpu $PYTEST_ARGS --durations=15 tests || rc=1
+  echo "== GPU tests (python3 -m pytest -q -s -rs -m gpu tests $PYTEST_ARGS; HYSPEC_B2_EXACT=${HYSPEC_B2_EXACT:-2000,4})"
+  python3 -m pytest -q -s -rs -m gpu $PYTEST_ARGS --durations=15 tests || rc=1
   echo "== session and graph-store tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
   HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q $PYTEST_ARGS tests/test_sessions.py tests/test_session_state.py \
     tests/test_prefix_store.py tests/test_graph_store.py || rc=1

@@ -99,9 +99,10 @@ def main() -> None:
     print(f"start: decode step {base_ms:.4f} ms at {S} lanes, {base1:.4f} ms at 1", flush=True)
     acts = {}
     for lay in list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else []):
-        w = getattr(lay, "w_down", None)
-        if w is not None:
-            acts[tuple(w.shape)] = True
+        for name in ("w_down", "sh_down"):  # the matmuls fed silu(gate) * up
+            w = getattr(lay, name, None)
+            if w is not None and hasattr(w, "shape"):
+                acts[tuple(w.shape)] = True
     shapes = sorted(model_shapes(runner), key=lambda s: -s[0] * s[1])
     if args.only:
         want = set(args.only.split(","))
@@ -138,7 +139,8 @@ def main() -> None:
                 cand = dict(base_c, **mv)
                 if cand == base_c or cand["block_n"] < 16 or cand["block_k"] < 16:
                     continue
-                if c.k_per_split % cand["block_k"]:
+                alt = _config_cached(N, K, *cand.values())
+                if (alt.split_k, alt.k_per_split) != (c.split_k, c.k_per_split):
                     continue  # the K split must stay the same
                 entry = dict(cand)
                 if args.height == 64:

@@ -55,7 +55,7 @@ def _check(shape, variant, dtype):
     N, K, act = shape
     w = rnd(N, K, dtype=dtype, seed=0, scale=K ** -0.5)
     x = rnd(64, 2 * K if act else K, dtype=dtype, seed=1)
-    tall = tall_tile(N, K, act)
+    tall = tall_tile(N, K, act, dtype=dtype)
     ref = skinny_matmul(x, w, act=act, block_t=64, **tall)  # [64, N] the batched decoder's rows
     block_t, same = VARIANTS[variant]
     cfg = tall if same else {}

@@ -1,8 +1,9 @@
 """The measured tall-tile table (hyspec.gpu.runner_triton.TALL): its entries may tune a
 32/64-row tile's shape but never the K split (split-K and K columns per split), which is
 what keeps a row's bits the same at every tile height; tall_tile refuses an entry that
-would change it, and FP8 weights never take the table.  CPU only (no kernel runs)."""
+would change it, and FP8 and fp32 weights never take the table.  CPU only (no kernel runs)."""
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -26,6 +27,7 @@ def test_fp8_and_the_ablation_switch_ignore_the_table(monkeypatch):
     (N, K, act), entry = next(iter(TALL.items()))
     base = tall_tile(N, K, act, fp8=True)
     assert tall_tile(N, K, act) != base  # the entry changes something
+    assert tall_tile(N, K, act, dtype=torch.float32) == base  # measured in bf16 only
     monkeypatch.setenv("HYSPEC_TALL_TUNED", "0")
     assert tall_tile(N, K, act) == base
 
@@ -35,6 +37,11 @@ def test_an_entry_that_would_change_the_split_is_refused(monkeypatch):
     monkeypatch.setitem(runner_triton.TALL, (2048, 4096, False), dict(block_k=2048))
     with pytest.raises(ValueError, match="K split"):
         tall_tile(2048, 4096)
+    # K 4500 in 4 splits: 1152 columns each at BK 128, 1280 at BK 256 (divisible by 128,
+    # yet another split)
+    monkeypatch.setitem(runner_triton.TALL, (64, 4500, False), dict(block_k=256))
+    with pytest.raises(ValueError, match="K split"):
+        tall_tile(64, 4500)
     monkeypatch.setitem(runner_triton.TALL, (2048, 4096, False), dict(split_k=2))
     with pytest.raises(ValueError, match="only"):
         tall_tile(2048, 4096)

@@ -74,22 +74,25 @@ TALL: dict[tuple[int, int, bool], dict] = {
 _TALL_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "wt")
 
 
-def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False) -> dict:
+def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config overrides of an [N, K] weight's matmul in a batched decoder's 32- or
     64-row tiles: the shape's own config with BK <= 128 and <= 3 stages (shared memory),
-    then, for bf16 weights (``fp8`` False), the measured entry of :data:`TALL`."""
+    then, for bf16 weights (``fp8`` False, ``dtype`` bfloat16: where it was measured),
+    the entry of :data:`TALL`, refused if it would change the K split."""
     c = _config_cached(N, K, None, None, None, None, None, None, act)
     t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
              num_stages=min(c.num_stages, 3), wt=c.wt)
-    entry = TALL.get((N, K, bool(act))) if not fp8 and os.environ.get("HYSPEC_TALL_TUNED", "1") != "0" else None
+    use = not fp8 and dtype == torch.bfloat16 and os.environ.get("HYSPEC_TALL_TUNED", "1") != "0"
+    entry = TALL.get((N, K, bool(act))) if use else None
     if entry:
         bad = set(entry) - set(_TALL_KEYS)
         if bad:
             raise ValueError(f"TALL[{(N, K, act)}]: only {_TALL_KEYS} may be tuned, got {sorted(bad)}")
-        if c.k_per_split % entry.get("block_k", t["block_k"]):
-            raise ValueError(f"TALL[{(N, K, act)}]: block_k {entry['block_k']} would change the K split "
-                             f"({c.k_per_split} columns per split)")
         t.update(entry)
+        new = _config_cached(N, K, *t.values())
+        if (new.split_k, new.k_per_split) != (c.split_k, c.k_per_split):
+            raise ValueError(f"TALL[{(N, K, act)}]: {entry} would change the K split ({c.split_k} x "
+                             f"{c.k_per_split} columns -> {new.split_k} x {new.k_per_split})")
     return t
 
 
@@ -299,8 +302,7 @@ class TritonRunner:
                 # tall calls: the activation once (silu_mul, the fused x-load's very bits),
                 # then the plain matmul with the act shape's tile (same K split, same bits)
                 x = silu_mul(x, out=self._buf("act", x.shape[0], K))
-                act = False
-                tile = tile or dict(tall_tile(N, K, True))
+                act = False  # (tile: the act shape's tall tile, _tile never gives {} at these heights)
             ws = self._workspaces.get((N, K))
             if ws is None:  # one fixed-shape split-K workspace per weight shape (every height splits alike)
                 c = _config_cached(N, K, None, None, None, None, None, None, act)
@@ -330,7 +332,7 @@ class TritonRunner:
         32 and 64 rows; their own config at 16 rows was not)."""
         if self.block_t == 16:
             return {}
-        tall = tall_tile(N, K, act, fp8=fp8_block is not None)
+        tall = tall_tile(N, K, act, fp8=fp8_block is not None, dtype=self.model.dtype)
         if height != 16 or fp8_block is not None:
             return tall
         own = _config_cached(N, K, None, None, None, None, None, None, act)  # (cached; set_tuned clears it)
