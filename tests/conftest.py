@@ -51,6 +51,43 @@ def _interpreter_without_dead_overflow_checks() -> None:
 _interpreter_without_dead_overflow_checks()
 
 
+def _interpreter_dot_in_fixed_order() -> None:
+    """The interpreter's tl.dot is numpy's matmul, and BLAS sums each output element in an
+    order that depends on the CPU it runs on and on the call's shape and layout (OpenBLAS
+    picks its kernels per CPU: on this AMD EPYC its AVX2 kernels gave a row other bits in a
+    one-row attention call than in a four-row one, where Sandybridge kernels did not).
+    Then a row-invariance test in the interpreter checks the BLAS build, not the kernel.
+    A GPU MMA adds each element's products in a fixed order whatever the tile; so does
+    this dot: the products [K, M, N] in the accumulator's dtype, summed over K in order
+    (axis 0 is outermost: numpy adds the K slices one after another, no pairwise split).
+    Only for floating operands; anything else keeps the interpreter's own dot."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    orig = getattr(builder, "create_dot", None)
+    if orig is None:
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        ad, bd, acc = a.data, b.data, d.data
+        wide = a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8  # fp8: the interpreter's path
+        if wide or ad.ndim != 2 or bd.ndim != 2 or not np.issubdtype(acc.dtype, np.floating) \
+                or not np.issubdtype(ad.dtype, np.floating) or not np.issubdtype(bd.dtype, np.floating):
+            return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = ad.astype(acc.dtype).T[:, :, None] * bd.astype(acc.dtype)[:, None, :]  # [K, M, N]
+        return interpreter.TensorHandle(np.add.reduce(prod, axis=0) + acc, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+_interpreter_dot_in_fixed_order()
+
+
 def pytest_configure(config):
     """With -n N (pytest-xdist) and no --dist of its own choosing, the "worksteal" schedule:
     an idle worker takes tests queued for a busy one, so the suite does not wait on one

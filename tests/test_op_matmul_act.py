@@ -1,9 +1,9 @@
 """hyspec.kernels.matmul.silu_mul under the Triton interpreter: the SiLU*mul input computed
-by itself, fed to the plain skinny matmul, against the fused ``act=True`` x-load and the
-torch formula.  The bitwise claim (the batched decoder's 32- and 64-row down projections
-rely on it) is checked on the GPU, with a planted bug (tests/test_gpu_tile_heights.py):
-the interpreter's dots are numpy matmuls whose bits change with the operands' layout, and
-its bf16 dots are not usable, so here fp32 and tolerances."""
+by itself, fed to the plain skinny matmul in the act shape's tile (as the batched decoder's
+32- and 64-row down projections do), gives the bits of the fused ``act=True`` x-load, in
+fp32 (the interpreter's dot sums in a fixed order here, tests/conftest.py; its bf16 dots
+are not usable: the bf16 case is on the GPU, tests/test_gpu_tile_heights.py); a planted
+bug (the activation written another way) must change them; the values against torch."""
 import pytest
 import torch
 
@@ -13,6 +13,13 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the
 from kernel_grid import rnd  # noqa: E402
 
 from hyspec.kernels.matmul import silu_mul, skinny_matmul, skinny_matmul_ref  # noqa: E402
+from hyspec.kernels.matmul.config import _config_cached  # noqa: E402
+
+
+def _act_tile(N, K, cfg):
+    """cfg with the act shape's operand order unless given (the runner passes the act
+    shape's whole tile to the plain matmul: the operand order changes the bits)."""
+    return dict(cfg, wt=cfg.get("wt", _config_cached(N, K, None, None, None, None, None, None, True).wt))
 
 # (rows, I, N, overrides): a masked last block (I not a multiple of the 1024-wide block),
 # an exact one, split-K with the weight-left tile form, 64-row tiles
@@ -31,15 +38,16 @@ def _torch_act(x):
 
 
 @pytest.mark.parametrize("T,I,N,cfg", CASES, ids=["masked", "even_split2", "wt_split3", "tall"])
-def test_split_act_matches_the_fused_load_in_fp32(T, I, N, cfg):
+def test_split_act_gives_the_fused_bits(T, I, N, cfg):
     x = rnd(T, 2 * I, seed=1)
     w = rnd(N, I, seed=2, scale=I ** -0.5)
     a = silu_mul(x)
     assert a.shape == (T, I) and a.dtype == x.dtype
     assert (a - _torch_act(x)).abs().max().item() < 1e-6
-    fused = skinny_matmul(x, w, act=True, **cfg)
-    split = skinny_matmul(a, w, **cfg)
-    assert (split - fused).abs().max().item() < 1e-5
+    tile = _act_tile(N, I, cfg)
+    fused = skinny_matmul(x, w, act=True, **tile)
+    split = skinny_matmul(a, w, **tile)
+    assert torch.equal(split, fused)
     ref = skinny_matmul_ref(_torch_act(x), w)
     assert (split - ref).abs().max().item() < 1e-5
     # a caller-given output slice (the runner's buffer) with a longer row stride
@@ -57,6 +65,20 @@ def test_bf16_activation_rounds_like_the_model():
     ref = _torch_act(x)
     assert a.dtype == torch.bfloat16
     assert (a.float() - ref.float()).abs().max().item() <= 2 ** -5 * ref.float().abs().max().item()
+
+
+def test_a_different_formula_changes_the_bits():
+    """Planted bug: the activation as gate * sigmoid(gate) * up (equal in exact arithmetic)
+    gives other matmul bits, so the equality above can fail."""
+    T, I, N = 4, 256, 32
+    x = rnd(T, 2 * I, seed=3, scale=3.0)
+    w = rnd(N, I, seed=4, scale=I ** -0.5)
+    tile = _act_tile(N, I, {})
+    g, u = x[:, :I], x[:, I:]
+    wrong = g * torch.sigmoid(g) * u
+    fused = skinny_matmul(x, w, act=True, **tile)
+    assert not torch.equal(skinny_matmul(wrong, w, **tile), fused)
+    assert torch.equal(skinny_matmul(silu_mul(x), w, **tile), fused)
 
 
 def test_bad_shapes_are_named():
