@@ -60,8 +60,9 @@ def _interpreter_dot_in_fixed_order() -> None:
     A GPU MMA adds each element's products in a fixed order whatever the tile; so does
     this dot: the products [K, M, N] in the accumulator's dtype, summed over K in order
     (axis 0 is outermost: numpy adds the K slices one after another, no pairwise split).
-    Only for floating operands; anything else keeps the interpreter's own dot."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    Only for floating operands; anything else keeps the interpreter's own dot
+    (HYSPEC_TEST_NUMPY_DOT=1 keeps it everywhere)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or os.environ.get("HYSPEC_TEST_NUMPY_DOT") == "1":
         return
     try:
         import numpy as np

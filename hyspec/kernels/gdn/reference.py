@@ -44,26 +44,31 @@ def gdn_step_ref(y, proj, A_log, dt_bias, norm_w, state, *, nk, nv, dk, dv, eps,
     def l2(x):
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
-    q = l2(q).repeat_interleave(r, 1) * dk ** -0.5
-    k = l2(k).repeat_interleave(r, 1)
-    beta = torch.sigmoid(b)
-    g = -A_log.to(sd).exp() * F.softplus(a + dt_bias.to(sd))
+    # every per-row quantity is computed on that row alone: torch's CPU kernels pick
+    # vector or scalar code (other last bits for exp, softplus, sums) from the tensor's
+    # whole size, so on some CPUs a row's bits would otherwise depend on T
     S = state.clone()
     o = torch.empty(T, nv, dv, dtype=sd, device=y.device)
     states = torch.empty(T, nv, dk, dv, dtype=sd, device=y.device) if return_states else None
+    dt = y.dtype
+    out = torch.empty(T, nv, dv, dtype=dt, device=y.device)
+    decay = -A_log.to(sd).exp()
     for t in range(T):
-        S = S * g[t].exp()[:, None, None]
-        kS = (S * k[t][:, :, None]).sum(-2)
-        delta = (v[t] - kS) * beta[t][:, None]
-        S = S + k[t][:, :, None] * delta[:, None, :]
-        o[t] = (S * q[t][:, :, None]).sum(-2)
+        qt = l2(q[t]).repeat_interleave(r, 0) * dk ** -0.5
+        kt = l2(k[t]).repeat_interleave(r, 0)
+        beta = torch.sigmoid(b[t])
+        g = decay * F.softplus(a[t] + dt_bias.to(sd))
+        S = S * g.exp()[:, None, None]
+        kS = (S * kt[:, :, None]).sum(-2)
+        delta = (v[t] - kS) * beta[:, None]
+        S = S + kt[:, :, None] * delta[:, None, :]
+        o[t] = (S * qt[:, :, None]).sum(-2)
         if states is not None:
             states[t] = S
-    dt = y.dtype
-    of = o.to(dt).float()
-    xhat = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
-    yv = norm_w.to(dt) * xhat.to(dt)
-    out = (yv * F.silu(z.float())).to(dt)
+        of = o[t].to(dt).float()
+        xhat = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+        yv = norm_w.to(dt) * xhat.to(dt)
+        out[t] = (yv * F.silu(z[t].float())).to(dt)
     return out.reshape(T, vd), S, states
 
 
