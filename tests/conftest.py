@@ -26,6 +26,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter():
+    """triton.runtime.interpreter when this run interprets Triton and triton imports, else None."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return None
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    return interpreter
+
+
 def _interpreter_without_dead_overflow_checks() -> None:
     """Triton's interpreter widens every int32 add / sub / mul to int64 and compares the
     result with the int32 range ("sanitize_overflow"), then hands the comparison to
@@ -33,13 +44,10 @@ def _interpreter_without_dead_overflow_checks() -> None:
     work was about a third of an interpreted round (test_batch_decoder's sampled test).
     Turn it off only where it is dead (the interpreter, debug off); nothing is checked
     less."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    try:
-        import dataclasses
+    import dataclasses
 
-        from triton.runtime import interpreter
-    except ImportError:
+    interpreter = _interpreter()
+    if interpreter is None:
         return
     builder = getattr(interpreter, "interpreter_builder", None)
     opts = getattr(builder, "options", None)
@@ -62,12 +70,10 @@ def _interpreter_dot_in_fixed_order() -> None:
     (axis 0 is outermost: numpy adds the K slices one after another, no pairwise split).
     Only for floating operands; anything else keeps the interpreter's own dot
     (HYSPEC_TEST_NUMPY_DOT=1 keeps it everywhere)."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or os.environ.get("HYSPEC_TEST_NUMPY_DOT") == "1":
-        return
-    try:
-        import numpy as np
-        from triton.runtime import interpreter
-    except ImportError:
+    import numpy as np
+
+    interpreter = _interpreter()
+    if interpreter is None or os.environ.get("HYSPEC_TEST_NUMPY_DOT") == "1":
         return
     builder = getattr(interpreter, "InterpreterBuilder", None)
     orig = getattr(builder, "create_dot", None)
