@@ -36,6 +36,8 @@ from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
 from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
 from hyspec.kernels.matmul.config import _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
+from hyspec.kernels.pdl import interpreting
+from hyspec.kernels.prefetch import flat_words, l2_touch
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import Fp8Weight
 
@@ -226,6 +228,19 @@ class TritonRunner:
         # silu_mul once and a plain matmul instead (the same bits: same expression, same
         # tile and K split); HYSPEC_TALL_ACT=fused keeps the fused load (ablation)
         self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
+        # L2 prefetch (hyspec.kernels.prefetch): while a layer's mixer kernels (conv, scan,
+        # gated norm; attention prep, decode, combine) run, a side stream reads the layer's
+        # output-projection weight into L2, joined before that projection.  Numbers are
+        # unchanged (the same bytes, read from L2); only calls of at most l2_prefetch_rows
+        # rows prefetch (above, the mixers move enough state themselves).
+        # HYSPEC_L2_PREFETCH=0 turns it off, HYSPEC_L2_PREFETCH_ROWS sets the row limit.
+        self.l2_prefetch = (dev.type == "cuda" and not interpreting()
+                            and os.environ.get("HYSPEC_L2_PREFETCH", "1") not in ("", "0"))
+        self.l2_prefetch_rows = int(os.environ.get("HYSPEC_L2_PREFETCH_ROWS", "16"))
+        self.l2_policy = os.environ.get("HYSPEC_L2_PREFETCH_POLICY", "evict_last")
+        self._pf_stream = None
+        self._pf_sink = None
+        self._pf_views = {}  # id(weight) -> its flat int32 views
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:
@@ -339,6 +354,37 @@ class TritonRunner:
         alt = _config_cached(N, K, *tall.values())
         return {} if (own.split_k, own.k_per_split) == (alt.split_k, alt.k_per_split) else tall
 
+    # -- L2 prefetch ----------------------------------------------------------------
+    def _prefetch(self, w, t: int):
+        """Start reading weight w into L2 on the side stream (after everything queued so
+        far on the current stream); returns the stream to join with :meth:`_joined`, or
+        None when this call does not prefetch."""
+        if not self.l2_prefetch or t > self.l2_prefetch_rows:
+            return None
+        views = self._pf_views.get(id(w))
+        if views is None:
+            parts = w.parts if isinstance(w, Segments) else \
+                [w.w, w.scale] if isinstance(w, Fp8Weight) else [w]
+            views = [v for v in (flat_words(p) for p in parts) if v is not None]
+            self._pf_views[id(w)] = views
+        if not views:
+            return None
+        if self._pf_stream is None:
+            dev = self.model.device
+            self._pf_stream = torch.cuda.Stream(device=dev)
+            self._pf_sink = torch.zeros(1024, device=dev, dtype=torch.int32)
+        cur = torch.cuda.current_stream(self.model.device)
+        self._pf_stream.wait_stream(cur)
+        with torch.cuda.stream(self._pf_stream):
+            for v in views:
+                l2_touch(v, self._pf_sink, self.l2_policy)
+        return cur
+
+    def _joined(self, cur) -> None:
+        """The current stream waits for the prefetch that :meth:`_prefetch` started."""
+        if cur is not None:
+            cur.wait_stream(self._pf_stream)
+
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):
         """(lane 0's view, lane stride) of a per-lane slab."""
@@ -380,6 +426,7 @@ class TritonRunner:
         slab = t <= self.verify_proj.shape[1]
         proj = self.verify_proj[g, :t] if slab else self._buf("proj", t, layer.w_in.shape[0])
         self.mm(normed, layer.w_in, proj)
+        pf = self._prefetch(layer.w_out, t)
         conv_out = self.verify_conv_out[g, :t] if slab else self._buf("conv_out", t)
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
@@ -392,6 +439,7 @@ class TritonRunner:
                  dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
                  states=None,
                  block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
+        self._joined(pf)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def commit_linear(self, n, t: int, lanes: int) -> None:
@@ -414,6 +462,7 @@ class TritonRunner:
         kc, kv_stride = self._lane0(kc)
         vc, _ = self._lane0(vc)
         proj = self.mm(normed, layer.w_in, self._buf("proj", t, layer.w_in.shape[0]))
+        pf = self._prefetch(layer.w_out, t)
         q = self._buf("query", t)
         attn_prep(proj, layer.qn, layer.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
                   n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
@@ -426,6 +475,7 @@ class TritonRunner:
         attn = attn_decode_grouped if self.attn_grouped else attn_decode
         attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.rows_cap else None, lanes=lanes,
              kv_lane_stride=kv_stride)
+        self._joined(pf)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def _ffn(self, layer, normed, t):
