@@ -228,14 +228,15 @@ class TritonRunner:
         # silu_mul once and a plain matmul instead (the same bits: same expression, same
         # tile and K split); HYSPEC_TALL_ACT=fused keeps the fused load (ablation)
         self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
-        # L2 prefetch (hyspec.kernels.prefetch): while a layer's mixer kernels (conv, scan,
-        # gated norm; attention prep, decode, combine) run, a side stream reads the layer's
-        # output-projection weight into L2, joined before that projection.  Numbers are
-        # unchanged (the same bytes, read from L2); only calls of at most l2_prefetch_rows
-        # rows prefetch (above, the mixers move enough state themselves).
-        # HYSPEC_L2_PREFETCH=0 turns it off, HYSPEC_L2_PREFETCH_ROWS sets the row limit.
+        # L2 prefetch (hyspec.kernels.prefetch), off by default: while a layer's mixer
+        # kernels (conv, scan, gated norm; attention prep, decode, combine) run, a side
+        # stream reads the layer's output-projection weight into L2, joined before that
+        # projection.  Numbers are unchanged (the same bytes, read from L2), but on the
+        # H200 every step got slower with it (b2 decode 1.691 -> 1.725 ms at batch 1,
+        # 3.881 -> 3.937 at 64; bench/results/prefetch_h200.json, at 1a0aeb4).
+        # HYSPEC_L2_PREFETCH=1 turns it on for calls of at most HYSPEC_L2_PREFETCH_ROWS rows.
         self.l2_prefetch = (dev.type == "cuda" and not interpreting()
-                            and os.environ.get("HYSPEC_L2_PREFETCH", "1") not in ("", "0"))
+                            and os.environ.get("HYSPEC_L2_PREFETCH", "0") not in ("", "0"))
         self.l2_prefetch_rows = int(os.environ.get("HYSPEC_L2_PREFETCH_ROWS", "16"))
         self.l2_policy = os.environ.get("HYSPEC_L2_PREFETCH_POLICY", "evict_last")
         self._pf_stream = None
