@@ -148,13 +148,15 @@ def quantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> tu
 
 def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 512, hidden: int = 64,
               layers: int = 4, std: float = 0.02, with_mtp: bool = True, draft_vocab: int = 0,
-              fp8: bool = False, fp8_block: tuple[int, int] = (128, 128), experts: str = "stacked") -> Path:
+              fp8: bool = False, fp8_block: tuple[int, int] = (128, 128), experts: str = "stacked",
+              overrides: dict | None = None) -> Path:
     """Write a random checkpoint of `arch` to `out`: config.json, generation_config.json,
     model.safetensors (incl. mtp.* unless with_mtp=False; `mtp.d2t` with draft_vocab > 0)
     and tokenizer.json (only for
     vocab_size >= 300; smaller models are driven with token ids).
 
     experts: MoE experts ``stacked`` (gate_up_proj / down_proj) or ``per_expert``.
+    overrides: config.json entries set over the tiny config's (e.g. head sizes).
     fp8: block-quantize it like Qwen's -FP8 checkpoints (float8_e4m3fn weights,
     ``*_scale_inv`` per fp8_block block, ``quantization_config`` in config.json)."""
     from safetensors.torch import save_file
@@ -164,6 +166,7 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = tiny_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers)
+    cfg_dict.update(overrides or {})
     if not with_mtp:
         cfg_dict["mtp_num_hidden_layers"] = 0
     cfg = ModelConfig.from_dict(cfg_dict)

@@ -455,7 +455,7 @@ class BatchDecoder:
             counts = self.window.head(nb).counts if self._penalised(regime) else None
             token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts)
         else:
-            token = logits.argmax(-1)
+            token = self.runner.argmax(logits)
         self.result[:nb, 0].zero_()
         self.result[:nb, 1].copy_(torch.where(dead, -1, token) if masked else token)  # -1: no token allowed
         self.pending[:nb].copy_(token)
@@ -553,7 +553,7 @@ class BatchDecoder:
         pre, post = self.runner.target(self.verify_tokens[:nb, :t].reshape(-1), nb * t, self.pos, True, nb)
         seed = post if self.hidden == "post" else pre
         self.seed_hidden[:nb, :t].copy_(seed.view(nb, t, -1))
-        self.argmax[:nb, :t].copy_(self.runner.logits(post).argmax(-1).view(nb, t))
+        self.argmax[:nb, :t].copy_(self.runner.argmax(self.runner.logits(post)).view(nb, t))
 
     def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True, masked: bool = False) -> None:
         k = t - 1

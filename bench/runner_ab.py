@@ -1,0 +1,118 @@
+"""Two settings of the batched runner side by side: two BatchDecoders on the same model and
+prompts, A and B, that differ only in TritonRunner attributes set before their first step
+(``--a name=value`` / ``--b name=value``, e.g. ``gnorm_fold=0``, ``l2_prefetch=1``),
+CUDA-graph replays of a decode step and a K=3 round at each batch size, timed alternately
+(best of ``--trials``), then every lane's state (GDN conv and SSM state, KV cache,
+positions) and the last logits compared bitwise between the two (the settings compared
+here must change no number).  GPU only.
+
+    python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --a gnorm_fold=0 --b gnorm_fold=1
+    python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --b l2_prefetch=1 --b l2_prefetch_rows=256
+
+(bench/results/prefetch_h200.json ran as bench/prefetch_bench.py at 1a0aeb4: A without
+the L2 prefetch, B with it on every call of at most 256 rows.)
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="b2")
+    ap.add_argument("--sizes", default="1,4,16,64")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=30, help="graph replays per timing")
+    ap.add_argument("--trials", type=int, default=3, help="alternating timings per case (best kept)")
+    ap.add_argument("--a", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of A")
+    ap.add_argument("--b", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of B")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from hyspec.bench import make_model
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.provenance import git_state
+
+    dev = torch.device("cuda")
+    model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    S = max(sizes)
+    steps = len(sizes) * 2 * args.trials * (args.reps + 4) * (args.k + 2)
+
+    def settings(pairs: list[str]) -> dict:
+        out = {}
+        for pair in pairs:
+            name, sep, value = pair.partition("=")
+            if not sep:
+                raise SystemExit(f"runner_ab: want NAME=VALUE, got {pair!r}")
+            try:
+                out[name] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                out[name] = value
+        return out
+
+    sets = {"A": settings(args.a), "B": settings(args.b)}
+
+    def decoder(attrs: dict) -> BatchDecoder:
+        d = BatchDecoder(model, args.prompt_len + steps + 64, args.k, S, graphs=True)
+        for name, value in attrs.items():
+            if not hasattr(d.runner, name):
+                raise SystemExit(f"runner_ab: TritonRunner has no attribute {name!r}")
+            setattr(d.runner, name, type(getattr(d.runner, name))(value)
+                    if isinstance(getattr(d.runner, name), (bool, int, float)) else value)
+        g = torch.Generator().manual_seed(0)
+        for lane in range(S):
+            p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
+            d.prefill_start(lane, p, args.k)
+        return d
+
+    decs = {"A": decoder(sets["A"]), "B": decoder(sets["B"])}
+    out = {"git": git_state(), "command": "python bench/runner_ab.py " + " ".join(sys.argv[1:]),
+           "config": args.config, "k": args.k, "device": torch.cuda.get_device_name(), "settings": sets,
+           "cases": {}}
+    print(f"A: {sets['A']}  B: {sets['B']}", flush=True)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(args.reps):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / args.reps
+
+    for nb in sizes:
+        for case in ("decode", f"round_k{args.k}"):
+            best = {}
+            for _ in range(args.trials):
+                for name, d in decs.items():
+                    fn = (lambda d=d: d.decode(nb)) if case == "decode" else (lambda d=d: d.round(nb, args.k))
+                    best[name] = min(best.get(name, float("inf")), timed(fn))
+            row = {"a_ms": best["A"], "b_ms": best["B"], "b_over_a": best["B"] / best["A"]}
+            out["cases"][f"{case}_B{nb}"] = row
+            print(f"{case:9s} B={nb:3d}: A {best['A']:.4f} ms  B {best['B']:.4f} ms  "
+                  f"B/A {row['b_over_a']:.4f}", flush=True)
+    a, b = decs["A"], decs["B"]
+    same = {"ssm": torch.equal(a.ssm, b.ssm), "conv": torch.equal(a.conv, b.conv),
+            "kv": all(torch.equal(x, y) for x, y in zip(a.kv_k + a.kv_v, b.kv_k + b.kv_v)),
+            "pos": torch.equal(a.pos, b.pos),
+            "logits": torch.equal(a.runner.bufs.logits, b.runner.bufs.logits)}
+    out["bitwise_equal"] = same
+    print("bitwise equal (A vs B):", same, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if not all(same.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
