@@ -527,6 +527,9 @@ MADE_BY = {
     "gpu_tests_tile_heights_h200.txt": "`python3 -m pytest -q -rfEX tests/test_gpu_tile_heights.py "
                                        "tests/test_gpu_batch.py::test_a_lane_has_the_same_bits_in_every_row_tile_height` "
                                        "(H200)",
+    "gpu_tests_gnorm_fold_h200.txt": "`python3 -m pytest -q -rs tests/test_gpu_tile_heights.py tests/test_gpu_batch.py "
+                                     "tests/test_kernels_argmax.py tests/test_kernels_prefetch.py tests/test_gnorm_fold.py` "
+                                     "(H200; the folded gated norm's tests, a code since removed: docs/gpu.md)",
     "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
                               "the command and commit are in its header)",
     "topp_tests_h200.txt": "`HYSPEC_TOPP_KERNEL=1 python3 -m pytest ...` (H200; the command and commit are in its header)",

@@ -165,7 +165,6 @@ class TritonRunner:
             mtp_out=rows(H),  # [R, H] the MTP hidden (final norm)
             logits=rows(cfg.vocab_size),  # [R, V]
         )
-
         # MoE layers (hyspec.kernels.moe.moe_grouped): router logits, shared expert, the
         # grouped path's scratch, and per row count t the distinct experts read
         # (moe_counts[0] target, [1] drafter; [t] = (sum of distinct experts, layer calls))
@@ -217,11 +216,6 @@ class TritonRunner:
         self.gdn_block_v = 16 if cfg.linear_value_head_dim >= 64 else None
         if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
             self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
-        # a scan split over Dv blocks stores each block's sum of squares of o, for the gated
-        # norm (hyspec.kernels.gdn.gdn_step's sumsq) [R, Hv x blocks]
-        dv = cfg.linear_value_head_dim
-        nvb = -(-dv // p2(self.gdn_block_v)) if self.gdn_block_v and p2(self.gdn_block_v) < p2(dv) else 1
-        self.bufs.sumsq = torch.zeros(R, max(cfg.linear_num_value_heads, 1) * nvb, device=dev, dtype=torch.float32)
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
@@ -235,10 +229,6 @@ class TritonRunner:
         # silu_mul once and a plain matmul instead (the same bits: same expression, same
         # tile and K split); HYSPEC_TALL_ACT=fused keeps the fused load (ablation)
         self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
-        # the GDN gated norm folded into the out projection's x-load for calls of at most 16
-        # rows (one launch fewer per GDN layer; the same bits as its own kernel, which the
-        # taller calls keep: every column tile would recompute it); HYSPEC_GNORM_FOLD=0: never
-        self.gnorm_fold = exact and os.environ.get("HYSPEC_GNORM_FOLD", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
         # L2 prefetch (hyspec.kernels.prefetch), off by default: while a layer's mixer
@@ -295,16 +285,12 @@ class TritonRunner:
         shape = (rows,) + tuple(b.shape[1:]) if cols is None else (rows, cols)
         return torch.empty(shape, device=b.device, dtype=b.dtype)
 
-    def mm(self, x, w, out, act=False, defer=False, gnorm=None):
+    def mm(self, x, w, out, act=False, defer=False):
         """x [t, K] (act: [t, 2K] as gate | up) @ w [N, K].T -> out [t, N].  defer: the
         result only feeds ``rmsnorm``'s delta, which may then take the split-K
         partials and reduce them itself (exact mode, ``fuse_reduce``).  w: a tensor, a
         block-FP8 ``Fp8Weight`` (the FP8 kernel, exact or not: there is no cuBLAS
-        weight-only FP8 path) or ``Segments`` (one matmul per part into its columns).
-        gnorm: x is a GDN's raw o, normed in the x-load (``skinny_matmul``'s gnorm; exact
-        mode, a plain weight tensor only)."""
-        if gnorm is not None and (not self.exact or not isinstance(w, torch.Tensor) or act):
-            raise ValueError("TritonRunner.mm: gnorm needs exact mode, a plain weight and no act")
+        weight-only FP8 path) or ``Segments`` (one matmul per part into its columns)."""
         if isinstance(w, Segments):
             off = 0
             for part in w.parts:
@@ -344,23 +330,11 @@ class TritonRunner:
                 self._workspaces[(N, K)] = ws
             use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
             return skinny_matmul(x, w, out=out, act=act, ws=use, defer=defer and self.fuse_reduce and use is not None,
-                                 block_t=height, gnorm=gnorm, **tile)
+                                 block_t=height, **tile)
         if act:
             K = w.shape[1]
             x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
         return torch.matmul(x, w.t(), out=out)
-
-    def _can_fold(self, w, t: int, dv: int) -> bool:
-        """The gated norm can ride on w's x-load in a call of t rows: a plain weight whose
-        tile splits K into whole BLOCK_K chunks, a power-of-2 head size dv that divides
-        the chunks or that they divide (``skinny_matmul``'s gnorm conditions)."""
-        if not isinstance(w, torch.Tensor) or p2(dv) != dv:
-            return False
-        N, K = w.shape
-        tile = self._tile(N, K, False, self.height(t))
-        c = _config_cached(N, K, *(tile.get(k) for k in ("split_k", "block_n", "block_k", "num_warps", "num_stages",
-                                                         "wt")), False)
-        return K % dv == 0 and K % c.block_k == 0 and c.k_per_split % min(dv, c.block_k) == 0
 
     def height(self, rows: int) -> int:
         """The row-tile height of a matmul call with `rows` rows (see __init__)."""
@@ -464,20 +438,13 @@ class TritonRunner:
         gdn_conv(proj, conv, layer.conv_w, conv_out, rows=t, update=not record, xin=xin, lanes=lanes,
                  state_lane_stride=conv_stride, xin_lane_stride=(t // lanes) * cfg.conv_dim)
         o = self._buf("mixer_out", t, cfg.linear_value_dim)
-        dv = cfg.linear_value_head_dim
-        split = self.gdn_block_v is not None and p2(self.gdn_block_v) < p2(dv)  # the norm outside the scan
-        sumsq = self._buf("sumsq", t) if split else None
-        fold = split and self.gnorm_fold and t <= 16 and self._can_fold(layer.w_out, t, dv)
         gdn_step(conv_out, proj, layer.A_log, layer.dt_bias, layer.norm_w, ssm, o,
                  nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
-                 dv=dv, eps=self.eps, rows=t, keep_state=rec,
+                 dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
                  states=None,
-                 block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride, sumsq=sumsq,
-                 gated_norm=not fold)
+                 block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         self._joined(pf)
-        C = cfg.conv_dim
-        gn = (proj[:, C: C + cfg.linear_value_dim], layer.norm_w, sumsq, self.eps, dv) if fold else None
-        return self.mm(o, layer.w_out, self._buf("delta", t), defer=True, gnorm=gn)
+        return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def commit_linear(self, n, t: int, lanes: int) -> None:
         """After a verify of t rows per lane with n [lanes] accepted drafts per lane: every

@@ -12,8 +12,11 @@ exports its public functions:
 ``moe/``        routed-expert GEMV (optionally with the SiLU*mul input)
 ``matmul/``     skinny ``x @ w.T`` with a per-shape split-K config (``config.py``)
 ``rng/``        Philox uniforms for whole vocabulary rows
-``probs/``      sampling's row softmax and inverse CDF over (row, chunk) programs
+``probs/``      sampling's row softmax and inverse CDF over (row, chunk) programs; the greedy argmax
 ==============  ===========================================================================
+
+``prefetch.py`` reads a weight into L2 on a side stream (an opt-in overlap, measured slower
+on the H200: ``hyspec.gpu.runner_triton``, ``HYSPEC_L2_PREFETCH``).
 
 Shared pieces: :mod:`hyspec.kernels.common` (block sizes, argument checks, the deferred
 split-K result, the triton import check) and :mod:`hyspec.kernels.pdl` (per-mode kernel

@@ -2,8 +2,6 @@
 norm (contract: ``hyspec/kernels/gdn/__init__.py``)."""
 from __future__ import annotations
 
-import torch
-
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
@@ -65,11 +63,10 @@ def _kernels():
                 tl.store(st_ptr + i * C + offs, v.to(st_ptr.dtype.element_ty), mask=mc)
 
     @triton.jit(do_not_specialize=["T", "st_t", "sy", "sp", "so", "mode", "replay", "sy_g", "sp_g", "ss_g", "sa_g",
-                                   "NB", "sy_b", "sp_b", "ss_b", "so_b", "sq_t", "sq_b"])
+                                   "NB", "sy_b", "sp_b", "ss_b", "so_b"])
     def _gdn_step_kernel(y_ptr, sy, p_ptr, sp, alog_ptr, dtb_ptr, nw_ptr, s_ptr, st_ptr, st_t, o_ptr, so,
                          T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
-                         NB, sy_b, sp_b, ss_b, so_b, q_ptr, sq_t, sq_b, BK: tl.constexpr, BV: tl.constexpr,
-                         NORM: tl.constexpr,
+                         NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
@@ -109,7 +106,6 @@ def _kernels():
         s_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
         st_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
         o_ptr += lane * so_b
-        q_ptr += lane * sq_b
         alog_ptr += lay * sa_g
         dtb_ptr += lay * sa_g
         if replay != 0:
@@ -219,17 +215,10 @@ def _kernels():
                         out = yv * (z / (1.0 + tl.exp(-z)))
                         tl.store(o_ptr + t * so + h * DV + ov, out.to(DT), mask=mv)
                     else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
-                        # or by the out projection's x-load (GNORM); both sum the head's
-                        # squares from the slices' partial sums, stored here per Dv block
-                        ob = o.to(DT)
-                        tl.store(o_ptr + t * so + h * DV + ov, ob, mask=mv)
-                        obf = tl.where(mv, ob.to(tl.float32), 0.0)
-                        nvb = (DV + BV - 1) // BV
-                        tl.store(q_ptr + t * sq_t + h * nvb + pv * NBP + j, tl.sum(obf * obf, axis=0))
+                        tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
 
     @triton.jit(do_not_specialize=["T"])
-    def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, q_ptr, sq, T, C, DV, eps, BV: tl.constexpr,
-                           NVB: tl.constexpr, PDL: tl.constexpr = False):
+    def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -241,12 +230,7 @@ def _kernels():
         ob = tl.load(o_ptr + r * so + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
         z = tl.load(p_ptr + r * sp + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
         nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
-        # the head's sum of squares: the step kernel's per-block partials, added in block
-        # order (hyspec.kernels.matmul's GNORM x-load adds them in the same order)
-        ssq = tl.load(q_ptr + r * sq + h * NVB)
-        for j in tl.static_range(1, NVB):
-            ssq = ssq + tl.load(q_ptr + r * sq + h * NVB + j)
-        var = ssq / DV
+        var = tl.sum(ob * ob, axis=0) / DV
         xh = (ob * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
         yv = (nw * xh).to(DT).to(tl.float32)
         out = yv * (z / (1.0 + tl.exp(-z)))
@@ -375,8 +359,7 @@ def gdn_window_commit(conv, conv_in, j, nb: int, t: int):
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
-             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None, sumsq=None,
-             gated_norm=True):
+             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
     every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
     written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
@@ -386,12 +369,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     on the row count (it does not here).  lanes > 1: rows // lanes rows per sequence
     (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states).
     blocks_per_program: Dv blocks per program (None: STEP_LAUNCH's choice; the bits do not
-    depend on it).  With block_v < Dv each program also stores its block's sum of the
-    squares of o (rounded to out's dtype) in ``sumsq`` (fp32 [rows, nv * Dv blocks],
-    allocated when None); the gated norm sums a head's partials in block order, in its own
-    kernel, or, with ``gated_norm=False``, not here: ``out`` then holds the raw o and the
-    caller's out projection applies the norm in its x-load (``skinny_matmul(gnorm=...)``,
-    the same arithmetic)."""
+    depend on it)."""
     if states is not None and lanes > 1:
         raise ValueError("gdn_step: per-row states are recorded for one lane only")
     if states is not None:
@@ -403,23 +381,14 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     TL = rows // lanes
     nvb = -(-dv // BV)
     nbp = _decode_blocks(nvb, lanes, TL, mode, blocks_per_program)
-    if not norm:
-        if sumsq is None:
-            sumsq = torch.empty(rows, nv * nvb, device=out.device, dtype=torch.float32)
-        elif sumsq.dtype != torch.float32 or sumsq.dim() != 2 or sumsq.shape[0] < rows \
-                or sumsq.shape[1] != nv * nvb or sumsq.stride(1) != 1:
-            raise ValueError(f"gdn_step: sumsq must be fp32 [>= {rows}, {nv * nvb}] with contiguous rows, got "
-                             f"{tuple(sumsq.shape)} {sumsq.dtype}")
-    q, sq = (sumsq, sumsq.stride(0)) if not norm else (state, 0)  # (an fp32 pointer either way: one binary)
     LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), q, sq, TL * sq, **_step_meta(BK, BV, norm, nbp, dk, dv))
-    if not norm and gated_norm:
-        ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, sumsq, sumsq.stride(0), rows,
-                                     2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), NVB=nvb, num_warps=4,
-                                     **launch_kwargs())
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
+    if not norm:
+        ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
+                                     2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
     return out
 
 
@@ -451,5 +420,5 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
-        NB, sy_b, sp_b, ss_b, 0, ssm, 0, 0, **_step_meta(BK, BV, norm, 1, dk, dv))
+        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv))
     return ssm

@@ -28,12 +28,10 @@ def _kernels():
         stride_wn, stride_wk,
         stride_ot, stride_on,
         stride_ws_s, stride_ws_t,
-        gz_ptr, stride_gz, gnw_ptr, gq_ptr, stride_gq, g_eps,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, WT: tl.constexpr = False,
-        GNORM: tl.constexpr = False, GN_DV: tl.constexpr = 1, GN_NVB: tl.constexpr = 1,
     ):
         # row tiles vary fastest: the programs of one weight tile run together, so a call
         # with many row tiles reads each weight tile from HBM once (the others hit L2)
@@ -74,32 +72,6 @@ def _kernels():
                     xg = xt.to(tl.float32)
                     sg = (xg / (1.0 + tl.exp(-xg))).to(x_ptr.dtype.element_ty).to(tl.float32)
                     xt = (sg * xu).to(x_ptr.dtype.element_ty)
-                if GNORM:  # x holds a Gated-DeltaNet's raw o: feed the gated RMSNorm of its heads
-                    # (hyspec.kernels.gdn's _gated_norm_kernel, the same expression; a head's
-                    # sum of squares from the step kernel's per-block partials, in block order)
-                    ob = xt.to(tl.float32)
-                    if BLOCK_K >= GN_DV:  # whole heads in this chunk (Dv and BLOCK_K are powers of 2)
-                        HB: tl.constexpr = BLOCK_K // GN_DV
-                        heads = k0 // GN_DV + tl.arange(0, HB)
-                        q_ptrs = gq_ptr + offs_t[:, None] * stride_gq + heads[None, :] * GN_NVB
-                        ssq = tl.load(q_ptrs, mask=mask_t[:, None], other=0.0)
-                        for j in tl.static_range(1, GN_NVB):
-                            ssq = ssq + tl.load(q_ptrs + j, mask=mask_t[:, None], other=0.0)
-                        rs = tl.rsqrt(ssq / GN_DV + g_eps)  # [BLOCK_T, HB]
-                        rs = tl.reshape(tl.broadcast_to(rs[:, :, None], (BLOCK_T, HB, GN_DV)), (BLOCK_T, BLOCK_K))
-                    else:  # a part of one head
-                        q_ptrs = gq_ptr + offs_t * stride_gq + (k0 // GN_DV) * GN_NVB
-                        ssq = tl.load(q_ptrs, mask=mask_t, other=0.0)
-                        for j in tl.static_range(1, GN_NVB):
-                            ssq = ssq + tl.load(q_ptrs + j, mask=mask_t, other=0.0)
-                        rs = tl.rsqrt(ssq / GN_DV + g_eps)[:, None]
-                    DTX = x_ptr.dtype.element_ty
-                    z = tl.load(gz_ptr + offs_t[:, None] * stride_gz + offs_k[None, :], mask=mask_t[:, None],
-                                other=0.0).to(tl.float32)
-                    gw = tl.load(gnw_ptr + offs_k % GN_DV).to(tl.float32)
-                    xh = (ob * rs).to(DTX).to(tl.float32)
-                    yv = (gw[None, :] * xh).to(DTX).to(tl.float32)
-                    xt = (yv * (z / (1.0 + tl.exp(-z)))).to(DTX)
                 if EVEN_N:
                     wt = tl.load(w_ptrs)
                 elif WT:
@@ -207,7 +179,6 @@ def skinny_matmul(
     ws: torch.Tensor | None = None,
     defer: bool = False,
     block_t: int = BLOCK_T,
-    gnorm: tuple | None = None,
 ):
     """Triton ``x [T, K] @ w [N, K].T -> [T, N]`` (fp32 accumulate, output x.dtype).
 
@@ -227,11 +198,6 @@ def skinny_matmul(
     block_t (nor on BK or the stage count) at a fixed K split, and the batched decoder
     picks it from T there (``hyspec.gpu.runner_triton``); the Triton interpreter's dots
     do change with the tile's width.
-    ``gnorm=(z, norm_w, sumsq, eps, dv)``: x is a Gated-DeltaNet's raw o [T, Hv*dv] and the
-    kernel feeds ``norm_w * rmsnorm(o_head) * silu(z)`` per head instead (the gated norm of
-    ``hyspec.kernels.gdn``, bitwise: its expression, and each head's sum of squares added
-    from ``sumsq`` [T, Hv * blocks] fp32, the step kernel's per-Dv-block partials, in
-    block order); z [T, Hv*dv] (rows of the in-projection), norm_w [dv].
     """
     if block_t not in (16, 32, 64, 128):
         raise ValueError(f"skinny_matmul: block_t must be 16, 32, 64 or 128, got {block_t}")
@@ -267,22 +233,6 @@ def skinny_matmul(
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     grid = (n_tblocks, _cdiv(N, cfg.block_n), cfg.split_k)
     lk = launch_kwargs()
-    if gnorm is not None:
-        gz, gnw, gq, geps, gdv = gnorm
-        nvb = gq.shape[1] // max(K // gdv, 1) if gdv > 0 else 0
-        if act or K % gdv or K % cfg.block_k or cfg.k_per_split % min(gdv, cfg.block_k) \
-                or gdv & (gdv - 1) or nvb < 1 or gq.shape[1] != (K // gdv) * nvb:
-            raise ValueError(f"skinny_matmul: gnorm needs K ({K}) a multiple of the head size {gdv} (a power of "
-                             f"2) and of BLOCK_K ({cfg.block_k}), no act, sumsq [T, heads * blocks]")
-        if gz.shape[0] < T or gz.shape[1] < K or gz.stride(1) != 1 or gq.shape[0] < T or gq.stride(1) != 1 \
-                or gq.dtype != torch.float32 or gnw.numel() != gdv:
-            raise ValueError("skinny_matmul: gnorm wants z [T, >= K] and sumsq fp32 [T, ...] with contiguous rows, "
-                             f"norm_w [{gdv}]")
-        gargs = (gz, gz.stride(0), gnw, gq, gq.stride(0), float(geps))
-        gmeta = dict(GNORM=True, GN_DV=gdv, GN_NVB=nvb)
-    else:
-        gargs = (x, 0, x, x, 0, 0.0)  # unused (GNORM off); the same dummies every call: one binary per config
-        gmeta = {}
     mm_kernel[grid](
         x, w, out, ws,
         T, N, K, cfg.k_per_split,
@@ -290,12 +240,11 @@ def skinny_matmul(
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
         sws_s, sws_t,
-        *gargs,
         BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0, WT=cfg.wt, **gmeta,
+        ACT=act, X_UP=K if act else 0, WT=cfg.wt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
     )
     if not direct:

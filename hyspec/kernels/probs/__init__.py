@@ -35,7 +35,8 @@ math is exact: masked entries, one-hot rows, dyadic masses).
 
 Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch); ``topp.py``:
 the top-k / top-p cut (``prefix_select_rows``, integer radix passes; its reference is
-hyspec.gpu.sampling.prefix_select; on by default on CUDA, HYSPEC_TOPP_KERNEL=0 turns it off).
+hyspec.gpu.sampling.prefix_select; on by default on CUDA, HYSPEC_TOPP_KERNEL=0 turns it off);
+``argmax.py``: ``argmax_rows(x) == x.argmax(-1)`` (the greedy choice, exact, in two launches).
 """
 from hyspec.kernels.probs.kernel import inverse_cdf_rows, softmax_rows
 from hyspec.kernels.probs.reference import CHUNK, inverse_cdf_rows_ref, softmax_rows_ref
