@@ -68,7 +68,8 @@ def _kernels():
                          T, R, KD, C, VD, NV, DK, DV, scale, eps, mode, replay, n_ptr, sy_g, sp_g, ss_g, sa_g,
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
-                         NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False):
+                         NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
+                         STREAM: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -86,6 +87,8 @@ def _kernels():
         # q.S_t = e q.S_{t-1} + (q.k) delta; else the reference's order (decay, k.S, update,
         # then q.S_t: two dependent state reductions and two norms per row).  The two
         # forms round differently; decode, verify and replay always share one.
+        # STREAM: cache hints on the state's exact tiles (load evict_first, final store .cs):
+        # the same values, another L2 policy (an experiment, HYSPEC_GDN_STREAM=1).
         # EVEN: the tiles cover Dk and Dv exactly (no masks on the state).  The state's
         # offsets inside a head are int32 (the head's base is a scalar int64 pointer): a
         # [Dk, block] tile of int64 offsets, pointers and masks kept across the row loop
@@ -122,7 +125,9 @@ def _kernels():
             m2 = mk[:, None] & mv[None, :]
             soff = ok[:, None] * DV + ov[None, :]  # int32: inside the head
             if j == 0:
-                if EVEN:
+                if EVEN and STREAM:  # read once per call: first out of L2
+                    S = tl.load(s_ptr + soff, eviction_policy="evict_first").to(tl.float32)
+                elif EVEN:
                     S = tl.load(s_ptr + soff).to(tl.float32)
                 else:
                     S = tl.load(s_ptr + soff, mask=m2, other=0.0).to(tl.float32)
@@ -198,7 +203,9 @@ def _kernels():
                         tl.store(st_ptr + t * st_t + soff, S, mask=m2)
                 elif mode == 1:
                     if t == T - 1:
-                        if EVEN:
+                        if EVEN and STREAM:  # written once, read by the next call: no L2 residency hint
+                            tl.store(st_ptr + soff, S, cache_modifier=".cs")
+                        elif EVEN:
                             tl.store(st_ptr + soff, S)
                         else:
                             tl.store(st_ptr + soff, S, mask=m2)
@@ -271,7 +278,8 @@ def _env_launch() -> dict:
             "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH"),
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
-            "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8"))}
+            "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "0") not in ("", "0")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -306,6 +314,7 @@ def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
+                STREAM=bool(STEP_LAUNCH.get("stream", False)),
                 num_warps=nw, **launch_kwargs())
 
 
