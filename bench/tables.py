@@ -530,6 +530,8 @@ MADE_BY = {
     "gpu_tests_gnorm_fold_h200.txt": "`python3 -m pytest -q -rs tests/test_gpu_tile_heights.py tests/test_gpu_batch.py "
                                      "tests/test_kernels_argmax.py tests/test_kernels_prefetch.py tests/test_gnorm_fold.py` "
                                      "(H200; the folded gated norm's tests, a code since removed: docs/gpu.md)",
+    "gdn_stream_h200_log.txt": "`HYSPEC_GDN_STREAM=0|1 python bench/gdn_bench.py --lanes 1,16,64 --ways 4`, "
+                               "alternately twice each (H200; commands and commit in the log)",
     "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
                               "the command and commit are in its header)",
     "topp_tests_h200.txt": "`HYSPEC_TOPP_KERNEL=1 python3 -m pytest ...` (H200; the command and commit are in its header)",

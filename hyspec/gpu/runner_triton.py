@@ -229,6 +229,8 @@ class TritonRunner:
         # silu_mul once and a plain matmul instead (the same bits: same expression, same
         # tile and K split); HYSPEC_TALL_ACT=fused keeps the fused load (ablation)
         self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
+        # RMSNorm: the weight's load issued before the row's reduction (HYSPEC_NORM_W_FIRST=0: after)
+        self.norm_w_first = os.environ.get("HYSPEC_NORM_W_FIRST", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
         # L2 prefetch (hyspec.kernels.prefetch), off by default: while a layer's mixer
@@ -336,6 +338,9 @@ class TritonRunner:
             x = torch.nn.functional.silu(x[:, :K]) * x[:, K:]
         return torch.matmul(x, w.t(), out=out)
 
+    def _rmsnorm(self, *args, **kw):
+        return rmsnorm(*args, w_first=self.norm_w_first, **kw)
+
     def height(self, rows: int) -> int:
         """The row-tile height of a matmul call with `rows` rows (see __init__)."""
         if self.block_t:
@@ -399,7 +404,7 @@ class TritonRunner:
         dec = self.dec
         resid, normed = self._buf("resid", t), self._buf("normed", t)
         layers = self.layers
-        rmsnorm(self.embed, layers[0].ln1, self.eps, out=normed, ids=ids, resid_out=resid, rows=t)
+        self._rmsnorm(self.embed, layers[0].ln1, self.eps, out=normed, ids=ids, resid_out=resid, rows=t)
         post = self._buf("post", t)
         for li, layer in enumerate(layers):
             if layer.kind == "gdn":
@@ -407,10 +412,10 @@ class TritonRunner:
             else:
                 a = dec.attn_index[layer.index]
                 h = self._attn(layer, normed, t, pos, 0, dec.kv_k[a], dec.kv_v[a], lanes)
-            rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
+            self._rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
             h = self._ffn(layer, normed, t)
             last = li + 1 == len(layers)
-            rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
+            self._rmsnorm(resid, self.final_norm if last else layers[li + 1].ln1, self.eps,
                     out=post if last else normed, delta=h, resid_out=resid, rows=t)
         return resid, post
 
@@ -536,17 +541,17 @@ class TritonRunner:
         t = tokens.shape[0]
         H = self.cfg.hidden_size
         concat = self._buf("mtp_concat", t)
-        rmsnorm(self.embed, self.mtp_norm_embed, self.eps, out=concat[:, :H], ids=tokens, rows=t)
-        rmsnorm(h_prev, self.mtp_norm_hidden, self.eps, out=concat[:, H:], rows=t)
+        self._rmsnorm(self.embed, self.mtp_norm_embed, self.eps, out=concat[:, :H], ids=tokens, rows=t)
+        self._rmsnorm(h_prev, self.mtp_norm_hidden, self.eps, out=concat[:, H:], rows=t)
         resid, normed = self._buf("mtp_resid", t), self._buf("mtp_normed", t)
         self.mm(concat, self.mtp_fc, resid)
         layer = self.mtp_layer
-        rmsnorm(resid, layer.ln1, self.eps, out=normed, rows=t)
+        self._rmsnorm(resid, layer.ln1, self.eps, out=normed, rows=t)
         h = self._attn(layer, normed, t, start, off, dec.draft_k, dec.draft_v, lanes)
-        rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
+        self._rmsnorm(resid, layer.ln2, self.eps, out=normed, delta=h, resid_out=resid, rows=t)
         h = self._ffn(layer, normed, t)
         out = self._buf("mtp_out", t)
-        rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
+        self._rmsnorm(resid, self.mtp_norm, self.eps, out=out, delta=h, resid_out=resid, rows=t)
         return out
 
     def draft_argmax(self, h):

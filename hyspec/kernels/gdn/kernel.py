@@ -88,7 +88,8 @@ def _kernels():
         # then q.S_t: two dependent state reductions and two norms per row).  The two
         # forms round differently; decode, verify and replay always share one.
         # STREAM: cache hints on the state's exact tiles (load evict_first, final store .cs):
-        # the same values, another L2 policy (an experiment, HYSPEC_GDN_STREAM=1).
+        # the same values, another L2 policy (b2 at 64 lanes: decode 90.5 -> 88.8 us per
+        # layer, 16 lanes 27.4 -> 26.9; bench/results/gdn_stream_h200_log.txt; HYSPEC_GDN_STREAM=0 off).
         # EVEN: the tiles cover Dk and Dv exactly (no masks on the state).  The state's
         # offsets inside a head are int32 (the head's base is a scalar int64 pointer): a
         # [Dk, block] tile of int64 offsets, pointers and masks kept across the row loop
@@ -279,7 +280,7 @@ def _env_launch() -> dict:
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "0") not in ("", "0")}
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one

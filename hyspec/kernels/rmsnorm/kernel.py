@@ -22,13 +22,15 @@ def _kernels():
     @triton.jit(do_not_specialize=["T"])
     def _rmsnorm_kernel(x_ptr, ids_ptr, d_ptr, w_ptr, res_ptr, out_ptr, T, N, sx, sd, sr, so, eps, sds,
                         GATHER: tl.constexpr, ADD: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr,
-                        DS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                        DS: tl.constexpr = 0, PDL: tl.constexpr = False, W_FIRST: tl.constexpr = True):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         m = offs < N
+        if W_FIRST:  # the weight's load issued first, not behind the row's reduction (its latency then overlaps)
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         if GATHER:
             row = tl.load(ids_ptr + r).to(tl.int64)
             x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
@@ -47,17 +49,20 @@ def _kernels():
             tl.store(res_ptr + r * sr + offs, x, mask=m)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / N
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if not W_FIRST:
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         y = xf * tl.rsqrt(var + eps) * (1.0 + w)
         tl.store(out_ptr + r * so + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
     return dict(rmsnorm=_rmsnorm_kernel)
 
 
-def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=None):
+def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=None, w_first=True):
     """Triton :func:`rmsnorm_ref`. x [T, N] (or table [V, N] with ids [T]); writes y into
     out [T, N] and, with resid_out, the (gathered / added) input rows into resid_out
-    (may alias x). rows: T (default out.shape[0]). delta may be a :class:`SplitPartials`."""
+    (may alias x). rows: T (default out.shape[0]). delta may be a :class:`SplitPartials`.
+    w_first: the weight's load placed before the row's reduction (the same values; False:
+    after it, the earlier form, kept for the side-by-side timing)."""
     T = out.shape[0] if rows is None else rows
     N = out.shape[1]
     ds = 0
@@ -75,5 +80,5 @@ def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=N
     k[(T,)](x, ids if ids is not None else x, d, weight, r, out, T, N,
             x.stride(0), d.stride(0), r.stride(0), out.stride(0), float(eps), sds,
             GATHER=ids is not None, ADD=delta is not None, STORE_RES=resid_out is not None,
-            BLOCK=p2(N), DS=ds, num_warps=4 if N <= 4096 else 8, **launch_kwargs())
+            BLOCK=p2(N), DS=ds, W_FIRST=bool(w_first), num_warps=4 if N <= 4096 else 8, **launch_kwargs())
     return out
