@@ -32,8 +32,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.bench import make_model
-    from hyspec.gpu.batch import BatchDecoder
-    from hyspec.gpu.batch_bench import sampled_regime
+    from hyspec.gpu.batch_bench import random_lanes, sampled_regime
     from hyspec.provenance import git_state
 
     dev = torch.device("cuda")
@@ -41,14 +40,9 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
 
-    def decoder(graphs: bool) -> BatchDecoder:
+    def decoder(graphs: bool):
         """A decoder with S lanes, each started on its own random prompt (the same ones every call)."""
-        d = BatchDecoder(model, args.prompt_len + 512, args.k, S, graphs=graphs)
-        g = torch.Generator().manual_seed(0)
-        for lane in range(S):
-            p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-            d.prefill_start(lane, p, args.k)
-        return d
+        return random_lanes(model, S, args.prompt_len, args.prompt_len + 512, args.k, graphs=graphs)
 
     dec = decoder(graphs=False)
     out = {"git": git_state(), "command": "python bench/profile_batch.py " + " ".join(sys.argv[1:]),

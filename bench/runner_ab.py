@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.bench import make_model
-    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_bench import random_lanes
     from hyspec.provenance import git_state
 
     dev = torch.device("cuda")
@@ -59,18 +59,15 @@ def main() -> None:
 
     sets = {"A": settings(args.a), "B": settings(args.b)}
 
-    def decoder(attrs: dict) -> BatchDecoder:
-        d = BatchDecoder(model, args.prompt_len + steps + 64, args.k, S, graphs=True)
-        for name, value in attrs.items():
-            if not hasattr(d.runner, name):
-                raise SystemExit(f"runner_ab: TritonRunner has no attribute {name!r}")
-            setattr(d.runner, name, type(getattr(d.runner, name))(value)
-                    if isinstance(getattr(d.runner, name), (bool, int, float)) else value)
-        g = torch.Generator().manual_seed(0)
-        for lane in range(S):
-            p = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-            d.prefill_start(lane, p, args.k)
-        return d
+    def decoder(attrs: dict):
+        def setup(d):
+            for name, value in attrs.items():
+                if not hasattr(d.runner, name):
+                    raise SystemExit(f"runner_ab: TritonRunner has no attribute {name!r}")
+                setattr(d.runner, name, type(getattr(d.runner, name))(value)
+                        if isinstance(getattr(d.runner, name), (bool, int, float)) else value)
+
+        return random_lanes(model, S, args.prompt_len, args.prompt_len + steps + 64, args.k, setup=setup)
 
     decs = {"A": decoder(sets["A"]), "B": decoder(sets["B"])}
     out = {"git": git_state(), "command": "python bench/runner_ab.py " + " ".join(sys.argv[1:]),

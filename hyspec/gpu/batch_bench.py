@@ -20,6 +20,21 @@ from hyspec.gpu.batch_loop import LaneRequest, run_batch
 TARGETS = {"plain_B16_vs_B1": 12.0, "plain_B64_vs_B1": 35.0, "spec_vs_plain_B16": 1.5, "sampled_vs_greedy_spec": 0.9}
 
 
+def random_lanes(model, lanes: int, prompt_len: int, max_len: int, k: int, graphs: bool = True,
+                 setup=None) -> BatchDecoder:
+    """A BatchDecoder of `lanes` lanes, each prefilled with its own random prompt (the same
+    prompts every call: seed 0) and started greedily with k drafts per round; setup(dec),
+    when given, runs before the first prefill (e.g. to set runner attributes).  The set-up
+    of bench/profile_batch.py and bench/runner_ab.py."""
+    d = BatchDecoder(model, max_len, k, lanes, graphs=graphs)
+    if setup is not None:
+        setup(d)
+    g = torch.Generator().manual_seed(0)
+    for lane in range(lanes):
+        d.prefill_start(lane, torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist(), k)
+    return d
+
+
 def _target(value: float, name: str) -> dict:
     return {"value": round(value, 2), "target": TARGETS[name], "met": value >= TARGETS[name]}
 
