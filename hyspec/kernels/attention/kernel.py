@@ -65,12 +65,13 @@ def _kernels():
             wkp = tl.load(kw_ptr + part, mask=md, other=0.0).to(tl.float32)
             w = tl.where(is_q, wq, wk)
             wp = tl.where(is_q, wqp, wkp)
+            fi = tl.where(inrot, tl.where(lo, offs, offs - half), 0)
+            invf = tl.load(invf_ptr + fi, mask=inrot, other=0.0)  # (loaded before the reduction: latency)
             inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
             DT = q_ptr.dtype.element_ty
             xn = (x * inv * (1.0 + w)).to(DT).to(tl.float32)
             xpn = (xp * inv * (1.0 + wp)).to(DT).to(tl.float32)
-            fi = tl.where(inrot, tl.where(lo, offs, offs - half), 0)
-            ang = p.to(tl.float32) * tl.load(invf_ptr + fi, mask=inrot, other=0.0)
+            ang = p.to(tl.float32) * invf
             c = tl.cos(ang).to(DT).to(tl.float32)
             s = tl.sin(ang).to(DT).to(tl.float32)
             rot = tl.where(lo, -xpn, xpn)
@@ -132,6 +133,10 @@ def _kernels():
         offs_d = tl.arange(0, BLOCK_D)
         md = offs_d < D
         wrow = (r * HQ + h) * NS * (BLOCK_D + 2)
+        DT = o_ptr.dtype.element_ty
+        # the gate first: its load's latency overlaps the partials' (same values)
+        gate = tl.load(p_ptr + r * sp + h * 2 * D + D + offs_d, mask=md, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(gate).to(DT).to(tl.float32)
         M = tl.load(ws_ptr + wrow + BLOCK_D)
         for s in tl.static_range(1, NS):
             M = tl.maximum(M, tl.load(ws_ptr + wrow + s * (BLOCK_D + 2) + BLOCK_D))
@@ -142,10 +147,7 @@ def _kernels():
             w = tl.exp(tl.load(ws_ptr + b + BLOCK_D) - M)
             Lsum += tl.load(ws_ptr + b + BLOCK_D + 1) * w
             acc += tl.load(ws_ptr + b + offs_d) * w
-        DT = o_ptr.dtype.element_ty
         o = (acc / Lsum).to(DT).to(tl.float32)
-        gate = tl.load(p_ptr + r * sp + h * 2 * D + D + offs_d, mask=md, other=0.0).to(tl.float32)
-        sg = tl.sigmoid(gate).to(DT).to(tl.float32)
         tl.store(o_ptr + r * so + h * D + offs_d, (o * sg).to(DT), mask=md)
 
     return dict(attn_prep=_attn_prep_kernel, attn_partial=_attn_partial_kernel, attn_combine=_attn_combine_kernel)

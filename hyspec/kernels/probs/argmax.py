@@ -51,8 +51,9 @@ def _kernels():
         mj = j < n_chunks
         v = tl.load(val_ptr + b * n_chunks + j, mask=mj, other=float("-inf"))
         n = tl.min(tl.load(nan_ptr + b * n_chunks + j, mask=mj, other=2147483647), 0)
+        ids = tl.load(idx_ptr + b * n_chunks + j, mask=mj, other=0)  # all chunks' (no load after the max)
         c = tl.min(tl.where(v == tl.max(v, 0), j, NC), 0)  # the first chunk holding the row's maximum
-        tok = tl.load(idx_ptr + b * n_chunks + c)
+        tok = tl.sum(tl.where(j == c, ids, 0), 0)
         tl.store(out_ptr + b, tl.where(n < 2147483647, n, tok).to(tl.int64))
 
     return _chunk_max_kernel, _row_pick_kernel
