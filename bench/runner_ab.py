@@ -1,16 +1,17 @@
 """Two settings of the batched runner side by side: two BatchDecoders on the same model and
 prompts, A and B, that differ only in TritonRunner attributes set before their first step
-(``--a name=value`` / ``--b name=value``, e.g. ``gnorm_fold=0``, ``l2_prefetch=1``),
+(``--a name=value`` / ``--b name=value``, e.g. ``norm_w_first=0``, ``l2_prefetch=1``),
 CUDA-graph replays of a decode step and a K=3 round at each batch size, timed alternately
 (best of ``--trials``), then every lane's state (GDN conv and SSM state, KV cache,
 positions) and the last logits compared bitwise between the two (the settings compared
 here must change no number).  GPU only.
 
-    python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --a gnorm_fold=0 --b gnorm_fold=1
+    python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --a norm_w_first=0 --b norm_w_first=1
     python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --b l2_prefetch=1 --b l2_prefetch_rows=256
 
 (bench/results/prefetch_h200.json ran as bench/prefetch_bench.py at 1a0aeb4: A without
-the L2 prefetch, B with it on every call of at most 256 rows.)
+the L2 prefetch, B with it on every call of at most 256 rows; gnorm_fold_h200.json as this
+script at 00b3c59 with ``--a gnorm_fold=0 --b gnorm_fold=1``, an attribute since removed.)
 """
 from __future__ import annotations
 

@@ -311,8 +311,10 @@ def test_l2_prefetch_changes_no_number(tmp_path):
     """The runner's L2 prefetch (hyspec.kernels.prefetch: the output projections read into L2
     on a side stream while the mixer kernels run, joined inside the CUDA graphs) changes
     no token and no state: a staggered batch of plain and speculative lanes with graphs,
-    prefetching every call, against the same batch without it; and the prefetch did run
-    (its side stream was captured, its sink holds the weights' xors)."""
+    prefetching every call, against the same batch without it (the prefetch only reads
+    weights, so this guards the captures, not a computation); and the prefetch is part of
+    the captured graphs: after zeroing its sink, one replay of a decode or verify graph
+    writes the weights' xors there again."""
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.batch_loop import LaneRequest, run_batch
 
@@ -332,4 +334,9 @@ def test_l2_prefetch_changes_no_number(tmp_path):
     assert t_on == t_off
     assert torch.equal(on.ssm, off.ssm) and torch.equal(on.conv, off.conv)
     assert off.runner._pf_stream is None and on.runner._pf_stream is not None
-    assert bool(on.runner._pf_sink.ne(0).any())
+    # the prefetch is inside the captured graphs: a replay alone writes the sink again
+    on.runner._pf_sink.zero_()
+    key = next(k for k in on.step_graphs.graphs if k[0] in ("decode", "verify"))
+    on.step_graphs.graphs[key].replay()
+    torch.cuda.synchronize()
+    assert bool(on.runner._pf_sink.ne(0).any()), key

@@ -45,3 +45,7 @@ def test_argmax_rows_is_torch_argmax(V, dtype):
     assert argmax_rows(big[:, :V]).cpu().tolist() == want[:3].tolist()
     with pytest.raises(ValueError, match="argmax_rows"):
         argmax_rows(x.t())
+    with pytest.raises(ValueError, match="out must be"):
+        argmax_rows(x, out=torch.empty(x.shape[0], dtype=torch.int32, device=dev))
+    out = torch.full((x.shape[0],), -1, dtype=torch.int64, device=dev)
+    assert argmax_rows(x, out=out) is out and out.cpu().tolist() == want.tolist()

@@ -42,4 +42,5 @@ def test_flat_words_refuses_what_it_cannot_view():
 
     assert flat_words(torch.zeros(4, 6, dtype=torch.bfloat16)[:, :3]) is None  # not contiguous
     assert flat_words(torch.zeros(3, dtype=torch.bfloat16)) is None  # 6 bytes
+    assert flat_words(torch.zeros(10, dtype=torch.bfloat16)[1:9]) is None  # starts 2 bytes off a word
     assert flat_words(torch.zeros(2, 3, dtype=torch.float8_e4m3fn)[:, :2].contiguous()) is not None

@@ -37,7 +37,7 @@ from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_ma
 from hyspec.kernels.matmul.config import _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.pdl import interpreting
-from hyspec.kernels.probs.argmax import argmax_rows
+from hyspec.kernels.probs.argmax import ARGMAX_MAX_ROWS, argmax_rows
 from hyspec.kernels.prefetch import flat_words, l2_touch
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import Fp8Weight
@@ -237,8 +237,9 @@ class TritonRunner:
         # kernels (conv, scan, gated norm; attention prep, decode, combine) run, a side
         # stream reads the layer's output-projection weight into L2, joined before that
         # projection.  Numbers are unchanged (the same bytes, read from L2), but on the
-        # H200 every step got slower with it (b2 decode 1.691 -> 1.725 ms at batch 1,
-        # 3.881 -> 3.937 at 64; bench/results/prefetch_h200.json, at 1a0aeb4).
+        # H200 every step got slower with it, prefetching every call of <= 256 rows (b2
+        # decode 1.691 -> 1.725 ms at batch 1, 3.881 -> 3.937 at 64;
+        # bench/results/prefetch_h200.json, at 1a0aeb4).
         # HYSPEC_L2_PREFETCH=1 turns it on for calls of at most HYSPEC_L2_PREFETCH_ROWS rows.
         self.l2_prefetch = (dev.type == "cuda" and not interpreting()
                             and os.environ.get("HYSPEC_L2_PREFETCH", "0") not in ("", "0"))
@@ -246,7 +247,7 @@ class TritonRunner:
         self.l2_policy = os.environ.get("HYSPEC_L2_PREFETCH_POLICY", "evict_last")
         self._pf_stream = None
         self._pf_sink = None
-        self._pf_views = {}  # id(weight) -> its flat int32 views
+        self._pf_views = {}  # id(weight) -> (weight, its flat int32 views)
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:
@@ -370,12 +371,17 @@ class TritonRunner:
         None when this call does not prefetch."""
         if not self.l2_prefetch or t > self.l2_prefetch_rows:
             return None
-        views = self._pf_views.get(id(w))
-        if views is None:
-            parts = w.parts if isinstance(w, Segments) else \
-                [w.w, w.scale] if isinstance(w, Fp8Weight) else [w]
-            views = [v for v in (flat_words(p) for p in parts) if v is not None]
-            self._pf_views[id(w)] = views
+        hit = self._pf_views.get(id(w))
+        if hit is None or hit[0] is not w:
+
+            def tensors(x):  # a weight's tensors: Segments' parts, a block-FP8 weight's data and scales
+                if isinstance(x, Segments):
+                    return [t for part in x.parts for t in tensors(part)]
+                return [x.w, x.scale] if isinstance(x, Fp8Weight) else [x]
+
+            hit = (w, [v for v in (flat_words(t) for t in tensors(w)) if v is not None])
+            self._pf_views[id(w)] = hit  # (the weight held with its views: the id stays its own)
+        views = hit[1]
         if not views:
             return None
         if self._pf_stream is None:
@@ -529,7 +535,8 @@ class TritonRunner:
         """x.argmax(-1) of logit rows [r, V]: on CUDA the two-launch Triton form
         (hyspec.kernels.probs.argmax, the same ids; torch's one-block-per-row reduce took
         ~9 us per call at b2's vocabulary), elsewhere torch's."""
-        if self.fast_argmax and x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+        if self.fast_argmax and x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= ARGMAX_MAX_ROWS \
+                and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and not interpreting():
             return argmax_rows(x)
         return x.argmax(-1)
 

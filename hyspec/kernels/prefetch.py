@@ -1,11 +1,13 @@
 """Read a weight into the GPU's L2 cache ahead of the matmul that needs it.
 
 A batch-1 decode step alternates bandwidth-bound matmuls with short latency-bound
-kernels (conv, scan, gated norm, attention) during which HBM sits nearly idle.  The
-runner (``hyspec.gpu.runner_triton``, ``TritonRunner.l2_prefetch``) launches
-:func:`l2_touch` on a side stream right after a layer's input projection, so the output
-projection's weight streams into L2 while the mixer kernels run, and joins the side stream
-before that projection.  Nothing here computes a value the model uses: every byte is
+kernels (conv, scan, gated norm, attention) during which HBM sits nearly idle.  With
+``HYSPEC_L2_PREFETCH=1`` (off by default: on the H200 every b2 step got slower with it,
+x1.021 at batch 1, ``bench/results/prefetch_h200.json``) the runner
+(``hyspec.gpu.runner_triton``, ``TritonRunner.l2_prefetch``) launches :func:`l2_touch` on
+a side stream right after a layer's input projection, so the output projection's weight
+streams into L2 while the mixer kernels run, and joins the side stream before that
+projection.  Nothing here computes a value the model uses: every byte is
 read, xor-folded into one int32 per program and written to a scratch ``sink`` (so the
 loads are not optimised away).  The numbers of a step do not change (the matmul reads the
 same bytes, from L2 instead of HBM), only its time.
@@ -46,9 +48,11 @@ def _kernels():
 
 
 def flat_words(t: torch.Tensor) -> torch.Tensor | None:
-    """t's bytes as a flat int32 tensor (a view), or None when t is not contiguous or its
-    byte count is not a multiple of 4 (then it is not prefetched)."""
-    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4:
+    """t's bytes as a flat int32 tensor (a view), or None when t is not contiguous, starts
+    off a 4-byte boundary or its byte count is not a multiple of 4 (then it is not
+    prefetched)."""
+    es = t.element_size()
+    if not t.is_contiguous() or (t.numel() * es) % 4 or (t.storage_offset() * es) % 4:
         return None
     return t.reshape(-1).view(torch.uint8).view(torch.int32)
 

@@ -300,9 +300,11 @@ def _env_launch() -> dict:
 # (bench/gdn_bench.py checks it for every way it times; verify and replay keep one block).
 # It is off (1): two blocks helped at b33b848, when the kernel spilled, and lost at
 # f666dc9 (batch 16: 28.3 vs 27.8 us per layer on 2 warps, 32.7 vs 27.4 on 4).
+# stream: cache hints on the state (evict-first load, streaming final store; the same
+# values, a little faster at 16-64 lanes: the kernel's STREAM).
 # Benches set these (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH /
-# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES at import (measured on the
-# H200 with bench/gdn_bench.py, docs/gpu.md).
+# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES / _STREAM at import (measured
+# on the H200 with bench/gdn_bench.py, docs/gpu.md).
 STEP_LAUNCH = _env_launch()
 LAST: dict = {}  # the compiled step kernel of the last gdn_step call (benches read its registers)
 
@@ -315,7 +317,7 @@ def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
-                STREAM=bool(STEP_LAUNCH.get("stream", False)),
+                STREAM=bool(STEP_LAUNCH["stream"]),
                 num_warps=nw, **launch_kwargs())
 
 

@@ -17,10 +17,10 @@ import torch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 
-__all__ = ["argmax_rows", "ARGMAX_CHUNK"]
+__all__ = ["argmax_rows", "ARGMAX_CHUNK", "ARGMAX_MAX_ROWS"]
 
 ARGMAX_CHUNK = 4096
-_NO_NAN = 2**31 - 1
+ARGMAX_MAX_ROWS = 65535  # rows are the chunk kernel's grid axis 1 (CUDA's limit there)
 
 
 @kernels_per_mode
@@ -66,8 +66,13 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         raise ValueError(f"argmax_rows: want a float16/bfloat16/float32 [B, V] with contiguous rows, got "
                          f"{x.dtype} {tuple(x.shape)}")
     B, V = x.shape
+    if B > ARGMAX_MAX_ROWS or V >= 2**31 - 1:
+        raise ValueError(f"argmax_rows: at most {ARGMAX_MAX_ROWS} rows of < 2**31 - 1 entries, got {B} x {V}")
     if out is None:
         out = torch.empty(B, device=x.device, dtype=torch.int64)
+    elif out.shape != (B,) or out.dtype != torch.int64 or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"argmax_rows: out must be a contiguous int64 [{B}] on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if B == 0:
         return out
     if V == 0:
