@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from types import SimpleNamespace
 
 import torch
 
@@ -31,12 +30,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from hyspec.bench import make_model
-    from hyspec.gpu.batch_bench import random_lanes, sampled_regime
+    from hyspec.gpu.batch_bench import preset_model, random_lanes, sampled_regime
     from hyspec.provenance import git_state
 
-    dev = torch.device("cuda")
-    model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
+    model = preset_model(args.config)
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
 

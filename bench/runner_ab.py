@@ -19,7 +19,6 @@ import argparse
 import ast
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -36,12 +35,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from hyspec.bench import make_model
-    from hyspec.gpu.batch_bench import random_lanes
+    from hyspec.gpu.batch_bench import preset_model, random_lanes
     from hyspec.provenance import git_state
 
-    dev = torch.device("cuda")
-    model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
+    model = preset_model(args.config)
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
     steps = len(sizes) * 2 * args.trials * (args.reps + 4) * (args.k + 2)

@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -37,16 +36,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from hyspec.bench import make_model
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu import runner_triton
     from hyspec.gpu.graphs import replay_ms
     from hyspec.gpu.tune import model_shapes
     from hyspec.kernels.matmul.config import _config_cached
+    from hyspec.gpu.batch_bench import preset_model
     from hyspec.provenance import git_state
 
-    dev = torch.device("cuda")
-    model = make_model(SimpleNamespace(model=None, config=args.config, seed=0), dev, torch.bfloat16)
+    model = preset_model(args.config)
     S = args.lanes or args.height
     if args.height == 64 and S <= 32:
         raise SystemExit("--height 64 needs --lanes > 32 (a decode step of <= 32 rows runs in shorter tiles)")

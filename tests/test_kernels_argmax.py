@@ -49,3 +49,16 @@ def test_argmax_rows_is_torch_argmax(V, dtype):
         argmax_rows(x, out=torch.empty(x.shape[0], dtype=torch.int32, device=dev))
     out = torch.full((x.shape[0],), -1, dtype=torch.int64, device=dev)
     assert argmax_rows(x, out=out) is out and out.cpu().tolist() == want.tolist()
+
+
+def test_first_max_takes_the_kernel_where_it_fits():
+    """first_max: argmax_rows for 16/32-bit rows when asked, torch's argmax otherwise (float64,
+    kernel=False): the same ids in every case."""
+    from hyspec.kernels.probs.argmax import first_max
+
+    dev = kernel_device()
+    x = _rows(300, torch.float32).to(dev)
+    want = x.cpu().argmax(-1).tolist()
+    for rows, kernel in ((x, True), (x, False), (x.double(), True), (x.to(torch.bfloat16), True)):
+        assert first_max(rows, kernel).cpu().tolist() == rows.float().cpu().argmax(-1).tolist()
+    assert first_max(x, True).cpu().tolist() == want

@@ -20,6 +20,16 @@ from hyspec.gpu.batch_loop import LaneRequest, run_batch
 TARGETS = {"plain_B16_vs_B1": 12.0, "plain_B64_vs_B1": 35.0, "spec_vs_plain_B16": 1.5, "sampled_vs_greedy_spec": 0.9}
 
 
+def preset_model(config: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+    """`hyspec bench`'s model of a preset (random weights, built on the GPU): the model of
+    bench/profile_batch.py, bench/runner_ab.py and bench/tile_bench.py."""
+    from types import SimpleNamespace
+
+    from hyspec.bench import make_model
+
+    return make_model(SimpleNamespace(model=None, config=config, seed=seed), torch.device("cuda"), dtype)
+
+
 def random_lanes(model, lanes: int, prompt_len: int, max_len: int, k: int, graphs: bool = True,
                  setup=None) -> BatchDecoder:
     """A BatchDecoder of `lanes` lanes, each prefilled with its own random prompt (the same

@@ -37,7 +37,7 @@ from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_ma
 from hyspec.kernels.matmul.config import _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.pdl import interpreting
-from hyspec.kernels.probs.argmax import ARGMAX_MAX_ROWS, argmax_rows
+from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.prefetch import flat_words, l2_touch
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import Fp8Weight
@@ -535,10 +535,7 @@ class TritonRunner:
         """x.argmax(-1) of logit rows [r, V]: on CUDA the two-launch Triton form
         (hyspec.kernels.probs.argmax, the same ids; torch's one-block-per-row reduce took
         ~9 us per call at b2's vocabulary), elsewhere torch's."""
-        if self.fast_argmax and x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= ARGMAX_MAX_ROWS \
-                and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and not interpreting():
-            return argmax_rows(x)
-        return x.argmax(-1)
+        return first_max(x, self.fast_argmax and x.is_cuda and not interpreting())
 
     # -- drafter --------------------------------------------------------------------
     def mtp(self, tokens, h_prev, start, off, lanes=1):

@@ -64,7 +64,7 @@ import torch
 
 from hyspec.kernels.common import triton_available
 from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref, softmax_rows
-from hyspec.kernels.probs.argmax import ARGMAX_MAX_ROWS, argmax_rows
+from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.probs.topp import prefix_select_rows, topp_kernel_enabled
 from hyspec.kernels.rng import gumbel_argmax, u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
@@ -410,11 +410,7 @@ def probs_batch(
     B, V = x0.shape
     if kernel is None:
         kernel = x0.is_cuda and triton_available()
-    if kernel and x0.dtype in (torch.float16, torch.bfloat16, torch.float32) and x0.stride(1) == 1 \
-            and B <= ARGMAX_MAX_ROWS:  # torch's ids, in two launches (hyspec.kernels.probs.argmax)
-        best = argmax_rows(x0).unsqueeze(1)  # [B, 1] the first max: rank 0
-    else:
-        best = x0.argmax(dim=1, keepdim=True)
+    best = first_max(x0, bool(kernel)).unsqueeze(1)  # [B, 1] the first max: rank 0 (kernel: argmax_rows)
     if not regime.sampled:
         p = torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
         return (p, best.squeeze(1)) if with_best else p

@@ -17,7 +17,7 @@ import torch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 
-__all__ = ["argmax_rows", "ARGMAX_CHUNK", "ARGMAX_MAX_ROWS"]
+__all__ = ["argmax_rows", "first_max", "ARGMAX_CHUNK", "ARGMAX_MAX_ROWS"]
 
 ARGMAX_CHUNK = 4096
 ARGMAX_MAX_ROWS = 65535  # rows are the chunk kernel's grid axis 1 (CUDA's limit there)
@@ -85,3 +85,13 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     chunk_max[(C, B)](x, x.stride(0), val, idx, nan, V, C, BLOCK=ARGMAX_CHUNK, num_warps=8)
     row_pick[(B,)](val, idx, nan, out, C, NC=p2(C), num_warps=1)
     return out
+
+
+def first_max(x: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """``x.argmax(-1)`` of rows x [B, V]: through :func:`argmax_rows` when ``kernel`` and x
+    suits it (float16 / bfloat16 / float32, contiguous rows, at most ARGMAX_MAX_ROWS rows),
+    else torch's; the same ids either way."""
+    if kernel and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= ARGMAX_MAX_ROWS \
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return argmax_rows(x)
+    return x.argmax(-1)
