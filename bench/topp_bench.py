@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="256,512,1024,2048,4096")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--cut-warps", default="4,8,16")
+    ap.add_argument("--copies", default="1x1",
+                    help="MREPxREP pairs: copies of the histogram's bins and of its block totals")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.gpu import sampling as dsamp
@@ -76,17 +78,20 @@ def main() -> None:
         res = {"kept_fraction": kept, "probs_batch_ms": whole, "ways": []}
         print(f"rows {B}: top-p keeps {100 * kept:.1f} % of the tokens; probs_batch {1e3 * whole:.1f} us", flush=True)
         ways = itertools.product([int(v) for v in args.blocks.split(",")], [int(v) for v in args.warps.split(",")],
-                                 [int(v) for v in args.cut_warps.split(",")])
-        for blk, w, cw in ways:
-            topp.HIST_LAUNCH.update(BLOCK=blk, num_warps=w)
+                                 [int(v) for v in args.cut_warps.split(",")],
+                                 [tuple(int(c) for c in v.split("x")) for v in args.copies.split(",")])
+        for blk, w, cw, (mrep, rep) in ways:
+            topp.HIST_LAUNCH.update(BLOCK=blk, num_warps=w, MREP=mrep, REP=rep)
             topp.CUT_WARPS = cw
             try:
                 same = bool(torch.equal(cut(), ref))
                 ms = graph_ms(cut)
             except Exception as e:  # noqa: BLE001 - e.g. a launch over a resource limit
-                res["ways"].append({"block": blk, "warps": w, "cut_warps": cw, "error": f"{type(e).__name__}: {e}"})
+                res["ways"].append({"block": blk, "warps": w, "cut_warps": cw, "mrep": mrep, "rep": rep,
+                                    "error": f"{type(e).__name__}: {e}"})
                 continue
-            res["ways"].append({"block": blk, "warps": w, "cut_warps": cw, "us": 1e3 * ms, "same_keep": same})
+            res["ways"].append({"block": blk, "warps": w, "cut_warps": cw, "mrep": mrep, "rep": rep, "us": 1e3 * ms,
+                                "same_keep": same})
         topp.HIST_LAUNCH.update(default[0])
         topp.CUT_WARPS = default[1]
         topp.HIST_BLOCK_FEW_ROWS = few
@@ -95,9 +100,12 @@ def main() -> None:
         topp.HIST_BLOCK_FEW_ROWS = 0
         print(f"   shipped rule: {res['rule_us']:.1f} us same keep {res['rule_same_keep']}", flush=True)
         res["ways"].sort(key=lambda r: r.get("us", 1e9))
-        for r in res["ways"][:6] + [r for r in res["ways"] if (r["block"], r["warps"], r["cut_warps"]) ==
-                                    (default[0]["BLOCK"], default[0]["num_warps"], default[1])]:
-            print(f"   block {r['block']:5d} warps {r['warps']} cut warps {r['cut_warps']:2d}: "
+        for r in res["ways"][:8] + [r for r in res["ways"] if (r["block"], r["warps"], r["cut_warps"], r["mrep"],
+                                                               r["rep"]) ==
+                                    (default[0]["BLOCK"], default[0]["num_warps"], default[1], default[0]["MREP"],
+                                     default[0]["REP"])]:
+            print(f"   block {r['block']:5d} warps {r['warps']} cut warps {r['cut_warps']:2d} copies "
+                  f"{r['mrep']}x{r['rep']}: "
                   f"{r.get('us', float('nan')):7.1f} us same keep {r.get('same_keep')} {r.get('error', '')}",
                   flush=True)
         out["rows"][B] = res

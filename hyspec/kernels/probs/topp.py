@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -46,7 +47,7 @@ from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 from hyspec.kernels.probs.reference import CHUNK
 
-__all__ = ["DIGIT", "prefix_select_rows", "topp_kernel_enabled"]
+__all__ = ["DIGIT", "TopCut", "prefix_select_rows", "topp_kernel_enabled"]
 
 DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
 SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
@@ -55,7 +56,11 @@ SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
 # (bench/results/topp_bench_h200.json, b2's 151,936 tokens, bf16): 256-token programs on 2
 # warps for up to 16 rows (more programs for few rows: 1 row 31.1 -> 28.3 us), 1024 from 17
 # rows, and 8 warps for the one-program-per-row cut (4 rows 52.8 -> 51.3, 64 rows 296 -> 295 us).
-HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 2}  # tokens per histogram program (any power of two), its warps
+# MREP / REP: copies of the bins / of the block totals, the atomics of program c going to copy
+# c % MREP (c % REP): a row's common digits (the bins of the many tokens of similar logits)
+# take hundreds of atomic adds at one address otherwise; the cut kernel sums the copies.
+HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 2, "MREP": 1, "REP": 1}  # tokens per histogram program (any power
+# of two), its warps, the copies
 HIST_BLOCK_FEW_ROWS = 256  # ... for calls of up to 16 rows
 CUT_WARPS = 8
 
@@ -92,11 +97,14 @@ def _topp_kernels():
     @triton.jit(do_not_specialize=["sk", "sw"])
     def _hist_kernel(key_ptr, sk, w_ptr, sw, state_ptr, hist_ptr, V,
                      SHIFT: tl.constexpr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr,
-                     BLOCK: tl.constexpr, RAW: tl.constexpr = False, HALF: tl.constexpr = 0):
+                     BLOCK: tl.constexpr, RAW: tl.constexpr = False, HALF: tl.constexpr = 0,
+                     MREP: tl.constexpr = 1, REP: tl.constexpr = 1):
         """Chunk c of row b: add the weight of each token sharing K*'s higher digits
         (state[b, 0]; every token on the first pass) into bin `digit` of the row's bins,
         and the chunk's weight per block of SB bins into the row's block totals (after
-        its NB bins)."""
+        its bins). MREP copies of the bins and REP of the block totals: program c adds
+        into copy c % MREP (c % REP), which spreads the atomics of common digits over
+        more addresses; the cut kernel sums the copies (integers: the same totals)."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         i = c * BLOCK + tl.arange(0, BLOCK)
@@ -114,17 +122,18 @@ def _topp_kernels():
             d = (k >> SHIFT) & (NB - 1)
             under = inside & ((k >> (SHIFT + W)) == tl.load(state_ptr + b * 2))
             w = tl.load(w_ptr + b.to(tl.int64) * sw + i, mask=under, other=0)
-        row = hist_ptr + b.to(tl.int64) * (NB + NBLK)
-        tl.atomic_add(row + d, w, mask=inside & (w != 0), sem="relaxed")
+        row = hist_ptr + b.to(tl.int64) * (MREP * NB + REP * NBLK)
+        tl.atomic_add(row + (c % MREP) * NB + d, w, mask=inside & (w != 0), sem="relaxed")
         blk = d // SB
         j = tl.arange(0, NBLK)
         per_block = tl.zeros([NBLK], tl.int64)
         for jb in tl.static_range(NBLK):
             per_block = tl.where(j == jb, tl.sum(tl.where(blk == jb, w, 0), 0), per_block)
-        tl.atomic_add(row + NB + j, per_block, mask=per_block != 0, sem="relaxed")
+        tl.atomic_add(row + MREP * NB + (c % REP) * NBLK + j, per_block, mask=per_block != 0, sem="relaxed")
 
     @triton.jit
-    def _cut_kernel(hist_ptr, thr_ptr, state_ptr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr):
+    def _cut_kernel(hist_ptr, thr_ptr, state_ptr, FIRST: tl.constexpr, W: tl.constexpr, SB: tl.constexpr,
+                    MREP: tl.constexpr = 1, REP: tl.constexpr = 1):
         """Row b: reach[d] = base + the weight in bins >= d (base: the weight ranked ahead of
         K*'s higher digits); K*'s digit is the last d with reach[d] >= threshold (0 if none).
         state[b] <- (K*'s digits so far, the weight ranked ahead of them).
@@ -134,7 +143,7 @@ def _topp_kernels():
         b = tl.program_id(0)
         NB: tl.constexpr = 1 << W
         NBLK: tl.constexpr = NB // SB
-        row = hist_ptr + b.to(tl.int64) * (NB + NBLK)
+        row = hist_ptr + b.to(tl.int64) * (MREP * NB + REP * NBLK)
         thr = tl.load(thr_ptr + b)
         if FIRST:
             base = tl.zeros((), tl.int64)
@@ -143,14 +152,20 @@ def _topp_kernels():
             prefix = tl.load(state_ptr + b * 2)
             base = tl.load(state_ptr + b * 2 + 1)
         j = tl.arange(0, NBLK)
-        top = tl.load(row + NB + (NBLK - 1 - j))  # [NBLK] block totals, the top block first
+        top = tl.zeros([NBLK], tl.int64)  # [NBLK] block totals (the sum of the REP copies), the top block first
+        for r in tl.static_range(REP):
+            top += tl.load(row + MREP * NB + r * NBLK + (NBLK - 1 - j))
         reached = base + tl.cumsum(top, 0) >= thr  # a suffix: the sums only grow
         s = NBLK - tl.sum(reached.to(tl.int32), 0)  # blocks from the top before the first reaching one
         found = (s < NBLK).to(tl.int32)
         above = tl.sum(tl.where(j < s, top, 0), 0)  # weight of the bins above block s (all: none reached)
         blk = tl.minimum(s, NBLK - 1)
         lo = NB - (blk + 1) * SB  # block blk's lowest digit
-        h = tl.load(row + lo + tl.arange(0, SB))
+        h = tl.zeros([SB], tl.int64)  # block blk's bins (the sum of the MREP copies)
+        bin0 = tl.zeros((), tl.int64)
+        for r in tl.static_range(MREP):
+            h += tl.load(row + r * NB + lo + tl.arange(0, SB))
+            bin0 += tl.load(row + r * NB)
         hit = (base + above + tl.cumsum(h, 0, reverse=True) >= thr) & (found != 0)
         # digits with reach >= threshold (all below block blk, and its hits), 0 if none
         n_reach = tl.where(found != 0, lo + tl.sum(hit.to(tl.int64), 0), 0)
@@ -158,7 +173,7 @@ def _topp_kernels():
         below = above + tl.where(found != 0, tl.sum(tl.where(hit, 0, h), 0), 0)
         cut = tl.maximum(n_reach - 1, 0)
         # the weight ahead of K*'s digit: the bins above it (all but bin 0 when none reaches)
-        ahead = below - tl.where(n_reach == 0, tl.load(row), 0)
+        ahead = below - tl.where(n_reach == 0, bin0, 0)
         if FIRST:
             key = cut - NB // 2
         else:
@@ -206,15 +221,37 @@ def _topp_kernels():
 _RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
+class TopCut(NamedTuple):
+    """A cut found but not yet applied (prefix_select_rows(..., as_cut=True)): the values
+    x, per row K* and the weight ranked ahead of it (state [B, 2]), the ties' weight per
+    chunk (tot [B, C]), the threshold [B], the weights [B, V]; the key's bits and the
+    constants that turn a value's bits into its key. hyspec.kernels.probs.softmax_rows(
+    x, ..., cut=...) forms the keep mask from them as it loads x."""
+    x: torch.Tensor
+    bits: int
+    half: int
+    neg_inf: int
+    state: torch.Tensor
+    tot: torch.Tensor
+    thr: torch.Tensor
+    weight: torch.Tensor
+    C: int
+
+
 def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None, weight: torch.Tensor,
-                       threshold: torch.Tensor) -> torch.Tensor:
+                       threshold: torch.Tensor, as_cut: bool = False) -> torch.Tensor | TopCut:
     """keep [B, V] bool (see the module docstring): 16-bit keys in 5 launches, 32-bit in 7.
 
     key may also be the float values themselves (bf16 / fp16 / fp32, no NaN): the kernels
     then form :func:`hyspec.gpu.sampling.order_key`'s key from the bits as they load them
-    (no key tensor), and valid may be None: the tokens whose value is not -inf."""
+    (no key tensor), and valid may be None: the tokens whose value is not -inf.
+    as_cut (float values, valid None): skip the keep pass and return the :class:`TopCut`
+    for softmax_rows(cut=...), one launch fewer."""
     B, V = key.shape
     raw = key.dtype in _RAW
+    if as_cut and (not raw or valid is not None):
+        raise ValueError("prefix_select_rows: as_cut needs the float values as the key and no valid mask")
+    values = key
     neg_inf = 0
     if raw:
         neg_inf = int(torch.tensor(float("-inf"), dtype=key.dtype).view(_RAW[key.dtype]))
@@ -234,7 +271,9 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     if thr.stride(0) != 1:
         thr = thr.contiguous()
     # the one memset: per pass and row, the bins then their totals per SCAN_BLOCK bins
-    hist = torch.zeros(passes, B, (1 << DIGIT) + (1 << DIGIT) // SCAN_BLOCK, dtype=torch.int64, device=dev)
+    mrep, rep = HIST_LAUNCH.get("MREP", 1), HIST_LAUNCH.get("REP", 1)
+    hist = torch.zeros(passes, B, mrep * (1 << DIGIT) + rep * ((1 << DIGIT) // SCAN_BLOCK), dtype=torch.int64,
+                       device=dev)
     state = torch.empty(B, 2, dtype=torch.int64, device=dev)  # (K*'s digits so far, weight ahead of them)
     tot = torch.empty(B, C, dtype=torch.int64, device=dev)
     out = torch.empty(B, V, dtype=torch.bool, device=dev)
@@ -247,10 +286,13 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
         first = p == 0
         hist_k[(B, -(-V // hb))](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
                                  SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=hb,
-                                 RAW=raw, HALF=half, num_warps=HIST_LAUNCH["num_warps"])
-        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, num_warps=CUT_WARPS)
-    for keep in (False, True):
+                                 RAW=raw, HALF=half, MREP=mrep, REP=rep, num_warps=HIST_LAUNCH["num_warps"])
+        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, MREP=mrep, REP=rep,
+                    num_warps=CUT_WARPS)
+    for keep in ((False,) if as_cut else (False, True)):
         tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, sv, thr, state, tot,
                       out.view(torch.int8), out.stride(0), V, C, KEEP=keep, BLOCK=CHUNK, NC=p2(C), RAW=raw,
                       HALF=half, NEG_INF=neg_inf, HAS_VALID=valid is not None)
+    if as_cut:
+        return TopCut(values, bits, half, neg_inf, state, tot, thr, weight, C)
     return out
