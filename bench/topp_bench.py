@@ -51,9 +51,9 @@ def main() -> None:
     dev = torch.device("cuda")
     rows = [int(r) for r in args.rows.split(",")]
     V = args.vocab
-    default = (dict(topp.HIST_LAUNCH), topp.CUT_WARPS)
-    few = topp.HIST_BLOCK_FEW_ROWS
-    topp.HIST_BLOCK_FEW_ROWS = 0  # each way's block is the one timed (the default's rule is timed too: "rule")
+    default = (dict(topp.HIST_LAUNCH), topp.CUT_WARPS)  # (the settings of calls of more than 16 rows)
+    few = dict(topp.HIST_FEW_ROWS)
+    topp.HIST_FEW_ROWS.clear()  # each way's settings are the ones timed (the shipped rule is timed too: "rule")
     out = {"git": git_state(), "command": "python bench/topp_bench.py " + " ".join(sys.argv[1:]), "vocab": V,
            "std": args.std, "default": {"hist": default[0], "cut_warps": default[1]}, "rows": {}}
     for B in rows:
@@ -94,10 +94,10 @@ def main() -> None:
                                 "same_keep": same})
         topp.HIST_LAUNCH.update(default[0])
         topp.CUT_WARPS = default[1]
-        topp.HIST_BLOCK_FEW_ROWS = few
+        topp.HIST_FEW_ROWS.update(few)
         res["rule_us"] = 1e3 * graph_ms(cut)  # the shipped settings (their block by the row count)
         res["rule_same_keep"] = bool(torch.equal(cut(), ref))
-        topp.HIST_BLOCK_FEW_ROWS = 0
+        topp.HIST_FEW_ROWS.clear()
         print(f"   shipped rule: {res['rule_us']:.1f} us same keep {res['rule_same_keep']}", flush=True)
         res["ways"].sort(key=lambda r: r.get("us", 1e9))
         for r in res["ways"][:8] + [r for r in res["ways"] if (r["block"], r["warps"], r["cut_warps"], r["mrep"],

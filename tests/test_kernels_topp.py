@@ -82,6 +82,7 @@ def test_prefix_select_kernel_with_copies_of_the_bins(monkeypatch) -> None:
 
     key, bits, valid, weight, thr = _case(5, torch.bfloat16, True, seed=2)
     want = prefix_select(key, bits, valid, weight, thr)
+    monkeypatch.setattr(topp, "HIST_FEW_ROWS", {})
     monkeypatch.setitem(topp.HIST_LAUNCH, "MREP", 3)
     monkeypatch.setitem(topp.HIST_LAUNCH, "REP", 2)
     assert torch.equal(topp.prefix_select_rows(key, bits, valid, weight, thr), want)
@@ -265,35 +266,3 @@ def test_top_p_from_the_values_bits(dtype) -> None:
     got = probs_batch(x, table, regime=regime, kernel=kernel, topp_kernel=True)
     assert torch.equal(got, probs_batch(x, table, regime=regime, kernel=kernel, topp_kernel=False))
 
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_softmax_forms_the_cuts_keep_mask(dtype) -> None:
-    """softmax_rows(cut=...) (the top-p cut's keep mask formed inside the softmax from the
-    values' bits and the cut's state; its keep pass skipped) equals the softmax of the keep
-    mask that prefix_select_rows writes, bitwise, with min-p and greedy rows too."""
-    from hyspec.kernels.probs import softmax_rows
-    from hyspec.kernels.probs.topp import prefix_select_rows
-    from hyspec.sampling import fixed_mass
-
-    B = 10
-    dev = kernel_device()
-    x = _logits(B, dtype, seed=11).to(dev)
-    temp = torch.linspace(0.5, 1.5, B, dtype=torch.float64, device=dev)
-    weight = torch.where(x > -math.inf, fixed_mass(torch.softmax(x.double() / temp.unsqueeze(1), 1)), 0)
-    total = weight.sum(1, keepdim=True)
-    thr = torch.cat([total[:3] // 2, torch.ones_like(total[:2]), total[5:8] * 9 // 10, total[8:] + 1])
-    keep = prefix_select_rows(x, 16 if dtype == torch.bfloat16 else 32, None, weight, thr)
-    cut = prefix_select_rows(x, 16 if dtype == torch.bfloat16 else 32, None, weight, thr, as_cut=True)
-    top = x.argmax(1)
-    floor = torch.full((B,), -math.inf, dtype=torch.float64, device=dev)
-    floor[1::3] = math.log(0.05)
-    greedy = torch.zeros(B, dtype=torch.bool, device=dev)
-    greedy[4] = True
-    want = softmax_rows(x, temp, keep, only_if=greedy, floor=floor, top=top)
-    got = softmax_rows(x, temp, only_if=greedy, floor=floor, top=top, cut=cut)
-    assert torch.equal(got, want)
-    assert torch.equal(softmax_rows(x, temp, cut=cut, mass=True), softmax_rows(x, temp, keep, mass=True))
-    with pytest.raises(ValueError, match="keep or cut"):
-        softmax_rows(x, temp, keep, cut=cut)
-    with pytest.raises(ValueError, match="other values"):
-        softmax_rows(x.clone(), temp, cut=cut)

@@ -440,15 +440,11 @@ def probs_batch(
         mass = softmax_rows(x0, temp, keep, mass=True) if kernel else fixed_mass(_softmax_kept(xt, keep))
         # the threshold (top_p in fixed point, >= 1) keeps the top token (nothing is ahead of
         # it; every other token has it, of positive mass, ahead): the reference's "or rank 0"
-        if fused:  # the cut's keep mask is formed inside the final softmax (its keep pass skipped)
-            cut = prefix_select_rows(x0, bits, None, mass, table.topp_threshold.unsqueeze(1), as_cut=True)
-        else:
-            keep = prefix_select(key, bits, keep, mass, table.topp_threshold.unsqueeze(1), topp_kernel)
+        keep = prefix_select(key, bits, keep, mass, table.topp_threshold.unsqueeze(1), topp_kernel)
     if kernel:  # min-p against x[best] / t (= the max of x / t: division by t > 0 keeps the order)
         floor = table.log_min_p if regime.min_p else None  # (min_p = 0: log_min_p = -inf keeps all)
         # greedy rows keep their top token alone
-        p = softmax_rows(x0, temp, keep, only_if=table.greedy, floor=floor, top=best,
-                         cut=cut if fused else None)
+        p = softmax_rows(x0, temp, keep, only_if=table.greedy, floor=floor, top=best)
         return (p, best.squeeze(1)) if with_best else p
     if regime.min_p:
         near = (xt - xt.amax(dim=1, keepdim=True)) >= table.log_min_p.unsqueeze(1)  # [B, V]

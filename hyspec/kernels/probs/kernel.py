@@ -15,48 +15,25 @@ def _softmax_kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["sx", "sk", "so", "scw"])
+    @triton.jit(do_not_specialize=["sx", "sk", "so"])
     def _softmax_kernel(x_ptr, sx, t_ptr, keep_ptr, sk, only_ptr, floor_ptr, top_ptr, pm_ptr, ps_ptr, out_ptr, so,
-                        V, n_chunks, cs_ptr, ctot_ptr, cthr_ptr, cw_ptr, scw,
-                        MASS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_ONLY: tl.constexpr,
+                        V, n_chunks, MASS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_ONLY: tl.constexpr,
                         HAS_FLOOR: tl.constexpr, OUT_MASS: tl.constexpr, NORMALISE: tl.constexpr,
-                        BLOCK: tl.constexpr, NC: tl.constexpr, ONLY_IF: tl.constexpr = False,
-                        HAS_CUT: tl.constexpr = False, KEY_BITS: tl.constexpr = 16, HALF: tl.constexpr = 0,
-                        NEG_INF: tl.constexpr = 0):
+                        BLOCK: tl.constexpr, NC: tl.constexpr, ONLY_IF: tl.constexpr = False):
         """Chunk c of row b. First launch: the max m of its kept values and the sum of
         exp(value - m) -> pm, ps [B, n_chunks]. Second launch (NORMALISE): the row's max M
         and sum S from all its chunk partials (each program of the row reduces them alike),
-        then exp(value - M) / S.
-        HAS_CUT: the keep mask of a top-p cut is formed here from the values' bits and the
-        cut's state (hyspec.kernels.probs.topp: K* and the weight ahead of it per row, the
-        ties' weight per chunk), exactly as the cut's own keep pass would write it."""
+        then exp(value - M) / S."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         i = c * BLOCK + tl.arange(0, BLOCK)  # token ids of this chunk
         inside = i < V
         row = x_ptr + b.to(tl.int64) * sx
         t = tl.load(t_ptr + b)
-        xv = tl.load(row + i, mask=inside, other=float("-inf"))
-        xt = xv.to(tl.float64) / t
+        xt = tl.load(row + i, mask=inside, other=float("-inf")).to(tl.float64) / t
         kept = inside & (xt > float("-inf"))
         if HAS_KEEP:
             kept = kept & (tl.load(keep_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0) != 0)
-        if HAS_CUT:  # order_key of the value's bits; -inf's bits mark an invalid token
-            if KEY_BITS == 16:
-                kb = xv.to(tl.int16, bitcast=True).to(tl.int64)
-            else:
-                kb = xv.to(tl.int32, bitcast=True).to(tl.int64)
-            finite = kb != NEG_INF
-            kb = tl.where(kb == -HALF, 0, kb)
-            kb = kb ^ ((kb >> 63) & (HALF - 1))
-            cut = tl.load(cs_ptr + b * 2)
-            tie = inside & (kb == cut)
-            wt = tl.load(cw_ptr + b.to(tl.int64) * scw + i, mask=tie, other=0)  # the ties' weights only
-            jc = tl.arange(0, NC)
-            earlier = tl.sum(tl.load(ctot_ptr + b * n_chunks + jc, mask=jc < c, other=0), 0)
-            room = tl.load(cthr_ptr + b) - tl.load(cs_ptr + b * 2 + 1)
-            before = earlier + tl.cumsum(wt, 0) - wt
-            kept = kept & finite & ((kb > cut) | (tie & (before < room)))
         if HAS_FLOOR:  # min-p: within floor (a log ratio) of the row's top value
             top = tl.load(row + tl.load(top_ptr + b)).to(tl.float64) / t
             kept = kept & (xt - top >= tl.load(floor_ptr + b))
@@ -91,16 +68,11 @@ def _softmax_kernels():
 def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor | None = None,
                  only: torch.Tensor | None = None, floor: torch.Tensor | None = None,
                  top: torch.Tensor | None = None, mass: bool = False,
-                 only_if: torch.Tensor | None = None, cut=None) -> torch.Tensor:
+                 only_if: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [B, V] (int64 masses with mass=True): the softmax of each row's kept
     x / temperature (see the package docstring). Two launches over (rows, chunks).
     only_if [B] bool (with top): the rows that keep their top token alone, the same as
-    only = where(only_if, top, -1) without forming it.
-    cut (instead of keep): a hyspec.kernels.probs.topp.TopCut of the same x (prefix_select_rows(
-    x, ..., as_cut=True)): its keep mask is formed inside both launches, which saves the
-    cut's own keep pass (a launch, and the [B, V] mask written and read)."""
-    if cut is not None and keep is not None:
-        raise ValueError("softmax_rows: give keep or cut, not both")
+    only = where(only_if, top, -1) without forming it."""
     if only_if is not None:
         if only is not None or top is None:
             raise ValueError("softmax_rows: only_if needs top and no only")
@@ -123,16 +95,9 @@ def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor 
     tp = top.to(torch.int64).reshape(B).contiguous() if top is not None else t
     flags = dict(HAS_KEEP=keep is not None, HAS_ONLY=only is not None, HAS_FLOOR=floor is not None,
                  ONLY_IF=only_if is not None)
-    if cut is not None:
-        if cut.x.data_ptr() != x.data_ptr() or cut.x.shape != x.shape or cut.C != C:
-            raise ValueError("softmax_rows: the cut was made on other values")
-        flags.update(HAS_CUT=True, KEY_BITS=cut.bits, HALF=cut.half, NEG_INF=cut.neg_inf)
-        cut_args = (cut.state, cut.tot, cut.thr, cut.weight, cut.weight.stride(0))
-    else:
-        cut_args = (t, t, t, t, 0)
     kernel = _softmax_kernels()
     for normalise in (False, True):
-        kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C, *cut_args,
+        kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C,
                        MASS_SCALE=MASS_SCALE, OUT_MASS=mass, NORMALISE=normalise, BLOCK=CHUNK, NC=p2(C), **flags)
     return out
 

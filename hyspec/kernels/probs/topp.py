@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import NamedTuple
 
 import torch
 
@@ -47,21 +46,25 @@ from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 from hyspec.kernels.probs.reference import CHUNK
 
-__all__ = ["DIGIT", "TopCut", "prefix_select_rows", "topp_kernel_enabled"]
+__all__ = ["DIGIT", "prefix_select_rows", "topp_kernel_enabled"]
 
 DIGIT = 16  # key bits per radix pass (65,536 int64 bins per row and pass)
 SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
 # launch settings of the histogram and cut kernels: the bins are integer sums (exact in any
 # order), so these change the speed, never a result.  bench/topp_bench.py on the H200
-# (bench/results/topp_bench_h200.json, b2's 151,936 tokens, bf16): 256-token programs on 2
-# warps for up to 16 rows (more programs for few rows: 1 row 31.1 -> 28.3 us), 1024 from 17
-# rows, and 8 warps for the one-program-per-row cut (4 rows 52.8 -> 51.3, 64 rows 296 -> 295 us).
-# MREP / REP: copies of the bins / of the block totals, the atomics of program c going to copy
-# c % MREP (c % REP): a row's common digits (the bins of the many tokens of similar logits)
-# take hundreds of atomic adds at one address otherwise; the cut kernel sums the copies.
+# (b2's 151,936 tokens, bf16 logits of std 2, top-p 0.95; bench/results/topp_bench_h200.json):
+# 256-token programs on 2 warps for up to 16 rows (more programs for few rows: 1 row
+# 31.1 -> 28.3 us), 1024 from 17 rows, and 8 warps for the one-program-per-row cut (4 rows
+# 52.8 -> 51.3, 64 rows 296 -> 295 us).  MREP / REP: copies of the bins / of the block
+# totals, the atomics of program c going to copy c % MREP (c % REP): a row's common digits
+# (the many tokens of similar logits) otherwise take hundreds of atomic adds at one
+# address; the cut kernel sums the copies.  4 x 8 copies for up to 16 rows: the whole cut
+# 27.4 -> 21.7 us at 1 row, 38.8 -> 37.5 at 4, 102.2 -> 88.3 at 16
+# (bench/results/topp_copies_h200.json); more rows keep one copy (not timed with copies;
+# the memset grows with them).
 HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 2, "MREP": 1, "REP": 1}  # tokens per histogram program (any power
 # of two), its warps, the copies
-HIST_BLOCK_FEW_ROWS = 256  # ... for calls of up to 16 rows
+HIST_FEW_ROWS = {"BLOCK": 256, "MREP": 4, "REP": 8}  # ... overridden for calls of up to 16 rows
 CUT_WARPS = 8
 
 
@@ -221,37 +224,15 @@ def _topp_kernels():
 _RAW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-class TopCut(NamedTuple):
-    """A cut found but not yet applied (prefix_select_rows(..., as_cut=True)): the values
-    x, per row K* and the weight ranked ahead of it (state [B, 2]), the ties' weight per
-    chunk (tot [B, C]), the threshold [B], the weights [B, V]; the key's bits and the
-    constants that turn a value's bits into its key. hyspec.kernels.probs.softmax_rows(
-    x, ..., cut=...) forms the keep mask from them as it loads x."""
-    x: torch.Tensor
-    bits: int
-    half: int
-    neg_inf: int
-    state: torch.Tensor
-    tot: torch.Tensor
-    thr: torch.Tensor
-    weight: torch.Tensor
-    C: int
-
-
 def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None, weight: torch.Tensor,
-                       threshold: torch.Tensor, as_cut: bool = False) -> torch.Tensor | TopCut:
+                       threshold: torch.Tensor) -> torch.Tensor:
     """keep [B, V] bool (see the module docstring): 16-bit keys in 5 launches, 32-bit in 7.
 
     key may also be the float values themselves (bf16 / fp16 / fp32, no NaN): the kernels
     then form :func:`hyspec.gpu.sampling.order_key`'s key from the bits as they load them
-    (no key tensor), and valid may be None: the tokens whose value is not -inf.
-    as_cut (float values, valid None): skip the keep pass and return the :class:`TopCut`
-    for softmax_rows(cut=...), one launch fewer."""
+    (no key tensor), and valid may be None: the tokens whose value is not -inf."""
     B, V = key.shape
     raw = key.dtype in _RAW
-    if as_cut and (not raw or valid is not None):
-        raise ValueError("prefix_select_rows: as_cut needs the float values as the key and no valid mask")
-    values = key
     neg_inf = 0
     if raw:
         neg_inf = int(torch.tensor(float("-inf"), dtype=key.dtype).view(_RAW[key.dtype]))
@@ -271,7 +252,8 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     if thr.stride(0) != 1:
         thr = thr.contiguous()
     # the one memset: per pass and row, the bins then their totals per SCAN_BLOCK bins
-    mrep, rep = HIST_LAUNCH.get("MREP", 1), HIST_LAUNCH.get("REP", 1)
+    launch = {**HIST_LAUNCH, **HIST_FEW_ROWS} if B <= 16 else HIST_LAUNCH
+    mrep, rep, hb = launch.get("MREP", 1), launch.get("REP", 1), launch["BLOCK"]
     hist = torch.zeros(passes, B, mrep * (1 << DIGIT) + rep * ((1 << DIGIT) // SCAN_BLOCK), dtype=torch.int64,
                        device=dev)
     state = torch.empty(B, 2, dtype=torch.int64, device=dev)  # (K*'s digits so far, weight ahead of them)
@@ -281,18 +263,15 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     sv = valid.stride(0) if valid is not None else 0
     half = 1 << (bits - 1) if raw else 0
     hist_k, cut_k, tie_k = _topp_kernels()
-    hb = HIST_BLOCK_FEW_ROWS if B <= 16 and HIST_BLOCK_FEW_ROWS else HIST_LAUNCH["BLOCK"]
     for p in range(passes):
         first = p == 0
         hist_k[(B, -(-V // hb))](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
                                  SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=hb,
-                                 RAW=raw, HALF=half, MREP=mrep, REP=rep, num_warps=HIST_LAUNCH["num_warps"])
+                                 RAW=raw, HALF=half, MREP=mrep, REP=rep, num_warps=launch["num_warps"])
         cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, MREP=mrep, REP=rep,
                     num_warps=CUT_WARPS)
-    for keep in ((False,) if as_cut else (False, True)):
+    for keep in (False, True):
         tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, sv, thr, state, tot,
                       out.view(torch.int8), out.stride(0), V, C, KEEP=keep, BLOCK=CHUNK, NC=p2(C), RAW=raw,
                       HALF=half, NEG_INF=neg_inf, HAS_VALID=valid is not None)
-    if as_cut:
-        return TopCut(values, bits, half, neg_inf, state, tot, thr, weight, C)
     return out
