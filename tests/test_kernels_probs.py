@@ -80,6 +80,31 @@ def test_softmax_rows_equals_torch(dtype) -> None:
         assert not torch.equal(softmax_rows(x, t, only_if=~flags, top=top, **kw), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_rows_with_best_is_torchs_argmax(dtype) -> None:
+    """softmax_rows(with_best=True): the same probabilities or masses, and best == torch's
+    x.argmax(-1) (ties across chunks to the lowest id, a row's first NaN, all -inf rows),
+    whatever is kept."""
+    from hyspec.kernels.probs import softmax_rows
+
+    dev = kernel_device()
+    B = 12
+    x, t, keep, only, floor, top = _cases(B, dtype=dtype)
+    x[5, 100] = x[5, 1500] = x[5, 2200] = 50.0  # the max in three chunks: the first wins
+    x[6] = -math.inf  # no finite entry: torch says 0
+    x[7, 1800] = math.nan  # NaN: the first NaN, as torch's argmax
+    x[7, 2300] = math.nan
+    x[8, :] = 1.0  # all equal: 0
+    x, t, keep, floor, top = (a.to(dev) for a in (x, t, keep, floor, top))
+    want = x.argmax(-1)
+    assert [int(want[b]) for b in (5, 6, 7, 8)] == [100, 0, 1800, 0]
+    for kw in ({}, {"keep": keep}, {"keep": keep, "mass": True}):
+        p, best = softmax_rows(x, t, with_best=True, **kw)
+        assert best.dtype == torch.int64 and torch.equal(best, want), kw
+        ok = torch.arange(B, device=dev) != 7  # (the NaN row's probabilities are NaN)
+        assert torch.equal(p[ok], softmax_rows(x, t, **kw)[ok])
+
+
 def test_inverse_cdf_rows_equals_torch() -> None:
     """Tokens == the torch two-level inverse CDF (and the sequential scan) for rows with
     zeros, zero-mass chunks, the mass in the partial last chunk, no mass (token 0),

@@ -410,7 +410,9 @@ def probs_batch(
     B, V = x0.shape
     if kernel is None:
         kernel = x0.is_cuda and triton_available()
-    best = first_max(x0, bool(kernel)).unsqueeze(1)  # [B, 1] the first max: rank 0 (kernel: argmax_rows)
+    # [B, 1] the first max: rank 0 (kernel: argmax_rows, or the top-p mass softmax's launches below)
+    best_in_mass = bool(kernel) and regime.sampled and regime.top_p and x0.dtype in _FUSED_KEY_BITS
+    best = None if best_in_mass else first_max(x0, bool(kernel)).unsqueeze(1)
     if not regime.sampled:
         p = torch.zeros(B, V, dtype=torch.float64, device=x0.device).scatter_(1, best, 1.0)
         return (p, best.squeeze(1)) if with_best else p
@@ -437,7 +439,11 @@ def probs_batch(
         keep = prefix_select(key, bits, keep, keep.to(torch.int64), table.topk_threshold.unsqueeze(1), topp_kernel)
     if regime.top_p:
         # [B, V] int64, 0 outside keep
-        mass = softmax_rows(x0, temp, keep, mass=True) if kernel else fixed_mass(_softmax_kept(xt, keep))
+        if best_in_mass:
+            mass, best = softmax_rows(x0, temp, keep, mass=True, with_best=True)
+            best = best.unsqueeze(1)
+        else:
+            mass = softmax_rows(x0, temp, keep, mass=True) if kernel else fixed_mass(_softmax_kept(xt, keep))
         # the threshold (top_p in fixed point, >= 1) keeps the top token (nothing is ahead of
         # it; every other token has it, of positive mass, ahead): the reference's "or rank 0"
         keep = prefix_select(key, bits, keep, mass, table.topp_threshold.unsqueeze(1), topp_kernel)

@@ -17,20 +17,47 @@ def _softmax_kernels():
 
     @triton.jit(do_not_specialize=["sx", "sk", "so"])
     def _softmax_kernel(x_ptr, sx, t_ptr, keep_ptr, sk, only_ptr, floor_ptr, top_ptr, pm_ptr, ps_ptr, out_ptr, so,
-                        V, n_chunks, MASS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_ONLY: tl.constexpr,
+                        V, n_chunks, bv_ptr, bi_ptr, bn_ptr, best_ptr,
+                        MASS_SCALE: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_ONLY: tl.constexpr,
                         HAS_FLOOR: tl.constexpr, OUT_MASS: tl.constexpr, NORMALISE: tl.constexpr,
-                        BLOCK: tl.constexpr, NC: tl.constexpr, ONLY_IF: tl.constexpr = False):
+                        BLOCK: tl.constexpr, NC: tl.constexpr, ONLY_IF: tl.constexpr = False,
+                        WITH_BEST: tl.constexpr = False):
         """Chunk c of row b. First launch: the max m of its kept values and the sum of
         exp(value - m) -> pm, ps [B, n_chunks]. Second launch (NORMALISE): the row's max M
         and sum S from all its chunk partials (each program of the row reduces them alike),
-        then exp(value - M) / S."""
+        then exp(value - M) / S.
+        WITH_BEST: also the row's x.argmax() (of the raw values, whatever is kept: torch's,
+        the first NaN of a row that has one, else the first maximum), as argmax_rows finds
+        it: the first launch keeps each chunk's first maximum and first NaN, the second
+        launch's program 0 picks the first chunk holding the row's."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         i = c * BLOCK + tl.arange(0, BLOCK)  # token ids of this chunk
         inside = i < V
         row = x_ptr + b.to(tl.int64) * sx
         t = tl.load(t_ptr + b)
-        xt = tl.load(row + i, mask=inside, other=float("-inf")).to(tl.float64) / t
+        xv = tl.load(row + i, mask=inside, other=float("-inf"))
+        xt = xv.to(tl.float64) / t
+        if WITH_BEST:
+            if NORMALISE:
+                if c == 0:
+                    jb = tl.arange(0, NC)
+                    mb = jb < n_chunks
+                    bv = tl.load(bv_ptr + b * n_chunks + jb, mask=mb, other=float("-inf"))
+                    bn = tl.min(tl.load(bn_ptr + b * n_chunks + jb, mask=mb, other=2147483647), 0)
+                    bi = tl.load(bi_ptr + b * n_chunks + jb, mask=mb, other=0)
+                    cb = tl.min(tl.where(bv == tl.max(bv, 0), jb, NC), 0)  # the first chunk with the row's max
+                    tok = tl.sum(tl.where(jb == cb, bi, 0), 0)
+                    tl.store(best_ptr + b, tl.where(bn < 2147483647, bn, tok).to(tl.int64))
+            else:
+                xf = xv.to(tl.float32)  # exact for bf16 / fp16 / fp32
+                isnan = xf != xf
+                first_nan = tl.min(tl.where(isnan, i, 2147483647), 0)
+                xf = tl.where(isnan, float("-inf"), xf)
+                mx = tl.max(xf, 0)
+                tl.store(bv_ptr + b * n_chunks + c, mx)
+                tl.store(bi_ptr + b * n_chunks + c, tl.min(tl.where(xf == mx, i, 2147483647), 0))  # ties: lowest
+                tl.store(bn_ptr + b * n_chunks + c, first_nan)
         kept = inside & (xt > float("-inf"))
         if HAS_KEEP:
             kept = kept & (tl.load(keep_ptr + b.to(tl.int64) * sk + i, mask=inside, other=0) != 0)
@@ -68,11 +95,13 @@ def _softmax_kernels():
 def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor | None = None,
                  only: torch.Tensor | None = None, floor: torch.Tensor | None = None,
                  top: torch.Tensor | None = None, mass: bool = False,
-                 only_if: torch.Tensor | None = None) -> torch.Tensor:
+                 only_if: torch.Tensor | None = None, with_best: bool = False):
     """float64 [B, V] (int64 masses with mass=True): the softmax of each row's kept
     x / temperature (see the package docstring). Two launches over (rows, chunks).
     only_if [B] bool (with top): the rows that keep their top token alone, the same as
-    only = where(only_if, top, -1) without forming it."""
+    only = where(only_if, top, -1) without forming it.
+    with_best: (that, best [B] int64 = x.argmax(-1), the same ids as torch, made in the same
+    two launches: a sampling site's first maximum without argmax_rows' two)."""
     if only_if is not None:
         if only is not None or top is None:
             raise ValueError("softmax_rows: only_if needs top and no only")
@@ -94,12 +123,22 @@ def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor 
     fl = floor.to(torch.float64).contiguous() if floor is not None else t
     tp = top.to(torch.int64).reshape(B).contiguous() if top is not None else t
     flags = dict(HAS_KEEP=keep is not None, HAS_ONLY=only is not None, HAS_FLOOR=floor is not None,
-                 ONLY_IF=only_if is not None)
+                 ONLY_IF=only_if is not None, WITH_BEST=with_best)
+    if with_best:
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"softmax_rows: with_best needs float16 / bfloat16 / float32 values, got {x.dtype}")
+        bv = torch.empty(B, C, dtype=torch.float32, device=dev)
+        bi = torch.empty(B, C, dtype=torch.int32, device=dev)
+        bn = torch.empty(B, C, dtype=torch.int32, device=dev)
+        best = torch.empty(B, dtype=torch.int64, device=dev)
+        best_args = (bv, bi, bn, best)
+    else:
+        best_args = (t, t, t, t)
     kernel = _softmax_kernels()
     for normalise in (False, True):
-        kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C,
+        kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C, *best_args,
                        MASS_SCALE=MASS_SCALE, OUT_MASS=mass, NORMALISE=normalise, BLOCK=CHUNK, NC=p2(C), **flags)
-    return out
+    return (out, best) if with_best else out
 
 
 @kernels_per_mode
