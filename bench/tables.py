@@ -522,6 +522,12 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "gpu_tests_load_order_h200.txt": "`python3 -m pytest -q -rs -n 4 tests/test_kernels_argmax.py "
+                                     "tests/test_kernels_prefetch.py tests/test_kernels_load_order.py "
+                                     "tests/test_gpu_batch.py -k ...` (H200; the command and commit are in its header)",
+    "gpu_tests_fla_h200.txt": "`python3 -m pytest -q -rfEXs -n 4 -m gpu tests/test_gpu_fast.py -k fla` (H200; the "
+                              "flash-linear-attention tests, re-run after the suite's run at the same commit found "
+                              "fla.ops missing from its install; header in the log)",
     "gpu_tests_launch_h200.txt": "`python3 -m pytest -q -n 4 tests/test_gpu_batch.py tests/test_gpu_fast.py tests/test_gpu_fp8_moe.py -k \"without_waiting or "
                                  "catches_waiting or engine_generate or one_lane\"` (H200)",
     "gpu_tests_tile_heights_h200.txt": "`python3 -m pytest -q -rfEX tests/test_gpu_tile_heights.py "
