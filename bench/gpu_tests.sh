@@ -9,10 +9,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG=$OUT/${LOG_NAME:-gpu_tests_h200.txt}
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried to a machine without network (as bench/device_run.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-export PYTHONUNBUFFERED=1
+source bench/device_env.sh "$HYSPEC_GIT_COMMIT"  # the carried wheels, in one fresh install (see there)
 {
   python3 - <<'PY'
 import importlib.metadata as md
