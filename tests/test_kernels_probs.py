@@ -80,7 +80,7 @@ def test_softmax_rows_equals_torch(dtype) -> None:
         assert not torch.equal(softmax_rows(x, t, only_if=~flags, top=top, **kw), want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_softmax_rows_with_best_is_torchs_argmax(dtype) -> None:
     """softmax_rows(with_best=True): the same probabilities or masses, and best == torch's
     x.argmax(-1) (ties across chunks to the lowest id, a row's first NaN, all -inf rows),

@@ -175,6 +175,48 @@ def test_probs_batch_with_topp_kernel(dtype) -> None:
     assert bool(((want > 0).sum(1)[[1, 4]] == torch.tensor([20, 1], device=dev)).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("penalties", [False, True], ids=["plain", "penalties"])
+def test_probs_batch_best_is_the_argmax(dtype, penalties) -> None:
+    """probs_batch(with_best=True)'s best is the first argmax of the (penalised) logits on
+    every path: with the row kernels a top-p regime takes it from the mass softmax's
+    launches, others from argmax_rows; greedy lanes' one-hot rows sit at it."""
+    from hyspec.gpu.sampling import SampledGraphKey, SamplingTable, _penalised, probs_batch
+    from hyspec.sampling import SamplingParams
+
+    B = 6
+    dev = kernel_device()
+    x = _logits(B, dtype, seed=13)
+    x[5, 50] = x[5, 1700] = 40.0  # the max twice, in two chunks: the first
+    x = x.to(dev)
+    pen = dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1) if penalties else {}
+    params = [SamplingParams(temperature=0.8, top_p=0.9, **pen), None,
+              SamplingParams(temperature=1.0, top_k=40, top_p=0.5, **pen),
+              SamplingParams(temperature=0.7, top_p=0.95, min_p=0.1), SamplingParams(temperature=1.1, top_k=5),
+              SamplingParams(temperature=0.9, top_p=0.8, **pen)]
+    table = SamplingTable(B, dev)
+    table.set_all(params)
+    regime = SampledGraphKey.of(params)
+    assert regime.top_p and regime.sampled and regime.penalties == penalties
+    counts = None
+    if penalties:
+        g = torch.Generator().manual_seed(3)
+        counts = torch.randint(0, 3, (B, V), generator=g).to(dev)
+        counts[5, 50], counts[5, 1700] = 2, 0  # a penalty moves row 5's max to token 1700
+    want = _penalised(x, table, counts).argmax(-1) if penalties else x.argmax(-1)
+    kernel = dev.type == "cuda" or interpreting()
+    p, best = probs_batch(x, table, counts, regime, kernel=kernel, with_best=True)
+    assert torch.equal(best, want)
+    assert int(want[5]) == (1700 if penalties else 50)
+    assert float(p[1, want[1]]) == 1.0 and float(p[1].sum()) == 1.0  # the greedy lane: one-hot at best
+    p_t, best_t = probs_batch(x, table, counts, regime, kernel=False, with_best=True)
+    assert torch.equal(best_t, want)
+    only_topk = SampledGraphKey.of([params[4], None])  # no top-p: argmax_rows (or torch's)
+    _, best_k = probs_batch(x[4:6], table.view(lambda t: t[4:6], 2), None if counts is None else counts[4:6],
+                            only_topk, kernel=kernel, with_best=True)
+    assert torch.equal(best_k, x[4:6].argmax(-1))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or interpreting(), reason="needs CUDA (compiled kernels)")
 def test_prefix_select_kernel_cuda_graph() -> None:

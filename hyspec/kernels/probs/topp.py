@@ -59,9 +59,11 @@ SCAN_BLOCK = 4096  # bins per block of the one-program-per-row cut search
 # totals, the atomics of program c going to copy c % MREP (c % REP): a row's common digits
 # (the many tokens of similar logits) otherwise take hundreds of atomic adds at one
 # address; the cut kernel sums the copies.  4 x 8 copies for up to 16 rows: the whole cut
-# 27.4 -> 21.7 us at 1 row, 38.8 -> 37.5 at 4, 102.2 -> 88.3 at 16
-# (bench/results/topp_copies_h200.json); more rows keep one copy (not timed with copies;
-# the memset grows with them).
+# 25.5 -> 21.7 us at 1 row, 41.3 -> 37.5 at 4, 102.1 -> 88.3 at 16 against the rule
+# shipped before (256-token programs, one copy; bench/results/topp_copies_h200.json, bf16:
+# one pass; at 16 rows 2 x 8 timed 86.9, within the noise of 4 x 8); the first pass only
+# (32-bit keys' second pass counts only the tokens under K*'s top digit); more rows keep
+# one copy (not timed with copies; the memset grows with them).
 HIST_LAUNCH = {"BLOCK": 1024, "num_warps": 2, "MREP": 1, "REP": 1}  # tokens per histogram program (any power
 # of two), its warps, the copies
 HIST_FEW_ROWS = {"BLOCK": 256, "MREP": 4, "REP": 8}  # ... overridden for calls of up to 16 rows
@@ -142,7 +144,8 @@ def _topp_kernels():
         state[b] <- (K*'s digits so far, the weight ranked ahead of them).
         reach never grows with d (weights are >= 0), so from the block totals (the
         hist kernel's, per SB bins) the first block from the top whose lowest digit reaches
-        the threshold is found at once; only that block is scanned bin by bin."""
+        the threshold is found at once; only that block is scanned bin by bin. The row's
+        bins and block totals are the sums of their MREP / REP copies (the hist kernel's)."""
         b = tl.program_id(0)
         NB: tl.constexpr = 1 << W
         NBLK: tl.constexpr = NB // SB
@@ -251,11 +254,17 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     thr = threshold.to(torch.int64).expand(B, 1).reshape(B)
     if thr.stride(0) != 1:
         thr = thr.contiguous()
-    # the one memset: per pass and row, the bins then their totals per SCAN_BLOCK bins
+    # the one memset: per pass and row, the bins then their totals per SCAN_BLOCK bins; the
+    # first pass in MREP / REP copies of each, a later one (32-bit keys) in one: it counts
+    # only the tokens under K*'s top digit, whose atomics copies would not spread much
     launch = {**HIST_LAUNCH, **HIST_FEW_ROWS} if B <= 16 else HIST_LAUNCH
     mrep, rep, hb = launch.get("MREP", 1), launch.get("REP", 1), launch["BLOCK"]
-    hist = torch.zeros(passes, B, mrep * (1 << DIGIT) + rep * ((1 << DIGIT) // SCAN_BLOCK), dtype=torch.int64,
-                       device=dev)
+    nb, nblk = 1 << DIGIT, (1 << DIGIT) // SCAN_BLOCK
+    first_size = B * (mrep * nb + rep * nblk)
+    flat = torch.zeros(first_size + (passes - 1) * B * (nb + nblk), dtype=torch.int64, device=dev)
+    hist = [flat[:first_size]] + [flat[first_size + i * B * (nb + nblk):first_size + (i + 1) * B * (nb + nblk)]
+                                  for i in range(passes - 1)]
+    copies = [(mrep, rep)] + [(1, 1)] * (passes - 1)
     state = torch.empty(B, 2, dtype=torch.int64, device=dev)  # (K*'s digits so far, weight ahead of them)
     tot = torch.empty(B, C, dtype=torch.int64, device=dev)
     out = torch.empty(B, V, dtype=torch.bool, device=dev)
@@ -265,10 +274,11 @@ def prefix_select_rows(key: torch.Tensor, bits: int, valid: torch.Tensor | None,
     hist_k, cut_k, tie_k = _topp_kernels()
     for p in range(passes):
         first = p == 0
+        mr, r = copies[p]
         hist_k[(B, -(-V // hb))](key, key.stride(0), weight, weight.stride(0), state, hist[p], V,
                                  SHIFT=bits - (p + 1) * DIGIT, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, BLOCK=hb,
-                                 RAW=raw, HALF=half, MREP=mrep, REP=rep, num_warps=launch["num_warps"])
-        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, MREP=mrep, REP=rep,
+                                 RAW=raw, HALF=half, MREP=mr, REP=r, num_warps=launch["num_warps"])
+        cut_k[(B,)](hist[p], thr, state, FIRST=first, W=DIGIT, SB=SCAN_BLOCK, MREP=mr, REP=r,
                     num_warps=CUT_WARPS)
     for keep in (False, True):
         tie_k[(B, C)](key, key.stride(0), weight, weight.stride(0), vu, sv, thr, state, tot,
