@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import time_fn
     from hyspec.gpu.batch_bench import preset_model, random_lanes, sampled_regime
     from hyspec.provenance import git_state
 
@@ -92,17 +93,10 @@ def main() -> None:
         gdec = decoder(graphs=True)
         for nb in sizes:
             for name, fn in (("decode", lambda: gdec.decode(nb)), (f"round_k{args.k}", lambda: gdec.round(nb, args.k))):
-                fn()
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(args.graph_time):
-                    fn()
-                e1.record()
-                torch.cuda.synchronize()
-                ms = e0.elapsed_time(e1) / args.graph_time
+                ms = time_fn(fn, torch.device("cuda"), args.graph_time, warmup=1)  # median of 3 batches
                 out["runs"].setdefault(f"{name}_B{nb}", {})["graph_ms"] = ms
-                print(f"{name} B={nb}: {ms:.3f} ms per graph replay ({args.graph_time} back to back)")
+                print(f"{name} B={nb}: {ms:.3f} ms per graph replay ({args.graph_time} back to back, median of "
+                      f"three batches)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

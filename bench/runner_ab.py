@@ -1,17 +1,17 @@
 """Two settings of the batched runner side by side: two BatchDecoders on the same model and
 prompts, A and B, that differ only in TritonRunner attributes set before their first step
-(``--a name=value`` / ``--b name=value``, e.g. ``norm_w_first=0``, ``l2_prefetch=1``),
+(``--a name=value`` / ``--b name=value``, e.g. ``norm_w_first=0``, ``fast_argmax=0``),
 CUDA-graph replays of a decode step and a K=3 round at each batch size, timed alternately
-(best of ``--trials``), then every lane's state (GDN conv and SSM state, KV cache,
+(best of ``--trials``, each the median of three batches of replays), then every lane's state (GDN conv and SSM state, KV cache,
 positions) and the last logits compared bitwise between the two (the settings compared
 here must change no number).  GPU only.
 
     python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --a norm_w_first=0 --b norm_w_first=1
-    python bench/runner_ab.py --config b2 --sizes 1,4,16,64 --b l2_prefetch=1 --b l2_prefetch_rows=256
 
 (bench/results/prefetch_h200.json ran as bench/prefetch_bench.py at 1a0aeb4: A without
-the L2 prefetch, B with it on every call of at most 256 rows; gnorm_fold_h200.json as this
-script at 00b3c59 with ``--a gnorm_fold=0 --b gnorm_fold=1``, an attribute since removed.)
+an L2 prefetch of the output projections, B with it on every call of at most 256 rows;
+gnorm_fold_h200.json as this script at 00b3c59 with ``--a gnorm_fold=0 --b gnorm_fold=1``;
+both were measured slower and removed.)
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import time_fn
     from hyspec.gpu.batch_bench import preset_model, random_lanes
     from hyspec.provenance import git_state
 
@@ -73,16 +74,8 @@ def main() -> None:
            "cases": {}}
     print(f"A: {sets['A']}  B: {sets['B']}", flush=True)
 
-    def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(args.reps):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / args.reps
+    def timed(fn) -> float:  # ms per call: the median of three batches of back-to-back calls
+        return time_fn(fn, torch.device("cuda"), args.reps, warmup=1)
 
     for nb in sizes:
         for case in ("decode", f"round_k{args.k}"):

@@ -38,7 +38,6 @@ from hyspec.kernels.matmul.config import _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.pdl import interpreting
 from hyspec.kernels.probs.argmax import first_max
-from hyspec.kernels.prefetch import flat_words, l2_touch
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import Fp8Weight
 
@@ -233,21 +232,6 @@ class TritonRunner:
         self.norm_w_first = os.environ.get("HYSPEC_NORM_W_FIRST", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
-        # L2 prefetch (hyspec.kernels.prefetch), off by default: while a layer's mixer
-        # kernels (conv, scan, gated norm; attention prep, decode, combine) run, a side
-        # stream reads the layer's output-projection weight into L2, joined before that
-        # projection.  Numbers are unchanged (the same bytes, read from L2), but on the
-        # H200 every step got slower with it, prefetching every call of <= 256 rows (b2
-        # decode 1.691 -> 1.725 ms at batch 1, 3.881 -> 3.937 at 64;
-        # bench/results/prefetch_h200.json, at 1a0aeb4).
-        # HYSPEC_L2_PREFETCH=1 turns it on for calls of at most HYSPEC_L2_PREFETCH_ROWS rows.
-        self.l2_prefetch = (dev.type == "cuda" and not interpreting()
-                            and os.environ.get("HYSPEC_L2_PREFETCH", "0") not in ("", "0"))
-        self.l2_prefetch_rows = int(os.environ.get("HYSPEC_L2_PREFETCH_ROWS", "16"))
-        self.l2_policy = os.environ.get("HYSPEC_L2_PREFETCH_POLICY", "evict_last")
-        self._pf_stream = None
-        self._pf_sink = None
-        self._pf_views = {}  # id(weight) -> (weight, its flat int32 views)
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:
@@ -364,42 +348,6 @@ class TritonRunner:
         alt = _config_cached(N, K, *tall.values())
         return {} if (own.split_k, own.k_per_split) == (alt.split_k, alt.k_per_split) else tall
 
-    # -- L2 prefetch ----------------------------------------------------------------
-    def _prefetch(self, w, t: int):
-        """Start reading weight w into L2 on the side stream (after everything queued so
-        far on the current stream); returns the stream to join with :meth:`_joined`, or
-        None when this call does not prefetch."""
-        if not self.l2_prefetch or t > self.l2_prefetch_rows:
-            return None
-        hit = self._pf_views.get(id(w))
-        if hit is None or hit[0] is not w:
-
-            def tensors(x):  # a weight's tensors: Segments' parts, a block-FP8 weight's data and scales
-                if isinstance(x, Segments):
-                    return [t for part in x.parts for t in tensors(part)]
-                return [x.w, x.scale] if isinstance(x, Fp8Weight) else [x]
-
-            hit = (w, [v for v in (flat_words(t) for t in tensors(w)) if v is not None])
-            self._pf_views[id(w)] = hit  # (the weight held with its views: the id stays its own)
-        views = hit[1]
-        if not views:
-            return None
-        if self._pf_stream is None:
-            dev = self.model.device
-            self._pf_stream = torch.cuda.Stream(device=dev)
-            self._pf_sink = torch.zeros(1024, device=dev, dtype=torch.int32)
-        cur = torch.cuda.current_stream(self.model.device)
-        self._pf_stream.wait_stream(cur)
-        with torch.cuda.stream(self._pf_stream):
-            for v in views:
-                l2_touch(v, self._pf_sink, self.l2_policy)
-        return cur
-
-    def _joined(self, cur) -> None:
-        """The current stream waits for the prefetch that :meth:`_prefetch` started."""
-        if cur is not None:
-            cur.wait_stream(self._pf_stream)
-
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):
         """(lane 0's view, lane stride) of a per-lane slab."""
@@ -441,7 +389,6 @@ class TritonRunner:
         slab = t <= self.verify_proj.shape[1]
         proj = self.verify_proj[g, :t] if slab else self._buf("proj", t, layer.w_in.shape[0])
         self.mm(normed, layer.w_in, proj)
-        pf = self._prefetch(layer.w_out, t)
         conv_out = self.verify_conv_out[g, :t] if slab else self._buf("conv_out", t)
         conv, conv_stride = self._lane0(dec.conv[g])
         ssm, ssm_stride = self._lane0(dec.ssm[g])
@@ -454,7 +401,6 @@ class TritonRunner:
                  dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
                  states=None,
                  block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
-        self._joined(pf)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def commit_linear(self, n, t: int, lanes: int) -> None:
@@ -477,7 +423,6 @@ class TritonRunner:
         kc, kv_stride = self._lane0(kc)
         vc, _ = self._lane0(vc)
         proj = self.mm(normed, layer.w_in, self._buf("proj", t, layer.w_in.shape[0]))
-        pf = self._prefetch(layer.w_out, t)
         q = self._buf("query", t)
         attn_prep(proj, layer.qn, layer.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
                   n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
@@ -490,7 +435,6 @@ class TritonRunner:
         attn = attn_decode_grouped if self.attn_grouped else attn_decode
         attn(q, kc, vc, pos, off, proj, o, rows=t, ws=ws if t <= self.rows_cap else None, lanes=lanes,
              kv_lane_stride=kv_stride)
-        self._joined(pf)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def _ffn(self, layer, normed, t):

@@ -15,8 +15,6 @@ exports its public functions:
 ``probs/``      sampling's row softmax and inverse CDF over (row, chunk) programs; the greedy argmax
 ==============  ===========================================================================
 
-``prefetch.py`` reads a weight into L2 on a side stream (an opt-in overlap, measured slower
-on the H200: ``hyspec.gpu.runner_triton``, ``HYSPEC_L2_PREFETCH``).
 
 Shared pieces: :mod:`hyspec.kernels.common` (block sizes, argument checks, the deferred
 split-K result, the triton import check) and :mod:`hyspec.kernels.pdl` (per-mode kernel
