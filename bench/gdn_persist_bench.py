@@ -27,6 +27,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--best", default=None)
+    ap.add_argument("--probe-contiguous", action="store_true",
+                    help="also time the per-tile kernel on a state whose 16-column tiles lie contiguous "
+                         "(Dv 128 as 8 heads of 16: what a tiled state layout would stream)")
     args = ap.parse_args()
     from hyspec.bench.timing import time_fn
     from hyspec.kernels.gdn import gdn_step
@@ -96,6 +99,35 @@ def main() -> None:
             print(f"B={B:3d} {name:20s} {us:7.1f} us/layer ({tbs:.2f} TB/s)  bitwise {same}  async copies {asyncs}"
                   f"  regs {row['n_regs']} spills {row['n_spills']}", flush=True)
     gk.DECODE_PERSIST["stages"] = 3
+    if args.probe_contiguous:
+        nv2, dv2 = nv * dv // 16, 16
+        P2 = C + nv2 * dv2 + 2 * nv2
+        proj2 = torch.randn(G, B_max, P2, device=dev, generator=g).to(bf)
+        A2, dtb2 = torch.rand(G, nv2, device=dev, generator=g), torch.rand(G, nv2, device=dev, generator=g)
+        nw2 = torch.rand(dv2, device=dev, generator=g).to(bf)
+        s2 = torch.randn(G, B_max, nv2, dk, dv2, device=dev, generator=g) * 0.1
+        for B in lanes_list:
+            ssm = s2[:, :B].clone()
+            o1 = torch.empty(B, nv2 * dv2, device=dev, dtype=bf)
+            y1, p1 = y[:, :B].contiguous(), proj2[:, :B].contiguous()
+
+            def decode2():
+                for gi in range(G):
+                    gdn_step(y1[gi], p1[gi], A2[gi], dtb2[gi], nw2, ssm[gi], o1, rows=B, lanes=B,
+                             state_lane_stride=ssm.stride(1), persist=0, nk=nk, nv=nv2, dk=dk, dv=dv2, eps=1e-6,
+                             block_v=16)
+
+            decode2()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                decode2()
+            us = time_fn(graph.replay, dev, reps=args.reps) * 1e3 / G
+            tbs = 2 * nv2 * dk * dv2 * 4 * B / (us * 1e-6) / 1e12
+            out["cases"].append({"lanes": B, "probe": "contiguous 16-column tiles (gated norm inline)",
+                                 "us_per_layer": us, "TBs": tbs})
+            print(f"B={B:3d} contiguous tiles     {us:7.1f} us/layer ({tbs:.2f} TB/s)  (probe: 256 heads of 128 x 16, "
+                  f"gated norm inline)", flush=True)
     # the best persistent way over the lane counts >= 16 (sum of times), bitwise ways only
     score = {}
     for r in out["cases"]:
