@@ -347,7 +347,8 @@ def _env_launch() -> dict:
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0")}
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
+            "maxnreg": int(os.environ.get("HYSPEC_GDN_MAXNREG", "0")) or None}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -400,7 +401,8 @@ def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
                 STREAM=bool(STEP_LAUNCH["stream"]),
-                num_warps=nw, **launch_kwargs())
+                num_warps=nw, **({"maxnreg": STEP_LAUNCH["maxnreg"]} if STEP_LAUNCH.get("maxnreg") else {}),
+                **launch_kwargs())
 
 
 def _decode_blocks(nvb, lanes, rows_per_lane, mode, blocks_per_program) -> int:
