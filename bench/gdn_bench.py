@@ -30,8 +30,6 @@ import torch
 WAYS = [(16, 2, True, True, False, 1), (16, 2, True, True, True, 1), (16, 2, True, True, True, 2),
         (16, 4, True, True, True, 1), (16, 4, True, True, True, 2), (8, 1, True, True, True, 1),
         (8, 2, True, True, True, 1), (32, 4, True, True, True, 1), (32, 4, True, True, True, 2)]
-# --maxnreg R1,W:R2,..: the runner's way (16, 4 or W warps, ...) again with each register cap (the
-# kernel's launch option maxnreg: more programs per SM; bits checked against the uncapped way)
 
 
 def main() -> None:
@@ -43,7 +41,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run in the Triton interpreter (no timing)")
     ap.add_argument("--ways", type=int, default=len(WAYS), help="the first N ways only")
-    ap.add_argument("--maxnreg", default="", help="register caps of extra ways (see WAYS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.kernels.gdn import kernel as gk
@@ -90,17 +87,13 @@ def main() -> None:
         return e0.elapsed_time(e1) / args.reps * 1e3  # us
 
     base, form_base = {}, {}
-    ways = [w + (None,) for w in WAYS[: args.ways]]
-    for spec in filter(None, args.maxnreg.split(",")):  # "R" (4 warps) or "W:R"
-        w, r = spec.split(":") if ":" in spec else ("4", spec)
-        ways.append((16, int(w), True, True, True, 1, int(r)))
-    for bv, warps, pvf, pf, one_red, nbp, maxnreg in ways:
+    for bv, warps, pvf, pf, one_red, nbp in WAYS[: args.ways]:
         gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
-                              decode_blocks=nbp, decode_blocks_min_lanes=1, maxnreg=maxnreg)
+                              decode_blocks=nbp, decode_blocks_min_lanes=1)
         name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
-                f"{f'_dec{nbp}' if nbp > 1 else ''}{f'_r{maxnreg}' if maxnreg else ''}")
+                f"{f'_dec{nbp}' if nbp > 1 else ''}")
         row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf,
-               "one_reduction": one_red, "decode_blocks": nbp, "maxnreg": maxnreg, "lanes": {}}
+               "one_reduction": one_red, "decode_blocks": nbp, "lanes": {}}
         try:
             for B in lanes_list:
                 ssm = ssm0[:, :B].clone()

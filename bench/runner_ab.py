@@ -11,7 +11,10 @@ here must change no number).  GPU only.
 (bench/results/prefetch_h200.json ran as bench/prefetch_bench.py at 1a0aeb4: A without
 an L2 prefetch of the output projections, B with it on every call of at most 256 rows;
 gnorm_fold_h200.json as this script at 00b3c59 with ``--a gnorm_fold=0 --b gnorm_fold=1``;
-both were measured slower and removed.)
+both were measured slower and removed; gdn_persist_ab_h200.json with ``--a gdn_persist=0
+--b gdn_persist=1`` at f02965f and gdn_maxnreg_ab_h200.json with ``--b-gdn-maxnreg 96`` at
+b9fca3e, both removed since: docs/gpu.md "What is left", item 10.)  ``--b-pdl``: B's graphs
+are captured with programmatic dependent launch (``hyspec.kernels.pdl``; pdl_ab_h200.json).
 """
 from __future__ import annotations
 
@@ -34,14 +37,11 @@ def main() -> None:
     ap.add_argument("--b", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of B")
     ap.add_argument("--b-pdl", action="store_true",
                     help="B's graphs captured with programmatic dependent launch (hyspec.kernels.pdl.set_pdl)")
-    ap.add_argument("--b-gdn-maxnreg", type=int, default=0,
-                    help="B's graphs captured with the GDN step kernel's register cap (STEP_LAUNCH maxnreg)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.bench.timing import time_fn
     from hyspec.gpu.batch_bench import preset_model, random_lanes
-    from hyspec.kernels.gdn import kernel as gk
     from hyspec.kernels.pdl import set_pdl
     from hyspec.provenance import git_state
 
@@ -77,7 +77,7 @@ def main() -> None:
     decs = {"A": decoder(sets["A"]), "B": decoder(sets["B"])}
     out = {"git": git_state(), "command": "python bench/runner_ab.py " + " ".join(sys.argv[1:]),
            "config": args.config, "k": args.k, "device": torch.cuda.get_device_name(), "settings": sets,
-           "b_pdl": args.b_pdl, "b_gdn_maxnreg": args.b_gdn_maxnreg,
+           "b_pdl": args.b_pdl,
            "cases": {}}
     print(f"A: {sets['A']}  B: {sets['B']}", flush=True)
 
@@ -92,9 +92,6 @@ def main() -> None:
                     fn = (lambda d=d: d.decode(nb)) if case == "decode" else (lambda d=d: d.round(nb, args.k))
                     if name == "B" and args.b_pdl:  # B's launches (captured at its first call) with PDL
                         fn = (lambda f=fn: (set_pdl(True), f(), set_pdl(None)))
-                    if name == "B" and args.b_gdn_maxnreg:
-                        fn = (lambda f=fn: (gk.STEP_LAUNCH.update(maxnreg=args.b_gdn_maxnreg), f(),
-                                            gk.STEP_LAUNCH.update(maxnreg=None)))
                     best[name] = min(best.get(name, float("inf")), timed(fn))
             row = {"a_ms": best["A"], "b_ms": best["B"], "b_over_a": best["B"] / best["A"]}
             out["cases"][f"{case}_B{nb}"] = row

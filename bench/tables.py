@@ -525,6 +525,8 @@ MADE_BY = {
     "gpu_tests_load_order_h200.txt": "`python3 -m pytest -q -rs -n 4 tests/test_kernels_argmax.py "
                                      "tests/test_kernels_prefetch.py tests/test_kernels_load_order.py "
                                      "tests/test_gpu_batch.py -k ...` (H200; the command and commit are in its header)",
+    "profile_batch_b16_b64_h200.txt": "`python bench/profile_batch.py --config b2 --sizes 16,64 --per-call '' --top 12` "
+                                      "(H200; the lines the device call printed, header in the file)",
     "profile_sampled_b1_h200.txt": "`python bench/profile_batch.py --config b2 --sizes 1 --sampled --top 30` "
                                    "(H200; the lines the device call printed, header in the file)",
     "gpu_tests_fla_h200.txt": "`python3 -m pytest -q -rfEXs -n 4 -m gpu tests/test_gpu_fast.py -k fla` (H200; the "

@@ -90,36 +90,3 @@ def test_blocks_per_program_must_divide_the_blocks():
         gdn_step(y, proj, torch.zeros(nv), torch.zeros(nv), torch.ones(dv), S, o, rows=1, block_v=8,
                  blocks_per_program=2, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
 
-
-
-@pytest.mark.parametrize("per_sm", [1, 3])
-def test_persistent_decode_is_the_step_kernels_bits(per_sm, monkeypatch):
-    """The persistent decode step (a grid of per_sm x SMs programs walking (lane, head, Dv
-    block) tasks: the interpreter counts 4 SMs, so each program takes several) gives the
-    one-program-per-tile kernel's output and states bitwise, lane by lane."""
-    from hyspec.kernels.gdn import kernel as gk
-
-    nk, nv, dk, dv, lanes = 2, 4, 8, 16, 3
-    C = 2 * nk * dk + nv * dv
-    P = C + nv * dv + 2 * nv
-    y, proj = rnd(lanes, C, seed=1), rnd(lanes, P, seed=2)
-    A_log = torch.rand(nv, generator=torch.Generator().manual_seed(3)).mul(3).add(0.1).log()
-    dtb, nw = rnd(nv, seed=4), rnd(dv, seed=5, scale=0.1) + 1
-    S0 = rnd(lanes, nv, dk, dv, seed=6, scale=0.1)
-    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6, rows=lanes, block_v=8, lanes=lanes,
-              state_lane_stride=S0.stride(0))
-    outs = {}
-    for on in (0, per_sm):
-        monkeypatch.setitem(gk.DECODE_PERSIST, "programs_per_sm", on)
-        S, o = S0.clone(), torch.empty(lanes, nv * dv)
-        gdn_step(y, proj, A_log, dtb, nw, S, o, **kw)
-        outs[on] = (S, o)
-    assert torch.equal(outs[0][0], outs[per_sm][0]) and torch.equal(outs[0][1], outs[per_sm][1])
-    assert not torch.equal(outs[0][0], S0)  # the state did advance
-    # a planted bug (the lanes' states swapped) shows
-    S_bad = S0.clone()
-    S_bad[[0, 1]] = S_bad[[1, 0]]
-    monkeypatch.setitem(gk.DECODE_PERSIST, "programs_per_sm", per_sm)
-    o_bad = torch.empty(lanes, nv * dv)
-    gdn_step(y, proj, A_log, dtb, nw, S_bad, o_bad, **kw)
-    assert not torch.equal(o_bad, outs[0][1])

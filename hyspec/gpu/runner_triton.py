@@ -215,9 +215,6 @@ class TritonRunner:
         self.gdn_block_v = 16 if cfg.linear_value_head_dim >= 64 else None
         if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
             self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
-        # decode steps through the persistent GDN kernel: programs per SM (0: off; -1: the
-        # module's DECODE_PERSIST, set from HYSPEC_GDN_PERSIST)
-        self.gdn_persist = -1
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
@@ -403,7 +400,7 @@ class TritonRunner:
                  nk=cfg.linear_num_key_heads, nv=cfg.linear_num_value_heads, dk=cfg.linear_key_head_dim,
                  dv=cfg.linear_value_head_dim, eps=self.eps, rows=t, keep_state=rec,
                  states=None,
-                 block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride, persist=self.gdn_persist)
+                 block_v=self.gdn_block_v, lanes=lanes, state_lane_stride=ssm_stride)
         return self.mm(o, layer.w_out, self._buf("delta", t), defer=True)
 
     def commit_linear(self, n, t: int, lanes: int) -> None:

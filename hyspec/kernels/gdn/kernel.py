@@ -2,8 +2,6 @@
 norm (contract: ``hyspec/kernels/gdn/__init__.py``)."""
 from __future__ import annotations
 
-import os as _os
-
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
@@ -227,71 +225,6 @@ def _kernels():
                     else:  # a slice of the head: raw o (rounded like the model), normed by _gated_norm_kernel
                         tl.store(o_ptr + t * so + h * DV + ov, o.to(DT), mask=mv)
 
-    @triton.jit(do_not_specialize=["n_tasks", "NB", "sy_b", "sp_b", "ss_b", "so_b"])
-    def _gdn_decode_persist_kernel(y_ptr, p_ptr, alog_ptr, dtb_ptr, s_ptr, o_ptr, R, KD, C, VD, NV, DK, DV,
-                                   scale, n_tasks, NVB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr,
-                                   BV: tl.constexpr, STAGES: tl.constexpr, STREAM: tl.constexpr = True,
-                                   PDL: tl.constexpr = False):
-        # A decode step (one row per lane, state updated in place) as a persistent grid:
-        # each program walks tasks (lane, head, Dv block) pid, pid + P, ...; the loop's
-        # loads are software-pipelined (STAGES in flight: the next tasks' state tiles stream
-        # into shared memory while this one is updated).  The row arithmetic is
-        # _gdn_step_kernel's ONE_RED form, written in the same order (tests check the bits).
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        ok = tl.arange(0, BK)
-        ob = tl.arange(0, BV)
-        DT = o_ptr.dtype.element_ty
-        for task in tl.range(pid, n_tasks, nprog, num_stages=STAGES):
-            pv = task % NVB
-            h = (task // NVB) % NV
-            lane = (task // (NVB * NV)).to(tl.int64)
-            hk = h // R
-            ov = pv * BV + ob
-            yl = y_ptr + lane * sy_b
-            pl = p_ptr + lane * sp_b
-            sl = s_ptr + lane * ss_b + h.to(tl.int64) * DK * DV
-            soff = ok[:, None] * DV + ov[None, :]
-            if STREAM:
-                S = tl.load(sl + soff, eviction_policy="evict_first").to(tl.float32)
-            else:
-                S = tl.load(sl + soff).to(tl.float32)
-            k = tl.load(yl + KD + hk * DK + ok).to(tl.float32)
-            v = tl.load(yl + 2 * KD + h * DV + ov).to(tl.float32)
-            b = tl.load(pl + C + VD + h).to(tl.float32)
-            a = tl.load(pl + C + VD + NV + h).to(tl.float32)
-            q = tl.load(yl + hk * DK + ok).to(tl.float32)
-            A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-            dtb = tl.load(dtb_ptr + h).to(tl.float32)
-            beta = 1.0 / (1.0 + tl.exp(-b))
-            xa = a + dtb
-            spl = tl.where(xa > 20.0, xa, tl.log(1.0 + tl.exp(tl.minimum(xa, 20.0))))
-            g = A * spl
-            e = tl.exp(g)
-            vec = tl.sum(tl.join(tl.join(k * k, q * q), tl.join(q * k, q * k)), axis=0)
-            kkqq, qk2 = tl.split(vec)
-            kk, qq = tl.split(kkqq)
-            qk, _qk = tl.split(qk2)
-            rk = tl.rsqrt(kk + 1e-6)
-            rq = tl.rsqrt(qq + 1e-6) * scale
-            k = k * rk
-            q = q * rq
-            qf = qk * (rk * rq)
-            red = tl.sum(tl.join(k[:, None] * S, q[:, None] * S), axis=0)
-            kS, qS = tl.split(red)
-            delta = (v - kS * e) * beta
-            S = S * e
-            S = S + k[:, None] * delta[None, :]
-            o = qS * e + qf * delta
-            if STREAM:
-                tl.store(sl + soff, S, cache_modifier=".cs")
-            else:
-                tl.store(sl + soff, S)
-            tl.store(o_ptr + lane * so_b + h * DV + ov, o.to(DT))
-
     @triton.jit(do_not_specialize=["T"])
     def _gated_norm_kernel(o_ptr, so, p_ptr, sp, nw_ptr, T, C, DV, eps, BV: tl.constexpr, PDL: tl.constexpr = False):
         if PDL:
@@ -333,7 +266,7 @@ def _kernels():
             tl.store(win + w * C + offs, tl.where(src < W1, old, new), mask=mc)
 
     return dict(gdn_conv=_gdn_conv_kernel, gdn_step=_gdn_step_kernel, gated_norm=_gated_norm_kernel,
-                window_commit=_window_commit_kernel, gdn_decode_persist=_gdn_decode_persist_kernel)
+                window_commit=_window_commit_kernel)
 
 
 def _env_launch() -> dict:
@@ -347,8 +280,7 @@ def _env_launch() -> dict:
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
-            "maxnreg": int(os.environ.get("HYSPEC_GDN_MAXNREG", "0")) or None}
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -374,21 +306,6 @@ def _env_launch() -> dict:
 # _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES / _STREAM at import (measured
 # on the H200 with bench/gdn_bench.py, docs/gpu.md).
 STEP_LAUNCH = _env_launch()
-
-# The persistent decode step (_gdn_decode_persist_kernel): programs per SM (0: off, the
-# one-program-per-tile kernel), pipeline stages of its task loop, and the fewest lanes a
-# decode step must have to use it.  HYSPEC_GDN_PERSIST / _PERSIST_STAGES / _PERSIST_MIN_LANES.
-DECODE_PERSIST = {"programs_per_sm": int(_os.environ.get("HYSPEC_GDN_PERSIST", "0")),
-                  "stages": int(_os.environ.get("HYSPEC_GDN_PERSIST_STAGES", "3")),
-                  "min_lanes": int(_os.environ.get("HYSPEC_GDN_PERSIST_MIN_LANES", "1"))}
-
-
-def _sm_count(device) -> int:
-    import torch
-
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 LAST: dict = {}  # the compiled step kernel of the last gdn_step call (benches read its registers)
 
 
@@ -401,8 +318,7 @@ def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
                 STREAM=bool(STEP_LAUNCH["stream"]),
-                num_warps=nw, **({"maxnreg": STEP_LAUNCH["maxnreg"]} if STEP_LAUNCH.get("maxnreg") else {}),
-                **launch_kwargs())
+                num_warps=nw, **launch_kwargs())
 
 
 def _decode_blocks(nvb, lanes, rows_per_lane, mode, blocks_per_program) -> int:
@@ -455,7 +371,7 @@ def gdn_window_commit(conv, conv_in, j, nb: int, t: int):
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
-             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None, persist=-1):
+             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
     every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
     written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
@@ -465,9 +381,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     on the row count (it does not here).  lanes > 1: rows // lanes rows per sequence
     (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states).
     blocks_per_program: Dv blocks per program (None: STEP_LAUNCH's choice; the bits do not
-    depend on it).  persist: a decode step (one row per lane, the state updated, split Dv)
-    runs the persistent kernel with this many programs per SM (0: the per-tile kernel;
-    -1 or None: ``DECODE_PERSIST``'s setting)."""
+    depend on it)."""
     if states is not None and lanes > 1:
         raise ValueError("gdn_step: per-row states are recorded for one lane only")
     if states is not None:
@@ -479,23 +393,11 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     TL = rows // lanes
     nvb = -(-dv // BV)
     nbp = _decode_blocks(nvb, lanes, TL, mode, blocks_per_program)
-    per_sm = DECODE_PERSIST["programs_per_sm"] if persist is None or persist < 0 else persist
-    if (per_sm and mode == 1 and TL == 1 and not norm and lanes >= DECODE_PERSIST["min_lanes"]
-            and dk == BK and dv % BV == 0 and blocks_per_program is None and STEP_LAUNCH["one_reduction"]):
-        n_tasks = lanes * nv * nvb
-        grid = (min(n_tasks, per_sm * _sm_count(state.device)),)
-        nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
-        LAST["gdn_step"] = ks["gdn_decode_persist"][grid](
-            y, proj, A_log, dt_bias, state, out, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv,
-            float(dk ** -0.5), n_tasks, nvb, y.stride(0), proj.stride(0), int(state_lane_stride), out.stride(0),
-            BK=BK, BV=BV, STAGES=DECODE_PERSIST["stages"], STREAM=bool(STEP_LAUNCH["stream"]), num_warps=nw,
-            **launch_kwargs())
-    else:
-        LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes)](
-            y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
-            TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
-            mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-            TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
+    LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes)](
+        y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
+        TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
+        mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
