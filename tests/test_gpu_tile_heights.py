@@ -86,13 +86,20 @@ def test_split_activation_gives_the_fused_bits(height):
     assert not torch.equal(skinny_matmul(wrong, w, block_t=64, **tall), skinny_matmul(x, w, act=True, block_t=16))
 
 
+# block-FP8 tiles: the shape's tall config, and moves a tuner may pick (more stages, other
+# column tiles, warps, split) -- each config runs at every height, so each must keep a row's bits
+FP8_MOVES = {"tall": {}, "stages5": dict(num_stages=5), "bn64_w8": dict(block_n=64, num_warps=8),
+             "split8_bk64": dict(split_k=8, block_k=64)}
+
+
+@pytest.mark.parametrize("move", list(FP8_MOVES))
 @pytest.mark.parametrize("block_t", [16, 32])
-def test_fp8_row_bits_do_not_depend_on_tile_height(block_t):
+def test_fp8_row_bits_do_not_depend_on_tile_height(block_t, move):
     N, K = 2048, 4096
     q, s = quantize(rnd(N, K, seed=0, scale=K ** -0.5).cpu(), (128, 128))
     w = Fp8Weight(q.to(DEV), s.to(DEV), (128, 128))
     x = rnd(64, K, dtype=torch.bfloat16, seed=1)
-    tall = tall_tile(N, K, fp8=True)
+    tall = dict(tall_tile(N, K, fp8=True), **FP8_MOVES[move])
     ref = skinny_matmul_fp8(x, w, block_t=64, **tall)
     for T in (1, 5, 16):
         assert torch.equal(skinny_matmul_fp8(x[:T], w, block_t=block_t, **tall), ref[:T]), T

@@ -45,3 +45,26 @@ def test_an_entry_that_would_change_the_split_is_refused(monkeypatch):
     monkeypatch.setitem(runner_triton.TALL, (2048, 4096, False), dict(split_k=2))
     with pytest.raises(ValueError, match="only"):
         tall_tile(2048, 4096)
+
+
+def test_fp8_tiles_keep_the_shapes_stages_within_shared_memory(monkeypatch):
+    """Block-FP8 weights run one config at every height: the shape's own stage count (not
+    the bf16 tall tile's cap of 3), cut to what a 64-row tile's shared memory holds;
+    FP8_TALL's entry applies unless TUNED has the shape (a tuner's table wins)."""
+    from hyspec.kernels.matmul import set_tuned
+
+    monkeypatch.setattr(runner_triton, "FP8_TALL", {})
+    try:
+        set_tuned({(4096, 2048): dict(block_n=32, block_k=128, split_k=1, num_stages=6)})
+        t = tall_tile(4096, 2048, fp8=True)
+        assert t["num_stages"] == 6 and t["block_k"] == 128  # 6 x (16 KB of x + 4 KB of w) fits
+        assert tall_tile(4096, 2048)["num_stages"] == 3  # bf16 keeps the cap
+        set_tuned({(4096, 2048): dict(block_n=256, block_k=128, split_k=1, num_stages=8)})
+        assert tall_tile(4096, 2048, fp8=True)["num_stages"] == 3  # 48 KB per stage: 3 fit in 160 KB
+        runner_triton.FP8_TALL[(4096, 2048, False)] = dict(num_stages=2, block_n=64)
+        assert tall_tile(4096, 2048, fp8=True)["num_stages"] == 3  # TUNED wins over FP8_TALL
+        set_tuned({})
+        t = tall_tile(4096, 2048, fp8=True)
+        assert (t["num_stages"], t["block_n"]) == (2, 64)
+    finally:
+        set_tuned({})

@@ -34,7 +34,7 @@ from hyspec.kernels.attention import (
 from hyspec.kernels.common import p2
 from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
 from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
-from hyspec.kernels.matmul.config import _config_cached
+from hyspec.kernels.matmul.config import TUNED, _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.pdl import interpreting
 from hyspec.kernels.probs.argmax import first_max
@@ -75,6 +75,13 @@ TALL: dict[tuple[int, int, bool], dict] = {
 
 _TALL_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "wt")
 
+# Measured configs of block-FP8 weights by (N, K, act), every height alike (their K split
+# included: FP8 weights never run another config, so any split keeps the row invariance).
+# Used when TUNED has no entry for the shape.  Empty: the shape's bf16 config (TUNED,
+# BUILTIN or the defaults) with BK <= 128.
+FP8_TALL: dict[tuple[int, int, bool], dict] = {}
+_FP8_SMEM = 160 * 1024  # shared-memory bytes a 64-row FP8 tile's stages may take
+
 
 def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The config overrides of an [N, K] weight's matmul in a batched decoder's 32- or
@@ -82,6 +89,20 @@ def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False, dtype: torch
     then, for bf16 weights (``fp8`` False, ``dtype`` bfloat16: where it was measured),
     the entry of :data:`TALL`, refused if it would change the K split."""
     c = _config_cached(N, K, None, None, None, None, None, None, act)
+    if fp8:
+        # Block-FP8 weights take this config at every height (a row's bits then match across
+        # heights: tests/test_gpu_tile_heights.py).  BK <= 128 (fp8_config clamps it to the
+        # quant block: the per-step scale makes BK part of the arithmetic, so it stays the
+        # shape's); the stages are the shape's own (TUNED, e.g. from `hyspec bench --tune
+        # step`, or FP8_TALL's), as many as a 64-row tile's shared memory holds -- the stage
+        # count only pipelines the loads, it changes no bit.
+        t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
+                 num_stages=c.num_stages, wt=c.wt)
+        if (N, K) not in TUNED and (N, K, bool(act)) in FP8_TALL:
+            t.update(FP8_TALL[(N, K, bool(act))])
+        per_stage = 64 * t["block_k"] * 2 + t["block_n"] * t["block_k"]  # bf16 x rows + one-byte weights
+        t["num_stages"] = max(2, min(t["num_stages"], _FP8_SMEM // per_stage))
+        return t
     t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
              num_stages=min(c.num_stages, 3), wt=c.wt)
     use = not fp8 and dtype == torch.bfloat16 and os.environ.get("HYSPEC_TALL_TUNED", "1") != "0"
