@@ -89,7 +89,7 @@ def test_split_activation_gives_the_fused_bits(height):
 # block-FP8 tiles: the shape's tall config, and moves a tuner may pick (more stages, other
 # column tiles, warps, split) -- each config runs at every height, so each must keep a row's bits
 FP8_MOVES = {"tall": {}, "stages5": dict(num_stages=5), "bn64_w8": dict(block_n=64, num_warps=8),
-             "split8_bk64": dict(split_k=8, block_k=64)}
+             "split8": dict(split_k=8), "split8_bk64": dict(split_k=8, block_k=64)}
 
 
 @pytest.mark.parametrize("move", list(FP8_MOVES))

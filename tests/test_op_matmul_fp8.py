@@ -77,5 +77,8 @@ def test_fp8_config_is_the_shape_config_with_bk_clamped():
     c = fp8_config(2048, 4096, (128, 128))  # BUILTIN: block_k 256, split 4
     assert (c.block_n, c.block_k, c.split_k, c.k_per_split) == (32, 128, 4, 1024)
     assert fp8_config(96, 200, (16, 48)).block_k == 16
+    # BK is the block's step whatever is asked: BK 64 on 128-wide blocks gave tile-height-dependent
+    # bits on the H200 (tests/test_gpu_tile_heights.py, move split8_bk64)
+    assert fp8_config(2048, 4096, (128, 128), block_k=64, split_k=8).block_k == 128
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8_config(64, 64, (32, 40))

@@ -9,7 +9,7 @@ row of that column, the scale column of the step's quant block). ``BLOCK_K`` div
 quant block's K size, so a step never straddles two scale columns.
 
 Row invariance is the bf16 kernel's: 16-row x tiles (the MMA never mixes rows), tile /
-split-K from (N, K) only (the bf16 config, with BK clamped to the quant block), split
+split-K from (N, K) only (the bf16 config, with BK the quant block's step), split
 partials reduced in order 0..S-1, ``T`` passed with ``do_not_specialize``.
 """
 from __future__ import annotations
@@ -142,11 +142,16 @@ def _k_step(qb_k: int) -> int:
 
 def fp8_config(N: int, K: int, block: tuple[int, int], act: bool = False, **overrides) -> SkinnyConfig:
     """The fp8 kernel's config for an [N, K] weight with quant block `block`: the bf16
-    config of (N, K) (TUNED / BUILTIN / defaults, or the overrides), its BK clamped to a
-    divisor of the block's K size; from (N, K, block) only, never from T."""
+    config of (N, K) (TUNED / BUILTIN / defaults, or the overrides) with BK set to the
+    largest power of two <= 128 dividing the block's K size; from (N, K, block) only, never
+    from T."""
     keys = ("split_k", "block_n", "block_k", "num_warps", "num_stages", "wt")
     c = _config_cached(N, K, *(overrides.get(k) for k in keys), act)
-    bk = min(c.block_k, _k_step(block[1]))
+    # BK is always the quant block's own step (128 for 128-wide blocks), whatever the bf16
+    # config or an override says: measured on the H200 (tests/test_gpu_tile_heights.py),
+    # BK 64 with 128-wide blocks gave a row other bits at a 16/32-row tile than at 64 rows
+    step = _k_step(block[1])
+    bk = step if K >= step else min(c.block_k, step)  # (a K below one step keeps its own BK)
     if bk < 16:
         raise ValueError(f"fp8 matmul: quant block {list(block)} has no K step >= 16 (its K size must be a multiple "
                          f"of 16)")
