@@ -553,6 +553,10 @@ MADE_BY = {
     "sessions_cpu.json": "`python bench/sessions.py`",
     "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 8 "
                           "--repeats 2 --lp-tokens 2`",
+    "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
+                                          "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
+    "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
+                                          "header in the log)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 

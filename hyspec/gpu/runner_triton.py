@@ -77,9 +77,16 @@ _TALL_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "wt")
 
 # Measured configs of block-FP8 weights by (N, K, act), every height alike (their K split
 # included: FP8 weights never run another config, so any split keeps the row invariance).
-# Used when TUNED has no entry for the shape.  Empty: the shape's bf16 config (TUNED,
-# BUILTIN or the defaults) with BK <= 128.
-FP8_TALL: dict[tuple[int, int, bool], dict] = {}
+# Used when TUNED has no entry for the shape; other shapes take their bf16 config (TUNED,
+# BUILTIN or the defaults) with BK <= 128.  From the in-step tune of the
+# qwen3-next-80b-a3b-fp8 preset on the H200 (bench/results/qwen3-next-80b-a3b-fp8_h200_tuning.json,
+# at e5a8d31: decode step 4.128 -> 4.009 ms with the two MoE entries of MOE_BUILTIN):
+# the attention in-projection's 72 programs of 128 columns -> 288 of 32; the out
+# projection one stage more.
+FP8_TALL: dict[tuple[int, int, bool], dict] = {
+    (9216, 2048, False): dict(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3, wt=False),
+    (2048, 4096, False): dict(num_stages=4),
+}
 _FP8_SMEM = 160 * 1024  # shared-memory bytes a 64-row FP8 tile's stages may take
 
 

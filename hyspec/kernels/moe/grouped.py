@@ -55,6 +55,9 @@ __all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "can_fuse_shared", "BLOCK_M
            "MOE_TUNED", "MOE_BUILTIN"]
 
 BLOCK_M = 16  # rows per expert tile (a tl.dot needs >= 16)
+# The route kernel's warps, one number for every call (its softmax sums in an order fixed by
+# it): one warp reduces with shuffles only, no shared-memory round trip per top-k pick
+ROUTE_WARPS = 1
 
 
 def moe_tiles(rows: int, n_experts: int, top_k: int, block_m: int = BLOCK_M) -> int:
@@ -101,7 +104,7 @@ def _kernels():
         # (fp32), summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
         # kernel would write. KS slots per row: the TOPK routed ones, and with SH the shared
         # expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router matmul's
-        # extra column, the shared gate). Always launched with the same num_warps: the
+        # extra column, the shared gate). Always launched with ROUTE_WARPS warps: the
         # softmax's and top-k's reductions are then in one fixed order for every row count.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -123,15 +126,20 @@ def _kernels():
         mx = tl.max(lg, 0)
         ex = tl.where(m, tl.exp(lg - mx), 0.0)
         p = ex / tl.sum(ex, 0)
-        ps = tl.where(m, p, -1.0)
+        # top-k with one max-reduction per pick: a key of (probability bits, EB - 1 - id) in
+        # an int64 -- a non-negative float's bits order like the float, so the largest key is
+        # the largest probability, ties to the lowest id; padding keys are -1
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(m, (bits << 32) | (EB - 1 - offs).to(tl.int64), -1)
         wv = tl.zeros([KB], dtype=tl.float32)
         iv = tl.zeros([KB], dtype=tl.int32)
         for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
-            v = tl.max(ps, 0)
-            i = tl.min(tl.where(ps == v, offs, EB), 0)
+            best = tl.max(key, 0)
+            i = (EB - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+            v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             wv = tl.where(kk == j, v, wv)
             iv = tl.where(kk == j, i, iv)
-            ps = tl.where(offs == i, -2.0, ps)
+            key = tl.where(offs == i, -2, key)
         if RENORM:
             wv = wv / tl.sum(wv, 0)
         if SH:
@@ -298,10 +306,15 @@ def _kernels():
 # decode step's CUDA graph), keyed by (N, K, act, FP8 block K or None) -- the shape only, so
 # the row invariance holds whatever is chosen. Values override gemm_config's defaults.
 MOE_TUNED: dict[tuple, dict] = {}
-# Shipped per-shape tiles, used where MOE_TUNED has no entry. Empty: the in-step tune of
-# the qwen3.5-35b-a3b preset on the H200 (bench/results/qwen3.5-35b-a3b_h200_tuning.json,
+# Shipped per-shape tiles, used where MOE_TUNED has no entry. None for bf16 experts: the
+# in-step tune of the qwen3.5-35b-a3b preset on the H200 (bench/results/qwen3.5-35b-a3b_h200_tuning.json,
 # at 5d1a7f7) moved its decode step by 1.6 % only (3.381 -> 3.327 ms), so the defaults stay.
-MOE_BUILTIN: dict[tuple, dict] = {}
+# Block-FP8 experts of 512 intermediate, hidden 2048 (Qwen3-Next-80B-A3B-FP8): from that
+# preset's in-step tune (bench/results/qwen3-next-80b-a3b-fp8_h200_tuning.json, at e5a8d31).
+MOE_BUILTIN: dict[tuple, dict] = {
+    (1024, 2048, False, 128): dict(BN=32, BK=128, WT=False, num_warps=4, num_stages=4),
+    (2048, 512, True, 128): dict(BN=64, BK=64, WT=True, num_warps=4, num_stages=3),
+}
 
 
 def set_moe_tuned(table: dict) -> None:
@@ -418,7 +431,7 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     use_stats = stats is not None and stats.shape[0] > T
     qblk = min(1024, max(16, p2(buf.rows * buf.top_k)))
     ks["route"][(T,)](lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, T, E, TOPK=top_k,
-                      EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part, num_warps=4, **lk)
+                      EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part, num_warps=ROUTE_WARPS, **lk)
     ks["align"][(1,)](buf.ids, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert, buf.pairs, buf.slot,
                       stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
                       QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
