@@ -559,6 +559,9 @@ MADE_BY = {
                                           "header in the log)",
     "gpu_tests_moe_route_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
                                     "tests/test_gpu_tile_heights.py` (H200; header in the log)",
+    "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "
+                              "Occupancy --section MemoryWorkloadAnalysis python3 bench/fp8_probe.py --eager 1` for "
+                              "the FP8 skinny, bf16 skinny and MoE gemm kernels (H200; header in the file)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 
