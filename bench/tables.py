@@ -562,6 +562,9 @@ MADE_BY = {
     "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "
                               "Occupancy --section MemoryWorkloadAnalysis python3 bench/fp8_probe.py --eager 1` for "
                               "the FP8 skinny, bf16 skinny and MoE gemm kernels (H200; header in the file)",
+    "profile_moe_route_h200.txt": "`python bench/profile_batch.py --config PRESET --sizes 1 --per-call KERNEL "
+                                  "--top 16 --prompt-len 128` for the 80B-FP8 (_route, _gemm) and the 35B (_route) "
+                                  "(H200; the commands and commit are in the file)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 

@@ -24,7 +24,10 @@ own matmuls unless fused, below):
 steps were 0.2-0.35 ms slower (with tuned expert tiles too, so not all of it is the fused
 kernel), and launched with another number of warps than the per-row route it broke the
 row invariance on the GPU -- the softmax's sum then runs in another order -- which
-tests/test_gpu_fp8_moe.py caught and the interpreter cannot.)
+tests/test_gpu_fp8_moe.py caught and the interpreter cannot.  A top-k of one packed-key
+max per pick -- probability bits and reversed id in an int64 -- on one warp, at ab1eab7,
+was slower on the H200: 7.55 us a call against 6.86 on the 80B-FP8 preset's decode step,
+bench/results/profile_moe_route_h200.txt against profile_80b_h200_log.txt; reverted.)
 
 The shared expert, when its weights lie like one routed expert's (``can_fuse_shared``:
 Qwen3.5-35B-A3B and Qwen3-Next-80B-A3B, shared and routed intermediate 512), runs inside
@@ -55,9 +58,6 @@ __all__ = ["MoeBuffers", "moe_grouped", "moe_tiles", "can_fuse_shared", "BLOCK_M
            "MOE_TUNED", "MOE_BUILTIN"]
 
 BLOCK_M = 16  # rows per expert tile (a tl.dot needs >= 16)
-# The route kernel's warps, one number for every call (its softmax sums in an order fixed by
-# it): one warp reduces with shuffles only, no shared-memory round trip per top-k pick
-ROUTE_WARPS = 1
 
 
 def moe_tiles(rows: int, n_experts: int, top_k: int, block_m: int = BLOCK_M) -> int:
@@ -104,7 +104,7 @@ def _kernels():
         # (fp32), summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
         # kernel would write. KS slots per row: the TOPK routed ones, and with SH the shared
         # expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router matmul's
-        # extra column, the shared gate). Always launched with ROUTE_WARPS warps: the
+        # extra column, the shared gate). Always launched with the same num_warps: the
         # softmax's and top-k's reductions are then in one fixed order for every row count.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -126,20 +126,15 @@ def _kernels():
         mx = tl.max(lg, 0)
         ex = tl.where(m, tl.exp(lg - mx), 0.0)
         p = ex / tl.sum(ex, 0)
-        # top-k with one max-reduction per pick: a key of (probability bits, EB - 1 - id) in
-        # an int64 -- a non-negative float's bits order like the float, so the largest key is
-        # the largest probability, ties to the lowest id; padding keys are -1
-        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.where(m, (bits << 32) | (EB - 1 - offs).to(tl.int64), -1)
+        ps = tl.where(m, p, -1.0)
         wv = tl.zeros([KB], dtype=tl.float32)
         iv = tl.zeros([KB], dtype=tl.int32)
         for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
-            best = tl.max(key, 0)
-            i = (EB - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-            v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            v = tl.max(ps, 0)
+            i = tl.min(tl.where(ps == v, offs, EB), 0)
             wv = tl.where(kk == j, v, wv)
             iv = tl.where(kk == j, i, iv)
-            key = tl.where(offs == i, -2, key)
+            ps = tl.where(offs == i, -2.0, ps)
         if RENORM:
             wv = wv / tl.sum(wv, 0)
         if SH:
@@ -431,7 +426,7 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     use_stats = stats is not None and stats.shape[0] > T
     qblk = min(1024, max(16, p2(buf.rows * buf.top_k)))
     ks["route"][(T,)](lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, T, E, TOPK=top_k,
-                      EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part, num_warps=ROUTE_WARPS, **lk)
+                      EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part, num_warps=4, **lk)
     ks["align"][(1,)](buf.ids, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert, buf.pairs, buf.slot,
                       stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
                       QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
