@@ -98,9 +98,9 @@ def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False, dtype: torch
     c = _config_cached(N, K, None, None, None, None, None, None, act)
     if fp8:
         # Block-FP8 weights take this config at every height (a row's bits then match across
-        # heights: tests/test_gpu_tile_heights.py).  BK <= 128 (fp8_config clamps it to the
-        # quant block: the per-step scale makes BK part of the arithmetic, so it stays the
-        # shape's); the stages are the shape's own (TUNED, e.g. from `hyspec bench --tune
+        # heights: tests/test_gpu_tile_heights.py).  BK: fp8_config sets it to the quant
+        # block's step (128 for 128-wide blocks; the per-step scale makes BK part of the
+        # arithmetic, and BK 64 measured other bits at other heights); the stages are the shape's own (TUNED, e.g. from `hyspec bench --tune
         # step`, or FP8_TALL's), as many as a 64-row tile's shared memory holds -- the stage
         # count only pipelines the loads, it changes no bit.
         t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),

@@ -33,8 +33,8 @@ Contract::
 FP8 weights (``hyspec.quant.Fp8Weight``: float8_e4m3fn [N, K], fp32 scale grid
 [ceil(N/bN), ceil(K/bK)], optional row map): the weight tile is converted to x's dtype in
 registers (exact), each BK step (BK divides bK) is a fresh fp32 ``tl.dot`` added to the
-accumulator times its block scale per output column. Same config (BK clamped), same
-row invariance; the reference dequantizes in fp32 and multiplies in fp32.
+accumulator times its block scale per output column. Same config (BK set to the quant
+block's step, 128 for 128-wide blocks), same row invariance; the reference dequantizes in fp32 and multiplies in fp32.
 
 fp32 accumulation; fp32 inputs use ``ieee`` dot products (no TF32).  ``act``: the input
 fed is silu(gate) * up rounded like the torch MLP.  ``defer``: the fp32 split-K partials
