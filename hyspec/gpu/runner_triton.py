@@ -103,8 +103,8 @@ def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False, dtype: torch
         # arithmetic, and BK 64 measured other bits at other heights); the stages are the shape's own (TUNED, e.g. from `hyspec bench --tune
         # step`, or FP8_TALL's), as many as a 64-row tile's shared memory holds -- the stage
         # count only pipelines the loads, it changes no bit.
-        t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
-                 num_stages=c.num_stages, wt=c.wt)
+        t = dict(split_k=c.split_k, block_n=c.block_n, block_k=128 if K >= 128 else min(c.block_k, 128),
+                 num_warps=max(c.num_warps, 4), num_stages=c.num_stages, wt=c.wt)
         if (N, K) not in TUNED and (N, K, bool(act)) in FP8_TALL:
             t.update(FP8_TALL[(N, K, bool(act))])
         per_stage = 64 * t["block_k"] * 2 + t["block_n"] * t["block_k"]  # bf16 x rows + one-byte weights
