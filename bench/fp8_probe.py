@@ -35,19 +35,13 @@ def _fp8(shape, dev, g):
 
 def _graph_us(calls, reps: int) -> float:
     """us per call: a CUDA graph of every call in `calls` once, replayed."""
-    from hyspec.gpu.graphs import replay_ms
+    from hyspec.gpu.graphs import graph_ms
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up / compile outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    def all_calls():
         for c in calls:
             c()
-    return replay_ms(g, reps) * 1e3 / len(calls)
+
+    return graph_ms(all_calls, reps) * 1e3 / len(calls)
 
 
 def main() -> None:

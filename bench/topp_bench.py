@@ -16,22 +16,9 @@ import sys
 import torch
 
 
-def graph_ms(fn, reps: int = 50) -> float:
-    """ms per replay of fn captured in a CUDA graph (best of three batches of replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    from hyspec.gpu.graphs import replay_ms
-
-    return replay_ms(g, reps)
-
-
 def main() -> None:
+    from hyspec.gpu.graphs import graph_ms
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16,64")
     ap.add_argument("--vocab", type=int, default=151936)

@@ -20,6 +20,20 @@ from collections.abc import Callable, Hashable
 import torch
 
 
+def graph_ms(fn, reps: int = 50) -> float:
+    """ms per replay of fn captured in a CUDA graph (a warm-up call on a side stream first,
+    then replay_ms: the best of three batches of replays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return replay_ms(g, reps)
+
+
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 30, warmup: int = 3) -> float:
     """ms per replay of a captured graph: the best of three batches of back-to-back
     replays between two events (after warmup replays)."""

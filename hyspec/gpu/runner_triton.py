@@ -78,7 +78,7 @@ _TALL_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "wt")
 # Measured configs of block-FP8 weights by (N, K, act), every height alike (their K split
 # included: FP8 weights never run another config, so any split keeps the row invariance).
 # Used when TUNED has no entry for the shape; other shapes take their bf16 config (TUNED,
-# BUILTIN or the defaults) with BK <= 128.  From the in-step tune of the
+# BUILTIN or the defaults) with BK the quant block's step (fp8_config).  From the in-step tune of the
 # qwen3-next-80b-a3b-fp8 preset on the H200 (bench/results/qwen3-next-80b-a3b-fp8_h200_tuning.json,
 # at e5a8d31: decode step 4.128 -> 4.009 ms with the two MoE entries of MOE_BUILTIN):
 # the attention in-projection's 72 programs of 128 columns -> 288 of 32; the out
