@@ -1,5 +1,5 @@
 """Is the block-FP8 matmul bound by the bytes it reads?  The qwen3-next-80b-a3b-fp8 preset's
-one-row matmul shapes timed with FP8 weights and with bf16 weights of the same shape in the
+one-row matmul shapes timed (FP8 with Triton's e4m3 conversion and with the integer one, HYSPEC_FP8_CVT) with FP8 weights and with bf16 weights of the same shape in the
 same tile config (the runner's: ``tall_tile(N, K, fp8=True)``, 16-row x tile), and its
 grouped MoE layer (512 experts, top 10) with FP8 and with bf16 experts.  An FP8 call that
 takes about as long as the bf16 one, which reads twice the bytes, is bound by something
@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
 
 SHAPES = [(12352, 2048), (12288, 2048), (9216, 2048), (2048, 4096)]  # the 80B preset's FP8 matmuls
 L2_RING_BYTES = 160 * 2 ** 20  # the ring of weights per case: > 3 x the H200's 50 MB L2
+# HYSPEC_FP8_CVT per FP8 case: 0 = Triton's e4m3 -> bf16 conversion, 1 = the integer one
+CVTS = ("0", "1")
 
 
 def _fp8(shape, dev, g):
@@ -76,15 +79,32 @@ def main() -> None:
         return us
 
     x = torch.randn(1, 8192, device=dev, generator=g).to(bf)
-    ratios = {}
+    x16 = torch.randn(16, 8192, device=dev, generator=g).to(bf)
+    ratios, same = {}, {}
+
+    def _ref(fn):  # the call with Triton's own e4m3 conversion
+        os.environ["HYSPEC_FP8_CVT"], old = "0", os.environ.get("HYSPEC_FP8_CVT", "0")
+        try:
+            return fn()
+        finally:
+            os.environ["HYSPEC_FP8_CVT"] = old
     for N, K in SHAPES:
         cfg = tall_tile(N, K, fp8=True)
         ring = max(2, math.ceil(L2_RING_BYTES / (N * K)))
         w8 = [_fp8((N, K), dev, g) for _ in range(ring)]
         out = torch.empty(1, N, device=dev, dtype=bf)
         b8 = N * K + w8[0].scale.numel() * 4
-        t8 = run(f"fp8  {N}x{K} {ring} weights", [lambda w=w: skinny_matmul_fp8(x[:, :K], w, out=out, block_t=16, **cfg)
-                                                  for w in w8], b8)
+        t8 = None
+        for cvt in CVTS:
+            os.environ["HYSPEC_FP8_CVT"] = cvt
+            t = run(f"fp8  {N}x{K} {ring} weights cvt {cvt}",
+                    [lambda w=w: skinny_matmul_fp8(x[:, :K], w, out=out, block_t=16, **cfg) for w in w8], b8)
+            t8 = t if t8 is None else t8
+            if t and t8:
+                ratios[f"{N}x{K} cvt {cvt} / cvt {CVTS[0]}"] = t / t8
+            same[f"{N}x{K} cvt {cvt}"] = bool(torch.equal(
+                skinny_matmul_fp8(x16[:, :K], w8[0], block_t=16, **cfg), _ref(lambda w=w8[0]: skinny_matmul_fp8(
+                    x16[:, :K], w, block_t=16, **cfg))))
         del w8
         w16 = [torch.randn(N, K, device=dev, generator=g).to(bf) for _ in range(max(2, ring // 2))]
         t16 = run(f"bf16 {N}x{K} {len(w16)} weights (same tile)",
@@ -107,13 +127,25 @@ def main() -> None:
         else:
             gu = torch.randn(E, 2 * I, H, device=dev, generator=g).to(bf)
             dn = torch.randn(E, H, I, device=dev, generator=g).to(bf)
-        moe[kind] = run(f"moe {kind} t=1 (5 kernels)", [lambda lg=lg, gu=gu, dn=dn: moe_grouped(xm, lg, gu, dn, buf, out, top_k=k,
-                                                                                  renorm=True) for lg in logits],
-                        per_call8 if kind == "fp8" else 2 * k * 3 * I * H)
+        for cvt in (CVTS if kind == "fp8" else ("0",)):
+            os.environ["HYSPEC_FP8_CVT"] = cvt
+            name = f"{kind} cvt {cvt}" if kind == "fp8" else kind
+            moe[name] = run(f"moe {name} t=1 (5 kernels)",
+                            [lambda lg=lg, gu=gu, dn=dn: moe_grouped(xm, lg, gu, dn, buf, out, top_k=k, renorm=True)
+                             for lg in logits], per_call8 if kind == "fp8" else 2 * k * 3 * I * H)
+            if kind == "fp8":
+                buf4 = MoeBuffers(4, E, k, H, I, dev, bf)
+                a, b = torch.empty(4, H, device=dev, dtype=bf), torch.empty(4, H, device=dev, dtype=bf)
+                moe_grouped(x16[:4, :H], logits[0].expand(4, E).contiguous(), gu, dn, buf4, a, top_k=k, renorm=True)
+                _ref(lambda gu=gu, dn=dn: moe_grouped(x16[:4, :H], logits[0].expand(4, E).contiguous(), gu, dn, buf4,
+                                                       b, top_k=k, renorm=True))
+                same[f"moe cvt {cvt}"] = bool(torch.equal(a, b))
         del gu, dn
-    if moe.get("fp8") and moe.get("bf16"):
-        ratios["moe t=1"] = moe["fp8"] / moe["bf16"]
-        print(f"  moe fp8 / bf16 time {ratios['moe t=1']:.2f}")
+    for cvt in CVTS:
+        if moe.get(f"fp8 cvt {cvt}") and moe.get("bf16"):
+            ratios[f"moe t=1 cvt {cvt}"] = moe[f"fp8 cvt {cvt}"] / moe["bf16"]
+            print(f"  moe fp8 cvt {cvt} / bf16 time {ratios[f'moe t=1 cvt {cvt}']:.2f}")
+    print("bitwise equal to Triton's conversion:", same)
     if args.out and not args.eager:
         argv = sys.argv[1:]
         if "--out" in argv:
@@ -122,7 +154,7 @@ def main() -> None:
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, git=git_state(),
                     command=" ".join(["python bench/fp8_probe.py"] + argv))
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, fp8_over_bf16_time=ratios), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, fp8_over_bf16_time=ratios, bitwise_equal_to_cvt0=same), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,20 +14,77 @@ partials reduced in order 0..S-1, ``T`` passed with ``do_not_specialize``.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hyspec.kernels.common import SplitPartials
 from hyspec.kernels.matmul.config import SkinnyConfig, _cdiv, _config_cached, skinny_config
 from hyspec.kernels.matmul.kernel import BLOCK_T, _kernels as _bf16_kernels
-from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
+from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 
-__all__ = ["skinny_matmul_fp8", "fp8_config"]
+__all__ = ["skinny_matmul_fp8", "fp8_config", "e4m3_to_bf16", "int_cvt"]
+
+
+# e4m3 -> bf16 in integer instructions (CVT 1): the PTX cvt path (e4m3x2 -> f16x2, then each
+# f16 -> bf16) costs three conversions per pair of weights, which bound the FP8 matmuls'
+# issue rate on the H200 (bench/results/fp8_probe_ncu_h200.txt). Here four e4m3 bytes become
+# four bf16 with two masks, then per pair a byte permute that puts the magnitude in each
+# half's high byte, a shift by 4 (e4m3's 3 mantissa bits line up with bf16's top 3), a permute
+# of the sign bits and an or: the bf16 with the e4m3's exponent field, i.e. the value times
+# 2^-120 (e4m3's subnormals become bf16 subnormals of the same mantissa). One bf16x2 multiply
+# by 2^120 (exact: a power of two, no rounding, subnormals kept) gives the e4m3's value.
+_E4M3_BF16_ASM = """
+{
+.reg .b32 m, s, z, c, t, u;
+mov.b32 z, 0;
+mov.b32 c, 0x7B807B80;
+and.b32 m, $2, 0x7F7F7F7F;
+and.b32 s, $2, 0x80808080;
+prmt.b32 t, m, z, 0x1404;
+shr.b32 t, t, 4;
+prmt.b32 u, s, z, 0x1404;
+or.b32 t, t, u;
+mul.rn.bf16x2 $0, t, c;
+prmt.b32 t, m, z, 0x3424;
+shr.b32 t, t, 4;
+prmt.b32 u, s, z, 0x3424;
+or.b32 t, t, u;
+mul.rn.bf16x2 $1, t, c;
+}
+"""
+
+
+def int_cvt(dtype) -> int:
+    """The kernels' CVT flag: 1 when the weights' e4m3 -> bf16 conversion runs in integer
+    instructions (bf16 activations, compiled for a GPU, ``HYSPEC_FP8_CVT`` not 0), else 0
+    (Triton's conversion; the interpreter cannot run inline PTX). Both give the same bits."""
+    return int(dtype == torch.bfloat16 and not interpreting() and os.environ.get("HYSPEC_FP8_CVT", "0") != "0")
+
+
+@kernels_per_mode
+def e4m3_to_bf16():
+    """A jit helper ``f(w)``: a float8_e4m3fn tensor's values as bfloat16 (exact), four at a
+    time in integer instructions (see _E4M3_BF16_ASM); GPU only (inline PTX)."""
+    import triton
+    import triton.language as tl
+
+    asm = tl.constexpr(_E4M3_BF16_ASM)
+
+    @triton.jit
+    def _e4m3_to_bf16(w):
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+
+    return _e4m3_to_bf16
 
 
 @kernels_per_mode
 def _kernels():
     import triton
     import triton.language as tl
+
+    bf16_of = None if interpreting() else e4m3_to_bf16()
 
     @triton.jit(do_not_specialize=["T"])
     def _skinny_fp8_kernel(
@@ -42,7 +99,7 @@ def _kernels():
         QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
-        PDL: tl.constexpr = False, WT: tl.constexpr = False,
+        PDL: tl.constexpr = False, WT: tl.constexpr = False, CVT: tl.constexpr = 0,
     ):
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -105,7 +162,10 @@ def _kernels():
                     wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
                 else:
                     wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            wt = wt.to(DT)  # e4m3 -> the activation dtype: exact
+            if CVT == 1:
+                wt = bf16_of(wt)  # e4m3 -> bf16 in integer instructions: exact
+            else:
+                wt = wt.to(DT)  # e4m3 -> the activation dtype: exact
             # the step's block scale, one per output column (BLOCK_K divides QB_K)
             sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
             if WT:
@@ -214,7 +274,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w8.stride(0)) + (K - 1) * abs(w8.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0, WT=cfg.wt,
+        ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
     )
     if not direct:

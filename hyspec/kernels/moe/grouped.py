@@ -96,6 +96,11 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    from hyspec.kernels.matmul.fp8 import e4m3_to_bf16
+    from hyspec.kernels.pdl import interpreting
+
+    bf16_of = None if interpreting() else e4m3_to_bf16()
+
     @triton.jit(do_not_specialize=["T", "E", "S"])
     def _route(lg_ptr, s_ls, s_lt, S, x_ptr, ids_ptr, w_ptr, rank_ptr, cnt_ptr, T, E,
                TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr, SH: tl.constexpr,
@@ -187,7 +192,8 @@ def _kernels():
               tile_expert_ptr, pairs_ptr, y_ptr, s_y, N, K, XDIV, X_UP, NR,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
               FP8: tl.constexpr, QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
-              IEEE: tl.constexpr, WT: tl.constexpr, SH: tl.constexpr = False, PDL: tl.constexpr = False):
+              IEEE: tl.constexpr, WT: tl.constexpr, SH: tl.constexpr = False, PDL: tl.constexpr = False,
+              CVT: tl.constexpr = 0):
         # SH: expert NR is the shared expert, its weight (and scales) at sh_w_ptr (sh_sc_ptr)
         # with the routed experts' per-expert strides
         if PDL:
@@ -243,7 +249,10 @@ def _kernels():
                 wt = tl.load(wb + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn, mask=mk[:, None] & mn[None, :],
                              other=0.0)
             if FP8:
-                wt = wt.to(DT)  # exact
+                if CVT == 1:
+                    wt = bf16_of(wt)  # exact, in integer instructions (hyspec.kernels.matmul.fp8)
+                else:
+                    wt = wt.to(DT)  # exact
                 sc = tl.load(s_ptrs + (k0 // QB_K) * s_sk, mask=mn, other=0.0)
                 if WT:
                     if IEEE:
@@ -361,6 +370,8 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
     from hyspec.kernels.pdl import launch_kwargs
     from hyspec.quant import Fp8Weight
 
+    from hyspec.kernels.matmul.fp8 import int_cvt
+
     fp8 = isinstance(w, Fp8Weight)
     w8 = w.w if fp8 else w
     E, N, K = w8.shape
@@ -381,6 +392,7 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
         N, K, xdiv if gather else 1, K if act else 0, n_routed,
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
         ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
+        CVT=int_cvt(x.dtype) if fp8 else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs())
 
 
