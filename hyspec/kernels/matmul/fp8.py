@@ -57,9 +57,9 @@ mul.rn.bf16x2 $1, t, c;
 
 def int_cvt(dtype) -> int:
     """The kernels' CVT flag: 1 when the weights' e4m3 -> bf16 conversion runs in integer
-    instructions (bf16 activations, compiled for a GPU, ``HYSPEC_FP8_CVT`` not 0), else 0
+    instructions (bf16 activations, compiled for a GPU, ``HYSPEC_FP8_CVT`` unset or not 0), else 0
     (Triton's conversion; the interpreter cannot run inline PTX). Both give the same bits."""
-    return int(dtype == torch.bfloat16 and not interpreting() and os.environ.get("HYSPEC_FP8_CVT", "0") != "0")
+    return int(dtype == torch.bfloat16 and not interpreting() and os.environ.get("HYSPEC_FP8_CVT", "1") != "0")
 
 
 @kernels_per_mode
