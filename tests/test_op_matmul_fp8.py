@@ -82,3 +82,22 @@ def test_fp8_config_is_the_shape_config_with_bk_clamped():
     assert fp8_config(2048, 4096, (128, 128), block_k=64, split_k=8).block_k == 128
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8_config(64, 64, (32, 40))
+
+
+def test_tuner_starts_fp8_shapes_from_the_tile_they_run(monkeypatch):
+    """The in-step tuner's first candidate is the config a shape runs untuned: for block-FP8
+    weights FP8_TALL's entry over the bf16 one (a tune once started the 80B's FP8 attention
+    in-projection from the bf16 128-column tile); a TUNED entry wins; bf16 shapes keep
+    BUILTIN's."""
+    from hyspec.gpu.runner_triton import FP8_TALL
+    from hyspec.gpu.tune import start_config
+    from hyspec.kernels import matmul
+
+    monkeypatch.setattr(matmul, "TUNED", {})
+    s = (9216, 2048)
+    assert matmul.BUILTIN[s]["block_n"] == 128 and FP8_TALL[s + (False,)]["block_n"] == 32
+    assert start_config(s, fp8=True)["block_n"] == 32
+    assert start_config(s, fp8=False) == matmul.BUILTIN[s]
+    assert start_config((2048, 4096), fp8=True) == dict(matmul.BUILTIN[(2048, 4096)], **FP8_TALL[(2048, 4096, False)])
+    matmul.TUNED[s] = dict(block_n=64)
+    assert start_config(s, fp8=True) == dict(block_n=64)

@@ -30,6 +30,20 @@ def model_shapes(runner) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
+def fp8_shapes(runner) -> set[tuple[int, int]]:
+    """The (N, K) of the runner's block-FP8 matmul weights (a subset of model_shapes)."""
+    from hyspec.quant import Fp8Weight
+
+    out = set()
+    layers = list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else [])
+    for L in layers:
+        for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
+            for part in getattr(w, "parts", [w]):
+                if isinstance(part, Fp8Weight):
+                    out.add(tuple(part.shape))
+    return out
+
+
 def moe_shapes(runner) -> list[tuple]:
     """The expert matmuls of the runner's MoE layers (hyspec.kernels.moe.grouped), as
     ("moe", N, K, act, FP8 block K or None): gate|up (act False) and down (act True)."""
@@ -100,6 +114,22 @@ def _name(s: tuple) -> str:
     return "moe " + moe_key_name(s) if s[0] == "moe" else f"{s[0]}x{s[1]}"
 
 
+def start_config(s: tuple, fp8: bool = False) -> dict:
+    """The config a shape runs before tuning, the tuner's first candidate: TUNED's, else
+    BUILTIN's; for block-FP8 weights (``fp8``) FP8_TALL's entry over it, as tall_tile runs
+    them (a tune at e9b0339 started the 80B's FP8 attention in-projection from the bf16
+    tile instead, and never tried the 32-column one it ran untuned)."""
+    from hyspec.gpu.runner_triton import FP8_TALL
+    from hyspec.kernels.matmul import BUILTIN, TUNED
+    from hyspec.kernels.moe.grouped import MOE_BUILTIN, MOE_TUNED
+
+    if s[0] == "moe":
+        return dict(MOE_TUNED.get(s[1:]) or MOE_BUILTIN.get(s[1:], {}))
+    if s in TUNED:
+        return dict(TUNED[s])
+    return dict(BUILTIN.get(s, {}), **(FP8_TALL.get((s[0], s[1], False), {}) if fp8 else {}))
+
+
 def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=print) -> dict:
     """Pick each weight shape's skinny-GEMM config by the time of the *whole decode step*
     (a CUDA graph of the real step, every other shape fixed), one shape at a time, largest
@@ -111,15 +141,10 @@ def tune_in_step(dec, shapes, *, budget_s: float = 120.0, reps: int = 30, log=pr
     Keys of the form ("moe", N, K, act, qb_k) (``moe_shapes``) tune the grouped MoE path's
     expert matmuls the same way (``set_moe_tuned``).
     Configs still depend on the shape only, so row invariance is untouched."""
-    from hyspec.kernels.matmul import BUILTIN, TUNED
-    from hyspec.kernels.moe.grouped import MOE_BUILTIN, MOE_TUNED, set_moe_tuned
+    from hyspec.kernels.moe.grouped import set_moe_tuned
 
-    def initial(s):
-        if s[0] == "moe":
-            return dict(MOE_TUNED.get(s[1:]) or MOE_BUILTIN.get(s[1:], {}))
-        return dict(TUNED.get(s) or BUILTIN.get(s, {}))
-
-    table = {s: initial(s) for s in shapes}
+    fp8 = fp8_shapes(dec.runner)
+    table = {s: start_config(s, s in fp8) for s in shapes}
     graphs = dec.step_graphs
     snap = graphs.snapshot()
 
