@@ -119,7 +119,7 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["T"])
     def _splitk_reduce_kernel(
-        ws_ptr, out_ptr, T, N, S: tl.constexpr, stride_ws_s, stride_ws_t, stride_ot, stride_on,
+        ws_ptr, out_ptr, T, N, S, stride_ws_s, stride_ws_t, stride_ot, stride_on,
         BLOCK: tl.constexpr, PDL: tl.constexpr = False,
     ):
         if PDL:
@@ -131,7 +131,7 @@ def _kernels():
         offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
         mask = offs_n < N
         acc = tl.load(ws_ptr + t * stride_ws_t + offs_n, mask=mask, other=0.0)
-        for s in tl.static_range(1, S):  # unrolled: the S loads in flight together
+        for s in range(1, S):
             acc += tl.load(ws_ptr + s * stride_ws_s + t * stride_ws_t + offs_n, mask=mask, other=0.0)
         tl.store(out_ptr + t * stride_ot + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
