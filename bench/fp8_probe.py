@@ -1,12 +1,13 @@
 """Is the block-FP8 matmul bound by the bytes it reads?  The qwen3-next-80b-a3b-fp8 preset's
-one-row matmul shapes timed (FP8 with Triton's e4m3 conversion and with the integer one, HYSPEC_FP8_CVT) with FP8 weights and with bf16 weights of the same shape in the
-same tile config (the runner's: ``tall_tile(N, K, fp8=True)``, 16-row x tile), and its
-grouped MoE layer (512 experts, top 10) with FP8 and with bf16 experts.  An FP8 call that
-takes about as long as the bf16 one, which reads twice the bytes, is bound by something
-else than the bytes (latency, the fp8 -> bf16 conversion, the launch).  Each case is a
-CUDA graph of back-to-back calls over a ring of weights larger than the L2 (and, for the
-MoE, a ring of router logits, so each call routes to other experts), as cold as in a
-decode step.  GPU only.
+one-row matmul shapes timed with FP8 weights (with Triton's e4m3 -> bf16 conversion and with
+the integer one, HYSPEC_FP8_CVT=0 / 1, outputs checked bitwise equal) and with bf16 weights
+of the same shape in the same tile config (the runner's: ``tall_tile(N, K, fp8=True)``,
+16-row x tile), and its grouped MoE layer (512 experts, top 10) with FP8 and with bf16
+experts.  An FP8 call that takes about as long as the bf16 one, which reads twice the
+bytes, is bound by something else than the bytes (latency, the fp8 -> bf16 conversion,
+the launch).  Each case is a CUDA graph of back-to-back calls over a ring of weights
+larger than the L2 (and, for the MoE, a ring of router logits, so each call routes to
+other experts), as cold as in a decode step.  GPU only.
 
     python bench/fp8_probe.py --out fp8_probe.json
     python bench/fp8_probe.py --eager 3    # a few eager calls per case, e.g. under ncu

@@ -565,6 +565,12 @@ MADE_BY = {
     "profile_moe_route_h200.txt": "`python bench/profile_batch.py --config PRESET --sizes 1 --per-call KERNEL "
                                   "--top 16 --prompt-len 128` for the 80B-FP8 (_route, _gemm) and the 35B (_route) "
                                   "(H200; the commands and commit are in the file)",
+    "gpu_tests_fp8_cvt_h200.txt": "`HYSPEC_FP8_CVT=1 python3 -m pytest -q -x -rfEs tests/test_gpu_fp8_moe.py "
+                                  "tests/test_gpu_tile_heights.py` (H200; the integer e4m3 conversion, before it was "
+                                  "the default; header in the log)",
+    "profile_route_unroll_h200.txt": "`python bench/profile_batch.py --config PRESET --sizes 1 --per-call _route --top 14 "
+                                     "--prompt-len 128`, the route kernel with the router partials' loop unrolled and "
+                                     "as a runtime loop, 80B-FP8 and 35B (H200; header in the file)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 
