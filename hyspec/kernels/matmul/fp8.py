@@ -34,6 +34,8 @@ __all__ = ["skinny_matmul_fp8", "fp8_config", "e4m3_to_bf16", "int_cvt"]
 # of the sign bits and an or: the bf16 with the e4m3's exponent field, i.e. the value times
 # 2^-120 (e4m3's subnormals become bf16 subnormals of the same mantissa). One bf16x2 multiply
 # by 2^120 (exact: a power of two, no rounding, subnormals kept) gives the e4m3's value.
+# The one code it does not keep is e4m3fn's NaN (S.1111.111), which comes out as +-480
+# where Triton's conversion gives NaN; quantized checkpoints hold no NaN weights.
 _E4M3_BF16_ASM = """
 {
 .reg .b32 m, s, z, c, t, u;
