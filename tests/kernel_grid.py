@@ -47,3 +47,24 @@ def assert_rel(name, got, want, tol):
     assert got.shape == want.shape, (name, tuple(got.shape), tuple(want.shape))
     err = rel_err(got, want)
     assert err < tol, f"{name}: relative error {err:.3g} >= {tol:.3g}"
+
+
+def e4m3_codes_through_the_matmul(device, act_dtype=torch.bfloat16):
+    """Every float8_e4m3fn code through skinny_matmul_fp8: a [256, 128] weight whose row i
+    holds code i in column 0 (zeros elsewhere, block scales 1) times a one-hot row x, so
+    output column i is code i's value converted by the kernel (exact: e4m3 values are bf16
+    values, the products and sums exact). Returns (got [256], want [256]: torch's
+    conversion of each code, NaN for e4m3fn's two NaN codes 0x7F and 0xFF)."""
+    from hyspec.kernels.matmul import skinny_matmul_fp8
+    from hyspec.quant import FP8_DTYPE, Fp8Weight
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    w = torch.zeros(256, 128, dtype=torch.uint8)
+    w[:, 0] = codes
+    w8 = w.view(FP8_DTYPE).to(device)
+    scale = torch.ones(2, 1, dtype=torch.float32, device=device)
+    x = torch.zeros(1, 128, dtype=act_dtype, device=device)
+    x[0, 0] = 1.0
+    got = skinny_matmul_fp8(x, Fp8Weight(w8, scale, (128, 128)), block_t=16)[0].float().cpu()
+    want = codes.view(FP8_DTYPE).to(torch.float32)
+    return got, want

@@ -187,3 +187,19 @@ def test_moe_router_split_partials_on_the_device(fused):
             res.append((out, buf.ids[:n].clone(), buf.wts[:n].clone()))
         (o0, i0, w0), (o1, i1, w1) = res
         assert torch.equal(i0, i1) and torch.equal(w0, w1) and torch.equal(o0, o1)
+
+
+@pytest.mark.parametrize("cvt", ["0", "1"], ids=["triton_cvt", "integer_cvt"])
+def test_every_e4m3_code_converts_exactly(cvt, monkeypatch):
+    """All 256 e4m3 codes through the FP8 kernel with Triton's conversion (HYSPEC_FP8_CVT=0)
+    and with the integer one (hyspec.kernels.matmul.fp8.e4m3_to_bf16, the default): each
+    finite code's exact value (subnormals and -0.0 included); e4m3fn's NaN codes give NaN
+    with Triton's conversion and +-480 with the integer one, as documented."""
+    monkeypatch.setenv("HYSPEC_FP8_CVT", cvt)
+    got, want = kernel_grid.e4m3_codes_through_the_matmul(DEV)
+    nan = torch.tensor([c in (0x7F, 0xFF) for c in range(256)])
+    assert torch.equal(got[~nan], want[~nan])
+    if cvt == "0":
+        assert bool(got[nan].isnan().all())
+    else:
+        assert got[0x7F].item() == 480.0 and got[0xFF].item() == -480.0

@@ -101,3 +101,17 @@ def test_tuner_starts_fp8_shapes_from_the_tile_they_run(monkeypatch):
     assert start_config((2048, 4096), fp8=True) == dict(matmul.BUILTIN[(2048, 4096)], **FP8_TALL[(2048, 4096, False)])
     matmul.TUNED[s] = dict(block_n=64)
     assert start_config(s, fp8=True) == dict(block_n=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_every_e4m3_code_converts_exactly(dtype):
+    """All 256 e4m3 codes through the kernel's conversion in the interpreter (Triton's; the
+    GPU twin in tests/test_gpu_fp8_moe.py also runs the integer one, with bf16): each finite
+    code's exact value. (Not bf16 here: the interpreter's fp8 -> bf16 cast gives wrong
+    values, e.g. 2.5e8 for 0.002, which is why the CPU FP8 tests use fp32; nor the NaN
+    codes, which the interpreter converts to +-480.)"""
+    from kernel_grid import e4m3_codes_through_the_matmul
+
+    got, want = e4m3_codes_through_the_matmul(torch.device("cpu"), dtype)
+    finite = torch.tensor([c not in (0x7F, 0xFF) for c in range(256)])
+    assert torch.equal(got[finite], want[finite])
