@@ -286,20 +286,13 @@ def _patch_lang_once_per_launch():
 def _interpreter_patched_once_per_launch():
     """Every test that interprets Triton kernels gets the one patching per launch
     (_patch_lang_once_per_launch): the kernel-level tests (top-p, probabilities, ...) as
-    much as the decoder tests, which had it first (the ``fast_interpreter`` fixture)."""
+    much as the decoder tests, which had it first."""
     if _interpreter() is None:
         yield
         return
     undo = _patch_lang_once_per_launch()
     yield
     undo()
-
-
-@pytest.fixture(scope="module")
-def fast_interpreter(triton_interpreter):
-    """triton_interpreter, with triton.language patched once per kernel launch
-    (_patch_lang_once_per_launch; since it is session-wide, this names the need)."""
-    yield
 
 
 # The server tests' fixtures (tests/test_server*.py): a real uvicorn server on 127.0.0.1

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("triton")
 pytest.importorskip("llguidance")
-pytestmark = pytest.mark.usefixtures("triton_interpreter", "fast_interpreter")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 REGEX = r"[a-z_ ]{3,40}\.?"
 PROMPTS = [[5, 17, 99, 3], [8, 1, 2]]

@@ -17,7 +17,7 @@ import torch
 from conftest import ARCHS
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.usefixtures("triton_interpreter", "fast_interpreter")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 LOGPROB_ATOL = 1e-4
 

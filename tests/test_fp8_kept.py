@@ -98,6 +98,12 @@ def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
     assert p.tokens == ref.tokens
     read = dec.runner.moe_experts_read()
     assert read[1]["experts_per_layer"] == m.cfg.num_experts_per_tok  # a decode step: top-k distinct experts
+    # the tuner's shape lists: every matmul's (N, K), the FP8 ones among them (not the head)
+    from hyspec.gpu.tune import fp8_shapes, model_shapes
+
+    shapes, f8 = model_shapes(dec.runner), fp8_shapes(dec.runner)
+    assert f8 and f8 < set(shapes) and tuple(dec.runner.head.shape) in set(shapes) - f8
+    assert tuple(dec.runner.layers[0].w_out.shape) in f8
     s = decode_one(dec, prompt, n, k=2, forced_rates=(0.9, 0.7), reference=p.tokens)
     assert s.tokens == p.tokens
     assert 2 <= dec.runner.moe_experts_read()[3]["experts_per_layer"] <= min(m.cfg.num_experts, 6)

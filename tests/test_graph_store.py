@@ -29,7 +29,7 @@ from session_helpers import assert_same, target_part
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
 if not CUDA:
-    pytestmark = pytest.mark.usefixtures("triton_interpreter", "fast_interpreter")
+    pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 PROMPT = [5, 17, 99, 3, 7]
 NEW = [9, 4, 33]

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("triton")
-pytestmark = pytest.mark.usefixtures("triton_interpreter", "fast_interpreter")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 from hyspec.engine import Engine  # noqa: E402
 from hyspec.sampling import SamplingParams  # noqa: E402

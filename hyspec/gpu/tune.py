@@ -16,15 +16,20 @@ from hyspec.gpu.graphs import replay_ms
 from hyspec.kernels.matmul import set_tuned, skinny_config
 
 
-def model_shapes(runner) -> list[tuple[int, int]]:
-    """The (N, K) of every matmul weight the Triton runner uses (target + MTP + head)."""
-    shapes = {tuple(runner.head.shape)}
+def _layer_matmuls(runner):
+    """Each matmul weight of the runner's layers (target + MTP): a Segments weight (fp8 |
+    bf16 runs) gives each of its parts, each a matmul of its own."""
     layers = list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else [])
     for L in layers:
         for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
-            for part in getattr(w, "parts", [w]):  # Segments (fp8 | bf16 runs): each part is a matmul
+            for part in getattr(w, "parts", [w]):
                 if part is not None:
-                    shapes.add(tuple(part.shape))
+                    yield part
+
+
+def model_shapes(runner) -> list[tuple[int, int]]:
+    """The (N, K) of every matmul weight the Triton runner uses (target + MTP + head)."""
+    shapes = {tuple(runner.head.shape)} | {tuple(w.shape) for w in _layer_matmuls(runner)}
     if runner.mtp_layer is not None:
         shapes.add(tuple(runner.mtp_fc.shape))
     return sorted(shapes)
@@ -34,14 +39,7 @@ def fp8_shapes(runner) -> set[tuple[int, int]]:
     """The (N, K) of the runner's block-FP8 matmul weights (a subset of model_shapes)."""
     from hyspec.quant import Fp8Weight
 
-    out = set()
-    layers = list(runner.layers) + ([runner.mtp_layer] if runner.mtp_layer is not None else [])
-    for L in layers:
-        for w in (L.w_in, L.w_out, L.w_gu, getattr(L, "w_down", None)):
-            for part in getattr(w, "parts", [w]):
-                if isinstance(part, Fp8Weight):
-                    out.add(tuple(part.shape))
-    return out
+    return {tuple(w.shape) for w in _layer_matmuls(runner) if isinstance(w, Fp8Weight)}
 
 
 def moe_shapes(runner) -> list[tuple]:
