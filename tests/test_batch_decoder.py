@@ -136,7 +136,8 @@ def test_one_lane_equals_the_engine_core_with_its_telemetry_and_drafts(tmp_path,
     speculative decoding (k = 3) with the forced drafter and with the MTP drafter gives the
     same tokens, the same telemetry and the same drafts round by round (greedy tokens do
     not depend on the drafts: the drafts are compared themselves); short budgets (0, 1, 2
-    tokens: no round, a round that may draft nothing, one draft) end where the core ends."""
+    tokens: no round, a round that may draft nothing, one draft) end where the core ends
+    (checked on the first family only: that is the loop's logic, not the model's)."""
     from hyspec.core import round as round_mod
     from hyspec.decode import generate_plain
     from hyspec.gpu.batch import BatchDecoder
@@ -172,9 +173,10 @@ def test_one_lane_equals_the_engine_core_with_its_telemetry_and_drafts(tmp_path,
         assert lane.stats["spec"] == core.stats["spec"] and lane.stats["spec"]["rounds"] > 0, rates
         if rates is None:  # (the forced drafter replaces the MTP's tokens)
             assert [d for d in lane_drafts if d] == [d for d in core_drafts if d] != []
-    for n in (0, 1, 2):
-        assert decode_one(dec, prompt, n).tokens == ref[:n]
-        assert decode_one(dec, prompt, n, k=3).tokens == ref[:n]
+    if arch == ARCHS[0]:  # short budgets: the loop's logic, the same for every family (~7 s each, interpreted)
+        for n in (0, 1, 2):
+            assert decode_one(dec, prompt, n).tokens == ref[:n]
+            assert decode_one(dec, prompt, n, k=3).tokens == ref[:n]
 
 
 def test_stop_ids_and_errors(tmp_path):

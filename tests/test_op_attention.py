@@ -10,19 +10,28 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")  # kernels run in the
 
 from kernel_grid import assert_rel, rnd  # noqa: E402
 
-from hyspec.kernels.attention import attn_decode, attn_decode_ref, attn_prep, attn_prep_ref, rope_inv_freq  # noqa: E402
+from hyspec.kernels.attention import (  # noqa: E402
+    ATTN_SPLITS,
+    INTERP_SPLITS,
+    attn_decode,
+    attn_decode_ref,
+    attn_prep,
+    attn_prep_ref,
+    rope_inv_freq,
+)
 
 # (T, Hq, Hkv, D, rot, pos): rows sit at pos..pos+T-1, row r sees pos+r+1 keys
 CASES = [
-    (1, 1, 1, 4, 4, 0),  # one key, 7 of 8 splits empty, full rotary
+    (1, 1, 1, 4, 4, 0),  # one key, all splits but the first empty, full rotary
     (2, 3, 1, 12, 4, 31),  # REP 3, keys straddle the first 32-key block edge
     (3, 4, 2, 20, 8, 64),  # D not a power of two, partial rotary, three blocks
-    (2, 6, 3, 40, 16, 290),  # > 8 blocks: splits walk two blocks each
+    (2, 6, 3, 40, 16, 290),  # > 8 blocks: splits walk two blocks or more each
 ]
 
 
+@pytest.mark.parametrize("splits", [ATTN_SPLITS, INTERP_SPLITS])  # the GPU's NS and the interpreter's
 @pytest.mark.parametrize("T,Hq,Hkv,D,rot,pos", CASES)
-def test_attention_grid(T, Hq, Hkv, D, rot, pos):
+def test_attention_grid(T, Hq, Hkv, D, rot, pos, splits):
     L = pos + T + 3
     proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, seed=1)
     qw, kw = rnd(D, seed=2, scale=0.1), rnd(D, seed=3, scale=0.1)
@@ -38,7 +47,7 @@ def test_attention_grid(T, Hq, Hkv, D, rot, pos):
     assert_rel("k cache", kc, kr, 1e-5)
     assert torch.equal(vc, vr)
     o = torch.empty(T, Hq * D)
-    attn_decode(q, kc, vc, posd, 0, proj, o, rows=T)
+    attn_decode(q, kc, vc, posd, 0, proj, o, rows=T, splits=splits)
     gate = proj[:, : Hq * 2 * D].view(T, Hq, 2 * D)[..., D:]
     assert_rel("attention", o, attn_decode_ref(q, kc, vc, pos, gate), 1e-5)
     kc1, vc1 = kc0.clone(), vc0.clone()
@@ -46,6 +55,6 @@ def test_attention_grid(T, Hq, Hkv, D, rot, pos):
         q1, o1 = torch.empty(1, Hq, D), torch.empty(1, Hq * D)
         attn_prep(proj[r: r + 1], qw, kw, invf, posd, r, q1, kc1, vc1, rows=1, **dims)
         assert torch.equal(q1[0], q[r])
-        attn_decode(q1, kc, vc, posd, r, proj[r: r + 1], o1, rows=1)
+        attn_decode(q1, kc, vc, posd, r, proj[r: r + 1], o1, rows=1, splits=splits)
         assert torch.equal(o1[0], o[r]), r
     assert torch.equal(kc1, kc) and torch.equal(vc1, vc)

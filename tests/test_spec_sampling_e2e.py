@@ -73,6 +73,9 @@ from hyspec.speculative.loop import SpecOptions, generate_speculative
 from hyspec.tiny import init_weights, tiny_config
 
 ALPHA = 1e-3  # significance level of every distribution test in this file
+# the tests of the module-scoped draws (plain_t1, spec_t1, spec_t1_np: ~16 s each) run on one
+# pytest-xdist worker (the suite runs with --dist loadgroup), so the draws are made once
+DRAWS = pytest.mark.xdist_group("spec_sampling_e2e_draws")
 VOCAB = 16
 HIDDEN = 32
 STD = 0.3  # weight scale: next-token entropy ~2 nats of log(16) = 2.77, top token ~0.25-0.45
@@ -312,6 +315,7 @@ def test_checkpoint_is_peaked_and_drafter_differs(model) -> None:
 # --------------------------------------------------------------------------------------
 
 
+@DRAWS
 def test_first_token_follows_prefill_row_in_both_arms(model, plain_t1, spec_t1_np) -> None:
     """The first token's distribution is exactly row_probs of the prefill's last row (in
     the no-pending form the speculative arm decides it by accept/residual/bonus)."""
@@ -326,21 +330,25 @@ def test_first_token_follows_prefill_row_in_both_arms(model, plain_t1, spec_t1_n
         assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
 
 
+@DRAWS
 def test_plain_arm_matches_exact_distribution(plain_t1, joint_t1) -> None:
     """Sanity check of the enumerated reference (and of plain sampling itself)."""
     assert gof_pvalue(plain_t1, joint_t1) > ALPHA
 
 
+@DRAWS
 def test_speculative_draft3_matches_exact_distribution(spec_t1, joint_t1) -> None:
     p = gof_pvalue(spec_t1, joint_t1)
     assert p > ALPHA, f"speculative samples do not follow the target distribution (p={p:.2e})"
 
 
+@DRAWS
 def test_speculative_draft3_indistinguishable_from_plain(spec_t1, plain_t1, joint_t1) -> None:
     p = two_sample_pvalue(spec_t1, plain_t1, joint_t1)
     assert p > ALPHA, f"--draft 3 and --draft 0 samples differ (p={p:.2e})"
 
 
+@DRAWS
 def test_speculative_no_pending_matches_exact_and_plain(spec_t1_np, plain_t1, joint_t1) -> None:
     """The 'no pending' form (how a session continues): round 1 decides all 3 tokens."""
     p = gof_pvalue(spec_t1_np, joint_t1)

@@ -11,7 +11,8 @@ Contract (T rows, Hq/Hkv heads, D head dim, ROT rotary dims, L cache rows, NS sp
         written into the caches at row pos + off + r
     attn_decode(q [T, Hq, D], kc, vc, pos [1], off, proj, out [T, Hq*D], rows=T)
         row r attends keys 0..pos+off+r (fp32 online softmax, scale D**-0.5); keys in
-        blocks of 32, block b -> split b % NS (NS = ATTN_SPLITS = 8, a constant); the
+        blocks of 32, block b -> split b % NS (NS = ATTN_SPLITS = 8, a constant; 2 in the
+        CPU interpreter, INTERP_SPLITS, see attn_splits; ``splits=`` overrides); the
         splits are combined in the fixed order 0..NS-1 (``launch_combine``) and the
         output is multiplied by sigmoid(gate) with the model's rounding
     attn_decode_grouped(...)    the same contract; one program per (kv head, group of
@@ -31,7 +32,9 @@ from hyspec.kernels.attention.grouped import GROUPED_SPLITS, attn_decode_grouped
 from hyspec.kernels.attention.kernel import (
     ATTN_BLOCK_N,
     ATTN_SPLITS,
+    INTERP_SPLITS,
     attn_decode,
+    attn_splits,
     attn_prep,
     launch_combine,
     rope_inv_freq,
@@ -40,5 +43,5 @@ from hyspec.kernels.attention.reference import attn_decode_ref, attn_prep_ref
 
 __all__ = [
     "attn_prep", "attn_prep_ref", "attn_decode", "attn_decode_ref", "attn_decode_grouped", "launch_combine",
-    "rope_inv_freq", "ATTN_SPLITS", "ATTN_BLOCK_N", "GROUPED_SPLITS",
+    "rope_inv_freq", "attn_splits", "ATTN_SPLITS", "INTERP_SPLITS", "ATTN_BLOCK_N", "GROUPED_SPLITS",
 ]

@@ -5,12 +5,23 @@ from __future__ import annotations
 import torch
 
 from hyspec.kernels.common import p2
-from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
+from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 
-__all__ = ["attn_prep", "attn_decode", "launch_combine", "rope_inv_freq", "ATTN_SPLITS", "ATTN_BLOCK_N"]
+__all__ = ["attn_prep", "attn_decode", "launch_combine", "rope_inv_freq", "attn_splits", "ATTN_SPLITS",
+           "INTERP_SPLITS", "ATTN_BLOCK_N"]
 
 ATTN_SPLITS = 8  # NS: key-block sets per (row, head); a constant, never chosen from T
+# NS in Triton's CPU interpreter, which runs one program at a time: there a split only adds
+# programs (each ~60 interpreted ops), and 8 of them made attention ~1/3 of an interpreted
+# decode step's time.  Still a constant (never chosen from T), still more than one split.
+INTERP_SPLITS = 2
 ATTN_BLOCK_N = 32  # keys per block
+
+
+def attn_splits() -> int:
+    """The split count attn_decode uses by default: ATTN_SPLITS on the GPU, INTERP_SPLITS
+    in the interpreter (the same kernel; tests/test_op_attention.py runs both counts)."""
+    return INTERP_SPLITS if interpreting() else ATTN_SPLITS
 
 
 def rope_inv_freq(rot: int, theta: float, device) -> torch.Tensor:
@@ -168,21 +179,22 @@ def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_k
     return q_out
 
 
-def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0):
+def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0, splits=None):
     """Triton :func:`attn_decode_ref`: q [T, Hq, D] contiguous, caches [Hkv, L, D]; the
-    gate is read from proj (per q head [q D | gate D]); out [T, Hq*D]."""
+    gate is read from proj (per q head [q D | gate D]); out [T, Hq*D]; ``splits`` the NS
+    (default :func:`attn_splits`; ws must hold T * Hq * NS * (p2(D) + 2) floats)."""
     T = rows
+    NS = attn_splits() if splits is None else int(splits)
     Hq, D = q.shape[1], q.shape[2]
     BD = p2(D)
-    if ws is None or ws.numel() < T * Hq * ATTN_SPLITS * (BD + 2):
-        ws = torch.empty(T * Hq * ATTN_SPLITS * (BD + 2), device=q.device, dtype=torch.float32)
+    if ws is None or ws.numel() < T * Hq * NS * (BD + 2):
+        ws = torch.empty(T * Hq * NS * (BD + 2), device=q.device, dtype=torch.float32)
     ks = _kernels()
     nw = 4 if D <= 128 else 8
-    ks["attn_partial"][(Hq, T, ATTN_SPLITS)](q, kc, vc, pos, int(off), ws, T, Hq, Hq // kc.shape[0], D,
-                                             kc.shape[1], float(D ** -0.5), T // lanes, int(kv_lane_stride),
-                                             BLOCK_N=ATTN_BLOCK_N, BLOCK_D=BD, NS=ATTN_SPLITS, num_warps=nw,
-                                             **launch_kwargs())
-    launch_combine(ws, proj, out, T, Hq, D, BD, ATTN_SPLITS)
+    ks["attn_partial"][(Hq, T, NS)](q, kc, vc, pos, int(off), ws, T, Hq, Hq // kc.shape[0], D,
+                                    kc.shape[1], float(D ** -0.5), T // lanes, int(kv_lane_stride),
+                                    BLOCK_N=ATTN_BLOCK_N, BLOCK_D=BD, NS=NS, num_warps=nw, **launch_kwargs())
+    launch_combine(ws, proj, out, T, Hq, D, BD, NS)
     return out
 
 
