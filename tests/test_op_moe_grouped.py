@@ -174,3 +174,47 @@ def test_router_partials_are_rounded_like_the_reduce_kernel(fused):
     (o0, i0, w0), (o1, i1, w1) = res
     assert i0.view(t, -1)[:, 0].tolist() == [1] * t  # the tie went to the lower id: rounding happened
     assert torch.equal(i0, i1) and torch.equal(w0, w1) and torch.equal(o0, o1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])
+def test_deferred_combine_in_the_rmsnorm_changes_no_bit(fused, dtype):
+    """moe_grouped(defer=True) leaves the slot combine to the next RMSNorm (MoePartials as
+    its delta): the residual and normed rows are bitwise those of the combine kernel's
+    output added by the norm, row by row, and MoePartials.value (torch) gives the combine's
+    result (fp32 only: Triton's interpreter truncates fp32 -> bf16 where torch and the GPU
+    round to nearest).  A slot weight read from the wrong pair fails it."""
+    from hyspec.kernels.common import MoePartials
+    from hyspec.kernels.rmsnorm import rmsnorm
+
+    gu, dn = experts(False)
+    gu, dn = gu.to(dtype), dn.to(dtype)
+    sh = (gu[0], dn[0]) if fused else None
+    x = rnd(T, H, seed=20).to(dtype)
+    logits = rnd(T, E + 1 if fused else E, seed=21, scale=2.0).to(dtype)
+    resid0, w = rnd(T, H, seed=22).to(dtype), rnd(H, seed=23, scale=0.1).to(dtype)
+    buf = MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", dtype)
+    kw = dict(top_k=K_TOP, renorm=True, shared_experts=sh)
+
+    def norm(delta, rows, first=0):
+        resid, out = resid0[first:first + rows].clone(), torch.empty(rows, H, dtype=dtype)
+        rmsnorm(resid, w, 1e-6, out=out, delta=delta, resid_out=resid, rows=rows)
+        return resid, out
+
+    combined = moe_grouped(x, logits, gu, dn, buf, torch.empty(T, H, dtype=dtype), **kw)
+    want = norm(combined, T)
+    parts = moe_grouped(x, logits, gu, dn, buf, torch.full((T, H), float("nan"), dtype=dtype), defer=True, **kw)
+    assert isinstance(parts, MoePartials) and parts.KS == K_TOP + fused
+    if dtype == torch.float32:
+        assert torch.equal(parts.value(T, dtype), combined)
+    got = norm(parts, T)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # a planted bug: every row reads its first slot's weight for all its slots
+    bad = MoePartials(parts.y, parts.wts[:T * parts.KS].view(T, -1)[:, :1].expand(T, parts.KS).reshape(-1).contiguous(),
+                      parts.slot, parts.KS)
+    assert not torch.equal(norm(bad, T)[0], want[0])
+    one = norm(moe_grouped(x[2:3], logits[2:3], gu, dn, buf, torch.empty(1, H, dtype=dtype), defer=True, **kw), 1, 2)
+    assert torch.equal(one[0][0], want[0][2]) and torch.equal(one[1][0], want[1][2])  # row 2 alone
+    with pytest.raises(ValueError, match="defer"):
+        moe_grouped(x, logits[:, :E], gu, dn, buf, torch.empty(T, H, dtype=dtype), top_k=K_TOP, renorm=True,
+                    shared=x, shared_gate=logits[:, :1], defer=True)

@@ -262,6 +262,9 @@ class TritonRunner:
         self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
         # RMSNorm: the weight's load issued before the row's reduction (HYSPEC_NORM_W_FIRST=0: after)
         self.norm_w_first = os.environ.get("HYSPEC_NORM_W_FIRST", "1") not in ("", "0")
+        # MoE: the slot combine done by the next RMSNorm (one launch fewer per MoE layer;
+        # HYSPEC_MOE_DEFER=0: the combine kernel, the ablation's other arm)
+        self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
 
@@ -492,9 +495,14 @@ class TritonRunner:
                              x.dtype)
         kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0])
         out = self._buf("delta", t)
+        # the combine is deferred to the next RMSNorm (MoePartials) where no separately
+        # computed shared expert joins it; HYSPEC_MOE_DEFER=0 keeps the combine kernel
+        defer = self.moe_defer and (layer.fuse_shared or not moe.has_shared)
         if layer.fuse_shared:  # the shared expert is expert E of the grouped kernels
             return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out,
-                               shared_experts=(layer.sh_gu, layer.sh_down), **kw)
+                               shared_experts=(layer.sh_gu, layer.sh_down), defer=defer, **kw)
+        if defer:
+            return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out, defer=True, **kw)
         shared = gate = None
         if moe.has_shared:
             sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))

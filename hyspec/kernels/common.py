@@ -1,5 +1,6 @@
-"""Helpers shared by the op folders: block sizes, argument checks, the deferred split-K
-result that the skinny matmul hands to the RMSNorm, and the triton import check.
+"""Helpers shared by the op folders: block sizes, argument checks, the deferred results
+that the skinny matmul (split-K partials) and the grouped MoE (per-slot expert outputs)
+hand to the RMSNorm, and the triton import check.
 
 (The launch helpers -- ``kernels_per_mode`` and programmatic dependent launch -- live in
 :mod:`hyspec.kernels.pdl`.)
@@ -10,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["p2", "check_rows", "SplitPartials", "triton_available"]
+__all__ = ["p2", "check_rows", "SplitPartials", "MoePartials", "triton_available"]
 
 
 def p2(n: int) -> int:
@@ -41,6 +42,35 @@ class SplitPartials:
         acc = self.ws[0, :rows].clone()
         for s in range(1, self.S):
             acc += self.ws[s, :rows]
+        return acc.to(dtype)
+
+
+class MoePartials:
+    """A grouped-MoE result before its combine: the expert outputs ``y [P, H]`` (model dtype,
+    one row per tile slot), and per (row t, slot j) pair ``q = t * KS + j`` its routing
+    weight ``wts [Q]`` (fp32) and its slot ``slot [Q]`` (int32).  Row t of the result is
+    ``sum_j y[slot[q]] * wts[q]`` (each weight rounded to y's dtype first; fp32 sums in slot
+    order 0..KS-1), rounded to y's dtype -- what
+    :func:`hyspec.kernels.moe.moe_grouped` returns with ``defer=True``;
+    :func:`hyspec.kernels.rmsnorm.rmsnorm` takes it as ``delta`` and does the combine itself
+    (one kernel launch fewer per MoE layer).  Only for the forms without a separately
+    computed shared expert (fused as slot KS-1, or none)."""
+
+    __slots__ = ("y", "wts", "slot", "KS")
+
+    def __init__(self, y: torch.Tensor, wts: torch.Tensor, slot: torch.Tensor, KS: int) -> None:
+        self.y, self.wts, self.slot, self.KS = y, wts, slot, KS
+
+    def value(self, rows: int, dtype) -> torch.Tensor:
+        """The combined result [rows, H] (torch, for callers that cannot fuse; the products
+        and sums in fp32 in slot order, as the kernels do, which may contract a product and
+        its sum into one fused multiply-add on a GPU)."""
+        q = torch.arange(rows * self.KS, device=self.y.device)
+        w = self.wts[q].to(self.y.dtype).float().view(rows, self.KS)
+        ys = self.y[self.slot[q].long()].float().view(rows, self.KS, -1)
+        acc = ys[:, 0] * w[:, :1]
+        for j in range(1, self.KS):
+            acc = acc + ys[:, j] * w[:, j:j + 1]
         return acc.to(dtype)
 
 

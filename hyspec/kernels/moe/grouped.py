@@ -398,7 +398,8 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
                 top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
-                shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> torch.Tensor:
+                shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None,
+                defer: bool = False):
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output, or its split-K partials (a
@@ -410,10 +411,14 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
       expert, can_fuse_shared): logits [T, E + 1], column E the shared gate's logit; the
       shared expert runs as expert E in the grouped gemms, slot top_k of every row; or
     * given as its output ``shared`` [T, H] and gate logit ``shared_gate`` [T, 1];
-    or absent. stats: int64 [>= T+1, 2], row T gets (distinct routed experts, 1) per call."""
+    or absent. stats: int64 [>= T+1, 2], row T gets (distinct routed experts, 1) per call.
+    defer (not with ``shared``): skip the combine and return a
+    :class:`hyspec.kernels.common.MoePartials` over the buffers (out is not written), for
+    :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
+    call on ``buf``."""
     from hyspec.kernels.pdl import launch_kwargs
 
-    from hyspec.kernels.common import SplitPartials
+    from hyspec.kernels.common import MoePartials, SplitPartials
 
     T, H = x.shape
     E = gate_up.shape[0]
@@ -430,6 +435,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
         raise ValueError("moe_grouped: the logits' last dimension must be contiguous")
     if fused and shared is not None:
         raise ValueError("moe_grouped: give the shared expert fused (shared_experts) or as its output, not both")
+    if defer and shared is not None:
+        raise ValueError("moe_grouped: defer=True combines in the RMSNorm, which takes no separate shared expert")
     ks = _kernels()
     lk = launch_kwargs()
     q = T * slots
@@ -447,6 +454,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     sh_gu, sh_down = shared_experts if fused else (None, None)
     _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu)
     _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down)
+    if defer:
+        return MoePartials(y, buf.wts, buf.slot, slots)
     has_shared = shared is not None
     BH = min(1024, p2(H))
     ks["combine"][(T, -(-H // BH))](y, y.stride(0), buf.wts, buf.slot, shared if has_shared else y,

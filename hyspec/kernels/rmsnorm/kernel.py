@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hyspec.kernels.common import SplitPartials, check_rows, p2
+from hyspec.kernels.common import MoePartials, SplitPartials, check_rows, p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
 __all__ = ["rmsnorm"]
@@ -21,8 +21,10 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["T"])
     def _rmsnorm_kernel(x_ptr, ids_ptr, d_ptr, w_ptr, res_ptr, out_ptr, T, N, sx, sd, sr, so, eps, sds,
+                        mw_ptr, ms_ptr,
                         GATHER: tl.constexpr, ADD: tl.constexpr, STORE_RES: tl.constexpr, BLOCK: tl.constexpr,
-                        DS: tl.constexpr = 0, PDL: tl.constexpr = False, W_FIRST: tl.constexpr = True):
+                        DS: tl.constexpr = 0, PDL: tl.constexpr = False, W_FIRST: tl.constexpr = True,
+                        KS: tl.constexpr = 0):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -37,7 +39,15 @@ def _kernels():
         else:
             x = tl.load(x_ptr + r * sx + offs, mask=m, other=0.0)
         if ADD:
-            if DS > 0:  # delta = the DS fp32 split-K partials of a matmul, summed in order 0..DS-1
+            if KS > 0:  # delta = a grouped MoE's KS slot outputs per row, combined in slot order
+                # (the expression of hyspec.kernels.moe.grouped's combine kernel)
+                dacc = tl.zeros([BLOCK], dtype=tl.float32)
+                for j in tl.static_range(KS):
+                    wj = tl.load(mw_ptr + r * KS + j).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    sl = tl.load(ms_ptr + r * KS + j).to(tl.int64)
+                    dacc += tl.load(d_ptr + sl * sd + offs, mask=m, other=0.0).to(tl.float32) * wj
+                d = dacc.to(x_ptr.dtype.element_ty)
+            elif DS > 0:  # delta = the DS fp32 split-K partials of a matmul, summed in order 0..DS-1
                 dacc = tl.load(d_ptr + r * sd + offs, mask=m, other=0.0)
                 for s in tl.static_range(1, DS):
                     dacc += tl.load(d_ptr + s * sds + r * sd + offs, mask=m, other=0.0)
@@ -60,13 +70,20 @@ def _kernels():
 def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=None, w_first=True):
     """Triton :func:`rmsnorm_ref`. x [T, N] (or table [V, N] with ids [T]); writes y into
     out [T, N] and, with resid_out, the (gathered / added) input rows into resid_out
-    (may alias x). rows: T (default out.shape[0]). delta may be a :class:`SplitPartials`.
+    (may alias x). rows: T (default out.shape[0]). delta may be a :class:`SplitPartials`
+    or a :class:`MoePartials` (whose y has x's dtype).
     w_first: the weight's load placed before the row's reduction (the same values; False:
     after it, the earlier form, kept for the side-by-side timing)."""
     T = out.shape[0] if rows is None else rows
     N = out.shape[1]
-    ds = 0
-    if isinstance(delta, SplitPartials):
+    ds = ks = 0
+    mw = ms = x
+    if isinstance(delta, MoePartials):
+        d, sds, ks, mw, ms = delta.y, 0, delta.KS, delta.wts, delta.slot
+        if d.dtype != x.dtype or d.shape[1] != N or d.stride(1) != 1 or delta.wts.numel() < T * ks:
+            raise ValueError(f"rmsnorm: MoE partials must be [P, {N}] of {x.dtype} with >= {T} x {ks} pairs, "
+                             f"got {tuple(d.shape)} {d.dtype}, {delta.wts.numel()} pairs")
+    elif isinstance(delta, SplitPartials):
         ds, d, sds = delta.S, delta.ws, delta.ws.stride(0)
         if d.dtype != torch.float32 or d.shape[2] != N or d.stride(2) != 1 or d.shape[1] < T:
             raise ValueError(f"rmsnorm: split partials must be fp32 [S, >={T}, {N}], got {tuple(d.shape)} {d.dtype}")
@@ -78,7 +95,7 @@ def rmsnorm(x, weight, eps, *, out, ids=None, delta=None, resid_out=None, rows=N
     k = _kernels()["rmsnorm"]
     r = resid_out if resid_out is not None else out
     k[(T,)](x, ids if ids is not None else x, d, weight, r, out, T, N,
-            x.stride(0), d.stride(0), r.stride(0), out.stride(0), float(eps), sds,
+            x.stride(0), d.stride(0), r.stride(0), out.stride(0), float(eps), sds, mw, ms,
             GATHER=ids is not None, ADD=delta is not None, STORE_RES=resid_out is not None,
-            BLOCK=p2(N), DS=ds, W_FIRST=bool(w_first), num_warps=4 if N <= 4096 else 8, **launch_kwargs())
+            BLOCK=p2(N), DS=ds, W_FIRST=bool(w_first), KS=ks, num_warps=4 if N <= 4096 else 8, **launch_kwargs())
     return out
