@@ -265,6 +265,8 @@ class TritonRunner:
         # MoE: the slot combine done by the next RMSNorm (one launch fewer per MoE layer;
         # HYSPEC_MOE_DEFER=0: the combine kernel, the ablation's other arm)
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
+        # MoE: a one-row call's route program aligns its pairs (HYSPEC_MOE_FUSE_ALIGN=0: the align kernel)
+        self.moe_fuse_align = os.environ.get("HYSPEC_MOE_FUSE_ALIGN", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
 
@@ -493,7 +495,8 @@ class TritonRunner:
         if t > buf.rows:  # an eager call past the static rows
             buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
                              x.dtype)
-        kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0])
+        kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0],
+                  fuse_align=self.moe_fuse_align)
         out = self._buf("delta", t)
         # the combine is deferred to the next RMSNorm (MoePartials) where no separately
         # computed shared expert joins it; HYSPEC_MOE_DEFER=0 keeps the combine kernel
