@@ -194,8 +194,8 @@ def _kernels():
                 q = q0 + tl.arange(0, QBLK)
                 mq = q < Q
                 e = tl.load(ids_ptr + q, mask=mq, other=0)
-                r = tl.load(rank_ptr + q, mask=mq, other=0)
-                slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + r
+                rk = tl.load(rank_ptr + q, mask=mq, other=0)
+                slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + rk
                 tl.store(pairs_ptr + slot, q, mask=mq)
                 tl.store(slot_ptr + q, slot, mask=mq)
 
