@@ -557,6 +557,8 @@ MADE_BY = {
                                           "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
     "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
                                           "header in the log)",
+    "gpu_tests_moe_launches_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
+                                       "tests/test_gpu_tile_heights.py` (H200; the MoE launch changes; header in the log)",
     "gpu_tests_moe_route_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
                                     "tests/test_gpu_tile_heights.py` (H200; header in the log)",
     "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "
