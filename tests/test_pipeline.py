@@ -173,11 +173,27 @@ def test_cli_pp2_torchrun(ckpts):
     assert len(lines) == 1 and json.loads(lines[0])["tokens"] == one["tokens"]
 
 
-def test_cli_pp_errors(ckpts):
+def test_cli_pp_errors(ckpts, monkeypatch, capsys):
     r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--model", str(ckpts["qwen3_5"]),
                         "--prompt-ids", "1,2", "--draft", "99", "--pp", "2"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--draft must be in" in r.stderr
+    # a bad option is reported before any rank is started
+    from hyspec import parallel
+    from hyspec.cli.dispatch import main
+
+    def no_launch(argv, world):
+        raise AssertionError(f"ranks launched for {argv}")
+
+    monkeypatch.setattr(parallel, "launch", no_launch)
+    model = ["generate", "--model", str(ckpts["qwen3_5"]), "--pp", "2"]
+    for bad, msg in ((["--prompt-ids", "1,2", "--draft", "99"], "--draft must be in"),
+                     (["--prompt-ids", "1,2", "--forced-rates", "0.9"], "--forced-rates needs --draft"),
+                     (["--draft", "2"], "give --prompt"),
+                     (["--prompts-file", str(ROOT / "no-such-file.jsonl")], "no-such-file.jsonl"),
+                     (["--prompt-ids", "1,2", "--temperature", "-1"], "--temperature")):  # the parser's own
+        assert main(model + bad) == 2, bad
+        assert msg in capsys.readouterr().err, bad
 
 
 def test_bench_pp2(tmp_path, capsys):

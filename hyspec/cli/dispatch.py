@@ -6,6 +6,7 @@ bench, train, serve and chat own their whole argument list and are handed argv a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
             stages = parallel.pp_from_argv(argv)
             if stages > 1 and parallel.ACTIVE is None and cmd != "bench":  # the pipeline bench starts its own ranks
+                check = getattr(SUBCOMMANDS.get(cmd), "check", None)
+                if check is not None and "RANK" not in os.environ:  # before this process starts the ranks
+                    check(build_parser().parse_args(argv))
                 return parallel.run_cli(argv, stages, main)
         delegated = _delegated(cmd)
         if delegated is not None:

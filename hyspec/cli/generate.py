@@ -199,9 +199,8 @@ class StreamPrinter:
         self._write("\n")
 
 
-def run(args) -> int:
-    if args.prompts_file is not None:
-        return run_file(args)
+def _options(args):
+    """(sampling params, speculative options) of a one-prompt run; ValueError on a bad option."""
     if args.prompt is None and args.prompt_ids is None:
         raise ValueError("give --prompt TEXT, --prompt-ids 1,2,3 or --prompts-file FILE.jsonl")
     if args.draft < 0 or args.draft > MAX_DRAFT:
@@ -214,6 +213,22 @@ def run(args) -> int:
                            forced_rates=args.forced_rates)
     elif args.forced_rates is not None:
         raise ValueError("--forced-rates needs --draft K > 0")
+    return params, spec
+
+
+def check(args) -> None:
+    """The checks of the options that need no model: `--pp N` runs them before it starts its
+    ranks, so a bad option fails at once (the ranks run them again)."""
+    if args.prompts_file is not None:
+        read_prompts_file(args.prompts_file, args)
+    else:
+        _options(args)
+
+
+def run(args) -> int:
+    if args.prompts_file is not None:
+        return run_file(args)
+    params, spec = _options(args)
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # a bad constraint fails here, before any generation
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
