@@ -194,6 +194,10 @@ def test_cli_pp_errors(ckpts, monkeypatch, capsys):
                      (["--prompt-ids", "1,2", "--temperature", "-1"], "--temperature")):  # the parser's own
         assert main(model + bad) == 2, bad
         assert msg in capsys.readouterr().err, bad
+    serve = ["serve", "--model", str(ckpts["qwen3_5"]), "--pp", "2"]
+    assert main(serve + ["--draft", "99"]) == 2 and "--draft must be in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # serve's own parser: usage and exit code 2, as without --pp
+        main(serve + ["--bogus"])
 
 
 def test_bench_pp2(tmp_path, capsys):

@@ -66,6 +66,17 @@ def _delegated(cmd: str):
     return main
 
 
+def _check_before_launch(cmd: str, argv: list[str]) -> None:
+    """The options of a `--pp N` command that need no model, checked in this process before
+    it starts N ranks (a ValueError or the parser's exit, as the ranks would give)."""
+    if cmd == "serve":
+        from hyspec import server
+
+        server.check(server.build_parser().parse_args(argv[1:]))
+    elif cmd in SUBCOMMANDS and hasattr(SUBCOMMANDS[cmd], "check"):
+        SUBCOMMANDS[cmd].check(build_parser().parse_args(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point. User errors (bad values, missing files) end in one `hyspec CMD:
     error: ...` line and exit code 2, never a traceback."""
@@ -79,9 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
             stages = parallel.pp_from_argv(argv)
             if stages > 1 and parallel.ACTIVE is None and cmd != "bench":  # the pipeline bench starts its own ranks
-                check = getattr(SUBCOMMANDS.get(cmd), "check", None)
-                if check is not None and "RANK" not in os.environ:  # before this process starts the ranks
-                    check(build_parser().parse_args(argv))
+                if "RANK" not in os.environ:  # before this process starts the ranks
+                    _check_before_launch(cmd, argv)
                 return parallel.run_cli(argv, stages, main)
         delegated = _delegated(cmd)
         if delegated is not None:

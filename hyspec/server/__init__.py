@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check(args) -> None:
+    """The checks of the options that need no model (make_app runs them first; `--pp N`
+    runs them before it starts its ranks, so a bad option fails at once)."""
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    if args.draft is not None and not 0 <= args.draft <= MAX_DRAFT:
+        raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {args.draft}")
+    if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
+        raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
+
+
 def make_app(args):
     """Load the engine and build the FastAPI app for parsed `hyspec serve` arguments."""
     from pathlib import Path
@@ -60,6 +71,7 @@ def make_app(args):
 
     from hyspec import parallel
 
+    check(args)
     if parallel.ACTIVE is not None:  # --pp: this process is the pipeline driver (the last stage)
         eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
         eng.optimistic = eng.backend.driver.optimistic = bool(args.optimistic)
@@ -74,8 +86,6 @@ def make_app(args):
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {draft}")
     if draft and not eng.model.has_mtp:
         raise no_mtp_error()
-    if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
-        raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
     if not args.no_prefix_store:
         from hyspec.prefix_store import PrefixStore
 
