@@ -98,8 +98,13 @@ _interpreter_dot_in_fixed_order()
 def pytest_configure(config):
     """With -n N (pytest-xdist) and no --dist of its own choosing, the "worksteal" schedule:
     an idle worker takes tests queued for a busy one, so the suite does not wait on one
-    worker's tail of long tests (9:32 -> 8:36 on 2 cores). ("load" is also xdist's default,
-    so an explicit --dist load is turned into worksteal too.) Without xdist: nothing."""
+    worker's tail of long tests (9:32 -> 8:36 on 2 cores, measured once). ("load" is also
+    xdist's default, so an explicit --dist load is turned into worksteal too.) The README's
+    test command asks for --dist loadgroup instead, which this leaves alone: it keeps the
+    tests of tests/test_spec_sampling_e2e.py's module-scoped draws on one worker, so the
+    draws are made once (worksteal ignores xdist_group); its timings on this 2-core machine
+    (433-576 s) overlap worksteal's of the sessions before (557-643 s for slower code), so
+    neither is shown faster. Without xdist: nothing."""
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "load":
         config.option.dist = "worksteal"
 

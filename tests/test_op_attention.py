@@ -25,7 +25,7 @@ CASES = [
     (1, 1, 1, 4, 4, 0),  # one key, all splits but the first empty, full rotary
     (2, 3, 1, 12, 4, 31),  # REP 3, keys straddle the first 32-key block edge
     (3, 4, 2, 20, 8, 64),  # D not a power of two, partial rotary, three blocks
-    (2, 6, 3, 40, 16, 290),  # > 8 blocks: splits walk two blocks or more each
+    (2, 6, 3, 40, 16, 290),  # 10 blocks: with 8 splits two walk two blocks, with 2 each walks five
 ]
 
 
@@ -47,7 +47,12 @@ def test_attention_grid(T, Hq, Hkv, D, rot, pos, splits):
     assert_rel("k cache", kc, kr, 1e-5)
     assert torch.equal(vc, vr)
     o = torch.empty(T, Hq * D)
-    attn_decode(q, kc, vc, posd, 0, proj, o, rows=T, splits=splits)
+    BD = 1 << (D - 1).bit_length()
+    per = T * Hq * (BD + 2)  # workspace floats per split
+    ws = torch.full((per * ATTN_SPLITS,), float("nan"))
+    attn_decode(q, kc, vc, posd, 0, proj, o, rows=T, splits=splits, ws=ws)
+    # the partials of exactly `splits` splits were written (the rest of the workspace untouched)
+    assert not ws[: per * splits].isnan().any() and ws[per * splits:].isnan().all()
     gate = proj[:, : Hq * 2 * D].view(T, Hq, 2 * D)[..., D:]
     assert_rel("attention", o, attn_decode_ref(q, kc, vc, pos, gate), 1e-5)
     kc1, vc1 = kc0.clone(), vc0.clone()

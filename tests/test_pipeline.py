@@ -186,12 +186,16 @@ def test_cli_pp_errors(ckpts, monkeypatch, capsys):
         raise AssertionError(f"ranks launched for {argv}")
 
     monkeypatch.setattr(parallel, "launch", no_launch)
+    monkeypatch.delenv("RANK", raising=False)  # (as a user's shell: this process would launch the ranks)
+    lines = ckpts["qwen3_5"].parent / "reqs.jsonl"
+    lines.write_text('{"prompt_ids": [1, 2, 3], "draft": 2}\n')
     model = ["generate", "--model", str(ckpts["qwen3_5"]), "--pp", "2"]
     for bad, msg in ((["--prompt-ids", "1,2", "--draft", "99"], "--draft must be in"),
                      (["--prompt-ids", "1,2", "--forced-rates", "0.9"], "--forced-rates needs --draft"),
                      (["--draft", "2"], "give --prompt"),
                      (["--prompts-file", str(ROOT / "no-such-file.jsonl")], "no-such-file.jsonl"),
-                     (["--prompt-ids", "1,2", "--temperature", "-1"], "--temperature")):  # the parser's own
+                     (["--prompts-file", str(lines), "--p-min", "2"], "--p-min"),  # the file's spec options
+                     (["--prompt-ids", "1,2", "--temperature", "-1"], "--temperature")):  # a sampling value
         assert main(model + bad) == 2, bad
         assert msg in capsys.readouterr().err, bad
     serve = ["serve", "--model", str(ckpts["qwen3_5"]), "--pp", "2"]

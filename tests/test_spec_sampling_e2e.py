@@ -404,6 +404,7 @@ def _residual_is_p(p, q, draft, u_accept, u_resid):
     return False, sampling_mod.sample_index(p, u_resid)
 
 
+@DRAWS
 @pytest.mark.parametrize("rule,prime_pending", [("always_accept", True), ("always_accept", False),
                                                 ("residual_is_p", False)])
 def test_biased_acceptance_rule_fails_the_same_tests(rule, prime_pending, model, monkeypatch, joint_t1,

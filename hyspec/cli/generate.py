@@ -95,14 +95,20 @@ def read_prompts_file(path: str, args) -> list[dict]:
     return requests
 
 
-def run_file(args) -> int:
-    from tqdm import tqdm
-
+def _file_options(args):
+    """(requests, speculative options) of a --prompts-file run; ValueError on a bad line or option."""
     requests = read_prompts_file(args.prompts_file, args)
     spec = None
     if any(r["draft"] > 0 for r in requests):
         spec = SpecOptions(k=max(r["draft"] for r in requests), rollback=args.rollback, p_min=args.p_min,
                            adaptive=args.adaptive, hidden=args.hidden)
+    return requests, spec
+
+
+def run_file(args) -> int:
+    from tqdm import tqdm
+
+    requests, spec = _file_options(args)
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
@@ -220,7 +226,7 @@ def check(args) -> None:
     """The checks of the options that need no model: `--pp N` runs them before it starts its
     ranks, so a bad option fails at once (the ranks run them again)."""
     if args.prompts_file is not None:
-        read_prompts_file(args.prompts_file, args)
+        _file_options(args)
     else:
         _options(args)
 

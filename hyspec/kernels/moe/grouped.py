@@ -2,7 +2,7 @@
 
 A fixed sequence of five steps per MoE layer (router logits come from the skinny matmul,
 possibly still as split-K partials that ``route`` sums; the shared expert from the runner's
-own matmuls unless fused, below), four or five launches (see after the list):
+own matmuls unless fused, below), in three to five launches (see after the list):
 
 1. ``route`` (one program per row): fp32 softmax of the router logits, top-k (largest
    first, ties to the lowest expert id), ``norm_topk_prob`` renormalisation; writes the
@@ -428,8 +428,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     :class:`hyspec.kernels.common.MoePartials` over the buffers (out is not written), for
     :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
     call on ``buf``. fuse_align: a one-row call's route program also does the align
-    kernel's work (integer bookkeeping only: the same ids, slots and tiles), one launch
-    fewer; False launches the align kernel (the ablation's other arm)."""
+    step (integer bookkeeping only: the same ids, slots and tiles), one launch
+    fewer; False launches the ALIGN-only form separately (the ablation's other arm)."""
     from hyspec.kernels.pdl import launch_kwargs
 
     from hyspec.kernels.common import MoePartials, SplitPartials
