@@ -203,3 +203,42 @@ def test_every_e4m3_code_converts_exactly(cvt, monkeypatch):
         assert bool(got[nan].isnan().all())
     else:
         assert got[0x7F].item() == 480.0 and got[0xFF].item() == -480.0
+
+
+@pytest.mark.parametrize("E,k", [(256, 8), (512, 10)], ids=["35b_router", "80b_router"])
+def test_moe_one_row_forms_at_the_presets_router_sizes(E, k):
+    """The two launch savings of a one-row MoE call at the MoE presets' router sizes (256
+    experts top 8, 512 top 10; hidden 2048; the shared expert fused), bf16: the one-launch
+    route+align of a one-row call gives each row the bits it has inside a 4-row call (the
+    decode / verify contract: speculative == plain), equal to the two-launch form; and the
+    combine deferred to the RMSNorm (MoePartials) gives the residual and normed rows of the
+    combine kernel's output added by the norm.  (At 7bf884a the 35B preset's A/B of both
+    savings was not bitwise equal while the 80B's was: this pins the kernels' part.)"""
+    from hyspec.kernels.rmsnorm import rmsnorm
+
+    H, inter, T, dt = 2048, 128, 4, torch.bfloat16
+    gu = rnd(E, 2 * inter, H, dtype=dt, seed=1, scale=H ** -0.5)
+    dn = rnd(E, H, inter, dtype=dt, seed=2, scale=inter ** -0.5)
+    sh = (rnd(2 * inter, H, dtype=dt, seed=3, scale=H ** -0.5), rnd(H, inter, dtype=dt, seed=4, scale=inter ** -0.5))
+    x, logits = rnd(T, H, dtype=dt, seed=5), rnd(T, E + 1, dtype=dt, seed=6, scale=2.0)
+    resid0, w = rnd(T, H, dtype=dt, seed=7), rnd(H, dtype=dt, seed=8, scale=0.1)
+    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dt)
+
+    def moe(rows, **kw):
+        out = torch.empty(len(rows), H, device=DEV, dtype=dt)
+        return moe_grouped(x[rows], logits[rows], gu, dn, buf, out, top_k=k, renorm=True, shared_experts=sh, **kw)
+
+    def norm(delta, rows):
+        resid, out = resid0[rows].clone(), torch.empty(len(rows), H, device=DEV, dtype=dt)
+        rmsnorm(resid, w, 1e-6, out=out, delta=delta, resid_out=resid, rows=len(rows))
+        return torch.cat([resid, out], 1)
+
+    every = list(range(T))
+    y = moe(every)
+    want = norm(y, every)
+    assert torch.equal(norm(moe(every, defer=True), every), want)
+    for r in every:
+        one = moe([r])  # route and align in one launch
+        assert torch.equal(one[0], y[r]), r
+        assert torch.equal(moe([r], fuse_align=False)[0], y[r]), r
+        assert torch.equal(norm(moe([r], defer=True), [r])[0], want[r]), r
