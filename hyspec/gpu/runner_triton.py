@@ -487,10 +487,12 @@ class TritonRunner:
         moe, cfg = layer.moe, self.cfg
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         x = normed[:t]
+        # no separately computed shared expert: the shared expert fused as expert E of the
+        # grouped kernels, or none
+        whole = layer.fuse_shared or not moe.has_shared
         # [t, E (+1)]; exact mode: possibly the split-K partials, which the route kernel sums
         # (one launch fewer), unless the shared gate's column is needed by itself below
-        logits = self.mm(x, layer.router, self._buf("router", t, layer.router.shape[0]),
-                         defer=layer.fuse_shared or not moe.has_shared)
+        logits = self.mm(x, layer.router, self._buf("router", t, layer.router.shape[0]), defer=whole)
         buf = self.moe_buf
         if t > buf.rows:  # an eager call past the static rows
             buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
@@ -498,21 +500,14 @@ class TritonRunner:
         kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0],
                   fuse_align=self.moe_fuse_align)
         out = self._buf("delta", t)
-        # the combine is deferred to the next RMSNorm (MoePartials) where no separately
-        # computed shared expert joins it; HYSPEC_MOE_DEFER=0 keeps the combine kernel
-        defer = self.moe_defer and (layer.fuse_shared or not moe.has_shared)
-        if layer.fuse_shared:  # the shared expert is expert E of the grouped kernels
-            return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out,
-                               shared_experts=(layer.sh_gu, layer.sh_down), defer=defer, **kw)
-        if defer:
-            return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out, defer=True, **kw)
-        shared = gate = None
-        if moe.has_shared:
-            sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))
-            shared = self.mm(sgu, layer.sh_down, self._buf("sh_out", t), act=True)
-            gate = logits[:, E:E + 1]
-        return moe_grouped(x, logits if gate is None else logits[:, :E], layer.ex_gu, layer.ex_down, buf, out,
-                           shared=shared, shared_gate=gate, **kw)
+        if whole:  # the combine deferred to the next RMSNorm (MoePartials) unless HYSPEC_MOE_DEFER=0
+            sh = (layer.sh_gu, layer.sh_down) if layer.fuse_shared else None
+            return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out, shared_experts=sh,
+                               defer=self.moe_defer, **kw)
+        sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))
+        shared = self.mm(sgu, layer.sh_down, self._buf("sh_out", t), act=True)
+        return moe_grouped(x, logits[:, :E], layer.ex_gu, layer.ex_down, buf, out, shared=shared,
+                           shared_gate=logits[:, E:E + 1], **kw)
 
     def logits(self, h):
         t = h.shape[0]

@@ -67,7 +67,6 @@ def make_app(args):
     from hyspec.config import no_mtp_error
     from hyspec.engine import Engine
     from hyspec.server.app import ServerConfig, create_app
-    from hyspec.speculative.loop import MAX_DRAFT
 
     from hyspec import parallel
 
@@ -81,9 +80,7 @@ def make_app(args):
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)
-    draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)
-    if not 0 <= draft <= MAX_DRAFT:
-        raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {draft}")
+    draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)  # (in range: check)
     if draft and not eng.model.has_mtp:
         raise no_mtp_error()
     if not args.no_prefix_store:
