@@ -15,6 +15,12 @@ both were measured slower and removed; gdn_persist_ab_h200.json with ``--a gdn_p
 --b gdn_persist=1`` at f02965f and gdn_maxnreg_ab_h200.json with ``--b-gdn-maxnreg 96`` at
 b9fca3e, both removed since: docs/gpu.md "What is left", item 10.)  ``--b-pdl``: B's graphs
 are captured with programmatic dependent launch (``hyspec.kernels.pdl``; pdl_ab_h200.json).
+``--bits-only STEPS`` skips the timing: every arm makes the same STEPS decode steps and STEPS
+K-rounds per size, then the states are compared; ``--also`` adds arms compared with A that
+way (``--a`` and ``--b`` the same and an ``--also`` of A's settings: does a run reproduce
+itself?), e.g.
+
+    python bench/runner_ab.py --config qwen3.5-35b-a3b --sizes 1,4 --bits-only 20 --also '' --also moe_defer=0
 """
 from __future__ import annotations
 
@@ -37,6 +43,12 @@ def main() -> None:
     ap.add_argument("--b", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of B")
     ap.add_argument("--b-pdl", action="store_true",
                     help="B's graphs captured with programmatic dependent launch (hyspec.kernels.pdl.set_pdl)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="one more arm (its attributes, comma-separated; empty: the defaults), run the same "
+                         "calls untimed and compared bitwise with A (e.g. A again: does the run reproduce itself?)")
+    ap.add_argument("--bits-only", type=int, default=0, metavar="STEPS",
+                    help="no timing: STEPS decode steps and STEPS K-rounds at each size on every arm, then the "
+                         "bitwise comparison")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -49,6 +61,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
     steps = len(sizes) * 2 * args.trials * (args.reps + 4) * (args.k + 2)
+    if args.bits_only:
+        steps = len(sizes) * 2 * args.bits_only * (args.k + 2)
 
     def settings(pairs: list[str]) -> dict:
         out = {}
@@ -62,7 +76,11 @@ def main() -> None:
                 out[name] = value
         return out
 
+    if args.also and not args.bits_only:
+        raise SystemExit("runner_ab: --also arms run only with --bits-only (they are not timed)")
     sets = {"A": settings(args.a), "B": settings(args.b)}
+    for i, arm in enumerate(args.also):
+        sets[f"C{i + 1}"] = settings([p for p in arm.split(",") if p])
 
     def decoder(attrs: dict):
         def setup(d):
@@ -74,21 +92,29 @@ def main() -> None:
 
         return random_lanes(model, S, args.prompt_len, args.prompt_len + steps + 64, args.k, setup=setup)
 
-    decs = {"A": decoder(sets["A"]), "B": decoder(sets["B"])}
+    decs = {name: decoder(attrs) for name, attrs in sets.items()}
     out = {"git": git_state(), "command": "python bench/runner_ab.py " + " ".join(sys.argv[1:]),
            "config": args.config, "k": args.k, "device": torch.cuda.get_device_name(), "settings": sets,
            "b_pdl": args.b_pdl,
            "cases": {}}
-    print(f"A: {sets['A']}  B: {sets['B']}", flush=True)
+    print("  ".join(f"{name}: {attrs}" for name, attrs in sets.items()), flush=True)
 
     def timed(fn) -> float:  # ms per call: the median of three batches of back-to-back calls
         return time_fn(fn, torch.device("cuda"), args.reps, warmup=1)
 
-    for nb in sizes:
+    for nb in (sizes if args.bits_only else []):  # the same calls on every arm, in the same order
+        for _ in range(args.bits_only):
+            for d in decs.values():
+                d.decode(nb)
+        for _ in range(args.bits_only):
+            for d in decs.values():
+                d.round(nb, args.k)
+    for nb in ([] if args.bits_only else sizes):
         for case in ("decode", f"round_k{args.k}"):
             best = {}
             for _ in range(args.trials):
-                for name, d in decs.items():
+                for name in ("A", "B"):
+                    d = decs[name]
                     fn = (lambda d=d: d.decode(nb)) if case == "decode" else (lambda d=d: d.round(nb, args.k))
                     if name == "B" and args.b_pdl:  # B's launches (captured at its first call) with PDL
                         fn = (lambda f=fn: (set_pdl(True), f(), set_pdl(None)))
@@ -97,17 +123,26 @@ def main() -> None:
             out["cases"][f"{case}_B{nb}"] = row
             print(f"{case:9s} B={nb:3d}: A {best['A']:.4f} ms  B {best['B']:.4f} ms  "
                   f"B/A {row['b_over_a']:.4f}", flush=True)
-    a, b = decs["A"], decs["B"]
-    same = {"ssm": torch.equal(a.ssm, b.ssm), "conv": torch.equal(a.conv, b.conv),
-            "kv": all(torch.equal(x, y) for x, y in zip(a.kv_k + a.kv_v, b.kv_k + b.kv_v)),
-            "pos": torch.equal(a.pos, b.pos),
-            "logits": torch.equal(a.runner.bufs.logits, b.runner.bufs.logits)}
+
+    def compare(a, b) -> dict:
+        return {"ssm": torch.equal(a.ssm, b.ssm), "conv": torch.equal(a.conv, b.conv),
+                "kv": all(torch.equal(x, y) for x, y in zip(a.kv_k + a.kv_v, b.kv_k + b.kv_v)),
+                "pos": torch.equal(a.pos, b.pos),
+                "logits": torch.equal(a.runner.bufs.logits, b.runner.bufs.logits)}
+
+    same = compare(decs["A"], decs["B"])
     out["bitwise_equal"] = same
     print("bitwise equal (A vs B):", same, flush=True)
+    ok = all(same.values())
+    for name in sets:
+        if name.startswith("C"):
+            out[f"bitwise_equal_{name}"] = c = compare(decs["A"], decs[name])
+            print(f"bitwise equal (A vs {name}):", c, flush=True)
+            ok = ok and all(c.values())
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    if not all(same.values()):
+    if not ok:
         sys.exit(1)
 
 
