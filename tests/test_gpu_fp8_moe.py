@@ -246,3 +246,46 @@ def test_moe_one_row_forms_at_the_presets_router_sizes(E, k):
         assert torch.equal(one[0], y[r]), r
         assert torch.equal(moe([r], fuse_align=False)[0], y[r]), r
         assert torch.equal(norm(moe([r], defer=True), [r])[0], want[r]), r
+
+
+@pytest.mark.parametrize("E,k", [(256, 8), (512, 10)], ids=["35b_router", "80b_router"])
+@pytest.mark.parametrize("part", [False, True], ids=["logits", "split8"])
+def test_moe_one_row_route_equals_the_verify_form_over_many_rows(E, k, part):
+    """1,024 rows at the MoE presets' router sizes (shared expert fused; the router's output
+    as logits or, as the runner gives it, as 8 split-K partials): each row's routed ids,
+    weights and output from a one-row call -- the decode's form, route and align in one
+    launch, and the two-launch form -- equal the row's in a 4-row call (the verify's form),
+    bitwise.  (At e4476dd the 35B preset's states after ~2,000 steps differed between the
+    one- and two-launch forms, bench/results/moe_fuse_align_ab_qwen3.5-35b-a3b_h200_log.txt: this looks for
+    the rows where the forms part.)"""
+    from hyspec.kernels.common import SplitPartials
+
+    H, inter, R, S, dt = 2048, 16, 1024, 8, torch.bfloat16
+    gu = rnd(E, 2 * inter, H, dtype=dt, seed=1, scale=H ** -0.5)
+    dn = rnd(E, H, inter, dtype=dt, seed=2, scale=inter ** -0.5)
+    sh = (rnd(2 * inter, H, dtype=dt, seed=3, scale=H ** -0.5), rnd(H, inter, dtype=dt, seed=4, scale=inter ** -0.5))
+    x = rnd(R, H, dtype=dt, seed=5)
+    if part:
+        ws = rnd(S, R, E + 1, dtype=torch.float32, seed=6, scale=2.0 / S ** 0.5)
+    else:
+        lg = rnd(R, E + 1, dtype=dt, seed=6, scale=2.0)
+    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dt)
+    ks = k + 1
+
+    def moe(r0, n, **kw):
+        logits = SplitPartials(ws[:, r0:r0 + n], S) if part else lg[r0:r0 + n]
+        out = torch.empty(n, H, device=DEV, dtype=dt)
+        y = moe_grouped(x[r0:r0 + n], logits, gu, dn, buf, out, top_k=k, renorm=True, shared_experts=sh, **kw)
+        return y, buf.ids[:n * ks].clone(), buf.wts[:n * ks].clone()
+
+    bad = {"fused": [], "two_launch": []}
+    for r0 in range(0, R, 4):
+        y4, ids4, w4 = moe(r0, 4)
+        for i in range(4):
+            for form, fuse in (("fused", True), ("two_launch", False)):
+                y1, ids1, w1 = moe(r0 + i, 1, fuse_align=fuse)
+                same = (torch.equal(ids1, ids4[i * ks:(i + 1) * ks]) and torch.equal(w1, w4[i * ks:(i + 1) * ks])
+                        and torch.equal(y1[0], y4[i]))
+                if not same:
+                    bad[form].append(r0 + i)
+    assert bad == {"fused": [], "two_launch": []}, {f: (len(v), v[:8]) for f, v in bad.items()}
