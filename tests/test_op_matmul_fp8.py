@@ -40,8 +40,6 @@ def test_fp8_matmul_matches_ref_and_is_row_invariant(N, K, block, cfg):
     other = x.clone()
     other[1:] = rnd(4, K, seed=2)
     assert torch.equal(skinny_matmul_fp8(other, w, **cfg)[0], y[0])
-    # block scales loaded in their own K step (the ablation's arm): the same bits
-    assert torch.equal(skinny_matmul_fp8(x, w, scale_ahead=False, **cfg), y)
 
 
 def test_fp8_matmul_silu_mul_input_and_row_map():

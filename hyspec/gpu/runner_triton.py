@@ -267,9 +267,6 @@ class TritonRunner:
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # MoE: a one-row call's route program aligns its pairs (HYSPEC_MOE_FUSE_ALIGN=0: a separate launch)
         self.moe_fuse_align = os.environ.get("HYSPEC_MOE_FUSE_ALIGN", "1") not in ("", "0")
-        # block-FP8 matmuls and experts: each K step's block scales loaded one step ahead
-        # (HYSPEC_FP8_SCALE_AHEAD=0: in their own step; the same bits)
-        self.fp8_scale_ahead = os.environ.get("HYSPEC_FP8_SCALE_AHEAD", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
 
@@ -339,7 +336,7 @@ class TritonRunner:
             use = ws if ws is not False and x.shape[0] <= ws.shape[1] else None
             return skinny_matmul_fp8(x, w, out=out, act=act, ws=use,
                                      defer=defer and self.exact and self.fuse_reduce and use is not None,
-                                     block_t=height, scale_ahead=self.fp8_scale_ahead, **tile)
+                                     block_t=height, **tile)
         if self.exact:
             N, K = w.shape
             height = self.height(x.shape[0])
@@ -501,7 +498,7 @@ class TritonRunner:
             buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
                              x.dtype)
         kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0],
-                  fuse_align=self.moe_fuse_align, scale_ahead=self.fp8_scale_ahead)
+                  fuse_align=self.moe_fuse_align)
         out = self._buf("delta", t)
         if whole:  # the combine deferred to the next RMSNorm (MoePartials) unless HYSPEC_MOE_DEFER=0
             sh = (layer.sh_gu, layer.sh_down) if layer.fuse_shared else None

@@ -101,7 +101,7 @@ def _kernels():
         QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
-        PDL: tl.constexpr = False, WT: tl.constexpr = False, CVT: tl.constexpr = 0, AHEAD: tl.constexpr = True,
+        PDL: tl.constexpr = False, WT: tl.constexpr = False, CVT: tl.constexpr = 0,
     ):
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -131,21 +131,7 @@ def _kernels():
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        # AHEAD: each step's block scales (one per output column; BLOCK_K divides QB_K) are
-        # loaded one step ahead of their use. Triton's pipeliner streams only the dot's
-        # operands: a plain load used in its own step (AHEAD=False) stalls every step on its
-        # latency, before the next step's copies are issued. (Two steps ahead, the pipeliner
-        # gave up on the loop: Triton 3.9, offline sm_90 compile.)
-        if AHEAD:
-            sc_next = tl.load(s_ptrs + (k_lo // QB_K) * stride_sk, mask=mask_n, other=0.0)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            if AHEAD:
-                sc = sc_next
-                # (the last step reloads its own: the index stays inside the scale grid)
-                sc_next = tl.load(s_ptrs + (tl.minimum(k0 + BLOCK_K, k_hi - 1) // QB_K) * stride_sk, mask=mask_n,
-                                  other=0.0)
-            else:
-                sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
             offs_k = k0 + offs_kb
             x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk
             if WT:
@@ -182,6 +168,8 @@ def _kernels():
                 wt = bf16_of(wt)  # e4m3 -> bf16 in integer instructions: exact
             else:
                 wt = wt.to(DT)  # e4m3 -> the activation dtype: exact
+            # the step's block scale, one per output column (BLOCK_K divides QB_K)
+            sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
             if WT:
                 if IEEE:
                     part = tl.dot(wt, tl.trans(xt), input_precision="ieee")
@@ -236,15 +224,12 @@ def fp8_config(N: int, K: int, block: tuple[int, int], act: bool = False, **over
 
 
 def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, act: bool = False,
-                      ws: torch.Tensor | None = None, defer: bool = False, block_t: int = BLOCK_T,
-                      scale_ahead: bool = True, **overrides):
+                      ws: torch.Tensor | None = None, defer: bool = False, block_t: int = BLOCK_T, **overrides):
     """``x [T, K] (act: [T, 2K]) @ dequant(w).T -> [T, N]`` in x.dtype, w a
     :class:`hyspec.quant.Fp8Weight` ([N, K] float8_e4m3fn + scale grid [+ row map]).
 
     Same keywords and row-invariance contract as :func:`skinny_matmul` (``out``, ``ws``,
-    ``defer``, ``block_t`` and the config overrides, BK clamped to the quant block).
-    scale_ahead: the block scales loaded one K step ahead (False: in their own step, the
-    ablation's other arm; the same bits)."""
+    ``defer``, ``block_t`` and the config overrides, BK clamped to the quant block)."""
     if block_t not in (16, 32, 64, 128):
         raise ValueError(f"skinny_matmul_fp8: block_t must be 16, 32, 64 or 128, got {block_t}")
     w8, scale = w.w, w.scale
@@ -291,7 +276,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w8.stride(0)) + (K - 1) * abs(w8.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype), AHEAD=bool(scale_ahead),
+        ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
     )
     if not direct:

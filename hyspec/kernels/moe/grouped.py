@@ -205,7 +205,7 @@ def _kernels():
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
               FP8: tl.constexpr, QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
               IEEE: tl.constexpr, WT: tl.constexpr, SH: tl.constexpr = False, PDL: tl.constexpr = False,
-              CVT: tl.constexpr = 0, AHEAD: tl.constexpr = True):
+              CVT: tl.constexpr = 0):
         # SH: expert NR is the shared expert, its weight (and scales) at sh_w_ptr (sh_sc_ptr)
         # with the routed experts' per-expert strides
         if PDL:
@@ -243,15 +243,7 @@ def _kernels():
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if FP8 and AHEAD:  # block scales one K step ahead of their use (see the skinny FP8 kernel)
-            sc_next = tl.load(s_ptrs, mask=mn, other=0.0)
         for k0 in range(0, K, BK):
-            if FP8:
-                if AHEAD:
-                    sc = sc_next
-                    sc_next = tl.load(s_ptrs + (tl.minimum(k0 + BK, K - 1) // QB_K) * s_sk, mask=mn, other=0.0)
-                else:
-                    sc = tl.load(s_ptrs + (k0 // QB_K) * s_sk, mask=mn, other=0.0)
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < K
             xm = valid[:, None] & mk[None, :]
@@ -273,6 +265,7 @@ def _kernels():
                     wt = bf16_of(wt)  # exact, in integer instructions (hyspec.kernels.matmul.fp8)
                 else:
                     wt = wt.to(DT)  # exact
+                sc = tl.load(s_ptrs + (k0 // QB_K) * s_sk, mask=mn, other=0.0)
                 if WT:
                     if IEEE:
                         part = tl.dot(wt, tl.trans(xt), input_precision="ieee")
@@ -385,7 +378,7 @@ def can_fuse_shared(gate_up, down, sh_gate_up, sh_down) -> bool:
     return _same_layout(gate_up, sh_gate_up) and _same_layout(down, sh_down)
 
 
-def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None, ahead: bool = True):
+def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None):
     from hyspec.kernels.pdl import launch_kwargs
     from hyspec.quant import Fp8Weight
 
@@ -411,14 +404,14 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
         N, K, xdiv if gather else 1, K if act else 0, n_routed,
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
         ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
-        CVT=int_cvt(x.dtype) if fp8 else 0, AHEAD=bool(ahead),
+        CVT=int_cvt(x.dtype) if fp8 else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs())
 
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
                 top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                defer: bool = False, fuse_align: bool = True, scale_ahead: bool = True):
+                defer: bool = False, fuse_align: bool = True):
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output, or its split-K partials (a
@@ -436,9 +429,7 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
     call on ``buf``. fuse_align: a one-row call's route program also does the align
     step (integer bookkeeping only: the same ids, slots and tiles), one launch
-    fewer; False launches the ALIGN-only form separately (the ablation's other arm).
-    scale_ahead: block-FP8 experts' scales loaded one K step ahead (False: in their own
-    step, the ablation's other arm; the same bits)."""
+    fewer; False launches the ALIGN-only form separately (the ablation's other arm)."""
     from hyspec.kernels.pdl import launch_kwargs
 
     from hyspec.kernels.common import MoePartials, SplitPartials
@@ -478,8 +469,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
-    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu, ahead=scale_ahead)
-    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down, ahead=scale_ahead)
+    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu)
+    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down)
     if defer:
         return MoePartials(y, buf.wts, buf.slot, slots)
     has_shared = shared is not None
