@@ -559,6 +559,9 @@ MADE_BY = {
                                           "header in the log)",
     "gpu_tests_moe_launches_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
                                        "tests/test_gpu_tile_heights.py` (H200; the MoE launch changes; header in the log)",
+    "gpu_tests_fp8_scale_ahead_h200.txt": "`python3 -m pytest -q -rs -n 4 tests/test_gpu_fp8_moe.py "
+                                          "tests/test_gpu_tile_heights.py` (H200; with the FP8 scales loaded a step "
+                                          "ahead, since reverted; header in the log)",
     "gpu_tests_moe_route_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
                                     "tests/test_gpu_tile_heights.py` (H200; header in the log)",
     "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "
