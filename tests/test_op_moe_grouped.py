@@ -222,7 +222,7 @@ def test_deferred_combine_in_the_rmsnorm_changes_no_bit(fused, dtype):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])
 def test_one_row_route_and_align_in_one_launch(fused):
-    """A one-row call routes and aligns in one program (fuse_align, the default): the same
+    """A one-row call routes and aligns in one program (fuse_align=True, opt-in): the same
     output, pairs, slots, tiles, distinct-expert statistics and reset counters as the
     route and align launched apart, and the output equals the reference."""
     gu, dn = experts(True)

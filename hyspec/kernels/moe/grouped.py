@@ -19,10 +19,10 @@ own matmuls unless fused, below), in three to five launches (see after the list)
 5. ``combine`` (one program per (row, BH outputs)): sum over the row's k slots in slot
    order of ``weight * y`` in fp32, plus sigmoid(shared gate) * shared expert, rounded once.
 
-Steps 1 and 2 are two sections of one kernel (``_route``, constexprs ROUTE / ALIGN): a
-one-row call (a batch-1 decode) runs both in its one program, one launch; more rows launch
-the per-row ROUTE form, then the one-program ALIGN form (``fuse_align=False``: always
-two launches).  The ROUTE section is the same code, on the same number of warps, in both
+Steps 1 and 2 are two sections of one kernel (``_route``, constexprs ROUTE / ALIGN): the
+per-row ROUTE form, then the one-program ALIGN form; with ``fuse_align=True`` a one-row
+call (a batch-1 decode) runs both in its one program, one launch (off by default: a 35B
+run on the H200 ended with other states with it than without, cause not found).  The ROUTE section is the same code, on the same number of warps, in both
 forms.  With ``defer=True`` step 5 is left to the next RMSNorm
 (:class:`hyspec.kernels.common.MoePartials`), which combines the slots with the same
 expression before it adds the result to the residual.
@@ -43,8 +43,8 @@ the same kernels as expert E: the router matmul carries the shared gate as its c
 ``route`` gives every row the extra slot k (expert E, weight sigmoid(gate)), the gemms
 read its weights through a second base pointer. Six launches per MoE layer then (router
 matmul, route, align, two gemms, combine) instead of twelve or so with the shared expert's
-own matmuls and the router's split-K reduction; four at one row on the runner (route and
-align in one launch, the combine deferred to the next RMSNorm).
+own matmuls and the router's split-K reduction; five on the runner (the combine deferred
+to the next RMSNorm), four at one row with ``fuse_align``.
 
 Row invariance (exact mode, speculative == plain): every number of row r comes from row
 r's inputs only. The router is per row; an expert tile's ``tl.dot`` never mixes rows (the
@@ -411,7 +411,7 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
                 top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                defer: bool = False, fuse_align: bool = True):
+                defer: bool = False, fuse_align: bool = False):
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output, or its split-K partials (a
@@ -429,7 +429,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
     call on ``buf``. fuse_align: a one-row call's route program also does the align
     step (integer bookkeeping only: the same ids, slots and tiles), one launch
-    fewer; False launches the ALIGN-only form separately (the ablation's other arm)."""
+    fewer; False (the default) launches the ALIGN-only form separately. Off by default
+    since a 35B run on the H200 ended with other states with it (docs/gpu.md)."""
     from hyspec.kernels.pdl import launch_kwargs
 
     from hyspec.kernels.common import MoePartials, SplitPartials
