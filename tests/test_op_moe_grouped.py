@@ -218,26 +218,3 @@ def test_deferred_combine_in_the_rmsnorm_changes_no_bit(fused, dtype):
     with pytest.raises(ValueError, match="defer"):
         moe_grouped(x, logits[:, :E], gu, dn, buf, torch.empty(T, H, dtype=dtype), top_k=K_TOP, renorm=True,
                     shared=x, shared_gate=logits[:, :1], defer=True)
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])
-def test_one_row_route_and_align_in_one_launch(fused):
-    """A one-row call routes and aligns in one program (fuse_align=True, opt-in): the same
-    output, pairs, slots, tiles, distinct-expert statistics and reset counters as the
-    route and align launched apart, and the output equals the reference."""
-    gu, dn = experts(True)
-    sh = (gu[0], dn[0]) if fused else None
-    x, logits = rnd(1, H, seed=30), rnd(1, E + 1 if fused else E, seed=31, scale=2.0)
-    got = {}
-    for fa in (False, True):
-        buf = MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", torch.float32)
-        stats = torch.zeros(9, 2, dtype=torch.int64)
-        out = torch.empty(1, H)
-        moe_grouped(x, logits, gu, dn, buf, out, top_k=K_TOP, renorm=True, shared_experts=sh, stats=stats,
-                    fuse_align=fa)
-        got[fa] = [out, stats] + [getattr(buf, n).clone() for n in
-                                  ("ids", "wts", "rank", "slot", "cnt", "tile_start", "tile_expert", "pairs")]
-    assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
-    assert got[True][1][1].tolist() == [K_TOP, 1] and int(got[True][6].abs().sum()) == 0  # stats; counts reset
-    assert_rel("one row", got[True][0], moe_grouped_ref(x, logits, gu, dn, top_k=K_TOP, renorm=True,
-                                                        shared_experts=sh), 1e-5)

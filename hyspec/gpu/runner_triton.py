@@ -265,11 +265,6 @@ class TritonRunner:
         # MoE: the slot combine done by the next RMSNorm (one launch fewer per MoE layer;
         # HYSPEC_MOE_DEFER=0: the combine kernel, the ablation's other arm)
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
-        # MoE: a one-row call's route program aligns its pairs, one launch fewer
-        # (HYSPEC_MOE_FUSE_ALIGN=1). Off by default: on the H200 a 35B run of ~2,000 steps
-        # ended with other states with it than without (bench/results/moe_fuse_align_ab_*;
-        # docs/gpu.md), cause not found, so the decode's route is not shown to be the verify's.
-        self.moe_fuse_align = os.environ.get("HYSPEC_MOE_FUSE_ALIGN", "0") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
 
@@ -500,8 +495,7 @@ class TritonRunner:
         if t > buf.rows:  # an eager call past the static rows
             buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
                              x.dtype)
-        kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0],
-                  fuse_align=self.moe_fuse_align)
+        kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0])
         out = self._buf("delta", t)
         if whole:  # the combine deferred to the next RMSNorm (MoePartials) unless HYSPEC_MOE_DEFER=0
             sh = (layer.sh_gu, layer.sh_down) if layer.fuse_shared else None

@@ -17,11 +17,10 @@ slot order; row invariant (contract in grouped.py)::
 
     moe_grouped(x [T, H], logits [T, E (+1)], gate_up [E, 2I, H], down [E, H, I], buf: MoeBuffers,
                 out [T, H], top_k=..., renorm=..., shared_experts=None | shared=None, shared_gate=None,
-                stats=None, defer=False, fuse_align=False)
+                stats=None, defer=False)
 
 ``defer=True`` returns the expert outputs before the combine (``MoePartials``, for
-``rmsnorm(delta=...)`` to combine); ``fuse_align``: a one-row call routes and aligns in one
-launch (opt-in).
+``rmsnorm(delta=...)`` to combine).
 
 Files: ``kernel.py`` (the per-pair gemv + launcher), ``grouped.py`` (the grouped path),
 ``reference.py`` (torch).

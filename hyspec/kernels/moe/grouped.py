@@ -19,11 +19,13 @@ own matmuls unless fused, below), in three to five launches (see after the list)
 5. ``combine`` (one program per (row, BH outputs)): sum over the row's k slots in slot
    order of ``weight * y`` in fp32, plus sigmoid(shared gate) * shared expert, rounded once.
 
-Steps 1 and 2 are two sections of one kernel (``_route``, constexprs ROUTE / ALIGN): the
-per-row ROUTE form, then the one-program ALIGN form; with ``fuse_align=True`` a one-row
-call (a batch-1 decode) runs both in its one program, one launch (off by default: a 35B
-run on the H200 ended with other states with it than without, cause not found).  The ROUTE section is the same code, on the same number of warps, in both
-forms.  With ``defer=True`` step 5 is left to the next RMSNorm
+Steps 1 and 2 are two sections of one kernel (``_route``, constexprs ROUTE / ALIGN),
+launched apart: the per-row ROUTE form, then the one-program ALIGN form.  (Both sections
+in one program for a one-row call, one launch fewer, shipped from fdbca47 to defb18b and
+is gone: on the H200 its route gave a third of 1,024 rows other bits than the per-row
+route at the 35B preset's router size, bench/results/gpu_tests_moe_route_forms_h200.txt,
+although the route's float instructions are the same in the PTX of both; the 80B's size
+passed.)  With ``defer=True`` step 5 is left to the next RMSNorm
 (:class:`hyspec.kernels.common.MoePartials`), which combines the slots with the same
 expression before it adds the result to the residual.
 
@@ -44,7 +46,7 @@ the same kernels as expert E: the router matmul carries the shared gate as its c
 read its weights through a second base pointer. Six launches per MoE layer then (router
 matmul, route, align, two gemms, combine) instead of twelve or so with the shared expert's
 own matmuls and the router's split-K reduction; five on the runner (the combine deferred
-to the next RMSNorm), four at one row with ``fuse_align``.
+to the next RMSNorm).
 
 Row invariance (exact mode, speculative == plain): every number of row r comes from row
 r's inputs only. The router is per row; an expert tile's ``tl.dot`` never mixes rows (the
@@ -117,10 +119,9 @@ def _kernels():
                KS: tl.constexpr, PART: tl.constexpr, ROUTE: tl.constexpr, ALIGN: tl.constexpr,
                EBA: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
                PDL: tl.constexpr = False):
-        # Two sections, chosen by constexprs: ROUTE (a program per row) and ALIGN (one
-        # program, after every row's route: the pairs into expert tiles, integer bookkeeping
-        # only).  A one-row call runs both in its one program (one launch); otherwise the
-        # ALIGN-only form is a second launch of one program.
+        # Two sections, chosen by constexprs and launched apart: ROUTE (a program per row),
+        # then ALIGN (one program, after every row's route: the pairs into expert tiles,
+        # integer bookkeeping only).
         # ROUTE: row t = program_id. Its logits: with PART the router matmul's S split-K partials
         # (fp32), summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
         # kernel would write. KS slots per row: the TOPK routed ones, and with SH the shared
@@ -167,8 +168,6 @@ def _kernels():
             r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)  # the pair's rank among its expert's pairs
             tl.store(rank_ptr + t * KS + kk, r, mask=mk)
         if ALIGN:  # one program: the (row, slot) pairs into expert tiles
-            if ROUTE:
-                tl.debug_barrier()  # this row's ids, ranks and counts are visible to every thread
             # EA experts in the tiles (the routed E, and the shared expert when fused)
             offs_e = tl.arange(0, EBA)
             me = offs_e < EA
@@ -411,7 +410,7 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
                 top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                defer: bool = False, fuse_align: bool = False):
+                defer: bool = False):
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output, or its split-K partials (a
@@ -427,10 +426,7 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     defer (not with ``shared``): skip the combine and return a
     :class:`hyspec.kernels.common.MoePartials` over the buffers (out is not written), for
     :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
-    call on ``buf``. fuse_align: a one-row call's route program also does the align
-    step (integer bookkeeping only: the same ids, slots and tiles), one launch
-    fewer; False (the default) launches the ALIGN-only form separately. Off by default
-    since a 35B run on the H200 ended with other states with it (docs/gpu.md)."""
+    call on ``buf``."""
     from hyspec.kernels.pdl import launch_kwargs
 
     from hyspec.kernels.common import MoePartials, SplitPartials
@@ -459,14 +455,12 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     s_ls, s_lt, n_split = (lg.stride(0), lg.stride(1), logits.S) if part else (0, lg.stride(0), 1)
     use_stats = stats is not None and stats.shape[0] > T
     qblk = min(1024, max(16, p2(buf.rows * buf.top_k)))
-    one = T == 1 and fuse_align  # one program routes its row and aligns the pairs: one launch
     args = (lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, T, E, buf.tile_start, buf.tile_expert,
             buf.pairs, buf.slot, stats if use_stats else buf.ids, q, e_all, tiles)
     meta = dict(TOPK=top_k, EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part,
                 EBA=p2(buf.n_experts), BM=buf.block_m, QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
-    ks["route"][(T,)](*args, ROUTE=True, ALIGN=one, **meta)
-    if not one:
-        ks["route"][(1,)](*args, ROUTE=False, ALIGN=True, **meta)
+    ks["route"][(T,)](*args, ROUTE=True, ALIGN=False, **meta)
+    ks["route"][(1,)](*args, ROUTE=False, ALIGN=True, **meta)
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
