@@ -60,9 +60,14 @@ def main() -> None:
     model = preset_model(args.config)
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
-    steps = len(sizes) * 2 * args.trials * (args.reps + 4) * (args.k + 2)
-    if args.bits_only:
-        steps = len(sizes) * 2 * args.bits_only * (args.k + 2)
+    if args.bits_only < 0:
+        raise SystemExit("runner_ab: --bits-only takes a number of steps >= 0")
+    if args.bits_only and args.b_pdl:
+        raise SystemExit("runner_ab: --b-pdl applies to the timed calls only, not to --bits-only")
+    # positions a lane may advance: per size, a decode call 1 and a round call up to k + 1,
+    # timed: trials x (1 warm-up + 3 x reps) calls of each (hyspec.bench.timing.time_fn)
+    calls = args.bits_only if args.bits_only else args.trials * (3 * args.reps + 1)
+    steps = len(sizes) * calls * (args.k + 2)
 
     def settings(pairs: list[str]) -> dict:
         out = {}
@@ -130,6 +135,9 @@ def main() -> None:
                 "pos": torch.equal(a.pos, b.pos),
                 "logits": torch.equal(a.runner.bufs.logits, b.runner.bufs.logits)}
 
+    for name, d in decs.items():  # no lane ran past its cache
+        if int(d.pos.max()) >= d.max_len:
+            raise SystemExit(f"runner_ab: arm {name} ran to position {int(d.pos.max())} of max_len {d.max_len}")
     same = compare(decs["A"], decs["B"])
     out["bitwise_equal"] = same
     print("bitwise equal (A vs B):", same, flush=True)

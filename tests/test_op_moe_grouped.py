@@ -80,8 +80,14 @@ def test_moe_grouped_shared_expert_fused_as_expert_e():
     y = run(x, logits, gu2, dn2, fused=(sgu, sdn))
     want = moe_grouped_ref(x, logits, gu2, dn2, top_k=K_TOP, renorm=True, shared_experts=(sgu, sdn))
     assert_rel("moe fused shared", y, want, 1e-5)
+    stats = torch.zeros(9, 2, dtype=torch.int64)
+    buf = MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", torch.float32)
     for r in (0, T - 1):
-        assert torch.equal(run(x[r: r + 1], logits[r: r + 1], gu2, dn2, fused=(sgu, sdn))[0], y[r])
+        assert torch.equal(run(x[r: r + 1], logits[r: r + 1], gu2, dn2, fused=(sgu, sdn), stats=stats, buf=buf)[0],
+                           y[r])
+    # one-row calls: K_TOP distinct routed experts each (the fused shared expert not counted),
+    # and the per-expert counts reset for the next call
+    assert stats[1].tolist() == [2 * K_TOP, 2] and int(buf.cnt.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["routed", "shared-fused"])

@@ -2,7 +2,7 @@
 
 A fixed sequence of five steps per MoE layer (router logits come from the skinny matmul,
 possibly still as split-K partials that ``route`` sums; the shared expert from the runner's
-own matmuls unless fused, below), in three to five launches (see after the list):
+own matmuls unless fused, below), in four or five launches (see after the list):
 
 1. ``route`` (one program per row): fp32 softmax of the router logits, top-k (largest
    first, ties to the lowest expert id), ``norm_topk_prob`` renormalisation; writes the
@@ -21,8 +21,8 @@ own matmuls unless fused, below), in three to five launches (see after the list)
 
 Steps 1 and 2 are two sections of one kernel (``_route``, constexprs ROUTE / ALIGN),
 launched apart: the per-row ROUTE form, then the one-program ALIGN form.  (Both sections
-in one program for a one-row call, one launch fewer, shipped from fdbca47 to defb18b and
-is gone: on the H200 its route gave a third of 1,024 rows other bits than the per-row
+in one program for a one-row call, one launch fewer, was the default from fdbca47 to
+defb18b, then opt-in, and is gone since e6601b3: on the H200 its route gave a third of 1,024 rows other bits than the per-row
 route at the 35B preset's router size, bench/results/gpu_tests_moe_route_forms_h200.txt,
 although the route's float instructions are the same in the PTX of both; the 80B's size
 passed.)  With ``defer=True`` step 5 is left to the next RMSNorm
@@ -128,6 +128,7 @@ def _kernels():
         # expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router matmul's
         # extra column, the shared gate). Always launched with the same num_warps: the
         # softmax's and top-k's reductions are then in one fixed order for every row count.
+        tl.static_assert(ROUTE != ALIGN, "_route: one section per launch (the fused form broke row invariance)")
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
