@@ -24,8 +24,10 @@ launched apart: the per-row ROUTE form, then the one-program ALIGN form.  (Both 
 in one program for a one-row call, one launch fewer, was the default from fdbca47 to
 defb18b, then opt-in, and is gone since e6601b3: on the H200 its route gave a third of 1,024 rows other bits than the per-row
 route at the 35B preset's router size, bench/results/gpu_tests_moe_route_forms_h200.txt,
-although the route's float instructions are the same in the PTX of both; the 80B's size
-passed.)  With ``defer=True`` step 5 is left to the next RMSNorm
+because the align section's 512-wide tensors made Triton lay the route's 256-wide softmax
+out two elements per thread instead of one, so its sum ran in another order; the 80B's
+512-wide softmax kept one per thread and passed.  A kernel's compiled variant must not
+depend on the row count, not even through a section without float work.)  With ``defer=True`` step 5 is left to the next RMSNorm
 (:class:`hyspec.kernels.common.MoePartials`), which combines the slots with the same
 expression before it adds the result to the residual.
 
