@@ -19,15 +19,14 @@ own matmuls unless fused, below), in four or five launches (see after the list):
 5. ``combine`` (one program per (row, BH outputs)): sum over the row's k slots in slot
    order of ``weight * y`` in fp32, plus sigmoid(shared gate) * shared expert, rounded once.
 
-Steps 1 and 2 are two sections of one kernel (``_route``, constexprs ROUTE / ALIGN),
-launched apart: the per-row ROUTE form, then the one-program ALIGN form.  (Both sections
-in one program for a one-row call, one launch fewer, was the default from fdbca47 to
-defb18b, then opt-in, and is gone since e6601b3: on the H200 its route gave a third of 1,024 rows other bits than the per-row
-route at the 35B preset's router size, bench/results/gpu_tests_moe_route_forms_h200.txt,
-because the align section's 512-wide tensors made Triton lay the route's 256-wide softmax
-out two elements per thread instead of one, so its sum ran in another order; the 80B's
-512-wide softmax kept one per thread and passed.  A kernel's compiled variant must not
-depend on the row count, not even through a section without float work.)  With ``defer=True`` step 5 is left to the next RMSNorm
+Steps 1 and 2 are two kernels.  (Both in one program for a one-row call, one launch
+fewer, was the default from fdbca47 to defb18b, then opt-in, and is gone since e6601b3: on
+the H200 its route gave a third of 1,024 rows other bits than the per-row route at the 35B
+preset's router size, bench/results/gpu_tests_moe_route_forms_h200.txt, because the align
+code's 512-wide tensors made Triton lay the route's 256-wide softmax out two elements per
+thread instead of one, so its sum ran in another order; the 80B's 512-wide softmax kept one
+per thread and passed.  A kernel's compiled variant must not depend on the row count, not
+even through code without float work.)  With ``defer=True`` step 5 is left to the next RMSNorm
 (:class:`hyspec.kernels.common.MoePartials`), which combines the slots with the same
 expression before it adds the result to the residual.
 
@@ -114,92 +113,91 @@ def _kernels():
 
     bf16_of = None if interpreting() else e4m3_to_bf16()
 
-    @triton.jit(do_not_specialize=["T", "E", "S", "Q", "EA", "TILES"])
+    @triton.jit(do_not_specialize=["T", "E", "S"])
     def _route(lg_ptr, s_ls, s_lt, S, x_ptr, ids_ptr, w_ptr, rank_ptr, cnt_ptr, T, E,
-               tile_start_ptr, tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr, Q, EA, TILES,
                TOPK: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr, RENORM: tl.constexpr, SH: tl.constexpr,
-               KS: tl.constexpr, PART: tl.constexpr, ROUTE: tl.constexpr, ALIGN: tl.constexpr,
-               EBA: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
-               PDL: tl.constexpr = False):
-        # Two sections, chosen by constexprs and launched apart: ROUTE (a program per row),
-        # then ALIGN (one program, after every row's route: the pairs into expert tiles,
-        # integer bookkeeping only).
-        # ROUTE: row t = program_id. Its logits: with PART the router matmul's S split-K partials
+               KS: tl.constexpr, PART: tl.constexpr, PDL: tl.constexpr = False):
+        # Row t = program_id. Its logits: with PART the router matmul's S split-K partials
         # (fp32), summed in the order 0..S-1 and rounded to x's dtype: the bits its reduce
         # kernel would write. KS slots per row: the TOPK routed ones, and with SH the shared
         # expert (expert E, slot TOPK, weight sigmoid(logits[t, E]): the router matmul's
         # extra column, the shared gate). Always launched with the same num_warps: the
         # softmax's and top-k's reductions are then in one fixed order for every row count.
-        tl.static_assert(ROUTE != ALIGN, "_route: one section per launch (the fused form broke row invariance)")
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        if ROUTE:  # row t = program_id
-            t = tl.program_id(0)
-            offs = tl.arange(0, EB)
-            m = offs < E
-            kk = tl.arange(0, KB)
-            mk = kk < KS
-            lg = tl.load(lg_ptr + t * s_lt + offs, mask=m, other=0.0).to(tl.float32)
-            g = tl.load(lg_ptr + t * s_lt + E, mask=SH, other=0.0).to(tl.float32)
-            if PART:
-                for sp in range(1, S):  # (unrolled, as a static_range, measured slower on the H200)
-                    lg += tl.load(lg_ptr + sp * s_ls + t * s_lt + offs, mask=m, other=0.0)
-                    g += tl.load(lg_ptr + sp * s_ls + t * s_lt + E, mask=SH, other=0.0)
-                lg = lg.to(x_ptr.dtype.element_ty).to(tl.float32)
-                g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
-            lg = tl.where(m, lg, float("-inf"))
-            mx = tl.max(lg, 0)
-            ex = tl.where(m, tl.exp(lg - mx), 0.0)
-            p = ex / tl.sum(ex, 0)
-            ps = tl.where(m, p, -1.0)
-            wv = tl.zeros([KB], dtype=tl.float32)
-            iv = tl.zeros([KB], dtype=tl.int32)
-            for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
-                v = tl.max(ps, 0)
-                i = tl.min(tl.where(ps == v, offs, EB), 0)
-                wv = tl.where(kk == j, v, wv)
-                iv = tl.where(kk == j, i, iv)
-                ps = tl.where(offs == i, -2.0, ps)
-            if RENORM:
-                wv = wv / tl.sum(wv, 0)
-            if SH:
-                wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
-                iv = tl.where(kk == TOPK, E, iv)
-            tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
-            tl.store(w_ptr + t * KS + kk, wv, mask=mk)
-            r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)  # the pair's rank among its expert's pairs
-            tl.store(rank_ptr + t * KS + kk, r, mask=mk)
-        if ALIGN:  # one program: the (row, slot) pairs into expert tiles
-            # EA experts in the tiles (the routed E, and the shared expert when fused)
-            offs_e = tl.arange(0, EBA)
-            me = offs_e < EA
-            c = tl.load(cnt_ptr + offs_e, mask=me, other=0)
-            nt = (c + BM - 1) // BM
-            ts = tl.cumsum(nt, 0) - nt  # exclusive prefix sum: first tile of each expert
-            tl.store(tile_start_ptr + offs_e, ts, mask=me)
-            tl.store(cnt_ptr + offs_e, tl.zeros([EBA], dtype=tl.int32), mask=me)  # ready for the next call
-            if STATS:  # [sum of distinct experts, calls] of this row count
-                distinct = tl.sum(tl.where((c > 0) & (offs_e < E), 1, 0), 0).to(tl.int64)  # routed ones
-                tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
-                tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
-            for i0 in range(0, TILES, QBLK):
-                o = i0 + tl.arange(0, QBLK)
-                tl.store(tile_expert_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES)
-            for i0 in range(0, TILES * BM, QBLK):
-                o = i0 + tl.arange(0, QBLK)
-                tl.store(pairs_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES * BM)
-            tl.debug_barrier()  # the clears and tile_start are visible to every thread below
-            for j in range(0, tl.cdiv(T, BM)):  # an expert has at most T pairs (top-k ids are distinct)
-                tl.store(tile_expert_ptr + ts + j, offs_e, mask=me & (j < nt))
-            for q0 in range(0, Q, QBLK):
-                q = q0 + tl.arange(0, QBLK)
-                mq = q < Q
-                e = tl.load(ids_ptr + q, mask=mq, other=0)
-                rk = tl.load(rank_ptr + q, mask=mq, other=0)
-                slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + rk
-                tl.store(pairs_ptr + slot, q, mask=mq)
-                tl.store(slot_ptr + q, slot, mask=mq)
+        t = tl.program_id(0)
+        offs = tl.arange(0, EB)
+        m = offs < E
+        kk = tl.arange(0, KB)
+        mk = kk < KS
+        lg = tl.load(lg_ptr + t * s_lt + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(lg_ptr + t * s_lt + E, mask=SH, other=0.0).to(tl.float32)
+        if PART:
+            for sp in range(1, S):  # (unrolled, as a static_range, measured slower on the H200)
+                lg += tl.load(lg_ptr + sp * s_ls + t * s_lt + offs, mask=m, other=0.0)
+                g += tl.load(lg_ptr + sp * s_ls + t * s_lt + E, mask=SH, other=0.0)
+            lg = lg.to(x_ptr.dtype.element_ty).to(tl.float32)
+            g = g.to(x_ptr.dtype.element_ty).to(tl.float32)
+        lg = tl.where(m, lg, float("-inf"))
+        mx = tl.max(lg, 0)
+        ex = tl.where(m, tl.exp(lg - mx), 0.0)
+        p = ex / tl.sum(ex, 0)
+        ps = tl.where(m, p, -1.0)
+        wv = tl.zeros([KB], dtype=tl.float32)
+        iv = tl.zeros([KB], dtype=tl.int32)
+        for j in tl.static_range(TOPK):  # largest first; ties to the lowest id
+            v = tl.max(ps, 0)
+            i = tl.min(tl.where(ps == v, offs, EB), 0)
+            wv = tl.where(kk == j, v, wv)
+            iv = tl.where(kk == j, i, iv)
+            ps = tl.where(offs == i, -2.0, ps)
+        if RENORM:
+            wv = wv / tl.sum(wv, 0)
+        if SH:
+            wv = tl.where(kk == TOPK, 1.0 / (1.0 + tl.exp(-g)), wv)
+            iv = tl.where(kk == TOPK, E, iv)
+        tl.store(ids_ptr + t * KS + kk, iv, mask=mk)
+        tl.store(w_ptr + t * KS + kk, wv, mask=mk)
+        r = tl.atomic_add(cnt_ptr + iv, 1, mask=mk)  # the pair's rank among its expert's pairs
+        tl.store(rank_ptr + t * KS + kk, r, mask=mk)
+
+    @triton.jit(do_not_specialize=["T", "Q", "E", "TILES"])
+    def _align(ids_ptr, rank_ptr, cnt_ptr, tile_start_ptr, tile_expert_ptr, pairs_ptr, slot_ptr, stats_ptr,
+               T, Q, E, TILES, NR, EB: tl.constexpr, BM: tl.constexpr, QBLK: tl.constexpr, STATS: tl.constexpr,
+               PDL: tl.constexpr = False):
+        # E experts in the tiles (the routed NR, and the shared expert when fused)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        offs_e = tl.arange(0, EB)
+        me = offs_e < E
+        c = tl.load(cnt_ptr + offs_e, mask=me, other=0)
+        nt = (c + BM - 1) // BM
+        ts = tl.cumsum(nt, 0) - nt  # exclusive prefix sum: first tile of each expert
+        tl.store(tile_start_ptr + offs_e, ts, mask=me)
+        tl.store(cnt_ptr + offs_e, tl.zeros([EB], dtype=tl.int32), mask=me)  # ready for the next call
+        if STATS:  # [sum of distinct experts, calls] of this row count
+            distinct = tl.sum(tl.where((c > 0) & (offs_e < NR), 1, 0), 0).to(tl.int64)  # routed ones
+            tl.store(stats_ptr + 2 * T, tl.load(stats_ptr + 2 * T) + distinct)
+            tl.store(stats_ptr + 2 * T + 1, tl.load(stats_ptr + 2 * T + 1) + 1)
+        for i0 in range(0, TILES, QBLK):
+            o = i0 + tl.arange(0, QBLK)
+            tl.store(tile_expert_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES)
+        for i0 in range(0, TILES * BM, QBLK):
+            o = i0 + tl.arange(0, QBLK)
+            tl.store(pairs_ptr + o, tl.full([QBLK], -1, tl.int32), mask=o < TILES * BM)
+        tl.debug_barrier()  # the clears and tile_start are visible to every thread below
+        for j in range(0, tl.cdiv(T, BM)):  # an expert has at most T pairs (top-k ids are distinct)
+            tl.store(tile_expert_ptr + ts + j, offs_e, mask=me & (j < nt))
+        for q0 in range(0, Q, QBLK):
+            q = q0 + tl.arange(0, QBLK)
+            mq = q < Q
+            e = tl.load(ids_ptr + q, mask=mq, other=0)
+            r = tl.load(rank_ptr + q, mask=mq, other=0)
+            slot = tl.load(tile_start_ptr + e, mask=mq, other=0) * BM + r
+            tl.store(pairs_ptr + slot, q, mask=mq)
+            tl.store(slot_ptr + q, slot, mask=mq)
 
     @triton.jit
     def _gemm(x_ptr, s_x, w_ptr, s_we, s_wn, s_wk, sc_ptr, s_se, s_sn, s_sk, rows_ptr, sh_w_ptr, sh_sc_ptr,
@@ -317,7 +315,7 @@ def _kernels():
             acc += gate * tl.load(sh_ptr + t * s_sh + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * s_o + offs, acc.to(DT), mask=m)
 
-    return dict(route=_route, gemm=_gemm, combine=_combine)
+    return dict(route=_route, align=_align, gemm=_gemm, combine=_combine)
 
 
 # Expert-matmul tiles picked on the GPU (hyspec.gpu.tune.tune_in_step: timed inside the
@@ -458,12 +456,11 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     s_ls, s_lt, n_split = (lg.stride(0), lg.stride(1), logits.S) if part else (0, lg.stride(0), 1)
     use_stats = stats is not None and stats.shape[0] > T
     qblk = min(1024, max(16, p2(buf.rows * buf.top_k)))
-    args = (lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, T, E, buf.tile_start, buf.tile_expert,
-            buf.pairs, buf.slot, stats if use_stats else buf.ids, q, e_all, tiles)
-    meta = dict(TOPK=top_k, EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part,
-                EBA=p2(buf.n_experts), BM=buf.block_m, QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
-    ks["route"][(T,)](*args, ROUTE=True, ALIGN=False, **meta)
-    ks["route"][(1,)](*args, ROUTE=False, ALIGN=True, **meta)
+    ks["route"][(T,)](lg, s_ls, s_lt, n_split, x, buf.ids, buf.wts, buf.rank, buf.cnt, T, E, TOPK=top_k,
+                      EB=p2(E), KB=p2(slots), RENORM=bool(renorm), SH=fused, KS=slots, PART=part, num_warps=4, **lk)
+    ks["align"][(1,)](buf.ids, buf.rank, buf.cnt, buf.tile_start, buf.tile_expert, buf.pairs, buf.slot,
+                      stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
+                      QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
