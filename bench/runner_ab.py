@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--bits-only", type=int, default=0, metavar="STEPS",
                     help="no timing: STEPS decode steps and STEPS K-rounds at each size on every arm, then the "
                          "bitwise comparison")
+    ap.add_argument("--numbers-may-differ", action="store_true",
+                    help="the arms compute in another order (e.g. moe_split): report the bitwise comparison, "
+                         "do not fail on it")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -150,7 +153,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    if not ok:
+    if not ok and not args.numbers_may_differ:
         sys.exit(1)
 
 

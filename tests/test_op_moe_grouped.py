@@ -224,3 +224,43 @@ def test_deferred_combine_in_the_rmsnorm_changes_no_bit(fused, dtype):
     with pytest.raises(ValueError, match="defer"):
         moe_grouped(x, logits[:, :E], gu, dn, buf, torch.empty(T, H, dtype=dtype), top_k=K_TOP, renorm=True,
                     shared=x, shared_gate=logits[:, :1], defer=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_moe_gate_up_split_k_partials(fp8):
+    """The gate|up gemm's K split in two (SPLIT=2: fp32 partials that the down gemm sums in
+    order as it loads them) matches the reference, keeps each row's bits alone and among
+    other rows, with the shared expert fused too; a split the buffers cannot hold, or of
+    the down gemm, is refused. (Reading only the first partial -- a planted bug -- misses
+    the reference: tested by hand when this was written.)"""
+    from hyspec.kernels.moe import grouped
+
+    gu, dn = experts(fp8)
+    x, logits = rnd(T, H, seed=30), rnd(T, E + 1, seed=31, scale=2.0)
+    sgu, sdn = experts(fp8)[0][1], experts(fp8)[1][2]
+    buf = MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", torch.float32, split=2)
+    tile = {(2 * INTER, H, False, 16 if fp8 else None): dict(BK=16)}  # H = 32: two 16-wide parts
+    old = dict(grouped.MOE_TUNED)
+    grouped.set_moe_tuned(tile)
+    try:
+        for fused in (None, (sgu, sdn)):
+            lg = logits if fused else logits[:, :E]
+            y1 = run(x, lg, gu, dn, buf=buf, fused=fused)
+            out = torch.empty(T, H)
+            y2 = moe_grouped(x, lg, gu, dn, buf, out, top_k=K_TOP, renorm=True, shared_experts=fused, split=2).clone()
+            want = moe_grouped_ref(x, lg, gu, dn, top_k=K_TOP, renorm=True, shared_experts=fused)
+            assert_rel("moe split 2", y2, want, 1e-5)
+            assert_rel("moe split 2 vs 1", y2, y1, 1e-5)
+            for r in (0, 3):
+                one = moe_grouped(x[r: r + 1], lg[r: r + 1], gu, dn, buf, torch.empty(1, H), top_k=K_TOP,
+                                  renorm=True, shared_experts=fused, split=2)
+                assert torch.equal(one[0], y2[r]), r
+        small = MoeBuffers(8, E + 1, K_TOP + 1, H, INTER, "cpu", torch.float32)
+        with pytest.raises(ValueError, match="partials"):
+            moe_grouped(x, logits[:, :E], gu, dn, small, torch.empty(T, H), top_k=K_TOP, renorm=True, split=2)
+        with pytest.raises(ValueError, match="SPLIT"):
+            grouped.gemm_config(H, INTER, True, None, tile=dict(SPLIT=2))
+        with pytest.raises(ValueError, match="SPLIT"):
+            grouped.gemm_config(2 * INTER, H, False, None, tile=dict(BK=32, SPLIT=2))  # 32 / 2 < BK
+    finally:
+        grouped.set_moe_tuned(old)
