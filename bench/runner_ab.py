@@ -13,7 +13,9 @@ an L2 prefetch of the output projections, B with it on every call of at most 256
 gnorm_fold_h200.json as this script at 00b3c59 with ``--a gnorm_fold=0 --b gnorm_fold=1``;
 both were measured slower and removed; gdn_persist_ab_h200.json with ``--a gdn_persist=0
 --b gdn_persist=1`` at f02965f and gdn_maxnreg_ab_h200.json with ``--b-gdn-maxnreg 96`` at
-b9fca3e, both removed since: docs/gpu.md "What is left", item 10.)  ``--b-pdl``: B's graphs
+b9fca3e, both removed since: docs/gpu.md "What is left", item 10; moe_split_ab_<preset>_h200.json
+with ``--a moe_split=1 --b moe_split=2 --numbers-may-differ`` at 7548d12, the MoE gate|up
+gemm's K split, which changes the sums' order, hence the flag; slower, removed.)  ``--b-pdl``: B's graphs
 are captured with programmatic dependent launch (``hyspec.kernels.pdl``; pdl_ab_h200.json).
 ``--bits-only STEPS`` skips the timing: every arm makes the same STEPS decode steps and STEPS
 K-rounds per size, then the states are compared; ``--also`` adds arms compared with A that

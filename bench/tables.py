@@ -569,6 +569,8 @@ MADE_BY = {
                                                "--exact-tokens 1000 --exact-prompts 2 --ks 3 --variants exact "
                                                "--verify-max 4 --no-exact-coupled` (H200), stopped by the device "
                                                "call's time limit after the plain figure (header in the log)",
+    "gpu_tests_moe_split_h200.txt": "`python3 -m pytest -q -n 4 -rfEs tests/test_gpu_fp8_moe.py` (H200; with the "
+                                    "gate|up gemm's K split, since reverted; header in the log)",
     "gpu_tests_moe_route_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
                                     "tests/test_gpu_tile_heights.py` (H200; header in the log)",
     "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "

@@ -57,9 +57,7 @@ def test_fp8_matmul(dtype, cfg):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 @pytest.mark.parametrize("fused", [False, True], ids=["shared_out", "shared_fused"])
-@pytest.mark.parametrize("split", [1, 2], ids=["k1", "k2"])
-def test_moe_grouped(dtype, fp8, fused, split):
-    """k2: the gate|up gemm's K in two programs whose fp32 partials the down gemm sums."""
+def test_moe_grouped(dtype, fp8, fused):
     E, k, H, inter, T = 64, 8, 512, 256, 9
     if fp8:
         gu, dn = fp8_weight(E, 2 * inter, H, seed=1), fp8_weight(E, H, inter, seed=2)
@@ -69,20 +67,20 @@ def test_moe_grouped(dtype, fp8, fused, split):
                                                                                  scale=inter ** -0.5)
         sgu, sdn = gu[3].clone(), dn[5].clone()
     x, logits = rnd(T, H, dtype=dtype, seed=5), rnd(T, E + 1, dtype=dtype, seed=6, scale=2.0)
-    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dtype, split=split)
+    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dtype)
     stats = torch.zeros(17, 2, dtype=torch.int64, device=DEV)
 
     def run(rows):
         out = torch.empty(len(rows), H, device=DEV, dtype=dtype)
         if fused:
             return moe_grouped(x[rows], logits[rows], gu, dn, buf, out, top_k=k, renorm=True,
-                               shared_experts=(sgu, sdn), stats=stats, split=split)
+                               shared_experts=(sgu, sdn), stats=stats)
         from hyspec.kernels.moe.reference import _expert
 
         sg, sd = (sgu.dequantize(), sdn.dequantize()) if fp8 else (sgu.float(), sdn.float())
         sh = torch.stack([_expert(x[t], sg, sd, dtype) for t in rows]).to(dtype)  # per row: row invariant
         return moe_grouped(x[rows], logits[rows, :E], gu, dn, buf, out, top_k=k, renorm=True, shared=sh,
-                           shared_gate=logits[rows, E:], stats=stats, split=split)
+                           shared_gate=logits[rows, E:], stats=stats)
 
     y = run(list(range(T)))
     want = moe_grouped_ref(x.cpu(), logits.cpu(), _cpu(gu), _cpu(dn), top_k=k, renorm=True,
@@ -208,13 +206,12 @@ def test_every_e4m3_code_converts_exactly(cvt, monkeypatch):
 
 
 @pytest.mark.parametrize("E,k", [(256, 8), (512, 10)], ids=["35b_router", "80b_router"])
-@pytest.mark.parametrize("split", [1, 2], ids=["k1", "k2"])
-def test_moe_one_row_forms_at_the_presets_router_sizes(E, k, split):
+def test_moe_one_row_forms_at_the_presets_router_sizes(E, k):
     """A one-row MoE call at the MoE presets' router sizes (256 experts top 8, 512 top 10;
     hidden 2048; the shared expert fused), bf16: each row gets the bits it has inside a
     4-row call (the decode / verify contract: speculative == plain), and the combine
     deferred to the RMSNorm (MoePartials) gives the residual and normed rows of the combine
-    kernel's output added by the norm; k2: the gate|up gemm's K split in two (fp32 partials)."""
+    kernel's output added by the norm."""
     from hyspec.kernels.rmsnorm import rmsnorm
 
     H, inter, T, dt = 2048, 128, 4, torch.bfloat16
@@ -223,12 +220,11 @@ def test_moe_one_row_forms_at_the_presets_router_sizes(E, k, split):
     sh = (rnd(2 * inter, H, dtype=dt, seed=3, scale=H ** -0.5), rnd(H, inter, dtype=dt, seed=4, scale=inter ** -0.5))
     x, logits = rnd(T, H, dtype=dt, seed=5), rnd(T, E + 1, dtype=dt, seed=6, scale=2.0)
     resid0, w = rnd(T, H, dtype=dt, seed=7), rnd(H, dtype=dt, seed=8, scale=0.1)
-    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dt, split=split)
+    buf = MoeBuffers(16, E + 1, k + 1, H, inter, DEV, dt)
 
     def moe(rows, **kw):
         out = torch.empty(len(rows), H, device=DEV, dtype=dt)
-        return moe_grouped(x[rows], logits[rows], gu, dn, buf, out, top_k=k, renorm=True, shared_experts=sh,
-                           split=split, **kw)
+        return moe_grouped(x[rows], logits[rows], gu, dn, buf, out, top_k=k, renorm=True, shared_experts=sh, **kw)
 
     def norm(delta, rows):
         resid, out = resid0[rows].clone(), torch.empty(len(rows), H, device=DEV, dtype=dt)

@@ -36,10 +36,6 @@ from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
 from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
 from hyspec.kernels.matmul.config import TUNED, _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
-
-# the MoE gate|up gemm's largest K split the runner's buffers hold (fp32 partials:
-# 2 x [P, 2I] x 4 bytes, P the expert-tile slots of the runner's rows)
-MOE_SPLIT_MAX = 2
 from hyspec.kernels.pdl import interpreting
 from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.rmsnorm import rmsnorm
@@ -212,8 +208,7 @@ class TritonRunner:
             self.bufs.sh_gu = rows(max(sh) if sh else 1)  # [R, 2 Is] (a shared expert not fused)
             self.bufs.sh_out = rows(H)  # [R, H]
             fused = any(lay.fuse_shared for lay in moe_layers)  # the shared expert as expert E, slot k
-            self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt,
-                                      split=MOE_SPLIT_MAX)
+            self.moe_buf = MoeBuffers(R, E + fused, k + fused, H, cfg.moe_intermediate_size, dev, dt)
             self.moe_counts = torch.zeros(2, R + 1, 2, device=dev, dtype=torch.int64)
         self._workspaces = {}  # split-K workspaces by weight shape (N, K); "attn": the attention combine
         # rows per matmul program (the row-tile height). A call has up to lanes x rows:
@@ -270,10 +265,6 @@ class TritonRunner:
         # MoE: the slot combine done by the next RMSNorm (one launch fewer per MoE layer;
         # HYSPEC_MOE_DEFER=0: the combine kernel, the ablation's other arm)
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
-        # MoE: the gate|up expert gemm's K split (None: its tile's, gemm_config; HYSPEC_MOE_SPLIT=n
-        # fixes one, at most MOE_SPLIT_MAX: the partial buffers' capacity)
-        env_split = os.environ.get("HYSPEC_MOE_SPLIT", "")
-        self.moe_split = int(env_split) if env_split else None
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
 
@@ -503,17 +494,17 @@ class TritonRunner:
         buf = self.moe_buf
         if t > buf.rows:  # an eager call past the static rows
             buf = MoeBuffers(t, buf.n_experts, buf.top_k, cfg.hidden_size, cfg.moe_intermediate_size, x.device,
-                             x.dtype, split=buf.split)
+                             x.dtype)
         kw = dict(top_k=k, renorm=moe.gate.renorm, stats=self.moe_counts[1 if layer is self.mtp_layer else 0])
         out = self._buf("delta", t)
         if whole:  # the combine deferred to the next RMSNorm (MoePartials) unless HYSPEC_MOE_DEFER=0
             sh = (layer.sh_gu, layer.sh_down) if layer.fuse_shared else None
             return moe_grouped(x, logits, layer.ex_gu, layer.ex_down, buf, out, shared_experts=sh,
-                               defer=self.moe_defer, split=self.moe_split, **kw)
+                               defer=self.moe_defer, **kw)
         sgu = self.mm(x, layer.sh_gu, self._buf("sh_gu", t, layer.sh_gu.shape[0]))
         shared = self.mm(sgu, layer.sh_down, self._buf("sh_out", t), act=True)
         return moe_grouped(x, logits[:, :E], layer.ex_gu, layer.ex_down, buf, out, shared=shared,
-                           shared_gate=logits[:, E:E + 1], split=self.moe_split, **kw)
+                           shared_gate=logits[:, E:E + 1], **kw)
 
     def logits(self, h):
         t = h.shape[0]

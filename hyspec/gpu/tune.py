@@ -72,9 +72,7 @@ def parse_moe_key(name: str) -> tuple:
 
 
 def _moe_candidates(key: tuple, cur: dict) -> list[dict]:
-    """One-parameter moves around an expert matmul's tile (BN, BK, WT, warps, stages; the
-    gate|up gemm's K split up to the runner's partial buffers, MOE_SPLIT_MAX)."""
-    from hyspec.gpu.runner_triton import MOE_SPLIT_MAX
+    """One-parameter moves around an expert matmul's tile (BN, BK, WT, warps, stages)."""
     from hyspec.kernels.moe.grouped import gemm_config
 
     _, N, K, act, qb = key
@@ -82,10 +80,7 @@ def _moe_candidates(key: tuple, cur: dict) -> list[dict]:
     moves = [dict(BN=c0["BN"] // 2), dict(BN=c0["BN"] * 2)] + [dict(BK=bk) for bk in (64, 128, 256)]
     moves += [dict(num_warps=w) for w in (2, 4, 8)] + [dict(num_stages=st) for st in (2, 3, 4, 5)]
     moves += [dict(WT=not c0["WT"]), dict(BN=c0["BN"] * 2, num_warps=8)]
-    if not act:
-        moves += [dict(SPLIT=sp) for sp in range(1, MOE_SPLIT_MAX + 1)]
-    return _moves(c0, moves, lambda c: 16 <= c["BN"] <= 256 and 16 <= c["BK"] <= K and not (qb and qb % c["BK"])
-                  and K % (c["SPLIT"] * c["BK"]) == 0)
+    return _moves(c0, moves, lambda c: 16 <= c["BN"] <= 256 and 16 <= c["BK"] <= K and not (qb and qb % c["BK"]))
 
 
 def _moves(c0: dict, moves: list[dict], valid) -> list[dict]:

@@ -86,7 +86,7 @@ class MoeBuffers:
     more slot per row where it is fused (moe_grouped(shared_experts=...))."""
 
     def __init__(self, rows: int, n_experts: int, top_k: int, hidden: int, inter: int, device, dtype,
-                 block_m: int = BLOCK_M, split: int = 1) -> None:
+                 block_m: int = BLOCK_M) -> None:
         q = rows * top_k
         tiles = moe_tiles(rows, n_experts, top_k, block_m)
         i32 = dict(device=device, dtype=torch.int32)
@@ -100,10 +100,6 @@ class MoeBuffers:
         self.tile_expert = torch.full((tiles,), -1, **i32)  # [tiles] expert of each tile (-1: unused)
         self.pairs = torch.full((tiles * block_m,), -1, **i32)  # [P] pair in each slot (-1: padding)
         self.gu = torch.zeros(tiles * block_m, 2 * inter, device=device, dtype=dtype)  # [P, 2I] gate | up
-        # [split, P, 2I] fp32: the gate|up gemm's split-K partials (a tile with SPLIT > 1; see gemm_config)
-        self.split = split
-        self.gu_part = torch.zeros(split, tiles * block_m, 2 * inter, device=device, dtype=torch.float32) \
-            if split > 1 else None
         self.y = torch.zeros(tiles * block_m, hidden, device=device, dtype=dtype)  # [P, H] expert outputs
 
 
@@ -205,17 +201,13 @@ def _kernels():
 
     @triton.jit
     def _gemm(x_ptr, s_x, w_ptr, s_we, s_wn, s_wk, sc_ptr, s_se, s_sn, s_sk, rows_ptr, sh_w_ptr, sh_sc_ptr,
-              tile_expert_ptr, pairs_ptr, y_ptr, s_y, N, K, XDIV, X_UP, NR, K_PER, s_ys, s_xs,
+              tile_expert_ptr, pairs_ptr, y_ptr, s_y, N, K, XDIV, X_UP, NR,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
               FP8: tl.constexpr, QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
               IEEE: tl.constexpr, WT: tl.constexpr, SH: tl.constexpr = False, PDL: tl.constexpr = False,
-              CVT: tl.constexpr = 0, SPLIT: tl.constexpr = 1, XSPLIT: tl.constexpr = 1):
+              CVT: tl.constexpr = 0):
         # SH: expert NR is the shared expert, its weight (and scales) at sh_w_ptr (sh_sc_ptr)
-        # with the routed experts' per-expert strides.
-        # SPLIT > 1: program_id(2) = s sums K columns [s K_PER, (s+1) K_PER) only and stores
-        # its fp32 partial at y_ptr + s * s_ys (the next gemm's input, XSPLIT = SPLIT there).
-        # XSPLIT > 1 (with ACT): x holds XSPLIT fp32 partials of [gate | up] at stride s_xs,
-        # summed in the order 0..XSPLIT-1 and rounded to y's dtype: the gate|up output.
+        # with the routed experts' per-expert strides
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -247,32 +239,18 @@ def _kernels():
                 sb = tl.where(e == NR, sh_sc_ptr, sb)
             s_ptrs = sb + srow * s_sn
         DT = y_ptr.dtype.element_ty
-        CT = DT if ACT else x_ptr.dtype.element_ty  # the dot's operand type (y is fp32 partials with SPLIT)
         if WT:
             acc = tl.zeros((BN, BM), dtype=tl.float32)
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if SPLIT > 1:
-            k_lo = tl.program_id(2) * K_PER
-            k_hi = k_lo + K_PER
-        else:
-            k_lo = 0
-            k_hi = K
-        for k0 in range(k_lo, k_hi, BK):
+        for k0 in range(0, K, BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < K
             xm = valid[:, None] & mk[None, :]
             xp = x_ptr + xr[:, None].to(tl.int64) * s_x + offs_k[None, :]
             xt = tl.load(xp, mask=xm, other=0.0)
             if ACT:  # x holds [gate | up]: feed silu(gate) * up, rounded like the torch MLP
-                xu = tl.load(xp + X_UP, mask=xm, other=0.0)
-                if XSPLIT > 1:  # the gate|up gemm's partials, in split order, rounded once
-                    for sp in tl.static_range(1, XSPLIT):
-                        xt += tl.load(xp + sp * s_xs, mask=xm, other=0.0)
-                        xu += tl.load(xp + sp * s_xs + X_UP, mask=xm, other=0.0)
-                    xt = xt.to(DT)
-                    xu = xu.to(DT)
-                xu = xu.to(tl.float32)
+                xu = tl.load(xp + X_UP, mask=xm, other=0.0).to(tl.float32)
                 xg = xt.to(tl.float32)
                 sg = (xg / (1.0 + tl.exp(-xg))).to(DT).to(tl.float32)
                 xt = (sg * xu).to(DT)
@@ -286,7 +264,7 @@ def _kernels():
                 if CVT == 1:
                     wt = bf16_of(wt)  # exact, in integer instructions (hyspec.kernels.matmul.fp8)
                 else:
-                    wt = wt.to(CT)  # exact
+                    wt = wt.to(DT)  # exact
                 sc = tl.load(s_ptrs + (k0 // QB_K) * s_sk, mask=mn, other=0.0)
                 if WT:
                     if IEEE:
@@ -313,12 +291,8 @@ def _kernels():
                         acc = tl.dot(xt, wt, acc)
         if WT:
             acc = tl.trans(acc)
-        if SPLIT > 1:  # this split's fp32 partial
-            tl.store(y_ptr + tl.program_id(2) * s_ys + offs_m[:, None].to(tl.int64) * s_y + offs_n[None, :], acc,
-                     mask=valid[:, None] & mn[None, :])
-        else:
-            tl.store(y_ptr + offs_m[:, None].to(tl.int64) * s_y + offs_n[None, :], acc.to(DT),
-                     mask=valid[:, None] & mn[None, :])
+        tl.store(y_ptr + offs_m[:, None].to(tl.int64) * s_y + offs_n[None, :], acc.to(DT),
+                 mask=valid[:, None] & mn[None, :])
 
     @triton.jit(do_not_specialize=["T"])
     def _combine(y_ptr, s_y, w_ptr, slot_ptr, sh_ptr, s_sh, g_ptr, s_g, out_ptr, s_o, T, H,
@@ -367,24 +341,17 @@ def set_moe_tuned(table: dict) -> None:
 
 def gemm_config(N: int, K: int, act: bool, qb_k: int | None, tile: dict | None = None) -> dict:
     """Tile of an expert matmul: from (N, K) (and the quant block) only, never from T.
-    tile: overrides to use instead of MOE_TUNED / MOE_BUILTIN's entry (the tuner's candidates).
-    SPLIT (gate|up only): the K range in SPLIT equal parts, one program each, whose fp32
-    partials the down gemm sums in order as it loads them (more, shorter programs for the
-    few rows of a decode; the same split for every row count, so row invariance holds)."""
+    tile: overrides to use instead of MOE_TUNED / MOE_BUILTIN's entry (the tuner's candidates)."""
     bn = 32 if N <= 1024 else 64
     bk = 128 if K >= 128 else max(16, p2(K))
     if qb_k is not None:
         while bk > 16 and qb_k % bk:
             bk //= 2
-    cfg = dict(BN=bn, BK=bk, WT=act, num_warps=4, num_stages=3, SPLIT=1)
+    cfg = dict(BN=bn, BK=bk, WT=act, num_warps=4, num_stages=3)
     key = (N, K, bool(act), qb_k)
     cfg.update(tile if tile is not None else MOE_TUNED.get(key) or MOE_BUILTIN.get(key) or {})
     if qb_k is not None and qb_k % cfg["BK"]:
         raise ValueError(f"moe gemm config for {key}: BK {cfg['BK']} does not divide the FP8 block {qb_k}")
-    sp = cfg["SPLIT"]
-    if sp < 1 or (sp > 1 and (act or K % (sp * cfg["BK"]))):
-        raise ValueError(f"moe gemm config for {key}: SPLIT {sp} must be 1 for the down gemm, else split K={K} "
-                         f"into parts that are whole multiples of BK {cfg['BK']}")
     return cfg
 
 
@@ -411,10 +378,7 @@ def can_fuse_shared(gate_up, down, sh_gate_up, sh_down) -> bool:
     return _same_layout(gate_up, sh_gate_up) and _same_layout(down, sh_down)
 
 
-def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None, cfg=None,
-          xsplit: int = 1):
-    """One grouped expert gemm. cfg: its tile (gemm_config); with cfg["SPLIT"] > 1, out is
-    the [SPLIT, P, N] fp32 partials; xsplit > 1 (act): x is such partials."""
+def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None):
     from hyspec.kernels.pdl import launch_kwargs
     from hyspec.quant import Fp8Weight
 
@@ -423,8 +387,7 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
     fp8 = isinstance(w, Fp8Weight)
     w8 = w.w if fp8 else w
     E, N, K = w8.shape
-    cfg = cfg or gemm_config(N, K, act, w.block[1] if fp8 else None)
-    split = cfg["SPLIT"]
+    cfg = gemm_config(N, K, act, w.block[1] if fp8 else None)
     if fp8:
         sc, qb, rows = w.scale, w.block, w.rows
         s_se, s_sn, s_sk = sc.stride(0), sc.stride(1), sc.stride(2)
@@ -435,24 +398,20 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
     if shared is not None:
         sh_w = shared.w if fp8 else shared
         sh_sc = shared.scale if fp8 else sh_w
-    xs = x[0] if xsplit > 1 else x
-    ys = out[0] if split > 1 else out
-    dt = out.dtype if split == 1 else buf.gu.dtype  # the model's dtype (the partials are fp32)
-    _kernels()["gemm"][(tiles, -(-N // cfg["BN"]), split)](
-        xs, xs.stride(0), w8, w8.stride(0), w8.stride(1), w8.stride(2), sc, s_se, s_sn, s_sk,
-        rows if rows is not None else buf.tile_expert, sh_w, sh_sc, buf.tile_expert, buf.pairs, ys, ys.stride(0),
-        N, K, xdiv if gather else 1, K if act else 0, n_routed, K // split,
-        out.stride(0) if split > 1 else 0, x.stride(0) if xsplit > 1 else 0,
+    _kernels()["gemm"][(tiles, -(-N // cfg["BN"]))](
+        x, x.stride(0), w8, w8.stride(0), w8.stride(1), w8.stride(2), sc, s_se, s_sn, s_sk,
+        rows if rows is not None else buf.tile_expert, sh_w, sh_sc, buf.tile_expert, buf.pairs, out, out.stride(0),
+        N, K, xdiv if gather else 1, K if act else 0, n_routed,
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
-        ROW_MAP=rows is not None, IEEE=(dt == torch.float32), WT=cfg["WT"], SH=shared is not None,
-        CVT=int_cvt(dt) if fp8 else 0, SPLIT=split, XSPLIT=xsplit,
+        ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
+        CVT=int_cvt(x.dtype) if fp8 else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs())
 
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
                 top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                defer: bool = False, split: int | None = None):
+                defer: bool = False):
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output, or its split-K partials (a
@@ -468,12 +427,10 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     defer (not with ``shared``): skip the combine and return a
     :class:`hyspec.kernels.common.MoePartials` over the buffers (out is not written), for
     :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
-    call on ``buf``. split: the gate|up gemm's K split (None: its tile's SPLIT, gemm_config);
-    more than 1 needs ``buf`` made with at least that ``split``."""
+    call on ``buf``."""
     from hyspec.kernels.pdl import launch_kwargs
 
     from hyspec.kernels.common import MoePartials, SplitPartials
-    from hyspec.quant import Fp8Weight
 
     T, H = x.shape
     E = gate_up.shape[0]
@@ -505,20 +462,10 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
                       stats if use_stats else buf.ids, T, q, e_all, tiles, E, EB=p2(buf.n_experts), BM=buf.block_m,
                       QBLK=qblk, STATS=use_stats, num_warps=4, **lk)
     I2 = gate_up.shape[1]
-    fp8 = isinstance(gate_up, Fp8Weight)
-    cfg = gemm_config(I2, H, False, gate_up.block[1] if fp8 else None)
-    if split is not None:
-        cfg["SPLIT"] = split
-        gemm_config(I2, H, False, gate_up.block[1] if fp8 else None, tile=cfg)  # validated
-    split = cfg["SPLIT"]
-    if split > buf.split:
-        raise ValueError(f"moe_grouped: the gate|up gemm splits K in {split}, the buffers hold {buf.split} "
-                         f"partials (MoeBuffers(split=...))")
-    gu = buf.gu_part[:split, :, :I2] if split > 1 else buf.gu[:, :I2]
-    y = buf.y[:, :H]
+    gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
-    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu, cfg=cfg)
-    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down, xsplit=split)
+    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu)
+    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down)
     if defer:
         return MoePartials(y, buf.wts, buf.slot, slots)
     has_shared = shared is not None
