@@ -565,10 +565,6 @@ MADE_BY = {
     "gpu_tests_moe_route_forms_h200.txt": "`python3 -m pytest -q -rs tests/test_gpu_fp8_moe.py -k "
                                           "'verify_form_over_many_rows or presets_router'` (H200; the one-launch "
                                           "route+align failing 2 cases, since removed; header in the log)",
-    "qwen3-next-80b-a3b-fp8_h200_cut_log.txt": "`hyspec bench --config qwen3-next-80b-a3b-fp8 --hf-tokens 0 "
-                                               "--exact-tokens 1000 --exact-prompts 2 --ks 3 --variants exact "
-                                               "--verify-max 4 --no-exact-coupled` (H200), stopped by the device "
-                                               "call's time limit after the plain figure (header in the log)",
     "gpu_tests_moe_split_h200.txt": "`python3 -m pytest -q -n 4 -rfEs tests/test_gpu_fp8_moe.py` (H200; with the "
                                     "gate|up gemm's K split, since reverted; header in the log)",
     "gpu_tests_moe_route_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
