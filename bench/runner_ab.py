@@ -52,8 +52,8 @@ def main() -> None:
                     help="no timing: STEPS decode steps and STEPS K-rounds at each size on every arm, then the "
                          "bitwise comparison")
     ap.add_argument("--numbers-may-differ", action="store_true",
-                    help="the arms compute in another order (e.g. moe_split): report the bitwise comparison, "
-                         "do not fail on it")
+                    help="the arms compute in another order (as moe_split did at 7548d12): report the bitwise "
+                         "comparison, do not fail on it")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
