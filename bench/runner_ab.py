@@ -15,8 +15,9 @@ both were measured slower and removed; gdn_persist_ab_h200.json with ``--a gdn_p
 --b gdn_persist=1`` at f02965f and gdn_maxnreg_ab_h200.json with ``--b-gdn-maxnreg 96`` at
 b9fca3e, both removed since: docs/gpu.md "What is left", item 10; moe_split_ab_<preset>_h200.json
 with ``--a moe_split=1 --b moe_split=2 --numbers-may-differ`` at 7548d12, the MoE gate|up
-gemm's K split, which changes the sums' order, hence the flag; slower, removed.)  ``--b-pdl``: B's graphs
-are captured with programmatic dependent launch (``hyspec.kernels.pdl``; pdl_ab_h200.json).
+gemm's K split, which changes the sums' order, hence the flag; slower, removed.)  ``--b-pdl``: A's step graphs
+are captured without programmatic dependent launch, B's with it (the runner attribute ``pdl``,
+``hyspec.kernels.pdl``; pdl_ab_h200.json, pdl_ab_<preset>_h200.json).
 ``--bits-only STEPS`` skips the timing: every arm makes the same STEPS decode steps and STEPS
 K-rounds per size, then the states are compared; ``--also`` adds arms compared with A that
 way (``--a`` and ``--b`` the same and an ``--also`` of A's settings: does a run reproduce
@@ -44,7 +45,8 @@ def main() -> None:
     ap.add_argument("--a", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of A")
     ap.add_argument("--b", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of B")
     ap.add_argument("--b-pdl", action="store_true",
-                    help="B's graphs captured with programmatic dependent launch (hyspec.kernels.pdl.set_pdl)")
+                    help="A's step graphs captured without programmatic dependent launch, B's with it (the "
+                         "runner attribute pdl: --a pdl=False --b pdl=True; hyspec.kernels.pdl.model_default)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="one more arm (its attributes, comma-separated; empty: the defaults), run the same "
                          "calls untimed and compared bitwise with A (e.g. A again: does the run reproduce itself?)")
@@ -59,7 +61,6 @@ def main() -> None:
     args = ap.parse_args()
     from hyspec.bench.timing import time_fn
     from hyspec.gpu.batch_bench import preset_model, random_lanes
-    from hyspec.kernels.pdl import set_pdl
     from hyspec.provenance import git_state
 
     model = preset_model(args.config)
@@ -67,8 +68,6 @@ def main() -> None:
     S = max(sizes)
     if args.bits_only < 0:
         raise SystemExit("runner_ab: --bits-only takes a number of steps >= 0")
-    if args.bits_only and args.b_pdl:
-        raise SystemExit("runner_ab: --b-pdl applies to the timed calls only, not to --bits-only")
     # positions a lane may advance: per size, a decode call 1 and a round call up to k + 1,
     # timed: trials x (1 warm-up + 3 x reps) calls of each (hyspec.bench.timing.time_fn)
     calls = args.bits_only if args.bits_only else args.trials * (3 * args.reps + 1)
@@ -89,6 +88,9 @@ def main() -> None:
     if args.also and not args.bits_only:
         raise SystemExit("runner_ab: --also arms run only with --bits-only (they are not timed)")
     sets = {"A": settings(args.a), "B": settings(args.b)}
+    if args.b_pdl:
+        sets["A"].setdefault("pdl", False)
+        sets["B"].setdefault("pdl", True)
     for i, arm in enumerate(args.also):
         sets[f"C{i + 1}"] = settings([p for p in arm.split(",") if p])
 
@@ -126,8 +128,6 @@ def main() -> None:
                 for name in ("A", "B"):
                     d = decs[name]
                     fn = (lambda d=d: d.decode(nb)) if case == "decode" else (lambda d=d: d.round(nb, args.k))
-                    if name == "B" and args.b_pdl:  # B's launches (captured at its first call) with PDL
-                        fn = (lambda f=fn: (set_pdl(True), f(), set_pdl(None)))
                     best[name] = min(best.get(name, float("inf")), timed(fn))
             row = {"a_ms": best["A"], "b_ms": best["B"], "b_over_a": best["B"] / best["A"]}
             out["cases"][f"{case}_B{nb}"] = row

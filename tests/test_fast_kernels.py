@@ -182,6 +182,38 @@ def test_pdl_is_off_without_a_hopper_gpu():
         pdl.set_pdl(None)
 
 
+def test_pdl_scope_and_per_model_default(monkeypatch):
+    """A decoder's step graphs run in its runner's PDL scope: pdl.scoped sets the choice for
+    the block and puts the one before back (None: leaves it); model_default picks PDL for MoE
+    models unless HYSPEC_PDL says otherwise; StepGraphs runs its bodies in that scope."""
+    from hyspec.gpu.graphs import StepGraphs
+    from hyspec.kernels import pdl
+
+    assert pdl._override is None
+    with pdl.scoped(True):
+        assert pdl._override is True
+        with pdl.scoped(None):
+            assert pdl._override is True
+        with pdl.scoped(False):
+            assert pdl._override is False
+        assert pdl._override is True
+    assert pdl._override is None
+    with pytest.raises(RuntimeError):
+        with pdl.scoped(True):
+            raise RuntimeError("a failing body")
+    assert pdl._override is None
+    monkeypatch.delenv("HYSPEC_PDL", raising=False)
+    assert pdl.model_default(True) is True and pdl.model_default(False) is None
+    for env in ("0", "1"):  # an explicit environment decides for every model
+        monkeypatch.setenv("HYSPEC_PDL", env)
+        assert pdl.model_default(True) is None and pdl.model_default(False) is None
+    seen = []
+    for choice in (True, False, None):
+        graphs = StepGraphs(False, torch.device("cpu"), list, pdl=lambda c=choice: c)
+        graphs.run(("decode", 1), lambda: seen.append(pdl._override))
+    assert seen == [True, False, None] and pdl._override is None
+
+
 def test_gdn_replay_equals_recorded_states():
     from gdn_replay_check import check_replay_equals_recorded_states
 

@@ -36,7 +36,7 @@ from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
 from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
 from hyspec.kernels.matmul.config import TUNED, _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
-from hyspec.kernels.pdl import interpreting
+from hyspec.kernels.pdl import interpreting, model_default
 from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import Fp8Weight
@@ -267,6 +267,9 @@ class TritonRunner:
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
+        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.model_default:
+        # on for MoE models, where it measured faster; None: the process-wide setting)
+        self.pdl = model_default(self.moe_buf is not None)
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:

@@ -21,11 +21,12 @@ calls vanish.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
 
-__all__ = ["pdl_enabled", "set_pdl", "launch_kwargs", "interpreting", "kernels_per_mode"]
+__all__ = ["pdl_enabled", "set_pdl", "scoped", "model_default", "launch_kwargs", "interpreting", "kernels_per_mode"]
 
 _override: bool | None = None
 
@@ -78,7 +79,9 @@ def pdl_enabled() -> bool:
     CUDA device of compute capability >= 9 with a Triton that knows the launch option,
     not under the interpreter.
 
-    Off by default because it measured slower on the H200 for the b2 bench model
+    The decode steps of a model with MoE layers run with it (their runner's ``pdl``,
+    :func:`model_default`, applied by :func:`scoped`); elsewhere it is off by default because
+    it measured slower on the H200 for the b2 bench model
     (bench/results/step_anatomy_h200_tuning.json, tuned configs: decode step 1.688 ms without,
     1.744 ms with PDL, 1.838 ms with PDL + a 16 MB L2 weight prefetch, since removed)."""
     if _override is not None:
@@ -93,6 +96,37 @@ def set_pdl(flag: bool | None) -> None:
     captured earlier keep the launches they captured."""
     global _override
     _override = flag
+
+
+@contextmanager
+def scoped(flag: bool | None):
+    """Launches inside the block with PDL on (True) or off (False), then the setting before
+    it back; None leaves the setting alone.  A decoder's step graphs run in its runner's
+    ``pdl`` scope (hyspec.gpu.graphs.StepGraphs), so each model's decode steps are captured
+    with its own choice (:func:`model_default`)."""
+    global _override
+    if flag is None:
+        yield
+        return
+    before, _override = _override, flag
+    try:
+        yield
+    finally:
+        _override = before
+
+
+def model_default(moe: bool) -> bool | None:
+    """A decoder's PDL choice for its step graphs: on (True) for a model with MoE layers,
+    None (the process-wide setting: off unless ``HYSPEC_PDL=1``) otherwise; an explicit
+    ``HYSPEC_PDL=0`` or ``=1`` in the environment decides for every model (None).
+
+    Why per model: on the H200 PDL made the MoE presets' steps faster
+    (bench/results/pdl_ab_qwen3.5-35b-a3b_h200.json: decode x0.963, K=3 round x0.977;
+    bench/results/pdl_ab_qwen3-next-80b-a3b-fp8_h200.json for the 80B) and b2's dense step
+    slower (x1.044, above)."""
+    if os.environ.get("HYSPEC_PDL", "") in ("0", "1"):
+        return None
+    return True if moe else None
 
 
 def launch_kwargs() -> dict:
