@@ -185,7 +185,8 @@ def test_pdl_is_off_without_a_hopper_gpu():
 def test_pdl_scope_and_per_model_default(monkeypatch):
     """A decoder's step graphs run in its runner's PDL scope: pdl.scoped sets the choice for
     the block and puts the one before back (None: leaves it); model_default picks PDL for MoE
-    models unless HYSPEC_PDL says otherwise; StepGraphs runs its bodies in that scope."""
+    models with unquantized weights unless
+    HYSPEC_PDL says otherwise; StepGraphs runs its bodies in that scope."""
     from hyspec.gpu.graphs import StepGraphs
     from hyspec.kernels import pdl
 
@@ -204,6 +205,7 @@ def test_pdl_scope_and_per_model_default(monkeypatch):
     assert pdl._override is None
     monkeypatch.delenv("HYSPEC_PDL", raising=False)
     assert pdl.model_default(True) is True and pdl.model_default(False) is None
+    assert pdl.model_default(True, fp8=True) is None and pdl.model_default(False, fp8=True) is None
     for env in ("0", "1"):  # an explicit environment decides for every model
         monkeypatch.setenv("HYSPEC_PDL", env)
         assert pdl.model_default(True) is None and pdl.model_default(False) is None

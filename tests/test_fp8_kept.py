@@ -93,7 +93,7 @@ def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter, monkeypatch
     ref = generate_plain(m, prompt, max_new_tokens=n)
     monkeypatch.delenv("HYSPEC_PDL", raising=False)
     dec = BatchDecoder(m, len(prompt) + n + 8, 2, slots=1, graphs=False)
-    assert dec.runner.pdl is True  # MoE: step graphs with PDL (hyspec.kernels.pdl.model_default)
+    assert dec.runner.pdl is None  # block-FP8 MoE: no PDL of its own (hyspec.kernels.pdl.model_default)
     assert isinstance(dec.runner.layers[0].ex_gu, Fp8Weight) and dec.runner.layers[0].ex_gu.rows is not None
     dec.runner.reset_moe_counts()
     p = decode_one(dec, prompt, n)

@@ -268,8 +268,11 @@ class TritonRunner:
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
         # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.model_default:
-        # on for MoE models, where it measured faster; None: the process-wide setting)
-        self.pdl = model_default(self.moe_buf is not None)
+        # on for MoE models with unquantized weights, where it measured faster; None: the
+        # process-wide setting)
+        from hyspec.gpu.tune import fp8_shapes
+
+        self.pdl = model_default(self.moe_buf is not None, fp8=bool(fp8_shapes(self)))
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:

@@ -79,7 +79,7 @@ def pdl_enabled() -> bool:
     CUDA device of compute capability >= 9 with a Triton that knows the launch option,
     not under the interpreter.
 
-    The decode steps of a model with MoE layers run with it (their runner's ``pdl``,
+    The decode steps of a bf16 model with MoE layers run with it (their runner's ``pdl``,
     :func:`model_default`, applied by :func:`scoped`); elsewhere it is off by default because
     it measured slower on the H200 for the b2 bench model
     (bench/results/step_anatomy_h200_tuning.json, tuned configs: decode step 1.688 ms without,
@@ -115,18 +115,20 @@ def scoped(flag: bool | None):
         _override = before
 
 
-def model_default(moe: bool) -> bool | None:
-    """A decoder's PDL choice for its step graphs: on (True) for a model with MoE layers,
-    None (the process-wide setting: off unless ``HYSPEC_PDL=1``) otherwise; an explicit
-    ``HYSPEC_PDL=0`` or ``=1`` in the environment decides for every model (None).
+def model_default(moe: bool, fp8: bool = False) -> bool | None:
+    """A decoder's PDL choice for its step graphs: on (True) for a model with MoE layers
+    and unquantized weights, None (the process-wide setting: off unless ``HYSPEC_PDL=1``)
+    otherwise; an explicit ``HYSPEC_PDL=0`` or ``=1`` in the environment decides for every
+    model (None).
 
-    Why per model: on the H200 PDL made the MoE presets' steps faster
-    (bench/results/pdl_ab_qwen3.5-35b-a3b_h200.json: decode x0.963, K=3 round x0.977;
-    bench/results/pdl_ab_qwen3-next-80b-a3b-fp8_h200.json for the 80B) and b2's dense step
-    slower (x1.044, above)."""
+    Measured on the H200 (``python bench/runner_ab.py --config <preset> --sizes 1,4 --b-pdl``):
+    the bf16 MoE preset's steps are faster with it (bench/results/pdl_ab_qwen3.5-35b-a3b_h200.json:
+    decode x0.963, K=3 round x0.977, 4 lanes x0.978 / x0.996), the block-FP8 MoE preset's
+    are not (pdl_ab_qwen3-next-80b-a3b-fp8_h200.json: decode x1.052, round x0.992, 4 lanes
+    x0.990 / x1.008), nor is b2's dense step (x1.044, above)."""
     if os.environ.get("HYSPEC_PDL", "") in ("0", "1"):
         return None
-    return True if moe else None
+    return True if moe and not fp8 else None
 
 
 def launch_kwargs() -> dict:
