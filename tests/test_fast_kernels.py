@@ -209,11 +209,30 @@ def test_pdl_scope_and_per_model_default(monkeypatch):
     for env in ("0", "1"):  # an explicit environment decides for every model
         monkeypatch.setenv("HYSPEC_PDL", env)
         assert pdl.model_default(True) is None and pdl.model_default(False) is None
+    # a family left out: its launches say PDL=False while the others' follow the flag
+    # (here unsupported, so all are off; the skip set itself is what the scope sets)
+    with pdl.scoped(True, skip="matmul,moe_gemm"):
+        assert pdl._skip == {"matmul", "moe_gemm"} and pdl.launch_kwargs("matmul") == {"PDL": False}
+        with pdl.scoped(None):
+            assert pdl._skip == {"matmul", "moe_gemm"}
+    assert pdl._skip == frozenset()
+    monkeypatch.delenv("HYSPEC_PDL")
+    monkeypatch.setattr(pdl, "_supported", lambda: True)  # as on a Hopper GPU
+    with pdl.scoped(True, skip="matmul"):
+        on = {"PDL": True, "launch_pdl": True}
+        assert pdl.launch_kwargs() == on and pdl.launch_kwargs("moe_gemm") == on
+        assert pdl.launch_kwargs("matmul") == {"PDL": False}
+    assert pdl.launch_kwargs("matmul") == {"PDL": False} == pdl.launch_kwargs()  # off by default
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="unknown kernel families"):
+        with pdl.scoped(True, skip="matmull"):
+            pass
     seen = []
-    for choice in (True, False, None):
+    for choice in ((True, ""), (False, ""), (None, ""), (True, "moe_gemm")):
         graphs = StepGraphs(False, torch.device("cpu"), list, pdl=lambda c=choice: c)
-        graphs.run(("decode", 1), lambda: seen.append(pdl._override))
-    assert seen == [True, False, None] and pdl._override is None
+        graphs.run(("decode", 1), lambda: seen.append((pdl._override, set(pdl._skip))))
+    assert seen == [(True, set()), (False, set()), (None, set()), (True, {"moe_gemm"})]
+    assert pdl._override is None and pdl._skip == frozenset()
 
 
 def test_gdn_replay_equals_recorded_states():

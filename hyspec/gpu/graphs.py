@@ -63,13 +63,14 @@ class StepGraphs:
 
     enabled   graphs were asked for (the decoder's ``graphs``); False: every run is eager
     mutable   () -> the owner's tensors a body writes (saved and put back around a capture)
-    pdl       () -> whether the bodies launch with programmatic dependent launch (True /
-              False; None: the process-wide setting), read at each run and capture
-              (hyspec.kernels.pdl.scoped); a graph keeps the launches it captured
+    pdl       () -> (flag, skip): whether the bodies launch with programmatic dependent launch
+              (True / False; None: the process-wide setting) and the kernel families that
+              do not, read at each run and capture (hyspec.kernels.pdl.scoped); a graph
+              keeps the launches it captured
     """
 
     def __init__(self, enabled: bool, device: torch.device, mutable: Callable[[], list[torch.Tensor]],
-                 pdl: Callable[[], bool | None] = lambda: None) -> None:
+                 pdl: Callable[[], tuple[bool | None, str]] = lambda: (None, "")) -> None:
         self.enabled = enabled
         self.device = device
         self.mutable = mutable
@@ -94,7 +95,7 @@ class StepGraphs:
             if graph is not None:
                 graph.replay()
                 return
-        with torch.no_grad(), scoped(self.pdl()):
+        with torch.no_grad(), scoped(*self.pdl()):
             body()
 
     def ensure(self, key: Hashable, body: Callable[[], None]) -> None:
@@ -122,13 +123,13 @@ class StepGraphs:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad(), scoped(self.pdl()):
+            with torch.cuda.stream(side), torch.no_grad(), scoped(*self.pdl()):
                 body()  # compile + warm up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             self.restore(saved)
             before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), torch.no_grad(), scoped(self.pdl()):
+            with torch.cuda.graph(graph), torch.no_grad(), scoped(*self.pdl()):
                 body()
             torch.cuda.synchronize()
             self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)

@@ -273,6 +273,9 @@ class TritonRunner:
         from hyspec.gpu.tune import fp8_shapes
 
         self.pdl = model_default(self.moe_buf is not None, fp8=bool(fp8_shapes(self)))
+        # kernel families that launch without PDL when it is on (hyspec.kernels.pdl.FAMILIES,
+        # comma-separated; "": none): an A/B knob (bench/runner_ab.py --b pdl_skip=matmul)
+        self.pdl_skip = ""
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:

@@ -29,6 +29,11 @@ import torch
 __all__ = ["pdl_enabled", "set_pdl", "scoped", "model_default", "launch_kwargs", "interpreting", "kernels_per_mode"]
 
 _override: bool | None = None
+# kernel families launched without PDL even when it is on (scoped's skip): "matmul" the
+# skinny bf16 / block-FP8 matmuls (not their split-K reduce), "moe_gemm" the grouped MoE
+# expert gemms
+FAMILIES = frozenset({"matmul", "moe_gemm"})
+_skip: frozenset = frozenset()
 
 
 def interpreting() -> bool:
@@ -99,20 +104,29 @@ def set_pdl(flag: bool | None) -> None:
 
 
 @contextmanager
-def scoped(flag: bool | None):
+def scoped(flag: bool | None, skip: str = ""):
     """Launches inside the block with PDL on (True) or off (False), then the setting before
-    it back; None leaves the setting alone.  A decoder's step graphs run in its runner's
-    ``pdl`` scope (hyspec.gpu.graphs.StepGraphs), so each model's decode steps are captured
-    with its own choice (:func:`model_default`)."""
-    global _override
-    if flag is None:
+    it back; None leaves the setting alone.  ``skip``: comma-separated kernel families
+    (``FAMILIES``) that launch without PDL inside the block even when it is on (an
+    ablation's knob: a family compiled with ``PDL=False`` never triggers its dependents
+    early and never waits, and the kernel after it starts once it completes, as without
+    PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` scope
+    (hyspec.gpu.graphs.StepGraphs), so each model's decode steps are captured with its own
+    choice (:func:`model_default`)."""
+    global _override, _skip
+    names = frozenset(n for n in skip.split(",") if n)
+    if names - FAMILIES:
+        raise ValueError(f"pdl.scoped: unknown kernel families {sorted(names - FAMILIES)} (known: {sorted(FAMILIES)})")
+    if flag is None and not names:
         yield
         return
-    before, _override = _override, flag
+    before = _override, _skip
+    _override = _override if flag is None else flag
+    _skip = names
     try:
         yield
     finally:
-        _override = before
+        _override, _skip = before
 
 
 def model_default(moe: bool, fp8: bool = False) -> bool | None:
@@ -131,8 +145,8 @@ def model_default(moe: bool, fp8: bool = False) -> bool | None:
     return True if moe and not fp8 else None
 
 
-def launch_kwargs() -> dict:
+def launch_kwargs(family: str | None = None) -> dict:
     """Extra kwargs for a Triton launch: ``{"PDL": bool}`` for the kernel's constexpr and
-    ``launch_pdl`` when enabled."""
-    on = pdl_enabled()
+    ``launch_pdl`` when enabled (and ``family``, one of ``FAMILIES``, not skipped)."""
+    on = pdl_enabled() and (family is None or family not in _skip)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

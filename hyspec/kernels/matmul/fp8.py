@@ -262,7 +262,6 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
             ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     rows = w.rows
-    lk = launch_kwargs()
     kernel[(n_tblocks, _cdiv(N, cfg.block_n), cfg.split_k)](
         x, w8, scale, rows if rows is not None else scale, out, ws,
         T, N, K, cfg.k_per_split,
@@ -277,7 +276,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w8.stride(0)) + (K - 1) * abs(w8.stride(1)) >= 2**31),
         ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs("matmul"),
     )
     if not direct:
         if defer:
@@ -285,6 +284,6 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         _, reduce_kernel, _ = _bf16_kernels()
         reduce_kernel[(_cdiv(N, 1024), T)](
             ws, out, T, N, cfg.split_k, sws_s, sws_t, out.stride(0), out.stride(1),
-            BLOCK=1024, num_warps=4, **lk,
+            BLOCK=1024, num_warps=4, **launch_kwargs(),
         )
     return out

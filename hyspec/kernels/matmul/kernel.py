@@ -232,7 +232,6 @@ def skinny_matmul(
             ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     grid = (n_tblocks, _cdiv(N, cfg.block_n), cfg.split_k)
-    lk = launch_kwargs()
     mm_kernel[grid](
         x, w, out, ws,
         T, N, K, cfg.k_per_split,
@@ -245,14 +244,14 @@ def skinny_matmul(
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
         ACT=act, X_UP=K if act else 0, WT=cfg.wt,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs("matmul"),
     )
     if not direct:
         if defer:
             return SplitPartials(ws, cfg.split_k)
         reduce_kernel[(_cdiv(N, _REDUCE_BLOCK), T)](
             ws, out, T, N, cfg.split_k, sws_s, sws_t, out.stride(0), out.stride(1),
-            BLOCK=_REDUCE_BLOCK, num_warps=4, **lk,
+            BLOCK=_REDUCE_BLOCK, num_warps=4, **launch_kwargs(),
         )
     return out
 

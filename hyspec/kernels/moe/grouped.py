@@ -405,7 +405,7 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
         ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
         CVT=int_cvt(x.dtype) if fp8 else 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs())
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs("moe_gemm"))
 
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
