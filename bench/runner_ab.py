@@ -17,7 +17,10 @@ b9fca3e, both removed since: docs/gpu.md "What is left", item 10; moe_split_ab_<
 with ``--a moe_split=1 --b moe_split=2 --numbers-may-differ`` at 7548d12, the MoE gate|up
 gemm's K split, which changes the sums' order, hence the flag; slower, removed.)  ``--b-pdl``: A's step graphs
 are captured without programmatic dependent launch, B's with it (the runner attribute ``pdl``,
-``hyspec.kernels.pdl``; pdl_ab_h200.json, pdl_ab_<preset>_h200.json).
+``hyspec.kernels.pdl``); since the skinny matmuls are left out of it by default (the runner's
+``pdl_skip``), PDL on every kernel is ``--b-pdl --b pdl_skip=`` (pdl_ab_h200.json and
+pdl_ab_<preset>_h200.json ran before that default, as PDL on every kernel), and
+pdlskip_ab_<preset>_h200.json ran ``--a pdl=False --b pdl=True --b pdl_skip=matmul``.
 ``--bits-only STEPS`` skips the timing: every arm makes the same STEPS decode steps and STEPS
 K-rounds per size, then the states are compared; ``--also`` adds arms compared with A that
 way (``--a`` and ``--b`` the same and an ``--also`` of A's settings: does a run reproduce
@@ -46,7 +49,8 @@ def main() -> None:
     ap.add_argument("--b", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of B")
     ap.add_argument("--b-pdl", action="store_true",
                     help="A's step graphs captured without programmatic dependent launch, B's with it (the "
-                         "runner attribute pdl: --a pdl=False --b pdl=True; hyspec.kernels.pdl.model_default)")
+                         "runner attribute pdl: --a pdl=False --b pdl=True; B keeps the default pdl_skip, the "
+                         "skinny matmuls left out, unless --b pdl_skip= says otherwise; hyspec.kernels.pdl)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="one more arm (its attributes, comma-separated; empty: the defaults), run the same "
                          "calls untimed and compared bitwise with A (e.g. A again: does the run reproduce itself?)")

@@ -182,11 +182,11 @@ def test_pdl_is_off_without_a_hopper_gpu():
         pdl.set_pdl(None)
 
 
-def test_pdl_scope_and_per_model_default(monkeypatch):
-    """A decoder's step graphs run in its runner's PDL scope: pdl.scoped sets the choice for
-    the block and puts the one before back (None: leaves it); model_default picks PDL for MoE
-    models with unquantized weights unless
-    HYSPEC_PDL says otherwise; StepGraphs runs its bodies in that scope."""
+def test_pdl_scope_and_step_default(monkeypatch):
+    """A decoder's step graphs run in its runner's PDL scope: pdl.scoped sets the choice (and
+    the kernel families left out) for the block and puts the one before back (None: leaves
+    it); step_default is PDL with the skinny matmuls left out unless HYSPEC_PDL says
+    otherwise; StepGraphs runs its bodies in that scope."""
     from hyspec.gpu.graphs import StepGraphs
     from hyspec.kernels import pdl
 
@@ -204,11 +204,13 @@ def test_pdl_scope_and_per_model_default(monkeypatch):
             raise RuntimeError("a failing body")
     assert pdl._override is None
     monkeypatch.delenv("HYSPEC_PDL", raising=False)
-    assert pdl.model_default(True) is True and pdl.model_default(False) is None
-    assert pdl.model_default(True, fp8=True) is None and pdl.model_default(False, fp8=True) is None
-    for env in ("0", "1"):  # an explicit environment decides for every model
+    monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
+    assert pdl.step_default() == (True, "matmul")
+    monkeypatch.setenv("HYSPEC_PDL_SKIP", "")
+    assert pdl.step_default() == (True, "")
+    for env in ("0", "1"):  # an explicit HYSPEC_PDL hands the choice to the process-wide setting
         monkeypatch.setenv("HYSPEC_PDL", env)
-        assert pdl.model_default(True) is None and pdl.model_default(False) is None
+        assert pdl.step_default() == (None, "")
     # a family left out: its launches say PDL=False while the others' follow the flag
     # (here unsupported, so all are off; the skip set itself is what the scope sets)
     with pdl.scoped(True, skip="matmul,moe_gemm"):

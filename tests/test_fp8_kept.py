@@ -80,7 +80,7 @@ def test_runner_packs_fp8_groups_without_copies(ckpt):
     assert module_fp8(kept.model.layers[0].linear_attn.in_proj_ba) is None
 
 
-def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter, monkeypatch):
+def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
     """The GPU decoder's Triton runner on a block-FP8 MoE model (Triton interpreter, fp32
     activations; one sequence on a one-lane BatchDecoder through decode_one): FP8 matmuls
     (row maps: 128-row blocks over a 32-wide model) and the grouped MoE."""
@@ -91,9 +91,7 @@ def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter, monkeypatch
     m = load_model(ckpt("qwen3_5_moe", "per_expert", (128, 128), layers=4, hidden=32, vocab_size=128), fp8="keep")
     prompt, n = [5, 17, 99, 3, 7], 5
     ref = generate_plain(m, prompt, max_new_tokens=n)
-    monkeypatch.delenv("HYSPEC_PDL", raising=False)
     dec = BatchDecoder(m, len(prompt) + n + 8, 2, slots=1, graphs=False)
-    assert dec.runner.pdl is None  # block-FP8 MoE: no PDL of its own (hyspec.kernels.pdl.model_default)
     assert isinstance(dec.runner.layers[0].ex_gu, Fp8Weight) and dec.runner.layers[0].ex_gu.rows is not None
     dec.runner.reset_moe_counts()
     p = decode_one(dec, prompt, n)

@@ -36,7 +36,7 @@ from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
 from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
 from hyspec.kernels.matmul.config import TUNED, _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
-from hyspec.kernels.pdl import interpreting, model_default
+from hyspec.kernels.pdl import interpreting, step_default
 from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import Fp8Weight
@@ -267,15 +267,11 @@ class TritonRunner:
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
-        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.model_default:
-        # on for MoE models with unquantized weights, where it measured faster; None: the
-        # process-wide setting)
-        from hyspec.gpu.tune import fp8_shapes
-
-        self.pdl = model_default(self.moe_buf is not None, fp8=bool(fp8_shapes(self)))
-        # kernel families that launch without PDL when it is on (hyspec.kernels.pdl.FAMILIES,
-        # comma-separated; "": none): an A/B knob (bench/runner_ab.py --b pdl_skip=matmul)
-        self.pdl_skip = ""
+        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default: on,
+        # the skinny matmuls left out; pdl None: the process-wide setting) and the kernel
+        # families launched without it (comma-separated hyspec.kernels.pdl.FAMILIES; A/B
+        # knobs: bench/runner_ab.py --a pdl=False, --b pdl_skip=)
+        self.pdl, self.pdl_skip = step_default()
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:

@@ -14,9 +14,15 @@ sits idle.  With PDL a kernel may be *launched* while its predecessor still runs
   (an L2 prefetch of the weight slab there measured slower on the H200 and was removed).
 
 The result is unchanged (same kernels, same arithmetic, the waits only order memory
-traffic), so exactness is untouched; only the schedule moves.  Without PDL (the default,
-older GPUs, the CPU interpreter) the kernels are compiled with ``PDL=False`` and the two
-calls vanish.
+traffic), so exactness is untouched; only the schedule moves.  Without PDL (older GPUs,
+the CPU interpreter, launches outside a decoder's step graphs unless ``HYSPEC_PDL=1``) the
+kernels are compiled with ``PDL=False`` and the two calls vanish.
+
+A decoder's step graphs run with PDL on every kernel but the skinny matmuls
+(:func:`step_default`): those are compiled with ``PDL=False`` and launched plainly, so they
+start once the kernel ahead has completed, and the kernel after them once they have (a
+kernel that never triggers its dependents early triggers them as it exits), which keeps
+the transitive completion above.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["pdl_enabled", "set_pdl", "scoped", "model_default", "launch_kwargs", "interpreting", "kernels_per_mode"]
+__all__ = ["pdl_enabled", "set_pdl", "scoped", "step_default", "launch_kwargs", "interpreting", "kernels_per_mode"]
 
 _override: bool | None = None
 # kernel families launched without PDL even when it is on (scoped's skip): "matmul" the
@@ -80,15 +86,15 @@ def _supported_gpu() -> bool:
 
 def pdl_enabled() -> bool:
     """True when kernels should be compiled with PDL and launched with ``launch_pdl``:
-    asked for (``HYSPEC_PDL=1`` or :func:`set_pdl(True)`; off by default, see below) on a
-    CUDA device of compute capability >= 9 with a Triton that knows the launch option,
-    not under the interpreter.
+    asked for (:func:`set_pdl(True)` or :func:`scoped`, as a decoder's step graphs do;
+    elsewhere ``HYSPEC_PDL=1``) on a CUDA device of compute capability >= 9 with a Triton
+    that knows the launch option, not under the interpreter.
 
-    The decode steps of a bf16 model with MoE layers run with it (their runner's ``pdl``,
-    :func:`model_default`, applied by :func:`scoped`); elsewhere it is off by default because
-    it measured slower on the H200 for the b2 bench model
-    (bench/results/step_anatomy_h200_tuning.json, tuned configs: decode step 1.688 ms without,
-    1.744 ms with PDL, 1.838 ms with PDL + a 16 MB L2 weight prefetch, since removed)."""
+    Outside the step graphs it is off by default: with every kernel it measured slower on
+    the H200 for the b2 bench model (bench/results/step_anatomy_h200_tuning.json, tuned
+    configs: decode step 1.688 ms without, 1.744 ms with PDL, 1.838 ms with PDL + a 16 MB
+    L2 weight prefetch, since removed); :func:`step_default` has the measurements behind
+    the step graphs' choice."""
     if _override is not None:
         return _override and _supported()
     if os.environ.get("HYSPEC_PDL", "0") != "1":
@@ -111,8 +117,7 @@ def scoped(flag: bool | None, skip: str = ""):
     ablation's knob: a family compiled with ``PDL=False`` never triggers its dependents
     early and never waits, and the kernel after it starts once it completes, as without
     PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` scope
-    (hyspec.gpu.graphs.StepGraphs), so each model's decode steps are captured with its own
-    choice (:func:`model_default`)."""
+    (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`."""
     global _override, _skip
     names = frozenset(n for n in skip.split(",") if n)
     if names - FAMILIES:
@@ -129,20 +134,25 @@ def scoped(flag: bool | None, skip: str = ""):
         _override, _skip = before
 
 
-def model_default(moe: bool, fp8: bool = False) -> bool | None:
-    """A decoder's PDL choice for its step graphs: on (True) for a model with MoE layers
-    and unquantized weights, None (the process-wide setting: off unless ``HYSPEC_PDL=1``)
-    otherwise; an explicit ``HYSPEC_PDL=0`` or ``=1`` in the environment decides for every
-    model (None).
+def step_default() -> tuple[bool | None, str]:
+    """A decoder's PDL choice for its step graphs, as (flag, skip) for :func:`scoped`: on,
+    with the skinny matmuls left out (``(True, "matmul")``); an explicit ``HYSPEC_PDL=0``
+    or ``=1`` in the environment hands the choice to the process-wide setting instead
+    (``(None, "")``: every kernel off, or every kernel on), and ``HYSPEC_PDL_SKIP`` names
+    other families to leave out ("" none).
 
-    Measured on the H200 (``python bench/runner_ab.py --config <preset> --sizes 1,4 --b-pdl``):
-    the bf16 MoE preset's steps are faster with it (bench/results/pdl_ab_qwen3.5-35b-a3b_h200.json:
-    decode x0.963, K=3 round x0.977, 4 lanes x0.978 / x0.996), the block-FP8 MoE preset's
-    are not (pdl_ab_qwen3-next-80b-a3b-fp8_h200.json: decode x1.052, round x0.992, 4 lanes
-    x0.990 / x1.008), nor is b2's dense step (x1.044, above)."""
-    if os.environ.get("HYSPEC_PDL", "") in ("0", "1"):
-        return None
-    return True if moe and not fp8 else None
+    Measured on the H200 (``python bench/runner_ab.py``; every arm bitwise equal): PDL on
+    every kernel made b2's dense step slower (x1.044, above) and the block-FP8 80B preset's
+    one-lane decode too (bench/results/pdl_ab_qwen3-next-80b-a3b-fp8_h200.json: x1.052),
+    while the bf16 35B MoE preset's got faster (pdl_ab_qwen3.5-35b-a3b_h200.json: x0.963).
+    With the skinny matmuls left out (``--b pdl=True --b pdl_skip=matmul``,
+    pdlskip_ab_<preset>_h200.json) it is faster on all three: b2 decode x0.984 at one lane
+    and x0.995 at 16; the 35B x0.985 more than with PDL on every kernel; the 80B decode
+    x0.954, K=3 round x0.979 against no PDL."""
+    env = os.environ.get("HYSPEC_PDL", "")
+    if env in ("0", "1"):
+        return None, ""
+    return True, os.environ.get("HYSPEC_PDL_SKIP", "matmul")
 
 
 def launch_kwargs(family: str | None = None) -> dict:
