@@ -510,6 +510,10 @@ def gpu_tests(res: Results) -> str:
 # How the files whose JSON does not record its command were made (the others: their
 # meta.command / command, shown without --out).
 MADE_BY = {
+    "b2_h200_cut_log.txt": "`hyspec bench --config b2 --variants exact --ks 3 --verify-max 4 --exact-prompts 4 "
+                           "--exact-tokens 2000 --batch 1,4,16,64 --batch-inv-prompts 8 --draft-vocab 32000 "
+                           "--hf-tokens 0` (H200), stopped by the device call's time limit before its K=3 and "
+                           "sampled invariance rows (header in the log)",
     "b2_h200.md": "by hand: the b2 write-up (its current-figures table: `python bench/tables.py`)",
     "b2_h200.png": "`python bench/plot_results.py bench/results/b2_h200.json bench/results/b2_h200_baselines.json "
                    "--out bench/results/b2_h200.png` (needs matplotlib)",
