@@ -20,7 +20,8 @@ are captured without programmatic dependent launch, B's with it (the runner attr
 ``hyspec.kernels.pdl``); since the skinny matmuls are left out of it by default (the runner's
 ``pdl_skip``), PDL on every kernel is ``--b-pdl --b pdl_skip=`` (pdl_ab_h200.json and
 pdl_ab_<preset>_h200.json ran before that default, as PDL on every kernel), and
-pdlskip_ab_<preset>_h200.json ran ``--a pdl=False --b pdl=True --b pdl_skip=matmul``.
+pdlskip_ab_<preset>_h200.json ran ``--a pdl=False --b pdl=True --b pdl_skip=matmul``, the 35B's
+``--a pdl=True`` (PDL on every kernel then: today ``--a pdl=True --a pdl_skip=``).
 ``--bits-only STEPS`` skips the timing: every arm makes the same STEPS decode steps and STEPS
 K-rounds per size, then the states are compared; ``--also`` adds arms compared with A that
 way (``--a`` and ``--b`` the same and an ``--also`` of A's settings: does a run reproduce
@@ -103,8 +104,9 @@ def main() -> None:
             for name, value in attrs.items():
                 if not hasattr(d.runner, name):
                     raise SystemExit(f"runner_ab: TritonRunner has no attribute {name!r}")
-                setattr(d.runner, name, type(getattr(d.runner, name))(value)
-                        if isinstance(getattr(d.runner, name), (bool, int, float)) else value)
+                now = getattr(d.runner, name)  # (None stays None: e.g. pdl=None, the process-wide PDL)
+                setattr(d.runner, name, type(now)(value)
+                        if isinstance(now, (bool, int, float)) and value is not None else value)
 
         return random_lanes(model, S, args.prompt_len, args.prompt_len + steps + 64, args.k, setup=setup)
 

@@ -39,16 +39,11 @@ def _ref_logprobs(m, prompt, tokens):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batched_verify_rows_match_the_reference(tmp_path, arch, monkeypatch):
+def test_batched_verify_rows_match_the_reference(tmp_path, arch):
     from hyspec.gpu.batch import BatchDecoder
 
     m = _model(tmp_path, arch)
-    monkeypatch.delenv("HYSPEC_PDL", raising=False)
-    monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     dec = BatchDecoder(m, 48, 3, slots=3, graphs=False)
-    # step graphs with programmatic dependent launch, the skinny matmuls left out
-    # (hyspec.kernels.pdl.step_default; no-op in the interpreter)
-    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul")
     prompts = [[5, 17, 99, 3, 7, 42], [8, 1], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
     verify = [[11, 23, 4, 60], [9, 9, 2, 1], [100, 3, 5, 7]]
     for lane, p in enumerate(prompts):
@@ -69,6 +64,43 @@ def test_batched_verify_rows_match_the_reference(tmp_path, arch, monkeypatch):
     bad = torch.log_softmax(dec2.runner.logits(post2).double(), -1).view(2, 1, -1)
     ref1 = _ref_logprobs(m, prompts[1], verify[1][:1])
     assert float((bad[1] - ref1).abs().max()) > LOGPROB_ATOL
+
+
+def test_step_bodies_launch_in_the_runners_pdl_scope(tmp_path, monkeypatch):
+    """The decoder's step bodies run in its runner's PDL choice (hyspec.kernels.pdl.scoped;
+    by default on, the skinny matmuls left out): every skinny matmul of a decode step asks
+    for its launch kwargs as family "matmul" inside a scope that leaves that family out,
+    and a changed runner attribute is what the next step runs with.  (PDL itself is off
+    in the interpreter; the recorder sees the choice the kernels would launch with.)"""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.kernels import pdl
+    from hyspec.kernels.matmul import kernel as mm_kernel
+
+    monkeypatch.delenv("HYSPEC_PDL", raising=False)
+    monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
+    m = _model(tmp_path, "qwen3_5")
+    dec = BatchDecoder(m, 32, 2, slots=2, graphs=False)
+    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul") == dec.step_graphs.pdl()
+    dec.prefill(0, [5, 17, 99, 3])
+    seen = []
+    real = mm_kernel.launch_kwargs
+
+    def record(family=None):
+        seen.append((family, pdl.current()))
+        return real(family)
+
+    monkeypatch.setattr(mm_kernel, "launch_kwargs", record)
+    dec.decode(1)
+    mm = [cur for fam, cur in seen if fam == "matmul"]
+    assert mm and all(cur == (True, frozenset({"matmul"})) for cur in mm)
+    assert pdl.current() == (None, frozenset())  # the scope ended with the step
+    seen.clear()
+    dec.runner.pdl, dec.runner.pdl_skip = False, ""
+    dec.decode(1)
+    assert seen and all(cur == (False, frozenset()) for _, cur in seen)
+    dec.runner.pdl_skip = "matmul,gemm"  # a bad family: an error naming it, before any launch
+    with pytest.raises(ValueError, match="pdl_skip: unknown kernel families \\['gemm'\\]"):
+        dec.decode(1)
 
 
 def test_row_tile_height_policy(tmp_path, monkeypatch):

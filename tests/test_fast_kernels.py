@@ -190,34 +190,47 @@ def test_pdl_scope_and_step_default(monkeypatch):
     from hyspec.gpu.graphs import StepGraphs
     from hyspec.kernels import pdl
 
-    assert pdl._override is None
+    assert pdl.current()[0] is None
     with pdl.scoped(True):
-        assert pdl._override is True
+        assert pdl.current()[0] is True
         with pdl.scoped(None):
-            assert pdl._override is True
+            assert pdl.current()[0] is True
         with pdl.scoped(False):
-            assert pdl._override is False
-        assert pdl._override is True
-    assert pdl._override is None
+            assert pdl.current()[0] is False
+        assert pdl.current()[0] is True
+    assert pdl.current()[0] is None
     with pytest.raises(RuntimeError):
         with pdl.scoped(True):
             raise RuntimeError("a failing body")
-    assert pdl._override is None
+    assert pdl.current()[0] is None
+    # the scope is the calling thread's: another thread's launches keep their own choice
+    import threading
+
+    other = []
+    with pdl.scoped(True, skip="matmul"):
+        th = threading.Thread(target=lambda: other.append(pdl.current()))
+        th.start()
+        th.join()
+    assert other == [(None, frozenset())]
     monkeypatch.delenv("HYSPEC_PDL", raising=False)
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     assert pdl.step_default() == (True, "matmul")
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "")
     assert pdl.step_default() == (True, "")
+    monkeypatch.setenv("HYSPEC_PDL_SKIP", "matmul,attention")  # a bad name: an error naming it
+    with pytest.raises(ValueError, match="HYSPEC_PDL_SKIP: unknown kernel families \\['attention'\\]"):
+        pdl.step_default()
+    monkeypatch.setenv("HYSPEC_PDL_SKIP", "")
     for env in ("0", "1"):  # an explicit HYSPEC_PDL hands the choice to the process-wide setting
         monkeypatch.setenv("HYSPEC_PDL", env)
         assert pdl.step_default() == (None, "")
     # a family left out: its launches say PDL=False while the others' follow the flag
     # (here unsupported, so all are off; the skip set itself is what the scope sets)
     with pdl.scoped(True, skip="matmul,moe_gemm"):
-        assert pdl._skip == {"matmul", "moe_gemm"} and pdl.launch_kwargs("matmul") == {"PDL": False}
+        assert pdl.current()[1] == {"matmul", "moe_gemm"} and pdl.launch_kwargs("matmul") == {"PDL": False}
         with pdl.scoped(None):
-            assert pdl._skip == {"matmul", "moe_gemm"}
-    assert pdl._skip == frozenset()
+            assert pdl.current()[1] == {"matmul", "moe_gemm"}
+    assert pdl.current()[1] == frozenset()
     monkeypatch.delenv("HYSPEC_PDL")
     monkeypatch.setattr(pdl, "_supported", lambda: True)  # as on a Hopper GPU
     with pdl.scoped(True, skip="matmul"):
@@ -232,9 +245,9 @@ def test_pdl_scope_and_step_default(monkeypatch):
     seen = []
     for choice in ((True, ""), (False, ""), (None, ""), (True, "moe_gemm")):
         graphs = StepGraphs(False, torch.device("cpu"), list, pdl=lambda c=choice: c)
-        graphs.run(("decode", 1), lambda: seen.append((pdl._override, set(pdl._skip))))
+        graphs.run(("decode", 1), lambda: seen.append((pdl.current()[0], set(pdl.current()[1]))))
     assert seen == [(True, set()), (False, set()), (None, set()), (True, {"moe_gemm"})]
-    assert pdl._override is None and pdl._skip == frozenset()
+    assert pdl.current() == (None, frozenset())
 
 
 def test_gdn_replay_equals_recorded_states():

@@ -192,7 +192,7 @@ def _tiny(arch, dtype, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_one_lane_spec_equals_plain(arch, dtype, tmp_path):
+def test_one_lane_spec_equals_plain(arch, dtype, tmp_path, monkeypatch):
     """One sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs): greedy
     speculative decoding (K 1 and 3, the forced and the MTP drafter) == plain, bitwise;
     plain vs the reference loop (fp32: the first 16 tokens agree); programmatic dependent
@@ -204,7 +204,10 @@ def test_one_lane_spec_equals_plain(arch, dtype, tmp_path):
     m = _tiny(arch, dtype, tmp_path)
     prompt = list(range(3, 40, 3))
     N = 64
+    monkeypatch.delenv("HYSPEC_PDL", raising=False)  # the shipped PDL choice as the reference arm
+    monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     dec = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
+    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul")
     p = decode_one(dec, prompt, N)
     assert p.stats["graphs"], "CUDA graphs fell back to eager"
     ref = generate_plain(m, prompt, max_new_tokens=N)

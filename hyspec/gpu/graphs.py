@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from hyspec.kernels.pdl import scoped
+from hyspec.kernels.pdl import families, scoped
 
 
 def graph_ms(fn, reps: int = 50) -> float:
@@ -95,13 +95,19 @@ class StepGraphs:
             if graph is not None:
                 graph.replay()
                 return
-        with torch.no_grad(), scoped(*self.pdl()):
+        with torch.no_grad(), scoped(*self._launch()):
             body()
 
     def ensure(self, key: Hashable, body: Callable[[], None]) -> None:
         """Capture key's graph ahead of time (the owner's state is left unchanged)."""
         if self.active and key not in self.graphs:
             self.capture(key, body)
+
+    def _launch(self) -> tuple[bool | None, str]:
+        """The owner's PDL choice, its kernel families checked (ValueError naming a bad one)."""
+        flag, skip = self.pdl()
+        families(skip, "the decoder's pdl_skip")
+        return flag, skip
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of the owner's mutable tensors (for restore)."""
@@ -114,6 +120,7 @@ class StepGraphs:
     def capture(self, key: Hashable, body: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         """Warm up, capture and store key's graph; None (and graphs off) if that fails."""
         t0 = time.perf_counter()
+        launch = self._launch()  # before the try: a bad setting is an error, not a failed capture
         saved = self.snapshot()
         # no garbage collection while capturing: collecting an unreachable decoder would
         # destroy its graphs mid-capture ("operation not permitted when stream is capturing",
@@ -123,13 +130,13 @@ class StepGraphs:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad(), scoped(*self.pdl()):
+            with torch.cuda.stream(side), torch.no_grad(), scoped(*launch):
                 body()  # compile + warm up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             self.restore(saved)
             before = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), torch.no_grad(), scoped(*self.pdl()):
+            with torch.cuda.graph(graph), torch.no_grad(), scoped(*launch):
                 body()
             torch.cuda.synchronize()
             self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)

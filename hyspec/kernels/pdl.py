@@ -27,19 +27,29 @@ the transitive completion above.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
 
-__all__ = ["pdl_enabled", "set_pdl", "scoped", "step_default", "launch_kwargs", "interpreting", "kernels_per_mode"]
+__all__ = ["pdl_enabled", "set_pdl", "scoped", "current", "step_default", "launch_kwargs", "interpreting",
+           "kernels_per_mode", "FAMILIES", "families"]
 
-_override: bool | None = None
+_override: bool | None = None  # set_pdl's process-wide choice
 # kernel families launched without PDL even when it is on (scoped's skip): "matmul" the
 # skinny bf16 / block-FP8 matmuls (not their split-K reduce), "moe_gemm" the grouped MoE
 # expert gemms
 FAMILIES = frozenset({"matmul", "moe_gemm"})
-_skip: frozenset = frozenset()
+# the innermost scoped() block's (flag, skip), per thread: a decoder's step in one thread
+# never changes the launches of another thread
+_scope = threading.local()
+
+
+def current() -> tuple[bool | None, frozenset]:
+    """This thread's PDL choice: (flag, families left out); flag None: HYSPEC_PDL decides."""
+    flag = getattr(_scope, "flag", None)
+    return (_override if flag is None else flag), getattr(_scope, "skip", frozenset())
 
 
 def interpreting() -> bool:
@@ -95,16 +105,18 @@ def pdl_enabled() -> bool:
     configs: decode step 1.688 ms without, 1.744 ms with PDL, 1.838 ms with PDL + a 16 MB
     L2 weight prefetch, since removed); :func:`step_default` has the measurements behind
     the step graphs' choice."""
-    if _override is not None:
-        return _override and _supported()
+    flag = current()[0]
+    if flag is not None:
+        return flag and _supported()
     if os.environ.get("HYSPEC_PDL", "0") != "1":
         return False
     return _supported()
 
 
 def set_pdl(flag: bool | None) -> None:
-    """Force PDL on/off for launches from now on (None: back to the default).  Graphs
-    captured earlier keep the launches they captured."""
+    """Force PDL on/off for launches from now on, in every thread (None: back to the
+    default; a :func:`scoped` block's choice wins inside it).  Graphs captured earlier keep
+    the launches they captured."""
     global _override
     _override = flag
 
@@ -117,29 +129,36 @@ def scoped(flag: bool | None, skip: str = ""):
     ablation's knob: a family compiled with ``PDL=False`` never triggers its dependents
     early and never waits, and the kernel after it starts once it completes, as without
     PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` scope
-    (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`."""
-    global _override, _skip
-    names = frozenset(n for n in skip.split(",") if n)
-    if names - FAMILIES:
-        raise ValueError(f"pdl.scoped: unknown kernel families {sorted(names - FAMILIES)} (known: {sorted(FAMILIES)})")
+    (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`.  The choice is the
+    calling thread's own (:func:`current`)."""
+    names = families(skip, "pdl.scoped")
     if flag is None and not names:
         yield
         return
-    before = _override, _skip
-    _override = _override if flag is None else flag
-    _skip = names
+    before = getattr(_scope, "flag", None), getattr(_scope, "skip", frozenset())
+    _scope.flag = before[0] if flag is None else flag
+    _scope.skip = names
     try:
         yield
     finally:
-        _override, _skip = before
+        _scope.flag, _scope.skip = before
+
+
+def families(skip: str, who: str) -> frozenset:
+    """The kernel families named in ``skip`` (comma-separated); ValueError naming ``who``
+    and the unknown ones."""
+    names = frozenset(n.strip() for n in skip.split(",") if n.strip())
+    if names - FAMILIES:
+        raise ValueError(f"{who}: unknown kernel families {sorted(names - FAMILIES)} (known: {sorted(FAMILIES)})")
+    return names
 
 
 def step_default() -> tuple[bool | None, str]:
     """A decoder's PDL choice for its step graphs, as (flag, skip) for :func:`scoped`: on,
     with the skinny matmuls left out (``(True, "matmul")``); an explicit ``HYSPEC_PDL=0``
     or ``=1`` in the environment hands the choice to the process-wide setting instead
-    (``(None, "")``: every kernel off, or every kernel on), and ``HYSPEC_PDL_SKIP`` names
-    other families to leave out ("" none).
+    (``(None, "")``: every kernel off, or every kernel on; ``HYSPEC_PDL_SKIP`` is then not
+    read), and otherwise ``HYSPEC_PDL_SKIP`` names the families to leave out ("" none).
 
     Measured on the H200 (``python bench/runner_ab.py``; every arm bitwise equal): PDL on
     every kernel made b2's dense step slower (x1.044, above) and the block-FP8 80B preset's
@@ -152,11 +171,13 @@ def step_default() -> tuple[bool | None, str]:
     env = os.environ.get("HYSPEC_PDL", "")
     if env in ("0", "1"):
         return None, ""
-    return True, os.environ.get("HYSPEC_PDL_SKIP", "matmul")
+    skip = os.environ.get("HYSPEC_PDL_SKIP", "matmul")
+    families(skip, "HYSPEC_PDL_SKIP")  # a bad name fails here, when the decoder is built
+    return True, skip
 
 
 def launch_kwargs(family: str | None = None) -> dict:
     """Extra kwargs for a Triton launch: ``{"PDL": bool}`` for the kernel's constexpr and
     ``launch_pdl`` when enabled (and ``family``, one of ``FAMILIES``, not skipped)."""
-    on = pdl_enabled() and (family is None or family not in _skip)
+    on = pdl_enabled() and (family is None or family not in current()[1])
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
