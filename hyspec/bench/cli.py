@@ -212,6 +212,13 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
                                   "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()},
                                   "moe_builtin": {moe_key_name(("moe",) + k): c for k, c in MOE_BUILTIN.items()}}
+    if dev.type == "cuda":  # the decoders' PDL choice (hyspec.kernels.pdl.step_default), for the record
+        import os
+
+        from hyspec.kernels.pdl import step_default
+
+        flag, skip = step_default()
+        result["pdl"] = {"step_graphs": flag, "skip": skip, "HYSPEC_PDL": os.environ.get("HYSPEC_PDL")}
     return step_bytes, draft_bytes
 
 
