@@ -80,7 +80,8 @@ def test_step_bodies_launch_in_the_runners_pdl_scope(tmp_path, monkeypatch):
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     m = _model(tmp_path, "qwen3_5")
     dec = BatchDecoder(m, 32, 2, slots=2, graphs=False)
-    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul") == dec.step_graphs.pdl()
+    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul") == dec.step_graphs.pdl()[:2]
+    assert dec.step_graphs.pdl()[2:] == (False, 0)  # the matmuls' PDL form: early trigger, no prefetch
     dec.prefill(0, [5, 17, 99, 3])
     seen = []
     real = mm_kernel.launch_kwargs
@@ -98,6 +99,13 @@ def test_step_bodies_launch_in_the_runners_pdl_scope(tmp_path, monkeypatch):
     dec.runner.pdl, dec.runner.pdl_skip = False, ""
     dec.decode(1)
     assert seen and all(cur == (False, frozenset()) for _, cur in seen)
+    # the matmuls' form under PDL (late trigger, weight prefetch) reaches their launches too
+    seen.clear()
+    monkeypatch.setattr(mm_kernel, "launch_kwargs", lambda family=None: seen.append(pdl.matmul_form()) or real(family))
+    dec.runner.pdl, dec.runner.pdl_late, dec.runner.pdl_prefetch = True, True, 512
+    dec.decode(1)
+    assert seen and all(form == (True, 512) for form in seen)
+    assert pdl.matmul_form() == (False, 0)
     dec.runner.pdl_skip = "matmul,gemm"  # a bad family: an error naming it, before any launch
     with pytest.raises(ValueError, match="pdl_skip: unknown kernel families \\['gemm'\\]"):
         dec.decode(1)

@@ -171,7 +171,8 @@ class BatchDecoder:
         from hyspec.gpu.runner_triton import TritonRunner
 
         self.runner = TritonRunner(self, exact=exact)
-        self.step_graphs = StepGraphs(self.graphs, dev, self._mutable, pdl=lambda: (self.runner.pdl, self.runner.pdl_skip))
+        self.step_graphs = StepGraphs(self.graphs, dev, self._mutable, pdl=lambda: (
+            self.runner.pdl, self.runner.pdl_skip, self.runner.pdl_late, self.runner.pdl_prefetch))
 
     # -- lane views for the model's own modules (prefill) ------------------------------
     def _kvbuf(self, k: torch.Tensor, v: torch.Tensor) -> KVBuffer:

@@ -63,14 +63,14 @@ class StepGraphs:
 
     enabled   graphs were asked for (the decoder's ``graphs``); False: every run is eager
     mutable   () -> the owner's tensors a body writes (saved and put back around a capture)
-    pdl       () -> (flag, skip): whether the bodies launch with programmatic dependent launch
-              (True / False; None: the process-wide setting) and the kernel families that
-              do not, read at each run and capture (hyspec.kernels.pdl.scoped); a graph
-              keeps the launches it captured
+    pdl       () -> (flag, skip[, late, prefetch]): whether the bodies launch with programmatic
+              dependent launch (True / False; None: the process-wide setting), the kernel
+              families that do not and the skinny matmuls' form under it, read at each run
+              and capture (hyspec.kernels.pdl.scoped); a graph keeps the launches it captured
     """
 
     def __init__(self, enabled: bool, device: torch.device, mutable: Callable[[], list[torch.Tensor]],
-                 pdl: Callable[[], tuple[bool | None, str]] = lambda: (None, "")) -> None:
+                 pdl: Callable[[], tuple] = lambda: (None, "")) -> None:
         self.enabled = enabled
         self.device = device
         self.mutable = mutable
@@ -103,11 +103,12 @@ class StepGraphs:
         if self.active and key not in self.graphs:
             self.capture(key, body)
 
-    def _launch(self) -> tuple[bool | None, str]:
-        """The owner's PDL choice, its kernel families checked (ValueError naming a bad one)."""
-        flag, skip = self.pdl()
-        families(skip, "the decoder's pdl_skip")
-        return flag, skip
+    def _launch(self) -> tuple:
+        """The owner's PDL choice (flag, skip[, late, prefetch]: hyspec.kernels.pdl.scoped's
+        arguments), its kernel families checked (ValueError naming a bad one)."""
+        choice = tuple(self.pdl())
+        families(choice[1], "the decoder's pdl_skip")
+        return choice
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of the owner's mutable tensors (for restore)."""

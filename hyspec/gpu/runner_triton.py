@@ -272,6 +272,9 @@ class TritonRunner:
         # families launched without it (comma-separated hyspec.kernels.pdl.FAMILIES; A/B
         # knobs: bench/runner_ab.py --a pdl=False, --b pdl_skip=)
         self.pdl, self.pdl_skip = step_default()
+        # the skinny matmuls' form when PDL covers them (hyspec.kernels.pdl.matmul_form; A/B
+        # knobs: --b pdl_skip= --b pdl_late=1 --b pdl_prefetch=512)
+        self.pdl_late, self.pdl_prefetch = False, 0
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:

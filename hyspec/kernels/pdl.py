@@ -52,6 +52,15 @@ def current() -> tuple[bool | None, frozenset]:
     return (_override if flag is None else flag), getattr(_scope, "skip", frozenset())
 
 
+def matmul_form() -> tuple[bool, int]:
+    """This thread's form of a skinny matmul launched with PDL: (late, prefetch_k). late: the
+    matmul lets its dependents launch only after its K loop (not at its start: the next
+    kernel's waiting programs then do not take SM slots from the matmul's own); prefetch_k:
+    before its wait each program asks L2 for the first prefetch_k weight columns of its
+    rows (one bulk prefetch per row; weights are never written while decoding), 0: none."""
+    return getattr(_scope, "late", False), getattr(_scope, "prefetch", 0)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1), read at each call."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -122,7 +131,7 @@ def set_pdl(flag: bool | None) -> None:
 
 
 @contextmanager
-def scoped(flag: bool | None, skip: str = ""):
+def scoped(flag: bool | None, skip: str = "", late: bool = False, prefetch: int = 0):
     """Launches inside the block with PDL on (True) or off (False), then the setting before
     it back; None leaves the setting alone.  ``skip``: comma-separated kernel families
     (``FAMILIES``) that launch without PDL inside the block even when it is on (an
@@ -130,18 +139,22 @@ def scoped(flag: bool | None, skip: str = ""):
     early and never waits, and the kernel after it starts once it completes, as without
     PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` scope
     (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`.  The choice is the
-    calling thread's own (:func:`current`)."""
+    calling thread's own (:func:`current`).  ``late`` / ``prefetch``: the skinny matmuls'
+    form when they launch with PDL (:func:`matmul_form`)."""
     names = families(skip, "pdl.scoped")
-    if flag is None and not names:
+    if prefetch < 0 or prefetch % 16:
+        raise ValueError(f"pdl.scoped: prefetch must be a multiple of 16 weight columns >= 0, got {prefetch}")
+    if flag is None and not names and not late and not prefetch:
         yield
         return
-    before = getattr(_scope, "flag", None), getattr(_scope, "skip", frozenset())
+    before = (getattr(_scope, "flag", None), getattr(_scope, "skip", frozenset()), getattr(_scope, "late", False),
+              getattr(_scope, "prefetch", 0))
     _scope.flag = before[0] if flag is None else flag
-    _scope.skip = names
+    _scope.skip, _scope.late, _scope.prefetch = names, bool(late), int(prefetch)
     try:
         yield
     finally:
-        _scope.flag, _scope.skip = before
+        _scope.flag, _scope.skip, _scope.late, _scope.prefetch = before
 
 
 def families(skip: str, who: str) -> frozenset:
@@ -178,6 +191,12 @@ def step_default() -> tuple[bool | None, str]:
 
 def launch_kwargs(family: str | None = None) -> dict:
     """Extra kwargs for a Triton launch: ``{"PDL": bool}`` for the kernel's constexpr and
-    ``launch_pdl`` when enabled (and ``family``, one of ``FAMILIES``, not skipped)."""
+    ``launch_pdl`` when enabled (and ``family``, one of ``FAMILIES``, not skipped); the
+    ``matmul`` family's kernels also take ``LATE`` and ``PF_K`` (:func:`matmul_form`)."""
     on = pdl_enabled() and (family is None or family not in current()[1])
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    if not on:
+        return {"PDL": False}
+    if family == "matmul":
+        late, pf = matmul_form()
+        return {"PDL": True, "launch_pdl": True, "LATE": late, "PF_K": pf}
+    return {"PDL": True, "launch_pdl": True}
