@@ -17,11 +17,16 @@ b9fca3e, both removed since: docs/gpu.md "What is left", item 10; moe_split_ab_<
 with ``--a moe_split=1 --b moe_split=2 --numbers-may-differ`` at 7548d12, the MoE gate|up
 gemm's K split, which changes the sums' order, hence the flag; slower, removed.)  ``--b-pdl``: A's step graphs
 are captured without programmatic dependent launch, B's with it (the runner attribute ``pdl``,
-``hyspec.kernels.pdl``); since the skinny matmuls are left out of it by default (the runner's
-``pdl_skip``), PDL on every kernel is ``--b-pdl --b pdl_skip=`` (pdl_ab_h200.json and
-pdl_ab_<preset>_h200.json ran before that default, as PDL on every kernel), and
+``hyspec.kernels.pdl``); B keeps the runner's default ``pdl_skip`` / ``pdl_late`` (since
+``hyspec.kernels.pdl.step_default``'s rule: dense models put the skinny matmuls under PDL with
+their dependents launched after the K loop, MoE and block-FP8 models leave them out), so PDL on
+every kernel, each triggering at its start as before the rule, is ``--b-pdl --b pdl_skip= --b
+pdl_late=0`` (pdl_ab_h200.json and pdl_ab_<preset>_h200.json ran as that);
 pdlskip_ab_<preset>_h200.json ran ``--a pdl=False --b pdl=True --b pdl_skip=matmul``, the 35B's
-``--a pdl=True`` (PDL on every kernel then: today ``--a pdl=True --a pdl_skip=``).
+``--a pdl=True`` (PDL on every kernel then); mmlate_ab_<preset>_h200.json ran ``--b pdl_skip=
+--b pdl_late=1`` against the matmuls-left-out default of that time, and mmpf512 / mmpf2048 the
+same with an L2 prefetch of each matmul program's first 512 / 2048 weight columns before its
+wait (``git show 1b28a4a``; slower, removed).
 ``--bits-only STEPS`` skips the timing: every arm makes the same STEPS decode steps and STEPS
 K-rounds per size, then the states are compared; ``--also`` adds arms compared with A that
 way (``--a`` and ``--b`` the same and an ``--also`` of A's settings: does a run reproduce
@@ -50,8 +55,8 @@ def main() -> None:
     ap.add_argument("--b", action="append", default=[], metavar="NAME=VALUE", help="a runner attribute of B")
     ap.add_argument("--b-pdl", action="store_true",
                     help="A's step graphs captured without programmatic dependent launch, B's with it (the "
-                         "runner attribute pdl: --a pdl=False --b pdl=True; B keeps the default pdl_skip, the "
-                         "skinny matmuls left out, unless --b pdl_skip= says otherwise; hyspec.kernels.pdl)")
+                         "runner attribute pdl: --a pdl=False --b pdl=True; B keeps the runner's default pdl_skip "
+                         "and pdl_late unless --b says otherwise; hyspec.kernels.pdl.step_default)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
                     help="one more arm (its attributes, comma-separated; empty: the defaults), run the same "
                          "calls untimed and compared bitwise with A (e.g. A again: does the run reproduce itself?)")

@@ -80,8 +80,9 @@ def test_step_bodies_launch_in_the_runners_pdl_scope(tmp_path, monkeypatch):
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     m = _model(tmp_path, "qwen3_5")
     dec = BatchDecoder(m, 32, 2, slots=2, graphs=False)
-    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul") == dec.step_graphs.pdl()[:2]
-    assert dec.step_graphs.pdl()[2:] == (False, 0)  # the matmuls' PDL form: early trigger, no prefetch
+    # a dense model: PDL on the matmuls too, their dependents launched after their K loop
+    assert (dec.runner.pdl, dec.runner.pdl_skip, dec.runner.pdl_late) == (True, "", True) == dec.step_graphs.pdl()
+    dec.runner.pdl_skip = "matmul"  # (the MoE / block-FP8 models' choice)
     dec.prefill(0, [5, 17, 99, 3])
     seen = []
     real = mm_kernel.launch_kwargs
@@ -99,16 +100,42 @@ def test_step_bodies_launch_in_the_runners_pdl_scope(tmp_path, monkeypatch):
     dec.runner.pdl, dec.runner.pdl_skip = False, ""
     dec.decode(1)
     assert seen and all(cur == (False, frozenset()) for _, cur in seen)
-    # the matmuls' form under PDL (late trigger, weight prefetch) reaches their launches too
-    seen.clear()
-    monkeypatch.setattr(mm_kernel, "launch_kwargs", lambda family=None: seen.append(pdl.matmul_form()) or real(family))
-    dec.runner.pdl, dec.runner.pdl_late, dec.runner.pdl_prefetch = True, True, 512
-    dec.decode(1)
-    assert seen and all(form == (True, 512) for form in seen)
-    assert pdl.matmul_form() == (False, 0)
+    # the matmuls' trigger under PDL reaches their launches too
+    for late in (False, True):
+        seen.clear()
+        monkeypatch.setattr(mm_kernel, "launch_kwargs", lambda family=None: seen.append(pdl.matmul_late()) or real(family))
+        dec.runner.pdl, dec.runner.pdl_late = True, late
+        dec.decode(1)
+        assert seen and all(form == late for form in seen)
+    assert pdl.matmul_late() is False
     dec.runner.pdl_skip = "matmul,gemm"  # a bad family: an error naming it, before any launch
     with pytest.raises(ValueError, match="pdl_skip: unknown kernel families \\['gemm'\\]"):
         dec.decode(1)
+
+
+def test_pdl_default_leaves_the_matmuls_out_of_moe_and_fp8_models(tmp_path, monkeypatch):
+    """step_default's rule (measured, hyspec.kernels.pdl.step_default): a model with MoE
+    layers or block-FP8 weights launches its skinny matmuls without PDL; HYSPEC_PDL_SKIP
+    overrides the rule; HYSPEC_PDL=0/1 hands the choice to the process-wide setting."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.kernels import pdl
+
+    monkeypatch.delenv("HYSPEC_PDL", raising=False)
+    monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    moe = _model(tmp_path, "qwen3_5_moe")
+    fp8 = load_model(make_tiny("qwen3_5", tmp_path / "f", seed=3, layers=4, hidden=32, vocab_size=128, fp8=True,
+                               fp8_block=(16, 16)), fp8="keep")  # (the default on CUDA)
+    for m in (moe, fp8):
+        r = BatchDecoder(m, 32, 1, slots=1, graphs=False).runner
+        assert (r.pdl, r.pdl_skip, r.pdl_late) == (True, "matmul", True)
+    monkeypatch.setenv("HYSPEC_PDL_SKIP", "moe_gemm")
+    r = BatchDecoder(moe, 32, 1, slots=1, graphs=False).runner
+    assert (r.pdl, r.pdl_skip) == (True, "moe_gemm")
+    monkeypatch.setenv("HYSPEC_PDL", "1")
+    assert pdl.step_default(dense=True) == pdl.step_default(dense=False) == (None, "", False)
 
 
 def test_row_tile_height_policy(tmp_path, monkeypatch):

@@ -186,7 +186,8 @@ def test_pdl_scope_and_step_default(monkeypatch):
     """A decoder's step graphs run in its runner's PDL scope: pdl.scoped sets the choice (and
     the kernel families left out) for the block and puts the one before back (None: leaves
     it); step_default is PDL with the skinny matmuls left out unless HYSPEC_PDL says
-    otherwise; StepGraphs runs its bodies in that scope."""
+    otherwise (dense models: the matmuls too, their dependents launched late); StepGraphs
+    runs its bodies in that scope."""
     from hyspec.gpu.graphs import StepGraphs
     from hyspec.kernels import pdl
 
@@ -214,16 +215,21 @@ def test_pdl_scope_and_step_default(monkeypatch):
     assert other == [(None, frozenset())]
     monkeypatch.delenv("HYSPEC_PDL", raising=False)
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
-    assert pdl.step_default() == (True, "matmul")
+    assert pdl.step_default() == (True, "matmul", True)  # (an MoE / block-FP8 model)
+    assert pdl.step_default(dense=True) == (True, "", True)  # the matmuls too, late trigger
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "")
-    assert pdl.step_default() == (True, "")
+    assert pdl.step_default() == (True, "", True)
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "matmul,attention")  # a bad name: an error naming it
     with pytest.raises(ValueError, match="HYSPEC_PDL_SKIP: unknown kernel families \\['attention'\\]"):
         pdl.step_default()
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "")
     for env in ("0", "1"):  # an explicit HYSPEC_PDL hands the choice to the process-wide setting
         monkeypatch.setenv("HYSPEC_PDL", env)
-        assert pdl.step_default() == (None, "")
+        assert pdl.step_default() == pdl.step_default(dense=True) == (None, "", False)
+    # the matmuls' trigger is the scope's too (and the thread's)
+    with pdl.scoped(True, late=True):
+        assert pdl.matmul_late() is True
+    assert pdl.matmul_late() is False
     # a family left out: its launches say PDL=False while the others' follow the flag
     # (here unsupported, so all are off; the skip set itself is what the scope sets)
     with pdl.scoped(True, skip="matmul,moe_gemm"):

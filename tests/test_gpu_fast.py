@@ -207,7 +207,8 @@ def test_one_lane_spec_equals_plain(arch, dtype, tmp_path, monkeypatch):
     monkeypatch.delenv("HYSPEC_PDL", raising=False)  # the shipped PDL choice as the reference arm
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     dec = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
-    assert (dec.runner.pdl, dec.runner.pdl_skip) == (True, "matmul")
+    dense = arch != "qwen3_5_moe"  # (step_default: the matmuls under PDL, late trigger, on dense models)
+    assert (dec.runner.pdl, dec.runner.pdl_skip, dec.runner.pdl_late) == (True, "" if dense else "matmul", True)
     p = decode_one(dec, prompt, N)
     assert p.stats["graphs"], "CUDA graphs fell back to eager"
     ref = generate_plain(m, prompt, max_new_tokens=N)
@@ -219,15 +220,15 @@ def test_one_lane_spec_equals_plain(arch, dtype, tmp_path, monkeypatch):
         for rates in ((0.9, 0.8, 0.7, 0.6), None):
             s = decode_one(dec, prompt, N, k=K, forced_rates=rates, reference=p.tokens)
             assert s.tokens == p.tokens, (arch, dtype, K, rates)
-    # programmatic dependent launch (the step graphs': every kernel but the skinny matmuls,
-    # hyspec.kernels.pdl.step_default) only moves the schedule: the same bits without it,
-    # and with it on every kernel
-    for flag, skip in ((False, ""), (True, "")):
+    # programmatic dependent launch (the step graphs': hyspec.kernels.pdl.step_default) only
+    # moves the schedule: the same bits without it, with it on every kernel (the matmuls'
+    # dependents launched at their start or after their K loop) and with the matmuls left out
+    for flag, skip, late in ((False, "", False), (True, "", False), (True, "", True), (True, "matmul", True)):
         dec0 = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
-        dec0.runner.pdl, dec0.runner.pdl_skip = flag, skip
+        dec0.runner.pdl, dec0.runner.pdl_skip, dec0.runner.pdl_late = flag, skip, late
         p0 = decode_one(dec0, prompt, N)
         s0 = decode_one(dec0, prompt, N, k=3)
-        assert p0.tokens == p.tokens and s0.tokens == p.tokens, (flag, skip)
+        assert p0.tokens == p.tokens and s0.tokens == p.tokens, (flag, skip, late)
     # the non-exact (cuBLAS) variant runs too
     dec2 = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1, exact=False)
     decode_one(dec2, prompt, N)

@@ -189,6 +189,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         from hyspec.gpu.tune import model_shapes, moe_shapes
 
         shapes = model_shapes(probe.runner) + moe_shapes(probe.runner)
+    choice = (probe.runner.pdl, probe.runner.pdl_skip, probe.runner.pdl_late) if probe is not None else None
     del probe  # before tuning: its buffers are not needed
     if shapes:
         from hyspec.gpu.tune import tune_in_step
@@ -212,13 +213,11 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         result["gemm_configs"] = {"source": "TUNED" if TUNED else "BUILTIN/defaults",
                                   "builtin": {f"{n}x{k}": c for (n, k), c in BUILTIN.items()},
                                   "moe_builtin": {moe_key_name(("moe",) + k): c for k, c in MOE_BUILTIN.items()}}
-    if dev.type == "cuda":  # the decoders' PDL choice (hyspec.kernels.pdl.step_default), for the record
+    if dev.type == "cuda" and choice is not None:  # the decoders' PDL choice (hyspec.kernels.pdl.step_default)
         import os
 
-        from hyspec.kernels.pdl import step_default
-
-        flag, skip = step_default()
-        result["pdl"] = {"step_graphs": flag, "skip": skip, "HYSPEC_PDL": os.environ.get("HYSPEC_PDL")}
+        flag, skip, late = choice
+        result["pdl"] = {"step_graphs": flag, "skip": skip, "matmul_late": late, "HYSPEC_PDL": os.environ.get("HYSPEC_PDL")}
     return step_bytes, draft_bytes
 
 

@@ -172,7 +172,7 @@ class BatchDecoder:
 
         self.runner = TritonRunner(self, exact=exact)
         self.step_graphs = StepGraphs(self.graphs, dev, self._mutable, pdl=lambda: (
-            self.runner.pdl, self.runner.pdl_skip, self.runner.pdl_late, self.runner.pdl_prefetch))
+            self.runner.pdl, self.runner.pdl_skip, self.runner.pdl_late))
 
     # -- lane views for the model's own modules (prefill) ------------------------------
     def _kvbuf(self, k: torch.Tensor, v: torch.Tensor) -> KVBuffer:

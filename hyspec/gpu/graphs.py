@@ -63,7 +63,7 @@ class StepGraphs:
 
     enabled   graphs were asked for (the decoder's ``graphs``); False: every run is eager
     mutable   () -> the owner's tensors a body writes (saved and put back around a capture)
-    pdl       () -> (flag, skip[, late, prefetch]): whether the bodies launch with programmatic
+    pdl       () -> (flag, skip[, late]): whether the bodies launch with programmatic
               dependent launch (True / False; None: the process-wide setting), the kernel
               families that do not and the skinny matmuls' form under it, read at each run
               and capture (hyspec.kernels.pdl.scoped); a graph keeps the launches it captured
@@ -104,7 +104,7 @@ class StepGraphs:
             self.capture(key, body)
 
     def _launch(self) -> tuple:
-        """The owner's PDL choice (flag, skip[, late, prefetch]: hyspec.kernels.pdl.scoped's
+        """The owner's PDL choice (flag, skip[, late]: hyspec.kernels.pdl.scoped's
         arguments), its kernel families checked (ValueError naming a bad one)."""
         choice = tuple(self.pdl())
         families(choice[1], "the decoder's pdl_skip")

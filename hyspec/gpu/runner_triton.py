@@ -267,14 +267,15 @@ class TritonRunner:
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
-        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default: on,
-        # the skinny matmuls left out; pdl None: the process-wide setting) and the kernel
-        # families launched without it (comma-separated hyspec.kernels.pdl.FAMILIES; A/B
-        # knobs: bench/runner_ab.py --a pdl=False, --b pdl_skip=)
-        self.pdl, self.pdl_skip = step_default()
-        # the skinny matmuls' form when PDL covers them (hyspec.kernels.pdl.matmul_form; A/B
-        # knobs: --b pdl_skip= --b pdl_late=1 --b pdl_prefetch=512)
-        self.pdl_late, self.pdl_prefetch = False, 0
+        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default; pdl
+        # None: the process-wide setting), the kernel families launched without it
+        # (comma-separated hyspec.kernels.pdl.FAMILIES) and the matmuls' trigger (A/B knobs:
+        # bench/runner_ab.py --a pdl=False, --b pdl_skip=, --b pdl_late=0)
+        # (dense models: the matmuls with it, triggering their dependents after their K loop,
+        # pdl_late; MoE or block-FP8 models leave them out)
+        weights = [w for lay in packed for v in vars(lay).values() for w in (v.parts if isinstance(v, Segments) else [v])]
+        dense = self.moe_buf is None and not any(isinstance(w, Fp8Weight) for w in weights + [self.head])
+        self.pdl, self.pdl_skip, self.pdl_late = step_default(dense=dense)
 
     # -- weights read per step (bench roofline) -------------------------------------
     def weight_bytes_per_step(self, experts: float | None = None) -> float:

@@ -34,7 +34,7 @@ from functools import lru_cache
 import torch
 
 __all__ = ["pdl_enabled", "set_pdl", "scoped", "current", "step_default", "launch_kwargs", "interpreting",
-           "kernels_per_mode", "FAMILIES", "families"]
+           "kernels_per_mode", "FAMILIES", "families", "matmul_late"]
 
 _override: bool | None = None  # set_pdl's process-wide choice
 # kernel families launched without PDL even when it is on (scoped's skip): "matmul" the
@@ -52,13 +52,12 @@ def current() -> tuple[bool | None, frozenset]:
     return (_override if flag is None else flag), getattr(_scope, "skip", frozenset())
 
 
-def matmul_form() -> tuple[bool, int]:
-    """This thread's form of a skinny matmul launched with PDL: (late, prefetch_k). late: the
-    matmul lets its dependents launch only after its K loop (not at its start: the next
-    kernel's waiting programs then do not take SM slots from the matmul's own); prefetch_k:
-    before its wait each program asks L2 for the first prefetch_k weight columns of its
-    rows (one bulk prefetch per row; weights are never written while decoding), 0: none."""
-    return getattr(_scope, "late", False), getattr(_scope, "prefetch", 0)
+def matmul_late() -> bool:
+    """This thread's form of a skinny matmul launched with PDL: True, its dependents launch
+    only after its K loop (the next kernel's programs, which wait, then do not take SM
+    slots from the matmul's own while it streams its weights); False, at its start, as
+    every other kernel does."""
+    return getattr(_scope, "late", False)
 
 
 def interpreting() -> bool:
@@ -131,7 +130,7 @@ def set_pdl(flag: bool | None) -> None:
 
 
 @contextmanager
-def scoped(flag: bool | None, skip: str = "", late: bool = False, prefetch: int = 0):
+def scoped(flag: bool | None, skip: str = "", late: bool = False):
     """Launches inside the block with PDL on (True) or off (False), then the setting before
     it back; None leaves the setting alone.  ``skip``: comma-separated kernel families
     (``FAMILIES``) that launch without PDL inside the block even when it is on (an
@@ -139,22 +138,19 @@ def scoped(flag: bool | None, skip: str = "", late: bool = False, prefetch: int 
     early and never waits, and the kernel after it starts once it completes, as without
     PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` scope
     (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`.  The choice is the
-    calling thread's own (:func:`current`).  ``late`` / ``prefetch``: the skinny matmuls'
-    form when they launch with PDL (:func:`matmul_form`)."""
+    calling thread's own (:func:`current`).  ``late``: the skinny matmuls' form when they
+    launch with PDL (:func:`matmul_late`)."""
     names = families(skip, "pdl.scoped")
-    if prefetch < 0 or prefetch % 16:
-        raise ValueError(f"pdl.scoped: prefetch must be a multiple of 16 weight columns >= 0, got {prefetch}")
-    if flag is None and not names and not late and not prefetch:
+    if flag is None and not names and not late:
         yield
         return
-    before = (getattr(_scope, "flag", None), getattr(_scope, "skip", frozenset()), getattr(_scope, "late", False),
-              getattr(_scope, "prefetch", 0))
+    before = getattr(_scope, "flag", None), getattr(_scope, "skip", frozenset()), getattr(_scope, "late", False)
     _scope.flag = before[0] if flag is None else flag
-    _scope.skip, _scope.late, _scope.prefetch = names, bool(late), int(prefetch)
+    _scope.skip, _scope.late = names, bool(late)
     try:
         yield
     finally:
-        _scope.flag, _scope.skip, _scope.late, _scope.prefetch = before
+        _scope.flag, _scope.skip, _scope.late = before
 
 
 def families(skip: str, who: str) -> frozenset:
@@ -166,37 +162,43 @@ def families(skip: str, who: str) -> frozenset:
     return names
 
 
-def step_default() -> tuple[bool | None, str]:
-    """A decoder's PDL choice for its step graphs, as (flag, skip) for :func:`scoped`: on,
-    with the skinny matmuls left out (``(True, "matmul")``); an explicit ``HYSPEC_PDL=0``
-    or ``=1`` in the environment hands the choice to the process-wide setting instead
-    (``(None, "")``: every kernel off, or every kernel on; ``HYSPEC_PDL_SKIP`` is then not
-    read), and otherwise ``HYSPEC_PDL_SKIP`` names the families to leave out ("" none).
+def step_default(dense: bool = False) -> tuple[bool | None, str, bool]:
+    """A decoder's PDL choice for its step graphs, as (flag, skip, late) for :func:`scoped`:
+    on, the skinny matmuls with it and their dependents launched after their K loop
+    (``(True, "", True)``) when the model is ``dense`` (no MoE layer, no block-FP8 weight),
+    otherwise on with the skinny matmuls left out (``(True, "matmul", True)``; late then
+    changes nothing). An explicit ``HYSPEC_PDL=0`` or ``=1`` in the environment hands the
+    choice to the process-wide setting instead (``(None, "", False)``: every kernel off, or
+    every kernel on with its trigger at its start; ``HYSPEC_PDL_SKIP`` is then not read), and
+    otherwise ``HYSPEC_PDL_SKIP`` names the families to leave out ("" none) in place of the rule.
 
     Measured on the H200 (``python bench/runner_ab.py``; every arm bitwise equal): PDL on
-    every kernel made b2's dense step slower (x1.044, above) and the block-FP8 80B preset's
-    one-lane decode too (bench/results/pdl_ab_qwen3-next-80b-a3b-fp8_h200.json: x1.052),
-    while the bf16 35B MoE preset's got faster (pdl_ab_qwen3.5-35b-a3b_h200.json: x0.963).
-    With the skinny matmuls left out (``--b pdl=True --b pdl_skip=matmul``,
-    pdlskip_ab_<preset>_h200.json) it is faster on all three: b2 decode x0.984 at one lane
-    and x0.995 at 16; the 35B x0.985 more than with PDL on every kernel; the 80B decode
-    x0.954, K=3 round x0.979 against no PDL."""
+    every kernel, each triggering its dependents at its start, made b2's dense step slower
+    (x1.044, above) and the block-FP8 80B preset's one-lane decode too
+    (bench/results/pdl_ab_qwen3-next-80b-a3b-fp8_h200.json: x1.052), while the bf16 35B MoE
+    preset's got faster (pdl_ab_qwen3.5-35b-a3b_h200.json: x0.963). With the skinny matmuls
+    left out (``--b pdl=True --b pdl_skip=matmul``, pdlskip_ab_<preset>_h200.json) it was
+    faster on all three: b2 decode x0.984 at one lane and x0.995 at 16; the 35B x0.985 more
+    than with PDL on every kernel; the 80B decode x0.954, K=3 round x0.979 against no PDL.
+    The matmuls back under PDL with the late trigger (``--b pdl_skip= --b pdl_late=1``
+    against that, mmlate_ab_<preset>_h200.json): the dense models faster again (b2 decode
+    x0.974, K=3 round x0.978, 16 lanes x0.999 / x0.972; the 27B x0.987 / x0.977, 4 lanes
+    x0.973 / x0.993), the MoE ones slower (35B x1.025 / x1.011; 80B-FP8 x1.124 / x1.033)."""
     env = os.environ.get("HYSPEC_PDL", "")
     if env in ("0", "1"):
-        return None, ""
-    skip = os.environ.get("HYSPEC_PDL_SKIP", "matmul")
+        return None, "", False
+    skip = os.environ.get("HYSPEC_PDL_SKIP", "" if dense else "matmul")
     families(skip, "HYSPEC_PDL_SKIP")  # a bad name fails here, when the decoder is built
-    return True, skip
+    return True, skip, True
 
 
 def launch_kwargs(family: str | None = None) -> dict:
     """Extra kwargs for a Triton launch: ``{"PDL": bool}`` for the kernel's constexpr and
     ``launch_pdl`` when enabled (and ``family``, one of ``FAMILIES``, not skipped); the
-    ``matmul`` family's kernels also take ``LATE`` and ``PF_K`` (:func:`matmul_form`)."""
+    ``matmul`` family's kernels also take ``LATE`` (:func:`matmul_late`)."""
     on = pdl_enabled() and (family is None or family not in current()[1])
     if not on:
         return {"PDL": False}
     if family == "matmul":
-        late, pf = matmul_form()
-        return {"PDL": True, "launch_pdl": True, "LATE": late, "PF_K": pf}
+        return {"PDL": True, "launch_pdl": True, "LATE": matmul_late()}
     return {"PDL": True, "launch_pdl": True}

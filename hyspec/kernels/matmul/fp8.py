@@ -20,7 +20,7 @@ import torch
 
 from hyspec.kernels.common import SplitPartials
 from hyspec.kernels.matmul.config import SkinnyConfig, _cdiv, _config_cached, skinny_config
-from hyspec.kernels.matmul.kernel import BLOCK_T, _kernels as _bf16_kernels, l2_prefetch, prefetch_ok
+from hyspec.kernels.matmul.kernel import BLOCK_T, _kernels as _bf16_kernels
 from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 
 __all__ = ["skinny_matmul_fp8", "fp8_config", "e4m3_to_bf16", "int_cvt"]
@@ -87,7 +87,6 @@ def _kernels():
     import triton.language as tl
 
     bf16_of = None if interpreting() else e4m3_to_bf16()
-    l2_prefetch_fn = l2_prefetch()
 
     @triton.jit(do_not_specialize=["T"])
     def _skinny_fp8_kernel(
@@ -103,7 +102,7 @@ def _kernels():
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, WT: tl.constexpr = False, CVT: tl.constexpr = 0,
-        LATE: tl.constexpr = False, PF_K: tl.constexpr = 0,
+        LATE: tl.constexpr = False,
     ):
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -126,15 +125,8 @@ def _kernels():
             s_row = offs_n // QB_N
         s_ptrs = s_ptr + s_row * stride_sn
         if PDL:  # hyspec.kernels.pdl: wait for the kernels ahead before touching x
-            if PF_K > 0:  # the weights are never written while decoding: ask L2 for the first
-                # PF_K columns of this program's rows while the kernel ahead still runs
-                pn = tl.minimum(offs_n, N - 1)
-                if W_I64:
-                    pn = pn.to(tl.int64)
-                nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.minimum(PF_K, k_hi - k_lo) * 1
-                l2_prefetch_fn(w_ptr + pn * stride_wn + k_lo, nbytes)
             tl.extra.cuda.gdc_wait()
-            if not LATE:
+            if not LATE:  # LATE: the next kernel launches after this one's K loop (below)
                 tl.extra.cuda.gdc_launch_dependents()
         DT = x_ptr.dtype.element_ty
         if WT:
@@ -192,7 +184,7 @@ def _kernels():
                 else:
                     part = tl.dot(xt, wt)
                 acc += part * sc[None, :]
-        if PDL and LATE:  # the next kernel may launch now that this one's stream is done
+        if PDL and LATE:  # the weight stream is done: let the next kernel launch
             tl.extra.cuda.gdc_launch_dependents()
         if WT:
             acc = tl.trans(acc)
@@ -274,9 +266,6 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
             ws = torch.empty((cfg.split_k, t_pad, N), device=x.device, dtype=torch.float32)
         sws_s, sws_t = ws.stride(0), ws.stride(1)
     rows = w.rows
-    lk = launch_kwargs("matmul")
-    if lk.get("PF_K"):
-        lk["PF_K"] = prefetch_ok(w8, K, lk["PF_K"])
     kernel[(n_tblocks, _cdiv(N, cfg.block_n), cfg.split_k)](
         x, w8, scale, rows if rows is not None else scale, out, ws,
         T, N, K, cfg.k_per_split,
@@ -291,7 +280,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w8.stride(0)) + (K - 1) * abs(w8.stride(1)) >= 2**31),
         ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **lk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs("matmul"),
     )
     if not direct:
         if defer:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from hyspec.kernels.common import SplitPartials, triton_available
 from hyspec.kernels.matmul.config import _cdiv, _config_cached
-from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
+from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
 __all__ = ["skinny_matmul", "silu_mul", "linear", "BLOCK_T", "MAX_SKINNY_ROWS"]
 
@@ -15,44 +15,10 @@ BLOCK_T = 16  # the x-tile height; every row count <= 16 runs in one padded tile
 MAX_SKINNY_ROWS = 16  # the dispatcher sends T <= this to the Triton kernel
 
 
-# One bulk L2 prefetch per weight row (sm_90's cp.async.bulk.prefetch: address and byte count
-# multiples of 16, fire and forget); the dummy output keeps the instruction in the kernel.
-_L2_PREFETCH_ASM = "cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;"
-
-
-@kernels_per_mode
-def l2_prefetch():
-    """A jit helper ``f(ptrs, nbytes)``: ask L2 for ``nbytes[i]`` bytes at each ``ptrs[i]``
-    (16-byte aligned, multiples of 16); GPU only (inline PTX, sm_90+), None under the interpreter."""
-    if interpreting():
-        return None
-    import triton
-    import triton.language as tl
-
-    asm = tl.constexpr(_L2_PREFETCH_ASM)
-
-    @triton.jit
-    def _l2_prefetch(ptrs, nbytes):
-        tl.inline_asm_elementwise(asm, "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-    return _l2_prefetch
-
-
-def prefetch_ok(w: torch.Tensor, K: int, pf_k: int) -> int:
-    """pf_k when a bulk prefetch of the first pf_k columns of w's rows is legal (rows
-    contiguous, 16-byte aligned starts and sizes), else 0."""
-    eb = w.element_size()
-    if pf_k <= 0 or w.stride(1) != 1 or (w.stride(0) * eb) % 16 or w.data_ptr() % 16 or (K * eb) % 16:
-        return 0
-    return pf_k
-
-
 @kernels_per_mode
 def _kernels():
     import triton
     import triton.language as tl
-
-    l2_prefetch_fn = l2_prefetch()
 
     @triton.jit(do_not_specialize=["T"])
     def _skinny_kernel(
@@ -65,8 +31,7 @@ def _kernels():
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
-        PDL: tl.constexpr = False, WT: tl.constexpr = False,
-        LATE: tl.constexpr = False, PF_K: tl.constexpr = 0, W_BYTES: tl.constexpr = 2,
+        PDL: tl.constexpr = False, WT: tl.constexpr = False, LATE: tl.constexpr = False,
     ):
         # row tiles vary fastest: the programs of one weight tile run together, so a call
         # with many row tiles reads each weight tile from HBM once (the others hit L2)
@@ -85,15 +50,8 @@ def _kernels():
         else:
             w_rows = offs_n * stride_wn
         if PDL:  # hyspec.kernels.pdl: wait for the kernels ahead before touching x
-            if PF_K > 0:  # the weights are never written while decoding: ask L2 for the first
-                # PF_K columns of this program's rows while the kernel ahead still runs
-                pn = tl.minimum(offs_n, N - 1)
-                if W_I64:
-                    pn = pn.to(tl.int64)
-                nbytes = tl.zeros([BLOCK_N], dtype=tl.int32) + tl.minimum(PF_K, k_hi - k_lo) * W_BYTES
-                l2_prefetch_fn(w_ptr + pn * stride_wn + k_lo, nbytes)
             tl.extra.cuda.gdc_wait()
-            if not LATE:
+            if not LATE:  # LATE: the next kernel launches after this one's K loop (below)
                 tl.extra.cuda.gdc_launch_dependents()
         if WT:
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
@@ -146,7 +104,7 @@ def _kernels():
                     acc = tl.dot(xt, wt, acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xt, wt, acc)
-        if PDL and LATE:  # the next kernel may launch now that this one's stream is done
+        if PDL and LATE:  # the weight stream is done: let the next kernel launch
             tl.extra.cuda.gdc_launch_dependents()
         if WT:
             acc = tl.trans(acc)
@@ -207,14 +165,6 @@ def _kernels():
 
 
 _REDUCE_BLOCK = 1024
-
-
-def _with_prefetch(lk: dict, w: torch.Tensor, K: int) -> dict:
-    """launch_kwargs("matmul") with PF_K cleared where w's layout does not allow the prefetch,
-    and the weight's element size (W_BYTES) beside it."""
-    if lk.get("PF_K"):
-        lk = dict(lk, PF_K=prefetch_ok(w, K, lk["PF_K"]), W_BYTES=w.element_size())
-    return lk
 
 
 def skinny_matmul(
@@ -297,7 +247,7 @@ def skinny_matmul(
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w.stride(0)) + (K - 1) * abs(w.stride(1)) >= 2**31),
         ACT=act, X_UP=K if act else 0, WT=cfg.wt,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_with_prefetch(launch_kwargs("matmul"), w, K),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs("matmul"),
     )
     if not direct:
         if defer:
