@@ -207,7 +207,9 @@ def test_one_lane_spec_equals_plain(arch, dtype, tmp_path, monkeypatch):
     monkeypatch.delenv("HYSPEC_PDL", raising=False)  # the shipped PDL choice as the reference arm
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
     dec = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
-    dense = arch != "qwen3_5_moe"  # (step_default: the matmuls under PDL, late trigger, on dense models)
+    dense = dec.runner.moe_buf is None  # (step_default: the matmuls under PDL, late trigger, on dense models;
+    # the tiny qwen3_next and qwen3_5_moe models have MoE layers)
+    assert dense == (arch == "qwen3_5")
     assert (dec.runner.pdl, dec.runner.pdl_skip, dec.runner.pdl_late) == (True, "" if dense else "matmul", True)
     p = decode_one(dec, prompt, N)
     assert p.stats["graphs"], "CUDA graphs fell back to eager"
