@@ -510,10 +510,6 @@ def gpu_tests(res: Results) -> str:
 # How the files whose JSON does not record its command were made (the others: their
 # meta.command / command, shown without --out).
 MADE_BY = {
-    "b2_h200_cut_log.txt": "`hyspec bench --config b2 --variants exact --ks 3 --verify-max 4 --exact-prompts 4 "
-                           "--exact-tokens 2000 --batch 1,4,16,64 --batch-inv-prompts 8 --draft-vocab 32000 "
-                           "--hf-tokens 0` (H200), stopped by the device call's time limit before its K=3 and "
-                           "sampled invariance rows (header in the log)",
     "b2_h200.md": "by hand: the b2 write-up (its current-figures table: `python bench/tables.py`)",
     "b2_h200.png": "`python bench/plot_results.py bench/results/b2_h200.json bench/results/b2_h200_baselines.json "
                    "--out bench/results/b2_h200.png` (needs matplotlib)",
@@ -526,6 +522,8 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "gpu_tests_one_lane_pdl_h200.txt": "`python3 -m pytest -q -s -m gpu tests/test_gpu_fast.py -k "
+                                       "test_one_lane_spec_equals_plain` (H200; header in the file)",
     "gpu_tests_load_order_h200.txt": "`python3 -m pytest -q -rs -n 4 tests/test_kernels_argmax.py "
                                      "tests/test_kernels_prefetch.py tests/test_kernels_load_order.py "
                                      "tests/test_gpu_batch.py -k ...` (H200; the command and commit are in its header)",

@@ -11,18 +11,21 @@ sits idle.  With PDL a kernel may be *launched* while its predecessor still runs
   and its writes are visible.  Since each kernel waits before it completes, completion
   is transitive: after ``gdc_wait`` *all* earlier kernels of the stream are done;
 * reads of memory no kernel writes during decoding (weights) could come before the wait
-  (an L2 prefetch of the weight slab there measured slower on the H200 and was removed).
+  (an L2 prefetch of the weight slab there measured slower on the H200, per 128-byte line
+  and as one bulk prefetch per row, and was removed both times).
 
 The result is unchanged (same kernels, same arithmetic, the waits only order memory
 traffic), so exactness is untouched; only the schedule moves.  Without PDL (older GPUs,
 the CPU interpreter, launches outside a decoder's step graphs unless ``HYSPEC_PDL=1``) the
 kernels are compiled with ``PDL=False`` and the two calls vanish.
 
-A decoder's step graphs run with PDL on every kernel but the skinny matmuls
-(:func:`step_default`): those are compiled with ``PDL=False`` and launched plainly, so they
-start once the kernel ahead has completed, and the kernel after them once they have (a
-kernel that never triggers its dependents early triggers them as it exits), which keeps
-the transitive completion above.
+A decoder's step graphs run with PDL on every kernel (:func:`step_default`); dense models'
+skinny matmuls trigger their dependents after their K loop instead of at their start
+(``LATE``: the next kernel's waiting programs then do not hold SM slots while the matmul
+streams its weights -- the reading behind it, not profiled; measured faster on dense models), MoE and block-FP8 models leave the matmuls out: those are compiled
+with ``PDL=False`` and launched plainly, so they start once the kernel ahead has completed,
+and the kernel after them once they have (a kernel that never triggers its dependents
+early triggers them as it exits), which keeps the transitive completion above.
 """
 from __future__ import annotations
 
