@@ -89,8 +89,9 @@ def measure(model, prompt, flags, args, dev, roofline_ms, plain_ref=None):
     P, N = len(prompt), args.new_tokens
     dec = BatchDecoder(model, P + N + 16, K_MAX, 1, exact=True)
     # the step graphs' own PDL choice (hyspec.kernels.pdl.step_default) would win over
-    # set_pdl inside them: the row's flag, on every kernel, for them too
-    dec.runner.pdl, dec.runner.pdl_skip = flags["pdl"], ""
+    # set_pdl inside them: the row's flag, on every kernel with its trigger at its start
+    # (the form of the historical rows; main's dense default triggers the matmuls' late)
+    dec.runner.pdl, dec.runner.pdl_skip, dec.runner.pdl_late = flags["pdl"], "", False
     dec.runner.fuse_reduce = flags["fuse_reduce"]
     dec.runner.attn_grouped = flags["attn_grouped"]
     if "block_v" in flags:

@@ -68,9 +68,10 @@ def test_batched_verify_rows_match_the_reference(tmp_path, arch):
 
 def test_step_bodies_launch_in_the_runners_pdl_scope(tmp_path, monkeypatch):
     """The decoder's step bodies run in its runner's PDL choice (hyspec.kernels.pdl.scoped;
-    by default on, the skinny matmuls left out): every skinny matmul of a decode step asks
-    for its launch kwargs as family "matmul" inside a scope that leaves that family out,
-    and a changed runner attribute is what the next step runs with.  (PDL itself is off
+    by default on, for a dense model with the skinny matmuls under it and their trigger
+    late): every skinny matmul of a decode step asks for its launch kwargs as family
+    "matmul" inside the runner's scope (here one that leaves that family out, as MoE and
+    block-FP8 models do), and a changed runner attribute is what the next step runs with.  (PDL itself is off
     in the interpreter; the recorder sees the choice the kernels would launch with.)"""
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.kernels import pdl
@@ -130,7 +131,7 @@ def test_pdl_default_leaves_the_matmuls_out_of_moe_and_fp8_models(tmp_path, monk
                                fp8_block=(16, 16)), fp8="keep")  # (the default on CUDA)
     for m in (moe, fp8):
         r = BatchDecoder(m, 32, 1, slots=1, graphs=False).runner
-        assert (r.pdl, r.pdl_skip, r.pdl_late) == (True, "matmul", True)
+        assert (r.pdl, r.pdl_skip, r.pdl_late) == (True, "matmul", False)
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "moe_gemm")
     r = BatchDecoder(moe, 32, 1, slots=1, graphs=False).runner
     assert (r.pdl, r.pdl_skip) == (True, "moe_gemm")

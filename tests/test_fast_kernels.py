@@ -215,10 +215,11 @@ def test_pdl_scope_and_step_default(monkeypatch):
     assert other == [(None, frozenset())]
     monkeypatch.delenv("HYSPEC_PDL", raising=False)
     monkeypatch.delenv("HYSPEC_PDL_SKIP", raising=False)
-    assert pdl.step_default() == (True, "matmul", True)  # (an MoE / block-FP8 model)
+    assert pdl.step_default() == (True, "matmul", False)  # (an MoE / block-FP8 model)
     assert pdl.step_default(dense=True) == (True, "", True)  # the matmuls too, late trigger
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "")
-    assert pdl.step_default() == (True, "", True)
+    assert pdl.step_default() == (True, "", False)  # the override keeps the rule's trigger
+    assert pdl.step_default(dense=True) == (True, "", True)
     monkeypatch.setenv("HYSPEC_PDL_SKIP", "matmul,attention")  # a bad name: an error naming it
     with pytest.raises(ValueError, match="HYSPEC_PDL_SKIP: unknown kernel families \\['attention'\\]"):
         pdl.step_default()
@@ -243,6 +244,12 @@ def test_pdl_scope_and_step_default(monkeypatch):
         on = {"PDL": True, "launch_pdl": True}
         assert pdl.launch_kwargs() == on and pdl.launch_kwargs("moe_gemm") == on
         assert pdl.launch_kwargs("matmul") == {"PDL": False}
+    # the matmuls' trigger reaches their launches (LATE) and no other family's
+    with pdl.scoped(True, late=True):
+        assert pdl.launch_kwargs("matmul") == {**on, "LATE": True}
+        assert pdl.launch_kwargs() == on == pdl.launch_kwargs("moe_gemm")
+    with pdl.scoped(True):
+        assert pdl.launch_kwargs("matmul") == {**on, "LATE": False}
     assert pdl.launch_kwargs("matmul") == {"PDL": False} == pdl.launch_kwargs()  # off by default
     monkeypatch.undo()
     with pytest.raises(ValueError, match="unknown kernel families"):

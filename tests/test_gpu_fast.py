@@ -210,7 +210,7 @@ def test_one_lane_spec_equals_plain(arch, dtype, tmp_path, monkeypatch):
     dense = dec.runner.moe_buf is None  # (step_default: the matmuls under PDL, late trigger, on dense models;
     # the tiny qwen3_next and qwen3_5_moe models have MoE layers)
     assert dense == (arch == "qwen3_5")
-    assert (dec.runner.pdl, dec.runner.pdl_skip, dec.runner.pdl_late) == (True, "" if dense else "matmul", True)
+    assert (dec.runner.pdl, dec.runner.pdl_skip, dec.runner.pdl_late) == (True, "" if dense else "matmul", dense)
     p = decode_one(dec, prompt, N)
     assert p.stats["graphs"], "CUDA graphs fell back to eager"
     ref = generate_plain(m, prompt, max_new_tokens=N)

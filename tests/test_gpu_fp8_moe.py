@@ -114,7 +114,7 @@ def _tiny_fp8(arch, tmp_path, experts="stacked", block=(128, 128)):
 def test_one_lane_fp8_spec_equals_plain(arch, experts, tmp_path):
     """One sequence alone on the BatchDecoder (decode_one: one lane, CUDA graphs) of a
     block-FP8 model: greedy speculative (K 1 and 3, the forced and the MTP drafter) ==
-    plain, bitwise."""
+    plain, bitwise; the same bits without PDL and with the FP8 matmuls under it."""
     from hyspec.decode import generate_plain
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.batch_loop import decode_one
@@ -132,6 +132,15 @@ def test_one_lane_fp8_spec_equals_plain(arch, experts, tmp_path):
         for rates in ((0.9, 0.8, 0.7, 0.6), None):
             s = decode_one(dec, prompt, N, k=K, forced_rates=rates, reference=p.tokens)
             assert s.tokens == p.tokens, (arch, K, rates)
+    # the FP8 matmuls under PDL (left out by default for block-FP8 models), with either
+    # trigger, and PDL off: the schedule moves, the bits do not (added in session 23, first
+    # run in the next GPU suite)
+    for flag, skip, late in ((False, "", False), (True, "", False), (True, "", True)):
+        dec0 = BatchDecoder(m, len(prompt) + N + 8, 3, slots=1)
+        dec0.runner.pdl, dec0.runner.pdl_skip, dec0.runner.pdl_late = flag, skip, late
+        p0 = decode_one(dec0, prompt, N)
+        s0 = decode_one(dec0, prompt, N, k=3)
+        assert p0.tokens == p.tokens and s0.tokens == p.tokens, (arch, flag, skip, late)
     if m.cfg.has_moe:
         print(f"{arch}: experts read per layer by row count {dec.runner.moe_experts_read()}")
 

@@ -19,10 +19,12 @@ traffic), so exactness is untouched; only the schedule moves.  Without PDL (olde
 the CPU interpreter, launches outside a decoder's step graphs unless ``HYSPEC_PDL=1``) the
 kernels are compiled with ``PDL=False`` and the two calls vanish.
 
-A decoder's step graphs run with PDL on every kernel (:func:`step_default`); dense models'
-skinny matmuls trigger their dependents after their K loop instead of at their start
-(``LATE``: the next kernel's waiting programs then do not hold SM slots while the matmul
-streams its weights -- the reading behind it, not profiled; measured faster on dense models), MoE and block-FP8 models leave the matmuls out: those are compiled
+A decoder's step graphs run with PDL (:func:`step_default`). Dense models put every kernel
+under it, the skinny matmuls triggering their dependents after their K loop instead of at
+their start (``LATE``: the next kernel's waiting programs then do not hold SM slots while
+the matmul streams its weights -- the reading behind it, not profiled; measured faster on
+dense models). MoE and block-FP8 models put every other kernel under it and leave the
+matmuls out: those are compiled
 with ``PDL=False`` and launched plainly, so they start once the kernel ahead has completed,
 and the kernel after them once they have (a kernel that never triggers its dependents
 early triggers them as it exits), which keeps the transitive completion above.
@@ -44,7 +46,7 @@ _override: bool | None = None  # set_pdl's process-wide choice
 # skinny bf16 / block-FP8 matmuls (not their split-K reduce), "moe_gemm" the grouped MoE
 # expert gemms
 FAMILIES = frozenset({"matmul", "moe_gemm"})
-# the innermost scoped() block's (flag, skip), per thread: a decoder's step in one thread
+# the innermost scoped() block's (flag, skip, late), per thread: a decoder's step in one thread
 # never changes the launches of another thread
 _scope = threading.local()
 
@@ -139,8 +141,8 @@ def scoped(flag: bool | None, skip: str = "", late: bool = False):
     (``FAMILIES``) that launch without PDL inside the block even when it is on (an
     ablation's knob: a family compiled with ``PDL=False`` never triggers its dependents
     early and never waits, and the kernel after it starts once it completes, as without
-    PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` scope
-    (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`.  The choice is the
+    PDL).  A decoder's step graphs run in its runner's ``pdl`` / ``pdl_skip`` / ``pdl_late``
+    scope (hyspec.gpu.graphs.StepGraphs), by default :func:`step_default`.  The choice is the
     calling thread's own (:func:`current`).  ``late``: the skinny matmuls' form when they
     launch with PDL (:func:`matmul_late`)."""
     names = families(skip, "pdl.scoped")
@@ -169,11 +171,13 @@ def step_default(dense: bool = False) -> tuple[bool | None, str, bool]:
     """A decoder's PDL choice for its step graphs, as (flag, skip, late) for :func:`scoped`:
     on, the skinny matmuls with it and their dependents launched after their K loop
     (``(True, "", True)``) when the model is ``dense`` (no MoE layer, no block-FP8 weight),
-    otherwise on with the skinny matmuls left out (``(True, "matmul", True)``; late then
-    changes nothing). An explicit ``HYSPEC_PDL=0`` or ``=1`` in the environment hands the
-    choice to the process-wide setting instead (``(None, "", False)``: every kernel off, or
-    every kernel on with its trigger at its start; ``HYSPEC_PDL_SKIP`` is then not read), and
-    otherwise ``HYSPEC_PDL_SKIP`` names the families to leave out ("" none) in place of the rule.
+    otherwise on with the skinny matmuls left out (``(True, "matmul", False)``). An explicit
+    ``HYSPEC_PDL=0`` or ``=1`` in the environment hands the choice to the process-wide
+    setting instead (``(None, "", False)``: every kernel off, or every kernel on with its
+    trigger at its start; ``HYSPEC_PDL_SKIP`` is then not read), and otherwise
+    ``HYSPEC_PDL_SKIP`` names the families to leave out ("" none) in place of the rule; the
+    trigger stays the rule's (late on dense models, at the start on the others, where the
+    matmuls under PDL measured slower with the late trigger than with the early one).
 
     Measured on the H200 (``python bench/runner_ab.py``; every arm bitwise equal): PDL on
     every kernel, each triggering its dependents at its start, made b2's dense step slower
@@ -192,7 +196,7 @@ def step_default(dense: bool = False) -> tuple[bool | None, str, bool]:
         return None, "", False
     skip = os.environ.get("HYSPEC_PDL_SKIP", "" if dense else "matmul")
     families(skip, "HYSPEC_PDL_SKIP")  # a bad name fails here, when the decoder is built
-    return True, skip, True
+    return True, skip, dense
 
 
 def launch_kwargs(family: str | None = None) -> dict:
