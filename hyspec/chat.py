@@ -94,6 +94,8 @@ class Chat:
         if cmd in ("/quit", "/exit"):
             return False
         if cmd == "/rewind":
+            if arg and not arg.isdigit():
+                raise ValueError(f"/rewind takes a number of turns, got {arg!r}")
             n = int(arg) if arg else 1
             self.session.rewind(n)
             self.messages, self.rendered = self.stack[-n]
@@ -204,5 +206,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                 chat.user(line)
         except (ValueError, OSError, RuntimeError) as e:
             print(f"[error: {e}]", file=stdout, flush=True)
+    if args.json:  # one JSON object at the end: the session's figures (as /stats prints them)
+        print(json.dumps(chat.stats()), file=stdout, flush=True)
     chat.session.close()
     return 0

@@ -302,8 +302,17 @@ class Session:
 
     @classmethod
     def load(cls, engine, path) -> "Session":
-        d = torch.load(str(path), map_location="cpu", weights_only=True)
-        return cls.from_dict(engine, d)
+        try:
+            d = torch.load(str(path), map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as e:  # not a torch file at all (pickle / zip errors of every kind)
+            raise ValueError(f"{path}: not a hyspec session file (torch.load cannot read it: {type(e).__name__})") \
+                from None
+        try:
+            return cls.from_dict(engine, d)
+        except (KeyError, TypeError) as e:  # a torch file with the wrong contents
+            raise ValueError(f"{path}: not a hyspec session file (missing or malformed {e})") from None
 
     @classmethod
     def from_dict(cls, engine, d: dict) -> "Session":

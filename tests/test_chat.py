@@ -135,3 +135,28 @@ def test_chat_constraint_flags():
     with contextlib.redirect_stderr(err):
         assert main(["--regex", "[a-z"], stdin=io.StringIO(""), stdout=out) == 2
     assert "--regex" in err.getvalue() and "Traceback" not in err.getvalue()
+
+
+def test_chat_bad_commands_and_json(tmp_path):
+    """A file that is not a torch file, a torch file that is not a session and a non-number
+    for /rewind are one-line errors and the chat goes on; --json prints the session's
+    figures as one JSON object at the end."""
+    import io
+
+    from hyspec.chat import main
+
+    (tmp_path / "text.txt").write_text("hello")
+    import torch
+
+    torch.save({"a": 1}, tmp_path / "other.pt")
+    out = io.StringIO()
+    lines = [f"/load {tmp_path / 'text.txt'}", f"/load {tmp_path / 'other.pt'}", "/rewind abc", "def f():"]
+    assert main(["--max-new-tokens", "4", "--json"], stdin=io.StringIO("\n".join(lines) + "\n"), stdout=out) == 0
+    text = out.getvalue().splitlines()
+    errors = [x for x in text if x.startswith("[error")]
+    assert len(errors) == 3 and "Traceback" not in out.getvalue(), text
+    assert "not a hyspec session file" in errors[0] and "text.txt" in errors[0] and "\n" not in errors[0]
+    assert "not a hyspec session file" in errors[1]
+    assert "/rewind takes a number of turns, got 'abc'" in errors[2]
+    last = json.loads(text[-1])
+    assert last["turns"] == 1 and len(last["turn_tokens"]) == 4

@@ -243,6 +243,9 @@ def test_unknown_dtype_rejected(ckpt, capsys) -> None:
 def test_prompt_id_out_of_vocabulary(ckpt, capsys) -> None:
     err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", f"1,{VOCAB + 7}")
     assert str(VOCAB + 7) in err and str(VOCAB) in err
+    for stream in ([], ["--no-stream"]):  # a negative id: the same error before the printer decodes the prompt
+        err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids=1,-1", *stream)
+        assert "[-1] out of range" in err and "Traceback" not in err
     err = run_error(capsys, "score", "--model", str(ckpt), "--ids", f"1,2,{VOCAB}")
     assert str(VOCAB) in err
 
@@ -256,6 +259,29 @@ def test_prompt_id_out_of_vocabulary(ckpt, capsys) -> None:
 def test_bad_generate_options(ckpt, capsys, argv, needle) -> None:
     err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1,2", *argv)
     assert needle in err
+
+
+def test_prompts_file_and_option_errors_name_the_problem(ckpt, tmp_path, capsys) -> None:
+    """Bad --prompts-file lines are errors naming file:line (ids checked against the
+    vocabulary before anything runs); options that do not apply are errors, not ignored."""
+    f = tmp_path / "p.jsonl"
+    for line, needle in (('{"prompt_ids": "abc"}', '"prompt_ids" must be a non-empty list'),
+                         ('{"prompt": 5}', '"prompt" must be a non-empty string'),
+                         ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+                         ('{"prompt": "x", "draft": 99}', "draft must be in 0..16"),
+                         ('{"prompt_ids": [1, -3]}', "[-3] out of range")):
+        f.write_text('{"prompt": "ok"}\n' + line + "\n")
+        err = run_error(capsys, "generate", "--model", str(ckpt), "--prompts-file", str(f))
+        assert f"{f}:2: " in err and needle in err, (line, err)
+    f.write_text('{"prompt": "ok"}\n')
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompts-file", str(f), "--num-samples", "2")
+    assert "--num-samples" in err
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", "--out", str(tmp_path / "o.json"))
+    assert "--out" in err and "--prompts-file" in err
+    for flag in ("--pp", "--lanes"):
+        assert f"{flag} must be >= 1" in run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", flag, "0")
+    assert "--init-std must be a positive number" in run_error(capsys, "make-tiny", "--arch", "qwen3_5", "--out",
+                                                                str(tmp_path / "t"), "--init-std", "-1")
 
 
 def test_missing_prompt_and_missing_model(ckpt, tmp_path, capsys) -> None:

@@ -450,3 +450,28 @@ def test_cli_wiring_and_request_log(server, client, caplog):
     assert len(lines) == 1
     assert re.fullmatch(rf"{r.id} in={r.usage.prompt_tokens} out=5 accept_len=[0-9.]+ latency=[0-9.]+s finish=length",
                         lines[0]), lines
+
+
+def test_signed_seed_and_max_completion_tokens_on_completions(client, ref_engine):
+    """A negative seed (OpenAI clients send signed 64-bit ints) is the unsigned seed with the
+    same bits, not a 500; /v1/completions takes max_completion_tokens as chat does."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0.9, extra_body={"return_token_ids": True,
+                                                                                       "ignore_eos": True})
+    a = client.completions.create(seed=-1, **kw)
+    b = client.completions.create(seed=(1 << 64) - 1, **kw)
+    assert a.choices[0].token_ids == b.choices[0].token_ids
+    assert a.choices[0].token_ids == reference(ref_engine, PROMPTS[1], 6, temperature=0.9, seed=(1 << 64) - 1,
+                                               ignore_eos=True)[0]
+    c = client.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0,
+                                  extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    assert c.usage.completion_tokens == 3
+
+
+def test_serve_option_checks():
+    from hyspec import server
+
+    for argv, needle in ((["--port", "99999"], "--port must be in 0..65535"), (["--port", "-1"], "--port"),
+                         (["--max-batch", "0"], "--max-batch must be >= 1"),
+                         (["--max-queue", "-1"], "--max-queue must be >= 0")):
+        with pytest.raises(ValueError, match=needle):
+            server.check(server.build_parser().parse_args(argv))

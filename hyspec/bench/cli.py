@@ -248,8 +248,7 @@ def run_variants(model, prompt, args, dev, roofline_ms: float, result: dict, sav
             result["variants"][variant] = figures
         except Exception as e:  # keep going: partial results are still worth writing
             result["errors"][variant] = failure(e)
-            log(f"!! variant {variant} failed: {type(e).__name__}: {e}")
-            traceback.print_exc()
+            log(f"!! variant {variant} failed: {type(e).__name__}: {e} (traceback in the JSON's errors)")
         save()
     return exact_decoder
 
@@ -383,6 +382,10 @@ def main(argv=None) -> int:
     result["wall_s"] = time.perf_counter() - t_start
     save()
     print_table(result)
+    if result["errors"]:  # partial results were written and printed; the run still failed
+        where = f" (tracebacks in {args.out})" if args.out else " (--out FILE keeps their tracebacks)"
+        log(f"hyspec bench: error: {len(result['errors'])} part(s) failed: {', '.join(result['errors'])}{where}")
+        return 1
     return 0
 
 

@@ -18,6 +18,7 @@ from hyspec.cli.common import (
     load_engine,
     parse_ids,
 )
+from hyspec.core.scheduler import check_prompt
 from hyspec.sampling import SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
@@ -80,6 +81,13 @@ def read_prompts_file(path: str, args) -> list[dict]:
                 raise ValueError(f"{path}:{line_no}: unknown field(s) {unknown}; known: {sorted(LINE_KEYS)}")
             if ("prompt" in obj) == ("prompt_ids" in obj):
                 raise ValueError(f"{path}:{line_no}: give exactly one of \"prompt\" or \"prompt_ids\"")
+            if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
+                raise ValueError(f"{path}:{line_no}: \"prompt\" must be a non-empty string, got {obj['prompt']!r}")
+            ids = obj.get("prompt_ids")
+            if "prompt_ids" in obj and not (isinstance(ids, list) and ids and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+                raise ValueError(f"{path}:{line_no}: \"prompt_ids\" must be a non-empty list of integer token ids, "
+                                 f"got {ids!r}")
             try:
                 params = SamplingParams(**{**base, **{k: v for k, v in obj.items() if k in base}})
             except (ValueError, TypeError) as e:
@@ -88,6 +96,8 @@ def read_prompts_file(path: str, args) -> list[dict]:
             for name, value in (("max_new_tokens", limit), ("draft", draft)):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise ValueError(f"{path}:{line_no}: {name} must be an integer >= 0, got {value!r}")
+            if draft > MAX_DRAFT:
+                raise ValueError(f"{path}:{line_no}: draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {draft}")
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
                              "params": params, "draft": draft, "line": line_no})
     if not requests:
@@ -95,8 +105,19 @@ def read_prompts_file(path: str, args) -> list[dict]:
     return requests
 
 
+def _common_checks(args) -> None:
+    if args.pp < 1:
+        raise ValueError(f"--pp must be >= 1, got {args.pp}")
+    if args.lanes < 1:
+        raise ValueError(f"--lanes must be >= 1, got {args.lanes}")
+
+
 def _file_options(args):
     """(requests, speculative options) of a --prompts-file run; ValueError on a bad line or option."""
+    _common_checks(args)
+    if args.num_samples != 1:
+        raise ValueError("--num-samples applies to one --prompt; with --prompts-file repeat a line per sample "
+                         "(each with its own seed)")
     requests = read_prompts_file(args.prompts_file, args)
     spec = None
     if any(r["draft"] > 0 for r in requests):
@@ -110,6 +131,11 @@ def run_file(args) -> int:
 
     requests, spec = _file_options(args)
     eng = load_engine(args)
+    for r in requests:  # every line's ids against the vocabulary before anything runs
+        try:
+            check_prompt(eng.encode(r["prompt"]), eng.model.cfg.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{args.prompts_file}:{r['line']}: {e}") from None
     constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     finished_early: dict[int, object] = {}  # outputs that wait for an earlier line to finish
@@ -209,6 +235,9 @@ def _options(args):
     """(sampling params, speculative options) of a one-prompt run; ValueError on a bad option."""
     if args.prompt is None and args.prompt_ids is None:
         raise ValueError("give --prompt TEXT, --prompt-ids 1,2,3 or --prompts-file FILE.jsonl")
+    _common_checks(args)
+    if args.out is not None:
+        raise ValueError("--out writes the results of --prompts-file; for one prompt use --json > FILE")
     if args.draft < 0 or args.draft > MAX_DRAFT:
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
     params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
@@ -238,6 +267,7 @@ def run(args) -> int:
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # a bad constraint fails here, before any generation
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    check_prompt(eng.encode(prompt), eng.model.cfg.vocab_size)  # (before the printer decodes it)
     printer = None
     if not args.json:
         printer = StreamPrinter(eng, eng.encode(prompt), args.prompt, args.num_samples)

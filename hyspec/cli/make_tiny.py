@@ -29,8 +29,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    import math
+
     from hyspec.tiny import make_tiny
 
+    if not (math.isfinite(args.init_std) and args.init_std > 0):
+        raise ValueError(f"--init-std must be a positive number, got {args.init_std}")
     out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
                     layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
                     draft_vocab=args.draft_vocab, fp8=args.fp8,

@@ -56,6 +56,12 @@ def check(args) -> None:
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {args.draft}")
     if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
         raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
 
 
 def make_app(args):

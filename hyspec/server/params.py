@@ -180,6 +180,8 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
         seed = 0 if t == 0 else secrets.randbits(63)
     elif not -(1 << 63) <= seed < (1 << 64):
         raise bad("seed must fit in 64 bits", "seed")
+    else:  # a negative seed is the unsigned one with the same 64 bits (OpenAI clients send signed ints)
+        seed &= (1 << 64) - 1
     draft = lim.default_draft if req.draft is None else req.draft
     if not 0 <= draft <= MAX_DRAFT:
         raise bad(f"draft must be in 0..{MAX_DRAFT} (0 = no speculation), got {draft}", "draft")

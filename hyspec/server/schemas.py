@@ -32,6 +32,7 @@ class _Sampling(_Base):
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None  # OpenAI's newer name (wins over max_tokens)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -82,7 +83,6 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: Optional[bool] = True
