@@ -152,7 +152,9 @@ class Chat:
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args
 
-    p = argparse.ArgumentParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
+    from hyspec.cli.common import OneLineParser
+
+    p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")

@@ -233,6 +233,8 @@ def test_draft_without_mtp_head(ckpt_no_mtp, capsys) -> None:
 def test_bad_prompt_ids_is_an_argparse_error(ckpt, capsys) -> None:
     err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt-ids", "1,x")
     assert "comma-separated token ids" in err and "'1,x'" in err
+    # one line, as every user error (README), not argparse's usage block first
+    assert err.startswith("hyspec generate: error: argument --prompt-ids") and err.strip().count("\n") == 0, err
 
 
 def test_unknown_dtype_rejected(ckpt, capsys) -> None:

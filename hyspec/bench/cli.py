@@ -39,11 +39,10 @@ _DEVICE_DEFAULTS = DEVICE_DEFAULTS  # old name
 
 def build_parser() -> argparse.ArgumentParser:
     import hyspec.bench
-    from hyspec.cli.common import HelpFormatter
+    from hyspec.cli.common import HelpFormatter, OneLineParser
     from hyspec.presets import ALIASES, BENCH_MODELS, PRESETS
 
-    ap = argparse.ArgumentParser(prog="hyspec bench", description=hyspec.bench.__doc__,
-                                 formatter_class=HelpFormatter)
+    ap = OneLineParser(prog="hyspec bench", description=hyspec.bench.__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--config", default="qwen3-next-2b-dense", choices=[*BENCH_MODELS, *ALIASES, "tiny", *PRESETS],
                     help="in-memory random model: qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
                          "tiny, or a preset with published shapes (qwen3.5-27b, qwen3.5-35b-a3b, "

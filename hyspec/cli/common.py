@@ -33,6 +33,14 @@ SAMPLING_HELP = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, ``PROG: error: MESSAGE (see PROG --help)``,
+    exit code 2 (argparse's own print the usage block first); its subparsers are alike."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def parse_ids(text: str) -> list[int]:
     """'1, 2,3' -> [1, 2, 3] (argparse type)."""
     try:

@@ -19,7 +19,9 @@ SUBCOMMANDS = {"generate": generate, "score": score, "replay": replay, "make-tin
 def build_parser() -> argparse.ArgumentParser:
     import hyspec.cli
 
-    parser = argparse.ArgumentParser(prog="hyspec", description=hyspec.cli.__doc__.splitlines()[0])
+    from hyspec.cli.common import OneLineParser
+
+    parser = OneLineParser(prog="hyspec", description=hyspec.cli.__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)

@@ -14,7 +14,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hyspec.config import DTYPE_NAMES
     from hyspec.speculative.loop import MAX_DRAFT
 
-    p = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
+    from hyspec.cli.common import OneLineParser
+
+    p = OneLineParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

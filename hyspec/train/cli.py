@@ -34,8 +34,9 @@ def _flag(name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli import HelpFormatter
+    from hyspec.cli.common import OneLineParser
 
-    ap = argparse.ArgumentParser(prog="hyspec train", description=DESCRIPTION, formatter_class=HelpFormatter)
+    ap = OneLineParser(prog="hyspec train", description=DESCRIPTION, formatter_class=HelpFormatter)
     for f in fields(TrainConfig):
         if f.name == "arch":
             for k, v in DEFAULT_ARCH.items():
