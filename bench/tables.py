@@ -120,6 +120,11 @@ def times(x) -> str:
     return f"×{x:.2f}"
 
 
+def times_vs(x, target=None) -> str:
+    """times(x), with three decimals where two would round onto a ">=" target (x1.968 against x1.97)."""
+    return f"×{x:.3f}" if target is not None and (round(x, 2) >= target) != (x >= target) else times(x)
+
+
 def yes(x) -> str:
     return {True: "yes", False: "**no**"}.get(x, "")
 
@@ -176,7 +181,7 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
         f = _forced(d, m.group(1))
         extra = (f" ({num(f['tok_s'], 0)} tok/s, acceptance length {f['acceptance_length']:.2f})"
                  if f.get("tok_s") and f.get("acceptance_length") else "")
-        return f"speculative K={m.group(1)}, forced acceptance, over plain", f"**{times(v)}**{extra}"
+        return f"speculative K={m.group(1)}, forced acceptance, over plain", f"**{times_vs(v, t.get('target'))}**{extra}"
     m = re.fullmatch(r"forced_k(\d+)_ceiling_frac", name)
     if m:
         ceil = f" of the {times(t['ceiling'])} cost-model ceiling" if t.get("ceiling") else ""
@@ -245,8 +250,16 @@ def _met(t: dict) -> str:
 
 
 def targets_of(d: dict) -> dict:
-    """The file's "targets" and any "targets" one level down (e.g. batch["targets"])."""
+    """The file's "targets" and any "targets" one level down (e.g. batch["targets"]). A GPU
+    bench file's preset goals are judged again with today's goals
+    (hyspec.bench.report.targets, from the file's measured figures), so a goal tightened
+    after the run (issue 14's verify t=4 <= 1.08 and forced K=3 >= x1.97, where the bench
+    had 1.10 and 1.9) is the one the tables show."""
     out = dict(d.get("targets") or {})
+    if out and d.get("variants", {}).get("exact"):
+        from hyspec.bench.report import targets
+
+        out.update(targets(d))
     for v in d.values():
         if isinstance(v, dict) and isinstance(v.get("targets"), dict):
             out.update({k: x for k, x in v["targets"].items() if k not in out})
@@ -403,7 +416,8 @@ def b2_h200_detail(res: Results) -> str:
             target = "; ".join(x for x in (_target("forced_k3_speedup", t) if t else "",
                                            _target("forced_k3_ceiling_frac", tc) + " of it" if tc else "") if x)
             met = _met({"met": t["met"] and tc.get("met", True)}) if t else ""
-            rows.append([f"forced K=3, {label}", f"{num(f['tok_s'], 0)} tok/s, {times(f['speedup'])} over plain{ceil}",
+            shown = times_vs(f["speedup"], t.get("target") if t else None)
+            rows.append([f"forced K=3, {label}", f"{num(f['tok_s'], 0)} tok/s, {shown} over plain{ceil}",
                          target, met, c])
     t = tg.get("exactness")
     if t:

@@ -64,8 +64,9 @@ def test_a_changed_result_changes_the_tables(tables, tmp_path, capsys):
     path = root / "bench" / "results" / "b2_h200.json"
     d = json.loads(path.read_text())
     d["variants"]["exact"]["plain"]["tok_s"] = 812.25
-    d["targets"]["plain_roofline_frac"].update(value=0.7596, met=True)
-    d["targets"]["verify_t4_rel"].update(value=1.25, met=False)
+    # the figures the targets are judged from (tables.py judges them again with today's goals)
+    d["variants"]["exact"]["plain"]["roofline_frac"] = 0.7596
+    d["variants"]["exact"]["verify_rel"]["4"] = 1.25
     d["meta"]["git"] = {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True}
     path.write_text(json.dumps(d))
 
@@ -77,7 +78,7 @@ def test_a_changed_result_changes_the_tables(tables, tmp_path, capsys):
     roof = f"{d['roofline_tok_s']:,.0f}"
     assert f"812 tok/s = **76.0 %** of the {roof} tok/s roofline | ≥ 75 % (stretch 85 %) | met | `0123456` dirty |" \
         in readme
-    assert "| verify of 4 tokens ÷ 1 token | 1.25 | ≤ 1.1 | **missed** | `0123456` dirty |" in readme
+    assert "| verify of 4 tokens ÷ 1 token | 1.25 | ≤ 1.08 | **missed** | `0123456` dirty |" in readme
     assert "| plain decode, exact | 812 tok/s" in gpu
     assert "595 tok/s" not in readme  # the old value is gone from the table
     capsys.readouterr()

@@ -54,7 +54,9 @@ def format_memory(m: dict) -> str:
 # step reads), the verify of 4 rows against one row (dense b2 only: an MoE verify reads more
 # experts, judged by its own bytes roofline instead), the forced K=3 speed-up and its share
 # of the run's cost-model ceiling, and bitwise exactness over prompts x tokens.
-_B2_TARGETS = dict(plain_roofline_frac=0.75, stretch=0.85, verify_t4_rel=1.10, forced_k3_speedup=1.9,
+# b2: issue 14's table (verify t=4 <= 1.08 of a decode step, forced K=3 >= x1.97 over plain;
+# until session 23 the bench judged 1.10 and x1.9, the goals of the first wave)
+_B2_TARGETS = dict(plain_roofline_frac=0.75, stretch=0.85, verify_t4_rel=1.08, forced_k3_speedup=1.97,
                    forced_k3_ceiling_frac=0.9, exact_prompts=4, exact_tokens=2000)
 PRESET_TARGETS = {
     "b2": _B2_TARGETS,
