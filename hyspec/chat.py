@@ -178,7 +178,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         spec = None
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
-                               adaptive_floor=min(args.adaptive_floor, args.draft), hidden=args.hidden)
+                               adaptive_floor=args.adaptive_floor, hidden=args.hidden)
         eng = load_engine(args)
         if eng.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer.json")

@@ -280,6 +280,10 @@ def test_prompts_file_and_option_errors_name_the_problem(ckpt, tmp_path, capsys)
     assert "--num-samples" in err
     err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", "--out", str(tmp_path / "o.json"))
     assert "--out" in err and "--prompts-file" in err
+    # the speculative flags are checked without --draft too, and --adaptive-floor above K is an error, not clamped
+    assert "--p-min" in run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", "--p-min", "2")
+    assert "--adaptive-floor: must be in 1..k=3" in run_error(capsys, "generate", "--model", str(ckpt), "--prompt",
+                                                                "x", "--draft", "3", "--adaptive-floor", "5")
     for flag in ("--pp", "--lanes"):
         assert f"{flag} must be >= 1" in run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", flag, "0")
     assert "--init-std must be a positive number" in run_error(capsys, "make-tiny", "--arch", "qwen3_5", "--out",

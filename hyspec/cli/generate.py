@@ -105,6 +105,13 @@ def read_prompts_file(path: str, args) -> list[dict]:
     return requests
 
 
+def _check_spec_flags(args) -> None:
+    """The speculative flags' values checked when nothing speculates too (a bad --p-min is
+    an error, not ignored), against the largest K."""
+    SpecOptions(k=MAX_DRAFT, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
+                adaptive_floor=args.adaptive_floor, hidden=args.hidden)
+
+
 def _common_checks(args) -> None:
     if args.pp < 1:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
@@ -115,6 +122,7 @@ def _common_checks(args) -> None:
 def _file_options(args):
     """(requests, speculative options) of a --prompts-file run; ValueError on a bad line or option."""
     _common_checks(args)
+    _check_spec_flags(args)
     if args.num_samples != 1:
         raise ValueError("--num-samples applies to one --prompt; with --prompts-file repeat a line per sample "
                          "(each with its own seed)")
@@ -244,10 +252,11 @@ def _options(args):
     spec = None
     if args.draft > 0:
         spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
-                           adaptive_floor=min(args.adaptive_floor, args.draft), hidden=args.hidden,
-                           forced_rates=args.forced_rates)
+                           adaptive_floor=args.adaptive_floor, hidden=args.hidden, forced_rates=args.forced_rates)
     elif args.forced_rates is not None:
         raise ValueError("--forced-rates needs --draft K > 0")
+    else:
+        _check_spec_flags(args)
     return params, spec
 
 
