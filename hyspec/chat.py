@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli.common import constraint_from_args, load_engine, parse_ids
+    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine, parse_ids
     from hyspec.engine import default_model_dir
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
@@ -179,6 +179,8 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
                                adaptive_floor=args.adaptive_floor, hidden=args.hidden)
+        else:
+            check_spec_flags(args)
         eng = load_engine(args)
         if eng.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer.json")

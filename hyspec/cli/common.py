@@ -95,6 +95,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                        help="testing/benchmarking: forced-acceptance drafter with these per-depth rates")
 
 
+def check_spec_flags(args) -> None:
+    """The speculative flags' values checked when nothing speculates too (a bad --p-min is
+    an error, not ignored), against the largest K."""
+    SpecOptions(k=MAX_DRAFT, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
+                adaptive_floor=args.adaptive_floor, hidden=args.hidden)
+
+
 def add_constraint_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("constraints (the output must match; needs llguidance)")
     one_of = group.add_mutually_exclusive_group()

@@ -13,6 +13,7 @@ from hyspec.cli.common import (
     add_model_args,
     add_sampling_args,
     add_spec_args,
+    check_spec_flags,
     constraint_from_args,
     fork_telemetry,
     load_engine,
@@ -105,13 +106,6 @@ def read_prompts_file(path: str, args) -> list[dict]:
     return requests
 
 
-def _check_spec_flags(args) -> None:
-    """The speculative flags' values checked when nothing speculates too (a bad --p-min is
-    an error, not ignored), against the largest K."""
-    SpecOptions(k=MAX_DRAFT, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
-                adaptive_floor=args.adaptive_floor, hidden=args.hidden)
-
-
 def _common_checks(args) -> None:
     if args.pp < 1:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
@@ -122,7 +116,7 @@ def _common_checks(args) -> None:
 def _file_options(args):
     """(requests, speculative options) of a --prompts-file run; ValueError on a bad line or option."""
     _common_checks(args)
-    _check_spec_flags(args)
+    check_spec_flags(args)
     if args.num_samples != 1:
         raise ValueError("--num-samples applies to one --prompt; with --prompts-file repeat a line per sample "
                          "(each with its own seed)")
@@ -139,9 +133,10 @@ def run_file(args) -> int:
 
     requests, spec = _file_options(args)
     eng = load_engine(args)
-    for r in requests:  # every line's ids against the vocabulary before anything runs
+    for r in requests:  # every line's ids against the vocabulary before anything runs (encoded once)
         try:
-            check_prompt(eng.encode(r["prompt"]), eng.model.cfg.vocab_size)
+            r["prompt"] = eng.encode(r["prompt"])
+            check_prompt(r["prompt"], eng.model.cfg.vocab_size)
         except ValueError as e:
             raise ValueError(f"{args.prompts_file}:{r['line']}: {e}") from None
     constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
@@ -256,7 +251,7 @@ def _options(args):
     elif args.forced_rates is not None:
         raise ValueError("--forced-rates needs --draft K > 0")
     else:
-        _check_spec_flags(args)
+        check_spec_flags(args)
     return params, spec
 
 
@@ -276,10 +271,11 @@ def run(args) -> int:
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # a bad constraint fails here, before any generation
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
-    check_prompt(eng.encode(prompt), eng.model.cfg.vocab_size)  # (before the printer decodes it)
+    ids = eng.encode(prompt)
+    check_prompt(ids, eng.model.cfg.vocab_size)  # (before the printer decodes it)
     printer = None
     if not args.json:
-        printer = StreamPrinter(eng, eng.encode(prompt), args.prompt, args.num_samples)
+        printer = StreamPrinter(eng, ids, args.prompt, args.num_samples)
     # samples decode together in one batch, so their tokens interleave: stream only a single sample
     stream = printer is not None and not args.no_stream and args.num_samples == 1
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,

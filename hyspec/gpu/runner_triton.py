@@ -39,7 +39,7 @@ from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.pdl import interpreting, step_default
 from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.rmsnorm import rmsnorm
-from hyspec.quant import Fp8Weight
+from hyspec.quant import FP8_DTYPE, Fp8Weight
 
 __all__ = ["TritonRunner", "pack_views"]
 
@@ -267,14 +267,11 @@ class TritonRunner:
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
-        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default; pdl
-        # None: the process-wide setting), the kernel families launched without it
-        # (comma-separated hyspec.kernels.pdl.FAMILIES) and the matmuls' trigger (A/B knobs:
-        # bench/runner_ab.py --a pdl=False, --b pdl_skip=, --b pdl_late=0)
-        # (dense models: the matmuls with it, triggering their dependents after their K loop,
-        # pdl_late; MoE or block-FP8 models leave them out)
-        weights = [w for lay in packed for v in vars(lay).values() for w in (v.parts if isinstance(v, Segments) else [v])]
-        dense = self.moe_buf is None and not any(isinstance(w, Fp8Weight) for w in weights + [self.head])
+        # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default: dense
+        # models put the matmuls under it, triggering late; MoE or block-FP8 models leave them
+        # out; pdl None: the process-wide setting), the kernel families launched without it and
+        # the matmuls' trigger (A/B knobs: bench/runner_ab.py --a pdl=False, --b pdl_skip=, --b pdl_late=0)
+        dense = not cfg.has_moe and not any(p.dtype == FP8_DTYPE for p in model.parameters())
         self.pdl, self.pdl_skip, self.pdl_late = step_default(dense=dense)
 
     # -- weights read per step (bench roofline) -------------------------------------
