@@ -176,35 +176,6 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q, scale
 
 
-ACT_QUANT_EPS = 1e-10  # a group's amax floor (an all-zero group quantizes to zeros, not NaN)
-
-
-def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic activation quantization (``activation_scheme: dynamic``): x [..., K] ->
-    (float8_e4m3fn [..., K], fp32 scales [..., ceil(K / group)]). Each row's consecutive
-    groups of `group` inputs (the weight block's K size; the last may be partial) with
-    a = max(amax, 1e-10) get x * (448 / a) clamped to +-448 and rounded to e4m3 (nearest
-    even), and the scale s = a / 448, in fp32 -- the quantization of transformers' FP8Linear
-    and vLLM's per-token-group path, which divide each input by s instead (an fp32 ulp apart
-    before the rounding). The FP8 kernels compute the same values
-    (ACT_QUANT in hyspec/kernels/matmul/fp8.py)."""
-    K = x.shape[-1]
-    n = math.ceil(K / group)
-    xf = x.float()
-    pad = torch.nn.functional.pad(xf, (0, n * group - K)).reshape(*x.shape[:-1], n, group)
-    a = torch.clamp(pad.abs().amax(dim=-1), min=ACT_QUANT_EPS)
-    s = a / FP8_MAX
-    q = torch.clamp(pad * (FP8_MAX / a)[..., None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(*x.shape[:-1], n * group)[..., :K], s
-
-
-def act_fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x after act_quant and back (q * s in fp32, cast to x.dtype): what a dynamically
-    quantized FP8 linear multiplies its weight with (the CPU reference's form)."""
-    q, s = act_quant(x, group)
-    return (q.float() * s.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]).to(x.dtype)
-
-
 def weight_key_of_scale(scale_key: str) -> str:
     return scale_key[: -len(SCALE_SUFFIX)]
 
@@ -424,4 +395,4 @@ _EXPERT_KEY = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_p
 __all__ = ["Fp8BlockConfig", "QuantConfigError", "parse_quantization_config", "dequantize", "quantize",
            "check_fp8_tensors", "prepare_fp8", "keep_fp8_params", "module_fp8", "module_weight", "Fp8Weight",
            "dequantize_tensors", "expand_scales", "scale_shape", "scale_key_of", "FP8_DTYPE", "UNQUANTIZED_LINEARS",
-           "QUANT_HOOK", "act_quant", "act_fake_quant"]
+           "QUANT_HOOK"]

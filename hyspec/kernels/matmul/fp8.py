@@ -23,7 +23,7 @@ from hyspec.kernels.matmul.config import SkinnyConfig, _cdiv, _config_cached, sk
 from hyspec.kernels.matmul.kernel import BLOCK_T, _kernels as _bf16_kernels
 from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 
-__all__ = ["skinny_matmul_fp8", "fp8_config", "e4m3_to_bf16", "int_cvt", "f8_dot"]
+__all__ = ["skinny_matmul_fp8", "fp8_config", "e4m3_to_bf16", "int_cvt"]
 
 
 # e4m3 -> bf16 in integer instructions (CVT 1): the PTX cvt path (e4m3x2 -> f16x2, then each
@@ -81,24 +81,6 @@ def e4m3_to_bf16():
     return _e4m3_to_bf16
 
 
-# ACT_QUANT. Dynamic activation quantization (the checkpoint's ``activation_scheme: dynamic``, as
-# transformers' FP8Linear and vLLM's block-FP8 path run it): each row's group of QB_K inputs
-# (one weight block wide) with a = max(amax, 1e-10) is scaled by 448 / a (one division per
-# row and group, then a multiply per input, where transformers divides every input by
-# a / 448: the two differ in an fp32 ulp before the rounding to e4m3, so at most where that
-# ulp straddles an e4m3 rounding boundary), clamped to +-448 and rounded to e4m3 (nearest
-# even); the step's product is taken on the e4m3 values, then times s = a / 448 and the
-# weight's block scale. hyspec.quant.act_quant is the torch reference, bit for bit.
-# On the GPU the rounding is the hardware's fp32 -> e4m3 conversion (round to nearest even,
-# saturating), feeding an e4m3 x e4m3 MMA. The interpreter's fp8 conversion rounds ties
-# away from zero, so off the GPU the rounding is fp32 bit arithmetic: normal e4m3 values
-# keep 3 mantissa bits (nearest even on the fp32 pattern); below 2^-6 the grid is 2^-9
-# (adding and removing 1.5 * 2^14 rounds there, to nearest even). The code is written out
-# in both kernels that use it (here and hyspec.kernels.moe.grouped): a jit helper would have
-# to be a module global bound per Triton mode (the interpreter resolves no closure variable),
-# which a process running both modes would rebind under the other's compiled kernels.
-
-
 @kernels_per_mode
 def _kernels():
     import triton
@@ -120,7 +102,7 @@ def _kernels():
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, WT: tl.constexpr = False, CVT: tl.constexpr = 0,
-        LATE: tl.constexpr = False, AQ: tl.constexpr = False, GW: tl.constexpr = 0, F8DOT: tl.constexpr = False,
+        LATE: tl.constexpr = False,
     ):
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -184,57 +166,24 @@ def _kernels():
                     wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
                 else:
                     wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            # the step's block scale, one per output column (BLOCK_K divides QB_K)
-            sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
-            if AQ:  # dynamic activation quantization per row and QB_K group (ACT_QUANT above)
-                xf = xt.to(tl.float32)
-                if GW == 0:  # the step is the whole group
-                    amax = tl.max(tl.abs(xf), axis=1)
-                else:  # BLOCK_K < QB_K: the group's amax from its own load (GW: QB_K's power of two)
-                    g0 = (k0 // QB_K) * QB_K
-                    offs_g = g0 + tl.arange(0, GW)
-                    mg = mask_t[:, None] & ((offs_g < g0 + QB_K) & (offs_g < K))[None, :]
-                    g_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_g[None, :] * stride_xk
-                    xgv = tl.load(g_ptrs, mask=mg, other=0.0)
-                    if ACT:
-                        xgu = tl.load(g_ptrs + X_UP * stride_xk, mask=mg, other=0.0).to(tl.float32)
-                        xgg = xgv.to(tl.float32)
-                        xgv = ((xgg / (1.0 + tl.exp(-xgg))).to(DT).to(tl.float32) * xgu).to(DT)
-                    amax = tl.max(tl.abs(xgv.to(tl.float32)), axis=1)
-                # (ACT_QUANT above: scale, clamp, round to e4m3)
-                amax = tl.maximum(amax, 1e-10)
-                sx = tl.math.div_rn(amax, 448.0)
-                v = xf * tl.math.div_rn(448.0, amax)[:, None]
-                v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-                if F8DOT:  # both operands float8 (the hardware's rounding): the e4m3 MMA, no conversion
-                    xt = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-                else:  # e4m3 values in fp32 bit arithmetic (exact products), an ieee dot
-                    u = v.to(tl.int32, bitcast=True)
-                    qn = ((u + 0x7FFFF + ((u >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-                    xt = tl.where(tl.abs(v) < 0.015625, (v + 24576.0) - 24576.0, qn)
-                    wt = wt.to(tl.float32)
-            elif CVT == 1:
+            if CVT == 1:
                 wt = bf16_of(wt)  # e4m3 -> bf16 in integer instructions: exact
             else:
                 wt = wt.to(DT)  # e4m3 -> the activation dtype: exact
+            # the step's block scale, one per output column (BLOCK_K divides QB_K)
+            sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
             if WT:
-                if IEEE or (AQ and not F8DOT):
+                if IEEE:
                     part = tl.dot(wt, tl.trans(xt), input_precision="ieee")
                 else:
                     part = tl.dot(wt, tl.trans(xt))
-                if AQ:
-                    acc += part * sx[None, :] * sc[:, None]
-                else:
-                    acc += part * sc[:, None]
+                acc += part * sc[:, None]
             else:
-                if IEEE or (AQ and not F8DOT):
+                if IEEE:
                     part = tl.dot(xt, wt, input_precision="ieee")
                 else:
                     part = tl.dot(xt, wt)
-                if AQ:
-                    acc += part * sx[:, None] * sc[None, :]
-                else:
-                    acc += part * sc[None, :]
+                acc += part * sc[None, :]
         if PDL and LATE:  # the weight stream is done: let the next kernel launch
             tl.extra.cuda.gdc_launch_dependents()
         if WT:
@@ -249,24 +198,6 @@ def _kernels():
     return _skinny_fp8_kernel
 
 
-def f8_dot(dtype, block_k: int) -> bool:
-    """Whether quantized activations meet the weight in a float8 x float8 MMA: compiled for a
-    GPU, bf16 activations, a K step of >= 32 (the e4m3 MMA's K). Otherwise both operands are
-    converted to fp32 (exact: e4m3 values) for an ieee dot, as in the interpreter."""
-    return dtype == torch.bfloat16 and block_k >= 32 and not interpreting()
-
-
-def _group_load(qb_k: int, block_k: int) -> int:
-    """GW, the width of the kernel's extra load of a whole activation group when a K step is
-    narrower than the group (a power of two >= qb_k), else 0."""
-    if block_k >= qb_k:
-        return 0
-    g = 16
-    while g < qb_k:
-        g *= 2
-    return g
-
-
 def _k_step(qb_k: int) -> int:
     """The largest power of two (<= 128) dividing the quant block's K size."""
     b = 128
@@ -275,21 +206,12 @@ def _k_step(qb_k: int) -> int:
     return b
 
 
-def fp8_config(N: int, K: int, block: tuple[int, int], act: bool = False, aq: bool = False,
-               **overrides) -> SkinnyConfig:
+def fp8_config(N: int, K: int, block: tuple[int, int], act: bool = False, **overrides) -> SkinnyConfig:
     """The fp8 kernel's config for an [N, K] weight with quant block `block`: the bf16
     config of (N, K) (TUNED / BUILTIN / defaults, or the overrides) with BK set to the
     largest power of two <= 128 dividing the block's K size; from (N, K, block) only, never
-    from T. ``aq`` (activations quantized, both MMA operands float8): the weight is always
-    the MMA's left operand (``wt``; its M is then BN, fixed by the shape, where x's rows
-    as M would change the MMA instruction with the row tile's height) and BN is at least
-    64 (Triton's Hopper e4m3 MMA needs M >= 64; below, it converts both operands to fp16)."""
+    from T."""
     keys = ("split_k", "block_n", "block_k", "num_warps", "num_stages", "wt")
-    if aq:
-        overrides = dict(overrides, wt=True)
-        if overrides.get("block_n") is None:
-            base = _config_cached(N, K, *(overrides.get(k) for k in keys), act)
-            overrides["block_n"] = max(base.block_n, 64)
     c = _config_cached(N, K, *(overrides.get(k) for k in keys), act)
     # BK is always the quant block's own step (128 for 128-wide blocks), whatever the bf16
     # config or an override says: measured on the H200 (tests/test_gpu_tile_heights.py),
@@ -306,16 +228,12 @@ def fp8_config(N: int, K: int, block: tuple[int, int], act: bool = False, aq: bo
 
 
 def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, act: bool = False,
-                      ws: torch.Tensor | None = None, defer: bool = False, block_t: int = BLOCK_T,
-                      act_quant: bool = False, **overrides):
+                      ws: torch.Tensor | None = None, defer: bool = False, block_t: int = BLOCK_T, **overrides):
     """``x [T, K] (act: [T, 2K]) @ dequant(w).T -> [T, N]`` in x.dtype, w a
     :class:`hyspec.quant.Fp8Weight` ([N, K] float8_e4m3fn + scale grid [+ row map]).
 
     Same keywords and row-invariance contract as :func:`skinny_matmul` (``out``, ``ws``,
-    ``defer``, ``block_t`` and the config overrides, BK clamped to the quant block).
-    ``act_quant``: x is quantized per row and weight-block-wide K group to e4m3 first
-    (``activation_scheme: dynamic``; :func:`hyspec.quant.act_quant` is the reference), and
-    on a GPU with bf16 x both MMA operands are float8."""
+    ``defer``, ``block_t`` and the config overrides, BK clamped to the quant block)."""
     if block_t not in (16, 32, 64, 128):
         raise ValueError(f"skinny_matmul_fp8: block_t must be 16, 32, 64 or 128, got {block_t}")
     w8, scale = w.w, w.scale
@@ -334,7 +252,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         raise ValueError(f"skinny_matmul_fp8: out must be [{T}, {N}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if T == 0:
         return out
-    cfg = fp8_config(N, K, w.block, act, act_quant, **overrides)
+    cfg = fp8_config(N, K, w.block, act, **overrides)
     kernel = _kernels()
     n_tblocks = _cdiv(T, block_t)
     t_pad = n_tblocks * block_t
@@ -362,8 +280,6 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w8.stride(0)) + (K - 1) * abs(w8.stride(1)) >= 2**31),
         ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype),
-        AQ=act_quant, GW=_group_load(w.block[1], cfg.block_k) if act_quant else 0,
-        F8DOT=act_quant and f8_dot(x.dtype, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs("matmul"),
     )
     if not direct:

@@ -13,21 +13,14 @@ def skinny_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
-def skinny_matmul_fp8_ref(x: torch.Tensor, w, *, act: bool = False, act_quant: bool = False) -> torch.Tensor:
+def skinny_matmul_fp8_ref(x: torch.Tensor, w, *, act: bool = False) -> torch.Tensor:
     """Reference of :func:`hyspec.kernels.matmul.skinny_matmul_fp8`: dequantize the
     :class:`hyspec.quant.Fp8Weight` in fp32 (``fp8 * scale`` per block), then ``x @ w.T`` in
     fp32, output in x.dtype.  act: x is [T, 2K] = [gate | up], fed as silu(gate) * up
-    rounded to x.dtype (as the kernel and the torch MLP round it). act_quant: x quantized
-    first (:func:`hyspec.quant.act_quant`), multiplied as ``q * s`` in fp32."""
+    rounded to x.dtype (as the kernel and the torch MLP round it)."""
     wd = w.dequantize(torch.float32)
     if act:
         K = wd.shape[1]
         g, u = x[:, :K].float(), x[:, K:].float()
         x = ((g / (1.0 + torch.exp(-g))).to(x.dtype).float() * u).to(x.dtype)
-    if act_quant:  # activation_scheme dynamic: x rounded to e4m3 per row and weight-block-wide group
-        from hyspec.quant import act_quant as quant
-
-        q, s = quant(x, w.block[1])
-        xq = q.float() * s.repeat_interleave(w.block[1], dim=-1)[..., : x.shape[-1]]
-        return (xq @ wd.t()).to(x.dtype)
     return (x.float() @ wd.t()).to(x.dtype)

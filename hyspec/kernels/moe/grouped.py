@@ -205,7 +205,7 @@ def _kernels():
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr, ACT: tl.constexpr,
               FP8: tl.constexpr, QB_N: tl.constexpr, QB_K: tl.constexpr, ROW_MAP: tl.constexpr,
               IEEE: tl.constexpr, WT: tl.constexpr, SH: tl.constexpr = False, PDL: tl.constexpr = False,
-              CVT: tl.constexpr = 0, AQ: tl.constexpr = False, GW: tl.constexpr = 0, F8DOT: tl.constexpr = False):
+              CVT: tl.constexpr = 0):
         # SH: expert NR is the shared expert, its weight (and scales) at sh_w_ptr (sh_sc_ptr)
         # with the routed experts' per-expert strides
         if PDL:
@@ -261,55 +261,23 @@ def _kernels():
                 wt = tl.load(wb + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn, mask=mk[:, None] & mn[None, :],
                              other=0.0)
             if FP8:
-                sc = tl.load(s_ptrs + (k0 // QB_K) * s_sk, mask=mn, other=0.0)
-                if AQ:  # dynamic activation quantization (ACT_QUANT in hyspec/kernels/matmul/fp8.py)
-                    xf = xt.to(tl.float32)
-                    if GW == 0:  # the step is the whole group
-                        amax = tl.max(tl.abs(xf), axis=1)
-                    else:  # BK < QB_K: the group's amax from its own load
-                        g0 = (k0 // QB_K) * QB_K
-                        offs_g = g0 + tl.arange(0, GW)
-                        mg = valid[:, None] & ((offs_g < g0 + QB_K) & (offs_g < K))[None, :]
-                        gp = x_ptr + xr[:, None].to(tl.int64) * s_x + offs_g[None, :]
-                        xgv = tl.load(gp, mask=mg, other=0.0)
-                        if ACT:
-                            xgu = tl.load(gp + X_UP, mask=mg, other=0.0).to(tl.float32)
-                            xgg = xgv.to(tl.float32)
-                            xgv = ((xgg / (1.0 + tl.exp(-xgg))).to(DT).to(tl.float32) * xgu).to(DT)
-                        amax = tl.max(tl.abs(xgv.to(tl.float32)), axis=1)
-                    amax = tl.maximum(amax, 1e-10)
-                    sx = tl.math.div_rn(amax, 448.0)
-                    v = xf * tl.math.div_rn(448.0, amax)[:, None]
-                    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-                    if F8DOT:  # the e4m3 MMA
-                        xt = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-                    else:  # e4m3 values in fp32 bit arithmetic, an ieee dot
-                        u = v.to(tl.int32, bitcast=True)
-                        qn = ((u + 0x7FFFF + ((u >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-                        xt = tl.where(tl.abs(v) < 0.015625, (v + 24576.0) - 24576.0, qn)
-                        wt = wt.to(tl.float32)
-                elif CVT == 1:
+                if CVT == 1:
                     wt = bf16_of(wt)  # exact, in integer instructions (hyspec.kernels.matmul.fp8)
                 else:
                     wt = wt.to(DT)  # exact
+                sc = tl.load(s_ptrs + (k0 // QB_K) * s_sk, mask=mn, other=0.0)
                 if WT:
-                    if IEEE or (AQ and not F8DOT):
+                    if IEEE:
                         part = tl.dot(wt, tl.trans(xt), input_precision="ieee")
                     else:
                         part = tl.dot(wt, tl.trans(xt))
-                    if AQ:
-                        acc += part * sx[None, :] * sc[:, None]
-                    else:
-                        acc += part * sc[:, None]
+                    acc += part * sc[:, None]
                 else:
-                    if IEEE or (AQ and not F8DOT):
+                    if IEEE:
                         part = tl.dot(xt, wt, input_precision="ieee")
                     else:
                         part = tl.dot(xt, wt)
-                    if AQ:
-                        acc += part * sx[:, None] * sc[None, :]
-                    else:
-                        acc += part * sc[None, :]
+                    acc += part * sc[None, :]
             else:
                 if WT:
                     if IEEE:
@@ -371,22 +339,9 @@ def set_moe_tuned(table: dict) -> None:
     MOE_TUNED.update(table)
 
 
-def gemm_config(N: int, K: int, act: bool, qb_k: int | None, tile: dict | None = None, aq: bool = False) -> dict:
+def gemm_config(N: int, K: int, act: bool, qb_k: int | None, tile: dict | None = None) -> dict:
     """Tile of an expert matmul: from (N, K) (and the quant block) only, never from T.
-    tile: overrides to use instead of MOE_TUNED / MOE_BUILTIN's entry (the tuner's candidates).
-    aq (block-FP8 experts with quantized activations): the weight is the MMA's left operand
-    with BN >= 64 and BK the quant block's step, as hyspec.kernels.matmul.fp8.fp8_config
-    gives the skinny matmul (keys (N, K, act, qb_k, "aq") in the tables)."""
-    if aq:
-        key = (N, K, bool(act), qb_k, "aq")
-        cfg = dict(BN=64, BK=128 if K >= 128 else max(16, p2(K)), WT=True, num_warps=4, num_stages=3)
-        while cfg["BK"] > 16 and qb_k % cfg["BK"]:
-            cfg["BK"] //= 2
-        cfg.update(tile if tile is not None else MOE_TUNED.get(key) or MOE_BUILTIN.get(key) or {})
-        cfg["WT"], cfg["BN"] = True, max(cfg["BN"], 64)
-        if qb_k % cfg["BK"]:
-            raise ValueError(f"moe gemm config for {key}: BK {cfg['BK']} does not divide the FP8 block {qb_k}")
-        return cfg
+    tile: overrides to use instead of MOE_TUNED / MOE_BUILTIN's entry (the tuner's candidates)."""
     bn = 32 if N <= 1024 else 64
     bk = 128 if K >= 128 else max(16, p2(K))
     if qb_k is not None:
@@ -423,17 +378,16 @@ def can_fuse_shared(gate_up, down, sh_gate_up, sh_down) -> bool:
     return _same_layout(gate_up, sh_gate_up) and _same_layout(down, sh_down)
 
 
-def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None, aq: bool = False):
+def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int, shared=None):
     from hyspec.kernels.pdl import launch_kwargs
     from hyspec.quant import Fp8Weight
 
-    from hyspec.kernels.matmul.fp8 import _group_load, f8_dot, int_cvt
+    from hyspec.kernels.matmul.fp8 import int_cvt
 
     fp8 = isinstance(w, Fp8Weight)
-    aq = aq and fp8
     w8 = w.w if fp8 else w
     E, N, K = w8.shape
-    cfg = gemm_config(N, K, act, w.block[1] if fp8 else None, aq=aq)
+    cfg = gemm_config(N, K, act, w.block[1] if fp8 else None)
     if fp8:
         sc, qb, rows = w.scale, w.block, w.rows
         s_se, s_sn, s_sk = sc.stride(0), sc.stride(1), sc.stride(2)
@@ -450,15 +404,14 @@ def _gemm(x, w, buf, out, tiles, n_routed, *, gather: bool, act: bool, xdiv: int
         N, K, xdiv if gather else 1, K if act else 0, n_routed,
         BM=buf.block_m, BN=cfg["BN"], BK=cfg["BK"], GATHER=gather, ACT=act, FP8=fp8, QB_N=qb[0], QB_K=qb[1],
         ROW_MAP=rows is not None, IEEE=(x.dtype == torch.float32), WT=cfg["WT"], SH=shared is not None,
-        CVT=int_cvt(x.dtype) if fp8 else 0, AQ=aq, GW=_group_load(w.block[1], cfg["BK"]) if aq else 0,
-        F8DOT=aq and f8_dot(x.dtype, cfg["BK"]),
+        CVT=int_cvt(x.dtype) if fp8 else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs("moe_gemm"))
 
 
 def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBuffers, out: torch.Tensor, *,
                 top_k: int, renorm: bool, shared_experts: tuple | None = None, shared: torch.Tensor | None = None,
                 shared_gate: torch.Tensor | None = None, stats: torch.Tensor | None = None,
-                defer: bool = False, act_quant: bool = False):
+                defer: bool = False):
     """Routed experts of x [T, H] into out [T, H] (see the module docstring).
 
     logits [T, E] the router's output, or its split-K partials (a
@@ -474,8 +427,7 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     defer (not with ``shared``): skip the combine and return a
     :class:`hyspec.kernels.common.MoePartials` over the buffers (out is not written), for
     :func:`hyspec.kernels.rmsnorm.rmsnorm` to combine as its delta; valid until the next
-    call on ``buf``. act_quant (block-FP8 experts): each expert matmul's input quantized to
-    e4m3 per row and weight-block-wide group (``activation_scheme: dynamic``)."""
+    call on ``buf``."""
     from hyspec.kernels.pdl import launch_kwargs
 
     from hyspec.kernels.common import MoePartials, SplitPartials
@@ -512,8 +464,8 @@ def moe_grouped(x: torch.Tensor, logits: torch.Tensor, gate_up, down, buf: MoeBu
     I2 = gate_up.shape[1]
     gu, y = buf.gu[:, :I2], buf.y[:, :H]
     sh_gu, sh_down = shared_experts if fused else (None, None)
-    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu, aq=act_quant)
-    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down, aq=act_quant)
+    _gemm(x, gate_up, buf, gu, tiles, E, gather=True, act=False, xdiv=slots, shared=sh_gu)
+    _gemm(gu, down, buf, y, tiles, E, gather=False, act=True, xdiv=1, shared=sh_down)
     if defer:
         return MoePartials(y, buf.wts, buf.slot, slots)
     has_shared = shared is not None

@@ -28,46 +28,31 @@ def _weight(w, e: int) -> torch.Tensor:
     return w[e].float()
 
 
-def _aq(x, group):
-    """x as a dynamically quantized FP8 linear sees it (hyspec.quant.act_quant; q * s in
-    fp32), or x in fp32 when group is None."""
-    if group is None:
-        return x.float()
-    from hyspec.quant import act_quant
-
-    q, s = act_quant(x, group)
-    return q.float() * s.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]
-
-
-def _expert(x, gu_w, down_w, dt, group=None):
+def _expert(x, gu_w, down_w, dt):
     """One expert on one row: gate | up (fp32 product, rounded), silu(gate) * up rounded,
-    down (fp32, rounded); fp32 weights. group: both inputs quantized per `group` first."""
-    gu = (_aq(x, group) @ gu_w.t()).to(dt).float()
+    down (fp32, rounded); fp32 weights."""
+    gu = (x.float() @ gu_w.t()).to(dt).float()
     inter = gu.shape[-1] // 2
     g, u = gu[..., :inter], gu[..., inter:]
-    a = ((g / (1.0 + torch.exp(-g))).to(dt).float() * u).to(dt)
-    return (_aq(a, group) @ down_w.t()).to(dt).float()
+    a = ((g / (1.0 + torch.exp(-g))).to(dt).float() * u).to(dt).float()
+    return (a @ down_w.t()).to(dt).float()
 
 
 def moe_grouped_ref(x, logits, gate_up, down, *, top_k: int, renorm: bool, shared=None, shared_gate=None,
-                    shared_experts=None, act_quant: bool = False):
+                    shared_experts=None):
     """Reference of :func:`hyspec.kernels.moe.moe_grouped`, one row and one slot at a time:
     fp32 softmax, top-k, renormalised, weights rounded to x.dtype; per slot the expert
     (``_expert``); the slots' ``w * y`` summed in fp32 in slot order, plus
     sigmoid(shared_gate) (rounded) * shared; rounded once. shared_experts=(gate_up, down):
     the shared expert computed like a routed one, its gate logit logits[:, E]. Block-FP8
-    experts are dequantized in fp32; with act_quant each expert matmul's input is quantized
-    per row and weight-block-wide group first (hyspec.quant.act_quant)."""
-    from hyspec.quant import Fp8Weight
-
+    experts are dequantized in fp32."""
     T = x.shape[0]
     dt = x.dtype
-    group = gate_up.block[1] if act_quant and isinstance(gate_up, Fp8Weight) else None
     if shared_experts is not None:
         E = logits.shape[1] - 1
         sg, sd = (w.dequantize(torch.float32) if not isinstance(w, torch.Tensor) else w.float()
                   for w in shared_experts)
-        shared = torch.stack([_expert(x[t], sg, sd, dt, group) for t in range(T)])
+        shared = torch.stack([_expert(x[t], sg, sd, dt) for t in range(T)])
         shared_gate, logits = logits[:, E:], logits[:, :E]
     probs = torch.softmax(logits.float(), dim=-1)
     w, idx = torch.topk(probs, top_k, dim=-1)
@@ -78,7 +63,7 @@ def moe_grouped_ref(x, logits, gate_up, down, *, top_k: int, renorm: bool, share
     for t in range(T):
         for j in range(top_k):
             e = int(idx[t, j])
-            out[t] += _expert(x[t], _weight(gate_up, e), _weight(down, e), dt, group) * w[t, j]
+            out[t] += _expert(x[t], _weight(gate_up, e), _weight(down, e), dt) * w[t, j]
     if shared is not None:
         gate = (1.0 / (1.0 + torch.exp(-shared_gate.float()))).to(dt).float()
         out += gate * shared.float()
