@@ -585,6 +585,10 @@ MADE_BY = {
                                     "gate|up gemm's K split, since reverted; header in the log)",
     "gpu_tests_moe_route_h200.txt": "`python3 -m pytest -q -rfEs -n 4 tests/test_gpu_fp8_moe.py "
                                     "tests/test_gpu_tile_heights.py` (H200; header in the log)",
+    "fp8_act_probe_h200.json": "`python bench/fp8_act_probe.py` (the script and the activation-quantized FP8 kernels it "
+                               "timed, since removed: `git show 9d6cae0`)",
+    "fp8_tile_probe_h200.json": "`python bench/fp8_tile_probe.py` (the script and `k_unroll`, since removed: "
+                                "`git show b1f04a6`)",
     "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "
                               "Occupancy --section MemoryWorkloadAnalysis python3 bench/fp8_probe.py --eager 1` for "
                               "the FP8 skinny, bf16 skinny and MoE gemm kernels (H200; header in the file)",

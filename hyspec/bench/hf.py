@@ -28,7 +28,9 @@ def hf_model_sharing_weights(model, dev):
     cfg = model.cfg
     state = model.state_dict()
     if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in state.values()):
-        raise ValueError("block-FP8 weights: the in-memory transformers comparison is wired for unquantized "
+        raise ValueError("block-FP8 weights: transformers computes them through DeepGEMM or a Triton kernel it "
+                         "downloads from the Hugging Face Hub (kernels-community/finegrained-fp8), and their "
+                         "dequantized copy would double the memory; the in-memory comparison runs unquantized "
                          "weights only")
     hf_config = dict(cfg.raw)
     hf_config.pop("architectures", None)

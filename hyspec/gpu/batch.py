@@ -57,6 +57,7 @@ from hyspec.gpu.batch_sampling import accept_sampled, draft_draws, plain_draws, 
 from hyspec.gpu.graphs import StepGraphs
 from hyspec.gpu.penalties import PenaltyWindow, row_counts
 from hyspec.gpu.prefill import layer_indices, prefill_into
+from hyspec.kernels.commit import commit_round, commit_round_ref
 from hyspec.kernels.gdn import gdn_window_commit
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import state_dtype
@@ -139,6 +140,8 @@ class BatchDecoder:
         self.argmax = torch.zeros(S, self.t_max, **long)  # [S, t_max] the target's choice per verify row
         self.seed_hidden = torch.zeros(S, self.t_max, H, device=dev, dtype=dt)  # [S, t_max, H] verify hiddens
         self.result = torch.zeros(S, 2 + k_max, **long)  # [S, 2 + k_max] accepted n, bonus, d1..dk
+        self.n_keep = torch.zeros(S, **long)  # [S] the round's kept drafts per lane (commit scratch)
+        self.j_keep = torch.zeros(S, **long)  # [S] n_keep + 1: the verify rows the lane keeps
         self.forced_tokens = torch.zeros(S, L * max(k_max, 1), **long)  # [S, L * k_max] forced drafter
         self.hidden = "post"  # the target hidden that seeds the drafter (the graph round: post only)
         self.sampling_table = dsamp.SamplingTable(S, device=dev)  # per-lane sampling parameters [S]
@@ -557,10 +560,7 @@ class BatchDecoder:
         self.argmax[:nb, :t].copy_(self.runner.argmax(self.runner.logits(post)).view(nb, t))
 
     def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True, masked: bool = False) -> None:
-        k = t - 1
-        lanes = self.lane_ids[:nb]
         argmax = self.argmax[:nb, :t]
-        verify_tokens = self.verify_tokens[:nb, :t]
         k_lane = self.k_lane[:nb]
         if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
             logits = self.runner.bufs.logits[: nb * t]
@@ -568,51 +568,28 @@ class BatchDecoder:
             logits.copy_(m)
             argmax.copy_(m.argmax(-1).view(nb, t))
             k_lane = self.k_round[:nb]
-        if regime is not None:
-            n, bonus = accept_sampled(self, nb, t, regime, plain, k_lane)
-        else:
-            if k > 0:
-                match = (argmax[:, :k] == verify_tokens[:, 1:t]).to(torch.long)
-                n = torch.minimum(torch.cumprod(match, 1).sum(1), k_lane)
-            else:
-                n = torch.zeros(nb, device=self.dev, dtype=torch.long)
-            bonus = argmax[lanes, n]
-        # the state keeps pending + the accepted drafts up to a stop token among them, which
-        # then stays pending (the engine core's run_round): the lane's state is its
-        # transcript's when it ends there. The result row (n, bonus) is the round's own: the
-        # host cuts the emitted tokens at the stop itself.
-        n_keep, keep = n, bonus
-        if k > 0:
-            drafts = verify_tokens[:, 1:t]
-            idx = self.draft_index[:k][None, :]
-            stop = (drafts[:, :, None] == self.stop_ids[:nb, None, :]).any(-1) & (idx < n[:, None])  # [nb, k]
-            first = torch.where(stop, idx, k).amin(1)  # the first accepted stop draft (k: none)
-            n_keep = torch.minimum(n, first)
-            keep = torch.where(first < n, drafts.gather(1, first.clamp(max=k - 1)[:, None])[:, 0], bonus)
-        j = n_keep + 1
+        accepted = accept_sampled(self, nb, t, regime, plain, k_lane) if regime is not None else None
+        # the accept test (greedy: the drafts the target's argmax agrees with, up to k_lane),
+        # the stop cut and the next round's buffers, one launch (hyspec.kernels.commit: the
+        # state keeps pending + the accepted drafts up to a stop token among them, which then
+        # stays pending, as the engine core's run_round does; the result row (n, bonus, drafts)
+        # is the round's own: the host cuts the emitted tokens at the stop itself)
+        commit = commit_round if self.runner.commit_kernel else commit_round_ref
+        commit(self.argmax, self.verify_tokens, k_lane, self.stop_ids, self.live, self.pos, self.pending,
+               self.n_keep, self.j_keep, self.result, self.fill_tokens, self.fill_start, self.fill_rows,
+               self.fill_h, self.h_last, self.seed_hidden, nb, t, accepted)
+        n_keep, j = self.n_keep[:nb], self.j_keep[:nb]
         # linear layers: state after row n_keep; conv window = rows j..j+W-2 of cat(window, new rows)
         self.runner.commit_linear(n_keep, t, nb)
         gdn_window_commit(self.conv, self.conv_in, j, nb, t)  # (gdn_window_commit_ref: the torch form)
-        # next fill: tokens verify_tokens[:j] + [bonus] with hiddens [h_last, seed[:j]] from row pos-1
-        self.fill_tokens[:nb, :t].copy_(verify_tokens)
-        self.fill_tokens[:nb].scatter_(1, j[:, None], keep[:, None])
-        self.fill_h[:nb, 0].copy_(self.h_last[:nb])
-        self.fill_h[:nb, 1: t + 1].copy_(self.seed_hidden[:nb, :t])
-        self.h_last[:nb].copy_(self.seed_hidden[lanes, n_keep])
-        live = self.live[:nb]
-        self.fill_start[:nb].copy_((self.pos[:nb] - 1).clamp_min(0) * live)
-        self.fill_rows[:nb].copy_(torch.where(live > 0, j + 1, torch.ones_like(j)))
-        if self._penalised(regime):  # the emitted tokens into the window: drafts 1..n, then the bonus
-            emitted = torch.cat([verify_tokens[:, 1:], torch.zeros_like(keep)[:, None]], 1).scatter(
+        if self._penalised(regime):  # the emitted tokens into the window: drafts 1..n, then the kept token
+            keep = self.pending[:nb]
+            emitted = torch.cat([self.verify_tokens[:nb, 1:t], torch.zeros_like(keep)[:, None]], 1).scatter(
                 1, n_keep[:, None], keep[:, None])
-            self.window.head(nb).push_many(emitted, j * live)
-        self.pos[:nb].add_(j * live)
-        self.pending[:nb].copy_(keep)
-        self.result[:nb, 0].copy_(n)
-        # masked: -1 when the bonus row allows nothing (the drafts are emitted, the lane ends)
-        self.result[:nb, 1].copy_(torch.where(dead.view(nb, t)[lanes, n], -1, bonus) if masked else bonus)
-        if k > 0:
-            self.result[:nb, 2: 2 + k].copy_(verify_tokens[:, 1:t])
+            self.window.head(nb).push_many(emitted, j * self.live[:nb])
+        if masked:  # -1 when the bonus row allows nothing (the drafts are emitted, the lane ends)
+            n = self.result[:nb, 0]
+            self.result[:nb, 1].copy_(torch.where(dead.view(nb, t)[self.lane_ids[:nb], n], -1, self.result[:nb, 1]))
 
     # -- launching ---------------------------------------------------------------------
     @staticmethod

@@ -267,6 +267,9 @@ class TritonRunner:
         self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
         self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
+        # a round's commit bookkeeping (accept test, stop cut, next fill) as one kernel,
+        # hyspec.kernels.commit (HYSPEC_COMMIT_KERNEL=0: its torch reference, ~30 launches)
+        self.commit_kernel = os.environ.get("HYSPEC_COMMIT_KERNEL", "1") not in ("", "0")
         # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default: dense
         # models put the matmuls under it, triggering late; MoE or block-FP8 models leave them
         # out; pdl None: the process-wide setting), the kernel families launched without it and

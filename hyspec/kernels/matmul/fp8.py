@@ -102,7 +102,7 @@ def _kernels():
         DIRECT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
         W_I64: tl.constexpr, ACT: tl.constexpr = False, X_UP: tl.constexpr = 0,
         PDL: tl.constexpr = False, WT: tl.constexpr = False, CVT: tl.constexpr = 0,
-        LATE: tl.constexpr = False, KU: tl.constexpr = 1,
+        LATE: tl.constexpr = False,
     ):
         pid_t = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -133,59 +133,57 @@ def _kernels():
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k00 in range(k_lo, k_hi, BLOCK_K * KU):  # KU quant-block steps per iteration (same order, same bits)
-            for ku in tl.static_range(KU):
-                k0 = k00 + ku * BLOCK_K
-                offs_k = k0 + offs_kb
-                x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + offs_kb
+            x_ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_k[None, :] * stride_xk
+            if WT:
+                w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :] * stride_wk
+            else:
+                w_ptrs = w_ptr + offs_k[:, None] * stride_wk + w_rows[None, :]
+            if EVEN_K:
+                xt = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
+                if ACT:
+                    xu = tl.load(x_ptrs + X_UP * stride_xk, mask=mask_t[:, None], other=0.0).to(tl.float32)
+                    xg = xt.to(tl.float32)
+                    sg = (xg / (1.0 + tl.exp(-xg))).to(DT).to(tl.float32)
+                    xt = (sg * xu).to(DT)
+                if EVEN_N:
+                    wt = tl.load(w_ptrs)
+                elif WT:
+                    wt = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+                else:
+                    wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = offs_k < k_hi
+                xt = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+                if ACT:
+                    xu = tl.load(x_ptrs + X_UP * stride_xk, mask=mask_t[:, None] & mask_k[None, :],
+                                 other=0.0).to(tl.float32)
+                    xg = xt.to(tl.float32)
+                    sg = (xg / (1.0 + tl.exp(-xg))).to(DT).to(tl.float32)
+                    xt = (sg * xu).to(DT)
                 if WT:
-                    w_ptrs = w_ptr + w_rows[:, None] + offs_k[None, :] * stride_wk
+                    wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
                 else:
-                    w_ptrs = w_ptr + offs_k[:, None] * stride_wk + w_rows[None, :]
-                if EVEN_K:
-                    xt = tl.load(x_ptrs, mask=mask_t[:, None], other=0.0)
-                    if ACT:
-                        xu = tl.load(x_ptrs + X_UP * stride_xk, mask=mask_t[:, None], other=0.0).to(tl.float32)
-                        xg = xt.to(tl.float32)
-                        sg = (xg / (1.0 + tl.exp(-xg))).to(DT).to(tl.float32)
-                        xt = (sg * xu).to(DT)
-                    if EVEN_N:
-                        wt = tl.load(w_ptrs)
-                    elif WT:
-                        wt = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-                    else:
-                        wt = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+                    wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if CVT == 1:
+                wt = bf16_of(wt)  # e4m3 -> bf16 in integer instructions: exact
+            else:
+                wt = wt.to(DT)  # e4m3 -> the activation dtype: exact
+            # the step's block scale, one per output column (BLOCK_K divides QB_K)
+            sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
+            if WT:
+                if IEEE:
+                    part = tl.dot(wt, tl.trans(xt), input_precision="ieee")
                 else:
-                    mask_k = offs_k < k_hi
-                    xt = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-                    if ACT:
-                        xu = tl.load(x_ptrs + X_UP * stride_xk, mask=mask_t[:, None] & mask_k[None, :],
-                                     other=0.0).to(tl.float32)
-                        xg = xt.to(tl.float32)
-                        sg = (xg / (1.0 + tl.exp(-xg))).to(DT).to(tl.float32)
-                        xt = (sg * xu).to(DT)
-                    if WT:
-                        wt = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                    else:
-                        wt = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                if CVT == 1:
-                    wt = bf16_of(wt)  # e4m3 -> bf16 in integer instructions: exact
+                    part = tl.dot(wt, tl.trans(xt))
+                acc += part * sc[:, None]
+            else:
+                if IEEE:
+                    part = tl.dot(xt, wt, input_precision="ieee")
                 else:
-                    wt = wt.to(DT)  # e4m3 -> the activation dtype: exact
-                # the step's block scale, one per output column (BLOCK_K divides QB_K)
-                sc = tl.load(s_ptrs + (k0 // QB_K) * stride_sk, mask=mask_n, other=0.0)
-                if WT:
-                    if IEEE:
-                        part = tl.dot(wt, tl.trans(xt), input_precision="ieee")
-                    else:
-                        part = tl.dot(wt, tl.trans(xt))
-                    acc += part * sc[:, None]
-                else:
-                    if IEEE:
-                        part = tl.dot(xt, wt, input_precision="ieee")
-                    else:
-                        part = tl.dot(xt, wt)
-                    acc += part * sc[None, :]
+                    part = tl.dot(xt, wt)
+                acc += part * sc[None, :]
         if PDL and LATE:  # the weight stream is done: let the next kernel launch
             tl.extra.cuda.gdc_launch_dependents()
         if WT:
@@ -230,16 +228,12 @@ def fp8_config(N: int, K: int, block: tuple[int, int], act: bool = False, **over
 
 
 def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, act: bool = False,
-                      ws: torch.Tensor | None = None, defer: bool = False, block_t: int = BLOCK_T,
-                      k_unroll: int = 1, **overrides):
+                      ws: torch.Tensor | None = None, defer: bool = False, block_t: int = BLOCK_T, **overrides):
     """``x [T, K] (act: [T, 2K]) @ dequant(w).T -> [T, N]`` in x.dtype, w a
     :class:`hyspec.quant.Fp8Weight` ([N, K] float8_e4m3fn + scale grid [+ row map]).
 
     Same keywords and row-invariance contract as :func:`skinny_matmul` (``out``, ``ws``,
-    ``defer``, ``block_t`` and the config overrides, BK clamped to the quant block).
-    ``k_unroll``: BK steps per loop iteration (their loads issued together, more bytes in
-    flight per pipeline stage; the steps and their sums are the same, so are the bits); it
-    must divide each split's steps, with K a multiple of BK."""
+    ``defer``, ``block_t`` and the config overrides, BK clamped to the quant block)."""
     if block_t not in (16, 32, 64, 128):
         raise ValueError(f"skinny_matmul_fp8: block_t must be 16, 32, 64 or 128, got {block_t}")
     w8, scale = w.w, w.scale
@@ -259,9 +253,6 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
     if T == 0:
         return out
     cfg = fp8_config(N, K, w.block, act, **overrides)
-    if k_unroll != 1 and (k_unroll < 1 or K % cfg.block_k or cfg.k_per_split % (cfg.block_k * k_unroll)):
-        raise ValueError(f"skinny_matmul_fp8: k_unroll {k_unroll} does not divide the {cfg.k_per_split}-column "
-                         f"splits in {cfg.block_k}-column steps (K {K})")
     kernel = _kernels()
     n_tblocks = _cdiv(T, block_t)
     t_pad = n_tblocks * block_t
@@ -288,7 +279,7 @@ def skinny_matmul_fp8(x: torch.Tensor, w, *, out: torch.Tensor | None = None, ac
         DIRECT=direct, IEEE=(x.dtype == torch.float32),
         EVEN_K=(K % cfg.block_k == 0), EVEN_N=(N % cfg.block_n == 0),
         W_I64=((N - 1) * abs(w8.stride(0)) + (K - 1) * abs(w8.stride(1)) >= 2**31),
-        ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype), KU=k_unroll,
+        ACT=act, X_UP=K if act else 0, WT=cfg.wt, CVT=int_cvt(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs("matmul"),
     )
     if not direct:
