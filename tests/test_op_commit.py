@@ -2,9 +2,13 @@
 launch) against its torch reference: every buffer it writes, bit for bit, over random
 lanes -- greedy (the accept test on the device) and given accept results (sampled
 rounds), drafts from 0 to 4, accepted stop drafts, idle lanes, more lanes in the buffers
-than in the round.  Runs in the Triton interpreter on a CPU machine and on the device on a
-GPU machine (tests/conftest.py picks the mode per process)."""
+than in the round, one and three hidden chunks per lane -- and BatchDecoder._commit_body
+with the kernel against the torch form for greedy, sampled, penalised and masked rounds.
+Runs in the Triton interpreter on a CPU machine and on the device on a GPU machine
+(tests/conftest.py picks the mode per process)."""
+import itertools
 import os
+import types
 
 import pytest
 import torch
@@ -19,10 +23,12 @@ if GPU and not torch.cuda.is_available():
 if GPU:
     pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda" if GPU else "cpu")
-S, H, STOP, V = 7, 40, 8, 12  # lanes in the buffers, hidden, stop slots, vocabulary (small: many matches)
+S, STOP, V = 7, 8, 12  # lanes in the buffers, stop slots, vocabulary (small: many matches)
+H = 40  # hidden size (one 64-wide chunk per lane; HS: three 1024-wide chunks)
+HS = 2100
 
 
-def _state(t: int, seed: int, stops: bool):
+def _state(t: int, seed: int, stops: bool, H: int = H):
     g = torch.Generator().manual_seed(seed)
     k = t - 1
     ri = lambda *shape, hi=V: torch.randint(0, hi, shape, generator=g)  # noqa: E731
@@ -48,11 +54,12 @@ def _accepted(t: int, seed: int):
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("mode", ["greedy", "greedy_stops", "accepted", "accepted_stops"])
+@pytest.mark.parametrize("mode", ["greedy", "greedy_stops", "accepted", "accepted_stops", "greedy_stops_wide"])
 def test_commit_round_matches_reference(t, mode):
-    for seed in range(4):
+    hidden = HS if "wide" in mode else H
+    for seed in range(4 if hidden == H else 2):
         nb = S - seed % 3  # rounds over fewer lanes than the buffers hold: the rest untouched
-        a, b = _state(t, seed, "stops" in mode), _state(t, seed, "stops" in mode)
+        a, b = _state(t, seed, "stops" in mode, hidden), _state(t, seed, "stops" in mode, hidden)
         acc = _accepted(t, 100 + seed) if mode.startswith("accepted") else None
         commit_round(**a, nb=nb, t=t, accepted=acc)
         commit_round_ref(**b, nb=nb, t=t, accepted=acc)
@@ -60,17 +67,23 @@ def test_commit_round_matches_reference(t, mode):
             assert torch.equal(a[name], b[name]), (name, t, mode, seed)
 
 
-def test_the_comparison_sees_a_planted_bug():
-    """A reference that keeps one row too many (j = n_keep + 2) must differ somewhere."""
+@pytest.mark.parametrize("plant", ["no k_lane cap", "stops ignored", "one row more"])
+def test_the_comparison_sees_a_planted_bug(plant):
+    """The random lanes exercise what a bug would break: the reference with a planted bug
+    (the k_lane cap dropped, the stop ids ignored, or a lane keeping one verify row more)
+    must differ from the kernel somewhere."""
     t = 4
     a, b = _state(t, 7, True), _state(t, 7, True)
     commit_round(**a, nb=S, t=t)
-    commit_round_ref(**b, nb=S, t=t)
-    b2 = _state(t, 7, True)
-    commit_round_ref(**b2, nb=S, t=t)
-    b2["j"] += 1  # what a planted off-by-one in j would leave
-    assert all(torch.equal(a[n], b[n]) for n in a)
-    assert not all(torch.equal(a[n], b2[n]) for n in a)
+    if plant == "no k_lane cap":
+        b["k_lane"].fill_(t - 1)
+        commit_round_ref(**b, nb=S, t=t)
+    elif plant == "stops ignored":
+        commit_round_ref(**dict(b, stop_ids=torch.full_like(b["stop_ids"], -1)), nb=S, t=t)
+    else:  # n_keep + 1 rows kept: the reference run on the accept results of one more accepted draft
+        n = a["result"][:, 0].clone()
+        commit_round_ref(**b, nb=S, t=t, accepted=((n + 1).clamp(max=t - 1), a["result"][:, 1].clone()))
+    assert not all(torch.equal(a[n], b[n]) for n in a if n != "k_lane")
 
 
 def test_a_stop_draft_ends_the_kept_rows():
@@ -90,3 +103,62 @@ def test_a_stop_draft_ends_the_kept_rows():
     assert (int(st["n_keep"][0]), int(st["j"][0]), int(st["pending"][0])) == (1, 2, 7)
     assert int(st["pos"][0]) == pos0 + 2 and int(st["fill_rows"][0]) == 3
     assert st["fill_tokens"][0, :3].tolist() == [5, 6, 7]
+
+
+# -- BatchDecoder._commit_body with the kernel vs the torch form, on a stand-in decoder -----
+
+KMAX = 4
+
+
+def _decoder(seed: int, hidden: int, kernel: bool):
+    from hyspec.gpu.penalties import PenaltyWindow
+
+    t_max = KMAX + 1
+    st = _state(t_max, seed, True, hidden)
+    d = types.SimpleNamespace(**st)
+    d.dev, d.lane_ids = DEV, torch.arange(S, device=DEV)
+    d.j_keep = d.__dict__.pop("j")
+    g = torch.Generator().manual_seed(seed)
+    d.k_lane = torch.randint(0, KMAX + 2, (S,), generator=g).to(DEV)  # some above the round's k
+    d.k_round = torch.randint(0, KMAX + 1, (S,), generator=g).to(DEV)
+    d.logits = torch.randn(S * t_max, V, generator=g).to(DEV)
+    d.mask = torch.zeros(t_max, S, 1, dtype=torch.int32, device=DEV)
+    dead = (torch.rand(S * t_max, generator=g) < 0.3).to(DEV)
+    d._masked = lambda logits, words: (logits * 2, None, dead[: logits.shape[0]])
+    d.window = PenaltyWindow(S, V, capacity=8, device=DEV)
+    d.window.last_n[:] = torch.tensor([0, 3, -1, 5, 2, -1, 4])  # off, windows of 2-5 tokens, everything
+    d.acc = (torch.randint(0, t_max, (S,), generator=g).to(DEV), torch.randint(0, V, (S,), generator=g).to(DEV))
+    d.calls = []
+    d.runner = types.SimpleNamespace(bufs=types.SimpleNamespace(logits=d.logits), commit_kernel=kernel,
+                                     commit_linear=lambda n, t, nb: d.calls.append(("linear", n.clone())))
+    d._penalised = lambda regime: regime is not None and regime.penalties
+    return d
+
+
+@pytest.mark.parametrize("t", [1, 3, 5])
+@pytest.mark.parametrize("regime,masked", list(itertools.product([None, "sampled", "penalised"], [False, True])))
+def test_commit_body_kernel_equals_torch_form(t, regime, masked, monkeypatch):
+    """The decoder's commit (hyspec.gpu.batch.BatchDecoder._commit_body) with the kernel and
+    with its torch form: every buffer, the penalty window and what the GDN replay and the
+    conv-window commit receive, for greedy, sampled, penalised and masked rounds."""
+    import hyspec.gpu.batch as batch
+
+    reg = None if regime is None else types.SimpleNamespace(penalties=regime == "penalised")
+    for seed in range(2):
+        nb = S - seed
+        arms = [_decoder(seed, H, kernel) for kernel in (True, False)]
+        for d in arms:
+            monkeypatch.setattr(batch, "accept_sampled", lambda dec, nb_, t_, rg, plain, k_lane, d=d: (
+                torch.minimum(d.acc[0][:nb_], k_lane).clamp(max=t_ - 1), d.acc[1][:nb_].clone()))
+            monkeypatch.setattr(batch, "gdn_window_commit", lambda conv, conv_in, j, nb_, t_, d=d: d.calls.append(
+                ("window", j.clone())))
+            d.conv = d.conv_in = None
+            batch.BatchDecoder._commit_body(d, nb, t, regime=reg, plain=True, masked=masked)
+        a, b = arms
+        for name in ("argmax", "pos", "pending", "fill_tokens", "fill_start", "fill_rows", "fill_h", "h_last",
+                     "result", "logits", "n_keep", "j_keep"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (name, seed)
+        for name in ("last_n", "length", "ring", "counts"):
+            assert torch.equal(getattr(a.window, name), getattr(b.window, name)), ("window." + name, seed)
+        assert [c[0] for c in a.calls] == [c[0] for c in b.calls] == ["linear", "window"]
+        assert all(torch.equal(x[1], y[1]) for x, y in zip(a.calls, b.calls))

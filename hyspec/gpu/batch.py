@@ -166,7 +166,6 @@ class BatchDecoder:
         # each lane's stop ids (-1: none; a lane with more keeps the first STOP_SLOTS): the
         # commit ends at a stop token among the accepted drafts, as the engine core's does
         self.stop_ids = torch.full((S, STOP_SLOTS), -1, **long)  # [S, STOP_SLOTS]
-        self.draft_index = torch.arange(max(k_max, 1), **long)  # [k_max] 0..k_max-1
         self.k_round = torch.zeros(S, **long)  # [S] masked rounds: drafts the lane really has (a dead mask ends them)
         self.draft_h = torch.zeros(S, H, device=dev, dtype=dt)  # [S, H] masked rounds: the MTP hidden between graphs
         self.draft_lg = torch.zeros(S, V, device=dev, dtype=dt)  # [S, V] ... and its draft logits

@@ -87,6 +87,8 @@ def commit_round(argmax, verify_tokens, k_lane, stop_ids, live, pos, pending, n_
                     ("seed_hidden", seed_hidden)):
         if x.stride(-1) != 1:
             raise ValueError(f"commit_round: {name} needs a contiguous last dim")
+    if accepted is not None and any(x.dim() != 1 or x.shape[0] < nb or x.stride(0) != 1 for x in accepted):
+        raise ValueError("commit_round: accepted must be two contiguous 1-D tensors of >= nb lanes (n, bonus)")
     H = h_last.shape[-1]
     BH = min(1024, p2(H))
     n_in, b_in = accepted if accepted is not None else (n_keep, n_keep)
