@@ -244,6 +244,9 @@ def test_one_lane_equals_the_engine_core_with_its_telemetry_and_drafts(tmp_path,
         lane = decode_one(dec, prompt, N, k=3, forced_rates=rates, reference=ref)
         assert lane.tokens == core.tokens == ref, rates
         assert lane.stats["spec"] == core.stats["spec"] and lane.stats["spec"]["rounds"] > 0, rates
+        # the runner's own round count and time (hyspec bench's phases per round divide them)
+        st = lane.stats["runner"]
+        assert st["rounds"] == lane.stats["spec"]["rounds"] and 0 < st["rounds_s"] <= lane.stats["decode_s"], rates
         if rates is None:  # (the forced drafter replaces the MTP's tokens)
             assert [d for d in lane_drafts if d] == [d for d in core_drafts if d] != []
     if arch == ARCHS[0]:  # short budgets: the loop's logic, the same for every family (~7 s each, interpreted)
