@@ -13,7 +13,7 @@ Multimodal wrappers (``qwen3_5``, ``qwen3_5_moe``) nest the language model's fie
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,30 @@ class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
 
 
+# storage dtypes of the Gated DeltaNet state (the `mamba_ssm_dtype` field, the `ssm_dtype` option)
+SSM_DTYPES = ("float32", "bfloat16", "float16")
+_SSM_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def _ssm_dtype_field(v):
+    """config.json's `mamba_ssm_dtype` (None / "auto": the default); other values are
+    checked by ModelConfig."""
+    if v is None or v == "auto":
+        return None
+    return _SSM_ALIASES.get(v, v) if isinstance(v, str) else v
+
+
+def with_ssm_dtype(cfg: "ModelConfig", ssm_dtype: str | None) -> "ModelConfig":
+    """cfg with the Gated DeltaNet state stored in `ssm_dtype` (None: cfg unchanged;
+    "auto": the checkpoint's choice; else one of SSM_DTYPES or fp32/bf16/fp16)."""
+    if ssm_dtype is None or ssm_dtype == "auto":
+        return cfg
+    name = _SSM_ALIASES.get(ssm_dtype, ssm_dtype) if isinstance(ssm_dtype, str) else ssm_dtype
+    if name not in SSM_DTYPES:
+        raise ValueError(f"ssm_dtype must be one of {', '.join(SSM_DTYPES)} (or auto), got {ssm_dtype!r}")
+    return replace(cfg, mamba_ssm_dtype=name)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -94,6 +118,10 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # the Gated DeltaNet state's storage dtype ("float32", "bfloat16", "float16"); None: the
+    # accumulation dtype (fp32; fp64 for fp64 models).  From config.json's `mamba_ssm_dtype`
+    # (Qwen3.5 ships "float32") or the user's `ssm_dtype` option; computed in fp32 either way.
+    mamba_ssm_dtype: str | None = None
     # raw dict kept for round-tripping (not compared)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -165,6 +193,9 @@ class ModelConfig:
                 raise bad("moe_intermediate_size", "must be positive for a MoE model")
             if self.decoder_sparse_step <= 0:
                 raise bad("decoder_sparse_step", "must be positive")
+        if self.mamba_ssm_dtype is not None and self.mamba_ssm_dtype not in SSM_DTYPES:
+            raise bad("mamba_ssm_dtype", f"is {self.mamba_ssm_dtype!r}; supported: {', '.join(SSM_DTYPES)} "
+                      "(or leave it out: float32)")
         if any(self.is_moe_layer(i) is False for i in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
             raise bad("intermediate_size", "must be positive when some layers are dense")
 
@@ -243,6 +274,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
             mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers", 0)) or 0),
             eos_token_ids=eos_ids,
+            mamba_ssm_dtype=_ssm_dtype_field(d.get("mamba_ssm_dtype", outer.get("mamba_ssm_dtype"))),
             raw=outer,
         )
 

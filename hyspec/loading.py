@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hyspec.config import DTYPE_NAMES, ConfigError, ModelConfig, keeps_fp32
+from hyspec.config import DTYPE_NAMES, ConfigError, ModelConfig, keeps_fp32, with_ssm_dtype
 from hyspec.model.hybrid import HybridLM
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -190,7 +190,8 @@ FP8_MODES = ("keep", "dequantize")
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               load_mtp: bool = True, layers: range | None = None, fp8: str | None = None) -> HybridLM:
+               load_mtp: bool = True, layers: range | None = None, fp8: str | None = None,
+               ssm_dtype: str | None = None) -> HybridLM:
     """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
     naming the field, key or shape at fault.
 
@@ -202,7 +203,12 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     `dtype` (the CPU reference's choice). "keep": quantized weights stay float8_e4m3fn on
     the device with their ``*_scale_inv`` grids (hyspec.quant.keep_fp8_params; about half
     the bytes): the model's torch forward dequantizes them on the fly, the Triton runner
-    streams them. Default (None): keep on CUDA, dequantize elsewhere."""
+    streams them. Default (None): keep on CUDA, dequantize elsewhere.
+
+    ssm_dtype: the Gated DeltaNet state's storage dtype ("float32", "bfloat16", "float16";
+    None or "auto": config.json's `mamba_ssm_dtype`, else fp32). bfloat16 halves the state's
+    bytes (more sequence slots, faster batched decode) and rounds it after every token: the
+    output then differs from an fp32 state's, not between plain and speculative decoding."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
@@ -214,7 +220,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
         raise ValueError(f"fp8 must be one of {', '.join(FP8_MODES)}, got {fp8!r}")
     if fp8 is None:
         fp8 = "keep" if torch.device(device).type == "cuda" else "dequantize"
-    cfg = ModelConfig.from_dir(path)
+    cfg = with_ssm_dtype(ModelConfig.from_dir(path), ssm_dtype)
     # FP8 checkpoints: dequantized here (fp32 product, cast to `dtype`), on the CPU, or kept in
     # float8 with their scales (fp8="keep"): the device only ever holds the model's one copy
     last = True

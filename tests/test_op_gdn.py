@@ -90,3 +90,39 @@ def test_blocks_per_program_must_divide_the_blocks():
         gdn_step(y, proj, torch.zeros(nv), torch.zeros(nv), torch.ones(dv), S, o, rows=1, block_v=8,
                  blocks_per_program=2, nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
 
+
+
+@pytest.mark.parametrize("one_reduction", [True, False], ids=["one_red", "ref_order"])
+@pytest.mark.parametrize("block_v", [None, 8], ids=["whole_head", "split_dv"])
+@pytest.mark.parametrize("nk,nv,dk,dv,W,T", [CASES[3], CASES[4]])
+def test_gdn_step_bf16_state(nk, nv, dk, dv, W, T, block_v, one_reduction, monkeypatch):
+    """A bf16-stored state (the `ssm_dtype` option): computed in fp32 and rounded to bf16
+    after every row, so a T-row verify's per-row states, T decode steps writing the state
+    back, and the torch reference (the same rounding) agree: kernel forms bitwise, the
+    reference within bf16's rounding.  A verify that kept the state in fp32 across its rows
+    (no per-row rounding) would differ from the decode steps here."""
+    from hyspec.kernels.gdn import kernel as gk
+
+    monkeypatch.setitem(gk.STEP_LAUNCH, "one_reduction", one_reduction)
+    C = 2 * nk * dk + nv * dv
+    y = rnd(T, C, seed=11)
+    proj = rnd(T, C + nv * dv + 2 * nv, seed=12)
+    A_log = torch.rand(nv, generator=torch.Generator().manual_seed(13)).mul(3).add(0.1).log()
+    dtb, nw = rnd(nv, seed=14), rnd(dv, seed=15, scale=0.1) + 1
+    S0 = rnd(nv, dk, dv, seed=16, scale=0.1).bfloat16()
+    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
+    o, states = torch.empty(T, nv * dv), torch.empty(T, nv, dk, dv, dtype=torch.bfloat16)
+    gdn_step(y, proj, A_log, dtb, nw, S0, o, rows=T, states=states, block_v=block_v, **kw)
+    o_ref, S_ref, states_ref = gdn_step_ref(y, proj, A_log, dtb, nw, S0, return_states=True, **kw)
+    assert S_ref.dtype == states_ref.dtype == torch.bfloat16
+    assert_rel("output", o, o_ref, 2e-2)
+    assert_rel("states", states.float(), states_ref.float(), 2e-2)
+    S = S0.clone()
+    for r in range(T):  # decode steps: the bf16 state written back after each row
+        o1 = torch.empty(1, nv * dv)
+        gdn_step(y[r: r + 1], proj[r: r + 1], A_log, dtb, nw, S, o1, rows=1, block_v=block_v, **kw)
+        assert torch.equal(o1[0], o[r]) and torch.equal(S, states[r]), r
+    keep = S0.clone()
+    o2 = torch.empty(T, nv * dv)
+    gdn_step(y, proj, A_log, dtb, nw, keep, o2, rows=T, keep_state=True, block_v=block_v, **kw)
+    assert torch.equal(o2, o) and torch.equal(keep, S0)

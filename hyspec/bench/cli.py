@@ -16,6 +16,7 @@ import torch
 
 from hyspec.bench.hf import hf_generate
 from hyspec.bench.models import make_model
+from hyspec.config import SSM_DTYPES
 from hyspec.bench.report import format_memory, log, memory_report, print_table, si, targets, write_json
 from hyspec.bench.timing import copy_bandwidth
 from hyspec.bench.variants import VARIANT_ALIASES, VARIANTS, bench_variant, exactness_check, variant_names
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
     ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
+                    help="storage dtype of the Gated DeltaNet state (default: the model's, float32 for the bench "
+                         "models; bfloat16 halves the state's bytes per sequence)")
     for flag, typ, gpu, cpu, what in DEVICE_DEFAULTS:
         ap.add_argument(flag, type=typ, default=None, help=f"{what} (default: {gpu} on a GPU, {cpu} on the CPU)")
     ap.add_argument("--forced", default="0.9,0.8,0.7,0.6", help="forced drafter acceptance rate by depth")
@@ -319,6 +323,10 @@ def main(argv=None) -> int:
     log(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)")
     model = make_model(args, dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
+    from hyspec.model.gdn import ssm_store_dtype
+
+    result["meta"]["ssm_dtype"] = str(ssm_store_dtype(model.cfg, model.dtype)).replace("torch.", "")
+    log(f"Gated DeltaNet state stored in {result['meta']['ssm_dtype']}")
     if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
         result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
         log(format_memory(result["memory"]))

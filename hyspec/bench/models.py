@@ -28,23 +28,27 @@ def build_config_model(config: dict, device, dtype, seed: int = 0):
 
 
 def make_model(args, device, dtype):
-    """The model of --model / --config (any name or alias of hyspec.presets)."""
+    """The model of --model / --config (any name or alias of hyspec.presets), its Gated
+    DeltaNet state stored in --ssm-dtype."""
+    ssm = getattr(args, "ssm_dtype", None)
     if args.model:
         from hyspec.loading import load_model
 
-        return load_model(args.model, dtype=dtype, device=device)
+        return load_model(args.model, dtype=dtype, device=device, ssm_dtype=ssm)
     name = canonical_name(args.config)
     fp8 = getattr(args, "fp8", False)
     if name in PRESETS:  # real sizes: built in `dtype` directly on the device (one copy of the weights)
         from hyspec.presets import build_preset_model
 
-        return build_preset_model(name, device, dtype, args.seed, fp8=fp8)
+        return build_preset_model(name, device, dtype, args.seed, fp8=fp8, ssm_dtype=ssm)
     if name in BENCH_MODELS:
         config = BENCH_MODELS[name]
     else:
         from hyspec.tiny import tiny_config
 
         config = tiny_config("qwen3_next", vocab_size=512)
+    if ssm not in (None, "auto"):
+        config = {**config, "mamba_ssm_dtype": ssm}
     if fp8:  # block-FP8 weights kept as FP8, built on the device like the presets
         from hyspec.presets import build_on_device, with_fp8
 

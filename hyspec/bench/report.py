@@ -140,7 +140,9 @@ def targets(result: dict) -> dict:
 def print_table(result: dict) -> None:
     meta = result["meta"]
     log("\n" + "=" * 78)
-    log(f"hyspec bench  {meta['device']}  {meta['config']}  {meta['dtype']}  prompt {meta['prompt_len']} "
+    state = meta.get("ssm_dtype")
+    state = f" (state {state})" if state and state not in ("float32", "float64") else ""
+    log(f"hyspec bench  {meta['device']}  {meta['config']}  {meta['dtype']}{state}  prompt {meta['prompt_len']} "
         f"new {meta['new_tokens']}")
     log(f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s; step reads "
         f"{si(result['model']['weight_bytes_per_step'])}B; roofline {result['roofline_ms']:.3f} ms = "

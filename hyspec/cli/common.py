@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hyspec.config import DTYPE_NAMES
+from hyspec.config import DTYPE_NAMES, SSM_DTYPES
 from hyspec.sampling import SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
@@ -62,6 +62,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                    help="weight dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
+                   help="storage dtype of the Gated DeltaNet state (default: the checkpoint's "
+                        "mamba_ssm_dtype, else float32; bfloat16 halves a sequence's state bytes "
+                        "and rounds it after every token, which changes the output slightly)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
@@ -149,13 +153,14 @@ def load_engine(args):
     from hyspec.engine import Engine
 
     if parallel.ACTIVE is not None:  # a --pp run: this process is the pipeline driver (the last stage)
-        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device,
+                                     ssm_dtype=getattr(args, "ssm_dtype", None))
         eng.lanes = getattr(args, "lanes", 1)
         eng.optimistic = getattr(args, "optimistic", False)
     else:
         if getattr(args, "optimistic", False):
             raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
-        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device, ssm_dtype=getattr(args, "ssm_dtype", None))
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
     return eng

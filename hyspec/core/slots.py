@@ -21,7 +21,7 @@ import torch
 from hyspec.cache import HybridCache
 from hyspec.config import FULL, ModelConfig
 from hyspec.model.attention import KVBuffer
-from hyspec.model.gdn import state_dtype
+from hyspec.model.gdn import ssm_store_dtype
 
 
 def _elt(dtype: torch.dtype) -> int:
@@ -36,7 +36,7 @@ def slot_bytes(cfg: ModelConfig, dtype: torch.dtype, length: int, with_mtp: bool
     n_lin = cfg.num_hidden_layers - n_attn
     lin = n_lin * ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * e
                    + cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-                   * _elt(state_dtype(dtype)))
+                   * _elt(ssm_store_dtype(cfg, dtype)))
     out = {"kv": n_attn * kv_row * length, "draft_kv": kv_row * length if with_mtp else 0, "linear": lin}
     out["total"] = out["kv"] + out["draft_kv"] + out["linear"]
     return out

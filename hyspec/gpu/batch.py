@@ -60,7 +60,7 @@ from hyspec.gpu.prefill import layer_indices, prefill_into
 from hyspec.kernels.commit import commit_round, commit_round_ref
 from hyspec.kernels.gdn import gdn_window_commit
 from hyspec.model.attention import KVBuffer
-from hyspec.model.gdn import state_dtype
+from hyspec.model.gdn import ssm_store_dtype
 from hyspec.model.ops import StepCtx
 from hyspec.speculative.drafter import draft_vocab
 
@@ -114,7 +114,7 @@ class BatchDecoder:
         W, C = cfg.linear_conv_kernel_dim, cfg.conv_dim
         nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv = torch.zeros(G, S, W - 1, C, device=dev, dtype=dt)  # [G, S, W-1, C]
-        self.ssm = torch.zeros(G, S, nv, dk, dv, device=dev, dtype=state_dtype(dt))  # [G, S, Hv, Dk, Dv]
+        self.ssm = torch.zeros(G, S, nv, dk, dv, device=dev, dtype=ssm_store_dtype(cfg, dt))  # [G, S, Hv, Dk, Dv]
         self.conv_in = torch.zeros(G, S * self.t_max, C, device=dev, dtype=dt)  # [G, S*t_max, C] lane b's rows at b*t..
         self.has_mtp = model.has_mtp
         if self.has_mtp:

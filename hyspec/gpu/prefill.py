@@ -103,7 +103,7 @@ def _fla_prefill(dec, mod, y, b, a, ssm):
         beta = torch.sigmoid(b.float()).to(y.dtype).reshape(1, T, nv)
         gg = (-mod.A_log.float().exp() * torch.nn.functional.softplus(a.float() + mod.dt_bias.float()))
         o, fs = fn(q.contiguous(), k.contiguous(), v.contiguous(), g=gg.reshape(1, T, nv).contiguous(),
-                   beta=beta.contiguous(), scale=dk ** -0.5, initial_state=ssm[None].clone(),
+                   beta=beta.contiguous(), scale=dk ** -0.5, initial_state=ssm[None].to(torch.float32, copy=True),
                    output_final_state=True, use_qk_l2norm_in_kernel=True)
     except Exception as e:  # pragma: no cover - GPU only
         fla_off(dec, f"fla chunk_gated_delta_rule failed: {type(e).__name__}: {e}")

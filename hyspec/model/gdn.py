@@ -5,7 +5,10 @@ Per token, per value head h (key head h // r, r = Hv / Hk), with state S [Dk, Dv
     delta = (v_h - k^T S) * beta_h    what the state fails to predict, scaled
     S <- S + k (outer) delta          delta-rule write
     o_h = q^T S                       read (q already scaled by Dk^-0.5)
-The state is kept in fp32 (fp64 for fp64 models). Two equivalent forms live here: a
+The state is computed in fp32 (fp64 for fp64 models) and stored in fp32 too, unless the
+config asks for another storage dtype (`mamba_ssm_dtype`, e.g. bfloat16: half the state's
+bytes): then the state is rounded to it after every row, as a one-row decode step that
+writes it back would, so a T-row scan still equals T one-row steps. Two forms live here: a
 row-by-row scan (decode / verify; can also return the state after every row for rollback)
 and a chunked form (prefill; a WY/UT-transform over chunks of 64 rows).
 """
@@ -22,7 +25,15 @@ from hyspec.config import ModelConfig
 from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, acc_dtype, row_reduce, sigmoid, silu, softplus
 
 
-state_dtype = acc_dtype  # the recurrent state is kept at the accumulation precision
+state_dtype = acc_dtype  # the recurrent state is computed at the accumulation precision
+
+
+def ssm_store_dtype(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model of `dtype` stores its Gated DeltaNet state in: the config's
+    `mamba_ssm_dtype` when set, else the accumulation dtype."""
+    if cfg.mamba_ssm_dtype is None:
+        return state_dtype(dtype)
+    return getattr(torch, cfg.mamba_ssm_dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -39,11 +50,14 @@ def _sum_square(x: torch.Tensor) -> torch.Tensor:
 #   g, beta [T, Hv]; all in the state dtype.
 # ---------------------------------------------------------------------------------------
 def recurrent_scan(q, k, v, g, beta, state, want_states: bool = False):
-    """Row-by-row scan. state [Hv, Dk, Dv] (not modified). Returns (o [T, Hv, Dv],
-    final state, per-row states [T, Hv, Dk, Dv] or None). Row r's arithmetic does not
-    depend on T, so a T-row scan equals T one-row scans bit for bit."""
+    """Row-by-row scan. state [Hv, Dk, Dv] (not modified), stored in its own dtype and
+    computed in q's. Returns (o [T, Hv, Dv], final state, per-row states [T, Hv, Dk, Dv] or
+    None), the states in the storage dtype. Row r's arithmetic does not depend on T, so a
+    T-row scan equals T one-row scans bit for bit: with a narrower storage dtype the state
+    is rounded to it after every row (a row's output reads the state before rounding)."""
     T = q.shape[0]
-    S = state
+    store = state.dtype
+    S = state.to(q.dtype)
     outs, states = [], []
     for t in range(T):
         S = S * g[t].exp()[:, None, None]
@@ -51,10 +65,12 @@ def recurrent_scan(q, k, v, g, beta, state, want_states: bool = False):
         delta = (v[t] - kv_mem) * beta[t][:, None]
         S = S + k[t][:, :, None] * delta[:, None, :]
         outs.append((S * q[t][:, :, None]).sum(-2))
+        if store != q.dtype:
+            S = S.to(store).to(q.dtype)
         if want_states:
-            states.append(S)
+            states.append(S.to(store))
     o = torch.stack(outs) if outs else v.new_zeros(v.shape)
-    return o, S, (torch.stack(states) if want_states else None)
+    return o, S.to(store), (torch.stack(states) if want_states else None)
 
 
 def chunked_scan(q, k, v, g, beta, state, chunk: int = 64):
@@ -93,14 +109,15 @@ def chunked_scan(q, k, v, g, beta, state, chunk: int = 64):
     q_dec = q * G.exp()[..., None]
     k_tail_t = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # decayed to chunk end
     chunk_decay = G[..., -1].exp()[..., None, None]  # [B, n, Hv, 1, 1]
-    S = state
+    store = state.dtype  # a narrower storage dtype: read up, the final state rounded once
+    S = state.to(q.dtype)
     outs = []
     for c in range(n):
         u = u0[:, c] - w[:, c] @ S  # [B, Hv, C, Dv]
         outs.append(q_dec[:, c] @ S + qk[:, c] @ u)
         S = S * chunk_decay[:, c] + k_tail_t[:, c] @ u
     o = torch.stack(outs, 1)  # [B, n, Hv, C, Dv]
-    return o.transpose(2, 3).reshape(B, n * chunk, Hv, Dv)[:, :T], S
+    return o.transpose(2, 3).reshape(B, n * chunk, Hv, Dv)[:, :T], S.to(store)
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,13 +145,13 @@ class GdnRecord:
 
 
 class LinearState:
-    """Conv window [W-1, C] (model dtype) and SSM state [Hv, Dk, Dv] (fp32) of one layer."""
+    """Conv window [W-1, C] (model dtype) and SSM state [Hv, Dk, Dv] (ssm_store_dtype) of one layer."""
 
     def __init__(self, cfg: ModelConfig, device, dtype) -> None:
         W = cfg.linear_conv_kernel_dim
         self.conv = torch.zeros(W - 1, cfg.conv_dim, device=device, dtype=dtype)
         self.ssm = torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                               cfg.linear_value_head_dim, device=device, dtype=state_dtype(dtype))
+                               cfg.linear_value_head_dim, device=device, dtype=ssm_store_dtype(cfg, dtype))
         self.record: GdnRecord | None = None
 
 
@@ -142,6 +159,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.family = cfg.family
+        self.ssm_dtype = cfg.mamba_ssm_dtype  # storage dtype of the state (None: accumulation dtype)
         H = cfg.hidden_size
         self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -228,7 +246,8 @@ class GatedDeltaNet(nn.Module):
         T = qkv.shape[0]
         if st is None:
             xcat = torch.cat([qkv.new_zeros(self.W - 1, qkv.shape[1]), qkv])
-            s0 = qkv.new_zeros(self.nv, self.dk, self.dv, dtype=state_dtype(qkv.dtype))
+            sd = state_dtype(qkv.dtype) if self.ssm_dtype is None else getattr(torch, self.ssm_dtype)
+            s0 = qkv.new_zeros(self.nv, self.dk, self.dv, dtype=sd)
         else:
             xcat = torch.cat([st.conv.to(qkv.dtype), qkv])  # [W-1+T, C]
             s0 = st.ssm

@@ -32,6 +32,7 @@ def _model_args(argv: list[str]):
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ssm-dtype", default=None)
     args, _ = ap.parse_known_args(argv)
     if args.device == "auto":
         import torch
@@ -135,7 +136,7 @@ def run_cli(argv: list[str], world: int, main) -> int:
         path = margs.model if margs.model is not None else default_model_dir()
         model = None
         try:
-            model = load_stage(path, world, rank, dtype=margs.dtype, device=dev)
+            model = load_stage(path, world, rank, dtype=margs.dtype, device=dev, ssm_dtype=margs.ssm_dtype)
             if dev.type == "cpu" and sum(p.numel() for p in model.parameters()) < 50_000_000:
                 torch.set_num_threads(1)
         except Exception:
@@ -171,7 +172,7 @@ def _drain(link):
         link.send_x(None, link.rank + 1, f"rank {link.rank} could not load its stage")
 
 
-def active_engine(path, *, dtype: str, device: str):
+def active_engine(path, *, dtype: str, device: str, ssm_dtype: str | None = None):
     """In a pipeline driver: the Engine over this rank's (last) stage with PipelineBackend."""
     from pathlib import Path
 
@@ -181,7 +182,7 @@ def active_engine(path, *, dtype: str, device: str):
 
     a = ACTIVE
     path = Path(path) if path is not None else default_model_dir()
-    model = load_stage(path, a["world"], a["rank"], dtype=dtype, device=a["device"])
+    model = load_stage(path, a["world"], a["rank"], dtype=dtype, device=a["device"], ssm_dtype=ssm_dtype)
     from hyspec.parallel.pipeline import stage_ranges
 
     ranges = stage_ranges(model.cfg, a["world"], model.dtype)

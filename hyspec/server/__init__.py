@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.config import DTYPE_NAMES
+    from hyspec.config import DTYPE_NAMES, SSM_DTYPES
     from hyspec.speculative.loop import MAX_DRAFT
 
     from hyspec.cli.common import OneLineParser
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix store budget in host memory (least recently used states beyond it are dropped)")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
+                   help="storage dtype of the Gated DeltaNet state (default: the checkpoint's mamba_ssm_dtype, "
+                        "else float32; bfloat16 halves a sequence's state bytes, output changes slightly)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (processes / GPUs); the HTTP server runs on the last rank (docs/multi-gpu.md)")
@@ -80,12 +83,13 @@ def make_app(args):
 
     check(args)
     if parallel.ACTIVE is not None:  # --pp: this process is the pipeline driver (the last stage)
-        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device)
+        eng = parallel.active_engine(args.model, dtype=args.dtype, device=args.device,
+                                     ssm_dtype=getattr(args, "ssm_dtype", None))
         eng.optimistic = eng.backend.driver.optimistic = bool(args.optimistic)
     else:
         if args.optimistic:
             raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
-        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+        eng = Engine.load(args.model, dtype=args.dtype, device=args.device, ssm_dtype=getattr(args, "ssm_dtype", None))
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)
     draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)  # (in range: check)

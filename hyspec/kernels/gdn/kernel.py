@@ -120,6 +120,7 @@ def _kernels():
         A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h).to(tl.float32)
         DT = o_ptr.dtype.element_ty
+        SDT = s_ptr.dtype.element_ty  # the state's storage dtype (fp32, or bf16 / fp16)
         for j in tl.static_range(NBP):
             ov = (pv * NBP + j) * BV + tl.arange(0, BV)
             mv = ov < DV
@@ -191,29 +192,35 @@ def _kernels():
                     S = S * e
                     S = S + k[:, None] * delta[None, :]
                     o = qS * e + qf * delta  # q.S after the row
+                    # a narrower state dtype (bf16): rounded after every row, as a decode
+                    # step's store rounds it, so verify, replay and decode keep equal bits
+                    # (a no-op for an fp32 state: the same binary as before)
+                    S = S.to(SDT).to(tl.float32)
                 else:
                     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
                     S = S * tl.exp(g)
                     kS = tl.sum(k[:, None] * S, axis=0)
                     delta = (v - kS) * beta
                     S = S + k[:, None] * delta[None, :]
+                    S_o = S  # the output reads the state before its rounding
+                    S = S.to(SDT).to(tl.float32)
                 if mode == 2:
                     if EVEN:
-                        tl.store(st_ptr + t * st_t + soff, S)
+                        tl.store(st_ptr + t * st_t + soff, S.to(st_ptr.dtype.element_ty))
                     else:
-                        tl.store(st_ptr + t * st_t + soff, S, mask=m2)
+                        tl.store(st_ptr + t * st_t + soff, S.to(st_ptr.dtype.element_ty), mask=m2)
                 elif mode == 1:
                     if t == T - 1:
                         if EVEN and STREAM:  # written once, read by the next call: no L2 residency hint
-                            tl.store(st_ptr + soff, S, cache_modifier=".cs")
+                            tl.store(st_ptr + soff, S.to(SDT), cache_modifier=".cs")
                         elif EVEN:
-                            tl.store(st_ptr + soff, S)
+                            tl.store(st_ptr + soff, S.to(SDT))
                         else:
-                            tl.store(st_ptr + soff, S, mask=m2)
+                            tl.store(st_ptr + soff, S.to(SDT), mask=m2)
                 if replay == 0:
                     if not ONE_RED:
                         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-                        o = tl.sum(q[:, None] * S, axis=0)
+                        o = tl.sum(q[:, None] * S_o, axis=0)  # noqa: F821 - set in the not ONE_RED branch
                     if NORM:  # this program holds the whole head: gated RMSNorm here
                         z = tl.load(prow + C + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
                         ob = o.to(DT).to(tl.float32)

@@ -27,13 +27,16 @@ def gdn_step_ref(y, proj, A_log, dt_bias, norm_w, state, *, nk, nv, dk, dv, eps,
     """Fused Gated-DeltaNet step over T rows.
 
     y [T, C] conv output (q | k | v), proj [T, C + Hv*Dv + 2*Hv] (its z | b | a columns
-    after the first C), state [Hv, Dk, Dv] fp32 (not modified).
-    Returns (o [T, Hv*Dv] gated-normed in y.dtype, final state, states [T, Hv, Dk, Dv] or None)."""
+    after the first C), state [Hv, Dk, Dv] fp32 (not modified), or bf16 / fp16: then it is
+    computed in fp32 and rounded to its dtype after every row (the row's output reads it
+    before rounding).  Returns (o [T, Hv*Dv] gated-normed in y.dtype, final state,
+    states [T, Hv, Dk, Dv] or None), the states in the state's dtype."""
     T = y.shape[0]
     kd, vd = nk * dk, nv * dv
     C = 2 * kd + vd
     r = nv // nk
-    sd = state.dtype
+    store = state.dtype
+    sd = torch.float64 if store == torch.float64 else torch.float32
     q = y[:, :kd].reshape(T, nk, dk).to(sd)
     k = y[:, kd : 2 * kd].reshape(T, nk, dk).to(sd)
     v = y[:, 2 * kd : C].reshape(T, nv, dv).to(sd)
@@ -47,9 +50,9 @@ def gdn_step_ref(y, proj, A_log, dt_bias, norm_w, state, *, nk, nv, dk, dv, eps,
     # every per-row quantity is computed on that row alone: torch's CPU kernels pick
     # vector or scalar code (other last bits for exp, softplus, sums) from the tensor's
     # whole size, so on some CPUs a row's bits would otherwise depend on T
-    S = state.clone()
+    S = state.to(sd, copy=True)
     o = torch.empty(T, nv, dv, dtype=sd, device=y.device)
-    states = torch.empty(T, nv, dk, dv, dtype=sd, device=y.device) if return_states else None
+    states = torch.empty(T, nv, dk, dv, dtype=store, device=y.device) if return_states else None
     dt = y.dtype
     out = torch.empty(T, nv, dv, dtype=dt, device=y.device)
     decay = -A_log.to(sd).exp()
@@ -63,13 +66,14 @@ def gdn_step_ref(y, proj, A_log, dt_bias, norm_w, state, *, nk, nv, dk, dv, eps,
         delta = (v[t] - kS) * beta[:, None]
         S = S + kt[:, :, None] * delta[:, None, :]
         o[t] = (S * qt[:, :, None]).sum(-2)
+        S = S.to(store).to(sd)  # a no-op for an fp32 state
         if states is not None:
             states[t] = S
         of = o[t].to(dt).float()
         xhat = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
         yv = norm_w.to(dt) * xhat.to(dt)
         out[t] = (yv * F.silu(z[t].float())).to(dt)
-    return out.reshape(T, vd), S, states
+    return out.reshape(T, vd), S.to(store), states
 
 
 def gdn_window_commit_ref(conv, conv_in, j, nb: int, t: int):
