@@ -29,7 +29,9 @@ import torch
 # git show a44f100:bench/results/gdn_bench_h200.json).
 WAYS = [(16, 2, True, True, False, 1), (16, 2, True, True, True, 1), (16, 2, True, True, True, 2),
         (16, 4, True, True, True, 1), (16, 4, True, True, True, 2), (8, 1, True, True, True, 1),
-        (8, 2, True, True, True, 1), (32, 4, True, True, True, 1), (32, 4, True, True, True, 2)]
+        (8, 2, True, True, True, 1), (32, 4, True, True, True, 1), (32, 4, True, True, True, 2),
+        # wider Dv blocks, for the bf16 state (--state-dtype bfloat16: half the bytes per tile)
+        (32, 8, True, True, True, 1), (64, 4, True, True, True, 1), (64, 8, True, True, True, 1)]
 
 
 def main() -> None:
@@ -41,6 +43,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run in the Triton interpreter (no timing)")
     ap.add_argument("--ways", type=int, default=len(WAYS), help="the first N ways only")
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the state's storage dtype (hyspec --ssm-dtype): computed in fp32, stored in this")
+    ap.add_argument("--skip", default="", help="comma-separated indices of WAYS not to run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.kernels.gdn import kernel as gk
@@ -61,11 +66,13 @@ def main() -> None:
     A_log = torch.rand(G, nv, device=dev, generator=g)
     dtb = torch.rand(G, nv, device=dev, generator=g)
     nw = torch.rand(dv, device=dev, generator=g).to(bf)
-    ssm0 = torch.randn(G, B_max, nv, dk, dv, device=dev, generator=g) * 0.1
+    sdt = getattr(torch, args.state_dtype)
+    ssm0 = (torch.randn(G, B_max, nv, dk, dv, device=dev, generator=g) * 0.1).to(sdt)
     kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
-    state_bytes = nv * dk * dv * 4  # one lane, one layer
+    state_bytes = nv * dk * dv * ssm0.element_size()  # one lane, one layer
     out = {"git": git_state(), "command": "python bench/gdn_bench.py " + " ".join(sys.argv[1:]),
            "shape": {"nk": nk, "nv": nv, "dk": dk, "dv": dv, "layers": G, "verify_rows": T, "accepted": n},
+           "state_dtype": args.state_dtype,
            "ways": []}
 
     def timed(fn) -> float:
@@ -87,7 +94,10 @@ def main() -> None:
         return e0.elapsed_time(e1) / args.reps * 1e3  # us
 
     base, form_base = {}, {}
-    for bv, warps, pvf, pf, one_red, nbp in WAYS[: args.ways]:
+    skip = {int(i) for i in args.skip.split(",") if i}
+    for i, (bv, warps, pvf, pf, one_red, nbp) in enumerate(WAYS[: args.ways]):
+        if i in skip:
+            continue
         gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
                               decode_blocks=nbp, decode_blocks_min_lanes=1)
         name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
