@@ -32,11 +32,11 @@ WAYS = [(16, 2, True, True, False, 1), (16, 2, True, True, True, 1), (16, 2, Tru
         (8, 2, True, True, True, 1), (32, 4, True, True, True, 1), (32, 4, True, True, True, 2),
         # wider Dv blocks, for the bf16 state (--state-dtype bfloat16: half the bytes per tile)
         (32, 8, True, True, True, 1), (64, 4, True, True, True, 1), (64, 8, True, True, True, 1),
-        # fewer registers per thread (92 on 4 warps, offline ptxas for sm_90), then the
-        # transposed state layout (each head [Dv, Dk]: the Dk reductions inside a warp; the
-        # kernel's TRANS, layout="vk"; other bits than the default layout's)
-        (8, 4, True, True, True, 1), (8, 4, True, True, True, 1, "vk"), (16, 4, True, True, True, 1, "vk"),
-        (16, 8, True, True, True, 1, "vk"), (8, 2, True, True, True, 1, "vk")]
+        # fewer registers per thread (92 on 4 warps, offline ptxas for sm_90)
+        (8, 4, True, True, True, 1)]
+# A transposed state layout (each head [Dv, Dk], the Dk reductions along the fast axis) was
+# measured with four ways at 0e1da99 and was slower in all of them (git show
+# 0e1da99:hyspec/kernels/gdn/kernel.py, its TRANS; bench/results/gdn_ways_*_h200.json).
 
 
 def main() -> None:
@@ -103,15 +103,13 @@ def main() -> None:
     for i, way in enumerate(WAYS[: args.ways]):
         if i in skip:
             continue
-        bv, warps, pvf, pf, one_red, nbp = way[:6]
-        layout = way[6] if len(way) > 6 else "kv"
-        lk = dict(layout=layout)
+        bv, warps, pvf, pf, one_red, nbp = way
         gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
                               decode_blocks=nbp, decode_blocks_min_lanes=1)
         name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
-                f"{f'_dec{nbp}' if nbp > 1 else ''}{'_vk' if layout == 'vk' else ''}")
+                f"{f'_dec{nbp}' if nbp > 1 else ''}")
         row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf,
-               "one_reduction": one_red, "decode_blocks": nbp, "layout": layout, "lanes": {}}
+               "one_reduction": one_red, "decode_blocks": nbp, "lanes": {}}
         try:
             for B in lanes_list:
                 ssm = ssm0[:, :B].clone()
@@ -126,15 +124,15 @@ def main() -> None:
                 def decode():
                     for gi in range(G):
                         gdn_step(y1[gi], p1[gi], A_log[gi], dtb[gi], nw, ssm[gi], o1, rows=B, block_v=bv, lanes=B,
-                                 state_lane_stride=ssm.stride(1), **lk, **kw)
+                                 state_lane_stride=ssm.stride(1), **kw)
 
                 def verify():
                     for gi in range(G):
                         gdn_step(yT[gi], pT[gi], A_log[gi], dtb[gi], nw, ssm[gi], oT, rows=B * T, block_v=bv,
-                                 keep_state=True, lanes=B, state_lane_stride=ssm.stride(1), **lk, **kw)
+                                 keep_state=True, lanes=B, state_lane_stride=ssm.stride(1), **kw)
 
                 def replay():
-                    gdn_replay(y[:, :B], proj[:, :B], A_log, dtb, nw, ssm, ncount, o1, block_v=bv, lanes=B, **lk, **kw)
+                    gdn_replay(y[:, :B], proj[:, :B], A_log, dtb, nw, ssm, ncount, o1, block_v=bv, lanes=B, **kw)
 
                 t_dec = timed(decode)
                 ck = gk.LAST.get("gdn_step")
@@ -156,16 +154,16 @@ def main() -> None:
                     yr, pr = y[:, :B, r].contiguous(), proj[:, :B, r].contiguous()
                     for gi in range(G):
                         gdn_step(yr[gi], pr[gi], A_log[gi], dtb[gi], nw, seq[gi], o1, rows=B, block_v=bv, lanes=B,
-                                 state_lane_stride=seq.stride(1), **lk, **kw)
+                                 state_lane_stride=seq.stride(1), **kw)
                 replay_exact = bool(torch.equal(seq, bits["replay_state"]))
                 # a verify's first row is the decode step's row: its outputs must be the same bits
                 verify_row0 = bool(torch.equal(bits["verify_out"].view(B, T, -1)[:, 0], bits["decode_out"]))
                 # bits: against the first way of the same tile, warps and form (a way with
                 # several decode blocks per program must equal its one-block way), and the
                 # first way of the other form (rounding only)
-                key = (B, bv, warps, one_red, layout)
+                key = (B, bv, warps, one_red)
                 base.setdefault(key, bits)
-                form_base.setdefault((B, one_red), bits)  # (the vk layout: compared with the kv one-red form)
+                form_base.setdefault((B, one_red), bits)
                 same = {k: bool(torch.equal(v, base[key][k])) for k, v in bits.items()}
                 maxdiff = max(float((v.float() - base[key][k].float()).abs().max()) for k, v in bits.items())
                 other = form_base.get((B, not one_red))

@@ -601,6 +601,8 @@ MADE_BY = {
     "profile_route_unroll_h200.txt": "`python bench/profile_batch.py --config PRESET --sizes 1 --per-call _route --top 14 "
                                      "--prompt-len 128`, the route kernel with the router partials' loop unrolled and "
                                      "as a runtime loop, 80B-FP8 and 35B (H200; header in the file)",
+    "gpu_tests_ssm_bf16_h200.txt": "`python3 -m pytest -q -rfEs tests/test_gpu_batch.py -k 'verify_rows or invariance'` "
+                                   "(H200; the bf16-state cases and the fp32 ones; header in the file)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 

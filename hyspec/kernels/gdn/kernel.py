@@ -69,7 +69,7 @@ def _kernels():
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
-                         STREAM: tl.constexpr = False, TRANS: tl.constexpr = False):
+                         STREAM: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -90,9 +90,6 @@ def _kernels():
         # STREAM: cache hints on the state's exact tiles (load evict_first, final store .cs):
         # the same values, another L2 policy (b2 at 64 lanes: decode 90.5 -> 88.8 us per
         # layer, 16 lanes 27.4 -> 26.9; bench/results/gdn_stream_h200_log.txt; HYSPEC_GDN_STREAM=0 off).
-        # TRANS: the state is stored [Dv, Dk] per head (the "vk" layout) and its tile is
-        # [BV, BK] with Dk along the fast axis, so the reductions over Dk stay inside a warp
-        # (shuffles, no shared memory or barrier); one-reduction form only.
         # EVEN: the tiles cover Dk and Dv exactly (no masks on the state).  The state's
         # offsets inside a head are int32 (the head's base is a scalar int64 pointer): a
         # [Dk, block] tile of int64 offsets, pointers and masks kept across the row loop
@@ -127,14 +124,8 @@ def _kernels():
         for j in tl.static_range(NBP):
             ov = (pv * NBP + j) * BV + tl.arange(0, BV)
             mv = ov < DV
-            if TRANS:
-                m2 = mv[:, None] & mk[None, :]
-                soff = ov[:, None] * DK + ok[None, :]  # int32: inside the head, [BV, BK]
-                nxt = BV * DK  # the next Dv block
-            else:
-                m2 = mk[:, None] & mv[None, :]
-                soff = ok[:, None] * DV + ov[None, :]  # int32: inside the head
-                nxt = BV
+            m2 = mk[:, None] & mv[None, :]
+            soff = ok[:, None] * DV + ov[None, :]  # int32: inside the head
             if j == 0:
                 if EVEN and STREAM:  # read once per call: first out of L2
                     S = tl.load(s_ptr + soff, eviction_policy="evict_first").to(tl.float32)
@@ -146,12 +137,9 @@ def _kernels():
                 S = S_next  # noqa: F821 - loaded by the block before (static loop)
             if j + 1 < NBP:  # noqa: F841 below: S_next is read by the next block (static loop)
                 if EVEN:
-                    S_next = tl.load(s_ptr + soff + nxt).to(tl.float32)  # noqa: F841
-                elif TRANS:
-                    S_next = tl.load(s_ptr + soff + nxt, mask=(ov[:, None] + BV < DV) & mk[None, :],  # noqa: F841
-                                     other=0.0).to(tl.float32)
+                    S_next = tl.load(s_ptr + soff + BV).to(tl.float32)  # noqa: F841
                 else:
-                    S_next = tl.load(s_ptr + soff + nxt, mask=mk[:, None] & (ov[None, :] + BV < DV),  # noqa: F841
+                    S_next = tl.load(s_ptr + soff + BV, mask=mk[:, None] & (ov[None, :] + BV < DV),  # noqa: F841
                                      other=0.0).to(tl.float32)
             nw = tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32)
             if PF:
@@ -198,17 +186,11 @@ def _kernels():
                     q = q * rq
                     qf = qk * (rk * rq)
                     # k.S and q.S of the state before this row, in one reduction
-                    if TRANS:
-                        red = tl.sum(tl.join(k[None, :] * S, q[None, :] * S), axis=1)
-                    else:
-                        red = tl.sum(tl.join(k[:, None] * S, q[:, None] * S), axis=0)
+                    red = tl.sum(tl.join(k[:, None] * S, q[:, None] * S), axis=0)
                     kS, qS = tl.split(red)
                     delta = (v - kS * e) * beta
                     S = S * e
-                    if TRANS:
-                        S = S + k[None, :] * delta[:, None]
-                    else:
-                        S = S + k[:, None] * delta[None, :]
+                    S = S + k[:, None] * delta[None, :]
                     o = qS * e + qf * delta  # q.S after the row
                     # a narrower state dtype (bf16): rounded after every row, as a decode
                     # step's store rounds it, so verify, replay and decode keep equal bits
@@ -338,18 +320,11 @@ def _step_grid(nv, nvb, third):
     return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
 
 
-LAYOUTS = ("kv", "vk")  # a head's state stored [Dk, Dv] (the model's) or [Dv, Dk] (transposed)
-
-
-def _step_meta(BK, BV, norm, nbp, dk, dv, layout="kv") -> dict:
-    if layout not in LAYOUTS:
-        raise ValueError(f"gdn_step: layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "vk" and not STEP_LAUNCH["one_reduction"]:
-        raise ValueError("gdn_step: the vk state layout runs the one-reduction row form only")
+def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
-                STREAM=bool(STEP_LAUNCH["stream"]), TRANS=layout == "vk",
+                STREAM=bool(STEP_LAUNCH["stream"]),
                 num_warps=nw, **launch_kwargs())
 
 
@@ -403,8 +378,7 @@ def gdn_window_commit(conv, conv_in, j, nb: int, t: int):
 
 
 def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps, rows, states=None,
-             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None,
-             layout="kv"):
+             block_v=None, keep_state=False, lanes=1, state_lane_stride=0, blocks_per_program=None):
     """Triton :func:`gdn_step_ref`. With states ([>=T, Hv, Dk, Dv] fp32) the state after
     every row goes there and ``state`` is left alone; with ``keep_state`` nothing is
     written back (a verify whose commit replays the accepted rows: :func:`gdn_replay`);
@@ -414,9 +388,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     on the row count (it does not here).  lanes > 1: rows // lanes rows per sequence
     (lane-major), lane b's state at ``state + b * state_lane_stride`` (not with states).
     blocks_per_program: Dv blocks per program (None: STEP_LAUNCH's choice; the bits do not
-    depend on it).  layout "vk": every state (and ``states``) holds each head transposed,
-    [Hv, Dv, Dk] (reductions over Dk inside a warp; other bits than "kv", the same
-    between decode, verify and replay)."""
+    depend on it)."""
     if states is not None and lanes > 1:
         raise ValueError("gdn_step: per-row states are recorded for one lane only")
     if states is not None:
@@ -432,7 +404,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv, layout))
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
@@ -446,7 +418,7 @@ def _gdn_blocks(dk, dv, block_v):
 
 
 def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like, *, nk, nv, dk, dv, eps,
-               block_v=None, lanes=0, layout="kv"):
+               block_v=None, lanes=0):
     """Advance the state of every Gated-DeltaNet layer by the rows a verify saw, in place,
     with the very kernel (and so the very arithmetic) of :func:`gdn_step`: layer g's state
     ``ssm[g]`` [Hv, Dk, Dv] takes rows 0..n of ``y_rows[g]`` [t, C] / ``p_rows[g]`` [t, P]
@@ -467,5 +439,5 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
-        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv, layout))
+        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv))
     return ssm
