@@ -40,6 +40,16 @@ def test_gdn_conv_grid(nk, nv, dk, dv, W, T):
     assert torch.equal(st, new_state)
 
 
+def _step_inputs(nk, nv, dk, dv, T, seed):
+    """A step's inputs: conv output y, projections, A_log, dt_bias, norm weight, fp32 state."""
+    C = 2 * nk * dk + nv * dv
+    y = rnd(T, C, seed=seed + 1)
+    proj = rnd(T, C + nv * dv + 2 * nv, seed=seed + 2)
+    A_log = torch.rand(nv, generator=torch.Generator().manual_seed(seed + 3)).mul(3).add(0.1).log()
+    dtb, nw = rnd(nv, seed=seed + 4), rnd(dv, seed=seed + 5, scale=0.1) + 1
+    return y, proj, A_log, dtb, nw, rnd(nv, dk, dv, seed=seed + 6, scale=0.1)
+
+
 @pytest.mark.parametrize("one_reduction", [True, False], ids=["one_red", "ref_order"])
 @pytest.mark.parametrize("block_v", [None, 8], ids=["whole_head", "split_dv"])
 @pytest.mark.parametrize("nk,nv,dk,dv,W,T", CASES)
@@ -49,12 +59,7 @@ def test_gdn_step_grid(nk, nv, dk, dv, W, T, block_v, one_reduction, monkeypatch
     from hyspec.kernels.gdn import kernel as gk
 
     monkeypatch.setitem(gk.STEP_LAUNCH, "one_reduction", one_reduction)
-    C = 2 * nk * dk + nv * dv
-    y = rnd(T, C, seed=1)
-    proj = rnd(T, C + nv * dv + 2 * nv, seed=2)
-    A_log = torch.rand(nv, generator=torch.Generator().manual_seed(3)).mul(3).add(0.1).log()
-    dtb, nw = rnd(nv, seed=4), rnd(dv, seed=5, scale=0.1) + 1
-    S0 = rnd(nv, dk, dv, seed=6, scale=0.1)
+    y, proj, A_log, dtb, nw, S0 = _step_inputs(nk, nv, dk, dv, T, seed=0)
     kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
     o, states = torch.empty(T, nv * dv), torch.empty(T, nv, dk, dv)
     gdn_step(y, proj, A_log, dtb, nw, S0, o, rows=T, states=states, block_v=block_v, **kw)
@@ -104,12 +109,8 @@ def test_gdn_step_bf16_state(nk, nv, dk, dv, W, T, block_v, one_reduction, monke
     from hyspec.kernels.gdn import kernel as gk
 
     monkeypatch.setitem(gk.STEP_LAUNCH, "one_reduction", one_reduction)
-    C = 2 * nk * dk + nv * dv
-    y = rnd(T, C, seed=11)
-    proj = rnd(T, C + nv * dv + 2 * nv, seed=12)
-    A_log = torch.rand(nv, generator=torch.Generator().manual_seed(13)).mul(3).add(0.1).log()
-    dtb, nw = rnd(nv, seed=14), rnd(dv, seed=15, scale=0.1) + 1
-    S0 = rnd(nv, dk, dv, seed=16, scale=0.1).bfloat16()
+    y, proj, A_log, dtb, nw, S0 = _step_inputs(nk, nv, dk, dv, T, seed=10)
+    S0 = S0.bfloat16()
     kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
     o, states = torch.empty(T, nv * dv), torch.empty(T, nv, dk, dv, dtype=torch.bfloat16)
     gdn_step(y, proj, A_log, dtb, nw, S0, o, rows=T, states=states, block_v=block_v, **kw)
