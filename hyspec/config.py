@@ -65,8 +65,8 @@ _SSM_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half"
 
 
 def _ssm_dtype_field(v):
-    """config.json's `mamba_ssm_dtype` (None / "auto": the default); other values are
-    checked by ModelConfig."""
+    """A state dtype name with its alias resolved; None / "auto" (the default) -> None.
+    Unknown values pass through (ModelConfig / with_ssm_dtype reject them)."""
     if v is None or v == "auto":
         return None
     return _SSM_ALIASES.get(v, v) if isinstance(v, str) else v
@@ -75,12 +75,19 @@ def _ssm_dtype_field(v):
 def with_ssm_dtype(cfg: "ModelConfig", ssm_dtype: str | None) -> "ModelConfig":
     """cfg with the Gated DeltaNet state stored in `ssm_dtype` (None: cfg unchanged;
     "auto": the checkpoint's choice; else one of SSM_DTYPES or fp32/bf16/fp16)."""
-    if ssm_dtype is None or ssm_dtype == "auto":
+    name = _ssm_dtype_field(ssm_dtype)
+    if name is None:
         return cfg
-    name = _SSM_ALIASES.get(ssm_dtype, ssm_dtype) if isinstance(ssm_dtype, str) else ssm_dtype
     if name not in SSM_DTYPES:
         raise ValueError(f"ssm_dtype must be one of {', '.join(SSM_DTYPES)} (or auto), got {ssm_dtype!r}")
     return replace(cfg, mamba_ssm_dtype=name)
+
+
+def dict_with_ssm_dtype(d: dict, ssm_dtype: str | None) -> dict:
+    """A config dict (the bench's models, the presets) with `mamba_ssm_dtype` set as
+    with_ssm_dtype would set it (None / "auto": d unchanged)."""
+    name = _ssm_dtype_field(ssm_dtype)
+    return d if name is None else {**d, "mamba_ssm_dtype": name}
 
 
 @dataclass(frozen=True)

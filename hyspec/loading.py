@@ -207,8 +207,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
 
     ssm_dtype: the Gated DeltaNet state's storage dtype ("float32", "bfloat16", "float16";
     None or "auto": config.json's `mamba_ssm_dtype`, else fp32). bfloat16 halves the state's
-    bytes (more sequence slots, faster batched decode) and rounds it after every token: the
-    output then differs from an fp32 state's, not between plain and speculative decoding."""
+    bytes (more sequence slots; no faster on the H200: docs/models.md) and rounds it after
+    every token: the output then differs from an fp32 state's, not between plain and
+    speculative decoding."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "

@@ -378,10 +378,9 @@ def build_preset_model(name: str, device, dtype: torch.dtype, seed: int = 0, fp8
     """The preset's model with random weights on `device` (see build_on_device); FP8 presets
     (and any preset with fp8=True) keep block-FP8 weights. ssm_dtype: the Gated DeltaNet
     state's storage dtype (hyspec.config.with_ssm_dtype)."""
-    d = model_dict(name, fp8)
-    if ssm_dtype not in (None, "auto"):
-        d = {**d, "mamba_ssm_dtype": ssm_dtype}
-    return build_on_device(d, device, dtype, seed)
+    from hyspec.config import dict_with_ssm_dtype
+
+    return build_on_device(dict_with_ssm_dtype(model_dict(name, fp8), ssm_dtype), device, dtype, seed)
 
 
 def check_runnable(name: str, dev: torch.device, dtype: torch.dtype, fp8: bool = False) -> str | None:

@@ -47,8 +47,9 @@ def make_model(args, device, dtype):
         from hyspec.tiny import tiny_config
 
         config = tiny_config("qwen3_next", vocab_size=512)
-    if ssm not in (None, "auto"):
-        config = {**config, "mamba_ssm_dtype": ssm}
+    from hyspec.config import dict_with_ssm_dtype
+
+    config = dict_with_ssm_dtype(config, ssm)
     if fp8:  # block-FP8 weights kept as FP8, built on the device like the presets
         from hyspec.presets import build_on_device, with_fp8
 

@@ -28,12 +28,11 @@ from hyspec.model.ops import GatedRMSNorm, Linear, StepCtx, acc_dtype, row_reduc
 state_dtype = acc_dtype  # the recurrent state is computed at the accumulation precision
 
 
-def ssm_store_dtype(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+def ssm_store_dtype(cfg: ModelConfig | str | None, dtype: torch.dtype) -> torch.dtype:
     """The dtype a model of `dtype` stores its Gated DeltaNet state in: the config's
-    `mamba_ssm_dtype` when set, else the accumulation dtype."""
-    if cfg.mamba_ssm_dtype is None:
-        return state_dtype(dtype)
-    return getattr(torch, cfg.mamba_ssm_dtype)
+    `mamba_ssm_dtype` (or that name itself) when set, else the accumulation dtype."""
+    name = cfg.mamba_ssm_dtype if isinstance(cfg, ModelConfig) else cfg
+    return state_dtype(dtype) if name is None else getattr(torch, name)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -246,8 +245,7 @@ class GatedDeltaNet(nn.Module):
         T = qkv.shape[0]
         if st is None:
             xcat = torch.cat([qkv.new_zeros(self.W - 1, qkv.shape[1]), qkv])
-            sd = state_dtype(qkv.dtype) if self.ssm_dtype is None else getattr(torch, self.ssm_dtype)
-            s0 = qkv.new_zeros(self.nv, self.dk, self.dv, dtype=sd)
+            s0 = qkv.new_zeros(self.nv, self.dk, self.dv, dtype=ssm_store_dtype(self.ssm_dtype, qkv.dtype))
         else:
             xcat = torch.cat([st.conv.to(qkv.dtype), qkv])  # [W-1+T, C]
             s0 = st.ssm
