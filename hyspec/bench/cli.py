@@ -66,10 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--exact-coupled", action=argparse.BooleanOptionalAction, default=True,
                     help="the exactness check also compares speculative with plain coupled sampling (T=0.8, "
                          "top-p 0.95, a seed per prompt), token for token")
-    ap.add_argument("--tune", default="none", choices=["none", "step"],
+    ap.add_argument("--tune", default="none", choices=["none", "step", "step+verify"],
                     help="GEMM config search before measuring: none (the shipped configs: "
                          "hyspec.kernels.matmul.BUILTIN, picked in the step on the H200, else shape defaults), "
-                         "step (each shape's candidates timed inside the real decode step)")
+                         "step (each shape's candidates timed inside the real decode step), step+verify (judged "
+                         "by the decode step plus a verify of K+1 rows, K the largest of --ks)")
+    ap.add_argument("--tune-only", default="all", choices=["all", "moe", "dense"],
+                    help="which shapes --tune searches: all, the MoE expert matmuls only, or the other matmuls only")
     ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
     ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
@@ -188,10 +191,13 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
             result["tuned_moe_gemm"] = tuned_moe
         log(f"GEMM configs from {args.tuned_from}")
     shapes = None
-    if dev.type == "cuda" and args.tune == "step" and not args.tuned_from:
+    if dev.type == "cuda" and args.tune != "none" and not args.tuned_from:
         from hyspec.gpu.tune import model_shapes, moe_shapes
 
-        shapes = model_shapes(probe.runner) + moe_shapes(probe.runner)
+        shapes = (model_shapes(probe.runner) if args.tune_only != "moe" else []) + \
+            (moe_shapes(probe.runner) if args.tune_only != "dense" else [])
+        if not shapes:
+            log(f"--tune-only {args.tune_only}: the model has no such matmul; nothing to tune")
     choice = (probe.runner.pdl, probe.runner.pdl_skip, probe.runner.pdl_late) if probe is not None else None
     del probe  # before tuning: its buffers are not needed
     if shapes:
@@ -201,10 +207,15 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         generator = torch.Generator().manual_seed(args.seed)
         from hyspec.gpu.batch import BatchDecoder
 
-        tune_decoder = BatchDecoder(model, args.prompt_len + 160, 1, 1)  # (a timing replays the step 93 times)
+        vrows = max(args.ks or [1]) + 1 if args.tune == "step+verify" else 0
+        # (a timing replays the step 93 times from the same start; a verify writes t rows past it)
+        tune_decoder = BatchDecoder(model, args.prompt_len + 160, max(1, vrows - 1), 1)
         prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
         tune_decoder.prefill_start(0, prompt, 0)
-        tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log)
+        if vrows:  # the verify's draft rows: random tokens (zeros would route alike in MoE layers)
+            drafts = torch.randint(0, model.cfg.vocab_size, (vrows - 1,), generator=generator)
+            tune_decoder.verify_tokens[0, 1:vrows].copy_(drafts)
+        tuned = tune_in_step(tune_decoder, shapes, budget_s=args.tune_s, log=log, verify_rows=vrows)
         result["tuned_gemm"] = {f"{s[0]}x{s[1]}": v for s, v in tuned.items() if s[0] != "moe"}
         if any(s[0] == "moe" for s in tuned):
             result["tuned_moe_gemm"] = {moe_key_name(s): v for s, v in tuned.items() if s[0] == "moe"}
