@@ -328,6 +328,9 @@ MOE_TUNED: dict[tuple, dict] = {}
 # Block-FP8 experts of 512 intermediate, hidden 2048 (Qwen3-Next-80B-A3B-FP8): from that
 # preset's in-step tune (bench/results/qwen3-next-80b-a3b-fp8_h200_tuning.json, at e5a8d31).
 MOE_BUILTIN: dict[tuple, dict] = {
+    # bf16 experts of 512 intermediate, hidden 2048 (Qwen3.5-35B-A3B): gate|up from the
+    # preset's tune by decode step + 4-row verify (--tune step+verify, at 19cefff)
+    (1024, 2048, False, None): dict(BN=64, BK=256, WT=False, num_warps=4, num_stages=3),
     (1024, 2048, False, 128): dict(BN=32, BK=128, WT=False, num_warps=4, num_stages=4),
     (2048, 512, True, 128): dict(BN=64, BK=64, WT=True, num_warps=4, num_stages=3),
 }
