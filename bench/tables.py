@@ -603,6 +603,21 @@ MADE_BY = {
                                      "as a runtime loop, 80B-FP8 and 35B (H200; header in the file)",
     "gpu_tests_ssm_bf16_h200.txt": "`python3 -m pytest -q -rfEs tests/test_gpu_batch.py -k 'verify_rows or invariance'` "
                                    "(H200; the bf16-state cases and the fp32 ones; header in the file)",
+    "gdn_ncu_b1.txt": "`ncu -k regex:_gdn_step_kernel -c 1 --section SpeedOfLight --section WarpStateStats --section "
+                      "Occupancy --section MemoryWorkloadAnalysis --section SchedulerStats --section LaunchStats "
+                      "--section SourceCounters python3 bench/gdn_bench.py --lanes 1 --layers 1 --reps 2 --ways 4 "
+                      "--skip 0,1,2` (H200; a decode step of the default way; header in the file)",
+    "gdn_ncu_b16.txt": "the same as `gdn_ncu_b1.txt` with `--lanes 16` (H200; header in the file)",
+    "gdn_ncu_b64.txt": "the same as `gdn_ncu_b1.txt` with `--lanes 64` (H200; header in the file)",
+    "gdn_ncu_vec0_b16.txt": "`HYSPEC_GDN_VEC=0 ncu -k regex:_gdn_step_kernel -c 1 --section SpeedOfLight --section "
+                            "InstructionStats --section SchedulerStats --section WarpStateStats --section LaunchStats "
+                            "python3 bench/gdn_bench.py --lanes 16 --layers 1 --reps 2 --ways 4 --skip 0,1,2` (H200; "
+                            "header in the file)",
+    "gdn_ncu_vec1_b16.txt": "the same as `gdn_ncu_vec0_b16.txt` with `HYSPEC_GDN_VEC=1` (the state-alignment hint, "
+                            "slower, removed; H200)",
+    "gdn_vec0.json": "`HYSPEC_GDN_VEC=0 python bench/gdn_bench.py --lanes 1,16,64 --ways 4 --skip 0,1,2` (H200)",
+    "gdn_vec1.json": "`HYSPEC_GDN_VEC=1 python bench/gdn_bench.py --lanes 1,16,64 --ways 4 --skip 0,1,2` (H200; the "
+                     "state-alignment hint, slower, removed: `git show 8c64986`)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 

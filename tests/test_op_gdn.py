@@ -127,39 +127,3 @@ def test_gdn_step_bf16_state(nk, nv, dk, dv, W, T, block_v, one_reduction, monke
     o2 = torch.empty(T, nv * dv)
     gdn_step(y, proj, A_log, dtb, nw, keep, o2, rows=T, keep_state=True, block_v=block_v, **kw)
     assert torch.equal(o2, o) and torch.equal(keep, S0)
-
-
-def test_gdn_step_vec_hint_keeps_results_and_checks_alignment(monkeypatch):
-    """HYSPEC_GDN_VEC (STEP_LAUNCH["vec"]): a divisibility hint for 128-bit state accesses.
-    In the interpreter the hint changes nothing, so the results equal the unhinted kernel's
-    bitwise (on a GPU the register layout and so the bits may change, the same for decode,
-    verify and replay: tests/test_gpu_batch.py); a state that breaks the promised alignment
-    is refused instead of being run by another binary."""
-    from hyspec.kernels.gdn import gdn_replay
-    from hyspec.kernels.gdn import kernel as gk
-
-    nk, nv, dk, dv, _, T = CASES[4]  # exact tiles
-    y, proj, A_log, dtb, nw, S0 = _step_inputs(nk, nv, dk, dv, T, seed=20)
-    kw = dict(nk=nk, nv=nv, dk=dk, dv=dv, eps=1e-6)
-
-    def run():
-        S, o = S0.clone(), torch.empty(T, nv * dv)
-        states = torch.empty(T, nv, dk, dv)
-        gdn_step(y, proj, A_log, dtb, nw, S0.clone(), o, rows=T, states=states, **kw)
-        o1 = torch.empty(1, nv * dv)
-        gdn_step(y[:1], proj[:1], A_log, dtb, nw, S, o1, rows=1, **kw)
-        ssm = S0.clone()[None]
-        gdn_replay(y[None], proj[None], A_log[None], dtb[None], nw, ssm, torch.tensor([T - 1]), o1, **kw)
-        return o, states, S, ssm[0]
-
-    monkeypatch.setitem(gk.STEP_LAUNCH, "vec", False)
-    plain = run()
-    monkeypatch.setitem(gk.STEP_LAUNCH, "vec", True)
-    hinted = run()
-    assert all(torch.equal(a, b) for a, b in zip(plain, hinted))
-    assert torch.equal(hinted[3], hinted[1][T - 1])  # the replay of T rows == the T-row verify's last state
-    store = torch.zeros(nv * dk * dv + 1)
-    off = store[1:].view(nv, dk, dv)  # 4 bytes past a 16-byte boundary
-    off.copy_(S0)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        gdn_step(y[:1], proj[:1], A_log, dtb, nw, off, torch.empty(1, nv * dv), rows=1, **kw)

@@ -69,7 +69,7 @@ def _kernels():
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
-                         STREAM: tl.constexpr = False, VEC: tl.constexpr = 1):
+                         STREAM: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -107,11 +107,8 @@ def _kernels():
         lay = pid2 // NB
         y_ptr += lay * sy_g + lane * sy_b
         p_ptr += lay * sp_g + lane * sp_b
-        s_off = lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
-        if VEC > 1:  # the launcher checked: the head's state starts VEC-element aligned
-            s_off = tl.multiple_of(s_off, VEC)
-        s_ptr += s_off
-        st_ptr += s_off
+        s_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
+        st_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
         o_ptr += lane * so_b
         alog_ptr += lay * sa_g
         dtb_ptr += lay * sa_g
@@ -290,8 +287,7 @@ def _env_launch() -> dict:
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
-            "vec": os.environ.get("HYSPEC_GDN_VEC", "0") not in ("", "0")}
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -324,28 +320,11 @@ def _step_grid(nv, nvb, third):
     return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
 
 
-def _step_vec(state, strides, dk, dv, even: bool) -> int:
-    """Elements per 16-byte vector the step kernel may assume for the state's tiles (its VEC:
-    a divisibility hint on each head's start, which lets Triton load and store the tile in
-    128-bit accesses with another register layout, so other reduction bits): 1 unless
-    STEP_LAUNCH["vec"] is on and the tiles are exact.  It depends on the shape and the
-    setting only, never on the call, so decode, verify and replay keep one binary; a call
-    whose state is not aligned to it is an error, not a silently different kernel."""
-    if not (STEP_LAUNCH.get("vec") and even):
-        return 1
-    v = max(1, 16 // state.element_size())
-    bad = [int(x) for x in strides if int(x) % v] + ([dk * dv] if (dk * dv) % v else [])
-    if state.data_ptr() % 16 or bad:
-        raise ValueError(f"gdn_step: HYSPEC_GDN_VEC needs the state 16-byte aligned with strides that are multiples "
-                         f"of {v} elements (got address {state.data_ptr()} and strides {list(strides)})")
-    return v
-
-
-def _step_meta(BK, BV, norm, nbp, dk, dv, vec: int = 1) -> dict:
+def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
-                STREAM=bool(STEP_LAUNCH["stream"]), VEC=vec,
+                STREAM=bool(STEP_LAUNCH["stream"]),
                 num_warps=nw, **launch_kwargs())
 
 
@@ -421,14 +400,11 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     TL = rows // lanes
     nvb = -(-dv // BV)
     nbp = _decode_blocks(nvb, lanes, TL, mode, blocks_per_program)
-    vec = _step_vec(state, [state_lane_stride], dk, dv, dk == BK and dv % BV == 0)
-    if vec > 1 and states is not None:
-        _step_vec(states, [], dk, dv, True)
     LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv, vec))
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
@@ -463,6 +439,5 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
-        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv,
-                                              _step_vec(ssm, [ssm.stride(0), ss_b], dk, dv, dk == BK and dv % BV == 0)))
+        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv))
     return ssm
