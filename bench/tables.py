@@ -618,6 +618,14 @@ MADE_BY = {
     "gdn_vec0.json": "`HYSPEC_GDN_VEC=0 python bench/gdn_bench.py --lanes 1,16,64 --ways 4 --skip 0,1,2` (H200)",
     "gdn_vec1.json": "`HYSPEC_GDN_VEC=1 python bench/gdn_bench.py --lanes 1,16,64 --ways 4 --skip 0,1,2` (H200; the "
                      "state-alignment hint, slower, removed: `git show 8c64986`)",
+    "gdn_decode_variant0.json": "`HYSPEC_GDN_DECODE_VARIANT=0 python bench/gdn_bench.py --lanes 1,16,64 --ways 4 "
+                                "--skip 0,1,2` (H200)",
+    "gdn_decode_variant1.json": "`HYSPEC_GDN_DECODE_VARIANT=1 python bench/gdn_bench.py --lanes 1,16,64 --ways 4 "
+                                "--skip 0,1,2` (H200; the decode-only kernel variant: faster, but not the general "
+                                "kernel's bits, removed: `git show be4e894`)",
+    "b2_decode_variant_h200.json": "`hyspec bench --config b2 --variants '' --batch 1,4,16,64 --batch-inv-prompts 8 "
+                                   "--hf-tokens 0` (H200; with the GDN step's decode-only variant, which broke "
+                                   "speculative == plain from 4 lanes: removed, `git show be4e894`)",
     NOTES: "by hand: the results files whose commit was not recorded",
 }
 

@@ -69,20 +69,12 @@ def _kernels():
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
-                         STREAM: tl.constexpr = False, DECODE: tl.constexpr = False):
+                         STREAM: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
         # no output).  Every flag and stride is a runtime value, so the state arithmetic is
-        # the same instructions in all of them: bitwise the same states.  DECODE (a decode
-        # step of one row per lane: STEP_LAUNCH["decode_variant"]) compiles only its control
-        # and address code: no layer axis (no integer division of program_id(2)), no row
-        # loop, no replay or per-row-state branches, no next-row prefetch; the row's
-        # arithmetic is the same source with the same layouts, so the same float
-        # instructions (Triton 3.6's SASS for sm_90, compared offline; a third fewer
-        # instructions in all, 648 against 888, where the step is bound by instruction
-        # issue: docs/gpu.md "What is left" item 9), checked bitwise on the GPU by
-        # bench/gdn_bench.py and tests/test_gpu_batch.py.
+        # the same instructions in all of them: bitwise the same states.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -111,24 +103,17 @@ def _kernels():
             h = tl.program_id(0)
             pv = tl.program_id(1)
         pid2 = tl.program_id(2).to(tl.int64)  # (layer, lane) = divmod(pid2, NB); T rows per lane
-        if DECODE:  # one row per lane, one layer, the state written back (mode 1, no replay)
-            lane = pid2
-            y_ptr += lane * sy_b
-            p_ptr += lane * sp_b
-            s_ptr += lane * ss_b + h.to(tl.int64) * DK * DV
-            st_ptr += lane * ss_b + h.to(tl.int64) * DK * DV
-        else:
-            lane = pid2 % NB
-            lay = pid2 // NB
-            y_ptr += lay * sy_g + lane * sy_b
-            p_ptr += lay * sp_g + lane * sp_b
-            s_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
-            st_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
-            alog_ptr += lay * sa_g
-            dtb_ptr += lay * sa_g
-            if replay != 0:
-                T = tl.load(n_ptr + lane).to(tl.int32) + 1
+        lane = pid2 % NB
+        lay = pid2 // NB
+        y_ptr += lay * sy_g + lane * sy_b
+        p_ptr += lay * sp_g + lane * sp_b
+        s_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
+        st_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
         o_ptr += lane * so_b
+        alog_ptr += lay * sa_g
+        dtb_ptr += lay * sa_g
+        if replay != 0:
+            T = tl.load(n_ptr + lane).to(tl.int32) + 1
         hk = h // R
         ok = tl.arange(0, BK)
         mk = ok < DK
@@ -163,7 +148,7 @@ def _kernels():
                 bn = tl.load(p_ptr + C + VD + h)
                 an = tl.load(p_ptr + C + VD + NV + h)
                 qn = tl.load(y_ptr + hk * DK + ok, mask=mk, other=0.0)
-            for t in range(1 if DECODE else T):
+            for t in range(T):
                 yrow = y_ptr + t * sy
                 prow = p_ptr + t * sp
                 if PF:
@@ -219,14 +204,7 @@ def _kernels():
                     S = S + k[:, None] * delta[None, :]
                     S_o = S  # the output reads the state before its rounding
                     S = S.to(SDT).to(tl.float32)
-                if DECODE:  # the final state (the same store as mode 1's)
-                    if EVEN and STREAM:
-                        tl.store(st_ptr + soff, S.to(SDT), cache_modifier=".cs")
-                    elif EVEN:
-                        tl.store(st_ptr + soff, S.to(SDT))
-                    else:
-                        tl.store(st_ptr + soff, S.to(SDT), mask=m2)
-                elif mode == 2:
+                if mode == 2:
                     if EVEN:
                         tl.store(st_ptr + t * st_t + soff, S.to(st_ptr.dtype.element_ty))
                     else:
@@ -309,8 +287,7 @@ def _env_launch() -> dict:
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
-            "decode_variant": flag("HYSPEC_GDN_DECODE_VARIANT")}
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -332,11 +309,8 @@ def _env_launch() -> dict:
 # f666dc9 (batch 16: 28.3 vs 27.8 us per layer on 2 warps, 32.7 vs 27.4 on 4).
 # stream: cache hints on the state (evict-first load, streaming final store; the same
 # values, a little faster at 16-64 lanes: the kernel's STREAM).
-# decode_variant: a decode step (one row per lane, the state written back) runs the
-# kernel's DECODE variant (the same float instructions, a third fewer in all; verify and
-# replay keep the general kernel).
 # Benches set these (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH /
-# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES / _STREAM / _DECODE_VARIANT at import (measured
+# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES / _STREAM at import (measured
 # on the H200 with bench/gdn_bench.py, docs/gpu.md).
 STEP_LAUNCH = _env_launch()
 LAST: dict = {}  # the compiled step kernel of the last gdn_step call (benches read its registers)
@@ -346,12 +320,11 @@ def _step_grid(nv, nvb, third):
     return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
 
 
-def _step_meta(BK, BV, norm, nbp, dk, dv, decode: bool = False) -> dict:
+def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
-    dec = bool(decode and STEP_LAUNCH["decode_variant"])
-    return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]),
-                PF=bool(STEP_LAUNCH["prefetch"]) and not dec, NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]),
-                EVEN=dk == BK and dv % BV == 0, STREAM=bool(STEP_LAUNCH["stream"]), DECODE=dec,
+    return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
+                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
+                STREAM=bool(STEP_LAUNCH["stream"]),
                 num_warps=nw, **launch_kwargs())
 
 
@@ -431,7 +404,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv, decode=TL == 1 and mode == 1))
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
