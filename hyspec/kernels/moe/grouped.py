@@ -322,14 +322,17 @@ def _kernels():
 # decode step's CUDA graph), keyed by (N, K, act, FP8 block K or None) -- the shape only, so
 # the row invariance holds whatever is chosen. Values override gemm_config's defaults.
 MOE_TUNED: dict[tuple, dict] = {}
-# Shipped per-shape tiles, used where MOE_TUNED has no entry. None for bf16 experts: the
-# in-step tune of the qwen3.5-35b-a3b preset on the H200 (bench/results/qwen3.5-35b-a3b_h200_tuning.json,
-# at 5d1a7f7) moved its decode step by 1.6 % only (3.381 -> 3.327 ms), so the defaults stay.
+# Shipped per-shape tiles, used where MOE_TUNED has no entry. bf16 experts: the decode-step
+# tune of the qwen3.5-35b-a3b preset (bench/results/qwen3.5-35b-a3b_h200_tuning.json, at
+# 5d1a7f7) moved its step by 1.6 % only and shipped nothing; the tune by decode step + a
+# 4-row verify (whose MoE layers read ~4 times the experts; `--tune step+verify --tune-only
+# moe`, bench/results/qwen3.5-35b-a3b_h200_tuning_verify.json, at 19cefff) picked the gate|up
+# tile below (verify 4.575 -> 4.496 ms, decode 3.028 -> 3.006 in the preset's runs at 7f9b934
+# and b68de03); its down projection keeps the default.
 # Block-FP8 experts of 512 intermediate, hidden 2048 (Qwen3-Next-80B-A3B-FP8): from that
 # preset's in-step tune (bench/results/qwen3-next-80b-a3b-fp8_h200_tuning.json, at e5a8d31).
 MOE_BUILTIN: dict[tuple, dict] = {
-    # bf16 experts of 512 intermediate, hidden 2048 (Qwen3.5-35B-A3B): gate|up from the
-    # preset's tune by decode step + 4-row verify (--tune step+verify, at 19cefff)
+    # bf16 experts of 512 intermediate, hidden 2048 (Qwen3.5-35B-A3B): gate|up
     (1024, 2048, False, None): dict(BN=64, BK=256, WT=False, num_warps=4, num_stages=3),
     (1024, 2048, False, 128): dict(BN=32, BK=128, WT=False, num_warps=4, num_stages=4),
     (2048, 512, True, 128): dict(BN=64, BK=64, WT=True, num_warps=4, num_stages=3),
