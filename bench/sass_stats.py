@@ -54,7 +54,7 @@ def _value(text: str):
     return int(text)
 
 
-def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, block_v: int):
+def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, block_v: int, maxnreg: int | None = None):
     """Compile the step kernel for sm_90 -> (compiled kernel, ptxas -v text, SASS text)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -99,7 +99,10 @@ def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, bloc
                 if name not in unspecialised and v % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, consts, attrs=attrs)
-    k = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": fp_fusion})
+    opts = {"num_warps": warps, "enable_fp_fusion": fp_fusion}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg  # a .maxnreg directive in the PTX: ptxas spills above it
+    k = tcompile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     from triton.backends.nvidia import compiler as nvc
 
     ptxas = nvc.get_ptxas(90).path  # the ptxas Triton itself runs for sm_90 (its wheel ships two)
@@ -162,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-v", type=int, default=16)
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-fp-fusion", action="store_true", help="enable_fp_fusion=False (and ptxas --fmad=false)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread at most (Triton's maxnreg)")
     ap.add_argument("--top", type=int, default=24, help="opcodes shown")
     ap.add_argument("--sass-out", default=None, help="write the first build's SASS here")
     ap.add_argument("--json", default=None, help="write the figures (per build: registers, instructions, "
@@ -178,7 +182,8 @@ def main(argv=None) -> int:
             out[k.strip()] = _value(v.strip())
         return out
 
-    kw = dict(lanes=args.lanes, state_dtype=args.state_dtype, fp_fusion=not args.no_fp_fusion, block_v=args.block_v)
+    kw = dict(lanes=args.lanes, state_dtype=args.state_dtype, fp_fusion=not args.no_fp_fusion, block_v=args.block_v,
+              maxnreg=args.maxnreg)
     print(f"triton {triton.__version__} (sm_90 offline); b2's Gated DeltaNet, {args.lanes} lanes, "
           f"{args.state_dtype} state, fp fusion {'off' if args.no_fp_fusion else 'on'}")
     first = parse(args.set)
