@@ -34,8 +34,10 @@ import subprocess
 import sys
 import tempfile
 
-# b2's Gated DeltaNet (hyspec.presets): 16 key heads, 32 value heads of 128 x 128
-NK, NV, DK, DV = 16, 32, 128, 128
+from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2  # b2: its Gated DeltaNet shapes
+
+NK, NV = _B2["linear_num_key_heads"], _B2["linear_num_value_heads"]
+DK, DV = _B2["linear_key_head_dim"], _B2["linear_value_head_dim"]
 C = 2 * NK * DK + NV * DV
 
 
@@ -88,8 +90,6 @@ def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, bloc
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("scale", "eps"):
             sig[name] = "fp32"
-        elif name in fn.constexprs if hasattr(fn, "constexprs") else False:
-            continue
         else:
             v = ints[name]
             if name not in unspecialised and v == 1:
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
 
         out = {"triton": triton.__version__, "lanes": args.lanes, "state_dtype": args.state_dtype,
                "fp_fusion": not args.no_fp_fusion,
-               "builds": [{"settings": {k: v for k, v in m.items()}, "registers": st["registers"],
+               "builds": [{"settings": dict(m), "registers": st["registers"],
                            "spill_store_bytes": st["spill_store_bytes"], "instructions": st["instructions"],
                            "ops": dict(st["ops"]), "float_instructions": sum(st["floats"].values())}
                           for m, st in builds]}
