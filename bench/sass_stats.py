@@ -85,6 +85,8 @@ def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, bloc
     for i, name in enumerate(fn.arg_names):
         if name in meta:
             sig[name], consts[(i,)] = "constexpr", meta[name]
+        elif fn.params[i].is_constexpr:  # left at its default by the launch
+            sig[name], consts[(i,)] = "constexpr", fn.params[i].default
         elif name in ptrs:
             sig[name] = ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]

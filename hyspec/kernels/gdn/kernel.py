@@ -69,7 +69,7 @@ def _kernels():
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
-                         STREAM: tl.constexpr = False):
+                         STREAM: tl.constexpr = False, DVC: tl.constexpr = 0):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -125,7 +125,10 @@ def _kernels():
             ov = (pv * NBP + j) * BV + tl.arange(0, BV)
             mv = ov < DV
             m2 = mk[:, None] & mv[None, :]
-            soff = ok[:, None] * DV + ov[None, :]  # int32: inside the head
+            if DVC != 0:  # the head's row stride known at compile time: int64 offsets, immediates
+                soff = ok.to(tl.int64)[:, None] * DVC + ov.to(tl.int64)[None, :]
+            else:
+                soff = ok[:, None] * DV + ov[None, :]  # int32: inside the head
             if j == 0:
                 if EVEN and STREAM:  # read once per call: first out of L2
                     S = tl.load(s_ptr + soff, eviction_policy="evict_first").to(tl.float32)
@@ -287,7 +290,8 @@ def _env_launch() -> dict:
             "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0")}
+            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
+            "const_dv": flag("HYSPEC_GDN_CONST_DV")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -322,9 +326,10 @@ def _step_grid(nv, nvb, third):
 
 def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
+    even = dk == BK and dv % BV == 0
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
-                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=dk == BK and dv % BV == 0,
-                STREAM=bool(STEP_LAUNCH["stream"]),
+                NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=even,
+                STREAM=bool(STEP_LAUNCH["stream"]), DVC=dv if even and STEP_LAUNCH["const_dv"] else 0,
                 num_warps=nw, **launch_kwargs())
 
 
