@@ -51,9 +51,10 @@ def main() -> None:
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the state's storage dtype (hyspec --ssm-dtype): computed in fp32, stored in this")
     ap.add_argument("--skip", default="", help="comma-separated indices of WAYS not to run")
-    ap.add_argument("--const-dv", default="1",
-                    help="comma-separated 0/1: each way with the state's row stride Dv a runtime value (0, int32 "
-                         "offsets) and/or a compile-time one (1, the runner's default: int64 offsets, immediates)")
+    ap.add_argument("--const-shapes", default="1",
+                    help="comma-separated 0/1: each way with the head's shapes as runtime values (0: int32 state "
+                         "offsets, the grid's lane and layer found by a division) and/or compile-time ones (1, the "
+                         "runner's default: int64 offsets with immediates, no division)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.kernels.gdn import kernel as gk
@@ -103,16 +104,16 @@ def main() -> None:
 
     base, form_base = {}, {}
     skip = {int(i) for i in args.skip.split(",") if i}
-    cdvs = [bool(int(c)) for c in args.const_dv.split(",")]
+    cdvs = [bool(int(c)) for c in args.const_shapes.split(",")]
     runs = [(i, way, cdv) for i, way in enumerate(WAYS[: args.ways]) if i not in skip for cdv in cdvs]
     for i, way, cdv in runs:
         bv, warps, pvf, pf, one_red, nbp = way
         gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
-                              decode_blocks=nbp, decode_blocks_min_lanes=1, const_dv=cdv)
+                              decode_blocks=nbp, decode_blocks_min_lanes=1, const_shapes=cdv)
         name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
-                f"{f'_dec{nbp}' if nbp > 1 else ''}{'_cdv' if cdv else ''}")
+                f"{f'_dec{nbp}' if nbp > 1 else ''}{'_const' if cdv else ''}")
         row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf,
-               "one_reduction": one_red, "decode_blocks": nbp, "const_dv": cdv, "lanes": {}}
+               "one_reduction": one_red, "decode_blocks": nbp, "const_shapes": cdv, "lanes": {}}
         try:
             for B in lanes_list:
                 ssm = ssm0[:, :B].clone()
@@ -166,8 +167,8 @@ def main() -> None:
                 # first way of the other form (rounding only)
                 key = (B, bv, warps, one_red, cdv)
                 base.setdefault(key, bits)
-                rt = base.get((B, bv, warps, one_red, False)) if cdv else None  # the runtime-Dv build's bits
-                as_runtime_dv = None if rt is None else all(torch.equal(v, rt[k]) for k, v in bits.items())
+                rt = base.get((B, bv, warps, one_red, False)) if cdv else None  # the runtime-shapes build's bits
+                as_runtime = None if rt is None else all(torch.equal(v, rt[k]) for k, v in bits.items())
                 form_base.setdefault((B, one_red), bits)
                 same = {k: bool(torch.equal(v, base[key][k])) for k, v in bits.items()}
                 maxdiff = max(float((v.float() - base[key][k].float()).abs().max()) for k, v in bits.items())
@@ -181,7 +182,7 @@ def main() -> None:
                     "replay_TBs": 2 * gb * G / (t_rep * 1e-6) / 1e3, "replay_equals_decode_steps": replay_exact,
                     "verify_row0_equals_decode": verify_row0,
                     "bitwise_as_default": same, "max_abs_diff_vs_default": maxdiff,
-                    "bitwise_as_runtime_dv": as_runtime_dv,
+                    "bitwise_as_runtime_shapes": as_runtime,
                     "max_abs_diff_vs_other_form": form_diff, "last_kernel": regs}
                 r = row["lanes"][B]
                 print(f"{name:22s} B={B:3d}: decode {r['decode_us_per_layer']:7.1f} us/layer ({r['decode_TBs']:.2f} TB/s)"
@@ -189,7 +190,7 @@ def main() -> None:
                       f"  replay n={n} {t_rep:7.1f} us ({r['replay_TBs']:.2f} TB/s)  replay==steps {replay_exact} verify row 0==decode {verify_row0}"
                       f"  same bits as its one-block way: {all(same.values())} (max diff {maxdiff:.2g};"
                       f" vs the other form {form_diff if form_diff is None else f'{form_diff:.2g}'})"
-                      f"{'' if as_runtime_dv is None else f'  bits as runtime Dv: {as_runtime_dv}'}"
+                      f"{'' if as_runtime is None else f'  bits as runtime shapes: {as_runtime}'}"
                       f"  regs {regs['n_regs']} spills {regs['n_spills']}", flush=True)
         except Exception as e:  # noqa: BLE001 - a way that does not compile or run: recorded
             row["error"] = f"{type(e).__name__}: {e}"

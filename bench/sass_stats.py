@@ -66,7 +66,7 @@ def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, bloc
 
     fn = gk._kernels()["gdn_step"]
     BK, BV, norm = gk._gdn_blocks(DK, DV, block_v)
-    meta = gk._step_meta(BK, BV, norm, 1, DK, DV)
+    meta = gk._step_meta(BK, BV, norm, 1, DK, DV, NK, NV)
     warps = meta.pop("num_warps")
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     for k, v in settings.items():
