@@ -55,6 +55,9 @@ def main() -> None:
                     help="comma-separated 0/1: each way with the head's shapes as runtime values (0: int32 state "
                          "offsets, the grid's lane and layer found by a division) and/or compile-time ones (1, the "
                          "runner's default: int64 offsets with immediates, no division)")
+    ap.add_argument("--launch", default="",
+                    help="semicolon-separated NAME:KEY=V,KEY=V sets of STEP_LAUNCH keys (const_grid, const_r, "
+                         "guard_prefetch, ...); each way runs once per set (after --const-shapes' runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.kernels.gdn import kernel as gk
@@ -105,15 +108,21 @@ def main() -> None:
     base, form_base = {}, {}
     skip = {int(i) for i in args.skip.split(",") if i}
     cdvs = [bool(int(c)) for c in args.const_shapes.split(",")]
-    runs = [(i, way, cdv) for i, way in enumerate(WAYS[: args.ways]) if i not in skip for cdv in cdvs]
-    for i, way, cdv in runs:
+    sets = [("const" if c else "", {"const_shapes": c}) for c in cdvs]
+    for part in filter(None, args.launch.split(";")):
+        nm, _, kvs = part.partition(":")
+        sets.append((nm, {k: int(v) for k, v in (kv.split("=") for kv in kvs.split(","))}))
+    runs = [(i, way, ls) for i, way in enumerate(WAYS[: args.ways]) if i not in skip for ls in sets]
+    for i, way, (lname, lset) in runs:
         bv, warps, pvf, pf, one_red, nbp = way
+        gk.STEP_LAUNCH.update(gk._env_launch())
         gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
-                              decode_blocks=nbp, decode_blocks_min_lanes=1, const_shapes=cdv)
+                              decode_blocks=nbp, decode_blocks_min_lanes=1, **lset)
+        cdv = bool(gk.STEP_LAUNCH["const_shapes"])
         name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
-                f"{f'_dec{nbp}' if nbp > 1 else ''}{'_const' if cdv else ''}")
+                f"{f'_dec{nbp}' if nbp > 1 else ''}{'_' + lname if lname else ''}")
         row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf,
-               "one_reduction": one_red, "decode_blocks": nbp, "const_shapes": cdv, "lanes": {}}
+               "one_reduction": one_red, "decode_blocks": nbp, "launch": dict(lset), "lanes": {}}
         try:
             for B in lanes_list:
                 ssm = ssm0[:, :B].clone()

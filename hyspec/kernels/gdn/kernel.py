@@ -70,7 +70,7 @@ def _kernels():
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
                          STREAM: tl.constexpr = False, DVC: tl.constexpr = 0, NPV: tl.constexpr = 0,
-                         RC: tl.constexpr = 0):
+                         RC: tl.constexpr = 0, GUARD: tl.constexpr = False):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -175,8 +175,16 @@ def _kernels():
                     b = bn.to(tl.float32)
                     a = an.to(tl.float32)
                     q = qn.to(tl.float32)
-                    if t + 1 < T:  # the next row's vectors (none after the last row: a decode step's one)
-                        tn = t + 1
+                    if GUARD:
+                        if t + 1 < T:  # the next row's vectors (none after the last row: a decode step's one)
+                            tn = t + 1
+                            kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
+                            vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
+                            bn = tl.load(p_ptr + tn * sp + C + VD + h)
+                            an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
+                            qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)
+                    else:
+                        tn = tl.minimum(t + 1, T - 1)  # the next row (the last row again at the end: unused)
                         kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
                         vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
                         bn = tl.load(p_ptr + tn * sp + C + VD + h)
@@ -307,7 +315,9 @@ def _env_launch() -> dict:
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
             "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
-            "const_shapes": flag("HYSPEC_GDN_CONST_SHAPES")}
+            "const_shapes": flag("HYSPEC_GDN_CONST_SHAPES"),
+            "const_grid": flag("HYSPEC_GDN_CONST_GRID"), "const_r": flag("HYSPEC_GDN_CONST_R"),
+            "guard_prefetch": flag("HYSPEC_GDN_GUARD_PREFETCH")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -340,6 +350,10 @@ def _const_shapes(dk, dv, BK, BV) -> bool:
     return bool(STEP_LAUNCH["const_shapes"]) and dk == BK and dv % BV == 0
 
 
+def _const_grid(dk, dv, BK, BV) -> bool:
+    return _const_shapes(dk, dv, BK, BV) and bool(STEP_LAUNCH["const_grid"])
+
+
 def _step_grid(nv, nvb, lanes, layers, const):
     """(Dv-block programs, heads, lanes x layers), or with compile-time shapes (heads x
     Dv-block programs, lanes, layers): the kernel then finds its head, block, lane and
@@ -356,7 +370,8 @@ def _step_meta(BK, BV, norm, nbp, dk, dv, nk, nv) -> dict:
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=even,
                 STREAM=bool(STEP_LAUNCH["stream"]), DVC=dv if const else 0,
-                NPV=dv // BV // nbp if const else 0, RC=nv // nk if const else 0,
+                NPV=dv // BV // nbp if const and STEP_LAUNCH["const_grid"] else 0,
+                RC=nv // nk if const and STEP_LAUNCH["const_r"] else 0, GUARD=bool(STEP_LAUNCH["guard_prefetch"]),
                 num_warps=nw, **launch_kwargs())
 
 
@@ -432,7 +447,7 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     TL = rows // lanes
     nvb = -(-dv // BV)
     nbp = _decode_blocks(nvb, lanes, TL, mode, blocks_per_program)
-    LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes, 1, _const_shapes(dk, dv, BK, BV))](
+    LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes, 1, _const_grid(dk, dv, BK, BV))](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
@@ -467,7 +482,7 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
     else:
         yg, pg = y_rows[0], p_rows[0]
         NB, sy_b, sp_b, ss_b = 1, 0, 0, 0
-    _kernels()["gdn_step"][_step_grid(nv, -(-dv // BV), NB, G, _const_shapes(dk, dv, BK, BV))](
+    _kernels()["gdn_step"][_step_grid(nv, -(-dv // BV), NB, G, _const_grid(dk, dv, BK, BV))](
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
