@@ -51,13 +51,12 @@ def main() -> None:
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the state's storage dtype (hyspec --ssm-dtype): computed in fp32, stored in this")
     ap.add_argument("--skip", default="", help="comma-separated indices of WAYS not to run")
-    ap.add_argument("--const-shapes", default="1",
-                    help="comma-separated 0/1: each way with the head's shapes as runtime values (0: int32 state "
-                         "offsets, the grid's lane and layer found by a division) and/or compile-time ones (1, the "
-                         "runner's default: int64 offsets with immediates, no division)")
+    ap.add_argument("--const-dv", default="1",
+                    help="comma-separated 0/1: each way with the state's row stride Dv a runtime value (0: int32 "
+                         "offsets) and/or a compile-time one (1, the runner's default: int64 offsets, immediates)")
     ap.add_argument("--launch", default="",
-                    help="semicolon-separated NAME:KEY=V,KEY=V sets of STEP_LAUNCH keys (const_grid, const_r, "
-                         "guard_prefetch, ...); each way runs once per set (after --const-shapes' runs)")
+                    help="semicolon-separated NAME:KEY=V,KEY=V sets of integer STEP_LAUNCH keys (const_dv, stream, "
+                         "...); each way runs once per set too (after --const-dv's runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from hyspec.kernels.gdn import kernel as gk
@@ -107,8 +106,8 @@ def main() -> None:
 
     base, form_base = {}, {}
     skip = {int(i) for i in args.skip.split(",") if i}
-    cdvs = [bool(int(c)) for c in args.const_shapes.split(",")]
-    sets = [("const" if c else "", {"const_shapes": c}) for c in cdvs]
+    cdvs = [bool(int(c)) for c in args.const_dv.split(",")]
+    sets = [("cdv" if c else "", {"const_dv": c}) for c in cdvs]
     for part in filter(None, args.launch.split(";")):
         nm, _, kvs = part.partition(":")
         sets.append((nm, {k: int(v) for k, v in (kv.split("=") for kv in kvs.split(","))}))
@@ -118,7 +117,7 @@ def main() -> None:
         gk.STEP_LAUNCH.update(gk._env_launch())
         gk.STEP_LAUNCH.update(num_warps=warps, pv_first=pvf, prefetch=pf, one_reduction=one_red,
                               decode_blocks=nbp, decode_blocks_min_lanes=1, **lset)
-        cdv = bool(gk.STEP_LAUNCH["const_shapes"])
+        cdv = bool(gk.STEP_LAUNCH["const_dv"])
         name = (f"bv{bv}_w{warps}{'_pvf' if pvf else ''}{'_pf' if pf else ''}{'_1red' if one_red else '_ref'}"
                 f"{f'_dec{nbp}' if nbp > 1 else ''}{'_' + lname if lname else ''}")
         row = {"name": name, "block_v": bv, "num_warps": warps, "pv_first": pvf, "prefetch": pf,
@@ -176,7 +175,7 @@ def main() -> None:
                 # first way of the other form (rounding only)
                 key = (B, bv, warps, one_red, cdv)
                 base.setdefault(key, bits)
-                rt = base.get((B, bv, warps, one_red, False)) if cdv else None  # the runtime-shapes build's bits
+                rt = base.get((B, bv, warps, one_red, False)) if cdv else None  # the runtime-Dv build's bits
                 as_runtime = None if rt is None else all(torch.equal(v, rt[k]) for k, v in bits.items())
                 form_base.setdefault((B, one_red), bits)
                 same = {k: bool(torch.equal(v, base[key][k])) for k, v in bits.items()}
@@ -191,7 +190,7 @@ def main() -> None:
                     "replay_TBs": 2 * gb * G / (t_rep * 1e-6) / 1e3, "replay_equals_decode_steps": replay_exact,
                     "verify_row0_equals_decode": verify_row0,
                     "bitwise_as_default": same, "max_abs_diff_vs_default": maxdiff,
-                    "bitwise_as_runtime_shapes": as_runtime,
+                    "bitwise_as_runtime_dv": as_runtime,
                     "max_abs_diff_vs_other_form": form_diff, "last_kernel": regs}
                 r = row["lanes"][B]
                 print(f"{name:22s} B={B:3d}: decode {r['decode_us_per_layer']:7.1f} us/layer ({r['decode_TBs']:.2f} TB/s)"
@@ -199,7 +198,7 @@ def main() -> None:
                       f"  replay n={n} {t_rep:7.1f} us ({r['replay_TBs']:.2f} TB/s)  replay==steps {replay_exact} verify row 0==decode {verify_row0}"
                       f"  same bits as its one-block way: {all(same.values())} (max diff {maxdiff:.2g};"
                       f" vs the other form {form_diff if form_diff is None else f'{form_diff:.2g}'})"
-                      f"{'' if as_runtime is None else f'  bits as runtime shapes: {as_runtime}'}"
+                      f"{'' if as_runtime is None else f'  bits as runtime Dv: {as_runtime}'}"
                       f"  regs {regs['n_regs']} spills {regs['n_spills']}", flush=True)
         except Exception as e:  # noqa: BLE001 - a way that does not compile or run: recorded
             row["error"] = f"{type(e).__name__}: {e}"

@@ -66,7 +66,7 @@ def build(settings: dict, *, lanes: int, state_dtype: str, fp_fusion: bool, bloc
 
     fn = gk._kernels()["gdn_step"]
     BK, BV, norm = gk._gdn_blocks(DK, DV, block_v)
-    meta = gk._step_meta(BK, BV, norm, 1, DK, DV, NK, NV)
+    meta = gk._step_meta(BK, BV, norm, 1, DK, DV)
     warps = meta.pop("num_warps")
     meta = {k: v for k, v in meta.items() if k in fn.arg_names}
     for k, v in settings.items():
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=None, metavar="NAME=VALUE[,NAME=VALUE]",
                     help="a second build with these settings over the first's")
     ap.add_argument("--lanes", type=int, default=16)
-    ap.add_argument("--block-v", type=int, default=16)
+    ap.add_argument("--block-v", type=int, default=32, help="Dv columns per program (the runner's: 32)")
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-fp-fusion", action="store_true", help="enable_fp_fusion=False (and ptxas --fmad=false)")
     ap.add_argument("--maxnreg", type=int, default=None, help="registers per thread at most (Triton's maxnreg)")

@@ -45,3 +45,14 @@ def test_an_unknown_setting_is_refused(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "sass_stats.py"), "--set", "NOT_A_PARAM=1"],
                        capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode != 0 and "no parameter 'NOT_A_PARAM'" in r.stderr
+
+
+def test_compiled_in_dv_takes_immediate_offsets(tmp_path):
+    """The runner's build compiles Dv in (DVC): a thread's state values are loaded from one
+    base with immediate offsets, so it issues fewer instructions on fewer registers than
+    the build with Dv a runtime value (int32 offsets, one 64-bit address per value)."""
+    d, _ = _run(tmp_path, "--compare", "DVC=0")
+    a, b = d["builds"]
+    assert a["settings"]["DVC"] == 128 and b["settings"]["DVC"] == 0
+    assert a["instructions"] < 0.85 * b["instructions"] and a["registers"] < b["registers"]
+    assert a["ops"]["LDG"] == b["ops"]["LDG"]  # the same loads, addressed differently

@@ -239,12 +239,16 @@ class TritonRunner:
             self.dt_bias_all = torch.stack([lay.dt_bias for lay in self.gdn_layers]).contiguous()  # [G, Hv]
         # GDN scan: split each value head's Dv over programs (gated norm in a second kernel).
         # 32 columns first (H200 / b2: decode step 2.676 -> 2.602 ms, verify t=4 3.156 ->
-        # 2.874 ms, bench/results/b2_h200_profile.json); now 16 columns on four warps with one
+        # 2.874 ms, bench/results/b2_h200_profile.json); then 16 columns on four warps with one
         # state reduction per row, the fastest plain decode step of the ways bench/gdn_bench.py
         # tried at b2's shapes (hyspec.kernels.gdn.kernel.STEP_LAUNCH; 2 warps run a
         # speculative round's verifies and replay ~1 % faster, 8 columns on one warp verify
-        # faster and decode slower).  None: one program per head.
-        self.gdn_block_v = 16 if cfg.linear_value_head_dim >= 64 else None
+        # faster and decode slower); 32 columns on four warps again since Dv is compiled into
+        # the kernel (STEP_LAUNCH const_dv: 126 registers instead of 233), per layer at 1 / 16
+        # / 64 lanes 5.5 / 21.9 / 72.4 us against 16 columns' 5.0 / 22.5 / 77.4, a 4-row
+        # verify of 16 lanes 31.7 against 38.6 us (bench/results/gdn_const_parts_h200.json,
+        # at 6121b06).  None: one program per head.
+        self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
         if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
             self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside

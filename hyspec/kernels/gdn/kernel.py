@@ -69,8 +69,7 @@ def _kernels():
                          NB, sy_b, sp_b, ss_b, so_b, BK: tl.constexpr, BV: tl.constexpr, NORM: tl.constexpr,
                          PVF: tl.constexpr = False, PF: tl.constexpr = False, PDL: tl.constexpr = False,
                          NBP: tl.constexpr = 1, ONE_RED: tl.constexpr = True, EVEN: tl.constexpr = False,
-                         STREAM: tl.constexpr = False, DVC: tl.constexpr = 0, NPV: tl.constexpr = 0,
-                         RC: tl.constexpr = 0, GUARD: tl.constexpr = False):
+                         STREAM: tl.constexpr = False, DVC: tl.constexpr = 0):
         # One binary for the decode step (mode 1: final state in place), the verify (mode 0:
         # state read, nothing written; or mode 2: the state after every row to st_ptr) and the
         # commit replay (replay=1, mode 1: rows 0..n of every layer, layer = program_id(2),
@@ -97,26 +96,24 @@ def _kernels():
         # took registers enough to spill (the one-reduction kernel on 2 warps at b2's
         # shapes: 255 per thread, 12 spilled; 232 and none without: gdn_bench at b33b848
         # and f666dc9).
-        if NPV != 0:  # grid (heads x NPV Dv-block programs, lanes, layers): no runtime division
-            pid0 = tl.program_id(0)
-            if PVF:
-                h = pid0 // NPV
-                pv = pid0 % NPV
-            else:
-                pv = pid0 // NV
-                h = pid0 % NV
-            lane = tl.program_id(1).to(tl.int64)
-            lay = tl.program_id(2).to(tl.int64)
+        # DVC: Dv (the state rows' stride inside a head) as a compile-time constant, the tile's
+        # offsets int64: then a thread's state values sit at one base plus immediates (LDG
+        # [R+0x1000] ...) instead of one 64-bit address computed per value (int32 offsets
+        # sign-extended one by one).  Offline for sm_90 (bench/sass_stats.py, 16-wide
+        # blocks): 888 -> 720 SASS instructions, 128 -> 80 registers; on the H200
+        # (bench/results/gdn_const_parts_h200.json, at 6121b06) 16-wide blocks decode 64
+        # lanes in 77.4 us per layer against 88.1, 32-wide ones (the runner's since) in
+        # 72.4; the same bits as the runtime stride in every case checked.  Only address
+        # arithmetic changes: decode, verify and replay stay one binary.
+        if PVF:
+            pv = tl.program_id(0)
+            h = tl.program_id(1)
         else:
-            if PVF:
-                pv = tl.program_id(0)
-                h = tl.program_id(1)
-            else:
-                h = tl.program_id(0)
-                pv = tl.program_id(1)
-            pid2 = tl.program_id(2).to(tl.int64)  # (layer, lane) = divmod(pid2, NB); T rows per lane
-            lane = pid2 % NB
-            lay = pid2 // NB
+            h = tl.program_id(0)
+            pv = tl.program_id(1)
+        pid2 = tl.program_id(2).to(tl.int64)  # (layer, lane) = divmod(pid2, NB); T rows per lane
+        lane = pid2 % NB
+        lay = pid2 // NB
         y_ptr += lay * sy_g + lane * sy_b
         p_ptr += lay * sp_g + lane * sp_b
         s_ptr += lay * ss_g + lane * ss_b + h.to(tl.int64) * DK * DV
@@ -126,10 +123,7 @@ def _kernels():
         dtb_ptr += lay * sa_g
         if replay != 0:
             T = tl.load(n_ptr + lane).to(tl.int32) + 1
-        if RC != 0:
-            hk = h // RC
-        else:
-            hk = h // R
+        hk = h // R
         ok = tl.arange(0, BK)
         mk = ok < DK
         A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
@@ -175,21 +169,12 @@ def _kernels():
                     b = bn.to(tl.float32)
                     a = an.to(tl.float32)
                     q = qn.to(tl.float32)
-                    if GUARD:
-                        if t + 1 < T:  # the next row's vectors (none after the last row: a decode step's one)
-                            tn = t + 1
-                            kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
-                            vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
-                            bn = tl.load(p_ptr + tn * sp + C + VD + h)
-                            an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
-                            qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)
-                    else:
-                        tn = tl.minimum(t + 1, T - 1)  # the next row (the last row again at the end: unused)
-                        kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
-                        vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
-                        bn = tl.load(p_ptr + tn * sp + C + VD + h)
-                        an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
-                        qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)
+                    tn = tl.minimum(t + 1, T - 1)  # the next row (the last row again at the end: unused)
+                    kn = tl.load(y_ptr + tn * sy + KD + hk * DK + ok, mask=mk, other=0.0)
+                    vn = tl.load(y_ptr + tn * sy + 2 * KD + h * DV + ov, mask=mv, other=0.0)
+                    bn = tl.load(p_ptr + tn * sp + C + VD + h)
+                    an = tl.load(p_ptr + tn * sp + C + VD + NV + h)
+                    qn = tl.load(y_ptr + tn * sy + hk * DK + ok, mask=mk, other=0.0)
                 else:
                     k = tl.load(yrow + KD + hk * DK + ok, mask=mk, other=0.0).to(tl.float32)
                     v = tl.load(yrow + 2 * KD + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
@@ -315,9 +300,7 @@ def _env_launch() -> dict:
             "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
             "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
             "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
-            "const_shapes": flag("HYSPEC_GDN_CONST_SHAPES"),
-            "const_grid": flag("HYSPEC_GDN_CONST_GRID"), "const_r": flag("HYSPEC_GDN_CONST_R"),
-            "guard_prefetch": flag("HYSPEC_GDN_GUARD_PREFETCH")}
+            "const_dv": flag("HYSPEC_GDN_CONST_DV")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one
@@ -338,40 +321,25 @@ def _env_launch() -> dict:
 # It is off (1): two blocks helped at b33b848, when the kernel spilled, and lost at
 # f666dc9 (batch 16: 28.3 vs 27.8 us per layer on 2 warps, 32.7 vs 27.4 on 4).
 # stream: cache hints on the state (evict-first load, streaming final store; the same
-# values, a little faster at 16-64 lanes: the kernel's STREAM).
+# values, a little faster at 16-64 lanes: the kernel's STREAM).  const_dv: Dv compiled in
+# (the kernel's DVC: immediate offsets, fewer instructions and registers; the same values).
 # Benches set these (bench/gdn_bench.py); HYSPEC_GDN_WARPS / _PV_FIRST / _PREFETCH /
-# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES / _STREAM at import (measured
+# _ONE_REDUCTION / _DECODE_BLOCKS / _DECODE_BLOCKS_MIN_LANES / _STREAM / _CONST_DV at import (measured
 # on the H200 with bench/gdn_bench.py, docs/gpu.md).
 STEP_LAUNCH = _env_launch()
 LAST: dict = {}  # the compiled step kernel of the last gdn_step call (benches read its registers)
 
 
-def _const_shapes(dk, dv, BK, BV) -> bool:
-    return bool(STEP_LAUNCH["const_shapes"]) and dk == BK and dv % BV == 0
+def _step_grid(nv, nvb, third):
+    return (nvb, nv, third) if STEP_LAUNCH["pv_first"] else (nv, nvb, third)
 
 
-def _const_grid(dk, dv, BK, BV) -> bool:
-    return _const_shapes(dk, dv, BK, BV) and bool(STEP_LAUNCH["const_grid"])
-
-
-def _step_grid(nv, nvb, lanes, layers, const):
-    """(Dv-block programs, heads, lanes x layers), or with compile-time shapes (heads x
-    Dv-block programs, lanes, layers): the kernel then finds its head, block, lane and
-    layer without a runtime division."""
-    if const:
-        return (nv * nvb, lanes, layers)
-    return (nvb, nv, lanes * layers) if STEP_LAUNCH["pv_first"] else (nv, nvb, lanes * layers)
-
-
-def _step_meta(BK, BV, norm, nbp, dk, dv, nk, nv) -> dict:
+def _step_meta(BK, BV, norm, nbp, dk, dv) -> dict:
     nw = STEP_LAUNCH["num_warps"] or (2 if BK * BV < 2048 else 4 if BK * BV < 8192 else 8)
     even = dk == BK and dv % BV == 0
-    const = _const_shapes(dk, dv, BK, BV)
     return dict(BK=BK, BV=BV, NORM=norm, PVF=bool(STEP_LAUNCH["pv_first"]), PF=bool(STEP_LAUNCH["prefetch"]),
                 NBP=nbp, ONE_RED=bool(STEP_LAUNCH["one_reduction"]), EVEN=even,
-                STREAM=bool(STEP_LAUNCH["stream"]), DVC=dv if const else 0,
-                NPV=dv // BV // nbp if const and STEP_LAUNCH["const_grid"] else 0,
-                RC=nv // nk if const and STEP_LAUNCH["const_r"] else 0, GUARD=bool(STEP_LAUNCH["guard_prefetch"]),
+                STREAM=bool(STEP_LAUNCH["stream"]), DVC=dv if even and STEP_LAUNCH["const_dv"] else 0,
                 num_warps=nw, **launch_kwargs())
 
 
@@ -447,11 +415,11 @@ def gdn_step(y, proj, A_log, dt_bias, norm_w, state, out, *, nk, nv, dk, dv, eps
     TL = rows // lanes
     nvb = -(-dv // BV)
     nbp = _decode_blocks(nvb, lanes, TL, mode, blocks_per_program)
-    LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes, 1, _const_grid(dk, dv, BK, BV))](
+    LAST["gdn_step"] = ks["gdn_step"][_step_grid(nv, -(-nvb // nbp), lanes)](
         y, y.stride(0), proj, proj.stride(0), A_log, dt_bias, norm_w, state, st, st_t, out, out.stride(0),
         TL, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5), float(eps),
         mode, 0, state, 0, 0, 0, 0, lanes, TL * y.stride(0), TL * proj.stride(0), int(state_lane_stride),
-        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv, nk, nv))
+        TL * out.stride(0), **_step_meta(BK, BV, norm, nbp, dk, dv))
     if not norm:
         ks["gated_norm"][(rows, nv)](out, out.stride(0), proj, proj.stride(0), norm_w, rows,
                                      2 * nk * dk + nv * dv, dv, float(eps), BV=p2(dv), num_warps=4, **launch_kwargs())
@@ -482,9 +450,9 @@ def gdn_replay(y_rows, p_rows, A_log_all, dt_bias_all, norm_w, ssm, n, out_like,
     else:
         yg, pg = y_rows[0], p_rows[0]
         NB, sy_b, sp_b, ss_b = 1, 0, 0, 0
-    _kernels()["gdn_step"][_step_grid(nv, -(-dv // BV), NB, G, _const_grid(dk, dv, BK, BV))](
+    _kernels()["gdn_step"][_step_grid(nv, -(-dv // BV), G * NB)](
         yg, yg.stride(0), pg, pg.stride(0), A_log_all, dt_bias_all, norm_w, ssm, ssm, 0, out_like,
         out_like.stride(0), 0, nv // nk, nk * dk, 2 * nk * dk + nv * dv, nv * dv, nv, dk, dv, float(dk ** -0.5),
         float(eps), 1, 1, n, y_rows.stride(0), p_rows.stride(0), ssm.stride(0), A_log_all.stride(0),
-        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv, nk, nv))
+        NB, sy_b, sp_b, ss_b, 0, **_step_meta(BK, BV, norm, 1, dk, dv))
     return ssm
