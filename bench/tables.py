@@ -556,6 +556,10 @@ MADE_BY = {
     "gpu_tests_gnorm_fold_h200.txt": "`python3 -m pytest -q -rs tests/test_gpu_tile_heights.py tests/test_gpu_batch.py "
                                      "tests/test_kernels_argmax.py tests/test_kernels_prefetch.py tests/test_gnorm_fold.py` "
                                      "(H200; the folded gated norm's tests, a code since removed: docs/gpu.md)",
+    "b2_batch_const_bv16_h200.json": "`HYSPEC_GDN_BLOCK_V=16 hyspec bench --config b2 --variants '' --batch 1,4,16,64 "
+                                      "--batch-inv-prompts 8 --hf-tokens 0` (H200; the env line is in its log)",
+    "b2_batch_const_bv32_h200.json": "`HYSPEC_GDN_BLOCK_V=32 hyspec bench --config b2 --variants '' --batch 1,4,16,64 "
+                                      "--batch-inv-prompts 8 --hf-tokens 0` (H200; the env line is in its log)",
     "gdn_stream_h200_log.txt": "`HYSPEC_GDN_STREAM=0|1 python bench/gdn_bench.py --lanes 1,16,64 --ways 4`, "
                                "alternately twice each (H200; commands and commit in the log)",
     "serve_profile_h200.txt": "`HYSPEC_PROFILE_ENGINE=... python3 bench/serve_load.py ...` (H200; a diagnostic, "
