@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2  # b2: its Gated DeltaNet shapes
+
 # (block_v, num_warps, pv_first, prefetch, one_reduction, decode_blocks).  The first is the
 # runner's way until session 12 (the reference's row order: two dependent state reductions and
 # two norms per row), the second the same launch with one state reduction per row
@@ -42,7 +44,8 @@ WAYS = [(16, 2, True, True, False, 1), (16, 2, True, True, True, 1), (16, 2, Tru
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lanes", default="1,16,64")
-    ap.add_argument("--layers", type=int, default=18)
+    n_gdn = _B2["num_hidden_layers"] - _B2["num_hidden_layers"] // _B2["full_attention_interval"]
+    ap.add_argument("--layers", type=int, default=n_gdn, help=f"Gated-DeltaNet layers (b2's: {n_gdn})")
     ap.add_argument("--verify-rows", type=int, default=4)
     ap.add_argument("--accepted", type=int, default=2, help="n of the replay (n + 1 rows)")
     ap.add_argument("--reps", type=int, default=20)
@@ -64,7 +67,8 @@ def main() -> None:
     from hyspec.provenance import git_state
 
     dev = torch.device(args.device)
-    nk, nv, dk, dv, G = 16, 32, 128, 128, args.layers  # b2 (hyspec.presets.QWEN3_NEXT_2B_DENSE)
+    nk, nv = _B2["linear_num_key_heads"], _B2["linear_num_value_heads"]
+    dk, dv, G = _B2["linear_key_head_dim"], _B2["linear_value_head_dim"], args.layers
     C = 2 * nk * dk + nv * dv
     P = C + nv * dv + 2 * nv
     T, n = args.verify_rows, args.accepted
