@@ -145,3 +145,38 @@ def test_window_commit_equals_the_torch_form(dtype, t):
     got = gdn_window_commit(conv.clone(), conv_in, j, nb, t)
     assert torch.equal(got, want)
     assert torch.equal(got[:, nb:], conv[:, nb:])  # lanes past nb: as they were
+
+
+@pytest.mark.parametrize("D,L", [(16, 40), (16, 37), (24, 40)])  # D == BLOCK_D or not; lane stride % 16 or not
+def test_grouped_attention_launch_ways_agree_with_the_reference(D, L):
+    """Every way of compiling the grouped kernel (grouped.LAUNCH: vector loads with D and the
+    lane stride known to the compiler, V's load moved up) reads the same elements: each
+    lane's output equals the one-lane reference, and every way's equals the old scalar way's."""
+    from hyspec.kernels.attention import grouped
+    from hyspec.kernels.attention.reference import attn_decode_ref
+
+    Hq, Hkv = 4, 2
+    kc0, vc0 = _r(B, Hkv, L, D, seed=6), _r(B, Hkv, L, D, seed=7)
+    q = _r(B * T, Hq, D, seed=8)
+    proj = _r(B * T, Hq * 2 * D + 2 * Hkv * D, seed=9)
+    pos = torch.tensor([3, 17, L - T - 1], dtype=torch.long)
+    saved = dict(grouped.LAUNCH)
+    outs = []
+    try:
+        for opts in ({"vector_loads": False, "early_v": False}, {"vector_loads": True, "early_v": False},
+                     {"vector_loads": True, "early_v": True}):
+            grouped.LAUNCH.update(opts)
+            out = torch.zeros(B * T, Hq * D)
+            attn_decode_grouped(q, kc0[0], vc0[0], pos, 0, proj, out, rows=B * T, lanes=B,
+                                kv_lane_stride=kc0.stride(0))
+            outs.append(out)
+    finally:
+        grouped.LAUNCH.clear()
+        grouped.LAUNCH.update(saved)
+    for b in range(B):
+        rows = slice(b * T, (b + 1) * T)
+        gate = proj[rows, : Hq * 2 * D].reshape(T, Hq, 2 * D)[:, :, D:]
+        ref = attn_decode_ref(q[rows], kc0[b], vc0[b], int(pos[b]), gate)
+        torch.testing.assert_close(outs[-1][rows], ref, atol=1e-5, rtol=1e-5)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])

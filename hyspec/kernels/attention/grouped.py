@@ -52,11 +52,20 @@ from hyspec.kernels.attention.kernel import launch_combine
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
-__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N"]
+__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N", "LAUNCH"]
 
 GROUPED_SPLITS = 16  # NS: key-block sets per (row, kv head); a constant, never chosen from T
 GROUPED_ROWS = 4  # TG: a lane's rows per program (a verify's rows read the lane's keys once); a constant
 BLOCK_N = 32  # keys per block
+
+# How the partial kernel is compiled and launched; none of these changes a value (tested
+# bitwise in tests/test_kernels_attn.py; timed by bench/attn_bench.py).  vector_loads: D
+# and the lanes' cache stride known to the compiler (D == BLOCK_D, stride a multiple of
+# 16), so the q, K and V tiles load in 16-byte vectors instead of one element at a time
+# (a runtime D in the mask and an unaligned lane stride forced scalar loads); early_v: the
+# V tile's load issued with K's, before the scores; num_warps: None = 4, or 8 for D > 128;
+# num_stages / maxnreg: Triton's compile options (None: its defaults).
+LAUNCH = {"vector_loads": True, "early_v": True, "num_warps": None, "num_stages": None, "maxnreg": None}
 
 
 @kernels_per_mode
@@ -68,7 +77,8 @@ def _kernel():
     def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale, TL, skv, NGRP,
                                      REP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
                                      BLOCK_D: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr,
-                                     PDL: tl.constexpr):
+                                     PDL: tl.constexpr, EVEN_D: tl.constexpr = False, SKV_UNIT: tl.constexpr = 1,
+                                     EARLY_V: tl.constexpr = False):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -87,20 +97,34 @@ def _kernel():
         n_keys = pos0 + jr + 1  # [G]: row r attends keys 0..pos+off+r
         n_last = pos0 + tl.minimum(j0 + TG, TL)  # keys of the group's last row
         offs_d = tl.arange(0, BLOCK_D)
-        md = offs_d < D
-        q_off = (r * HQ + h)[:, None] * D + offs_d[None, :]
+        if EVEN_D:  # D == BLOCK_D: a row's mask is uniform along D, so its loads can be vectors
+            md = offs_d < BLOCK_D
+            q_off = (r * HQ + h)[:, None] * BLOCK_D + offs_d[None, :]
+        else:
+            md = offs_d < D
+            q_off = (r * HQ + h)[:, None] * D + offs_d[None, :]
         KT = kc_ptr.dtype.element_ty
         q = tl.load(q_ptr + q_off, mask=mi[:, None] & md[None, :], other=0.0).to(KT)
         m_i = tl.full((G,), float("-inf"), tl.float32)
         l_i = tl.zeros((G,), tl.float32)
         acc = tl.zeros((G, BLOCK_D), tl.float32)
         n_blocks = ((n_last + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
-        base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv
+        # skv in units of SKV_UNIT elements (16 when the lane stride is a multiple of 16: the
+        # compiler then knows every lane's cache is as aligned as lane 0's)
+        if EVEN_D:
+            base = hk.to(tl.int64) * L * BLOCK_D + lane.to(tl.int64) * skv * SKV_UNIT
+        else:
+            base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv * SKV_UNIT
         for b in range(s, n_blocks, NS):  # blocks that exist for the group's last row
             offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_off = base + offs_n[:, None] * D + offs_d[None, :]
+            if EVEN_D:
+                kv_off = base + offs_n[:, None] * BLOCK_D + offs_d[None, :]
+            else:
+                kv_off = base + offs_n[:, None] * D + offs_d[None, :]
             mk = (offs_n < n_last)[:, None] & md[None, :]
             k = tl.load(kc_ptr + kv_off, mask=mk, other=0.0)
+            if EARLY_V:  # both tiles' loads in flight before the scores (the same values)
+                v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -111,7 +135,8 @@ def _kernel():
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
             pr = tl.where(valid, tl.exp(sc - m_new[:, None]), 0.0)
-            v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
+            if not EARLY_V:
+                v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
             l_new = l_i * alpha + tl.sum(pr, axis=1)
             if IEEE:
                 pv = tl.dot(pr.to(v.dtype), v, input_precision="ieee")
@@ -126,6 +151,15 @@ def _kernel():
         tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i, mask=mi)
 
     return _attn_grouped_partial_kernel
+
+
+def _compile_options() -> dict:
+    opts = {}
+    if LAUNCH["num_stages"]:
+        opts["num_stages"] = LAUNCH["num_stages"]
+    if LAUNCH["maxnreg"]:
+        opts["maxnreg"] = LAUNCH["maxnreg"]
+    return opts
 
 
 def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0):
@@ -151,9 +185,13 @@ def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=
     need = T * Hq * NS * (BD + 2)
     if ws is None or ws.numel() < need:
         ws = torch.empty(need, device=q.device, dtype=torch.float32)
+    fast = LAUNCH["vector_loads"]
+    unit = 16 if fast and kv_lane_stride % 16 == 0 else 1
     _kernel()[(Hkv, lanes * ngrp, NS)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), TL,
-                                       int(kv_lane_stride), ngrp, REP=rep, TG=TG, G=G, BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=NS,
-                            IEEE=kc.dtype == torch.float32, num_warps=4 if BD <= 128 else 8,
-                            **launch_kwargs())
+                                       int(kv_lane_stride) // unit, ngrp, REP=rep, TG=TG, G=G, BLOCK_N=BLOCK_N,
+                                       BLOCK_D=BD, NS=NS, IEEE=kc.dtype == torch.float32,
+                                       EVEN_D=fast and D == BD, SKV_UNIT=unit, EARLY_V=LAUNCH["early_v"],
+                                       num_warps=LAUNCH["num_warps"] or (4 if BD <= 128 else 8),
+                                       **_compile_options(), **launch_kwargs())
     launch_combine(ws, proj, out, T, Hq, D, BD, NS)
     return out
