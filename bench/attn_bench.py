@@ -20,11 +20,15 @@ import torch
 
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2
 
-DEFAULT_WAYS = ("old:vector_loads=0,early_v=0;vec:vector_loads=1,early_v=0;vec_early:vector_loads=1,early_v=1;"
-                "vec_s1_r128:vector_loads=1,early_v=0,num_stages=1,maxnreg=128;"
-                "vec_early_s1_r128:vector_loads=1,early_v=1,num_stages=1,maxnreg=128;"
-                "vec_s2_r128:vector_loads=1,early_v=0,num_stages=2,maxnreg=128;"
-                "vec_early_w4:vector_loads=1,early_v=1,num_warps=4")
+# "old" is the launch before the vector loads (8 warps for b2's D = 256); the library's
+# default (grouped.LAUNCH) is "vec_early_w4"
+DEFAULT_WAYS = ("old:vector_loads=0,early_v=0,num_warps=8;vec_w8:vector_loads=1,early_v=0,num_warps=8;"
+                "vec_early_w8:vector_loads=1,early_v=1,num_warps=8;vec_w4:vector_loads=1,early_v=0,num_warps=4;"
+                "vec_early_w4:vector_loads=1,early_v=1,num_warps=4;"
+                "vec_early_w4_s1:vector_loads=1,early_v=1,num_warps=4,num_stages=1;"
+                "vec_early_w4_s2:vector_loads=1,early_v=1,num_warps=4,num_stages=2;"
+                "vec_early_w8_s2_r128:vector_loads=1,early_v=1,num_warps=8,num_stages=2,maxnreg=128;"
+                "old_w4:vector_loads=0,early_v=0,num_warps=4")
 
 
 def parse_ways(text: str) -> list[tuple[str, dict]]:

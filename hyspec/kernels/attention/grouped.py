@@ -59,13 +59,15 @@ GROUPED_ROWS = 4  # TG: a lane's rows per program (a verify's rows read the lane
 BLOCK_N = 32  # keys per block
 
 # How the partial kernel is compiled and launched; none of these changes a value (tested
-# bitwise in tests/test_kernels_attn.py; timed by bench/attn_bench.py).  vector_loads: D
-# and the lanes' cache stride known to the compiler (D == BLOCK_D, stride a multiple of
-# 16), so the q, K and V tiles load in 16-byte vectors instead of one element at a time
-# (a runtime D in the mask and an unaligned lane stride forced scalar loads); early_v: the
-# V tile's load issued with K's, before the scores; num_warps: None = 4, or 8 for D > 128;
-# num_stages / maxnreg: Triton's compile options (None: its defaults).
-LAUNCH = {"vector_loads": True, "early_v": True, "num_warps": None, "num_stages": None, "maxnreg": None}
+# bitwise in tests/test_kernels_lanes.py on the CPU; on the H200 by bench/attn_bench.py,
+# which times the ways: bench/results/attn_ways_h200.json).  vector_loads: D and the lanes'
+# cache stride known to the compiler (D == BLOCK_D, stride a multiple of 16), so the q, K
+# and V tiles load in 16-byte vectors (a runtime D in the mask and an unaligned lane stride
+# forced 2-byte loads, 64 per thread and block); early_v: the V tile's load issued with
+# K's, before the scores; num_warps: 4 (8 for D = 256 until the vector loads, which made 4
+# the faster: b2's decode at 64 lanes and 640 keys 76.9 -> 53.3 us, one lane at 32k keys
+# 254 -> 131 us); num_stages / maxnreg: Triton's compile options (None: its defaults).
+LAUNCH = {"vector_loads": True, "early_v": True, "num_warps": 4, "num_stages": None, "maxnreg": None}
 
 
 @kernels_per_mode
