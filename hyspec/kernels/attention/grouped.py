@@ -65,8 +65,9 @@ BLOCK_N = 32  # keys per block
 # and V tiles load in 16-byte vectors (a runtime D in the mask and an unaligned lane stride
 # forced 2-byte loads, 64 per thread and block); early_v: the V tile's load issued with
 # K's, before the scores; num_warps: 4 (8 for D = 256 until the vector loads, which made 4
-# the faster: b2's decode at 64 lanes and 640 keys 76.9 -> 53.3 us, one lane at 32k keys
-# 254 -> 131 us); num_stages / maxnreg: Triton's compile options (None: its defaults).
+# the faster: b2's decode at 64 lanes and ~640 keys 77.0 -> 53.1 us, one lane at 32k keys
+# 252.5 -> 127.6 us, at da17ab5); num_stages / maxnreg: Triton's compile options (None:
+# its defaults).
 LAUNCH = {"vector_loads": True, "early_v": True, "num_warps": 4, "num_stages": None, "maxnreg": None}
 
 
