@@ -289,9 +289,10 @@ def draft_vocab_figures(model, prompt, args, dev, roofline_ms: float) -> dict:
     return figures
 
 
-def run_batches(model, args, dev) -> dict:
+def run_batches(model, args, dev, weight_bytes: int | None = None, bandwidth_gbps: float | None = None) -> dict:
     """--batch: aggregate throughput per batch size; on a GPU the BatchDecoder (CUDA graphs
-    per batch size, with a batch-invariance check), on the CPU the engine core."""
+    per batch size, with a batch-invariance check, and each plain step's bandwidth floor
+    from weight_bytes and bandwidth_gbps), on the CPU the engine core."""
     sizes = [int(b) for b in args.batch.split(",")]
     forced = [float(x) for x in args.forced.split(",")]
     if dev.type == "cuda":
@@ -300,7 +301,7 @@ def run_batches(model, args, dev) -> dict:
         log("batched decoding on the GPU: BatchDecoder, CUDA graphs per batch size (prefill excluded)")
         return gpu_batch_bench(model, sizes, prompt_len=args.prompt_len, new_tokens=args.new_tokens, forced=forced,
                                seed=args.seed, inv_prompts=args.batch_inv_prompts, draft_vocab=args.draft_vocab or 0,
-                               log=log)
+                               weight_bytes=weight_bytes, bandwidth_gbps=bandwidth_gbps, log=log)
     from hyspec.core.batch_bench import batch_bench
 
     log("batched decoding through the engine core (prefill excluded)")
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
             log(f"!! draft-vocabulary run failed: {type(e).__name__}: {e}")
         save()
     if args.batch:
-        result["batch"] = run_batches(model, args, dev)
+        result["batch"] = run_batches(model, args, dev, step_bytes, bandwidth)
         save()
     if args.hf_tokens > 0:
         try:

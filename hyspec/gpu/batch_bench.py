@@ -51,10 +51,13 @@ def _target(value: float, name: str) -> dict:
 
 def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: int, k: int = 3,
                     forced=(0.9, 0.8, 0.7, 0.6), seed: int = 0, inv_prompts: int = 64, inv_tokens: int = 500,
-                    inv_batch: int = 16, sampled_extra=(), draft_vocab: int = 0, log=print) -> dict:
+                    inv_batch: int = 16, sampled_extra=(), draft_vocab: int = 0, weight_bytes: int | None = None,
+                    bandwidth_gbps: float | None = None, log=print) -> dict:
     """sampled_extra: names of SAMPLED_VARIANTS measured after the sampled speed (figures
     only, no targets); draft_vocab N > 0: forced speculation (k drafts) again at every batch size with a
-    reduced draft vocabulary of N ids (figures beside the full-vocabulary ones, no target)."""
+    reduced draft vocabulary of N ids (figures beside the full-vocabulary ones, no target).
+    weight_bytes and bandwidth_gbps (a decode step's weight bytes, the copy bandwidth):
+    also each plain step's bandwidth floor and its share of it (bandwidth_floor)."""
     dev = model.device
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -100,6 +103,11 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     base = out["runs"][min(batches)]["plain_tok_s"]
     for row in out["runs"].values():
         row["plain_vs_B1"] = row["plain_tok_s"] / base
+    if weight_bytes and bandwidth_gbps:
+        fl = out["floor"] = bandwidth_floor(model.cfg, model.dtype, weight_bytes, bandwidth_gbps, batches,
+                                            prompt_len + new_tokens / 2,
+                                            {B: r["plain_tok_s"] for B, r in out["runs"].items()})
+        log_floor(fl, out["runs"], log)
     if draft_vocab:
         try:
             reduced_draft_vocab(model, batches, prompts, references, new_tokens, k, rates, draft_vocab, slots, max_len,
@@ -250,6 +258,43 @@ def invariance(dec, model, n_prompts, n_tokens, batch, k, prompt_len, g, log) ->
         log(f"invariance {name}: {equal}/{len(ps)} sequences bitwise equal alone vs batched "
             f"({len(ps)} x {nt} tokens; alone {t_alone:.1f} s, batched {t_batch:.1f} s)")
     return out
+
+
+def bandwidth_floor(cfg, dtype, weight_bytes: int, bandwidth_gbps: float, batches, ctx_mean: float,
+                    plain_tok_s: dict | None = None) -> dict:
+    """The least time a plain decode step of B lanes can take at the copy bandwidth: the
+    weights read once, and per lane its recurrent state (conv windows and the Gated DeltaNet
+    state: hyspec.core.slots.slot_bytes' "linear") read and written and its keys and values
+    read at the run's mean context (the MTP head's KV is not read by a plain step).  With
+    the measured plain tok/s per B: the share of that floor each step reaches, and the
+    ratio over the smallest batch that equal shares would give (floor_1 * B / floor_B): a
+    batch ratio above it means the bigger step runs closer to its floor."""
+    from hyspec.core.slots import slot_bytes
+
+    lane = 2 * slot_bytes(cfg, dtype, 0, with_mtp=False)["linear"] + slot_bytes(cfg, dtype, round(ctx_mean),
+                                                                                 with_mtp=False)["kv"]
+    bw = bandwidth_gbps * 1e9
+    b0 = min(batches)
+    floor = {B: (weight_bytes + B * lane) / bw * 1e3 for B in batches}
+    out = {"weight_bytes": int(weight_bytes), "lane_bytes": int(lane), "bandwidth_GBps": bandwidth_gbps,
+           "ctx_mean": ctx_mean, "runs": {}}
+    for B in batches:
+        row = {"floor_ms": floor[B], "ratio_at_equal_share": floor[b0] * B / (b0 * floor[B])}
+        if plain_tok_s and B in plain_tok_s:
+            row["plain_ms"] = B / plain_tok_s[B] * 1e3
+            row["share_of_floor"] = floor[B] / row["plain_ms"]
+        out["runs"][B] = row
+    return out
+
+
+def log_floor(fl: dict, runs: dict, log=print) -> None:
+    """One line per batch size of a bandwidth_floor result beside the runs' plain figures."""
+    b0 = min(fl["runs"])
+    for B, r in fl["runs"].items():
+        log(f"B={B:>3}: plain step floor {r['floor_ms']:.3f} ms (weights {fl['weight_bytes'] / 1e9:.2f} GB + "
+            f"{B} x {fl['lane_bytes'] / 1e6:.1f} MB of state and KV at {fl['bandwidth_GBps']:.0f} GB/s), measured "
+            f"{r['plain_ms']:.3f} ms = {r['share_of_floor']:.1%} of it; equal shares would give "
+            f"x{r['ratio_at_equal_share']:.2f} of batch {b0} (measured x{runs[B]['plain_tok_s'] / runs[b0]['plain_tok_s']:.2f})")
 
 
 def _targets(out, k) -> dict:
