@@ -104,10 +104,14 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     for row in out["runs"].values():
         row["plain_vs_B1"] = row["plain_tok_s"] / base
     if weight_bytes and bandwidth_gbps:
-        fl = out["floor"] = bandwidth_floor(model.cfg, model.dtype, weight_bytes, bandwidth_gbps, batches,
-                                            prompt_len + new_tokens / 2,
-                                            {B: r["plain_tok_s"] for B, r in out["runs"].items()})
-        log_floor(fl, out["runs"], log)
+        try:
+            out["floor"] = bandwidth_floor(model.cfg, model.dtype, weight_bytes, bandwidth_gbps, batches,
+                                           prompt_len + new_tokens / 2,
+                                           {B: r["plain_tok_s"] for B, r in out["runs"].items()})
+            log_floor(out["floor"], out["runs"], log)
+        except Exception as e:  # noqa: BLE001 - a figure beside the runs: record and go on
+            out.setdefault("errors", {})["floor"] = f"{type(e).__name__}: {e}"
+            log(f"!! bandwidth floor failed: {e}")
     if draft_vocab:
         try:
             reduced_draft_vocab(model, batches, prompts, references, new_tokens, k, rates, draft_vocab, slots, max_len,
