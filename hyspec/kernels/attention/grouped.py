@@ -62,9 +62,9 @@ BLOCK_N = 32  # keys per block
 # bitwise in tests/test_kernels_lanes.py on the CPU; on the H200 by bench/attn_bench.py,
 # which times the ways: bench/results/attn_ways_h200.json).  vector_loads: D and the lanes'
 # cache stride known to the compiler (D == BLOCK_D, stride a multiple of 16), so the q, K
-# and V tiles load in 16-byte vectors (a runtime D in the mask and an unaligned lane stride
-# forced 2-byte loads, 64 per thread and block); early_v: the V tile's load issued with
-# K's, before the scores; num_warps: 4 (8 for D = 256 until the vector loads, which made 4
+# and V tiles load in 16-byte vectors (the lane stride, unspecialised, left the compiler
+# unsure of a lane's alignment: 2-byte loads, 64 per thread and block); early_v: the V
+# tile's load issued with K's, before the scores; num_warps: 4 (8 for D = 256 until the vector loads, which made 4
 # the faster: b2's decode at 64 lanes and ~640 keys 77.0 -> 53.1 us, one lane at 32k keys
 # 252.5 -> 127.6 us, at da17ab5); num_stages / maxnreg: Triton's compile options (None:
 # its defaults).
@@ -100,7 +100,7 @@ def _kernel():
         n_keys = pos0 + jr + 1  # [G]: row r attends keys 0..pos+off+r
         n_last = pos0 + tl.minimum(j0 + TG, TL)  # keys of the group's last row
         offs_d = tl.arange(0, BLOCK_D)
-        if EVEN_D:  # D == BLOCK_D: a row's mask is uniform along D, so its loads can be vectors
+        if EVEN_D:  # D == BLOCK_D, compiled in
             md = offs_d < BLOCK_D
             q_off = (r * HQ + h)[:, None] * BLOCK_D + offs_d[None, :]
         else:
