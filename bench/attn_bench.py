@@ -1,14 +1,17 @@
 """The bf16 fast path's attention (``attn_decode_grouped``: the split partial kernel + the
-fixed-order combine) at b2's shapes, compiled and launched several ways (the keys of
-``hyspec.kernels.attention.grouped.LAUNCH``): microseconds per call as CUDA-graph replays
-(no launch gaps), the K/V bytes it reads and their bandwidth, and whether the output is
-bitwise that of the first way (none of the ways may change a value). GPU only.
+combine) at b2's shapes, compiled and launched several ways (the keys of
+``hyspec.kernels.attention.grouped.LAUNCH``, and ``chunk_blocks``: grouped.CHUNK_BLOCKS,
+the keys per partial, 0 the interleaved 16 splits): microseconds per call as CUDA-graph
+replays (no launch gaps), the K/V bytes it reads and their bandwidth, whether the output is
+bitwise that of the first way with the same chunk_blocks (a launch option may not change
+a value; chunk_blocks does), and its largest difference from the fp32 torch reference.
+GPU only.
 
 Cases: lanes x context x rows per lane (1: a decode step; 4: a K=3 verify), each lane
 at its own position (the context +- up to 64, from a seeded generator).
 
     python bench/attn_bench.py --lanes 1,16,64 --ctx 640 --rows 1,4 \\
-        --ways "old:vector_loads=0,early_v=0;new:vector_loads=1,early_v=1" --out attn.json
+        --ways "split16:chunk_blocks=0;chunk4:chunk_blocks=4" --out attn.json
 """
 from __future__ import annotations
 
@@ -20,15 +23,12 @@ import torch
 
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2
 
-# "old" is the launch before the vector loads (8 warps for b2's D = 256); the library's
-# default (grouped.LAUNCH) is "vec_early_w4"
-DEFAULT_WAYS = ("old:vector_loads=0,early_v=0,num_warps=8;vec_w8:vector_loads=1,early_v=0,num_warps=8;"
-                "vec_early_w8:vector_loads=1,early_v=1,num_warps=8;vec_w4:vector_loads=1,early_v=0,num_warps=4;"
-                "vec_early_w4:vector_loads=1,early_v=1,num_warps=4;"
-                "vec_early_w4_s1:vector_loads=1,early_v=1,num_warps=4,num_stages=1;"
-                "vec_early_w4_s2:vector_loads=1,early_v=1,num_warps=4,num_stages=2;"
-                "vec_early_w8_s2_r128:vector_loads=1,early_v=1,num_warps=8,num_stages=2,maxnreg=128;"
-                "old_w4:vector_loads=0,early_v=0,num_warps=4")
+# "split16" is the interleaved form before the chunks (16 partials per row); the library's
+# default is "chunk4" (grouped.CHUNK_BLOCKS = 4, LAUNCH as it is)
+DEFAULT_WAYS = ("split16:chunk_blocks=0;chunk2:chunk_blocks=2;chunk4:chunk_blocks=4;chunk8:chunk_blocks=8;"
+                "chunk4_p512:chunk_blocks=4,programs_target=512;chunk4_p2048:chunk_blocks=4,programs_target=2048;"
+                "chunk4_s2:chunk_blocks=4,num_stages=2;chunk4_w8:chunk_blocks=4,num_warps=8;"
+                "chunk8_s2:chunk_blocks=8,num_stages=2")
 
 
 def parse_ways(text: str) -> list[tuple[str, dict]]:
@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from hyspec.bench.timing import time_fn
     from hyspec.kernels.attention import grouped
+    from hyspec.kernels.attention.reference import attn_decode_ref
     from hyspec.provenance import git_state
 
     dev = torch.device("cuda")
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     cases += [(1, int(c), t) for c in filter(None, args.long.split(",")) for t in rows_l]
     ways = parse_ways(args.ways)
     saved = dict(grouped.LAUNCH)
+    saved_chunk = grouped.CHUNK_BLOCKS
     out = {"git": git_state(), "command": "python bench/attn_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": torch.cuda.get_device_name(), "shapes": {"Hq": Hq, "Hkv": Hkv, "D": D},
            "ways": {n: o for n, o in ways}, "cases": []}
@@ -80,12 +82,21 @@ def main(argv=None) -> int:
         q = torch.randn(T, Hq, D, generator=g).to(dev, torch.bfloat16)
         proj = torch.randn(T, Hq * 2 * D + 2 * Hkv * D, generator=g).to(dev, torch.bfloat16)
         outs = {}
-        ws = torch.empty(T * Hq * grouped.GROUPED_SPLITS * (D + 2), device=dev, dtype=torch.float32)
+        ws = torch.empty(T * Hq * max(grouped.GROUPED_SPLITS, -(-L // grouped.BLOCK_N)) * (D + 2), device=dev,
+                         dtype=torch.float32)
+        refs = []
+        for b in range(lanes):
+            rows_b = slice(b * t, (b + 1) * t)
+            gate = proj[rows_b, : Hq * 2 * D].reshape(t, Hq, 2 * D)[:, :, D:].float()
+            refs.append(attn_decode_ref(q[rows_b].float(), kc0[b].float(), vc0[b].float(), int(pos[b]), gate))
+        ref = torch.cat(refs)
         kv_bytes = int(sum(2 * Hkv * (int(p) + t) * D * 2 for p in pos.tolist()))
         row = {"lanes": lanes, "ctx": ctx, "rows": t, "kv_bytes": kv_bytes, "ways": {}}
         for name, opts in ways:
             grouped.LAUNCH.clear()
             grouped.LAUNCH.update(saved)
+            opts = dict(opts)
+            grouped.CHUNK_BLOCKS = opts.pop("chunk_blocks", saved_chunk)
             grouped.LAUNCH.update(opts)
             o = torch.empty(T, Hq * D, device=dev, dtype=torch.bfloat16)
 
@@ -110,15 +121,18 @@ def main(argv=None) -> int:
                 row["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"B={lanes:>3} ctx {ctx:>6} rows {t}: {name:>18s} failed: {e}")
                 continue
-            outs[name] = o.clone()
-            base = next(iter(outs.values()))
-            same = bool(torch.equal(o, base))
-            row["ways"][name] = {"us": us, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12, "same_bits_as_first": same}
+            first = next((n for n, (cb, _) in outs.items() if cb == grouped.CHUNK_BLOCKS), name)
+            outs[name] = (grouped.CHUNK_BLOCKS, o.clone())
+            same = bool(torch.equal(o, outs[first][1]))
+            err = float((o.float() - ref).abs().max())
+            row["ways"][name] = {"us": us, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12, "chunk_blocks": grouped.CHUNK_BLOCKS,
+                                 "same_bits_as": first, "same_bits": same, "max_abs_err_vs_fp32_ref": err}
             print(f"B={lanes:>3} ctx {ctx:>6} rows {t}: {name:>18s} {us:8.2f} us  {kv_bytes / (us * 1e-6) / 1e12:5.2f} TB/s"
-                  f"  same bits as {ways[0][0]}: {same}")
+                  f"  same bits as {first}: {same}  max |err| vs fp32 ref {err:.2e}")
         out["cases"].append(row)
     grouped.LAUNCH.clear()
     grouped.LAUNCH.update(saved)
+    grouped.CHUNK_BLOCKS = saved_chunk
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -125,3 +125,46 @@ def test_grouped_bf16(bf16_dot):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
     for r in range(T):
         assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], out[r])
+
+
+def test_grouped_chunks_several_per_program_and_any_program_count():
+    """The chunked partials (grouped.CHUNK_BLOCKS blocks of keys each, as many as a row's keys
+    need): rows whose keys end in different chunks inside one program's group (pos 252: the
+    group's last row reaches chunk 2, the first rows not), programs that take several chunks
+    (P = 1 and 2 of 3), stale workspace contents; each row has the reference's values and
+    the bits of its one-row call, and the program count changes no bit."""
+    from hyspec.kernels.attention import grouped
+
+    assert grouped.CHUNK_BLOCKS > 0
+    chunk = grouped.CHUNK_BLOCKS * grouped.BLOCK_N
+    T, Hq, Hkv, D, L = 4, 4, 2, 32, 3 * chunk
+    pos = 2 * chunk - 2  # rows 0-1: two chunks of keys; rows 2-3: three
+    q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=21)
+    assert grouped.grouped_partials(L) == 3
+    ref = fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D))
+    outs = []
+    for programs in (1, 2, 3):
+        ws = torch.full((grouped.grouped_workspace_floats(T, Hq, D, L),), float("nan"))
+        out = torch.empty(T, Hq * D)
+        attn_decode_grouped(q, kc, vc, torch.tensor([pos]), 0, proj, out, rows=T, ws=ws, programs=programs)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    for r in range(T):
+        assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], outs[0][r]), r
+
+
+def test_grouped_interleaved_form_still_matches_the_reference(monkeypatch):
+    """CHUNK_BLOCKS = 0 keeps the form before the chunks (16 interleaved splits per row) for
+    side-by-side runs: it matches the reference and is row invariant too."""
+    from hyspec.kernels.attention import grouped
+
+    monkeypatch.setattr(grouped, "CHUNK_BLOCKS", 0)
+    T, Hq, Hkv, D, L, pos = 3, 4, 2, 32, 200, 150
+    q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=23)
+    out = run(q, kc, vc, pos, 0, proj)
+    torch.testing.assert_close(out, fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D)), atol=1e-5, rtol=1e-5)
+    for r in range(T):
+        assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], out[r])
+    with pytest.raises(ValueError, match="one program per split"):
+        attn_decode_grouped(q, kc, vc, torch.tensor([pos]), 0, proj, out, rows=T, programs=2)

@@ -25,12 +25,12 @@ import torch
 from hyspec.gpu.packing import Segments, layer_weight_bytes, pack_layer, pack_views
 from hyspec.kernels.attention import (
     ATTN_SPLITS,
-    GROUPED_SPLITS,
     attn_decode,
     attn_decode_grouped,
     attn_prep,
     rope_inv_freq,
 )
+from hyspec.kernels.attention.grouped import grouped_partials
 from hyspec.kernels.common import p2
 from hyspec.kernels.gdn import gdn_conv, gdn_replay, gdn_step
 from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_matmul_fp8
@@ -477,7 +477,8 @@ class TritonRunner:
                   kv_lane_stride=kv_stride)
         o = self._buf("mixer_out", t, cfg.num_attention_heads * cfg.head_dim)
         ws = self._workspaces.get("attn")
-        need = self.rows_cap * cfg.num_attention_heads * max(ATTN_SPLITS, GROUPED_SPLITS) * (p2(cfg.head_dim) + 2)
+        need = self.rows_cap * cfg.num_attention_heads * max(ATTN_SPLITS, grouped_partials(kc.shape[1])) \
+            * (p2(cfg.head_dim) + 2)
         if ws is None:
             ws = self._workspaces["attn"] = torch.empty(need, device=normed.device, dtype=torch.float32)
         attn = attn_decode_grouped if self.attn_grouped else attn_decode

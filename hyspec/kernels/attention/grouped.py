@@ -46,17 +46,27 @@ thing and waits for its predecessors before its first load (see ``hyspec.kernels
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hyspec.kernels.attention.kernel import launch_combine
 from hyspec.kernels.common import p2
-from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
+from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 
-__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N", "LAUNCH"]
+__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N", "CHUNK_BLOCKS", "LAUNCH",
+           "grouped_partials", "grouped_workspace_floats"]
 
 GROUPED_SPLITS = 16  # NS: key-block sets per (row, kv head); a constant, never chosen from T
 GROUPED_ROWS = 4  # TG: a lane's rows per program (a verify's rows read the lane's keys once); a constant
 BLOCK_N = 32  # keys per block
+# Keys per partial: CHUNK_BLOCKS consecutive blocks (128 keys) form chunk c; a row's partials
+# are its chunks, as many as its keys need, combined in chunk order.  A constant: it sets a
+# row's values (never chosen from T, the lanes or the cache length); programs take chunks
+# p, p + P, ... with P from the call's size.  0: the interleaved form before it (block b in
+# split b % GROUPED_SPLITS, 16 partials per row whatever its keys, one program per split).
+# HYSPEC_ATTN_CHUNK_BLOCKS sets it for a process (side-by-side runs; set before any decoding).
+CHUNK_BLOCKS = int(os.environ.get("HYSPEC_ATTN_CHUNK_BLOCKS", "4"))
 
 # How the partial kernel is compiled and launched; none of these changes a value (tested
 # bitwise in tests/test_kernels_lanes.py on the CPU; on the H200 by bench/attn_bench.py,
@@ -68,7 +78,10 @@ BLOCK_N = 32  # keys per block
 # the faster: b2's decode at 64 lanes and ~640 keys 77.0 -> 53.1 us, one lane at 32k keys
 # 252.5 -> 127.6 us, at da17ab5); num_stages / maxnreg: Triton's compile options (None:
 # its defaults).
-LAUNCH = {"vector_loads": True, "early_v": True, "num_warps": 4, "num_stages": None, "maxnreg": None}
+# programs_target: about how many programs a call launches (P = programs_target / (kv heads
+# x row groups), at most the cache's chunks; no value depends on P).
+LAUNCH = {"vector_loads": True, "early_v": True, "num_warps": 4, "num_stages": None, "maxnreg": None,
+          "programs_target": 1024}
 
 
 @kernels_per_mode
@@ -76,10 +89,11 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T", "off", "TL", "skv", "NGRP"])
+    @triton.jit(do_not_specialize=["T", "off", "TL", "skv", "NGRP", "NP", "P"])
     def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale, TL, skv, NGRP,
-                                     REP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     BLOCK_D: tl.constexpr, NS: tl.constexpr, IEEE: tl.constexpr,
+                                     NP, P, REP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr,
+                                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NS: tl.constexpr,
+                                     CB: tl.constexpr, IEEE: tl.constexpr,
                                      PDL: tl.constexpr, EVEN_D: tl.constexpr = False, SKV_UNIT: tl.constexpr = 1,
                                      EARLY_V: tl.constexpr = False):
         if PDL:
@@ -87,7 +101,7 @@ def _kernel():
             tl.extra.cuda.gdc_wait()
         hk = tl.program_id(0)
         rg = tl.program_id(1)  # (lane, group of TG consecutive rows of the lane)
-        s = tl.program_id(2)
+        s = tl.program_id(2)  # this program's first partial; it takes every P-th after it
         lane = rg // NGRP
         j0 = (rg - lane * NGRP) * TG  # the group's first row within the lane
         # tile row i: the lane's row j0 + i // REP, q head hk*REP + i % REP
@@ -108,9 +122,6 @@ def _kernel():
             q_off = (r * HQ + h)[:, None] * D + offs_d[None, :]
         KT = kc_ptr.dtype.element_ty
         q = tl.load(q_ptr + q_off, mask=mi[:, None] & md[None, :], other=0.0).to(KT)
-        m_i = tl.full((G,), float("-inf"), tl.float32)
-        l_i = tl.zeros((G,), tl.float32)
-        acc = tl.zeros((G, BLOCK_D), tl.float32)
         n_blocks = ((n_last + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
         # skv in units of SKV_UNIT elements (16 when the lane stride is a multiple of 16: the
         # compiler then knows every lane's cache is as aligned as lane 0's)
@@ -118,42 +129,97 @@ def _kernel():
             base = hk.to(tl.int64) * L * BLOCK_D + lane.to(tl.int64) * skv * SKV_UNIT
         else:
             base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv * SKV_UNIT
-        for b in range(s, n_blocks, NS):  # blocks that exist for the group's last row
-            offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            if EVEN_D:
-                kv_off = base + offs_n[:, None] * BLOCK_D + offs_d[None, :]
+        # partial c: CB > 0, chunk c = blocks c*CB .. c*CB + CB-1 (the chunks that exist for
+        # the group's last row); CB == 0, split c = blocks c, c + NS, ... (NS of them, each
+        # stored, empty or not)
+        if CB > 0:
+            n_units = (n_blocks + CB - 1) // CB
+        else:
+            n_units = NS
+        for c in range(s, n_units, P):
+            m_i = tl.full((G,), float("-inf"), tl.float32)
+            l_i = tl.zeros((G,), tl.float32)
+            acc = tl.zeros((G, BLOCK_D), tl.float32)
+            if CB > 0:
+                b_lo = c * CB
+                b_hi = tl.minimum(b_lo + CB, n_blocks)
+                b_step = 1
             else:
-                kv_off = base + offs_n[:, None] * D + offs_d[None, :]
-            mk = (offs_n < n_last)[:, None] & md[None, :]
-            k = tl.load(kc_ptr + kv_off, mask=mk, other=0.0)
-            if EARLY_V:  # both tiles' loads in flight before the scores (the same values)
-                v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            valid = offs_n[None, :] < n_keys[:, None]  # [G, BLOCK_N]: the row's own keys
-            on = b * BLOCK_N < n_keys  # [G]: the block holds keys of the row (else the row stays as it is)
-            sc = tl.where(valid, sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.where(valid, tl.exp(sc - m_new[:, None]), 0.0)
-            if not EARLY_V:
-                v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
-            l_new = l_i * alpha + tl.sum(pr, axis=1)
-            if IEEE:
-                pv = tl.dot(pr.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(pr.to(v.dtype), v)
-            acc = tl.where(on[:, None], acc * alpha[:, None] + pv, acc)
-            l_i = tl.where(on, l_new, l_i)
-            m_i = tl.where(on, m_new, m_i)
-        wbase = ((r * HQ + h) * NS + s) * (BLOCK_D + 2)  # [G]
-        tl.store(ws_ptr + wbase[:, None] + offs_d[None, :], acc, mask=mi[:, None])
-        tl.store(ws_ptr + wbase + BLOCK_D, m_i, mask=mi)
-        tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i, mask=mi)
+                b_lo = c
+                b_hi = n_blocks
+                b_step = NS
+            for b in range(b_lo, b_hi, b_step):  # blocks that exist for the group's last row
+                offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
+                if EVEN_D:
+                    kv_off = base + offs_n[:, None] * BLOCK_D + offs_d[None, :]
+                else:
+                    kv_off = base + offs_n[:, None] * D + offs_d[None, :]
+                mk = (offs_n < n_last)[:, None] & md[None, :]
+                k = tl.load(kc_ptr + kv_off, mask=mk, other=0.0)
+                if EARLY_V:  # both tiles' loads in flight before the scores (the same values)
+                    v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
+                if IEEE:
+                    sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    sc = tl.dot(q, tl.trans(k))
+                valid = offs_n[None, :] < n_keys[:, None]  # [G, BLOCK_N]: the row's own keys
+                on = b * BLOCK_N < n_keys  # [G]: the block holds keys of the row (else the row stays as it is)
+                sc = tl.where(valid, sc * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                pr = tl.where(valid, tl.exp(sc - m_new[:, None]), 0.0)
+                if not EARLY_V:
+                    v = tl.load(vc_ptr + kv_off, mask=mk, other=0.0)
+                l_new = l_i * alpha + tl.sum(pr, axis=1)
+                if IEEE:
+                    pv = tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(pr.to(v.dtype), v)
+                acc = tl.where(on[:, None], acc * alpha[:, None] + pv, acc)
+                l_i = tl.where(on, l_new, l_i)
+                m_i = tl.where(on, m_new, m_i)
+            wbase = ((r * HQ + h) * NP + c) * (BLOCK_D + 2)  # [G]
+            tl.store(ws_ptr + wbase[:, None] + offs_d[None, :], acc, mask=mi[:, None])
+            tl.store(ws_ptr + wbase + BLOCK_D, m_i, mask=mi)
+            tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i, mask=mi)
 
-    return _attn_grouped_partial_kernel
+    @triton.jit(do_not_specialize=["T", "off", "TL", "NP"])
+    def _attn_chunk_combine_kernel(ws_ptr, p_ptr, sp, o_ptr, so, pos_ptr, off, T, TL, HQ, D, NP,
+                                   CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, MB: tl.constexpr,
+                                   PDL: tl.constexpr = False):
+        # row r's partials are its own chunks 0 .. ceil(n_keys / CHUNK) - 1, summed in that
+        # order: a row's count and order depend on its own position only
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        lane = r // TL
+        n_keys = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL) + 1
+        n_c = ((n_keys + CHUNK - 1) // CHUNK).to(tl.int32)
+        offs_d = tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        wrow = (r * HQ + h).to(tl.int64) * NP * (BLOCK_D + 2)
+        DT = o_ptr.dtype.element_ty
+        gate = tl.load(p_ptr + r * sp + h * 2 * D + D + offs_d, mask=md, other=0.0).to(tl.float32)
+        sg = tl.sigmoid(gate).to(DT).to(tl.float32)
+        offs_c = tl.arange(0, MB)
+        M = tl.max(tl.full((MB,), float("-inf"), tl.float32), axis=0)
+        for c0 in range(0, n_c, MB):  # the maximum (exact in any order)
+            cc = c0 + offs_c
+            ms = tl.load(ws_ptr + wrow + cc * (BLOCK_D + 2) + BLOCK_D, mask=cc < n_c, other=float("-inf"))
+            M = tl.maximum(M, tl.max(ms, axis=0))
+        Lsum = tl.sum(tl.zeros((MB,), tl.float32), axis=0)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for c in range(n_c):  # fixed order 0 .. n_c - 1
+            b = wrow + c * (BLOCK_D + 2)
+            w = tl.exp(tl.load(ws_ptr + b + BLOCK_D) - M)
+            Lsum += tl.load(ws_ptr + b + BLOCK_D + 1) * w
+            acc += tl.load(ws_ptr + b + offs_d) * w
+        o = (acc / Lsum).to(DT).to(tl.float32)
+        tl.store(o_ptr + r * so + h * D + offs_d, (o * sg).to(DT), mask=md)
+
+    return _attn_grouped_partial_kernel, _attn_chunk_combine_kernel
 
 
 def _compile_options() -> dict:
@@ -165,12 +231,37 @@ def _compile_options() -> dict:
     return opts
 
 
-def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0):
+def grouped_partials(L: int) -> int:
+    """Partials per (row, q head) the workspace holds for a cache of L rows: ceil(L / CHUNK)
+    chunks (CHUNK_BLOCKS > 0), else the GROUPED_SPLITS interleaved splits."""
+    return -(-L // (CHUNK_BLOCKS * BLOCK_N)) if CHUNK_BLOCKS > 0 else GROUPED_SPLITS
+
+
+def grouped_workspace_floats(rows: int, Hq: int, D: int, L: int) -> int:
+    """fp32 workspace ``attn_decode_grouped`` needs for ``rows`` rows over a cache of L rows."""
+    return rows * Hq * grouped_partials(L) * (max(16, p2(D)) + 2)
+
+
+def _programs(n_partials: int, groups: int) -> int:
+    """Programs per (kv head, row group): enough to fill the GPU at this call's size, never
+    more than there are partials.  Which program computes a partial changes none of its
+    values (a partial is its chunk's blocks in order), so this may follow the batch."""
+    if CHUNK_BLOCKS <= 0:
+        return GROUPED_SPLITS
+    if interpreting():  # one program at a time: few, but still more than one chunk each
+        return min(n_partials, 2)
+    return max(1, min(n_partials, -(-LAUNCH["programs_target"] // groups)))
+
+
+def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0,
+                        programs=None):
     """Same contract as :func:`hyspec.kernels.attention.attn_decode` (reference
     :func:`~hyspec.kernels.attention.attn_decode_ref`): q [T, Hq, D] contiguous, caches
     kc/vc [Hkv, L, D]; row r attends keys 0..pos+off+r (pos: int64 [1] tensor); the gate
     is read from proj (per q head [q D | gate D] at column h*2*D); out [T, Hq*D] receives
-    attn * sigmoid(gate). ws: optional fp32 workspace of >= T*Hq*16*(BLOCK_D+2) floats."""
+    attn * sigmoid(gate). ws: optional fp32 workspace of >= grouped_workspace_floats(T, Hq,
+    D, L) floats. programs: programs per (kv head, row group) (default: from the call's
+    size); it changes no value."""
     T = rows
     Hq, D = q.shape[1], q.shape[2]
     Hkv, L = kc.shape[0], kc.shape[1]
@@ -182,19 +273,28 @@ def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=
     BD = max(16, p2(D))  # tl.dot needs K, N >= 16
     TG = GROUPED_ROWS
     G = max(16, p2(rep * TG))
-    NS = GROUPED_SPLITS
+    NP = grouped_partials(L)
     TL = T // lanes
     ngrp = -(-TL // TG)
-    need = T * Hq * NS * (BD + 2)
+    need = T * Hq * NP * (BD + 2)
     if ws is None or ws.numel() < need:
         ws = torch.empty(need, device=q.device, dtype=torch.float32)
+    P = _programs(NP, Hkv * lanes * ngrp) if programs is None else int(programs)
+    if CHUNK_BLOCKS <= 0 and P != GROUPED_SPLITS:
+        raise ValueError("attn_decode_grouped: the interleaved splits take one program per split")
     fast = LAUNCH["vector_loads"]
     unit = 16 if fast and kv_lane_stride % 16 == 0 else 1
-    _kernel()[(Hkv, lanes * ngrp, NS)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), TL,
-                                       int(kv_lane_stride) // unit, ngrp, REP=rep, TG=TG, G=G, BLOCK_N=BLOCK_N,
-                                       BLOCK_D=BD, NS=NS, IEEE=kc.dtype == torch.float32,
-                                       EVEN_D=fast and D == BD, SKV_UNIT=unit, EARLY_V=LAUNCH["early_v"],
-                                       num_warps=LAUNCH["num_warps"] or (4 if BD <= 128 else 8),
-                                       **_compile_options(), **launch_kwargs())
-    launch_combine(ws, proj, out, T, Hq, D, BD, NS)
+    partial, combine = _kernel()
+    partial[(Hkv, lanes * ngrp, P)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), TL,
+                                    int(kv_lane_stride) // unit, ngrp, NP, P, REP=rep, TG=TG, G=G,
+                                    BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=GROUPED_SPLITS, CB=max(CHUNK_BLOCKS, 0),
+                                    IEEE=kc.dtype == torch.float32, EVEN_D=fast and D == BD, SKV_UNIT=unit,
+                                    EARLY_V=LAUNCH["early_v"],
+                                    num_warps=LAUNCH["num_warps"] or (4 if BD <= 128 else 8),
+                                    **_compile_options(), **launch_kwargs())
+    if CHUNK_BLOCKS > 0:
+        combine[(T, Hq)](ws, proj, proj.stride(0), out, out.stride(0), pos, int(off), T, TL, Hq, D, NP,
+                         CHUNK=CHUNK_BLOCKS * BLOCK_N, BLOCK_D=BD, MB=64, num_warps=4, **launch_kwargs())
+    else:
+        launch_combine(ws, proj, out, T, Hq, D, BD, NS=GROUPED_SPLITS)
     return out
