@@ -1,17 +1,17 @@
 """The bf16 fast path's attention (``attn_decode_grouped``: the split partial kernel + the
 combine) at b2's shapes, compiled and launched several ways (the keys of
-``hyspec.kernels.attention.grouped.LAUNCH``, and ``chunk_blocks``: grouped.CHUNK_BLOCKS,
-the keys per partial, 0 the interleaved 16 splits): microseconds per call as CUDA-graph
+``hyspec.kernels.attention.grouped.LAUNCH``, and ``chunked``: grouped.CHUNKED, a row's
+partials as chunks of its keys by level, 0 the interleaved 16 splits): microseconds per call as CUDA-graph
 replays (no launch gaps), the K/V bytes it reads and their bandwidth, whether the output is
-bitwise that of the first way with the same chunk_blocks (a launch option may not change
-a value; chunk_blocks does), and its largest difference from the fp32 torch reference.
+bitwise that of the first way with the same ``chunked`` (a launch option may not change
+a value; ``chunked`` does), and its largest difference from the fp32 torch reference.
 GPU only.
 
 Cases: lanes x context x rows per lane (1: a decode step; 4: a K=3 verify), each lane
 at its own position (the context +- up to 64, from a seeded generator).
 
     python bench/attn_bench.py --lanes 1,16,64 --ctx 640 --rows 1,4 \\
-        --ways "split16:chunk_blocks=0;chunk4:chunk_blocks=4" --out attn.json
+        --ways "split16:chunked=0;levels:chunked=1" --out attn.json
 """
 from __future__ import annotations
 
@@ -24,11 +24,9 @@ import torch
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2
 
 # "split16" is the interleaved form before the chunks (16 partials per row); the library's
-# default is "chunk4" (grouped.CHUNK_BLOCKS = 4, LAUNCH as it is)
-DEFAULT_WAYS = ("split16:chunk_blocks=0;chunk2:chunk_blocks=2;chunk4:chunk_blocks=4;chunk8:chunk_blocks=8;"
-                "chunk4_p512:chunk_blocks=4,programs_target=512;chunk4_p2048:chunk_blocks=4,programs_target=2048;"
-                "chunk4_s2:chunk_blocks=4,num_stages=2;chunk4_w8:chunk_blocks=4,num_warps=8;"
-                "chunk8_s2:chunk_blocks=8,num_stages=2")
+# default is "levels" (grouped.CHUNKED, LAUNCH as it is)
+DEFAULT_WAYS = ("split16:chunked=0;levels:chunked=1;levels_p512:chunked=1,programs_target=512;"
+                "levels_p2048:chunked=1,programs_target=2048;levels_s2:chunked=1,num_stages=2")
 
 
 def parse_ways(text: str) -> list[tuple[str, dict]]:
@@ -67,7 +65,7 @@ def main(argv=None) -> int:
     cases += [(1, int(c), t) for c in filter(None, args.long.split(",")) for t in rows_l]
     ways = parse_ways(args.ways)
     saved = dict(grouped.LAUNCH)
-    saved_chunk = grouped.CHUNK_BLOCKS
+    saved_chunk = grouped.CHUNKED
     out = {"git": git_state(), "command": "python bench/attn_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": torch.cuda.get_device_name(), "shapes": {"Hq": Hq, "Hkv": Hkv, "D": D},
            "ways": {n: o for n, o in ways}, "cases": []}
@@ -82,7 +80,7 @@ def main(argv=None) -> int:
         q = torch.randn(T, Hq, D, generator=g).to(dev, torch.bfloat16)
         proj = torch.randn(T, Hq * 2 * D + 2 * Hkv * D, generator=g).to(dev, torch.bfloat16)
         outs = {}
-        ws = torch.empty(T * Hq * max(grouped.GROUPED_SPLITS, -(-L // grouped.BLOCK_N)) * (D + 2), device=dev,
+        ws = torch.empty(T * Hq * max(32, grouped.GROUPED_SPLITS, -(-L // grouped.BLOCK_N)) * (D + 2), device=dev,
                          dtype=torch.float32)
         refs = []
         for b in range(lanes):
@@ -96,7 +94,7 @@ def main(argv=None) -> int:
             grouped.LAUNCH.clear()
             grouped.LAUNCH.update(saved)
             opts = dict(opts)
-            grouped.CHUNK_BLOCKS = opts.pop("chunk_blocks", saved_chunk)
+            grouped.CHUNKED = bool(opts.pop("chunked", saved_chunk))
             grouped.LAUNCH.update(opts)
             o = torch.empty(T, Hq * D, device=dev, dtype=torch.bfloat16)
 
@@ -121,18 +119,18 @@ def main(argv=None) -> int:
                 row["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"B={lanes:>3} ctx {ctx:>6} rows {t}: {name:>18s} failed: {e}")
                 continue
-            first = next((n for n, (cb, _) in outs.items() if cb == grouped.CHUNK_BLOCKS), name)
-            outs[name] = (grouped.CHUNK_BLOCKS, o.clone())
+            first = next((n for n, (cb, _) in outs.items() if cb == grouped.CHUNKED), name)
+            outs[name] = (grouped.CHUNKED, o.clone())
             same = bool(torch.equal(o, outs[first][1]))
             err = float((o.float() - ref).abs().max())
-            row["ways"][name] = {"us": us, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12, "chunk_blocks": grouped.CHUNK_BLOCKS,
+            row["ways"][name] = {"us": us, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12, "chunked": grouped.CHUNKED,
                                  "same_bits_as": first, "same_bits": same, "max_abs_err_vs_fp32_ref": err}
             print(f"B={lanes:>3} ctx {ctx:>6} rows {t}: {name:>18s} {us:8.2f} us  {kv_bytes / (us * 1e-6) / 1e12:5.2f} TB/s"
                   f"  same bits as {first}: {same}  max |err| vs fp32 ref {err:.2e}")
         out["cases"].append(row)
     grouped.LAUNCH.clear()
     grouped.LAUNCH.update(saved)
-    grouped.CHUNK_BLOCKS = saved_chunk
+    grouped.CHUNKED = saved_chunk
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

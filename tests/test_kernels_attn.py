@@ -127,23 +127,24 @@ def test_grouped_bf16(bf16_dot):
         assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], out[r])
 
 
-def test_grouped_chunks_several_per_program_and_any_program_count():
-    """The chunked partials (grouped.CHUNK_BLOCKS blocks of keys each, as many as a row's keys
-    need): rows whose keys end in different chunks inside one program's group (pos 252: the
-    group's last row reaches chunk 2, the first rows not), programs that take several chunks
-    (P = 1 and 2 of 3), stale workspace contents; each row has the reference's values and
-    the bits of its one-row call, and the program count changes no bit."""
+@pytest.mark.parametrize("pos,L", [
+    (510, 640),  # rows 0-1: 16 blocks (level 0, one block per partial); rows 2-3: 17 (level 1, two)
+    (2046, 2176),  # rows 0-1: 64 blocks (level 2); rows 2-3: 65 (level 3, chunks of 8 blocks)
+    (4200, 4300),  # level 3 with 132 blocks: 17 partials, the combine takes them in two tiles
+])
+def test_grouped_chunk_levels_a_group_straddling_a_level_and_any_program_count(pos, L):
+    """The chunked partials (grouped.CHUNKED): a row's chunks follow its own key count's level,
+    so a verify group whose rows straddle a level's edge (its lower rows take each of the
+    group's chunks as two halves) must give each row the bits of its one-row call; every
+    program count gives the same bits (stale workspace contents), all match the reference."""
     from hyspec.kernels.attention import grouped
 
-    assert grouped.CHUNK_BLOCKS > 0
-    chunk = grouped.CHUNK_BLOCKS * grouped.BLOCK_N
-    T, Hq, Hkv, D, L = 4, 4, 2, 32, 3 * chunk
-    pos = 2 * chunk - 2  # rows 0-1: two chunks of keys; rows 2-3: three
+    assert grouped.CHUNKED
+    T, Hq, Hkv, D = 4, 4, 2, 16
     q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=21)
-    assert grouped.grouped_partials(L) == 3
     ref = fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D))
     outs = []
-    for programs in (1, 2, 3):
+    for programs in (1, 3, 16):
         ws = torch.full((grouped.grouped_workspace_floats(T, Hq, D, L),), float("nan"))
         out = torch.empty(T, Hq * D)
         attn_decode_grouped(q, kc, vc, torch.tensor([pos]), 0, proj, out, rows=T, ws=ws, programs=programs)
@@ -155,11 +156,11 @@ def test_grouped_chunks_several_per_program_and_any_program_count():
 
 
 def test_grouped_interleaved_form_still_matches_the_reference(monkeypatch):
-    """CHUNK_BLOCKS = 0 keeps the form before the chunks (16 interleaved splits per row) for
+    """CHUNKED = False keeps the form before the chunks (16 interleaved splits per row) for
     side-by-side runs: it matches the reference and is row invariant too."""
     from hyspec.kernels.attention import grouped
 
-    monkeypatch.setattr(grouped, "CHUNK_BLOCKS", 0)
+    monkeypatch.setattr(grouped, "CHUNKED", False)
     T, Hq, Hkv, D, L, pos = 3, 4, 2, 32, 200, 150
     q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=23)
     out = run(q, kc, vc, pos, 0, proj)

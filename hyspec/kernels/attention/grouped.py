@@ -54,20 +54,24 @@ from hyspec.kernels.attention.kernel import launch_combine
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 
-__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N", "CHUNK_BLOCKS", "LAUNCH",
+__all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N", "CHUNKED", "LAUNCH",
            "grouped_partials", "grouped_workspace_floats"]
 
 GROUPED_SPLITS = 16  # NS: key-block sets per (row, kv head); a constant, never chosen from T
 GROUPED_ROWS = 4  # TG: a lane's rows per program (a verify's rows read the lane's keys once); a constant
 BLOCK_N = 32  # keys per block
-# Keys per partial: CHUNK_BLOCKS consecutive blocks (128 keys) form chunk c; a row's partials
-# are its chunks, as many as its keys need, combined in chunk order.  A constant: it sets a
-# row's values (never chosen from T, the lanes or the cache length); programs take chunks
-# p, p + P, ... with P from the call's size.  0: the interleaved form before it (block b in
-# split b % GROUPED_SPLITS, 16 partials per row whatever its keys, one program per split).
-# HYSPEC_ATTN_CHUNK_BLOCKS sets it for a process (side-by-side runs; set before any decoding).
-CHUNK_BLOCKS = int(os.environ.get("HYSPEC_ATTN_CHUNK_BLOCKS", "4"))
-
+# The partials of a row (CHUNKED, the default): its keys' blocks in chunks of 2^j blocks,
+# j = the least of 0..MAX_LEVEL with blocks <= PARTIALS_PER_LEVEL * 2^j (MAX_LEVEL if none),
+# combined in chunk order: up to 512 keys a row has one partial per 32-key block, up to
+# 1,024 one per 64, up to 2,048 one per 128, then one per 256 keys (16 or more partials).
+# A row's chunks follow from its own position only (never from T, the lanes, the cache
+# length or the program count), so a row has the same bits in any call.  Programs take
+# chunks p, p + P, ... with P from the call's size.  CHUNKED = False: the interleaved form
+# before it (block b in split b % GROUPED_SPLITS, 16 partials per row whatever its keys,
+# one program per split; HYSPEC_ATTN_CHUNKED=0 for a process: side-by-side runs).
+CHUNKED = os.environ.get("HYSPEC_ATTN_CHUNKED", "1") != "0"
+PARTIALS_PER_LEVEL = 16
+MAX_LEVEL = 3  # chunks of at most 2^3 blocks = 256 keys (the kernel's level test goes up to 3)
 # How the partial kernel is compiled and launched; none of these changes a value (tested
 # bitwise in tests/test_kernels_lanes.py on the CPU; on the H200 by bench/attn_bench.py,
 # which times the ways: bench/results/attn_ways_h200.json).  vector_loads: D and the lanes'
@@ -93,7 +97,8 @@ def _kernel():
     def _attn_grouped_partial_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, off, ws_ptr, T, HQ, D, L, scale, TL, skv, NGRP,
                                      NP, P, REP: tl.constexpr, TG: tl.constexpr, G: tl.constexpr,
                                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NS: tl.constexpr,
-                                     CB: tl.constexpr, IEEE: tl.constexpr,
+                                     CHUNKED: tl.constexpr, PPL: tl.constexpr, MAXL: tl.constexpr,
+                                     IEEE: tl.constexpr,
                                      PDL: tl.constexpr, EVEN_D: tl.constexpr = False, SKV_UNIT: tl.constexpr = 1,
                                      EARLY_V: tl.constexpr = False):
         if PDL:
@@ -129,26 +134,51 @@ def _kernel():
             base = hk.to(tl.int64) * L * BLOCK_D + lane.to(tl.int64) * skv * SKV_UNIT
         else:
             base = hk.to(tl.int64) * L * D + lane.to(tl.int64) * skv * SKV_UNIT
-        # partial c: CB > 0, chunk c = blocks c*CB .. c*CB + CB-1 (the chunks that exist for
-        # the group's last row); CB == 0, split c = blocks c, c + NS, ... (NS of them, each
-        # stored, empty or not)
-        if CB > 0:
-            n_units = (n_blocks + CB - 1) // CB
+        # CHUNKED: a row of nb key blocks has level j = the least of 0..MAXL with nb <= PPL * 2^j
+        # (MAXL if none): its partial c is chunk c of 2^j blocks (blocks c*2^j ..), as many as
+        # it has keys for.  The group walks the chunks of its last row's level jg; a row one
+        # level below (the rows of a group differ by fewer than TG keys, so only at a level's
+        # edge) takes each chunk as its two halves: its partial 2c is stored at the chunk's
+        # middle and its state restarted.  Else: split c = blocks c, c + NS, ... (NS of them,
+        # each stored, empty or not).
+        if CHUNKED:
+            nb_row = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)  # [G]
+            j_row = tl.where(nb_row > PPL, 1, 0) + tl.where(nb_row > 2 * PPL, 1, 0) + tl.where(nb_row > 4 * PPL, 1, 0)
+            j_row = tl.minimum(j_row, MAXL)
+            jg = (tl.where(n_blocks > PPL, 1, 0) + tl.where(n_blocks > 2 * PPL, 1, 0)
+                  + tl.where(n_blocks > 4 * PPL, 1, 0))
+            jg = tl.minimum(jg, MAXL)
+            cbg = 1 << jg  # blocks per chunk of the group's level
+            half = cbg // 2
+            lo = j_row < jg  # [G] rows one level below
+            any_lo = tl.max(tl.where(mi & lo, 1, 0), axis=0) > 0
+            n_units = (n_blocks + cbg - 1) // cbg
         else:
             n_units = NS
         for c in range(s, n_units, P):
             m_i = tl.full((G,), float("-inf"), tl.float32)
             l_i = tl.zeros((G,), tl.float32)
             acc = tl.zeros((G, BLOCK_D), tl.float32)
-            if CB > 0:
-                b_lo = c * CB
-                b_hi = tl.minimum(b_lo + CB, n_blocks)
+            if CHUNKED:
+                b_lo = c * cbg
+                b_hi = tl.minimum(b_lo + cbg, n_blocks)
                 b_step = 1
             else:
                 b_lo = c
                 b_hi = n_blocks
                 b_step = NS
             for b in range(b_lo, b_hi, b_step):  # blocks that exist for the group's last row
+                if CHUNKED:
+                    if any_lo:
+                        if b == b_lo + half:  # the lower rows' first half ends: partial 2c, restart
+                            wl = ((r * HQ + h) * NP + 2 * c) * (BLOCK_D + 2)
+                            ml = mi & lo
+                            tl.store(ws_ptr + wl[:, None] + offs_d[None, :], acc, mask=ml[:, None])
+                            tl.store(ws_ptr + wl + BLOCK_D, m_i, mask=ml)
+                            tl.store(ws_ptr + wl + BLOCK_D + 1, l_i, mask=ml)
+                            acc = tl.where(lo[:, None], 0.0, acc)
+                            l_i = tl.where(lo, 0.0, l_i)
+                            m_i = tl.where(lo, float("-inf"), m_i)
                 offs_n = b * BLOCK_N + tl.arange(0, BLOCK_N)
                 if EVEN_D:
                     kv_off = base + offs_n[:, None] * BLOCK_D + offs_d[None, :]
@@ -178,17 +208,22 @@ def _kernel():
                 acc = tl.where(on[:, None], acc * alpha[:, None] + pv, acc)
                 l_i = tl.where(on, l_new, l_i)
                 m_i = tl.where(on, m_new, m_i)
-            wbase = ((r * HQ + h) * NP + c) * (BLOCK_D + 2)  # [G]
+            if CHUNKED:  # the lower rows' second half (or their first, if the chunk ends before it)
+                idx = tl.where(lo & (b_hi > b_lo + half), 2 * c + 1, tl.where(lo, 2 * c, c))
+            else:
+                idx = tl.zeros((G,), tl.int32) + c
+            wbase = ((r * HQ + h) * NP + idx) * (BLOCK_D + 2)  # [G]
             tl.store(ws_ptr + wbase[:, None] + offs_d[None, :], acc, mask=mi[:, None])
             tl.store(ws_ptr + wbase + BLOCK_D, m_i, mask=mi)
             tl.store(ws_ptr + wbase + BLOCK_D + 1, l_i, mask=mi)
 
     @triton.jit(do_not_specialize=["T", "off", "TL", "NP"])
     def _attn_chunk_combine_kernel(ws_ptr, p_ptr, sp, o_ptr, so, pos_ptr, off, T, TL, HQ, D, NP,
-                                   CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, MB: tl.constexpr,
-                                   PDL: tl.constexpr = False):
-        # row r's partials are its own chunks 0 .. ceil(n_keys / CHUNK) - 1, summed in that
-        # order: a row's count and order depend on its own position only
+                                   BLOCK_N: tl.constexpr, PPL: tl.constexpr, MAXL: tl.constexpr,
+                                   BLOCK_D: tl.constexpr, MB: tl.constexpr, PDL: tl.constexpr = False):
+        # row r's partials are its own chunks at its own level (as the partial kernel sets
+        # them), combined MB at a time in a fixed order (a tile's sum, then the next tile):
+        # the count and the order follow the row's position only
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -196,7 +231,10 @@ def _kernel():
         h = tl.program_id(1)
         lane = r // TL
         n_keys = tl.load(pos_ptr + lane).to(tl.int64) + off + (r - lane * TL) + 1
-        n_c = ((n_keys + CHUNK - 1) // CHUNK).to(tl.int32)
+        nb = ((n_keys + BLOCK_N - 1) // BLOCK_N).to(tl.int32)
+        j = tl.minimum(tl.where(nb > PPL, 1, 0) + tl.where(nb > 2 * PPL, 1, 0) + tl.where(nb > 4 * PPL, 1, 0), MAXL)
+        cb = 1 << j
+        n_c = (nb + cb - 1) // cb
         offs_d = tl.arange(0, BLOCK_D)
         md = offs_d < D
         wrow = (r * HQ + h).to(tl.int64) * NP * (BLOCK_D + 2)
@@ -211,11 +249,14 @@ def _kernel():
             M = tl.maximum(M, tl.max(ms, axis=0))
         Lsum = tl.sum(tl.zeros((MB,), tl.float32), axis=0)
         acc = tl.zeros((BLOCK_D,), tl.float32)
-        for c in range(n_c):  # fixed order 0 .. n_c - 1
-            b = wrow + c * (BLOCK_D + 2)
-            w = tl.exp(tl.load(ws_ptr + b + BLOCK_D) - M)
-            Lsum += tl.load(ws_ptr + b + BLOCK_D + 1) * w
-            acc += tl.load(ws_ptr + b + offs_d) * w
+        for c0 in range(0, n_c, MB):  # fixed order: tile by tile
+            cc = c0 + offs_c
+            mc = cc < n_c
+            pb = wrow + cc * (BLOCK_D + 2)
+            w = tl.exp(tl.load(ws_ptr + pb + BLOCK_D, mask=mc, other=float("-inf")) - M)
+            Lsum += tl.sum(tl.load(ws_ptr + pb + BLOCK_D + 1, mask=mc, other=0.0) * w, axis=0)
+            tile = tl.load(ws_ptr + pb[:, None] + offs_d[None, :], mask=mc[:, None] & md[None, :], other=0.0)
+            acc += tl.sum(tile * w[:, None], axis=0)
         o = (acc / Lsum).to(DT).to(tl.float32)
         tl.store(o_ptr + r * so + h * D + offs_d, (o * sg).to(DT), mask=md)
 
@@ -231,10 +272,16 @@ def _compile_options() -> dict:
     return opts
 
 
+def _units_max(L: int) -> int:
+    """Chunks of the group's level a call over a cache of L rows may walk (at most)."""
+    nb = -(-L // BLOCK_N)
+    return max(PARTIALS_PER_LEVEL, -(-nb // (1 << MAX_LEVEL)))
+
+
 def grouped_partials(L: int) -> int:
-    """Partials per (row, q head) the workspace holds for a cache of L rows: ceil(L / CHUNK)
-    chunks (CHUNK_BLOCKS > 0), else the GROUPED_SPLITS interleaved splits."""
-    return -(-L // (CHUNK_BLOCKS * BLOCK_N)) if CHUNK_BLOCKS > 0 else GROUPED_SPLITS
+    """Partials per (row, q head) the workspace holds for a cache of L rows (CHUNKED: a row's
+    chunks; a row one level below its group's may take up to 2 x PARTIALS_PER_LEVEL)."""
+    return max(2 * PARTIALS_PER_LEVEL, _units_max(L)) if CHUNKED else GROUPED_SPLITS
 
 
 def grouped_workspace_floats(rows: int, Hq: int, D: int, L: int) -> int:
@@ -242,15 +289,16 @@ def grouped_workspace_floats(rows: int, Hq: int, D: int, L: int) -> int:
     return rows * Hq * grouped_partials(L) * (max(16, p2(D)) + 2)
 
 
-def _programs(n_partials: int, groups: int) -> int:
+def _programs(L: int, groups: int) -> int:
     """Programs per (kv head, row group): enough to fill the GPU at this call's size, never
-    more than there are partials.  Which program computes a partial changes none of its
-    values (a partial is its chunk's blocks in order), so this may follow the batch."""
-    if CHUNK_BLOCKS <= 0:
+    more than the chunks there can be.  Which program computes a partial changes none of
+    its values, so this may follow the batch."""
+    if not CHUNKED:
         return GROUPED_SPLITS
+    units = _units_max(L)
     if interpreting():  # one program at a time: few, but still more than one chunk each
-        return min(n_partials, 2)
-    return max(1, min(n_partials, -(-LAUNCH["programs_target"] // groups)))
+        return min(units, 2)
+    return max(1, min(units, -(-LAUNCH["programs_target"] // groups)))
 
 
 def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_lane_stride=0,
@@ -274,27 +322,30 @@ def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=
     TG = GROUPED_ROWS
     G = max(16, p2(rep * TG))
     NP = grouped_partials(L)
+    assert 0 <= MAX_LEVEL <= 3, "the kernels' level test goes up to 3"
     TL = T // lanes
     ngrp = -(-TL // TG)
     need = T * Hq * NP * (BD + 2)
     if ws is None or ws.numel() < need:
         ws = torch.empty(need, device=q.device, dtype=torch.float32)
-    P = _programs(NP, Hkv * lanes * ngrp) if programs is None else int(programs)
-    if CHUNK_BLOCKS <= 0 and P != GROUPED_SPLITS:
+    P = _programs(L, Hkv * lanes * ngrp) if programs is None else int(programs)
+    if not CHUNKED and P != GROUPED_SPLITS:
         raise ValueError("attn_decode_grouped: the interleaved splits take one program per split")
     fast = LAUNCH["vector_loads"]
     unit = 16 if fast and kv_lane_stride % 16 == 0 else 1
     partial, combine = _kernel()
     partial[(Hkv, lanes * ngrp, P)](q, kc, vc, pos, int(off), ws, T, Hq, D, L, float(D ** -0.5), TL,
                                     int(kv_lane_stride) // unit, ngrp, NP, P, REP=rep, TG=TG, G=G,
-                                    BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=GROUPED_SPLITS, CB=max(CHUNK_BLOCKS, 0),
+                                    BLOCK_N=BLOCK_N, BLOCK_D=BD, NS=GROUPED_SPLITS, CHUNKED=CHUNKED,
+                                    PPL=PARTIALS_PER_LEVEL, MAXL=MAX_LEVEL,
                                     IEEE=kc.dtype == torch.float32, EVEN_D=fast and D == BD, SKV_UNIT=unit,
                                     EARLY_V=LAUNCH["early_v"],
                                     num_warps=LAUNCH["num_warps"] or (4 if BD <= 128 else 8),
                                     **_compile_options(), **launch_kwargs())
-    if CHUNK_BLOCKS > 0:
+    if CHUNKED:
         combine[(T, Hq)](ws, proj, proj.stride(0), out, out.stride(0), pos, int(off), T, TL, Hq, D, NP,
-                         CHUNK=CHUNK_BLOCKS * BLOCK_N, BLOCK_D=BD, MB=64, num_warps=4, **launch_kwargs())
+                         BLOCK_N=BLOCK_N, PPL=PARTIALS_PER_LEVEL, MAXL=MAX_LEVEL, BLOCK_D=BD, MB=16, num_warps=4,
+                         **launch_kwargs())
     else:
         launch_combine(ws, proj, out, T, Hq, D, BD, NS=GROUPED_SPLITS)
     return out
