@@ -23,8 +23,8 @@ import torch
 
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2
 
-# "split16" is the interleaved form before the chunks (16 partials per row); the library's
-# default is "levels" (grouped.CHUNKED, LAUNCH as it is)
+# "split16" is the library's default form (16 interleaved partials per row); "levels" the
+# chunked option (grouped.CHUNKED: HYSPEC_ATTN_CHUNKED=1)
 DEFAULT_WAYS = ("split16:chunked=0;levels:chunked=1;levels_p512:chunked=1,programs_target=512;"
                 "levels_p2048:chunked=1,programs_target=2048;levels_s2:chunked=1,num_stages=2")
 

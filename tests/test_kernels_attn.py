@@ -132,14 +132,14 @@ def test_grouped_bf16(bf16_dot):
     (2046, 2176),  # rows 0-1: 64 blocks (level 2); rows 2-3: 65 (level 3, chunks of 8 blocks)
     (4200, 4300),  # level 3 with 132 blocks: 17 partials, the combine takes them in two tiles
 ])
-def test_grouped_chunk_levels_a_group_straddling_a_level_and_any_program_count(pos, L):
-    """The chunked partials (grouped.CHUNKED): a row's chunks follow its own key count's level,
+def test_grouped_chunk_levels_a_group_straddling_a_level_and_any_program_count(pos, L, monkeypatch):
+    """The chunked partials (grouped.CHUNKED, an option): a row's chunks follow its own key count's level,
     so a verify group whose rows straddle a level's edge (its lower rows take each of the
     group's chunks as two halves) must give each row the bits of its one-row call; every
     program count gives the same bits (stale workspace contents), all match the reference."""
     from hyspec.kernels.attention import grouped
 
-    assert grouped.CHUNKED
+    monkeypatch.setattr(grouped, "CHUNKED", True)
     T, Hq, Hkv, D = 4, 4, 2, 16
     q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=21)
     ref = fused.attn_decode_ref(q, kc, vc, pos, gate_of(proj, Hq, D))
@@ -155,12 +155,12 @@ def test_grouped_chunk_levels_a_group_straddling_a_level_and_any_program_count(p
         assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], outs[0][r]), r
 
 
-def test_grouped_interleaved_form_still_matches_the_reference(monkeypatch):
-    """CHUNKED = False keeps the form before the chunks (16 interleaved splits per row) for
-    side-by-side runs: it matches the reference and is row invariant too."""
+def test_grouped_interleaved_form_takes_one_program_per_split():
+    """The default form (CHUNKED = False: 16 interleaved splits per row) over several blocks
+    per split: the reference's values, row invariant, and a program count is refused."""
     from hyspec.kernels.attention import grouped
 
-    monkeypatch.setattr(grouped, "CHUNKED", False)
+    assert not grouped.CHUNKED
     T, Hq, Hkv, D, L, pos = 3, 4, 2, 32, 200, 150
     q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=23)
     out = run(q, kc, vc, pos, 0, proj)

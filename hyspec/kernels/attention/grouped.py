@@ -60,16 +60,21 @@ __all__ = ["attn_decode_grouped", "GROUPED_SPLITS", "GROUPED_ROWS", "BLOCK_N", "
 GROUPED_SPLITS = 16  # NS: key-block sets per (row, kv head); a constant, never chosen from T
 GROUPED_ROWS = 4  # TG: a lane's rows per program (a verify's rows read the lane's keys once); a constant
 BLOCK_N = 32  # keys per block
-# The partials of a row (CHUNKED, the default): its keys' blocks in chunks of 2^j blocks,
+# The partials of a row with CHUNKED (off by default: HYSPEC_ATTN_CHUNKED=1 for a process): its keys' blocks in chunks of 2^j blocks,
 # j = the least of 0..MAX_LEVEL with blocks <= PARTIALS_PER_LEVEL * 2^j (MAX_LEVEL if none),
 # combined in chunk order: up to 512 keys a row has one partial per 32-key block, up to
 # 1,024 one per 64, up to 2,048 one per 128, then one per 256 keys (16 or more partials).
 # A row's chunks follow from its own position only (never from T, the lanes, the cache
 # length or the program count), so a row has the same bits in any call.  Programs take
-# chunks p, p + P, ... with P from the call's size.  CHUNKED = False: the interleaved form
-# before it (block b in split b % GROUPED_SPLITS, 16 partials per row whatever its keys,
-# one program per split; HYSPEC_ATTN_CHUNKED=0 for a process: side-by-side runs).
-CHUNKED = os.environ.get("HYSPEC_ATTN_CHUNKED", "1") != "0"
+# chunks p, p + P, ... with P from the call's size.  Measured on the H200 (b2's shapes,
+# bench/results/attn_levels_h200.json, at f9ac2a4): one lane at 32k keys 107.3 -> 41.4 us a
+# layer, but slower below that and in batches (one lane at 640 / 4,096 keys 7.95 -> 10.42 /
+# 17.74 -> 20.99 us, 64 lanes at 640 keys 54.2 -> 66.8 us; b2's decode 645 -> 638 tok/s at
+# batch 1, 19,264 -> 18,867 at 64), so it is an option for long single-sequence contexts.
+# CHUNKED = False (the default): block b in split b % GROUPED_SPLITS, 16 partials per row
+# whatever its keys, one program per split.  The two forms give other bits (each is exact
+# and batch invariant on its own): set it before any decoding.
+CHUNKED = os.environ.get("HYSPEC_ATTN_CHUNKED", "0") not in ("", "0")
 PARTIALS_PER_LEVEL = 16
 MAX_LEVEL = 3  # chunks of at most 2^3 blocks = 256 keys (the kernel's level test goes up to 3)
 # How the partial kernel is compiled and launched; none of these changes a value (tested
