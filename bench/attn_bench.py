@@ -1,10 +1,11 @@
 """The bf16 fast path's attention (``attn_decode_grouped``: the split partial kernel + the
 combine) at b2's shapes, compiled and launched several ways (the keys of
-``hyspec.kernels.attention.grouped.LAUNCH``, and ``chunked``: grouped.CHUNKED, a row's
-partials as chunks of its keys by level, 0 the interleaved 16 splits): microseconds per call as CUDA-graph
+``hyspec.kernels.attention.grouped.LAUNCH``; ``chunked``: grouped.CHUNKED, a row's
+partials as chunks of its keys by level, 0 the interleaved 16 splits; ``combine_tile``:
+attention.kernel.COMBINE_TILE, the combine's partials as one tile or in a loop): microseconds per call as CUDA-graph
 replays (no launch gaps), the K/V bytes it reads and their bandwidth, whether the output is
-bitwise that of the first way with the same ``chunked`` (a launch option may not change
-a value; ``chunked`` does), and its largest difference from the fp32 torch reference.
+bitwise that of the first way with the same ``chunked`` and ``combine_tile`` (a launch
+option may not change a value; those two do), and its largest difference from the fp32 torch reference.
 GPU only.
 
 Cases: lanes x context x rows per lane (1: a decode step; 4: a K=3 verify), each lane
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from hyspec.bench.timing import time_fn
     from hyspec.kernels.attention import grouped
+    from hyspec.kernels.attention import kernel as akernel
     from hyspec.kernels.attention.reference import attn_decode_ref
     from hyspec.provenance import git_state
 
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     ways = parse_ways(args.ways)
     saved = dict(grouped.LAUNCH)
     saved_chunk = grouped.CHUNKED
+    saved_tile = akernel.COMBINE_TILE
     out = {"git": git_state(), "command": "python bench/attn_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": torch.cuda.get_device_name(), "shapes": {"Hq": Hq, "Hkv": Hkv, "D": D},
            "ways": {n: o for n, o in ways}, "cases": []}
@@ -95,6 +98,8 @@ def main(argv=None) -> int:
             grouped.LAUNCH.update(saved)
             opts = dict(opts)
             grouped.CHUNKED = bool(opts.pop("chunked", saved_chunk))
+            akernel.COMBINE_TILE = bool(opts.pop("combine_tile", saved_tile))
+            form = (grouped.CHUNKED, akernel.COMBINE_TILE)  # the numerics (a launch option keeps them)
             grouped.LAUNCH.update(opts)
             o = torch.empty(T, Hq * D, device=dev, dtype=torch.bfloat16)
 
@@ -119,11 +124,11 @@ def main(argv=None) -> int:
                 row["ways"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"B={lanes:>3} ctx {ctx:>6} rows {t}: {name:>18s} failed: {e}")
                 continue
-            first = next((n for n, (cb, _) in outs.items() if cb == grouped.CHUNKED), name)
-            outs[name] = (grouped.CHUNKED, o.clone())
+            first = next((n for n, (f, _) in outs.items() if f == form), name)
+            outs[name] = (form, o.clone())
             same = bool(torch.equal(o, outs[first][1]))
             err = float((o.float() - ref).abs().max())
-            row["ways"][name] = {"us": us, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12, "chunked": grouped.CHUNKED,
+            row["ways"][name] = {"us": us, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12, "chunked": grouped.CHUNKED, "combine_tile": akernel.COMBINE_TILE,
                                  "same_bits_as": first, "same_bits": same, "max_abs_err_vs_fp32_ref": err}
             print(f"B={lanes:>3} ctx {ctx:>6} rows {t}: {name:>18s} {us:8.2f} us  {kv_bytes / (us * 1e-6) / 1e12:5.2f} TB/s"
                   f"  same bits as {first}: {same}  max |err| vs fp32 ref {err:.2e}")
@@ -131,6 +136,7 @@ def main(argv=None) -> int:
     grouped.LAUNCH.clear()
     grouped.LAUNCH.update(saved)
     grouped.CHUNKED = saved_chunk
+    akernel.COMBINE_TILE = saved_tile
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

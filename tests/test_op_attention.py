@@ -29,9 +29,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("splits", [ATTN_SPLITS, INTERP_SPLITS])  # the GPU's NS and the interpreter's
+@pytest.mark.parametrize("tile", [True, False])  # the combine's two forms (kernel.COMBINE_TILE)
+@pytest.mark.parametrize("splits", [ATTN_SPLITS, INTERP_SPLITS, 3])  # the GPU's NS, the interpreter's, not a power of 2
 @pytest.mark.parametrize("T,Hq,Hkv,D,rot,pos", CASES)
-def test_attention_grid(T, Hq, Hkv, D, rot, pos, splits):
+def test_attention_grid(T, Hq, Hkv, D, rot, pos, splits, tile, monkeypatch):
+    from hyspec.kernels.attention import kernel
+
+    monkeypatch.setattr(kernel, "COMBINE_TILE", tile)
     L = pos + T + 3
     proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, seed=1)
     qw, kw = rnd(D, seed=2, scale=0.1), rnd(D, seed=3, scale=0.1)

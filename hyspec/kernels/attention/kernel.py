@@ -2,6 +2,8 @@
 combine (contract: ``hyspec/kernels/attention/__init__.py``)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hyspec.kernels.common import p2
@@ -16,6 +18,10 @@ ATTN_SPLITS = 8  # NS: key-block sets per (row, head); a constant, never chosen 
 # decode step's time.  Still a constant (never chosen from T), still more than one split.
 INTERP_SPLITS = 2
 ATTN_BLOCK_N = 32  # keys per block
+# The combine's form: the NS partials as one tile, the sums over them a reduction tree (every
+# load in flight at once), or (False) a loop over the splits in order.  The two round
+# differently; a constant for a process (HYSPEC_ATTN_COMBINE_TILE=0|1), never chosen per call.
+COMBINE_TILE = os.environ.get("HYSPEC_ATTN_COMBINE_TILE", "1") not in ("", "0")
 
 
 def attn_splits() -> int:
@@ -135,7 +141,8 @@ def _kernels():
 
     @triton.jit(do_not_specialize=["T"])
     def _attn_combine_kernel(ws_ptr, p_ptr, sp, o_ptr, so, T, HQ, D,
-                             BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False):
+                             BLOCK_D: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr = False,
+                             TILE: tl.constexpr = False, NSP: tl.constexpr = 16):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -148,16 +155,29 @@ def _kernels():
         # the gate first: its load's latency overlaps the partials' (same values)
         gate = tl.load(p_ptr + r * sp + h * 2 * D + D + offs_d, mask=md, other=0.0).to(tl.float32)
         sg = tl.sigmoid(gate).to(DT).to(tl.float32)
-        M = tl.load(ws_ptr + wrow + BLOCK_D)
-        for s in tl.static_range(1, NS):
-            M = tl.maximum(M, tl.load(ws_ptr + wrow + s * (BLOCK_D + 2) + BLOCK_D))
-        Lsum = tl.sum(tl.zeros((BLOCK_D,), tl.float32), axis=0)
-        acc = tl.zeros((BLOCK_D,), tl.float32)
-        for s in tl.static_range(NS):  # fixed order 0..NS-1
-            b = wrow + s * (BLOCK_D + 2)
-            w = tl.exp(tl.load(ws_ptr + b + BLOCK_D) - M)
-            Lsum += tl.load(ws_ptr + b + BLOCK_D + 1) * w
-            acc += tl.load(ws_ptr + b + offs_d) * w
+        if TILE:  # the NS partials as one [NSP, BLOCK_D] tile: every load in flight at once,
+            # the sums a fixed reduction tree over the splits (another order than the loop's)
+            offs_s = tl.arange(0, NSP)
+            ms_ = offs_s < NS
+            pb = wrow + offs_s * (BLOCK_D + 2)
+            m = tl.load(ws_ptr + pb + BLOCK_D, mask=ms_, other=float("-inf"))
+            lsp = tl.load(ws_ptr + pb + BLOCK_D + 1, mask=ms_, other=0.0)
+            tile = tl.load(ws_ptr + pb[:, None] + offs_d[None, :], mask=ms_[:, None] & md[None, :], other=0.0)
+            M = tl.max(m, axis=0)
+            w = tl.exp(m - M)
+            Lsum = tl.sum(lsp * w, axis=0)
+            acc = tl.sum(tile * w[:, None], axis=0)
+        else:
+            M = tl.load(ws_ptr + wrow + BLOCK_D)
+            for s in tl.static_range(1, NS):
+                M = tl.maximum(M, tl.load(ws_ptr + wrow + s * (BLOCK_D + 2) + BLOCK_D))
+            Lsum = tl.sum(tl.zeros((BLOCK_D,), tl.float32), axis=0)
+            acc = tl.zeros((BLOCK_D,), tl.float32)
+            for s in tl.static_range(NS):  # fixed order 0..NS-1
+                b = wrow + s * (BLOCK_D + 2)
+                w = tl.exp(tl.load(ws_ptr + b + BLOCK_D) - M)
+                Lsum += tl.load(ws_ptr + b + BLOCK_D + 1) * w
+                acc += tl.load(ws_ptr + b + offs_d) * w
         o = (acc / Lsum).to(DT).to(tl.float32)
         tl.store(o_ptr + r * so + h * D + offs_d, (o * sg).to(DT), mask=md)
 
@@ -199,6 +219,8 @@ def attn_decode(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=1, kv_la
 
 
 def launch_combine(ws, proj, out, T, Hq, D, BD, NS):
-    """The fixed-order combine of NS attention partials (layout of ``attn_decode``'s ws)."""
+    """The fixed-order combine of NS attention partials (layout of ``attn_decode``'s ws): the
+    splits one after the other, or with COMBINE_TILE as one tile and a reduction tree."""
     _kernels()["attn_combine"][(T, Hq)](ws, proj, proj.stride(0), out, out.stride(0), T, Hq, D,
-                                        BLOCK_D=BD, NS=NS, num_warps=4, **launch_kwargs())
+                                        BLOCK_D=BD, NS=NS, TILE=COMBINE_TILE, NSP=p2(NS), num_warps=4,
+                                        **launch_kwargs())
