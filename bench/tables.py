@@ -556,6 +556,12 @@ MADE_BY = {
     "gpu_tests_gnorm_fold_h200.txt": "`python3 -m pytest -q -rs tests/test_gpu_tile_heights.py tests/test_gpu_batch.py "
                                      "tests/test_kernels_argmax.py tests/test_kernels_prefetch.py tests/test_gnorm_fold.py` "
                                      "(H200; the folded gated norm's tests, a code since removed: docs/gpu.md)",
+    "attn_combine_b2_batch_loop_h200.json": "`HYSPEC_ATTN_COMBINE_TILE=0 hyspec bench --config b2 --variants '' --batch "
+                                             "1,4,16,64 --batch-inv-prompts 8 --hf-tokens 0` (H200; the env is in the "
+                                             "JSON's git entry)",
+    "attn_combine_b2_batch_tile_h200.json": "`HYSPEC_ATTN_COMBINE_TILE=1 hyspec bench --config b2 --variants '' --batch "
+                                             "1,4,16,64 --batch-inv-prompts 8 --hf-tokens 0` (H200; the env is in the "
+                                             "JSON's git entry)",
     "attn_chunks_h200.json": "`python bench/attn_bench.py --lanes 1,16,64 --ctx 640,4096 --rows 1,4 --long 32768` "
                              "(H200; the ways of that commit's DEFAULT_WAYS: fixed chunks of 2, 4, 8 blocks, a "
                              "form since replaced: `git show 6b88044`)",
