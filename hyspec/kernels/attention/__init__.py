@@ -13,12 +13,15 @@ Contract (T rows, Hq/Hkv heads, D head dim, ROT rotary dims, L cache rows, NS sp
         row r attends keys 0..pos+off+r (fp32 online softmax, scale D**-0.5); keys in
         blocks of 32, block b -> split b % NS (NS = ATTN_SPLITS = 8, a constant; 2 in the
         CPU interpreter, INTERP_SPLITS, see attn_splits; ``splits=`` overrides); the
-        splits are combined in the fixed order 0..NS-1 (``launch_combine``) and the
+        splits are combined in a fixed order (``launch_combine``: one [NS, D] tile and a
+        reduction tree, or with kernel.COMBINE_TILE off a loop over 0..NS-1) and the
         output is multiplied by sigmoid(gate) with the model's rounding
     attn_decode_grouped(...)    the same contract; one program per (kv head, group of
         GROUPED_ROWS = 4 rows of a lane, split) serves the kv head's REP query heads for
-        those rows with ``tl.dot`` tiles (NS = GROUPED_SPLITS = 16); the bf16 fast path's
-        attention (``grouped.py`` explains it, with its one condition: finite cache rows)
+        those rows with ``tl.dot`` tiles (NS = GROUPED_SPLITS = 16; with grouped.CHUNKED,
+        an option for long contexts, a row's partials are chunks of its keys sized by its
+        own key count); the bf16 fast path's attention (``grouped.py`` explains it, with
+        its one condition: finite cache rows)
 
 positions are read from device memory (CUDA-graph friendly); T and off are
 ``do_not_specialize``: a t-row call and t 1-row calls (off + r) run the same binary and

@@ -41,6 +41,12 @@ T and off are ``do_not_specialize``, so a t-row call and t 1-row calls (off + r)
 same binary and produce the same bits, and the combine is per (row, head) in a fixed
 order.  NS is a module constant, never chosen from T.
 
+The option ``CHUNKED`` (below; off by default) splits a row's keys by its own key count
+instead: partials are chunks of 1, 2, 4 or 8 blocks, as many as the row needs, in a
+workspace of ``grouped_partials(L)`` partials per (row, head), combined by the chunk
+combine kernel in chunk order; programs take chunks p, p + P, ... (P from the call's size,
+which changes no value).
+
 Programmatic dependent launch: with ``PDL`` the kernel releases its dependents first
 thing and waits for its predecessors before its first load (see ``hyspec.kernels.pdl``).
 """
