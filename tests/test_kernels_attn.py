@@ -155,12 +155,12 @@ def test_grouped_chunk_levels_a_group_straddling_a_level_and_any_program_count(p
         assert torch.equal(run(q[r : r + 1].contiguous(), kc, vc, pos, r, proj[r : r + 1])[0], outs[0][r]), r
 
 
-def test_grouped_interleaved_form_takes_one_program_per_split():
+def test_grouped_interleaved_form_takes_one_program_per_split(monkeypatch):
     """The default form (CHUNKED = False: 16 interleaved splits per row) over several blocks
     per split: the reference's values, row invariant, and a program count is refused."""
     from hyspec.kernels.attention import grouped
 
-    assert not grouped.CHUNKED
+    monkeypatch.setattr(grouped, "CHUNKED", False)  # the default, whatever HYSPEC_ATTN_CHUNKED says
     T, Hq, Hkv, D, L, pos = 3, 4, 2, 32, 200, 150
     q, kc, vc, proj = make(T, Hq, Hkv, D, L, seed=23)
     out = run(q, kc, vc, pos, 0, proj)

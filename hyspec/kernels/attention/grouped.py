@@ -83,6 +83,7 @@ BLOCK_N = 32  # keys per block
 CHUNKED = os.environ.get("HYSPEC_ATTN_CHUNKED", "0") not in ("", "0")
 PARTIALS_PER_LEVEL = 16
 MAX_LEVEL = 3  # chunks of at most 2^3 blocks = 256 keys (the kernel's level test goes up to 3)
+assert 0 <= MAX_LEVEL <= 3, "the kernels' level test goes up to 3"
 # How the partial kernel is compiled and launched; none of these changes a value (tested
 # bitwise in tests/test_kernels_lanes.py on the CPU; on the H200 by bench/attn_bench.py,
 # which times the ways: bench/results/attn_ways_h200.json).  vector_loads: D and the lanes'
@@ -333,7 +334,6 @@ def attn_decode_grouped(q, kc, vc, pos, off, proj, out, *, rows, ws=None, lanes=
     TG = GROUPED_ROWS
     G = max(16, p2(rep * TG))
     NP = grouped_partials(L)
-    assert 0 <= MAX_LEVEL <= 3, "the kernels' level test goes up to 3"
     TL = T // lanes
     ngrp = -(-TL // TG)
     need = T * Hq * NP * (BD + 2)
