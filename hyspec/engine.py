@@ -370,7 +370,7 @@ class Engine:
         extends a prefix-store state (its lane resumes from it)."""
         if not self.graphs_available():
             return None
-        from hyspec.gpu.batch_loop import graph_eligible
+        from hyspec.gpu.batch_loop import graph_eligible, lane_prompt_len
 
         if graph_eligible(requests) is not None:
             return None
@@ -378,12 +378,15 @@ class Engine:
             slots = 1  # one request: one lane (16 lanes of a long context can outgrow the memory)
         else:
             slots = min(max(16 if self.model.device.type == "cuda" else 2, max_batch), 64)
-        need = max(len(r.prompt_ids) + r.max_new_tokens + r.draft + 2 for r in requests)
+        need = max(lane_prompt_len(r) + r.max_new_tokens + r.draft + 2 for r in requests)
         k = max(3, max(r.draft for r in requests))
         decoder = self._batch_dec
         if decoder is None or decoder.slots < slots or decoder.max_len < need or decoder.k_max < k:
+            grow = 0
+            if decoder is not None and decoder.max_len < need:
+                grow = 2 * decoder.max_len  # a growing conversation: a new decoder (and graphs) per doubling
             self._batch_dec = decoder = None  # dropped before the new one is allocated
-            max_len = max(need, 1024 if self.model.device.type == "cuda" else need)
+            max_len = max(need, grow, 1024 if self.model.device.type == "cuda" else need)
             self._batch_dec = decoder = self.new_batch_decoder(slots, max_len, k)
         return decoder
 

@@ -168,22 +168,27 @@ class Session:
                       use_store=self.use_store, resume=self._seq if self._seq is not None else self._state,
                       constraint=matcher)
         sched = eng.session_scheduler()
-        sched.submit(req)  # invalid input raises here; the session is unchanged
-        while not req.done:
-            sched.step()
-        seq = req.sequence
-        if req.stop_reason == "error" and (seq is None or not getattr(seq, "started", False)):
-            # failed before the first round (admission or prefill): back to the state before the turn
-            if seq is not None:
-                sched.pool.release(seq.slot)
-                self._seq, self._state = None, self._boundary
-            raise req.exception
+        sched.validate(req)  # invalid input raises here; the session is unchanged
+        if self._graph_turn(req):
+            seq, end = None, req.end_state
+        else:
+            sched.submit(req)
+            while not req.done:
+                sched.step()
+            seq = req.sequence
+            if req.stop_reason == "error" and (seq is None or not getattr(seq, "started", False)):
+                # failed before the first round (admission or prefill): back to the state before the turn
+                if seq is not None:
+                    sched.pool.release(seq.slot)
+                    self._seq, self._state = None, self._boundary
+                raise req.exception
+            end = capture(seq)
         # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
         self._history.append(self._boundary)
         self._matchers.append(self._matcher)
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
-        self._seq, self._state = seq, None
-        self._boundary = capture(seq)
+        self._seq, self._state = seq, (end if seq is None else None)
+        self._boundary = end
         self._speculative = n_drafts > 0
         self.turns += 1
         if self.use_store:
@@ -200,6 +205,33 @@ class Session:
         out.stats["store"] = eng.store.stats() if eng._store is not None else None
         self.last_stats = out.stats
         return out
+
+    def _graph_turn(self, req: Request) -> bool:
+        """Run the turn on the engine's CUDA-graph lanes when they run here (a GPU) and can
+        take it (hyspec.gpu.batch_loop.graph_eligible): the lane loads the session's state,
+        prefills [pending] + the new tokens, decodes, and hands back its end state
+        (req.end_state). Returns False (nothing run) where the engine core must run it.
+        An exception leaves the session as it was before the turn."""
+        eng = self.engine
+        if not eng.graphs_available():
+            return False
+        from hyspec.gpu.batch_loop import graph_eligible, run_requests
+
+        core_resume, req.resume = req.resume, self._boundary  # (a live engine-core slot holds this very state)
+        decoder = None
+        if graph_eligible([req]) is None and (req.resume is not None or req.prompt_ids):
+            decoder = eng._graph_batch([req], 1)
+        if decoder is None:
+            req.resume = core_resume
+            return False
+        if self._seq is not None:  # the state lives on in the boundary; the core's slot is given back
+            self._release()
+            self._state = self._boundary
+        run_requests(decoder, [req], 1, store=eng._store if self.use_store else None)
+        if req.end_state is None:
+            raise RuntimeError("a one-token conversation ended its turn without a reply: it has no state to keep "
+                               "(send a longer message)")
+        return True
 
     # -- moving in the conversation ----------------------------------------------------
     def rewind(self, n: int = 1) -> None:

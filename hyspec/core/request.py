@@ -44,6 +44,9 @@ class Request:
         stats           counters and timings (the same keys as `hyspec generate --json`'s stats)
         token_logprobs  per emitted token: (logprob, [(id, logprob), ...top-N])
         error           the exception message when stop_reason == "error"
+        sequence        keep on the engine core: the kept Sequence (its slot stays taken)
+        end_state       keep on the CUDA-graph lanes: the end state as a SeqState (the lane
+                        is freed; None where no state can be built: a one-token transcript)
     """
 
     prompt_ids: list[int]
@@ -72,6 +75,7 @@ class Request:
     error: str | None = None
     cancel_requested: bool = False
     sequence: Any = None
+    end_state: Any = None
 
     def __post_init__(self) -> None:
         if self.request_id is None:

@@ -55,6 +55,7 @@ class LaneRequest:
     constraint: Any = None  # hyspec.constraints.Constraint (advanced in place by the emitted tokens)
     resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
     on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
+    keep: bool = False  # a session turn: on_state takes the end state at every end but a cancel
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
@@ -287,7 +288,7 @@ class BatchRunner:
             dec.set_params(lane, r.params)
             self._emit(r, [first])
             if r.reason is not None:
-                if r.on_state is not None and r.reason in KEPT_ENDS:  # its drafter rows belong to the state
+                if self._keeps(r):  # its drafter rows belong to the state
                     dec.start(lane, r.prompt, pre, post, first, r.k, carry)
                     self._keep_state(lane, r)
                 dec.free(lane)
@@ -305,6 +306,12 @@ class BatchRunner:
             dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
                                               self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
         self.active.append(r)
+
+    @staticmethod
+    def _keeps(r: LaneRequest) -> bool:
+        """Whether r's end state goes to r.on_state (store: eos / length; a session turn:
+        every end but a cancel)."""
+        return r.on_state is not None and (r.reason in KEPT_ENDS or (r.keep and r.reason != "cancelled"))
 
     def _keep_state(self, lane: int, r: LaneRequest) -> None:
         """Hand lane's end state to r.on_state (when it is exactly r's transcript's)."""
@@ -464,7 +471,7 @@ class BatchRunner:
             r = active[i]
             if r.reason is None:
                 continue
-            if r.on_state is not None and r.reason in KEPT_ENDS:
+            if self._keeps(r):
                 self._keep_state(i, r)
             last = len(active) - 1
             if i != last:
@@ -544,10 +551,14 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included, constrained or not, no logprobs / session slot (keep, resume), fixed k with
-    the post-norm hidden, one forced profile); else the reason it cannot (the engine core
-    serves it). The prefix store is no reason: a lane resumes from a stored state and
-    leaves its end state there (store_state)."""
+    included, constrained or not, no logprobs, fixed k with the post-norm hidden, one
+    forced profile; a session turn when it resumes from a SeqState, not from a live
+    engine-core slot, and has no more stop ids than the device's commit knows); else the
+    reason it cannot (the engine core serves it). The prefix store is no reason: a lane
+    resumes from a stored state and leaves its end state there (store_state)."""
+    from hyspec.core.state import SeqState
+    from hyspec.gpu.batch import STOP_SLOTS
+
     forced = {(tuple(r.spec.forced_rates), r.spec.forced_seed) if r.spec and r.spec.forced_rates else None
               for r in reqs if r.draft > 0}
     if len(forced) > 1:
@@ -557,8 +568,10 @@ def graph_eligible(reqs) -> str | None:
             return "logprobs"
         if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
             return "a constraint without packed masks (allowed_words)"
-        if r.keep or r.resume is not None:
-            return "session state"
+        if r.resume is not None and not isinstance(r.resume, SeqState):
+            return "session state in an engine-core slot"
+        if r.keep and len(set(r.stop_ids or ())) > STOP_SLOTS:
+            return f"a session turn with more than {STOP_SLOTS} stop ids (its end state would not be exact)"
         o = r.spec
         if r.draft > 0 and o is not None and (o.p_min > 0 or o.adaptive or o.hidden != "post" or not o.prime_pending):
             return "speculative options the graph round does not have (p_min, adaptive, hidden=pre, no priming)"
@@ -573,12 +586,27 @@ def lane_of(r, on_finish=None, store=None) -> LaneRequest:
     cb = None if r.on_tokens is None else (lambda toks: r.on_tokens(r, toks))
     if r.draft > 0 and r.telemetry is None:
         r.telemetry = SpecTelemetry()
-    resume = stored_state(store, r.prompt_ids, r.draft) if store is not None and r.use_store else None
-    return LaneRequest(prompt=list(r.prompt_ids), max_new_tokens=r.max_new_tokens, k=r.draft,
+    if r.resume is not None:  # a session turn: the state's transcript, then the new tokens
+        prompt, resume = list(r.resume.tokens) + list(r.prompt_ids), r.resume
+    else:
+        prompt = list(r.prompt_ids)
+        resume = stored_state(store, prompt, r.draft) if store is not None and r.use_store else None
+    on_state = store.put if store is not None and r.store_state else None
+    if r.keep:  # the end state goes to the request (r.end_state), and into the store when asked
+        def on_state(st, put=on_state):
+            r.end_state = st
+            if put is not None:
+                put(st)
+    return LaneRequest(prompt=prompt, max_new_tokens=r.max_new_tokens, k=r.draft,
                        stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
                        telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
-                       constraint=r.constraint, resume=resume,
-                       on_state=store.put if store is not None and r.store_state else None)
+                       constraint=r.constraint, resume=resume, on_state=on_state, keep=r.keep)
+
+
+def lane_prompt_len(r) -> int:
+    """Positions a hyspec.core Request's lane prefills or resumes (a session turn's state
+    included)."""
+    return len(r.prompt_ids) + (len(r.resume.tokens) if r.resume is not None else 0)
 
 
 def stored_state(store, prompt: list[int], k: int):
@@ -586,6 +614,21 @@ def stored_state(store, prompt: list[int], k: int):
     drafting lane takes only states with drafter rows of the graph round's post-norm
     hidden), or None. Counts a hit or a miss."""
     return store.lookup(prompt, drafter="post" if k > 0 else None)
+
+
+@torch.no_grad()
+def state_of(dec: BatchDecoder, tokens: list[int], k: int):
+    """The SeqState of a transcript whose last token is pending (None when it has fewer
+    than two tokens), built on lane 0 of an idle decoder: a prefill of all but the last
+    token, the last one started as pending (k > 0: with the drafter's rows), exported, the
+    lane freed. For a session turn whose lane could not hand over its end state."""
+    if len(tokens) < 2:
+        return None
+    pre, post, _ = dec.prefill(0, list(tokens[:-1]))
+    dec.start(0, list(tokens[:-1]), pre, post, int(tokens[-1]), k)
+    st = dec.export(0, list(tokens), k)
+    dec.free(0)
+    return st
 
 
 def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
@@ -623,6 +666,8 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
     for r, lr in zip(reqs, lanes):
         r.tokens[:] = lr.tokens
         r.stop_reason = lr.reason or "length"
+        if r.keep and r.end_state is None:  # not exported (no token emitted, or not exact): rebuilt
+            r.end_state = state_of(dec, lr.prompt + lr.tokens, lr.k)
         r.done = True
         r.stats = {**lane_stats(lr, dec), "batch_wall_s": wall, "batch_round_tok_s": runner.stats()["round_tok_s"],
                    "batch_runner": runner.stats()}
