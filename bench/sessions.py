@@ -53,8 +53,9 @@ def heldout_text(min_chars: int) -> str:
     return text
 
 
-def timed(fn) -> tuple[float, object]:
-    """Wall time from the call to the first streamed token, and the call's result."""
+def timed(fn, total: bool = False):
+    """Wall time from the call to the first streamed token, and the call's result
+    (total: also the call's whole wall time, second)."""
     first = []
     t0 = time.perf_counter()
 
@@ -63,6 +64,8 @@ def timed(fn) -> tuple[float, object]:
             first.append(time.perf_counter())
 
     out = fn(cb)
+    if total:
+        return first[0] - t0, time.perf_counter() - t0, out
     return first[0] - t0, out
 
 
@@ -96,6 +99,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lp-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sessions_cpu.json"))
+    ap.add_argument("--core-too", action="store_true",
+                    help="where the session turns run on the CUDA-graph lanes (a GPU), also run the same "
+                         "conversation through the engine core (Engine.session_graphs = False) and print whole "
+                         "turns side by side")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
             store = min(timed(lambda cb: eng.generate(prompt, max_new_tokens=1, draft=k, ignore_eos=True,
                                                       on_tokens=cb))[0] for _ in range(args.repeats))
             lp = logprob_diff(eng, prompt, k, args.lp_tokens)
-        ttft, out = timed(lambda cb: s.send(m, on_tokens=cb))
+        ttft, turn_s, out = timed(lambda cb: s.send(m, on_tokens=cb), total=True)
         sess = [ttft]
         for _ in range(args.repeats - 1):  # the same turn again from the same state (rewind)
             s.rewind()
@@ -139,12 +146,31 @@ def main(argv=None) -> int:
                "speedup_store": (cold / store) if store else None,
                "max_abs_logprob_diff_store_vs_cold": lp[0] if lp else None,
                "greedy_tokens_equal_store_vs_cold": lp[1] if lp else None,
-               "acceptance_length": out.stats["spec"]["acceptance_length"] if k else None}
+               "acceptance_length": out.stats["spec"]["acceptance_length"] if k else None,
+               "path": out.stats.get("path", "engine-core"), "turn_s": turn_s,
+               "turn_tokens": len(out.tokens), "decode_tok_s": out.stats.get("decode_tok_s"),
+               "tokens": out.tokens}
         rows.append(row)
         print(f"turn {n:2d}: context {row['context_tokens']:5d}  prefilled {row['prefilled_tokens']:3d}  "
               f"ttft session {row['ttft_session_s'] * 1e3:7.1f} ms  store one-shot "
               f"{(store or float('nan')) * 1e3:7.1f} ms  cold {cold * 1e3:7.1f} ms  "
               f"x{row['speedup_session']:.1f}  lp diff {row['max_abs_logprob_diff_store_vs_cold']}", flush=True)
+    core = None
+    if args.core_too:  # the same conversation, whole turns, through the engine core
+        eng.session_graphs = False
+        c = eng.session(draft=k, max_new_tokens=args.max_new_tokens, ignore_eos=True, use_store=False)
+        for r, m in zip(rows, msgs):
+            _, turn_s, out = timed(lambda cb: c.send(m, on_tokens=cb), total=True)
+            r.update({"turn_s_core": turn_s, "decode_tok_s_core": out.stats.get("decode_tok_s"),
+                      "tokens_equal_core": out.tokens == r["tokens"], "turn_speedup_vs_core": turn_s / r["turn_s"]})
+            print(f"turn {r['turn']:2d}: whole turn ({r['turn_tokens']} tokens) session {r['turn_s'] * 1e3:8.1f} ms "
+                  f"[{r['path']}]  engine core {turn_s * 1e3:8.1f} ms  x{r['turn_speedup_vs_core']:.1f}  "
+                  f"same tokens: {r['tokens_equal_core']}", flush=True)
+        eng.session_graphs = True
+        core = {"turn_speedup_vs_core_median": statistics.median(r["turn_speedup_vs_core"] for r in rows),
+                "decode_tok_s_session_median": statistics.median(r["decode_tok_s"] or 0.0 for r in rows),
+                "decode_tok_s_core_median": statistics.median(r["decode_tok_s_core"] or 0.0 for r in rows),
+                "tokens_equal_core": sum(r["tokens_equal_core"] for r in rows)}
     later = [r["ttft_session_s"] for r in rows[1:]]
     summary = {
         "turn10_speedup_session": rows[-1]["speedup_session"], "turn10_speedup_store": rows[-1]["speedup_store"],
@@ -152,7 +178,11 @@ def main(argv=None) -> int:
         "ttft_session_turns2plus_max_over_min": (max(later) / min(later)) if later else None,
         "max_abs_logprob_diff_store_vs_cold": max((r["max_abs_logprob_diff_store_vs_cold"] or 0.0) for r in rows),
         "store": eng.store.stats(),
+        "session_path": rows[-1]["path"],
+        "turn_s_median": statistics.median(r["turn_s"] for r in rows),
     }
+    if core is not None:
+        summary["vs_engine_core"] = core
     res = {**git_info(), "bench": "sessions", "model": args.config or args.model or "default", "device": args.device,
            "dtype": args.dtype, "threads": args.threads, "draft": k, "user_tokens": args.user_tokens,
            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,

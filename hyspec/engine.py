@@ -136,6 +136,7 @@ class Engine:
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
         self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
         self._batch_dec = None
+        self.session_graphs = True  # session turns on the graph lanes where they run (False: the engine core)
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
         self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)

@@ -213,7 +213,7 @@ class Session:
         (req.end_state). Returns False (nothing run) where the engine core must run it.
         An exception leaves the session as it was before the turn."""
         eng = self.engine
-        if not eng.graphs_available():
+        if not (eng.session_graphs and eng.graphs_available()):
             return False
         from hyspec.gpu.batch_loop import graph_eligible, run_requests
 

@@ -26,7 +26,9 @@ def engine(zoo, arch: str, variant: str = "coop", dtype: str = "float64") -> Eng
     key = (arch, variant)
     if key not in _on_device:
         _on_device[key] = copy.deepcopy(zoo.model("tiny", arch, "float32", variant)).to(DEVICE)
-    return Engine(_on_device[key])
+    eng = Engine(_on_device[key])
+    eng.session_graphs = False  # these tests are the engine core's (the lanes': tests/test_sessions_graphs.py)
+    return eng
 
 
 def messages(vocab: int, n: int = 4, seed: int = 0) -> list[list[int]]:
