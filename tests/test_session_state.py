@@ -70,6 +70,7 @@ def test_save_load_is_bitwise(zoo, arch, tmp_path):
         s.send(m)
     s.save(tmp_path / "s.pt", extra={"note": "x"})
     other = Engine(eng.model)  # a new engine: empty store, no slots
+    other.session_graphs = eng.session_graphs  # (the same path: the core's, session_helpers.engine)
     t = Session.load(other, tmp_path / "s.pt")
     assert t.extra == {"note": "x"}
     assert_same(t.state(), s.live_state(), "loaded")
