@@ -48,6 +48,8 @@ new, goes on from it directly (resume()).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hyspec.config import no_mtp_error
@@ -102,6 +104,15 @@ class BatchDecoder:
         if self.graphs and not cuda:
             raise ValueError("BatchDecoder: CUDA graphs need a CUDA model")
         self.use_fla = cuda if use_fla is None else use_fla
+        # prompts (or resumed feeds) of at most this many tokens prefill through the runner's
+        # kernels (one eager forward of T rows, BatchDecoder.prefill) instead of the model's
+        # modules: on a GPU the modules' ~2,700 launches take ~60 ms of host time at b2 for
+        # ~7 ms of kernels (bench/results/prefill_profile_h200.json); 0 = always the modules.
+        # Half-precision models on a GPU only: fp32 / fp64 models (parity checks, tests) keep
+        # the chunked prefill, the reference's own algorithm (T recurrent steps leave a state
+        # ~1e-4 further from it in fp32 log-probs: tests/test_batch_decoder.py)
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        self.fast_prefill_max = int(os.environ.get("HYSPEC_FAST_PREFILL", "64")) if cuda and half else 0
         self.backend = "triton"
 
         dev, dt = self.dev, self.dtype
@@ -206,10 +217,35 @@ class BatchDecoder:
         elif int(self.pos[lane]) != start:
             raise ValueError(f"lane {lane} holds {int(self.pos[lane])} positions, not the {start} a resumed prefill "
                              "continues from (load the state first)")
+        if 0 < len(prompt) <= self.fast_prefill_max:
+            return self._prefill_rows(lane, prompt, start)
         kv = {i: self._kvbuf(self.kv_k[a][lane], self.kv_v[a][lane]) for i, a in self.attn_index.items()}
         pre, post, logits = prefill_into(self, prompt, kv, lambda g: self.conv[g, lane], lambda g: self.ssm[g, lane],
                                          start=start)
         self.pos[lane] = P
+        return pre, post, logits
+
+    def _prefill_rows(self, lane: int, prompt: list[int], start: int):
+        """prefill() through the runner: the T tokens as T rows of one lane in one eager
+        target forward (the decode step's kernels: each Gated-DeltaNet layer runs the rows
+        one after another into the state, the attention writes and reads the lane's KV rows
+        causally), then the last row's logits. A few hundred launches instead of the
+        model modules' thousands; the state is that of T decode steps' kernels (not the
+        chunked prefill's bits: the prefix store's and a session's resumed states, and a
+        short prompt's, come from here)."""
+        from hyspec.model.ops import upcast
+
+        T = len(prompt)
+        self.pos[lane] = start
+        r = self.runner
+        r.lane_base = lane
+        try:
+            pre, post = r.target(torch.tensor(prompt, device=self.dev), T, self.pos[lane: lane + 1], False, 1)
+            logits = upcast(r.logits(post[-1:]))
+            pre, post = pre[:T].clone(), post[:T].clone()  # (the runner's buffers: the next forward reuses them)
+        finally:
+            r.lane_base = 0
+        self.pos[lane] = start + T
         return pre, post, logits
 
     @torch.no_grad()

@@ -139,6 +139,7 @@ class TritonRunner:
         # a BatchDecoder's state has a lane axis (slabs [S, ...]); the kernels get lane 0's
         # view and the lane stride, and every call says how many lanes it covers
         self.exact = exact
+        self.lane_base = 0  # the lane _lane0 views (a one-lane forward of lane L: BatchDecoder.prefill)
         # commits replay the accepted rows (commit_linear): no state is saved per verify row
         if os.environ.get("HYSPEC_REPLAY_COMMIT", "1") == "0":
             raise ValueError("HYSPEC_REPLAY_COMMIT=0 (a state saved after every verify row) is gone with the "
@@ -398,8 +399,9 @@ class TritonRunner:
 
     # -- target ---------------------------------------------------------------------
     def _lane0(self, slab):
-        """(lane 0's view, lane stride) of a per-lane slab."""
-        return slab[0], slab.stride(0)
+        """(lane 0's view, lane stride) of a per-lane slab (lane lane_base's: a one-lane
+        prefill of another lane, BatchDecoder.prefill)."""
+        return slab[self.lane_base], slab.stride(0)
 
     def target(self, ids, t, pos, record, lanes=1):
         """ids [t] (t = all rows: lanes x rows per lane, lane-major) at each lane's pos.."""
