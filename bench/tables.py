@@ -586,8 +586,10 @@ MADE_BY = {
                              "--graph-time 30 --prompt-len 512` (H200; the command is in its header)",
     "serve_load_cpu.json": "`python3 bench/serve_load.py`",
     "sessions_cpu.json": "`python bench/sessions.py`",
-    "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 8 "
-                          "--repeats 2 --lp-tokens 2`",
+    "sessions_h200.json": "`python bench/sessions.py --config b2 --device cuda --dtype bfloat16 --max-new-tokens 32 "
+                          "--repeats 2 --lp-tokens 2 --core-too`",
+    "prefill_profile_h200.json": "`python bench/prefill_profile.py --config b2` (H200; before the short prefill "
+                                 "through the runner: the model modules' prefill)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
                                           "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
     "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "

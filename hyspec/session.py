@@ -17,6 +17,12 @@ path: the state is written into a slot, then resumed. At every turn boundary the
 is captured (hyspec.core.state.capture) — it is the next turn's rewind point and goes
 into the engine's prefix store, where any request extending the transcript finds it.
 
+On a GPU a turn runs on the engine's CUDA-graph lanes instead (Session._graph_turn): the
+boundary state is loaded into a lane, the lane prefills [pending] + the new tokens and
+decodes, and its end state (Request.end_state) becomes the next boundary; the session then
+holds no slot between turns. The engine core still runs a turn the graph round cannot take
+(hyspec.gpu.batch_loop.graph_eligible) or when Engine.session_graphs is False.
+
 The transcript (`tokens`) is every token so far: the first turn's prompt, each turn's
 generated tokens, each later turn's new tokens. The last generated token is *pending*
 (emitted, not yet run through the model); the next turn runs it first. Sampling draws
