@@ -590,6 +590,8 @@ MADE_BY = {
                           "--repeats 2 --lp-tokens 2 --core-too`",
     "prefill_profile_h200.json": "`python bench/prefill_profile.py --config b2` (H200; before the short prefill "
                                  "through the runner: the model modules' prefill)",
+    "prefill_profile_rows_h200.json": "`python bench/prefill_profile.py --config b2` (H200; the short prefill "
+                                      "through the runner's rows)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
                                           "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
     "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
