@@ -284,12 +284,13 @@ class BatchDecoder:
         self.h_last[lane] = seed[-1]
         self._go(lane, pending, k, list(prompt) + [pending])
 
-    def prefill_start(self, lane: int, prompt: list[int], k: int) -> torch.Tensor:
-        """Prefill lane with prompt and start it greedily (pending = the argmax of the last
-        row, k drafts per round): the set-up of the bench's and tuning's graph timings.
+    def prefill_start(self, lane: int, prompt: list[int], k: int, pending: int | None = None) -> torch.Tensor:
+        """Prefill lane with prompt and start it with `pending` as its next token (None:
+        greedily, the argmax of the last row), k drafts per round: the set-up of the bench's
+        and tuning's graph timings, and of a transcript's state (batch_loop.state_of).
         -> the last row's logits [1, V]."""
         pre, post, logits = self.prefill(lane, prompt)
-        self.start(lane, prompt, pre, post, int(torch.argmax(logits[0])), k)
+        self.start(lane, prompt, pre, post, int(torch.argmax(logits[0])) if pending is None else int(pending), k)
         return logits
 
     def _go(self, lane: int, pending: int, k: int, history: list[int]) -> None:

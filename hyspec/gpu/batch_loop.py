@@ -624,8 +624,7 @@ def state_of(dec: BatchDecoder, tokens: list[int], k: int):
     lane freed. For a session turn whose lane could not hand over its end state."""
     if len(tokens) < 2:
         return None
-    pre, post, _ = dec.prefill(0, list(tokens[:-1]))
-    dec.start(0, list(tokens[:-1]), pre, post, int(tokens[-1]), k)
+    dec.prefill_start(0, list(tokens[:-1]), k, pending=tokens[-1])
     st = dec.export(0, list(tokens), k)
     dec.free(0)
     return st
