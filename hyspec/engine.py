@@ -365,9 +365,10 @@ class Engine:
 
     def _graph_batch(self, requests: list[Request], max_batch: int):
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
-        (or when batch_graphs is set: the Triton interpreter in tests), for requests without
-        logprobs or a session slot (hyspec.gpu.batch_loop.graph_eligible): one request or
-        many, greedy or sampled, penalised or constrained, and any request whose prompt
+        (or when batch_graphs is set: the Triton interpreter in tests), for requests the
+        lanes take (hyspec.gpu.batch_loop.graph_eligible: not an engine-core session slot,
+        not logprobs under a constraint): one request or many, greedy or sampled, with
+        logprobs or not, penalised or constrained, and any request whose prompt
         extends a prefix-store state (its lane resumes from it)."""
         if not self.graphs_available():
             return None

@@ -1,7 +1,8 @@
 """`hyspec serve` on the batched GPU graphs (hyspec.gpu.batch_loop.BatchRunner), run here
 through the Triton interpreter (engine.batch_graphs = True) on a tiny checkpoint with a
-tokenizer: concurrent requests on the graph path (one with a penalty) and on the engine core
-(logprobs keep a request there) equal the offline Engine's outputs, the metrics and the request log are
+tokenizer: concurrent requests on the graph path (one with a penalty, one with logprobs read
+from its verify rows) and on the engine core (logprobs under a constraint keep a request
+there) equal the offline Engine's outputs and its teacher-forced log-probabilities, the metrics and the request log are
 filled for graph-path requests, a full server answers 429, and clients that disconnect are
 cancelled and free their lanes; a two-turn chat on the graph path resumes its second turn
 from the first turn's lane state in the prefix store."""
@@ -67,23 +68,27 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         assert len(eng.store) == n_store and worker._runner is None
         assert not bool(worker._graph_dec.live.any())
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        # at once: greedy speculative and seeded plain with a penalty (streamed) on the graph
-        # path, and a request with logprobs on the engine core
-        cases = [dict(prompt="def add(a, b):", temperature=0.0, seed=0, draft=1, stream=False),
+        # at once: greedy speculative with logprobs and seeded plain with a penalty (streamed)
+        # on the graph path, and a constrained request with logprobs on the engine core
+        regex = "[a-z_ ]{1,12}"
+        cases = [dict(prompt="def add(a, b):", temperature=0.0, seed=0, draft=1, stream=False, logprobs=2),
                  dict(prompt="class Stack:", temperature=0.9, seed=7, draft=0, stream=True, presence_penalty=0.5),
-                 dict(prompt="import os", temperature=0.9, seed=3, draft=0, stream=False, logprobs=1)]
+                 dict(prompt="import os", temperature=0.9, seed=3, draft=0, stream=False, logprobs=1, regex=regex)]
 
         ids = {}  # prompt -> response id
+        lps = {}  # prompt -> the response's logprobs
 
         def go(c):
             kw = dict(model=MODEL, prompt=c["prompt"], max_tokens=3, temperature=c["temperature"], seed=c["seed"],
                       presence_penalty=c.get("presence_penalty", 0.0), logprobs=c.get("logprobs"),
-                      extra_body={"draft": c["draft"], "ignore_eos": True, "return_token_ids": True})
+                      extra_body={"draft": c["draft"], "ignore_eos": True, "return_token_ids": True,
+                                  **({"guided_regex": c["regex"]} if "regex" in c else {})})
             if c["stream"]:
                 return "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True)
                                if ch.choices)
             r = client.completions.create(**kw)
             ids[c["prompt"]] = r.id
+            lps[c["prompt"]] = r.choices[0].logprobs
             return r.choices[0].token_ids
 
         before = metric(s, "hyspec_spec_drafts_total")
@@ -92,8 +97,17 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         for c, g in zip(cases, got):
             params = SamplingParams(temperature=c["temperature"], seed=c["seed"],
                                     presence_penalty=c.get("presence_penalty", 0.0))
-            want = ref.generate(c["prompt"], max_new_tokens=3, params=params, draft=c["draft"], ignore_eos=True).tokens
+            cons = ref.constraint("regex", c["regex"]) if "regex" in c else None
+            want = ref.generate(c["prompt"], max_new_tokens=3, params=params, draft=c["draft"], ignore_eos=True,
+                                constraint=cons).tokens
             assert g == (ref.tokenizer.decode(want, skip_special_tokens=True) if c["stream"] else want), c
+            if c.get("logprobs"):  # each token's log-probability and top list: the reference's scoring
+                prompt = ref.encode(c["prompt"])
+                sc = ref.score(prompt + want, top_logprobs=c["logprobs"])
+                got_lp = lps[c["prompt"]]
+                assert got_lp.token_logprobs == pytest.approx(sc["logprobs"][len(prompt) - 1:], abs=1e-4), c
+                assert len(got_lp.top_logprobs) == 3  # (a top dict may merge ids that print alike)
+                assert all(1 <= len(t) <= c["logprobs"] for t in got_lp.top_logprobs)
         assert worker._runner.round > 0 and worker._sched.rounds > 0  # both paths ran
         # the engine thread's time split moves with both paths (GET /metrics)
         for part in ("warm_up", "core", "graphs", "graph_prefill", "graph_rounds", "graph_store"):
@@ -103,8 +117,9 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         line = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith(ids[cases[0]["prompt"]])]
         assert len(line) == 1 and re.search(r" out=3 accept_len=[0-9.]+ latency=[0-9.]+s finish=length$", line[0])
 
-        # three streams fill the server (max_batch 3, no queue): a fourth request gets 429 at
-        # once; the clients disconnect and their sequences are cancelled, lanes freed
+        # three streams fill the server (max_batch 3, no queue; all three on the lanes, one
+        # with logprobs): a fourth request gets 429 at once; the clients disconnect and their
+        # sequences are cancelled, lanes freed
         body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True, "draft": 0}
         streams = [httpx.stream("POST", s.url + "/v1/completions", timeout=60, json={**body, "prompt": p, **extra})
                    for p, extra in (("x = ", {}), ("y = ", {}), ("z = ", {"logprobs": 1}))]
@@ -113,9 +128,9 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
             first = next(line for line in it if line.startswith("data:"))
             assert json.loads(first[5:])["choices"][0]["text"] is not None
         t_end = time.monotonic() + 30  # (the first token goes out just before its lane is taken)
-        while len(worker._runner.active) < 2 and time.monotonic() < t_end:
+        while len(worker._runner.active) < 3 and time.monotonic() < t_end:
             time.sleep(0.01)
-        assert len(worker._runner.active) == 2
+        assert len(worker._runner.active) == 3
         t = time.perf_counter()
         r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "w", "max_tokens": 2})
         assert r.status_code == 429 and time.perf_counter() - t < 2.0

@@ -56,6 +56,8 @@ class LaneRequest:
     resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
     on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
     keep: bool = False  # a session turn: on_state takes the end state at every end but a cancel
+    logprobs: int | None = None  # N: each emitted token's log-probability (raw target logits) and top-N
+    token_logprobs: list = field(default_factory=list)  # per emitted token: (logprob, [(id, logprob), ...])
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
@@ -65,10 +67,14 @@ class LaneRequest:
     t_done: float | None = None  # ... when it left
     cached: int = 0  # prompt tokens not prefilled (resumed from `resume`)
 
-    def emit(self, toks: list[int]) -> None:
+    def emit(self, toks: list[int], logprobs: list | None = None) -> None:
+        """Append a round's tokens up to a stop id or the token limit (logprobs: one entry
+        per token of toks, kept alongside)."""
         n0 = len(self.tokens)
-        for t in toks:
+        for i, t in enumerate(toks):
             self.tokens.append(t)
+            if logprobs is not None:
+                self.token_logprobs.append(logprobs[i])
             if t in self.stop_ids:
                 self.reason = "eos"
                 break
@@ -146,6 +152,9 @@ class BatchRunner:
                              f"the decoder's max_len {dec.max_len}")
         if self.forced and r.k > 0 and r.reference is None:
             raise ValueError("the forced-acceptance drafter needs each speculative request's reference")
+        if r.logprobs is not None and r.constraint is not None:
+            raise ValueError("logprobs of a constrained request: the masked rounds mask the verify logits in "
+                             "place (the engine core serves it)")
         if r.constraint is not None and (not hasattr(r.constraint, "allowed_words")
                                          or getattr(r.constraint, "vocab_size", None) != dec.cfg.vocab_size):
             raise ValueError(f"a request's constraint has no packed masks (allowed_words) over this model's "
@@ -203,11 +212,11 @@ class BatchRunner:
         if self._inflight is None:
             self._inflight = self._launch()
         nxt = self._launch() if self._may_queue_next(self._inflight[2]) else None
-        self._take(self._read(self._inflight))
+        self._take(self._read(self._inflight), self._inflight[2])
         self._inflight = None
         if nxt is not None:
             if any(r.reason is not None for r in self.active):
-                self._take(self._read(nxt))  # drain: the lanes still going keep the queued round's tokens
+                self._take(self._read(nxt), nxt[2])  # drain: the lanes still going keep the queued round's tokens
             else:
                 self._inflight = nxt
         if self._inflight is None:
@@ -240,7 +249,7 @@ class BatchRunner:
         return bool(self.waiting) and len(self.active) < self.cap and self.waiting[0].arrival <= self.round
 
     def _admit(self) -> None:
-        from hyspec.core.round import choose_token, masked
+        from hyspec.core.round import _logprob, choose_token, masked
         from hyspec.core.state import carry_of
 
         dec = self.dec
@@ -286,7 +295,7 @@ class BatchRunner:
                 first = choose_token(row, r.prompt, r.params, len(r.prompt))
             r.t_first = time.perf_counter()
             dec.set_params(lane, r.params)
-            self._emit(r, [first])
+            self._emit(r, [first], None if r.logprobs is None else [_logprob(logits[0], first, r.logprobs)])
             if r.reason is not None:
                 if self._keeps(r):  # its drafter rows belong to the state
                     dec.start(lane, r.prompt, pre, post, first, r.k, carry)
@@ -415,9 +424,9 @@ class BatchRunner:
             rows(i + 1)  # overlaps the next drafter step / the verify forward
         dec.masked_commit(nb, k + 1, regime, plain)
 
-    def _emit(self, r: LaneRequest, toks: list[int]) -> None:
+    def _emit(self, r: LaneRequest, toks: list[int], logprobs: list | None = None) -> None:
         t0 = time.perf_counter()
-        r.emit(toks)  # (commits them to r's constraint)
+        r.emit(toks, logprobs)  # (commits them to r's constraint)
         if r.constraint is not None:
             self.constraint_s += time.perf_counter() - t0
 
@@ -430,10 +439,11 @@ class BatchRunner:
             return self._host[buf][:n, : 2 + k].tolist()
         return copy.tolist()
 
-    def _take(self, rows) -> None:
+    def _take(self, rows, k: int) -> None:
         """Emit a read round's tokens to the lanes still going (a finished or cancelled
-        lane's row is dropped)."""
-        for r, row in zip(self.active, rows):  # row: (accepted n, bonus, d1..dk) of that lane
+        lane's row is dropped); k: the round's drafts (its verify ran k + 1 rows a lane)."""
+        lps = self._round_logprobs(rows, k + 1)
+        for i, (r, row) in enumerate(zip(self.active, rows)):  # row: (accepted n, bonus, d1..dk) of that lane
             if r.reason is not None:
                 continue
             n, bonus = row[0], row[1]
@@ -442,18 +452,48 @@ class BatchRunner:
                 r.telemetry.record_round(r.k_now, n)
             before = len(r.tokens)
             if bonus < 0:  # a masked round: the constraint allows nothing after the accepted drafts
-                self._emit(r, row[2: 2 + n])
+                self._emit(r, row[2: 2 + n], lps.get(i))
                 r.reason = r.reason or "constraint"
             else:
-                self._emit(r, row[2: 2 + n] + [bonus])
+                self._emit(r, row[2: 2 + n] + [bonus], lps.get(i))
             self.tokens += len(r.tokens) - before
+
+    def _round_logprobs(self, rows, t: int) -> dict:
+        """{lane: [(logprob, [(id, logprob), ...top-N]) per emitted token]} for the lanes
+        that ask for logprobs: lane i's verify rows i*t .. i*t + n (a plain step: row i) are
+        still in the runner's logits buffer (such a round is never pipelined, and no lane
+        that asks is constrained: its rows are not masked in place); each row's log-softmax
+        in float64 as the engine core takes it (hyspec.core.round._logprob), in one pass
+        for every asking lane and one copy to the host."""
+        want = [(i, r) for i, r in enumerate(self.active) if r.logprobs is not None and r.reason is None]
+        if not want:
+            return {}
+        idx, toks, spans = [], [], {}
+        for i, r in want:
+            n, bonus = rows[i][0], rows[i][1]
+            emitted = rows[i][2: 2 + n] + ([bonus] if bonus >= 0 else [])
+            spans[i] = (len(idx), len(emitted))
+            idx += range(i * t, i * t + len(emitted))
+            toks += emitted
+        dev = self.dec.runner.bufs.logits.device
+        lp = torch.log_softmax(self.dec.runner.bufs.logits[torch.tensor(idx, device=dev)].double(), -1)
+        chosen = lp.gather(1, torch.tensor(toks, device=dev)[:, None])[:, 0].tolist()
+        top = min(max(r.logprobs for _, r in want), lp.shape[1])
+        vals, ids = torch.topk(lp, top)
+        vals, ids = vals.tolist(), ids.tolist()
+        out = {}
+        for i, r in want:
+            a, m = spans[i]
+            out[i] = [(chosen[a + j], list(zip(ids[a + j][: r.logprobs], vals[a + j][: r.logprobs]))) for j in range(m)]
+        return out
 
     def _may_queue_next(self, k) -> bool:
         """Queue the next round before reading this one: only when no lane can reach its
         token limit in this round, nothing waits to join and nothing is cancelled (a stop
         id may still end a lane: its extra round is then dropped)."""
-        if not self.pipeline or any(r.reason is not None or r.constraint is not None for r in self.active):
-            return False  # (a masked round needs this round's tokens for its first mask)
+        if not self.pipeline or any(r.reason is not None or r.constraint is not None or r.logprobs is not None
+                                    for r in self.active):
+            return False  # (a masked round needs this round's tokens for its first mask; logprobs, its logits)
         if any(r.on_state is not None and r.stop_ids for r in self.active):
             return False  # a stop token ending this round would leave the lane a round past its end state
         with self._lock:
@@ -551,7 +591,7 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included, constrained or not, no logprobs, fixed k with the post-norm hidden, one
+    included, constrained or not (logprobs: unconstrained), fixed k with the post-norm hidden, one
     forced profile; a session turn when it resumes from a SeqState, not from a live
     engine-core slot, and has no more stop ids than the device's commit knows); else the
     reason it cannot (the engine core serves it). The prefix store is no reason: a lane
@@ -564,8 +604,8 @@ def graph_eligible(reqs) -> str | None:
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
-        if r.logprobs is not None:
-            return "logprobs"
+        if r.logprobs is not None and r.constraint is not None:
+            return "logprobs of a constrained request"
         if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
             return "a constraint without packed masks (allowed_words)"
         if r.resume is not None and not isinstance(r.resume, SeqState):
@@ -600,7 +640,8 @@ def lane_of(r, on_finish=None, store=None) -> LaneRequest:
     return LaneRequest(prompt=prompt, max_new_tokens=r.max_new_tokens, k=r.draft,
                        stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
                        telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
-                       constraint=r.constraint, resume=resume, on_state=on_state, keep=r.keep)
+                       constraint=r.constraint, resume=resume, on_state=on_state, keep=r.keep,
+                       logprobs=r.logprobs, token_logprobs=r.token_logprobs)
 
 
 def lane_prompt_len(r) -> int:

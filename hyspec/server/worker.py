@@ -8,8 +8,8 @@ loop.call_soon_threadsafe, so Job callbacks always run on the loop thread.
 
 Two paths share the engine thread. Where the engine's batched GPU graphs run (a CUDA
 model, or engine.batch_graphs in tests), a job they can serve (hyspec.gpu.batch_loop.
-graph_eligible: no logprobs, penalties on the device, a constraint masked there; it fits
-the decoder) becomes a lane of a BatchRunner; every other job goes to the engine core's
+graph_eligible: logprobs read from the verify logits, penalties on the device, a
+constraint masked there (not both a constraint and logprobs); it fits the decoder) becomes a lane of a BatchRunner; every other job goes to the engine core's
 Scheduler. Both paths share the prefix store: a lane resumes from the longest stored state
 its prompt extends and leaves its end state there, as a core sequence does. The thread
 alternates one graph round and one core step while both have work, so both kinds
@@ -404,7 +404,8 @@ class EngineWorker:
         return LaneRequest(prompt=list(job.prompt_ids), max_new_tokens=job.max_new_tokens, k=job.draft,
                            stop_ids=frozenset(job.stop_ids), params=job.params, constraint=job.constraint,
                            resume=resume, on_state=store.put if store is not None else None,
-                           on_tokens=lambda ids: self._to_loop(job.on_tokens, list(ids), None),
+                           logprobs=job.logprobs, token_logprobs=req.token_logprobs,
+                           on_tokens=lambda ids, cb=self._cb_tokens(job): cb(req, ids),
                            on_finish=lambda lane: self._finish(job, lane.reason, lane_stats(lane, dec)))
 
     def _step_graphs(self) -> None:

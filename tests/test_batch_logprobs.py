@@ -1,0 +1,122 @@
+"""Logprobs on the batched graph lanes (hyspec.gpu.batch_loop.BatchRunner._round_logprobs):
+a request with logprobs runs on the lanes (it used to fall back to the engine core) and each
+emitted token's log-probability and top-N list are read from the round's own verify rows
+(lane i's rows i*t .. i*t + n; a plain step's row i; the first token's from the prefill).
+
+Checked against the reference model at the level where a wrong row shows: the log-softmax
+of the reference's teacher-forced forward over prompt + the lane's tokens, position by
+position (fp32: 1e-4 abs), the top-N ids being the reference's top-N; asking for logprobs
+changes no token (the same run without them, bitwise); two lanes in one batch (each reads
+its own rows); a stop id among accepted drafts cuts the list with the tokens. On the CPU
+(the Triton interpreter) also the engine core's tokens and logprobs. A request with both
+logprobs and a constraint stays on the engine core (its masked rounds mask the verify rows
+in place). HYSPEC_TEST_DEVICE=cuda runs the same on the GPU (fp32 models on the device)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from hyspec.sampling import SamplingParams
+from session_helpers import DEVICE, engine
+
+pytest.importorskip("triton")
+
+ON_CPU = DEVICE == "cpu"
+N = 6
+TOP = 3
+TOL = 1e-4
+PROMPT = [5, 17, 99, 3, 41]
+SAMPLED = SamplingParams(temperature=0.9, seed=11, presence_penalty=0.7)
+
+
+@pytest.fixture(autouse=True)
+def _lanes_run_here():
+    if ON_CPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the lanes run compiled on the GPU: HYSPEC_TEST_DEVICE=cuda (bench/gpu_tests.sh)")
+
+
+def graph_engine(zoo, arch):
+    eng = engine(zoo, arch, dtype="float32")
+    eng.batch_graphs = True
+    return eng
+
+
+def reference_rows(model, prompt, tokens) -> torch.Tensor:
+    """log p(. | prefix) for each generated token's position: [len(tokens), V], fp64."""
+    ids = torch.tensor(list(prompt) + list(tokens), device=model.device)
+    with torch.no_grad():
+        lg = model(ids).double()
+    return torch.log_softmax(lg, -1)[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+
+
+def check_against_reference(model, prompt, tokens, lps, top=TOP) -> None:
+    assert len(lps) == len(tokens) > 0
+    ref = reference_rows(model, prompt, tokens).cpu()
+    for j, (tok, (lp, alts)) in enumerate(zip(tokens, lps)):
+        assert abs(lp - float(ref[j, tok])) <= TOL, (j, lp, float(ref[j, tok]))
+        assert len(alts) == top
+        kth = float(torch.topk(ref[j], top).values[-1])
+        for i, v in alts:
+            assert abs(v - float(ref[j, i])) <= TOL and v >= kth - TOL, (j, i, v)
+        assert [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logprobs_on_the_lanes_match_the_reference(zoo, arch):
+    """Greedy K=2 and plain (one lane), seeded sampling with a penalty, K=2, two samples in
+    one batch: on the lanes, no token changed by asking, each entry the reference's."""
+    eng = graph_engine(zoo, arch)
+    m = eng.model
+    for draft, params, samples in ((2, None, 1), (0, None, 1), (2, SAMPLED, 2)):
+        out = eng.generate(PROMPT, max_new_tokens=N, draft=draft, params=params, num_samples=samples,
+                           logprobs=TOP, ignore_eos=True)
+        plain = eng.generate(PROMPT, max_new_tokens=N, draft=draft, params=params, num_samples=samples,
+                             ignore_eos=True)
+        for s, lps, p in zip(out.samples, out.logprobs, plain.samples):
+            assert s.stats["path"] == "batch-graphs", s.stats.get("path")
+            assert s.tokens == p.tokens
+            check_against_reference(m, PROMPT, s.tokens, lps)
+        if ON_CPU:  # the interpreter's fp32 lanes give the engine core's tokens
+            core = engine(zoo, arch, dtype="float32").generate(PROMPT, max_new_tokens=N, draft=draft, params=params,
+                                                               num_samples=samples, logprobs=TOP, ignore_eos=True)
+            for s, c, lps, clps in zip(out.samples, core.samples, out.logprobs, core.logprobs):
+                assert c.stats.get("path") != "batch-graphs" and s.tokens == c.tokens
+                assert [lp for lp, _ in lps] == pytest.approx([lp for lp, _ in clps], abs=TOL)
+                assert [[i for i, _ in a] for _, a in lps] == [[i for i, _ in a] for _, a in clps]
+
+
+def test_a_stop_among_accepted_drafts_cuts_the_logprobs_with_the_tokens(zoo):
+    eng = graph_engine(zoo, "qwen3_5")
+    full = eng.generate(PROMPT, max_new_tokens=N, draft=2, logprobs=1, ignore_eos=True)
+    toks = full.samples[0].tokens
+    stop = toks[2]
+    cut = toks.index(stop) + 1
+    out = eng.generate(PROMPT, max_new_tokens=N, draft=2, logprobs=1, stop_ids=[stop], ignore_eos=True)
+    s = out.samples[0]
+    assert s.stats["path"] == "batch-graphs" and s.stop_reason == "eos"
+    assert s.tokens == toks[:cut] and out.logprobs[0] == full.logprobs[0][:cut]
+    check_against_reference(eng.model, PROMPT, s.tokens, out.logprobs[0], top=1)
+
+
+def test_logprobs_under_a_constraint_stay_on_the_engine_core(zoo):
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, graph_eligible
+
+    class Masks:  # a constraint with packed masks (the lanes could run it without logprobs)
+        vocab_size = 1
+
+        def allowed_words(self, prefix=()):
+            return None
+
+    from hyspec.core.request import Request
+
+    req = Request(prompt_ids=PROMPT, max_new_tokens=2, logprobs=1, constraint=Masks())
+    assert graph_eligible([req]) == "logprobs of a constrained request"
+    assert graph_eligible([Request(prompt_ids=PROMPT, max_new_tokens=2, logprobs=1)]) is None
+    eng = graph_engine(zoo, "qwen3_5")
+    dec = eng.new_batch_decoder(1, 32, 2)
+    with pytest.raises(ValueError, match="logprobs of a constrained request"):
+        BatchRunner(dec).check(LaneRequest(prompt=PROMPT, max_new_tokens=2, logprobs=1, constraint=object()))
