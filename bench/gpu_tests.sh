@@ -34,9 +34,10 @@ PY
   rc=0
   echo "== GPU tests (python3 -m pytest -q -s -rs -m gpu tests $PYTEST_ARGS; HYSPEC_B2_EXACT=${HYSPEC_B2_EXACT:-2000,4})"
   python3 -m pytest -q -s -rs -m gpu $PYTEST_ARGS --durations=15 tests || rc=1
-  echo "== session (engine core and graph lanes) and graph-store tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
+  echo "== session (engine core and graph lanes), graph-store and lane-logprobs tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
   HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q $PYTEST_ARGS tests/test_sessions.py tests/test_session_state.py \
-    tests/test_prefix_store.py tests/test_graph_store.py tests/test_sessions_graphs.py || rc=1
+    tests/test_prefix_store.py tests/test_graph_store.py tests/test_sessions_graphs.py \
+    tests/test_batch_logprobs.py || rc=1
   echo "== kernel tests that run compiled where CUDA is (the interpreter on the CPU): argmax, load order, top-p cut"
   python3 -m pytest -q -rs $PYTEST_ARGS tests/test_kernels_argmax.py \
     tests/test_kernels_load_order.py tests/test_kernels_topp.py || rc=1

@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 ON_CPU = DEVICE == "cpu"
 N = 6
 TOP = 3
-TOL = 1e-4
+TOL = 1e-5 if ON_CPU else 1e-4  # the interpreter's fp32 lanes are ~1e-7 from the reference; a GPU's kernels: the fp32 bound
 PROMPT = [5, 17, 99, 3, 41]
 SAMPLED = SamplingParams(temperature=0.9, seed=11, presence_penalty=0.7)
 
