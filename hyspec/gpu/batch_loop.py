@@ -462,29 +462,34 @@ class BatchRunner:
         """{lane: [(logprob, [(id, logprob), ...top-N]) per emitted token]} for the lanes
         that ask for logprobs: lane i's verify rows i*t .. i*t + n (a plain step: row i) are
         still in the runner's logits buffer (such a round is never pipelined, and no lane
-        that asks is constrained: its rows are not masked in place); each row's log-softmax
-        in float64 as the engine core takes it (hyspec.core.round._logprob), in one pass
-        for every asking lane and one copy to the host."""
+        that asks is constrained: its rows are not masked in place). The raw logits' log-
+        softmax as the engine core reports it (hyspec.core.round._logprob), taken as
+        logit - logsumexp in fp32 (the top-N by the raw logits: the same order), for every
+        asking lane at once and read back in one copy."""
         want = [(i, r) for i, r in enumerate(self.active) if r.logprobs is not None and r.reason is None]
         if not want:
             return {}
-        idx, toks, spans = [], [], {}
+        logits = self.dec.runner.bufs.logits
+        parts, toks, spans = [], [], {}
         for i, r in want:
             n, bonus = rows[i][0], rows[i][1]
             emitted = rows[i][2: 2 + n] + ([bonus] if bonus >= 0 else [])
-            spans[i] = (len(idx), len(emitted))
-            idx += range(i * t, i * t + len(emitted))
+            spans[i] = (len(toks), len(emitted))
+            parts.append(logits[i * t: i * t + len(emitted)])
             toks += emitted
-        dev = self.dec.runner.bufs.logits.device
-        lp = torch.log_softmax(self.dec.runner.bufs.logits[torch.tensor(idx, device=dev)].double(), -1)
-        chosen = lp.gather(1, torch.tensor(toks, device=dev)[:, None])[:, 0].tolist()
-        top = min(max(r.logprobs for _, r in want), lp.shape[1])
-        vals, ids = torch.topk(lp, top)
-        vals, ids = vals.tolist(), ids.tolist()
+        x = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()  # [m, V]
+        m = x.shape[0]
+        top = min(max(r.logprobs for _, r in want), x.shape[1])
+        vals, ids = torch.topk(x, top)
+        chosen = x.gather(1, torch.tensor(toks, device=x.device)[:, None])[:, 0]
+        packed = torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]).tolist()
+        lse, chosen, vals, ids = packed[:m], packed[m: 2 * m], packed[2 * m: 2 * m + m * top], packed[2 * m + m * top:]
         out = {}
         for i, r in want:
-            a, m = spans[i]
-            out[i] = [(chosen[a + j], list(zip(ids[a + j][: r.logprobs], vals[a + j][: r.logprobs]))) for j in range(m)]
+            a, c = spans[i]
+            out[i] = [(chosen[a + j] - lse[a + j],
+                       [(int(ids[(a + j) * top + q]), vals[(a + j) * top + q] - lse[a + j]) for q in range(r.logprobs)])
+                      for j in range(c)]
         return out
 
     def _may_queue_next(self, k) -> bool:
