@@ -212,11 +212,11 @@ class BatchRunner:
         if self._inflight is None:
             self._inflight = self._launch()
         nxt = self._launch() if self._may_queue_next(self._inflight[2]) else None
-        self._take(self._read(self._inflight), self._inflight[2])
+        self._take(*self._read(self._inflight))
         self._inflight = None
         if nxt is not None:
             if any(r.reason is not None for r in self.active):
-                self._take(self._read(nxt), nxt[2])  # drain: the lanes still going keep the queued round's tokens
+                self._take(*self._read(nxt))  # drain: the lanes still going keep the queued round's tokens
             else:
                 self._inflight = nxt
         if self._inflight is None:
@@ -356,14 +356,39 @@ class BatchRunner:
         buf = self._buf
         self._buf ^= 1
         n = len(active)
+        asking = [r.logprobs for r in active if r.logprobs is not None]
+        lp = self._logprob_pack(n, k, min(max(asking), dec.cfg.vocab_size)) if asking else None
         if self._cuda:
             # whole rows: a column slice is not contiguous, and torch copies a non-contiguous
             # tensor to the host through an unpinned temporary, which blocks until the GPU is
             # done (plain rounds of 2+ lanes then ran unpipelined: 8 % of a batch-16 step)
             self._host[buf][:n].copy_(dec.result[:n], non_blocking=True)
+            if lp is not None:  # (pinned: the caching host allocator)
+                lp = (torch.empty(lp[0].shape, dtype=lp[0].dtype, pin_memory=True).copy_(lp[0], non_blocking=True),
+                      lp[1])
             self._events[buf].record()
-            return buf, n, k, None
-        return buf, n, k, dec.result[:n, : 2 + k].clone()  # CPU: the call was synchronous
+            return buf, n, k, None, lp
+        return buf, n, k, dec.result[:n, : 2 + k].clone(), lp  # CPU: the call was synchronous
+
+    def _logprob_pack(self, n: int, k: int, top: int):
+        """For a round just launched whose lanes (some) ask for logprobs: every verify row's
+        logsumexp, the logit of the token that row emits if it emits one (row j of a lane:
+        draft j + 1 while j < its accepted n, else the bonus) and the top-`top` logits and
+        ids, of lanes 0..n-1 (lane i's rows i*t .. i*t + k; a plain step's row i), computed
+        on the device behind the round, before any later round overwrites the runner's
+        logits buffer, and read back with the round's result (so the rounds still pipeline).
+        No lane that asks is constrained (its rows would be masked in place). -> (one
+        packed fp32 tensor, top)."""
+        dec = self.dec
+        t = k + 1
+        x = dec.runner.bufs.logits[: n * t].float()  # [n * t, V]
+        res = dec.result[:n]
+        bonus = res[:, 1:2].clamp(min=0)  # (-1: a masked round's dead end; nothing emitted there)
+        j = torch.arange(t, device=x.device)[None, :]
+        tok = torch.where(j < res[:, :1], torch.cat([res[:, 2: 2 + k], bonus], 1), bonus)  # [n, t]
+        chosen = x.view(n, t, -1).gather(2, tok[..., None]).view(-1)
+        vals, ids = torch.topk(x, top)
+        return torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]), top
 
     def _run_masked(self, nb: int, k: int, regime, plain: bool) -> None:
         """One round with masks: the drafter depth by depth, the host writing mask row j
@@ -430,19 +455,21 @@ class BatchRunner:
         if r.constraint is not None:
             self.constraint_s += time.perf_counter() - t0
 
-    def _read(self, launched) -> list[list[int]]:
-        buf, n, k, copy = launched
+    def _read(self, launched):
+        """-> (rows (accepted n, bonus, d1..dk) per lane, k, the logprob pack or None)."""
+        buf, n, k, copy, lp = launched
         if self._cuda:
             t0 = time.perf_counter()
             self._events[buf].synchronize()
             self.wait_s += time.perf_counter() - t0
-            return self._host[buf][:n, : 2 + k].tolist()
-        return copy.tolist()
+            return self._host[buf][:n, : 2 + k].tolist(), k, lp
+        return copy.tolist(), k, lp
 
-    def _take(self, rows, k: int) -> None:
+    def _take(self, rows, k: int, lp=None) -> None:
         """Emit a read round's tokens to the lanes still going (a finished or cancelled
-        lane's row is dropped); k: the round's drafts (its verify ran k + 1 rows a lane)."""
-        lps = self._round_logprobs(rows, k + 1)
+        lane's row is dropped); k: the round's drafts (its verify ran k + 1 rows a lane);
+        lp: the round's logprob pack (_logprob_pack) when a lane asked."""
+        lps = self._round_logprobs(rows, k + 1, lp) if lp is not None else {}
         for i, (r, row) in enumerate(zip(self.active, rows)):  # row: (accepted n, bonus, d1..dk) of that lane
             if r.reason is not None:
                 continue
@@ -458,47 +485,30 @@ class BatchRunner:
                 self._emit(r, row[2: 2 + n] + [bonus], lps.get(i))
             self.tokens += len(r.tokens) - before
 
-    def _round_logprobs(self, rows, t: int) -> dict:
-        """{lane: [(logprob, [(id, logprob), ...top-N]) per emitted token]} for the lanes
-        that ask for logprobs: lane i's verify rows i*t .. i*t + n (a plain step: row i) are
-        still in the runner's logits buffer (such a round is never pipelined, and no lane
-        that asks is constrained: its rows are not masked in place). The raw logits' log-
-        softmax as the engine core reports it (hyspec.core.round._logprob), taken as
-        logit - logsumexp in fp32 (the top-N by the raw logits: the same order), for every
-        asking lane at once and read back in one copy."""
-        want = [(i, r) for i, r in enumerate(self.active) if r.logprobs is not None and r.reason is None]
-        if not want:
-            return {}
-        logits = self.dec.runner.bufs.logits
-        parts, toks, spans = [], [], {}
-        for i, r in want:
-            n, bonus = rows[i][0], rows[i][1]
-            emitted = rows[i][2: 2 + n] + ([bonus] if bonus >= 0 else [])
-            spans[i] = (len(toks), len(emitted))
-            parts.append(logits[i * t: i * t + len(emitted)])
-            toks += emitted
-        x = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()  # [m, V]
-        m = x.shape[0]
-        top = min(max(r.logprobs for _, r in want), x.shape[1])
-        vals, ids = torch.topk(x, top)
-        chosen = x.gather(1, torch.tensor(toks, device=x.device)[:, None])[:, 0]
-        packed = torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]).tolist()
-        lse, chosen, vals, ids = packed[:m], packed[m: 2 * m], packed[2 * m: 2 * m + m * top], packed[2 * m + m * top:]
+    def _round_logprobs(self, rows, t: int, lp) -> dict:
+        """{lane: [(logprob, [(id, logprob), ...top-N]) per token the round emits]} for the
+        lanes that ask, from the round's logprob pack: logprob = logit - logsumexp (the raw
+        logits' log-softmax, as the engine core reports it: hyspec.core.round._logprob; in
+        fp32), the top-N by the raw logits (the same order)."""
+        pack, top = lp
+        vals = pack.tolist()
+        m = len(rows) * t
+        lse, chosen, tv, ti = vals[:m], vals[m: 2 * m], vals[2 * m: 2 * m + m * top], vals[2 * m + m * top:]
         out = {}
-        for i, r in want:
-            a, c = spans[i]
-            out[i] = [(chosen[a + j] - lse[a + j],
-                       [(int(ids[(a + j) * top + q]), vals[(a + j) * top + q] - lse[a + j]) for q in range(r.logprobs)])
-                      for j in range(c)]
+        for i, r in enumerate(self.active):
+            if r.logprobs is None or r.reason is not None:
+                continue
+            n, bonus = rows[i][0], rows[i][1]
+            out[i] = [(chosen[a] - lse[a], [(int(ti[a * top + q]), tv[a * top + q] - lse[a]) for q in range(r.logprobs)])
+                      for a in range(i * t, i * t + n + (1 if bonus >= 0 else 0))]
         return out
 
     def _may_queue_next(self, k) -> bool:
         """Queue the next round before reading this one: only when no lane can reach its
         token limit in this round, nothing waits to join and nothing is cancelled (a stop
         id may still end a lane: its extra round is then dropped)."""
-        if not self.pipeline or any(r.reason is not None or r.constraint is not None or r.logprobs is not None
-                                    for r in self.active):
-            return False  # (a masked round needs this round's tokens for its first mask; logprobs, its logits)
+        if not self.pipeline or any(r.reason is not None or r.constraint is not None for r in self.active):
+            return False  # (a masked round needs this round's tokens for its first mask)
         if any(r.on_state is not None and r.stop_ids for r in self.active):
             return False  # a stop token ending this round would leave the lane a round past its end state
         with self._lock:
