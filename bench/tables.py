@@ -592,6 +592,8 @@ MADE_BY = {
                                  "through the runner: the model modules' prefill)",
     "prefill_profile_rows_h200.json": "`python bench/prefill_profile.py --config b2` (H200; the short prefill "
                                       "through the runner's rows)",
+    "logprobs_h200.json": "`python bench/logprobs.py --config b2 --device cuda --dtype bfloat16 --out "
+                          "bench/results/logprobs_h200.json` (H200)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
                                           "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
     "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
