@@ -16,6 +16,7 @@ every interpreted round costs seconds).
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 pytest.importorskip("llguidance")
@@ -104,3 +105,55 @@ def test_constrained_sampling_on_the_graph_path_equals_the_engine_core(tiny):
     spec = s.stats["spec"]
     assert 0 < spec["accepted"] < spec["drafted"]  # accept tests passed and failed (residual draws)
     assert c.committed == 0  # generate ran on a clone
+
+
+def test_logprobs_under_a_constraint_on_the_graph_path(tiny):
+    """Logprobs of constrained lanes (the raw logits' log-softmax, as the engine core
+    reports them: the masked round's rows are copied before its commit masks them in
+    place): a mixed batch (a constrained and an unconstrained lane, greedy, K=3) and seeded
+    sampling through Engine.generate equal the engine core's tokens and logprobs, and each
+    value is the reference's teacher-forced log-probability."""
+    from hyspec.constraints import make_constraint
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.engine import Engine
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    d, m = tiny
+    c = make_constraint(d, "regex", REGEX)
+
+    def reference(prompt, tokens):
+        with torch.no_grad():
+            lg = m(torch.tensor(list(prompt) + list(tokens))).double()
+        return torch.log_softmax(lg, -1)[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+
+    def same(got, want, prompt, tokens):
+        assert len(got) == len(want) == len(tokens) > 0
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-5)
+        assert [[i for i, _ in a] for _, a in got] == [[i for i, _ in a] for _, a in want]
+        ref = reference(prompt, tokens)
+        assert [lp for lp, _ in got] == pytest.approx([float(ref[j, t]) for j, t in enumerate(tokens)], abs=1e-5)
+
+    sched = Scheduler(m, max_batch=2)
+    core = [Request(prompt_ids=list(p), max_new_tokens=N, draft=3, stop_ids={0}, logprobs=2, constraint=cc)
+            for p, cc in zip(PROMPTS, [c.clone(), None])]
+    for r in core:
+        sched.submit(r)
+    sched.run()
+    dec = BatchDecoder(m, 4 + N + 8, 3, slots=2, graphs=False)
+    lanes = [LaneRequest(prompt=list(p), max_new_tokens=N, k=3, stop_ids=frozenset({0}), logprobs=2, constraint=cc)
+             for p, cc in zip(PROMPTS, [c.clone(), None])]
+    stats = run_batch(dec, lanes)
+    assert stats["masked_rounds"] > 0
+    for lr, r, p in zip(lanes, core, PROMPTS):
+        assert lr.tokens == r.tokens
+        same(lr.token_logprobs, r.token_logprobs, p, lr.tokens)
+    sp = SamplingParams(temperature=0.9, seed=7, presence_penalty=2.0, penalty_last_n=2)
+    want = Engine(m).generate(PROMPTS[0], max_new_tokens=N, params=sp, draft=3, constraint=c, logprobs=3)
+    eng = Engine(m)
+    eng.batch_graphs = True
+    out = eng.generate(PROMPTS[0], max_new_tokens=N, params=sp, draft=3, constraint=c, logprobs=3)
+    assert out.samples[0].stats["path"] == "batch-graphs" and out.samples[0].tokens == want.samples[0].tokens
+    same(out.logprobs[0], want.logprobs[0], PROMPTS[0], out.samples[0].tokens)

@@ -8,9 +8,9 @@ of the reference's teacher-forced forward over prompt + the lane's tokens, posit
 position (fp32: 1e-4 abs), the top-N ids being the reference's top-N; asking for logprobs
 changes no token (the same run without them, bitwise); two lanes in one batch (each reads
 its own rows); a stop id among accepted drafts cuts the list with the tokens. On the CPU
-(the Triton interpreter) also the engine core's tokens and logprobs. A request with both
-logprobs and a constraint stays on the engine core (its masked rounds mask the verify rows
-in place). HYSPEC_TEST_DEVICE=cuda runs the same on the GPU (fp32 models on the device)."""
+(the Triton interpreter) also the engine core's tokens and logprobs. Constrained lanes'
+logprobs: tests/test_batch_constraints.py. HYSPEC_TEST_DEVICE=cuda runs the same on the GPU
+(fp32 models on the device)."""
 
 from __future__ import annotations
 
@@ -108,23 +108,3 @@ def test_a_stop_among_accepted_drafts_cuts_the_logprobs_with_the_tokens(zoo):
     assert s.stats["path"] == "batch-graphs" and s.stop_reason == "eos"
     assert s.tokens == toks[:cut] and out.logprobs[0] == full.logprobs[0][:cut]
     check_against_reference(eng.model, PROMPT, s.tokens, out.logprobs[0], top=1)
-
-
-def test_logprobs_under_a_constraint_stay_on_the_engine_core(zoo):
-    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, graph_eligible
-
-    class Masks:  # a constraint with packed masks (the lanes could run it without logprobs)
-        vocab_size = 1
-
-        def allowed_words(self, prefix=()):
-            return None
-
-    from hyspec.core.request import Request
-
-    req = Request(prompt_ids=PROMPT, max_new_tokens=2, logprobs=1, constraint=Masks())
-    assert graph_eligible([req]) == "logprobs of a constrained request"
-    assert graph_eligible([Request(prompt_ids=PROMPT, max_new_tokens=2, logprobs=1)]) is None
-    eng = graph_engine(zoo, "qwen3_5")
-    dec = eng.new_batch_decoder(1, 32, 2)
-    with pytest.raises(ValueError, match="logprobs of a constrained request"):
-        BatchRunner(dec).check(LaneRequest(prompt=PROMPT, max_new_tokens=2, logprobs=1, constraint=object()))

@@ -1,8 +1,9 @@
 """`hyspec serve` on the batched GPU graphs (hyspec.gpu.batch_loop.BatchRunner), run here
 through the Triton interpreter (engine.batch_graphs = True) on a tiny checkpoint with a
 tokenizer: concurrent requests on the graph path (one with a penalty, one with logprobs read
-from its verify rows) and on the engine core (logprobs under a constraint keep a request
-there) equal the offline Engine's outputs and its teacher-forced log-probabilities, the metrics and the request log are
+from its verify rows) and on the engine core (a draft above the decoder's k_max keeps a
+request there: constrained, with logprobs) equal the offline Engine's outputs and its
+teacher-forced log-probabilities, the metrics and the request log are
 filled for graph-path requests, a full server answers 429, and clients that disconnect are
 cancelled and free their lanes; a two-turn chat on the graph path resumes its second turn
 from the first turn's lane state in the prefix store."""
@@ -69,11 +70,12 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         assert not bool(worker._graph_dec.live.any())
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         # at once: greedy speculative with logprobs and seeded plain with a penalty (streamed)
-        # on the graph path, and a constrained request with logprobs on the engine core
+        # on the graph path, and a constrained request with logprobs drafting 4 (> the graph
+        # decoder's k_max 3) on the engine core
         regex = "[a-z_ ]{1,12}"
         cases = [dict(prompt="def add(a, b):", temperature=0.0, seed=0, draft=1, stream=False, logprobs=2),
                  dict(prompt="class Stack:", temperature=0.9, seed=7, draft=0, stream=True, presence_penalty=0.5),
-                 dict(prompt="import os", temperature=0.9, seed=3, draft=0, stream=False, logprobs=1, regex=regex)]
+                 dict(prompt="import os", temperature=0.9, seed=3, draft=4, stream=False, logprobs=1, regex=regex)]
 
         ids = {}  # prompt -> response id
         lps = {}  # prompt -> the response's logprobs

@@ -127,6 +127,7 @@ class BatchRunner:
         self._submitted: list[LaneRequest] = []  # handed over, not yet seen by step()
         self._cancelled: list[LaneRequest] = []
         self._inflight = None  # a launched round not read yet (pipelining)
+        self._raw_rows = None  # a masked round's verify logits before its commit masked them (logprobs)
         self._cuda = dec.dev.type == "cuda"
         self._sync = torch.cuda.synchronize if self._cuda else (lambda: None)
         # results of a launched round: copied to pinned host memory behind an event, so the
@@ -152,9 +153,6 @@ class BatchRunner:
                              f"the decoder's max_len {dec.max_len}")
         if self.forced and r.k > 0 and r.reference is None:
             raise ValueError("the forced-acceptance drafter needs each speculative request's reference")
-        if r.logprobs is not None and r.constraint is not None:
-            raise ValueError("logprobs of a constrained request: the masked rounds mask the verify logits in "
-                             "place (the engine core serves it)")
         if r.constraint is not None and (not hasattr(r.constraint, "allowed_words")
                                          or getattr(r.constraint, "vocab_size", None) != dec.cfg.vocab_size):
             raise ValueError(f"a request's constraint has no packed masks (allowed_words) over this model's "
@@ -377,11 +375,13 @@ class BatchRunner:
         ids, of lanes 0..n-1 (lane i's rows i*t .. i*t + k; a plain step's row i), computed
         on the device behind the round, before any later round overwrites the runner's
         logits buffer, and read back with the round's result (so the rounds still pipeline).
-        No lane that asks is constrained (its rows would be masked in place). -> (one
+        A masked round's rows are the copy _run_masked took before its commit masked them
+        (the raw logits, as the engine core reports them under a constraint too). -> (one
         packed fp32 tensor, top)."""
         dec = self.dec
         t = k + 1
-        x = dec.runner.bufs.logits[: n * t].float()  # [n * t, V]
+        raw, self._raw_rows = self._raw_rows, None  # a masked round's rows as the verify left them
+        x = (dec.runner.bufs.logits[: n * t] if raw is None else raw).float()  # [n * t, V]
         res = dec.result[:n]
         bonus = res[:, 1:2].clamp(min=0)  # (-1: a masked round's dead end; nothing emitted there)
         j = torch.arange(t, device=x.device)[None, :]
@@ -447,6 +447,8 @@ class BatchRunner:
             for lane, _ in cons:
                 drafts[lane].append(toks[lane])
             rows(i + 1)  # overlaps the next drafter step / the verify forward
+        if any(r.logprobs is not None for r in active):  # the raw rows, before the commit masks them in place
+            self._raw_rows = dec.runner.bufs.logits[: n * (k + 1)].clone()
         dec.masked_commit(nb, k + 1, regime, plain)
 
     def _emit(self, r: LaneRequest, toks: list[int], logprobs: list | None = None) -> None:
@@ -606,7 +608,7 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included, constrained or not (logprobs: unconstrained), fixed k with the post-norm hidden, one
+    included, constrained or not, with logprobs or not, fixed k with the post-norm hidden, one
     forced profile; a session turn when it resumes from a SeqState, not from a live
     engine-core slot, and has no more stop ids than the device's commit knows); else the
     reason it cannot (the engine core serves it). The prefix store is no reason: a lane
@@ -619,8 +621,6 @@ def graph_eligible(reqs) -> str | None:
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
-        if r.logprobs is not None and r.constraint is not None:
-            return "logprobs of a constrained request"
         if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
             return "a constraint without packed masks (allowed_words)"
         if r.resume is not None and not isinstance(r.resume, SeqState):

@@ -9,7 +9,7 @@ loop.call_soon_threadsafe, so Job callbacks always run on the loop thread.
 Two paths share the engine thread. Where the engine's batched GPU graphs run (a CUDA
 model, or engine.batch_graphs in tests), a job they can serve (hyspec.gpu.batch_loop.
 graph_eligible: logprobs read from the verify logits, penalties on the device, a
-constraint masked there (not both a constraint and logprobs); it fits the decoder) becomes a lane of a BatchRunner; every other job goes to the engine core's
+constraint masked there; it fits the decoder) becomes a lane of a BatchRunner; every other job goes to the engine core's
 Scheduler. Both paths share the prefix store: a lane resumes from the longest stored state
 its prompt extends and leaves its end state there, as a core sequence does. The thread
 alternates one graph round and one core step while both have work, so both kinds
