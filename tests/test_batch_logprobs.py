@@ -108,3 +108,40 @@ def test_a_stop_among_accepted_drafts_cuts_the_logprobs_with_the_tokens(zoo):
     assert s.stats["path"] == "batch-graphs" and s.stop_reason == "eos"
     assert s.tokens == toks[:cut] and out.logprobs[0] == full.logprobs[0][:cut]
     check_against_reference(eng.model, PROMPT, s.tokens, out.logprobs[0], top=1)
+
+
+class EvenIds:
+    """A constraint that allows the even token ids only (the lanes' packed-mask interface:
+    llguidance's int32 words, bit t % 32 of word t // 32), so the zoo's tokenizer-less
+    models can run masked rounds on the GPU too."""
+
+    def __init__(self, vocab_size: int, committed: int = 0) -> None:
+        self.vocab_size, self.committed = vocab_size, committed
+
+    def clone(self) -> "EvenIds":
+        return EvenIds(self.vocab_size, self.committed)
+
+    def allowed(self, prefix=()) -> torch.Tensor:
+        return torch.arange(self.vocab_size) % 2 == 0
+
+    def allowed_words(self, prefix=()):
+        import numpy as np
+
+        return np.full((self.vocab_size + 31) // 32, 0x55555555, dtype=np.uint32).view(np.int32)  # bits 0, 2, ...
+
+    def commit(self, tokens) -> None:
+        assert all(t % 2 == 0 for t in tokens), tokens
+        self.committed += len(tokens)
+
+
+def test_constrained_lanes_report_the_raw_logprobs(zoo):
+    """Masked rounds (K=2, and a plain lane beside it) copy the verify rows before the
+    commit masks them in place: the logprobs are the raw logits' (the reference's), the
+    tokens all allowed ones."""
+    eng = graph_engine(zoo, "qwen3_5")
+    c = EvenIds(eng.model.cfg.vocab_size)
+    for draft in (2, 0):
+        out = eng.generate(PROMPT, max_new_tokens=N, draft=draft, constraint=c, logprobs=TOP, ignore_eos=True)
+        s = out.samples[0]
+        assert s.stats["path"] == "batch-graphs" and all(t % 2 == 0 for t in s.tokens)
+        check_against_reference(eng.model, PROMPT, s.tokens, out.logprobs[0])
