@@ -592,6 +592,8 @@ MADE_BY = {
                                  "through the runner: the model modules' prefill)",
     "prefill_profile_rows_h200.json": "`python bench/prefill_profile.py --config b2` (H200; the short prefill "
                                       "through the runner's rows)",
+    "gpu_tests_logprobs_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q -rs -n 4 "
+                                   "tests/test_batch_logprobs.py` (H200; constrained lanes' logprobs added)",
     "logprobs_h200.json": "`python bench/logprobs.py --config b2 --device cuda --dtype bfloat16 --out "
                           "bench/results/logprobs_h200.json` (H200)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
