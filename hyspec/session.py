@@ -141,11 +141,13 @@ class Session:
 
     # -- a turn ------------------------------------------------------------------------
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
-             draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None):
+             draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None):
         """Append `message` (text or token ids) to the conversation and generate; returns the
         turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
         on_tokens(new_ids) is called as rounds commit tokens. constraint: this turn's (None: the
-        session's, continued after an unfinished reply when the message is empty; False: none)."""
+        session's, continued after an unfinished reply when the message is empty; False: none).
+        logprobs=N: the reply's tokens' log-probabilities and top-N alternatives (the raw
+        logits', as Engine.generate reports them) in Output.logprobs[0]."""
         from hyspec.engine import Sample
 
         self._check_open()
@@ -166,13 +168,15 @@ class Session:
             raise ValueError(f"the conversation would reach {total} tokens ({len(self.tokens)} so far + {len(ids)} "
                              f"new + max_new_tokens {limit}), beyond the model's maximum context of {context} tokens "
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         stops = eng._stops(list(self.stop_ids) + list(stop_ids or ()), self.ignore_eos)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
         matcher = self._turn_constraint(ids, constraint)
         req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
                       draft=n_drafts, spec=opts, stop_ids=stops, on_tokens=stream, keep=True,
                       use_store=self.use_store, resume=self._seq if self._seq is not None else self._state,
-                      constraint=matcher)
+                      constraint=matcher, logprobs=logprobs)
         sched = eng.session_scheduler()
         sched.validate(req)  # invalid input raises here; the session is unchanged
         if self._graph_turn(req):
@@ -205,6 +209,8 @@ class Session:
             raise req.exception
         out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens), req.stop_reason, req.stats)], ids,
                           n_drafts > 0)
+        if logprobs is not None:
+            out.logprobs = [list(req.token_logprobs)]
         out.stats["turn"] = self.num_turns
         out.stats["context_tokens"] = len(self.tokens)
         out.stats["session"] = {"turns": self.num_turns, "spec": self.telemetry.to_dict() if n_drafts > 0 else None}

@@ -145,3 +145,32 @@ def test_constrained_lanes_report_the_raw_logprobs(zoo):
         s = out.samples[0]
         assert s.stats["path"] == "batch-graphs" and all(t % 2 == 0 for t in s.tokens)
         check_against_reference(eng.model, PROMPT, s.tokens, out.logprobs[0])
+
+
+def test_session_turns_with_logprobs(zoo):
+    """Session.send(logprobs=N): on the lanes and on the engine core (session_graphs off),
+    each turn's entries are the reference's log-probabilities of the reply given the whole
+    transcript before it; the two paths give the same tokens (the CPU; on a GPU each is
+    checked against the reference)."""
+    from session_helpers import messages
+
+    lanes = graph_engine(zoo, "qwen3_next")
+    lanes.session_graphs = True
+    core = engine(zoo, "qwen3_next", dtype="float32")
+    core.session_graphs = False
+    msgs = messages(lanes.model.cfg.vocab_size, 2, seed=4)
+    got = {}
+    for name, eng in (("lanes", lanes), ("core", core)):
+        s = eng.session(draft=2, max_new_tokens=4, ignore_eos=True)
+        got[name] = []
+        for m in msgs:
+            out = s.send(m, logprobs=2)
+            reply = out.samples[0].tokens
+            assert (out.samples[0].stats.get("path") == "batch-graphs") == (name == "lanes")
+            check_against_reference(eng.model, s.tokens[: len(s.tokens) - len(reply)], reply, out.logprobs[0], top=2)
+            got[name].append(reply)
+        assert s.send(msgs[0]).logprobs is None
+    if ON_CPU:
+        assert got["lanes"] == got["core"]
+    with pytest.raises(ValueError, match="logprobs must be None or an integer >= 0"):
+        lanes.session().send([3], logprobs=-1)
