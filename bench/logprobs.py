@@ -16,7 +16,8 @@ random weights. The engine-core row (Engine.graphs_available switched off for it
 `--core-tokens` tokens: it is the eager loop.
 
 Target printed: logprobs=`--top` keeps >= 0.8 of the lanes' tok/s without logprobs (the
-host reads the round's rows and the round is not pipelined).
+device computes the asking lanes' log-probabilities behind each round; the host reads them
+with the round's tokens).
 """
 
 from __future__ import annotations

@@ -150,6 +150,15 @@ def test_logprobs_under_a_constraint_on_the_graph_path(tiny):
     for lr, r, p in zip(lanes, core, PROMPTS):
         assert lr.tokens == r.tokens
         same(lr.token_logprobs, r.token_logprobs, p, lr.tokens)
+    # a dead end (nothing may follow the choice): the drafts up to it, each with its entry
+    ch = make_constraint(d, "choice", ["ab cd", "xy"])
+    core_end = Request(prompt_ids=PROMPTS[0], max_new_tokens=N, draft=3, logprobs=1, constraint=ch.clone())
+    sched.submit(core_end)
+    sched.run()
+    lane_end = LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3, logprobs=1, constraint=ch.clone())
+    run_batch(dec, [lane_end])
+    assert lane_end.reason == core_end.stop_reason == "constraint" and lane_end.tokens == core_end.tokens
+    same(lane_end.token_logprobs, core_end.token_logprobs, PROMPTS[0], lane_end.tokens)
     sp = SamplingParams(temperature=0.9, seed=7, presence_penalty=2.0, penalty_last_n=2)
     want = Engine(m).generate(PROMPTS[0], max_new_tokens=N, params=sp, draft=3, constraint=c, logprobs=3)
     eng = Engine(m)

@@ -230,9 +230,9 @@ def test_one_lane_equals_the_engine_core_with_its_telemetry_and_drafts(tmp_path,
         core_drafts.append(list(seqs[0].round.drafts))
         return out
 
-    def spy_take(self, rows):  # the lane's: (accepted n, bonus, d1..dk) per round, k_now of them used
+    def spy_take(self, rows, *rest):  # the lane's: (accepted n, bonus, d1..dk) per round, k_now of them used
         lane_drafts.append(list(rows[0][2: 2 + self.active[0].k_now]))
-        return take(self, rows)
+        return take(self, rows, *rest)
 
     monkeypatch.setattr(round_mod, "draft", spy_draft)
     monkeypatch.setattr(BatchRunner, "_take", spy_take)
@@ -294,9 +294,9 @@ def test_pipelined_rounds_equal_unpipelined(tmp_path, monkeypatch):
         reads.append(0)
         return step(self)
 
-    def spy_take(self, rows):
+    def spy_take(self, rows, *rest):
         reads[-1] += 1
-        return take(self, rows)
+        return take(self, rows, *rest)
 
     monkeypatch.setattr(BatchRunner, "_may_queue_next", spy_may)
     monkeypatch.setattr(BatchRunner, "step", spy_step)

@@ -67,7 +67,7 @@ def check_against_reference(model, prompt, tokens, lps, top=TOP) -> None:
     for j, (tok, (lp, alts)) in enumerate(zip(tokens, lps)):
         assert abs(lp - float(ref[j, tok])) <= TOL, (j, lp, float(ref[j, tok]))
         assert len(alts) == top
-        kth = float(torch.topk(ref[j], top).values[-1])
+        kth = float(torch.topk(ref[j], top).values[-1]) if top else 0.0
         for i, v in alts:
             assert abs(v - float(ref[j, i])) <= TOL and v >= kth - TOL, (j, i, v)
         assert [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
@@ -76,18 +76,20 @@ def check_against_reference(model, prompt, tokens, lps, top=TOP) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logprobs_on_the_lanes_match_the_reference(zoo, arch):
     """Greedy K=2 and plain (one lane), seeded sampling with a penalty, K=2, two samples in
-    one batch: on the lanes, no token changed by asking, each entry the reference's."""
+    one batch: on the lanes, each entry the reference's; no token changed by asking (on a
+    GPU: the same run without logprobs; on the CPU: the engine core's tokens)."""
     eng = graph_engine(zoo, arch)
     m = eng.model
     for draft, params, samples in ((2, None, 1), (0, None, 1), (2, SAMPLED, 2)):
         out = eng.generate(PROMPT, max_new_tokens=N, draft=draft, params=params, num_samples=samples,
                            logprobs=TOP, ignore_eos=True)
-        plain = eng.generate(PROMPT, max_new_tokens=N, draft=draft, params=params, num_samples=samples,
-                             ignore_eos=True)
-        for s, lps, p in zip(out.samples, out.logprobs, plain.samples):
+        for s, lps in zip(out.samples, out.logprobs):
             assert s.stats["path"] == "batch-graphs", s.stats.get("path")
-            assert s.tokens == p.tokens
             check_against_reference(m, PROMPT, s.tokens, lps)
+        if not ON_CPU:  # (on the CPU the engine core's tokens below, which lanes without logprobs equal)
+            plain = eng.generate(PROMPT, max_new_tokens=N, draft=draft, params=params, num_samples=samples,
+                                 ignore_eos=True)
+            assert [s.tokens for s in out.samples] == [p.tokens for p in plain.samples]
         if ON_CPU:  # the interpreter's fp32 lanes give the engine core's tokens
             core = engine(zoo, arch, dtype="float32").generate(PROMPT, max_new_tokens=N, draft=draft, params=params,
                                                                num_samples=samples, logprobs=TOP, ignore_eos=True)
@@ -97,17 +99,56 @@ def test_logprobs_on_the_lanes_match_the_reference(zoo, arch):
                 assert [[i for i, _ in a] for _, a in lps] == [[i for i, _ in a] for _, a in clps]
 
 
-def test_a_stop_among_accepted_drafts_cuts_the_logprobs_with_the_tokens(zoo):
+def test_a_stop_inside_a_round_cuts_the_logprobs_with_the_tokens(zoo):
+    """The forced drafter proposing the greedy continuation itself (rate 1: every draft
+    accepted, 3 tokens a round at K=2); a stop id that is the middle token of a round cuts
+    the tokens and their entries there."""
+    from hyspec.speculative.loop import SpecOptions
+
     eng = graph_engine(zoo, "qwen3_5")
-    full = eng.generate(PROMPT, max_new_tokens=N, draft=2, logprobs=1, ignore_eos=True)
+    greedy = eng.generate(PROMPT, max_new_tokens=N + 4, ignore_eos=True).samples[0].tokens
+    spec = SpecOptions(forced_rates=(1.0, 1.0))
+    chunks = []
+    full = eng.generate(PROMPT, max_new_tokens=N, draft=2, spec=spec, reference=greedy, logprobs=1, ignore_eos=True,
+                        on_tokens=lambda i, t: chunks.append(list(t)))
     toks = full.samples[0].tokens
-    stop = toks[2]
-    cut = toks.index(stop) + 1
-    out = eng.generate(PROMPT, max_new_tokens=N, draft=2, logprobs=1, stop_ids=[stop], ignore_eos=True)
+    assert toks == greedy[:N] and [len(c) for c in chunks[:2]] == [1, 3]  # the first token, then a whole round
+    stop = toks[2]  # the middle of the first round
+    assert stop not in toks[:2]
+    out = eng.generate(PROMPT, max_new_tokens=N, draft=2, spec=spec, reference=greedy, logprobs=1, stop_ids=[stop],
+                       ignore_eos=True)
     s = out.samples[0]
     assert s.stats["path"] == "batch-graphs" and s.stop_reason == "eos"
-    assert s.tokens == toks[:cut] and out.logprobs[0] == full.logprobs[0][:cut]
+    assert s.tokens == toks[:3] and out.logprobs[0] == full.logprobs[0][:3]
     check_against_reference(eng.model, PROMPT, s.tokens, out.logprobs[0], top=1)
+
+
+def test_mixed_lanes_in_pipelined_rounds(zoo, monkeypatch):
+    """Three lanes in one batch: K=2 asking for the top 3, K=1 not asking, plain asking for
+    no alternatives (logprobs=0; the asking lanes 0 and 2 are not neighbours); 10 tokens
+    each, so rounds are queued before the previous one is read (pipelined). Each asking
+    lane's entries are the reference's; the other has none."""
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, run_batch
+
+    queued = []
+    may = BatchRunner._may_queue_next
+
+    def spy(self, k):
+        queued.append(may(self, k))
+        return queued[-1]
+
+    monkeypatch.setattr(BatchRunner, "_may_queue_next", spy)
+    eng = graph_engine(zoo, "qwen3_5")
+    dec = eng.new_batch_decoder(4, 48, 3)
+    prompts = [PROMPT, [8, 1, 2, 9], [33, 4, 12]]
+    lanes = [LaneRequest(prompt=prompts[0], max_new_tokens=10, k=2, logprobs=3),
+             LaneRequest(prompt=prompts[2], max_new_tokens=10, k=1),
+             LaneRequest(prompt=prompts[1], max_new_tokens=10, k=0, logprobs=0)]  # asking: lanes 0 and 2
+    run_batch(dec, lanes)
+    assert any(queued) and all(len(lr.tokens) == 10 for lr in lanes)
+    check_against_reference(eng.model, prompts[0], lanes[0].tokens, lanes[0].token_logprobs, top=3)
+    check_against_reference(eng.model, prompts[1], lanes[2].tokens, lanes[2].token_logprobs, top=0)
+    assert lanes[1].token_logprobs == []
 
 
 class EvenIds:
@@ -135,9 +176,9 @@ class EvenIds:
 
 
 def test_constrained_lanes_report_the_raw_logprobs(zoo):
-    """Masked rounds (K=2, and a plain lane beside it) copy the verify rows before the
-    commit masks them in place: the logprobs are the raw logits' (the reference's), the
-    tokens all allowed ones."""
+    """Masked rounds (K=2; and masked plain steps) copy the verify rows before the commit
+    masks them in place: the logprobs are the raw logits' (the reference's), the tokens all
+    allowed ones."""
     eng = graph_engine(zoo, "qwen3_5")
     c = EvenIds(eng.model.cfg.vocab_size)
     for draft in (2, 0):

@@ -354,8 +354,10 @@ class BatchRunner:
         buf = self._buf
         self._buf ^= 1
         n = len(active)
-        asking = [r.logprobs for r in active if r.logprobs is not None]
-        lp = self._logprob_pack(n, k, min(max(asking), dec.cfg.vocab_size)) if asking else None
+        asking = [i for i, r in enumerate(active) if r.logprobs is not None]
+        lp = None
+        if asking:
+            lp = self._logprob_pack(asking, k, min(max(active[i].logprobs for i in asking), dec.cfg.vocab_size))
         if self._cuda:
             # whole rows: a column slice is not contiguous, and torch copies a non-contiguous
             # tensor to the host through an unpinned temporary, which blocks until the GPU is
@@ -368,27 +370,34 @@ class BatchRunner:
             return buf, n, k, None, lp
         return buf, n, k, dec.result[:n, : 2 + k].clone(), lp  # CPU: the call was synchronous
 
-    def _logprob_pack(self, n: int, k: int, top: int):
-        """For a round just launched whose lanes (some) ask for logprobs: every verify row's
-        logsumexp, the logit of the token that row emits if it emits one (row j of a lane:
-        draft j + 1 while j < its accepted n, else the bonus) and the top-`top` logits and
-        ids, of lanes 0..n-1 (lane i's rows i*t .. i*t + k; a plain step's row i), computed
+    def _logprob_pack(self, lanes: list[int], k: int, top: int):
+        """For a round just launched whose lanes `lanes` ask for logprobs: each of their
+        verify rows' logsumexp, the logit of the token that row emits if it emits one (row j
+        of a lane: draft j + 1 while j < its accepted n, else the bonus) and the top-`top`
+        logits and ids (lane i's rows i*t .. i*t + k; a plain step's row i), computed
         on the device behind the round, before any later round overwrites the runner's
         logits buffer, and read back with the round's result (so the rounds still pipeline).
         A masked round's rows are the copy _run_masked took before its commit masked them
         (the raw logits, as the engine core reports them under a constraint too). -> (one
-        packed fp32 tensor, top)."""
+        packed fp32 tensor, top, lanes)."""
         dec = self.dec
         t = k + 1
         raw, self._raw_rows = self._raw_rows, None  # a masked round's rows as the verify left them
-        x = (dec.runner.bufs.logits[: n * t] if raw is None else raw).float()  # [n * t, V]
-        res = dec.result[:n]
+
+        def rows_of(a: torch.Tensor, per: int) -> torch.Tensor:  # the lanes' rows: slices (no index upload)
+            if lanes[-1] - lanes[0] == len(lanes) - 1:
+                return a[lanes[0] * per: (lanes[-1] + 1) * per]
+            return torch.cat([a[i * per: (i + 1) * per] for i in lanes])
+
+        x = rows_of(dec.runner.bufs.logits if raw is None else raw, t).float()  # [len(lanes) * t, V]
+        res = rows_of(dec.result, 1)
+        n = len(lanes)
         bonus = res[:, 1:2].clamp(min=0)  # (-1: a masked round's dead end; nothing emitted there)
         j = torch.arange(t, device=x.device)[None, :]
         tok = torch.where(j < res[:, :1], torch.cat([res[:, 2: 2 + k], bonus], 1), bonus)  # [n, t]
         chosen = x.view(n, t, -1).gather(2, tok[..., None]).view(-1)
         vals, ids = torch.topk(x, top)
-        return torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]), top
+        return torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]), top, lanes
 
     def _run_masked(self, nb: int, k: int, regime, plain: bool) -> None:
         """One round with masks: the drafter depth by depth, the host writing mask row j
@@ -492,17 +501,19 @@ class BatchRunner:
         lanes that ask, from the round's logprob pack: logprob = logit - logsumexp (the raw
         logits' log-softmax, as the engine core reports it: hyspec.core.round._logprob; in
         fp32), the top-N by the raw logits (the same order)."""
-        pack, top = lp
+        pack, top, lanes = lp
         vals = pack.tolist()
-        m = len(rows) * t
+        m = len(lanes) * t
         lse, chosen, tv, ti = vals[:m], vals[m: 2 * m], vals[2 * m: 2 * m + m * top], vals[2 * m + m * top:]
         out = {}
-        for i, r in enumerate(self.active):
-            if r.logprobs is None or r.reason is not None:
+        for p, i in enumerate(lanes):  # the p-th asking lane sits in lane i: its rows p*t ..
+            r = self.active[i]
+            if r.reason is not None:
                 continue
             n, bonus = rows[i][0], rows[i][1]
-            out[i] = [(chosen[a] - lse[a], [(int(ti[a * top + q]), tv[a * top + q] - lse[a]) for q in range(r.logprobs)])
-                      for a in range(i * t, i * t + n + (1 if bonus >= 0 else 0))]
+            out[i] = [(chosen[a] - lse[a], [(int(ti[a * top + q]), tv[a * top + q] - lse[a])
+                                            for q in range(min(r.logprobs, top))])
+                      for a in range(p * t, p * t + n + (1 if bonus >= 0 else 0))]
         return out
 
     def _may_queue_next(self, k) -> bool:
