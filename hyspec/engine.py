@@ -118,14 +118,19 @@ class Output:
 
     def to_dict(self) -> dict:
         """stats: totals over all samples (counters and times add up; spec telemetry is
-        merged); samples[i].stats: that sample's own."""
-        return {
-            "tokens": self.tokens, "text": self.text, "stop_reason": self.samples[0].stop_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "samples": [{"tokens": s.tokens, "text": s.text, "stop_reason": s.stop_reason, "stats": s.stats}
-                        for s in self.samples],
-            "stats": self.stats,
-        }
+        merged); samples[i].stats: that sample's own. With logprobs: "logprobs" (each
+        token's log-probability) and "top_logprobs" ([id, logprob] pairs per token), as
+        Engine.score's, for the first sample at the top and for each sample in samples."""
+        samples = [{"tokens": s.tokens, "text": s.text, "stop_reason": s.stop_reason, "stats": s.stats}
+                   for s in self.samples]
+        d = {"tokens": self.tokens, "text": self.text, "stop_reason": self.samples[0].stop_reason,
+             "prompt_tokens": self.prompt_tokens, "samples": samples, "stats": self.stats}
+        if self.logprobs is not None:
+            for s, entries in zip(samples, self.logprobs):
+                s["logprobs"] = [float(lp) for lp, _ in entries]
+                s["top_logprobs"] = [[[int(i), float(v)] for i, v in top] for _, top in entries]
+            d["logprobs"], d["top_logprobs"] = samples[0]["logprobs"], samples[0]["top_logprobs"]
+        return d
 
 
 class Engine:
@@ -300,8 +305,10 @@ class Engine:
 
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                       max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None) -> list[Output]:
-        """One Output per prompt, in order. max_new_tokens, params and draft may each be one
+                       max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None,
+                       logprobs=None) -> list[Output]:
+        """One Output per prompt, in order. max_new_tokens, params, draft and logprobs (None,
+        or N: each token's log-probability and top-N in Output.logprobs) may each be one
         value for all prompts or a list with one per prompt. Up to max_batch sequences decode
         together (continuous batching); each output is bitwise what generate() gives for that
         prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
@@ -317,14 +324,14 @@ class Engine:
             return [v] * n
 
         limits, params_each = per("max_new_tokens", max_new_tokens), per("params", params)
-        drafts, constraints = per("draft", draft), per("constraint", constraint)
+        drafts, constraints, lps = per("draft", draft), per("constraint", constraint), per("logprobs", logprobs)
         for c in constraints:
             if c is not None:
                 self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
         requests = []
-        for i, (prompt, limit, prompt_params, k, c) in enumerate(zip(prompts, limits, params_each, drafts,
-                                                                     constraints)):
+        for i, (prompt, limit, prompt_params, k, c, lp) in enumerate(zip(prompts, limits, params_each, drafts,
+                                                                         constraints, lps)):
             try:
                 ids = self.encode(prompt)
                 opts = self._spec_options(k, spec)
@@ -337,13 +344,16 @@ class Engine:
             requests.append(Request(prompt_ids=ids, max_new_tokens=limit,
                                     params=prompt_params if prompt_params is not None else GREEDY, draft=k,
                                     spec=opts, stop_ids=stops, on_tokens=stream, on_finish=finished,
-                                    constraint=None if c is None else c.clone()))
+                                    constraint=None if c is None else c.clone(), logprobs=lp))
         self._run_requests(requests, max_batch=max_batch)
         return [self._request_output(r) for r in requests]
 
     def _request_output(self, r: Request) -> Output:
-        return self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
-                            r.draft > 0)
+        out = self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
+                           r.draft > 0)
+        if r.logprobs is not None:
+            out.logprobs = [list(r.token_logprobs)]
+        return out
 
     def graphs_available(self) -> bool:
         """Whether the BatchDecoder (CUDA graphs over lanes) runs here: on a GPU, or when

@@ -62,6 +62,7 @@ def test_prompts_file_equals_one_by_one(tmp_path):
     ('{"prompt": "x", "prompt_ids": [1]}', "exactly one"),
     ('{"prompt": "x", "temperature": -1}', "temperature"),
     ('{"prompt": "x", "draft": "3"}', "draft must be an integer"),
+    ('{"prompt": "x", "logprobs": -1}', "logprobs must be null or an integer >= 0"),
 ])
 def test_bad_lines_are_named(tmp_path, line, msg):
     f = tmp_path / "bad.jsonl"

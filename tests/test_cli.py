@@ -118,6 +118,39 @@ def test_generate_prompt_ids_and_text_output(ckpt, capsys) -> None:
     assert "4 tokens" in cap.err
 
 
+def test_generate_logprobs_json_text_and_prompts_file(ckpt, capsys, tmp_path) -> None:
+    """--logprobs N: --json has each token's log-probability and top N, equal to `score` of
+    prompt + tokens (the reference's teacher-forced log-softmax); the text mode prints one
+    table row per token; a --prompts-file line may set its own; a negative N is an error."""
+    from hyspec.engine import Engine
+
+    d = gen(capsys, ckpt, "--max-new-tokens", "5", "--draft", "2", "--logprobs", "3")
+    ids = d["prompt_tokens"]
+    sc = Engine.load(ckpt).score(ids + d["tokens"], top_logprobs=3)
+    n = len(d["tokens"])
+    assert d["logprobs"] == pytest.approx(sc["logprobs"][len(ids) - 1:], abs=1e-5)
+    assert [[e[0] for e in top] for top in d["top_logprobs"]] == \
+        [[e[0] for e in top] for top in sc["top_logprobs"][len(ids) - 1:]]
+    assert d["samples"][0]["logprobs"] == d["logprobs"] and len(d["top_logprobs"]) == n
+    assert "logprobs" not in gen(capsys, ckpt, "--max-new-tokens", "2")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--ignore-eos", "--max-new-tokens", "5",
+                 "--logprobs", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:3] == ["pos", "token", "logprob"])
+    assert [line.split()[0] for line in lines[head + 1:]] == [str(j) for j in range(1, 6)]
+    f = tmp_path / "in.jsonl"
+    f.write_text(json.dumps({"prompt": PROMPT, "max_new_tokens": 3, "logprobs": 2}) + "\n"
+                 + json.dumps({"prompt": PROMPT, "max_new_tokens": 3}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(ckpt), "--prompts-file", str(f), "--out", str(out), "--ignore-eos"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["logprobs"] == pytest.approx(d["logprobs"][:3], abs=1e-6) and len(rows[0]["top_logprobs"][0]) == 2
+    assert "logprobs" not in rows[1]
+    assert "--logprobs must be >= 0" in run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x",
+                                                  "--logprobs", "-1")
+
+
 def test_generate_draft3_equals_draft0_greedy(ckpt, capsys) -> None:
     plain = gen(capsys, ckpt, "--max-new-tokens", "24")
     spec = gen(capsys, ckpt, "--max-new-tokens", "24", "--draft", "3")

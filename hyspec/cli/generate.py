@@ -34,8 +34,8 @@ def add_parser(sub) -> None:
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, comma-separated")
     source.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...} or "
-                        "{\"prompt_ids\": [...]}, optional max_new_tokens, draft and sampling fields (temperature, "
-                        "seed, top_p, ...); one JSON result per line, in input order")
+                        "{\"prompt_ids\": [...]}, optional max_new_tokens, draft, logprobs and sampling fields "
+                        "(temperature, seed, top_p, ...); one JSON result per line, in input order")
     p.add_argument("--out", default=None, help="with --prompts-file: write the results here instead of stdout")
     p.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
     p.add_argument("--max-new-tokens", type=int, default=64, help="token limit (capped at the model's context)")
@@ -54,13 +54,18 @@ def add_parser(sub) -> None:
                         "3 misses in a row; telemetry on stderr / in --json stats['fork'] (docs/multi-gpu.md)")
     p.add_argument("--no-stream", action="store_true",
                    help="print the text when generation ends instead of as it is generated")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each generated token's log-probability (the model's raw distribution, before temperature "
+                        "and filters) and its N most likely alternatives: a table after the text, or 'logprobs' / "
+                        "'top_logprobs' in --json and --prompts-file results (a line may set its own)")
     add_sampling_args(p)
     add_spec_args(p)
     add_constraint_args(p)
 
 
 # ---------------------------------------------------------------------------- --prompts-file
-LINE_KEYS = {"prompt", "prompt_ids", "max_new_tokens", "draft"} | {f.name for f in dataclasses.fields(SamplingParams)}
+LINE_KEYS = {"prompt", "prompt_ids", "max_new_tokens", "draft", "logprobs"} | {
+    f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def read_prompts_file(path: str, args) -> list[dict]:
@@ -99,14 +104,19 @@ def read_prompts_file(path: str, args) -> list[dict]:
                     raise ValueError(f"{path}:{line_no}: {name} must be an integer >= 0, got {value!r}")
             if draft > MAX_DRAFT:
                 raise ValueError(f"{path}:{line_no}: draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {draft}")
+            logprobs = obj.get("logprobs", args.logprobs)
+            if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+                raise ValueError(f"{path}:{line_no}: logprobs must be null or an integer >= 0, got {logprobs!r}")
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
-                             "params": params, "draft": draft, "line": line_no})
+                             "params": params, "draft": draft, "logprobs": logprobs, "line": line_no})
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
 
 
 def _common_checks(args) -> None:
+    if args.logprobs is not None and args.logprobs < 0:
+        raise ValueError(f"--logprobs must be >= 0 (the alternatives listed per token), got {args.logprobs}")
     if args.pp < 1:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
     if args.lanes < 1:
@@ -153,6 +163,9 @@ def run_file(args) -> int:
             output = finished_early.pop(written)
             row = {"index": written, "tokens": output.tokens, "text": output.text,
                    "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
+            if output.logprobs is not None:
+                d = output.to_dict()
+                row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
             sink.write(json.dumps(row) + "\n")
             sink.flush()
             written += 1
@@ -161,7 +174,7 @@ def run_file(args) -> int:
         eng.generate_batch([r["prompt"] for r in requests], max_new_tokens=[r["max_new_tokens"] for r in requests],
                            params=[r["params"] for r in requests], draft=[r["draft"] for r in requests], spec=spec,
                            stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
-                           on_finish=finished, constraint=constraint)
+                           on_finish=finished, constraint=constraint, logprobs=[r["logprobs"] for r in requests])
     finally:
         bar.close()
         if args.out:
@@ -280,7 +293,7 @@ def run(args) -> int:
     stream = printer is not None and not args.no_stream and args.num_samples == 1
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
                        stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
-                       on_tokens=printer if stream else None, constraint=constraint)
+                       on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs)
     fork = fork_telemetry(eng)
     if fork is not None:
         out.stats["fork"] = fork.to_dict()
@@ -291,6 +304,8 @@ def run(args) -> int:
         for i, sample in enumerate(out.samples):
             printer(i, sample.tokens)
     printer.finish()
+    if out.logprobs is not None:
+        print_logprobs(eng, out, args.logprobs)
     stats = out.stats
     rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
     per = f" over {stats['num_samples']} samples" if stats["num_samples"] > 1 else ""
@@ -306,3 +321,19 @@ def run(args) -> int:
     if fork is not None:
         print(fork.summary_line(), file=sys.stderr)
     return 0
+
+
+def print_logprobs(eng, out, top: int) -> None:
+    """A table per sample: each generated token, its log-probability and the top
+    alternatives (the layout of `hyspec score --top-logprobs`)."""
+    def show(token_id: int) -> str:
+        s = repr(eng.tokenizer.decode([token_id])) if eng.tokenizer is not None else str(token_id)
+        return s if len(s) <= 14 else s[:13] + "~"
+
+    for i, (sample, entries) in enumerate(zip(out.samples, out.logprobs)):
+        head = f"sample {i}: " if len(out.samples) > 1 else ""
+        print(f"{head}{'pos':>5}  {'token':<14} {'logprob':>8}" + (f"   top {top} (token logprob)" if top else ""))
+        for j, (tok, (logprob, alts)) in enumerate(zip(sample.tokens, entries), start=1):
+            alternatives = "  ".join(f"{show(a)} {v:.2f}" for a, v in alts)
+            print(f"{' ' * len(head)}{j:>5}  {show(tok):<14} {logprob:>8.3f}   {alternatives}".rstrip())
+
