@@ -33,7 +33,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 from hyspec.engine import Engine  # noqa: E402
+from sessions import add_model_args, engine_of, heldout_text  # noqa: E402
 from hyspec.sampling import SamplingParams  # noqa: E402
 from hyspec.speculative.loop import SpecOptions  # noqa: E402
 
@@ -49,9 +52,6 @@ def git_info() -> dict:
 
 
 def heldout_ids(eng: Engine, n: int) -> list[int]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from sessions import heldout_text
-
     return eng.encode(heldout_text(n * 8))[:n]
 
 
@@ -72,12 +72,7 @@ def run(eng, prompt, n, draft, params, logprobs, reference, repeats):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    ap.add_argument("--config", default=None, choices=["qwen3-next-2b-dense", "b2"],
-                    help="instead of --model: hyspec bench's in-memory b2 model (random weights; text tokenized "
-                         "with the default model's tokenizer)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--core-tokens", type=int, default=32)
@@ -89,16 +84,7 @@ def main(argv=None) -> int:
                          "script on a tiny --model)")
     args = ap.parse_args(argv)
 
-    if args.config:
-        from hyspec.bench import build_config_model
-        from hyspec.loading import parse_dtype
-        from hyspec.presets import model_dict
-
-        tok = Engine.load().tokenizer
-        eng = Engine(build_config_model(model_dict(args.config), torch.device(args.device), parse_dtype(args.dtype)),
-                     tok)
-    else:
-        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    eng = engine_of(args)
     eng.batch_graphs = args.batch_graphs
     prompt = heldout_ids(eng, args.prompt_tokens)
     n = args.max_new_tokens

@@ -82,8 +82,8 @@ def logprob_diff(eng, prompt, k, n) -> tuple[float, bool]:
     return worst, hot.tokens == cold.tokens
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(ap) -> None:
+    """--model / --config / --device / --dtype (also bench/logprobs.py's)."""
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     ap.add_argument("--config", default=None, choices=["qwen3-next-2b-dense", "b2"],
                     help="instead of --model: hyspec bench's in-memory qwen3-next-2b-dense model (old name b2; "
@@ -91,6 +91,24 @@ def main(argv=None) -> int:
                          "vocabulary)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+
+
+def engine_of(args) -> Engine:
+    """The Engine of add_model_args' options."""
+    if args.config:
+        from hyspec.bench import build_config_model
+        from hyspec.loading import parse_dtype
+        from hyspec.presets import model_dict
+
+        tok = Engine.load().tokenizer
+        return Engine(build_config_model(model_dict(args.config), torch.device(args.device),
+                                         parse_dtype(args.dtype)), tok)
+    return Engine.load(args.model, dtype=args.dtype, device=args.device)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--user-tokens", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -105,17 +123,7 @@ def main(argv=None) -> int:
                          "turns side by side")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-
-    if args.config:
-        from hyspec.bench import build_config_model
-        from hyspec.loading import parse_dtype
-        from hyspec.presets import model_dict
-
-        tok = Engine.load().tokenizer
-        eng = Engine(build_config_model(model_dict(args.config), torch.device(args.device), parse_dtype(args.dtype)),
-                     tok)
-    else:
-        eng = Engine.load(args.model, dtype=args.dtype, device=args.device)
+    eng = engine_of(args)
     ids = eng.encode(heldout_text(args.turns * args.user_tokens * 8))
     msgs = [ids[i * args.user_tokens:(i + 1) * args.user_tokens] for i in range(args.turns)]
     k = args.draft

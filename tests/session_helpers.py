@@ -31,6 +31,15 @@ def engine(zoo, arch: str, variant: str = "coop", dtype: str = "float64") -> Eng
     return eng
 
 
+def skip_unless_lanes_run() -> None:
+    """The lanes' tests run on the CPU in the Triton interpreter, on a GPU compiled (with
+    HYSPEC_TEST_DEVICE=cuda); a CPU run without the interpreter skips them."""
+    import pytest
+
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the lanes run compiled on the GPU: HYSPEC_TEST_DEVICE=cuda (bench/gpu_tests.sh)")
+
+
 def messages(vocab: int, n: int = 4, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = [7, 3, 5, 1, 4, 6, 2, 5, 3, 4][:n]

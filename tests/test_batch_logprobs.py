@@ -14,14 +14,13 @@ logprobs: tests/test_batch_constraints.py. HYSPEC_TEST_DEVICE=cuda runs the same
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from conftest import ARCHS
 from hyspec.sampling import SamplingParams
-from session_helpers import DEVICE, engine
+from session_helpers import DEVICE, skip_unless_lanes_run, engine
 
 pytest.importorskip("triton")
 
@@ -35,8 +34,7 @@ SAMPLED = SamplingParams(temperature=0.9, seed=11, presence_penalty=0.7)
 
 @pytest.fixture(autouse=True)
 def _lanes_run_here():
-    if ON_CPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("the lanes run compiled on the GPU: HYSPEC_TEST_DEVICE=cuda (bench/gpu_tests.sh)")
+    skip_unless_lanes_run()
 
 
 def graph_engine(zoo, arch):

@@ -12,7 +12,6 @@ between the core and the lanes."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -20,7 +19,7 @@ from conftest import ARCHS
 from hyspec.gpu.batch_loop import BatchRunner
 from hyspec.sampling import SamplingParams
 from hyspec.session import Session
-from session_helpers import DEVICE, assert_same, engine, messages, target_part
+from session_helpers import DEVICE, skip_unless_lanes_run, assert_same, engine, messages, target_part
 
 pytest.importorskip("triton")
 
@@ -32,8 +31,7 @@ SAMPLED = SamplingParams(temperature=0.8, seed=3)
 
 @pytest.fixture(autouse=True)
 def _lanes_run_here():
-    if ON_CPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("the lanes run compiled on the GPU: HYSPEC_TEST_DEVICE=cuda (bench/gpu_tests.sh)")
+    skip_unless_lanes_run()
 
 
 def graph_engine(zoo, arch):
