@@ -56,11 +56,13 @@ class LaneRequest:
     resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
     on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
     keep: bool = False  # a session turn: on_state takes the end state at every end but a cancel
+    adaptive_floor: int | None = None  # adaptive K: next round's k = clamp(accepted + 1, floor, k); None: fixed k
     logprobs: int | None = None  # N: each emitted token's log-probability (raw target logits) and top-N
     token_logprobs: list = field(default_factory=list)  # per emitted token: (logprob, [(id, logprob), ...])
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
+    k_next: int = -1  # adaptive K: the k it asks for next round (before the token-limit cap)
     rounds: int = 0  # target forwards (plain steps and speculative rounds)
     t_admit: float | None = None  # perf_counter when its prefill started
     t_first: float | None = None  # ... when its first token was chosen
@@ -255,6 +257,10 @@ class BatchRunner:
         while self._due():
             r = self.waiting.popleft()
             r.t_admit = time.perf_counter()
+            r.k_next = r.k
+            if r.adaptive_floor is not None and r.resume is not None and r.resume.k_next:
+                # a session turn goes on with the k its state's last round chose (the core's _resume)
+                r.k_next = max(r.adaptive_floor, min(r.resume.k_next, r.k))
             if r.max_new_tokens == 0:
                 r.reason = "length"
                 self._finished(r)
@@ -308,7 +314,7 @@ class BatchRunner:
 
     def _join(self, r: LaneRequest, lane: int) -> None:
         dec = self.dec
-        r.k_now = r.k
+        r.k_now = r.k  # (the lane's k_lane as started; _launch moves it to k_next)
         if self.forced and r.k > 0:
             dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
                                               self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
@@ -323,7 +329,7 @@ class BatchRunner:
     def _keep_state(self, lane: int, r: LaneRequest) -> None:
         """Hand lane's end state to r.on_state (when it is exactly r's transcript's)."""
         t0 = time.perf_counter()
-        st = self.dec.export(lane, list(r.prompt) + r.tokens, r.k)
+        st = self.dec.export(lane, list(r.prompt) + r.tokens, r.k_next if r.adaptive_floor is not None else r.k)
         if st is None:
             self.states_not_kept += 1
         else:
@@ -336,12 +342,14 @@ class BatchRunner:
         # a lane drafts at most remaining - 1 (the engine core's rule: a round never decides
         # positions past the limit, which keeps sampled output equal to the core's)
         for i, r in enumerate(active):
-            k_eff = max(0, min(r.k, r.max_new_tokens - len(r.tokens) - 1))
+            k_eff = max(0, min(r.k_next, r.max_new_tokens - len(r.tokens) - 1))
             if k_eff != r.k_now:  # (fill_: a kernel with the value as argument; item assignment
                 dec.k_lane[i].fill_(k_eff)  # copied a host scalar through pageable memory, a sync)
                 r.k_now = k_eff
         nb = padded_size(len(active), dec.sizes)
         k = max(r.k for r in active)
+        if any(r.adaptive_floor is not None for r in active):  # the round's graphs draft as deep as some lane asks
+            k = max(r.k_now for r in active) or k
         regime = SampledGraphKey.of([r.params for r in active])  # None: the argmax graphs
         plain = any(r.k == 0 for r in active)
         if any(r.constraint is not None for r in active):
@@ -488,6 +496,8 @@ class BatchRunner:
             r.rounds += 1
             if r.k > 0:
                 r.telemetry.record_round(r.k_now, n)
+            if r.adaptive_floor is not None:  # the engine core's rule (hyspec.core.round.run_round)
+                r.k_next = max(r.adaptive_floor, min(n + 1, r.k))
             before = len(r.tokens)
             if bonus < 0:  # a masked round: the constraint allows nothing after the accepted drafts
                 self._emit(r, row[2: 2 + n], lps.get(i))
@@ -520,8 +530,9 @@ class BatchRunner:
         """Queue the next round before reading this one: only when no lane can reach its
         token limit in this round, nothing waits to join and nothing is cancelled (a stop
         id may still end a lane: its extra round is then dropped)."""
-        if not self.pipeline or any(r.reason is not None or r.constraint is not None for r in self.active):
-            return False  # (a masked round needs this round's tokens for its first mask)
+        if not self.pipeline or any(r.reason is not None or r.constraint is not None or r.adaptive_floor is not None
+                                    for r in self.active):
+            return False  # (a masked round needs this round's tokens for its first mask; adaptive K, its n)
         if any(r.on_state is not None and r.stop_ids for r in self.active):
             return False  # a stop token ending this round would leave the lane a round past its end state
         with self._lock:
@@ -619,7 +630,7 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included, constrained or not, with logprobs or not, fixed k with the post-norm hidden, one
+    included, constrained or not, with logprobs or not, fixed or adaptive k with the post-norm hidden, one
     forced profile; a session turn when it resumes from a SeqState, not from a live
     engine-core slot, and has no more stop ids than the device's commit knows); else the
     reason it cannot (the engine core serves it). The prefix store is no reason: a lane
@@ -639,8 +650,8 @@ def graph_eligible(reqs) -> str | None:
         if r.keep and len(set(r.stop_ids or ())) > STOP_SLOTS:
             return f"a session turn with more than {STOP_SLOTS} stop ids (its end state would not be exact)"
         o = r.spec
-        if r.draft > 0 and o is not None and (o.p_min > 0 or o.adaptive or o.hidden != "post" or not o.prime_pending):
-            return "speculative options the graph round does not have (p_min, adaptive, hidden=pre, no priming)"
+        if r.draft > 0 and o is not None and (o.p_min > 0 or o.hidden != "post" or not o.prime_pending):
+            return "speculative options the graph round does not have (p_min, hidden=pre, no priming)"
     return None
 
 
@@ -667,7 +678,9 @@ def lane_of(r, on_finish=None, store=None) -> LaneRequest:
                        stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
                        telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
                        constraint=r.constraint, resume=resume, on_state=on_state, keep=r.keep,
-                       logprobs=r.logprobs, token_logprobs=r.token_logprobs)
+                       logprobs=r.logprobs, token_logprobs=r.token_logprobs,
+                       adaptive_floor=r.spec.adaptive_floor if r.draft > 0 and r.spec is not None and r.spec.adaptive
+                       else None)
 
 
 def lane_prompt_len(r) -> int:
@@ -734,6 +747,8 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
         r.stop_reason = lr.reason or "length"
         if r.keep and r.end_state is None:  # not exported (no token emitted, or not exact): rebuilt
             r.end_state = state_of(dec, lr.prompt + lr.tokens, lr.k)
+            if r.end_state is not None and lr.adaptive_floor is not None:
+                r.end_state.k_next = lr.k_next
         r.done = True
         r.stats = {**lane_stats(lr, dec), "batch_wall_s": wall, "batch_round_tok_s": runner.stats()["round_tok_s"],
                    "batch_runner": runner.stats()}
