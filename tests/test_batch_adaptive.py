@@ -77,3 +77,32 @@ def test_adaptive_session_turns_carry_their_k(zoo):
             oc = c.send(m)
             assert o.tokens == oc.tokens
             assert o.stats["spec"]["drafted_at"] == oc.stats["spec"]["drafted_at"]
+
+
+def test_a_stop_among_accepted_drafts_sets_k_as_on_the_core(zoo):
+    """The forced drafter proposing the greedy continuation (rate 1: every draft accepted);
+    a stop id that is the second draft of the first round. The core applies its rule after
+    cutting the round at the stop (k = clamp(1 + 1, ...) = 2, where the raw count would give
+    3); the lane's exported state carries the same k (and the core's Sequence has it)."""
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+
+    eng = engine(zoo, "qwen3_5", dtype="float32")
+    m = eng.model
+    greedy = eng.generate(PROMPT, max_new_tokens=10, ignore_eos=True).samples[0].tokens
+    stop = greedy[2]  # token 0 comes from the prefill; the first round drafts greedy[1..3]
+    assert stop not in greedy[:2]
+    spec = SpecOptions(k=3, adaptive=True, adaptive_floor=1, forced_rates=(1.0, 1.0, 1.0))
+    saved = []
+    lane = LaneRequest(prompt=PROMPT, max_new_tokens=8, k=3, stop_ids=frozenset({stop}), reference=greedy,
+                       adaptive_floor=1, keep=True, on_state=saved.append)
+    run_batch(eng.new_batch_decoder(1, 32, 3), [lane], forced_rates=(1.0, 1.0, 1.0))
+    assert lane.tokens == greedy[:3] and lane.reason == "eos" and saved[0].k_next == 2
+    if ON_CPU:
+        sched = Scheduler(m, max_batch=1)
+        req = Request(prompt_ids=PROMPT, max_new_tokens=8, draft=3, spec=spec, reference=greedy, stop_ids={stop},
+                      keep=True)
+        sched.submit(req)
+        sched.run()
+        assert req.tokens == lane.tokens and req.sequence.k_next == 2

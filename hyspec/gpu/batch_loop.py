@@ -494,10 +494,14 @@ class BatchRunner:
                 continue
             n, bonus = row[0], row[1]
             r.rounds += 1
-            if r.k > 0:
+            # a constraint that allowed no token at all (no drafts, a dead bonus row): the engine
+            # core's accept gives no result there, so it records no round and keeps its k
+            dead = bonus < 0 and r.k_now == 0
+            if r.k > 0 and not dead:
                 r.telemetry.record_round(r.k_now, n)
-            if r.adaptive_floor is not None:  # the engine core's rule (hyspec.core.round.run_round)
-                r.k_next = max(r.adaptive_floor, min(n + 1, r.k))
+            if r.adaptive_floor is not None and not dead:  # the core's rule (hyspec.core.round.run_round),
+                cut = next((j for j in range(n) if row[2 + j] in r.stop_ids), n)  # after its stop cut
+                r.k_next = max(r.adaptive_floor, min(cut + 1, r.k))
             before = len(r.tokens)
             if bonus < 0:  # a masked round: the constraint allows nothing after the accepted drafts
                 self._emit(r, row[2: 2 + n], lps.get(i))
