@@ -164,3 +164,19 @@ def load_engine(args):
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost
     return eng
+
+
+def print_logprob_table(eng, tokens, entries, top: int, prefix: str = "") -> None:
+    """One row per token: its position, the token, its log-probability and the top
+    alternatives (entries: (logprob, [(id, logprob), ...]) per token). `hyspec score
+    --top-logprobs` and `hyspec generate --logprobs` print this."""
+    def show(token_id: int) -> str:
+        s = repr(eng.tokenizer.decode([token_id])) if eng.tokenizer is not None else str(token_id)
+        return s if len(s) <= 14 else s[:13] + "~"
+
+    print(f"{prefix}{'pos':>5}  {'token':<14} {'logprob':>8}" + (f"   top {top} (token logprob)" if top else ""))
+    pad = " " * len(prefix)
+    for j, (tok, (logprob, alts)) in enumerate(zip(tokens, entries), start=1):
+        alternatives = "  ".join(f"{show(a)} {v:.2f}" for a, v in alts)
+        print(f"{pad}{j:>5}  {show(tok):<14} {logprob:>8.3f}   {alternatives}".rstrip())
+

@@ -18,6 +18,7 @@ from hyspec.cli.common import (
     fork_telemetry,
     load_engine,
     parse_ids,
+    print_logprob_table,
 )
 from hyspec.core.scheduler import check_prompt
 from hyspec.sampling import SamplingParams
@@ -324,16 +325,6 @@ def run(args) -> int:
 
 
 def print_logprobs(eng, out, top: int) -> None:
-    """A table per sample: each generated token, its log-probability and the top
-    alternatives (the layout of `hyspec score --top-logprobs`)."""
-    def show(token_id: int) -> str:
-        s = repr(eng.tokenizer.decode([token_id])) if eng.tokenizer is not None else str(token_id)
-        return s if len(s) <= 14 else s[:13] + "~"
-
+    """A table per sample (hyspec.cli.common.print_logprob_table)."""
     for i, (sample, entries) in enumerate(zip(out.samples, out.logprobs)):
-        head = f"sample {i}: " if len(out.samples) > 1 else ""
-        print(f"{head}{'pos':>5}  {'token':<14} {'logprob':>8}" + (f"   top {top} (token logprob)" if top else ""))
-        for j, (tok, (logprob, alts)) in enumerate(zip(sample.tokens, entries), start=1):
-            alternatives = "  ".join(f"{show(a)} {v:.2f}" for a, v in alts)
-            print(f"{' ' * len(head)}{j:>5}  {show(tok):<14} {logprob:>8.3f}   {alternatives}".rstrip())
-
+        print_logprob_table(eng, sample.tokens, entries, top, prefix=f"sample {i}: " if len(out.samples) > 1 else "")

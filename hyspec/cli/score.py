@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hyspec.cli.common import HelpFormatter, add_model_args, load_engine, parse_ids
+from hyspec.cli.common import HelpFormatter, add_model_args, load_engine, parse_ids, print_logprob_table
 
 
 def add_parser(sub) -> None:
@@ -25,14 +25,9 @@ def run(args) -> int:
         print(json.dumps(scored))
         return 0
     if args.top_logprobs:
-        def show(token_id: int) -> str:
-            s = repr(eng.tokenizer.decode([token_id])) if eng.tokenizer is not None else str(token_id)
-            return s if len(s) <= 14 else s[:13] + "~"
-
-        print(f"{'pos':>5}  {'token':<14} {'logprob':>8}   top {args.top_logprobs} (token logprob)")
-        for i, (logprob, top) in enumerate(zip(scored["logprobs"], scored["top_logprobs"]), start=1):
-            alternatives = "  ".join(f"{show(e[0])} {e[1]:.2f}" for e in top)
-            print(f"{i:>5}  {show(scored['tokens'][i]):<14} {logprob:>8.3f}   {alternatives}")
+        entries = [(logprob, [(e[0], e[1]) for e in top]) for logprob, top in zip(scored["logprobs"],
+                                                                                  scored["top_logprobs"])]
+        print_logprob_table(eng, scored["tokens"][1:], entries, args.top_logprobs)
     print(f"{scored['scored_tokens']} tokens  NLL {scored['nll']:.3f}  mean {scored['mean_nll']:.4f}  "
           f"perplexity {scored['perplexity']:.3f}")
     return 0

@@ -371,9 +371,10 @@ class BatchRunner:
             # tensor to the host through an unpinned temporary, which blocks until the GPU is
             # done (plain rounds of 2+ lanes then ran unpipelined: 8 % of a batch-16 step)
             self._host[buf][:n].copy_(dec.result[:n], non_blocking=True)
-            if lp is not None:  # (pinned: the caching host allocator)
-                lp = (torch.empty(lp[0].shape, dtype=lp[0].dtype, pin_memory=True).copy_(lp[0], non_blocking=True),
-                      lp[1])
+            if lp is not None:  # the pack to pinned memory (the caching host allocator); top and lanes kept
+                pack = lp[0]
+                lp = (torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True).copy_(pack, non_blocking=True),
+                      *lp[1:])
             self._events[buf].record()
             return buf, n, k, None, lp
         return buf, n, k, dec.result[:n, : 2 + k].clone(), lp  # CPU: the call was synchronous
