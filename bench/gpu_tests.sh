@@ -37,7 +37,7 @@ PY
   echo "== session (engine core and graph lanes), graph-store and lane-logprobs tests on CUDA (HYSPEC_TEST_DEVICE=cuda)"
   HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q $PYTEST_ARGS tests/test_sessions.py tests/test_session_state.py \
     tests/test_prefix_store.py tests/test_graph_store.py tests/test_sessions_graphs.py \
-    tests/test_batch_logprobs.py tests/test_batch_adaptive.py || rc=1
+    tests/test_batch_logprobs.py tests/test_batch_adaptive.py tests/test_batch_pmin.py || rc=1
   echo "== kernel tests that run compiled where CUDA is (the interpreter on the CPU): argmax, load order, top-p cut"
   python3 -m pytest -q -rs $PYTEST_ARGS tests/test_kernels_argmax.py \
     tests/test_kernels_load_order.py tests/test_kernels_topp.py || rc=1

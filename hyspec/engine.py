@@ -377,7 +377,7 @@ class Engine:
         """The BatchDecoder (CUDA graphs over lanes) for these requests, or None: on a GPU
         (or when batch_graphs is set: the Triton interpreter in tests), for requests the
         lanes take (hyspec.gpu.batch_loop.graph_eligible: not an engine-core session slot,
-        no p_min / pre-norm hidden): one request or many (adaptive K included), greedy or sampled, with
+        no pre-norm hidden): one request or many (adaptive K and p_min included), greedy or sampled, with
         logprobs or not, penalised or constrained, and any request whose prompt
         extends a prefix-store state (its lane resumes from it)."""
         if not self.graphs_available():

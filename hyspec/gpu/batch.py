@@ -55,7 +55,8 @@ import torch
 from hyspec.config import no_mtp_error
 from hyspec.core.state import Carry
 from hyspec.gpu import sampling as dsamp
-from hyspec.gpu.batch_sampling import accept_sampled, draft_draws, plain_draws, table_rows
+from hyspec.gpu.batch_sampling import (accept_sampled, draft_draws, plain_draws, softmax_of_rows, sums_of_rows,
+                                       table_rows)
 from hyspec.gpu.graphs import StepGraphs
 from hyspec.gpu.penalties import PenaltyWindow, row_counts
 from hyspec.gpu.prefill import layer_indices, prefill_into
@@ -77,6 +78,12 @@ def padded_size(n: int, sizes=BATCH_SIZES) -> int:
             return s
     raise ValueError(f"{n} lanes > the largest captured batch size {max(sizes)}")
 
+
+
+def _pm(pmin: bool) -> tuple:
+    """The graph-key suffix of a round with the lanes' p_min (none without: the keys of the
+    rounds without it are unchanged)."""
+    return ("pmin",) if pmin else ()
 
 class BatchDecoder:
 
@@ -177,7 +184,9 @@ class BatchDecoder:
         # each lane's stop ids (-1: none; a lane with more keeps the first STOP_SLOTS): the
         # commit ends at a stop token among the accepted drafts, as the engine core's does
         self.stop_ids = torch.full((S, STOP_SLOTS), -1, **long)  # [S, STOP_SLOTS]
-        self.k_round = torch.zeros(S, **long)  # [S] masked rounds: drafts the lane really has (a dead mask ends them)
+        self.k_round = torch.zeros(S, **long)  # [S] masked / p_min rounds: drafts the lane really has (a dead
+        # mask or a draft below the lane's p_min ends them)
+        self.p_min = torch.zeros(S, device=dev, dtype=torch.float64)  # [S] SpecOptions.p_min per lane (0: off)
         self.draft_h = torch.zeros(S, H, device=dev, dtype=dt)  # [S, H] masked rounds: the MTP hidden between graphs
         self.draft_lg = torch.zeros(S, V, device=dev, dtype=dt)  # [S, V] ... and its draft logits
 
@@ -397,6 +406,11 @@ class BatchDecoder:
         if ids:
             self.stop_ids[lane, : len(ids)] = torch.tensor(ids, device=self.dev)
 
+    def set_p_min(self, lane: int, p_min: float) -> None:
+        """Lane's SpecOptions.p_min (0: off): a round run with p_min=True ends the lane's
+        drafts at the first whose drafter probability is below it (_pmin_cut)."""
+        self.p_min[lane].fill_(float(p_min))
+
     def set_params(self, lane: int, params) -> None:
         """Lane's SamplingParams (None or greedy without penalties: argmax). Call before
         start(), which loads a penalised lane's window from its prompt."""
@@ -433,7 +447,8 @@ class BatchDecoder:
         """The per-lane tensors with the lane axis first (a lane move copies row src to dst)."""
         tb = self.sampling_table
         tensors = [self.pos, self.pending, self.k_lane, self.spec_lane, self.live, self.fill_start, self.fill_rows,
-                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens, self.stop_ids] + tb.fields() + self.kv_k + self.kv_v
+                   self.fill_tokens, self.fill_h, self.h_last, self.forced_tokens, self.stop_ids,
+                   self.p_min] + tb.fields() + self.kv_k + self.kv_v
         if self.has_mtp:
             tensors += [self.draft_k, self.draft_v]
         if self.window is not None:
@@ -461,6 +476,7 @@ class BatchDecoder:
         self.fill_rows[lane] = 1
         self.k_lane[lane] = 0
         self.spec_lane[lane] = 0
+        self.p_min[lane] = 0.0
         self.stop_ids[lane].fill_(-1)
         self.sampling_table.set(lane, None)
         if self.window is not None:
@@ -515,12 +531,13 @@ class BatchDecoder:
         return h.view(nb, R, -1)[self.lane_ids[:nb], self.fill_rows[:nb] - 1]  # [nb, H]
 
     def _draft_choose(self, nb: int, i: int, forced: bool, regime, hidden: torch.Tensor | None = None,
-                      masked: bool = False) -> torch.Tensor:
+                      masked: bool = False, pmin: bool = False) -> torch.Tensor:
         """Draft i (the token at position pos + 1 + i) of every lane: from the MTP hidden
         [nb, H] (unmasked), or masked: from the draft logits kept in draft_lg under mask row
         i. Into verify_tokens[:, 1 + i] (and, for the rejection test, its distribution into
         draft_probs). A penalised regime penalises it with the lane's window plus drafts
-        0..i-1 (window_scratch: copied from the window at draft 0, each draft pushed)."""
+        0..i-1 (window_scratch: copied from the window at draft 0, each draft pushed).
+        pmin: the lanes' p_min applies (_pmin_cut; k_round holds the drafts each lane keeps)."""
         runner = self.runner
         sampled = regime is not None
         keep_q = sampled and regime.sampled and regime.rejection  # only the rejection test reads q
@@ -531,12 +548,17 @@ class BatchDecoder:
             logits, allowed, dead = self._masked(self.draft_lg[:nb], self.mask[i, :nb])
             kr = self.k_round[:nb]
             kr.masked_fill_(dead & (kr > i), i)
+        pmin = pmin and not forced  # (the forced drafter's proposal is certain: it never stops, as on the core)
+        if not masked and (sampled or pmin):
+            logits = runner.draft_logits(hidden)
+        counts = scratch.counts if scratch is not None else None
+        q = None
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-            q, draft = draft_draws(logits if masked else runner.draft_logits(hidden),
-                                   table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
-                                   scratch.counts if scratch is not None else None)
+            q, draft = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime, counts)
         else:  # (draft_argmax: the argmax of draft_logits without a [nb, V] row for a reduced draft vocabulary)
             draft = logits.argmax(-1) if masked else runner.draft_argmax(hidden)
+        if pmin:
+            q = self._pmin_cut(nb, i, logits, draft, q, keep_q, counts)
         if forced:
             K = max(self.k_max, 1)
             idx = (self.pos[:nb] + (1 + i)) * K + i
@@ -552,20 +574,48 @@ class BatchDecoder:
             scratch.push(draft)
         return draft
 
+    def _pmin_cut(self, nb: int, i: int, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
+                  keep_q: bool, counts: torch.Tensor | None) -> torch.Tensor | None:
+        """The lanes' p_min at draft i, as the engine core's _draft_one applies it: the
+        drafter's probability of its draft (a greedy lane: the softmax of its draft logits,
+        penalised as its choice was, at the draft; a sampled lane: q at the draft) below the
+        lane's p_min ends its drafts here (k_round = i: the accept test and the commit see
+        the drafts before it only). A kept sampled draft is distributed as q restricted to
+        {q >= p_min}, so the rejection test gets that row, renormalised. Lanes with p_min 0
+        are untouched. logits [nb, V] the draft logits (masked ones in a masked round);
+        q [nb, V] float64 or None (no sampling regime). -> q with those rows changed."""
+        pm = self.p_min[:nb]  # [nb]
+        on = pm > 0
+        table = table_rows(self.sampling_table, nb)
+        x0 = dsamp._penalised(logits, table, counts) if counts is not None else logits  # greedy lanes' values
+        prob = softmax_of_rows(x0).gather(1, draft[:, None])[:, 0]  # [nb] float64
+        if q is not None:
+            prob = torch.where(table.greedy, prob, q.gather(1, draft[:, None])[:, 0])
+        kr = self.k_round[:nb]
+        kr.masked_fill_(on & (prob < pm) & (kr > i), i)
+        if q is None or not keep_q:
+            return q
+        kept = q * (q >= pm[:, None])  # [nb, V]
+        z = sums_of_rows(kept)  # [nb] (0 only where the draft itself was cut: that row is never read)
+        use = on & ~table.greedy & (z > 0)
+        return torch.where(use[:, None], kept / torch.where(use, z, 1.0)[:, None], q)
+
     def _ensure_draft_probs(self, regime) -> None:
         if regime is not None and self.draft_probs is None:
             self.draft_probs = torch.zeros(self.slots, max(self.k_max, 1), self.cfg.vocab_size, device=self.dev,
                                            dtype=torch.float64)
 
-    def _draft_body(self, nb: int, k: int, forced: bool, regime=None) -> None:
+    def _draft_body(self, nb: int, k: int, forced: bool, regime=None, pmin: bool = False) -> None:
         if k == 0:
             return
         self._ensure_draft_probs(regime)
         runner = self.runner
+        if pmin:  # the drafts each lane keeps: k_lane, cut at a draft below the lane's p_min
+            self.k_round[:nb].copy_(self.k_lane[:nb])
         hidden = self._draft_fill(nb)  # [nb, H] each lane's last fill row
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
         for i in range(k):
-            draft = self._draft_choose(nb, i, forced, regime, hidden=hidden)
+            draft = self._draft_choose(nb, i, forced, regime, hidden=hidden, pmin=pmin)
             if i + 1 < k:
                 hidden = runner.mtp(draft, hidden, chain, i, nb)
 
@@ -577,9 +627,9 @@ class BatchDecoder:
         self.draft_lg[:nb].copy_(self.runner.draft_logits(self.draft_h[:nb]))
         self.k_round[:nb].copy_(self.k_lane[:nb])
 
-    def _cpick_body(self, nb: int, i: int, forced: bool, regime) -> None:
+    def _cpick_body(self, nb: int, i: int, forced: bool, regime, pmin: bool = False) -> None:
         """Draft i under mask row i."""
-        self._draft_choose(nb, i, forced, regime, masked=True)
+        self._draft_choose(nb, i, forced, regime, masked=True, pmin=pmin)
 
     def _cadv_body(self, nb: int, i: int) -> None:
         """One chained drafter step on draft i -> hidden and draft logits of depth i + 1."""
@@ -595,9 +645,10 @@ class BatchDecoder:
         self.seed_hidden[:nb, :t].copy_(seed.view(nb, t, -1))
         self.argmax[:nb, :t].copy_(self.runner.argmax(self.runner.logits(post)).view(nb, t))
 
-    def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True, masked: bool = False) -> None:
+    def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True, masked: bool = False,
+                     pmin: bool = False) -> None:
         argmax = self.argmax[:nb, :t]
-        k_lane = self.k_lane[:nb]
+        k_lane = self.k_round[:nb] if pmin else self.k_lane[:nb]  # (p_min: the drafts each lane kept)
         if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
             logits = self.runner.bufs.logits[: nb * t]
             m, _, dead = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1))
@@ -646,25 +697,31 @@ class BatchDecoder:
         regime = self._regime_of(sampled)
         self.step_graphs.run(("decode", nb, regime), lambda: self._decode_body(nb, regime))
 
-    def round(self, nb: int, k: int, forced: bool = False, sampled=False, plain: bool = True) -> None:
+    def round(self, nb: int, k: int, forced: bool = False, sampled=False, plain: bool = True,
+              pmin: bool = False) -> None:
         """One speculative round (k drafts; lanes with k_lane < k use fewer) for lanes
         0..nb-1; sampled: the lanes' sampling regime (a SampledGraphKey, or True for every
-        stage: the graphs with sampling on the device); plain: some lane decodes plainly (k = 0)."""
+        stage: the graphs with sampling on the device); plain: some lane decodes plainly (k = 0);
+        pmin: some lane has a p_min (set_p_min): its drafts end at the first below it, and
+        k_round holds the drafts each lane kept."""
         if k > self.k_max:
             raise ValueError(f"k={k} > k_max {self.k_max}")
         regime = self._regime_of(sampled)
         plain = bool(plain) and regime is not None  # the argmax commit serves plain lanes either way
+        pmin = bool(pmin) and k > 0
         run = self.step_graphs.run
         if k > 0:
-            run(("draft", nb, k, forced, regime), lambda: self._draft_body(nb, k, forced, regime))
+            run(("draft", nb, k, forced, regime) + _pm(pmin), lambda: self._draft_body(nb, k, forced, regime, pmin))
         run(("verify", nb, k + 1), lambda: self._verify_body(nb, k + 1))
-        run(("commit", nb, k + 1, regime, plain), lambda: self._commit_body(nb, k + 1, regime, plain))
+        run(("commit", nb, k + 1, regime, plain) + _pm(pmin),
+            lambda: self._commit_body(nb, k + 1, regime, plain, pmin=pmin))
 
-    def draft(self, nb: int, k: int, forced: bool = False, sampled=False) -> None:
+    def draft(self, nb: int, k: int, forced: bool = False, sampled=False, pmin: bool = False) -> None:
         """The drafter part of a round alone (its graph: fill + k chained steps; the bench
         times it; a round runs it through round())."""
         regime = self._regime_of(sampled)
-        self.step_graphs.run(("draft", nb, k, forced, regime), lambda: self._draft_body(nb, k, forced, regime))
+        self.step_graphs.run(("draft", nb, k, forced, regime) + _pm(pmin),
+                             lambda: self._draft_body(nb, k, forced, regime, pmin))
 
     # masked rounds (some lane constrained): the host runs these in order, writing mask rows
     # between them (hyspec.gpu.batch_loop): plain: decode_forward, [row 0], decode_pick;
@@ -687,10 +744,11 @@ class BatchDecoder:
     def masked_draft_fill(self, nb: int) -> None:
         self.step_graphs.run(("mdraft_fill", nb), lambda: self._cfill_body(nb))
 
-    def masked_draft_pick(self, nb: int, i: int, forced: bool = False, sampled=False) -> None:
+    def masked_draft_pick(self, nb: int, i: int, forced: bool = False, sampled=False, pmin: bool = False) -> None:
         regime = self._regime_of(sampled)
         self._ensure_draft_probs(regime)
-        self.step_graphs.run(("mdraft_pick", nb, i, forced, regime), lambda: self._cpick_body(nb, i, forced, regime))
+        self.step_graphs.run(("mdraft_pick", nb, i, forced, regime) + _pm(pmin),
+                             lambda: self._cpick_body(nb, i, forced, regime, pmin))
 
     def masked_draft_advance(self, nb: int, i: int) -> None:
         self.step_graphs.run(("mdraft_adv", nb, i), lambda: self._cadv_body(nb, i))
@@ -714,16 +772,16 @@ class BatchDecoder:
         return out
 
     def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,), masked=(False,),
-                plain=(True,)) -> None:
+                plain=(True,), pmin=(False,)) -> None:
         """Capture the graphs of these batch sizes, draft counts and sampling regimes (False,
         True = every stage, or SampledGraphKeys; plain: with / without plain lanes in the
-        speculative rounds) ahead of time (masked=(True,): the constrained rounds' graphs;
-        (False, True): both)."""
+        speculative rounds; pmin: with / without the lanes' p_min) ahead of time
+        (masked=(True,): the constrained rounds' graphs; (False, True): both)."""
         if not self.graphs:
             return
         regimes = [self._regime_of(sm) for sm in sampled]
         if True in masked:
-            self._capture_masked(sizes, ks, forced, decode, regimes, plain)
+            self._capture_masked(sizes, ks, forced, decode, regimes, plain, pmin)
         if False not in masked:
             return
         ensure = self.step_graphs.ensure
@@ -732,15 +790,18 @@ class BatchDecoder:
                 if decode:
                     ensure(("decode", nb, rg), lambda nb=nb, rg=rg: self._decode_body(nb, rg))
                 for k in ks:
-                    for f in forced:
-                        if k > 0:
-                            ensure(("draft", nb, k, f, rg), lambda nb=nb, k=k, f=f, rg=rg: self._draft_body(nb, k, f, rg))
+                    for pm in {bool(p) and k > 0 for p in pmin}:
+                        for f in forced:
+                            if k > 0:
+                                ensure(("draft", nb, k, f, rg) + _pm(pm),
+                                       lambda nb=nb, k=k, f=f, rg=rg, pm=pm: self._draft_body(nb, k, f, rg, pm))
+                        for pl in {bool(p) and rg is not None for p in plain}:
+                            ensure(("commit", nb, k + 1, rg, pl) + _pm(pm),
+                                   lambda nb=nb, k=k, rg=rg, pl=pl, pm=pm: self._commit_body(nb, k + 1, rg, pl,
+                                                                                              pmin=pm))
                     ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
-                    for pl in {bool(p) and rg is not None for p in plain}:
-                        ensure(("commit", nb, k + 1, rg, pl),
-                               lambda nb=nb, k=k, rg=rg, pl=pl: self._commit_body(nb, k + 1, rg, pl))
 
-    def _capture_masked(self, sizes, ks, forced, decode, regimes, plain) -> None:
+    def _capture_masked(self, sizes, ks, forced, decode, regimes, plain, pmin=(False,)) -> None:
         ensure = self.step_graphs.ensure
         for nb in sizes:
             if decode:
@@ -755,8 +816,9 @@ class BatchDecoder:
                         ensure(("mdraft_fill", nb), lambda nb=nb: self._cfill_body(nb))
                     for i in range(k):
                         for f in forced:
-                            ensure(("mdraft_pick", nb, i, f, rg),
-                                   lambda nb=nb, i=i, f=f, rg=rg: self._cpick_body(nb, i, f, rg))
+                            for pm in {bool(p) for p in pmin}:
+                                ensure(("mdraft_pick", nb, i, f, rg) + _pm(pm),
+                                       lambda nb=nb, i=i, f=f, rg=rg, pm=pm: self._cpick_body(nb, i, f, rg, pm))
                         if i + 1 < k:
                             ensure(("mdraft_adv", nb, i), lambda nb=nb, i=i: self._cadv_body(nb, i))
                     ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))

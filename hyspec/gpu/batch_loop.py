@@ -57,6 +57,7 @@ class LaneRequest:
     on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
     keep: bool = False  # a session turn: on_state takes the end state at every end but a cancel
     adaptive_floor: int | None = None  # adaptive K: next round's k = clamp(accepted + 1, floor, k); None: fixed k
+    p_min: float = 0.0  # SpecOptions.p_min: drafting stops at a draft the drafter gives less probability than this
     logprobs: int | None = None  # N: each emitted token's log-probability (raw target logits) and top-N
     token_logprobs: list = field(default_factory=list)  # per emitted token: (logprob, [(id, logprob), ...])
     tokens: list[int] = field(default_factory=list)
@@ -136,6 +137,8 @@ class BatchRunner:
         # next round can be queued before the host reads this one (two buffers)
         if self._cuda:
             self._host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            # the drafts each lane kept (dec.k_round) of a round with p_min or masks
+            self._khost = [torch.empty(dec.slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
             # a masked round's drafts so far (the whole [lanes, t_max] block: one contiguous copy)
             self._tok_host = torch.empty(dec.slots, dec.t_max, dtype=torch.long, pin_memory=True)
@@ -150,6 +153,8 @@ class BatchRunner:
         dec = self.dec
         if r.k > dec.k_max:
             raise ValueError(f"a request drafts k={r.k} > the decoder's k_max {dec.k_max}")
+        if not 0.0 <= r.p_min < 1.0:
+            raise ValueError(f"a request's p_min must be in [0, 1), got {r.p_min}")
         if len(r.prompt) + r.max_new_tokens + r.k + 2 > dec.max_len:
             raise ValueError(f"a request needs {len(r.prompt) + r.max_new_tokens + r.k + 2} positions > "
                              f"the decoder's max_len {dec.max_len}")
@@ -315,6 +320,8 @@ class BatchRunner:
     def _join(self, r: LaneRequest, lane: int) -> None:
         dec = self.dec
         r.k_now = r.k  # (the lane's k_lane as started; _launch moves it to k_next)
+        if r.k > 0 and r.p_min > 0:
+            dec.set_p_min(lane, r.p_min)
         if self.forced and r.k > 0:
             dec.set_forced(lane, forced_table(list(r.prompt) + list(r.reference), list(self.forced_rates),
                                               self.forced_seed, dec.capacity, dec.k_max, dec.cfg.vocab_size))
@@ -352,12 +359,15 @@ class BatchRunner:
             k = max(r.k_now for r in active) or k
         regime = SampledGraphKey.of([r.params for r in active])  # None: the argmax graphs
         plain = any(r.k == 0 for r in active)
-        if any(r.constraint is not None for r in active):
-            self._run_masked(nb, k, regime, plain)
+        # (the forced drafter's proposals are certain: p_min never stops them, as on the core)
+        pmin = k > 0 and not self.forced and any(r.p_min > 0 and r.k_now > 0 for r in active)
+        masked = any(r.constraint is not None for r in active)
+        if masked:
+            self._run_masked(nb, k, regime, plain, pmin)
         elif k == 0:
             dec.decode(nb, regime)
         else:
-            dec.round(nb, k, self.forced, regime, plain)
+            dec.round(nb, k, self.forced, regime, plain, pmin)
         self.round += 1
         buf = self._buf
         self._buf ^= 1
@@ -371,13 +381,18 @@ class BatchRunner:
             # tensor to the host through an unpinned temporary, which blocks until the GPU is
             # done (plain rounds of 2+ lanes then ran unpipelined: 8 % of a batch-16 step)
             self._host[buf][:n].copy_(dec.result[:n], non_blocking=True)
+            kr = None
+            if k > 0 and (pmin or masked):  # the drafts each lane kept (telemetry)
+                kr = self._khost[buf]
+                kr[:n].copy_(dec.k_round[:n], non_blocking=True)
             if lp is not None:  # the pack to pinned memory (the caching host allocator); top and lanes kept
                 pack = lp[0]
                 lp = (torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True).copy_(pack, non_blocking=True),
                       *lp[1:])
             self._events[buf].record()
-            return buf, n, k, None, lp
-        return buf, n, k, dec.result[:n, : 2 + k].clone(), lp  # CPU: the call was synchronous
+            return buf, n, k, None, lp, kr
+        kr = dec.k_round[:n].clone() if k > 0 and (pmin or masked) else None
+        return buf, n, k, dec.result[:n, : 2 + k].clone(), lp, kr  # CPU: the call was synchronous
 
     def _logprob_pack(self, lanes: list[int], k: int, top: int):
         """For a round just launched whose lanes `lanes` ask for logprobs: each of their
@@ -408,7 +423,7 @@ class BatchRunner:
         vals, ids = torch.topk(x, top)
         return torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]), top, lanes
 
-    def _run_masked(self, nb: int, k: int, regime, plain: bool) -> None:
+    def _run_masked(self, nb: int, k: int, regime, plain: bool, pmin: bool = False) -> None:
         """One round with masks: the drafter depth by depth, the host writing mask row j
         (each constrained lane's state after its drafts d1..dj) while the device runs the
         drafter step (or, for the last row, the verify forward) that does not need it."""
@@ -449,7 +464,7 @@ class BatchRunner:
         dec.masked_draft_fill(nb)
         rows(0)  # overlaps the drafter's fill rows
         for i in range(k):
-            dec.masked_draft_pick(nb, i, self.forced, regime)
+            dec.masked_draft_pick(nb, i, self.forced, regime, pmin)
             if self._cuda:
                 self._tok_host[:n].copy_(dec.verify_tokens[:n], non_blocking=True)
                 self._tok_event.record()
@@ -476,30 +491,35 @@ class BatchRunner:
             self.constraint_s += time.perf_counter() - t0
 
     def _read(self, launched):
-        """-> (rows (accepted n, bonus, d1..dk) per lane, k, the logprob pack or None)."""
-        buf, n, k, copy, lp = launched
+        """-> (rows (accepted n, bonus, d1..dk) per lane, k, the logprob pack or None, the
+        drafts each lane kept or None)."""
+        buf, n, k, copy, lp, kr = launched
         if self._cuda:
             t0 = time.perf_counter()
             self._events[buf].synchronize()
             self.wait_s += time.perf_counter() - t0
-            return self._host[buf][:n, : 2 + k].tolist(), k, lp
-        return copy.tolist(), k, lp
+            kept = None if kr is None else kr[:n].tolist()
+            return self._host[buf][:n, : 2 + k].tolist(), k, lp, kept
+        return copy.tolist(), k, lp, None if kr is None else kr.tolist()
 
-    def _take(self, rows, k: int, lp=None) -> None:
+    def _take(self, rows, k: int, lp=None, kept=None) -> None:
         """Emit a read round's tokens to the lanes still going (a finished or cancelled
         lane's row is dropped); k: the round's drafts (its verify ran k + 1 rows a lane);
-        lp: the round's logprob pack (_logprob_pack) when a lane asked."""
+        lp: the round's logprob pack (_logprob_pack) when a lane asked; kept: the drafts
+        each lane kept (a round with p_min or masks: a draft below p_min or a dead mask row
+        ended them), else each lane's k_now."""
         lps = self._round_logprobs(rows, k + 1, lp) if lp is not None else {}
         for i, (r, row) in enumerate(zip(self.active, rows)):  # row: (accepted n, bonus, d1..dk) of that lane
             if r.reason is not None:
                 continue
             n, bonus = row[0], row[1]
+            drafted = r.k_now if kept is None else kept[i]
             r.rounds += 1
             # a constraint that allowed no token at all (no drafts, a dead bonus row): the engine
             # core's accept gives no result there, so it records no round and keeps its k
-            dead = bonus < 0 and r.k_now == 0
+            dead = bonus < 0 and drafted == 0
             if r.k > 0 and not dead:
-                r.telemetry.record_round(r.k_now, n)
+                r.telemetry.record_round(drafted, n)
             if r.adaptive_floor is not None and not dead:  # the core's rule (hyspec.core.round.run_round),
                 cut = next((j for j in range(n) if row[2 + j] in r.stop_ids), n)  # after its stop cut
                 r.k_next = max(r.adaptive_floor, min(cut + 1, r.k))
@@ -635,7 +655,8 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
 # ---------------------------------------------------------------------------------------
 def graph_eligible(reqs) -> str | None:
     """None when every request can run on the BatchDecoder (greedy or sampled, penalties
-    included, constrained or not, with logprobs or not, fixed or adaptive k with the post-norm hidden, one
+    included, constrained or not, with logprobs or not, fixed or adaptive k, with or without p_min, with the
+    post-norm hidden, one
     forced profile; a session turn when it resumes from a SeqState, not from a live
     engine-core slot, and has no more stop ids than the device's commit knows); else the
     reason it cannot (the engine core serves it). The prefix store is no reason: a lane
@@ -655,8 +676,8 @@ def graph_eligible(reqs) -> str | None:
         if r.keep and len(set(r.stop_ids or ())) > STOP_SLOTS:
             return f"a session turn with more than {STOP_SLOTS} stop ids (its end state would not be exact)"
         o = r.spec
-        if r.draft > 0 and o is not None and (o.p_min > 0 or o.hidden != "post" or not o.prime_pending):
-            return "speculative options the graph round does not have (p_min, hidden=pre, no priming)"
+        if r.draft > 0 and o is not None and (o.hidden != "post" or not o.prime_pending):
+            return "speculative options the graph round does not have (hidden=pre, no priming)"
     return None
 
 
@@ -685,7 +706,8 @@ def lane_of(r, on_finish=None, store=None) -> LaneRequest:
                        constraint=r.constraint, resume=resume, on_state=on_state, keep=r.keep,
                        logprobs=r.logprobs, token_logprobs=r.token_logprobs,
                        adaptive_floor=r.spec.adaptive_floor if r.draft > 0 and r.spec is not None and r.spec.adaptive
-                       else None)
+                       else None,
+                       p_min=r.spec.p_min if r.draft > 0 and r.spec is not None else 0.0)
 
 
 def lane_prompt_len(r) -> int:

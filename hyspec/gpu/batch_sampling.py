@@ -99,6 +99,23 @@ def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: tor
     return q, _choose(dsamp.draft_tokens, q, table, positions, regime, best)
 
 
+def softmax_of_rows(x: torch.Tensor) -> torch.Tensor:
+    """float64 softmax [B, V] of each row of x [B, V] (temperature 1), each row's numbers
+    independent of the row count: the row kernel (hyspec.kernels.probs.softmax_rows) where
+    the draws use it, else torch's softmax over fixed SAMPLE_BLOCK-row blocks."""
+    if row_kernels(x.device):
+        from hyspec.kernels.probs import softmax_rows
+
+        return softmax_rows(x.contiguous(), torch.ones(x.shape[0], dtype=torch.float64, device=x.device))
+    return blocked(lambda a: torch.softmax(a.double(), -1), x.shape[0], x)
+
+
+def sums_of_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B]: each row's sum of x [B, V], in fixed SAMPLE_BLOCK-row calls (a reduction of one
+    fixed shape: a row's sum does not depend on the row count)."""
+    return blocked(lambda a: a.sum(-1), x.shape[0], x)
+
+
 def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, plain: bool = True,
                    k_lane: torch.Tensor | None = None):
     """(n accepted [nb], next token [nb]) per lane from the verify logits (still in the
