@@ -596,6 +596,8 @@ MADE_BY = {
                                    "tests/test_batch_logprobs.py` (H200; constrained lanes' logprobs added)",
     "logprobs_h200.json": "`python bench/logprobs.py --config b2 --device cuda --dtype bfloat16 --out "
                           "bench/results/logprobs_h200.json` (H200)",
+    "pmin_h200.json": "`python bench/pmin.py --device cuda --dtype bfloat16 --out bench/results/pmin_h200.json` "
+                      "(H200; the default model)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
                                           "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
     "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
