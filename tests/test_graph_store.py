@@ -3,9 +3,9 @@ hyspec.gpu.batch_loop LaneRequest.resume / on_state), on CPU through the Triton 
 fp32, a tiny model:
 
 * a lane's end state, put back into a graph lane (beside another sequence, in another lane)
-  with nothing new to prefill, goes on bitwise as the lane that never stopped: the same
-  tokens and, at the end, the same state (every tensor; a drafting lane's target part and
-  its final draft KV rows);
+  with nothing new to prefill, goes on as the lane that never stopped: the same tokens and,
+  for a plain lane, at the end the same state (every tensor; a drafting lane prefills its
+  pending token first, as the engine core does);
 * the same state resumed by the engine core (Scheduler + PrefixStore) gives the same tokens,
   and an engine-core end state resumed on a graph lane too;
 * a resumed lane that prefills new tokens after the state equals the engine core resuming
@@ -101,10 +101,12 @@ def test_lane_state_round_trip(model, dec, k, kind):
     assert state_b.tokens == tuple(PROMPT + b.tokens) and state_b.pos == len(state_b.tokens) - 1
     assert state_b.pending == b.tokens[-1] and (state_b.drafter == "post") == (k > 0)
 
-    # back into a graph lane, lane 1 this time, nothing new to prefill: it goes on from the
-    # state itself, bitwise the lane that never stopped -- which is the other sequence beside
-    # it, in lane 0 (from the prompt: N positions behind, so lane 1 reading lane 0's cache or
-    # state would not go unnoticed)
+    # back into a graph lane, lane 1 this time, nothing new to prefill: a plain lane goes on
+    # from the state itself, bitwise the lane that never stopped -- which is the other
+    # sequence beside it, in lane 0 (from the prompt: N positions behind, so lane 1 reading
+    # lane 0's cache or state would not go unnoticed); a drafting lane prefills its pending
+    # token and draws the next from that row, as the engine core resumes (its rounds start
+    # there): coupled sampling's tokens are those of the lane that never stopped all the same
     a = _lane(PROMPT, N + M, k, params, on_state=kept_a.append)  # the lane that never stops
     c = _lane(state_b.tokens, M, k, params, resume=state_b, on_state=kept.append)
     _run(dec, a, c)
@@ -113,12 +115,8 @@ def test_lane_state_round_trip(model, dec, k, kind):
     assert c.tokens == a.tokens[N:] and c.cached == len(state_b.tokens) - 1
     if k == 0:
         assert_same(state_c, state_a)
-    else:  # the rounds were cut differently: the target state and the final draft KV rows agree
-        assert_same(target_part(state_c), target_part(state_a))
-        f = min(state_a.fill_start, state_c.fill_start)
-        assert f >= len(state_a.tokens) - 3 - k
-        assert (state_c.draft_k[:, :f] == state_a.draft_k[:, :f]).all()
-        assert (state_c.draft_v[:, :f] == state_a.draft_v[:, :f]).all()
+    else:  # (the one-token prefill's kernels are not the decode step's: the same tokens, other bits)
+        assert state_c.tokens == state_a.tokens and state_c.pos == state_a.pos
 
     # into the engine core: a prefix-store hit whose pending token is prefilled
     store = PrefixStore(device=model.device)

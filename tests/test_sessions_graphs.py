@@ -138,3 +138,25 @@ def test_stop_among_accepted_drafts_and_a_state_not_handed_over(zoo, monkeypatch
     assert rebuilt == [plain.send(m).tokens for m in msgs[1:]]
     st = spec.state()
     assert st.pending == st.tokens[-1] and st.pos == len(st.tokens) - 1
+
+
+
+def test_continue_turns_sample_as_the_engine_core(zoo):
+    """`send([])` (go on with the reply) in a speculative session with seeded rejection
+    sampling: the lane prefills the pending token and draws the next from that row, as the
+    engine core's resume does, so its rounds start where the core's do and the draws that
+    make each token are the core's (going on from the state mid-rounds sampled other tokens
+    and ran other rounds: a different, equally distributed sample). On the CPU: the core
+    session's tokens and per-turn telemetry."""
+    def turns(eng):
+        s = eng.session(draft=3, params=SamplingParams(temperature=0.9, seed=4), max_new_tokens=NEW,
+                        ignore_eos=True, use_store=False)
+        m0, m1 = messages(eng.model.cfg.vocab_size, 2, seed=2)
+        outs = [s.send(m) for m in (m0, [], m1, [])]
+        return [(o.tokens, o.stats["spec"]["drafted_at"], o.stats["spec"]["accepted_at"]) for o in outs], \
+            [o.stats.get("path") for o in outs]
+
+    got, paths = turns(graph_engine(zoo, "qwen3_5"))
+    assert paths == ["batch-graphs"] * 4
+    if ON_CPU:
+        assert got == turns(core_engine(zoo, "qwen3_5"))[0]

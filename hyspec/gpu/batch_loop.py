@@ -277,7 +277,10 @@ class BatchRunner:
                 dec.load(lane, st, drafter=r.k > 0)
                 feed = ([st.pending] if st.pending is not None else []) + list(r.prompt[len(st.tokens):])
                 r.cached = len(r.prompt) - len(feed)
-                if feed == [st.pending]:  # nothing new: the lane goes on from the state itself
+                if feed == [st.pending] and r.k == 0:  # nothing new: a plain lane goes on from the state itself
+                    # (a drafting lane prefills its pending token and draws the next one from that
+                    # row, as the engine core's resume does: its rounds, hence which draws make a
+                    # sampled token, start there; going on mid-rounds would give other samples)
                     dec.set_params(lane, r.params)
                     dec.resume(lane, st, r.k)
                     r.t_first = time.perf_counter()
