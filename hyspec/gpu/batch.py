@@ -337,34 +337,21 @@ class BatchDecoder:
         self.pos[lane] = P
 
     @torch.no_grad()
-    def resume(self, lane: int, st, k: int) -> None:
-        """After load(): go on from a state whose pending token is the next to run, with no
-        prefill (a request whose prompt is exactly the stored transcript). The lane is then
-        what the lane that made the state was between two rounds: the queued drafter rows
-        are its fill (a longer queue, as the engine core's can be, has all but its last pair
-        written now)."""
+    def resume(self, lane: int, st) -> None:
+        """After load(): a plain lane (k = 0) goes on from a state whose pending token is the
+        next to run, with no prefill (a request whose prompt is exactly the stored
+        transcript): the lane is then what the lane that made the state was between two
+        steps. (A drafting lane prefills the pending token instead, as the engine core
+        resumes: hyspec.gpu.batch_loop.BatchRunner._admit.)"""
         if st.pending is None:
             raise ValueError("a state without a pending token has nothing to run: prefill the new tokens")
-        self.fill_tokens[lane].zero_()
-        if k > 0:
-            n = len(st.fill_tokens)
-            toks, hs, start = list(st.fill_tokens), st.fill_h[:n], st.fill_start
-            if n > self.lane_rows:
-                self.model.mtp_hidden(torch.tensor(toks[:-1], device=self.dev), hs[:-1], StepCtx(start=start),
-                                      self._kvbuf(self.draft_k[lane], self.draft_v[lane]))
-                toks, hs, start = toks[-1:], hs[-1:], start + n - 1
-            self.fill_tokens[lane, : len(toks)] = torch.tensor(toks, device=self.dev)
-            self.fill_h[lane, : len(toks)] = hs
-            self.fill_start[lane] = start
-            self.fill_rows[lane] = len(toks)
-            self.h_last[lane] = st.h_last[0]
-        else:  # a plain lane's fill rows are never read (the drafter's rows of plain lanes are ignored)
-            self.fill_tokens[lane, 0] = st.pending
-            self.fill_h[lane].zero_()
-            self.fill_start[lane] = max(st.pos - 1, 0)
-            self.fill_rows[lane] = 1
-            self.h_last[lane].zero_()
-        self._go(lane, st.pending, k, list(st.tokens))
+        self.fill_tokens[lane].zero_()  # a plain lane's fill rows are never read
+        self.fill_tokens[lane, 0] = st.pending
+        self.fill_h[lane].zero_()
+        self.fill_start[lane] = max(st.pos - 1, 0)
+        self.fill_rows[lane] = 1
+        self.h_last[lane].zero_()
+        self._go(lane, st.pending, 0, list(st.tokens))
 
     @torch.no_grad()
     def export(self, lane: int, tokens: list[int], k: int):

@@ -282,7 +282,7 @@ class BatchRunner:
                     # row, as the engine core's resume does: its rounds, hence which draws make a
                     # sampled token, start there; going on mid-rounds would give other samples)
                     dec.set_params(lane, r.params)
-                    dec.resume(lane, st, r.k)
+                    dec.resume(lane, st)
                     r.t_first = time.perf_counter()
                     self._join(r, lane)
                     continue
