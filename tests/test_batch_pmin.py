@@ -109,14 +109,15 @@ def test_p_min_lanes_in_a_mixed_batch(zoo):
     eng = engine(zoo, "qwen3_5", dtype="float32")
     m = eng.model
     params, ks = [None, KINDS["rejection"], KINDS["rejection"]], [K, K, 0]
-    (pm0, full), (pm1, _) = cutting_p_min(m, PROMPTS[0], None), cutting_p_min(m, PROMPTS[1], params[1])
+    n = 6
+    (pm0, full), (pm1, _) = cutting_p_min(m, PROMPTS[0], None, n=n), cutting_p_min(m, PROMPTS[1], params[1], n=n)
     p_mins = [pm0, pm1, 0.0]
-    got = lanes_run(m, PROMPTS, params, p_mins, ks=ks)
+    got = lanes_run(m, PROMPTS, params, p_mins, ks=ks, n=n)
     assert 0 < got[0][2]["drafted"] < full
     if ON_CPU:  # each lane as the core runs it alone
-        assert got == core_run(m, PROMPTS, params, p_mins, ks=ks)
+        assert got == core_run(m, PROMPTS, params, p_mins, ks=ks, n=n)
     else:  # the greedy lane as it runs alone
-        assert got[0] == lanes_run(m, PROMPTS[:1], [None], [pm0])[0]
+        assert got[0] == lanes_run(m, PROMPTS[:1], [None], [pm0], n=n)[0]
 
 
 @pytest.mark.parametrize("kind", ["greedy"] if ON_CPU else ["greedy", "rejection"])

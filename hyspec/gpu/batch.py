@@ -79,11 +79,11 @@ def padded_size(n: int, sizes=BATCH_SIZES) -> int:
     raise ValueError(f"{n} lanes > the largest captured batch size {max(sizes)}")
 
 
-
 def _pm(pmin: bool) -> tuple:
     """The graph-key suffix of a round with the lanes' p_min (none without: the keys of the
     rounds without it are unchanged)."""
     return ("pmin",) if pmin else ()
+
 
 class BatchDecoder:
 
