@@ -542,8 +542,12 @@ class BatchDecoder:
         q = None
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
             q, draft = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime, counts)
+        elif masked:
+            draft = logits.argmax(-1)
+        elif pmin:  # the logits are here for the p_min test: their argmax is draft_argmax's id, without a
+            draft = runner.argmax(logits)  # second drafter head
         else:  # (draft_argmax: the argmax of draft_logits without a [nb, V] row for a reduced draft vocabulary)
-            draft = logits.argmax(-1) if masked else runner.draft_argmax(hidden)
+            draft = runner.draft_argmax(hidden)
         if pmin:
             q = self._pmin_cut(nb, i, logits, draft, q, keep_q, counts)
         if forced:
