@@ -598,6 +598,8 @@ MADE_BY = {
                           "bench/results/logprobs_h200.json` (H200)",
     "pmin_h200.json": "`python bench/pmin.py --device cuda --dtype bfloat16 --out bench/results/pmin_h200.json` "
                       "(H200; the default model)",
+    "gpu_tests_pmin_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q -rs -n 4 tests/test_batch_pmin.py "
+                               "tests/test_sessions_graphs.py` (H200)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
                                           "header in the log: the BK 64 move failed, so FP8 BK is the quant step)",
     "fp8_tile_heights_e5a8d31_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
