@@ -71,7 +71,9 @@ def check_against_reference(model, prompt, tokens, lps, top=TOP) -> None:
         assert [v for _, v in alts] == sorted((v for _, v in alts), reverse=True)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# (CI's time: one family on the CPU, where the lanes' per-family forward is checked against
+# the reference's logits by tests/test_batch_decoder.py; all three on the GPU)
+@pytest.mark.parametrize("arch", ["qwen3_5"] if ON_CPU else ARCHS)
 def test_logprobs_on_the_lanes_match_the_reference(zoo, arch):
     """Greedy K=2 and plain (one lane), seeded sampling with a penalty, K=2, two samples in
     one batch: on the lanes, each entry the reference's; no token changed by asking (on a

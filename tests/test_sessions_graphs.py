@@ -48,7 +48,9 @@ def replies(sess, msgs):
     return [sess.send(m).tokens for m in msgs]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# (CI's time: qwen3_next's lanes export and load states in tests/test_graph_store.py on the CPU;
+# all three families here on the GPU)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen3_next"] if ON_CPU else ARCHS)
 def test_graph_session_turns_resume_and_grow(zoo, arch):
     """Plain and K=2 turns run on the lanes, each resuming the state (only [pending] + the
     message prefilled); the decoder is rebuilt as the transcript outgrows it (on the CPU,

@@ -43,8 +43,9 @@ continuous-batching loop over this decoder in hyspec.gpu.batch_loop.
 Sequence states (the prefix store, docs/sessions.md "On the batched CUDA graphs"): export()
 copies a lane's state between rounds into a hyspec.core.state.SeqState in the engine
 core's layout; load() writes one into a lane, which then prefills only [pending] + new
-tokens from the state's position (prefill(start=pos), start(carry=...)) or, with nothing
-new, goes on from it directly (resume()).
+tokens from the state's position (prefill(start=pos), start(carry=...)) or, a plain lane
+with nothing new, goes on from it directly (resume(); a drafting lane prefills its pending
+token, as the engine core resumes).
 """
 from __future__ import annotations
 
