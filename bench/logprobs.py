@@ -70,18 +70,23 @@ def run(eng, prompt, n, draft, params, logprobs, reference, repeats):
             "acceptance_length": s.stats["spec"]["acceptance_length"] if draft else None}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap)
+def add_request_args(ap, out_name: str) -> None:
+    """The request and run options of the one-request lane benches (this one, bench/pmin.py)."""
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--core-tokens", type=int, default=32)
-    ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "logprobs_cpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out_name))
     ap.add_argument("--batch-graphs", action="store_true",
                     help="run the lanes on a CPU too (the Triton interpreter, TRITON_INTERPRET=1: slow; to try the "
                          "script on a tiny --model)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
+    add_request_args(ap, "logprobs_cpu.json")
+    ap.add_argument("--top", type=int, default=5)
     args = ap.parse_args(argv)
 
     eng = engine_of(args)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from hyspec.sampling import SamplingParams  # noqa: E402
 from hyspec.speculative.loop import SpecOptions  # noqa: E402
-from logprobs import git_info, heldout_ids  # noqa: E402
+from logprobs import add_request_args, git_info, heldout_ids  # noqa: E402
 from sessions import add_model_args, engine_of  # noqa: E402
 
 K = 3
@@ -54,14 +54,8 @@ def run(eng, prompt, n, draft, params, p_min, repeats):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--core-tokens", type=int, default=32)
+    add_request_args(ap, "pmin_cpu.json")
     ap.add_argument("--p-mins", default="1e-9,0.05,0.2,0.5")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pmin_cpu.json"))
-    ap.add_argument("--batch-graphs", action="store_true",
-                    help="run the lanes on a CPU too (the Triton interpreter, TRITON_INTERPRET=1: slow)")
     args = ap.parse_args(argv)
 
     eng = engine_of(args)

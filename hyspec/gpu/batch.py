@@ -764,16 +764,16 @@ class BatchDecoder:
         return out
 
     def capture(self, sizes, ks, forced=(False,), decode=True, sampled=(False,), masked=(False,),
-                plain=(True,), pmin=(False,)) -> None:
+                plain=(True,)) -> None:
         """Capture the graphs of these batch sizes, draft counts and sampling regimes (False,
         True = every stage, or SampledGraphKeys; plain: with / without plain lanes in the
-        speculative rounds; pmin: with / without the lanes' p_min) ahead of time
-        (masked=(True,): the constrained rounds' graphs; (False, True): both)."""
+        speculative rounds) ahead of time (masked=(True,): the constrained rounds' graphs;
+        (False, True): both). Rounds with p_min capture their graphs on first use."""
         if not self.graphs:
             return
         regimes = [self._regime_of(sm) for sm in sampled]
         if True in masked:
-            self._capture_masked(sizes, ks, forced, decode, regimes, plain, pmin)
+            self._capture_masked(sizes, ks, forced, decode, regimes, plain)
         if False not in masked:
             return
         ensure = self.step_graphs.ensure
@@ -782,18 +782,15 @@ class BatchDecoder:
                 if decode:
                     ensure(("decode", nb, rg), lambda nb=nb, rg=rg: self._decode_body(nb, rg))
                 for k in ks:
-                    for pm in {bool(p) and k > 0 for p in pmin}:
-                        for f in forced:
-                            if k > 0:
-                                ensure(("draft", nb, k, f, rg) + _pm(pm),
-                                       lambda nb=nb, k=k, f=f, rg=rg, pm=pm: self._draft_body(nb, k, f, rg, pm))
-                        for pl in {bool(p) and rg is not None for p in plain}:
-                            ensure(("commit", nb, k + 1, rg, pl) + _pm(pm),
-                                   lambda nb=nb, k=k, rg=rg, pl=pl, pm=pm: self._commit_body(nb, k + 1, rg, pl,
-                                                                                              pmin=pm))
+                    for f in forced:
+                        if k > 0:
+                            ensure(("draft", nb, k, f, rg), lambda nb=nb, k=k, f=f, rg=rg: self._draft_body(nb, k, f, rg))
                     ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
+                    for pl in {bool(p) and rg is not None for p in plain}:
+                        ensure(("commit", nb, k + 1, rg, pl),
+                               lambda nb=nb, k=k, rg=rg, pl=pl: self._commit_body(nb, k + 1, rg, pl))
 
-    def _capture_masked(self, sizes, ks, forced, decode, regimes, plain, pmin=(False,)) -> None:
+    def _capture_masked(self, sizes, ks, forced, decode, regimes, plain) -> None:
         ensure = self.step_graphs.ensure
         for nb in sizes:
             if decode:
@@ -808,9 +805,8 @@ class BatchDecoder:
                         ensure(("mdraft_fill", nb), lambda nb=nb: self._cfill_body(nb))
                     for i in range(k):
                         for f in forced:
-                            for pm in {bool(p) for p in pmin}:
-                                ensure(("mdraft_pick", nb, i, f, rg) + _pm(pm),
-                                       lambda nb=nb, i=i, f=f, rg=rg, pm=pm: self._cpick_body(nb, i, f, rg, pm))
+                            ensure(("mdraft_pick", nb, i, f, rg),
+                                   lambda nb=nb, i=i, f=f, rg=rg: self._cpick_body(nb, i, f, rg))
                         if i + 1 < k:
                             ensure(("mdraft_adv", nb, i), lambda nb=nb, i=i: self._cadv_body(nb, i))
                     ensure(("verify", nb, k + 1), lambda nb=nb, k=k: self._verify_body(nb, k + 1))
