@@ -163,6 +163,35 @@ def test_philox_kernel_bitwise_equals_torch_reference() -> None:
     assert torch.equal(g, gumbel_lanes(table.seed, Stream.COUPLED, pos, vocab, kernel=False))
 
 
+def test_u01_at_kernel_bitwise_equals_torch_reference() -> None:
+    """hyspec.kernels.rng.u01_at (Triton: the interpreter here, the GPU with CUDA), a round's
+    few draws in one launch, == u01_lanes bit for bit: one counter per lane and a [B, k]
+    block of them, seeds with the high bit set, counters past 2**32 and near 2**63, an empty
+    call; and u01_draws takes it with kernel=True and the torch ops with kernel=False."""
+    from hyspec.gpu.sampling import u01_draws
+    from hyspec.kernels.gemm import triton_available
+    from hyspec.kernels.pdl import interpreting
+    from hyspec.kernels.rng import u01_at
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    dev = torch.device("cpu" if interpreting() else "cuda")
+    seeds = torch.tensor([0, 1, 0xFFFFFFFF, (1 << 63) - 1, -(1 << 63), -1, 0x0123456789ABCDEF], device=dev)
+    B = seeds.shape[0]
+    pos = torch.tensor([0, 1, 17, (1 << 31) - 1, 1 << 33, (1 << 63) - 8, 5], device=dev)
+    for stream in (Stream.ACCEPT, Stream.RESIDUAL, Stream.BONUS, Stream.DRAFT, Stream.PLAIN):
+        assert torch.equal(u01_at(seeds, stream, pos), u01_lanes(seeds, stream, pos)), stream
+        block = pos.unsqueeze(1) + torch.arange(3, device=dev)  # [B, 3]: a round's accept draws
+        got = u01_at(seeds, stream, block)
+        assert got.shape == (B, 3) and torch.equal(got, u01_lanes(seeds, stream, block)), stream
+        assert torch.equal(u01_draws(seeds, stream, block, kernel=True), got)
+        assert torch.equal(u01_draws(seeds, stream, block, kernel=False), got)
+    assert u01_at(seeds, Stream.ACCEPT, pos.unsqueeze(1)[:, :0]).shape == (B, 0)
+    # the counters' two words and the stream each reach the draw
+    assert not torch.equal(u01_at(seeds, Stream.ACCEPT, pos), u01_at(seeds, Stream.BONUS, pos))
+    assert not torch.equal(u01_at(seeds, Stream.ACCEPT, pos + (1 << 32)), u01_at(seeds, Stream.ACCEPT, pos))
+
+
 def test_gumbel_argmax_kernel_equals_torch() -> None:
     """hyspec.kernels.rng.gumbel_argmax (Triton: the interpreter here, the GPU with CUDA)
     == the torch ops (u01_rows_ref, two logs, log p, argmax): rows with zeros, a row

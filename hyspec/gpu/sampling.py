@@ -57,6 +57,7 @@ reference raises); positions are in ``[0, 2**31)``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ from hyspec.kernels.common import triton_available
 from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref, softmax_rows
 from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.probs.topp import prefix_select_rows, topp_kernel_enabled
-from hyspec.kernels.rng import gumbel_argmax, u01_rows, u01_rows_ref
+from hyspec.kernels.rng import gumbel_argmax, u01_at, u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
 from hyspec.sampling import MASS_ONE, SamplingParams, fixed_mass
 
@@ -77,6 +78,7 @@ __all__ = [
     "order_key",
     "prefix_select",
     "u01_lanes",
+    "u01_draws",
     "gumbel_lanes",
     "probs_batch",
     "sample_rows",
@@ -510,6 +512,21 @@ def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     return score.argmax(dim=1)
 
 
+# the few draws of a round (u01_draws) in one Triton launch where the row kernels run;
+# HYSPEC_U01_KERNEL=0 (or False here, before a graph is captured) restores the torch ops
+U01_KERNEL = os.environ.get("HYSPEC_U01_KERNEL", "1") != "0"
+
+
+def u01_draws(seeds: torch.Tensor, stream: int, counters: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+    """float64 [B, ...]: ``u01(seeds[b], stream, counters[b, ...])``, the few uniforms of a
+    round (one per lane or draft): on CUDA (kernel=None) or with kernel=True one Triton launch
+    (:func:`hyspec.kernels.rng.u01_at`), else the torch ops of :func:`u01_lanes` (~250
+    launches of a few elements each); the same bits."""
+    if kernel is None:
+        kernel = counters.is_cuda and triton_available()
+    return u01_at(seeds, stream, counters) if kernel and U01_KERNEL else u01_lanes(seeds, stream, counters)
+
+
 def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, stream: int,
             regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None,
             best: torch.Tensor | None = None) -> torch.Tensor:
@@ -522,7 +539,7 @@ def _choose(probs: torch.Tensor, table: SamplingTable, positions: torch.Tensor, 
         return tok
     pos = positions.to(torch.int64)
     if regime.rejection:
-        u = u01_lanes(table.seed, stream, pos)  # [B]
+        u = u01_draws(table.seed, stream, pos, kernel)  # [B]
         tok = torch.where(table.greedy, tok, sample_rows(probs, u, kernel=kernel))
     if regime.coupled:
         tok = torch.where(table.coupled_draw, coupled_rows(probs, table.seed, pos, kernel=kernel), tok)
@@ -602,7 +619,7 @@ def speculative_accept(
         if rejection:
             pd = p[:, :k].gather(2, d.unsqueeze(2)).squeeze(2)  # [B, k]
             qd = q.gather(2, d.unsqueeze(2)).squeeze(2)  # [B, k]
-            u_acc = u01_lanes(seeds, Stream.ACCEPT, pos.unsqueeze(1) + j)  # [B, k]
+            u_acc = u01_draws(seeds, Stream.ACCEPT, pos.unsqueeze(1) + j, kernel)  # [B, k]
             accepted = torch.where(match_lane.unsqueeze(1), accepted, u_acc * qd < pd)
         accepted &= j < kl.unsqueeze(1)  # [B, k]
         n = torch.where(accepted, torch.full_like(j, k), j.expand(B, k)).amin(dim=1)  # first rejection
@@ -616,8 +633,8 @@ def speculative_accept(
     rejected = n < kl  # [B]
     u = torch.where(
         rejected,
-        u01_lanes(seeds, Stream.RESIDUAL, pos + n),
-        u01_lanes(seeds, Stream.BONUS, pos + n),
+        u01_draws(seeds, Stream.RESIDUAL, pos + n, kernel),
+        u01_draws(seeds, Stream.BONUS, pos + n, kernel),
     )
     if kernel:  # the kernel reads rows n of p and q in place and forms the residual itself
         q_n = n.clamp(max=k - 1) if k > 0 else None

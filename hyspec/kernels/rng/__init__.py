@@ -6,6 +6,9 @@ Contract::
     u01_rows(seeds int64 [B], stream, positions int64 [B], vocab, out=None) -> float64 [B, vocab]
     out[b, i] = u01(seeds[b], stream, positions[b] * 2**32 + i)
 
+    u01_at(seeds int64 [B], stream, counters int [B, ...]) -> float64 [B, ...]
+    out[b, ...] = u01(seeds[b], stream, counters[b, ...])
+
     gumbel_argmax(probs float64 [B, V], seeds, stream, positions) -> int64 [B]
     = the first argmax over {i: probs[b, i] > 0} of log probs[b, i] - log(-log out[b, i])
       (0 for a row without mass)
@@ -19,11 +22,14 @@ int -> float64 conversion: the uniforms are bit-identical to the reference (and 
 :func:`hyspec.rng.u01`) on every device.  ``gumbel_argmax`` then takes the logarithms
 in the kernel (the noise is never stored; the float64 ``log`` of the device's math
 library, as torch's) and reduces per 1024-token chunk, the first best chunk winning.
-No host sync; graph capturable.
+``u01_at`` is the few draws of a round (rejection sampling's accept, residual, bonus
+and inverse-CDF uniforms, one per lane or draft) in one launch: their torch form
+(:func:`hyspec.rng.u01_lanes`) is ~250 launches of a few elements each, ~0.3 ms per call
+inside a CUDA graph.  No host sync; graph capturable.
 
 Files: ``kernel.py`` (Triton kernels + launchers), ``reference.py`` (torch).
 """
-from hyspec.kernels.rng.kernel import gumbel_argmax, u01_rows
+from hyspec.kernels.rng.kernel import gumbel_argmax, u01_at, u01_rows
 from hyspec.kernels.rng.reference import gumbel_argmax_ref, u01_rows_ref
 
-__all__ = ["u01_rows", "u01_rows_ref", "gumbel_argmax", "gumbel_argmax_ref"]
+__all__ = ["u01_rows", "u01_rows_ref", "u01_at", "gumbel_argmax", "gumbel_argmax_ref"]

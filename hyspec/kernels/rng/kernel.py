@@ -6,30 +6,28 @@ import torch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 
-__all__ = ["u01_rows", "gumbel_argmax"]
+__all__ = ["u01_rows", "u01_at", "gumbel_argmax"]
 
 _BLOCK = 1024
 
+_philox_u01 = None  # the kernels' Philox helper (a jit function), bound by _bind_philox()
+
 
 @kernels_per_mode
-def _kernels():
+def _philox():
+    """The Philox4x32-10 uniform of one (key, counter) per element, as a Triton function
+    (inlined by the kernels below): the 32-bit words as uint32, ``umulhi`` and wrapping
+    ``*`` for the 32x32 -> 64 bit products, the 53-bit mantissa of hyspec.rng.u01."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _u01_rows_kernel(seed_ptr, pos_ptr, out_ptr, V, stream, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # token ids of this block
-        s = tl.load(seed_ptr + b)  # int64: the uint64 seed's bits
-        pos = tl.load(pos_ptr + b)  # int64 in [0, 2**31)
-        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+    def philox_u01(s, c0, c1, c2, BLOCK: tl.constexpr):
+        """float64 [BLOCK]: u01 of key s (int64: the uint64 seed's bits; a scalar or [BLOCK])
+        at the counter words (c0, c1, c2, 0) (uint32 [BLOCK]; c2 the stream)."""
         k0 = (s & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        # counter = pos * 2**32 + i -> words (i, pos, stream, 0)
-        c0 = i.to(tl.uint32)
-        c1 = zero + pos.to(tl.uint32)
-        c2 = zero + stream.to(tl.uint32)
-        c3 = zero
+        c3 = tl.zeros([BLOCK], dtype=tl.uint32)
         m0 = tl.full([BLOCK], 0xD2511F53, tl.uint32)
         m1 = tl.full([BLOCK], 0xCD9E8D57, tl.uint32)
         for r in tl.static_range(10):
@@ -43,10 +41,49 @@ def _kernels():
             c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         m = ((c0 >> 5).to(tl.int64) << 26) | (c1 >> 6).to(tl.int64)  # 53 bits
         u = m.to(tl.float64) * 1.1102230246251565e-16  # 2**-53, exact
-        u = tl.where(m == 0, 5.551115123125783e-17, u)  # 2**-54
+        return tl.where(m == 0, 5.551115123125783e-17, u)  # 2**-54
+
+    return philox_u01
+
+
+def _bind_philox() -> None:
+    """Bind the module global the kernels call to the helper of the process's Triton mode
+    (a global, not a closure variable: the interpreter runs a kernel's source with its
+    module's globals only)."""
+    global _philox_u01
+    _philox_u01 = _philox()
+
+
+@kernels_per_mode
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    _bind_philox()
+
+    @triton.jit
+    def _u01_rows_kernel(seed_ptr, pos_ptr, out_ptr, V, stream, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # token ids of this block
+        s = tl.load(seed_ptr + b)  # int64: the uint64 seed's bits
+        pos = tl.load(pos_ptr + b)  # int64 in [0, 2**31)
+        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+        # counter = pos * 2**32 + i -> words (i, pos, stream, 0)
+        u = _philox_u01(s, i.to(tl.uint32), zero + pos.to(tl.uint32), zero + stream.to(tl.uint32), BLOCK)
         tl.store(out_ptr + b.to(tl.int64) * V + i, u, mask=i < V)
 
-    return _u01_rows_kernel
+    @triton.jit
+    def _u01_at_kernel(seed_ptr, cnt_ptr, out_ptr, n, per_row, stream, BLOCK: tl.constexpr):
+        e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat element ids
+        live = e < n
+        s = tl.load(seed_ptr + e // per_row, mask=live, other=0)  # the element's row's key
+        c = tl.load(cnt_ptr + e, mask=live, other=0)  # int64 counter in [0, 2**63)
+        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+        u = _philox_u01(s, (c & 0xFFFFFFFF).to(tl.uint32), (c >> 32).to(tl.uint32), zero + stream.to(tl.uint32),
+                       BLOCK)
+        tl.store(out_ptr + e, u, mask=live)
+
+    return _u01_rows_kernel, _u01_at_kernel
 
 
 def u01_rows(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: int,
@@ -59,8 +96,30 @@ def u01_rows(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: i
     if out is None:
         out = torch.empty(B, vocab, dtype=torch.float64, device=seeds.device)
     grid = (B, -(-vocab // _BLOCK))
-    _kernels()[grid](seeds.contiguous(), positions.to(torch.int64).contiguous(), out, vocab, int(stream),
+    _kernels()[0][grid](seeds.contiguous(), positions.to(torch.int64).contiguous(), out, vocab, int(stream),
                      BLOCK=_BLOCK)
+    return out
+
+
+_AT_BLOCK = 128
+
+
+def u01_at(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> torch.Tensor:
+    """float64 [B, ...]: ``u01(seeds[b], stream, counters[b, ...])`` elementwise, in one launch:
+    :func:`hyspec.rng.u01_lanes` (the torch form, ~250 elementwise launches) bit for bit.
+
+    seeds: int64 [B]; counters: integer [B, ...] (or [B]) in [0, 2**63), on the device.
+    No host sync; graph capturable."""
+    c = counters.to(torch.int64).contiguous()
+    B = seeds.shape[0]
+    if c.shape[0] != B:
+        raise ValueError(f"u01_at: counters {tuple(c.shape)} do not start with the {B} rows of seeds")
+    out = torch.empty(c.shape, dtype=torch.float64, device=c.device)
+    n = c.numel()
+    if n == 0:
+        return out
+    _kernels()[1][(-(-n // _AT_BLOCK),)](seeds.to(torch.int64).contiguous(), c, out, n, max(1, n // B),
+                                          int(stream), BLOCK=_AT_BLOCK)
     return out
 
 
@@ -71,6 +130,8 @@ _GUMBEL_BLOCK = 1024
 def _gumbel_kernels():
     import triton
     import triton.language as tl
+
+    _bind_philox()
 
     @triton.jit
     def _gumbel_max_kernel(p_ptr, stride_p, seed_ptr, pos_ptr, score_ptr, idx_ptr, V, n_chunks, stream,
@@ -83,26 +144,7 @@ def _gumbel_kernels():
         s = tl.load(seed_ptr + b)
         pos = tl.load(pos_ptr + b)
         zero = tl.zeros([BLOCK], dtype=tl.uint32)
-        k0 = (s & 0xFFFFFFFF).to(tl.uint32)
-        k1 = ((s >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        c0 = i.to(tl.uint32)
-        c1 = zero + pos.to(tl.uint32)
-        c2 = zero + stream.to(tl.uint32)
-        c3 = zero
-        m0 = tl.full([BLOCK], 0xD2511F53, tl.uint32)
-        m1 = tl.full([BLOCK], 0xCD9E8D57, tl.uint32)
-        for r in tl.static_range(10):
-            if r > 0:
-                k0 = k0 + tl.full([], 0x9E3779B9, tl.uint32)
-                k1 = k1 + tl.full([], 0xBB67AE85, tl.uint32)
-            hi0 = tl.umulhi(c0, m0)
-            lo0 = c0 * m0
-            hi1 = tl.umulhi(c2, m1)
-            lo1 = c2 * m1
-            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        m = ((c0 >> 5).to(tl.int64) << 26) | (c1 >> 6).to(tl.int64)
-        u = m.to(tl.float64) * 1.1102230246251565e-16
-        u = tl.where(m == 0, 5.551115123125783e-17, u)
+        u = _philox_u01(s, i.to(tl.uint32), zero + pos.to(tl.uint32), zero + stream.to(tl.uint32), BLOCK)
         p = tl.load(p_ptr + b.to(tl.int64) * stride_p + i, mask=i < V, other=0.0)
         g = -tl.log(-tl.log(u))
         score = tl.where(p > 0, tl.log(tl.where(p > 0, p, 1.0)) + g, float("-inf"))
