@@ -61,7 +61,7 @@ def _kernels():
 
     _bind_philox()
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stream"])  # (a stream of 1 would become a constant without .to)
     def _u01_rows_kernel(seed_ptr, pos_ptr, out_ptr, V, stream, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # token ids of this block
@@ -72,7 +72,7 @@ def _kernels():
         u = _philox_u01(s, i.to(tl.uint32), zero + pos.to(tl.uint32), zero + stream.to(tl.uint32), BLOCK)
         tl.store(out_ptr + b.to(tl.int64) * V + i, u, mask=i < V)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stream"])  # (a stream of 1 would become a constant without .to)
     def _u01_at_kernel(seed_ptr, cnt_ptr, out_ptr, n, per_row, stream, BLOCK: tl.constexpr):
         e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat element ids
         live = e < n
@@ -133,7 +133,7 @@ def _gumbel_kernels():
 
     _bind_philox()
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stream"])  # (a stream of 1 would become a constant without .to)
     def _gumbel_max_kernel(p_ptr, stride_p, seed_ptr, pos_ptr, score_ptr, idx_ptr, V, n_chunks, stream,
                            BLOCK: tl.constexpr):
         """Chunk c of row b: the max over its tokens of log p + Gumbel noise (-inf where p = 0)
