@@ -1,7 +1,10 @@
-"""Sampled requests on the GPU lanes by sampling mode: greedy, rejection (the default mode)
-and coupled, plain and speculative, with the round's few uniform draws in one Triton launch
-(``hyspec.kernels.rng.u01_at``) and with the torch ops they ran as before (~250 launches of
-a few elements per draw: ``HYSPEC_U01_KERNEL=0``), side by side in one run.  GPU only.
+"""Sampled and penalised requests on the GPU lanes by sampling mode: greedy, greedy with a
+repetition penalty (the README's first command), rejection (the default sampling mode) and
+coupled, plain and speculative, side by side in one run, in two arms: "kernels", the
+round's few uniform draws in one Triton launch each (``hyspec.kernels.rng.u01_at``) and the
+penalty window's pushes in one launch each (``hyspec.kernels.window``), and "torch_ops",
+both as the torch ops they ran as before (~250 launches per draw, ~30 per pushed token:
+``HYSPEC_U01_KERNEL=0 HYSPEC_WINDOW_KERNEL=0``).  GPU only.
 
     python bench/sampled_modes.py --out bench/results/sampled_modes_h200.json
 
@@ -30,20 +33,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from hyspec.gpu import penalties as dpen  # noqa: E402
 from hyspec.gpu import sampling as dsamp  # noqa: E402
 from hyspec.sampling import SamplingParams  # noqa: E402
 from hyspec.speculative.loop import SpecOptions  # noqa: E402
 from logprobs import git_info, heldout_ids  # noqa: E402
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)
-MODES = {"greedy": None, "rejection": dict(mode="rejection", **SAMPLED), "coupled": dict(mode="coupled", **SAMPLED)}
-ARMS = {"u01_kernel": True, "torch_u01": False}
+MODES = {"greedy": None, "greedy_rep1.2": dict(temperature=0.0, repetition_penalty=1.2),
+         "rejection": dict(mode="rejection", **SAMPLED), "coupled": dict(mode="coupled", **SAMPLED)}
+ARMS = {"kernels": True, "torch_ops": False}
 TARGET = 0.9
 
 
 def _params(mode: str, seed: int):
     kw = MODES[mode]
     return None if kw is None else SamplingParams(seed=seed, **kw)
+
+
+def _arm(on: bool) -> None:
+    """Both switches (read when a graph is captured: the caller drops the graphs)."""
+    dsamp.U01_KERNEL = dpen.WINDOW_KERNEL = on
 
 
 def _graph_times(dec) -> dict:
@@ -60,7 +70,7 @@ def engine_part(args, log) -> dict:
     out = {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "cases": []}
     tokens = {}
     for arm, on in ARMS.items():
-        dsamp.U01_KERNEL = on
+        _arm(on)
         for mode in MODES:
             for k in (0, 3):
                 eng._batch_dec = None  # a fresh decoder: its graphs are captured with this arm's draws
@@ -82,18 +92,18 @@ def engine_part(args, log) -> dict:
                        "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates,
                        "rounds": tel.get("rounds"), "accepted": tel.get("accepted"), "graph_replay_ms": graphs}
                 out["cases"].append(row)
-                log(f"default model  {arm:10s} {mode:9s} K={k}: {row['decode_tok_s']:8.1f} tok/s [{row['path']}]"
+                log(f"default model  {arm:10s} {mode:13s} K={k}: {row['decode_tok_s']:8.1f} tok/s [{row['path']}]"
                     + (f"  rounds {row['rounds']} accepted {row['accepted']}" if k else ""))
                 for key, ms in graphs.items():
                     log(f"      {ms * 1e3:8.1f} us  {key}")
-    dsamp.U01_KERNEL = True
+    _arm(True)
     for c in out["cases"]:
-        c["same_tokens_both_arms"] = tokens[("u01_kernel", c["mode"], c["k"])] == tokens[("torch_u01", c["mode"], c["k"])]
+        c["same_tokens_both_arms"] = tokens[("kernels", c["mode"], c["k"])] == tokens[("torch_ops", c["mode"], c["k"])]
     for mode in MODES:
         for k in (0, 3):
-            a = next(c for c in out["cases"] if c["arm"] == "u01_kernel" and c["mode"] == mode and c["k"] == k)
-            b = next(c for c in out["cases"] if c["arm"] == "torch_u01" and c["mode"] == mode and c["k"] == k)
-            log(f"default model  {mode:9s} K={k}: x{a['decode_tok_s'] / b['decode_tok_s']:.2f} with the u01 kernel "
+            a = next(c for c in out["cases"] if c["arm"] == "kernels" and c["mode"] == mode and c["k"] == k)
+            b = next(c for c in out["cases"] if c["arm"] == "torch_ops" and c["mode"] == mode and c["k"] == k)
+            log(f"default model  {mode:13s} K={k}: x{a['decode_tok_s'] / b['decode_tok_s']:.2f} with the kernels "
                 f"({b['decode_tok_s']:.1f} -> {a['decode_tok_s']:.1f} tok/s); same tokens: {a['same_tokens_both_arms']}")
     return out
 
@@ -109,13 +119,15 @@ def rounds_part(args, log) -> dict:
     out = {"config": args.config, "lanes": [1, S], "replays": args.replays, "cases": []}
     times = {}
     for arm, on in ARMS.items():
-        dsamp.U01_KERNEL = on
+        _arm(on)
         for mode in MODES:
             dec.step_graphs.graphs.clear()  # captured again with this arm's draws
             regime = None
-            if mode != "greedy":
+            if MODES[mode] is not None:
                 for lane in range(S):
                     dec.set_params(lane, _params(mode, lane))
+                    if dec.window is not None:  # a penalised lane's window over a stand-in history
+                        dec.window.load(lane, list(range(lane, lane + 128)), _params(mode, lane))
                 regime = dsamp.SampledGraphKey.of([_params(mode, 0)])
             else:
                 for lane in range(S):
@@ -127,19 +139,19 @@ def rounds_part(args, log) -> dict:
                     ms = time_fn(fn, dev, args.replays, warmup=2)
                     times[(arm, mode, nb, step)] = ms
                     out["cases"].append({"arm": arm, "mode": mode, "lanes": nb, "step": step, "ms": ms})
-                    log(f"{args.config}  {arm:10s} {mode:9s} {nb:3d} lanes {step:8s}: {ms:7.3f} ms")
-    dsamp.U01_KERNEL = True
+                    log(f"{args.config}  {arm:10s} {mode:13s} {nb:3d} lanes {step:8s}: {ms:7.3f} ms")
+    _arm(True)
     out["ratios"] = {}
     for arm in ARMS:
         for nb in (1, S):
-            for mode in ("rejection", "coupled"):
+            for mode in ("greedy_rep1.2", "rejection", "coupled"):
                 for step in ("decode", "round_k3"):
                     r = times[(arm, "greedy", nb, step)] / times[(arm, mode, nb, step)]
                     key = f"{arm}:{mode}:{step}:B{nb}"
                     out["ratios"][key] = r
                     tgt = (f"  (target >= {TARGET}: {'met' if r >= TARGET else 'missed'})"
-                           if step == "round_k3" else "")
-                    log(f"{args.config}  {arm:10s} {mode:9s} {nb:3d} lanes {step:8s}: sampled / greedy speed "
+                           if step == "round_k3" and mode != "greedy_rep1.2" else "")
+                    log(f"{args.config}  {arm:10s} {mode:13s} {nb:3d} lanes {step:8s}: over greedy, speed "
                         f"x{r:.3f}{tgt}")
     return out
 

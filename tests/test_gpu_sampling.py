@@ -242,6 +242,49 @@ def test_penalty_window_push_matches_reference_window(seed: int) -> None:
             assert int(window.length[b]) == len(hists[b])
 
 
+def test_penalty_window_kernel_equals_torch_pushes() -> None:
+    """hyspec.kernels.window.window_push (Triton: the interpreter here, the GPU with CUDA)
+    leaves the ring, counts and length of the torch pushes (PenaltyWindow.push_ref) after
+    every push and push_many: windows of N = -1, 0, 1 (the ring's slot read right after its
+    write), 2, 5 and 64, full and filling, ids outside [0, V), inactive lanes, and a head()
+    view of the first lanes."""
+    from hyspec.kernels.gemm import triton_available
+    from hyspec.kernels.pdl import interpreting
+    from hyspec.kernels.window import window_push
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    dev = torch.device("cpu" if interpreting() else "cuda")
+    rng = random.Random(3)
+    B, Vw = 8, 50
+    a = PenaltyWindow(B, Vw, capacity=64, device=dev)
+    for b, (n, length) in enumerate(zip([-1, 0, 1, 2, 5, 64, 1, 5], [3, 0, 0, 1, 2, 70, 40, 9])):
+        a.load(b, [rng.randrange(-1, Vw + 2) for _ in range(length)], n)  # filling and full windows
+    ref = a.clone()
+
+    def same() -> bool:
+        return all(torch.equal(x, y) for x, y in ((a.ring, ref.ring), (a.counts, ref.counts),
+                                                  (a.length, ref.length), (a.last_n, ref.last_n)))
+
+    for step in range(12):
+        m = rng.choice([1, 3, 4])
+        toks = torch.tensor([[rng.randrange(-1, Vw + 2) for _ in range(m)] for _ in range(B)], device=dev)
+        n_valid = torch.tensor([rng.randrange(m + 1) for _ in range(B)], device=dev)
+        lanes = rng.choice([B, 5])
+        window_push(a.head(lanes).last_n, a.head(lanes).length, a.head(lanes).ring, a.head(lanes).counts,
+                    toks[:lanes], n_valid[:lanes])
+        for i in range(m):
+            ref.head(lanes).push_ref(toks[:lanes, i], n_valid[:lanes] > i)
+        assert same(), step
+        active = torch.tensor([rng.random() < 0.7 for _ in range(B)], device=dev)
+        a.push(toks[:, 0], active)  # one token a lane (a decode step)
+        ref.push_ref(toks[:, 0], active)
+        assert same(), step
+    a.push(toks[:, -1])  # every lane active
+    ref.push_ref(toks[:, -1])
+    assert same()
+
+
 def test_penalty_window_capacity() -> None:
     w = PenaltyWindow(2, V, capacity=8)
     with pytest.raises(ValueError, match="capacity"):

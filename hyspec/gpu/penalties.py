@@ -9,6 +9,7 @@ inside its graphs (hyspec/gpu/batch.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,17 @@ from hyspec.gpu.sampling import SamplingTable, probs_batch
 from hyspec.sampling import SamplingParams, _window
 
 __all__ = ["PenaltyWindow", "window_counts", "row_counts", "verify_probs"]
+
+# a window's pushes as one Triton launch (hyspec.kernels.window) where the sampling row
+# kernels run (CUDA, or the Triton interpreter); HYSPEC_WINDOW_KERNEL=0 (or False here,
+# before a graph is captured) keeps the torch ops (PenaltyWindow.push_ref)
+WINDOW_KERNEL = os.environ.get("HYSPEC_WINDOW_KERNEL", "1") != "0"
+
+
+def _kernel_for(t: torch.Tensor) -> bool:
+    from hyspec.gpu.batch_sampling import row_kernels
+
+    return WINDOW_KERNEL and row_kernels(t.device)
 
 
 def window_counts(history: Sequence[int] | torch.Tensor, last_n: int, vocab: int) -> torch.Tensor:
@@ -78,6 +90,16 @@ class PenaltyWindow:
     # device side ----------------------------------------------------------------------
     def push(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> None:
         """Append one token per lane: tokens [B] int64; active [B] bool (None = all)."""
+        if _kernel_for(tokens):
+            from hyspec.kernels.window import window_push
+
+            nv = torch.ones_like(self.length) if active is None else active.to(torch.int64)
+            window_push(self.last_n, self.length, self.ring, self.counts, tokens.view(-1, 1), nv)
+            return
+        self.push_ref(tokens, active)
+
+    def push_ref(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> None:
+        """push as torch ops (the reference of hyspec.kernels.window.window_push)."""
         B, V = self.batch, self.vocab
         t = tokens.to(torch.int64)  # [B]
         act = torch.ones(B, dtype=torch.bool, device=self.device) if active is None else active  # [B]
@@ -95,8 +117,13 @@ class PenaltyWindow:
     def push_many(self, tokens: torch.Tensor, n_valid: torch.Tensor) -> None:
         """Append tokens[b, :n_valid[b]] per lane (tokens [B, m], n_valid [B]): the tokens a
         round emitted, e.g. ``drafts[:n]`` then ``next_token``."""
+        if _kernel_for(tokens):
+            from hyspec.kernels.window import window_push
+
+            window_push(self.last_n, self.length, self.ring, self.counts, tokens, n_valid)
+            return
         for i in range(tokens.shape[1]):  # m is a static shape
-            self.push(tokens[:, i], n_valid > i)
+            self.push_ref(tokens[:, i], n_valid > i)
 
     def head(self, lanes: int) -> PenaltyWindow:
         """The first ``lanes`` lanes as a window of views (its updates write through)."""
