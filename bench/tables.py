@@ -599,8 +599,10 @@ MADE_BY = {
     "pmin_h200.json": "`python bench/pmin.py --device cuda --dtype bfloat16 --out bench/results/pmin_h200.json` "
                       "(H200; the default model)",
     "sampled_modes_h200.json": "`python bench/sampled_modes.py --out bench/results/sampled_modes_h200.json` (H200; "
-                               "the default model's requests and b2's graph replays per sampling mode, the u01 "
-                               "kernel against the torch draws)",
+                               "the default model's requests and b2's graph replays per sampling mode, the u01 and "
+                               "window kernels against the torch ops)",
+    "gpu_tests_sampling_kernels_h200.txt": "`python3 -m pytest -q -rs tests/test_gpu_sampling.py -k 'philox or u01_at or "
+                                           "gumbel_argmax or penalty_window'` (H200)",
     "gpu_tests_pmin_h200.txt": "`HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q -rs -n 4 tests/test_batch_pmin.py "
                                "tests/test_sessions_graphs.py` (H200)",
     "fp8_tile_heights_a6c425c_h200.txt": "`python3 -m pytest -q tests/test_gpu_tile_heights.py -k fp8` (H200; "
