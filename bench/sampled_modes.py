@@ -86,6 +86,8 @@ def engine_part(args, log) -> dict:
                     rates.append(o.samples[0].stats.get("decode_tok_s") or 0.0)
                 s = o.samples[0]
                 tel = s.stats.get("spec") or {}
+                if not eng._batch_dec.step_graphs.active:  # a failed capture would time eager launches
+                    raise SystemExit(f"{arm} {mode} K={k}: a CUDA-graph capture failed")
                 graphs = {key: ms for key, ms in _graph_times(eng._batch_dec).items()}
                 tokens[(arm, mode, k)] = s.tokens
                 row = {"arm": arm, "mode": mode, "k": k, "path": s.stats.get("path"),
@@ -118,9 +120,9 @@ def rounds_part(args, log) -> dict:
     dev = torch.device("cuda")
     out = {"config": args.config, "lanes": [1, S], "replays": args.replays, "cases": []}
     times = {}
-    for arm, on in ARMS.items():
-        _arm(on)
-        for mode in MODES:
+    for mode in MODES:  # the two arms of a mode back to back (the lanes' contexts grow as rounds run)
+        for arm, on in ARMS.items():
+            _arm(on)
             dec.step_graphs.graphs.clear()  # captured again with this arm's draws
             regime = None
             if MODES[mode] is not None:
@@ -137,6 +139,8 @@ def rounds_part(args, log) -> dict:
                     fn = (lambda: dec.decode(nb, sampled=regime)) if step == "decode" else \
                         (lambda: dec.round(nb, 3, sampled=regime))
                     ms = time_fn(fn, dev, args.replays, warmup=2)
+                    if not dec.step_graphs.active:  # a failed capture would time eager launches
+                        raise SystemExit(f"{arm} {mode} {nb} {step}: a CUDA-graph capture failed")
                     times[(arm, mode, nb, step)] = ms
                     out["cases"].append({"arm": arm, "mode": mode, "lanes": nb, "step": step, "ms": ms})
                     log(f"{args.config}  {arm:10s} {mode:13s} {nb:3d} lanes {step:8s}: {ms:7.3f} ms")

@@ -186,7 +186,20 @@ def test_u01_at_kernel_bitwise_equals_torch_reference() -> None:
         assert got.shape == (B, 3) and torch.equal(got, u01_lanes(seeds, stream, block)), stream
         assert torch.equal(u01_draws(seeds, stream, block, kernel=True), got)
         assert torch.equal(u01_draws(seeds, stream, block, kernel=False), got)
+    import hyspec.gpu.sampling as dsamp_mod  # kernel=True takes the kernel, not the torch ops
+
+    def no_torch(*a, **k):
+        raise AssertionError("u01_lanes called")
+
+    torch_ops, dsamp_mod.u01_lanes = dsamp_mod.u01_lanes, no_torch
+    try:
+        if dsamp_mod.U01_KERNEL:
+            assert torch.equal(u01_draws(seeds, Stream.BONUS, pos, kernel=True), u01_at(seeds, Stream.BONUS, pos))
+    finally:
+        dsamp_mod.u01_lanes = torch_ops
     assert u01_at(seeds, Stream.ACCEPT, pos.unsqueeze(1)[:, :0]).shape == (B, 0)
+    one = u01_at(seeds[3:4], Stream.DRAFT, pos[3:4])  # one lane, one draw
+    assert one.shape == (1,) and float(one[0]) == u01(int(seeds[3]) % (1 << 64), Stream.DRAFT, int(pos[3]))
     # the counters' two words and the stream each reach the draw
     assert not torch.equal(u01_at(seeds, Stream.ACCEPT, pos), u01_at(seeds, Stream.BONUS, pos))
     assert not torch.equal(u01_at(seeds, Stream.ACCEPT, pos + (1 << 32)), u01_at(seeds, Stream.ACCEPT, pos))

@@ -2,6 +2,6 @@
 :mod:`hyspec.kernels.rng` (``kernel.py``, ``reference.py``)."""
 from __future__ import annotations
 
-from hyspec.kernels.rng.kernel import _BLOCK, _kernels, u01_rows  # noqa: F401
+from hyspec.kernels.rng.kernel import _BLOCK, u01_rows  # noqa: F401
 
 __all__ = ["u01_rows"]

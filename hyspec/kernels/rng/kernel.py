@@ -49,7 +49,9 @@ def _philox():
 def _bind_philox() -> None:
     """Bind the module global the kernels call to the helper of the process's Triton mode
     (a global, not a closure variable: the interpreter runs a kernel's source with its
-    module's globals only)."""
+    module's globals only). One global serves one mode: a process runs these kernels either
+    interpreted or compiled, as tests/conftest.py decides once per process; switching
+    modes within a process is not supported here."""
     global _philox_u01
     _philox_u01 = _philox()
 

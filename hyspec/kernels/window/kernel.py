@@ -46,11 +46,14 @@ def window_push(last_n: torch.Tensor, length: torch.Tensor, ring: torch.Tensor, 
     module contract). last_n, length: int64 [B] (contiguous); ring: int64 [B, C] and
     counts: int32 [B, V], rows may be strided views; tokens: int [B, m]; n_valid: [B]."""
     B = last_n.shape[0]
+    if length.shape != (B,) or ring.shape[0] != B or counts.shape[0] != B or tokens.dim() != 2 \
+            or tokens.shape[0] != B or n_valid.shape != (B,):
+        raise ValueError(f"window_push: {B} lanes, but length {tuple(length.shape)}, ring {tuple(ring.shape)}, "
+                         f"counts {tuple(counts.shape)}, tokens {tuple(tokens.shape)}, n_valid {tuple(n_valid.shape)}")
+    if last_n.stride(0) != 1 or length.stride(0) != 1 or ring.stride(1) != 1 or counts.stride(1) != 1:
+        raise ValueError("window_push: last_n, length and the rows of ring and counts must be contiguous")
     if B == 0 or tokens.shape[1] == 0:
         return
-    for name, t in (("ring", ring), ("counts", counts)):
-        if t.stride(1) != 1:
-            raise ValueError(f"window_push: {name} rows must be contiguous")
     tok = tokens.to(torch.int64)
     nv = n_valid.to(torch.int64).contiguous()
     _kernels()[(B,)](last_n, length, ring, ring.stride(0), counts, counts.stride(0), tok, tok.stride(0), tok.stride(1), nv,
