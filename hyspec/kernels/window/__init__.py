@@ -6,7 +6,7 @@ Contract::
                 tokens int [B, m], n_valid int [B]) -> None (in place)
 
     per lane b, for i in 0 .. m-1 with i < n_valid[b], in order: append tokens[b, i] to
-    the lane's window exactly as ``hyspec.gpu.penalties.PenaltyWindow.push`` (the torch
+    the lane's window exactly as ``hyspec.gpu.penalties.PenaltyWindow.push_ref`` (the torch
     reference) does: the ring slot ``length % N`` of a finite window (N = last_n > 0)
     gives up its token (its count drops when the window is full and the id is in
     [0, V)), the new id is counted when N != 0 and it lies in [0, V), a finite window's
