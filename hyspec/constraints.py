@@ -121,23 +121,24 @@ def _make_vocab(tokenizer_json: str, vocab_size: int | None, eos_ids) -> Vocab:
 
 
 def _json_text(schema, arg: str) -> str:
-    """A schema given as a dict, a JSON string or a path to a .json file -> JSON text."""
+    """A schema given as a dict, a bool, JSON text or a ``pathlib.Path`` to a .json file ->
+    JSON text. A plain string is always JSON text, never a path: a server passes request
+    strings here, and must not open files on a client's behalf (the CLI reads
+    ``--json-schema FILE`` itself, :func:`hyspec.cli.common.constraint_from_args`)."""
     if isinstance(schema, (dict, bool)):
         return json.dumps(schema)
+    if isinstance(schema, Path):
+        if not schema.is_file():
+            raise ValueError(f"{arg}: no such file {str(schema)!r}")
+        schema = schema.read_text(encoding="utf-8")
     if not isinstance(schema, str):
-        raise ValueError(f"{arg}: expected a JSON schema (dict, JSON text or a file), got {type(schema).__name__}")
-    s = schema.strip()
-    if not s.startswith(("{", "[")) and s not in ("true", "false"):
-        p = Path(s)
-        if p.is_file():
-            s = p.read_text(encoding="utf-8")
-        else:
-            raise ValueError(f"{arg}: {schema!r} is neither JSON text nor an existing file")
+        raise ValueError(f"{arg}: expected a JSON schema (dict, JSON text or a pathlib.Path), "
+                         f"got {type(schema).__name__}")
     try:
-        json.loads(s)
+        json.loads(schema)
     except json.JSONDecodeError as e:
         raise ValueError(f"{arg}: not valid JSON ({e})") from None
-    return s
+    return schema.strip()
 
 
 def grammar_for(kind: str, value, arg: str | None = None) -> str:
@@ -147,8 +148,12 @@ def grammar_for(kind: str, value, arg: str | None = None) -> str:
     arg = arg or kind  # errors name the argument: the Python kind, or the CLI flag passed in
     if kind == "json_schema":
         text = _json_text(value, arg)
-        if not text.lstrip().startswith("{") and text.strip() not in ("true", "false"):
-            raise ValueError(f"{arg}: a JSON schema must be a JSON object")
+        if text == "true":  # the schema every JSON value satisfies
+            text = "{}"
+        elif text == "false":
+            raise ValueError(f"{arg}: the schema false admits no value, so nothing could be generated")
+        elif not text.startswith("{"):
+            raise ValueError(f"{arg}: a JSON schema must be a JSON object (or true), got {text[:40]!r}")
         try:
             return llg.LLMatcher.grammar_from_json_schema(text, defaults=dict(JSON_DEFAULTS))
         except ValueError as e:
@@ -166,7 +171,7 @@ def grammar_for(kind: str, value, arg: str | None = None) -> str:
     if kind == "choice":
         if isinstance(value, str):
             value = [value]
-        choices = list(value) if value is not None else []
+        choices = list(value) if isinstance(value, (list, tuple)) else []
         if not choices or any(not isinstance(c, str) or c == "" for c in choices):
             raise ValueError(f"{arg}: expected one or more non-empty strings, got {value!r}")
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))

@@ -73,6 +73,12 @@ class ParamError(ValueError):
 # --------------------------------------------------------------------------------------
 
 
+# Bounds that keep every penalised or tempered logit finite (float32 logits, float64 x / t):
+# a smaller temperature or a larger penalty says nothing more, it only overflows.
+TEMPERATURE_MIN = 1e-5
+PENALTY_MAX = 1e4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling configuration (llama.cpp / vLLM meanings).
@@ -117,16 +123,20 @@ class SamplingParams:
                 raise bad(name, v, "must be an int")
         if not 0 <= self.seed <= SEED_MAX:
             raise bad("seed", self.seed, "must be in 0..2**64-1 (18446744073709551615)")
-        if self.temperature < 0:
-            raise bad("temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        if self.temperature < 0 or 0 < self.temperature < TEMPERATURE_MIN:
+            raise bad("temperature", self.temperature, f"must be 0 (greedy) or >= {TEMPERATURE_MIN:g}")
         if self.top_k < 0:
             raise bad("top_k", self.top_k, "must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "must be in (0, 1] (1 = off)")
         if not 0.0 <= self.min_p < 1.0:
             raise bad("min_p", self.min_p, "must be in [0, 1) (0 = off)")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 = off)")
+        if not 1 / PENALTY_MAX <= self.repetition_penalty <= PENALTY_MAX:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"must be in [{1 / PENALTY_MAX:g}, {PENALTY_MAX:g}] (1 = off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if abs(getattr(self, name)) > PENALTY_MAX:
+                raise bad(name, getattr(self, name), f"must be in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}] (0 = off)")
         if self.penalty_last_n < -1:
             raise bad("penalty_last_n", self.penalty_last_n, "must be >= -1")
         if self.mode not in _MODES:

@@ -133,11 +133,10 @@ class Session:
         if constraint is not None:
             self.engine._check_constraint(constraint)
             return constraint.clone()
-        if self.constraint is None:
-            return None
         if not ids and self._matcher is not None and not self._matcher.finished:
-            return self._matcher.clone()  # "go on": the unfinished reply continues under its matcher
-        return self.constraint.clone()
+            return self._matcher.clone()  # "go on": the unfinished reply (constrained by the session's
+            # constraint or by its own turn's) continues under its matcher
+        return None if self.constraint is None else self.constraint.clone()
 
     # -- a turn ------------------------------------------------------------------------
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
@@ -145,7 +144,8 @@ class Session:
         """Append `message` (text or token ids) to the conversation and generate; returns the
         turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
         on_tokens(new_ids) is called as rounds commit tokens. constraint: this turn's (None: the
-        session's, continued after an unfinished reply when the message is empty; False: none).
+        session's; with an empty message after an unfinished constrained reply, that reply's
+        matcher goes on, whichever constraint it was; False: none).
         logprobs=N: the reply's tokens' log-probabilities and top-N alternatives (the raw
         logits', as Engine.generate reports them) in Output.logprobs[0]."""
         from hyspec.engine import Sample

@@ -186,11 +186,14 @@ BAD = [
     ("json_schema", '{"type": "foo"}', "json_schema", "Invalid type"),
     ("json_schema", '{"type": "array", "uniqueItems": true}', "json_schema", "uniqueItems"),
     ("json_schema", "{not json", "json_schema", "not valid JSON"),
-    ("json_schema", "/no/such/schema.json", "json_schema", "neither JSON text nor an existing file"),
+    ("json_schema", "/no/such/schema.json", "json_schema", "not valid JSON"),  # a str is never a path
+    ("json_schema", "false", "json_schema", "admits no value"),
+    ("json_schema", "[1, 2]", "json_schema", "must be a JSON object"),
     ("regex", "[0-9", "regex", "unclosed character class"),
     ("grammar", "start: foo(", "grammar", "Expected token"),
     ("grammar", "start: undefined_rule", "grammar", "undefined_rule"),
     ("choice", [], "choice", "non-empty strings"),
+    ("choice", {"a": 1}, "choice", "non-empty strings"),
 ]
 
 
@@ -199,6 +202,21 @@ def test_bad_constraints_name_the_argument(vocab, kind, value, arg, msg):
     with pytest.raises(ValueError) as e:
         make_constraint(vocab, kind, value)
     assert str(e.value).startswith(arg + ":") and msg in str(e.value), str(e.value)
+
+
+def test_a_schema_string_is_json_text_and_a_path_is_read(vocab, tmp_path):
+    """A str is never opened as a file (the server hands request strings to the library: a
+    client must not make it read the server's disk); a pathlib.Path is read; the schema true
+    allows any JSON value."""
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(SCHEMA))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        make_constraint(vocab, "json_schema", str(f))
+    assert make_constraint(vocab, "json_schema", f).kind == "json_schema"
+    with pytest.raises(ValueError, match="no such file"):
+        make_constraint(vocab, "json_schema", tmp_path / "none.json")
+    assert make_constraint(vocab, "json_schema", True).kind == "json_schema"
+    assert make_constraint(vocab, "json_schema", "true").kind == "json_schema"
 
 
 def test_unknown_kind(vocab):
@@ -274,7 +292,9 @@ def test_cli_generate_and_bad_constraint_errors(tmp_path, capsys):
     bad.write_text("start: foo(\n")
     for flags, needle in [(["--json-schema", '{"type": "object", "not": {}}'], "--json-schema: Unimplemented keys"),
                           (["--regex", "(ab"], "--regex: "), (["--grammar", str(bad)], f"--grammar {bad}: "),
-                          (["--grammar", str(tmp_path / "none.lark")], "--grammar: no such file")]:
+                          (["--grammar", str(tmp_path / "none.lark")], "--grammar: no such file"),
+                          (["--json-schema", str(tmp_path / "none.json")],
+                           "--json-schema: '" + str(tmp_path / "none.json") + "' is neither JSON text nor an existing file")]:
         r = _cli(capsys, *flags)
         assert r.returncode == 2 and needle in r.stderr and r.stdout == "", (flags, r.stderr)
 

@@ -585,3 +585,21 @@ def test_plain_token_dispatch() -> None:
     assert plain_token(p, SamplingParams(seed=4, mode="coupled"), 9) == coupled_token(p, 4, 9)
     one_hot = filter_probs(torch.tensor([0.0, 2.0, 1.0]), SamplingParams(temperature=0))
     assert plain_token(one_hot, SamplingParams(temperature=0), 9) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=5e-324), dict(temperature=1e-6), dict(repetition_penalty=1e-38),
+                                dict(repetition_penalty=1e5), dict(frequency_penalty=-1e38),
+                                dict(presence_penalty=2e4)])
+def test_values_that_would_overflow_the_logits_are_refused(kw):
+    """A denormal temperature or a huge penalty passed validation and then made the logits
+    inf / NaN mid-generation (an engine error, a 500 on the server); now they are refused
+    up front with the bounds in the message, and the bounds themselves decode."""
+    from hyspec.sampling import ParamError
+
+    with pytest.raises(ParamError, match="must be"):
+        SamplingParams(**kw)
+    logits = torch.tensor([30.0, -30.0, 5.0, 0.0])
+    for edge in (dict(temperature=1e-5), dict(repetition_penalty=1e-4), dict(repetition_penalty=1e4),
+                 dict(frequency_penalty=-1e4), dict(presence_penalty=1e4)):
+        p = row_probs(logits, [0, 1, 0, 2], SamplingParams(**edge))
+        assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-9

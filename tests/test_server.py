@@ -3,8 +3,10 @@ official `openai` client and httpx, outputs checked against the offline Engine."
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures as cf
 import json
+import logging
 import re
 import time
 
@@ -172,10 +174,39 @@ def test_logprobs(client, ref_engine):
     assert streamed[1:] == pytest.approx(e.choices[0].logprobs.token_logprobs[1:], abs=1e-6)
 
 
+def test_text_offsets_count_characters_and_agree_when_streamed(client, ref_engine):
+    """Completions' text_offset: each token's offset is the number of complete characters
+    of the returned text before it (a character split over byte tokens counts once), the
+    first generated token sits at len(prompt) under echo, and a stream gives the same
+    offsets as the whole response. (They once summed each token's lone decode, in which a
+    byte of a split character is one U+FFFD: offsets past the text, and the stream's
+    restarted at len(prompt).)"""
+    prompt = "# é😀 世界\nx = "
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=1,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(**kw).choices[0]
+    ids = ref_engine.encode(prompt) + whole.token_ids
+    tok = ref_engine.tokenizer
+    # the characters before token i: its prefix's bytes decoded at once, an incomplete last
+    # character held back, invalid bytes one U+FFFD each (as the returned text shows them)
+    before = [codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(tok.token_bytes(t) for t in ids[:i]))
+              for i in range(len(ids))]
+    assert all(whole.text.startswith(b) for b in before)
+    want = [len(b) for b in before]
+    assert whole.logprobs.text_offset == want
+    assert want[len(ref_engine.encode(prompt))] == len(prompt) and max(want) <= len(whole.text)
+    chunks = list(client.completions.create(**kw, stream=True))
+    streamed = [o for ch in chunks if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert streamed == want
+
+
 BAD = [
     ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 5e-324}, "temperature"),  # accepted once, then overflowed into a 500
+    ({"repetition_penalty": 1e-38}, "repetition_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"n": 0}, "n"),
@@ -375,15 +406,25 @@ def test_auth_queue_full_and_disconnect(ref_engine):
             pytest.skip("Engine.generate fallback: a running sequence cannot be cancelled mid-generation")
         assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 1
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
-        # a non-streamed request whose client gives up is cancelled too
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(url, headers=hdr, timeout=1.0, json={"model": MODEL, "prompt": "x", "max_tokens": 400,
-                                                           "temperature": 0, "ignore_eos": True})
-        t_end = time.monotonic() + 10
-        while metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') < 2 and time.monotonic() < t_end:
-            time.sleep(0.05)
-        assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 2
-        assert metric(s, "hyspec_requests_running") == 0
+        # a non-streamed request whose client gives up is cancelled too, quietly: no
+        # "Exception in ASGI application" traceback in the server's log
+        errors: list[logging.LogRecord] = []
+        catch = logging.Handler(logging.ERROR)
+        catch.emit = errors.append
+        logging.getLogger("uvicorn.error").addHandler(catch)
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url, headers=hdr, timeout=1.0, json={"model": MODEL, "prompt": "x", "max_tokens": 400,
+                                                               "temperature": 0, "ignore_eos": True})
+            t_end = time.monotonic() + 10
+            while metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') < 2 and time.monotonic() < t_end:
+                time.sleep(0.05)
+            assert metric(s, "hyspec_requests_total", '{finish_reason="cancelled"}') == 2
+            assert metric(s, "hyspec_requests_running") == 0
+            time.sleep(0.2)  # the handler's return after the cancel
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(catch)
+        assert not errors, [r.getMessage() for r in errors]
 
 
 def test_engine_fault_is_contained(monkeypatch):

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
 
-from hyspec.engine import Engine  # noqa: E402
+from hyspec.engine import Engine, default_model_dir  # noqa: E402
 from hyspec.sampling import SamplingParams  # noqa: E402
 from hyspec.server.app import ServerConfig, create_app  # noqa: E402
 from hyspec.server.thread import ServerThread  # noqa: E402
@@ -119,6 +119,14 @@ def test_json_object_choice_regex_grammar(client, ref_engine):
                                   extra_body={"guided_choice": choices, "ignore_eos": True})
     assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
 
+    # chat logprobs' bytes are each token's own bytes: joined they rebuild characters split
+    # over byte tokens (they were once the UTF-8 of a lone U+FFFD)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=16, temperature=0,
+                                       logprobs=True, top_logprobs=1, extra_body={"guided_choice": ["é😀 世"]})
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "é😀 世"
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8").startswith("é😀 世")
+
     pat = r"[a-z]{1,8}_[0-9]{2}"
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=16, temperature=0.7, seed=5,
                                        stream=True, extra_body={"guided_regex": pat})
@@ -154,6 +162,9 @@ BAD = [
     ({"guided_choice": ["a", ""]}, "guided_choice", "guided_choice"),
     ({"guided_choice": "yes"}, "guided_choice", None),  # a list is required (type error)
     ({"guided_json": "{not json"}, "guided_json", "guided_json"),
+    # a string is JSON text, never a path: the server must not read its own files for a client
+    ({"guided_json": str(default_model_dir() / "config.json")}, "guided_json", "not valid JSON"),
+    ({"guided_json": "/no/such/file.json"}, "guided_json", "not valid JSON"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "at most one"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "at most one"),
 ]

@@ -141,3 +141,22 @@ def test_incremental_decode_equals_full_decode(tok):
                 shown = cur
             m.feed([0])  # a final EOS: counted, not shown
             assert m.text == tok.decode(ids) == text and m.n_tokens == len(ids) + 1
+
+
+@pytest.mark.parametrize("text,stops,final", [
+    ("aé😀 世界b", ["é😀"], "a"),  # the stop's next character arrives as several byte tokens
+    ("abx世界", ["x世"], "ab"),
+    ("aé€ ok", ["é😀"], "aé€ ok"),  # a partial match that a multi-byte character then breaks
+])
+def test_a_stream_never_shows_the_start_of_a_stop_string(tok, text, stops, final):
+    """Fed one token at a time, what is emittable is always a prefix of the final text:
+    text that may still become a stop string is held back even while the next character
+    is incomplete (its bytes split over tokens)."""
+    ids = tok.encode(text)
+    m = StopMatcher(_dec(tok), stops)
+    for t in ids:
+        m.feed([t])
+        assert final.startswith(m.emittable()), (m.emittable(), final)
+        if m.stopped:
+            break
+    assert m.emittable(final=True) == final

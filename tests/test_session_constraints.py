@@ -70,6 +70,12 @@ def test_a_cut_reply_continues_under_its_matcher(zoo):
     assert t.matcher.tokens == t.tokens[len(msg) + 5 + 2:]
     t.send([9], constraint=False)
     assert t.matcher is None
+    # a turn's own constraint goes on too, in a session without one of its own
+    u = eng.session(draft=3, max_new_tokens=5, use_store=False)
+    pieces = u.send(msg, constraint=c).tokens
+    while len(pieces) < len(whole.tokens):
+        pieces += u.send([], max_new_tokens=min(5, len(whole.tokens) - len(pieces))).tokens
+    assert pieces == whole.tokens and u.matcher.tokens == pieces
 
 
 def test_rewind_fork_and_save_restore_the_matcher(zoo, tmp_path):

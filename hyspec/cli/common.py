@@ -121,7 +121,12 @@ def constraint_from_args(eng, args):
     from pathlib import Path
 
     if getattr(args, "json_schema", None) is not None:
-        return eng.constraint("json_schema", args.json_schema, arg="--json-schema")
+        schema = args.json_schema
+        if not schema.strip().startswith(("{", "[")) and schema.strip() not in ("true", "false"):
+            if not Path(schema).is_file():
+                raise ValueError(f"--json-schema: {schema!r} is neither JSON text nor an existing file")
+            schema = Path(schema)  # the library reads it (a str would be taken as JSON text)
+        return eng.constraint("json_schema", schema, arg="--json-schema")
     if getattr(args, "constrain_json", False):
         return eng.constraint("json_object", arg="--constrain-json")
     if getattr(args, "regex", None) is not None:

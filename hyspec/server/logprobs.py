@@ -6,6 +6,7 @@ gives them for generated tokens, echo prompt entries come from Engine.score."""
 
 from __future__ import annotations
 
+import codecs
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,24 +16,43 @@ if TYPE_CHECKING:
 def chat_logprobs(state: "ServerState", entries: list) -> dict:
     content = []
     for token_id, logprob, top in entries:
-        text = state.token_str(token_id)
-        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+        content.append({"token": state.token_str(token_id), "logprob": logprob,
+                        "bytes": list(state.token_bytes(token_id)),  # the token's own bytes (a character
+                        # split over tokens: its bytes on each; the token string shows U+FFFD there)
                         "top_logprobs": [{"token": state.token_str(t), "logprob": v,
-                                          "bytes": list(state.token_str(t).encode("utf-8"))}
-                                         for t, v in (top or [])]})
+                                          "bytes": list(state.token_bytes(t))} for t, v in (top or [])]})
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(state: "ServerState", echo_entries: list, entries: list, first_offset: int) -> dict:
-    """The completions shape over the echoed prompt's entries then the generated ones;
-    text offsets count characters from `first_offset`."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = first_offset
-    for token_id, logprob, top in list(echo_entries) + list(entries):
-        text = state.token_str(token_id)
-        tokens.append(text)
-        token_logprobs.append(logprob)
-        tops.append(None if top is None else {state.token_str(t): v for t, v in top})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+class TextOffsets:
+    """Character offsets of tokens in the text the server returns (completions'
+    ``text_offset``): a token's offset counts the complete characters before it, from
+    `start`. The tokens' raw bytes go through one incremental UTF-8 decoder, so a
+    character split over byte tokens counts once, where it completes; special tokens
+    (left out of the text) count nothing. A stream keeps one per choice and advances it
+    chunk by chunk, so it gives the offsets a whole response gives."""
+
+    def __init__(self, state: "ServerState", start: int = 0) -> None:
+        self.state, self.chars = state, start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, ids) -> list[int]:
+        out = []
+        for t in ids:
+            out.append(self.chars)
+            if not self.state.is_special(t):
+                self.chars += len(self._utf8.decode(self.state.token_bytes(t)))
+        return out
+
+
+def completion_logprobs(state: "ServerState", echo_entries: list, entries: list, offsets: TextOffsets) -> dict:
+    """The completions shape over the echoed prompt's entries (offsets from 0) then the
+    generated ones (offsets from `offsets`, advanced past them)."""
+    tokens, token_logprobs, tops, text_offset = [], [], [], []
+    for group, counter in ((list(echo_entries), TextOffsets(state, 0)), (list(entries), offsets)):
+        text_offset += counter.advance([token_id for token_id, _, _ in group])
+        for token_id, logprob, top in group:
+            tokens.append(state.token_str(token_id))
+            token_logprobs.append(logprob)
+            tops.append(None if top is None else {state.token_str(t): v for t, v in top})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": text_offset}

@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 
 from hyspec.config import NO_MTP_HEAD
-from hyspec.sampling import SamplingParams
+from hyspec.sampling import PENALTY_MAX, TEMPERATURE_MIN, SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT
 
 MAX_N = 16
@@ -145,8 +145,8 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         _finite(name, getattr(req, name))
     t = 1.0 if req.temperature is None else req.temperature
-    if t < 0:
-        raise bad(f"temperature must be >= 0 (0 = greedy), got {t}", "temperature")
+    if t < 0 or 0 < t < TEMPERATURE_MIN:
+        raise bad(f"temperature must be 0 (greedy) or >= {TEMPERATURE_MIN:g}, got {t}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
@@ -161,8 +161,9 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
         if v is not None and not -2.0 <= v <= 2.0:
             raise bad(f"{name} must be in [-2, 2], got {v}", name)
     rp = 1.0 if req.repetition_penalty is None else req.repetition_penalty
-    if rp <= 0:
-        raise bad(f"repetition_penalty must be > 0 (1 = off), got {rp}", "repetition_penalty")
+    if not 1 / PENALTY_MAX <= rp <= PENALTY_MAX:
+        raise bad(f"repetition_penalty must be in [{1 / PENALTY_MAX:g}, {PENALTY_MAX:g}] (1 = off), got {rp}",
+                  "repetition_penalty")
     pln = 64 if req.penalty_last_n is None else req.penalty_last_n
     if pln < -1:
         raise bad(f"penalty_last_n must be >= -1, got {pln}", "penalty_last_n")

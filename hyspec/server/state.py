@@ -70,6 +70,12 @@ class ServerState:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.token_bytes(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        return self.tokenizer.is_special(token_id)
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.served_model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "

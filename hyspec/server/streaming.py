@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from hyspec.server.params import APIError
 
@@ -53,13 +53,15 @@ def cancel_unfinished(run: "Run") -> None:
         log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
 
 
-async def wait_all(run: "Run", request: Request) -> None:
-    """Until every sequence finished; a client that disconnects cancels the run."""
+async def wait_all(run: "Run", request: Request) -> bool:
+    """Until every sequence finished (True); a client that disconnects cancels the run
+    (False: nobody is left to answer)."""
     watcher = asyncio.ensure_future(watch_disconnect(request))
     try:
         while not run.done:
             if not await next_change(run, watcher):
-                raise asyncio.CancelledError()
+                return False
+        return True
     finally:
         watcher.cancel()
         cancel_unfinished(run)
@@ -140,11 +142,13 @@ def stream_response(state: "ServerState", request: Request, run: "Run", req,
 
 
 async def whole_response(state: "ServerState", request: Request, run: "Run", req, object_name: str,
-                         choice_fields: Callable[["Choice", list], dict]) -> dict:
+                         choice_fields: Callable[["Choice", list], dict]) -> dict | Response:
     """The non-streamed response once every sequence finished: choices [{"index", fields
     (choice_fields(choice, its logprob entries)), "finish_reason", "token_ids" when asked}]
     and the usage."""
-    await wait_all(run, request)
+    if not await wait_all(run, request):  # the client went away: the run is cancelled, and the
+        # reply (499, nginx's "client closed request") goes nowhere; no exception, so no traceback in the log
+        return Response(status_code=499)
     run.check_error()
     choices = []
     for choice in run.choices:

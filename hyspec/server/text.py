@@ -92,13 +92,14 @@ class StopMatcher:
         if final or self.stopped:
             return self.text
         text = self.text
-        hold = 0
-        for s in self.stops:  # longest suffix of text that is a proper prefix of a stop string
+        end = len(text)
+        while end > 0 and text[end - 1] == "\ufffd":  # an incomplete character: not final yet
+            end -= 1
+        text = text[:end]
+        hold = 0  # on what is final: the longest suffix that is a proper prefix of a stop string
+        for s in self.stops:
             for L in range(min(len(s) - 1, len(text)), hold, -1):
                 if text.endswith(s[:L]):
                     hold = L
                     break
-        end = len(text) - hold
-        while end > 0 and text[end - 1] == "\ufffd":
-            end -= 1
-        return text[:end]
+        return text[:len(text) - hold]

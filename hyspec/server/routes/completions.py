@@ -12,7 +12,7 @@ from fastapi import Request
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.generation import new_run, request_constraint
-from hyspec.server.logprobs import completion_logprobs
+from hyspec.server.logprobs import TextOffsets, completion_logprobs
 from hyspec.server.params import MAX_LOGPROBS, bad
 from hyspec.server.streaming import stream_response, whole_response
 
@@ -66,15 +66,15 @@ def register(app, state) -> None:
         def prompt_text(choice) -> str:
             return state.decode_skip(choice.prompt_ids) if req.echo else ""
 
+        counters: dict[int, TextOffsets] = {}  # per choice: generated tokens' offsets, after the echo
+
         def logprobs_obj(choice, entries, first: bool):
             if top_n is None:
                 return None
             echo = echoed.get(choice.index // n, []) if (req.echo and first) else []
-            offset = 0
-            if not first:
-                offset = len(prompt_text(choice)) + sum(
-                    len(state.token_str(t)) for t in choice.matcher.ids[: choice.sent_logprobs])
-            return completion_logprobs(state, echo, entries or [], offset)
+            if choice.index not in counters:
+                counters[choice.index] = TextOffsets(state, len(prompt_text(choice)))
+            return completion_logprobs(state, echo, entries or [], counters[choice.index])
 
         if req.stream:
             first_sent: set[int] = set()
