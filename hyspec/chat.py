@@ -188,8 +188,10 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                               stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
                               constraint=constraint_from_args(eng, args))
         chat = Chat(eng, session, args.model or default_model_dir(), out=stdout)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"hyspec chat: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as e:
+        from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
+
+        print(f"hyspec chat: error: {error_message(e)}", file=sys.stderr)
         return 2
     tty = hasattr(stdin, "isatty") and stdin.isatty()
     note = " (a code model: type code, it continues)" if chat.plain and args.model is None else ""

@@ -83,8 +83,12 @@ class Session:
         engine._spec_options(draft, spec)  # validates draft / MTP head
         self.params = params if params is not None else GREEDY
         self.spec = spec
-        self.max_new_tokens = max_new_tokens
-        self.stop_ids = list(stop_ids or ())
+        from hyspec.core.scheduler import check_stop
+        from hyspec.engine import _int_arg, _token_ids
+
+        self.max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)  # every turn's default
+        self.stop_ids = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
+        check_stop(self.stop_ids, engine.model.cfg.vocab_size)
         self.ignore_eos = ignore_eos
         self.use_store = use_store
         self._seq = None  # the live Sequence (holds a slot) ...

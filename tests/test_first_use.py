@@ -139,6 +139,39 @@ def test_cli_user_errors_are_one_line(ckpt, tmp_path) -> None:
     assert "--num-samples" in errs[6]
 
 
+def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
+    """Flags that were accepted and failed later (every chat message, a bench phase, a
+    traceback in make-tiny), or whose error named a Python field instead of the flag."""
+    f = tmp_path / "t.py"
+    f.write_text("def f(x):\n    return x\n")
+    chat = ["chat", "--model", str(ckpt)]
+    errs = cli_errors(chat + ["--top-p", "2"], chat + ["--max-new-tokens", "0"], chat + ["--stop-ids", "99999"],
+                      chat + ["--draft", "-1"],
+                      ["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "m"), "--fp8", "--fp8-block", "16"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--ks", "0"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--reps", "0"],
+                      ["replay", "--model", str(ckpt), "--text-file", str(f), "--max-tokens", "0"])
+    assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
+    assert "--max-new-tokens" in errs[1]
+    assert "99999" in errs[2] and "out of range" in errs[2]
+    assert "--draft" in errs[3]
+    assert "--fp8-block" in errs[4] and not (tmp_path / "m").exists()
+    assert "--ks" in errs[5] and "--reps" in errs[6] and "--max-tokens" in errs[7]
+
+
+def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:
+    """`hyspec ... | head`: the reader goes away; no `error: [Errno 32] Broken pipe` line."""
+    from hyspec.cli import dispatch
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(dispatch.SUBCOMMANDS["score"], "run", closed)
+    monkeypatch.setattr(dispatch.os, "dup2", lambda *a: None)  # pytest's captured stdout stays as it is
+    assert dispatch.main(["score", "--ids", "1,2"]) == 1
+    assert "error" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kwargs,name", [
     ({"draft": "3"}, "draft"), ({"max_new_tokens": 8.5}, "max_new_tokens"), ({"prompt": None}, "prompt"),
     ({"num_samples": "2"}, "num_samples"), ({"params": {"temperature": 1}}, "params"),

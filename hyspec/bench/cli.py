@@ -90,6 +90,39 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _int_list(flag: str, text: str, lo: int, hi: int | None = None) -> list[int]:
+    what = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < lo or (hi is not None and v > hi) for v in vals):
+        raise ValueError(f"--{flag}: expected comma-separated integers {what}, got {text!r}")
+    return vals
+
+
+def check_args(args) -> None:
+    """The numeric flags, checked (and the lists parsed) before any work: a bad value is one
+    error line naming the flag, not a failed phase minutes later."""
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    args.ks = _int_list("ks", args.ks, 1, MAX_DRAFT)
+    for flag, lo in (("prompt-len", 1), ("new-tokens", 1), ("verify-max", 1), ("reps", 1), ("exact-tokens", 1),
+                     ("exact-prompts", 0), ("hf-tokens", 0), ("draft-vocab", 0), ("batch-inv-prompts", 1),
+                     ("copy-bytes", 1)):
+        v = getattr(args, flag.replace("-", "_"))
+        if v is not None and v < lo:
+            raise ValueError(f"--{flag}: must be >= {lo}, got {v}")
+    try:
+        rates = [float(x) for x in args.forced.split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or not all(0.0 <= r <= 1.0 for r in rates):
+        raise ValueError(f"--forced: expected comma-separated acceptance rates in [0, 1], got {args.forced!r}")
+    if args.batch is not None:
+        _int_list("batch", args.batch, 1)
+
+
 def resolve_device(args) -> tuple[torch.device, torch.dtype]:
     """The device and dtype of --device / --dtype ('auto' resolved), with the
     device-dependent defaults and list flags filled in on `args`."""
@@ -103,10 +136,7 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         name = flag[2:].replace("-", "_")
         if getattr(args, name) is None:
             setattr(args, name, gpu if dev.type == "cuda" else cpu)
-    try:
-        args.ks = [int(x) for x in args.ks.split(",") if x]
-    except ValueError:
-        raise ValueError(f"--ks: expected comma-separated draft lengths like 1,2,3, got {args.ks!r}") from None
+    check_args(args)
     args.variant_list = variant_names(args.variants)
     if args.dtype == "auto":
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -52,9 +52,12 @@ def parse_ids(text: str) -> list[int]:
 def parse_rates(text: str) -> tuple[float, ...]:
     """'0.9,0.8' -> (0.9, 0.8) (argparse type)."""
     try:
-        return tuple(float(x) for x in text.split(","))
+        rates = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated rates like 0.9,0.8,0.7, got {text!r}") from None
+        rates = ()
+    if not rates or not all(0.0 <= r <= 1.0 for r in rates):
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates in [0, 1] like 0.9,0.8,0.7, got {text!r}")
+    return rates
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -96,7 +99,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--hidden", default=defaults.hidden, choices=["post", "pre"],
                        help="target hidden that seeds the MTP head (post final norm: Qwen convention)")
     group.add_argument("--forced-rates", type=parse_rates, default=None,
-                       help="testing/benchmarking: forced-acceptance drafter with these per-depth rates")
+                       help="testing/benchmarking: forced-acceptance drafter with these per-depth rates (the "
+                            "last one holds for deeper drafts; rates beyond K are unused)")
 
 
 def check_spec_flags(args) -> None:

@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             return delegated(argv[1:])
         args = build_parser().parse_args(argv)
         return SUBCOMMANDS[args.cmd].run(args)
+    except BrokenPipeError:  # the reader went away (`| head`): not an error of the user's input
+        try:  # stop the interpreter's final flush of stdout from failing again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
     except (ValueError, OSError, ImportError) as e:
         print(f"hyspec {cmd}: error: {error_message(e)}", file=sys.stderr)
         return 2

@@ -37,7 +37,18 @@ def run(args) -> int:
         raise ValueError(f"--init-std must be a positive number, got {args.init_std}")
     out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
                     layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
-                    draft_vocab=args.draft_vocab, fp8=args.fp8,
-                    fp8_block=tuple(int(x) for x in args.fp8_block.split(",")), experts=args.experts)
+                    draft_vocab=args.draft_vocab, fp8=args.fp8, fp8_block=fp8_block(args.fp8_block),
+                    experts=args.experts)
     print(f"wrote {args.arch} {'FP8 ' if args.fp8 else ''}checkpoint to {out}")
     return 0
+
+
+def fp8_block(text: str) -> tuple[int, int]:
+    """--fp8-block ROWS,COLS: two positive integers (checked before anything is written)."""
+    try:
+        parts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 2 or min(parts) < 1:
+        raise ValueError(f"--fp8-block: expected two positive integers ROWS,COLS, got {text!r}")
+    return parts

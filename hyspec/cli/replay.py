@@ -45,14 +45,19 @@ def run(args) -> int:
         raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")
     if not os.path.isfile(args.text_file):
         raise ValueError(f"--text-file {args.text_file} does not exist")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens: must be >= 2 (a replay needs a token to draft from and one to check), "
+                         f"got {args.max_tokens}")
     eng = load_engine(args)
+    if eng.tokenizer is None:
+        raise ValueError("replay needs a checkpoint with a tokenizer.json: --text-file is text")
     try:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     ids = eng.encode(text)
-    if args.max_tokens:
+    if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
     if len(ids) > eng.context_length:
         raise ValueError(f"--text-file {args.text_file} has {len(ids)} tokens, more than the model's context of "
