@@ -215,6 +215,7 @@ BAD = [
     ({"prompt": [5] * 5000}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"temperature": "hot"}, "temperature"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     ({"stop": 7}, "stop"),
     ({"stop": ["a"] * 17}, "stop"),
     ({"draft": 99}, "draft"),
@@ -242,6 +243,13 @@ def test_errors(server, client):
     ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, "response_format": {"type": "text"}})
     assert ok.status_code == 200
     _check_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    # chat_template_kwargs may set the template's named variables too (once a 400: a repeated keyword)
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                         "chat_template_kwargs": {"add_generation_prompt": False, "tools": []}})
+    assert r.status_code == 200, r.text
+    err = _check_error(httpx.post(url, json=[{"model": MODEL, "prompt": "x"}]), 400)
+    assert err["message"] == "the request body must be a JSON object", err
     _check_error(httpx.post(server.url + "/v1/chat/completions",
                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": -1}), 400)
     _check_error(httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
@@ -378,6 +386,11 @@ def test_auth_queue_full_and_disconnect(ref_engine):
         url = s.url + "/v1/completions"
         _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x"}), 401)
         _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x"}, headers={"authorization": "Bearer no"}), 401)
+        _check_error(httpx.post(url, json={"model": MODEL, "prompt": "x"}, headers={"authorization": "Basic sekret"}),
+                     401)
+        ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                        headers={"authorization": "bearer sekret"})  # the scheme's case does not matter
+        assert ok.status_code == 200, ok.text
         assert httpx.get(s.url + "/health").status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()

@@ -66,6 +66,8 @@ async def parse_body(request: Request, schema):
         field = str(first["loc"][0]) if first.get("loc") else None  # the request field at fault
         if first.get("type") == "json_invalid":
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if first.get("type") == "model_type" and not first.get("loc"):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_type") from None
         message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
                             for err in errors[:5])
         raise APIError(400, f"invalid request: {message}", param=field, code="invalid_type") from None

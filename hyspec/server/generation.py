@@ -51,6 +51,8 @@ def new_run(state: "ServerState", req, prompts: list[list[int]], param: str, def
             logprobs, request_id: str, t0: float, constraint=None) -> Run:
     """The Run of `prompts` x n sequences (not started). `param` names the prompt field in
     errors; `default_max` is max_tokens when the request leaves it out (None: the context)."""
+    if getattr(req, "stream_options", None) is not None and not req.stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
     params, n, draft = sampling(req, state.limits)
     stops = stop_strings(req)
     stop_ids = set(req.stop_token_ids or ()) | (set() if req.ignore_eos else set(state.engine.eos_ids))

@@ -60,14 +60,15 @@ class ApiKey:
 
     def __init__(self, app, key: str, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
-        self.want = f"Bearer {key}".encode()
+        self.want = key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             path = scope.get("path", "")
             if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
                 got = dict(scope.get("headers", [])).get(b"authorization", b"")
-                if not hmac.compare_digest(got, self.want):
+                scheme, _, token = got.strip().partition(b" ")  # the scheme is case-insensitive (RFC 9110)
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.want):
                     err = APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                                    code="invalid_api_key")
                     return await send_error(send, err, self.metrics)

@@ -101,9 +101,10 @@ class ServerState:
             elif content is None:
                 as_dict["content"] = ""
             rendered.append(as_dict)
+        named = dict(add_generation_prompt=add_generation_prompt, tools=tools)
+        named.update(kwargs or {})  # chat_template_kwargs may set the named ones too (as vLLM lets them)
         try:
-            return self.template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        **(kwargs or {}))
+            return self.template.render(rendered, **named)
         except TemplateError as e:
             raise bad(str(e), "messages") from None
         except Exception:  # noqa: BLE001 - a template bug must not become a 500 with a traceback
