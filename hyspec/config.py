@@ -90,6 +90,50 @@ def dict_with_ssm_dtype(d: dict, ssm_dtype: str | None) -> dict:
     return d if name is None else {**d, "mamba_ssm_dtype": name}
 
 
+ROPE_TYPES = ("default", "linear", "yarn")
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+              "mscale_all_dim", "truncate")
+
+
+def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
+    """(rope_type, its parameters as sorted pairs) from the merged rope dict; ConfigError for
+    a type the model code does not implement (it must not run as plain RoPE silently)."""
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config.json: rope_parameters.rope_type {kind!r} is not supported (supported: "
+                          f"{', '.join(ROPE_TYPES)}); remove the rope scaling from config.json to run with "
+                          "plain RoPE")
+    if kind == "default":
+        return kind, ()
+
+    def num(key: str, default=None, *, positive: bool = True):
+        v = rope.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (positive and not v > 0):
+            raise ConfigError(f"config.json: rope_parameters.{key} must be a positive number for rope_type "
+                              f"{kind!r}, got {v!r}")
+        return float(v)
+
+    factor = num("factor")
+    if kind == "linear":
+        if factor is None:
+            raise ConfigError("config.json: rope_parameters.factor is required for rope_type 'linear'")
+        return kind, (("factor", factor),)
+    orig = num("original_max_position_embeddings", d.get("original_max_position_embeddings",
+                                                         d.get("max_position_embeddings")))
+    if orig is None:
+        raise ConfigError("config.json: rope_parameters.original_max_position_embeddings is required for "
+                          "rope_type 'yarn'")
+    if factor is None:
+        factor = float(d.get("max_position_embeddings", 0)) / orig
+    vals = {"factor": factor, "original_max_position_embeddings": orig, "beta_fast": num("beta_fast") or 32.0,
+            "beta_slow": num("beta_slow") or 1.0, "attention_factor": num("attention_factor"),
+            "mscale": num("mscale", positive=False), "mscale_all_dim": num("mscale_all_dim", positive=False),
+            "truncate": bool(rope.get("truncate", True))}
+    return kind, tuple(sorted((k, v) for k, v in vals.items() if v is not None))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -129,6 +173,10 @@ class ModelConfig:
     # accumulation dtype (fp32; fp64 for fp64 models).  From config.json's `mamba_ssm_dtype`
     # (Qwen3.5 ships "float32") or the user's `ssm_dtype` option; computed in fp32 either way.
     mamba_ssm_dtype: str | None = None
+    # RoPE scaling (config.json's rope_parameters / rope_scaling): "default", "linear" or
+    # "yarn", and that type's parameters as sorted (name, value) pairs (hyspec.model.ops.rope_frequencies)
+    rope_type: str = "default"
+    rope_scaling: tuple = ()
     # raw dict kept for round-tripping (not compared)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -227,6 +275,8 @@ class ModelConfig:
             for k in ("tie_word_embeddings", "eos_token_id"):
                 if k not in d and k in outer:
                     d[k] = outer[k]
+            if "tie_word_embeddings" in outer:  # transformers ties a *ForConditionalGeneration head by the
+                d["tie_word_embeddings"] = outer["tie_word_embeddings"]  # wrapper's value, whatever text_config says
 
         def need(k: str) -> Any:
             if k not in d:
@@ -241,9 +291,21 @@ class ModelConfig:
                 raise ConfigError(f"config.json: field 'full_attention_interval' must be a positive int, got {interval!r}")
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
 
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        # transformers 5 writes rope_parameters; older configs (and the model cards' long-context
+        # recipe) rope_scaling, which transformers lets win over rope_parameters
+        scaling = dict(d.get("rope_scaling") or {})
+        if "type" in scaling:  # the older spelling of rope_type
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        rope = {**(d.get("rope_parameters") or {}), **scaling}
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+        rope_type, rope_scaling = _rope_scaling(rope, d)
+        if d.get("attention_bias"):
+            raise ConfigError("config.json: attention_bias true is not supported (the gated attention of these "
+                              "families has no projection biases)")
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (these families use 'silu')")
         n_heads = need("num_attention_heads")
         head_dim = d.get("head_dim") or need("hidden_size") // n_heads
 
@@ -282,6 +344,8 @@ class ModelConfig:
             mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers", 0)) or 0),
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=_ssm_dtype_field(d.get("mamba_ssm_dtype", outer.get("mamba_ssm_dtype"))),
+            rope_type=rope_type,
+            rope_scaling=rope_scaling,
             raw=outer,
         )
 

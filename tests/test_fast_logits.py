@@ -92,3 +92,29 @@ def test_swapped_weight_blocks_are_caught(tmp_path, swap):
         w = L.w_in = L.w_in.clone()
         w[nq: nq + kv], w[nq + kv: nq + 2 * kv] = w[nq + kv: nq + 2 * kv].clone(), w[nq: nq + kv].clone()
     assert _worst(_runner(dec, VERIFY, True), _reference(m, VERIFY)) > LOGPROB_ATOL
+
+
+def test_yarn_rope_scaling_on_the_runner(tmp_path):
+    """A YaRN config (scaled frequencies, cos / sin times 0.1 ln(factor) + 1) on the runner's
+    attention kernel equals the reference model; the same runner with the kernel's scale
+    left at 1 does not (the check sees the scale)."""
+    import json
+
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "yarn", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    m = load_model(d)
+    assert m.cfg.rope_type == "yarn"
+    dec = BatchDecoder(m, 32, 3, slots=1, graphs=False)
+    assert dec.runner.rope_scale > 1.2
+    ref = _reference(m, VERIFY)
+    got = _runner(dec, VERIFY, True)
+    for r in range(len(VERIFY)):
+        assert _worst(got[r], ref[r]) <= LOGPROB_ATOL, r
+    dec.runner.rope_scale = 1.0
+    assert _worst(_runner(dec, VERIFY, True), ref) > 10 * LOGPROB_ATOL

@@ -233,6 +233,23 @@ def test_multimodal_layout(ckpt, reference):
     _same_params(m, reference)
 
 
+def test_a_wrapper_config_decides_the_tied_head():
+    """transformers ties a *ForConditionalGeneration head by the wrapper's
+    tie_word_embeddings (save_pretrained then leaves lm_head.weight out, or keeps it),
+    whatever text_config says; hyspec once took text_config's value (a refused load, or a
+    saved head silently replaced by the embedding)."""
+    from hyspec.config import ModelConfig
+    from hyspec.tiny import tiny_config
+
+    text = {**tiny_config("qwen3_5"), "model_type": "qwen3_5_text"}
+    for outer, inner in ((True, False), (False, True)):
+        d = {"model_type": "qwen3_5", "text_config": {**text, "tie_word_embeddings": inner},
+             "tie_word_embeddings": outer}
+        assert ModelConfig.from_dict(d).tie_word_embeddings is outer
+    d = {"model_type": "qwen3_5", "text_config": {**text, "tie_word_embeddings": True}}  # wrapper silent
+    assert ModelConfig.from_dict(d).tie_word_embeddings is True
+
+
 def test_checkpoint_without_mtp(zoo):
     from hyspec.speculative.loop import SpecOptions, generate_speculative
 
@@ -266,3 +283,23 @@ def test_float64_float32_bfloat16(zoo):
     torch.testing.assert_close(l32.double(), l64, rtol=0, atol=1e-5)
     torch.testing.assert_close(l32_steps, l32, rtol=0, atol=1e-5)
     assert (l16.double() - l64).abs().max() < 0.05  # bf16 runs, roughly
+
+
+@pytest.mark.parametrize("patch,words", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' is not supported"),
+    ({"rope_scaling": {"type": "yarn", "factor": -1.0, "original_max_position_embeddings": 64}},
+     "rope_parameters.factor must be a positive number"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "factor is required"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+])
+def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
+    from hyspec.config import ConfigError, ModelConfig
+    from hyspec.tiny import tiny_config
+
+    with pytest.raises(ConfigError, match=words):
+        ModelConfig.from_dict({**tiny_config("qwen3_5"), **patch})
+    legacy = ModelConfig.from_dict({**tiny_config("qwen3_5"),  # the older spelling `type`, top-level theta
+                                    "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64}})
+    assert legacy.rope_type == "yarn" and dict(legacy.rope_scaling)["factor"] == 4.0

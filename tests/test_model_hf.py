@@ -129,6 +129,46 @@ def test_tied_head_checkpoint(extra_ckpts, arch):
         torch.testing.assert_close(m(ids).log_softmax(-1), hf_logprobs(hf, ids), rtol=0, atol=TOL)
 
 
+ROPE_SCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24},
+    "linear": {"rope_type": "linear", "factor": 2.5},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_rope_scaling_matches_transformers(tmp_path, arch, kind):
+    """YaRN (Qwen's long-context recipe) and linear RoPE scaling, as transformers applies
+    them (they once ran as plain RoPE, silently): log-probs of the whole-sequence and the
+    decode paths; an unimplemented type is refused naming the field."""
+    from hyspec.config import ConfigError
+    from hyspec.tiny import tiny_config
+
+    base = tiny_config(arch)
+    rope = {"rope_theta": base.get("rope_theta", 10000.0),
+            "partial_rotary_factor": base.get("partial_rotary_factor", 0.25), **ROPE_SCALINGS[kind]}
+    hf = _hf_save(arch, tmp_path, seed=6, rope_parameters=rope)
+    m = load_model(tmp_path, dtype="float32")
+    assert m.cfg.rope_type == kind
+    ids = _ids(N_TOK, seed=7)
+    ref = hf_logprobs(hf, ids)
+    with torch.no_grad():
+        full = m(ids).log_softmax(-1)
+        cache = m.new_cache(N_TOK)
+        hs = [m.forward_hidden(ids[:10], cache, StepCtx(start=0, chunked=True))]
+        for t in range(10, N_TOK):
+            hs.append(m.forward_hidden(ids[t: t + 1], cache, StepCtx(start=t, exact=True)))
+        steps = m.logits(torch.cat(hs)).log_softmax(-1)
+    for ours in (full, steps):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=TOL)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"):
+        load_model(tmp_path, dtype="float32")
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_odd_gdn_shapes_match_transformers(extra_ckpts, arch):
     """nv/nk = 3 (Qwen3-Next groups value heads under key heads inside in_proj_qkvz /

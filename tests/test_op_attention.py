@@ -67,3 +67,24 @@ def test_attention_grid(T, Hq, Hkv, D, rot, pos, splits, tile, monkeypatch):
         attn_decode(q1, kc, vc, posd, r, proj[r: r + 1], o1, rows=1, splits=splits)
         assert torch.equal(o1[0], o[r]), r
     assert torch.equal(kc1, kc) and torch.equal(vc1, vc)
+
+
+def test_attention_prep_with_yarn_scaling():
+    """attn_prep's ROPE_SCALE (YaRN's cos / sin scaling, rounded after the product) against
+    the reference with the same scale; a scale of 1 leaves the unscaled kernel's bits."""
+    T, Hq, Hkv, D, rot, pos = 3, 4, 2, 16, 8, 5
+    proj = rnd(T, Hq * 2 * D + 2 * Hkv * D, seed=1)
+    qw, kw = rnd(D, seed=2, scale=0.1), rnd(D, seed=3, scale=0.1)
+    invf = rope_inv_freq(rot, 1e4, "cpu")
+    dims = dict(n_heads=Hq, n_kv=Hkv, head_dim=D, eps=1e-6)
+    outs = {}
+    for scale in (1.0, 1.1386):
+        kc, vc = torch.zeros(Hkv, pos + T, D), torch.zeros(Hkv, pos + T, D)
+        kr, vr = kc.clone(), vc.clone()
+        q = torch.empty(T, Hq, D)
+        attn_prep(proj, qw, kw, invf, torch.tensor([pos]), 0, q, kc, vc, rows=T, rope_scale=scale, **dims)
+        qr = attn_prep_ref(proj, qw, kw, invf, pos, kr, vr, rope_scale=scale, **dims)
+        assert_rel("q", q, qr, 1e-5)
+        assert_rel("k cache", kc, kr, 1e-5)
+        outs[scale] = q
+    assert not torch.allclose(outs[1.0], outs[1.1386])

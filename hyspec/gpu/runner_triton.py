@@ -28,7 +28,6 @@ from hyspec.kernels.attention import (
     attn_decode,
     attn_decode_grouped,
     attn_prep,
-    rope_inv_freq,
 )
 from hyspec.kernels.attention.grouped import grouped_partials
 from hyspec.kernels.common import p2
@@ -37,6 +36,7 @@ from hyspec.kernels.matmul import fp8_config, silu_mul, skinny_matmul, skinny_ma
 from hyspec.kernels.matmul.config import TUNED, _config_cached
 from hyspec.kernels.moe import MoeBuffers, moe_grouped
 from hyspec.kernels.pdl import interpreting, step_default
+from hyspec.model.ops import rope_frequencies
 from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.rmsnorm import rmsnorm
 from hyspec.quant import FP8_DTYPE, Fp8Weight
@@ -157,7 +157,7 @@ class TritonRunner:
         self.head = model.head_weight  # [V, H]
         d2t = getattr(dec, "d2t", None)  # a reduced draft vocabulary (ids, head rows), set before the runner
         self.d2t_ascending = d2t is not None and bool((d2t[0][1:] > d2t[0][:-1]).all())
-        self.inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev)  # [rotary_dim / 2]
+        self.inv_freq, self.rope_scale = rope_frequencies(cfg, dev)  # [rotary_dim / 2], YaRN's cos/sin scale
         self.mtp_layer = None  # the drafter's (MTP) decoder layer, packed
         if model.mtp is not None:
             mtp = model.mtp
@@ -476,7 +476,7 @@ class TritonRunner:
         q = self._buf("query", t)
         attn_prep(proj, layer.qn, layer.kn, self.inv_freq, pos, off, q, kc, vc, n_heads=cfg.num_attention_heads,
                   n_kv=cfg.num_key_value_heads, head_dim=cfg.head_dim, eps=self.eps, rows=t, lanes=lanes,
-                  kv_lane_stride=kv_stride)
+                  kv_lane_stride=kv_stride, rope_scale=self.rope_scale)
         o = self._buf("mixer_out", t, cfg.num_attention_heads * cfg.head_dim)
         ws = self._workspaces.get("attn")
         need = self.rows_cap * cfg.num_attention_heads * max(ATTN_SPLITS, grouped_partials(kc.shape[1])) \

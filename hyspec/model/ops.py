@@ -9,6 +9,7 @@ K draft length.
 from __future__ import annotations
 
 import contextvars
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -220,12 +221,54 @@ class GatedRMSNorm(nn.Module):
         return (y * silu(zf)).to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [T, rot_dim] for neox-style RoPE over the first rot_dim dims."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=positions.device) / rot_dim))
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rot/2]
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_frequencies(cfg, device=None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2] fp32, attention scaling of cos / sin) of cfg's RoPE:
+    default, linear (frequencies / factor) or YaRN (interpolated and extrapolated frequencies
+    blended over a ramp of dimensions, cos / sin scaled by 0.1 ln(factor) + 1), computed as
+    transformers computes them (modeling_rope_utils), so the same checkpoint gives the same
+    tables."""
+    rot, base = cfg.rotary_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot)
+    inv_freq = 1.0 / pos_freqs
+    p = dict(cfg.rope_scaling)
+    if cfg.rope_type == "linear":
+        return inv_freq / p["factor"], 1.0
+    if cfg.rope_type != "yarn":
+        return inv_freq, 1.0
+    factor, orig = p["factor"], p["original_max_position_embeddings"]
+    scale = p.get("attention_factor")
+    if scale is None:
+        ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+        scale = _yarn_mscale(factor, ms) / _yarn_mscale(factor, ms_all) if ms and ms_all else _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over orig
+        return rot * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p["beta_fast"]), correction_dim(p["beta_slow"])
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rot // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp  # 1: keep the dimension's frequency, 0: interpolate it by the factor
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq, float(scale)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos/sin tables [T, rot_dim] for neox-style RoPE over the first rot_dim = 2 x
+    len(inv_freq) dims (scale: YaRN's attention scaling, applied before the rounding)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, rot/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, rot]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ def attn_batched(mod: GatedAttention, x: torch.Tensor) -> torch.Tensor:
     q = mod.q_norm(q)
     k = mod.k_norm(mod.k_proj(xf).view(B, T, nkv, D))
     v = mod.v_proj(xf).view(B, T, nkv, D)
-    cos, sin = rope_cos_sin(torch.arange(T, device=x.device), mod.rot_dim, mod.theta, x.dtype)
+    cos, sin = rope_cos_sin(torch.arange(T, device=x.device), mod.inv_freq, x.dtype, mod.rope_scale)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     dt = v.dtype
     q, k, v = (t.to(dt).transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]

@@ -31,7 +31,8 @@ def attn_splits() -> int:
 
 
 def rope_inv_freq(rot: int, theta: float, device) -> torch.Tensor:
-    """inv_freq [rot/2] fp32, computed exactly as hyspec.model.ops.rope_cos_sin does."""
+    """Plain RoPE's inv_freq [rot/2] fp32, as hyspec.model.ops.rope_frequencies computes it
+    (which also gives the scaled types' frequencies and YaRN's cos / sin scaling)."""
     return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
 
 
@@ -48,7 +49,7 @@ def _kernels():
     @triton.jit(do_not_specialize=["T", "off", "TL", "skv"])
     def _attn_prep_kernel(p_ptr, sp, qw_ptr, kw_ptr, invf_ptr, pos_ptr, off, q_ptr, kc_ptr, vc_ptr,
                           T, HQ, HKV, D, ROT, L, eps, TL, skv,
-                          BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK_D: tl.constexpr, PDL: tl.constexpr = False, ROPE_SCALE: tl.constexpr = 1.0):
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -89,8 +90,13 @@ def _kernels():
             xn = (x * inv * (1.0 + w)).to(DT).to(tl.float32)
             xpn = (xp * inv * (1.0 + wp)).to(DT).to(tl.float32)
             ang = p.to(tl.float32) * invf
-            c = tl.cos(ang).to(DT).to(tl.float32)
-            s = tl.sin(ang).to(DT).to(tl.float32)
+            c = tl.cos(ang)
+            s = tl.sin(ang)
+            if ROPE_SCALE != 1.0:  # YaRN's attention scaling (compiled out for plain RoPE)
+                c = c * ROPE_SCALE
+                s = s * ROPE_SCALE
+            c = c.to(DT).to(tl.float32)
+            s = s.to(DT).to(tl.float32)
             rot = tl.where(lo, -xpn, xpn)
             yr = (xn * c).to(DT).to(tl.float32) + (rot * s).to(DT).to(tl.float32)
             y = tl.where(inrot, yr, xn).to(DT)
@@ -185,7 +191,7 @@ def _kernels():
 
 
 def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_kv, head_dim, eps, rows,
-              lanes=1, kv_lane_stride=0):
+              lanes=1, kv_lane_stride=0, rope_scale: float = 1.0):
     """Triton :func:`attn_prep_ref` with the position read from device memory
     (pos: int64 [1] tensor; the rows sit at pos + off + r).  lanes > 1: the rows are
     ``lanes`` sequences of rows // lanes rows each (lane-major); lane b's rows sit at
@@ -195,7 +201,8 @@ def attn_prep(proj, q_w, k_w, inv_freq, pos, off, q_out, kc, vc, *, n_heads, n_k
     k = _kernels()["attn_prep"]
     k[(rows, n_heads + 2 * n_kv)](proj, proj.stride(0), q_w, k_w, inv_freq, pos, int(off), q_out, kc, vc,
                                   rows, n_heads, n_kv, D, 2 * inv_freq.shape[0], kc.shape[1], float(eps),
-                                  rows // lanes, int(kv_lane_stride), BLOCK_D=p2(D), num_warps=4 if D <= 128 else 8, **launch_kwargs())
+                                  rows // lanes, int(kv_lane_stride), BLOCK_D=p2(D), num_warps=4 if D <= 128 else 8,
+                                  ROPE_SCALE=float(rope_scale), **launch_kwargs())
     return q_out
 
 

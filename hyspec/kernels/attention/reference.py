@@ -8,7 +8,7 @@ import torch
 __all__ = ["attn_prep_ref", "attn_decode_ref"]
 
 
-def attn_prep_ref(proj, q_w, k_w, inv_freq, pos, kc, vc, *, n_heads, n_kv, head_dim, eps):
+def attn_prep_ref(proj, q_w, k_w, inv_freq, pos, kc, vc, *, n_heads, n_kv, head_dim, eps, rope_scale=1.0):
     """proj [T, Hq*2D + 2*Hkv*D] (per q head [q D | gate D], then k, then v).
     Returns q [T, Hq, D]; writes k (normed, roped) and v into kc/vc [Hkv, L, D] rows pos+r."""
     T = proj.shape[0]
@@ -26,7 +26,10 @@ def attn_prep_ref(proj, q_w, k_w, inv_freq, pos, kc, vc, *, n_heads, n_kv, head_
     p = torch.arange(pos, pos + T, device=proj.device).float()
     fr = p[:, None] * inv_freq[None, :]
     emb = torch.cat([fr, fr], -1)
-    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    cos, sin = emb.cos(), emb.sin()
+    if rope_scale != 1.0:  # YaRN's attention scaling
+        cos, sin = cos * rope_scale, sin * rope_scale
+    cos, sin = cos.to(dt), sin.to(dt)
 
     def rope(x):
         xr, xp = x[..., :rot], x[..., rot:]
