@@ -395,6 +395,11 @@ class Constraint:
         return bool(self._m.is_stopped())
 
     @property
+    def ended(self) -> bool:
+        """An EOS was consumed: the output is over (``finished`` alone may still need its EOS)."""
+        return self._ended()
+
+    @property
     def accepting(self) -> bool:
         """The tokens so far form a complete match (EOS is allowed now)."""
         return bool(self._m.is_accepting())

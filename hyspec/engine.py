@@ -269,7 +269,7 @@ class Engine:
         fill it), prefilling only the rest."""
         params = params if params is not None else GREEDY
         if not isinstance(params, SamplingParams):
-            raise ParamError("params", params, "must be a hyspec.SamplingParams (or None for greedy)")
+            raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
         _int_arg("max_new_tokens", max_new_tokens, 0)
         _int_arg("num_samples", num_samples, 1)
         if stop_ids is not None:
@@ -314,6 +314,10 @@ class Engine:
         prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
         constraint: one Constraint (or a list, one per prompt, None for none); each sequence
         runs on its own clone."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise ParamError("prompts", prompts, "must be a list of prompts (texts or token id lists)")
+        if stop_ids is not None:
+            stop_ids = _token_ids("stop_ids", stop_ids)
         n = len(prompts)
 
         def per(name, v):
@@ -329,28 +333,29 @@ class Engine:
             if c is not None:
                 self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
-        requests = []
+        requests, caps = [], []  # caps[i]: the context capped prompt i's max_new_tokens (stop_reason "context")
         for i, (prompt, limit, prompt_params, k, c, lp) in enumerate(zip(prompts, limits, params_each, drafts,
                                                                          constraints, lps)):
             try:
                 ids = self.encode(prompt)
                 opts = self._spec_options(k, spec)
                 _int_arg("max_new_tokens", limit, 0)
-                limit, _ = self._cap(ids, limit)
+                limit, capped = self._cap(ids, limit)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
-            finished = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r)))
+            caps.append(capped)
+            finished = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r, caps[i])))
             requests.append(Request(prompt_ids=ids, max_new_tokens=limit,
                                     params=prompt_params if prompt_params is not None else GREEDY, draft=k,
                                     spec=opts, stop_ids=stops, on_tokens=stream, on_finish=finished,
                                     constraint=None if c is None else c.clone(), logprobs=lp))
         self._run_requests(requests, max_batch=max_batch)
-        return [self._request_output(r) for r in requests]
+        return [self._request_output(r, capped) for r, capped in zip(requests, caps)]
 
-    def _request_output(self, r: Request) -> Output:
+    def _request_output(self, r: Request, capped: bool = False) -> Output:
         out = self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
-                           r.draft > 0)
+                           r.draft > 0, capped, r.max_new_tokens)
         if r.logprobs is not None:
             out.logprobs = [list(r.token_logprobs)]
         return out
@@ -479,6 +484,8 @@ class Engine:
         `budget_bytes` (default: free device memory on CUDA)."""
         from hyspec.core.slots import slot_bytes
 
+        _int_arg("context_len", context_len, 1)
+
         per = slot_bytes(self.model.cfg, self.model.dtype, context_len, self.model.has_mtp)
         if budget_bytes is None and self.model.device.type == "cuda":
             budget_bytes = torch.cuda.mem_get_info(self.model.device)[0]
@@ -499,6 +506,7 @@ class Engine:
             raise ValueError("scoring needs at least 2 tokens")
         self._check_context(len(ids), "the text to score")
         _int_arg("top_logprobs", top_logprobs, 0)
+        _int_arg("chunk", chunk, 1)
         vocab_size = self.model.cfg.vocab_size
         out_of_range = [t for t in ids if not 0 <= t < vocab_size]
         if out_of_range:

@@ -137,7 +137,8 @@ class Session:
         if constraint is not None:
             self.engine._check_constraint(constraint)
             return constraint.clone()
-        if not ids and self._matcher is not None and not self._matcher.finished:
+        if not ids and self._matcher is not None and not self._matcher.ended:  # (a reply cut where the grammar
+            # is complete goes on too: only its EOS may follow)
             return self._matcher.clone()  # "go on": the unfinished reply (constrained by the session's
             # constraint or by its own turn's) continues under its matcher
         return None if self.constraint is None else self.constraint.clone()
@@ -156,7 +157,9 @@ class Session:
 
         self._check_open()
         eng = self.engine
-        ids = eng.encode(message) if isinstance(message, str) else [int(t) for t in message]
+        ids = eng.encode(message, arg="message")  # text, or token ids (integers: 1.7 is refused, not truncated)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be a callable (new token ids) or None, got {on_tokens!r}")
         n_drafts = self.draft if draft is None else draft
         opts = eng._spec_options(n_drafts, self.spec)
         if self._speculative is not None and (n_drafts > 0) != self._speculative:
@@ -187,8 +190,14 @@ class Session:
             seq, end = None, req.end_state
         else:
             sched.submit(req)
-            while not req.done:
-                sched.step()
+            try:
+                while not req.done:
+                    sched.step()
+            except BaseException:  # escaped a step (on_tokens raised, Ctrl-C mid-round): the turn is undone,
+                sched.abandon(req)  # the scheduler cleaned, the session back at its state before the turn
+                self._release()
+                self._state = self._boundary
+                raise
             seq = req.sequence
             if req.stop_reason == "error" and (seq is None or not getattr(seq, "started", False)):
                 # failed before the first round (admission or prefill): back to the state before the turn

@@ -87,6 +87,21 @@ def test_max_new_tokens_is_capped_at_the_context(ckpt) -> None:
     assert "capped" in r.stderr and str(CTX) in r.stderr
 
 
+def test_generate_batch_reports_the_context_cap_as_generate_does(eng) -> None:
+    """A prompt whose max_new_tokens the context caps ends with stop_reason "context" and
+    the cap's stats in generate_batch (and its on_finish) as in generate; it said "length"."""
+    prompt = list(range(1, CTX - 5))
+    alone = eng.generate(prompt, max_new_tokens=50, ignore_eos=True)
+    seen = []
+    batch = eng.generate_batch([prompt, [1, 2]], max_new_tokens=[50, 3], ignore_eos=True,
+                               on_finish=lambda i, out: seen.append((i, out.samples[0].stop_reason)))
+    assert batch[0].tokens == alone.tokens and alone.samples[0].stop_reason == "context"
+    assert batch[0].samples[0].stop_reason == "context" and batch[1].samples[0].stop_reason == "length"
+    for key in ("max_new_tokens_capped_to", "context_length"):
+        assert batch[0].stats[key] == alone.stats[key] and key not in batch[1].stats
+    assert sorted(seen) == [(0, "context"), (1, "length")]
+
+
 def test_prompt_longer_than_the_context_is_an_error(ckpt, eng, tmp_path) -> None:
     ids = ",".join(["5"] * (CTX + 8))
     long = tmp_path / "long.txt"

@@ -104,3 +104,17 @@ def test_session_constraint_for_another_vocabulary_is_refused(zoo):
     other = make_constraint(zoo.path("tiny", "qwen3_5"), "regex", "[a-z]+", vocab_size=eng.model.cfg.vocab_size + 8)
     with pytest.raises(ValueError, match="vocabulary"):
         eng.session(constraint=other)
+
+
+def test_a_reply_cut_where_the_grammar_is_complete_goes_on_to_its_eos():
+    """Cut by max_new_tokens exactly where the match is complete (the matcher finished: only
+    EOS may follow), an empty turn continues that matcher -- its EOS -- instead of starting a
+    new match (which gave '6464-01-016010-22')."""
+    eng = Engine.load()
+    c = eng.constraint("regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}")
+    uncut = eng.session(draft=3, max_new_tokens=16, constraint=c, use_store=False).send("date = ")
+    assert uncut.samples[0].stop_reason == "eos" and uncut.tokens[-1] in eng.eos_ids
+    s = eng.session(draft=3, max_new_tokens=len(uncut.tokens) - 1, constraint=c, use_store=False)
+    first = s.send("date = ").tokens
+    assert s.matcher.finished and not s.matcher.ended
+    assert first + s.send([], max_new_tokens=6).tokens == uncut.tokens

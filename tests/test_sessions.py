@@ -220,3 +220,53 @@ def test_one_shot_extending_a_stored_conversation_where_graphs_run(zoo, triton_i
     assert eng.store.hits == hits + 1 and one.stats["cached_tokens"] == len(s.tokens) - 1
     assert one.stats["path"] == "batch-graphs"
     assert one.tokens == s.send(msgs[3]).tokens
+
+
+@pytest.mark.parametrize("when,exc", [(1, ValueError), (2, ValueError), (1, KeyboardInterrupt),
+                                      (2, KeyboardInterrupt)])
+def test_an_exception_escaping_a_turn_undoes_it_and_leaves_the_engine_clean(zoo, when, exc):
+    """on_tokens raising (ValueError, or Ctrl-C as KeyboardInterrupt) on the turn's first
+    token (from the prefill) or in a later round: the exception reaches the caller, the
+    turn is undone (the session as before it, its slot state not trusted), the shared
+    session scheduler keeps nothing of it, and every later turn -- of this session and of
+    another -- equals the same turn of sessions that never saw it. (The aborted request
+    once stayed active: it decoded inside other sessions' turns and re-fired its callback.)"""
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=4)
+    ref = eng.session(draft=3, max_new_tokens=MAX_NEW, use_store=False)
+    want = [ref.send(m).tokens for m in msgs]
+    ref.close()
+    s = eng.session(draft=3, max_new_tokens=MAX_NEW, use_store=False)
+    t = eng.session(draft=3, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == want[0]
+    calls = []
+
+    def boom(ids):
+        calls.append(ids)
+        if len(calls) == when:
+            raise exc("stop here")
+
+    with pytest.raises(exc):
+        s.send(msgs[1], on_tokens=boom)
+    sched = eng.session_scheduler()
+    assert not sched.active and not sched.prefilling and not sched.waiting
+    assert s.num_turns == 1 and len(s.tokens) == len(msgs[0]) + len(want[0])
+    n = len(calls)
+    assert t.send(msgs[0]).tokens == want[0] and len(calls) == n  # the other session: its own tokens, no stray calls
+    assert [s.send(m).tokens for m in msgs[1:]] == want[1:]
+    s.close()
+    t.close()
+    assert not sched.pool.used  # no slot leaked
+
+
+def test_on_finish_is_called_once_even_when_it_raises(zoo):
+    eng = engine(zoo, "qwen3_5")
+    calls = []
+
+    def fail(i, out):
+        calls.append((i, out.samples[0].stop_reason))
+        raise RuntimeError("caller's bug")
+
+    with pytest.raises(RuntimeError, match="caller's bug"):
+        eng.generate_batch([[5, 6, 7]], max_new_tokens=1, on_finish=fail)
+    assert calls == [(0, "length")]

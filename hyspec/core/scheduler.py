@@ -136,23 +136,48 @@ class Scheduler:
                 # batch: not worth it while a prefill or an admission comes first
                 may_fork = not self.prefilling and not (self.waiting and self.running < self.max_batch)
                 emitted = run_round(self.backend, batch, may_fork=may_fork)
-            except Exception as e:  # a failed round ends its sequences, never the scheduler
+            except BaseException as e:  # a failed round ends its sequences, never the scheduler
                 for s in batch:
                     if s in txn:
                         txn[s].restore(s)  # back to the last committed state, still usable
                     self._finish(s, "error", e)
+                if not isinstance(e, Exception):  # Ctrl-C: the scheduler is clean, the caller gets it
+                    raise
                 return True
             self.rounds += 1
             for s in batch:
                 toks = emitted.get(s, [])
                 if toks and s.req.on_tokens is not None:
-                    s.req.on_tokens(s.req, toks)
+                    try:
+                        s.req.on_tokens(s.req, toks)
+                    except BaseException as e:  # the caller's callback: its exception goes to the caller,
+                        self._finish(s, "error", e)  # and this sequence ends (its round is committed)
+                        raise
                 if s.reason is not None or len(s.out) >= s.req.max_new_tokens:
                     self._finish(s, s.reason or "length")
             if not self.has_work() and hasattr(self.backend, "settle"):
                 self.backend.settle()  # the pipeline throws away a fork of the round that ended the work
             worked = True
         return worked
+
+    def abandon(self, req: Request) -> None:
+        """Take every trace of `req` out of the scheduler after an exception escaped a step
+        with it in flight (a callback's, or a KeyboardInterrupt mid-round): it leaves the
+        queues, its slot goes back to the pool (kept or not: its state is not trusted), and it
+        ends with "error" without further callbacks. The other requests are untouched."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        for s in [s for s in list(self.prefilling) + self.active if s.req is req]:
+            if s in self.prefilling:
+                self.prefilling.remove(s)
+            if s in self.active:
+                self.active.remove(s)
+            self.pool.release(s.slot)
+        if req.sequence is not None:
+            self.pool.release(req.sequence.slot)
+            req.sequence = None
+        req.done = True
+        req.stop_reason = req.stop_reason or "error"
 
     def _drop_cancelled(self) -> bool:
         dropped = False
@@ -223,10 +248,14 @@ class Scheduler:
                 return
             self.prefilling.popleft()
             self._start(s, post)
-        except Exception as e:
+        except BaseException as e:
+            if s.req.done:  # the request had finished and its on_finish raised: the caller's exception
+                raise
             if s in self.prefilling:
                 self.prefilling.remove(s)
             self._finish(s, "error", e)
+            if not isinstance(e, Exception):  # Ctrl-C (or the first token's callback's): after the clean-up
+                raise
 
     def _resume(self, s: Sequence, src, new: list[int]) -> None:
         """Set a new turn's Sequence up to continue `src` (a kept Sequence or a SeqState):
@@ -276,7 +305,9 @@ class Scheduler:
             self.active.append(s)
 
     # -- leaving -----------------------------------------------------------------------
-    def _finish(self, s: Sequence, reason: str, exc: Exception | None = None) -> None:
+    def _finish(self, s: Sequence, reason: str, exc: BaseException | None = None) -> None:
+        if s.req.done:  # finished already (on_finish is called once)
+            return
         if s in self.active:
             self.active.remove(s)
         if s in self.prefilling:
