@@ -174,6 +174,32 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert "--ks" in errs[5] and "--reps" in errs[6] and "--max-tokens" in errs[7]
 
 
+def test_pipeline_and_train_options_fail_before_any_process_or_file(tmp_path) -> None:
+    """--pp values that hung (bench --pp 1), started a plain server (serve --pp 0), started
+    N processes before the layer count refused them (--pp 9 on 8 layers), or gave a
+    traceback per rank (--device); train flags that ended in tracebacks or wrote an
+    untrained checkpoint; a corpus in another format."""
+    import lzma
+
+    bad_corpus = tmp_path / "c.jsonl.xz"
+    with lzma.open(bad_corpus, "wt") as f:
+        f.write(json.dumps({"path": "a.py", "text": "x = 1"}) + "\n")
+    out = tmp_path / "run"
+    tok = str(Path(__file__).resolve().parents[1] / "hyspec" / "default_model" / "tokenizer.json")
+    errs = cli_errors(["bench", "--pp", "1"], ["serve", "--pp", "0"], ["generate", "--pp", "9", "--prompt", "x"],
+                      ["generate", "--pp", "2", "--device", "bogus", "--prompt", "x"],
+                      ["generate", "--pp", "x", "--prompt", "x"],
+                      ["train", "--out", str(out), "--log-every", "0"], ["train", "--out", str(out), "--steps", "-1"],
+                      ["train", "--out", str(out), "--minutes", "0"],
+                      ["train", "--out", str(out), "--corpus", str(bad_corpus), "--tokenizer", tok, "--steps", "1",
+                       "--batch-size", "1", "--seq-len", "16"])
+    assert "--pp must be >= 2" in errs[0] and "--pp must be >= 1" in errs[1]
+    assert "8 layers" in errs[2] and "--device" in errs[3] and "--pp must be an integer" in errs[4]
+    assert "--log-every" in errs[5] and "--steps" in errs[6] and "nothing to train" in errs[7]
+    assert "--corpus" in errs[8] and "path / split / text" in errs[8]
+    assert not out.exists()
+
+
 def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:
     """`hyspec ... | head`: the reader goes away; no `error: [Errno 32] Broken pipe` line."""
     from hyspec.cli import dispatch

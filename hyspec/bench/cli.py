@@ -340,7 +340,7 @@ def run_batches(model, args, dev, weight_bytes: int | None = None, bandwidth_gbp
 
 
 def main(argv=None) -> int:
-    if "--pp" in (argv if argv is not None else sys.argv[1:]):
+    if any(a == "--pp" or a.startswith("--pp=") for a in (argv if argv is not None else sys.argv[1:])):
         from hyspec.parallel.bench import main as pp_main  # pipeline stages: its own flags and report
 
         return pp_main(argv)

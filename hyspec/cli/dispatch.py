@@ -71,12 +71,15 @@ def _delegated(cmd: str):
 def _check_before_launch(cmd: str, argv: list[str]) -> None:
     """The options of a `--pp N` command that need no model, checked in this process before
     it starts N ranks (a ValueError or the parser's exit, as the ranks would give)."""
+    from hyspec import parallel
+
     if cmd == "serve":
         from hyspec import server
 
         server.check(server.build_parser().parse_args(argv[1:]))
     elif cmd in SUBCOMMANDS and hasattr(SUBCOMMANDS[cmd], "check"):
         SUBCOMMANDS[cmd].check(build_parser().parse_args(argv))
+    parallel.check_launch(argv, parallel.pp_from_argv(argv))  # device, stages <= layers
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,10 +21,38 @@ ACTIVE: dict | None = None
 
 
 def pp_from_argv(argv: list[str]) -> int:
+    """The --pp value of a command line (1 without it); ValueError naming the flag when it
+    is not an integer >= 1."""
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--pp", default="1")
     args, _ = ap.parse_known_args(argv)
-    return args.pp
+    try:
+        stages = int(args.pp)
+    except ValueError:
+        raise ValueError(f"--pp must be an integer >= 1, got {args.pp!r}") from None
+    if stages < 1:
+        raise ValueError(f"--pp must be >= 1, got {stages}")
+    return stages
+
+
+def check_launch(argv: list[str], stages: int) -> None:
+    """What a `--pp N` launch can check before it starts N processes: the device (as one
+    process would: cpu, or cuda with N GPUs, rank r on cuda:r) and that the model has at
+    least N layers (config.json only)."""
+    from hyspec.config import ModelConfig
+    from hyspec.engine import check_device, default_model_dir
+
+    margs = _model_args(argv)
+    dev = check_device(margs.device)
+    if dev.type == "cuda" and dev.index is None:
+        import torch
+
+        if torch.cuda.device_count() < stages:
+            raise ValueError(f"--pp {stages} --device cuda puts rank r on cuda:r: this machine has "
+                             f"{torch.cuda.device_count()} GPU(s)")
+    cfg = ModelConfig.from_dir(margs.model or default_model_dir())
+    if stages > cfg.num_hidden_layers:
+        raise ValueError(f"--pp {stages}: the model has {cfg.num_hidden_layers} layers; each stage needs at least one")
 
 
 def _model_args(argv: list[str]):

@@ -61,6 +61,9 @@ def main(argv=None) -> int:
                     help="with --optimistic: a drafter setting to run, repeatable: comma-separated forced-acceptance "
                          "rates by depth, or 'mtp' (default: mtp)")
     args = ap.parse_args([a for a in (argv if argv is not None else sys.argv[1:])])
+    if args.pp < 2:  # (one stage would wait forever for a previous one)
+        raise ValueError(f"--pp must be >= 2 for the pipeline bench (it compares N stages with one process), "
+                         f"got {args.pp}")
 
     import torch
 

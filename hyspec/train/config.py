@@ -35,6 +35,38 @@ class TrainConfig:
     arch: dict = field(default_factory=lambda: dict(DEFAULT_ARCH))  # model shape, keys of DEFAULT_ARCH
 
 
+def check_config(a: TrainConfig) -> None:
+    """ValueError naming the flag for a setting that cannot train (checked before the corpus
+    loads or anything is written)."""
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    for name, lo in (("batch_size", 1), ("seq_len", 2), ("log_every", 1), ("n_evals", 1), ("warmup", 0),
+                     ("eval_max_tokens", 0), ("steps", 0)):
+        v = getattr(a, name)
+        if v < lo:
+            raise ValueError(f"{flag(name)} must be >= {lo}, got {v}")
+    for name in ("minutes", "wall_minutes", "lr", "min_lr_ratio", "weight_decay", "grad_clip", "mtp_weight",
+                 "dropout"):
+        v = getattr(a, name)
+        if not v == v or v in (float("inf"), float("-inf")) or v < 0:  # NaN, inf or negative
+            raise ValueError(f"{flag(name)} must be a finite number >= 0, got {v}")
+    if a.lr == 0:
+        raise ValueError("--lr must be > 0")
+    if a.min_lr_ratio > 1 or a.dropout >= 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1] and --dropout in [0, 1), got {a.min_lr_ratio} / "
+                         f"{a.dropout}")
+    if a.steps == 0 and a.minutes == 0:
+        raise ValueError("nothing to train: give --steps N or a --minutes budget > 0")
+    for k, v in a.arch.items():
+        if v < 1:
+            raise ValueError(f"{flag(k)} must be >= 1, got {v}")
+    if a.device:
+        from hyspec.engine import check_device
+
+        check_device(a.device)
+
+
 TrainArgs = TrainConfig  # the earlier name
 
 # the CLI help of each field (a bool field's flag is --no-NAME when it defaults to True)

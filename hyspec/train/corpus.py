@@ -207,11 +207,22 @@ def build_corpus(out_path: str | os.PathLike,
 
 
 def iter_corpus(path: str | os.PathLike):
-    """Yield entry dicts {path, split, text} from a ``.jsonl.xz`` corpus file."""
-    with lzma.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """Yield entry dicts {path, split, text} from a ``.jsonl.xz`` corpus file; ValueError
+    naming the file for another format (`python -m hyspec.train.corpus` writes one)."""
+    want = "a .jsonl.xz of {path, split, text} lines (python -m hyspec.train.corpus writes one)"
+    try:
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        e = json.loads(line)
+                    except json.JSONDecodeError:
+                        raise ValueError(f"--corpus {path}: line {n} is not JSON; expected {want}") from None
+                    if not isinstance(e, dict) or not {"path", "split", "text"} <= set(e):
+                        raise ValueError(f"--corpus {path}: line {n} lacks path / split / text; expected {want}")
+                    yield e
+    except (lzma.LZMAError, EOFError, UnicodeDecodeError) as e:
+        raise ValueError(f"--corpus {path}: not readable as xz-compressed UTF-8 text ({e}); expected {want}") from None
 
 
 def load_corpus(path: str | os.PathLike) -> dict[str, list[tuple[str, str]]]:

@@ -57,6 +57,9 @@ def _sync(device) -> None:
 
 def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=print) -> dict:
     """Train, evaluate and write the checkpoint to a.out. Returns the log dict."""
+    from hyspec.train.config import check_config
+
+    check_config(a)
     t_start = time.time()
     git = git_state()  # the code that trains, recorded before it runs
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -149,6 +152,10 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         sampler = WindowSampler(train_stream, T + 2, T, B, a.seed)  # the check does not consume data
     if a.wall_minutes > 0:
         left = a.wall_minutes * 60.0 - (time.time() - _PROCESS_START) - reserve
+        if left <= 0 and not a.steps:
+            raise ValueError(f"--wall-minutes {a.wall_minutes:g} leaves no time to train: the set-up took "
+                             f"{time.time() - _PROCESS_START:.0f}s and {reserve:.0f}s are kept for the evaluation "
+                             "and the save")
         if left < budget:
             log(f"wall-clock limit {a.wall_minutes:g} min: training budget cut to {left:.0f}s")
             budget = max(0.0, left)
