@@ -66,6 +66,20 @@ def _shard_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
+    # without an index, shards named like transformers' (PREFIX-00003-of-00029) must all be there:
+    # an interrupted download would otherwise load with tensors missing or silently short
+    series: dict[tuple[str, str], set[int]] = {}
+    for f in files:
+        m = re.fullmatch(r"(.*)-(\d+)-of-(\d+)\.safetensors", f.name)
+        if m:
+            series.setdefault((m.group(1), m.group(3)), set()).add(int(m.group(2)))
+    for (prefix, of), have in series.items():
+        total = int(of)
+        missing = sorted(set(range(1, total + 1)) - have)
+        if missing:
+            names = ", ".join(f"{prefix}-{i:0{len(of)}d}-of-{of}.safetensors" for i in missing[:3])
+            raise CheckpointError(f"{path}: {len(missing)} of {total} shard(s) missing ({names}"
+                                  f"{', ...' if len(missing) > 3 else ''}): an incomplete download?")
     return files
 
 

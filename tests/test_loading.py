@@ -303,3 +303,17 @@ def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
                                     "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}})
     assert legacy.rope_type == "yarn" and dict(legacy.rope_scaling)["factor"] == 4.0
+
+
+def test_numbered_shards_without_an_index_must_all_be_there(ckpt, reference):
+    """PREFIX-0000i-of-0000N shards without model.safetensors.index.json: all N load as one
+    checkpoint; one missing (an interrupted download) is named, not loaded short."""
+    t = _tensors(ckpt)
+    (ckpt / "model.safetensors").unlink()
+    keys = sorted(t)
+    for i in range(3):
+        _write(ckpt, {k: t[k] for k in keys[i::3]}, f"model-{i + 1:05d}-of-00003.safetensors")
+    _same_params(load_model(ckpt), reference)
+    (ckpt / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"1 of 3 shard\(s\) missing \(model-00002-of-00003.safetensors\)"):
+        load_model(ckpt)

@@ -270,3 +270,23 @@ def test_on_finish_is_called_once_even_when_it_raises(zoo):
     with pytest.raises(RuntimeError, match="caller's bug"):
         eng.generate_batch([[5, 6, 7]], max_new_tokens=1, on_finish=fail)
     assert calls == [(0, "length")]
+
+
+@pytest.mark.parametrize("when", [1, 2])
+def test_a_raising_on_tokens_reaches_the_generate_batch_caller(zoo, when):
+    """On the first token (from the prefill) as in a later round: the callback's exception
+    reaches the caller (the first one was once swallowed into an "error" output while the
+    other prompts ran on), and the engine serves the next call as before."""
+    eng = engine(zoo, "qwen3_5")
+    prompts = [[5, 6, 7], [8, 9]]
+    want = [o.tokens for o in eng.generate_batch(prompts, max_new_tokens=6, draft=2)]
+    calls = []
+
+    def boom(i, ids):
+        calls.append(i)
+        if len(calls) == when:
+            raise ValueError("caller's callback")
+
+    with pytest.raises(ValueError, match="caller's callback"):
+        eng.generate_batch(prompts, max_new_tokens=6, draft=2, on_tokens=boom)
+    assert [o.tokens for o in eng.generate_batch(prompts, max_new_tokens=6, draft=2)] == want

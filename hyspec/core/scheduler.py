@@ -283,7 +283,11 @@ class Scheduler:
             s.direct += 1
             kept = s.emit([s.pending], [s.last_logits[0]])
             if kept and s.req.on_tokens is not None:
-                s.req.on_tokens(s.req, kept)
+                try:
+                    s.req.on_tokens(s.req, kept)
+                except BaseException as e:  # the caller's callback: as in a round, the sequence ends
+                    self._finish(s, "error", e)  # and the caller gets the exception
+                    raise
         if s.speculative:
             # drafter pairs (token r+1, hidden r): the queued ones, then the fed tokens with their
             # hiddens, then the new pending token (the no-pending form keeps the last hidden back)
