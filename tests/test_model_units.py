@@ -167,7 +167,7 @@ def test_norms_and_rope():
     torch.testing.assert_close(gn(x, z), 2.0 * xhat * F.silu(z))
     # partial neox RoPE: the first rot dims rotate in halves, the rest pass through
     q = torch.randn(4, 2, 16, dtype=torch.float64)
-    cos, sin = rope_cos_sin(torch.arange(4), 1.0 / 10000.0 ** (torch.arange(0, 4, 2) / 4), torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(4), 1.0 / 10000.0 ** (torch.arange(0, 4, 2) / 4), 1.0, torch.float64)
     r = apply_rope(q, cos, sin)
     assert torch.equal(r[..., 4:], q[..., 4:]) and torch.equal(r[0], q[0])  # position 0: identity
     ang = 1.0 * 1.0  # position 1, first frequency (theta^0)

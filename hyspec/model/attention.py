@@ -27,7 +27,7 @@ class GatedAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.rot_dim, self.theta = cfg.rotary_dim, cfg.rope_theta
-        self.inv_freq, self.rope_scale = rope_frequencies(cfg, "cpu")  # fp32 (a tiny table, moved per use)
+        self.rope_cfg = cfg  # RoPE's frequencies are formed per call on the positions' device (no copy)
         H, D = cfg.hidden_size, cfg.head_dim
         # q_proj packs, per head, [q (D) | gate (D)]
         self.q_proj = Linear(H, self.n_heads * D * 2)
@@ -61,7 +61,7 @@ class GatedAttention(nn.Module):
         """One sequence: q [T, Hq, D], k, v [T, Hkv, D] at positions ctx.start.. -> [T, Hq * D]."""
         T, D = q.shape[0], self.head_dim
         pos = torch.arange(ctx.start, ctx.start + T, device=q.device)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, q.dtype, self.rope_scale)
+        cos, sin = rope_cos_sin(pos, *rope_frequencies(self.rope_cfg, pos.device), q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:  # whole sequence in one go (training, scoring without cache)
             if ctx.start != 0:

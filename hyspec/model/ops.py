@@ -260,10 +260,11 @@ def rope_frequencies(cfg, device=None) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scale)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
     """cos/sin tables [T, rot_dim] for neox-style RoPE over the first rot_dim = 2 x
-    len(inv_freq) dims (scale: YaRN's attention scaling, applied before the rounding)."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # [T, rot/2]
+    len(inv_freq) dims (inv_freq on the positions' device; scale: YaRN's attention scaling,
+    applied before the rounding)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, rot/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, rot]
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:

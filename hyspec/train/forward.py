@@ -25,7 +25,7 @@ from hyspec.config import FULL
 from hyspec.model.attention import GatedAttention
 from hyspec.model.gdn import GatedDeltaNet, chunked_scan, l2norm
 from hyspec.model.hybrid import DecoderLayer, HybridLM
-from hyspec.model.ops import apply_rope, rope_cos_sin
+from hyspec.model.ops import apply_rope, rope_cos_sin, rope_frequencies
 
 _FLA = None
 FLA_UNUSABLE_REASON: str | None = None
@@ -114,7 +114,7 @@ def attn_batched(mod: GatedAttention, x: torch.Tensor) -> torch.Tensor:
     q = mod.q_norm(q)
     k = mod.k_norm(mod.k_proj(xf).view(B, T, nkv, D))
     v = mod.v_proj(xf).view(B, T, nkv, D)
-    cos, sin = rope_cos_sin(torch.arange(T, device=x.device), mod.inv_freq, x.dtype, mod.rope_scale)
+    cos, sin = rope_cos_sin(torch.arange(T, device=x.device), *rope_frequencies(mod.rope_cfg, x.device), x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     dt = v.dtype
     q, k, v = (t.to(dt).transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
