@@ -140,15 +140,26 @@ def _stack_experts(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m = _EXPERT.match(k)
         if m:
             groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t.pop(k)
-    for prefix, experts in groups.items():
-        n = max(experts) + 1
+    for prefix in list(groups):
+        experts = groups.pop(prefix)  # one layer's per-expert tensors are let go once stacked: the host
+        n = max(experts) + 1  # holds the checkpoint once, plus one layer's experts, not twice
         for e in range(n):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 if part not in experts.get(e, {}):
                     raise CheckpointError(f"missing tensor '{prefix}.{e}.{part}.weight'")
-        t[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in range(n)])
-        t[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(n)])
+        gate, up = experts[0]["gate_proj"], experts[0]["up_proj"]
+        gate_up = torch.empty((n, gate.shape[0] + up.shape[0], *gate.shape[1:]), dtype=gate.dtype)
+        down = torch.empty((n, *experts[0]["down_proj"].shape), dtype=experts[0]["down_proj"].dtype)
+        for e in range(n):
+            w = experts.pop(e)
+            for part, want in (("gate_proj", gate.shape), ("up_proj", up.shape), ("down_proj", down.shape[1:])):
+                if tuple(w[part].shape) != tuple(want):
+                    raise CheckpointError(f"tensor '{prefix}.{e}.{part}.weight' has shape {list(w[part].shape)}, "
+                                          f"expert 0's is {list(want)}")
+            gate_up[e, : w["gate_proj"].shape[0]] = w["gate_proj"]
+            gate_up[e, w["gate_proj"].shape[0]:] = w["up_proj"]
+            down[e] = w["down_proj"]
+        t[f"{prefix}.gate_up_proj"], t[f"{prefix}.down_proj"] = gate_up, down
     return t
 
 

@@ -140,6 +140,15 @@ def test_missing_expert_is_named(ckpt):
         load_model(ckpt)
 
 
+def test_an_expert_of_another_shape_is_named(ckpt):
+    t = _per_expert(_tensors(ckpt))
+    k = "model.layers.1.mlp.experts.3.down_proj.weight"
+    t[k] = t[k][:, :-1]
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight' has shape"):
+        load_model(ckpt)
+
+
 def test_unknown_dtype_and_unexpected_tensor(ckpt):
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         parse_dtype("float8")
