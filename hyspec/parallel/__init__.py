@@ -81,6 +81,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_launcher() -> None:
+    """In a rank that launch() started: on Linux, have the kernel SIGTERM it when the
+    launcher dies (a SIGKILL of the launcher, which it cannot pass on, left the ranks
+    running and holding their GPUs); if the launcher is already gone, end now."""
+    launcher = os.environ.get("HYSPEC_LAUNCHER_PID")
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launcher):  # it died before the prctl took hold
+        raise SystemExit(1)
+
+
 def launch(argv: list[str], world: int) -> int:
     """Start `world` ranks of `python -m hyspec.cli ARGV` on this machine (what torchrun
     would do) and wait for them; if one fails, the others are stopped. Returns rank 0's
@@ -94,6 +112,7 @@ def launch(argv: list[str], world: int) -> int:
 
     if threading_main():
         signal.signal(signal.SIGTERM, _term)  # stop the ranks too
+    env["HYSPEC_LAUNCHER_PID"] = str(os.getpid())  # a rank ends itself when this process dies
     procs = [subprocess.Popen([sys.executable, "-m", "hyspec.cli", *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     try:
@@ -124,6 +143,7 @@ def run_cli(argv: list[str], world: int, main) -> int:
         raise ValueError(f"--pp must be >= 1, got {world}")
     if "RANK" not in os.environ:
         return launch(argv, world)
+    _die_with_launcher()
     import torch
     import torch.distributed as dist
 
