@@ -113,12 +113,12 @@ def check_args(args) -> None:
         v = getattr(args, flag.replace("-", "_"))
         if v is not None and v < lo:
             raise ValueError(f"--{flag}: must be >= {lo}, got {v}")
+    from hyspec.cli.common import parse_rates
+
     try:
-        rates = [float(x) for x in args.forced.split(",") if x.strip()]
-    except ValueError:
-        rates = []
-    if not rates or not all(0.0 <= r <= 1.0 for r in rates):
-        raise ValueError(f"--forced: expected comma-separated acceptance rates in [0, 1], got {args.forced!r}")
+        parse_rates(args.forced)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--forced: {e}") from None
     if args.batch is not None:
         _int_list("batch", args.batch, 1)
 

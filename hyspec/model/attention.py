@@ -26,7 +26,6 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.rot_dim, self.theta = cfg.rotary_dim, cfg.rope_theta
         self.rope_cfg = cfg  # RoPE's frequencies are formed per call on the positions' device (no copy)
         H, D = cfg.hidden_size, cfg.head_dim
         # q_proj packs, per head, [q (D) | gate (D)]

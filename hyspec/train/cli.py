@@ -19,17 +19,13 @@ import argparse
 import json
 from dataclasses import MISSING, fields
 
-from hyspec.train.config import CHOICES, HELP, TrainConfig
+from hyspec.train.config import CHOICES, HELP, TrainConfig, flag
 from hyspec.train.kernel_check import selfcheck
 from hyspec.train.loop import train
 from hyspec.train.model import DEFAULT_ARCH
 
 DESCRIPTION = ("Train the default hyspec hybrid model (+MTP head). "
                "On the CPU the run is refused up front when its estimated memory does not fit.")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,19 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         if f.name == "arch":
             for k, v in DEFAULT_ARCH.items():
-                ap.add_argument(_flag(k), type=int, default=v, help=f"model: {k}")
+                ap.add_argument(flag(k), type=int, default=v, help=f"model: {k}")
             continue
         default = f.default if f.default is not MISSING else f.default_factory()
         if isinstance(default, bool):
             if default:
-                ap.add_argument(_flag("no_" + f.name), dest=f.name, action="store_false", help=HELP[f.name])
+                ap.add_argument(flag("no_" + f.name), dest=f.name, action="store_false", help=HELP[f.name])
             else:
-                ap.add_argument(_flag(f.name), action="store_true", help=HELP[f.name])
+                ap.add_argument(flag(f.name), action="store_true", help=HELP[f.name])
             continue
         kw = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
         if not isinstance(default, str):
             kw["type"] = type(default)
-        ap.add_argument(_flag(f.name), default=default, help=HELP[f.name], **kw)
+        ap.add_argument(flag(f.name), default=default, help=HELP[f.name], **kw)
     ap.add_argument("--selfcheck", action="store_true", help="compare the fla and torch GDN paths and exit")
     return ap
 

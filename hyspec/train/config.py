@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hyspec.train.model import DEFAULT_ARCH
@@ -35,12 +36,14 @@ class TrainConfig:
     arch: dict = field(default_factory=lambda: dict(DEFAULT_ARCH))  # model shape, keys of DEFAULT_ARCH
 
 
+def flag(name: str) -> str:
+    """The command-line flag of a TrainConfig field (or an arch key)."""
+    return "--" + name.replace("_", "-")
+
+
 def check_config(a: TrainConfig) -> None:
     """ValueError naming the flag for a setting that cannot train (checked before the corpus
     loads or anything is written)."""
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
     for name, lo in (("batch_size", 1), ("seq_len", 2), ("log_every", 1), ("n_evals", 1), ("warmup", 0),
                      ("eval_max_tokens", 0), ("steps", 0)):
         v = getattr(a, name)
@@ -49,7 +52,7 @@ def check_config(a: TrainConfig) -> None:
     for name in ("minutes", "wall_minutes", "lr", "min_lr_ratio", "weight_decay", "grad_clip", "mtp_weight",
                  "dropout"):
         v = getattr(a, name)
-        if not v == v or v in (float("inf"), float("-inf")) or v < 0:  # NaN, inf or negative
+        if not math.isfinite(v) or v < 0:
             raise ValueError(f"{flag(name)} must be a finite number >= 0, got {v}")
     if a.lr == 0:
         raise ValueError("--lr must be > 0")
