@@ -38,10 +38,11 @@ def build_constraint(engine, spec: ConstraintSpec):
         raise bad(str(e) or type(e).__name__, spec.param) from None
 
 
-async def request_constraint(engine, req):
+async def request_constraint(engine, req, extra: ConstraintSpec | None = None):
     """Validate the request's constraint fields and build its Constraint, off the event
-    loop (a few ms for ordinary schemas; a large one must not stall other requests)."""
-    spec = constraint_spec(req)
+    loop (a few ms for ordinary schemas; a large one must not stall other requests).
+    `extra`: a constraint the route derived (a forced tool call), counted with the others."""
+    spec = constraint_spec(req, extra)
     if spec is None:
         return None
     return await asyncio.to_thread(build_constraint, engine, spec)

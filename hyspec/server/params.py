@@ -96,10 +96,10 @@ def check_response_format(rf) -> ConstraintSpec | None:
     raise bad(f"unknown response_format type {rf.type!r} (text | json_object | json_schema)", "response_format")
 
 
-def constraint_spec(req) -> ConstraintSpec | None:
-    """The request's one output constraint (response_format or a guided_* extension), or
-    None; two or more is a 400."""
-    found = []
+def constraint_spec(req, extra: ConstraintSpec | None = None) -> ConstraintSpec | None:
+    """The request's one output constraint (response_format, a guided_* extension, or
+    `extra`: a forced tool call), or None; two or more is a 400."""
+    found = [] if extra is None else [extra]
     rf = check_response_format(req.response_format)
     if rf is not None:
         found.append(rf)

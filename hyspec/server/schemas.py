@@ -87,7 +87,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = None
     add_generation_prompt: Optional[bool] = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None  # hyspec.tools checks them
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[Any] = None  # OpenAI's deprecated names: refused, naming `tools`
+    function_call: Optional[Any] = None
 
 
 class TokenizeRequest(_Base):
@@ -95,6 +99,8 @@ class TokenizeRequest(_Base):
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: Optional[bool] = True
+    tools: Optional[list[dict[str, Any]]] = None  # rendered with the messages, as chat renders them
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Base):

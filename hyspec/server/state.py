@@ -12,6 +12,7 @@ from hyspec.server import schemas
 from hyspec.server.metrics import Metrics
 from hyspec.server.params import APIError, Limits, bad
 from hyspec.server.worker import EngineWorker
+from hyspec.tools import template_messages
 
 log = logging.getLogger("hyspec.server")
 
@@ -51,6 +52,7 @@ class ServerState:
         if specials.get("eos_token") is None and engine.eos_ids:
             specials["eos_token"] = self.tokenizer.decode([engine.eos_ids[0]])
         self.template = ChatTemplate(source, specials, where)
+        self.template_reads_tools = "tools" in source  # else a request's tools would never reach the model
         try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
             from hyspec.constraints import vocab_for
 
@@ -101,6 +103,10 @@ class ServerState:
             elif content is None:
                 as_dict["content"] = ""
             rendered.append(as_dict)
+        try:
+            rendered = template_messages(rendered)
+        except ValueError as e:
+            raise bad(str(e), "messages") from None
         named = dict(add_generation_prompt=add_generation_prompt, tools=tools)
         named.update(kwargs or {})  # chat_template_kwargs may set the named ones too (as vLLM lets them)
         try:

@@ -90,10 +90,11 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
                 if final:
                     n_logprobs = min(n_logprobs, choice.matcher.n_tokens)
                 entries = choice.logprob_entries(choice.sent_logprobs, n_logprobs) if wants_logprobs else None
-                if delta or entries:
-                    chunk = make_chunk(choice, delta, entries)
+                if delta or entries or final:
+                    chunk = make_chunk(choice, delta, entries)  # None: nothing to send yet
                     choice.sent_text, choice.sent_logprobs = len(text), n_logprobs
-                    yield sse(chunk)
+                    if chunk is not None:
+                        yield sse(chunk)
                 if final and choice.finish_reason != "cancelled":
                     choice.sent_final = True
                     yield sse(finish_chunk(choice))
@@ -118,13 +119,16 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
 
 
 def stream_response(state: "ServerState", request: Request, run: "Run", req,
-                    chunk_fields: Callable[["Choice", str, list | None], dict],
-                    finish_fields: dict, header_fields: list[tuple["Choice", dict]] = ()) -> StreamingResponse:
+                    chunk_fields: Callable[["Choice", str, list | None], dict | None],
+                    finish_fields: dict, header_fields: list[tuple["Choice", dict]] = (),
+                    finish_reason: Callable[["Choice"], str] = lambda c: c.finish_reason) -> StreamingResponse:
     """The SSE response of a started run: every chunk is {id, object (run.object), created,
     model, choices: [{"index": ..., fields}], "usage": None when the request asked for
-    usage}. chunk_fields(choice, delta, entries) gives a choice's new text (and logprobs);
-    finish_fields the content of its last chunk (before logprobs None and finish_reason);
-    header_fields (choice, fields) chunks go out first."""
+    usage}. chunk_fields(choice, delta, entries) gives a choice's new text (and logprobs), or
+    None when there is nothing to send (it is also called once with the final text, when the
+    choice's finish_reason is set, even if `delta` is empty); finish_fields the content of
+    its last chunk (before logprobs None and finish_reason(choice)); header_fields (choice,
+    fields) chunks go out first."""
     usage_on = bool(req.stream_options and req.stream_options.include_usage)
     base = {"id": run.id, "object": run.object, "created": run.created, "model": state.model_name}
     extra = {"usage": None} if usage_on else {}
@@ -132,20 +136,24 @@ def stream_response(state: "ServerState", request: Request, run: "Run", req,
     def chunk(choice: "Choice", fields: dict) -> dict:
         return {**base, "choices": [{"index": choice.index, **fields}], **extra}
 
+    def fields_chunk(choice: "Choice", delta: str, entries) -> dict | None:
+        fields = chunk_fields(choice, delta, entries)
+        return None if fields is None else chunk(choice, fields)
+
     return StreamingResponse(
-        stream_events(state, request, run,
-                      lambda choice, delta, entries: chunk(choice, chunk_fields(choice, delta, entries)),
+        stream_events(state, request, run, fields_chunk,
                       lambda choice: chunk(choice, {**finish_fields, "logprobs": None,
-                                                    "finish_reason": choice.finish_reason}),
+                                                    "finish_reason": finish_reason(choice)}),
                       usage_on, [chunk(choice, fields) for choice, fields in header_fields]),
         media_type=SSE)
 
 
 async def whole_response(state: "ServerState", request: Request, run: "Run", req, object_name: str,
-                         choice_fields: Callable[["Choice", list], dict]) -> dict | Response:
+                         choice_fields: Callable[["Choice", list], dict],
+                         finish_reason: Callable[["Choice"], str] = lambda c: c.finish_reason) -> dict | Response:
     """The non-streamed response once every sequence finished: choices [{"index", fields
-    (choice_fields(choice, its logprob entries)), "finish_reason", "token_ids" when asked}]
-    and the usage."""
+    (choice_fields(choice, its logprob entries)), "finish_reason" (finish_reason(choice),
+    asked after choice_fields), "token_ids" when asked}] and the usage."""
     if not await wait_all(run, request):  # the client went away: the run is cancelled, and the
         # reply (499, nginx's "client closed request") goes nowhere; no exception, so no traceback in the log
         return Response(status_code=499)
@@ -153,7 +161,8 @@ async def whole_response(state: "ServerState", request: Request, run: "Run", req
     choices = []
     for choice in run.choices:
         entries = choice.logprob_entries(0, choice.matcher.n_tokens)
-        body = {"index": choice.index, **choice_fields(choice, entries), "finish_reason": choice.finish_reason}
+        body = {"index": choice.index, **choice_fields(choice, entries)}
+        body["finish_reason"] = finish_reason(choice)
         if req.return_token_ids:
             body["token_ids"] = list(choice.matcher.ids)
         choices.append(body)

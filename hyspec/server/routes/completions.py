@@ -83,6 +83,8 @@ def register(app, state) -> None:
                 first = choice.index not in first_sent
                 first_sent.add(choice.index)
                 text = (prompt_text(choice) if first else "") + delta
+                if not text and not entries:
+                    return None
                 return {"text": text, "finish_reason": None, "logprobs": logprobs_obj(choice, entries, first)}
 
             headers = []

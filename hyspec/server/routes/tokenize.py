@@ -16,8 +16,10 @@ def register(app, state) -> None:
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad("give exactly one of prompt or messages", "prompt")
-        text = req.prompt if req.prompt is not None else state.render_chat(req.messages,
-                                                                           bool(req.add_generation_prompt))
+        if req.prompt is not None and (req.tools is not None or req.chat_template_kwargs is not None):
+            raise bad("tools and chat_template_kwargs go with messages, not with a prompt", "prompt")
+        text = req.prompt if req.prompt is not None else state.render_chat(
+            req.messages, bool(req.add_generation_prompt), req.tools, req.chat_template_kwargs)
         ids = state.tokenizer.encode(text)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.max_model_len}
 

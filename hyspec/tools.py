@@ -1,0 +1,336 @@
+"""Tool (function) calling for OpenAI-style chat requests.
+
+The chat template shows the model the request's `tools`; the model answers with calls in the
+format its family was trained on, each between ``<tool_call>`` and ``</tool_call>``:
+
+* JSON ("hermes"; Qwen3, Qwen3-Next):
+  ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>``
+* XML (Qwen3.5, Qwen3-Coder): ``<tool_call>\\n<function=get_weather>\\n<parameter=city>\\n
+  Paris\\n</parameter>\\n</function>\\n</tool_call>``; a parameter's text becomes a JSON value
+  by the type its tool's schema declares (string, integer, number, boolean, object, array).
+
+Both are recognised in any reply, block by block; a block that does not parse, or that
+calls a function the request did not declare, stays in the content as text, so nothing the
+model wrote is lost. `tool_choice`:
+
+* ``"auto"`` (the default when tools are given): the reply is parsed as above.
+* ``"none"``: the reply is plain content (the tools are still rendered, as in vLLM).
+* ``"required"`` and a named function: the output is *constrained* (hyspec.constraints), as
+  vLLM does: a named function's output is its arguments object, valid against its
+  ``parameters`` schema; ``"required"``'s output is a JSON array of one or more
+  ``{"name": ..., "parameters": {...}}`` objects (exactly one when
+  ``parallel_tool_calls`` is false), each valid against its tool's schema.
+
+The server (hyspec/server/routes/chat.py) uses this module; so can any Python caller:
+:func:`parse_tool_calls` on a finished reply, :class:`ToolStream` on a growing one."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+CHOICES = ("none", "auto", "required")
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, <= 64
+_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: {}
+
+
+class ToolError(ValueError):
+    """A malformed `tools` / `tool_choice`; `param` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict  # the JSON schema of its arguments object
+
+
+@dataclass
+class ToolSpec:
+    """A request's checked tools and what it asks of them."""
+
+    tools: dict[str, Tool]
+    choice: str  # "none" | "auto" | "required" | "named"
+    named: Tool | None = None
+    parallel: bool = True
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+    def constraint_schema(self) -> dict | None:
+        """The JSON schema the output must match ("required" / named), else None."""
+        if self.choice == "named":
+            return self.named.parameters
+        if self.choice != "required":
+            return None
+        items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"const": t.name}, "parameters": t.parameters}}
+                 for t in self.tools.values()]
+        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+
+def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec | None:
+    """The request's ToolSpec (None: no tools, nothing to parse). ToolError names the field."""
+    if tools is not None and not isinstance(tools, list):
+        raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools: this request declares none", "tool_choice")
+        return None
+    checked: dict[str, Tool] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ToolError(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}} "
+                            f"(function tools only)", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ToolError(f"{where}.function must be an object with a name", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"{where}.function.name must be 1-64 letters, digits, '_', '-', '.' or ':', "
+                            f"got {name!r}", "tools")
+        if name in checked:
+            raise ToolError(f"{where}: a second tool named {name!r}", "tools")
+        params = fn.get("parameters")
+        if params is None:
+            params = dict(EMPTY_PARAMETERS)
+        elif not isinstance(params, dict):
+            raise ToolError(f"{where}.function.parameters must be a JSON schema object", "tools")
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise ToolError(f"{where}.function.description must be a string", "tools")
+        checked[name] = Tool(name, params)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    spec = ToolSpec(checked, "auto", parallel=parallel_tool_calls is not False)
+    if tool_choice is None or tool_choice == "auto":
+        return spec
+    if isinstance(tool_choice, str):
+        if tool_choice not in CHOICES:
+            raise ToolError(f"tool_choice must be one of {', '.join(CHOICES)} or "
+                            f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {tool_choice!r}",
+                            "tool_choice")
+        spec.choice = tool_choice
+        return spec
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ToolError('tool_choice must be "none", "auto", "required" or '
+                        '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if name not in checked:
+        raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools "
+                        f"({', '.join(checked)})", "tool_choice")
+    spec.choice, spec.named = "named", checked[name]
+    return spec
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments object, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def _types(schema) -> list[str]:
+    t = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(t, str):
+        return [t]
+    return [x for x in t if isinstance(x, str)] if isinstance(t, list) else []
+
+
+def convert_parameter(text: str, schema) -> object:
+    """An XML-format parameter's text as the JSON value its schema's type declares; text
+    that is no valid value of any declared type stays a string (so does an undeclared one
+    that is not JSON)."""
+    s = text.strip()
+    for t in _types(schema) or ["any"]:
+        try:
+            if t == "string":
+                return text
+            if t == "null" and s == "null":
+                return None
+            if t == "boolean" and s.lower() in ("true", "false"):
+                return s.lower() == "true"
+            if t == "integer":
+                return int(s)
+            if t == "number":
+                v = json.loads(s)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    return v
+            if t == "object" or t == "array":
+                v = json.loads(s)
+                if isinstance(v, dict if t == "object" else list):
+                    return v
+            if t == "any":
+                return json.loads(s)
+        except ValueError:
+            continue
+    return text
+
+
+def _xml_call(body: str, tools: dict[str, Tool]) -> ToolCall | None:
+    m = _FUNCTION.match(body)
+    if m is None:
+        return None
+    name, inner = m.group(1).strip(), m.group(2)
+    tool = tools.get(name)
+    if tool is None:
+        return None
+    props = tool.parameters.get("properties") if isinstance(tool.parameters.get("properties"), dict) else {}
+    args = {}
+    for pm in _PARAMETER.finditer(inner):
+        key, value = pm.group(1).strip(), pm.group(2)
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        args[key] = convert_parameter(value, props.get(key))
+    if _PARAMETER.sub("", inner).strip():  # text outside the parameters: not this format
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _json_call(body: str, tools: dict[str, Tool]) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tools:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_block(body: str, tools: dict[str, Tool]) -> ToolCall | None:
+    """The call in one ``<tool_call>`` block's text (either format), or None."""
+    s = body.strip()
+    return _json_call(s, tools) if s.startswith("{") else _xml_call(s, tools)
+
+
+def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished reply. With calls, content is the text outside the
+    parsed blocks (the part before the first one right-stripped, later parts stripped, joined
+    by newlines); without, it is `text` unchanged."""
+    pieces, calls, pos = [], [], 0
+    while True:
+        i = text.find(TOOL_OPEN, pos)
+        j = text.find(TOOL_CLOSE, i + len(TOOL_OPEN)) if i >= 0 else -1
+        if j < 0:
+            pieces.append(text[pos:])
+            break
+        call = parse_block(text[i + len(TOOL_OPEN):j], tools)
+        end = j + len(TOOL_CLOSE)
+        if call is None:
+            pieces.append(text[pos:end])  # kept as text
+        else:
+            pieces.append(text[pos:i])
+            calls.append(call)
+        pos = end
+    if not calls:
+        return text, []
+    first = pieces[0].rstrip()
+    rest = [p.strip() for p in pieces[1:] if p.strip()]
+    return "\n".join(([first] if first else []) + rest), calls
+
+
+def parse_forced(text: str, spec: ToolSpec) -> list[ToolCall]:
+    """The calls of a constrained ("required" / named) output; [] when it is incomplete
+    (cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if spec.choice == "named":
+        return [ToolCall(spec.named.name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else []
+    if not isinstance(value, list):
+        return []
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value
+            if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict)]
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """A growing reply of an "auto" request, for streaming: `update(text, final)` (the whole
+    text so far) gives the content not yet sent and, once final, sets `calls`. Content stops at the first
+    ``<tool_call>`` (and is held back while the text ends in what may become one, or in
+    whitespace); at the end, what :func:`parse_tool_calls` calls content is completed, so a
+    stream's content equals the whole response's."""
+
+    def __init__(self, tools: dict[str, Tool]) -> None:
+        self.tools = tools
+        self.sent = 0
+        self.calls: list[ToolCall] | None = None  # set once final
+
+    def update(self, text: str, final: bool) -> str:
+        if final:
+            content, self.calls = parse_tool_calls(text, self.tools)
+            delta = content[self.sent:]
+            self.sent = max(self.sent, len(content))
+            return delta
+        i = text.find(TOOL_OPEN)
+        end = i if i >= 0 else len(text) - _partial_tag(text, TOOL_OPEN)
+        safe = text[:end].rstrip()
+        delta = safe[self.sent:]
+        self.sent = max(self.sent, len(safe))
+        return delta
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as the Qwen templates expect them: an assistant message's tool call
+    ``arguments`` given as JSON text (OpenAI's form) become an object (the XML-format templates
+    iterate over them; the JSON-format ones print either). ValueError names a bad one."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise ValueError(f"messages[{i}].tool_calls must be a list")
+            fixed = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}] needs a function with a name")
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON") \
+                            from None
+                    fn = {**fn, "arguments": args}
+                fixed.append({**call, "function": fn})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
+__all__ = ["Tool", "ToolSpec", "ToolCall", "ToolError", "ToolStream", "check_tools", "parse_tool_calls",
+           "parse_forced", "parse_block", "convert_parameter", "template_messages", "TOOL_OPEN", "TOOL_CLOSE"]

@@ -1,0 +1,344 @@
+"""Tool calling: hyspec.tools' parsers on both Qwen formats, and `hyspec serve` answering
+`tools` / `tool_choice` in OpenAI's `tool_calls` form, driven with the official `openai`
+client. The replies are made deterministic with constraints: guided_regex makes the tiny
+model write a given tool call ("auto" parsing), tool_choice required / named constrain the
+output by the tools' schemas, compared token for token with Engine.generate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hyspec.tools import (
+    EMPTY_PARAMETERS,
+    ToolError,
+    ToolStream,
+    check_tools,
+    convert_parameter,
+    parse_forced,
+    parse_tool_calls,
+    template_messages,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
+CLOCK = {"type": "function", "function": {"name": "now"}}  # no parameters
+SEARCH = {"type": "function", "function": {
+    "name": "search", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string"}, "limit": {"type": ["integer", "null"]}, "exact": {"type": "boolean"},
+        "score": {"type": "number"}, "tags": {"type": "array"}, "opts": {"type": "object"}}}}}
+TOOLS = check_tools([WEATHER, CLOCK, SEARCH]).tools
+
+HERMES = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+XML = ("<tool_call>\n<function=search>\n<parameter=q>\nbest  café\n in Oslo\n</parameter>\n"
+       "<parameter=limit>\n5\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n"
+       "<parameter=score>\n0.5\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n</parameter>\n"
+       "<parameter=opts>\n{\"x\": null}\n</parameter>\n</function>\n</tool_call>\n"
+       "<tool_call>\n<function=now>\n</function>\n</tool_call>")
+
+
+def test_both_formats_parse_and_bad_blocks_stay_text():
+    content, calls = parse_tool_calls(HERMES, TOOLS)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "days": 3}
+    assert calls[0].id.startswith("call_") and calls[0].openai(2)["index"] == 2
+    content, calls = parse_tool_calls(XML, TOOLS)
+    assert content == "" and [c.name for c in calls] == ["search", "now"]
+    assert json.loads(calls[0].arguments) == {"q": "best  café\n in Oslo", "limit": 5, "exact": True, "score": 0.5,
+                                              "tags": ["a", 1], "opts": {"x": None}}
+    assert json.loads(calls[1].arguments) == {}
+    # arguments given as JSON text, "parameters" for "arguments"
+    _, calls = parse_tool_calls('<tool_call>{"name": "now", "parameters": "{}"}</tool_call>', TOOLS)
+    assert calls[0].arguments == "{}"
+    # an undeclared function, broken JSON, an unclosed block, stray text in XML: all stay text
+    for text in ['<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+                 '<tool_call>\n{"name": "now", "arguments": {}\n</tool_call>',
+                 'ok <tool_call>\n{"name": "now", "arguments": {}}',
+                 "<tool_call>\n<function=now>\nhello\n</function>\n</tool_call>",
+                 "no call here"]:
+        assert parse_tool_calls(text, TOOLS) == (text, [])
+    # a bad block beside a good one: the bad one is content
+    bad = '<tool_call>{"name": "rm_rf"}</tool_call>'
+    content, calls = parse_tool_calls("A\n" + bad + "\n" + HERMES.split("\n", 1)[1] + "\nB", TOOLS)
+    assert content == "A\n" + bad + "\nB" and len(calls) == 1
+
+
+def test_parameter_conversion_follows_the_schema():
+    assert convert_parameter("007", {"type": "string"}) == "007"
+    assert convert_parameter(" 7 ", {"type": "integer"}) == 7
+    assert convert_parameter("7.5", {"type": "integer"}) == "7.5"  # not an integer: kept as text
+    assert convert_parameter("null", {"type": ["integer", "null"]}) is None
+    assert convert_parameter("false", {"type": "boolean"}) is False
+    assert convert_parameter("[1]", {"type": "object"}) == "[1]"
+    assert convert_parameter("[1]", None) == [1] and convert_parameter("Paris", None) == "Paris"
+
+
+def test_stream_content_equals_the_whole_reply_at_every_split():
+    for text in [HERMES, XML, "plain <tool reply>  \n", "ends in <tool_c", 'x <tool_call>{"bad"}</tool_call> y',
+                 "  lead and trail  "]:
+        content, calls = parse_tool_calls(text, TOOLS)
+        for step in (1, 3, 7):
+            stream, sent = ToolStream(TOOLS), ""
+            for end in range(step, len(text) + step, step):
+                sent += stream.update(text[:end], False)
+            sent += stream.update(text, True)
+            assert sent == content, (text, step)
+            assert [c.name for c in stream.calls] == [c.name for c in calls]
+            if calls:
+                assert "<tool_call" not in sent
+
+
+def test_tool_checks_name_the_field():
+    assert check_tools(None) is None and check_tools([], "none") is None
+    spec = check_tools([WEATHER, CLOCK], {"type": "function", "function": {"name": "now"}}, False)
+    assert spec.choice == "named" and spec.named.parameters == EMPTY_PARAMETERS and not spec.parallel
+    assert check_tools([CLOCK], "none").parses is False
+    cases = [(([], "auto"), "tool_choice needs tools"), (("x",), "tools must be a list"),
+             (([{"type": "code"}],), "function tools only"), (([{"type": "function"}],), "name"),
+             (([{"type": "function", "function": {"name": "a b"}}],), "got 'a b'"),
+             (([CLOCK, CLOCK],), "a second tool named 'now'"),
+             (([{"type": "function", "function": {"name": "f", "parameters": [1]}}],), "JSON schema object"),
+             (([CLOCK], "sometimes"), "tool_choice must be one of"),
+             (([CLOCK], {"type": "function", "function": {"name": "later"}}), "'later', which is not among"),
+             (([CLOCK], {"function": "now"}), "tool_choice must be")]
+    for args, words in cases:
+        with pytest.raises(ToolError, match=words):
+            check_tools(*args)
+    # required: an array of {name, parameters}; at most one without parallel calls
+    schema = check_tools([WEATHER, CLOCK], "required", False).constraint_schema()
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    spec = check_tools([WEATHER, CLOCK], "required")
+    calls = parse_forced('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
+                         '{"city": "Oslo", "days": 2}}]', spec)
+    assert [c.name for c in calls] == ["now", "get_weather"] and parse_forced('[{"name": "now", "par', spec) == []
+
+
+def test_history_tool_calls_reach_the_template_as_objects():
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": '{"tz": "UTC"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    out = template_messages(msgs)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"tz": "UTC"}'  # the request is not changed
+    msgs[1]["tool_calls"][0]["function"]["arguments"] = "{tz"
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
+        template_messages(msgs)
+
+
+# ------------------------------------------------------------------------------------------
+# Through the server
+# ------------------------------------------------------------------------------------------
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+# A template that shows tools and replays tool calls (the shape of Qwen's, in our own words)
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You can call these tools:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{{ m.content or '' }}{% for c in m.tool_calls %}<tool_call>
+<function={{ c.function.name }}>
+{% for k, v in c.function.arguments | items %}<parameter={{ k }}>
+{{ v }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+MODEL = "tools-model"
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory):
+    from hyspec.engine import Engine, default_model_dir
+
+    d = tmp_path_factory.mktemp("tools_model")
+    for f in default_model_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, d / f.name)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return Engine.load(d)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_engine):
+    from hyspec.engine import Engine
+    from hyspec.server.app import ServerConfig, create_app
+    from hyspec.server.thread import ServerThread
+
+    app = create_app(Engine.load(tool_engine.model_dir), ServerConfig(served_model_name=MODEL, draft=3, max_batch=8))
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def prompt_ids(server, tools, messages=MSGS):
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": tools})
+    assert r.status_code == 200
+    return r.json()["tokens"]
+
+
+def streamed_calls(chunks):
+    """(content, {index: {id, name, arguments}}, finish_reason) of one streamed choice."""
+    content, calls, reason = "", {}, None
+    for ch in chunks:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function is not None:
+                    slot["name"] += tc.function.name or ""
+                    slot["arguments"] += tc.function.arguments or ""
+            reason = c.finish_reason or reason
+    return content, calls, reason
+
+
+def regex_of(text):
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_parses_what_the_model_writes(tool_client, stream):
+    """guided_regex makes the model write a reply with tool calls (both formats): the answer
+    carries them as tool_calls, the rest as content, finish_reason tool_calls."""
+    for text, names, content in [(HERMES, ["get_weather"], "Let me look."), (XML, ["search", "now"], None)]:
+        r = tool_client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, CLOCK, SEARCH],
+                                                max_tokens=200, temperature=0, stream=stream,
+                                                extra_body={"guided_regex": regex_of(text)})
+        want = parse_tool_calls(text, TOOLS)[1]
+        if stream:
+            got_content, got, reason = streamed_calls(r)
+            assert got_content == (content or "")
+            got = [got[i] for i in sorted(got)]
+            assert all(g["id"].startswith("call_") for g in got)
+        else:
+            msg = r.choices[0].message
+            reason, got_content = r.choices[0].finish_reason, msg.content
+            assert got_content == content
+            got = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls]
+            assert all(c.id.startswith("call_") and c.type == "function" for c in msg.tool_calls)
+        assert reason == "tool_calls"
+        assert [(g["name"], json.loads(g["arguments"])) for g in got] == \
+               [(c.name, json.loads(c.arguments)) for c in want]
+    # tool_choice none: the same reply is plain content
+    r = tool_client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=200, temperature=0,
+                                            extra_body={"guided_regex": regex_of(HERMES)})
+    assert r.choices[0].message.content == HERMES and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_and_required_are_constrained_and_exact(tool_server, tool_client, tool_engine, stream):
+    """A named function's arguments, and required's calls, match the tools' schemas, and are
+    the tokens Engine.generate gives under the same JSON-schema constraint (speculative,
+    draft 3)."""
+    from hyspec.sampling import SamplingParams
+
+    ids = prompt_ids(tool_server, [WEATHER, CLOCK])
+    assert ids != prompt_ids(tool_server, None)  # the tools are in the prompt
+    for choice in [{"type": "function", "function": {"name": "get_weather"}}, "required"]:
+        spec = check_tools([WEATHER, CLOCK], choice)
+        r = tool_client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, CLOCK],
+                                                tool_choice=choice, max_tokens=120, temperature=0, stream=stream,
+                                                extra_body={"draft": 3})
+        ref = tool_engine.generate(ids, max_new_tokens=120, params=SamplingParams(temperature=0.0), draft=3,
+                                   constraint=tool_engine.constraint("json_schema", spec.constraint_schema()))
+        want = parse_forced(tool_engine.tokenizer.decode(
+            [t for t in ref.tokens if t not in tool_engine.eos_ids], skip_special_tokens=True), spec)
+        assert want, "the reference output must be a complete call"
+        if stream:
+            content, got, reason = streamed_calls(r)
+            assert content == ""
+            got = [got[i] for i in sorted(got)]
+        else:
+            msg, reason = r.choices[0].message, r.choices[0].finish_reason
+            assert msg.content is None
+            got = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls]
+        assert reason == "tool_calls"
+        assert [(g["name"], json.loads(g["arguments"])) for g in got] == \
+               [(c.name, json.loads(c.arguments)) for c in want]
+        for g in got:
+            if g["name"] == "get_weather":
+                jsonschema.validate(json.loads(g["arguments"]), WEATHER["function"]["parameters"])
+        if choice != "required":
+            assert [g["name"] for g in got] == ["get_weather"]
+
+
+def test_history_with_tool_calls_renders(tool_client, tool_engine):
+    """A second turn: the assistant's call (arguments as JSON text) and the tool's answer
+    are rendered by the template (arguments iterated as an object)."""
+    msgs = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = tool_client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=4,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    from hyspec.chat_template import ChatTemplate
+
+    text = ChatTemplate(TEMPLATE).render(template_messages(msgs), tools=[WEATHER])
+    assert "<parameter=city>\nParis\n</parameter>" in text and "<tool_response>sunny</tool_response>" in text
+    assert r.usage.prompt_tokens == len(tool_engine.tokenizer.encode(text))
+
+
+BAD = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+        "not among the tools"),
+       ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+       ({"tools": [{"type": "function", "function": {"name": "x", "parameters": "obj"}}]}, "tools", "JSON schema"),
+       ({"functions": [WEATHER["function"]]}, "functions", "give tools"),
+       ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format", "at most one output constraint"),
+       ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "object",
+                                                                                  "required": 5}}}],
+         "tool_choice": "required"}, "tools", ""),
+       ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+           {"id": "c", "type": "function", "function": {"name": "x", "arguments": "{oops"}}]}]},
+        "messages", "not valid JSON")]
+
+
+@pytest.mark.parametrize("body,param,words", BAD)
+def test_bad_tool_requests_are_400(tool_server, body, param, words):
+    r = httpx.post(tool_server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": MSGS, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert "Traceback" not in r.text
+
+
+def test_a_template_without_tools_refuses_them(server):
+    """The embedded default model's plain template never shows tools: a 400, not a reply
+    from a model that could not see them."""
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": MSGS, "tools": [WEATHER], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "does not show tools" in r.json()["error"]["message"]
