@@ -269,7 +269,7 @@ def parse_forced(text: str, spec: ToolSpec) -> list[ToolCall]:
             if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict)]
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -296,7 +296,7 @@ class ToolStream:
             self.sent = max(self.sent, len(content))
             return delta
         i = text.find(TOOL_OPEN)
-        end = i if i >= 0 else len(text) - _partial_tag(text, TOOL_OPEN)
+        end = i if i >= 0 else len(text) - partial_tag(text, TOOL_OPEN)
         safe = text[:end].rstrip()
         delta = safe[self.sent:]
         self.sent = max(self.sent, len(safe))
@@ -333,4 +333,5 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 __all__ = ["Tool", "ToolSpec", "ToolCall", "ToolError", "ToolStream", "check_tools", "parse_tool_calls",
-           "parse_forced", "parse_block", "convert_parameter", "template_messages", "TOOL_OPEN", "TOOL_CLOSE"]
+           "parse_forced", "parse_block", "convert_parameter", "template_messages", "partial_tag", "TOOL_OPEN",
+           "TOOL_CLOSE"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -342,3 +343,108 @@ def test_a_template_without_tools_refuses_them(server):
                    json={"messages": MSGS, "tools": [WEATHER], "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "does not show tools" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------
+# Thinking replies: reasoning_content
+# ------------------------------------------------------------------------------------------
+
+from hyspec.reasoning import prompt_opens_thinking, split_reasoning  # noqa: E402
+from hyspec.server.routes.chat import Reply  # noqa: E402
+
+THOUGHT = "The user wants weather.\nCall it.\n</think>\n\n" + HERMES
+
+
+def test_reasoning_splits_at_the_closing_tag_or_a_tool_call():
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<think>\n\n</think>\n\n") and not prompt_opens_thinking("hi")
+    assert split_reasoning(THOUGHT, True) == ("The user wants weather.\nCall it.\n", HERMES)
+    assert split_reasoning("<think>a</think>b", False) == ("a", "b")  # the model opens it itself
+    assert split_reasoning("still thinking", True) == ("still thinking", "")  # cut while thinking
+    assert split_reasoning("plain answer", False) == (None, "plain answer")
+    assert split_reasoning("hmm\n<tool_call>x</tool_call>", True) == ("hmm\n", "<tool_call>x</tool_call>")
+
+
+def test_reply_stream_equals_the_whole_reply_at_every_split():
+    """Reply (reasoning, then content / tool calls) streamed in pieces of any size gives the
+    non-streamed message's fields."""
+    cases = [(THOUGHT, True, "auto"), (THOUGHT, True, "off"), ("<think>x</thi", False, "off"),
+             ("<think>a</think>\n\nb <tool_c", False, "auto"), ("answer only", False, "auto"),
+             ("think </thin", True, "off"), ("  <thinking> is not the tag", False, "off")]
+    spec = check_tools([WEATHER, CLOCK, SEARCH])
+    for text, opens, mode in cases:
+        whole = Reply(mode, spec, opens).whole(text)
+        for step in (1, 2, 5):
+            reply, got = Reply(mode, spec, opens), {"reasoning_content": "", "content": "", "tool_calls": []}
+            ends = list(range(step, len(text), step)) + [len(text)]
+            for k, end in enumerate(ends):
+                out = reply.delta(text[:end], k == len(ends) - 1)
+                got["reasoning_content"] += out.get("reasoning_content", "")
+                got["content"] += out.get("content", "")
+                got["tool_calls"] += out.get("tool_calls", [])
+            assert got["reasoning_content"] == (whole.get("reasoning_content") or ""), (text, step)
+            assert got["content"] == (whole["content"] or ""), (text, step)
+            assert [c["function"] for c in got["tool_calls"]] == [c["function"] for c in whole.get("tool_calls", [])]
+    # a stream never shows a piece of a tag
+    reply = Reply("off", None, True)
+    assert reply.delta("abc </th", False) == {"reasoning_content": "abc "}
+    assert reply.delta("abc </think>\n\nDone", False) == {"content": "Done"}
+
+
+CLOCK_SCHEMA = {"type": "object", "required": ["ok"], "additionalProperties": False,
+                "properties": {"ok": {"type": "boolean"}}}
+THINKING_TEMPLATE = TEMPLATE.replace(
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_thinking_template_gives_reasoning_content(tmp_path, tool_engine, stream):
+    """With a template whose generation prompt opens <think>, the reply is reasoning until
+    </think> (the tiny model never closes it: all reasoning); thinking switched off, or the
+    parser off, gives content; a constrained output is content from its first token."""
+    from hyspec.engine import Engine
+    from hyspec.sampling import SamplingParams
+    from hyspec.server.app import ServerConfig, create_app
+    from hyspec.server.thread import ServerThread
+
+    assert THINKING_TEMPLATE != TEMPLATE
+    for f in Path(tool_engine.model_dir).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINKING_TEMPLATE}))
+    eng = Engine.load(tmp_path)
+    for parser in ("auto", "none"):
+        app = create_app(Engine.load(tmp_path), ServerConfig(served_model_name=MODEL, draft=3, max_batch=4,
+                                                             reasoning_parser=parser))
+        with ServerThread(app) as s:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            for thinking in (True, False):
+                kw = {"chat_template_kwargs": {"enable_thinking": thinking}, "ignore_eos": True}
+                ids = httpx.post(s.url + "/tokenize", json={"messages": MSGS, **kw}).json()["tokens"]
+                ref = eng.generate(ids, max_new_tokens=12, params=SamplingParams(temperature=0.0), draft=3,
+                                   ignore_eos=True)
+                text = eng.tokenizer.decode(ref.tokens, skip_special_tokens=True)
+                r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=12, temperature=0,
+                                                   stream=stream, extra_body=kw)
+                if stream:
+                    reasoning, content = "", ""
+                    for ch in r:
+                        for c in ch.choices:
+                            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                            content += c.delta.content or ""
+                else:
+                    msg = r.choices[0].message
+                    reasoning, content = (msg.model_extra or {}).get("reasoning_content") or "", msg.content
+                if parser == "auto" and thinking:
+                    want_reasoning, want_content = split_reasoning(text, True)
+                    assert want_reasoning  # the split is exercised
+                else:
+                    want_reasoning, want_content = "", text
+                assert (reasoning, content) == (want_reasoning, want_content), (parser, thinking)
+            # a constrained reply is answer from its first token
+            r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0,
+                                               response_format={"type": "json_schema", "json_schema": {
+                                                   "name": "ok", "schema": CLOCK_SCHEMA}})
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+            assert not (r.choices[0].message.model_extra or {}).get("reasoning_content")

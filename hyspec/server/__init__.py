@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's mamba_ssm_dtype, "
                         "else float32; bfloat16 halves a sequence's state bytes, output changes slightly)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                   help="qwen3: a reply's <think> part is returned as reasoning_content; none: all is content; "
+                        "auto (default): qwen3 when the chat template writes </think>")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (processes / GPUs); the HTTP server runs on the last rank (docs/multi-gpu.md)")
@@ -103,7 +106,8 @@ def make_app(args):
     name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                       prefix_store=not args.no_prefix_store, warm_up=False if args.no_warm_up else None)
+                       prefix_store=not args.no_prefix_store, warm_up=False if args.no_warm_up else None,
+                       reasoning_parser=args.reasoning_parser)
     return create_app(eng, cfg)
 
 

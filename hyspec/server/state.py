@@ -15,6 +15,7 @@ from hyspec.server.worker import EngineWorker
 from hyspec.tools import template_messages
 
 log = logging.getLogger("hyspec.server")
+REASONING_PARSERS = ("auto", "qwen3", "none")
 
 
 @dataclass
@@ -27,6 +28,8 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     prefix_store: bool = True  # requests resume from / leave their end states in engine.store
     warm_up: bool | None = None  # run the batched graphs once before the first request (None: on a GPU)
+    reasoning_parser: str = "auto"  # qwen3: replies' <think> part is reasoning_content; none; auto: qwen3
+    # when the chat template writes </think>
 
 
 class ServerState:
@@ -53,6 +56,10 @@ class ServerState:
             specials["eos_token"] = self.tokenizer.decode([engine.eos_ids[0]])
         self.template = ChatTemplate(source, specials, where)
         self.template_reads_tools = "tools" in source  # else a request's tools would never reach the model
+        if cfg.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {cfg.reasoning_parser!r}")
+        self.reasoning = cfg.reasoning_parser == "qwen3" or (cfg.reasoning_parser == "auto" and "</think>" in source)
         try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
             from hyspec.constraints import vocab_for
 

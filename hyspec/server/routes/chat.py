@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the chat template, one prompt, n
-choices; streamed as `chat.completion.chunk` deltas or answered whole. With `tools`, each
-choice's reply is read for tool calls (hyspec.tools: parsed in "auto", constrained for
-"required" or a named function) and answered in OpenAI's `tool_calls` form."""
+choices; streamed as `chat.completion.chunk` deltas or answered whole. Each choice's text
+is shown as a Reply: the reasoning of a thinking model (hyspec.reasoning) as
+`reasoning_content`, and with `tools` its calls (hyspec.tools: parsed in "auto",
+constrained for "required" or a named function) as `tool_calls`."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import uuid
 
 from fastapi import Request
 
+from hyspec.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.generation import new_run, request_constraint
 from hyspec.server.logprobs import chat_logprobs
 from hyspec.server.params import MAX_LOGPROBS, ConstraintSpec, bad
 from hyspec.server.streaming import stream_response, whole_response
-from hyspec.tools import ToolCall, ToolError, ToolStream, check_tools, parse_forced, parse_tool_calls
+from hyspec.tools import ToolCall, ToolError, ToolSpec, ToolStream, check_tools, parse_forced, parse_tool_calls
 
 
 def check_request_tools(state, req):
@@ -33,6 +35,78 @@ def check_request_tools(state, req):
                   "tool calling needs a checkpoint whose chat template renders them", "tools")
     schema = tools.constraint_schema() if tools is not None else None
     return tools, (None if schema is None else ConstraintSpec("json_schema", schema, "tools"))
+
+
+class Reply:
+    """One choice's text as the chat API shows it. `think`: None when the reply is not
+    split (no reasoning parser, or a constrained output, which is answer from its first
+    token), else whether it starts inside a thinking block. `mode`: off | auto | required |
+    named (tools)."""
+
+    def __init__(self, mode: str, tools: ToolSpec | None, think: bool | None) -> None:
+        self.mode, self.tools, self.think = mode, tools, think
+        self.reasoning = ReasoningStream(think) if think is not None else None
+        self.tool_stream = ToolStream(tools.tools) if mode == "auto" else None
+        self.calls: list[ToolCall] = []  # once final
+        self.sent = 0  # characters of answer streamed (off / named)
+        self.call_id = ToolCall("", "").id  # a named call's id, streamed with its first piece
+
+    def whole(self, text: str) -> dict:
+        """The message of a finished reply."""
+        reasoning, answer = split_reasoning(text, self.think) if self.think is not None else (None, text)
+        content = answer
+        if self.mode == "auto":
+            content, self.calls = parse_tool_calls(answer, self.tools.tools)
+        elif self.mode in ("named", "required"):
+            self.calls = parse_forced(answer, self.tools)
+            content = "" if self.calls else answer  # an output cut by max_tokens stays text
+        msg = {"role": "assistant", "content": content if content or not self.calls else None}
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if self.calls:
+            msg["tool_calls"] = [c.openai() for c in self.calls]
+        return msg
+
+    def delta(self, text: str, final: bool) -> dict:
+        """The delta fields of a stream that has produced `text` so far."""
+        out: dict = {}
+        answer = text
+        if self.reasoning is not None:
+            piece = self.reasoning.update(text, final)
+            if piece:
+                out["reasoning_content"] = piece
+            answer = self.reasoning.answer
+        if self.mode == "auto":
+            piece = self.tool_stream.update(answer, final)
+            if piece:
+                out["content"] = piece
+            if final and self.tool_stream.calls:
+                self.calls = self.tool_stream.calls
+                out["tool_calls"] = [c.openai(i) for i, c in enumerate(self.calls)]
+        elif self.mode == "named":  # the output is the arguments: streamed as they come
+            piece = answer[self.sent:]
+            if piece:
+                call = {"index": 0, "function": {"arguments": piece}}
+                if self.sent == 0:  # the first piece names the call
+                    call = {"index": 0, "id": self.call_id, "type": "function",
+                            "function": {"name": self.tools.named.name, "arguments": piece}}
+                out["tool_calls"] = [call]
+                self.sent = len(answer)
+            if final:
+                self.calls = [ToolCall(c.name, c.arguments, self.call_id) for c in parse_forced(answer, self.tools)]
+        elif self.mode == "required":  # a JSON array: sent whole once complete
+            if final:
+                self.calls = parse_forced(answer, self.tools)
+                if self.calls:
+                    out["tool_calls"] = [c.openai(i) for i, c in enumerate(self.calls)]
+                elif answer:
+                    out["content"] = answer
+        else:
+            piece = answer[self.sent:]
+            if piece:
+                out["content"] = piece
+                self.sent = len(answer)
+        return out
 
 
 def register(app, state) -> None:
@@ -56,69 +130,31 @@ def register(app, state) -> None:
         run.object, run.created = "chat.completion.chunk", int(time.time())
         run.start()
         mode = "off" if tools is None or not tools.parses else tools.choice  # off | auto | required | named
-        calls: dict[int, list[ToolCall]] = {}  # per choice, once final
+        think = prompt_opens_thinking(text) if state.reasoning and constraint is None else None
+        replies = {c.index: Reply(mode, tools, think) for c in run.choices}
+        texts = {c.index: "" for c in run.choices}  # each choice's text so far (streaming)
 
         def logprobs(entries):
             return chat_logprobs(state, entries) if top_n is not None else None
 
         def finish_reason(choice) -> str:
-            return "tool_calls" if calls.get(choice.index) and choice.finish_reason == "stop" else choice.finish_reason
-
-        def message(choice, entries) -> dict:
-            text = choice.matcher.emittable(final=True)
-            if mode == "off":
-                return {"message": {"role": "assistant", "content": text}, "logprobs": logprobs(entries)}
-            if mode == "auto":
-                content, found = parse_tool_calls(text, tools.tools)
-            else:
-                found = parse_forced(text, tools)
-                content = "" if found else text  # an output cut by max_tokens stays text
-            calls[choice.index] = found
-            msg = {"role": "assistant", "content": content if content or not found else None}
-            if found:
-                msg["tool_calls"] = [c.openai() for c in found]
-            return {"message": msg, "logprobs": logprobs(entries)}
+            called = replies[choice.index].calls
+            return "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
 
         if not req.stream:
-            return await whole_response(state, request, run, req, "chat.completion", message, finish_reason)
-
-        streams = {c.index: ToolStream(tools.tools) for c in run.choices} if mode == "auto" else {}
-        texts = {c.index: "" for c in run.choices}  # each choice's text so far
-        named_ids = {c.index: ToolCall(tools.named.name, "").id for c in run.choices} if mode == "named" else {}
+            return await whole_response(
+                state, request, run, req, "chat.completion",
+                lambda choice, entries: {"message": replies[choice.index].whole(choice.matcher.emittable(final=True)),
+                                         "logprobs": logprobs(entries)},
+                finish_reason)
 
         def chunk(choice, delta: str, entries):
-            final = choice.finish_reason is not None
             texts[choice.index] += delta
-            out: dict = {}
-            if mode == "off":
-                if delta or entries:
-                    out["content"] = delta
-            elif mode == "auto":
-                stream = streams[choice.index]
-                content = stream.update(texts[choice.index], final)
-                if content:
-                    out["content"] = content
-                if final and stream.calls:
-                    calls[choice.index] = stream.calls
-                    out["tool_calls"] = [c.openai(i) for i, c in enumerate(stream.calls)]
-            elif mode == "named":  # the output is the arguments: streamed as they come
-                if delta:
-                    call = {"index": 0, "function": {"arguments": delta}}
-                    if len(texts[choice.index]) == len(delta):  # the first piece names the call
-                        call = {"index": 0, "id": named_ids[choice.index], "type": "function",
-                                "function": {"name": tools.named.name, "arguments": delta}}
-                    out["tool_calls"] = [call]
-                if final:
-                    calls[choice.index] = parse_forced(texts[choice.index], tools)
-            elif final:  # required: a JSON array, sent whole once complete
-                found = parse_forced(texts[choice.index], tools)
-                calls[choice.index] = found
-                if found:
-                    out["tool_calls"] = [c.openai(i) for i, c in enumerate(found)]
-                elif texts[choice.index]:
-                    out["content"] = texts[choice.index]
+            out = replies[choice.index].delta(texts[choice.index], choice.finish_reason is not None)
             if not out and not entries:
                 return None
+            if not out:
+                out = {"content": ""}
             return {"delta": out, "logprobs": logprobs(entries), "finish_reason": None}
 
         return stream_response(
