@@ -126,9 +126,55 @@ class ChatTemplate:
         return cls(source, special, where)
 
     @property
+    def reads_tools(self) -> bool:
+        """Whether the template can show a request's tools to the model (it reads `tools`)."""
+        return "tools" in self.source
+
+    @property
+    def thinks(self) -> bool:
+        """Whether replies may hold a thinking part (the template writes ``</think>``)."""
+        return "</think>" in self.source
+
+    @property
     def plain(self) -> bool:
         """True for the fallback (the checkpoint has no template of its own)."""
         return self.where == "plain"
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
         return render_template(self.source, messages, add_generation_prompt, self.special, tools=tools, **kwargs)
+
+
+def normalize_messages(messages) -> list[dict]:
+    """OpenAI-style messages as the templates expect them: each a dict with a `role`;
+    content None -> "", a list of text parts joined; an assistant message's tool call
+    `arguments` given as JSON text parsed into an object (hyspec.tools.template_messages).
+    ValueError names the message at fault. The server and Engine.chat_prompt use it."""
+    from hyspec.tools import template_messages
+
+    if isinstance(messages, (str, bytes, dict)) or not hasattr(messages, "__iter__"):
+        raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string role")
+        m = dict(message)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"messages[{i}]: content parts of type {kind!r} are not supported (text only)")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}]: a text part needs a string \"text\"")
+                parts.append(part["text"])
+            m["content"] = "".join(parts)
+        elif content is None:
+            m["content"] = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, a list of text parts or null")
+        out.append(m)
+    if not out:
+        raise ValueError("messages must not be empty")
+    return template_messages(out)
+

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hyspec.chat_template import normalize_messages
 from hyspec.config import no_mtp_error
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
@@ -99,6 +100,7 @@ class Sample:
     text: str | None
     stop_reason: str
     stats: dict = field(default_factory=dict)
+    message: dict | None = None  # Engine.chat: {"role", "content", "reasoning_content"?, "tool_calls"?}
 
 
 @dataclass
@@ -116,6 +118,11 @@ class Output:
     def text(self) -> str | None:
         return self.samples[0].text
 
+    @property
+    def message(self) -> dict | None:
+        """Engine.chat's reply of the first sample, as an OpenAI-style assistant message."""
+        return self.samples[0].message
+
     def to_dict(self) -> dict:
         """stats: totals over all samples (counters and times add up; spec telemetry is
         merged); samples[i].stats: that sample's own. With logprobs: "logprobs" (each
@@ -123,14 +130,38 @@ class Output:
         Engine.score's, for the first sample at the top and for each sample in samples."""
         samples = [{"tokens": s.tokens, "text": s.text, "stop_reason": s.stop_reason, "stats": s.stats}
                    for s in self.samples]
+        for s, d in zip(self.samples, samples):
+            if s.message is not None:
+                d["message"] = s.message
         d = {"tokens": self.tokens, "text": self.text, "stop_reason": self.samples[0].stop_reason,
              "prompt_tokens": self.prompt_tokens, "samples": samples, "stats": self.stats}
+        if self.message is not None:
+            d["message"] = self.message
         if self.logprobs is not None:
             for s, entries in zip(samples, self.logprobs):
                 s["logprobs"] = [float(lp) for lp, _ in entries]
                 s["top_logprobs"] = [[[int(i), float(v)] for i, v in top] for _, top in entries]
             d["logprobs"], d["top_logprobs"] = samples[0]["logprobs"], samples[0]["top_logprobs"]
         return d
+
+
+@dataclass
+class ChatTurn:
+    """A prepared chat request (Engine.prepare_chat): generate from `prompt` under
+    `constraint`, then `message(tokens, stop_ids)` is the reply."""
+
+    engine: "Engine"
+    prompt: str
+    constraint: object
+    tools: object  # hyspec.tools.ToolSpec or None
+    think: bool | None  # None: no reasoning split; else whether the reply starts inside one
+
+    def message(self, tokens: list[int], stop_ids=()) -> dict:
+        from hyspec.reply import Reply
+
+        tok = self.engine.tokenizer
+        text = tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True) if tok else ""
+        return Reply.of(self.tools, self.think).whole(text)
 
 
 class Engine:
@@ -231,6 +262,71 @@ class Engine:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.model.cfg.eos_token_ids
+
+    # -- chat --------------------------------------------------------------------------
+    @property
+    def chat_template(self):
+        """The checkpoint's chat template (hyspec.chat_template.ChatTemplate; the plain one
+        when it has none), loaded once; `eos_token` defaults to the model's EOS."""
+        if getattr(self, "_chat_template", None) is None:
+            from hyspec.chat_template import ChatTemplate, load_template
+
+            source, where, special = load_template(self.model_dir)
+            if special.get("eos_token") is None and self.eos_ids and self.tokenizer is not None:
+                special["eos_token"] = self.tokenizer.decode([self.eos_ids[0]])
+            self._chat_template = ChatTemplate(source, special, where)
+        return self._chat_template
+
+    def chat_prompt(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
+                    **template_kwargs) -> str:
+        """A conversation as prompt text, rendered as `hyspec serve` renders a chat request:
+        OpenAI-style messages (hyspec.chat_template.normalize_messages), `tools` and any
+        extra template variables (e.g. enable_thinking=False for the Qwen3.5 templates)."""
+        return self.chat_template.render(normalize_messages(messages), add_generation_prompt, tools=tools,
+                                         **template_kwargs)
+
+    def prepare_chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,
+                     template_kwargs: dict | None = None, reasoning: bool | None = None,
+                     constraint=None) -> "ChatTurn":
+        """What :meth:`chat` runs, without running it (batch files use it per line): the
+        prompt, the constraint (a forced tool call's, or `constraint`), and the reader that
+        turns generated tokens into the reply message."""
+        from hyspec.reasoning import prompt_opens_thinking
+        from hyspec.tools import check_tools
+
+        spec = check_tools(tools, tool_choice, parallel_tool_calls)
+        if spec is not None and spec.parses and not self.chat_template.reads_tools:
+            raise ValueError("this model's chat template does not show tools to the model (it never reads `tools`)")
+        prompt = self.chat_prompt(messages, tools=tools, **(template_kwargs or {}))
+        schema = spec.constraint_schema() if spec is not None else None
+        if schema is not None:
+            if constraint is not None:
+                raise ValueError(f"tool_choice {tool_choice!r} constrains the output: it cannot be combined with "
+                                 f"another constraint")
+            constraint = self.constraint("json_schema", schema, arg="tools")
+        think = None
+        if constraint is None and (self.chat_template.thinks if reasoning is None else reasoning):
+            think = prompt_opens_thinking(prompt)
+        return ChatTurn(self, prompt, constraint, spec, think)
+
+    def chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,
+             template_kwargs: dict | None = None, reasoning: bool | None = None, **generate_kwargs) -> Output:
+        """Generate the assistant's reply to `messages`: the prompt is
+        :meth:`chat_prompt`'s, generation is :meth:`generate`'s (its keyword arguments:
+        max_new_tokens, params, draft, num_samples, constraint, ...), and each sample also
+        gets `message`, the reply as `hyspec serve` answers it (hyspec.reply.Reply):
+        content; with a thinking template `reasoning_content` (reasoning: None = when the
+        template writes </think>, True / False to force); with `tools` the parsed
+        `tool_calls` (tool_choice "auto" / "none" / "required" / {"type": "function",
+        "function": {"name": ...}}: the last two constrain the output, as in docs/server.md)."""
+        turn = self.prepare_chat(messages, tools=tools, tool_choice=tool_choice,
+                                 parallel_tool_calls=parallel_tool_calls, template_kwargs=template_kwargs,
+                                 reasoning=reasoning, constraint=generate_kwargs.pop("constraint", None))
+        out = self.generate(turn.prompt, constraint=turn.constraint, **generate_kwargs)
+        stops = self._stops(generate_kwargs.get("stop_ids"), bool(generate_kwargs.get("ignore_eos")))
+        for sample in out.samples:
+            sample.message = turn.message(sample.tokens, stops)
+        return out
 
     # -- generation --------------------------------------------------------------------
     def _spec_options(self, draft: int, spec: SpecOptions | None) -> SpecOptions | None:

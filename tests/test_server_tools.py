@@ -350,7 +350,7 @@ def test_a_template_without_tools_refuses_them(server):
 # ------------------------------------------------------------------------------------------
 
 from hyspec.reasoning import prompt_opens_thinking, split_reasoning  # noqa: E402
-from hyspec.server.routes.chat import Reply  # noqa: E402
+from hyspec.reply import Reply  # noqa: E402
 
 THOUGHT = "The user wants weather.\nCall it.\n</think>\n\n" + HERMES
 
@@ -448,3 +448,76 @@ def test_a_thinking_template_gives_reasoning_content(tmp_path, tool_engine, stre
                                                    "name": "ok", "schema": CLOCK_SCHEMA}})
             assert isinstance(json.loads(r.choices[0].message.content), dict)
             assert not (r.choices[0].message.model_extra or {}).get("reasoning_content")
+
+
+# ------------------------------------------------------------------------------------------
+# The same from Python (Engine.chat) and in batch files (hyspec generate --prompts-file)
+# ------------------------------------------------------------------------------------------
+
+def test_engine_chat_reads_the_reply_as_the_server_does(tool_server, tool_engine):
+    """Engine.chat_prompt is the server's prompt; Engine.chat's message is the server's
+    answer (forced call: Engine.generate under the tools' constraint; auto: the parsed
+    reply)."""
+    from hyspec.sampling import SamplingParams
+
+    eng = tool_engine
+    assert eng.encode(eng.chat_prompt(MSGS, tools=[WEATHER])) == prompt_ids(tool_server, [WEATHER])
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = eng.chat(MSGS, tools=[WEATHER, CLOCK], tool_choice=choice, max_new_tokens=120, draft=3)
+    spec = check_tools([WEATHER, CLOCK], choice)
+    ref = eng.generate(eng.chat_prompt(MSGS, tools=[WEATHER, CLOCK]), max_new_tokens=120, draft=3,
+                       params=SamplingParams(temperature=0.0),
+                       constraint=eng.constraint("json_schema", spec.constraint_schema()))
+    assert out.tokens == ref.tokens
+    call = out.message["tool_calls"][0]
+    assert out.message["content"] is None and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    r = httpx.post(tool_server.url + "/v1/chat/completions", json={
+        "messages": MSGS, "tools": [WEATHER, CLOCK], "tool_choice": choice, "max_tokens": 120, "temperature": 0})
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == call["function"]["arguments"]
+    # auto, the reply written under a regex constraint: parsed, two samples each with its message
+    out = eng.chat(MSGS, tools=[WEATHER], max_new_tokens=80, num_samples=2,
+                   params=SamplingParams(temperature=0.7, seed=1), constraint=eng.constraint("regex", regex_of(HERMES)))
+    for sample in out.samples:
+        assert sample.message["content"] == "Let me look."
+        assert json.loads(sample.message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert out.to_dict()["message"] == out.samples[0].message
+    with pytest.raises(ValueError, match="cannot be combined"):
+        eng.chat(MSGS, tools=[WEATHER], tool_choice="required", constraint=eng.constraint("regex", "a"))
+    with pytest.raises(ValueError, match=r"messages\[0\]: content parts of type 'image_url'"):
+        eng.chat_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    from hyspec.engine import Engine
+
+    with pytest.raises(ValueError, match="does not show tools"):
+        Engine.load().chat(MSGS, tools=[WEATHER])
+
+
+def test_prompts_file_chat_lines(tool_engine, tmp_path):
+    """--prompts-file lines with messages: rendered as the server renders them, the result
+    carries the reply message; bad chat lines are named."""
+    from cli_helpers import cli_each
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    lines = [{"messages": MSGS, "tools": [WEATHER, CLOCK], "tool_choice": choice, "max_new_tokens": 120},
+             {"prompt": "def f(x):", "max_new_tokens": 5},
+             {"messages": MSGS, "max_new_tokens": 6, "chat_template_kwargs": {"unused": 1}}]
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "tools": [WEATHER]}) + "\n")
+    bad2 = tmp_path / "bad2.jsonl"
+    bad2.write_text(json.dumps({"messages": MSGS, "tool_choice": "required"}) + "\n")
+    (code, out), (code_bad, _), (code_bad2, _) = cli_each(
+        [["generate", "--model", str(tool_engine.model_dir), "--prompts-file", str(f), "--draft", "3"],
+         ["generate", "--model", str(tool_engine.model_dir), "--prompts-file", str(bad)],
+         ["generate", "--model", str(tool_engine.model_dir), "--prompts-file", str(bad2)]])
+    assert code == 0 and code_bad == 2 and code_bad2 == 2
+    rows = [json.loads(x) for x in out.strip().splitlines()]
+    want = tool_engine.chat(MSGS, tools=[WEATHER, CLOCK], tool_choice=choice, max_new_tokens=120, draft=3)
+    assert rows[0]["tokens"] == want.tokens
+    assert rows[0]["message"]["tool_calls"][0]["function"]["arguments"] == \
+        want.message["tool_calls"][0]["function"]["arguments"]
+    assert "message" not in rows[1]
+    assert rows[2]["message"]["role"] == "assistant" and rows[2]["message"]["content"] == \
+        tool_engine.chat(MSGS, max_new_tokens=6, draft=3).message["content"]
+

@@ -34,9 +34,11 @@ def add_parser(sub) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, comma-separated")
-    source.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...} or "
-                        "{\"prompt_ids\": [...]}, optional max_new_tokens, draft, logprobs and sampling fields "
-                        "(temperature, seed, top_p, ...); one JSON result per line, in input order")
+    source.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...}, "
+                        "{\"prompt_ids\": [...]} or {\"messages\": [...]} (a chat request: rendered with the chat "
+                        "template; optional tools, tool_choice, parallel_tool_calls, chat_template_kwargs; the "
+                        "result gets the reply as \"message\"), optional max_new_tokens, draft, logprobs and "
+                        "sampling fields (temperature, seed, top_p, ...); one JSON result per line, in input order")
     p.add_argument("--out", default=None, help="with --prompts-file: write the results here instead of stdout")
     p.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
     p.add_argument("--max-new-tokens", type=int, default=64, help="token limit (capped at the model's context)")
@@ -65,7 +67,8 @@ def add_parser(sub) -> None:
 
 
 # ---------------------------------------------------------------------------- --prompts-file
-LINE_KEYS = {"prompt", "prompt_ids", "max_new_tokens", "draft", "logprobs"} | {
+CHAT_KEYS = {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}  # with "messages" only
+LINE_KEYS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "draft", "logprobs"} | CHAT_KEYS | {
     f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -86,8 +89,13 @@ def read_prompts_file(path: str, args) -> list[dict]:
             unknown = sorted(set(obj) - LINE_KEYS)
             if unknown:
                 raise ValueError(f"{path}:{line_no}: unknown field(s) {unknown}; known: {sorted(LINE_KEYS)}")
-            if ("prompt" in obj) == ("prompt_ids" in obj):
-                raise ValueError(f"{path}:{line_no}: give exactly one of \"prompt\" or \"prompt_ids\"")
+            if sum(k in obj for k in ("prompt", "prompt_ids", "messages")) != 1:
+                raise ValueError(f"{path}:{line_no}: give exactly one of \"prompt\", \"prompt_ids\" or \"messages\"")
+            chat_only = sorted(CHAT_KEYS & set(obj))
+            if chat_only and "messages" not in obj:
+                raise ValueError(f"{path}:{line_no}: {chat_only} go with \"messages\" (a chat request)")
+            if "chat_template_kwargs" in obj and not isinstance(obj["chat_template_kwargs"], dict):
+                raise ValueError(f"{path}:{line_no}: \"chat_template_kwargs\" must be an object")
             if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
                 raise ValueError(f"{path}:{line_no}: \"prompt\" must be a non-empty string, got {obj['prompt']!r}")
             ids = obj.get("prompt_ids")
@@ -108,8 +116,13 @@ def read_prompts_file(path: str, args) -> list[dict]:
             logprobs = obj.get("logprobs", args.logprobs)
             if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
                 raise ValueError(f"{path}:{line_no}: logprobs must be null or an integer >= 0, got {logprobs!r}")
+            chat = None
+            if "messages" in obj:
+                chat = {"messages": obj["messages"], "tools": obj.get("tools"), "tool_choice": obj.get("tool_choice"),
+                        "parallel_tool_calls": obj.get("parallel_tool_calls"),
+                        "template_kwargs": obj.get("chat_template_kwargs")}
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
-                             "params": params, "draft": draft, "logprobs": logprobs, "line": line_no})
+                             "params": params, "draft": draft, "logprobs": logprobs, "line": line_no, "chat": chat})
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
@@ -144,13 +157,18 @@ def run_file(args) -> int:
 
     requests, spec = _file_options(args)
     eng = load_engine(args)
+    constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
     for r in requests:  # every line's ids against the vocabulary before anything runs (encoded once)
+        r["constraint"], r["turn"] = constraint, None
         try:
+            if r["chat"] is not None:  # rendered with the chat template, tools checked, as the server does
+                r["turn"] = eng.prepare_chat(**r["chat"], constraint=constraint)
+                r["prompt"], r["constraint"] = r["turn"].prompt, r["turn"].constraint
             r["prompt"] = eng.encode(r["prompt"])
             check_prompt(r["prompt"], eng.model.cfg.vocab_size)
         except ValueError as e:
             raise ValueError(f"{args.prompts_file}:{r['line']}: {e}") from None
-    constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
+    stops = set(args.stop_ids or ()) | (set() if args.ignore_eos else set(eng.eos_ids))
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     finished_early: dict[int, object] = {}  # outputs that wait for an earlier line to finish
     written = 0
@@ -164,6 +182,9 @@ def run_file(args) -> int:
             output = finished_early.pop(written)
             row = {"index": written, "tokens": output.tokens, "text": output.text,
                    "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
+            turn = requests[written]["turn"]
+            if turn is not None:
+                row["message"] = turn.message(output.tokens, stops)
             if output.logprobs is not None:
                 d = output.to_dict()
                 row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
@@ -175,7 +196,8 @@ def run_file(args) -> int:
         eng.generate_batch([r["prompt"] for r in requests], max_new_tokens=[r["max_new_tokens"] for r in requests],
                            params=[r["params"] for r in requests], draft=[r["draft"] for r in requests], spec=spec,
                            stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
-                           on_finish=finished, constraint=constraint, logprobs=[r["logprobs"] for r in requests])
+                           on_finish=finished, constraint=[r["constraint"] for r in requests],
+                           logprobs=[r["logprobs"] for r in requests])
     finally:
         bar.close()
         if args.out:

@@ -7,12 +7,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from hyspec.chat_template import ChatTemplate, TemplateError, load_template
+from hyspec.chat_template import TemplateError, normalize_messages
 from hyspec.server import schemas
 from hyspec.server.metrics import Metrics
 from hyspec.server.params import APIError, Limits, bad
 from hyspec.server.worker import EngineWorker
-from hyspec.tools import template_messages
 
 log = logging.getLogger("hyspec.server")
 REASONING_PARSERS = ("auto", "qwen3", "none")
@@ -50,16 +49,13 @@ class ServerState:
         self.limits = Limits(vocab_size=model_cfg.vocab_size, max_model_len=int(model_cfg.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,
                              capacity=self.worker.capacity)
-        source, where, specials = load_template(engine.model_dir)
-        self.own_template = where != "plain"
-        if specials.get("eos_token") is None and engine.eos_ids:
-            specials["eos_token"] = self.tokenizer.decode([engine.eos_ids[0]])
-        self.template = ChatTemplate(source, specials, where)
-        self.template_reads_tools = "tools" in source  # else a request's tools would never reach the model
+        self.template = engine.chat_template
+        self.own_template = not self.template.plain
+        self.template_reads_tools = self.template.reads_tools  # else a request's tools would never reach the model
         if cfg.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {cfg.reasoning_parser!r}")
-        self.reasoning = cfg.reasoning_parser == "qwen3" or (cfg.reasoning_parser == "auto" and "</think>" in source)
+        self.reasoning = cfg.reasoning_parser == "qwen3" or (cfg.reasoning_parser == "auto" and self.template.thinks)
         try:  # the constraint vocabulary (~0.1 s once), so the first constrained request does not pay it
             from hyspec.constraints import vocab_for
 
@@ -93,25 +89,8 @@ class ServerState:
     def render_chat(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool, tools=None,
                     kwargs: dict | None = None) -> str:
         """The prompt text of a chat request (the checkpoint's template); a 400 on bad input."""
-        if not messages:
-            raise bad("messages must not be empty", "messages")
-        rendered = []
-        for message in messages:
-            as_dict = message.model_dump(exclude_none=False)
-            content = message.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise bad(f"message content parts of type {part.type!r} are not supported (text only)",
-                                  "messages")
-                    parts.append(part.text)
-                as_dict["content"] = "".join(parts)
-            elif content is None:
-                as_dict["content"] = ""
-            rendered.append(as_dict)
         try:
-            rendered = template_messages(rendered)
+            rendered = normalize_messages([m.model_dump(exclude_none=False) for m in messages])
         except ValueError as e:
             raise bad(str(e), "messages") from None
         named = dict(add_generation_prompt=add_generation_prompt, tools=tools)

@@ -11,14 +11,15 @@ import uuid
 
 from fastapi import Request
 
-from hyspec.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning
+from hyspec.reasoning import prompt_opens_thinking
+from hyspec.reply import Reply
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.generation import new_run, request_constraint
 from hyspec.server.logprobs import chat_logprobs
 from hyspec.server.params import MAX_LOGPROBS, ConstraintSpec, bad
 from hyspec.server.streaming import stream_response, whole_response
-from hyspec.tools import ToolCall, ToolError, ToolSpec, ToolStream, check_tools, parse_forced, parse_tool_calls
+from hyspec.tools import ToolError, check_tools
 
 
 def check_request_tools(state, req):
@@ -35,78 +36,6 @@ def check_request_tools(state, req):
                   "tool calling needs a checkpoint whose chat template renders them", "tools")
     schema = tools.constraint_schema() if tools is not None else None
     return tools, (None if schema is None else ConstraintSpec("json_schema", schema, "tools"))
-
-
-class Reply:
-    """One choice's text as the chat API shows it. `think`: None when the reply is not
-    split (no reasoning parser, or a constrained output, which is answer from its first
-    token), else whether it starts inside a thinking block. `mode`: off | auto | required |
-    named (tools)."""
-
-    def __init__(self, mode: str, tools: ToolSpec | None, think: bool | None) -> None:
-        self.mode, self.tools, self.think = mode, tools, think
-        self.reasoning = ReasoningStream(think) if think is not None else None
-        self.tool_stream = ToolStream(tools.tools) if mode == "auto" else None
-        self.calls: list[ToolCall] = []  # once final
-        self.sent = 0  # characters of answer streamed (off / named)
-        self.call_id = ToolCall("", "").id  # a named call's id, streamed with its first piece
-
-    def whole(self, text: str) -> dict:
-        """The message of a finished reply."""
-        reasoning, answer = split_reasoning(text, self.think) if self.think is not None else (None, text)
-        content = answer
-        if self.mode == "auto":
-            content, self.calls = parse_tool_calls(answer, self.tools.tools)
-        elif self.mode in ("named", "required"):
-            self.calls = parse_forced(answer, self.tools)
-            content = "" if self.calls else answer  # an output cut by max_tokens stays text
-        msg = {"role": "assistant", "content": content if content or not self.calls else None}
-        if reasoning is not None:
-            msg["reasoning_content"] = reasoning
-        if self.calls:
-            msg["tool_calls"] = [c.openai() for c in self.calls]
-        return msg
-
-    def delta(self, text: str, final: bool) -> dict:
-        """The delta fields of a stream that has produced `text` so far."""
-        out: dict = {}
-        answer = text
-        if self.reasoning is not None:
-            piece = self.reasoning.update(text, final)
-            if piece:
-                out["reasoning_content"] = piece
-            answer = self.reasoning.answer
-        if self.mode == "auto":
-            piece = self.tool_stream.update(answer, final)
-            if piece:
-                out["content"] = piece
-            if final and self.tool_stream.calls:
-                self.calls = self.tool_stream.calls
-                out["tool_calls"] = [c.openai(i) for i, c in enumerate(self.calls)]
-        elif self.mode == "named":  # the output is the arguments: streamed as they come
-            piece = answer[self.sent:]
-            if piece:
-                call = {"index": 0, "function": {"arguments": piece}}
-                if self.sent == 0:  # the first piece names the call
-                    call = {"index": 0, "id": self.call_id, "type": "function",
-                            "function": {"name": self.tools.named.name, "arguments": piece}}
-                out["tool_calls"] = [call]
-                self.sent = len(answer)
-            if final:
-                self.calls = [ToolCall(c.name, c.arguments, self.call_id) for c in parse_forced(answer, self.tools)]
-        elif self.mode == "required":  # a JSON array: sent whole once complete
-            if final:
-                self.calls = parse_forced(answer, self.tools)
-                if self.calls:
-                    out["tool_calls"] = [c.openai(i) for i, c in enumerate(self.calls)]
-                elif answer:
-                    out["content"] = answer
-        else:
-            piece = answer[self.sent:]
-            if piece:
-                out["content"] = piece
-                self.sent = len(answer)
-        return out
 
 
 def register(app, state) -> None:
@@ -129,9 +58,8 @@ def register(app, state) -> None:
         run = new_run(state, req, [ids], "messages", None, False, top_n, request_id, t0, constraint)
         run.object, run.created = "chat.completion.chunk", int(time.time())
         run.start()
-        mode = "off" if tools is None or not tools.parses else tools.choice  # off | auto | required | named
         think = prompt_opens_thinking(text) if state.reasoning and constraint is None else None
-        replies = {c.index: Reply(mode, tools, think) for c in run.choices}
+        replies = {c.index: Reply.of(tools, think) for c in run.choices}
         texts = {c.index: "" for c in run.choices}  # each choice's text so far (streaming)
 
         def logprobs(entries):
