@@ -5,11 +5,16 @@ conversation's state is kept between turns, so a turn prefills only the new text
 Commands:
     /rewind [N]   back to the exact state before the last N turns (default 1)
     /reset        start over (same settings)
-    /stats        this turn's and the session's acceptance, the prefix store, the state digest (JSON)
+    /stats        the last turn's figures and the acceptance over the turns in the conversation (a
+                  rewound turn no longer counts), the prefix store, the state digest (JSON)
     /save FILE    write the session (state, rewind points, messages) to FILE
     /load FILE    continue a saved session (in this or any later process; its settings replace the flags)
-    /quit         leave (end of input too)
-An empty line continues the reply (sends nothing new; the pending token runs first).
+    /quit         leave (end of input, Ctrl-D, too)
+An empty line continues the reply (sends nothing new; the pending token runs first); the
+continuation of a reply cut by --max-new-tokens is shown on the cut reply's line (on a
+terminal its last line is drawn again below the prompt). With a chat template only a cut
+reply goes on (an empty message would end it). Ctrl-C during a reply stops it and undoes
+the turn; at the prompt it only says how to leave.
 
 The prompt text is the conversation rendered with the checkpoint's chat template
 (hyspec/chat_template.py; the plain template when the checkpoint has none: the embedded
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from hyspec.chat_template import load_template, render_template
@@ -37,52 +43,131 @@ class Chat:
         self.plain = self.template_source == "plain"
         self.messages: list[dict] = []
         self.rendered = ""  # the text the session's tokens stand for
-        self.stack: list[tuple[list[dict], str]] = []  # (messages, rendered) before each turn
+        self.cut = False  # the last reply was cut by max_new_tokens: an empty line continues it
+        self.stack: list[tuple[list[dict], str, bool]] = []  # (messages, rendered, cut) before each turn
+        # The screen: a cut reply's line stays open, so that an empty line's continuation
+        # follows it on the same line (on a terminal, the line is drawn again below the prompt).
+        self._line: list[int] | None = None  # the tokens of the reply whose text ends the screen
+        self._shown = 0  # how much of its text is on screen (an incomplete UTF-8 sequence waits)
+        self._open = False  # the cursor is still right after that text (no line break yet)
 
     def render(self, messages, gen: bool) -> str:
         return render_template(self.template, messages, gen, self.special)
 
     def say(self, line: str) -> None:
+        self.end_line()
         print(line, file=self.out, flush=True)
+
+    # -- the screen --------------------------------------------------------------------
+    def _show(self, final: bool = False) -> None:
+        """Write what is not yet on screen of the reply's text (all of it when final; else up
+        to an incomplete UTF-8 sequence, which waits for the next tokens)."""
+        text = self.eng.decode(self._line)
+        upto = len(text) if final else len(text.rstrip("\ufffd"))
+        if upto > self._shown:
+            self.out.write(text[self._shown:upto])
+            self.out.flush()
+            self._shown = upto
+        self._open = True
+
+    def end_line(self) -> None:
+        """End an open reply line: what comes next starts on a new line."""
+        if self._line is not None and self._open:
+            self._show(final=True)
+            self.out.write("\n")
+            self.out.flush()
+        self._line, self._open = None, False
+
+    def prompt(self) -> None:
+        """A terminal's input prompt. After a cut reply, on its own line; an empty line then
+        draws the reply's last line again in its place (see user)."""
+        keep = self._line is not None and self._open and _is_terminal(self.out)
+        line = self._line
+        self.end_line()
+        if keep:
+            self._line = line
+        self.out.write("> ")
+        self.out.flush()
+
+    def _redraw(self) -> None:
+        """Back over the prompt and the empty line typed to the cut reply's last line, which is
+        drawn again: the continuation follows it there."""
+        text = self.eng.decode(self._line)
+        start = text.rfind("\n") + 1
+        try:
+            cols = os.get_terminal_size(self.out.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            cols = 80
+        rows = max(1, -(-len(text[start:].expandtabs()) // max(1, cols)))  # the rows the line took
+        self.out.write(f"\x1b[{rows + 1}F\x1b[J")  # up to its first row (and the prompt's), cleared
+        self._shown = start
+        self._show()
 
     # -- a turn ------------------------------------------------------------------------
     def user(self, text: str) -> dict:
+        """Send one input line (an empty one: the reply goes on, nothing new is sent). Returns
+        the turn's stats ({} when there was nothing to continue)."""
         eng, session = self.eng, self.session
-        if self.plain:
-            messages_now = self.messages + [{"role": "user", "content": text + "\n"}] if text else list(self.messages)
+        go_on = not text
+        if go_on and not (session.tokens and (self.plain or self.cut)):
+            # (with a chat template an empty message would end the reply: only a cut one goes on)
+            self.say("[nothing to continue: type a message]" if not session.tokens else
+                     "[nothing to continue: the last reply is complete; type a message]")
+            return {}
+        if go_on:
+            messages_now, full, ids = self.messages, self.rendered, []
         else:
-            messages_now = self.messages + [{"role": "user", "content": text}]
-        full = self.render(messages_now, True)
-        if session.tokens and full.startswith(self.rendered):
-            ids = eng.encode(full[len(self.rendered):])
-        else:  # first turn, or the template re-renders the past differently: start from the whole text
-            if session.tokens:
-                session.reset()
-                self.stack = []
-            ids = eng.encode(full)
-        turn: list[int] = []
-        shown = [0]
+            messages_now = self.messages + [{"role": "user", "content": text + "\n" if self.plain else text}]
+            full = self.render(messages_now, True)
+            if session.tokens and full.startswith(self.rendered):
+                ids = eng.encode(full[len(self.rendered):])
+            else:  # first turn, or the template re-renders the past differently: start from the whole text
+                if session.tokens:
+                    session.reset()
+                    self.stack = []
+                ids = eng.encode(full)
+        if go_on and self._line is not None:  # the cut reply's continuation: on its line
+            if not self._open:  # (a terminal: the prompt and the empty line came after it)
+                self._redraw()
+            reply = self._line
+        else:
+            self.end_line()
+            reply = self._line = []
+            self._shown = 0
+        turns, held = session.num_turns, len(session.tokens)
 
         def stream(new):
-            turn.extend(new)
-            text = eng.decode(turn)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                return
-            self.out.write(text[shown[0]:])
-            self.out.flush()
-            shown[0] = len(text)
+            reply.extend(new)
+            self._show()
 
-        before = (list(self.messages), self.rendered)
-        out = session.send(ids, on_tokens=stream)
-        text = eng.decode(out.tokens)
-        self.out.write(text[shown[0]:] + "\n")
-        self.out.flush()
-        stops = eng._stops(session.stop_ids, session.ignore_eos)
-        body = out.tokens[:-1] if (out.tokens and out.tokens[-1] in stops and not self.plain) else out.tokens
-        self.stack.append(before)
-        self.messages = messages_now + [{"role": "assistant", "content": text if self.plain else eng.decode(body)}]
-        self.rendered = full + text
+        before = (list(self.messages), self.rendered, self.cut)
+        try:
+            out = session.send(ids, on_tokens=stream)
+        except BaseException:
+            if session.num_turns > turns:  # failed mid-turn, the rounds before kept: the chat keeps them too
+                self._record(before, messages_now, full, go_on, session.tokens[held + len(ids):], True)
+            raise
+        cut = out.samples[0].stop_reason == "length"
+        self._record(before, messages_now, full, go_on, out.tokens, cut)
+        if cut:  # the line stays open: an empty line continues it there
+            self._show()
+        else:
+            self.end_line()
         return out.stats
+
+    def _record(self, before, messages_now, full, go_on, tokens, cut) -> None:
+        """The turn's reply into the chat's record (a continuation extends the reply)."""
+        eng, session = self.eng, self.session
+        text = eng.decode(tokens)
+        stops = eng._stops(session.stop_ids, session.ignore_eos)
+        body = tokens[:-1] if (tokens and tokens[-1] in stops and not self.plain) else tokens
+        content = text if self.plain else eng.decode(body)
+        if go_on and messages_now and messages_now[-1]["role"] == "assistant":
+            messages_now = messages_now[:-1] + [{"role": "assistant", "content": messages_now[-1]["content"] + content}]
+        else:
+            messages_now = messages_now + [{"role": "assistant", "content": content}]
+        self.stack.append(before)
+        self.messages, self.rendered, self.cut = messages_now, full + text, cut
 
     # -- commands ----------------------------------------------------------------------
     def command(self, line: str) -> bool:
@@ -91,37 +176,48 @@ class Chat:
 
         cmd, _, arg = line.strip().partition(" ")
         arg = arg.strip()
+        path = os.path.expanduser(arg)  # (/save ~/chat.pt)
         if cmd in ("/quit", "/exit"):
             return False
         if cmd == "/rewind":
-            if arg and not arg.isdigit():
+            if arg and not (arg.isascii() and arg.isdigit()):
                 raise ValueError(f"/rewind takes a number of turns, got {arg!r}")
             n = int(arg) if arg else 1
             self.session.rewind(n)
-            self.messages, self.rendered = self.stack[-n]
-            del self.stack[-n:]
+            if n <= len(self.stack):
+                self.messages, self.rendered, self.cut = self.stack[-n]
+                del self.stack[-n:]
+            else:  # into turns this chat has no record of (a loaded session saved without one)
+                self.messages, self.rendered, self.cut, self.stack = [], "", False, []
             self.say(f"[rewound {n} turn(s): {len(self.session.tokens)} tokens]")
         elif cmd == "/reset":
             self.session.reset()
-            self.messages, self.rendered, self.stack = [], "", []
+            self.messages, self.rendered, self.cut, self.stack = [], "", False, []
             self.say("[reset]")
         elif cmd == "/stats":
             self.say("[stats] " + json.dumps(self.stats()))
         elif cmd == "/save":
             if not arg:
                 raise ValueError("/save needs a file name")
-            self.session.save(arg, extra={"messages": self.messages, "rendered": self.rendered,
-                                          "stack": [[m, r] for m, r in self.stack]})
+            self.session.save(path, extra={"messages": self.messages, "rendered": self.rendered, "cut": self.cut,
+                                          "stack": [[m, r, c] for m, r, c in self.stack]})
             self.say(f"[saved {len(self.session.tokens)} tokens to {arg}]")
         elif cmd == "/load":
             if not arg:
                 raise ValueError("/load needs a file name")
-            new = Session.load(self.eng, arg)
+            new = Session.load(self.eng, path)
+            try:
+                extra = new.extra
+                messages, rendered = list(extra.get("messages", [])), str(extra.get("rendered", ""))
+                stack = [(list(x[0]), str(x[1]), bool(x[2]) if len(x) > 2 else False)
+                         for x in extra.get("stack", [])]
+                cut = bool(extra.get("cut", False))
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+                new.close()
+                raise ValueError(f"{arg}: malformed chat record in the session file ({type(e).__name__})") from None
             self.session.close()
             self.session = new
-            extra = new.extra
-            self.messages, self.rendered = extra.get("messages", []), extra.get("rendered", "")
-            self.stack = [(m, r) for m, r in extra.get("stack", [])]
+            self.messages, self.rendered, self.stack, self.cut = messages, rendered, stack, cut
             self.say(f"[loaded {len(new.tokens)} tokens from {arg}]")
         elif cmd == "/help":
             self.say(HELP)
@@ -147,6 +243,13 @@ class Chat:
             "store": self.eng.store.stats(),
             "state_digest": None if state is None else state.digest(),
         }
+
+
+def _is_terminal(f) -> bool:
+    try:
+        return bool(f.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,11 +300,16 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     note = " (a code model: type code, it continues)" if chat.plain and args.model is None else ""
     print(f"[hyspec chat: template {chat.template_source}{note}; {HELP}]", file=sys.stderr)
     while True:
-        if tty:
-            stdout.write("> ")
-            stdout.flush()
-        line = stdin.readline()
+        try:
+            if tty:
+                chat.prompt()
+            line = stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: the conversation stays (leave with /quit or Ctrl-D)
+            chat.say("\n[Ctrl-C: /quit or Ctrl-D leaves]" if tty else "[Ctrl-C: /quit or Ctrl-D leaves]")
+            continue
         if not line:
+            if tty:  # Ctrl-D: the shell's prompt on a line of its own
+                chat.say("")
             break
         line = line.rstrip("\n")
         try:
@@ -210,8 +318,12 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                     break
             else:
                 chat.user(line)
+        except KeyboardInterrupt:  # Ctrl-C during a reply stops it: the turn is undone, the chat goes on
+            chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if not
+                     line.startswith("/") else "[interrupted]")
         except (ValueError, OSError, RuntimeError) as e:
-            print(f"[error: {e}]", file=stdout, flush=True)
+            chat.say(f"[error: {e}]")
+    chat.end_line()
     if args.json:  # one JSON object at the end: the session's figures (as /stats prints them)
         print(json.dumps(chat.stats()), file=stdout, flush=True)
     chat.session.close()

@@ -97,9 +97,11 @@ class Session:
         self._history: list[SeqState | None] = []  # the state before each turn (None: empty)
         self._matcher = None  # the constraint's state after the last turn (None: that turn was free)
         self._matchers: list = []  # ... and before each turn (rewind points, beside _history)
+        self._telemetries: list[SpecTelemetry] = []  # the telemetry before each turn (beside _history)
+        self._stats_history: list[dict] = []  # last_stats before each turn (beside _history)
         self._speculative: bool | None = None
         self.turns = 0
-        self.telemetry = SpecTelemetry()  # all turns
+        self.telemetry = SpecTelemetry()  # the turns in the conversation (rewind takes a turn's rounds out)
         self.last_stats: dict = {}
         self.closed = False
 
@@ -209,6 +211,8 @@ class Session:
         # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
         self._history.append(self._boundary)
         self._matchers.append(self._matcher)
+        self._telemetries.append(self.telemetry.copy())
+        self._stats_history.append(self.last_stats)
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
         self._seq, self._state = seq, (end if seq is None else None)
         self._boundary = end
@@ -260,7 +264,9 @@ class Session:
 
     # -- moving in the conversation ----------------------------------------------------
     def rewind(self, n: int = 1) -> None:
-        """Return to the exact state before the last n turns."""
+        """Return to the exact state before the last n turns: the model state, the constraint's,
+        the telemetry (the undone turns' rounds no longer count) and last_stats (the stats of
+        the turn that is now the last; {} when it is unknown: none, or a loaded session's)."""
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"rewind needs a number of turns >= 1, got {n!r}")
@@ -268,11 +274,14 @@ class Session:
             raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._history)}")
         target = self._history[-n]
         self._matcher = self._matchers[-n]
+        self.telemetry = self._telemetries[-n].copy()  # (the snapshots are never mutated)
+        self.last_stats = self._stats_history[-n]
         del self._history[-n:]
         del self._matchers[-n:]
+        del self._telemetries[-n:]
+        del self._stats_history[-n:]
         self._release()
         self._state = self._boundary = target
-        self.last_stats = {}
         if target is None:
             self._speculative = None
 
@@ -283,6 +292,7 @@ class Session:
         self._state = self._boundary = None
         self._history = []
         self._matcher, self._matchers = None, []
+        self._telemetries, self._stats_history = [], []
         self._speculative = None
         self.telemetry = SpecTelemetry()
         self.last_stats = {}
@@ -297,6 +307,8 @@ class Session:
         other._speculative = self._speculative
         other.turns = self.turns
         other.telemetry = self.telemetry.copy()
+        other._telemetries, other._stats_history = list(self._telemetries), list(self._stats_history)
+        other.last_stats = self.last_stats
         return other
 
     def close(self) -> None:
@@ -304,7 +316,7 @@ class Session:
         if not self.closed:
             self._release()
             self._state = self._boundary = None
-            self._history = []
+            self._history, self._matchers, self._telemetries, self._stats_history = [], [], [], []
             self.closed = True
 
     def __del__(self) -> None:  # a dropped session gives its slot back to the pool
@@ -348,6 +360,7 @@ class Session:
             "constraint": _constraint_dict(self.constraint), "matcher": _constraint_dict(self._matcher),
             "matchers": [_constraint_dict(m) for m in self._matchers],
             "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
+            "telemetries": [t.to_dict() for t in self._telemetries],
             "extra": extra or {},
         }
 
@@ -395,6 +408,11 @@ class Session:
         session._matchers = [_constraint_from(engine, m) for m in d.get("matchers", [None] * len(session._history))]
         session._speculative, session.turns = d["speculative"], d["turns"]
         session.telemetry = SpecTelemetry.from_dict(d["telemetry"])
+        # the telemetry before each turn (a file written before they were saved: the current one,
+        # so a rewind there keeps counting the undone turns' rounds, as it did then)
+        session._telemetries = [SpecTelemetry.from_dict(t) for t in
+                                d.get("telemetries", [d["telemetry"]] * len(session._history))]
+        session._stats_history = [{} for _ in session._history]
         session.extra = d.get("extra", {})
         return session
 

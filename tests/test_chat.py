@@ -160,3 +160,234 @@ def test_chat_bad_commands_and_json(tmp_path):
     assert "/rewind takes a number of turns, got 'abc'" in errors[2]
     last = json.loads(text[-1])
     assert last["turns"] == 1 and len(last["turn_tokens"]) == 4
+
+
+# -- the terminal chat's display and commands, in process over the embedded default model ------------------
+@pytest.fixture(scope="module")
+def default_engine():
+    from hyspec.engine import Engine
+
+    return Engine.load()
+
+
+@pytest.fixture
+def run_chat(default_engine, monkeypatch):
+    """`hyspec chat` (hyspec.chat.main) over the module's engine: lines in, stdout's text out."""
+    import io
+
+    from hyspec.chat import main
+    from hyspec.cli import common
+
+    monkeypatch.setattr(common, "load_engine", lambda args: default_engine)
+
+    def run(lines, *flags, stdin=None, stdout=None):
+        out = stdout if stdout is not None else io.StringIO()
+        stdin = stdin if stdin is not None else io.StringIO("".join(x + "\n" for x in lines))
+        assert main(["--max-new-tokens", "8", *flags], stdin=stdin, stdout=out) == 0
+        return out.getvalue()
+
+    return run
+
+
+def stats_lines(text: str) -> list[dict]:
+    return [json.loads(x[len("[stats] "):]) for x in text.splitlines() if x.startswith("[stats] ")]
+
+
+def test_a_cut_reply_goes_on_on_its_own_line(run_chat):
+    """A reply cut by --max-new-tokens and continued by empty lines reads as the one uncut
+    reply (no line break at the cuts); output between them ends the line first."""
+    whole = run_chat(["def f(x):"], "--max-new-tokens", "24")
+    assert run_chat(["def f(x):", "", ""]) == whole
+    assert run_chat(["def f(x):", "", ""], "--draft", "2") == whole
+    between = run_chat(["def f(x):", "/stats", ""])
+    assert "\n[stats] " in between and not between.startswith("[stats]")
+
+
+def terminal(data: str, cols: int = 80) -> list[str]:
+    """The rows a terminal shows for `data` (text, line breaks, wrapping, ESC[nF, ESC[J)."""
+    import re
+
+    rows, r, c, i = [[]], 0, 0, 0
+    while i < len(data):
+        m = re.match(r"\x1b\[(\d*)([FJ])", data[i:])
+        if m:
+            if m.group(2) == "F":
+                r, c = max(0, r - int(m.group(1) or 1)), 0
+            else:
+                del rows[r][c:], rows[r + 1:]
+            i += m.end()
+            continue
+        ch, i = data[i], i + 1
+        if ch == "\n":
+            r, c = r + 1, 0
+        else:
+            if c == cols:
+                r, c = r + 1, 0
+            while len(rows) <= r:
+                rows.append([])
+            rows[r] += [" "] * (c + 1 - len(rows[r]))
+            rows[r][c], c = ch, c + 1
+        while len(rows) <= r:
+            rows.append([])
+    return ["".join(x) for x in rows]
+
+
+def test_a_cut_reply_goes_on_on_its_line_on_a_terminal(default_engine, monkeypatch):
+    """On a terminal the prompt comes after a cut reply; the empty line typed there draws
+    the reply's last line again in the prompt's place: the screen shows the uncut reply."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("TERM", "xterm")
+    eng = default_engine
+    whole = eng.decode(eng.session(max_new_tokens=24).send("def f(x):\n").tokens)
+    tty = Tty()
+    c = Chat(eng, eng.session(max_new_tokens=8), default_model_dir(), out=tty)
+    for typed in ("def f(x):", "", ""):
+        c.prompt()
+        tty.write(typed + "\n")  # the terminal's echo
+        c.user(typed)
+    c.prompt()
+    assert terminal(tty.getvalue()) == ["> def f(x):"] + whole.split("\n") + ["> "]
+    assert tty.getvalue().count("\x1b[") == 4  # (two redraws: up, clear)
+    tty.write("/stats\n")
+    c.command("/stats")  # a command's output ends the reply's line: the next piece starts a line of its own
+    tty.write("\n")
+    c.user("")
+    assert tty.getvalue().count("\x1b[") == 4 and "\n[stats] " in tty.getvalue()
+
+
+def test_stats_after_rewind_count_only_the_turns_left(run_chat):
+    """/stats after /rewind: the conversation's acceptance without the undone turn, and the
+    figures of the turn that is now the last (were: the undone turn counted, nulls)."""
+    s = stats_lines(run_chat(["def f(x):", "/stats", "    return x", "/stats", "/rewind", "/stats", "/rewind",
+                              "/stats"], "--draft", "2"))
+    assert s[0]["overall_acceptance"] != s[1]["overall_acceptance"]
+    assert s[2]["overall_acceptance"] == s[0]["overall_acceptance"]
+    assert s[2]["turn_tokens"] == s[0]["turn_tokens"] and s[2]["turn_acceptance"] == s[0]["turn_acceptance"]
+    assert s[2]["turns"] == 1 and s[2]["state_digest"] == s[0]["state_digest"]
+    assert s[3]["turns"] == 0 and s[3]["overall_acceptance"] is None and s[3]["turn_tokens"] is None
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(run_chat):
+    """Ctrl-C during a reply drops that turn (the conversation is as before it) and the chat
+    goes on; Ctrl-C at the prompt is a note, not the end (was: the whole chat ended)."""
+    import io
+
+    class Interrupting(io.StringIO):
+        def __init__(self, at):
+            super().__init__()
+            self.n, self.at = 0, at
+
+        def write(self, s):
+            self.n += 1
+            if self.n == self.at:
+                raise KeyboardInterrupt
+            return super().write(s)
+
+    class Lines:
+        def __init__(self, items):
+            self.items = list(items)
+
+        def readline(self):
+            x = self.items.pop(0) if self.items else ""
+            if x is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return x
+
+    want = stats_lines(run_chat(["    return x", "/stats"]))[0]
+    try:
+        text = run_chat([], stdin=Lines(["def f(x):\n", KeyboardInterrupt, "/stats\n", "    return x\n", "/stats\n"]),
+                        stdout=Interrupting(3))
+    except KeyboardInterrupt:  # (not let through: pytest would stop the whole run)
+        pytest.fail("Ctrl-C ended the chat")
+    assert "[interrupted: the reply is dropped" in text and "[Ctrl-C: /quit or Ctrl-D leaves]" in text
+    s = stats_lines(text)
+    assert s[0]["turns"] == 0 and s[0]["context_tokens"] == 0
+    assert s[1]["turns"] == 1 and s[1]["turn_tokens"] == want["turn_tokens"]
+
+
+def test_rewind_into_a_loaded_session_without_a_chat_record(run_chat, default_engine, tmp_path):
+    """/load of a session saved by the API (no chat record), then /rewind: the session's turns
+    are rewound (was: an IndexError traceback ending the chat)."""
+    s = default_engine.session(max_new_tokens=8)
+    s.send("def f(x):\n")
+    s.send("    return 1\n")
+    f = tmp_path / "api.pt"
+    s.save(f)
+    text = run_chat([f"/load {f}", "/rewind", "/stats", "/rewind", "/stats", "def g():"])
+    assert "[error" not in text, text
+    st = stats_lines(text)
+    assert [x["turns"] for x in st] == [1, 0]
+
+
+def test_save_and_load_expand_the_home_directory(run_chat, tmp_path, monkeypatch):
+    """/save ~/FILE and /load ~/FILE are in the home directory (was: a "~" directory looked for)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    text = run_chat(["def f(x):", "/save ~/chat.pt", "/load ~/chat.pt"])
+    assert "[error" not in text and (tmp_path / "chat.pt").is_file(), text
+
+
+def test_a_turn_failing_mid_reply_keeps_the_chat_in_step(default_engine):
+    """A round failing mid-reply keeps the rounds before it (a turn of the session): the chat
+    records that turn too, so /rewind undoes it (was: the chat's record one turn behind)."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    eng = default_engine
+    c = Chat(eng, eng.session(max_new_tokens=8), default_model_dir(), out=io.StringIO())
+    c.user("def f(x):")
+    backend = eng.session_scheduler().backend
+    orig, calls = backend.verify, []
+
+    def verify(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return orig(*a, **kw)
+
+    backend.verify = verify
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            c.user("    return x")
+    finally:
+        backend.verify = orig
+    assert c.session.num_turns == len(c.stack) == 2
+    assert c.rendered == eng.decode(c.session.tokens) and c.cut
+    c.command("/rewind")
+    assert c.session.num_turns == len(c.stack) == 1 and c.rendered == eng.decode(c.session.tokens)
+
+
+def test_empty_line_with_a_chat_template_continues_the_cut_reply(zoo, tmp_path):
+    """With a checkpoint's chat template, an empty line after a cut reply continues it (was:
+    an empty user message, which closed the reply); with nothing to continue it is a note."""
+    import io
+    import shutil
+
+    from hyspec.chat import Chat
+    from hyspec.engine import Engine
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    eng = Engine.load(d, dtype="float64")
+    prompt = render_chat([{"role": "user", "content": "hello"}], d)
+    whole = eng.session(max_new_tokens=12, ignore_eos=True).send(prompt).tokens
+    out = io.StringIO()
+    c = Chat(eng, eng.session(max_new_tokens=6, ignore_eos=True), d, out=out)
+    assert c.user("") == {} and "[nothing to continue" in out.getvalue() and not c.session.tokens
+    c.user("hello")
+    c.user("")
+    assert c.session.tokens == eng.encode(prompt) + whole
+    assert c.messages == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": eng.decode(whole)}]
+    assert out.getvalue().endswith("\n" + eng.decode(whole))  # one reply, no break at the cut
+    c.command("/rewind")
+    assert c.cut and c.messages[-1]["content"] == eng.decode(whole[:6])

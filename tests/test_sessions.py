@@ -290,3 +290,32 @@ def test_a_raising_on_tokens_reaches_the_generate_batch_caller(zoo, when):
     with pytest.raises(ValueError, match="caller's callback"):
         eng.generate_batch(prompts, max_new_tokens=6, draft=2, on_tokens=boom)
     assert [o.tokens for o in eng.generate_batch(prompts, max_new_tokens=6, draft=2)] == want
+
+
+def test_rewind_takes_the_undone_turns_out_of_the_telemetry(zoo, tmp_path):
+    """rewind() restores the telemetry (the conversation's turns only) and last_stats (the
+    turn that is now the last) with the state; a fork and a saved-and-loaded session too
+    (were: the undone turns' rounds kept counting, last_stats emptied)."""
+    from hyspec.speculative.telemetry import SpecTelemetry
+
+    eng = engine(zoo, "qwen3_next")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=5)
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    tel, stats = [], []
+    for m in msgs:
+        stats.append(s.send(m).stats)
+        tel.append(s.telemetry.copy())
+    assert 0 < tel[0].rounds < tel[1].rounds < tel[2].rounds
+    f = s.fork()
+    s.save(tmp_path / "s.pt")
+    loaded = Session.load(eng, tmp_path / "s.pt")
+    for x in (s, f, loaded):
+        x.rewind()
+        assert x.telemetry == tel[1]
+        assert x.last_stats == (stats[1] if x is not loaded else {})  # (a loaded session has no turn stats)
+        x.rewind(2)
+        assert x.telemetry == SpecTelemetry() and x.last_stats == {}
+        out = x.send(msgs[0])  # the same turn again: counted once
+        assert x.telemetry == tel[0] and out.stats["session"]["spec"] == tel[0].to_dict()
+    s.reset()
+    assert s.telemetry == SpecTelemetry()
