@@ -41,6 +41,7 @@ class Chat:
         self.eng, self.session, self.out, self.err = engine, session, out, err
         self.template, self.template_source, self.special = load_template(model_dir)
         self.plain = self.template_source == "plain"
+        self.template_kwargs: dict = {}  # extra template variables (--chat-template-kwargs)
         self.messages: list[dict] = []
         self.rendered = ""  # the text the session's tokens stand for
         self.cut = False  # the last reply was cut by max_new_tokens: an empty line continues it
@@ -52,7 +53,7 @@ class Chat:
         self._open = False  # the cursor is still right after that text (no line break yet)
 
     def render(self, messages, gen: bool) -> str:
-        return render_template(self.template, messages, gen, self.special)
+        return render_template(self.template, messages, gen, self.special, **self.template_kwargs)
 
     def say(self, line: str) -> None:
         self.end_line()
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(the Qwen3 / Qwen3.5 templates' switch for answers without a thinking part)")
     add_sampling_args(p)
     add_spec_args(p)
     add_constraint_args(p)  # every reply must match (docs/constraints.md, "In sessions")
@@ -291,6 +295,16 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                               stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
                               constraint=constraint_from_args(eng, args))
         chat = Chat(eng, session, args.model or default_model_dir(), out=stdout)
+        if args.chat_template_kwargs is not None:
+            try:
+                kwargs = json.loads(args.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--chat-template-kwargs is not valid JSON ({e.msg})") from None
+            reserved = {"messages", "add_generation_prompt"} & set(kwargs) if isinstance(kwargs, dict) else set()
+            if not isinstance(kwargs, dict) or reserved:
+                raise ValueError("--chat-template-kwargs must be a JSON object of template variables"
+                                 + (f" other than {sorted(reserved)}" if reserved else ""))
+            chat.template_kwargs = kwargs
     except (ValueError, OSError, ImportError) as e:
         from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
 

@@ -391,3 +391,36 @@ def test_empty_line_with_a_chat_template_continues_the_cut_reply(zoo, tmp_path):
     assert out.getvalue().endswith("\n" + eng.decode(whole))  # one reply, no break at the cut
     c.command("/rewind")
     assert c.cut and c.messages[-1]["content"] == eng.decode(whole[:6])
+
+
+def test_chat_template_kwargs_reach_the_template(zoo, tmp_path, capsys):
+    """`hyspec chat --chat-template-kwargs '{"enable_thinking": false}'`: the variable is
+    rendered into every turn's prompt (the Qwen templates' switch); bad JSON is a one-line
+    error naming the flag."""
+    import io
+    import shutil
+
+    from hyspec.chat import main
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    template = CHATML + "{% if enable_thinking is defined and not enable_thinking %}NO THINKING{% endif %}"
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
+    script = io.StringIO("hello\n/stats\n")
+    stats = []
+    for flags in ([], ["--chat-template-kwargs", '{"enable_thinking": false}']):
+        out = io.StringIO()
+        script.seek(0)
+        assert main(["--model", str(d), "--dtype", "float64", "--max-new-tokens", "2", "--ignore-eos", *flags],
+                    stdin=script, stdout=out) == 0
+        stats += [json.loads(x[len("[stats] "):]) for x in out.getvalue().splitlines() if x.startswith("[stats] ")]
+    from hyspec.engine import Engine
+
+    eng = Engine.load(d, dtype="float64")
+    extra = len(eng.encode("NO THINKING"))
+    assert stats[1]["turn_prefilled"] - stats[0]["turn_prefilled"] == extra > 0
+    for bad, words in (("{nope", "not valid JSON"), ("[1]", "JSON object"),
+                       ('{"messages": []}', "other than ['messages']")):
+        assert main(["--model", str(d), "--chat-template-kwargs", bad], stdin=io.StringIO("")) == 2
+        err = capsys.readouterr().err
+        assert "--chat-template-kwargs" in err and words in err and "Traceback" not in err
