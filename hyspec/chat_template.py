@@ -143,6 +143,14 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
         return render_template(self.source, messages, add_generation_prompt, self.special, tools=tools, **kwargs)
 
+    def generation_suffix(self, prompt: str, messages: list[dict], tools=None, **kwargs) -> str:
+        """The part of `prompt` (these messages rendered with the generation prompt) that the
+        generation prompt added: what hyspec.reasoning.prompt_opens_thinking must look at.
+        The whole prompt when the template renders the messages differently without it."""
+        kwargs = {k: v for k, v in kwargs.items() if k != "add_generation_prompt"}
+        base = self.render(messages, False, tools=tools, **kwargs)
+        return prompt[len(base):] if prompt.startswith(base) else prompt
+
 
 def normalize_messages(messages) -> list[dict]:
     """OpenAI-style messages as the templates expect them: each a dict with a `role`;

@@ -297,7 +297,8 @@ class Engine:
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
         if spec is not None and spec.parses and not self.chat_template.reads_tools:
             raise ValueError("this model's chat template does not show tools to the model (it never reads `tools`)")
-        prompt = self.chat_prompt(messages, tools=tools, **(template_kwargs or {}))
+        normalized = normalize_messages(messages)
+        prompt = self.chat_template.render(normalized, True, tools=tools, **(template_kwargs or {}))
         schema = spec.constraint_schema() if spec is not None else None
         if schema is not None:
             if constraint is not None:
@@ -306,7 +307,8 @@ class Engine:
             constraint = self.constraint("json_schema", schema, arg="tools")
         think = None
         if constraint is None and (self.chat_template.thinks if reasoning is None else reasoning):
-            think = prompt_opens_thinking(prompt)
+            think = prompt_opens_thinking(self.chat_template.generation_suffix(prompt, normalized, tools=tools,
+                                                                               **(template_kwargs or {})))
         return ChatTurn(self, prompt, constraint, spec, think)
 
     def chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,

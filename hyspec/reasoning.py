@@ -10,21 +10,24 @@ Two template styles exist:
   ends in an empty ``<think>\\n\\n</think>\\n\\n`` and the reply is all answer.
 * Qwen3 (first release): the model itself writes ``<think>`` first.
 
-So a reply starts *inside* the reasoning when the prompt's last ``<think>`` is not closed,
-or when the reply starts with ``<think>``. Inside, the reasoning ends at ``</think>`` or at
-a ``<tool_call>`` (Qwen3.5 models sometimes call a tool without closing their thinking;
-the call is then answer text, for hyspec.tools to parse). A reply cut while thinking is all
+So a reply starts *inside* the reasoning when the generation prompt (the text the template
+adds after the messages) leaves a ``<think>`` open, or when the reply starts with
+``<think>``. Inside, the reasoning ends at ``</think>`` or at a ``<tool_call>`` that starts
+a call (a ``{`` or ``<function=`` follows; Qwen3.5 models sometimes call a tool without
+closing their thinking; the call is then answer text, for hyspec.tools to parse). A reply cut while thinking is all
 reasoning. The answer's leading whitespace is dropped."""
 
 from __future__ import annotations
 
-from hyspec.tools import TOOL_OPEN, partial_tag
+from hyspec.tools import TOOL_OPEN, call_follows, partial_tag
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def prompt_opens_thinking(prompt: str) -> bool:
-    """Whether a rendered prompt leaves the reply inside a thinking block."""
+    """Whether a prompt leaves the reply inside a thinking block. Give it the generation
+    prompt's own text (ChatTemplate.generation_suffix), not the whole conversation: a user
+    message that mentions ``<think>`` must not count."""
     return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
 
 
@@ -34,16 +37,39 @@ def _start(text: str) -> int:
     return len(text) - len(stripped) + len(THINK_OPEN) if stripped.startswith(THINK_OPEN) else 0
 
 
+def _scan(text: str, start: int) -> tuple[int, int, int]:
+    """(end, after, hold) of reasoning that starts at `start`: the reasoning is
+    text[start:end], the answer text[after:]; without an end yet, end = after = len(text).
+    `hold`: how far a stream may send the reasoning (not into a tag that may still end it).
+    The end is ``</think>``, or a ``<tool_call>`` that starts a call
+    (hyspec.tools.call_follows); a mere mention of the tag is reasoning text."""
+    close = text.find(THINK_CLOSE, start)
+    pos, call, maybe = start, -1, -1
+    while True:
+        i = text.find(TOOL_OPEN, pos)
+        if i < 0 or (0 <= close < i):
+            break
+        follows = call_follows(text, i + len(TOOL_OPEN))
+        if follows:
+            call = i
+            break
+        if follows is None and maybe < 0:
+            maybe = i
+        pos = i + len(TOOL_OPEN)
+    ends = [x for x in (close, call) if x >= 0]
+    if ends:
+        end = min(ends)
+        return end, end + len(THINK_CLOSE) if end == close else end, end
+    hold = len(text) - max(partial_tag(text[start:], THINK_CLOSE), partial_tag(text[start:], TOOL_OPEN))
+    return len(text), len(text), min(hold, maybe) if maybe >= 0 else hold
+
+
 def split_reasoning(text: str, opens: bool) -> tuple[str | None, str]:
     """(reasoning, answer) of a finished reply; reasoning None when the reply has none."""
     if not opens and not text.lstrip().startswith(THINK_OPEN):
         return None, text
     start = _start(text)
-    ends = [i for i in (text.find(THINK_CLOSE, start), text.find(TOOL_OPEN, start)) if i >= 0]
-    if not ends:
-        return text[start:], ""
-    end = min(ends)
-    after = end + len(THINK_CLOSE) if text.startswith(THINK_CLOSE, end) else end
+    end, after, _ = _scan(text, start)
     return text[start:end], text[after:].lstrip()
 
 
@@ -51,8 +77,8 @@ class ReasoningStream:
     """A growing reply, split for streaming: `update(text, final)` (the whole text so far)
     gives the reasoning not yet sent, and sets `answer` to the answer so far (a prefix of
     the final answer, for the content path to stream). While the text might still turn out
-    to open with ``<think>``, or ends in what may become a closing tag, that part is held
-    back; at the end the pieces equal :func:`split_reasoning`'s."""
+    to open with ``<think>``, or ends in what may become a tag that ends the reasoning, that
+    part is held back; at the end the pieces equal :func:`split_reasoning`'s."""
 
     def __init__(self, opens: bool) -> None:
         self.opens = opens
@@ -66,23 +92,17 @@ class ReasoningStream:
             self.sent += len(delta)
             return delta
         stripped = text.lstrip()
-        if not self.opens:
-            if THINK_OPEN.startswith(stripped):  # "" or a start of "<think>": undecided
-                self.answer = ""
-                return ""
-            if not stripped.startswith(THINK_OPEN):
-                self.answer = text
-                return ""
+        self.answer = ""
+        if THINK_OPEN.startswith(stripped):  # "" or a start of "<think>": where it starts is undecided
+            return ""
+        if not self.opens and not stripped.startswith(THINK_OPEN):
+            self.answer = text
+            return ""
         start = _start(text)
-        ends = [i for i in (text.find(THINK_CLOSE, start), text.find(TOOL_OPEN, start)) if i >= 0]
-        if ends:
-            end = min(ends)
-            after = end + len(THINK_CLOSE) if text.startswith(THINK_CLOSE, end) else end
+        end, after, hold = _scan(text, start)
+        if after < len(text) or end < len(text):
             self.answer = text[after:].lstrip()
-        else:
-            end = len(text) - max(partial_tag(text[start:], THINK_CLOSE), partial_tag(text[start:], TOOL_OPEN))
-            self.answer = ""
-        delta = text[start + self.sent:end] if end > start + self.sent else ""
+        delta = text[start + self.sent:hold] if hold > start + self.sent else ""
         self.sent += len(delta)
         return delta
 

@@ -36,7 +36,7 @@ class Reply:
             content, self.calls = parse_tool_calls(answer, self.tools.tools)
         elif self.mode in ("named", "required"):
             self.calls = parse_forced(answer, self.tools)
-            content = "" if self.calls else answer  # an output cut by max_tokens stays text
+            content = "" if self.calls else answer  # an incomplete "required" array stays text
         msg = {"role": "assistant", "content": content if content or not self.calls else None}
         if reasoning is not None:
             msg["reasoning_content"] = reasoning

@@ -72,12 +72,28 @@ class ToolSpec:
             return self.named.parameters
         if self.choice != "required":
             return None
-        items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": t.name}, "parameters": t.parameters}}
-                 for t in self.tools.values()]
+        # each tool's schema sits under items...parameters, where its "#/$defs/..." references
+        # would not resolve: its definitions move to the root (one name, one definition)
+        shared: dict[str, dict] = {}
+        items = []
+        for t in self.tools.values():
+            params = dict(t.parameters)
+            for key in ("$defs", "definitions"):
+                defs = params.pop(key, None)
+                if defs is None:
+                    continue
+                if not isinstance(defs, dict):
+                    raise ToolError(f"tool {t.name!r}: parameters.{key} must be an object", "tools")
+                for name, sub in defs.items():
+                    if shared.setdefault(key, {}).setdefault(name, sub) != sub:
+                        raise ToolError(f"tools define {key}/{name} differently; tool_choice \"required\" needs "
+                                        f"one definition per name (rename one)", "tools")
+            items.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                          "properties": {"name": {"const": t.name}, "parameters": params}})
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
         if not self.parallel:
             schema["maxItems"] = 1
+        schema.update(shared)
         return schema
 
 
@@ -109,7 +125,7 @@ def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec |
             params = dict(EMPTY_PARAMETERS)
         elif not isinstance(params, dict):
             raise ToolError(f"{where}.function.parameters must be a JSON schema object", "tools")
-        if "description" in fn and not isinstance(fn["description"], str):
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ToolError(f"{where}.function.description must be a string", "tools")
         checked[name] = Tool(name, params)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -147,38 +163,77 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
-def _types(schema) -> list[str]:
-    t = schema.get("type") if isinstance(schema, dict) else None
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(text: str):
+    """json.loads without Python's NaN / Infinity (no JSON parser outside Python reads them)."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+def dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def declared_types(schema) -> list[str]:
+    """The JSON types a parameter's schema declares, in order: its `type` (a name or a list),
+    else those of its anyOf / oneOf branches, else those of its `enum` values."""
+    if not isinstance(schema, dict):
+        return []
+    t = schema.get("type")
     if isinstance(t, str):
         return [t]
-    return [x for x in t if isinstance(x, str)] if isinstance(t, list) else []
+    if isinstance(t, list):
+        return [x for x in t if isinstance(x, str)]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            out = []
+            for branch in schema[key]:
+                out += [x for x in declared_types(branch) if x not in out]
+            return out
+    if isinstance(schema.get("enum"), list):
+        names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null",
+                 list: "array", dict: "object"}
+        out = []
+        for v in schema["enum"]:
+            name = names.get(type(v))
+            if name is not None and name not in out:
+                out.append(name)
+        return out
+    return []
 
 
 def convert_parameter(text: str, schema) -> object:
-    """An XML-format parameter's text as the JSON value its schema's type declares; text
-    that is no valid value of any declared type stays a string (so does an undeclared one
-    that is not JSON)."""
+    """An XML-format parameter's text as a JSON value, by the types its schema declares
+    (:func:`declared_types`, tried in order; null last): a string type takes the text as it
+    is; integer, number, boolean (true / false), object and array take text that is such a
+    value; ``null`` / ``None`` is null where the schema allows null or declares no string.
+    A parameter the schema does not declare, or declares no type for (a ``$ref``), and text
+    that is no value of a declared type stay strings: a string never becomes something else
+    by guessing (vLLM's qwen3_coder parser reads them the same way)."""
+    types = declared_types(schema)
     s = text.strip()
-    for t in _types(schema) or ["any"]:
+    if s in ("null", "None") and ("null" in types or (types and "string" not in types)):
+        return None
+    for t in [x for x in types if x != "null"]:
         try:
             if t == "string":
                 return text
-            if t == "null" and s == "null":
-                return None
             if t == "boolean" and s.lower() in ("true", "false"):
                 return s.lower() == "true"
             if t == "integer":
-                return int(s)
+                v = loads(s)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
             if t == "number":
-                v = json.loads(s)
+                v = loads(s)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     return v
-            if t == "object" or t == "array":
-                v = json.loads(s)
+            if t in ("object", "array"):
+                v = loads(s)
                 if isinstance(v, dict if t == "object" else list):
                     return v
-            if t == "any":
-                return json.loads(s)
         except ValueError:
             continue
     return text
@@ -201,25 +256,23 @@ def _xml_call(body: str, tools: dict[str, Tool]) -> ToolCall | None:
         args[key] = convert_parameter(value, props.get(key))
     if _PARAMETER.sub("", inner).strip():  # text outside the parameters: not this format
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    try:
+        return ToolCall(name, dumps(args))
+    except ValueError:
+        return None
 
 
 def _json_call(body: str, tools: dict[str, Tool]) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = loads(body)
+        if not isinstance(obj, dict) or obj.get("name") not in tools:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as JSON text
+            args = loads(args)
+        return ToolCall(obj["name"], dumps(args)) if isinstance(args, dict) else None
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in tools:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as JSON text
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def parse_block(body: str, tools: dict[str, Tool]) -> ToolCall | None:
@@ -229,14 +282,15 @@ def parse_block(body: str, tools: dict[str, Tool]) -> ToolCall | None:
 
 
 def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a finished reply. With calls, content is the text outside the
-    parsed blocks (the part before the first one right-stripped, later parts stripped, joined
-    by newlines); without, it is `text` unchanged."""
+    """(content, calls) of a finished reply. A block runs from the last ``<tool_call>``
+    before a ``</tool_call>`` (an earlier one is text: "use the <tool_call> tag"). With
+    calls, content is the text outside the parsed blocks (the part before the first one
+    right-stripped, later parts stripped, joined by newlines); without, `text` unchanged."""
     pieces, calls, pos = [], [], 0
     while True:
-        i = text.find(TOOL_OPEN, pos)
-        j = text.find(TOOL_CLOSE, i + len(TOOL_OPEN)) if i >= 0 else -1
-        if j < 0:
+        j = text.find(TOOL_CLOSE, pos)
+        i = text.rfind(TOOL_OPEN, pos, j) if j >= 0 else -1
+        if i < 0:
             pieces.append(text[pos:])
             break
         call = parse_block(text[i + len(TOOL_OPEN):j], tools)
@@ -255,18 +309,20 @@ def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[str, list[ToolC
 
 
 def parse_forced(text: str, spec: ToolSpec) -> list[ToolCall]:
-    """The calls of a constrained ("required" / named) output; [] when it is incomplete
-    (cut by max_tokens)."""
+    """The calls of a constrained output. A named function's output is its arguments: one
+    call with that text as generated (incomplete JSON when cut by max_tokens or a stop
+    string, as a stream has sent it). "required": the array's calls; [] when it is
+    incomplete."""
+    if spec.choice == "named":
+        return [ToolCall(spec.named.name, text)] if text else []
     try:
-        value = json.loads(text)
+        value = loads(text)
+        if not isinstance(value, list):
+            return []
+        return [ToolCall(c["name"], dumps(c["parameters"])) for c in value
+                if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict)]
     except ValueError:
         return []
-    if spec.choice == "named":
-        return [ToolCall(spec.named.name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else []
-    if not isinstance(value, list):
-        return []
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value
-            if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict)]
 
 
 def partial_tag(text: str, tag: str) -> int:
@@ -277,12 +333,41 @@ def partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+_CALL_STARTS = ("{", "<function=")
+
+
+def call_follows(text: str, pos: int) -> bool | None:
+    """Whether the ``<tool_call>`` ending at `pos` starts a call (a ``{`` or ``<function=``
+    follows, after whitespace): True, False (a mention of the tag), or None while `text`
+    ends too soon to tell."""
+    rest = text[pos:].lstrip()
+    if any(rest.startswith(p) for p in _CALL_STARTS):
+        return True
+    if any(p.startswith(rest) for p in _CALL_STARTS):  # "" or a start of one
+        return None
+    return False
+
+
+def first_call(text: str, start: int = 0) -> int:
+    """Where the first ``<tool_call>`` from `start` that starts (or may still start) a call
+    begins; else where a trailing partial tag begins; else len(text)."""
+    pos = start
+    while True:
+        i = text.find(TOOL_OPEN, pos)
+        if i < 0:
+            return len(text) - partial_tag(text[start:], TOOL_OPEN)
+        if call_follows(text, i + len(TOOL_OPEN)) is not False:
+            return i
+        pos = i + len(TOOL_OPEN)
+
+
 class ToolStream:
     """A growing reply of an "auto" request, for streaming: `update(text, final)` (the whole
-    text so far) gives the content not yet sent and, once final, sets `calls`. Content stops at the first
-    ``<tool_call>`` (and is held back while the text ends in what may become one, or in
-    whitespace); at the end, what :func:`parse_tool_calls` calls content is completed, so a
-    stream's content equals the whole response's."""
+    text so far) gives the content not yet sent and, once final, sets `calls`. Content stops
+    at the first ``<tool_call>`` that starts a call (:func:`first_call`; held back while the
+    text ends in what may become one, or in whitespace); at the end, what
+    :func:`parse_tool_calls` calls content is completed, so a stream's content equals the
+    whole response's."""
 
     def __init__(self, tools: dict[str, Tool]) -> None:
         self.tools = tools
@@ -295,9 +380,7 @@ class ToolStream:
             delta = content[self.sent:]
             self.sent = max(self.sent, len(content))
             return delta
-        i = text.find(TOOL_OPEN)
-        end = i if i >= 0 else len(text) - partial_tag(text, TOOL_OPEN)
-        safe = text[:end].rstrip()
+        safe = text[:first_call(text)].rstrip()
         delta = safe[self.sent:]
         self.sent = max(self.sent, len(safe))
         return delta
@@ -321,10 +404,12 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
-                        args = json.loads(args) if args.strip() else {}
+                        args = loads(args) if args.strip() else {}
                     except ValueError:
                         raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON") \
                             from None
+                    if not isinstance(args, dict):
+                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
                     fn = {**fn, "arguments": args}
                 fixed.append({**call, "function": fn})
             m = {**m, "tool_calls": fixed}

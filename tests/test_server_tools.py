@@ -63,6 +63,10 @@ def test_both_formats_parse_and_bad_blocks_stay_text():
                  "<tool_call>\n<function=now>\nhello\n</function>\n</tool_call>",
                  "no call here"]:
         assert parse_tool_calls(text, TOOLS) == (text, [])
+    # a mention of the tag before a real call: the mention is content, the call is parsed
+    said = "Use the <tool_call> tag to call it:\n" + XML.split("\n<tool_call>\n<function=now>")[0]
+    content, calls = parse_tool_calls(said, TOOLS)
+    assert content == "Use the <tool_call> tag to call it:" and [c.name for c in calls] == ["search"]
     # a bad block beside a good one: the bad one is content
     bad = '<tool_call>{"name": "rm_rf"}</tool_call>'
     content, calls = parse_tool_calls("A\n" + bad + "\n" + HERMES.split("\n", 1)[1] + "\nB", TOOLS)
@@ -76,12 +80,22 @@ def test_parameter_conversion_follows_the_schema():
     assert convert_parameter("null", {"type": ["integer", "null"]}) is None
     assert convert_parameter("false", {"type": "boolean"}) is False
     assert convert_parameter("[1]", {"type": "object"}) == "[1]"
-    assert convert_parameter("[1]", None) == [1] and convert_parameter("Paris", None) == "Paris"
+    # undeclared, or declared without a type ($ref): a string, never a guess
+    assert convert_parameter("[1]", None) == "[1]" and convert_parameter("true", {"$ref": "#/$defs/X"}) == "true"
+    # the types of anyOf branches and enum values; null where allowed (Qwen3.5's template writes None)
+    assert convert_parameter("12345", {"anyOf": [{"type": "string"}, {"type": "null"}]}) == "12345"
+    assert convert_parameter("1", {"enum": ["1", "2"]}) == "1" and convert_parameter("2", {"enum": [1, 2]}) == 2
+    assert convert_parameter("None", {"type": ["integer", "null"]}) is None
+    assert convert_parameter("null", {"type": "string"}) == "null"
+    # NaN / Infinity are no JSON: kept as text, and a JSON call holding one is no call
+    assert convert_parameter("NaN", {"type": "number"}) == "NaN"
+    bad = '<tool_call>{"name": "search", "arguments": {"score": Infinity}}</tool_call>'
+    assert parse_tool_calls(bad, TOOLS) == (bad, [])
 
 
 def test_stream_content_equals_the_whole_reply_at_every_split():
     for text in [HERMES, XML, "plain <tool reply>  \n", "ends in <tool_c", 'x <tool_call>{"bad"}</tool_call> y',
-                 "  lead and trail  "]:
+                 "  lead and trail  ", "Use the <tool_call> tag:\n" + HERMES, "a <tool_call> b <tool_call>\n{"]:
         content, calls = parse_tool_calls(text, TOOLS)
         for step in (1, 3, 7):
             stream, sent = ToolStream(TOOLS), ""
@@ -91,7 +105,7 @@ def test_stream_content_equals_the_whole_reply_at_every_split():
             assert sent == content, (text, step)
             assert [c.name for c in stream.calls] == [c.name for c in calls]
             if calls:
-                assert "<tool_call" not in sent
+                assert "<tool_call>\n" not in sent  # (a mention of the tag may be content)
 
 
 def test_tool_checks_name_the_field():
@@ -284,7 +298,7 @@ def test_named_and_required_are_constrained_and_exact(tool_server, tool_client, 
             msg, reason = r.choices[0].message, r.choices[0].finish_reason
             assert msg.content is None
             got = [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls]
-        assert reason == "tool_calls"
+        assert reason == ("stop" if choice != "required" else "tool_calls")  # a named call ends as OpenAI's
         assert [(g["name"], json.loads(g["arguments"])) for g in got] == \
                [(c.name, json.loads(c.arguments)) for c in want]
         for g in got:
@@ -323,7 +337,13 @@ BAD = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"n
          "tool_choice": "required"}, "tools", ""),
        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
            {"id": "c", "type": "function", "function": {"name": "x", "arguments": "{oops"}}]}]},
-        "messages", "not valid JSON")]
+        "messages", "not valid JSON"),
+       ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+           {"id": "c", "type": "function", "function": {"name": "x", "arguments": "[1, 2]"}}]}]},
+        "messages", "must be a JSON object"),
+       ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"$defs": {"X": {"type": "string"}}}}},
+                   {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"X": {"type": "integer"}}}}}],
+         "tool_choice": "required"}, "tools", "define $defs/X differently")]
 
 
 @pytest.mark.parametrize("body,param,words", BAD)
@@ -362,13 +382,27 @@ def test_reasoning_splits_at_the_closing_tag_or_a_tool_call():
     assert split_reasoning("<think>a</think>b", False) == ("a", "b")  # the model opens it itself
     assert split_reasoning("still thinking", True) == ("still thinking", "")  # cut while thinking
     assert split_reasoning("plain answer", False) == (None, "plain answer")
-    assert split_reasoning("hmm\n<tool_call>x</tool_call>", True) == ("hmm\n", "<tool_call>x</tool_call>")
+    assert split_reasoning("hmm\n<tool_call>\n{}</tool_call>", True) == ("hmm\n", "<tool_call>\n{}</tool_call>")
+    # a mention of the tag is reasoning text; only a tag that starts a call ends the reasoning
+    said = "I should answer with a <tool_call> block.\n</think>\n\n" + HERMES
+    assert split_reasoning(said, True) == ("I should answer with a <tool_call> block.\n", HERMES)
+    # only the generation prompt opens thinking: a user's "<think>" does not
+    from hyspec.chat_template import ChatTemplate
+
+    tpl = ChatTemplate("{% for m in messages %}{{ m.content }}|{% endfor %}{% if add_generation_prompt %}A:"
+                       "{% endif %}{# </think> #}")
+    msgs = [{"role": "user", "content": "What is the <think> tag for?"}]
+    prompt = tpl.render(msgs)
+    assert prompt_opens_thinking(prompt) and tpl.generation_suffix(prompt, msgs) == "A:"
+    assert not prompt_opens_thinking(tpl.generation_suffix(prompt, msgs))
 
 
 def test_reply_stream_equals_the_whole_reply_at_every_split():
     """Reply (reasoning, then content / tool calls) streamed in pieces of any size gives the
     non-streamed message's fields."""
     cases = [(THOUGHT, True, "auto"), (THOUGHT, True, "off"), ("<think>x</thi", False, "off"),
+             ("\n<think>abc</think>x", True, "off"), ("a <tool_call> b\n</think>\n\n" + HERMES, True, "auto"),
+             ("thinking <tool_call>\n<function=now>\n</function>\n</tool_call>", True, "auto"),
              ("<think>a</think>\n\nb <tool_c", False, "auto"), ("answer only", False, "auto"),
              ("think </thin", True, "off"), ("  <thinking> is not the tag", False, "off")]
     spec = check_tools([WEATHER, CLOCK, SEARCH])
@@ -520,4 +554,40 @@ def test_prompts_file_chat_lines(tool_engine, tmp_path):
     assert "message" not in rows[1]
     assert rows[2]["message"]["role"] == "assistant" and rows[2]["message"]["content"] == \
         tool_engine.chat(MSGS, max_new_tokens=6, draft=3).message["content"]
+
+
+LOCATED = {"type": "function", "function": {"name": "weather", "description": None, "parameters": {
+    "type": "object", "required": ["loc"], "additionalProperties": False,
+    "$defs": {"Loc": {"type": "object", "required": ["city"], "additionalProperties": False,
+                      "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}}},
+    "properties": {"loc": {"$ref": "#/$defs/Loc"}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_with_refs_and_cut_short(tool_client, stream):
+    """tool_choice required with a tool whose schema uses $defs (pydantic's, zod's): the
+    definitions move to the root, the call matches the schema. A named call cut by a stop
+    string comes back as a tool call with the arguments as far as generated, streamed or not."""
+    r = tool_client.chat.completions.create(model=MODEL, messages=MSGS, tools=[LOCATED, CLOCK],
+                                            tool_choice="required", max_tokens=80, temperature=0, stream=stream)
+    if stream:
+        _, got, reason = streamed_calls(r)
+        got = [got[i] for i in sorted(got)]
+    else:
+        reason = r.choices[0].finish_reason
+        got = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+    assert reason == "tool_calls" and got
+    for g in got:
+        if g["name"] == "weather":
+            jsonschema.validate(json.loads(g["arguments"]), LOCATED["function"]["parameters"])
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = tool_client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice=choice,
+                                            max_tokens=80, temperature=0, stream=stream, stop=[","])
+    if stream:
+        content, got, reason = streamed_calls(r)
+        args = got[0]["arguments"]
+    else:
+        content, reason = r.choices[0].message.content, r.choices[0].finish_reason
+        args = r.choices[0].message.tool_calls[0].function.arguments
+    assert args.startswith("{") and "," not in args and reason == "stop" and not content
 

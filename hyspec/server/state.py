@@ -87,8 +87,10 @@ class ServerState:
                                 f"{self.cfg.served_model_name!r}", param="model", code="model_not_found")
 
     def render_chat(self, messages: list[schemas.ChatMessage], add_generation_prompt: bool, tools=None,
-                    kwargs: dict | None = None) -> str:
-        """The prompt text of a chat request (the checkpoint's template); a 400 on bad input."""
+                    kwargs: dict | None = None, *, suffix: bool = False):
+        """The prompt text of a chat request (the checkpoint's template); a 400 on bad input.
+        suffix: also the part the generation prompt added ((text, suffix); a thinking
+        template's open <think> is looked for there)."""
         try:
             rendered = normalize_messages([m.model_dump(exclude_none=False) for m in messages])
         except ValueError as e:
@@ -96,7 +98,10 @@ class ServerState:
         named = dict(add_generation_prompt=add_generation_prompt, tools=tools)
         named.update(kwargs or {})  # chat_template_kwargs may set the named ones too (as vLLM lets them)
         try:
-            return self.template.render(rendered, **named)
+            text = self.template.render(rendered, **named)
+            if not suffix:
+                return text
+            return text, self.template.generation_suffix(text, rendered, **named)
         except TemplateError as e:
             raise bad(str(e), "messages") from None
         except Exception:  # noqa: BLE001 - a template bug must not become a 500 with a traceback

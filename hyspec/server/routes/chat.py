@@ -34,7 +34,10 @@ def check_request_tools(state, req):
     if tools is not None and tools.parses and not state.template_reads_tools:
         raise bad("this model's chat template does not show tools to the model (it never reads `tools`): "
                   "tool calling needs a checkpoint whose chat template renders them", "tools")
-    schema = tools.constraint_schema() if tools is not None else None
+    try:
+        schema = tools.constraint_schema() if tools is not None else None
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
     return tools, (None if schema is None else ConstraintSpec("json_schema", schema, "tools"))
 
 
@@ -51,22 +54,23 @@ def register(app, state) -> None:
                 raise bad("top_logprobs needs logprobs=true", "top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None  # None: no logprobs
         tools, forced = check_request_tools(state, req)
-        text = state.render_chat(req.messages, bool(req.add_generation_prompt), req.tools, req.chat_template_kwargs)
+        text, generation = state.render_chat(req.messages, bool(req.add_generation_prompt), req.tools,
+                                             req.chat_template_kwargs, suffix=True)
         ids = state.tokenizer.encode(text)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         constraint = await request_constraint(state.engine, req, forced)
         run = new_run(state, req, [ids], "messages", None, False, top_n, request_id, t0, constraint)
         run.object, run.created = "chat.completion.chunk", int(time.time())
         run.start()
-        think = prompt_opens_thinking(text) if state.reasoning and constraint is None else None
+        think = prompt_opens_thinking(generation) if state.reasoning and constraint is None else None
         replies = {c.index: Reply.of(tools, think) for c in run.choices}
         texts = {c.index: "" for c in run.choices}  # each choice's text so far (streaming)
 
         def logprobs(entries):
             return chat_logprobs(state, entries) if top_n is not None else None
 
-        def finish_reason(choice) -> str:
-            called = replies[choice.index].calls
+        def finish_reason(choice) -> str:  # a named call ends as "stop", as OpenAI's and vLLM's do
+            called = replies[choice.index].calls and tools.choice != "named"
             return "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
 
         if not req.stream:
