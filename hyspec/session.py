@@ -48,7 +48,9 @@ and the store keeps); *history* = the boundary before each turn (the rewind poin
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -368,7 +370,17 @@ class Session:
         """Write the session (state, rewind points, settings) to a file; Session.load reads it
         back bitwise, in any process, for the same model."""
         self._check_open()
-        torch.save(self.to_dict(extra), str(path))
+        path = Path(path).expanduser()
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory: give a file name to save the session to")
+        # written beside it, then moved over it: a failed or interrupted save leaves an older file whole
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.save(self.to_dict(extra), str(tmp))
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
 
     @classmethod
     def load(cls, engine, path) -> "Session":

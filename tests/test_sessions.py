@@ -319,3 +319,32 @@ def test_rewind_takes_the_undone_turns_out_of_the_telemetry(zoo, tmp_path):
         assert x.telemetry == tel[0] and out.stats["session"]["spec"] == tel[0].to_dict()
     s.reset()
     assert s.telemetry == SpecTelemetry()
+
+
+def test_a_failed_save_leaves_the_older_file_whole(zoo, tmp_path, monkeypatch):
+    """save() writes beside the file and moves it over: an interrupted save keeps the older
+    file loadable and leaves no partial file; a directory is named, not torch's error."""
+    import torch
+
+    eng = engine(zoo, "qwen3_next")
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(messages(eng.model.cfg.vocab_size, 1, seed=2)[0])
+    f = tmp_path / "s.pt"
+    s.save(f)
+    before = f.read_bytes()
+    real = torch.save
+
+    def dies(obj, name):  # writes part of the file, then fails
+        real(obj, name)
+        with open(name, "r+b") as fh:
+            fh.truncate(100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies)
+    with pytest.raises(KeyboardInterrupt):
+        s.save(f)
+    monkeypatch.setattr(torch, "save", real)
+    assert f.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.pt"]
+    assert Session.load(eng, f).tokens == s.tokens
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        s.save(tmp_path)
