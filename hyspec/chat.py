@@ -30,16 +30,21 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
-from hyspec.chat_template import load_template, render_template
+from hyspec.chat_template import ChatTemplate, read_template_file, render_template
 
 HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /quit"
 
 
 class Chat:
-    def __init__(self, engine, session, model_dir, out=sys.stdout, err=sys.stderr) -> None:
+    def __init__(self, engine, session, model_dir=None, out=sys.stdout, err=sys.stderr) -> None:
         self.eng, self.session, self.out, self.err = engine, session, out, err
-        self.template, self.template_source, self.special = load_template(model_dir)
+        # the engine's template (the server's too: --chat-template, the EOS default), unless another
+        # checkpoint directory is named
+        same = model_dir is None or Path(model_dir).resolve() == Path(engine.model_dir).resolve()
+        tpl = engine.chat_template if same else ChatTemplate.for_model(model_dir)
+        self.template, self.template_source, self.special = tpl.source, tpl.where, tpl.special
         self.plain = self.template_source == "plain"
         self.template_kwargs: dict = {}  # extra template variables (--chat-template-kwargs)
         self.messages: list[dict] = []
@@ -263,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the checkpoint's")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "(the Qwen3 / Qwen3.5 templates' switch for answers without a thinking part)")
@@ -274,7 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None, stdin=None, stdout=None) -> int:
     from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine, parse_ids
-    from hyspec.engine import default_model_dir
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
 
@@ -288,13 +294,17 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                                adaptive_floor=args.adaptive_floor, hidden=args.hidden)
         else:
             check_spec_flags(args)
+        if args.chat_template is not None:
+            read_template_file(args.chat_template, "--chat-template")  # before the model loads
         eng = load_engine(args)
         if eng.tokenizer is None:
             raise ValueError("chat needs a checkpoint with a tokenizer.json")
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
                               stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
                               constraint=constraint_from_args(eng, args))
-        chat = Chat(eng, session, args.model or default_model_dir(), out=stdout)
+        if args.chat_template is not None:
+            eng.use_chat_template(Path(args.chat_template))
+        chat = Chat(eng, session, out=stdout)
         if args.chat_template_kwargs is not None:
             try:
                 kwargs = json.loads(args.chat_template_kwargs)

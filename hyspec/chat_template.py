@@ -186,3 +186,17 @@ def normalize_messages(messages) -> list[dict]:
         raise ValueError("messages must not be empty")
     return template_messages(out)
 
+
+def read_template_file(path, flag: str = "chat template") -> str:
+    """The text of a chat template file that exists and parses; ValueError naming `flag`
+    (the CLIs check --chat-template before loading a model)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{flag}: no such file {str(path)!r}")
+    try:
+        source = p.read_text(encoding="utf-8")
+        _compile(source)
+    except (TemplateError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag} {path}: {e}") from None
+    return source
+

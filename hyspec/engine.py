@@ -277,6 +277,22 @@ class Engine:
             self._chat_template = ChatTemplate(source, special, where)
         return self._chat_template
 
+    def use_chat_template(self, template) -> None:
+        """Use another chat template than the checkpoint's: a path to a Jinja file
+        (pathlib.Path or str), or the template text itself (a str containing "{%" or "{{").
+        The checkpoint's special tokens stay. ValueError names a missing file or a template
+        that does not parse."""
+        from hyspec.chat_template import ChatTemplate
+
+        current = self.chat_template
+        if isinstance(template, str) and ("{%" in template or "{{" in template):
+            source, where = template, "given"
+        else:
+            from hyspec.chat_template import read_template_file
+
+            source, where = read_template_file(template), str(template)
+        self._chat_template = ChatTemplate(source, current.special, where)
+
     def chat_prompt(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
                     **template_kwargs) -> str:
         """A conversation as prompt text, rendered as `hyspec serve` renders a chat request:

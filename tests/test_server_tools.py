@@ -591,3 +591,56 @@ def test_forced_calls_with_refs_and_cut_short(tool_client, stream):
         args = r.choices[0].message.tool_calls[0].function.arguments
     assert args.startswith("{") and "," not in args and reason == "stop" and not content
 
+
+
+def test_a_chat_template_file_replaces_the_checkpoints(tmp_path, capsys):
+    """`hyspec serve --chat-template FILE` / `hyspec chat --chat-template FILE` /
+    Engine.use_chat_template: the embedded model (plain template, no tools) with a tool
+    template renders and answers tools; a missing or broken file fails before the model
+    loads, naming the flag."""
+    import io
+
+    from hyspec.chat import main as chat_main
+    from hyspec.server import build_parser as serve_parser
+    from hyspec.server import make_app
+    from hyspec.server.thread import ServerThread
+
+    f = tmp_path / "tools.jinja"
+    f.write_text(TEMPLATE)
+    app = make_app(serve_parser().parse_args(["--port", "0", "--chat-template", str(f), "--no-prefix-store"]))
+    st = app.state.hyspec
+    assert st.template.source == TEMPLATE and st.template_reads_tools
+    with ServerThread(app) as s:
+        r = httpx.post(s.url + "/v1/chat/completions", json={
+            "messages": MSGS, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name":
+                                                                                             "get_weather"}},
+            "max_tokens": 60, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        ids = httpx.post(s.url + "/tokenize", json={"messages": MSGS, "tools": [WEATHER]}).json()["tokens"]
+    from hyspec.engine import Engine
+
+    eng = Engine.load()
+    eng.use_chat_template(f)
+    assert eng.encode(eng.chat_prompt(MSGS, tools=[WEATHER])) == ids
+    eng.use_chat_template("{{ messages[0].content }}!")  # the text itself
+    assert eng.chat_prompt(MSGS) == MSGS[0]["content"] + "!"
+    out = io.StringIO()
+    assert chat_main(["--chat-template", str(f), "--max-new-tokens", "2"], stdin=io.StringIO("hi\n/stats\n"),
+                     stdout=out) == 0
+    stats = [json.loads(x[len("[stats] "):]) for x in out.getvalue().splitlines() if x.startswith("[stats] ")]
+    assert stats[0]["turn_prefilled"] == len(eng.encode(render_file(f, [{"role": "user", "content": "hi"}])))
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    for path, words in ((tmp_path / "missing.jinja", "no such file"), (bad, "does not parse")):
+        with pytest.raises(ValueError, match=f"--chat-template.*{words}"):
+            make_app(serve_parser().parse_args(["--chat-template", str(path)]))
+        assert chat_main(["--chat-template", str(path)], stdin=io.StringIO("")) == 2
+        err = capsys.readouterr().err
+        assert "--chat-template" in err and words in err and "Traceback" not in err
+
+
+def render_file(path, messages):
+    from hyspec.chat_template import ChatTemplate
+
+    return ChatTemplate(path.read_text()).render(messages)

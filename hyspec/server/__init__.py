@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's mamba_ssm_dtype, "
                         "else float32; bfloat16 halves a sequence's state bytes, output changes slightly)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the checkpoint's")
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="qwen3: a reply's <think> part is returned as reasoning_content; none: all is content; "
                         "auto (default): qwen3 when the chat template writes </think>")
@@ -70,6 +72,10 @@ def check(args) -> None:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.chat_template is not None:
+        from hyspec.chat_template import read_template_file
+
+        read_template_file(args.chat_template, "--chat-template")
 
 
 def make_app(args):
@@ -93,6 +99,8 @@ def make_app(args):
         if args.optimistic:
             raise ValueError("--optimistic forks pipeline stages: it needs --pp N with N >= 2")
         eng = Engine.load(args.model, dtype=args.dtype, device=args.device, ssm_dtype=getattr(args, "ssm_dtype", None))
+    if args.chat_template is not None:
+        eng.use_chat_template(Path(args.chat_template))
     if eng.model.device.type == "cpu" and sum(p.numel() for p in eng.model.parameters()) < 50_000_000:
         torch.set_num_threads(1)
     draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)  # (in range: check)
