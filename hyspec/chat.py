@@ -120,6 +120,7 @@ class Chat:
             self.say("[nothing to continue: type a message]" if not session.tokens else
                      "[nothing to continue: the last reply is complete; type a message]")
             return {}
+        restart = False  # the template re-renders the past differently: the turn runs on a new session
         if go_on:
             messages_now, full, ids = self.messages, self.rendered, []
         else:
@@ -127,10 +128,10 @@ class Chat:
             full = self.render(messages_now, True)
             if session.tokens and full.startswith(self.rendered):
                 ids = eng.encode(full[len(self.rendered):])
-            else:  # first turn, or the template re-renders the past differently: start from the whole text
-                if session.tokens:
-                    session.reset()
-                    self.stack = []
+            else:  # first turn, or a new start from the whole text (kept apart until the turn succeeds)
+                restart = bool(session.tokens)
+                if restart:
+                    session = session.empty_copy()
                 ids = eng.encode(full)
         if go_on and self._line is not None:  # the cut reply's continuation: on its line
             if not self._open:  # (a terminal: the prompt and the empty line came after it)
@@ -150,9 +151,14 @@ class Chat:
         try:
             out = session.send(ids, on_tokens=stream)
         except BaseException:
-            if session.num_turns > turns:  # failed mid-turn, the rounds before kept: the chat keeps them too
+            if restart:  # the old conversation stays, whole
+                session.close()
+            elif session.num_turns > turns:  # failed mid-turn, the rounds before kept: the chat keeps them too
                 self._record(before, messages_now, full, go_on, session.tokens[held + len(ids):], True)
             raise
+        if restart:
+            self.session.close()
+            self.session, self.stack = session, []
         cut = out.samples[0].stop_reason == "length"
         self._record(before, messages_now, full, go_on, out.tokens, cut)
         if cut:  # the line stays open: an empty line continues it there

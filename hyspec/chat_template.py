@@ -96,16 +96,19 @@ def render_chat(messages: list[dict], model_dir, add_generation_prompt: bool = T
 
 
 def render_template(source: str, messages: list[dict], add_generation_prompt: bool = True,
-                    special: dict | None = None, tools=None, **kwargs) -> str:
-    """Render `source` (see the module docstring); kwargs are extra template variables."""
+                    special: dict | None = None, /, tools=None, **kwargs) -> str:
+    """Render `source` (see the module docstring); kwargs are extra template variables (any
+    name but `messages`: even "source" or "special" is a template variable here)."""
     import jinja2
 
+    if "messages" in kwargs:
+        raise TemplateError("messages is the conversation itself, not an extra template variable")
     try:
         variables = {"tools": tools, "documents": None}
         variables.update({k: v for k, v in (special or {}).items() if v is not None})
         variables.update(kwargs)
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
-        return _compile(source).render(**variables)
+        return _compile(source).render(variables)  # (a dict: a variable may be called "self")
     except TemplateError:
         raise
     except jinja2.TemplateError as e:
@@ -140,15 +143,15 @@ class ChatTemplate:
         """True for the fallback (the checkpoint has no template of its own)."""
         return self.where == "plain"
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+    def render(self, messages: list[dict], /, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
         return render_template(self.source, messages, add_generation_prompt, self.special, tools=tools, **kwargs)
 
-    def generation_suffix(self, prompt: str, messages: list[dict], tools=None, **kwargs) -> str:
+    def generation_suffix(self, prompt: str, messages: list[dict], /, tools=None, **kwargs) -> str:
         """The part of `prompt` (these messages rendered with the generation prompt) that the
         generation prompt added: what hyspec.reasoning.prompt_opens_thinking must look at.
         The whole prompt when the template renders the messages differently without it."""
         kwargs = {k: v for k, v in kwargs.items() if k != "add_generation_prompt"}
-        base = self.render(messages, False, tools=tools, **kwargs)
+        base = self.render(messages, add_generation_prompt=False, tools=tools, **kwargs)
         return prompt[len(base):] if prompt.startswith(base) else prompt
 
 

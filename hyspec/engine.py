@@ -293,13 +293,13 @@ class Engine:
             source, where = read_template_file(template), str(template)
         self._chat_template = ChatTemplate(source, current.special, where)
 
-    def chat_prompt(self, messages: list[dict], *, tools=None, add_generation_prompt: bool = True,
+    def chat_prompt(self, messages: list[dict], /, *, tools=None, add_generation_prompt: bool = True,
                     **template_kwargs) -> str:
         """A conversation as prompt text, rendered as `hyspec serve` renders a chat request:
         OpenAI-style messages (hyspec.chat_template.normalize_messages), `tools` and any
         extra template variables (e.g. enable_thinking=False for the Qwen3.5 templates)."""
-        return self.chat_template.render(normalize_messages(messages), add_generation_prompt, tools=tools,
-                                         **template_kwargs)
+        named = {"add_generation_prompt": add_generation_prompt, "tools": tools, **template_kwargs}
+        return self.chat_template.render(normalize_messages(messages), **named)
 
     def prepare_chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,
                      template_kwargs: dict | None = None, reasoning: bool | None = None,
@@ -314,7 +314,11 @@ class Engine:
         if spec is not None and spec.parses and not self.chat_template.reads_tools:
             raise ValueError("this model's chat template does not show tools to the model (it never reads `tools`)")
         normalized = normalize_messages(messages)
-        prompt = self.chat_template.render(normalized, True, tools=tools, **(template_kwargs or {}))
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ValueError(f"template_kwargs must be a dict of template variables, got "
+                             f"{type(template_kwargs).__name__}")
+        named = {"add_generation_prompt": True, "tools": tools, **(template_kwargs or {})}  # (they may override)
+        prompt = self.chat_template.render(normalized, **named)
         schema = spec.constraint_schema() if spec is not None else None
         if schema is not None:
             if constraint is not None:
@@ -323,8 +327,7 @@ class Engine:
             constraint = self.constraint("json_schema", schema, arg="tools")
         think = None
         if constraint is None and (self.chat_template.thinks if reasoning is None else reasoning):
-            think = prompt_opens_thinking(self.chat_template.generation_suffix(prompt, normalized, tools=tools,
-                                                                               **(template_kwargs or {})))
+            think = prompt_opens_thinking(self.chat_template.generation_suffix(prompt, normalized, **named))
         return ChatTurn(self, prompt, constraint, spec, think)
 
     def chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,

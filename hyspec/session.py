@@ -299,6 +299,11 @@ class Session:
         self.telemetry = SpecTelemetry()
         self.last_stats = {}
 
+    def empty_copy(self) -> "Session":
+        """A new, empty session with this one's settings (draft, sampling, constraint, ...)."""
+        self._check_open()
+        return self._clone_settings()
+
     def fork(self) -> "Session":
         """An independent copy: the same transcript, state and rewind points, its own slot."""
         self._check_open()

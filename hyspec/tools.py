@@ -402,6 +402,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ValueError(f"messages[{i}].tool_calls[{j}] needs a function with a name")
                 args = fn.get("arguments")
+                if args is None and "arguments" in fn:
+                    fn = {**fn, "arguments": {}}
+                elif args is not None and not isinstance(args, (str, dict)):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object "
+                                     f"(or its JSON text), got {type(args).__name__}")
                 if isinstance(args, str):
                     try:
                         args = loads(args) if args.strip() else {}

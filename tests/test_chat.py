@@ -424,3 +424,35 @@ def test_chat_template_kwargs_reach_the_template(zoo, tmp_path, capsys):
         assert main(["--model", str(d), "--chat-template-kwargs", bad], stdin=io.StringIO("")) == 2
         err = capsys.readouterr().err
         assert "--chat-template-kwargs" in err and words in err and "Traceback" not in err
+
+
+def test_an_interrupted_restart_keeps_the_conversation(zoo, tmp_path):
+    """A turn whose template re-renders the past differently starts from the whole text on a
+    new session, kept apart until it succeeds: Ctrl-C (or an error) in it leaves the old
+    conversation whole (was: the session reset first, so a Ctrl-C emptied it)."""
+    import io
+    import shutil
+
+    from hyspec.chat import Chat
+    from hyspec.engine import Engine
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    eng = Engine.load(d, dtype="float64")
+    c = Chat(eng, eng.session(draft=2, max_new_tokens=4, ignore_eos=True), d, out=io.StringIO())
+    c.user("hello there")
+    c.rendered += "x"  # the next render no longer extends what the session holds: a restart
+    held, turns, messages = list(c.session.tokens), c.session.num_turns, list(c.messages)
+
+    def interrupt(final=False):
+        if not final:
+            raise KeyboardInterrupt
+
+    c._show = interrupt  # the first streamed tokens: Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        c.user("and again")
+    assert c.session.tokens == held and c.session.num_turns == turns and c.messages == messages
+    del c._show
+    stats = c.user("and again")  # the restart itself: one turn on the new session, from the whole text
+    assert c.session.num_turns == 1 and stats["prompt_tokens"] == len(eng.encode(render_chat(c.messages[:-1], d)))

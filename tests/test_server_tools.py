@@ -644,3 +644,43 @@ def render_file(path, messages):
     from hyspec.chat_template import ChatTemplate
 
     return ChatTemplate(path.read_text()).render(messages)
+
+
+def test_template_variables_and_history_arguments_are_checked(tool_engine, tool_server, tmp_path):
+    """chat_template_kwargs may override add_generation_prompt / tools (as the server lets
+    them) and may be named like Python parameters (special, source, self) in every front end;
+    messages is refused by name; history arguments that are no object are named (were:
+    TypeError tracebacks from the batch file and Engine.chat, a generic 400 from the server)."""
+    from cli_helpers import cli_each
+
+    eng = tool_engine
+    no_gen = eng.chat_prompt(MSGS, add_generation_prompt=False)
+    assert eng.chat_prompt(MSGS, **{"add_generation_prompt": False, "special": 1, "source": 2, "self": 3}) == no_gen
+    turn = eng.prepare_chat(MSGS, template_kwargs={"add_generation_prompt": False, "special": 1})
+    assert turn.prompt == no_gen
+    r = httpx.post(tool_server.url + "/tokenize", json={"messages": MSGS, "chat_template_kwargs": {
+        "add_generation_prompt": False, "special": 1}})
+    assert r.status_code == 200 and r.json()["tokens"] == eng.encode(no_gen)
+    with pytest.raises(ValueError, match="messages is the conversation itself"):
+        eng.chat_prompt(MSGS, messages=[])
+    for args in (5, [1], "[1]"):
+        history = MSGS + [{"role": "assistant", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "now", "arguments": args}}]}]
+        with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments must be a JSON object"):
+            eng.chat_prompt(history)
+        r = httpx.post(tool_server.url + "/v1/chat/completions", json={"messages": history, "max_tokens": 2})
+        assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+    history = MSGS + [{"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "now", "arguments": None}}]}]
+    assert "<function=now>" in eng.chat_prompt(history)  # null arguments: none
+    lines = tmp_path / "l.jsonl"
+    lines.write_text(json.dumps({"messages": MSGS, "chat_template_kwargs": {"add_generation_prompt": False},
+                                 "max_new_tokens": 2}) + "\n"
+                     + json.dumps({"messages": MSGS, "chat_template_kwargs": None, "max_new_tokens": 2}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": history[:1] + [{"role": "assistant", "content": "x", "tool_calls": [
+        {"function": {"name": "now", "arguments": 5}}]}]}) + "\n")
+    (code, out), (code_bad, _) = cli_each(
+        [["generate", "--model", str(eng.model_dir), "--prompts-file", str(lines)],
+         ["generate", "--model", str(eng.model_dir), "--prompts-file", str(bad)]])
+    assert code == 0 and len(out.strip().splitlines()) == 2 and code_bad == 2

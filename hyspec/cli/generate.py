@@ -94,8 +94,8 @@ def read_prompts_file(path: str, args) -> list[dict]:
             chat_only = sorted(CHAT_KEYS & set(obj))
             if chat_only and "messages" not in obj:
                 raise ValueError(f"{path}:{line_no}: {chat_only} go with \"messages\" (a chat request)")
-            if "chat_template_kwargs" in obj and not isinstance(obj["chat_template_kwargs"], dict):
-                raise ValueError(f"{path}:{line_no}: \"chat_template_kwargs\" must be an object")
+            if obj.get("chat_template_kwargs") is not None and not isinstance(obj["chat_template_kwargs"], dict):
+                raise ValueError(f"{path}:{line_no}: \"chat_template_kwargs\" must be an object or null")
             if "prompt" in obj and not (isinstance(obj["prompt"], str) and obj["prompt"]):
                 raise ValueError(f"{path}:{line_no}: \"prompt\" must be a non-empty string, got {obj['prompt']!r}")
             ids = obj.get("prompt_ids")
