@@ -374,6 +374,24 @@ class Constraint:
 
     snapshot = clone
 
+    def after_text(self, close: str) -> "Constraint":
+        """A new constraint (at its start) that first lets any text through up to and including
+        `close`, then optional whitespace, then this grammar: a thinking model reasons freely
+        and only its answer is constrained (``after_text("</think>")``; vLLM's "structured
+        output after reasoning"). The free part is an llguidance lexeme with suffix `close`,
+        so it ends at the first `close`; EOS is not allowed before the answer's grammar
+        completes."""
+        if not isinstance(close, str) or not close:
+            raise ValueError("after_text needs the non-empty text that ends the free part")
+        text = self.grammar_text
+        inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
+        grammars = [dict(g) for g in inner["grammars"]]
+        grammars[0]["name"] = "answer"
+        main = (f"start: free WS @answer\nfree[suffix={json.dumps(close)}]: /(.|\\n)*/\n"
+                f"WS: /[ \\t\\r\\n]*/\n")
+        outer = json.dumps({"grammars": [{"lark_grammar": main}] + grammars})
+        return Constraint(self.vocab, outer, kind=self.kind, arg=f"{self.kind} (after {close})")
+
     def reset(self) -> None:
         """Back to the start of the grammar."""
         self._m.reset()

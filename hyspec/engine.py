@@ -161,7 +161,7 @@ class ChatTurn:
 
         tok = self.engine.tokenizer
         text = tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True) if tok else ""
-        return Reply.of(self.tools, self.think).whole(text)
+        return Reply.of(self.tools, self.think, self.constraint is not None).whole(text)
 
 
 class Engine:
@@ -326,8 +326,12 @@ class Engine:
                                  f"another constraint")
             constraint = self.constraint("json_schema", schema, arg="tools")
         think = None
-        if constraint is None and (self.chat_template.thinks if reasoning is None else reasoning):
+        if self.chat_template.thinks if reasoning is None else reasoning:
             think = prompt_opens_thinking(self.chat_template.generation_suffix(prompt, normalized, **named))
+        if constraint is not None and think:  # the model thinks first: the grammar starts after </think>
+            from hyspec.reasoning import THINK_CLOSE
+
+            constraint = constraint.after_text(THINK_CLOSE)
         return ChatTurn(self, prompt, constraint, spec, think)
 
     def chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,

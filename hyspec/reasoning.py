@@ -37,15 +37,17 @@ def _start(text: str) -> int:
     return len(text) - len(stripped) + len(THINK_OPEN) if stripped.startswith(THINK_OPEN) else 0
 
 
-def _scan(text: str, start: int) -> tuple[int, int, int]:
+def _scan(text: str, start: int, calls_end: bool = True) -> tuple[int, int, int]:
     """(end, after, hold) of reasoning that starts at `start`: the reasoning is
     text[start:end], the answer text[after:]; without an end yet, end = after = len(text).
     `hold`: how far a stream may send the reasoning (not into a tag that may still end it).
     The end is ``</think>``, or a ``<tool_call>`` that starts a call
-    (hyspec.tools.call_follows); a mere mention of the tag is reasoning text."""
+    (hyspec.tools.call_follows; not with calls_end False: a constrained reply's reasoning
+    ends at ``</think>`` only, where its grammar starts); a mere mention of the tag is
+    reasoning text."""
     close = text.find(THINK_CLOSE, start)
     pos, call, maybe = start, -1, -1
-    while True:
+    while calls_end:
         i = text.find(TOOL_OPEN, pos)
         if i < 0 or (0 <= close < i):
             break
@@ -64,12 +66,13 @@ def _scan(text: str, start: int) -> tuple[int, int, int]:
     return len(text), len(text), min(hold, maybe) if maybe >= 0 else hold
 
 
-def split_reasoning(text: str, opens: bool) -> tuple[str | None, str]:
-    """(reasoning, answer) of a finished reply; reasoning None when the reply has none."""
+def split_reasoning(text: str, opens: bool, calls_end: bool = True) -> tuple[str | None, str]:
+    """(reasoning, answer) of a finished reply; reasoning None when the reply has none.
+    calls_end: a ``<tool_call>`` that starts a call ends the reasoning too."""
     if not opens and not text.lstrip().startswith(THINK_OPEN):
         return None, text
     start = _start(text)
-    end, after, _ = _scan(text, start)
+    end, after, _ = _scan(text, start, calls_end)
     return text[start:end], text[after:].lstrip()
 
 
@@ -80,14 +83,14 @@ class ReasoningStream:
     to open with ``<think>``, or ends in what may become a tag that ends the reasoning, that
     part is held back; at the end the pieces equal :func:`split_reasoning`'s."""
 
-    def __init__(self, opens: bool) -> None:
-        self.opens = opens
+    def __init__(self, opens: bool, calls_end: bool = True) -> None:
+        self.opens, self.calls_end = opens, calls_end
         self.sent = 0  # characters of reasoning sent
         self.answer = ""
 
     def update(self, text: str, final: bool) -> str:
         if final:
-            reasoning, self.answer = split_reasoning(text, self.opens)
+            reasoning, self.answer = split_reasoning(text, self.opens, self.calls_end)
             delta = (reasoning or "")[self.sent:]
             self.sent += len(delta)
             return delta
@@ -99,7 +102,7 @@ class ReasoningStream:
             self.answer = text
             return ""
         start = _start(text)
-        end, after, hold = _scan(text, start)
+        end, after, hold = _scan(text, start, self.calls_end)
         if after < len(text) or end < len(text):
             self.answer = text[after:].lstrip()
         delta = text[start + self.sent:hold] if hold > start + self.sent else ""

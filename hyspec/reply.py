@@ -11,26 +11,30 @@ from hyspec.tools import ToolCall, ToolSpec, ToolStream, parse_forced, parse_too
 
 class Reply:
     """One choice's text as the chat API shows it. `think`: None when the reply is not
-    split (no reasoning parser, or a constrained output, which is answer from its first
-    token), else whether it starts inside a thinking block. `mode`: off | auto | required |
+    split (no reasoning parser), else whether it starts inside a thinking block (then a
+    constrained output's grammar starts after ``</think>``: hyspec.constraints
+    Constraint.after_text). `mode`: off | auto | required |
     named (tools)."""
 
-    def __init__(self, mode: str, tools: ToolSpec | None, think: bool | None) -> None:
+    def __init__(self, mode: str, tools: ToolSpec | None, think: bool | None, constrained: bool = False) -> None:
         self.mode, self.tools, self.think = mode, tools, think
-        self.reasoning = ReasoningStream(think) if think is not None else None
+        self.calls_end = not constrained  # a constrained reply's reasoning ends at </think> only
+        self.reasoning = ReasoningStream(think, self.calls_end) if think is not None else None
         self.tool_stream = ToolStream(tools.tools) if mode == "auto" else None
         self.calls: list[ToolCall] = []  # once final
         self.sent = 0  # characters of answer streamed (off / named)
         self.call_id = ToolCall("", "").id  # a named call's id, streamed with its first piece
 
     @classmethod
-    def of(cls, tools: ToolSpec | None, think: bool | None) -> "Reply":
-        """The Reply of a request with these tools (None: none; tool_choice "none" parses nothing)."""
-        return cls("off" if tools is None or not tools.parses else tools.choice, tools, think)
+    def of(cls, tools: ToolSpec | None, think: bool | None, constrained: bool = False) -> "Reply":
+        """The Reply of a request with these tools (None: none; tool_choice "none" parses
+        nothing); constrained: its output runs under a constraint (after the reasoning, if any)."""
+        return cls("off" if tools is None or not tools.parses else tools.choice, tools, think, constrained)
 
     def whole(self, text: str) -> dict:
         """The message of a finished reply."""
-        reasoning, answer = split_reasoning(text, self.think) if self.think is not None else (None, text)
+        reasoning, answer = split_reasoning(text, self.think, self.calls_end) if self.think is not None \
+            else (None, text)
         content = answer
         if self.mode == "auto":
             content, self.calls = parse_tool_calls(answer, self.tools.tools)

@@ -386,6 +386,15 @@ def test_reasoning_splits_at_the_closing_tag_or_a_tool_call():
     # a mention of the tag is reasoning text; only a tag that starts a call ends the reasoning
     said = "I should answer with a <tool_call> block.\n</think>\n\n" + HERMES
     assert split_reasoning(said, True) == ("I should answer with a <tool_call> block.\n", HERMES)
+    # a constrained reply's reasoning ends at </think> only (its grammar lets calls through there)
+    odd = "a <tool_call>\n{} b</think>[1]"
+    assert split_reasoning(odd, True, calls_end=False) == ("a <tool_call>\n{} b", "[1]")
+    assert Reply.of(None, True, constrained=True).whole(odd)["reasoning_content"] == "a <tool_call>\n{} b"
+    stream, got = Reply.of(None, True, constrained=True), ""
+    for end in range(1, len(odd)):
+        got += stream.delta(odd[:end], False).get("reasoning_content", "")
+    got += stream.delta(odd, True).get("reasoning_content", "")
+    assert got == "a <tool_call>\n{} b"
     # only the generation prompt opens thinking: a user's "<think>" does not
     from hyspec.chat_template import ChatTemplate
 
@@ -476,12 +485,57 @@ def test_a_thinking_template_gives_reasoning_content(tmp_path, tool_engine, stre
                 else:
                     want_reasoning, want_content = "", text
                 assert (reasoning, content) == (want_reasoning, want_content), (parser, thinking)
-            # a constrained reply is answer from its first token
-            r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, temperature=0,
-                                               response_format={"type": "json_schema", "json_schema": {
-                                                   "name": "ok", "schema": CLOCK_SCHEMA}})
-            assert isinstance(json.loads(r.choices[0].message.content), dict)
-            assert not (r.choices[0].message.model_extra or {}).get("reasoning_content")
+            # a constrained reply: with thinking on (and the parser), the grammar starts after
+            # </think> (the tiny model never closes its thinking: all reasoning, no content);
+            # with thinking off, or no parser, from the first token
+            rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": CLOCK_SCHEMA}}
+            for thinking in (True, False):
+                kw = {"chat_template_kwargs": {"enable_thinking": thinking}}
+                ids = httpx.post(s.url + "/tokenize", json={"messages": MSGS, **kw}).json()["tokens"]
+                c = eng.constraint("json_schema", CLOCK_SCHEMA)
+                after = parser == "auto" and thinking
+                ref = eng.generate(ids, max_new_tokens=12, params=SamplingParams(temperature=0.0), draft=3,
+                                   constraint=c.after_text("</think>") if after else c)
+                r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=12, temperature=0,
+                                                   response_format=rf, extra_body={**kw, "return_token_ids": True})
+                msg = r.choices[0].message
+                assert r.choices[0].model_extra["token_ids"] == ref.tokens, (parser, thinking)
+                if after:
+                    assert msg.content == "" and msg.model_extra["reasoning_content"]
+                    assert r.choices[0].finish_reason == "length"
+                else:
+                    assert isinstance(json.loads(msg.content), dict)
+                    assert not (msg.model_extra or {}).get("reasoning_content")
+
+
+def test_a_grammar_after_the_reasoning():
+    """Constraint.after_text("</think>"): any text up to the first </think>, whitespace, then
+    the grammar; no EOS before the answer is complete; each kind of constraint."""
+    from hyspec.engine import Engine
+
+    eng = Engine.load()
+    cases = [("json_schema", CLOCK_SCHEMA, '{"ok":true}'), ("regex", r"[0-9]{4}", "2024"),
+             ("choice", ["yes", "no"], "no"), ("grammar", 'start: "A" ("B" | "C")', "AC"), ("json_object", None, "{}")]
+
+    def walk(c, text):
+        for t in eng.tokenizer.encode(text):
+            if not bool(c.allowed()[t]):
+                return False
+            c.commit([t])
+        return True
+
+    for kind, value, answer in cases:
+        c = eng.constraint(kind, value).after_text("</think>")
+        assert not bool(c.allowed()[eng.eos_ids[0]])  # no EOS while thinking
+        for text in ("I <b>think</thi\n</think>\n\n" + answer, "</think>" + answer):
+            d = c.clone()
+            assert walk(d, text) and d.finished and d.accepting, (kind, text)
+        d = c.clone()
+        assert not walk(d, "x</think>\n" + "zz")  # the answer is constrained
+        d = c.clone()
+        assert walk(d, "x</think>") and not bool(d.allowed()[eng.eos_ids[0]])
+    with pytest.raises(ValueError, match="non-empty"):
+        c.after_text("")
 
 
 # ------------------------------------------------------------------------------------------

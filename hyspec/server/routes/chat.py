@@ -6,12 +6,13 @@ constrained for "required" or a named function) as `tool_calls`."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 from fastapi import Request
 
-from hyspec.reasoning import prompt_opens_thinking
+from hyspec.reasoning import THINK_CLOSE, prompt_opens_thinking
 from hyspec.reply import Reply
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
@@ -59,11 +60,16 @@ def register(app, state) -> None:
         ids = state.tokenizer.encode(text)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         constraint = await request_constraint(state.engine, req, forced)
+        think = prompt_opens_thinking(generation) if state.reasoning else None
+        if constraint is not None and think:  # the model thinks first: the grammar starts after </think>
+            try:
+                constraint = await asyncio.to_thread(constraint.after_text, THINK_CLOSE)
+            except ValueError as e:
+                raise bad(str(e), "response_format") from None
         run = new_run(state, req, [ids], "messages", None, False, top_n, request_id, t0, constraint)
         run.object, run.created = "chat.completion.chunk", int(time.time())
         run.start()
-        think = prompt_opens_thinking(generation) if state.reasoning and constraint is None else None
-        replies = {c.index: Reply.of(tools, think) for c in run.choices}
+        replies = {c.index: Reply.of(tools, think, constraint is not None) for c in run.choices}
         texts = {c.index: "" for c in run.choices}  # each choice's text so far (streaming)
 
         def logprobs(entries):
