@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
+from hyspec.reasoning import THINK_CLOSE
 
 HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /quit"
 
@@ -264,6 +265,21 @@ def _is_terminal(f) -> bool:
         return False
 
 
+def thinks_first(template, kwargs: dict) -> bool:
+    """Whether this template's replies start inside a thinking block (its generation prompt
+    opens <think>, as the Qwen3.5 templates' do unless enable_thinking is false)."""
+    from hyspec.reasoning import prompt_opens_thinking
+
+    if not template.thinks:
+        return False
+    probe = [{"role": "user", "content": "hi"}]
+    try:
+        prompt = template.render(probe, **kwargs)
+        return prompt_opens_thinking(template.generation_suffix(prompt, probe, **kwargs))
+    except Exception:  # noqa: BLE001 - a template that cannot render a probe: no thinking assumed
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args
 
@@ -302,15 +318,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             check_spec_flags(args)
         if args.chat_template is not None:
             read_template_file(args.chat_template, "--chat-template")  # before the model loads
-        eng = load_engine(args)
-        if eng.tokenizer is None:
-            raise ValueError("chat needs a checkpoint with a tokenizer.json")
-        session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
-                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
-                              constraint=constraint_from_args(eng, args))
-        if args.chat_template is not None:
-            eng.use_chat_template(Path(args.chat_template))
-        chat = Chat(eng, session, out=stdout)
+        kwargs = {}
         if args.chat_template_kwargs is not None:
             try:
                 kwargs = json.loads(args.chat_template_kwargs)
@@ -320,7 +328,19 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             if not isinstance(kwargs, dict) or reserved:
                 raise ValueError("--chat-template-kwargs must be a JSON object of template variables"
                                  + (f" other than {sorted(reserved)}" if reserved else ""))
-            chat.template_kwargs = kwargs
+        eng = load_engine(args)
+        if eng.tokenizer is None:
+            raise ValueError("chat needs a checkpoint with a tokenizer.json")
+        if args.chat_template is not None:
+            eng.use_chat_template(Path(args.chat_template))
+        constraint = constraint_from_args(eng, args)
+        if constraint is not None and thinks_first(eng.chat_template, kwargs):
+            constraint = constraint.after_text(THINK_CLOSE)  # the replies think first: constrain the answers
+        session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
+                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
+                              constraint=constraint)
+        chat = Chat(eng, session, out=stdout)
+        chat.template_kwargs = kwargs
     except (ValueError, OSError, ImportError) as e:
         from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
 

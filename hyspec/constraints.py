@@ -20,6 +20,7 @@ vocabulary is often padded past the tokenizer's) are never allowed. See docs/con
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,7 @@ class Constraint:
         self._bools: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> allowed() (unpacked from the words)
         self.tokens: list[int] = []  # the tokens consumed so far
         self._recorded: list[bool] = []  # per token: in the matcher's rollback history
+        self.after: str | None = None  # after_text's close, for a wrapped grammar
 
     # -- factories ---------------------------------------------------------------------
     @classmethod
@@ -370,6 +372,7 @@ class Constraint:
         c._bools = dict(self._bools)
         c.tokens = list(self.tokens)
         c._recorded = list(self._recorded)
+        c.after = self.after
         return c
 
     snapshot = clone
@@ -378,19 +381,34 @@ class Constraint:
         """A new constraint (at its start) that first lets any text through up to and including
         `close`, then optional whitespace, then this grammar: a thinking model reasons freely
         and only its answer is constrained (``after_text("</think>")``; vLLM's "structured
-        output after reasoning"). The free part is an llguidance lexeme with suffix `close`,
-        so it ends at the first `close`; EOS is not allowed before the answer's grammar
-        completes."""
+        output after reasoning"). The free part ends at the first `close`: written as the
+        tokenizer's own token for it (Qwen's ``</think>``, which llguidance counts as a special
+        token, so no text lexeme can match it) or spelled out in text pieces. EOS is not
+        allowed before the answer's grammar completes. A constraint already wrapped for the
+        same `close` is not wrapped again (a fresh copy of it comes back)."""
         if not isinstance(close, str) or not close:
             raise ValueError("after_text needs the non-empty text that ends the free part")
+        if self.after == close:
+            c = Constraint(self.vocab, self.grammar_text, kind=self.kind, arg=f"{self.kind} (after {close})")
+            c.after = close
+            return c
         text = self.grammar_text
         inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
         grammars = [dict(g) for g in inner["grammars"]]
         grammars[0]["name"] = "answer"
-        main = (f"start: free WS @answer\nfree[suffix={json.dumps(close)}]: /(.|\\n)*/\n"
-                f"WS: /[ \\t\\r\\n]*/\n")
+        spelled = f"spelled[suffix={json.dumps(close)}]: /(.|\\n)*/\n"
+        ids = list(self.vocab.lltok.tokenize_str(close))
+        if len(ids) == 1 and self.vocab.lltok.is_special_token(ids[0]):  # the token, or spelled
+            rx = re.escape(close).replace("/", "\\/")
+            main = (f"start: free WS @answer\nfree: TEXT <[{ids[0]}]> | spelled\n"
+                    f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{rx}(.|\\n)*/\n{spelled}")
+        else:
+            main = f"start: spelled WS @answer\n{spelled}"
+        main += "WS: /[ \\t\\r\\n]*/\n"
         outer = json.dumps({"grammars": [{"lark_grammar": main}] + grammars})
-        return Constraint(self.vocab, outer, kind=self.kind, arg=f"{self.kind} (after {close})")
+        c = Constraint(self.vocab, outer, kind=self.kind, arg=f"{self.kind} (after {close})")
+        c.after = close
+        return c
 
     def reset(self) -> None:
         """Back to the start of the grammar."""

@@ -125,6 +125,9 @@ def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec |
             params = dict(EMPTY_PARAMETERS)
         elif not isinstance(params, dict):
             raise ToolError(f"{where}.function.parameters must be a JSON schema object", "tools")
+        elif params.get("type", "object") != "object":
+            raise ToolError(f"{where}.function.parameters must describe an object (the arguments), got type "
+                            f"{params.get('type')!r}", "tools")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ToolError(f"{where}.function.description must be a string", "tools")
         checked[name] = Tool(name, params)

@@ -329,6 +329,8 @@ BAD = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"n
         "not among the tools"),
        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
        ({"tools": [{"type": "function", "function": {"name": "x", "parameters": "obj"}}]}, "tools", "JSON schema"),
+       ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "string"}}}]}, "tools",
+        "must describe an object"),
        ({"functions": [WEATHER["function"]]}, "functions", "give tools"),
        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
         "response_format", "at most one output constraint"),
@@ -738,3 +740,61 @@ def test_template_variables_and_history_arguments_are_checked(tool_engine, tool_
         [["generate", "--model", str(eng.model_dir), "--prompts-file", str(lines)],
          ["generate", "--model", str(eng.model_dir), "--prompts-file", str(bad)]])
     assert code == 0 and len(out.strip().splitlines()) == 2 and code_bad == 2
+
+
+def test_after_the_reasoning_with_the_tokenizers_own_close_token(tmp_path):
+    """Qwen's tokenizers have </think> as one added token, which llguidance counts as special
+    (no text lexeme matches it): after_text must allow that token to end the free part, as
+    well as the spelled form, and nothing spelled before it; wrapping twice is wrapping once."""
+    from hyspec.engine import Engine, default_model_dir
+
+    for f in default_model_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tok = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    piece, tid = max(vocab.items(), key=lambda kv: kv[1])  # the last BPE piece becomes </think>
+    del vocab[piece]
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"]
+                              if (m if isinstance(m, str) else " ".join(m)).replace(" ", "") != piece]
+    tok["added_tokens"].append({"id": tid, "content": "</think>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": False})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    eng = Engine.load(tmp_path)
+    assert tid in eng.tokenizer.encode("a</think>b")
+    c = eng.constraint("json_schema", CLOCK_SCHEMA).after_text("</think>")
+    assert bool(c.allowed()[tid]) and not bool(c.allowed()[eng.eos_ids[0]])
+    d = c.clone()
+    d.commit(eng.tokenizer.encode('I think</think>\n\n{"ok":true}'))  # the token form
+    assert d.finished
+    spelled = [t for p in ("I think</", "think", '>{"ok":false}') for t in eng.tokenizer.encode(p)]
+    assert tid not in spelled
+    d = c.clone()
+    d.commit(spelled)
+    assert d.finished
+    d = c.clone()  # a spelled close ends the free part: what follows must be the answer
+    d.commit([t for p in ("a</", "think", ">") for t in eng.tokenizer.encode(p)])
+    assert not bool(d.allowed()[tid]) and not bool(d.allowed()[eng.tokenizer.encode("b")[0]])
+    twice = c.after_text("</think>")
+    assert twice.grammar_text == c.grammar_text and twice.committed == 0
+
+
+def test_hyspec_chat_constrains_the_answer_after_the_thinking(tool_engine, tmp_path):
+    """`hyspec chat --regex ...` with a template whose replies think first: the grammar
+    starts after </think> (the tiny model never closes its thinking: free text), and from
+    the first token with enable_thinking false."""
+    import io
+
+    from hyspec.chat import main as chat_main
+
+    for f in Path(tool_engine.model_dir).iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINKING_TEMPLATE}))
+    replies = []
+    for extra in ([], ["--chat-template-kwargs", '{"enable_thinking": false}']):
+        out = io.StringIO()
+        assert chat_main(["--model", str(tmp_path), "--regex", "Z{1,40}", "--max-new-tokens", "6", *extra],
+                         stdin=io.StringIO("hi\n"), stdout=out) == 0
+        replies.append(out.getvalue().strip())
+    assert replies[1] == "Z" * 6 and "Z" * 6 not in replies[0] and replies[0]
+
