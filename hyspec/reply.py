@@ -61,9 +61,12 @@ class Reply:
             piece = self.tool_stream.update(answer, final)
             if piece:
                 out["content"] = piece
-            if final and self.tool_stream.calls:
-                self.calls = self.tool_stream.calls
-                out["tool_calls"] = [c.openai(i) for i, c in enumerate(self.calls)]
+            stream = self.tool_stream
+            if stream.new_calls:  # each call as soon as its block closed
+                first = len(stream.calls) - len(stream.new_calls)
+                out["tool_calls"] = [c.openai(first + i) for i, c in enumerate(stream.new_calls)]
+            if final:
+                self.calls = stream.calls
         elif self.mode == "named":  # the output is the arguments: streamed as they come
             piece = answer[self.sent:]
             if piece:

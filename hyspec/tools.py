@@ -366,23 +366,34 @@ def first_call(text: str, start: int = 0) -> int:
 
 class ToolStream:
     """A growing reply of an "auto" request, for streaming: `update(text, final)` (the whole
-    text so far) gives the content not yet sent and, once final, sets `calls`. Content stops
-    at the first ``<tool_call>`` that starts a call (:func:`first_call`; held back while the
-    text ends in what may become one, or in whitespace); at the end, what
-    :func:`parse_tool_calls` calls content is completed, so a stream's content equals the
-    whole response's."""
+    text so far) gives the content not yet sent, and puts in `new_calls` the calls whose
+    blocks closed since the last update (each call is sent once, as soon as its
+    ``</tool_call>`` is there; `calls`: all so far). Content stops at the first
+    ``<tool_call>`` that starts a call (:func:`first_call`; held back while the text ends in
+    what may become one, or in whitespace); at the end, what :func:`parse_tool_calls` calls
+    content is completed, so a stream's content and calls equal the whole response's."""
 
     def __init__(self, tools: dict[str, Tool]) -> None:
         self.tools = tools
         self.sent = 0
-        self.calls: list[ToolCall] | None = None  # set once final
+        self.calls: list[ToolCall] = []
+        self.new_calls: list[ToolCall] = []
+
+    def _take_calls(self, found: list[ToolCall]) -> None:
+        # the blocks before the last close never change as the text grows: the first
+        # len(self.calls) are the ones already sent (their ids kept)
+        self.new_calls = found[len(self.calls):]
+        self.calls = self.calls + self.new_calls
 
     def update(self, text: str, final: bool) -> str:
         if final:
-            content, self.calls = parse_tool_calls(text, self.tools)
+            content, found = parse_tool_calls(text, self.tools)
+            self._take_calls(found)
             delta = content[self.sent:]
             self.sent = max(self.sent, len(content))
             return delta
+        end = text.rfind(TOOL_CLOSE)
+        self._take_calls(parse_tool_calls(text[:end + len(TOOL_CLOSE)], self.tools)[1] if end >= 0 else [])
         safe = text[:first_call(text)].rstrip()
         delta = safe[self.sent:]
         self.sent = max(self.sent, len(safe))

@@ -106,6 +106,14 @@ def test_stream_content_equals_the_whole_reply_at_every_split():
             assert [c.name for c in stream.calls] == [c.name for c in calls]
             if calls:
                 assert "<tool_call>\n" not in sent  # (a mention of the tag may be content)
+    # each call goes out as soon as its block closes, once, with one id
+    stream, seen = ToolStream(TOOLS), []
+    first_close = XML.index("</tool_call>") + len("</tool_call>")
+    for end in range(1, len(XML) + 1):
+        stream.update(XML[:end], end == len(XML))
+        seen += stream.new_calls
+        assert len(seen) == (0 if end < first_close else 1 if end < len(XML) else 2)
+    assert [c.name for c in seen] == ["search", "now"] and stream.calls == seen
 
 
 def test_tool_checks_name_the_field():
