@@ -806,3 +806,26 @@ def test_hyspec_chat_constrains_the_answer_after_the_thinking(tool_engine, tmp_p
         replies.append(out.getvalue().strip())
     assert replies[1] == "Z" * 6 and "Z" * 6 not in replies[0] and replies[0]
 
+
+
+def test_reasoning_effort_reaches_the_template(tmp_path):
+    """OpenAI's reasoning_effort goes to the chat template as a variable (chat_template_kwargs
+    wins), for templates that read it."""
+    from hyspec.engine import Engine, default_model_dir
+    from hyspec.server.app import ServerConfig, create_app
+    from hyspec.server.thread import ServerThread
+
+    for f in default_model_dir().iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template":
+        "{{ messages[0].content }}{% if reasoning_effort is defined %} effort={{ reasoning_effort }}{% endif %}"}))
+    encode = Engine.load(tmp_path).encode
+    with ServerThread(create_app(Engine.load(tmp_path), ServerConfig(served_model_name=MODEL))) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for kw, want in (({}, "hi"), ({"reasoning_effort": "low"}, "hi effort=low"),
+                         ({"reasoning_effort": "low", "extra_body": {"chat_template_kwargs": {"reasoning_effort": "x"}}},
+                          "hi effort=x")):
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=1, temperature=0, **kw)
+            assert r.usage.prompt_tokens == len(encode(want)), kw

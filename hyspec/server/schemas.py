@@ -88,6 +88,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: Optional[bool] = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None  # hyspec.tools checks them
+    reasoning_effort: Optional[str] = None  # passed to the chat template (templates that read it)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[Any] = None  # OpenAI's deprecated names: refused, naming `tools`

@@ -55,8 +55,11 @@ def register(app, state) -> None:
                 raise bad("top_logprobs needs logprobs=true", "top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None  # None: no logprobs
         tools, forced = check_request_tools(state, req)
+        template_vars = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:  # OpenAI's field, for templates that read it (as vLLM passes it)
+            template_vars.setdefault("reasoning_effort", req.reasoning_effort)
         text, generation = state.render_chat(req.messages, bool(req.add_generation_prompt), req.tools,
-                                             req.chat_template_kwargs, suffix=True)
+                                             template_vars, suffix=True)
         ids = state.tokenizer.encode(text)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         constraint = await request_constraint(state.engine, req, forced)
