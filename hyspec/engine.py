@@ -606,7 +606,10 @@ class Engine:
         from hyspec.core.slots import slot_bytes
 
         _int_arg("context_len", context_len, 1)
-
+        if budget_bytes is not None:
+            if isinstance(budget_bytes, float) and math.isfinite(budget_bytes):
+                budget_bytes = int(budget_bytes)  # (8e9)
+            _int_arg("budget_bytes", budget_bytes, 0)
         per = slot_bytes(self.model.cfg, self.model.dtype, context_len, self.model.has_mtp)
         if budget_bytes is None and self.model.device.type == "cuda":
             budget_bytes = torch.cuda.mem_get_info(self.model.device)[0]

@@ -50,8 +50,10 @@ class PrefixStore:
                  verify: str = "always") -> None:
         if verify not in ("always", "promote", "never"):
             raise ValueError(f"verify must be 'always', 'promote' or 'never', got {verify!r}")
-        if budget_bytes < 0 or host_budget_bytes < 0:
-            raise ValueError("store budgets must be >= 0")
+        for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"{name} must be a number of bytes >= 0, got {v!r}")
+        budget_bytes, host_budget_bytes = int(budget_bytes), int(host_budget_bytes)
         self.budget_bytes = budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.device = torch.device(device)
@@ -87,7 +89,7 @@ class PrefixStore:
             self._lengths[len(key)] += 1
         self._entries[key] = _Entry(state, DEVICE, state.digest(), state.nbytes())
         self._entries.move_to_end(key)
-        self._enforce(keep=key)
+        self._enforce()
 
     def remove(self, tokens) -> None:
         key = tuple(tokens)
@@ -137,7 +139,7 @@ class PrefixStore:
                 e.state, e.tier = st, DEVICE
                 self.promotions += 1
             self._entries.move_to_end(key)
-            self._enforce(keep=key)
+            self._enforce()
             self.hits += 1
             self.tokens_saved += st.pos
             return st
@@ -153,12 +155,16 @@ class PrefixStore:
             e.state, e.tier = host, HOST
             self.demotions += 1
 
-    def _enforce(self, keep=None) -> None:
+    def _enforce(self) -> None:
+        """Demote least recently used device entries until the device tier fits its budget,
+        then evict host entries likewise. The entry just put or looked up is the most recent,
+        so it goes last, but it goes too when it alone is over the budget (a state handed out
+        by lookup stays valid: demoting copies the entry, the caller keeps its tensors)."""
         dev = self.bytes_in(DEVICE)
         for key, e in list(self._entries.items()):  # least recently used first
             if dev <= self.budget_bytes:
                 break
-            if e.tier == DEVICE and key != keep:
+            if e.tier == DEVICE:
                 self.demote(key)
                 dev -= e.nbytes
         host = self.bytes_in(HOST)

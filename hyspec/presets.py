@@ -289,12 +289,13 @@ def roofline(nbytes: float, bandwidth: float = H200_BW) -> dict:
     return {"ms": ms, "tok_s": 1e3 / ms}
 
 
-def slots_that_fit(cfg, dtype: torch.dtype, length: int, free_bytes: float) -> dict:
+def slots_that_fit(cfg, dtype: torch.dtype, length: int, free_bytes: float, with_mtp: bool = True) -> dict:
     """How many sequence slots of `length` tokens fit in `free_bytes` beside the weights
-    (hyspec.core.slots.slot_bytes: target KV + draft KV + conv/SSM state per slot)."""
+    (hyspec.core.slots.slot_bytes: target KV + draft KV, when the model has an MTP head, +
+    conv/SSM state per slot)."""
     from hyspec.core.slots import slot_bytes
 
-    per = slot_bytes(cfg, dtype, length)
+    per = slot_bytes(cfg, dtype, length, with_mtp)
     return {"length": length, "slot_bytes": per["total"], "slots": max(0, int(free_bytes // per["total"]))}
 
 

@@ -84,6 +84,20 @@ def test_budget_demotes_lru_then_evicts(states):
     assert st.tier_of(spec[3].tokens) == "device"
 
 
+def test_a_budget_smaller_than_one_state_keeps_none_on_the_device(states):
+    """budget_bytes below one state (0: no device tier) demotes even the entry just put or
+    looked up (was: the most recent entry always stayed on the device); the state a lookup
+    hands out stays usable."""
+    spec, plain, msgs = states
+    st = PrefixStore(budget_bytes=0, host_budget_bytes=1 << 40)
+    for x in spec:
+        st.put(x)
+    assert st.stats()["bytes_device"] == 0 and all(st.tier_of(x.tokens) == "host" for x in spec)
+    got = st.lookup(list(spec[1].tokens) + [7], drafter="post")
+    assert got.digest() == spec[1].digest() and got.device == spec[1].device
+    assert st.stats()["bytes_device"] == 0 and st.tier_of(spec[1].tokens) == "host"
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="verify"):
         PrefixStore(verify="sometimes")
@@ -152,3 +166,97 @@ def test_bytes_checksum_sees_any_one_word_and_moved_rows():
     f8b = f8.clone()
     f8b[6] = 1
     assert bytes_checksum([f8.view(torch.float8_e4m3fn)]) != bytes_checksum([f8b.view(torch.float8_e4m3fn)])
+
+
+def test_adaptive_k_from_the_store_starts_as_alone():
+    """A one-shot request that hits the store starts adaptive K at opts.k, as it would alone
+    (was: at the stored state's k_next, so seeded rejection sampling gave other tokens
+    depending on what the store held); a session's own next turn still goes on from it."""
+    import torch
+
+    from hyspec import Engine
+    from hyspec.sampling import SamplingParams
+    from hyspec.speculative.loop import SpecOptions
+
+    torch.set_num_threads(1)
+    eng = Engine.load(dtype="float64")
+    adaptive = SpecOptions(adaptive=True)
+    s = eng.session(draft=4, spec=adaptive, params=SamplingParams(temperature=1.0, seed=1), max_new_tokens=32)
+    s.send("def read_file(path):\n")
+    assert s.state().k_next not in (0, 4)  # the stored state asks for another k than a fresh start
+    prompt = s.tokens + eng.encode("\ndef main():\n")
+    for seed in range(8):
+        p = SamplingParams(temperature=1.0, seed=seed)
+        a = eng.generate(prompt, max_new_tokens=48, draft=4, spec=adaptive, params=p)
+        b = eng.generate(prompt, max_new_tokens=48, draft=4, spec=adaptive, params=p, use_store=False)
+        assert a.stats["cached_tokens"] > 0 and a.tokens == b.tokens, seed
+
+
+def test_lanes_carry_adaptive_k_only_for_a_session_turn():
+    """The CUDA-graph lanes follow the same rule: lane_of marks carry_k for a session turn's
+    resume, not for a prefix-store hit (BatchRunner._admit starts at k unless carry_k)."""
+    import inspect
+
+    from hyspec.core.request import Request
+    from hyspec.gpu import batch_loop
+    from hyspec.speculative.loop import SpecOptions
+
+    class Store:
+        def __init__(self, state):
+            self.state = state
+
+        def lookup(self, prompt, drafter=None):
+            return self.state
+
+        def put(self, st):
+            pass
+
+    state = type("State", (), {"tokens": [1, 2], "k_next": 1, "pending": 3})()
+    spec = SpecOptions(k=3, adaptive=True)
+    hit = batch_loop.lane_of(Request(prompt_ids=[1, 2, 5], max_new_tokens=4, draft=3, spec=spec), store=Store(state))
+    turn = batch_loop.lane_of(Request(prompt_ids=[5], max_new_tokens=4, draft=3, spec=spec, resume=state))
+    assert hit.resume is state and not hit.carry_k
+    assert turn.resume is state and turn.carry_k and turn.prompt == [1, 2, 5]
+    assert "r.carry_k" in inspect.getsource(batch_loop.BatchRunner._admit)
+
+
+def test_a_kept_sequence_resumes_once():
+    """A kept Sequence's slot holds the state of whoever continued it: a second request that
+    resumes the same Sequence ends with an error naming the cause (was: wrong tokens, no
+    error); a captured SeqState resumes any number of times, equal to the first resume."""
+    from hyspec import Engine
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.core.state import capture
+
+    eng = Engine.load(dtype="float64")
+    sched = Scheduler(eng.model)
+    r1 = Request(prompt_ids=eng.encode("def f(x):\n"), max_new_tokens=5, keep=True, stop_ids=())
+    sched.submit(r1)
+    sched.run()
+    seq, snap = r1.sequence, capture(r1.sequence)
+    msg = eng.encode("    return")
+    outs = []
+    for res in (seq, seq, snap, snap):
+        r = Request(prompt_ids=msg, max_new_tokens=5, resume=res, stop_ids=())
+        sched.submit(r)
+        sched.run()
+        outs.append(r)
+    assert outs[0].stop_reason == "length" and outs[1].stop_reason == "error"
+    assert "already continued" in str(outs[1].error)
+    assert outs[2].tokens == outs[3].tokens == outs[0].tokens
+
+
+def test_budget_arguments_are_checked():
+    from hyspec import Engine
+    from hyspec.sampling import ParamError
+
+    for bad in (None, -1, "1000", float("nan"), True):
+        with pytest.raises(ValueError, match="budget_bytes must be a number of bytes"):
+            PrefixStore(budget_bytes=bad)
+    assert PrefixStore(budget_bytes=8e9).budget_bytes == 8_000_000_000
+    eng = Engine.load()
+    for bad in (-5, "1000000"):
+        with pytest.raises(ParamError, match="budget_bytes"):
+            eng.memory(10, bad)
+    assert eng.memory(10, 1e9)["slots_that_fit"] == eng.memory(10, 10**9)["slots_that_fit"] > 0

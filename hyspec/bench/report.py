@@ -38,7 +38,7 @@ def memory_report(model, dev, lengths) -> dict:
     free, total = torch.cuda.mem_get_info(dev)
     return {"weights_bytes": weight_bytes, "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
             "allocated_bytes": torch.cuda.memory_allocated(dev), "free_bytes": free, "total_bytes": total,
-            "slots": [slots_that_fit(model.cfg, model.dtype, length, free) for length in lengths]}
+            "slots": [slots_that_fit(model.cfg, model.dtype, length, free, bool(model.has_mtp)) for length in lengths]}
 
 
 def format_memory(m: dict) -> str:

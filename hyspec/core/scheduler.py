@@ -220,6 +220,11 @@ class Scheduler:
                     slot = self.pool.alloc(need)
                     restore_into(resume, slot)
                 else:
+                    if getattr(resume, "continued", False):  # its slot holds a later state now
+                        raise ValueError("this kept Sequence was already continued by another request: resume from "
+                                         "that request's Sequence, or from a SeqState captured before "
+                                         "(hyspec.core.state.capture), which can be resumed any number of times")
+                    resume.continued = True
                     slot = resume.slot
                     if need > slot.length:  # grow (keeping every row), with headroom for later turns
                         slot.grow(self.model, max(need, slot.length + slot.length // 2))
@@ -229,7 +234,7 @@ class Scheduler:
         seq = Sequence(self.model, req, slot, opts, rollback, stops)
         seq.t_start = t0
         if resume is not None:
-            self._resume(seq, resume, new)
+            self._resume(seq, resume, new, carry_k=req.resume is not None)
         if req.max_new_tokens == 0:
             self._finish(seq, "length")
             return
@@ -257,13 +262,16 @@ class Scheduler:
             if not isinstance(e, Exception):  # Ctrl-C (or the first token's callback's): after the clean-up
                 raise
 
-    def _resume(self, s: Sequence, src, new: list[int]) -> None:
+    def _resume(self, s: Sequence, src, new: list[int], carry_k: bool = True) -> None:
         """Set a new turn's Sequence up to continue `src` (a kept Sequence or a SeqState):
-        the history is the whole transcript, the prefill runs [pending] + the new tokens."""
+        the history is the whole transcript, the prefill runs [pending] + the new tokens.
+        carry_k: adaptive K goes on from the k the state's last round chose (a session's own
+        next turn); a prefix-store hit starts at opts.k, as the request alone would, so its
+        output never depends on what the store holds."""
         s.prompt = list(src.tokens if isinstance(src, SeqState) else src.history) + new
         s.feed = ([src.pending] if src.pending is not None else []) + new
         s.carry = carry_of(src) if s.speculative else None
-        if s.speculative and s.opts.adaptive and src.k_next:
+        if carry_k and s.speculative and s.opts.adaptive and src.k_next:
             s.k_next = max(s.opts.adaptive_floor, min(src.k_next, s.opts.k))
 
     def _start(self, s: Sequence, post: torch.Tensor) -> None:

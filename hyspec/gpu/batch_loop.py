@@ -54,6 +54,7 @@ class LaneRequest:
     params: Any = None  # SamplingParams (None: greedy)
     constraint: Any = None  # hyspec.constraints.Constraint (advanced in place by the emitted tokens)
     resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
+    carry_k: bool = False  # adaptive K: start at the resumed state's k_next (a session's own turn, not a store hit)
     on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
     keep: bool = False  # a session turn: on_state takes the end state at every end but a cancel
     adaptive_floor: int | None = None  # adaptive K: next round's k = clamp(accepted + 1, floor, k); None: fixed k
@@ -263,8 +264,9 @@ class BatchRunner:
             r = self.waiting.popleft()
             r.t_admit = time.perf_counter()
             r.k_next = r.k
-            if r.adaptive_floor is not None and r.resume is not None and r.resume.k_next:
-                # a session turn goes on with the k its state's last round chose (the core's _resume)
+            if r.adaptive_floor is not None and r.carry_k and r.resume is not None and r.resume.k_next:
+                # a session turn goes on with the k its state's last round chose (the core's _resume); a
+                # store hit starts as the request would alone (the output must not depend on the store)
                 r.k_next = max(r.adaptive_floor, min(r.resume.k_next, r.k))
             if r.max_new_tokens == 0:
                 r.reason = "length"
@@ -706,7 +708,8 @@ def lane_of(r, on_finish=None, store=None) -> LaneRequest:
     return LaneRequest(prompt=prompt, max_new_tokens=r.max_new_tokens, k=r.draft,
                        stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
                        telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
-                       constraint=r.constraint, resume=resume, on_state=on_state, keep=r.keep,
+                       constraint=r.constraint, resume=resume, carry_k=r.resume is not None, on_state=on_state,
+                       keep=r.keep,
                        logprobs=r.logprobs, token_logprobs=r.token_logprobs,
                        adaptive_floor=r.spec.adaptive_floor if r.draft > 0 and r.spec is not None and r.spec.adaptive
                        else None,
