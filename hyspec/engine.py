@@ -186,12 +186,14 @@ class Engine:
         if self._store is None:
             from hyspec.prefix_store import PrefixStore
 
-            self._store = PrefixStore(device=self.model.device)
+            self.store = PrefixStore(device=self.model.device)  # (the setter: sessions share it)
         return self._store
 
     @store.setter
     def store(self, store) -> None:
-        """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...))."""
+        """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...)).
+        None drops it: one-shot requests then run without a store until one is made again
+        (a session makes one, shared from then on by every request and session)."""
         self._store = store
         if self._session_sched is not None:
             self._session_sched.store = store

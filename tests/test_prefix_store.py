@@ -260,3 +260,19 @@ def test_budget_arguments_are_checked():
         with pytest.raises(ParamError, match="budget_bytes"):
             eng.memory(10, bad)
     assert eng.memory(10, 1e9)["slots_that_fit"] == eng.memory(10, 10**9)["slots_that_fit"] > 0
+
+
+def test_sessions_and_one_shot_requests_share_the_store_after_it_is_dropped():
+    """eng.store = None, then a session: the store the session makes is the one later
+    one-shot requests resume from (was: the session scheduler kept None while the engine
+    made a new store, so the two never met)."""
+    from hyspec import Engine
+
+    eng = Engine.load(dtype="float64")
+    eng.session(max_new_tokens=4).send("x = 1\n")  # the session scheduler exists
+    eng.store = None
+    s = eng.session(max_new_tokens=4)
+    s.send("def f(x):\n")
+    assert eng.session_scheduler().store is eng.store and len(eng.store._entries) > 0
+    out = eng.generate(s.tokens + eng.encode("    return"), max_new_tokens=2)
+    assert out.stats["cached_tokens"] > 0
