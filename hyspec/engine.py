@@ -145,6 +145,58 @@ class Output:
         return d
 
 
+def stop_list(stop) -> list[str]:
+    """A request's stop strings: None, one string or a list of strings (empty ones dropped)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, bytes) or not hasattr(stop, "__iter__"):
+        raise ParamError("stop", stop, "must be a string or a list of strings")
+    stop = list(stop)
+    if any(not isinstance(x, str) for x in stop):
+        raise ParamError("stop", stop, "must be a string or a list of strings")
+    return [x for x in stop if x]
+
+
+class StopStrings:
+    """One request's stop strings (the server's matcher, hyspec.server.text.StopMatcher):
+    `wrap(on_tokens)` passes on only the tokens up to the one that completes a match, then
+    asks the request to stop (cancel_requested: it ends at the next round boundary, on the
+    engine core and on the CUDA-graph lanes); `apply(request)` then cuts its tokens there,
+    sets stop_reason "stop" and gives the text cut before the stop string."""
+
+    def __init__(self, engine, stops: list[str]) -> None:
+        from hyspec.server.text import StopMatcher
+
+        if engine.tokenizer is None:
+            raise ValueError("stop strings need the checkpoint's tokenizer.json (use stop_ids instead)")
+        self.matcher = StopMatcher(engine.tokenizer.decode, stops)
+
+    def wrap(self, user):
+        def on_tokens(req, toks):
+            m = self.matcher
+            before = m.n_tokens
+            m.feed(toks)
+            kept = list(toks)[:m.n_tokens - before]
+            if m.stopped:
+                req.cancel_requested = True
+            if kept and user is not None:
+                user(req, kept)
+        return on_tokens
+
+    def apply(self, req) -> str | None:
+        """Cut a finished request at its stop string; its text (None: no stop string met)."""
+        m = self.matcher
+        if not m.stopped:
+            return None
+        del req.tokens[m.n_tokens:]
+        if req.token_logprobs is not None:
+            del req.token_logprobs[m.n_tokens:]
+        req.stop_reason = "stop"
+        return m.text
+
+
 @dataclass
 class ChatTurn:
     """A prepared chat request (Engine.prepare_chat): generate from `prompt` under
@@ -156,11 +208,16 @@ class ChatTurn:
     tools: object  # hyspec.tools.ToolSpec or None
     think: bool | None  # None: no reasoning split; else whether the reply starts inside one
 
-    def message(self, tokens: list[int], stop_ids=()) -> dict:
+    def message(self, tokens: list[int], stop_ids=(), stop_strings=()) -> dict:
+        """The reply message of generated tokens; stop_strings: the text ends before the first
+        one (a sample that ended on a stop string)."""
         from hyspec.reply import Reply
 
         tok = self.engine.tokenizer
         text = tok.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True) if tok else ""
+        found = [i for i in (text.find(x) for x in stop_strings) if i >= 0]
+        if found:
+            text = text[:min(found)]
         return Reply.of(self.tools, self.think, self.constraint is not None).whole(text)
 
 
@@ -351,8 +408,9 @@ class Engine:
                                  reasoning=reasoning, constraint=generate_kwargs.pop("constraint", None))
         out = self.generate(turn.prompt, constraint=turn.constraint, **generate_kwargs)
         stops = self._stops(generate_kwargs.get("stop_ids"), bool(generate_kwargs.get("ignore_eos")))
+        strings = stop_list(generate_kwargs.get("stop"))
         for sample in out.samples:
-            sample.message = turn.message(sample.tokens, stops)
+            sample.message = turn.message(sample.tokens, stops, strings if sample.stop_reason == "stop" else ())
         return out
 
     # -- generation --------------------------------------------------------------------
@@ -372,7 +430,7 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
                  draft: int = 0, spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                  num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
-                 constraint=None, logprobs: int | None = None, use_store: bool = True) -> Output:
+                 constraint=None, logprobs: int | None = None, use_store: bool = True, stop=None) -> Output:
         """draft = 0: plain decoding; draft = K: speculative with K drafts per round (spec
         gives the other drafter options; its k is replaced by `draft`). The samples of a
         --num-samples run decode together in one batch (each equals a run of its own).
@@ -389,8 +447,13 @@ class Engine:
         A sample whose constraint allows no further token ends with stop_reason "constraint".
 
         use_store: resume from the longest prefix held in the engine's prefix store (sessions
-        fill it), prefilling only the rest."""
+        fill it), prefilling only the rest.
+
+        stop: stop strings (a string or a list), matched across token boundaries as the server
+        matches them: a sample ends at the token that completes a match (stop_reason "stop";
+        its tokens end with that token, its text ends before the stop string)."""
         params = params if params is not None else GREEDY
+        stop_strings = stop_list(stop)
         if not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
         _int_arg("max_new_tokens", max_new_tokens, 0)
@@ -410,17 +473,22 @@ class Engine:
         if spec is not None and spec.forced_rates is not None and reference is None:
             reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
                                        stop_ids=()).tokens
-        requests = []
+        requests, cuts = [], []
         for i in range(num_samples):
             sample_params = params if i == 0 else SamplingParams(**{**params.__dict__,
                                                                      "seed": derive_seed(params.seed, i)})
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            cuts.append(StopStrings(self, stop_strings) if stop_strings else None)
+            if cuts[-1] is not None:
+                stream = cuts[-1].wrap(stream)
             requests.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=sample_params, draft=draft,
                                     spec=spec, stop_ids=stops, reference=reference, on_tokens=stream,
                                     logprobs=logprobs, constraint=None if constraint is None else constraint.clone(),
                                     use_store=use_store))
         self._run_requests(requests, max_batch=num_samples)
-        samples = [Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats) for r in requests]
+        texts = [c.apply(r) if c is not None else None for c, r in zip(cuts, requests)]
+        samples = [Sample(r.tokens, self.decode(r.tokens) if t is None else t, r.stop_reason, r.stats)
+                   for r, t in zip(requests, texts)]
         out = self._output(samples, ids, draft > 0, capped, max_new_tokens)
         if logprobs is not None:
             out.logprobs = [r.token_logprobs for r in requests]
@@ -429,14 +497,16 @@ class Engine:
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                        max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None,
-                       logprobs=None) -> list[Output]:
+                       logprobs=None, stop=None) -> list[Output]:
         """One Output per prompt, in order. max_new_tokens, params, draft and logprobs (None,
         or N: each token's log-probability and top-N in Output.logprobs) may each be one
         value for all prompts or a list with one per prompt. Up to max_batch sequences decode
         together (continuous batching); each output is bitwise what generate() gives for that
         prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
         constraint: one Constraint (or a list, one per prompt, None for none); each sequence
-        runs on its own clone."""
+        runs on its own clone. stop: stop strings for every prompt (a string or a list of
+        strings, as in generate), or one entry per prompt (None, a string or a list) when the
+        list holds a list or None."""
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             raise ParamError("prompts", prompts, "must be a list of prompts (texts or token id lists)")
         if stop_ids is not None:
@@ -450,13 +520,20 @@ class Engine:
                 return list(v)
             return [v] * n
 
+        if isinstance(stop, (list, tuple)) and any(x is None or isinstance(x, (list, tuple)) for x in stop):
+            if len(stop) != n:
+                raise ValueError(f"stop has {len(stop)} entries for {n} prompts")
+            stops_each = [stop_list(x) for x in stop]
+        else:
+            stops_each = [stop_list(stop)] * n
         limits, params_each = per("max_new_tokens", max_new_tokens), per("params", params)
         drafts, constraints, lps = per("draft", draft), per("constraint", constraint), per("logprobs", logprobs)
         for c in constraints:
             if c is not None:
                 self._check_constraint(c)
         stops = self._stops(stop_ids, ignore_eos)
-        requests, caps = [], []  # caps[i]: the context capped prompt i's max_new_tokens (stop_reason "context")
+        requests, caps, cuts = [], [], []  # caps[i]: the context capped prompt i's max_new_tokens (stop_reason
+        # "context"); cuts[i]: its stop strings
         for i, (prompt, limit, prompt_params, k, c, lp) in enumerate(zip(prompts, limits, params_each, drafts,
                                                                          constraints, lps)):
             try:
@@ -467,18 +544,23 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            cuts.append(StopStrings(self, stops_each[i]) if stops_each[i] else None)
+            if cuts[i] is not None:
+                stream = cuts[i].wrap(stream)
             caps.append(capped)
-            finished = None if on_finish is None else (lambda r, i=i: on_finish(i, self._request_output(r, caps[i])))
+            finished = None if on_finish is None else (
+                lambda r, i=i: on_finish(i, self._request_output(r, caps[i], cuts[i])))
             requests.append(Request(prompt_ids=ids, max_new_tokens=limit,
                                     params=prompt_params if prompt_params is not None else GREEDY, draft=k,
                                     spec=opts, stop_ids=stops, on_tokens=stream, on_finish=finished,
                                     constraint=None if c is None else c.clone(), logprobs=lp))
         self._run_requests(requests, max_batch=max_batch)
-        return [self._request_output(r, capped) for r, capped in zip(requests, caps)]
+        return [self._request_output(r, capped, cut) for r, capped, cut in zip(requests, caps, cuts)]
 
-    def _request_output(self, r: Request, capped: bool = False) -> Output:
-        out = self._output([Sample(r.tokens, self.decode(r.tokens), r.stop_reason, r.stats)], r.prompt_ids,
-                           r.draft > 0, capped, r.max_new_tokens)
+    def _request_output(self, r: Request, capped: bool = False, cut: StopStrings | None = None) -> Output:
+        text = cut.apply(r) if cut is not None else None  # (cutting twice is cutting once)
+        out = self._output([Sample(r.tokens, self.decode(r.tokens) if text is None else text, r.stop_reason,
+                                   r.stats)], r.prompt_ids, r.draft > 0, capped, r.max_new_tokens)
         if r.logprobs is not None:
             out.logprobs = [list(r.token_logprobs)]
         return out

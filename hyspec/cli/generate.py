@@ -21,6 +21,7 @@ from hyspec.cli.common import (
     print_logprob_table,
 )
 from hyspec.core.scheduler import check_prompt
+from hyspec.engine import stop_list
 from hyspec.sampling import SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
@@ -43,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
     p.add_argument("--max-new-tokens", type=int, default=64, help="token limit (capped at the model's context)")
     p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a stop string (repeatable): a sample ends at the token that completes it, its text "
+                        "before it (stop_reason 'stop'; the text is printed once the sample ends)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop on the checkpoint's EOS ids")
     p.add_argument("--num-samples", type=int, default=1, help="independent completions (seeds derived from --seed)")
     p.add_argument("--pp", type=int, default=1,
@@ -68,7 +72,7 @@ def add_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- --prompts-file
 CHAT_KEYS = {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}  # with "messages" only
-LINE_KEYS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "draft", "logprobs"} | CHAT_KEYS | {
+LINE_KEYS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "draft", "logprobs", "stop"} | CHAT_KEYS | {
     f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -116,13 +120,20 @@ def read_prompts_file(path: str, args) -> list[dict]:
             logprobs = obj.get("logprobs", args.logprobs)
             if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
                 raise ValueError(f"{path}:{line_no}: logprobs must be null or an integer >= 0, got {logprobs!r}")
+            stop = obj.get("stop", args.stop)
+            try:
+                stop = stop_list(stop)
+            except ValueError:
+                raise ValueError(f"{path}:{line_no}: \"stop\" must be a string or a list of strings, "
+                                 f"got {stop!r}") from None
             chat = None
             if "messages" in obj:
                 chat = {"messages": obj["messages"], "tools": obj.get("tools"), "tool_choice": obj.get("tool_choice"),
                         "parallel_tool_calls": obj.get("parallel_tool_calls"),
                         "template_kwargs": obj.get("chat_template_kwargs")}
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
-                             "params": params, "draft": draft, "logprobs": logprobs, "line": line_no, "chat": chat})
+                             "params": params, "draft": draft, "logprobs": logprobs, "line": line_no, "chat": chat,
+                             "stop": stop})
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
@@ -184,7 +195,8 @@ def run_file(args) -> int:
                    "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
             turn = requests[written]["turn"]
             if turn is not None:
-                row["message"] = turn.message(output.tokens, stops)
+                cut = requests[written]["stop"] if row["stop_reason"] == "stop" else ()
+                row["message"] = turn.message(output.tokens, stops, cut)
             if output.logprobs is not None:
                 d = output.to_dict()
                 row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
@@ -197,7 +209,7 @@ def run_file(args) -> int:
                            params=[r["params"] for r in requests], draft=[r["draft"] for r in requests], spec=spec,
                            stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
                            on_finish=finished, constraint=[r["constraint"] for r in requests],
-                           logprobs=[r["logprobs"] for r in requests])
+                           logprobs=[r["logprobs"] for r in requests], stop=[r["stop"] for r in requests])
     finally:
         bar.close()
         if args.out:
@@ -313,10 +325,12 @@ def run(args) -> int:
     if not args.json:
         printer = StreamPrinter(eng, ids, args.prompt, args.num_samples)
     # samples decode together in one batch, so their tokens interleave: stream only a single sample
-    stream = printer is not None and not args.no_stream and args.num_samples == 1
+    # (and not with stop strings: the text is cut inside the token that completes one)
+    stream = printer is not None and not args.no_stream and args.num_samples == 1 and not args.stop
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
                        stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
-                       on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs)
+                       on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs,
+                       stop=args.stop)
     fork = fork_telemetry(eng)
     if fork is not None:
         out.stats["fork"] = fork.to_dict()
@@ -325,7 +339,11 @@ def run(args) -> int:
         return 0
     if not stream:
         for i, sample in enumerate(out.samples):
-            printer(i, sample.tokens)
+            if sample.stop_reason == "stop" and args.stop:  # the text before the stop string
+                printer._start(i)
+                printer._write(sample.text)
+            else:
+                printer(i, sample.tokens)
     printer.finish()
     if out.logprobs is not None:
         print_logprobs(eng, out, args.logprobs)

@@ -768,8 +768,14 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
     runner = BatchRunner(dec, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
                          forced_seed=forced.forced_seed if forced else 0)
     lanes = [lane_of(r, store=store) for r in reqs]
-    for lr in lanes:
+    for r, lr in zip(reqs, lanes):
         runner.check(lr)
+        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested: a stop string)
+            def on_tokens(toks, inner=lr.on_tokens, r=r, lr=lr):
+                inner(toks)
+                if r.cancel_requested:
+                    runner.cancel(lr)
+            lr.on_tokens = on_tokens
     t0 = time.perf_counter()
     for lr in lanes:
         runner.submit(lr)

@@ -1,0 +1,127 @@
+"""Stop strings in the Python API and the CLI (the server has its own tests): a sample ends
+at the token that completes a stop string, its tokens are the run without stop strings up to
+that token, its text ends before the stop string; on the engine core and on the CUDA-graph
+lanes (Triton interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyspec.engine import Engine
+from hyspec.sampling import SamplingParams
+
+
+def expected(eng, tokens, stops):
+    """(tokens, text) of an uncut run cut at its first stop string: the first prefix whose
+    text holds one ends the tokens; the text ends before the earliest match (an oracle
+    independent of the matcher: every prefix decoded whole)."""
+    for j in range(1, len(tokens) + 1):
+        text = eng.tokenizer.decode(tokens[:j])
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if found:
+            return tokens[:j], text[:min(found)]
+    return tokens, None
+
+
+def a_stop_inside(eng, tokens, at=0.5):
+    """A 3-character stop string from the middle of the run's text (across tokens when it can)."""
+    text = eng.tokenizer.decode(tokens)
+    i = int(len(text) * at)
+    return text[i:i + 3]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return Engine.load(dtype="float64")
+
+
+@pytest.mark.parametrize("draft,params", [(0, None), (3, None), (3, SamplingParams(temperature=0.9, seed=4)),
+                                          (2, SamplingParams(temperature=0.8, seed=2, mode="coupled"))])
+def test_a_stop_string_cuts_the_run_where_it_completes(eng, draft, params):
+    prompt = "def read_file(path):\n"
+    full = eng.generate(prompt, max_new_tokens=40, draft=draft, params=params, ignore_eos=True)
+    stop = a_stop_inside(eng, full.tokens)
+    want_tokens, want_text = expected(eng, full.tokens, [stop, "never here"])
+    assert want_text is not None and len(want_tokens) < len(full.tokens)
+    seen = []
+    out = eng.generate(prompt, max_new_tokens=40, draft=draft, params=params, ignore_eos=True, logprobs=2,
+                       stop=[stop, "never here"], on_tokens=lambda i, t: seen.extend(t))
+    s = out.samples[0]
+    assert (s.tokens, s.text, s.stop_reason) == (want_tokens, want_text, "stop")
+    assert seen == want_tokens and len(out.logprobs[0]) == len(want_tokens)
+    # a stop string that never comes changes nothing
+    same = eng.generate(prompt, max_new_tokens=40, draft=draft, params=params, ignore_eos=True, stop="never here")
+    assert (same.tokens, same.text, same.samples[0].stop_reason) == (full.tokens, full.text, "length")
+
+
+def test_samples_batches_and_chat(eng):
+    params = SamplingParams(temperature=1.0, seed=9)
+    full = eng.generate("import os\n", max_new_tokens=30, draft=3, params=params, num_samples=2, ignore_eos=True)
+    stops = [a_stop_inside(eng, full.samples[1].tokens, 0.3)]
+    cut = eng.generate("import os\n", max_new_tokens=30, draft=3, params=params, num_samples=2, ignore_eos=True,
+                       stop=stops)
+    for f, c in zip(full.samples, cut.samples):
+        assert (c.tokens, c.text) == (expected(eng, f.tokens, stops)[0], expected(eng, f.tokens, stops)[1] or f.text)
+    # generate_batch: one stop list for all, or one entry per prompt
+    prompts = ["def f(x):\n", "class A:\n"]
+    alone = [eng.generate(p, max_new_tokens=24, draft=3, ignore_eos=True) for p in prompts]
+    per = [a_stop_inside(eng, alone[0].tokens), None]
+    outs = eng.generate_batch(prompts, max_new_tokens=24, draft=3, ignore_eos=True, stop=per, max_batch=2)
+    assert outs[0].tokens == expected(eng, alone[0].tokens, [per[0]])[0] and outs[0].samples[0].stop_reason == "stop"
+    assert outs[1].tokens == alone[1].tokens
+    with pytest.raises(ValueError, match="stop has 1 entries for 2 prompts"):
+        eng.generate_batch(prompts, stop=[None])
+    with pytest.raises(ValueError, match="stop"):
+        eng.generate("x", stop=[3])
+    # Engine.chat: the message ends before the stop string too
+    msgs = [{"role": "user", "content": "def g(y):\n"}]
+    whole = eng.chat(msgs, max_new_tokens=24, ignore_eos=True)
+    stop = whole.message["content"][5:8]
+    out = eng.chat(msgs, max_new_tokens=24, ignore_eos=True, stop=stop)
+    assert out.message["content"] == whole.message["content"][:whole.message["content"].find(stop)]
+
+
+def test_the_cli_stop_flag_and_prompts_file_lines(eng, tmp_path):
+    from cli_helpers import cli_each
+
+    full = eng.generate("def add(a, b):", max_new_tokens=30, draft=3)
+    stop = a_stop_inside(eng, full.tokens)
+    f = tmp_path / "in.jsonl"
+    f.write_text(json.dumps({"prompt": "def add(a, b):", "max_new_tokens": 30, "draft": 3, "stop": stop}) + "\n"
+                 + json.dumps({"prompt": "def add(a, b):", "max_new_tokens": 30, "draft": 3}) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "stop": 5}) + "\n")
+    (c1, o1), (c2, o2), (c3, _) = cli_each([
+        ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "30", "--draft", "3", "--stop", stop, "--json"],
+        ["generate", "--prompts-file", str(f)], ["generate", "--prompts-file", str(bad)]])
+    assert c1 == 0 and c2 == 0 and c3 == 2
+    one = json.loads(o1)
+    want_tokens, want_text = expected(eng, full.tokens, [stop])
+    assert (one["tokens"], one["text"], one["stop_reason"]) == (want_tokens, want_text, "stop")
+    rows = [json.loads(x) for x in o2.strip().splitlines()]
+    assert rows[0]["tokens"] == want_tokens and rows[0]["stop_reason"] == "stop" and rows[1]["tokens"] == full.tokens
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_a_stop_string_on_the_graph_lanes(tmp_path):
+    """The lanes stop at the same token as the engine core (a cancel at the round boundary,
+    the tokens past the match cut)."""
+    pytest.importorskip("triton")
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "tiny", seed=3, layers=4, hidden=32, vocab_size=320, std=0.2)
+    core = Engine.load(d)
+    full = core.generate([5, 17, 99, 3], max_new_tokens=10, draft=2, ignore_eos=True)
+    stop = a_stop_inside(core, full.tokens, 0.4)
+    want = core.generate([5, 17, 99, 3], max_new_tokens=10, draft=2, ignore_eos=True, stop=stop)
+    assert want.samples[0].stop_reason == "stop" and len(want.tokens) < len(full.tokens)
+    lanes = Engine.load(d)
+    lanes.batch_graphs = True
+    got = lanes.generate([5, 17, 99, 3], max_new_tokens=10, draft=2, ignore_eos=True, stop=stop)
+    s = got.samples[0]
+    assert s.stats["path"] == "batch-graphs"
+    assert (s.tokens, s.text, s.stop_reason) == (want.tokens, want.text, "stop")
+    lanes_full = lanes.generate([5, 17, 99, 3], max_new_tokens=10, draft=2, ignore_eos=True)
+    assert s.stats["target_forwards"] < lanes_full.samples[0].stats["target_forwards"]  # it stopped early
