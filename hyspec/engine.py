@@ -151,7 +151,7 @@ def stop_list(stop) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if isinstance(stop, bytes) or not hasattr(stop, "__iter__"):
+    if not isinstance(stop, (list, tuple)):
         raise ParamError("stop", stop, "must be a string or a list of strings")
     stop = list(stop)
     if any(not isinstance(x, str) for x in stop):
@@ -164,14 +164,17 @@ class StopStrings:
     `wrap(on_tokens)` passes on only the tokens up to the one that completes a match, then
     asks the request to stop (cancel_requested: it ends at the next round boundary, on the
     engine core and on the CUDA-graph lanes); `apply(request)` then cuts its tokens there,
-    sets stop_reason "stop" and gives the text cut before the stop string."""
+    sets stop_reason "stop" and gives the text cut before the stop string (as the server
+    shows it: special tokens left out). Stop ids (EOS) never complete a stop string."""
 
-    def __init__(self, engine, stops: list[str]) -> None:
+    def __init__(self, engine, stops: list[str], stop_ids=()) -> None:
         from hyspec.server.text import StopMatcher
 
         if engine.tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer.json (use stop_ids instead)")
-        self.matcher = StopMatcher(engine.tokenizer.decode, stops)
+        # as the server matches: the text without special tokens, the stop ids (EOS) never part of it
+        tok = engine.tokenizer
+        self.matcher = StopMatcher(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=stop_ids)
 
     def wrap(self, user):
         def on_tokens(req, toks):
@@ -478,7 +481,7 @@ class Engine:
             sample_params = params if i == 0 else SamplingParams(**{**params.__dict__,
                                                                      "seed": derive_seed(params.seed, i)})
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
-            cuts.append(StopStrings(self, stop_strings) if stop_strings else None)
+            cuts.append(StopStrings(self, stop_strings, stops) if stop_strings else None)
             if cuts[-1] is not None:
                 stream = cuts[-1].wrap(stream)
             requests.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=sample_params, draft=draft,
@@ -544,7 +547,7 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
-            cuts.append(StopStrings(self, stops_each[i]) if stops_each[i] else None)
+            cuts.append(StopStrings(self, stops_each[i], stops) if stops_each[i] else None)
             if cuts[i] is not None:
                 stream = cuts[i].wrap(stream)
             caps.append(capped)

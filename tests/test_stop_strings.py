@@ -15,10 +15,11 @@ from hyspec.sampling import SamplingParams
 
 def expected(eng, tokens, stops):
     """(tokens, text) of an uncut run cut at its first stop string: the first prefix whose
-    text holds one ends the tokens; the text ends before the earliest match (an oracle
-    independent of the matcher: every prefix decoded whole)."""
+    text (special tokens left out, as the server shows it) holds one ends the tokens; the
+    text ends before the earliest match (an oracle independent of the matcher: every prefix
+    decoded whole)."""
     for j in range(1, len(tokens) + 1):
-        text = eng.tokenizer.decode(tokens[:j])
+        text = eng.tokenizer.decode(tokens[:j], skip_special_tokens=True)
         found = [i for i in (text.find(s) for s in stops) if i >= 0]
         if found:
             return tokens[:j], text[:min(found)]
@@ -27,7 +28,7 @@ def expected(eng, tokens, stops):
 
 def a_stop_inside(eng, tokens, at=0.5):
     """A 3-character stop string from the middle of the run's text (across tokens when it can)."""
-    text = eng.tokenizer.decode(tokens)
+    text = eng.tokenizer.decode(tokens, skip_special_tokens=True)
     i = int(len(text) * at)
     return text[i:i + 3]
 
@@ -54,6 +55,19 @@ def test_a_stop_string_cuts_the_run_where_it_completes(eng, draft, params):
     # a stop string that never comes changes nothing
     same = eng.generate(prompt, max_new_tokens=40, draft=draft, params=params, ignore_eos=True, stop="never here")
     assert (same.tokens, same.text, same.samples[0].stop_reason) == (full.tokens, full.text, "length")
+
+
+def test_the_eos_text_never_completes_a_stop_string(eng):
+    """EOS ends a sample as "eos" even when a stop string matches its text (as on the
+    server: stop ids are not part of the text searched)."""
+    params = SamplingParams(temperature=1.0, seed=2)
+    full = eng.generate("\n\n\n", max_new_tokens=60, params=params)
+    assert full.samples[0].stop_reason == "eos" and full.text.endswith("<|endoftext|>")
+    for stop in ("<", "endoftext", "<|endoftext|>"):
+        out = eng.generate("\n\n\n", max_new_tokens=60, params=params, stop=stop)
+        assert (out.tokens, out.text, out.samples[0].stop_reason) == (full.tokens, full.text, "eos"), stop
+    with pytest.raises(ValueError, match="stop"):
+        eng.generate("x", stop={"a": 1})
 
 
 def test_samples_batches_and_chat(eng):
