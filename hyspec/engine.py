@@ -454,7 +454,8 @@ class Engine:
 
         stop: stop strings (a string or a list), matched across token boundaries as the server
         matches them: a sample ends at the token that completes a match (stop_reason "stop";
-        its tokens end with that token, its text ends before the stop string)."""
+        its tokens end with that token, its text ends before the stop string and, as the
+        server's, leaves special tokens out); a stop id (EOS) never completes a match."""
         params = params if params is not None else GREEDY
         stop_strings = stop_list(stop)
         if not isinstance(params, SamplingParams):
