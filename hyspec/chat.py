@@ -33,7 +33,6 @@ import sys
 from pathlib import Path
 
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
-from hyspec.reasoning import THINK_CLOSE
 
 HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /quit"
 
@@ -265,21 +264,6 @@ def _is_terminal(f) -> bool:
         return False
 
 
-def thinks_first(template, kwargs: dict) -> bool:
-    """Whether this template's replies start inside a thinking block (its generation prompt
-    opens <think>, as the Qwen3.5 templates' do unless enable_thinking is false)."""
-    from hyspec.reasoning import prompt_opens_thinking
-
-    if not template.thinks:
-        return False
-    probe = [{"role": "user", "content": "hi"}]
-    try:
-        prompt = template.render(probe, **kwargs)
-        return prompt_opens_thinking(template.generation_suffix(prompt, probe, **kwargs))
-    except Exception:  # noqa: BLE001 - a template that cannot render a probe: no thinking assumed
-        return False
-
-
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args
 
@@ -334,8 +318,11 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         if args.chat_template is not None:
             eng.use_chat_template(Path(args.chat_template))
         constraint = constraint_from_args(eng, args)
-        if constraint is not None and thinks_first(eng.chat_template, kwargs):
-            constraint = constraint.after_text(THINK_CLOSE)  # the replies think first: constrain the answers
+        if constraint is not None and eng.chat_template.thinks:
+            # the replies think first (a probe turn shows it): the answers are constrained after </think>,
+            # as Engine.prepare_chat does for one request
+            constraint = eng.prepare_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs,
+                                          constraint=constraint).constraint
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
                               stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
                               constraint=constraint)

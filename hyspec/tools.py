@@ -378,6 +378,7 @@ class ToolStream:
         self.sent = 0
         self.calls: list[ToolCall] = []
         self.new_calls: list[ToolCall] = []
+        self._closed = -1  # where the last </tool_call> parsed starts
 
     def _take_calls(self, found: list[ToolCall]) -> None:
         # the blocks before the last close never change as the text grows: the first
@@ -393,7 +394,11 @@ class ToolStream:
             self.sent = max(self.sent, len(content))
             return delta
         end = text.rfind(TOOL_CLOSE)
-        self._take_calls(parse_tool_calls(text[:end + len(TOOL_CLOSE)], self.tools)[1] if end >= 0 else [])
+        if end != self._closed:  # a block closed since the last update: parse the blocks up to it
+            self._closed = end
+            self._take_calls(parse_tool_calls(text[:end + len(TOOL_CLOSE)], self.tools)[1])
+        else:
+            self.new_calls = []
         safe = text[:first_call(text)].rstrip()
         delta = safe[self.sent:]
         self.sent = max(self.sent, len(safe))

@@ -192,16 +192,23 @@ MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 MODEL = "tools-model"
 
 
-@pytest.fixture(scope="module")
-def tool_engine(tmp_path_factory):
-    from hyspec.engine import Engine, default_model_dir
+def checkpoint_with(d: Path, template: str, source=None) -> Path:
+    """A copy of a checkpoint directory (default: the embedded model) in `d`, with `template`
+    as its chat template."""
+    from hyspec.engine import default_model_dir
 
-    d = tmp_path_factory.mktemp("tools_model")
-    for f in default_model_dir().iterdir():
+    for f in Path(source or default_model_dir()).iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return Engine.load(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tool_engine(tmp_path_factory):
+    from hyspec.engine import Engine
+
+    return Engine.load(checkpoint_with(tmp_path_factory.mktemp("tools_model"), TEMPLATE))
 
 
 @pytest.fixture(scope="module")
@@ -463,9 +470,7 @@ def test_a_thinking_template_gives_reasoning_content(tmp_path, tool_engine, stre
     from hyspec.server.thread import ServerThread
 
     assert THINKING_TEMPLATE != TEMPLATE
-    for f in Path(tool_engine.model_dir).iterdir():
-        shutil.copy(f, tmp_path / f.name)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINKING_TEMPLATE}))
+    checkpoint_with(tmp_path, THINKING_TEMPLATE)
     eng = Engine.load(tmp_path)
     for parser in ("auto", "none"):
         app = create_app(Engine.load(tmp_path), ServerConfig(served_model_name=MODEL, draft=3, max_batch=4,
@@ -754,11 +759,9 @@ def test_after_the_reasoning_with_the_tokenizers_own_close_token(tmp_path):
     """Qwen's tokenizers have </think> as one added token, which llguidance counts as special
     (no text lexeme matches it): after_text must allow that token to end the free part, as
     well as the spelled form, and nothing spelled before it; wrapping twice is wrapping once."""
-    from hyspec.engine import Engine, default_model_dir
+    from hyspec.engine import Engine
 
-    for f in default_model_dir().iterdir():
-        if f.is_file():
-            shutil.copy(f, tmp_path / f.name)
+    checkpoint_with(tmp_path, "{{ messages[0].content }}")
     tok = json.loads((tmp_path / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     piece, tid = max(vocab.items(), key=lambda kv: kv[1])  # the last BPE piece becomes </think>
@@ -795,9 +798,7 @@ def test_hyspec_chat_constrains_the_answer_after_the_thinking(tool_engine, tmp_p
 
     from hyspec.chat import main as chat_main
 
-    for f in Path(tool_engine.model_dir).iterdir():
-        shutil.copy(f, tmp_path / f.name)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINKING_TEMPLATE}))
+    checkpoint_with(tmp_path, THINKING_TEMPLATE)
     replies = []
     for extra in ([], ["--chat-template-kwargs", '{"enable_thinking": false}']):
         out = io.StringIO()
@@ -811,15 +812,12 @@ def test_hyspec_chat_constrains_the_answer_after_the_thinking(tool_engine, tmp_p
 def test_reasoning_effort_reaches_the_template(tmp_path):
     """OpenAI's reasoning_effort goes to the chat template as a variable (chat_template_kwargs
     wins), for templates that read it."""
-    from hyspec.engine import Engine, default_model_dir
+    from hyspec.engine import Engine
     from hyspec.server.app import ServerConfig, create_app
     from hyspec.server.thread import ServerThread
 
-    for f in default_model_dir().iterdir():
-        if f.is_file():
-            shutil.copy(f, tmp_path / f.name)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template":
-        "{{ messages[0].content }}{% if reasoning_effort is defined %} effort={{ reasoning_effort }}{% endif %}"}))
+    checkpoint_with(tmp_path, "{{ messages[0].content }}{% if reasoning_effort is defined %} "
+                              "effort={{ reasoning_effort }}{% endif %}")
     encode = Engine.load(tmp_path).encode
     with ServerThread(create_app(Engine.load(tmp_path), ServerConfig(served_model_name=MODEL))) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
