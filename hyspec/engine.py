@@ -246,7 +246,7 @@ class Engine:
         if self._store is None:
             from hyspec.prefix_store import PrefixStore
 
-            self.store = PrefixStore(device=self.model.device)  # (the setter: sessions share it)
+            self.store = PrefixStore()  # (the setter: sessions share it)
         return self._store
 
     @store.setter

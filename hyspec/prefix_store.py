@@ -21,7 +21,7 @@ Identity, by construction:
 Memory: two tiers. `budget_bytes` caps the entries on the model's device; the least
 recently used ones beyond it are demoted to host memory (a copy on the CPU; on a CPU
 engine the two tiers are the same memory, still accounted separately), and promoted back
-on a hit. `host_budget_bytes` caps the host tier; beyond it the least recently used are
+on a hit, to the device the state was put from. `host_budget_bytes` caps the host tier; beyond it the least recently used are
 evicted. stats() reports hits, misses, tokens saved and bytes in each tier.
 """
 
@@ -43,10 +43,11 @@ class _Entry:
     tier: str
     digest: str
     nbytes: int
+    home: torch.device  # where the state was put from: a promotion goes back there
 
 
 class PrefixStore:
-    def __init__(self, *, budget_bytes: int = 1 << 30, host_budget_bytes: int = 4 << 30, device="cpu",
+    def __init__(self, *, budget_bytes: int = 1 << 30, host_budget_bytes: int = 4 << 30,
                  verify: str = "always") -> None:
         if verify not in ("always", "promote", "never"):
             raise ValueError(f"verify must be 'always', 'promote' or 'never', got {verify!r}")
@@ -56,7 +57,6 @@ class PrefixStore:
         budget_bytes, host_budget_bytes = int(budget_bytes), int(host_budget_bytes)
         self.budget_bytes = budget_bytes
         self.host_budget_bytes = host_budget_bytes
-        self.device = torch.device(device)
         self.verify = verify
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
         self._lengths: Counter = Counter()
@@ -87,7 +87,7 @@ class PrefixStore:
             return
         if old is None:
             self._lengths[len(key)] += 1
-        self._entries[key] = _Entry(state, DEVICE, state.digest(), state.nbytes())
+        self._entries[key] = _Entry(state, DEVICE, state.digest(), state.nbytes(), state.device)
         self._entries.move_to_end(key)
         self._enforce()
 
@@ -129,7 +129,7 @@ class PrefixStore:
                 continue
             promoted = e.tier == HOST
             if promoted:
-                st = st.to(self.device)
+                st = st.to(e.home)
             if self.verify == "always" or (promoted and self.verify == "promote"):
                 if st.digest() != e.digest:  # the state is not the one stored for these tokens
                     self.identity_failures += 1

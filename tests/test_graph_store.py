@@ -119,14 +119,14 @@ def test_lane_state_round_trip(model, dec, k, kind):
         assert state_c.tokens == state_a.tokens and state_c.pos == state_a.pos
 
     # into the engine core: a prefix-store hit whose pending token is prefilled
-    store = PrefixStore(device=model.device)
+    store = PrefixStore()
     store.put(state_b)
     r = _core(model, store, state_b.tokens, M, k, params)
     assert store.hits == 1 and r.stats["cached_tokens"] == len(state_b.tokens) - 1
     assert r.tokens == a.tokens[N:]
 
     # and the other way: the engine core's end state, resumed on a graph lane
-    store = PrefixStore(device=model.device)
+    store = PrefixStore()
     core_b = _core(model, store, PROMPT, N, k, params, store_state=True)
     assert core_b.tokens == b.tokens
     from hyspec.gpu.batch_loop import stored_state
@@ -146,7 +146,7 @@ def test_lane_state_round_trip(model, dec, k, kind):
     state_g = kept.pop()
     assert not kept
     assert g.cached == len(state_b.tokens) - 1 and state_g.tokens == tuple(prompt + g.tokens)
-    store = PrefixStore(device=model.device)
+    store = PrefixStore()
     store.put(state_b)
     r = _core(model, store, prompt, M, k, params)
     assert r.stats["cached_tokens"] == g.cached and r.tokens == g.tokens

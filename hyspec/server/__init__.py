@@ -109,8 +109,7 @@ def make_app(args):
     if not args.no_prefix_store:
         from hyspec.prefix_store import PrefixStore
 
-        eng.store = PrefixStore(budget_bytes=args.prefix_store_bytes, host_budget_bytes=args.prefix_store_host_bytes,
-                                device=eng.model.device)
+        eng.store = PrefixStore(budget_bytes=args.prefix_store_bytes, host_budget_bytes=args.prefix_store_host_bytes)
     name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
