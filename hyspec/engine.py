@@ -279,14 +279,14 @@ class Engine:
         return self._session_sched
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+    def load(cls, path: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
              ssm_dtype: str | None = None) -> "Engine":
         """The checkpoint at `path` (default: the embedded model). ssm_dtype: the Gated
         DeltaNet state's storage dtype (hyspec.loading.load_model: "float32" by default,
         "bfloat16" halves a slot's state bytes and rounds the state after every token)."""
         path = Path(path) if path is not None else default_model_dir()
         check_device(device)
-        model = load_model(path, dtype=parse_dtype(dtype), device=device, ssm_dtype=ssm_dtype)
+        model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)
         tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         return cls(model, tok, str(path))
 

@@ -29,11 +29,15 @@ class CheckpointError(ValueError):
     """A checkpoint's files or tensors are missing, corrupt or of the wrong shape."""
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype, device="cpu") -> torch.dtype:
+    """A dtype name -> torch.dtype; "auto" is bfloat16 on CUDA (the GPU kernels' tuned dtype,
+    and the published checkpoints' own) and float32 elsewhere (exact on the CPU)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -214,7 +218,7 @@ def stage_keeps(key: str, layers: range, last: bool) -> bool:
 FP8_MODES = ("keep", "dequantize")
 
 
-def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                load_mtp: bool = True, layers: range | None = None, fp8: str | None = None,
                ssm_dtype: str | None = None) -> HybridLM:
     """Build HybridLM from a checkpoint directory. Raises ConfigError / CheckpointError
@@ -241,7 +245,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                               f"(config.json + *.safetensors)")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
-    dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype, device)
     if fp8 is not None and fp8 not in FP8_MODES:
         raise ValueError(f"fp8 must be one of {', '.join(FP8_MODES)}, got {fp8!r}")
     if fp8 is None:

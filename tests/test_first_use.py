@@ -445,3 +445,18 @@ def test_old_module_name_still_imports() -> None:
     import hyspec.speculative.telemetry
 
     assert old is new and hyspec.spec.telemetry is hyspec.speculative.telemetry
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_the_cpu(ckpt) -> None:
+    """--dtype / Engine.load(dtype=) default to "auto": the GPU user gets the bf16 weights the
+    kernels are tuned for (was: fp32 unless --dtype bfloat16 was given), the CPU user fp32."""
+    from hyspec.loading import parse_dtype
+
+    assert parse_dtype("auto", "cpu") == torch.float32
+    assert parse_dtype("auto", "cuda") == parse_dtype("auto", torch.device("cuda", 1)) == torch.bfloat16
+    assert parse_dtype("float16", "cuda") == torch.float16
+    with pytest.raises(ValueError, match="auto, float32"):
+        parse_dtype("fp32")
+    assert Engine.load(ckpt).model.dtype == torch.float32
+    assert Engine.load(ckpt, dtype="bfloat16").model.dtype == torch.bfloat16
+    assert load_model(ckpt).dtype == torch.float32

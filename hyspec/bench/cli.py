@@ -138,12 +138,9 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
             setattr(args, name, gpu if dev.type == "cuda" else cpu)
     check_args(args)
     args.variant_list = variant_names(args.variants)
-    if args.dtype == "auto":
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        from hyspec.loading import parse_dtype
+    from hyspec.loading import parse_dtype
 
-        dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(args.dtype, dev)
     if dev.type != "cuda":
         args.copy_bytes = min(args.copy_bytes, 64 << 20)
     return dev, dtype

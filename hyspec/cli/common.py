@@ -62,8 +62,8 @@ def parse_rates(text: str) -> tuple[float, ...]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
-                   help="weight dtype")
+    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
+                   help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's "

@@ -58,7 +58,7 @@ def check_launch(argv: list[str], stages: int) -> None:
 def _model_args(argv: list[str]):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ssm-dtype", default=None)
     args, _ = ap.parse_known_args(argv)

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers of the random checkpoint")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size of the random checkpoint")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=8, help="requests (all decode together; lanes split them)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)

@@ -660,13 +660,13 @@ def init(world: int, device: str = "cpu") -> tuple[int, torch.device]:
     return dist.get_rank(), dev
 
 
-def load_stage(path, world: int, rank: int, *, dtype="float32", device="cpu", ssm_dtype=None) -> HybridLM:
+def load_stage(path, world: int, rank: int, *, dtype="auto", device="cpu", ssm_dtype=None) -> HybridLM:
     """This rank's stage of the checkpoint at `path` (only its layers' tensors are read)."""
     from hyspec.config import ModelConfig
     from hyspec.loading import load_model, parse_dtype
 
     cfg = ModelConfig.from_dir(path)
-    ranges = stage_ranges(cfg, world, parse_dtype(dtype))
+    ranges = stage_ranges(cfg, world, parse_dtype(dtype, device))
     return load_model(path, dtype=dtype, device=device, layers=ranges[rank], ssm_dtype=ssm_dtype)
 
 

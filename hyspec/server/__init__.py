@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "to host memory)")
     p.add_argument("--prefix-store-host-bytes", type=int, default=4 << 30,
                    help="prefix store budget in host memory (least recently used states beyond it are dropped)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
+                   help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's mamba_ssm_dtype, "
