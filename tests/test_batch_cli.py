@@ -71,3 +71,17 @@ def test_bad_lines_are_named(tmp_path, line, msg):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert ":2:" in r.stderr and re.search(msg, r.stderr), r.stderr
+
+
+@pytest.mark.parametrize("line,msg", [
+    ('{"messages": [{"content": "hi"}]}', "string role"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}', "tool_choice"),
+])
+def test_bad_chat_lines_fail_before_the_model_loads(tmp_path, line, msg):
+    """A chat line's messages and tools are checked with the other fields, before the model
+    loads (a missing --model directory is not what the user hears about first)."""
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "ok"}\n' + line + "\n")
+    r = cli("generate", "--prompts-file", str(f), "--model", str(tmp_path / "no_such_model"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ":2:" in r.stderr and re.search(msg, r.stderr) and "no_such_model" not in r.stderr, r.stderr

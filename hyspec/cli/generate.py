@@ -127,7 +127,15 @@ def read_prompts_file(path: str, args) -> list[dict]:
                 raise ValueError(f"{path}:{line_no}: \"stop\" must be a string or a list of strings, "
                                  f"got {stop!r}") from None
             chat = None
-            if "messages" in obj:
+            if "messages" in obj:  # the checks that need no model, before it loads
+                from hyspec.chat_template import normalize_messages
+                from hyspec.tools import check_tools
+
+                try:
+                    normalize_messages(obj["messages"])
+                    check_tools(obj.get("tools"), obj.get("tool_choice"), obj.get("parallel_tool_calls"))
+                except ValueError as e:
+                    raise ValueError(f"{path}:{line_no}: {e}") from None
                 chat = {"messages": obj["messages"], "tools": obj.get("tools"), "tool_choice": obj.get("tool_choice"),
                         "parallel_tool_calls": obj.get("parallel_tool_calls"),
                         "template_kwargs": obj.get("chat_template_kwargs")}
