@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+import unicodedata
 from pathlib import Path
 
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
@@ -104,7 +105,7 @@ class Chat:
             cols = os.get_terminal_size(self.out.fileno()).columns
         except (AttributeError, OSError, ValueError):
             cols = 80
-        rows = max(1, -(-len(text[start:].expandtabs()) // max(1, cols)))  # the rows the line took
+        rows = max(1, -(-display_width(text[start:].expandtabs()) // max(1, cols)))  # the rows the line took
         self.out.write(f"\x1b[{rows + 1}F\x1b[J")  # up to its first row (and the prompt's), cleared
         self._shown = start
         self._show()
@@ -255,6 +256,17 @@ class Chat:
             "store": self.eng.store.stats(),
             "state_digest": None if state is None else state.digest(),
         }
+
+
+def display_width(text: str) -> int:
+    """The terminal columns `text` takes: East Asian wide and fullwidth characters two,
+    combining marks and zero-width characters none, others one."""
+    width = 0
+    for ch in text:
+        if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+            continue
+        width += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return width
 
 
 def _is_terminal(f) -> bool:

@@ -456,3 +456,13 @@ def test_an_interrupted_restart_keeps_the_conversation(zoo, tmp_path):
     del c._show
     stats = c.user("and again")  # the restart itself: one turn on the new session, from the whole text
     assert c.session.num_turns == 1 and stats["prompt_tokens"] == len(eng.encode(render_chat(c.messages[:-1], d)))
+
+
+def test_a_redrawn_line_counts_terminal_columns():
+    """The rows a cut reply's last line took are counted in terminal columns: a CJK
+    character takes two, a combining accent none (was: one per character)."""
+    from hyspec.chat import display_width
+
+    assert display_width("def f(x):") == 9
+    assert display_width("你好") == 4 and display_width("ｆｕｌｌ") == 8
+    assert display_width("e\u0301") == 1 and display_width("a\u200bb") == 2
