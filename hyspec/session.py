@@ -55,8 +55,8 @@ from pathlib import Path
 import torch
 
 from hyspec.core.request import GREEDY, Request
-from hyspec.core.state import SeqState, capture
-from hyspec.sampling import SamplingParams
+from hyspec.core.state import SeqState, capture, check_state
+from hyspec.sampling import ParamError, SamplingParams
 from hyspec.speculative.telemetry import SpecTelemetry
 
 FORMAT = "hyspec-session/1"
@@ -83,10 +83,13 @@ class Session:
         self.constraint = constraint  # every reply's constraint (each turn uses a copy)
         self.draft = draft
         engine._spec_options(draft, spec)  # validates draft / MTP head
-        self.params = params if params is not None else GREEDY
-        self.spec = spec
         from hyspec.core.scheduler import check_stop
         from hyspec.engine import _int_arg, _token_ids
+
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
+        self.params = params if params is not None else GREEDY
+        self.spec = spec
 
         self.max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)  # every turn's default
         self.stop_ids = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
@@ -157,7 +160,8 @@ class Session:
         matcher goes on, whichever constraint it was; False: none).
         logprobs=N: the reply's tokens' log-probabilities and top-N alternatives (the raw
         logits', as Engine.generate reports them) in Output.logprobs[0]."""
-        from hyspec.engine import Sample
+        from hyspec.core.scheduler import check_stop
+        from hyspec.engine import Sample, _token_ids
 
         self._check_open()
         eng = self.engine
@@ -181,7 +185,11 @@ class Session:
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
-        stops = eng._stops(list(self.stop_ids) + list(stop_ids or ()), self.ignore_eos)
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None: the session's)")
+        extra = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
+        check_stop(extra, eng.model.cfg.vocab_size)
+        stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
         matcher = self._turn_constraint(ids, constraint)
         req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
@@ -349,7 +357,11 @@ class Session:
 
     @classmethod
     def from_state(cls, engine, state: SeqState, **settings) -> "Session":
-        """A session that continues from a captured state (no rewind points)."""
+        """A session that continues from a captured state (no rewind points); ValueError when
+        the state does not fit the engine's model (hyspec.core.state.check_state)."""
+        if not isinstance(state, SeqState):
+            raise ValueError(f"state must be a hyspec.core.state.SeqState, got {type(state).__name__}")
+        check_state(state, engine.model)
         session = cls(engine, **settings)
         session._state = session._boundary = state
         return session
@@ -364,6 +376,9 @@ class Session:
                          "ignore_eos": self.ignore_eos, "use_store": self.use_store},
             "state": None if self._boundary is None else self._boundary.to_dict(),
             "history": [None if h is None else h.to_dict() for h in self._history],
+            # each state's identity (SeqState.digest), checked at load: a damaged file fails there
+            "digests": {"state": None if self._boundary is None else self._boundary.digest(),
+                        "history": [None if h is None else h.digest() for h in self._history]},
             "constraint": _constraint_dict(self.constraint), "matcher": _constraint_dict(self._matcher),
             "matchers": [_constraint_dict(m) for m in self._matchers],
             "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
@@ -378,6 +393,8 @@ class Session:
         path = Path(path).expanduser()
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory: give a file name to save the session to")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot save the session to {path}: the folder {path.parent} does not exist")
         # written beside it, then moved over it: a failed or interrupted save leaves an older file whole
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -398,8 +415,10 @@ class Session:
                 from None
         try:
             return cls.from_dict(engine, d)
-        except (KeyError, TypeError) as e:  # a torch file with the wrong contents
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # a torch file with the wrong contents
             raise ValueError(f"{path}: not a hyspec session file (missing or malformed {e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def from_dict(cls, engine, d: dict) -> "Session":
@@ -418,8 +437,24 @@ class Session:
                       stop_ids=settings["stop_ids"], ignore_eos=settings["ignore_eos"],
                       use_store=settings["use_store"])
         dev = engine.model.device
-        session._state = session._boundary = None if d["state"] is None else SeqState.from_dict(d["state"], dev)
-        session._history = [None if h is None else SeqState.from_dict(h, dev) for h in d["history"]]
+        digests = d.get("digests")  # (absent in files written before they were saved)
+
+        def state_of(x, digest, what):
+            if x is None:
+                return None
+            st = SeqState.from_dict(x, dev)
+            check_state(st, engine.model)
+            if digests is not None and st.digest() != digest:
+                raise ValueError(f"the session file is damaged: the {what} state's contents are not the ones "
+                                 f"saved (its digest differs)")
+            return st
+
+        session._state = session._boundary = state_of(d["state"], digests and digests["state"], "current")
+        history = d["history"]
+        if digests is not None and len(digests["history"]) != len(history):
+            raise ValueError("the session file is damaged: its rewind points and their digests differ in number")
+        session._history = [state_of(h, digests and digests["history"][i], f"rewind point {i}'s")
+                            for i, h in enumerate(history)]
         session.constraint = _constraint_from(engine, d.get("constraint"))
         session._matcher = _constraint_from(engine, d.get("matcher"))
         session._matchers = [_constraint_from(engine, m) for m in d.get("matchers", [None] * len(session._history))]

@@ -183,3 +183,49 @@ def test_fault_in_prefill_leaves_the_turn_unstarted(zoo, arch):
         assert_same(s.live_state(), before)
     assert s.send(msgs[2]).tokens == want[2]
     assert same_state(s.live_state(), ref.live_state())
+
+
+def test_a_damaged_or_edited_session_file_fails_at_load(zoo, tmp_path):
+    """Session.load checks each state against the model (layer counts, tensor shapes and
+    dtypes, token ids, pos vs tokens) and against the digest saved beside it: a flipped
+    bit, a wrong shape, a missing tensor or tokens cut short is a ValueError naming the
+    file (were: loaded, then wrong tokens or an error deep in the first send); an intact
+    file written before digests were saved still loads; from_state checks a state too."""
+    import torch
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=12)
+    s = eng.session(draft=3, max_new_tokens=MAX_NEW)
+    for m in msgs:
+        s.send(m)
+    good = tmp_path / "good.pt"
+    s.save(good)
+    d = torch.load(good, weights_only=True)
+
+    def load_edited(edit):
+        x = torch.load(good, weights_only=True)
+        edit(x)
+        torch.save(x, tmp_path / "bad.pt")
+        return Session.load(eng, tmp_path / "bad.pt")
+
+    def flip(x):
+        t = x["state"]["tensors"]["ssm.0"]
+        t.view(torch.int32)[0, 0, 0] ^= 1 << 30
+
+    with pytest.raises(ValueError, match=r"bad\.pt: .*damaged.*current"):
+        load_edited(flip)
+    with pytest.raises(ValueError, match=r"bad\.pt: .*damaged.*rewind point 1"):
+        load_edited(lambda x: x["history"][1]["tensors"]["conv.0"].mul_(2))
+    with pytest.raises(ValueError, match=r"conv\.0 is \(2, 3\)"):
+        load_edited(lambda x: x["state"]["tensors"].__setitem__("conv.0", torch.zeros(2, 3)))
+    with pytest.raises(ValueError, match="no kv_k.0 tensor"):
+        load_edited(lambda x: x["state"]["tensors"].pop("kv_k.0"))
+    with pytest.raises(ValueError, match="position .* does not fit"):
+        load_edited(lambda x: x["state"]["meta"].__setitem__("tokens", x["state"]["meta"]["tokens"][:-3]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        load_edited(lambda x: x["state"]["meta"]["tokens"].__setitem__(0, 10 ** 9))
+    old = load_edited(lambda x: x.pop("digests"))  # an older file: no digests, the layout still checked
+    assert old.state().digest() == s.state().digest() == d["digests"]["state"]
+    st = s.state()
+    with pytest.raises(ValueError, match="position"):
+        Session.from_state(eng, type(st)(**{**st.__dict__, "pos": st.pos + 1}))

@@ -161,6 +161,29 @@ def test_max_context_error_names_both_numbers(zoo):
         object.__setattr__(cfg, "max_position_embeddings", old)
 
 
+def test_bad_turn_and_session_arguments_are_named_up_front(zoo, tmp_path):
+    """A turn's stop_ids are checked as generate's are (were: "12" became ids 1 and 2, 1.7
+    became 1, 5 and "abc" failed deep inside); params must be SamplingParams when the session
+    is made, not at its first send; saving into a missing folder says so. Nothing changes."""
+    eng = engine(zoo, "qwen3_5")
+    s = eng.session(max_new_tokens=2)
+    s.send([3, 4])
+    before = s.state().digest()
+    for bad in ("12", [1.7], 5, "abc"):
+        with pytest.raises(ValueError, match="stop_ids"):
+            s.send([5], stop_ids=bad)
+    with pytest.raises(ValueError, match="out of range"):
+        s.send([5], stop_ids=[10 ** 6])
+    with pytest.raises(ValueError, match="params"):
+        s.send([5], params={"temperature": 0.7})
+    with pytest.raises(ValueError, match="params"):
+        eng.session(params={"temperature": 0.7})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        s.save(tmp_path / "no_such_folder" / "s.pt")
+    assert s.state().digest() == before and s.num_turns == 1
+    assert s.send([5], stop_ids=[7]).tokens
+
+
 def test_switching_plain_and_speculative_is_refused(zoo):
     eng = engine(zoo, "qwen3_next")
     s = eng.session(draft=0, max_new_tokens=4)

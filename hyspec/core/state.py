@@ -158,6 +158,58 @@ class SeqState:
                    int(m["k_next"]))
 
 
+def check_state(st: SeqState, model) -> None:
+    """ValueError naming what does not fit when a state from outside (a session file) is
+    given to `model`: the layer counts, each tensor's shape and dtype (the model's cache
+    layout: conv [W-1, C], SSM [Hv, Dk, Dv], KV [Hkv, pos, D]; the drafter's rows), the
+    token ids, and the invariant between tokens, pos and the pending token."""
+    from hyspec.cache import HybridCache
+
+    cfg = model.cfg
+    ref = HybridCache(cfg, 1, "meta", model.dtype)  # the layout, no memory
+    ls, kv = ref.linear_states, ref.kv_buffers
+    if (len(st.conv), len(st.ssm), len(st.kv_k), len(st.kv_v)) != (len(ls), len(ls), len(kv), len(kv)):
+        raise ValueError(f"the state has {len(st.conv)} linear-attention and {len(st.kv_k)} attention layers; "
+                         f"this model has {len(ls)} and {len(kv)}")
+    n, V = len(st.tokens), cfg.vocab_size
+    if not all(0 <= t < V for t in st.tokens) or not all(0 <= t < V for t in st.fill_tokens):
+        raise ValueError(f"the state has token ids outside this model's vocabulary of {V}")
+    pending_ok = st.pending is None or (n > 0 and st.pending == st.tokens[-1])
+    if not pending_ok or st.pos != n - (st.pending is not None):
+        raise ValueError(f"the state's position {st.pos} does not fit its {n} tokens (pending {st.pending}): "
+                         f"pos must be len(tokens) - 1 with the last token pending, len(tokens) without")
+
+    def want(name, t, shape, dtype) -> None:
+        if t is None:
+            raise ValueError(f"the state has no {name} tensor")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"the state's {name} is {got}; this model needs {tuple(shape)} {dtype}")
+
+    for i, r in enumerate(ls):
+        want(f"conv.{i}", st.conv[i], r.conv.shape, r.conv.dtype)
+        want(f"ssm.{i}", st.ssm[i], r.ssm.shape, r.ssm.dtype)
+    for i, r in enumerate(kv):
+        shape = (r.k.shape[0], st.pos, r.k.shape[2])
+        want(f"kv_k.{i}", st.kv_k[i], shape, r.k.dtype)
+        want(f"kv_v.{i}", st.kv_v[i], shape, r.v.dtype)
+    H = cfg.hidden_size
+    if st.last_logits is not None:
+        want("last_logits", st.last_logits, (1, V), st.last_logits.dtype)
+    if st.drafter is not None:
+        if st.drafter not in ("post", "pre") or not getattr(model, "has_mtp", False):
+            raise ValueError(f"the state has drafter rows ({st.drafter!r}) this model cannot use")
+        if not 0 <= st.fill_start <= st.pos:
+            raise ValueError(f"the state's drafter rows start at {st.fill_start}, beyond its position {st.pos}")
+        dkv = model.new_draft_kv(1)  # the drafter's KV layout (one row)
+        shape = (dkv.k.shape[0], st.fill_start, dkv.k.shape[2])
+        want("draft_k", st.draft_k, shape, dkv.k.dtype)
+        want("draft_v", st.draft_v, shape, dkv.v.dtype)
+        want("h_last", st.h_last, (1, H), st.h_last.dtype if isinstance(st.h_last, torch.Tensor) else model.dtype)
+        want("fill_h", st.fill_h, (len(st.fill_tokens), H),
+             st.fill_h.dtype if isinstance(st.fill_h, torch.Tensor) else model.dtype)
+
+
 def drafter_of(seq) -> str | None:
     return seq.opts.hidden if seq.speculative else None
 
