@@ -155,6 +155,9 @@ class ChatTemplate:
         return prompt[len(base):] if prompt.startswith(base) else prompt
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
+
+
 def normalize_messages(messages) -> list[dict]:
     """OpenAI-style messages as the templates expect them: each a dict with a `role`;
     content None -> "", a list of text parts joined; an assistant message's tool call
@@ -168,6 +171,8 @@ def normalize_messages(messages) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string role")
+        if message["role"] not in ROLES:
+            raise ValueError(f"messages[{i}].role {message['role']!r} is not one of {', '.join(ROLES)}")
         m = dict(message)
         content = m.get("content")
         if isinstance(content, list):

@@ -144,7 +144,7 @@ def test_cli_user_errors_are_one_line(ckpt, tmp_path) -> None:
                       ["replay", "--model", str(ckpt), "--text-file", str(tmp_path)],
                       ["generate", "--model", str(f), "--prompt-ids", "1"],
                       gen + ["--temperature", "-1"], gen + ["--top-p", "0"], gen + ["--draft", "2", "--p-min", "2"],
-                      gen + ["--num-samples", "0"])
+                      gen + ["--num-samples", "0"], ["generate", "--prompts-file", str(tmp_path / "nope.jsonl")])
     assert "tpu" in errs[0] and "--device" in errs[0]
     assert "--text-file" in errs[1] and "directory" in errs[1]
     assert "not a directory" in errs[2] and "does not exist" not in errs[2]
@@ -152,6 +152,7 @@ def test_cli_user_errors_are_one_line(ckpt, tmp_path) -> None:
     assert "--top-p" in errs[4] and "top_p" not in errs[4]
     assert "--p-min" in errs[5] and "p_min" not in errs[5]
     assert "--num-samples" in errs[6]
+    assert "--prompts-file" in errs[7] and "no such file" in errs[7]
 
 
 def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:

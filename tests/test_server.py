@@ -253,6 +253,13 @@ def test_errors(server, client):
     _check_error(httpx.post(server.url + "/v1/chat/completions",
                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": -1}), 400)
     _check_error(httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+    err = _check_error(httpx.post(server.url + "/v1/chat/completions",  # OpenAI's roles only (was: a 200)
+                                  json={"model": MODEL, "messages": [{"role": "bogus", "content": "x"}]}), 400)
+    assert err["param"] == "messages" and "'bogus' is not one of system" in err["message"], err
+    err = _check_error(httpx.post(server.url + "/tokenize",  # the chat route's tool checks (was: rendered)
+                                  json={"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "bad"}]}),
+                       400)
+    assert err["param"] == "tools", err
     _check_error(httpx.post(server.url + "/v1/chat/completions",
                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
                  400)
@@ -522,7 +529,18 @@ def test_signed_seed_and_max_completion_tokens_on_completions(client, ref_engine
 
 
 def test_serve_option_checks():
+    import socket
+
     from hyspec import server
+
+    with socket.socket() as busy:  # a port in use: said before the model loads, not uvicorn's exit 3
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ValueError, match=r"cannot listen on 127\.0\.0\.1:\d+.*--port"):
+            server.check_port("127.0.0.1", busy.getsockname()[1])
+    with pytest.raises(ValueError, match="--host"):
+        server.check_port("no-such-host.invalid", 8000)
+    server.check_port("127.0.0.1", 0)
 
     for argv, needle in ((["--port", "99999"], "--port must be in 0..65535"), (["--port", "-1"], "--port"),
                          (["--max-batch", "0"], "--max-batch must be >= 1"),

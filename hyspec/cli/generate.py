@@ -78,8 +78,12 @@ LINE_KEYS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "draft", "log
 
 def read_prompts_file(path: str, args) -> list[dict]:
     """Parse and check every line before anything runs; errors name the line."""
+    import os
+
     base = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
     requests = []
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompts-file {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():

@@ -79,6 +79,26 @@ def check(args) -> None:
         read_template_file(args.chat_template, "--chat-template")
 
 
+def check_port(host: str, port: int) -> None:
+    """ValueError when the server could not listen on host:port (in use, or no such
+    address), said before the model loads; the bind is tried as uvicorn binds (SO_REUSEADDR)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: not an address this machine can listen on ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host / --port)") from None
+
+
 def make_app(args):
     """Load the engine and build the FastAPI app for parsed `hyspec serve` arguments."""
     from pathlib import Path
@@ -123,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        check_port(args.host, args.port)  # before the model loads (minutes for a large one)
         app = make_app(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"hyspec serve: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ from fastapi import Request
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.params import bad
+from hyspec.tools import ToolError, check_tools
 
 
 def register(app, state) -> None:
@@ -18,6 +19,11 @@ def register(app, state) -> None:
             raise bad("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None and (req.tools is not None or req.chat_template_kwargs is not None):
             raise bad("tools and chat_template_kwargs go with messages, not with a prompt", "prompt")
+        if req.tools is not None:  # the same checks as the chat route's
+            try:
+                check_tools(req.tools)
+            except ToolError as e:
+                raise bad(str(e), e.param) from None
         text = req.prompt if req.prompt is not None else state.render_chat(
             req.messages, bool(req.add_generation_prompt), req.tools, req.chat_template_kwargs)
         ids = state.tokenizer.encode(text)
