@@ -69,13 +69,22 @@ class Chat:
     def _show(self, final: bool = False) -> None:
         """Write what is not yet on screen of the reply's text (all of it when final; else up
         to an incomplete UTF-8 sequence, which waits for the next tokens)."""
-        text = self.eng.decode(self._line)
+        text = self.eng.decode(self._shown_tokens())
         upto = len(text) if final else len(text.rstrip("\ufffd"))
         if upto > self._shown:
             self.out.write(text[self._shown:upto])
             self.out.flush()
             self._shown = upto
         self._open = True
+
+    def _shown_tokens(self) -> list[int]:
+        """The reply's tokens as shown: with a chat template, without the stop token that
+        ended it (its text, e.g. <|im_end|>, is not part of the reply; the record leaves it
+        out too); the plain template's text is the transcript itself, shown whole."""
+        line = self._line
+        if line and not self.plain and line[-1] in self.eng._stops(self.session.stop_ids, self.session.ignore_eos):
+            return line[:-1]
+        return line
 
     def end_line(self) -> None:
         """End an open reply line: what comes next starts on a new line."""
@@ -99,7 +108,7 @@ class Chat:
     def _redraw(self) -> None:
         """Back over the prompt and the empty line typed to the cut reply's last line, which is
         drawn again: the continuation follows it there."""
-        text = self.eng.decode(self._line)
+        text = self.eng.decode(self._shown_tokens())
         start = text.rfind("\n") + 1
         try:
             cols = os.get_terminal_size(self.out.fileno()).columns

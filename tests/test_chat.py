@@ -466,3 +466,29 @@ def test_a_redrawn_line_counts_terminal_columns():
     assert display_width("def f(x):") == 9
     assert display_width("你好") == 4 and display_width("ｆｕｌｌ") == 8
     assert display_width("e\u0301") == 1 and display_width("a\u200bb") == 2
+
+
+def test_a_template_chat_shows_the_reply_without_its_stop_token(zoo, tmp_path):
+    """With a chat template the screen shows the reply without the stop token that ended it
+    (was: its text, e.g. <|endoftext|>, printed at the end of every reply); the session
+    still holds it (pending: the next turn's template text follows it)."""
+    import io
+    import shutil
+
+    from hyspec.chat import Chat
+    from hyspec.engine import Engine
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    eng = Engine.load(d, dtype="float64")
+    free = Chat(eng, eng.session(max_new_tokens=6, ignore_eos=True), d, out=io.StringIO())
+    free.user("hello there")
+    reply = free.session.tokens[-6:]
+    stop = reply[3]
+    assert stop not in reply[:3]
+    out = io.StringIO()
+    c = Chat(eng, eng.session(max_new_tokens=6, ignore_eos=True, stop_ids=[stop]), d, out=out)
+    c.user("hello there")
+    assert c.session.tokens[-4:] == reply[:4]
+    assert out.getvalue() == eng.decode(reply[:3]) + "\n" and c.messages[-1]["content"] == eng.decode(reply[:3])
