@@ -102,7 +102,7 @@ def engine_of(args) -> Engine:
 
         tok = Engine.load().tokenizer
         return Engine(build_config_model(model_dict(args.config), torch.device(args.device),
-                                         parse_dtype(args.dtype)), tok)
+                                         parse_dtype(args.dtype, args.device)), tok)
     return Engine.load(args.model, dtype=args.dtype, device=args.device)
 
 

@@ -227,6 +227,9 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise bad(name, f"must be a positive integer, got {v!r}")
+        bad_eos = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad_eos:
+            raise bad("eos_token_id", f"has id(s) {bad_eos[:5]} outside the vocabulary of {self.vocab_size}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise bad("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         for t in self.layer_types:
@@ -283,8 +286,47 @@ class ModelConfig:
                 raise ConfigError(f"config.json: required field '{k}' is missing (model_type {d['model_type']!r})")
             return d[k]
 
+        def bad(k: str, what: str, v) -> ConfigError:
+            return ConfigError(f"config.json: field '{k}' must be {what}, got {v!r}")
+
+        def integer(k: str, default: int, minimum: int = 0) -> int:  # null / absent: the default
+            v = d.get(k)
+            if v is None:
+                return default
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise bad(k, f"an integer >= {minimum}", v)
+            return v
+
+        def number(k: str, default: float, value=None) -> float:  # a positive number
+            v = d.get(k) if value is None else value
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+                raise bad(k, "a positive number", v)
+            return float(v)
+
+        def flag(k: str, default: bool, src: dict | None = None) -> bool:
+            v = (d if src is None else src).get(k)
+            if v is None:
+                return default
+            if not isinstance(v, bool):
+                raise bad(k, "true or false", v)
+            return v
+
+        def token_ids(k: str, v, where: str = "config.json") -> tuple[int, ...]:
+            ids = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ConfigError(f"{where}: field '{k}' must be a token id or a list of token ids, got {v!r}")
+            return ids
+
         n_layers = need("num_hidden_layers")
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
+            raise bad("num_hidden_layers", "a positive integer", n_layers)
         layer_types = d.get("layer_types")
+        if layer_types is not None and not isinstance(layer_types, (list, tuple)):
+            raise bad("layer_types", "a list of layer types", layer_types)
         if layer_types is None:
             interval = d.get("full_attention_interval", 4)
             if not isinstance(interval, int) or interval <= 0:
@@ -293,6 +335,9 @@ class ModelConfig:
 
         # transformers 5 writes rope_parameters; older configs (and the model cards' long-context
         # recipe) rope_scaling, which transformers lets win over rope_parameters
+        for k in ("rope_scaling", "rope_parameters"):
+            if d.get(k) is not None and not isinstance(d[k], dict):
+                raise bad(k, "an object", d[k])
         scaling = dict(d.get("rope_scaling") or {})
         if "type" in scaling:  # the older spelling of rope_type
             scaling.setdefault("rope_type", scaling.pop("type"))
@@ -300,19 +345,30 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
         rope_type, rope_scaling = _rope_scaling(rope, d)
-        if d.get("attention_bias"):
+        if flag("attention_bias", False):
             raise ConfigError("config.json: attention_bias true is not supported (the gated attention of these "
                               "families has no projection biases)")
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (these families use 'silu')")
         n_heads = need("num_attention_heads")
-        head_dim = d.get("head_dim") or need("hidden_size") // n_heads
+        head_dim = d.get("head_dim")
+        if not head_dim:  # hidden_size / heads, which must then divide
+            hidden = need("hidden_size")
+            if isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0 and hidden % n_heads:
+                raise ConfigError(f"config.json: field 'num_attention_heads' ({n_heads}) must divide hidden_size "
+                                  f"({hidden}) when head_dim is not given")
+            head_dim = hidden // n_heads if isinstance(hidden, int) and isinstance(n_heads, int) and n_heads else 0
 
         eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        eos_ids = () if eos is None else token_ids("eos_token_id", eos)
         is_moe = _ARCHS[d["model_type"]][1]
-        n_experts = int(d.get("num_experts", 0) or 0) if is_moe else 0
+        n_experts = integer("num_experts", 0) if is_moe else 0
+        mlp_only = d.get("mlp_only_layers") or ()
+        if not isinstance(mlp_only, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+            raise bad("mlp_only_layers", "a list of layer indices", mlp_only)
+        mtp_key = "mtp_num_hidden_layers" if "mtp_num_hidden_layers" in d else "num_nextn_predict_layers"
         return cls(
             model_type=d["model_type"],
             vocab_size=need("vocab_size"),
@@ -322,26 +378,26 @@ class ModelConfig:
             num_attention_heads=n_heads,
             num_key_value_heads=need("num_key_value_heads"),
             head_dim=head_dim,
-            rope_theta=float(rope_theta),
-            partial_rotary_factor=float(prf),
+            rope_theta=number("rope_theta", 10000.0, rope_theta),
+            partial_rotary_factor=number("partial_rotary_factor", 0.25, prf),
             linear_num_key_heads=need("linear_num_key_heads"),
             linear_num_value_heads=need("linear_num_value_heads"),
             linear_key_head_dim=need("linear_key_head_dim"),
             linear_value_head_dim=need("linear_value_head_dim"),
             linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
-            intermediate_size=int(d.get("intermediate_size", 0) or 0),
+            intermediate_size=integer("intermediate_size", 0),
             num_experts=n_experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok", 0) or 0) if n_experts else 0,
-            moe_intermediate_size=int(d.get("moe_intermediate_size", 0) or 0),
-            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
-            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers", 0)) or 0),
+            num_experts_per_tok=integer("num_experts_per_tok", 0) if n_experts else 0,
+            moe_intermediate_size=integer("moe_intermediate_size", 0),
+            shared_expert_intermediate_size=integer("shared_expert_intermediate_size", 0),
+            norm_topk_prob=flag("norm_topk_prob", True),
+            decoder_sparse_step=integer("decoder_sparse_step", 1, 1),
+            mlp_only_layers=tuple(mlp_only),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
+            tie_word_embeddings=flag("tie_word_embeddings", False),
+            attention_bias=False,  # (true refused above)
+            max_position_embeddings=integer("max_position_embeddings", 32768, 1),
+            mtp_num_hidden_layers=integer(mtp_key, 0),
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=_ssm_dtype_field(d.get("mamba_ssm_dtype", outer.get("mamba_ssm_dtype"))),
             rope_type=rope_type,
@@ -365,9 +421,14 @@ class ModelConfig:
                 g = json.loads(gen.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+            if not isinstance(g, dict):
+                raise ConfigError(f"{gen}: top level must be a JSON object")
             eos = g.get("eos_token_id")
             if eos is not None:
-                ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+                ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+                if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size for t in ids):
+                    raise ConfigError(f"{gen}: eos_token_id must be token ids below the vocabulary size "
+                                      f"{cfg.vocab_size}, got {eos!r}")
                 merged = tuple(dict.fromkeys(ids + cfg.eos_token_ids))
                 cfg = cls(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "eos_token_ids": merged})
         return cfg

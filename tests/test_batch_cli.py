@@ -85,3 +85,13 @@ def test_bad_chat_lines_fail_before_the_model_loads(tmp_path, line, msg):
     r = cli("generate", "--prompts-file", str(f), "--model", str(tmp_path / "no_such_model"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert ":2:" in r.stderr and re.search(msg, r.stderr) and "no_such_model" not in r.stderr, r.stderr
+
+
+def test_prompts_file_from_a_pipe():
+    """--prompts-file /dev/stdin reads a pipe (the missing-file check leaves non-regular files alone)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--prompts-file", "/dev/stdin"],
+                       input='{"prompt": "def f(x):", "max_new_tokens": 2}\n', capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 2

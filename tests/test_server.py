@@ -540,7 +540,18 @@ def test_serve_option_checks():
             server.check_port("127.0.0.1", busy.getsockname()[1])
     with pytest.raises(ValueError, match="--host"):
         server.check_port("no-such-host.invalid", 8000)
+    with socket.socket() as v4:  # an IPv4 listener does not make "::" (IPv6-only, as asyncio binds) busy
+        v4.bind(("0.0.0.0", 0))
+        v4.listen()
+        if socket.has_ipv6:
+            try:
+                server.check_port("::", v4.getsockname()[1])
+            except ValueError as e:
+                assert "in use" not in str(e)
+        with pytest.raises(ValueError, match="in use"):  # "": every interface, as uvicorn binds it
+            server.check_port("", v4.getsockname()[1])
     server.check_port("127.0.0.1", 0)
+    server.check_port("127.0.0.1", 99999)  # (out of range: check() names --port)
 
     for argv, needle in ((["--port", "99999"], "--port must be in 0..65535"), (["--port", "-1"], "--port"),
                          (["--max-batch", "0"], "--max-batch must be >= 1"),

@@ -82,7 +82,7 @@ def read_prompts_file(path: str, args) -> list[dict]:
 
     base = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
     requests = []
-    if not os.path.isfile(path):
+    if not os.path.exists(path) or os.path.isdir(path):  # (a pipe or /dev/stdin is fine)
         raise ValueError(f"--prompts-file {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):

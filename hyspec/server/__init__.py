@@ -80,23 +80,35 @@ def check(args) -> None:
 
 
 def check_port(host: str, port: int) -> None:
-    """ValueError when the server could not listen on host:port (in use, or no such
-    address), said before the model loads; the bind is tried as uvicorn binds (SO_REUSEADDR)."""
+    """ValueError when the server's address is taken (or its host unknown), said before the
+    model loads. Each address the host resolves to is bound as asyncio binds it for uvicorn
+    (SO_REUSEADDR; IPv6 sockets IPv6-only; "" is every interface); only "in use" is reported,
+    any other bind failure is left to uvicorn."""
+    import errno
     import socket
 
-    if port == 0:
+    if not isinstance(port, int) or not 0 < port <= 65535:  # (0: any free port; a bad one: check())
         return
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0,
+                                   socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r}: not an address this machine can listen on ({e.strerror})") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
         try:
-            sock.bind(addr)
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host / --port)") from None
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"cannot listen on {host}:{port}: the address is in use (--host / --port)") \
+                        from None
 
 
 def make_app(args):
@@ -143,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        check(args)
         check_port(args.host, args.port)  # before the model loads (minutes for a large one)
         app = make_app(args)
     except (ValueError, FileNotFoundError) as e:
