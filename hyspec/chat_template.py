@@ -69,19 +69,23 @@ def load_template(model_dir) -> tuple[str, str, dict]:
     """(template source, where it came from, special tokens {bos_token: ..., ...})."""
     d = Path(model_dir) if model_dir is not None else None
     cfg = {}
-    if d is not None and (d / "tokenizer_config.json").is_file():
+    where = None if d is None else d / "tokenizer_config.json"
+    if where is not None and where.is_file():  # a damaged one is an error, not the plain template in silence
         try:
-            cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            cfg = {}
+            cfg = json.loads(where.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise TemplateError(f"{where}: cannot read it ({type(e).__name__}: {e})") from None
         if not isinstance(cfg, dict):
-            cfg = {}
+            raise TemplateError(f"{where}: the top level must be a JSON object")
     special = {k: _token_text(cfg.get(k)) for k in _SPECIAL}
     special = {k: v if isinstance(v, str) else None for k, v in special.items()}
     tpl = cfg.get("chat_template")
     if isinstance(tpl, list):
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
         tpl = named.get("default") or next(iter(named.values()), None)
+    if tpl is not None and not isinstance(tpl, str):
+        raise TemplateError(f"{where}: chat_template must be a string (or a list of {{name, template}}), got "
+                            f"{type(tpl).__name__}")
     if isinstance(tpl, str) and tpl:
         return tpl, "tokenizer_config.json", special
     if d is not None and (d / "chat_template.jinja").is_file():

@@ -13,6 +13,7 @@ float8 with their block scales.
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -62,6 +63,11 @@ def _shard_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: malformed shard index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        for f in set(weight_map.values()):
+            if Path(f).name != f or f in (".", ".."):
+                raise CheckpointError(f"{index} names shard {f!r}: shards must be files in the checkpoint folder")
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -119,14 +125,22 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
 
     qcfg = _quant_config(Path(path))
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}  # normalised key -> the file it came from
     for f in _shard_files(Path(path)):
         size = f.stat().st_size
+        if not os.access(f, os.R_OK):
+            raise CheckpointError(f"{f}: permission denied (the weights file is not readable)")
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
                     k = _normalize(key)
                     if k is not None and (keep is None or keep(k)):
-                        out[k] = sf.get_tensor(key)
+                        if k in origin:
+                            raise CheckpointError(f"tensor {key!r} is in both {origin[k]} and {f.name}: which one "
+                                                  f"to load is ambiguous")
+                        out[k], origin[k] = sf.get_tensor(key), f.name
+        except CheckpointError:
+            raise
         except Exception as e:  # safetensors raises its own error types for bad files
             raise CheckpointError(f"{f.name}: cannot read safetensors file ({size} bytes): {e}") from None
     if not dequantize:
@@ -269,6 +283,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     else:
         tensors = read_tensors(path, dtype=dtype, keep=keep)
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
+    if has_mtp and cfg.mtp_num_hidden_layers > 1:
+        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}; hyspec drafts "
+                      f"with the first MTP layer (mtp.layers.0) only, chained for every draft", stacklevel=2)
     if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
         warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
                       f"have no mtp.* tensors: speculative decoding (--draft K) is unavailable, plain decoding "
@@ -305,6 +322,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                 else:
                     raise CheckpointError(f"tensor '{name}' has shape {list(src.shape)}, expected {list(p.shape)} "
                                           f"from config.json")
+            if not (src.is_floating_point() or name in kept):
+                raise CheckpointError(f"tensor '{name}' is stored as {src.dtype}; a weight must be a floating-point "
+                                      f"tensor")
             p.copy_(src.to(p.dtype))
         for name in kept:  # the kept fp8 weights' scale grids (and row maps)
             mod_name, _, attr = name.rpartition(".")
@@ -312,13 +332,27 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
             for suffix in ("_scale_inv", "_scale_rows"):
                 if attr + suffix in mod._buffers:
                     mod._buffers[attr + suffix].copy_(tensors[name + suffix])
+        for name, p in expected.items():  # a NaN or inf weight would decode garbage without a word
+            if name in kept:
+                p = getattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2] + "_scale_inv")
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                raise CheckpointError(f"tensor '{name}'{' (its block scales)' if name in kept else ''} holds NaN or "
+                                      f"infinite values: the checkpoint is damaged")
     d2t = tensors.get("mtp.d2t", tensors.get("d2t"))
     if d2t is not None and has_mtp:
+        if d2t.dim() != 1 or d2t.numel() == 0 or d2t.is_floating_point() or d2t.dtype == torch.bool:
+            raise CheckpointError(f"tensor 'mtp.d2t' must be a non-empty 1-D integer tensor of offsets, got "
+                                  f"{d2t.dtype} of shape {list(d2t.shape)}")
         ids = torch.arange(d2t.shape[0]) + d2t.to(torch.long)
-        if d2t.dim() != 1 or int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
             raise CheckpointError(f"tensor 'mtp.d2t' must map draft ids to target ids in 0..{cfg.vocab_size - 1} "
                                   f"(EAGLE offsets: target = i + d2t[i]); got shape {list(d2t.shape)}")
         model.d2t = d2t.to(device=device, dtype=torch.long)
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and not (
+            head.shape == embed.shape and head.dtype == embed.dtype and torch.equal(head, embed)):
+        warnings.warn(f"{path}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
+                      f"checkpoint's lm_head.weight differs from it: the embedding is used", stacklevel=2)
     consumed = {n + sfx for n in kept for sfx in ("_scale_inv", "_scale_rows")}
     unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in expected and k not in consumed and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
               and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]

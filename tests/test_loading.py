@@ -301,6 +301,19 @@ def test_float64_float32_bfloat16(zoo):
     ({"rope_scaling": {"rope_type": "linear"}}, "factor is required"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    # fields of the wrong type, named (were: TypeError tracebacks, or bool("false") read as true)
+    ({"num_hidden_layers": "4"}, "'num_hidden_layers' must be a positive integer, got '4'"),
+    ({"max_position_embeddings": "big"}, "'max_position_embeddings' must be an integer >= 1"),
+    ({"intermediate_size": "128"}, "'intermediate_size' must be an integer"),
+    ({"rope_parameters": "x"}, "'rope_parameters' must be an object"),
+    ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false"),
+    ({"rms_norm_eps": -1e-6}, "'rms_norm_eps' must be a positive number"),
+    ({"rope_theta": "x", "rope_parameters": None}, "'rope_theta' must be a positive number"),
+    ({"eos_token_id": "x"}, "'eos_token_id' must be a token id"),
+    ({"eos_token_id": 10 ** 6}, "outside the vocabulary"),
+    ({"mtp_num_hidden_layers": "one"}, "'mtp_num_hidden_layers' must be an integer"),
+    ({"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": None}, "must divide hidden_size"),
+    ({"layer_types": "linear"}, "'layer_types' must be a list"),
 ])
 def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
     from hyspec.config import ConfigError, ModelConfig
@@ -326,3 +339,57 @@ def test_numbered_shards_without_an_index_must_all_be_there(ckpt, reference):
     (ckpt / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"1 of 3 shard\(s\) missing \(model-00002-of-00003.safetensors\)"):
         load_model(ckpt)
+
+
+def test_more_damaged_checkpoints_are_named(ckpt, tmp_path):
+    """What a new-user walkthrough found loading or decoding garbage in silence, or with a
+    traceback: each is now a CheckpointError / ConfigError / TemplateError naming the file,
+    field or tensor, and the good checkpoint still loads (checked last)."""
+    from hyspec.chat_template import TemplateError, load_template
+    from hyspec.config import ModelConfig
+
+    good = _tensors(ckpt)
+    name = "model.layers.0.mlp.shared_expert.down_proj.weight"
+
+    def with_tensors(edit, match, err=CheckpointError):
+        t = {k: v.clone() for k, v in good.items()}
+        edit(t)
+        _write(ckpt, t)
+        with pytest.raises(err, match=match):
+            load_model(ckpt)
+        _write(ckpt, good)
+
+    with_tensors(lambda t: t[name].view(-1)[0].fill_(float("nan")), f"'{name}' holds NaN")
+    with_tensors(lambda t: t["lm_head.weight"][5].fill_(float("inf")), "'lm_head.weight' holds NaN or infinite")
+    with_tensors(lambda t: t.__setitem__(name, torch.ones_like(t[name], dtype=torch.int32)), "stored as torch.int32")
+    with_tensors(lambda t: t.__setitem__("mtp.d2t", torch.zeros(0, dtype=torch.long)), "non-empty 1-D integer")
+    with_tensors(lambda t: t.__setitem__("mtp.d2t", torch.zeros(2, 3, dtype=torch.long)), "non-empty 1-D integer")
+    with_tensors(lambda t: t.__setitem__("mtp.d2t", torch.zeros(4)), "non-empty 1-D integer")
+    _write(ckpt, {"model.norm.weight": good["model.norm.weight"]}, "zz.safetensors")  # one tensor in two files
+    with pytest.raises(CheckpointError, match="'model.norm.weight' is in both model.safetensors and zz"):
+        load_model(ckpt)
+    (ckpt / "zz.safetensors").unlink()
+    index = ckpt / "model.safetensors.index.json"
+    for weight_map, match in ((5, "'weight_map' must map"), ({"a": "../../etc/passwd"}, "in the checkpoint folder")):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=match):
+            load_model(ckpt)
+    index.unlink()
+    gen = ckpt / "generation_config.json"
+    for text, match in (("[1]", "top level must be a JSON object"), ('{"eos_token_id": [null]}', "eos_token_id")):
+        gen.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig.from_dir(ckpt)
+    gen.unlink()
+    tc = ckpt / "tokenizer_config.json"
+    for text, match in (("{bad", "cannot read it"), ('{"chat_template": 5}', "chat_template must be a string")):
+        tc.write_text(text)
+        with pytest.raises(TemplateError, match=match):
+            load_template(ckpt)
+    tc.unlink()
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.warns(UserWarning, match="lm_head.weight differs"):
+        load_model(ckpt)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert load_model(ckpt).cfg.num_hidden_layers == cfg["num_hidden_layers"]
