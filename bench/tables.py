@@ -536,6 +536,8 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "default_model_cuda_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and K=3, "
+                                   "greedy and sampled (H200; the code and commit are in its header)",
     "gpu_tests_one_lane_pdl_h200.txt": "`python3 -m pytest -q -s -m gpu tests/test_gpu_fast.py -k "
                                        "test_one_lane_spec_equals_plain` (H200; header in the file)",
     "gpu_tests_load_order_h200.txt": "`python3 -m pytest -q -rs -n 4 tests/test_kernels_argmax.py "
