@@ -215,6 +215,7 @@ class Constraint:
         self.tokens: list[int] = []  # the tokens consumed so far
         self._recorded: list[bool] = []  # per token: in the matcher's rollback history
         self.after: str | None = None  # after_text's close, for a wrapped grammar
+        self.failure: str | None = None  # why this constraint cannot go on (fail): its sequence ends in error
 
     # -- factories ---------------------------------------------------------------------
     @classmethod
@@ -263,7 +264,20 @@ class Constraint:
         out[:m] = words[:m]
         if n % 32:  # bits past the last valid id in its word
             out[n // 32] &= np.int32((1 << (n % 32)) - 1)
+        if not self._m.is_accepting():  # an EOS only where commit takes it (_n_valid): a matcher with no
+            for t in self.vocab.eos_ids:  # way forward may offer EOS though the output is incomplete
+                if 0 <= t < n:
+                    out.view(np.uint32)[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         return out
+
+    def fail(self, why: str) -> None:
+        """Mark the constraint unable to go on (a grammar that cannot be completed, a matcher
+        error): from now on it allows nothing, and its sequence ends in error (the other
+        sequences of the batch are not touched). The first reason is kept."""
+        if self.failure is None:
+            lines = str(why).strip().splitlines() or ["unknown"]
+            self.failure = lines[0] + (" ..." if len(lines) > 1 else "")  # (llguidance appends its state dump)
+        self._clear()
 
     def allowed_words(self, prefix=()) -> np.ndarray:
         """The mask of :meth:`allowed` packed as llguidance does (int32 [mask_words], bit
@@ -275,17 +289,28 @@ class Constraint:
         if hit is not None:
             return hit
         m = self._m
-        if m.is_error() or self._ended() or (key and (self._n_valid(key) < len(key) or key[-1] in self.vocab.eos_ids)):
-            words = np.zeros(self.mask_words, dtype=np.int32)  # nothing follows an EOS or an invalid prefix
-        elif key:
-            # key is valid and has no EOS (an EOS is always the last valid token): exact rollback
-            if not m.consume_tokens(list(key)):  # cannot happen after _n_valid
-                raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
-            words = self._words_now()
-            if not m.rollback(len(key)):
-                raise RuntimeError(f"constraint: rollback of {len(key)} tokens failed: {m.get_error()}")
-        else:
-            words = self._words_now()
+        zeros = np.zeros(self.mask_words, dtype=np.int32)
+        if m.is_error() and self.failure is None:
+            self.fail(f"the {self.kind} constraint failed: {m.get_error()}")
+        try:
+            if self.failure is not None or self._ended() or (
+                    key and (self._n_valid(key) < len(key) or key[-1] in self.vocab.eos_ids)):
+                words = zeros  # nothing follows an EOS or an invalid prefix
+            elif key:
+                # key is valid and has no EOS (an EOS is always the last valid token): exact rollback
+                if not m.consume_tokens(list(key)):  # cannot happen after _n_valid
+                    raise RuntimeError(f"consuming validated tokens failed: {m.get_error()}")
+                words = self._words_now()
+                if not m.rollback(len(key)):
+                    raise RuntimeError(f"rollback of {len(key)} tokens failed: {m.get_error()}")
+            else:
+                words = self._words_now()
+                if not words.any() and not m.is_accepting():
+                    self.fail(f"the {self.kind} constraint cannot be completed: after {self.committed} token(s) "
+                              f"no token may follow and the output is not a complete match")
+        except RuntimeError as e:  # the matcher's own failure: this sequence's, not the batch's
+            self.fail(f"the {self.kind} constraint failed: {e}")
+            return zeros
         self._cache[key] = words
         return words
 
@@ -373,6 +398,7 @@ class Constraint:
         c.tokens = list(self.tokens)
         c._recorded = list(self._recorded)
         c.after = self.after
+        c.failure = self.failure
         return c
 
     snapshot = clone

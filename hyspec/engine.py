@@ -630,6 +630,9 @@ class Engine:
             from hyspec.gpu.batch_loop import run_requests
 
             run_requests(decoder, requests, max_batch, store=self._store)
+            for r in requests:  # (a constraint that could not go on: that request's error)
+                if getattr(r, "exception", None) is not None:
+                    raise r.exception
             return
         if hasattr(self.backend, "driver"):
             self.backend.driver.optimistic = bool(self.optimistic)

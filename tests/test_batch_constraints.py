@@ -166,3 +166,40 @@ def test_logprobs_under_a_constraint_on_the_graph_path(tiny):
     out = eng.generate(PROMPTS[0], max_new_tokens=N, params=sp, draft=3, constraint=c, logprobs=3)
     assert out.samples[0].stats["path"] == "batch-graphs" and out.samples[0].tokens == want.samples[0].tokens
     same(out.logprobs[0], want.logprobs[0], PROMPTS[0], out.samples[0].tokens)
+
+
+def test_a_constraint_that_cannot_go_on_ends_only_its_own_sequence(tiny):
+    """A grammar that cannot be completed (after "ab" its next character comes from an empty
+    set: the matcher offers EOS alone though the output is incomplete) ends its own
+    sequence with stop_reason "error" and a ConstraintFailure naming it, in the engine core
+    and on the lanes; the unconstrained sequence beside it keeps its tokens (was: the
+    commit's ValueError escaped the round and ended every sequence in the batch)."""
+    from hyspec.constraints import make_constraint
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.engine import Engine
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    d, m = tiny
+    poison = make_constraint(d, "grammar", 'start: "ab" x\nx: /[^\\x00-\\U0010FFFF]/')
+    g = SamplingParams(temperature=0.0)
+    alone = _core(m, PROMPTS[1:], [0], [g], [None])[0]
+    sched = Scheduler(m, max_batch=2)
+    reqs = [Request(prompt_ids=list(PROMPTS[0]), max_new_tokens=N, constraint=poison.clone()),
+            Request(prompt_ids=list(PROMPTS[1]), max_new_tokens=N, stop_ids=(0,))]
+    for r in reqs:
+        sched.submit(r)
+    sched.run()
+    assert reqs[0].stop_reason == "error" and "cannot be completed" in reqs[0].error
+    assert type(reqs[0].exception).__name__ == "ConstraintFailure"
+    assert (list(reqs[1].tokens), reqs[1].stop_reason) == alone
+    dec = BatchDecoder(m, 4 + N + 8, 3, slots=2, graphs=False)
+    lanes = [LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3, constraint=poison.clone(), reference=[1] * N),
+             LaneRequest(prompt=PROMPTS[1], max_new_tokens=N, k=3, stop_ids=frozenset({0}), reference=alone[0])]
+    run_batch(dec, lanes, forced_rates=(0.9, 0.7, 0.6))
+    assert lanes[0].reason == "error" and "grammar constraint" in lanes[0].error  # (a drafts prefix may fail first)
+    assert (lanes[1].tokens, lanes[1].reason) == alone
+    with pytest.raises(ValueError, match="constraint cannot be completed"):  # the Python API names it
+        Engine(m).generate(PROMPTS[0], max_new_tokens=N, constraint=poison)

@@ -228,3 +228,25 @@ def test_sequential_fallback_worker(monkeypatch, ref_engine):
     for c in r["choices"]:
         jsonschema.validate(json.loads(c["text"]), TAGS)
         assert c["finish_reason"] == "stop"
+
+
+def test_a_constraint_that_cannot_go_on_is_a_400_and_its_neighbours_keep_their_output(server, ref_engine):
+    """A grammar that cannot be completed fails at generation time: its request gets a 400
+    naming the constraint (was: a 500 engine_error), streamed or not; requests running
+    beside it in the same batch return their own output (were: all ended with 500)."""
+    poison = {"model": MODEL, "prompt": "a", "max_tokens": 8,
+              "guided_grammar": 'start: "ab" x\nx: /[^\\x00-\\U0010FFFF]/'}
+    r = httpx.post(server.url + "/v1/completions", json=poison, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "constraint_failed" and "grammar constraint" in err["message"], err
+    victim = {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+    want = httpx.post(server.url + "/v1/completions", json=victim, timeout=60).json()["choices"][0]["text"]
+    with cf.ThreadPoolExecutor(6) as ex:
+        victims = [ex.submit(httpx.post, server.url + "/v1/completions", json=victim, timeout=60) for _ in range(3)]
+        poisons = [ex.submit(httpx.post, server.url + "/v1/completions", json=poison, timeout=60) for _ in range(3)]
+        assert [p.result().status_code for p in poisons] == [400] * 3
+        assert [v.result().json()["choices"][0]["text"] for v in victims] == [want] * 3
+    with httpx.stream("POST", server.url + "/v1/completions", json={**poison, "stream": True}, timeout=60) as s:
+        body = "".join(s.iter_text())
+    assert "constraint_failed" in body and "Traceback" not in body

@@ -122,7 +122,10 @@ class Sequence:
                 self.reason = "length"
                 break
         if self.req.constraint is not None and kept:
-            self.req.constraint.commit(kept)
+            try:
+                self.req.constraint.commit(kept)
+            except (ValueError, RuntimeError) as e:  # this sequence's failure, not the batch's
+                self.req.constraint.fail(str(e))
         if self.t_first is None and kept:
             self.t_first = time.perf_counter()
         return kept

@@ -35,6 +35,17 @@ def check_prompt(prompt: list[int], vocab: int) -> None:
         raise ValueError(f"prompt token id(s) {bad[:5]} out of range for vocabulary size {vocab}")
 
 
+class ConstraintFailure(ValueError):
+    """A request's constraint could not go on (hyspec.constraints.Constraint.fail): that
+    request ends with stop_reason "error"; the others in its batch are not touched."""
+
+
+def constraint_failure(req) -> ConstraintFailure | None:
+    c = getattr(req, "constraint", None)
+    why = getattr(c, "failure", None) if c is not None else None
+    return None if why is None else ConstraintFailure(why)
+
+
 def check_stop(stop_ids, vocab: int) -> set[int]:
     s = set(int(t) for t in stop_ids)
     bad = [t for t in s if not 0 <= t < vocab]
@@ -146,6 +157,12 @@ class Scheduler:
                 return True
             self.rounds += 1
             for s in batch:
+                failure = constraint_failure(s.req)
+                if failure is not None:  # its grammar cannot go on: it alone ends, in error
+                    if s in txn:
+                        txn[s].restore(s)
+                    self._finish(s, "error", failure)
+                    continue
                 toks = emitted.get(s, [])
                 if toks and s.req.on_tokens is not None:
                     try:

@@ -62,7 +62,8 @@ class LaneRequest:
     logprobs: int | None = None  # N: each emitted token's log-probability (raw target logits) and top-N
     token_logprobs: list = field(default_factory=list)  # per emitted token: (logprob, [(id, logprob), ...])
     tokens: list[int] = field(default_factory=list)
-    reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint"
+    reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint" | "error"
+    error: str | None = None  # why, with reason "error" (its constraint could not go on: Constraint.fail)
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
     k_next: int = -1  # adaptive K: the k it asks for next round (before the token-limit cap)
     rounds: int = 0  # target forwards (plain steps and speculative rounds)
@@ -86,7 +87,13 @@ class LaneRequest:
                 self.reason = "length"
                 break
         if self.constraint is not None and len(self.tokens) > n0:
-            self.constraint.commit(self.tokens[n0:])
+            try:
+                self.constraint.commit(self.tokens[n0:])
+            except (ValueError, RuntimeError) as e:  # this lane's failure, not the batch's
+                self.constraint.fail(str(e))
+            if self.constraint.failure is not None:
+                self.reason, self.error = "error", self.constraint.failure
+                return
         if self.on_tokens is not None and len(self.tokens) > n0:
             self.on_tokens(self.tokens[n0:])
 
@@ -246,6 +253,9 @@ class BatchRunner:
                 r.reason = "cancelled"  # it leaves at the round boundary (_leave)
 
     def _finished(self, r: LaneRequest) -> None:
+        failure = getattr(r.constraint, "failure", None)
+        if failure is not None and r.reason != "cancelled":  # its grammar could not go on: an error
+            r.reason, r.error = "error", failure
         r.t_done = time.perf_counter()
         if r.on_finish is not None:
             r.on_finish(r)
@@ -756,6 +766,8 @@ def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
              "target_forwards": lr.rounds}
     if lr.k > 0:
         stats.update({"k": lr.k, "spec": lr.telemetry.to_dict()})
+    if lr.error is not None:  # (the engine core's req.error form: the server answers it with a 400)
+        stats["error"] = f"ConstraintFailure: {lr.error}"
     return stats
 
 
@@ -784,6 +796,11 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
     for r, lr in zip(reqs, lanes):
         r.tokens[:] = lr.tokens
         r.stop_reason = lr.reason or "length"
+        if lr.error is not None:
+            from hyspec.core.scheduler import ConstraintFailure
+
+            r.exception = ConstraintFailure(lr.error)
+            r.error = f"ConstraintFailure: {lr.error}"
         if r.keep and r.end_state is None:  # not exported (no token emitted, or not exact): rebuilt
             r.end_state = state_of(dec, lr.prompt + lr.tokens, lr.k)
             if r.end_state is not None and lr.adaptive_floor is not None:

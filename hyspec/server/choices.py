@@ -150,7 +150,7 @@ class Run:
     def check_error(self) -> None:
         for choice in self.choices:
             if choice.error is not None:
-                raise APIError(500, "the engine failed while generating this request", code="engine_error")
+                raise engine_error(choice.error)
 
     def usage(self) -> dict:
         prompt = sum(len(x) for x in self.prompts)
@@ -167,3 +167,13 @@ class Run:
         reasons = ",".join(sorted({str(c.finish_reason) for c in self.choices}))
         log.info("%s in=%d out=%d accept_len=%s latency=%.3fs finish=%s", self.id, usage["prompt_tokens"],
                  usage["completion_tokens"], acceptance, time.perf_counter() - self.t0, reasons)
+
+
+def engine_error(error: str) -> APIError:
+    """The API error of a choice that ended in error: a constraint that could not go on
+    (hyspec.core.scheduler.ConstraintFailure: the request's grammar, not the server) is a
+    400 naming why; anything else is the engine's 500."""
+    if str(error).startswith("ConstraintFailure: "):
+        return APIError(400, f"the request's constraint could not be satisfied: {error[len('ConstraintFailure: '):]}",
+                        code="constraint_failed")
+    return APIError(500, "the engine failed while generating this request", code="engine_error")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from hyspec.server.choices import engine_error
 from hyspec.server.params import APIError
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
                     continue
                 final = choice.finish_reason is not None
                 if choice.error is not None:
-                    raise APIError(500, "the engine failed while generating this request", code="engine_error")
+                    raise engine_error(choice.error)
                 text = choice.matcher.emittable(final=final)
                 delta = text[choice.sent_text:]
                 wants_logprobs = choice.job.logprobs is not None

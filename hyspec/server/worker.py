@@ -450,7 +450,7 @@ class EngineWorker:
                                use_store=False)
         except ValueError as e:
             log.error("sequence failed in the engine: %s", e)
-            self._finish(job, "error", {"error": str(e)})
+            self._finish(job, "error", {"error": f"{type(e).__name__}: {e}"})
             return
         sample = out.samples[0]
         logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs) if job.logprobs is not None else None
