@@ -558,3 +558,16 @@ def test_serve_option_checks():
                          (["--max-queue", "-1"], "--max-queue must be >= 0")):
         with pytest.raises(ValueError, match=needle):
             server.check(server.build_parser().parse_args(argv))
+
+
+def test_prefix_queries_count_only_sequences_that_ran():
+    """hyspec_prefix_cache_queries_total counts sequences that looked the store up: not one
+    cancelled while queued or refused before it ran (it was every finished sequence)."""
+    from hyspec.server.metrics import Metrics
+
+    m = Metrics()
+    m.prefix_store = True
+    m.observe_finish("cancelled", {})
+    m.observe_finish("error", {"error": "refused"})
+    m.observe_finish("stop", {"prompt_tokens": 5, "cached_tokens": 3})
+    assert m.prefix_queries._value.get() == 1 and m.prefix_hits._value.get() == 1

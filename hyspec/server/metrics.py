@@ -54,7 +54,7 @@ class Metrics:
 
     def observe_finish(self, reason: str, stats: dict) -> None:
         self.requests.labels(finish_reason=reason).inc()
-        if self.prefix_store:
+        if self.prefix_store and "prompt_tokens" in stats:  # it ran (not cancelled in the queue, not refused)
             self.prefix_queries.inc()
         cached = int(stats.get("cached_tokens", 0) or 0)
         if cached > 0:
