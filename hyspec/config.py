@@ -62,6 +62,7 @@ class ConfigError(ValueError):
 # storage dtypes of the Gated DeltaNet state (the `mamba_ssm_dtype` field, the `ssm_dtype` option)
 SSM_DTYPES = ("float32", "bfloat16", "float16")
 _SSM_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+SSM_CHOICES = SSM_DTYPES + tuple(_SSM_ALIASES) + ("auto",)  # what --ssm-dtype takes
 
 
 def _ssm_dtype_field(v):

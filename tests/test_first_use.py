@@ -166,13 +166,22 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
                       ["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "m"), "--fp8", "--fp8-block", "16"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--ks", "0"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--reps", "0"],
-                      ["replay", "--model", str(ckpt), "--text-file", str(f), "--max-tokens", "0"])
+                      ["replay", "--model", str(ckpt), "--text-file", str(f), "--max-tokens", "0"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--out", str(tmp_path / "none" / "b.json")],
+                      ["bench", "--pp", "2", "--out", str(tmp_path)])
     assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
     assert "--max-new-tokens" in errs[1]
     assert "99999" in errs[2] and "out of range" in errs[2]
     assert "--draft" in errs[3]
     assert "--fp8-block" in errs[4] and not (tmp_path / "m").exists()
     assert "--ks" in errs[5] and "--reps" in errs[6] and "--max-tokens" in errs[7]
+    assert "--out" in errs[8] and "does not exist" in errs[8]  # before the run (was: after it, results lost)
+    assert "--out" in errs[9] and "is a directory" in errs[9]
+    if not torch.cuda.is_available():  # the pipeline bench on CUDA where there is none: one line, no traceback
+        assert "CUDA is not available" in cli_errors(["bench", "--pp", "2", "--device", "cuda"])[0]
+    r = cli("generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "2", "--ssm-dtype", "bf16",
+            "--no-stream")  # docs/models.md's aliases
+    assert r.returncode == 0, r.stderr
 
 
 def test_pipeline_and_train_options_fail_before_any_process_or_file(tmp_path) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from hyspec.bench.hf import hf_generate
 from hyspec.bench.models import make_model
-from hyspec.config import SSM_DTYPES
+from hyspec.config import SSM_CHOICES
 from hyspec.bench.report import format_memory, log, memory_report, print_table, si, targets, write_json
 from hyspec.bench.timing import copy_bandwidth
 from hyspec.bench.variants import VARIANT_ALIASES, VARIANTS, bench_variant, exactness_check, variant_names
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
     ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
+    ap.add_argument("--ssm-dtype", default=None, choices=SSM_CHOICES,
                     help="storage dtype of the Gated DeltaNet state (default: the model's, float32 for the bench "
                          "models; bfloat16 halves the state's bytes per sequence)")
     for flag, typ, gpu, cpu, what in DEVICE_DEFAULTS:
@@ -108,7 +108,7 @@ def check_args(args) -> None:
 
     args.ks = _int_list("ks", args.ks, 1, MAX_DRAFT)
     for flag, lo in (("prompt-len", 1), ("new-tokens", 1), ("verify-max", 1), ("reps", 1), ("exact-tokens", 1),
-                     ("exact-prompts", 0), ("hf-tokens", 0), ("draft-vocab", 0), ("batch-inv-prompts", 1),
+                     ("exact-prompts", 0), ("hf-tokens", 0), ("draft-vocab", 0), ("batch-inv-prompts", 0),
                      ("copy-bytes", 1)):
         v = getattr(args, flag.replace("-", "_"))
         if v is not None and v < lo:
@@ -121,6 +121,9 @@ def check_args(args) -> None:
         raise ValueError(f"--forced: {e}") from None
     if args.batch is not None:
         _int_list("batch", args.batch, 1)
+    from hyspec.cli.common import check_out_file
+
+    check_out_file(args.out)  # before the run whose results it holds
 
 
 def resolve_device(args) -> tuple[torch.device, torch.dtype]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hyspec.config import DTYPE_NAMES, SSM_DTYPES
+from hyspec.config import DTYPE_NAMES, SSM_CHOICES
 from hyspec.sampling import SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
@@ -60,12 +60,36 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def check_out_file(path, flag: str = "--out") -> None:
+    """ValueError naming `flag` when `path` could not be written (a folder, a missing or
+    unwritable parent): checked before the work whose results it would hold."""
+    import os
+    from pathlib import Path
+
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {parent} does not exist")
+    existed = p.exists()
+    try:  # (opened for appending and closed: an existing file keeps its bytes)
+        with open(p, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        os.unlink(p)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
                    help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
+    p.add_argument("--ssm-dtype", default=None, choices=SSM_CHOICES,
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's "
                         "mamba_ssm_dtype, else float32; bfloat16 halves a sequence's state bytes "
                         "and rounds it after every token, which changes the output slightly)")

@@ -64,6 +64,11 @@ def main(argv=None) -> int:
     if args.pp < 2:  # (one stage would wait forever for a previous one)
         raise ValueError(f"--pp must be >= 2 for the pipeline bench (it compares N stages with one process), "
                          f"got {args.pp}")
+    from hyspec.cli.common import check_out_file
+    from hyspec.engine import check_device
+
+    check_device(args.device)  # (CUDA asked for where there is none: one error line, not a rank's traceback)
+    check_out_file(args.out)
 
     import torch
 

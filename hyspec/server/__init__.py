@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.config import DTYPE_NAMES, SSM_DTYPES
+    from hyspec.config import DTYPE_NAMES, SSM_CHOICES
     from hyspec.speculative.loop import MAX_DRAFT
 
     from hyspec.cli.common import OneLineParser
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
                    help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--ssm-dtype", default=None, choices=SSM_DTYPES + ("auto",),
+    p.add_argument("--ssm-dtype", default=None, choices=SSM_CHOICES,
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's mamba_ssm_dtype, "
                         "else float32; bfloat16 halves a sequence's state bytes, output changes slightly)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
