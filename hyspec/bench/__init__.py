@@ -5,6 +5,7 @@
     hyspec bench --model DIR                            # a checkpoint
     hyspec bench --config qwen3.5-27b                   # published shapes (hyspec/presets.py), GPU only
     hyspec bench --model DIR --batch 1,4,16             # aggregate throughput through the engine core
+    hyspec bench --pp 2                                 # the pipeline bench (its flags: hyspec bench --pp 2 --help)
 
 qwen3-next-2b-dense (the default; old name: b2) is the bench's own ~2.3 B Qwen3-Next-layout
 model with random weights. On the CPU the defaults are small (a quick run: short prompt,

@@ -158,6 +158,8 @@ def _common_checks(args) -> None:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
     if args.lanes < 1:
         raise ValueError(f"--lanes must be >= 1, got {args.lanes}")
+    if args.lanes > 1 and args.pp < 2:  # (as --optimistic: not ignored in silence)
+        raise ValueError("--lanes alternates batch groups through pipeline stages: it needs --pp N with N >= 2")
 
 
 def _file_options(args):
