@@ -125,6 +125,8 @@ class Sequence:
             try:
                 self.req.constraint.commit(kept)
             except (ValueError, RuntimeError) as e:  # this sequence's failure, not the batch's
+                if not hasattr(self.req.constraint, "fail"):
+                    raise
                 self.req.constraint.fail(str(e))
         if self.t_first is None and kept:
             self.t_first = time.perf_counter()

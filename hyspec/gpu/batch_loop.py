@@ -90,8 +90,10 @@ class LaneRequest:
             try:
                 self.constraint.commit(self.tokens[n0:])
             except (ValueError, RuntimeError) as e:  # this lane's failure, not the batch's
+                if not hasattr(self.constraint, "fail"):
+                    raise
                 self.constraint.fail(str(e))
-            if self.constraint.failure is not None:
+            if getattr(self.constraint, "failure", None) is not None:
                 self.reason, self.error = "error", self.constraint.failure
                 return
         if self.on_tokens is not None and len(self.tokens) > n0:
