@@ -73,18 +73,21 @@ def test_bad_lines_are_named(tmp_path, line, msg):
     assert ":2:" in r.stderr and re.search(msg, r.stderr), r.stderr
 
 
-@pytest.mark.parametrize("line,msg", [
-    ('{"messages": [{"content": "hi"}]}', "string role"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}', "tool_choice"),
-])
-def test_bad_chat_lines_fail_before_the_model_loads(tmp_path, line, msg):
+def test_bad_chat_lines_fail_before_the_model_loads(tmp_path):
     """A chat line's messages and tools are checked with the other fields, before the model
     loads (a missing --model directory is not what the user hears about first)."""
-    f = tmp_path / "bad.jsonl"
-    f.write_text('{"prompt": "ok"}\n' + line + "\n")
-    r = cli("generate", "--prompts-file", str(f), "--model", str(tmp_path / "no_such_model"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert ":2:" in r.stderr and re.search(msg, r.stderr) and "no_such_model" not in r.stderr, r.stderr
+    from cli_helpers import cli_many
+
+    calls = []
+    for i, line in enumerate(('{"messages": [{"content": "hi"}]}',
+                              '{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}')):
+        f = tmp_path / f"bad{i}.jsonl"
+        f.write_text('{"prompt": "ok"}\n' + line + "\n")
+        calls.append(["generate", "--prompts-file", str(f), "--model", str(tmp_path / "no_such_model")])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for (code, _, err), msg in zip(cli_many(calls, env=env), ("string role", "tool_choice")):
+        assert code == 2 and "Traceback" not in err, err
+        assert ":2:" in err and re.search(msg, err) and "no_such_model" not in err, err
 
 
 def test_prompts_file_from_a_pipe():

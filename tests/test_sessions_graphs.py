@@ -111,7 +111,8 @@ def test_rewind_fork_save_and_core_turns_on_the_lanes(zoo, tmp_path):
     mixed = graph_engine(zoo, "qwen3_5")
     m = mixed.session(draft=2, max_new_tokens=NEW, use_store=False)
     ref = core_engine(zoo, "qwen3_5").session(draft=2, max_new_tokens=NEW, use_store=False)
-    for i, msg in enumerate(msgs):  # the core for turns 1 and 3, the lanes for 2 and 4
+    msgs = msgs[:3]  # (CI's time: core -> lanes -> core covers both hand-overs)
+    for i, msg in enumerate(msgs):  # the core for turns 1 and 3, the lanes for 2
         mixed.session_graphs = bool(i % 2)
         out = m.send(msg)
         assert (out.stats.get("path") == "batch-graphs") == bool(i % 2)
