@@ -626,17 +626,13 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from None
         decoder = self._graph_batch(requests, max_batch)
+        if hasattr(self.backend, "driver"):
+            self.backend.driver.optimistic = bool(self.optimistic)
         if decoder is not None:
             from hyspec.gpu.batch_loop import run_requests
 
             run_requests(decoder, requests, max_batch, store=self._store)
-            for r in requests:  # (a constraint that could not go on: that request's error)
-                if getattr(r, "exception", None) is not None:
-                    raise r.exception
-            return
-        if hasattr(self.backend, "driver"):
-            self.backend.driver.optimistic = bool(self.optimistic)
-        if self.lanes > 1 and len(requests) > 1 and hasattr(self.backend, "driver"):
+        elif self.lanes > 1 and len(requests) > 1 and hasattr(self.backend, "driver"):
             from hyspec.parallel.lanes import run_lanes
 
             run_lanes(self.model, self.backend, requests, max_batch=max_batch, lanes=self.lanes)
@@ -644,7 +640,7 @@ class Engine:
             for r in requests:
                 sched.submit(r)
             sched.run()
-        for r in requests:
+        for r in requests:  # a request's own error (e.g. a constraint that could not go on), on every path
             exc = getattr(r, "exception", None)
             if exc is not None:
                 raise exc
