@@ -164,7 +164,12 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     from hyspec.model.hybrid import HybridLM
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if draft_vocab and not with_mtp:
+        raise ValueError("a reduced draft vocabulary (draft_vocab) needs the MTP head; drop with_mtp=False (--no-mtp)")
+    if draft_vocab and not 0 < draft_vocab <= vocab_size:
+        raise ValueError(f"draft_vocab must be in 1..{vocab_size} (the vocabulary size), got {draft_vocab}")
+    if experts not in ("stacked", "per_expert"):
+        raise ValueError(f"experts must be 'stacked' or 'per_expert', got {experts!r}")
     cfg_dict = tiny_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers)
     cfg_dict.update(overrides or {})
     if not with_mtp:
@@ -175,13 +180,9 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     init_weights(model, g, std)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     if draft_vocab:
-        if not with_mtp or not 0 < draft_vocab <= vocab_size:
-            raise ValueError(f"draft_vocab must be in 1..{vocab_size} and needs the MTP head, got {draft_vocab}")
         # a reduced draft vocabulary: the drafter scores these ids only (EAGLE-style offsets)
         ids = torch.randperm(vocab_size, generator=g)[:draft_vocab].sort().values
         tensors["mtp.d2t"] = ids - torch.arange(draft_vocab)
-    if experts not in ("stacked", "per_expert"):
-        raise ValueError(f"experts must be 'stacked' or 'per_expert', got {experts!r}")
     if experts == "per_expert":
         tensors = _per_expert(tensors)
     if fp8:
@@ -190,6 +191,7 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         tensors, skip = quantize_fp8(tensors, tuple(fp8_block))
         qcfg = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip))
         cfg_dict["quantization_config"] = qcfg.to_dict()
+    out.mkdir(parents=True, exist_ok=True)  # only once everything is built: a refused call leaves no folder
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))

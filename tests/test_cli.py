@@ -351,6 +351,24 @@ def test_forced_rates_with_rejection_sampling(ckpt, capsys) -> None:
         assert rc == 2 and "forced" in cap.err
 
 
+def test_bench_refuses_a_checkpoint_without_mtp_and_prints_no_ceiling_it_did_not_time(ckpt_no_mtp, tmp_path,
+                                                                                     capsys) -> None:
+    """A model without MTP head: one line naming it, not "1 part(s) failed". A run whose
+    --verify-max is below K+1 says it has no ceiling (it printed x0.00). Bare `hyspec bench`
+    on the CPU takes the tiny model (it built the 2.3 B bench model)."""
+    err = run_error(capsys, "bench", "--model", str(ckpt_no_mtp), "--device", "cpu")
+    assert "no MTP head" in err and "part(s) failed" not in err
+    from hyspec.bench.cli import build_parser, resolve_device
+
+    args = build_parser().parse_args(["--device", "cpu"])
+    resolve_device(args)
+    assert args.config == "tiny"
+    rc = main(["bench", "--config", "tiny", "--prompt-len", "4", "--new-tokens", "4", "--ks", "2", "--verify-max", "1",
+               "--reps", "1", "--exact-prompts", "0", "--hf-tokens", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "x0.00" not in out and "no ceiling: --verify-max 1 < K+1 = 3" in out and "ceil n/a" in out
+
+
 def test_bench_cpu_smoke(tmp_path, capsys) -> None:
     """`hyspec bench` on CPU (tiny preset, the reference backend): runs end to end, writes the JSON
     with every section, and its speculative runs equal plain decoding."""

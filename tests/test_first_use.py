@@ -168,7 +168,11 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
                       ["bench", "--config", "tiny", "--device", "cpu", "--reps", "0"],
                       ["replay", "--model", str(ckpt), "--text-file", str(f), "--max-tokens", "0"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--out", str(tmp_path / "none" / "b.json")],
-                      ["bench", "--pp", "2", "--out", str(tmp_path)])
+                      ["bench", "--pp", "2", "--out", str(tmp_path)],
+                      ["bench", "--model", str(ckpt), "--device", "cpu"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--tuned-from", str(f)],
+                      ["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "m2"), "--no-mtp", "--draft-vocab", "4"],
+                      ["bench", "--pp", "2", "--forced-rates", "0.9"])
     assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
     assert "--max-new-tokens" in errs[1]
     assert "99999" in errs[2] and "out of range" in errs[2]
@@ -177,6 +181,10 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert "--ks" in errs[5] and "--reps" in errs[6] and "--max-tokens" in errs[7]
     assert "--out" in errs[8] and "does not exist" in errs[8]  # before the run (was: after it, results lost)
     assert "--out" in errs[9] and "is a directory" in errs[9]
+    assert "context of 32 tokens" in errs[10] and "--prompt-len 32" in errs[10]  # (the bench ran past it)
+    assert "--tuned-from" in errs[11] and "not JSON" in errs[11]  # (after building the model, a bare JSON error)
+    assert "--no-mtp" in errs[12] and not (tmp_path / "m2").exists()  # (blamed the range; left an empty folder)
+    assert "--optimistic" in errs[13]  # (--forced-rates was ignored without it)
     if not torch.cuda.is_available():  # the pipeline bench on CUDA where there is none: one line, no traceback
         assert "CUDA is not available" in cli_errors(["bench", "--pp", "2", "--device", "cuda"])[0]
     assert "--pp" in cli_errors(["generate", "--model", str(ckpt), "--prompt-ids", "1", "--lanes", "2"])[0]
@@ -203,11 +211,13 @@ def test_pipeline_and_train_options_fail_before_any_process_or_file(tmp_path) ->
                       ["train", "--out", str(out), "--log-every", "0"], ["train", "--out", str(out), "--steps", "-1"],
                       ["train", "--out", str(out), "--minutes", "0"],
                       ["train", "--out", str(out), "--corpus", str(bad_corpus), "--tokenizer", tok, "--steps", "1",
-                       "--batch-size", "1", "--seq-len", "16"])
+                       "--batch-size", "1", "--seq-len", "16"],
+                      ["train", "--out", str(bad_corpus), "--steps", "1"])
     assert "--pp must be >= 2" in errs[0] and "--pp must be >= 1" in errs[1]
     assert "8 layers" in errs[2] and "--device" in errs[3] and "--pp must be an integer" in errs[4]
     assert "--log-every" in errs[5] and "--steps" in errs[6] and "nothing to train" in errs[7]
     assert "--corpus" in errs[8] and "path / split / text" in errs[8]
+    assert "--out" in errs[9] and "is a file" in errs[9]  # (was found only when the trained model was written)
     assert not out.exists()
 
 

@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hyspec.presets import ALIASES, BENCH_MODELS, PRESETS
 
     ap = OneLineParser(prog="hyspec bench", description=hyspec.bench.__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--config", default="qwen3-next-2b-dense", choices=[*BENCH_MODELS, *ALIASES, "tiny", *PRESETS],
-                    help="in-memory random model: qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
+    ap.add_argument("--config", default=None, choices=[*BENCH_MODELS, *ALIASES, "tiny", *PRESETS],
+                    help="in-memory random model (default: qwen3-next-2b-dense on a GPU, tiny on the CPU): "
+                         "qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
                          "tiny, or a preset with published shapes (qwen3.5-27b, qwen3.5-35b-a3b, "
                          "qwen3-next-80b-a3b-fp8; GPU only; hyspec/presets.py)")
     ap.add_argument("--fp8", action="store_true",
@@ -124,6 +125,34 @@ def check_args(args) -> None:
     from hyspec.cli.common import check_out_file
 
     check_out_file(args.out)  # before the run whose results it holds
+    args.tuned_data = read_tuned(args.tuned_from) if args.tuned_from else None
+
+
+def read_tuned(path: str) -> dict:
+    """--tuned-from FILE: an earlier bench JSON's GEMM configs, read before the model is built."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--tuned-from: no such file: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--tuned-from: cannot read {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--tuned-from: {path} is not JSON ({e}); it takes a JSON written by hyspec bench --out") \
+            from None
+    tuned, moe = (data.get("tuned_gemm", {}), data.get("tuned_moe_gemm", {})) if isinstance(data, dict) else (0, 0)
+    if not (isinstance(tuned, dict) and isinstance(moe, dict)) or not (tuned or moe):
+        raise ValueError(f"--tuned-from: {path} holds no GEMM configs (tuned_gemm / tuned_moe_gemm of a "
+                         f"hyspec bench --tune run)")
+    try:
+        from hyspec.gpu.tune import parse_moe_key
+
+        for k, e in tuned.items():
+            tuple(int(v) for v in k.split("x")), e["config"]
+        for k, e in moe.items():
+            parse_moe_key(k), e["config"]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"--tuned-from: {path}: a GEMM config entry is malformed ({type(e).__name__}: {e})") from None
+    return data
 
 
 def resolve_device(args) -> tuple[torch.device, torch.dtype]:
@@ -135,12 +164,17 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         from hyspec.engine import check_device
 
         dev = check_device(args.device)
+    if args.config is None:  # the 2.3 B bench model takes ~10 GB and minutes per figure on a CPU
+        args.config = "qwen3-next-2b-dense" if dev.type == "cuda" else "tiny"
     for flag, _, gpu, cpu, _ in DEVICE_DEFAULTS:
         name = flag[2:].replace("-", "_")
         if getattr(args, name) is None:
             setattr(args, name, gpu if dev.type == "cuda" else cpu)
     check_args(args)
     args.variant_list = variant_names(args.variants)
+    if dev.type != "cuda" and "cublas" in args.variant_list:
+        raise ValueError("--variants cublas needs a GPU (cuBLAS matmuls); the CPU bench runs the reference backend: "
+                         "--variants exact")
     from hyspec.loading import parse_dtype
 
     dtype = parse_dtype(args.dtype, dev)
@@ -211,7 +245,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
         from hyspec.kernels.matmul import set_tuned
         from hyspec.kernels.moe.grouped import set_moe_tuned
 
-        earlier = json.loads(Path(args.tuned_from).read_text())
+        earlier = args.tuned_data
         tuned = earlier.get("tuned_gemm", {})
         set_tuned({tuple(int(v) for v in k.split("x")): e["config"] for k, e in tuned.items()})
         result["tuned_gemm"] = tuned
@@ -364,6 +398,17 @@ def main(argv=None) -> int:
     result["copy_bandwidth_GBps"] = bandwidth
     log(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)")
     model = make_model(args, dev, dtype)
+    if not model.has_mtp:
+        from hyspec.config import NO_MTP_HEAD
+
+        raise ValueError(f"{args.model}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
+                         f"(for plain speed alone: hyspec generate --draft 0 --json prints tok/s)")
+    context = model.cfg.max_position_embeddings
+    longest = max(args.new_tokens, args.exact_tokens if args.exact_prompts else 0)
+    if args.prompt_len + longest > context:
+        flag = "--new-tokens" if longest == args.new_tokens else "--exact-tokens"
+        raise ValueError(f"--prompt-len {args.prompt_len} + {flag} {longest} exceed the model's context of "
+                         f"{context} tokens (max_position_embeddings)")
     n_params = sum(p.numel() for p in model.parameters())
     from hyspec.model.gdn import ssm_store_dtype
 
@@ -433,7 +478,10 @@ def main(argv=None) -> int:
     print_table(result)
     if result["errors"]:  # partial results were written and printed; the run still failed
         where = f" (tracebacks in {args.out})" if args.out else " (--out FILE keeps their tracebacks)"
-        log(f"hyspec bench: error: {len(result['errors'])} part(s) failed: {', '.join(result['errors'])}{where}")
+        causes = "; ".join(f"{part}: {str(why).splitlines()[0] if str(why) else '?'}"
+                           for part, why in result["errors"].items())
+        print(f"hyspec bench: error: {len(result['errors'])} part(s) failed ({causes}){where}", file=sys.stderr,
+              flush=True)
         return 1
     return 0
 

@@ -137,6 +137,11 @@ def targets(result: dict) -> dict:
     return out
 
 
+def ceil_text(ceiling) -> str:
+    """A cost-model ceiling for the table: 'n/a' when the run did not time the K+1-row verify."""
+    return f"x{ceiling:.2f}" if ceiling else "n/a"
+
+
 def print_table(result: dict) -> None:
     meta = result["meta"]
     log("\n" + "=" * 78)
@@ -155,7 +160,7 @@ def print_table(result: dict) -> None:
         for drafter, by_k in v["spec"].items():
             log(f"   {drafter:6s}: " + "  ".join(
                 f"K{K} {e['tok_s']:.0f} tok/s x{e['speedup']:.2f} (L {e['acceptance_length']:.2f}, ceil "
-                f"x{e['ceiling'] or 0:.2f}){'' if e['tokens_equal_plain'] else ' !='}" for K, e in by_k.items()))
+                f"{ceil_text(e.get('ceiling'))}){'' if e['tokens_equal_plain'] else ' !='}" for K, e in by_k.items()))
         if "moe" in v:  # routed experts counted on the device (hyspec.bench.variants.moe_figures)
             log("   MoE experts read/layer (counted): " + "  ".join(
                 f"t{t}={r['experts_per_layer']:.1f} (unif. {r['expected_uniform']:.1f}) {si(r['bytes_per_step'])}B "
@@ -164,7 +169,7 @@ def print_table(result: dict) -> None:
         v = result["draft_vocab"]
         f3 = v["spec"].get("forced", {}).get(3, {})
         log(f"-- draft vocabulary {v['size']} ({v['ids']}): plain {v['plain']['tok_s']:.1f} tok/s; draft step "
-            f"{v['draft_step_ms']:.3f} ms; forced K3 x{f3.get('speedup', 0):.2f} (ceil x{f3.get('ceiling') or 0:.2f})"
+            f"{v['draft_step_ms']:.3f} ms; forced K3 x{f3.get('speedup', 0):.2f} (ceil {ceil_text(f3.get('ceiling'))})"
             f"{'' if f3.get('tokens_equal_plain', True) else ' !='}")
     if "exactness" in result:
         e = result["exactness"]

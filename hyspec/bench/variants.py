@@ -258,9 +258,10 @@ def bench_variant(model, prompt, args, exact: bool, dev, roofline_ms: float) -> 
             entry["ceiling"] = ceiling
             entry["ceiling_frac"] = entry["speedup"] / ceiling if ceiling else None
             phases = entry["phases_ms_per_round"] or {}
+            where = (f"ceiling x{ceiling:.2f}, {100 * entry['ceiling_frac']:.0f}% of it" if ceiling else
+                     f"no ceiling: --verify-max {max(verify_rows)} < K+1 = {K + 1} rows")
             log(f"  {drafter:6s} K={K}: {entry['tok_s']:.1f} tok/s x{entry['speedup']:.2f} "
-                f"(L={entry['acceptance_length']:.2f}, ceiling x{ceiling or 0:.2f}, "
-                f"{100 * (entry['ceiling_frac'] or 0):.0f}% of it) phases/round draft "
+                f"(L={entry['acceptance_length']:.2f}, {where}) phases/round draft "
                 f"{phases.get('draft', 0):.3f} verify {phases.get('verify') or 0:.3f} commit "
                 f"{phases.get('commit', 0):.3f} ms; equal plain: {entry['tokens_equal_plain']}")
     if moe:

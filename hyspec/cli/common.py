@@ -84,6 +84,27 @@ def check_out_file(path, flag: str = "--out") -> None:
         os.unlink(p)
 
 
+def check_out_dir(path, flag: str = "--out") -> None:
+    """ValueError naming `flag` when the folder `path` could not be made or written into (a
+    file is there, or the nearest existing folder above it is not writable): checked before
+    the work whose results it would hold. Creates nothing."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path}: is a file, not a folder")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag} {path}: {probe} is a file, so the folder cannot be made")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write into {probe} (permission denied)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
@@ -207,6 +228,8 @@ def print_logprob_table(eng, tokens, entries, top: int, prefix: str = "") -> Non
         s = repr(eng.tokenizer.decode([token_id])) if eng.tokenizer is not None else str(token_id)
         return s if len(s) <= 14 else s[:13] + "~"
 
+    entries = list(entries)
+    top = min(top, max((len(alts) for _, alts in entries), default=top))  # a vocabulary smaller than N lists all
     print(f"{prefix}{'pos':>5}  {'token':<14} {'logprob':>8}" + (f"   top {top} (token logprob)" if top else ""))
     pad = " " * len(prefix)
     for j, (tok, (logprob, alts)) in enumerate(zip(tokens, entries), start=1):

@@ -64,8 +64,18 @@ def main(argv=None) -> int:
     if args.pp < 2:  # (one stage would wait forever for a previous one)
         raise ValueError(f"--pp must be >= 2 for the pipeline bench (it compares N stages with one process), "
                          f"got {args.pp}")
-    from hyspec.cli.common import check_out_file
+    from hyspec.cli.common import check_out_file, parse_rates
     from hyspec.engine import check_device
+
+    if args.forced_rates and not args.optimistic:
+        raise ValueError("--forced-rates picks the drafters of the --optimistic comparison: add --optimistic "
+                         "(the lanes comparison runs the checkpoint's MTP head)")
+    for setting in args.forced_rates or ():
+        if setting != "mtp":
+            try:
+                parse_rates(setting)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--forced-rates: {e} or 'mtp'") from None
 
     check_device(args.device)  # (CUDA asked for where there is none: one error line, not a rank's traceback)
     check_out_file(args.out)

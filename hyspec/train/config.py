@@ -64,6 +64,9 @@ def check_config(a: TrainConfig) -> None:
     for k, v in a.arch.items():
         if v < 1:
             raise ValueError(f"{flag(k)} must be >= 1, got {v}")
+    from hyspec.cli.common import check_out_dir
+
+    check_out_dir(a.out)  # before hours of training whose checkpoint it holds
     if a.device:
         from hyspec.engine import check_device
 
