@@ -20,7 +20,7 @@ class Reply:
         self.mode, self.tools, self.think = mode, tools, think
         self.calls_end = not constrained  # a constrained reply's reasoning ends at </think> only
         self.reasoning = ReasoningStream(think, self.calls_end) if think is not None else None
-        self.tool_stream = ToolStream(tools.tools) if mode == "auto" else None
+        self.tool_stream = ToolStream(tools.tools, tools.parallel) if mode == "auto" else None
         self.calls: list[ToolCall] = []  # once final
         self.sent = 0  # characters of answer streamed (off / named)
         self.call_id = ToolCall("", "").id  # a named call's id, streamed with its first piece
@@ -38,6 +38,8 @@ class Reply:
         content = answer
         if self.mode == "auto":
             content, self.calls = parse_tool_calls(answer, self.tools.tools)
+            if not self.tools.parallel:  # parallel_tool_calls=false: one call at most
+                self.calls = self.calls[:1]
         elif self.mode in ("named", "required"):
             self.calls = parse_forced(answer, self.tools)
             content = "" if self.calls else answer  # an incomplete "required" array stays text

@@ -21,6 +21,9 @@ model wrote is lost. `tool_choice`:
   ``{"name": ..., "parameters": {...}}`` objects (exactly one when
   ``parallel_tool_calls`` is false), each valid against its tool's schema.
 
+With ``parallel_tool_calls`` false an "auto" reply keeps its first call only (the later
+blocks the model wrote are dropped, as vLLM drops them), whole or streamed.
+
 The server (hyspec/server/routes/chat.py) uses this module; so can any Python caller:
 :func:`parse_tool_calls` on a finished reply, :class:`ToolStream` on a growing one."""
 
@@ -368,13 +371,15 @@ class ToolStream:
     """A growing reply of an "auto" request, for streaming: `update(text, final)` (the whole
     text so far) gives the content not yet sent, and puts in `new_calls` the calls whose
     blocks closed since the last update (each call is sent once, as soon as its
-    ``</tool_call>`` is there; `calls`: all so far). Content stops at the first
+    ``</tool_call>`` is there; `calls`: all so far; with `parallel` False only the first
+    call, as in a whole reply with ``parallel_tool_calls`` false). Content stops at the first
     ``<tool_call>`` that starts a call (:func:`first_call`; held back while the text ends in
     what may become one, or in whitespace); at the end, what :func:`parse_tool_calls` calls
     content is completed, so a stream's content and calls equal the whole response's."""
 
-    def __init__(self, tools: dict[str, Tool]) -> None:
+    def __init__(self, tools: dict[str, Tool], parallel: bool = True) -> None:
         self.tools = tools
+        self.parallel = parallel  # False: the first call only (parallel_tool_calls=false)
         self.sent = 0
         self.calls: list[ToolCall] = []
         self.new_calls: list[ToolCall] = []
@@ -383,6 +388,8 @@ class ToolStream:
     def _take_calls(self, found: list[ToolCall]) -> None:
         # the blocks before the last close never change as the text grows: the first
         # len(self.calls) are the ones already sent (their ids kept)
+        if not self.parallel:
+            found = found[:1]
         self.new_calls = found[len(self.calls):]
         self.calls = self.calls + self.new_calls
 

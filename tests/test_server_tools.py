@@ -451,6 +451,23 @@ def test_reply_stream_equals_the_whole_reply_at_every_split():
     assert reply.delta("abc </think>\n\nDone", False) == {"content": "Done"}
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_reply():
+    """parallel_tool_calls=false in "auto": the reply's first call only, whole and streamed
+    (it returned every call the model wrote). A fails-before check: two calls with the default."""
+    two = check_tools([WEATHER, CLOCK, SEARCH])
+    assert [c["function"]["name"] for c in Reply("auto", two, None).whole(XML)["tool_calls"]] == ["search", "now"]
+    one = check_tools([WEATHER, CLOCK, SEARCH], parallel_tool_calls=False)
+    whole = Reply("auto", one, None).whole(XML)
+    assert [c["function"]["name"] for c in whole["tool_calls"]] == ["search"]
+    for step in (1, 4):
+        reply, calls = Reply("auto", one, None), []
+        ends = list(range(step, len(XML), step)) + [len(XML)]
+        for k, end in enumerate(ends):
+            calls += reply.delta(XML[:end], k == len(ends) - 1).get("tool_calls", [])
+        assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
+        assert [c["index"] for c in calls] == [0] and len(reply.calls) == 1
+
+
 CLOCK_SCHEMA = {"type": "object", "required": ["ok"], "additionalProperties": False,
                 "properties": {"ok": {"type": "boolean"}}}
 THINKING_TEMPLATE = TEMPLATE.replace(
