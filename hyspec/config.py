@@ -128,10 +128,13 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
                           "rope_type 'yarn'")
     if factor is None:
         factor = float(d.get("max_position_embeddings", 0)) / orig
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):  # (bool("false") is True)
+        raise ConfigError(f"config.json: rope_parameters.truncate must be true or false, got {truncate!r}")
     vals = {"factor": factor, "original_max_position_embeddings": orig, "beta_fast": num("beta_fast") or 32.0,
             "beta_slow": num("beta_slow") or 1.0, "attention_factor": num("attention_factor"),
             "mscale": num("mscale", positive=False), "mscale_all_dim": num("mscale_all_dim", positive=False),
-            "truncate": bool(rope.get("truncate", True))}
+            "truncate": truncate}
     return kind, tuple(sorted((k, v) for k, v in vals.items() if v is not None))
 
 

@@ -299,6 +299,8 @@ def test_float64_float32_bfloat16(zoo):
     ({"rope_scaling": {"type": "yarn", "factor": -1.0, "original_max_position_embeddings": 64}},
      "rope_parameters.factor must be a positive number"),
     ({"rope_scaling": {"rope_type": "linear"}}, "factor is required"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                       "truncate": "false"}}, "rope_parameters.truncate must be true or false"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     # fields of the wrong type, named (were: TypeError tracebacks, or bool("false") read as true)
