@@ -252,19 +252,20 @@ class Constraint:
         """int32 words of a packed mask over the model's vocabulary: ceil(V_model / 32)."""
         return (self.vocab.vocab_size + 31) // 32
 
-    def _words_now(self) -> np.ndarray:
-        """The matcher's bitmask now (llguidance's layout: token t is bit t % 32 of word
-        t // 32) over the model's vocabulary: int32 [mask_words], ids >= min(tokenizer
-        vocabulary, V_model) cleared."""
+    def _words_now(self, matcher=None) -> np.ndarray:
+        """The bitmask of `matcher` (default: this constraint's) now (llguidance's layout:
+        token t is bit t % 32 of word t // 32) over the model's vocabulary: int32
+        [mask_words], ids >= min(tokenizer vocabulary, V_model) cleared."""
+        matcher = self._m if matcher is None else matcher
         V = self.vocab.vocab_size
         n = min(self.vocab.tok_vocab, V)
-        words = np.frombuffer(self._m.compute_bitmask(), dtype="<i4")
+        words = np.frombuffer(matcher.compute_bitmask(), dtype="<i4")
         out = np.zeros(self.mask_words, dtype=np.int32)
         m = min(words.shape[0], (n + 31) // 32)
         out[:m] = words[:m]
         if n % 32:  # bits past the last valid id in its word
             out[n // 32] &= np.int32((1 << (n % 32)) - 1)
-        if not self._m.is_accepting():  # an EOS only where commit takes it (_n_valid): a matcher with no
+        if not matcher.is_accepting():  # an EOS only where commit takes it (_n_valid): a matcher with no
             for t in self.vocab.eos_ids:  # way forward may offer EOS though the output is incomplete
                 if 0 <= t < n:
                     out.view(np.uint32)[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
@@ -297,12 +298,13 @@ class Constraint:
                     key and (self._n_valid(key) < len(key) or key[-1] in self.vocab.eos_ids)):
                 words = zeros  # nothing follows an EOS or an invalid prefix
             elif key:
-                # key is valid and has no EOS (an EOS is always the last valid token): exact rollback
-                if not m.consume_tokens(list(key)):  # cannot happen after _n_valid
-                    raise RuntimeError(f"consuming validated tokens failed: {m.get_error()}")
-                words = self._words_now()
-                if not m.rollback(len(key)):
-                    raise RuntimeError(f"rollback of {len(key)} tokens failed: {m.get_error()}")
+                # key is valid and has no EOS (an EOS is always the last valid token): a copy
+                # consumes it (llguidance cannot roll back stop= / max_tokens= lexemes, and the
+                # copy is the faster of the two: ~27 vs ~52 us for a 3-token prefix)
+                ahead = m.deep_copy()
+                if not ahead.consume_tokens(list(key)):  # cannot happen after _n_valid
+                    raise RuntimeError(f"consuming validated tokens failed: {ahead.get_error()}")
+                words = self._words_now(ahead)
             else:
                 words = self._words_now()
                 if not words.any() and not m.is_accepting():
@@ -316,7 +318,8 @@ class Constraint:
 
     def allowed(self, prefix=()) -> torch.Tensor:
         """bool [V_model]: the tokens allowed after the committed tokens + `prefix` (earlier
-        drafts of this round; they are validated, consumed and rolled back, never kept).
+        drafts of this round; they are validated and consumed by a copy of the matcher, never
+        kept).
         All False when nothing may follow: the grammar is dead or already ended with EOS,
         or `prefix` itself is not allowed. The returned tensor is cached: do not modify it."""
         key = tuple(int(t) for t in prefix)
@@ -342,12 +345,11 @@ class Constraint:
         m = self._m
         n = m.validate_tokens(toks[:stop]) if stop else 0
         if n == stop < len(toks) and toks[stop] in eos:
-            if n and not m.consume_tokens(toks[:n]):
-                raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
-            ok = m.is_accepting()
-            if n and not m.rollback(n):
-                raise RuntimeError(f"constraint: rollback of {n} tokens failed: {m.get_error()}")
-            n += 1 if ok else 0
+            if n:  # the state after toks[:n], on a copy (nothing to roll back)
+                m = m.deep_copy()
+                if not m.consume_tokens(toks[:n]):
+                    raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
+            n += 1 if m.is_accepting() else 0
         return n
 
     def _ended(self) -> bool:

@@ -245,6 +245,18 @@ def test_engine_generate_constraint(engine):
         engine.generate("x", constraint="json")
 
 
+@pytest.mark.parametrize("lark", ['start: "x=" foo\nfoo[stop=";"]: /[a-z]+/\n',
+                                  'start: foo\nfoo[max_tokens=4]: /[a-z]+/\n'])
+def test_lexemes_llguidance_cannot_roll_back_decode_alike_with_drafts(engine, lark):
+    """stop= and max_tokens= lexemes: llguidance cannot roll them back, and the draft masks
+    consumed and rolled back each draft prefix, so draft >= 1 ended in a ConstraintFailure
+    where draft 0 worked. The masks now come from a copy of the matcher."""
+    outs = [engine.generate("value = ", max_new_tokens=12, draft=d, constraint=engine.constraint("grammar", lark))
+            for d in (0, 1, 3)]
+    assert outs[0].samples[0].stop_reason == "eos"
+    assert outs[0].tokens == outs[1].tokens == outs[2].tokens
+
+
 def test_stop_reason_constraint_when_nothing_is_allowed(engine):
     """ignore_eos: once the grammar ended with EOS nothing may follow, so generation stops
     with stop_reason "constraint" and the output so far (plain and speculative alike)."""
