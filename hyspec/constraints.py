@@ -280,6 +280,15 @@ class Constraint:
             self.failure = lines[0] + (" ..." if len(lines) > 1 else "")  # (llguidance appends its state dump)
         self._clear()
 
+    def dead_end(self) -> bool:
+        """Whether the committed tokens are a dead end: nothing may follow them though no EOS
+        ended them (the grammar cannot be completed). Marks the failure (:meth:`fail`), as
+        :meth:`allowed_words` does when it finds one at the committed state: a sequence that
+        stopped because its mask allowed nothing ends in error unless an EOS ended it."""
+        if self.failure is None and not self._ended():
+            self.allowed_words(())
+        return self.failure is not None
+
     def allowed_words(self, prefix=()) -> np.ndarray:
         """The mask of :meth:`allowed` packed as llguidance does (int32 [mask_words], bit
         t % 32 of word t // 32 set when token t is allowed): what the CUDA-graph decoder

@@ -510,7 +510,10 @@ class Engine:
         constraint: one Constraint (or a list, one per prompt, None for none); each sequence
         runs on its own clone. stop: stop strings for every prompt (a string or a list of
         strings, as in generate), or one entry per prompt (None, a string or a list) when the
-        list holds a list or None."""
+        list holds a list or None. A prompt whose decoding fails on its own (its constraint
+        cannot go on: hyspec.core.scheduler.ConstraintFailure) ends with stop_reason "error"
+        and the reason in its stats["error"]; the other prompts' outputs are returned as
+        usual (generate() raises such an error instead)."""
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             raise ParamError("prompts", prompts, "must be a list of prompts (texts or token id lists)")
         if stop_ids is not None:
@@ -558,13 +561,14 @@ class Engine:
                                     params=prompt_params if prompt_params is not None else GREEDY, draft=k,
                                     spec=opts, stop_ids=stops, on_tokens=stream, on_finish=finished,
                                     constraint=None if c is None else c.clone(), logprobs=lp))
-        self._run_requests(requests, max_batch=max_batch)
+        self._run_requests(requests, max_batch=max_batch, raise_errors=False)  # one prompt's error is its own
         return [self._request_output(r, capped, cut) for r, capped, cut in zip(requests, caps, cuts)]
 
     def _request_output(self, r: Request, capped: bool = False, cut: StopStrings | None = None) -> Output:
         text = cut.apply(r) if cut is not None else None  # (cutting twice is cutting once)
+        stats = r.stats if getattr(r, "error", None) is None else {**r.stats, "error": r.error}
         out = self._output([Sample(r.tokens, self.decode(r.tokens) if text is None else text, r.stop_reason,
-                                   r.stats)], r.prompt_ids, r.draft > 0, capped, r.max_new_tokens)
+                                   stats)], r.prompt_ids, r.draft > 0, capped, r.max_new_tokens)
         if r.logprobs is not None:
             out.logprobs = [list(r.token_logprobs)]
         return out
@@ -616,7 +620,9 @@ class Engine:
             self._batch_dec = decoder = self.new_batch_decoder(slots, max_len, k)
         return decoder
 
-    def _run_requests(self, requests: list[Request], max_batch: int) -> None:
+    def _run_requests(self, requests: list[Request], max_batch: int, raise_errors: bool = True) -> None:
+        """Decode the requests together. A request's own error (a constraint that could not go
+        on) ends that request only; with raise_errors it is raised once all are done."""
         # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
         sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
                           store=self._store if self.backend is None else None)
@@ -642,7 +648,7 @@ class Engine:
             sched.run()
         for r in requests:  # a request's own error (e.g. a constraint that could not go on), on every path
             exc = getattr(r, "exception", None)
-            if exc is not None:
+            if exc is not None and raise_errors:
                 raise exc
 
     def _output(self, samples: list[Sample], ids: list[int], speculative: bool, capped: bool = False,

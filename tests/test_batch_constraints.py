@@ -199,7 +199,18 @@ def test_a_constraint_that_cannot_go_on_ends_only_its_own_sequence(tiny):
     lanes = [LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3, constraint=poison.clone(), reference=[1] * N),
              LaneRequest(prompt=PROMPTS[1], max_new_tokens=N, k=3, stop_ids=frozenset({0}), reference=alone[0])]
     run_batch(dec, lanes, forced_rates=(0.9, 0.7, 0.6))
-    assert lanes[0].reason == "error" and "grammar constraint" in lanes[0].error  # (a drafts prefix may fail first)
+    assert lanes[0].reason == "error" and "grammar constraint" in lanes[0].error
     assert (lanes[1].tokens, lanes[1].reason) == alone
     with pytest.raises(ValueError, match="constraint cannot be completed"):  # the Python API names it
         Engine(m).generate(PROMPTS[0], max_new_tokens=N, constraint=poison)
+    # generate_batch returns every prompt's output, the failed one ended in "error" with its reason
+    # (it raised after the batch and the others' outputs were lost)
+    outs = Engine(m).generate_batch([PROMPTS[0], PROMPTS[1]], max_new_tokens=N, constraint=[poison, None],
+                                    stop_ids=[0])
+    assert outs[0].samples[0].stop_reason == "error" and "cannot be completed" in outs[0].stats["error"]
+    assert (outs[1].tokens, outs[1].samples[0].stop_reason) == alone and "error" not in outs[1].stats
+    # with drafts the dead end is found after the round that reached it: the same tokens, the same error
+    # (it ended "constraint", as if an EOS had ended the grammar)
+    spec = Engine(m).generate_batch([PROMPTS[0]], max_new_tokens=N, constraint=poison, draft=3)[0]
+    assert spec.tokens == outs[0].tokens == lanes[0].tokens and spec.samples[0].stop_reason == "error"
+    assert "cannot be completed" in spec.stats["error"] and "cannot be completed" in lanes[0].error

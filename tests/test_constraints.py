@@ -326,3 +326,12 @@ def test_cli_prompts_file_with_a_constraint(tmp_path, capsys):
     for row in rows:
         assert row["stop_reason"] == "eos" and row["text"].replace("<|endoftext|>", "") in ("red", "green", "blue")
     capsys.readouterr()
+    # a grammar that cannot be completed: every line's result is written, with its "error", and the run exits 1
+    # (it raised after the batch: the error line, exit 2, no reason per line)
+    dead = tmp_path / "dead.lark"
+    dead.write_text('start: "ab" x\nx: /[^\\x00-\\U0010FFFF]/\n')
+    assert main(["generate", "--prompts-file", str(f), "--out", str(out), "--max-new-tokens", "12",
+                 "--grammar", str(dead)]) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["stop_reason"] for r in rows] == ["error"] * 3 and all("cannot be completed" in r["error"] for r in rows)
+    assert "3 of 3 line(s) ended in error (line(s) 1, 2, 3" in capsys.readouterr().err

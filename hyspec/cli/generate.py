@@ -196,6 +196,7 @@ def run_file(args) -> int:
     stops = set(args.stop_ids or ()) | (set() if args.ignore_eos else set(eng.eos_ids))
     sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     finished_early: dict[int, object] = {}  # outputs that wait for an earlier line to finish
+    failed: list[int] = []  # lines whose request ended in error (each written with its "error")
     written = 0
     bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=None)
 
@@ -207,6 +208,9 @@ def run_file(args) -> int:
             output = finished_early.pop(written)
             row = {"index": written, "tokens": output.tokens, "text": output.text,
                    "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
+            if "error" in output.stats:  # this line's own failure (its constraint could not go on)
+                row["error"] = output.stats["error"]
+                failed.append(requests[written]["line"])
             turn = requests[written]["turn"]
             if turn is not None:
                 cut = requests[written]["stop"] if row["stop_reason"] == "stop" else ()
@@ -231,6 +235,11 @@ def run_file(args) -> int:
     fork = fork_telemetry(eng)
     if fork is not None:
         print(fork.summary_line(), file=sys.stderr)
+    if failed:  # every other line's result is written; the run still reports the failures
+        print(f"hyspec generate: error: {len(failed)} of {len(requests)} line(s) ended in error (line(s) "
+              f"{', '.join(map(str, failed[:10]))}{' ...' if len(failed) > 10 else ''} of {args.prompts_file}; "
+              f"see each result's \"error\")", file=sys.stderr)
+        return 1
     return 0
 
 

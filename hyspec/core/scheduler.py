@@ -170,6 +170,10 @@ class Scheduler:
                     except BaseException as e:  # the caller's callback: its exception goes to the caller,
                         self._finish(s, "error", e)  # and this sequence ends (its round is committed)
                         raise
+                if s.reason == "constraint" and hasattr(s.req.constraint, "dead_end") \
+                        and s.req.constraint.dead_end():  # nothing allowed after the committed tokens
+                    self._finish(s, "error", constraint_failure(s.req))  # and no EOS ended them: a dead end
+                    continue  # (found after drafts; at draft 0 the next round's mask finds it, same tokens)
                 if s.reason is not None or len(s.out) >= s.req.max_new_tokens:
                     self._finish(s, s.reason or "length")
             if not self.has_work() and hasattr(self.backend, "settle"):

@@ -255,6 +255,8 @@ class BatchRunner:
                 r.reason = "cancelled"  # it leaves at the round boundary (_leave)
 
     def _finished(self, r: LaneRequest) -> None:
+        if r.reason == "constraint" and hasattr(r.constraint, "dead_end"):  # nothing allowed after its
+            r.constraint.dead_end()  # tokens: an EOS ended the grammar, or it is a dead end (an error)
         failure = getattr(r.constraint, "failure", None)
         if failure is not None and r.reason != "cancelled":  # its grammar could not go on: an error
             r.reason, r.error = "error", failure
