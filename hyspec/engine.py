@@ -316,6 +316,10 @@ class Engine:
         """(new tokens that fit in the context after the prompt, whether that capped the request)."""
         self._check_context(len(ids), "the prompt")
         room = self.context_length - len(ids)
+        if room == 0 and max_new_tokens > 0:  # (as the server answers it: nothing could be generated)
+            raise ValueError(f"the prompt has {len(ids)} tokens, as many as the model's context of "
+                             f"{self.context_length} tokens: none is left to generate (max_position_embeddings "
+                             f"in config.json)")
         return min(max_new_tokens, room), max_new_tokens > room
 
     def decode(self, ids: list[int]) -> str | None:

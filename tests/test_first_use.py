@@ -114,6 +114,9 @@ def test_prompt_longer_than_the_context_is_an_error(ckpt, eng, tmp_path) -> None
     assert f"context of {CTX}" in errs[2] and "--max-tokens" in errs[2]
     with pytest.raises(ValueError, match=f"{CTX + 1}.*{CTX}"):
         eng.score([5] * (CTX + 1))
+    with pytest.raises(ValueError, match="none is left to generate"):  # (as the server: it gave 0 tokens)
+        eng.generate([5] * CTX, max_new_tokens=4)
+    assert eng.generate([5] * CTX, max_new_tokens=0).tokens == []
     r = cli("replay", "--model", str(ckpt), "--text-file", str(long), "--max-tokens", str(CTX), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
 
