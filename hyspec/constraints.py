@@ -160,6 +160,8 @@ def grammar_for(kind: str, value, arg: str | None = None) -> str:
         except ValueError as e:
             raise ValueError(f"{arg}: {e}") from None
     if kind == "json_object":
+        if value is not None:  # (a schema given here was ignored in silence)
+            raise ValueError(f"{arg}: json_object takes no value (any JSON object); for a schema use json_schema")
         return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=dict(JSON_DEFAULTS))
     if kind == "regex":
         if not isinstance(value, str) or value == "":

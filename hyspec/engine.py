@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +255,10 @@ class Engine:
         """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...)).
         None drops it: one-shot requests then run without a store until one is made again
         (a session makes one, shared from then on by every request and session)."""
+        from hyspec.prefix_store import PrefixStore
+
+        if store is not None and not isinstance(store, PrefixStore):
+            raise ParamError("store", store, "must be a hyspec.prefix_store.PrefixStore or None")
         self._store = store
         if self._session_sched is not None:
             self._session_sched.store = store
@@ -284,6 +289,9 @@ class Engine:
         """The checkpoint at `path` (default: the embedded model). ssm_dtype: the Gated
         DeltaNet state's storage dtype (hyspec.loading.load_model: "float32" by default,
         "bfloat16" halves a slot's state bytes and rounds the state after every token)."""
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
+                             "model")
         path = Path(path) if path is not None else default_model_dir()
         check_device(device)
         model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)
@@ -323,7 +331,16 @@ class Engine:
         return min(max_new_tokens, room), max_new_tokens > room
 
     def decode(self, ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+        """The text of token ids (None without a tokenizer). ValueError for ids that are not
+        this model's (outside 0..vocab_size-1) or not a list of integers."""
+        if self.tokenizer is None:
+            return None
+        ids = _token_ids("ids", ids)
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ParamError("ids", bad[:5], f"token ids must be in 0..{vocab - 1} (the model's vocabulary)")
+        return self.tokenizer.decode(ids)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -518,8 +535,11 @@ class Engine:
         cannot go on: hyspec.core.scheduler.ConstraintFailure) ends with stop_reason "error"
         and the reason in its stats["error"]; the other prompts' outputs are returned as
         usual (generate() raises such an error instead)."""
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        if not isinstance(prompts, (list, tuple)):
             raise ParamError("prompts", prompts, "must be a list of prompts (texts or token id lists)")
+        for name, fn in (("on_tokens", on_tokens), ("on_finish", on_finish)):
+            if fn is not None and not callable(fn):
+                raise ParamError(name, fn, "must be a callable (prompt index, ...) or None")
         if stop_ids is not None:
             stop_ids = _token_ids("stop_ids", stop_ids)
         n = len(prompts)

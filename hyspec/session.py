@@ -73,6 +73,30 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+def _check_extra(extra, where: str = "extra") -> None:
+    """Session.save's `extra`: a dict of what Session.load reads back (torch.load with
+    weights_only): None, bools, numbers, strings, tensors, and lists / tuples / dicts of
+    them. Anything else (a function, an object) is refused before the file is written: it
+    would be written, and then the file could not be loaded."""
+    if where == "extra" and extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"extra must be a dict (or None), got {type(extra).__name__}")
+    if extra is None or isinstance(extra, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(extra, (list, tuple)):
+        for i, v in enumerate(extra):
+            _check_extra(v, f"{where}[{i}]")
+        return
+    if isinstance(extra, dict):
+        for k, v in extra.items():
+            if not isinstance(k, (str, int)):
+                raise ValueError(f"{where}: keys must be strings or integers, got {k!r}")
+            _check_extra(v, f"{where}[{k!r}]")
+        return
+    raise ValueError(f"{where} is a {type(extra).__name__}: a saved session keeps only None, bools, numbers, "
+                     f"strings, tensors and lists / tuples / dicts of them (Session.load reads it back with "
+                     f"torch.load(weights_only=True))")
+
+
 class Session:
     def __init__(self, engine, *, draft: int = 0, params: SamplingParams | None = None, spec=None,
                  max_new_tokens: int = 64, stop_ids=None, ignore_eos: bool = False, use_store: bool = True,
@@ -168,7 +192,11 @@ class Session:
         ids = eng.encode(message, arg="message")  # text, or token ids (integers: 1.7 is refused, not truncated)
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be a callable (new token ids) or None, got {on_tokens!r}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None: the session's)")
         n_drafts = self.draft if draft is None else draft
+        if draft is None and self._speculative is False:  # a session that went plain stays plain by default
+            n_drafts = 0  # (its draft=K default then refused every send without draft=0)
         opts = eng._spec_options(n_drafts, self.spec)
         if self._speculative is not None and (n_drafts > 0) != self._speculative:
             raise ValueError(f"this session decodes {'with' if self._speculative else 'without'} drafts since its "
@@ -185,8 +213,6 @@ class Session:
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None: the session's)")
         extra = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
         check_stop(extra, eng.model.cfg.vocab_size)
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
@@ -390,6 +416,7 @@ class Session:
         """Write the session (state, rewind points, settings) to a file; Session.load reads it
         back bitwise, in any process, for the same model."""
         self._check_open()
+        _check_extra(extra)
         path = Path(path).expanduser()
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory: give a file name to save the session to")

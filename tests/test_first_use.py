@@ -224,6 +224,30 @@ def test_pipeline_and_train_options_fail_before_any_process_or_file(tmp_path) ->
     assert not out.exists()
 
 
+def test_python_api_arguments_are_named(eng, ckpt) -> None:
+    """Arguments of the Python API that failed deep inside (TypeError, IndexError,
+    AttributeError later) or were taken in silence (a string read as true, a dict's keys as
+    prompts, a schema given to json_object, a store that is no store)."""
+    from hyspec import SpecOptions
+    from hyspec.engine import Engine, ParamError
+
+    calls = [lambda: eng.generate_batch([[1, 2]], on_tokens=5), lambda: eng.generate_batch([[1, 2]], on_finish="x"),
+             lambda: eng.generate_batch({"x": 1}), lambda: eng.decode([-1]), lambda: eng.decode("abc"),
+             lambda: eng.decode([10 ** 6]), lambda: Engine.load(5), lambda: SpecOptions(forced_rates="abc"),
+             lambda: SpecOptions(forced_seed="a"), lambda: SpecOptions(prime_pending="no"),
+             lambda: SpecOptions(adaptive="yes"), lambda: setattr(eng, "store", "not a store"),
+             lambda: eng.generate([1, 2], max_new_tokens=2, draft=2, reference=[10 ** 6] * 8,
+                                  spec=SpecOptions(k=2, forced_rates=(0.9, 0.8))),
+             lambda: eng.constraint("json_object", {"type": "object"})]
+    names = ["on_tokens", "on_finish", "prompts", "ids", "ids", "ids", "path", "forced_rates", "forced_seed",
+             "prime_pending", "adaptive", "store", "reference", "json_object takes no value"]
+    for call, name in zip(calls, names):
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert not isinstance(eng._store, str)  # the refused store was not set
+    assert isinstance(ParamError("x", 1, "y"), ValueError)
+
+
 def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:
     """`hyspec ... | head`: the reader goes away; no `error: [Errno 32] Broken pipe` line."""
     from hyspec.cli import dispatch

@@ -180,6 +180,12 @@ def test_bad_turn_and_session_arguments_are_named_up_front(zoo, tmp_path):
         eng.session(params={"temperature": 0.7})
     with pytest.raises(FileNotFoundError, match="does not exist"):
         s.save(tmp_path / "no_such_folder" / "s.pt")
+    # extra must be what Session.load can read back (a function was written, then the file failed to load)
+    with pytest.raises(ValueError, match=r"extra\['f'\] is a function"):
+        s.save(tmp_path / "s.pt", extra={"f": lambda: 1})
+    with pytest.raises(ValueError, match="extra must be a dict"):
+        s.save(tmp_path / "s.pt", extra="abc")
+    assert not (tmp_path / "s.pt").exists()
     assert s.state().digest() == before and s.num_turns == 1
     assert s.send([5], stop_ids=[7]).tokens
 
@@ -193,6 +199,13 @@ def test_switching_plain_and_speculative_is_refused(zoo):
     t = eng.session(draft=2, max_new_tokens=4)
     t.send([3, 4, 5])
     assert t.send([6], draft=4).tokens  # K may change between speculative turns
+    # a session made with draft=2 whose first turn was plain stays plain by default (it refused every
+    # send without draft=0); a wrong params type is named before the draft rule
+    u = eng.session(draft=2, max_new_tokens=4)
+    u.send([3, 4, 5], draft=0)
+    with pytest.raises(ValueError, match="params"):
+        u.send([6], params={"temperature": 1.0})
+    assert u.send([6]).tokens == s.send([6]).tokens
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -103,6 +103,10 @@ class Scheduler:
             raise no_mtp_error()
         if opts is not None and opts.forced_rates is not None and req.reference is None:
             raise ValueError("the forced-acceptance drafter needs a reference continuation")
+        if req.reference is not None:
+            bad = [t for t in req.reference if not 0 <= t < cfg.vocab_size]
+            if bad:
+                raise ValueError(f"reference: token id(s) {bad[:5]} out of range for vocabulary size {cfg.vocab_size}")
         if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
                                          or req.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {req.logprobs!r}")

@@ -54,9 +54,17 @@ class SpecOptions:
             raise ParamError("adaptive_floor", self.adaptive_floor, f"must be in 1..k={self.k}", owner="SpecOptions")
         if self.hidden not in ("post", "pre"):
             raise ParamError("hidden", self.hidden, "must be 'post' or 'pre'", owner="SpecOptions")
-        if self.forced_rates is not None and (not self.forced_rates
-                                              or any(not 0.0 <= r <= 1.0 for r in self.forced_rates)):
-            raise ValueError(f"forced acceptance rates must be in [0, 1], got {list(self.forced_rates)}")
+        for name in ("adaptive", "prime_pending"):  # (a string such as "no" would read as true)
+            if not isinstance(getattr(self, name), bool):
+                raise ParamError(name, getattr(self, name), "must be True or False", owner="SpecOptions")
+        if not isinstance(self.forced_seed, int) or isinstance(self.forced_seed, bool):
+            raise ParamError("forced_seed", self.forced_seed, "must be an integer", owner="SpecOptions")
+        if self.forced_rates is not None:
+            rates = self.forced_rates
+            if isinstance(rates, (str, bytes)) or not isinstance(rates, (tuple, list)) or not rates or any(
+                    isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0 for r in rates):
+                raise ParamError("forced_rates", rates, "must be a non-empty sequence of rates in [0, 1] (one per "
+                                 "draft depth), e.g. (0.9, 0.8, 0.7)", owner="SpecOptions")
 
 
 @torch.no_grad()
