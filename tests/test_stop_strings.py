@@ -70,6 +70,15 @@ def test_the_eos_text_never_completes_a_stop_string(eng):
         eng.generate("x", stop={"a": 1})
 
 
+def test_the_first_bytes_of_a_character_never_complete_a_stop_string(eng):
+    """A character of several byte tokens decodes as U+FFFD until its last byte: a stop
+    string "\ufffd" matched there (it cut '中文' to nothing, stop_reason "stop")."""
+    c = eng.constraint("regex", "中文")
+    full = eng.generate("s = ", max_new_tokens=10, constraint=c)
+    cut = eng.generate("s = ", max_new_tokens=10, constraint=c, stop="\ufffd")
+    assert "中文" in full.text and (cut.tokens, cut.text) == (full.tokens, full.text)
+
+
 def test_samples_batches_and_chat(eng):
     params = SamplingParams(temperature=1.0, seed=9)
     full = eng.generate("import os\n", max_new_tokens=30, draft=3, params=params, num_samples=2, ignore_eos=True)

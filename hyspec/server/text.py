@@ -77,8 +77,11 @@ class StopMatcher:
         longest = max(len(s) for s in self.stops)
         start = max(0, self._scan_from - longest - 4)  # a trailing U+FFFD may resolve later
         best = -1
+        hay = self.text
+        if self._read < len(self._shown):  # an undecided tail: its U+FFFD may be a character's first
+            hay = hay.rstrip("\ufffd")  # bytes, not text yet (a stop string must not match them)
         for s in self.stops:
-            i = self.text.find(s, start)
+            i = hay.find(s, start)
             if i >= 0 and (best < 0 or i < best):
                 best = i
         if best >= 0:
