@@ -129,6 +129,7 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
     if factor is None:
         factor = float(d.get("max_position_embeddings", 0)) / orig
     truncate = rope.get("truncate", True)
+    truncate = False if truncate is None else truncate  # (null: read as false, as transformers' `if truncate`)
     if not isinstance(truncate, bool):  # (bool("false") is True)
         raise ConfigError(f"config.json: rope_parameters.truncate must be true or false, got {truncate!r}")
     vals = {"factor": factor, "original_max_position_embeddings": orig, "beta_fast": num("beta_fast") or 32.0,

@@ -468,7 +468,9 @@ class Engine:
 
         constraint: a hyspec.constraints.Constraint (see Engine.constraint) the output must
         match; each sample runs on its own clone, so the object passed in is not advanced.
-        A sample whose constraint allows no further token ends with stop_reason "constraint".
+        A sample whose constraint allows no further token after an EOS (with ignore_eos) ends
+        with stop_reason "constraint"; one that reaches a dead end of its grammar (nothing
+        allowed and no EOS ended it) raises hyspec.core.scheduler.ConstraintFailure.
 
         use_store: resume from the longest prefix held in the engine's prefix store (sessions
         fill it), prefilling only the rest.
@@ -535,7 +537,10 @@ class Engine:
         cannot go on: hyspec.core.scheduler.ConstraintFailure) ends with stop_reason "error"
         and the reason in its stats["error"]; the other prompts' outputs are returned as
         usual (generate() raises such an error instead)."""
-        if not isinstance(prompts, (list, tuple)):
+        if hasattr(prompts, "tolist") and getattr(prompts, "ndim", 0) == 2:  # a 2-D array / tensor of ids
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, bytes, dict, set, frozenset)) or not hasattr(prompts, "__len__") \
+                or not hasattr(prompts, "__getitem__"):
             raise ParamError("prompts", prompts, "must be a list of prompts (texts or token id lists)")
         for name, fn in (("on_tokens", on_tokens), ("on_finish", on_finish)):
             if fn is not None and not callable(fn):
@@ -670,10 +675,12 @@ class Engine:
             for r in requests:
                 sched.submit(r)
             sched.run()
+        from hyspec.core.scheduler import ConstraintFailure
+
         for r in requests:  # a request's own error (e.g. a constraint that could not go on), on every path
             exc = getattr(r, "exception", None)
-            if exc is not None and raise_errors:
-                raise exc
+            if exc is not None and (raise_errors or not isinstance(exc, ConstraintFailure)):
+                raise exc  # (anything else, e.g. a failed forward or out of memory, is the engine's: raised)
 
     def _output(self, samples: list[Sample], ids: list[int], speculative: bool, capped: bool = False,
                 n_new: int | None = None) -> Output:

@@ -48,6 +48,7 @@ and the store keeps); *history* = the boundary before each turn (the rewind poin
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -73,28 +74,36 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
-def _check_extra(extra, where: str = "extra") -> None:
-    """Session.save's `extra`: a dict of what Session.load reads back (torch.load with
-    weights_only): None, bools, numbers, strings, tensors, and lists / tuples / dicts of
-    them. Anything else (a function, an object) is refused before the file is written: it
-    would be written, and then the file could not be loaded."""
-    if where == "extra" and extra is not None and not isinstance(extra, dict):
+def _check_extra(extra) -> None:
+    """Session.save's `extra`: a dict that Session.load can read back (torch.load with
+    weights_only: None, bools, numbers, strings, bytes, tensors, dtypes and containers of
+    them; not functions, numpy values or other objects). Checked by that very round trip
+    before the file is written (a value it cannot read back made the whole file
+    unloadable); the error names the first key that fails."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict (or None), got {type(extra).__name__}")
-    if extra is None or isinstance(extra, (bool, int, float, str, torch.Tensor)):
+
+    def loads_back(value) -> str | None:
+        buf = io.BytesIO()
+        try:
+            torch.save(value, buf)
+            buf.seek(0)
+            torch.load(buf, map_location="cpu", weights_only=True)
+        except Exception as e:  # (pickling or the weights-only unpickler refusing a type)
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return None
+
+    if loads_back(extra) is None:
         return
-    if isinstance(extra, (list, tuple)):
-        for i, v in enumerate(extra):
-            _check_extra(v, f"{where}[{i}]")
-        return
-    if isinstance(extra, dict):
-        for k, v in extra.items():
-            if not isinstance(k, (str, int)):
-                raise ValueError(f"{where}: keys must be strings or integers, got {k!r}")
-            _check_extra(v, f"{where}[{k!r}]")
-        return
-    raise ValueError(f"{where} is a {type(extra).__name__}: a saved session keeps only None, bools, numbers, "
-                     f"strings, tensors and lists / tuples / dicts of them (Session.load reads it back with "
-                     f"torch.load(weights_only=True))")
+    for key, value in extra.items():
+        why = loads_back({key: value})
+        if why is not None:
+            raise ValueError(f"extra[{key!r}] ({type(value).__name__}) cannot be saved in a session file that "
+                             f"Session.load reads back (torch.load weights_only: None, bools, numbers, strings, "
+                             f"tensors and lists / tuples / dicts of them): {why[:200]}")
+    raise ValueError("extra cannot be saved in a session file that Session.load reads back")
 
 
 class Session:
@@ -129,6 +138,7 @@ class Session:
         self._telemetries: list[SpecTelemetry] = []  # the telemetry before each turn (beside _history)
         self._stats_history: list[dict] = []  # last_stats before each turn (beside _history)
         self._speculative: bool | None = None
+        self._last_draft = 0  # the last turn's K (a speculative session's default when its own draft is 0)
         self.turns = 0
         self.telemetry = SpecTelemetry()  # the turns in the conversation (rewind takes a turn's rounds out)
         self.last_stats: dict = {}
@@ -168,6 +178,11 @@ class Session:
         if constraint is not None:
             self.engine._check_constraint(constraint)
             return constraint.clone()
+        if not ids and self._matcher is not None and getattr(self._matcher, "failure", None) is not None:
+            from hyspec.core.scheduler import ConstraintFailure
+
+            raise ConstraintFailure(f"the last reply's constraint cannot go on ({self._matcher.failure}): rewind, "
+                                    f"or send a message (with constraint=False or another constraint)")
         if not ids and self._matcher is not None and not self._matcher.ended:  # (a reply cut where the grammar
             # is complete goes on too: only its EOS may follow)
             return self._matcher.clone()  # "go on": the unfinished reply (constrained by the session's
@@ -195,8 +210,10 @@ class Session:
         if params is not None and not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None: the session's)")
         n_drafts = self.draft if draft is None else draft
-        if draft is None and self._speculative is False:  # a session that went plain stays plain by default
-            n_drafts = 0  # (its draft=K default then refused every send without draft=0)
+        if draft is None and self._speculative is not None and (n_drafts > 0) != self._speculative:
+            # a session stays as its first turn went by default (a plain one plain; a speculative one at
+            # its last turn's K): its other default then refused every send without draft=
+            n_drafts = 0 if not self._speculative else (self._last_draft or (self.spec.k if self.spec else 3))
         opts = eng._spec_options(n_drafts, self.spec)
         if self._speculative is not None and (n_drafts > 0) != self._speculative:
             raise ValueError(f"this session decodes {'with' if self._speculative else 'without'} drafts since its "
@@ -253,6 +270,7 @@ class Session:
         self._seq, self._state = seq, (end if seq is None else None)
         self._boundary = end
         self._speculative = n_drafts > 0
+        self._last_draft = n_drafts
         self.turns += 1
         if self.use_store:
             eng.store.put(self._boundary)
@@ -345,7 +363,7 @@ class Session:
         other._state = other._boundary = self._boundary
         other._history = list(self._history)
         other._matcher, other._matchers = self._matcher, list(self._matchers)  # never mutated: shared
-        other._speculative = self._speculative
+        other._speculative, other._last_draft = self._speculative, self._last_draft
         other.turns = self.turns
         other.telemetry = self.telemetry.copy()
         other._telemetries, other._stats_history = list(self._telemetries), list(self._stats_history)

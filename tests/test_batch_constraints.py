@@ -214,3 +214,16 @@ def test_a_constraint_that_cannot_go_on_ends_only_its_own_sequence(tiny):
     spec = Engine(m).generate_batch([PROMPTS[0]], max_new_tokens=N, constraint=poison, draft=3)[0]
     assert spec.tokens == outs[0].tokens == lanes[0].tokens and spec.samples[0].stop_reason == "error"
     assert "cannot be completed" in spec.stats["error"] and "cannot be completed" in lanes[0].error
+    # nothing allowed before the first token: an error on the core path too (it ended "constraint")
+    never = make_constraint(d, "grammar", 'start: x\nx: /[^\x00-\U0010FFFF]/')
+    for draft in (0, 2):
+        first = Engine(m).generate_batch([PROMPTS[0]], max_new_tokens=N, constraint=never, draft=draft)[0]
+        assert (first.tokens, first.samples[0].stop_reason) == ([], "error") and "after 0 token" in first.stats["error"]
+    # a session whose speculative turn failed: "go on" names the failure (it raised a TypeError), a new
+    # message without the constraint goes on
+    sess = Engine(m).session(draft=3, max_new_tokens=N, constraint=poison)
+    with pytest.raises(ValueError, match="cannot be completed"):
+        sess.send(PROMPTS[0])
+    with pytest.raises(ValueError, match="the last reply's constraint cannot go on"):
+        sess.send([])
+    assert sess.send([7], constraint=False).samples[0].stop_reason in ("eos", "length")

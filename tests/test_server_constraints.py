@@ -247,6 +247,18 @@ def test_a_constraint_that_cannot_go_on_is_a_400_and_its_neighbours_keep_their_o
         poisons = [ex.submit(httpx.post, server.url + "/v1/completions", json=poison, timeout=60) for _ in range(3)]
         assert [p.result().status_code for p in poisons] == [400] * 3
         assert [v.result().json()["choices"][0]["text"] for v in victims] == [want] * 3
+    def errors_400() -> float:
+        for line in httpx.get(server.url + "/metrics").text.splitlines():
+            if line.startswith('hyspec_request_errors_total{status="400"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = errors_400()
     with httpx.stream("POST", server.url + "/v1/completions", json={**poison, "stream": True}, timeout=60) as s:
         body = "".join(s.iter_text())
     assert "constraint_failed" in body and "Traceback" not in body
+    assert errors_400() == before + 1  # a stream's error event is counted too (it was not)
+    # nothing allowed at the very first token: a 400 too (it was a 200 with an empty "stop" output)
+    never = {**poison, "guided_grammar": 'start: x\nx: /[^\x00-\U0010FFFF]/'}
+    r = httpx.post(server.url + "/v1/completions", json=never, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "constraint_failed", r.text

@@ -181,8 +181,11 @@ def test_bad_turn_and_session_arguments_are_named_up_front(zoo, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         s.save(tmp_path / "no_such_folder" / "s.pt")
     # extra must be what Session.load can read back (a function was written, then the file failed to load)
-    with pytest.raises(ValueError, match=r"extra\['f'\] is a function"):
-        s.save(tmp_path / "s.pt", extra={"f": lambda: 1})
+    import numpy as np
+
+    for bad in ({"f": lambda: 1}, {"f": np.float64(1.5)}):  # (np.float64 passed an isinstance check, then the
+        with pytest.raises(ValueError, match=r"extra\['f'\] .* cannot be saved"):  # file did not load)
+            s.save(tmp_path / "s.pt", extra=bad)
     with pytest.raises(ValueError, match="extra must be a dict"):
         s.save(tmp_path / "s.pt", extra="abc")
     assert not (tmp_path / "s.pt").exists()
@@ -206,6 +209,9 @@ def test_switching_plain_and_speculative_is_refused(zoo):
     with pytest.raises(ValueError, match="params"):
         u.send([6], params={"temperature": 1.0})
     assert u.send([6]).tokens == s.send([6]).tokens
+    v = eng.session(draft=0, max_new_tokens=4)  # and a speculative one stays at its last K
+    v.send([3, 4, 5], draft=2)
+    assert v.send([6]).stats["k"] == 2
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -401,7 +401,7 @@ def main(argv=None) -> int:
     if not model.has_mtp:
         from hyspec.config import NO_MTP_HEAD
 
-        raise ValueError(f"{args.model}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
+        raise ValueError(f"{args.model or args.config}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
                          f"(for plain speed alone: hyspec generate --draft 0 --json prints tok/s)")
     context = model.cfg.max_position_embeddings
     longest = max(args.new_tokens, args.exact_tokens if args.exact_prompts else 0)

@@ -191,6 +191,7 @@ def run_file(args) -> int:
                 r["prompt"], r["constraint"] = r["turn"].prompt, r["turn"].constraint
             r["prompt"] = eng.encode(r["prompt"])
             check_prompt(r["prompt"], eng.model.cfg.vocab_size)
+            eng._cap(r["prompt"], r["max_new_tokens"])  # the context: too long, or no room left
         except ValueError as e:
             raise ValueError(f"{args.prompts_file}:{r['line']}: {e}") from None
     stops = set(args.stop_ids or ()) | (set() if args.ignore_eos else set(eng.eos_ids))

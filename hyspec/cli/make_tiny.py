@@ -38,7 +38,8 @@ def run(args) -> int:
     if args.draft_vocab and args.no_mtp:
         raise ValueError("--draft-vocab needs the MTP head: it cannot go with --no-mtp")
     if not 0 <= args.draft_vocab <= args.vocab_size:
-        raise ValueError(f"--draft-vocab must be in 1..--vocab-size ({args.vocab_size}), got {args.draft_vocab}")
+        raise ValueError(f"--draft-vocab must be in 0..--vocab-size ({args.vocab_size}; 0: none), got "
+                         f"{args.draft_vocab}")
     out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
                     layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
                     draft_vocab=args.draft_vocab, fp8=args.fp8, fp8_block=fp8_block(args.fp8_block),

@@ -46,6 +46,13 @@ def constraint_failure(req) -> ConstraintFailure | None:
     return None if why is None else ConstraintFailure(why)
 
 
+def dead_end(req) -> bool:
+    """Whether a request that stopped because its constraint allowed nothing stopped at a
+    dead end (Constraint.dead_end: no EOS ended the grammar; the failure is then recorded)."""
+    check = getattr(getattr(req, "constraint", None), "dead_end", None)
+    return bool(check()) if check is not None else False
+
+
 def check_stop(stop_ids, vocab: int) -> set[int]:
     s = set(int(t) for t in stop_ids)
     bad = [t for t in s if not 0 <= t < vocab]
@@ -174,8 +181,7 @@ class Scheduler:
                     except BaseException as e:  # the caller's callback: its exception goes to the caller,
                         self._finish(s, "error", e)  # and this sequence ends (its round is committed)
                         raise
-                if s.reason == "constraint" and hasattr(s.req.constraint, "dead_end") \
-                        and s.req.constraint.dead_end():  # nothing allowed after the committed tokens
+                if s.reason == "constraint" and dead_end(s.req):  # nothing allowed after the committed tokens
                     self._finish(s, "error", constraint_failure(s.req))  # and no EOS ended them: a dead end
                     continue  # (found after drafts; at draft 0 the next round's mask finds it, same tokens)
                 if s.reason is not None or len(s.out) >= s.req.max_new_tokens:
@@ -309,8 +315,9 @@ class Scheduler:
             s.h_last = seed_h[-1:]
         if not s.speculative or s.opts.prime_pending or P < 2:
             m = s.mask([])
-            if m is not None and not bool(m.any()):
-                self._finish(s, "constraint")
+            if m is not None and not bool(m.any()):  # nothing allowed at all: an ended grammar, or a dead end
+                failure = constraint_failure(s.req) if dead_end(s.req) else None
+                self._finish(s, "error" if failure else "constraint", failure)
                 return
             s.pending = choose_token(masked(s.last_logits[0], m), s.prompt, s.params, P)
             s.direct += 1

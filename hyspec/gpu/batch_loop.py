@@ -255,8 +255,10 @@ class BatchRunner:
                 r.reason = "cancelled"  # it leaves at the round boundary (_leave)
 
     def _finished(self, r: LaneRequest) -> None:
-        if r.reason == "constraint" and hasattr(r.constraint, "dead_end"):  # nothing allowed after its
-            r.constraint.dead_end()  # tokens: an EOS ended the grammar, or it is a dead end (an error)
+        if r.reason == "constraint":  # nothing allowed after its tokens: an EOS ended the grammar,
+            from hyspec.core.scheduler import dead_end  # or it is a dead end (an error)
+
+            dead_end(r)
         failure = getattr(r.constraint, "failure", None)
         if failure is not None and r.reason != "cancelled":  # its grammar could not go on: an error
             r.reason, r.error = "error", failure

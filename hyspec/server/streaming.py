@@ -48,10 +48,10 @@ async def next_change(run: "Run", watcher) -> bool:
     return True
 
 
-def cancel_unfinished(run: "Run") -> None:
+def cancel_unfinished(run: "Run", why: str = "the client disconnected") -> None:
     if not run.done:
         run.cancel()
-        log.info("%s cancelled: the client disconnected after %.3fs", run.id, time.perf_counter() - run.t0)
+        log.info("%s cancelled: %s after %.3fs", run.id, why, time.perf_counter() - run.t0)
 
 
 async def wait_all(run: "Run", request: Request) -> bool:
@@ -74,6 +74,7 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
     """SSE generator: header chunks, then per change each choice's new text (make_chunk),
     then each choice's finish chunk, the usage chunk if asked, and [DONE]."""
     watcher = asyncio.ensure_future(watch_disconnect(request))
+    why = "the client disconnected"  # why the sequences still running are cancelled, if any are
     try:
         for header in header_chunks:
             yield sse(header)
@@ -108,15 +109,19 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
                        "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"
         run.log_line()
-    except APIError as e:
+    except APIError as e:  # (the stream's HTTP status is 200 already: the error is its last event)
+        why = f"the stream ended with error {e.status}"
+        state.metrics.http_errors.labels(status=str(e.status)).inc()
         yield sse(e.body())
         yield "data: [DONE]\n\n"
     except Exception:  # noqa: BLE001
+        why = "the stream failed"
         log.exception("stream %s failed", run.id)
+        state.metrics.http_errors.labels(status="500").inc()
         yield sse(APIError(500, "internal server error", code="internal_error").body())
     finally:
         watcher.cancel()
-        cancel_unfinished(run)
+        cancel_unfinished(run, why)
 
 
 def stream_response(state: "ServerState", request: Request, run: "Run", req,

@@ -433,7 +433,9 @@ class EngineWorker:
         def on_finish(req):
             stats = dict(getattr(req, "stats", None) or {})
             if req.stop_reason == "error":
-                log.error("sequence failed in the engine: %s", getattr(req, "error", None))
+                err = str(getattr(req, "error", None))  # a request's own constraint: its 400, not an engine fault
+                (log.info if err.startswith("ConstraintFailure: ") else log.error)(
+                    "sequence failed in the engine: %s", err)
                 stats["error"] = getattr(req, "error", None) or "engine failure"
             self._finish(job, req.stop_reason, stats)
         return on_finish

@@ -9,8 +9,10 @@ every round emits accepted + 1 tokens and leaves the bonus pending for the next 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hyspec.core.request import GREEDY, Request
@@ -54,17 +56,22 @@ class SpecOptions:
             raise ParamError("adaptive_floor", self.adaptive_floor, f"must be in 1..k={self.k}", owner="SpecOptions")
         if self.hidden not in ("post", "pre"):
             raise ParamError("hidden", self.hidden, "must be 'post' or 'pre'", owner="SpecOptions")
-        for name in ("adaptive", "prime_pending"):  # (a string such as "no" would read as true)
-            if not isinstance(getattr(self, name), bool):
-                raise ParamError(name, getattr(self, name), "must be True or False", owner="SpecOptions")
-        if not isinstance(self.forced_seed, int) or isinstance(self.forced_seed, bool):
+        # numpy scalars are taken and stored as Python values; a string such as "no" is not a bool
+        for name in ("adaptive", "prime_pending"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ParamError(name, v, "must be True or False", owner="SpecOptions")
+            object.__setattr__(self, name, bool(v))
+        if not isinstance(self.forced_seed, numbers.Integral) or isinstance(self.forced_seed, bool):
             raise ParamError("forced_seed", self.forced_seed, "must be an integer", owner="SpecOptions")
+        object.__setattr__(self, "forced_seed", int(self.forced_seed))
         if self.forced_rates is not None:
             rates = self.forced_rates
-            if isinstance(rates, (str, bytes)) or not isinstance(rates, (tuple, list)) or not rates or any(
-                    isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0 for r in rates):
+            if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__") or not len(rates) or any(
+                    isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0 for r in rates):
                 raise ParamError("forced_rates", rates, "must be a non-empty sequence of rates in [0, 1] (one per "
                                  "draft depth), e.g. (0.9, 0.8, 0.7)", owner="SpecOptions")
+            object.__setattr__(self, "forced_rates", tuple(float(r) for r in rates))
 
 
 @torch.no_grad()
