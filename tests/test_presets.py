@@ -181,7 +181,13 @@ def test_old_names_resolve_to_the_same_config():
     assert preset_config("b2").to_dict() == preset_config("qwen3-next-2b-dense").to_dict()
     for name in ("b2", "qwen3-next-2b-dense"):
         assert canonical_name(build_parser().parse_args(["--config", name]).config) == "qwen3-next-2b-dense"
-    assert build_parser().parse_args([]).config == "qwen3-next-2b-dense"  # the default, under its new name
+    from hyspec.bench.cli import resolve_device  # the default on a GPU, under its new name (tiny on the CPU)
+
+    args = build_parser().parse_args(["--device", "cpu"])
+    assert args.config is None and (resolve_device(args), args.config)[1] == "tiny"
+    if torch.cuda.is_available():
+        args = build_parser().parse_args([])
+        assert (resolve_device(args), args.config)[1] == "qwen3-next-2b-dense"
     s = step_bytes("b2")
     assert 2.2e9 < s["params_target"] < 2.4e9 and s["params_active"] is None  # dense, ~2.3 B: the name holds
     assert variant_names("exact,fast") == variant_names("exact,cublas") == ["exact", "cublas"]
