@@ -120,8 +120,8 @@ def check_prompt_ids(ids: list[int], lim: Limits, param: str) -> None:
     if badids:
         raise bad(f"token id(s) {badids[:5]} out of range for vocabulary size {lim.vocab_size}", param)
     if len(ids) >= lim.max_model_len:
-        raise bad(f"the prompt is {len(ids)} tokens, longer than the model's context of {lim.max_model_len} "
-                  f"tokens (at least one must be left to generate)", param)
+        raise bad(f"the prompt is {len(ids)} tokens, {'as long as' if len(ids) == lim.max_model_len else 'longer than'}"
+                  f" the model's context of {lim.max_model_len} tokens (at least one must be left to generate)", param)
 
 
 def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow_zero: bool) -> int:
