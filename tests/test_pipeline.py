@@ -98,7 +98,10 @@ def test_stage_loads_only_its_layers(ckpts):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pipeline_matches_single_process(ckpts, arch):
+    """Every job on the MoE family; on the others (the stages' split, rollbacks and lanes do
+    not depend on the family: CI's time) the speculative, sampled, batch and lanes jobs."""
     path = ckpts[arch]
+    jobs = JOBS if arch == "qwen3_5_moe" else [JOBS[i] for i in (1, 2, 6, 7)]
     eng = Engine(load_model(path, dtype="float32"))
     specs = []  # the speculative single-request jobs' round counts (from the reference runs themselves)
     generate = eng.generate
@@ -110,12 +113,12 @@ def test_pipeline_matches_single_process(ckpts, arch):
         return out
 
     eng.generate = spy
-    want = [run_job(eng, job) for job in JOBS]
-    got = run_jobs(path, JOBS, world=2)
-    for job, w, g in zip(JOBS, want, got):
+    want = [run_job(eng, job) for job in jobs]
+    got = run_jobs(path, jobs, world=2)
+    for job, w, g in zip(jobs, want, got):
         assert g == w, job
     # the speculative jobs really accepted and rejected drafts (so stages rolled back)
-    assert len(specs) == sum(k == "generate" and bool(kw.get("draft")) for k, kw in JOBS)
+    assert len(specs) == sum(k == "generate" and bool(kw.get("draft")) for k, kw in jobs)
     assert 0 < sum(s["accepted"] for s in specs) < sum(s["drafted"] for s in specs)
 
 
