@@ -18,9 +18,11 @@ context after the prompt.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,8 +227,22 @@ class ChatTurn:
         return Reply.of(self.tools, self.think, self.constraint is not None).whole(text)
 
 
+def one_at_a_time(method):
+    """An Engine method that runs the model: calls from several threads take turns (the
+    engine's schedulers, slots, prefix store and graph decoder are shared; two sessions'
+    turns in two threads livelocked on the session scheduler). Re-entrant: a callback may
+    call the engine from inside. Concurrent requests that should batch go through one
+    generate_batch call, or the server."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     def __init__(self, model: HybridLM, tokenizer: Tokenizer | None = None, model_dir: str | None = None) -> None:
+        self._lock = threading.RLock()  # one model call at a time (one_at_a_time)
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -417,6 +433,7 @@ class Engine:
             constraint = constraint.after_text(THINK_CLOSE)
         return ChatTurn(self, prompt, constraint, spec, think)
 
+    @one_at_a_time
     def chat(self, messages: list[dict], *, tools=None, tool_choice=None, parallel_tool_calls=None,
              template_kwargs: dict | None = None, reasoning: bool | None = None, **generate_kwargs) -> Output:
         """Generate the assistant's reply to `messages`: the prompt is
@@ -451,6 +468,7 @@ class Engine:
     def _stops(self, stop_ids, ignore_eos: bool) -> set[int]:
         return set(() if ignore_eos else self.eos_ids) | set(stop_ids or ())
 
+    @one_at_a_time
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
                  draft: int = 0, spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                  num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
@@ -521,6 +539,7 @@ class Engine:
             out.logprobs = [r.token_logprobs for r in requests]
         return out
 
+    @one_at_a_time
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                        max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None,
@@ -746,6 +765,7 @@ class Engine:
 
     # -- scoring -----------------------------------------------------------------------
     @torch.no_grad()
+    @one_at_a_time
     def score(self, text: str | list[int], *, top_logprobs: int = 0, chunk: int = 512) -> dict:
         """Per-position log-probabilities of each actual next token (teacher forcing).
         logprobs[i-1] = log p(token i | tokens < i) for i >= 1."""

@@ -48,6 +48,7 @@ and the store keeps); *history* = the boundary before each turn (the rewind poin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -105,6 +106,16 @@ def _check_extra(extra) -> None:
                              f"Session.load reads back (torch.load weights_only: None, bools, numbers, strings, "
                              f"tensors and lists / tuples / dicts of them): {why[:200]}")
     raise ValueError("extra cannot be saved in a session file that Session.load reads back")
+
+
+def _engine_turn(method):
+    """A Session method that uses the engine's session scheduler or slots: one at a time per
+    engine, whichever thread calls (Engine one_at_a_time)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.engine._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Session:
@@ -191,6 +202,7 @@ class Session:
         return None if self.constraint is None else self.constraint.clone()
 
     # -- a turn ------------------------------------------------------------------------
+    @_engine_turn
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
              draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None):
         """Append `message` (text or token ids) to the conversation and generate; returns the
@@ -318,6 +330,7 @@ class Session:
         return True
 
     # -- moving in the conversation ----------------------------------------------------
+    @_engine_turn
     def rewind(self, n: int = 1) -> None:
         """Return to the exact state before the last n turns: the model state, the constraint's,
         the telemetry (the undone turns' rounds no longer count) and last_stats (the stats of
@@ -340,6 +353,7 @@ class Session:
         if target is None:
             self._speculative = None
 
+    @_engine_turn
     def reset(self) -> None:
         """Back to an empty conversation (the same settings)."""
         self._check_open()
@@ -357,6 +371,7 @@ class Session:
         self._check_open()
         return self._clone_settings()
 
+    @_engine_turn
     def fork(self) -> "Session":
         """An independent copy: the same transcript, state and rewind points, its own slot."""
         self._check_open()
@@ -371,6 +386,7 @@ class Session:
         other.last_stats = self.last_stats
         return other
 
+    @_engine_turn
     def close(self) -> None:
         """Free the slot (the session cannot be used afterwards)."""
         if not self.closed:
@@ -387,9 +403,10 @@ class Session:
             pass
 
     def _release(self) -> None:
-        if self._seq is not None:
-            self.engine.session_scheduler().pool.release(self._seq.slot)
-            self._seq = None
+        with self.engine._lock:  # (also from __del__, in whichever thread collects the session)
+            if self._seq is not None:
+                self.engine.session_scheduler().pool.release(self._seq.slot)
+                self._seq = None
 
     def _check_open(self) -> None:
         if self.closed:

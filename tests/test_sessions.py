@@ -390,3 +390,30 @@ def test_a_failed_save_leaves_the_older_file_whole(zoo, tmp_path, monkeypatch):
     assert Session.load(eng, f).tokens == s.tokens
     with pytest.raises(IsADirectoryError, match="is a directory"):
         s.save(tmp_path)
+
+
+def test_sessions_and_requests_in_several_threads_take_turns(zoo):
+    """Two sessions' turns and one-shot requests from three threads give what each gives
+    alone (two sessions in two threads livelocked on the engine's shared session scheduler;
+    the engine's calls now take turns)."""
+    import threading
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=9)
+    want = {d: run(eng.session(draft=d, max_new_tokens=MAX_NEW, use_store=False), msgs) for d in (0, 3)}
+    one_shot = eng.generate(msgs[0], max_new_tokens=MAX_NEW, draft=2).tokens
+    got: dict = {}
+
+    def turns(d):
+        got[d] = run(eng.session(draft=d, max_new_tokens=MAX_NEW, use_store=False), msgs)
+
+    def requests():
+        got["one_shot"] = [eng.generate(msgs[0], max_new_tokens=MAX_NEW, draft=2).tokens for _ in range(3)]
+
+    threads = [threading.Thread(target=turns, args=(d,)) for d in (0, 3)] + [threading.Thread(target=requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
+    assert got[0] == want[0] and got[3] == want[3] and got["one_shot"] == [one_shot] * 3
