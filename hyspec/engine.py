@@ -18,6 +18,7 @@ context after the prompt.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import operator
@@ -230,12 +231,15 @@ class ChatTurn:
 def one_at_a_time(method):
     """An Engine method that runs the model: calls from several threads take turns (the
     engine's schedulers, slots, prefix store and graph decoder are shared; two sessions'
-    turns in two threads livelocked on the session scheduler). Re-entrant: a callback may
-    call the engine from inside. Concurrent requests that should batch go through one
-    generate_batch call, or the server."""
+    turns in two threads livelocked on the session scheduler). The lock is re-entrant for
+    the engine's own nesting (chat -> generate); callbacks (on_tokens, on_finish) run while
+    it is held, so a callback must not start another model call on the same engine, nor
+    wait for a thread that does. Concurrent requests that should batch go through one
+    generate_batch call, or the server (which owns its engine while it serves)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self._lock:
+            self._free_orphans()
             return method(self, *args, **kwargs)
     return run
 
@@ -243,6 +247,7 @@ def one_at_a_time(method):
 class Engine:
     def __init__(self, model: HybridLM, tokenizer: Tokenizer | None = None, model_dir: str | None = None) -> None:
         self._lock = threading.RLock()  # one model call at a time (one_at_a_time)
+        self._orphans: collections.deque = collections.deque()  # session slots dropped while the lock was held
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -266,6 +271,14 @@ class Engine:
             self.store = PrefixStore()  # (the setter: sessions share it)
         return self._store
 
+    def _free_orphans(self) -> None:
+        """Give back the slots of sessions collected while another call held the lock (their
+        __del__ does not wait for it: a finalizer that waits on a lock can deadlock)."""
+        while self._orphans:
+            slot = self._orphans.popleft()
+            if self._session_sched is not None:
+                self._session_sched.pool.release(slot)
+
     @store.setter
     def store(self, store) -> None:
         """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...)).
@@ -275,9 +288,10 @@ class Engine:
 
         if store is not None and not isinstance(store, PrefixStore):
             raise ParamError("store", store, "must be a hyspec.prefix_store.PrefixStore or None")
-        self._store = store
-        if self._session_sched is not None:
-            self._session_sched.store = store
+        with self._lock:  # (not in the middle of another thread's call)
+            self._store = store
+            if self._session_sched is not None:
+                self._session_sched.store = store
 
     def session(self, **kw):
         """A conversation whose state is kept between turns (hyspec/session.py): draft, params,

@@ -114,6 +114,7 @@ def _engine_turn(method):
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self.engine._lock:
+            self.engine._free_orphans()
             return method(self, *args, **kwargs)
     return run
 
@@ -397,8 +398,18 @@ class Session:
 
     def __del__(self) -> None:  # a dropped session gives its slot back to the pool
         try:
-            if getattr(self, "_seq", None) is not None:
-                self._release()
+            seq = getattr(self, "_seq", None)
+            if seq is None:
+                return
+            lock = self.engine._lock
+            if lock.acquire(blocking=False):  # never wait in a finalizer (it may run inside any thread)
+                try:
+                    self._release()
+                finally:
+                    lock.release()
+            else:  # another call holds the engine: the slot is given back when the next one starts
+                self.engine._orphans.append(seq.slot)
+                self._seq = None
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 
