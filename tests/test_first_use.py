@@ -433,10 +433,7 @@ def test_train_memory_estimate_of_the_defaults() -> None:
     assert small < 2e9
 
 
-# ---- 7. README example output --------------------------------------------------------------------
-
-
-# ---- 8. seeds ---------------------------------------------------------------------------------------
+# ---- 7. seeds ---------------------------------------------------------------------------------------
 
 
 def test_seed_out_of_range_is_rejected(ckpt) -> None:
@@ -453,7 +450,7 @@ def test_largest_seed_is_accepted(eng) -> None:
     assert len(eng.generate([1, 2], max_new_tokens=3, params=p, num_samples=2, ignore_eos=True).samples) == 2
 
 
-# ---- 9. MTP in the config, none in the weights --------------------------------------------------------
+# ---- 8. MTP in the config, none in the weights --------------------------------------------------------
 
 
 def test_missing_mtp_weights_warn_once(ckpt, tmp_path) -> None:
