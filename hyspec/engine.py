@@ -228,25 +228,32 @@ class ChatTurn:
         return Reply.of(self.tools, self.think, self.constraint is not None).whole(text)
 
 
-def one_at_a_time(method):
-    """An Engine method that runs the model: calls from several threads take turns (the
-    engine's schedulers, slots, prefix store and graph decoder are shared; two sessions'
-    turns in two threads livelocked on the session scheduler). The lock is re-entrant for
-    the engine's own nesting (chat -> generate); callbacks (on_tokens, on_finish) run while
-    it is held, so a callback must not start another model call on the same engine, nor
-    wait for a thread that does. Concurrent requests that should batch go through one
+def engine_call(engine_of=lambda obj: obj):
+    """A decorator for methods that run the engine's model (`engine_of(self)`: the Engine):
+    calls from several threads take turns (the engine's schedulers, slots, prefix store and
+    graph decoder are shared; two sessions' turns in two threads livelocked on the session
+    scheduler). The lock is re-entrant for the engine's own nesting (chat -> generate, a
+    session's send -> its slot's release); callbacks (on_tokens, on_finish) run while it is
+    held, so a callback must not start another model call on the same engine, nor wait for
+    a thread that does. Concurrent requests that should batch go through one
     generate_batch call, or the server (which owns its engine while it serves)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self._lock:
-            self._free_orphans()
-            return method(self, *args, **kwargs)
-    return run
+    def wrap(method):
+        @functools.wraps(method)
+        def run(obj, *args, **kwargs):
+            eng = engine_of(obj)
+            with eng._lock:
+                eng._free_orphans()
+                return method(obj, *args, **kwargs)
+        return run
+    return wrap
+
+
+one_at_a_time = engine_call()  # Engine's own methods (Session's: engine_call(lambda s: s.engine))
 
 
 class Engine:
     def __init__(self, model: HybridLM, tokenizer: Tokenizer | None = None, model_dir: str | None = None) -> None:
-        self._lock = threading.RLock()  # one model call at a time (one_at_a_time)
+        self._lock = threading.RLock()  # one model call at a time (engine_call)
         self._orphans: collections.deque = collections.deque()  # session slots dropped while the lock was held
         self.model = model
         self.tokenizer = tokenizer

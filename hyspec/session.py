@@ -48,7 +48,6 @@ and the store keeps); *history* = the boundary before each turn (the rewind poin
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import os
@@ -59,6 +58,7 @@ import torch
 
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.state import SeqState, capture, check_state
+from hyspec.engine import engine_call
 from hyspec.sampling import ParamError, SamplingParams
 from hyspec.speculative.telemetry import SpecTelemetry
 
@@ -108,15 +108,8 @@ def _check_extra(extra) -> None:
     raise ValueError("extra cannot be saved in a session file that Session.load reads back")
 
 
-def _engine_turn(method):
-    """A Session method that uses the engine's session scheduler or slots: one at a time per
-    engine, whichever thread calls (Engine one_at_a_time)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self.engine._lock:
-            self.engine._free_orphans()
-            return method(self, *args, **kwargs)
-    return run
+# a Session method that uses the engine's session scheduler or slots: one at a time per engine
+_engine_turn = engine_call(lambda session: session.engine)
 
 
 class Session:

@@ -55,6 +55,19 @@ def choose_token(logits: torch.Tensor, history: list[int], params, position: int
     return plain_token(row_probs(logits, history, params), params, position)
 
 
+def commit_constraint(constraint, tokens) -> bool:
+    """Commit emitted tokens to a sequence's constraint (the engine core's rounds and the
+    CUDA-graph lanes); a failure is that sequence's, not the batch's: it is recorded
+    (Constraint.fail) and the sequence ends in error. Returns whether the constraint failed."""
+    try:
+        constraint.commit(tokens)
+    except (ValueError, RuntimeError) as e:
+        if not hasattr(constraint, "fail"):  # (a constraint object without the failure protocol)
+            raise
+        constraint.fail(str(e))
+    return getattr(constraint, "failure", None) is not None
+
+
 def masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return logits if mask is None else logits.masked_fill(~mask.to(logits.device), float("-inf"))
 
@@ -122,12 +135,7 @@ class Sequence:
                 self.reason = "length"
                 break
         if self.req.constraint is not None and kept:
-            try:
-                self.req.constraint.commit(kept)
-            except (ValueError, RuntimeError) as e:  # this sequence's failure, not the batch's
-                if not hasattr(self.req.constraint, "fail"):
-                    raise
-                self.req.constraint.fail(str(e))
+            commit_constraint(self.req.constraint, kept)
         if self.t_first is None and kept:
             self.t_first = time.perf_counter()
         return kept

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from hyspec.config import no_mtp_error
+from hyspec.core.round import commit_constraint
 from hyspec.rng import u01_tensor
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
@@ -87,13 +88,7 @@ class LaneRequest:
                 self.reason = "length"
                 break
         if self.constraint is not None and len(self.tokens) > n0:
-            try:
-                self.constraint.commit(self.tokens[n0:])
-            except (ValueError, RuntimeError) as e:  # this lane's failure, not the batch's
-                if not hasattr(self.constraint, "fail"):
-                    raise
-                self.constraint.fail(str(e))
-            if getattr(self.constraint, "failure", None) is not None:
+            if commit_constraint(self.constraint, self.tokens[n0:]):  # this lane's failure, not the batch's
                 self.reason, self.error = "error", self.constraint.failure
                 return
         if self.on_tokens is not None and len(self.tokens) > n0:
