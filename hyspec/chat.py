@@ -69,7 +69,7 @@ class Chat:
     def _show(self, final: bool = False) -> None:
         """Write what is not yet on screen of the reply's text (all of it when final; else up
         to an incomplete UTF-8 sequence, which waits for the next tokens)."""
-        text = self.eng.decode(self._shown_tokens())
+        text = self.eng.tokenizer.decode(self._shown_tokens())  # (generated ids: no checks per round)
         upto = len(text) if final else len(text.rstrip("\ufffd"))
         if upto > self._shown:
             self.out.write(text[self._shown:upto])
@@ -108,7 +108,7 @@ class Chat:
     def _redraw(self) -> None:
         """Back over the prompt and the empty line typed to the cut reply's last line, which is
         drawn again: the continuation follows it there."""
-        text = self.eng.decode(self._shown_tokens())
+        text = self.eng.tokenizer.decode(self._shown_tokens())  # (generated ids: no checks per round)
         start = text.rfind("\n") + 1
         try:
             cols = os.get_terminal_size(self.out.fileno()).columns
