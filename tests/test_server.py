@@ -198,6 +198,13 @@ def test_text_offsets_count_characters_and_agree_when_streamed(client, ref_engin
     chunks = list(client.completions.create(**kw, stream=True))
     streamed = [o for ch in chunks if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
     assert streamed == want
+    # a special token in the prompt is echoed as sent (it was left out of the echo, and of its offsets)
+    special = tok.decode([0])
+    assert tok.is_special(0) and special.startswith("<|")
+    e = client.completions.create(**{**kw, "prompt": f"a{special}b", "max_tokens": 2}).choices[0]
+    assert e.text.startswith(f"a{special}b")
+    assert e.logprobs.tokens[:3] == ["a", special, "b"] and e.logprobs.text_offset[:4] == [0, 1, 1 + len(special),
+                                                                                          2 + len(special)]
 
 
 BAD = [
@@ -571,3 +578,37 @@ def test_prefix_queries_count_only_sequences_that_ran():
     m.observe_finish("error", {"error": "refused"})
     m.observe_finish("stop", {"prompt_tokens": 5, "cached_tokens": 3})
     assert m.prefix_queries._value.get() == 1 and m.prefix_hits._value.get() == 1
+
+
+def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_then_done():
+    """An unexpected exception mid-stream (not an APIError) ends the stream as any error
+    does: a 500 error event, then [DONE] (it once stopped without [DONE]); the run is cancelled."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from hyspec.server.streaming import stream_events
+
+    class Broken:
+        def emittable(self, final):
+            raise RuntimeError("planted")
+
+    cancelled = []
+    choice = SimpleNamespace(sent_final=False, finish_reason=None, error=None, matcher=Broken())
+    run = SimpleNamespace(choices=[choice], done=False, cancel=lambda: cancelled.append(True), t0=0.0, id="x")
+    counted = []
+    metrics = SimpleNamespace(http_errors=SimpleNamespace(
+        labels=lambda status: SimpleNamespace(inc=lambda: counted.append(status))))
+
+    class Request:
+        async def receive(self):
+            await asyncio.sleep(3600)
+
+    async def collect():
+        return [e async for e in stream_events(SimpleNamespace(metrics=metrics), Request(), run, None, None, False,
+                                               [{"header": 1}])]
+
+    events = asyncio.run(collect())
+    assert events[-1] == "data: [DONE]\n\n"
+    err = json.loads(events[-2][len("data: "):])
+    assert err["error"]["code"] == "internal_error" and counted == ["500"] and cancelled == [True]

@@ -30,26 +30,30 @@ class TextOffsets:
     `start`. The tokens' raw bytes go through one incremental UTF-8 decoder, so a
     character split over byte tokens counts once, where it completes; special tokens
     (left out of the text) count nothing. A stream keeps one per choice and advances it
-    chunk by chunk, so it gives the offsets a whole response gives."""
+    chunk by chunk, so it gives the offsets a whole response gives. `specials`: special
+    tokens are in the text and count (an echoed prompt is shown as sent)."""
 
-    def __init__(self, state: "ServerState", start: int = 0) -> None:
-        self.state, self.chars = state, start
+    def __init__(self, state: "ServerState", start: int = 0, specials: bool = False) -> None:
+        self.state, self.chars, self.specials = state, start, specials
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def advance(self, ids) -> list[int]:
         out = []
         for t in ids:
             out.append(self.chars)
-            if not self.state.is_special(t):
+            if self.specials and self.state.is_special(t):
+                self.chars += len(self._utf8.decode(b"", final=True)) + len(self.state.token_str(t))
+            elif not self.state.is_special(t):
                 self.chars += len(self._utf8.decode(self.state.token_bytes(t)))
         return out
 
 
 def completion_logprobs(state: "ServerState", echo_entries: list, entries: list, offsets: TextOffsets) -> dict:
-    """The completions shape over the echoed prompt's entries (offsets from 0) then the
-    generated ones (offsets from `offsets`, advanced past them)."""
+    """The completions shape over the echoed prompt's entries (offsets from 0; its special
+    tokens are in the echoed text) then the generated ones (offsets from `offsets`, advanced
+    past them)."""
     tokens, token_logprobs, tops, text_offset = [], [], [], []
-    for group, counter in ((list(echo_entries), TextOffsets(state, 0)), (list(entries), offsets)):
+    for group, counter in ((list(echo_entries), TextOffsets(state, 0, specials=True)), (list(entries), offsets)):
         text_offset += counter.advance([token_id for token_id, _, _ in group])
         for token_id, logprob, top in group:
             tokens.append(state.token_str(token_id))

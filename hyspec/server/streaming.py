@@ -119,6 +119,7 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
         log.exception("stream %s failed", run.id)
         state.metrics.http_errors.labels(status="500").inc()
         yield sse(APIError(500, "internal server error", code="internal_error").body())
+        yield "data: [DONE]\n\n"  # (as after any other error event)
     finally:
         watcher.cancel()
         cancel_unfinished(run, why)

@@ -89,17 +89,22 @@ def register(app, state) -> None:
                                          "logprobs": logprobs(entries)},
                 finish_reason)
 
+        # a named / required reply is tool calls: its content is null, as the whole reply's
+        # (an auto reply's role chunk cannot know, and opens with "" as vLLM's does)
+        forced_calls = tools is not None and tools.parses and tools.choice in ("named", "required")
+
         def chunk(choice, delta: str, entries):
             texts[choice.index] += delta
             out = replies[choice.index].delta(texts[choice.index], choice.finish_reason is not None)
             if not out and not entries:
                 return None
             if not out:
-                out = {"content": ""}
+                out = {} if forced_calls else {"content": ""}
             return {"delta": out, "logprobs": logprobs(entries), "finish_reason": None}
 
         return stream_response(
             state, request, run, req, chunk, {"delta": {}},
-            [(c, {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+            [(c, {"delta": {"role": "assistant", "content": None if forced_calls else ""}, "logprobs": None,
+                  "finish_reason": None})
              for c in run.choices],
             finish_reason)

@@ -64,7 +64,7 @@ def register(app, state) -> None:
         n = len(run.choices) // len(prompts)  # choices per prompt
 
         def prompt_text(choice) -> str:
-            return state.decode_skip(choice.prompt_ids) if req.echo else ""
+            return state.tokenizer.decode(choice.prompt_ids) if req.echo else ""  # special tokens kept: as sent
 
         counters: dict[int, TextOffsets] = {}  # per choice: generated tokens' offsets, after the echo
 
