@@ -285,6 +285,12 @@ def _is_terminal(f) -> bool:
         return False
 
 
+def _parse_ids(text: str) -> list[int]:
+    from hyspec.cli.common import parse_ids
+
+    return parse_ids(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args
 
@@ -293,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
-    p.add_argument("--stop-ids", default=None, help="extra stop token ids, comma-separated")
+    p.add_argument("--stop-ids", type=_parse_ids, default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
@@ -307,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine, parse_ids
+    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
 
@@ -316,6 +322,9 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     try:
         params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
         spec = None
+        if args.forced_rates is not None:  # (it was taken and ignored)
+            raise ValueError("--forced-rates (the benchmarks' forced-acceptance drafter) needs a reference "
+                             "continuation, which a chat has not: use it with hyspec generate or hyspec bench")
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
                                adaptive_floor=args.adaptive_floor, hidden=args.hidden)
@@ -345,7 +354,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             constraint = eng.prepare_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs,
                                           constraint=constraint).constraint
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
-                              stop_ids=parse_ids(args.stop_ids) if args.stop_ids else None, ignore_eos=args.ignore_eos,
+                              stop_ids=args.stop_ids, ignore_eos=args.ignore_eos,
                               constraint=constraint)
         chat = Chat(eng, session, out=stdout)
         chat.template_kwargs = kwargs
@@ -369,7 +378,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             if tty:  # Ctrl-D: the shell's prompt on a line of its own
                 chat.say("")
             break
-        line = line.rstrip("\n")
+        line = line.rstrip("\n").removesuffix("\r")  # (a CRLF line end too)
         try:
             if line.startswith("/"):
                 if not chat.command(line):

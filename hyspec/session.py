@@ -145,7 +145,7 @@ class Session:
         self._stats_history: list[dict] = []  # last_stats before each turn (beside _history)
         self._speculative: bool | None = None
         self._last_draft = 0  # the last turn's K (a speculative session's default when its own draft is 0)
-        self.turns = 0
+        self._drafts: list[int] = []  # ... and before each turn (beside _history)
         self.telemetry = SpecTelemetry()  # the turns in the conversation (rewind takes a turn's rounds out)
         self.last_stats: dict = {}
         self.closed = False
@@ -170,6 +170,11 @@ class Session:
 
     @property
     def num_turns(self) -> int:
+        return len(self._history)
+
+    @property
+    def turns(self) -> int:
+        """The turns in the conversation (num_turns: an undone turn no longer counts)."""
         return len(self._history)
 
     @property
@@ -273,12 +278,12 @@ class Session:
         self._matchers.append(self._matcher)
         self._telemetries.append(self.telemetry.copy())
         self._stats_history.append(self.last_stats)
+        self._drafts.append(self._last_draft)
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
         self._seq, self._state = seq, (end if seq is None else None)
         self._boundary = end
         self._speculative = n_drafts > 0
         self._last_draft = n_drafts
-        self.turns += 1
         if self.use_store:
             eng.store.put(self._boundary)
         if "spec" in req.stats:
@@ -327,8 +332,9 @@ class Session:
     @_engine_turn
     def rewind(self, n: int = 1) -> None:
         """Return to the exact state before the last n turns: the model state, the constraint's,
-        the telemetry (the undone turns' rounds no longer count) and last_stats (the stats of
-        the turn that is now the last; {} when it is unknown: none, or a loaded session's)."""
+        the telemetry (the undone turns' rounds no longer count), last_stats (the stats of
+        the turn that is now the last; {} when it is unknown: none, or a loaded session's) and
+        the draft length a send without draft= takes (the one before the undone turns)."""
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"rewind needs a number of turns >= 1, got {n!r}")
@@ -338,6 +344,8 @@ class Session:
         self._matcher = self._matchers[-n]
         self.telemetry = self._telemetries[-n].copy()  # (the snapshots are never mutated)
         self.last_stats = self._stats_history[-n]
+        self._last_draft = self._drafts[-n]
+        del self._drafts[-n:]
         del self._history[-n:]
         del self._matchers[-n:]
         del self._telemetries[-n:]
@@ -356,7 +364,7 @@ class Session:
         self._history = []
         self._matcher, self._matchers = None, []
         self._telemetries, self._stats_history = [], []
-        self._speculative = None
+        self._speculative, self._last_draft, self._drafts = None, 0, []
         self.telemetry = SpecTelemetry()
         self.last_stats = {}
 
@@ -373,8 +381,7 @@ class Session:
         other._state = other._boundary = self._boundary
         other._history = list(self._history)
         other._matcher, other._matchers = self._matcher, list(self._matchers)  # never mutated: shared
-        other._speculative, other._last_draft = self._speculative, self._last_draft
-        other.turns = self.turns
+        other._speculative, other._last_draft, other._drafts = self._speculative, self._last_draft, list(self._drafts)
         other.telemetry = self.telemetry.copy()
         other._telemetries, other._stats_history = list(self._telemetries), list(self._stats_history)
         other.last_stats = self.last_stats
@@ -386,7 +393,7 @@ class Session:
         if not self.closed:
             self._release()
             self._state = self._boundary = None
-            self._history, self._matchers, self._telemetries, self._stats_history = [], [], [], []
+            self._history, self._matchers, self._telemetries, self._stats_history, self._drafts = [], [], [], [], []
             self.closed = True
 
     def __del__(self) -> None:  # a dropped session gives its slot back to the pool
@@ -448,6 +455,7 @@ class Session:
             "constraint": _constraint_dict(self.constraint), "matcher": _constraint_dict(self._matcher),
             "matchers": [_constraint_dict(m) for m in self._matchers],
             "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
+            "last_draft": self._last_draft, "drafts": list(self._drafts),  # a send without draft= follows them
             "telemetries": [t.to_dict() for t in self._telemetries],
             "extra": extra or {},
         }
@@ -525,7 +533,12 @@ class Session:
         session.constraint = _constraint_from(engine, d.get("constraint"))
         session._matcher = _constraint_from(engine, d.get("matcher"))
         session._matchers = [_constraint_from(engine, m) for m in d.get("matchers", [None] * len(session._history))]
-        session._speculative, session.turns = d["speculative"], d["turns"]
+        session._speculative = d["speculative"]
+        # (a file written before they were saved: a speculative session's default K is then its spec's, or 3)
+        session._last_draft = int(d.get("last_draft", 0))
+        session._drafts = [int(k) for k in d.get("drafts", [0] * len(session._history))]
+        if len(session._drafts) != len(session._history):
+            raise ValueError("the session file is damaged: its rewind points and their draft lengths differ in number")
         session.telemetry = SpecTelemetry.from_dict(d["telemetry"])
         # the telemetry before each turn (a file written before they were saved: the current one,
         # so a rewind there keeps counting the undone turns' rounds, as it did then)

@@ -162,6 +162,21 @@ def test_chat_bad_commands_and_json(tmp_path):
     assert last["turns"] == 1 and len(last["turn_tokens"]) == 4
 
 
+def test_chat_flag_errors_are_one_line(capsys):
+    """--stop-ids that are not ids (a traceback once) and --forced-rates (taken and ignored
+    once: the forced drafter needs a reference continuation) are one-line errors, before the
+    model loads."""
+    from hyspec.chat import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--stop-ids", "abc"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--stop-ids" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert main(["--forced-rates", "0.9", "--draft", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--forced-rates" in err and len(err.splitlines()) == 1
+
+
 # -- the terminal chat's display and commands, in process over the embedded default model ------------------
 @pytest.fixture(scope="module")
 def default_engine():
@@ -261,6 +276,12 @@ def test_a_cut_reply_goes_on_on_its_line_on_a_terminal(default_engine, monkeypat
     tty.write("\n")
     c.user("")
     assert tty.getvalue().count("\x1b[") == 4 and "\n[stats] " in tty.getvalue()
+
+
+def test_a_crlf_line_is_the_same_message(run_chat):
+    """A line typed or piped with a CRLF end is the message without its "\r" (it was sent)."""
+    crlf, lf = (stats_lines(run_chat([line, "/stats"])) for line in ("def f(x):\r", "def f(x):"))
+    assert crlf[0]["turn_tokens"] == lf[0]["turn_tokens"] and crlf[0]["context_tokens"] == lf[0]["context_tokens"]
 
 
 def test_stats_after_rewind_count_only_the_turns_left(run_chat):

@@ -193,7 +193,7 @@ def test_bad_turn_and_session_arguments_are_named_up_front(zoo, tmp_path):
     assert s.send([5], stop_ids=[7]).tokens
 
 
-def test_switching_plain_and_speculative_is_refused(zoo):
+def test_switching_plain_and_speculative_is_refused(zoo, tmp_path):
     eng = engine(zoo, "qwen3_next")
     s = eng.session(draft=0, max_new_tokens=4)
     s.send([3, 4, 5])
@@ -212,6 +212,14 @@ def test_switching_plain_and_speculative_is_refused(zoo):
     v = eng.session(draft=0, max_new_tokens=4)  # and a speculative one stays at its last K
     v.send([3, 4, 5], draft=2)
     assert v.send([6]).stats["k"] == 2
+    # ... also after a rewind (the K before the undone turns; it kept theirs) and in a saved
+    # and loaded session (it lost it): a seeded turn resent without draft= is the original one
+    v.send([7], draft=4)
+    v.rewind()
+    assert v.turns == v.num_turns == 2 and v.send([7]).stats["k"] == 2
+    v.save(tmp_path / "v.pt")
+    w = Session.load(eng, tmp_path / "v.pt")
+    assert w.send([8]).stats["k"] == v.send([8]).stats["k"] == 2
 
 
 @pytest.mark.parametrize("arch", ARCHS)
