@@ -89,7 +89,11 @@ def load_template(model_dir) -> tuple[str, str, dict]:
     if isinstance(tpl, str) and tpl:
         return tpl, "tokenizer_config.json", special
     if d is not None and (d / "chat_template.jinja").is_file():
-        return (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja", special
+        try:
+            return (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja", special
+        except UnicodeDecodeError as e:
+            raise TemplateError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start})") \
+                from None
     return PLAIN_TEMPLATE, "plain", special
 
 
@@ -117,6 +121,9 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
         raise
     except jinja2.TemplateError as e:
         raise TemplateError(f"the chat template does not render: {e}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        # the template's own Python error ({{ 1 / 0 }}, a str + int, a macro calling itself)
+        raise TemplateError(f"the chat template does not render: {type(e).__name__}: {e}") from None
 
 
 class ChatTemplate:

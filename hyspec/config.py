@@ -13,6 +13,7 @@ Multimodal wrappers (``qwen3_5``, ``qwen3_5_moe``) nest the language model's fie
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,16 @@ def no_mtp_error(tail: str = NO_MTP_SPEC_TAIL) -> ValueError:
 
 class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
+
+
+def read_json(p: Path) -> Any:
+    """A checkpoint's JSON file; ConfigError naming the file when it is not UTF-8 JSON."""
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 # storage dtypes of the Gated DeltaNet state (the `mamba_ssm_dtype` field, the `ssm_dtype` option)
@@ -111,8 +122,9 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
         v = rope.get(key, default)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (positive and not v > 0):
-            raise ConfigError(f"config.json: rope_parameters.{key} must be a positive number for rope_type "
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and not v > 0):
+            raise ConfigError(f"config.json: rope_parameters.{key} must be a {'positive' if positive else 'finite'} "
+                              f"number for rope_type "
                               f"{kind!r}, got {v!r}")
         return float(v)
 
@@ -271,13 +283,15 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt is None:
             raise ConfigError("config.json: field 'model_type' is missing")
+        if not isinstance(mt, str):
+            raise ConfigError(f"config.json: field 'model_type' must be a string, got {type(mt).__name__}")
         if mt not in _ARCHS:
             raise ConfigError(f"config.json: field 'model_type' is {mt!r}; supported: "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         if isinstance(d.get("text_config"), dict):
             d = {**d["text_config"]}
             d.setdefault("model_type", mt + "_text")
-            if d["model_type"] not in _ARCHS:
+            if not isinstance(d["model_type"], str) or d["model_type"] not in _ARCHS:
                 d["model_type"] = mt + "_text"
             # a few fields may live on the wrapper only
             for k in ("tie_word_embeddings", "eos_token_id"):
@@ -415,17 +429,11 @@ class ModelConfig:
         p = Path(path) / "config.json"
         if not p.is_file():
             raise ConfigError(f"no config.json in {path}")
-        try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        d = read_json(p)
         cfg = cls.from_dict(d)
         gen = Path(path) / "generation_config.json"
         if gen.is_file():
-            try:
-                g = json.loads(gen.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+            g = read_json(gen)
             if not isinstance(g, dict):
                 raise ConfigError(f"{gen}: top level must be a JSON object")
             eos = g.get("eos_token_id")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hyspec.config import DTYPE_NAMES, ConfigError, ModelConfig, keeps_fp32, with_ssm_dtype
+from hyspec.config import DTYPE_NAMES, ConfigError, ModelConfig, keeps_fp32, read_json, with_ssm_dtype
 from hyspec.model.hybrid import HybridLM
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -34,6 +34,8 @@ def parse_dtype(name: str | torch.dtype, device="cpu") -> torch.dtype:
     """A dtype name -> torch.dtype; "auto" is bfloat16 on CUDA (the GPU kernels' tuned dtype,
     and the published checkpoints' own) and float32 elsewhere (exact on the CPU)."""
     if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype {name} is not a model dtype; choose one of auto, {', '.join(DTYPES)}")
         return name
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
@@ -61,7 +63,7 @@ def _shard_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:  # (not JSON, not UTF-8, no weight_map)
             raise CheckpointError(f"{index}: malformed shard index ({e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
@@ -99,10 +101,7 @@ def _quant_config(path: Path):
     p = path / "config.json"
     if not p.is_file():
         return None
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    raw = read_json(p)
     return parse_quantization_config(raw) if isinstance(raw, dict) else None
 
 
@@ -282,6 +281,12 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
         tensors = prepare_fp8(read_tensors(path, dequantize=False, keep=keep), qcfg)
     else:
         tensors = read_tensors(path, dtype=dtype, keep=keep)
+    if layers is None:  # a config.json with fewer or more layers than the weights hold: not run cut short
+        found = {int(m.group(1)) for k in tensors for m in [re.match(r"model\.layers\.(\d+)\.", k)] if m}
+        if found and max(found) + 1 != cfg.num_hidden_layers:
+            raise CheckpointError(f"config.json has num_hidden_layers={cfg.num_hidden_layers} but the checkpoint "
+                                  f"{path} holds weights of {max(found) + 1} layers (model.layers.0 .. "
+                                  f"model.layers.{max(found)}): config.json and the weights disagree")
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
     if has_mtp and cfg.mtp_num_hidden_layers > 1:
         warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}; hyspec drafts "
@@ -304,28 +309,44 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
             model.stage_layers = layers
     model = cast_params(model, dtype)
     kept = _keep_fp8(model, tensors, qcfg) if qcfg is not None else []
-    model = model.to_empty(device=device)
 
-    expected = dict(model.named_parameters())
-    missing = [k for k in expected if k not in tensors]
+    # every weight checked against config.json's shapes on the meta model, before any memory is
+    # taken (a config.json with an absurd size fails here, not in the allocator)
+    sources = {}
+    missing = [k for k, _ in model.named_parameters() if k not in tensors]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"checkpoint {path} is missing tensor(s) {', '.join(repr(m) for m in missing[:5])}{more}")
+    for name, p in model.named_parameters():
+        src = tensors[name]
+        if tuple(src.shape) != tuple(p.shape):
+            # stacked experts are sometimes stored transposed ([E, H, 2I] / [E, I, H])
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and \
+                    tuple(src.shape) == (p.shape[0], p.shape[2], p.shape[1]):
+                src = src.transpose(1, 2)
+            else:
+                raise CheckpointError(f"tensor '{name}' has shape {list(src.shape)}, expected {list(p.shape)} "
+                                      f"from config.json")
+        if not (src.is_floating_point() or name in kept):
+            raise CheckpointError(f"tensor '{name}' is stored as {src.dtype}; a weight must be a floating-point "
+                                  f"tensor")
+        sources[name] = src
+    consumed = {n + sfx for n in kept for sfx in ("_scale_inv", "_scale_rows")}
+    unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in sources and k not in consumed and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+              and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]
+    undescribed = [k for k in unused if k.startswith("model.layers.") and not k.endswith("inv_freq")]
+    if undescribed:  # a layer's weights the model does not have: config.json switched a part off
+        raise CheckpointError(f"checkpoint {path} has {len(undescribed)} layer weight(s) that config.json does not "
+                              f"describe, e.g. {undescribed[:3]}: config.json and the weights disagree (a part "
+                              f"the weights have is switched off or sized 0 in config.json)")
+    if unused:
+        warnings.warn(f"ignoring {len(unused)} unexpected tensor(s), e.g. {unused[:3]}", stacklevel=2)
+    model = model.to_empty(device=device)
+
+    expected = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in expected.items():
-            src = tensors[name]
-            if tuple(src.shape) != tuple(p.shape):
-                # stacked experts are sometimes stored transposed ([E, H, 2I] / [E, I, H])
-                if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and \
-                        tuple(src.shape) == (p.shape[0], p.shape[2], p.shape[1]):
-                    src = src.transpose(1, 2)
-                else:
-                    raise CheckpointError(f"tensor '{name}' has shape {list(src.shape)}, expected {list(p.shape)} "
-                                          f"from config.json")
-            if not (src.is_floating_point() or name in kept):
-                raise CheckpointError(f"tensor '{name}' is stored as {src.dtype}; a weight must be a floating-point "
-                                      f"tensor")
-            p.copy_(src.to(p.dtype))
+            p.copy_(sources[name].to(p.dtype))
         for name in kept:  # the kept fp8 weights' scale grids (and row maps)
             mod_name, _, attr = name.rpartition(".")
             mod = model.get_submodule(mod_name)
@@ -353,11 +374,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
             head.shape == embed.shape and head.dtype == embed.dtype and torch.equal(head, embed)):
         warnings.warn(f"{path}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
                       f"checkpoint's lm_head.weight differs from it: the embedding is used", stacklevel=2)
-    consumed = {n + sfx for n in kept for sfx in ("_scale_inv", "_scale_rows")}
-    unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in expected and k not in consumed and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
-              and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]
-    if unused:
-        warnings.warn(f"ignoring {len(unused)} unexpected tensor(s), e.g. {unused[:3]}", stacklevel=2)
     model.eval()
     model.requires_grad_(False)
     return model

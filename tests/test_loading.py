@@ -152,11 +152,36 @@ def test_an_expert_of_another_shape_is_named(ckpt):
 def test_unknown_dtype_and_unexpected_tensor(ckpt):
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         parse_dtype("float8")
+    with pytest.raises(ValueError, match="torch.int8 is not a model dtype"):  # (a TypeError deep in torch once;
+        parse_dtype(torch.int8)  # complex64 loaded and ran)
     t = _tensors(ckpt)
-    t["model.layers.0.mystery.weight"] = torch.zeros(3)
+    t["model.mystery.weight"] = torch.zeros(3)  # outside the layers: ignored, with a warning
     _write(ckpt, t)
     with pytest.warns(UserWarning, match="mystery"):
         load_model(ckpt)
+    # a layer's weight the model has no place for: config.json and the weights disagree (it ran without it)
+    t["model.layers.0.mystery.weight"] = torch.zeros(3)
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=r"layer weight\(s\) that config.json does not describe.*mystery"):
+        load_model(ckpt)
+
+
+def test_a_config_that_describes_another_model_than_the_weights_is_refused(ckpt):
+    """Found loading and running a cut-down model with one vague warning (fewer layers, no
+    shared expert), or dying in the allocator with a traceback (an absurd size): each is now
+    an error naming the disagreement, before any weight memory is taken."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+
+    def refused(patch, match):
+        (ckpt / "config.json").write_text(json.dumps({**cfg, **patch}))
+        with pytest.raises(CheckpointError, match=match):
+            load_model(ckpt)
+
+    n = cfg["num_hidden_layers"]
+    refused({"num_hidden_layers": n - 1},
+            f"num_hidden_layers={n - 1} but the checkpoint .* holds weights of {n} layers")
+    refused({"shared_expert_intermediate_size": 0}, "does not describe, e.g. .*shared_expert")
+    refused({"vocab_size": 10 ** 12}, r"'model.embed_tokens.weight' has shape \[\d+, \d+\], expected \[1000000000000")
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,6 +341,11 @@ def test_float64_float32_bfloat16(zoo):
     ({"mtp_num_hidden_layers": "one"}, "'mtp_num_hidden_layers' must be an integer"),
     ({"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": None}, "must divide hidden_size"),
     ({"layer_types": "linear"}, "'layer_types' must be a list"),
+    ({"model_type": ["qwen3_5_text"]}, "'model_type' must be a string, got list"),  # (unhashable: a traceback)
+    ({"rope_scaling": {"rope_type": "yarn", "factor": float("inf"), "original_max_position_embeddings": 64}},
+     "rope_parameters.factor must be a positive number"),  # (Infinity in JSON: it decoded garbage)
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                       "mscale": float("nan")}}, "rope_parameters.mscale must be a finite number"),
 ])
 def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
     from hyspec.config import ConfigError, ModelConfig
@@ -389,6 +419,21 @@ def test_more_damaged_checkpoints_are_named(ckpt, tmp_path):
         with pytest.raises(TemplateError, match=match):
             load_template(ckpt)
     tc.unlink()
+    # a template's own Python error at render time (a ZeroDivisionError / TypeError traceback in chat)
+    from hyspec.chat_template import render_template
+
+    for source, match in (("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[0].content + 5 }}", "TypeError")):
+        with pytest.raises(TemplateError, match=f"does not render: {match}"):
+            render_template(source, [{"role": "user", "content": "hi"}])
+    # files that are not UTF-8 are named (the message named no file)
+    (ckpt / "chat_template.jinja").write_bytes(b"\xff{{ x }}")
+    with pytest.raises(TemplateError, match="chat_template.jinja: not UTF-8"):
+        load_template(ckpt)
+    (ckpt / "chat_template.jinja").unlink()
+    gen.write_bytes(b"\xff{}")
+    with pytest.raises(ConfigError, match="generation_config.json: not UTF-8"):
+        ModelConfig.from_dir(ckpt)
+    gen.unlink()
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
     with pytest.warns(UserWarning, match="lm_head.weight differs"):
