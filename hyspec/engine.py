@@ -24,6 +24,7 @@ import math
 import operator
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,13 +327,17 @@ class Engine:
         """The checkpoint at `path` (default: the embedded model). ssm_dtype: the Gated
         DeltaNet state's storage dtype (hyspec.loading.load_model: "float32" by default,
         "bfloat16" halves a slot's state bytes and rounds the state after every token)."""
-        if path is not None and not isinstance(path, (str, os.PathLike)):
+        if path is not None and not isinstance(path, (str, os.PathLike)) or path == "":
             raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
                              "model")
         path = Path(path) if path is not None else default_model_dir()
         check_device(device)
         model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)
         tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        if tok is not None and tok.vocab_size > model.cfg.vocab_size:
+            warnings.warn(f"{path}: tokenizer.json has {tok.vocab_size} tokens, more than config.json's vocab_size "
+                          f"{model.cfg.vocab_size}: a text whose ids pass it is refused (the tokenizer and the "
+                          f"weights may not belong together)", stacklevel=2)
         return cls(model, tok, str(path))
 
     # -- text <-> ids ------------------------------------------------------------------

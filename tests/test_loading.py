@@ -182,6 +182,14 @@ def test_a_config_that_describes_another_model_than_the_weights_is_refused(ckpt)
             f"num_hidden_layers={n - 1} but the checkpoint .* holds weights of {n} layers")
     refused({"shared_expert_intermediate_size": 0}, "does not describe, e.g. .*shared_expert")
     refused({"vocab_size": 10 ** 12}, r"'model.embed_tokens.weight' has shape \[\d+, \d+\], expected \[1000000000000")
+    # a tokenizer larger than the vocabulary is named at load (it surfaced per request, as an id out of range)
+    from hyspec.engine import Engine, default_model_dir
+
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(default_model_dir() / "tokenizer.json", ckpt / "tokenizer.json")
+    with pytest.warns(UserWarning, match=f"tokenizer.json has 4096 tokens, more than config.json's vocab_size "
+                                         f"{cfg['vocab_size']}"):
+        Engine.load(ckpt)
 
 
 # ---------------------------------------------------------------------------------------
