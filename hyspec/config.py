@@ -383,6 +383,9 @@ class ModelConfig:
         eos_ids = () if eos is None else token_ids("eos_token_id", eos)
         is_moe = _ARCHS[d["model_type"]][1]
         n_experts = integer("num_experts", 0) if is_moe else 0
+        if n_experts and d.get("num_experts_per_tok") is None:  # (it read as 0: "=0 must be in 1..N")
+            need("num_experts_per_tok")  # absent: named missing
+            raise bad("num_experts_per_tok", f"an integer in 1..{n_experts}", None)
         mlp_only = d.get("mlp_only_layers") or ()
         if not isinstance(mlp_only, (list, tuple)) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):

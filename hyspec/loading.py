@@ -288,14 +288,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                                   f"{path} holds weights of {max(found) + 1} layers (model.layers.0 .. "
                                   f"model.layers.{max(found)}): config.json and the weights disagree")
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
-    if has_mtp and cfg.mtp_num_hidden_layers > 1:
-        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}; hyspec drafts "
-                      f"with the first MTP layer (mtp.layers.0) only, chained for every draft", stacklevel=2)
-    if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
-        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
-                      f"have no mtp.* tensors: speculative decoding (--draft K) is unavailable, plain decoding "
-                      f"works", stacklevel=2)
-
     with torch.device("meta"):
         model = HybridLM(cfg, with_mtp=has_mtp)
         if layers is not None:
@@ -341,6 +333,14 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                               f"the weights have is switched off or sized 0 in config.json)")
     if unused:
         warnings.warn(f"ignoring {len(unused)} unexpected tensor(s), e.g. {unused[:3]}", stacklevel=2)
+    # (warned once the weights are known to fit: not before an error)
+    if has_mtp and cfg.mtp_num_hidden_layers > 1:
+        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}; hyspec drafts "
+                      f"with the first MTP layer (mtp.layers.0) only, chained for every draft", stacklevel=2)
+    if load_mtp and not has_mtp and cfg.mtp_num_hidden_layers > 0:
+        warnings.warn(f"{path}: config.json has mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} but the weights "
+                      f"have no mtp.* tensors: speculative decoding (--draft K) is unavailable, plain decoding "
+                      f"works", stacklevel=2)
     model = model.to_empty(device=device)
 
     expected = dict(model.named_parameters())

@@ -95,6 +95,7 @@ def test_truncated_header(ckpt):
     (lambda c: c.update(layer_types=["linear_attention"] * 3), "layer_types"),
     (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding"]), "unknown layer type 'sliding'"),
     (lambda c: c.update(num_experts_per_tok=9), "num_experts_per_tok"),
+    (lambda c: c.pop("num_experts_per_tok"), "'num_experts_per_tok' is missing"),  # (it said "=0 must be in")
     (lambda c: c.update(vocab_size=0), "vocab_size"),
 ])
 def test_bad_config_fields_are_named(ckpt, edit, match):
