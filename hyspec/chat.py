@@ -285,21 +285,15 @@ def _is_terminal(f) -> bool:
         return False
 
 
-def _parse_ids(text: str) -> list[int]:
-    from hyspec.cli.common import parse_ids
-
-    return parse_ids(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args
+    from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args, parse_ids
 
     from hyspec.cli.common import OneLineParser
 
     p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
-    p.add_argument("--stop-ids", type=_parse_ids, default=None, help="extra stop token ids, comma-separated")
+    p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
@@ -307,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "(the Qwen3 / Qwen3.5 templates' switch for answers without a thinking part)")
     add_sampling_args(p)
-    add_spec_args(p)
+    add_spec_args(p, forced_rates=False)  # (the forced drafter needs a reference continuation: not in a chat)
     add_constraint_args(p)  # every reply must match (docs/constraints.md, "In sessions")
     return p
 
@@ -322,9 +316,6 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     try:
         params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
         spec = None
-        if args.forced_rates is not None:  # (it was taken and ignored)
-            raise ValueError("--forced-rates (the benchmarks' forced-acceptance drafter) needs a reference "
-                             "continuation, which a chat has not: use it with hyspec generate or hyspec bench")
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
                                adaptive_floor=args.adaptive_floor, hidden=args.hidden)

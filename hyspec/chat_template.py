@@ -111,11 +111,11 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
 
     if "messages" in kwargs:
         raise TemplateError("messages is the conversation itself, not an extra template variable")
+    variables = {"tools": tools, "documents": None}
+    variables.update({k: v for k, v in (special or {}).items() if v is not None})
+    variables.update(kwargs)
+    variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
     try:
-        variables = {"tools": tools, "documents": None}
-        variables.update({k: v for k, v in (special or {}).items() if v is not None})
-        variables.update(kwargs)
-        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         return _compile(source).render(variables)  # (a dict: a variable may be called "self")
     except TemplateError:
         raise

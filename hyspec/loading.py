@@ -282,8 +282,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     else:
         tensors = read_tensors(path, dtype=dtype, keep=keep)
     if layers is None:  # a config.json with fewer or more layers than the weights hold: not run cut short
-        found = {int(m.group(1)) for k in tensors for m in [re.match(r"model\.layers\.(\d+)\.", k)] if m}
-        if found and max(found) + 1 != cfg.num_hidden_layers:
+        found = {int(m.group(1)) for k in tensors for m in [_LAYER_KEY.match(k)] if m}
+        if found and max(found) + 1 > cfg.num_hidden_layers:  # (fewer: the missing tensors are named below)
             raise CheckpointError(f"config.json has num_hidden_layers={cfg.num_hidden_layers} but the checkpoint "
                                   f"{path} holds weights of {max(found) + 1} layers (model.layers.0 .. "
                                   f"model.layers.{max(found)}): config.json and the weights disagree")

@@ -164,17 +164,18 @@ def test_chat_bad_commands_and_json(tmp_path):
 
 def test_chat_flag_errors_are_one_line(capsys):
     """--stop-ids that are not ids (a traceback once) and --forced-rates (taken and ignored
-    once: the forced drafter needs a reference continuation) are one-line errors, before the
-    model loads."""
+    once: the forced drafter needs a reference continuation; not a chat flag now) are
+    one-line errors, before the model loads."""
     from hyspec.chat import main
 
     with pytest.raises(SystemExit) as e:
         main(["--stop-ids", "abc"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--stop-ids" in err and "Traceback" not in err and len(err.splitlines()) == 1
-    assert main(["--forced-rates", "0.9", "--draft", "2"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--forced-rates", "0.9", "--draft", "2"])
     err = capsys.readouterr().err
-    assert "--forced-rates" in err and len(err.splitlines()) == 1
+    assert e.value.code == 2 and "--forced-rates" in err and len(err.splitlines()) == 1
 
 
 # -- the terminal chat's display and commands, in process over the embedded default model ------------------

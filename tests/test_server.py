@@ -205,6 +205,12 @@ def test_text_offsets_count_characters_and_agree_when_streamed(client, ref_engin
     assert e.text.startswith(f"a{special}b")
     assert e.logprobs.tokens[:3] == ["a", special, "b"] and e.logprobs.text_offset[:4] == [0, 1, 1 + len(special),
                                                                                           2 + len(special)]
+    # ... also after an unfinished character (its U+FFFD is in the text before the special token)
+    lone = next(t for t in range(tok.vocab_size) if tok.token_bytes(t) == b"\xc3")
+    ids = [ref_engine.encode("a")[0], lone, 0, ref_engine.encode("a")[0]]
+    e = client.completions.create(**{**kw, "prompt": ids, "max_tokens": 1}).choices[0]
+    assert e.text.startswith(f"a\ufffd{special}a")
+    assert e.logprobs.text_offset[:4] == [0, 1, 2, 2 + len(special)]
 
 
 BAD = [

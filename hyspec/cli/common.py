@@ -129,7 +129,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=f.name, type=type(f.default), default=default, help=SAMPLING_HELP.get(f.name))
 
 
-def add_spec_args(p: argparse.ArgumentParser) -> None:
+def add_spec_args(p: argparse.ArgumentParser, forced_rates: bool = True) -> None:
     group = p.add_argument_group("speculative decoding")
     defaults = SpecOptions()
     group.add_argument("--draft", type=int, default=0,
@@ -143,6 +143,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                        help="smallest K with --adaptive")
     group.add_argument("--hidden", default=defaults.hidden, choices=["post", "pre"],
                        help="target hidden that seeds the MTP head (post final norm: Qwen convention)")
+    if not forced_rates:
+        return
     group.add_argument("--forced-rates", type=parse_rates, default=None,
                        help="testing/benchmarking: forced-acceptance drafter with these per-depth rates (the "
                             "last one holds for deeper drafts; rates beyond K are unused)")

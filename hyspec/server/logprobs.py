@@ -40,10 +40,13 @@ class TextOffsets:
     def advance(self, ids) -> list[int]:
         out = []
         for t in ids:
+            if self.specials and self.state.is_special(t):  # an unfinished character before it is one
+                self.chars += len(self._utf8.decode(b"", final=True))  # U+FFFD, in the text before it
+                out.append(self.chars)
+                self.chars += len(self.state.token_str(t))
+                continue
             out.append(self.chars)
-            if self.specials and self.state.is_special(t):
-                self.chars += len(self._utf8.decode(b"", final=True)) + len(self.state.token_str(t))
-            elif not self.state.is_special(t):
+            if not self.state.is_special(t):
                 self.chars += len(self._utf8.decode(self.state.token_bytes(t)))
         return out
 

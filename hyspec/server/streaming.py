@@ -108,7 +108,6 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
             yield sse({"id": run.id, "object": run.object, "created": run.created, "model": state.model_name,
                        "choices": [], "usage": run.usage()})
         yield "data: [DONE]\n\n"
-        run.log_line()
     except APIError as e:  # (the stream's HTTP status is 200 already: the error is its last event)
         why = f"the stream ended with error {e.status}"
         state.metrics.http_errors.labels(status=str(e.status)).inc()
@@ -120,6 +119,8 @@ async def stream_events(state: "ServerState", request: Request, run: "Run",
         state.metrics.http_errors.labels(status="500").inc()
         yield sse(APIError(500, "internal server error", code="internal_error").body())
         yield "data: [DONE]\n\n"  # (as after any other error event)
+    else:  # (outside the try: a failing log line cannot add an error event after [DONE])
+        run.log_line()
     finally:
         watcher.cancel()
         cancel_unfinished(run, why)

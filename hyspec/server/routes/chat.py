@@ -89,9 +89,9 @@ def register(app, state) -> None:
                                          "logprobs": logprobs(entries)},
                 finish_reason)
 
-        # a named / required reply is tool calls: its content is null, as the whole reply's
-        # (an auto reply's role chunk cannot know, and opens with "" as vLLM's does)
-        forced_calls = tools is not None and tools.parses and tools.choice in ("named", "required")
+        # a named / required reply is tool calls: its content opens null (an auto reply's role
+        # chunk cannot know, and opens with "" as vLLM's does)
+        forced_calls = any(r.mode in ("named", "required") for r in replies.values())
 
         def chunk(choice, delta: str, entries):
             texts[choice.index] += delta
