@@ -48,6 +48,7 @@ class Chat:
         self.template, self.template_source, self.special = tpl.source, tpl.where, tpl.special
         self.plain = self.template_source == "plain"
         self.template_kwargs: dict = {}  # extra template variables (--chat-template-kwargs)
+        self.stop: list[str] = []  # stop strings (--stop): a reply ends with the token completing one
         self.messages: list[dict] = []
         self.rendered = ""  # the text the session's tokens stand for
         self.cut = False  # the last reply was cut by max_new_tokens: an empty line continues it
@@ -159,7 +160,7 @@ class Chat:
 
         before = (list(self.messages), self.rendered, self.cut)
         try:
-            out = session.send(ids, on_tokens=stream)
+            out = session.send(ids, on_tokens=stream, stop=self.stop or None)
         except BaseException:
             if restart:  # the old conversation stays, whole
                 session.close()
@@ -295,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end a reply at the token that completes this text (repeat the flag for several); the "
+                        "reply keeps the text, as the conversation does")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
@@ -349,6 +353,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                               constraint=constraint)
         chat = Chat(eng, session, out=stdout)
         chat.template_kwargs = kwargs
+        chat.stop = [x for x in (args.stop or []) if x]
     except (ValueError, OSError, ImportError) as e:
         from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
 

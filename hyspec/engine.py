@@ -165,12 +165,12 @@ def stop_list(stop) -> list[str]:
 
 
 class StopStrings:
-    """One request's stop strings (the server's matcher, hyspec.server.text.StopMatcher):
-    `wrap(on_tokens)` passes on only the tokens up to the one that completes a match, then
-    asks the request to stop (cancel_requested: it ends at the next round boundary, on the
-    engine core and on the CUDA-graph lanes); `apply(request)` then cuts its tokens there,
-    sets stop_reason "stop" and gives the text cut before the stop string (as the server
-    shows it: special tokens left out). Stop ids (EOS) never complete a stop string."""
+    """One request's stop strings (the server's matcher, hyspec.server.text.StopMatcher), as
+    its Request.stop_text: the round driver (engine core and CUDA-graph lanes) ends the
+    sequence at the token that completes a match, inside a round as at a stop id (`peek`:
+    where in a round's accepted drafts one completes; `check`: consume one emitted token);
+    `apply(request)` gives the text cut before the stop string (as the server shows it:
+    special tokens left out). Stop ids (EOS) never complete a stop string."""
 
     def __init__(self, engine, stops: list[str], stop_ids=()) -> None:
         from hyspec.server.text import StopMatcher
@@ -181,28 +181,27 @@ class StopStrings:
         tok = engine.tokenizer
         self.matcher = StopMatcher(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=stop_ids)
 
-    def wrap(self, user):
-        def on_tokens(req, toks):
-            m = self.matcher
-            before = m.n_tokens
-            m.feed(toks)
-            kept = list(toks)[:m.n_tokens - before]
+    def peek(self, tokens: list[int]) -> int | None:
+        """The index of the token in `tokens` that would complete a stop string (None: none
+        does); nothing is consumed."""
+        if self.matcher.stopped:
+            return 0 if tokens else None
+        m = self.matcher.clone()
+        for i, t in enumerate(tokens):
+            m.feed([t])
             if m.stopped:
-                req.cancel_requested = True
-            if kept and user is not None:
-                user(req, kept)
-        return on_tokens
+                return i
+        return None
+
+    def check(self, token: int) -> bool:
+        """Consume one emitted token: whether it completed a stop string."""
+        self.matcher.feed([token])
+        return self.matcher.stopped
 
     def apply(self, req) -> str | None:
-        """Cut a finished request at its stop string; its text (None: no stop string met)."""
+        """A finished request's text cut before its stop string (None: no stop string met)."""
         m = self.matcher
-        if not m.stopped:
-            return None
-        del req.tokens[m.n_tokens:]
-        if req.token_logprobs is not None:
-            del req.token_logprobs[m.n_tokens:]
-        req.stop_reason = "stop"
-        return m.text
+        return m.text if m.stopped else None
 
 
 @dataclass
@@ -550,10 +549,9 @@ class Engine:
                                                                      "seed": derive_seed(params.seed, i)})
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             cuts.append(StopStrings(self, stop_strings, stops) if stop_strings else None)
-            if cuts[-1] is not None:
-                stream = cuts[-1].wrap(stream)
             requests.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=sample_params, draft=draft,
-                                    spec=spec, stop_ids=stops, reference=reference, on_tokens=stream,
+                                    spec=spec, stop_ids=stops, stop_text=cuts[-1], reference=reference,
+                                    on_tokens=stream,
                                     logprobs=logprobs, constraint=None if constraint is None else constraint.clone(),
                                     use_store=use_store))
         self._run_requests(requests, max_batch=num_samples)
@@ -626,20 +624,18 @@ class Engine:
                 raise ValueError(f"prompt {i}: {e}") from None
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
             cuts.append(StopStrings(self, stops_each[i], stops) if stops_each[i] else None)
-            if cuts[i] is not None:
-                stream = cuts[i].wrap(stream)
             caps.append(capped)
             finished = None if on_finish is None else (
                 lambda r, i=i: on_finish(i, self._request_output(r, caps[i], cuts[i])))
             requests.append(Request(prompt_ids=ids, max_new_tokens=limit,
                                     params=prompt_params if prompt_params is not None else GREEDY, draft=k,
-                                    spec=opts, stop_ids=stops, on_tokens=stream, on_finish=finished,
+                                    spec=opts, stop_ids=stops, stop_text=cuts[i], on_tokens=stream, on_finish=finished,
                                     constraint=None if c is None else c.clone(), logprobs=lp))
         self._run_requests(requests, max_batch=max_batch, raise_errors=False)  # one prompt's error is its own
         return [self._request_output(r, capped, cut) for r, capped, cut in zip(requests, caps, cuts)]
 
     def _request_output(self, r: Request, capped: bool = False, cut: StopStrings | None = None) -> Output:
-        text = cut.apply(r) if cut is not None else None  # (cutting twice is cutting once)
+        text = cut.apply(r) if cut is not None else None
         stats = r.stats if getattr(r, "error", None) is None else {**r.stats, "error": r.error}
         out = self._output([Sample(r.tokens, self.decode(r.tokens) if text is None else text, r.stop_reason,
                                    stats)], r.prompt_ids, r.draft > 0, capped, r.max_new_tokens)

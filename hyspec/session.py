@@ -203,16 +203,20 @@ class Session:
     # -- a turn ------------------------------------------------------------------------
     @_engine_turn
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
-             draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None):
+             draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None,
+             stop=None):
         """Append `message` (text or token ids) to the conversation and generate; returns the
         turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
         on_tokens(new_ids) is called as rounds commit tokens. constraint: this turn's (None: the
         session's; with an empty message after an unfinished constrained reply, that reply's
         matcher goes on, whichever constraint it was; False: none).
         logprobs=N: the reply's tokens' log-probabilities and top-N alternatives (the raw
-        logits', as Engine.generate reports them) in Output.logprobs[0]."""
+        logits', as Engine.generate reports them) in Output.logprobs[0].
+        stop: stop strings (a string or a list), as in Engine.generate: the reply ends with the
+        token that completes one (stop_reason "stop"; the transcript keeps that token) and
+        its text ends before the stop string."""
         from hyspec.core.scheduler import check_stop
-        from hyspec.engine import Sample, _token_ids
+        from hyspec.engine import Sample, StopStrings, _token_ids, stop_list
 
         self._check_open()
         eng = self.engine
@@ -245,10 +249,12 @@ class Session:
         extra = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
         check_stop(extra, eng.model.cfg.vocab_size)
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
+        stop_strings = stop_list(stop)
+        cut = StopStrings(eng, stop_strings, stops) if stop_strings else None
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
         matcher = self._turn_constraint(ids, constraint)
         req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
-                      draft=n_drafts, spec=opts, stop_ids=stops, on_tokens=stream, keep=True,
+                      draft=n_drafts, spec=opts, stop_ids=stops, stop_text=cut, on_tokens=stream, keep=True,
                       use_store=self.use_store, resume=self._seq if self._seq is not None else self._state,
                       constraint=matcher, logprobs=logprobs)
         sched = eng.session_scheduler()
@@ -290,8 +296,9 @@ class Session:
             self.telemetry.merge(SpecTelemetry.from_dict(req.stats["spec"]))
         if req.stop_reason == "error":
             raise req.exception
-        out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens), req.stop_reason, req.stats)], ids,
-                          n_drafts > 0)
+        text = cut.apply(req) if cut is not None else None
+        out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens) if text is None else text, req.stop_reason,
+                                  req.stats)], ids, n_drafts > 0)
         if logprobs is not None:
             out.logprobs = [list(req.token_logprobs)]
         out.stats["turn"] = self.num_turns

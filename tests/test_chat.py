@@ -285,6 +285,18 @@ def test_a_crlf_line_is_the_same_message(run_chat):
     assert crlf[0]["turn_tokens"] == lf[0]["turn_tokens"] and crlf[0]["context_tokens"] == lf[0]["context_tokens"]
 
 
+def test_chat_stop_ends_a_reply_at_the_stop_string(run_chat, default_engine):
+    """--stop TEXT: a reply ends with the token that completes TEXT (the one-shot run with
+    stop= gives the same tokens), and the chat goes on from there."""
+    full = default_engine.generate("def f(x):\n", max_new_tokens=8, draft=3, ignore_eos=True)
+    stop = full.text[len(full.text) // 2:][:2]
+    want = default_engine.generate("def f(x):\n", max_new_tokens=8, draft=3, ignore_eos=True, stop=stop)
+    assert want.samples[0].stop_reason == "stop" and len(want.tokens) < len(full.tokens)
+    st = stats_lines(run_chat(["def f(x):", "/stats", "y = 1", "/stats"], "--draft", "3", "--ignore-eos", "--stop",
+                              stop, "--stop", "never here"))
+    assert st[0]["turn_tokens"] == want.tokens and st[1]["turns"] == 2
+
+
 def test_stats_after_rewind_count_only_the_turns_left(run_chat):
     """/stats after /rewind: the conversation's acceptance without the undone turn, and the
     figures of the turn that is now the last (were: the undone turn counted, nulls)."""

@@ -58,6 +58,47 @@ def test_stop_inside_accepted_drafts_keeps_state_consistent(zoo, arch):
     assert plain.tokens.count(stop) >= 1
 
 
+class _TokenStop:
+    """A stand-in for hyspec.engine.StopStrings (the zoo's models have no tokenizer) whose
+    "stop string" is one token id: the same peek / check / apply protocol."""
+
+    def __init__(self, engine, stops, stop_ids=()) -> None:
+        self.tok, self.stopped = int(stops[0]), False
+
+    def peek(self, tokens):
+        return next((i for i, t in enumerate(tokens) if t == self.tok), None)
+
+    def check(self, token) -> bool:
+        self.stopped = self.stopped or token == self.tok
+        return self.stopped
+
+    def apply(self, req):
+        return None
+
+
+def test_a_stop_string_among_accepted_drafts_ends_the_round_there(zoo, monkeypatch):
+    """The round driver ends a sequence at the token completing a stop string as at a stop
+    id: among accepted drafts it commits only what is emitted, so the speculative session's
+    state is the plain one's at every stop position (a cut after the round kept the cache
+    past the stop: a different state, a different next turn)."""
+    import hyspec.engine
+
+    monkeypatch.setattr(hyspec.engine, "StopStrings", _TokenStop)
+    for arch in ("qwen3_next", "qwen3_5"):
+        eng = engine(zoo, arch)
+        msgs = messages(eng.model.cfg.vocab_size, 2, seed=1)
+        ref = eng.session(max_new_tokens=MAX_NEW, use_store=False).send(msgs[0]).tokens
+        for p, stop in enumerate(ref):
+            if p == 0 or stop in ref[:p]:
+                continue
+            plain = eng.session(draft=0, max_new_tokens=MAX_NEW, use_store=False)
+            spec = eng.session(draft=4, max_new_tokens=MAX_NEW, use_store=False)
+            a, b = plain.send(msgs[0], stop=str(stop)), spec.send(msgs[0], stop=str(stop))
+            assert a.tokens == b.tokens == ref[:p + 1] and b.samples[0].stop_reason == "stop", (arch, p)
+            assert_same(target_part(plain.live_state()), target_part(spec.live_state()), f"{arch} stop at {p}")
+            assert plain.send(msgs[1]).tokens == spec.send(msgs[1]).tokens, (arch, p)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rewind_then_same_send_is_the_original_turn(zoo, arch):
     eng = engine(zoo, arch)

@@ -106,6 +106,28 @@ def test_samples_batches_and_chat(eng):
     assert out.message["content"] == whole.message["content"][:whole.message["content"].find(stop)]
 
 
+@pytest.mark.parametrize("draft,params", [(0, None), (3, None), (3, SamplingParams(temperature=0.9, seed=4))])
+def test_a_session_turn_ends_at_a_stop_string(eng, draft, params):
+    """Session.send(stop=...): the turn ends with the token that completes the stop string,
+    inside a round (the transcript, hence the next turn, is exactly the one-shot run on it;
+    a cut after the round would keep tokens past it), with the one-shot's tokens and text."""
+    s = eng.session(draft=draft, params=params, max_new_tokens=40, ignore_eos=True, use_store=False)
+    prompt = "def read_file(path):\n"
+    full = s.send(prompt)
+    s.rewind()
+    stop = a_stop_inside(eng, full.tokens)
+    seen = []
+    cut = s.send(prompt, stop=[stop, "never here"], on_tokens=seen.extend)
+    one = eng.generate(prompt, max_new_tokens=40, draft=draft, params=params, ignore_eos=True, stop=stop)
+    want_tokens, want_text = expected(eng, full.tokens, [stop])
+    assert (cut.tokens, cut.text, cut.samples[0].stop_reason) == (want_tokens, want_text, "stop")
+    assert (one.tokens, one.text) == (want_tokens, want_text) and seen == want_tokens
+    assert s.tokens == eng.encode(prompt) + want_tokens
+    nxt = s.send("\n# next\n", max_new_tokens=12)
+    ref = eng.generate(s.tokens[:-len(nxt.tokens)], max_new_tokens=12, draft=draft, params=params, ignore_eos=True)
+    assert nxt.tokens == ref.tokens
+
+
 def test_the_cli_stop_flag_and_prompts_file_lines(eng, tmp_path):
     from cli_helpers import cli_each
 
@@ -129,8 +151,8 @@ def test_the_cli_stop_flag_and_prompts_file_lines(eng, tmp_path):
 
 @pytest.mark.usefixtures("triton_interpreter")
 def test_a_stop_string_on_the_graph_lanes(tmp_path):
-    """The lanes stop at the same token as the engine core (a cancel at the round boundary,
-    the tokens past the match cut)."""
+    """The lanes stop at the same token as the engine core (inside a round, as at a stop id),
+    one-shot and in a session turn."""
     pytest.importorskip("triton")
     from hyspec.tiny import make_tiny
 
@@ -148,3 +170,12 @@ def test_a_stop_string_on_the_graph_lanes(tmp_path):
     assert (s.tokens, s.text, s.stop_reason) == (want.tokens, want.text, "stop")
     lanes_full = lanes.generate([5, 17, 99, 3], max_new_tokens=10, draft=2, ignore_eos=True)
     assert s.stats["target_forwards"] < lanes_full.samples[0].stats["target_forwards"]  # it stopped early
+    # a session turn on the lanes: the same tokens, and its kept state (rebuilt when the device
+    # committed past the stop) continues as the engine core's session does
+    turns = []
+    for e in (core, lanes):
+        sess = e.session(draft=2, max_new_tokens=10, ignore_eos=True, use_store=False)
+        a = sess.send([5, 17, 99, 3], stop=stop)
+        b = sess.send([7, 8], max_new_tokens=6)
+        turns.append((a.tokens, a.samples[0].stop_reason, b.tokens, a.stats.get("path")))
+    assert turns[0][:3] == turns[1][:3] == (want.tokens, "stop", turns[0][2]) and turns[1][3] == "batch-graphs"

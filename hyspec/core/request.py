@@ -23,6 +23,8 @@ class Request:
         draft           K drafts per round (0 = plain decoding), per request
         spec            other drafter options (hyspec.speculative.loop.SpecOptions; its k is replaced by `draft`)
         stop_ids        generation ends after emitting one of these (EOS ids unless the caller ignores EOS)
+        stop_text       stop strings (hyspec.engine.StopStrings): generation ends after the token
+                        that completes one (stop_reason "stop"), inside a round as at a stop id
         reference       the forced-acceptance drafter's continuation (tests, benchmarks)
         logprobs        None, or N >= 0: record each emitted token's log-probability (raw target
                         logits) and the top-N alternatives in `token_logprobs`
@@ -40,7 +42,7 @@ class Request:
         store_state     put the final state into the scheduler's prefix store
     Outputs (filled by the scheduler)
         tokens          generated ids so far
-        done            finished (see stop_reason: "eos" | "length" | "cancelled" | "constraint" | "error")
+        done            finished (see stop_reason: "eos" | "stop" | "length" | "cancelled" | "constraint" | "error")
         stats           counters and timings (the same keys as `hyspec generate --json`'s stats)
         token_logprobs  per emitted token: (logprob, [(id, logprob), ...top-N])
         error           the exception message when stop_reason == "error"
@@ -55,6 +57,7 @@ class Request:
     draft: int = 0
     spec: Any = None
     stop_ids: Any = ()
+    stop_text: Any = None
     reference: list[int] | None = None
     logprobs: int | None = None
     constraint: Any = None

@@ -131,6 +131,9 @@ class Sequence:
             if tok in self.stops:
                 self.reason = "eos"
                 break
+            if self.req.stop_text is not None and self.req.stop_text.check(tok):
+                self.reason = "stop"
+                break
             if len(self.out) >= self.req.max_new_tokens:
                 self.reason = "length"
                 break
@@ -467,10 +470,7 @@ def run_round(backend, seqs: list[Sequence], may_fork: bool = True) -> dict[Sequ
         n, bonus = res
         if s.speculative:
             s.tel.record_round(len(rd.drafts), n)
-        for i, t in enumerate(rd.drafts[:n]):  # a stop among the accepted drafts ends the round there:
-            if t in s.stops:  # commit only what is emitted (the cache then matches the history)
-                n, bonus = i, t
-                break
+        n, bonus = stop_cut(rd.drafts, n, bonus, s.stops, s.req.stop_text)
         _commit(s, rd, n, vpre, vpost, rows, bonus)
         emitted[s] = s.emit(rd.drafts[:n] + ([bonus] if bonus is not None else []), list(rows[: n + 1]))
         if bonus is None:
@@ -478,6 +478,19 @@ def run_round(backend, seqs: list[Sequence], may_fork: bool = True) -> dict[Sequ
         if s.speculative and s.opts.adaptive:
             s.k_next = max(s.opts.adaptive_floor, min(n + 1, s.opts.k))
     return emitted
+
+
+def stop_cut(drafts: list[int], n: int, bonus, stops, stop_text) -> tuple[int, int | None]:
+    """(n, bonus) of a round whose n accepted drafts and bonus may hold a stop: a stop id, or
+    the token completing a stop string (stop_text.peek), among the accepted drafts ends the
+    round there: that draft becomes the bonus, and only what is emitted is committed (the
+    cache then matches the history). The engine core's rounds and the lanes' adaptive K."""
+    cut = next((i for i, t in enumerate(drafts[:n]) if t in stops), n)
+    if stop_text is not None:
+        i = stop_text.peek(list(drafts[:cut]))
+        if i is not None:
+            cut = i
+    return (cut, drafts[cut]) if cut < n else (n, bonus)
 
 
 def _commit(s: Sequence, rd: _Round, n: int, vpre, vpost, rows, bonus) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from hyspec.config import no_mtp_error
-from hyspec.core.round import commit_constraint
+from hyspec.core.round import commit_constraint, stop_cut
 from hyspec.rng import u01_tensor
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
@@ -47,6 +47,7 @@ class LaneRequest:
     max_new_tokens: int
     k: int = 0  # drafts per round; 0 = plain decoding
     stop_ids: frozenset = frozenset()
+    stop_text: Any = None  # stop strings (hyspec.engine.StopStrings): the token completing one ends it ("stop")
     reference: list[int] | None = None  # continuation the forced-acceptance drafter proposes from
     arrival: int = 0  # the first round at which this request may join (staggered arrivals in benches)
     on_tokens: Callable[[list[int]], None] | None = None  # streaming: the tokens each round emits
@@ -74,8 +75,10 @@ class LaneRequest:
     cached: int = 0  # prompt tokens not prefilled (resumed from `resume`)
 
     def emit(self, toks: list[int], logprobs: list | None = None) -> None:
-        """Append a round's tokens up to a stop id or the token limit (logprobs: one entry
-        per token of toks, kept alongside)."""
+        """Append a round's tokens up to a stop id, the token completing a stop string or the
+        token limit (logprobs: one entry per token of toks, kept alongside). (The device
+        commits a round up to a stop id only: after a stop string inside the accepted drafts
+        the lane's state is past the transcript, and a kept end state is rebuilt.)"""
         n0 = len(self.tokens)
         for i, t in enumerate(toks):
             self.tokens.append(t)
@@ -83,6 +86,9 @@ class LaneRequest:
                 self.token_logprobs.append(logprobs[i])
             if t in self.stop_ids:
                 self.reason = "eos"
+                break
+            if self.stop_text is not None and self.stop_text.check(t):
+                self.reason = "stop"
                 break
             if len(self.tokens) >= self.max_new_tokens:
                 self.reason = "length"
@@ -537,7 +543,7 @@ class BatchRunner:
             if r.k > 0 and not dead:
                 r.telemetry.record_round(drafted, n)
             if r.adaptive_floor is not None and not dead:  # the core's rule (hyspec.core.round.run_round),
-                cut = next((j for j in range(n) if row[2 + j] in r.stop_ids), n)  # after its stop cut
+                cut = stop_cut(row[2: 2 + n], n, None, r.stop_ids, r.stop_text)[0]  # after its stop cut
                 r.k_next = max(r.adaptive_floor, min(cut + 1, r.k))
             before = len(r.tokens)
             if bonus < 0:  # a masked round: the constraint allows nothing after the accepted drafts
@@ -574,7 +580,7 @@ class BatchRunner:
         if not self.pipeline or any(r.reason is not None or r.constraint is not None or r.adaptive_floor is not None
                                     for r in self.active):
             return False  # (a masked round needs this round's tokens for its first mask; adaptive K, its n)
-        if any(r.on_state is not None and r.stop_ids for r in self.active):
+        if any(r.on_state is not None and (r.stop_ids or r.stop_text is not None) for r in self.active):
             return False  # a stop token ending this round would leave the lane a round past its end state
         with self._lock:
             if self._cancelled or (self._submitted and len(self.active) < self.cap):
@@ -717,7 +723,8 @@ def lane_of(r, on_finish=None, store=None) -> LaneRequest:
             if put is not None:
                 put(st)
     return LaneRequest(prompt=prompt, max_new_tokens=r.max_new_tokens, k=r.draft,
-                       stop_ids=frozenset(r.stop_ids or ()), reference=r.reference, on_tokens=cb, on_finish=on_finish,
+                       stop_ids=frozenset(r.stop_ids or ()), stop_text=r.stop_text, reference=r.reference, on_tokens=cb,
+                       on_finish=on_finish,
                        telemetry=r.telemetry if r.draft > 0 else SpecTelemetry(), params=r.params,
                        constraint=r.constraint, resume=resume, carry_k=r.resume is not None, on_state=on_state,
                        keep=r.keep,
@@ -783,7 +790,7 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
     lanes = [lane_of(r, store=store) for r in reqs]
     for r, lr in zip(reqs, lanes):
         runner.check(lr)
-        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested: a stop string)
+        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested)
             def on_tokens(toks, inner=lr.on_tokens, r=r, lr=lr):
                 inner(toks)
                 if r.cancel_requested:

@@ -5,6 +5,8 @@ Nothing here touches the model; everything is pure and unit-testable."""
 
 from __future__ import annotations
 
+import copy
+
 
 class StopMatcher:
     """Turns a growing list of generated token ids into text, detecting stop strings.
@@ -43,6 +45,12 @@ class StopMatcher:
     @property
     def n_tokens(self) -> int:
         return len(self.ids)
+
+    def clone(self) -> "StopMatcher":
+        """An independent copy (to try tokens on without consuming them)."""
+        other = copy.copy(self)
+        other.ids, other._shown = list(self.ids), list(self._shown)
+        return other
 
     def feed(self, new_ids) -> None:
         if self.stopped:
