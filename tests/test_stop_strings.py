@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hyspec.engine import Engine
 from hyspec.sampling import SamplingParams
@@ -109,8 +110,9 @@ def test_samples_batches_and_chat(eng):
 @pytest.mark.parametrize("draft,params", [(0, None), (3, None), (3, SamplingParams(temperature=0.9, seed=4))])
 def test_a_session_turn_ends_at_a_stop_string(eng, draft, params):
     """Session.send(stop=...): the turn ends with the token that completes the stop string,
-    inside a round (the transcript, hence the next turn, is exactly the one-shot run on it;
-    a cut after the round would keep tokens past it), with the one-shot's tokens and text."""
+    with the one-shot's tokens and text; the transcript ends there (tokens past it would be
+    in it), and the next turn is the one-shot run on it. (The state itself at a stop among
+    accepted drafts: tests/test_sessions.py::test_a_stop_string_among_accepted_drafts_ends_the_round_there.)"""
     s = eng.session(draft=draft, params=params, max_new_tokens=40, ignore_eos=True, use_store=False)
     prompt = "def read_file(path):\n"
     full = s.send(prompt)
@@ -152,7 +154,8 @@ def test_the_cli_stop_flag_and_prompts_file_lines(eng, tmp_path):
 @pytest.mark.usefixtures("triton_interpreter")
 def test_a_stop_string_on_the_graph_lanes(tmp_path):
     """The lanes stop at the same token as the engine core (inside a round, as at a stop id),
-    one-shot and in a session turn."""
+    one-shot and in a session turn; a kept turn stopped among accepted drafts (forced
+    acceptance) has its end state rebuilt at the stop (it fails when the lane emits past it)."""
     pytest.importorskip("triton")
     from hyspec.tiny import make_tiny
 
@@ -179,3 +182,41 @@ def test_a_stop_string_on_the_graph_lanes(tmp_path):
         b = sess.send([7, 8], max_new_tokens=6)
         turns.append((a.tokens, a.samples[0].stop_reason, b.tokens, a.stats.get("path")))
     assert turns[0][:3] == turns[1][:3] == (want.tokens, "stop", turns[0][2]) and turns[1][3] == "batch-graphs"
+    # a kept turn whose stop string completes among accepted drafts (forced acceptance): the lane
+    # stops there, its device state is past the transcript, and the end state is rebuilt: the
+    # plain engine-core session's state at the same stop
+    import hyspec.gpu.batch_loop as batch_loop
+    from hyspec.core.request import Request
+    from hyspec.engine import StopStrings
+    from hyspec.speculative.loop import SpecOptions
+    from session_helpers import target_part
+
+    prompt, stops = [5, 17, 99, 3], lanes._stops(None, True)
+    ref = core.generate(prompt, max_new_tokens=14, ignore_eos=True).tokens
+    # a stop string that first completes at token i, a draft of a forced K=3 round (token 0:
+    # the prefill's; then rounds of three drafts and a bonus)
+    def completes_at(i):
+        before, now = (core.tokenizer.decode(ref[:j], skip_special_tokens=True) for j in (i, i + 1))
+        cand = now[max(0, len(before) - 1):]
+        return cand if len(cand) > 1 and len(expected(core, ref, [cand])[0]) == i + 1 else None
+
+    stop = next(c for i in (5, 6, 7, 3, 2, 1) for c in [completes_at(i)] if c)
+    plain = core.session(max_new_tokens=10, ignore_eos=True, use_store=False)
+    a = plain.send(prompt, stop=stop)
+    assert len(a.tokens) < 10
+    req = Request(prompt_ids=prompt, max_new_tokens=10, draft=3, spec=SpecOptions(k=3, forced_rates=(1.0,)),
+                  reference=ref, stop_ids=stops, stop_text=StopStrings(lanes, [stop], stops), keep=True)
+    rebuilt = []
+    real = batch_loop.state_of
+    try:
+        batch_loop.state_of = lambda *x, **kw: rebuilt.append(1) or real(*x, **kw)
+        batch_loop.run_requests(lanes._graph_batch([req], 1), [req], 1)
+    finally:
+        batch_loop.state_of = real
+    assert (req.tokens, req.stop_reason) == (a.tokens, "stop") and rebuilt == [1], (req.tokens, a.tokens, rebuilt)
+    assert req.stats["spec"]["accepted"] > 0
+    # (rebuilt by a prefill of the transcript: the decoded state's values up to rounding)
+    got, want_st = target_part(req.end_state), target_part(plain.state())
+    assert (got.tokens, got.pos, got.pending) == (want_st.tokens, want_st.pos, want_st.pending)
+    for name, t in want_st.tensors().items():
+        assert torch.allclose(got.tensors()[name], t, rtol=1e-4, atol=1e-5), name

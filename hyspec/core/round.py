@@ -121,7 +121,8 @@ class Sequence:
         return None if c is None else c.allowed(prefix)
 
     def emit(self, tokens: list[int], rows: list[torch.Tensor] | None = None) -> list[int]:
-        """Append a round's tokens, stopping at a stop id or the token limit; returns what was kept."""
+        """Append a round's tokens, stopping at a stop id, the token completing a stop string
+        (req.stop_text) or the token limit; returns what was kept."""
         kept = []
         for i, tok in enumerate(tokens):
             self.out.append(tok)

@@ -64,7 +64,7 @@ class LaneRequest:
     logprobs: int | None = None  # N: each emitted token's log-probability (raw target logits) and top-N
     token_logprobs: list = field(default_factory=list)  # per emitted token: (logprob, [(id, logprob), ...])
     tokens: list[int] = field(default_factory=list)
-    reason: str | None = None  # "eos" | "length" | "cancelled" | "constraint" | "error"
+    reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "constraint" | "error"
     error: str | None = None  # why, with reason "error" (its constraint could not go on: Constraint.fail)
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
     k_next: int = -1  # adaptive K: the k it asks for next round (before the token-limit cap)
