@@ -310,8 +310,8 @@ def next_round_guess(backend, seqs: list[Sequence]) -> list[list[int]] | None:
     next round's drafts, drawn by _draft_one as the next round would draw them (for a
     plain sequence: [prompt-lookup guess], or the request's reference token when it has
     one: the forced-acceptance drafter's testing hook). None when there is no next round to guess for
-    some sequence (it could finish this round: token limit or a stop id among the
-    drafts or as the guessed bonus) or the guess cannot be made (a constraint, whose
+    some sequence (it could finish this round: token limit, or a stop id or a stop
+    string's completing token among the drafts or as the guessed bonus) or the guess cannot be made (a constraint, whose
     state advances with the emitted tokens; a round that did not run the drafter).
     Side effects: MTP steps write draft-KV rows past the drafts (scratch rows: the next
     round's refill rewrites them before they are read); the sequences' counters are untouched."""
@@ -319,7 +319,8 @@ def next_round_guess(backend, seqs: list[Sequence]) -> list[list[int]] | None:
     spec: list[_Guess] = []
     for i, s in enumerate(seqs):
         rd = s.round
-        if s.req.constraint is not None or any(t in s.stops for t in rd.drafts):
+        if s.req.constraint is not None or any(t in s.stops for t in rd.drafts) or \
+                (s.req.stop_text is not None and s.req.stop_text.peek(rd.drafts) is not None):
             return None
         n = len(rd.drafts)
         left = s.req.max_new_tokens - len(s.out) - n - 1  # tokens still to come after a full accept
