@@ -207,6 +207,26 @@ def test_cli_pp_errors(ckpts, monkeypatch, capsys):
         main(serve + ["--bogus"])
 
 
+def test_a_stage_that_cannot_load_is_named_at_start_up(ckpts, tmp_path):
+    """A checkpoint whose first stage's layer is missing: `--pp 2` says which stage could not
+    load and why, in one line, before decoding (it was a traceback: only the driver's own
+    load error was reported, and a server started and answered 500s)."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "broken"
+    shutil.copytree(ckpts["qwen3_5"], d)
+    t = load_file(str(d / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if not k.startswith("model.layers.0.")}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--model", str(d), "--prompt-ids", "1,2",
+                        "--max-new-tokens", "2", "--pp", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    import re
+
+    assert re.search(r"pipeline stage 0 \(layers 0\.\.\d+, rank 0\) could not load: checkpoint", r.stderr), r.stderr
+    assert "missing tensor(s) 'model.layers.0." in r.stderr
+
+
 def test_bench_pp2(tmp_path, capsys):
     # `hyspec bench --pp 2` run in this process (its stages are processes of their own; the
     # bench sets this process's torch threads, put back after)

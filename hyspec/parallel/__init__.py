@@ -115,10 +115,13 @@ def launch(argv: list[str], world: int) -> int:
     env["HYSPEC_LAUNCHER_PID"] = str(os.getpid())  # a rank ends itself when this process dies
     procs = [subprocess.Popen([sys.executable, "-m", "hyspec.cli", *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    first = None  # (rank, exit code) of the first rank that failed
     try:
         while True:
             rcs = [p.poll() for p in procs]
             bad = [rc for rc in rcs if rc not in (None, 0)]
+            if bad:
+                first = next((r, rc) for r, rc in enumerate(rcs) if rc not in (None, 0))
             if bad or all(rc is not None for rc in rcs):
                 break
             time.sleep(0.05)
@@ -129,8 +132,18 @@ def launch(argv: list[str], world: int) -> int:
             if p.poll() is None:
                 p.terminate()
         for p in procs:
-            p.wait()
-        return procs[0].returncode if procs[0].returncode not in (None, 0, -15) else bad[0]
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # (a stopped process keeps its SIGTERM pending)
+                p.kill()
+                p.wait()
+        if first is not None and (first[1] < 0 or first[0] != 0):  # rank 0 prints its own (the driver's) errors
+            r, rc = first
+            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.Signals._value2member_map_ \
+                else f"exited with code {rc}"
+            print(f"hyspec: error: pipeline rank {r} of {world} {how}; the other ranks were stopped", file=sys.stderr)
+        rc = procs[0].returncode if procs[0].returncode not in (None, 0, -15) else bad[0]
+        return 128 - rc if rc < 0 else rc  # (a signal as a shell reports it, not 256 - n)
     return procs[0].returncode
 
 
@@ -169,30 +182,42 @@ def run_cli(argv: list[str], world: int, main) -> int:
                         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
                         if not isinstance(e.code, (int, type(None))):
                             print(e.code, file=sys.stderr)
+                    except RuntimeError as e:  # a stage's rank went away mid-command (the link broke)
+                        rc = 1
+                        print(f"hyspec: error: the pipeline broke: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                              file=sys.stderr)
             finally:
                 driver = ACTIVE.get("driver")
                 result = (out.getvalue(), err.getvalue(), rc)
-                if driver is not None:
-                    driver.stop(result)
-                else:  # the command ended before it loaded the model (e.g. a bad flag)
-                    for r in range(world - 1):
-                        link.send_obj({"stop": True, "result": result if r == 0 else None}, r)
+                try:
+                    if driver is not None:
+                        driver.stop(result)
+                    else:  # the command ended before it loaded the model (e.g. a bad flag)
+                        for r in range(world - 1):
+                            link.send_obj({"stop": True, "result": result if r == 0 else None}, r)
+                except RuntimeError:  # rank 0 is gone: this rank prints what it would have printed
+                    sys.stdout.write(out.getvalue())
+                    sys.stderr.write(err.getvalue())
+                    rc = rc or 1
+                    world = 1  # (its exit code is then this rank's own)
                 ACTIVE = None
             return rc if world == 1 else 0
         from hyspec.engine import default_model_dir
 
         path = margs.model if margs.model is not None else default_model_dir()
-        model = None
+        model, load_error = None, None
         try:
             model = load_stage(path, world, rank, dtype=margs.dtype, device=dev, ssm_dtype=margs.ssm_dtype)
             if dev.type == "cpu" and sum(p.numel() for p in model.parameters()) < 50_000_000:
                 torch.set_num_threads(1)
-        except Exception:
-            pass  # the driver reports the load error (it loads the same checkpoint)
-        if model is None:
-            result = _drain(link)
-        else:
-            result = Worker(model, link).run()
+        except Exception as e:  # (its own layers: the driver loads only its own) reported to the driver,
+            load_error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"  # which names it
+        try:
+            result = _drain(link, load_error) if model is None else Worker(model, link).run()
+        except Exception as e:  # another rank went away (the link broke): one line, not a traceback
+            print(f"hyspec: pipeline rank {rank}: stopped, the link to another rank broke ({type(e).__name__})",
+                  file=sys.stderr)
+            return 1
         if rank == 0 and result is not None:
             out, err, rc = result
             sys.stdout.write(out)
@@ -206,18 +231,35 @@ def run_cli(argv: list[str], world: int, main) -> int:
             dist.destroy_process_group()
 
 
-def _drain(link):
-    """A worker that could not load its stage: fail every forward until the driver stops."""
+def _drain(link, load_error: str):
+    """A worker that could not load its stage: answer the driver's status question with
+    why, and fail every forward until the driver stops."""
     while True:
         msg = link.recv_obj(link.world - 1)
         if msg.get("stop"):
             return msg.get("result")
+        if msg.get("status"):
+            link.send_obj({"load_error": load_error}, link.world - 1)
+            continue
         if link.rank > 0:
             try:
                 link.recv_x(link.rank - 1, (1, 1), None, None)
             except RuntimeError:
                 pass
-        link.send_x(None, link.rank + 1, f"rank {link.rank} could not load its stage")
+        link.send_x(None, link.rank + 1, f"rank {link.rank} could not load its stage: {load_error}")
+
+
+def check_stages(link, ranges) -> None:
+    """The driver asks every other rank whether its stage loaded; ValueError naming the
+    first that did not, and why (so a command fails at start-up with the reason, not at its
+    first forward with a traceback, and a server does not start half-loaded)."""
+    for r in range(link.world - 1):
+        link.send_obj({"status": True}, r)
+    answers = [link.recv_obj(r) for r in range(link.world - 1)]
+    for r, answer in enumerate(answers):
+        if answer.get("load_error"):
+            raise ValueError(f"pipeline stage {r} (layers {ranges[r].start}..{ranges[r].stop - 1}, rank {r}) could "
+                             f"not load: {answer['load_error']}")
 
 
 def active_engine(path, *, dtype: str, device: str, ssm_dtype: str | None = None):
@@ -234,6 +276,7 @@ def active_engine(path, *, dtype: str, device: str, ssm_dtype: str | None = None
     from hyspec.parallel.pipeline import stage_ranges
 
     ranges = stage_ranges(model.cfg, a["world"], model.dtype)
+    check_stages(a["link"], ranges)
     print(f"[pipeline: {a['world']} stages, layers " + " | ".join(f"{r.start}..{r.stop - 1}" for r in ranges)
           + f", {a['link'].comm_dev.type} {'nccl' if a['link'].comm_dev.type == 'cuda' else 'gloo'}]",
           file=sys.stderr)

@@ -591,6 +591,9 @@ class Worker:
             msg = link.recv_obj(driver)
             if msg.get("stop"):
                 return msg.get("result")
+            if msg.get("status"):  # the driver's start-up question (hyspec.parallel.check_stages): loaded
+                link.send_obj({"load_error": None}, driver)
+                continue
             if "fork" in msg:
                 self._run_fork(msg)
                 continue
