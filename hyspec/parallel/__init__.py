@@ -127,6 +127,7 @@ def launch(argv: list[str], world: int) -> int:
             time.sleep(0.05)
     except KeyboardInterrupt:
         bad = [130]
+        print("hyspec: interrupted", file=sys.stderr)  # (as one process says it)
     if bad:
         for p in procs:
             if p.poll() is None:
