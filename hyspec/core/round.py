@@ -310,8 +310,9 @@ def next_round_guess(backend, seqs: list[Sequence]) -> list[list[int]] | None:
     next round's drafts, drawn by _draft_one as the next round would draw them (for a
     plain sequence: [prompt-lookup guess], or the request's reference token when it has
     one: the forced-acceptance drafter's testing hook). None when there is no next round to guess for
-    some sequence (it could finish this round: token limit, or a stop id or a stop
-    string's completing token among the drafts or as the guessed bonus) or the guess cannot be made (a constraint, whose
+    some sequence (it could finish this round: token limit, a stop id or a stop
+    string's completing token among the drafts, or a stop id as the guessed bonus; a
+    guessed bonus that completes a stop string only makes the fork miss) or the guess cannot be made (a constraint, whose
     state advances with the emitted tokens; a round that did not run the drafter).
     Side effects: MTP steps write draft-KV rows past the drafts (scratch rows: the next
     round's refill rewrites them before they are read); the sequences' counters are untouched."""
