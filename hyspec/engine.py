@@ -180,6 +180,13 @@ class StopStrings:
         # as the server matches: the text without special tokens, the stop ids (EOS) never part of it
         tok = engine.tokenizer
         self.matcher = StopMatcher(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=stop_ids)
+        self.offset = 0  # characters of primed text (apply gives the text after them)
+
+    def prime(self, tokens: list[int]) -> None:
+        """The reply's tokens before this request (a session's "go on" turn): a stop string
+        may begin in them and complete in this request's tokens."""
+        self.matcher.prime(tokens)
+        self.offset = len(self.matcher.text)
 
     def peek(self, tokens: list[int]) -> int | None:
         """The index of the token in `tokens` that would complete a stop string (None: none
@@ -199,9 +206,10 @@ class StopStrings:
         return self.matcher.stopped
 
     def apply(self, req) -> str | None:
-        """A finished request's text cut before its stop string (None: no stop string met)."""
+        """A finished request's text cut before its stop string (None: no stop string met;
+        after primed tokens, the text after theirs: "" when the match began in theirs)."""
         m = self.matcher
-        return m.text if m.stopped else None
+        return m.text[self.offset:] if m.stopped else None
 
 
 @dataclass

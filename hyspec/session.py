@@ -146,6 +146,9 @@ class Session:
         self._speculative: bool | None = None
         self._last_draft = 0  # the last turn's K (a speculative session's default when its own draft is 0)
         self._drafts: list[int] = []  # ... and before each turn (beside _history)
+        self._reply: list[int] = []  # the reply in progress: the last turn's tokens, and those of the turns
+        # before it that it went on from (send([])): a stop string may straddle them
+        self._replies: list[list[int]] = []  # ... and before each turn (beside _history)
         self.telemetry = SpecTelemetry()  # the turns in the conversation (rewind takes a turn's rounds out)
         self.last_stats: dict = {}
         self.closed = False
@@ -251,6 +254,8 @@ class Session:
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
         stop_strings = stop_list(stop)
         cut = StopStrings(eng, stop_strings, stops) if stop_strings else None
+        if cut is not None and not ids and self._reply:  # "go on": the reply so far comes first
+            cut.prime(self._reply)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
         matcher = self._turn_constraint(ids, constraint)
         req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
@@ -285,6 +290,8 @@ class Session:
         self._telemetries.append(self.telemetry.copy())
         self._stats_history.append(self.last_stats)
         self._drafts.append(self._last_draft)
+        self._replies.append(self._reply)
+        self._reply = (self._reply if not ids else []) + list(req.tokens)
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
         self._seq, self._state = seq, (end if seq is None else None)
         self._boundary = end
@@ -351,8 +358,9 @@ class Session:
         self._matcher = self._matchers[-n]
         self.telemetry = self._telemetries[-n].copy()  # (the snapshots are never mutated)
         self.last_stats = self._stats_history[-n]
-        self._last_draft = self._drafts[-n]
+        self._last_draft, self._reply = self._drafts[-n], self._replies[-n]
         del self._drafts[-n:]
+        del self._replies[-n:]
         del self._history[-n:]
         del self._matchers[-n:]
         del self._telemetries[-n:]
@@ -372,6 +380,7 @@ class Session:
         self._matcher, self._matchers = None, []
         self._telemetries, self._stats_history = [], []
         self._speculative, self._last_draft, self._drafts = None, 0, []
+        self._reply, self._replies = [], []
         self.telemetry = SpecTelemetry()
         self.last_stats = {}
 
@@ -389,6 +398,7 @@ class Session:
         other._history = list(self._history)
         other._matcher, other._matchers = self._matcher, list(self._matchers)  # never mutated: shared
         other._speculative, other._last_draft, other._drafts = self._speculative, self._last_draft, list(self._drafts)
+        other._reply, other._replies = self._reply, list(self._replies)  # (never mutated: shared)
         other.telemetry = self.telemetry.copy()
         other._telemetries, other._stats_history = list(self._telemetries), list(self._stats_history)
         other.last_stats = self.last_stats
@@ -401,6 +411,7 @@ class Session:
             self._release()
             self._state = self._boundary = None
             self._history, self._matchers, self._telemetries, self._stats_history, self._drafts = [], [], [], [], []
+            self._reply, self._replies = [], []
             self.closed = True
 
     def __del__(self) -> None:  # a dropped session gives its slot back to the pool
@@ -463,6 +474,7 @@ class Session:
             "matchers": [_constraint_dict(m) for m in self._matchers],
             "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
             "last_draft": self._last_draft, "drafts": list(self._drafts),  # a send without draft= follows them
+            "reply": list(self._reply), "replies": [list(r) for r in self._replies],  # stop strings in a "go on"
             "telemetries": [t.to_dict() for t in self._telemetries],
             "extra": extra or {},
         }
@@ -544,8 +556,11 @@ class Session:
         # (a file written before they were saved: a speculative session's default K is then its spec's, or 3)
         session._last_draft = int(d.get("last_draft", 0))
         session._drafts = [int(k) for k in d.get("drafts", [0] * len(session._history))]
-        if len(session._drafts) != len(session._history):
-            raise ValueError("the session file is damaged: its rewind points and their draft lengths differ in number")
+        session._reply = [int(t) for t in d.get("reply", [])]
+        session._replies = [[int(t) for t in r] for r in d.get("replies", [[] for _ in session._history])]
+        if len(session._drafts) != len(session._history) or len(session._replies) != len(session._history):
+            raise ValueError("the session file is damaged: its rewind points and their draft lengths or replies differ in "
+                             "number")
         session.telemetry = SpecTelemetry.from_dict(d["telemetry"])
         # the telemetry before each turn (a file written before they were saved: the current one,
         # so a rewind there keeps counting the undone turns' rounds, as it did then)

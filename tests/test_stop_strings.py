@@ -130,6 +130,38 @@ def test_a_session_turn_ends_at_a_stop_string(eng, draft, params):
     assert nxt.tokens == ref.tokens
 
 
+def test_a_stop_string_across_a_cut_reply_and_its_continuation(eng, tmp_path):
+    """A reply cut by max_new_tokens inside a stop string, then continued (send([])): the
+    continuation's matcher starts from the reply so far, so it ends where the uncut turn
+    ends (it ran on: each turn matched only its own text); also after save / load, and a
+    stop string wholly inside the earlier part does not end the continuation."""
+    from hyspec.session import Session
+
+    prompt = "def read_file(path):\n"
+    full = eng.generate(prompt, max_new_tokens=40, draft=3, ignore_eos=True)
+    # a stop string whose match begins in the first k tokens' text and ends after them
+    for k in range(2, 30):
+        head = eng.tokenizer.decode(full.tokens[:k], skip_special_tokens=True)
+        stop = eng.tokenizer.decode(full.tokens, skip_special_tokens=True)[len(head) - 2: len(head) + 2]
+        want_tokens, want_text = expected(eng, full.tokens, [stop])
+        if len(stop) == 4 and len(want_tokens) > k and want_text == head[:-2]:
+            break
+    else:
+        pytest.fail("no stop string straddles a cut in this run")
+    s = eng.session(draft=3, max_new_tokens=40, ignore_eos=True, use_store=False)
+    a = s.send(prompt, max_new_tokens=k, stop=stop)
+    assert a.tokens == full.tokens[:k] and a.samples[0].stop_reason == "length"
+    s.save(tmp_path / "cut.pt")
+    for sess in (s, Session.load(eng, tmp_path / "cut.pt")):
+        b = sess.send([], stop=stop)
+        assert a.tokens + b.tokens == want_tokens and b.samples[0].stop_reason == "stop" and b.text == ""
+    # a stop string found only in the earlier part: the continuation runs on to its limit
+    s.rewind()
+    early = eng.tokenizer.decode(full.tokens[:k], skip_special_tokens=True)[:3]
+    c = s.send([], stop=early, max_new_tokens=5)
+    assert c.samples[0].stop_reason == "length" and a.tokens + c.tokens == full.tokens[:k + 5]
+
+
 def test_the_cli_stop_flag_and_prompts_file_lines(eng, tmp_path):
     from cli_helpers import cli_each
 

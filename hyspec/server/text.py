@@ -41,6 +41,15 @@ class StopMatcher:
         self._prefix = 0  # left context for the next decode starts here
         self._read = 0
         self._scan_from = 0
+        self._min_end = 0  # a match must end past this many characters of text (prime)
+
+    def prime(self, ids) -> None:
+        """Consume ids that come before what is searched (the earlier part of a reply that
+        goes on): a stop string found later must end after their text (it may begin in it)."""
+        stops, self.stops = self.stops, []
+        self.feed(ids)
+        self.stops = stops
+        self._min_end = self._scan_from = len(self.text)
 
     @property
     def n_tokens(self) -> int:
@@ -90,6 +99,8 @@ class StopMatcher:
             hay = hay.rstrip("\ufffd")  # bytes, not text yet (a stop string must not match them)
         for s in self.stops:
             i = hay.find(s, start)
+            while 0 <= i and i + len(s) <= self._min_end:  # wholly in the primed text: not this one
+                i = hay.find(s, i + 1)
             if i >= 0 and (best < 0 or i < best):
                 best = i
         if best >= 0:
