@@ -354,7 +354,10 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer.json: pass token ids instead of text")
-            return self.tokenizer.encode(prompt)
+            try:
+                return self.tokenizer.encode(prompt)
+            except TypeError:  # lone surrogates: bytes that are not UTF-8 (a shell argument's, decoded by Python)
+                raise ParamError(arg, prompt[:40], "is not valid text: it holds bytes that are not UTF-8") from None
         if prompt is None or isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
             raise ParamError(arg, prompt, "must be a str or a list of token ids")
         return _token_ids(arg, prompt)

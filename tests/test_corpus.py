@@ -141,3 +141,29 @@ def test_build_corpus_drops_largest_to_fit(tmp_path):
     assert stats["compressed_bytes"] <= 9000
     assert (out.parent / "dropped_files.txt").read_text().split() == ["m2.py"]
     assert sorted(p for s in load_corpus(out).values() for p, _ in s) == ["m0.py", "m1.py", "m3.py"]
+
+
+def test_bad_corpus_fields_tokenizer_files_and_argument_text_are_named(tmp_path):
+    """What a CLI walkthrough found as tracebacks: a corpus line whose text / path is not a
+    string, a --tokenizer file the tokenizers library cannot read, prompt text holding bytes
+    that are not UTF-8 (a shell argument's, as Python decodes argv), and a bench --batch
+    with an empty item (it failed after the whole run)."""
+    from hyspec.bench.cli import _int_list
+    from hyspec.engine import Engine
+    from hyspec.train.corpus import iter_corpus
+    from hyspec.train.config import TrainConfig
+    from hyspec.train.loop import train
+
+    p = tmp_path / "c.jsonl.xz"
+    with lzma.open(p, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"path": "a.py", "split": "train", "text": 5}) + "\n")
+    with pytest.raises(ValueError, match="line 1: text must be text"):
+        list(iter_corpus(p))
+    bad = tmp_path / "tok.json"
+    bad.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="--tokenizer .*tok.json: not a tokenizer.json"):
+        train(TrainConfig(corpus=str(p), tokenizer=str(bad), out=str(tmp_path / "o"), device="cpu"))
+    with pytest.raises(ValueError, match="prompt.*not valid text"):
+        Engine.load().encode("abc\udcff")
+    with pytest.raises(ValueError, match="--batch"):
+        _int_list("batch", "1,,2", 1)

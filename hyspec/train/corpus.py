@@ -220,6 +220,10 @@ def iter_corpus(path: str | os.PathLike):
                         raise ValueError(f"--corpus {path}: line {n} is not JSON; expected {want}") from None
                     if not isinstance(e, dict) or not {"path", "split", "text"} <= set(e):
                         raise ValueError(f"--corpus {path}: line {n} lacks path / split / text; expected {want}")
+                    bad = [k for k in ("path", "split", "text") if not isinstance(e[k], str)]
+                    if bad:  # (a number or null text was a TypeError deep in the tokenizer)
+                        raise ValueError(f"--corpus {path}: line {n}: {' / '.join(bad)} must be text (a JSON string); "
+                                         f"expected {want}")
                     yield e
     except (lzma.LZMAError, EOFError, UnicodeDecodeError) as e:
         raise ValueError(f"--corpus {path}: not readable as xz-compressed UTF-8 text ({e}); expected {want}") from None

@@ -78,7 +78,11 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
 
     if not Path(a.tokenizer).is_file():
         raise FileNotFoundError(f"--tokenizer {a.tokenizer} does not exist")
-    vocab = Tokenizer.from_file(str(a.tokenizer)).get_vocab_size(with_added_tokens=True)
+    try:
+        vocab = Tokenizer.from_file(str(a.tokenizer)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+        raise ValueError(f"--tokenizer {a.tokenizer}: not a tokenizer.json the tokenizers library reads "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     check_train_memory(a, vocab, device)  # before anything large is allocated
     if streams is None:
         if not Path(a.corpus).is_file():
