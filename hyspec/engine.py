@@ -334,7 +334,7 @@ class Engine:
         """The checkpoint at `path` (default: the embedded model). ssm_dtype: the Gated
         DeltaNet state's storage dtype (hyspec.loading.load_model: "float32" by default,
         "bfloat16" halves a slot's state bytes and rounds the state after every token)."""
-        if path is not None and not isinstance(path, (str, os.PathLike)) or path == "":
+        if (path is not None and not isinstance(path, (str, os.PathLike))) or path == "":
             raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
                              "model")
         path = Path(path) if path is not None else default_model_dir()

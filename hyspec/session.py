@@ -175,10 +175,7 @@ class Session:
     def num_turns(self) -> int:
         return len(self._history)
 
-    @property
-    def turns(self) -> int:
-        """The turns in the conversation (num_turns: an undone turn no longer counts)."""
-        return len(self._history)
+    turns = num_turns  # (the same count: the turns in the conversation; an undone one no longer counts)
 
     @property
     def matcher(self):

@@ -140,8 +140,12 @@ def launch(argv: list[str], world: int) -> int:
                 p.wait()
         if first is not None and (first[1] < 0 or first[0] != 0):  # rank 0 prints its own (the driver's) errors
             r, rc = first
-            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.Signals._value2member_map_ \
-                else f"exited with code {rc}"
+            how = f"exited with code {rc}"
+            if rc < 0:
+                try:
+                    how = f"was killed by {signal.Signals(-rc).name}"
+                except ValueError:  # (a signal number without a name)
+                    how = f"was killed by signal {-rc}"
             print(f"hyspec: error: pipeline rank {r} of {world} {how}; the other ranks were stopped", file=sys.stderr)
         rc = procs[0].returncode if procs[0].returncode not in (None, 0, -15) else bad[0]
         return 128 - rc if rc < 0 else rc  # (a signal as a shell reports it, not 256 - n)
@@ -170,7 +174,7 @@ def run_cli(argv: list[str], world: int, main) -> int:
         if rank == world - 1:
             ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
             out, err = io.StringIO(), io.StringIO()
-            rc = 1
+            rc, alone = 1, world == 1  # alone: this rank's exit code is the command's
             # `serve` runs the HTTP server on this (driver) rank and logs live; other commands'
             # output is handed to rank 0, which prints it
             live = bool(argv) and argv[0] == "serve"
@@ -199,10 +203,9 @@ def run_cli(argv: list[str], world: int, main) -> int:
                 except RuntimeError:  # rank 0 is gone: this rank prints what it would have printed
                     sys.stdout.write(out.getvalue())
                     sys.stderr.write(err.getvalue())
-                    rc = rc or 1
-                    world = 1  # (its exit code is then this rank's own)
+                    rc, alone = rc or 1, True
                 ACTIVE = None
-            return rc if world == 1 else 0
+            return rc if alone else 0
         from hyspec.engine import default_model_dir
 
         path = margs.model if margs.model is not None else default_model_dir()
