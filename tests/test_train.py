@@ -177,6 +177,102 @@ def test_train_writes_loadable_checkpoint(tmp_path):
     torch.testing.assert_close(lb, lg, atol=1e-4, rtol=1e-4)
 
 
+def _stopping_run(tmp_path, monkeypatch, fail, val: bool, steps: int = 6):
+    """A tiny training run whose loss function misbehaves from its third call on: `fail` is
+    "nan" (a non-finite loss) or "error" (a RuntimeError, as an out-of-memory would be)."""
+    from tokenizers import Tokenizer
+
+    from hyspec.train import loop
+
+    ids = Tokenizer.from_file(str(TOKENIZER)).encode((ROOT / "hyspec" / "tiny.py").read_text()).ids
+    stream = torch.tensor((ids + [0]) * 3, dtype=torch.long)
+    streams = {"train": stream, "val": stream[:130] if val else stream[:0], "heldout": stream[300:700]}
+    calls = {"n": 0}
+    real = loop.loss_fn
+
+    def loss_fn(*args, **kw):
+        calls["n"] += 1
+        o = real(*args, **kw)
+        if calls["n"] > 2:
+            if fail == "error":
+                raise RuntimeError("CUDA out of memory (planted)\nsecond line")
+            o["loss"] = o["loss"] * float("nan")
+        return o
+
+    monkeypatch.setattr(loop, "loss_fn", loss_fn)
+    a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "model"), steps=steps, device="cpu",
+                     batch_size=2, seq_len=64, warmup=2, log_every=2, n_evals=1, arch=dict(TINY_ARCH))
+    logs = []
+    return a, logs, (lambda: tr.train(a, streams=streams, log=logs.append))
+
+
+def test_a_diverged_run_writes_no_checkpoint_and_keeps_the_old_one(tmp_path, monkeypatch):
+    """A non-finite loss with no validation to go back to: no checkpoint (the weights are NaN),
+    and a checkpoint already in --out stays as it was."""
+    pytest.importorskip("safetensors")
+    a, logs, run = _stopping_run(tmp_path, monkeypatch, "nan", val=False)
+    out = Path(a.out)
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"older run")
+    with pytest.raises(tr.TrainingFailed, match="non-finite loss.*no checkpoint written"):
+        run()
+    assert (out / "model.safetensors").read_bytes() == b"older run"
+    assert not (out / "config.json").exists() and not list(out.glob(".*partial"))
+
+
+def test_a_run_stopped_by_an_error_keeps_what_it_learnt_and_says_so(tmp_path, monkeypatch, capsys):
+    """An error mid-run (an out-of-memory, say): one line in the log, no traceback; the best
+    validated weights are written and the result says the run stopped early."""
+    pytest.importorskip("safetensors")
+    a, logs, run = _stopping_run(tmp_path, monkeypatch, "error", val=True)
+    res = run()
+    assert res["stopped"] == "error: RuntimeError: CUDA out of memory (planted)", res["stopped"]
+    assert res["steps"] == 2 and res["chosen_step"] == 2
+    assert (Path(a.out) / "model.safetensors").is_file() and (Path(a.out) / "train_log.json").is_file()
+    assert any("training stopped early" in line for line in logs)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_an_interrupted_save_leaves_the_older_checkpoint_whole(tmp_path, monkeypatch):
+    """The files are written beside their names and renamed when all are complete: a save that
+    fails part-way (here copying the tokenizer) leaves the older checkpoint as it was."""
+    pytest.importorskip("safetensors")
+    from hyspec.train import checkpoint
+
+    out = tmp_path / "m"
+    out.mkdir()
+    for name in ("model.safetensors", "config.json", "train_log.json"):
+        (out / name).write_text(f"older {name}")
+
+    def broken_copy(*a, **kw):
+        raise OSError("disk full (planted)")
+
+    monkeypatch.setattr(checkpoint.shutil, "copyfile", broken_copy)
+    model = _tiny_model(tied=True)
+    with pytest.raises(OSError, match="planted"):
+        checkpoint.save_checkpoint(model, {"a": 1}, out, TOKENIZER)
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors", "train_log.json"]
+    assert all(f.read_text() == f"older {f.name}" for f in out.iterdir())
+    monkeypatch.undo()
+    checkpoint.save_checkpoint(model, {"a": 1}, out, TOKENIZER)
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "generation_config.json",
+                                                     "model.safetensors", "tokenizer.json"]
+
+
+def test_the_cli_step_count_has_no_default_time_limit(tmp_path):
+    """--steps N trains N steps: the default 7.5-minute budget applies only without it."""
+    from hyspec.train.cli import parse_args
+
+    out = str(tmp_path / "m")
+    assert parse_args(["--out", out]).minutes == 7.5
+    assert parse_args(["--out", out, "--steps", "5"]).minutes == 0
+    assert parse_args(["--out", out, "--steps", "5", "--minutes", "2"]).minutes == 2
+    with pytest.raises(ValueError, match="--out is empty"):
+        from hyspec.train.config import check_config
+
+        check_config(tr.TrainArgs(out=""))
+
+
 def _fake_fla(q, k, v, g, beta, scale=None, output_final_state=False, **kw):
     """fla.chunk_gated_delta_rule's documented semantics, written out naively: q, k [B,T,H,K],
     v [B,T,HV,V], g/beta [B,T,HV]; value head h reads key head h // (HV // H)."""

@@ -91,6 +91,8 @@ def check_out_dir(path, flag: str = "--out") -> None:
     import os
     from pathlib import Path
 
+    if not str(path).strip():
+        raise ValueError(f"{flag} is empty: name a folder (--out . for the current one)")
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path}: is a file, not a folder")

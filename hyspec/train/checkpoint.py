@@ -44,9 +44,23 @@ def save_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer:
     for k, v in model.state_dict().items():
         v = v.detach().to("cpu")
         tensors[k] = (v.float() if _keep_fp32(k) else v.to(torch.bfloat16)).contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID}, indent=2) + "\n")
+    # every file is written beside its final name and renamed once all are complete, so a save
+    # interrupted part-way leaves an older checkpoint in `out` whole (and a train_log.json of an
+    # earlier run goes, since the one of this run is written after the weights)
+    parts = {"model.safetensors": lambda f: save_file(tensors, str(f), metadata={"format": "pt"}),
+             "config.json": lambda f: f.write_text(json.dumps(cfg_dict, indent=2) + "\n"),
+             "generation_config.json": lambda f: f.write_text(json.dumps({"eos_token_id": EOS_ID}, indent=2) + "\n")}
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        parts["tokenizer.json"] = lambda f: shutil.copyfile(tokenizer, f)
+    tmp = {name: out / f".{name}.partial" for name in parts}
+    try:
+        for name, write in parts.items():
+            write(tmp[name])
+    except BaseException:
+        for f in tmp.values():
+            f.unlink(missing_ok=True)
+        raise
+    (out / "train_log.json").unlink(missing_ok=True)
+    for name, f in tmp.items():
+        f.replace(out / name)
     return out

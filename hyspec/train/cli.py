@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import MISSING, fields
 
 from hyspec.train.config import CHOICES, HELP, TrainConfig, flag
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                 ap.add_argument(flag(f.name), action="store_true", help=HELP[f.name])
             continue
         kw = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
+        if f.name == "minutes":  # None: the default budget, or none when --steps is given
+            ap.add_argument(flag(f.name), type=float, default=None, help=HELP[f.name])
+            continue
         if not isinstance(default, str):
             kw["type"] = type(default)
         ap.add_argument(flag(f.name), default=default, help=HELP[f.name], **kw)
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         return ns  # type: ignore[return-value]
     kw = {f.name: getattr(ns, f.name) for f in fields(TrainConfig) if f.name != "arch"}
     kw["arch"] = {k: getattr(ns, k) for k in DEFAULT_ARCH}
+    if kw["minutes"] is None:
+        kw["minutes"] = 0.0 if ns.steps > 0 else TrainConfig.minutes
     return TrainConfig(**kw)
 
 
@@ -68,5 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(a, argparse.Namespace):
         print(json.dumps(selfcheck(a.device or "cuda"), indent=1))
         return 0
-    train(a, log=lambda s: print(s, flush=True))
+    res = train(a, log=lambda s: print(s, flush=True))
+    if res["stopped"] not in ("steps", "time budget"):
+        print(f"hyspec train: training stopped early ({res['stopped']}); {a.out} holds the weights of step "
+              f"{res['chosen_step']}", file=sys.stderr)
+        return 1
     return 0

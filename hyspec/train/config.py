@@ -14,7 +14,7 @@ class TrainConfig:
     corpus: str = "data/pystdlib_corpus.jsonl.xz"
     tokenizer: str = "data/tokenizer/tokenizer.json"
     out: str = "runs/default_model"
-    minutes: float = 7.5
+    minutes: float = 7.5  # 0: no time limit (then --steps must be given)
     wall_minutes: float = 0.0  # 0: none; else stop training so the whole process ends within this
     steps: int = 0  # 0: choose from the time budget after timing the first steps
     device: str = ""
@@ -80,7 +80,7 @@ HELP = {
     "corpus": "corpus (.jsonl.xz of documents)",
     "tokenizer": "tokenizer.json",
     "out": "output checkpoint directory",
-    "minutes": "training time budget",
+    "minutes": "training time budget in minutes (default: 7.5, or no limit when --steps is given)",
     "wall_minutes": "stop training early enough that the whole process ends within this (0: off)",
     "steps": "fixed step count (0: from the time budget)",
     "device": "cpu, cuda or cuda:N ('': cuda when available)",

@@ -55,6 +55,10 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+class TrainingFailed(ValueError):
+    """A run that stopped (an error, a non-finite loss) before it learnt weights worth writing."""
+
+
 def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=print) -> dict:
     """Train, evaluate and write the checkpoint to a.out. Returns the log dict."""
     from hyspec.train.config import check_config
@@ -109,7 +113,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
     T, B = a.seq_len, a.batch_size
     train_stream = streams["train"].to(device)
     sampler = WindowSampler(train_stream, T + 2, T, B, a.seed)
-    budget = a.minutes * 60.0
+    budget = a.minutes * 60.0 if a.minutes > 0 else math.inf  # 0: no time limit (with --steps)
     reserve = 25.0  # seconds kept for the final evals and the save under --wall-minutes
     total = a.steps if a.steps > 0 else 0
     eval_kw = dict(T=T, batch=B, device=device, mtp_weight=a.mtp_weight, use_fla=use_fla, amp=amp,
@@ -228,11 +232,9 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
 
     try:
         train_loop()
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far
-        import traceback
-
-        traceback.print_exc()
-        st["stopped"] = f"error: {e!r}"[:300]
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far (checked below)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        st["stopped"] = f"error: {type(e).__name__}: {first}"[:300]
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.empty_cache()
@@ -249,6 +251,13 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
             log(f"restoring best val checkpoint from step {best['step']}")
             model.load_state_dict(best["state"])
     chosen_step = best["step"] if best["step"] >= 0 else step
+    if stopped not in ("steps", "time budget"):
+        log(f"training stopped early: {stopped}")
+        diverged = stopped == "non-finite loss" and chosen_step == step  # no earlier validation to go back to
+        if chosen_step == 0 or diverged or not all(torch.isfinite(p).all() for p in model.parameters()):
+            what = "the initial weights" if chosen_step == 0 else "the weights that diverged"
+            raise TrainingFailed(f"training stopped at step {step} ({stopped}) and kept only {what}: "
+                                 f"no checkpoint written to {a.out}")
     round_to_bf16_(model)
     model.eval()
     final = {}
@@ -274,7 +283,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         "gdn_kernel": "fla.chunk_gated_delta_rule" if use_fla else "torch chunked_scan_batched",
         "fla_unusable": None if use_fla else fwd.FLA_UNUSABLE_REASON,
         "kernel_check": kernel_check,
-        "train_budget_s": round(budget, 1),
+        "train_budget_s": round(budget, 1) if math.isfinite(budget) else None,
         "steps": step,
         "planned_steps": total,
         "stopped": stopped,

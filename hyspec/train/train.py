@@ -53,7 +53,7 @@ from hyspec.train.forward import (  # noqa: F401
     resolve_fla,
 )
 from hyspec.train.kernel_check import compare_gdn_paths, selfcheck  # noqa: F401
-from hyspec.train.loop import _PROCESS_START, _param_groups, _sync, lr_at, train  # noqa: F401
+from hyspec.train.loop import _PROCESS_START, TrainingFailed, _param_groups, _sync, lr_at, train  # noqa: F401
 from hyspec.train.memory import (  # noqa: F401
     _train_memory_terms,
     available_memory_bytes,
