@@ -353,6 +353,21 @@ def draft_vocab_figures(model, prompt, args, dev, roofline_ms: float) -> dict:
     return figures
 
 
+def check_batch_memory(model, batch: int, length: int, dev) -> None:
+    """ValueError naming --batch when `batch` sequence slots of `length` tokens (attention KV,
+    the draft KV and the linear-attention state: hyspec.core.slots.slot_bytes, a lower bound
+    of what a run holds) do not fit in the memory free on `dev` now."""
+    from hyspec.core.slots import slot_bytes
+    from hyspec.train.memory import available_memory_bytes
+
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_memory_bytes()
+    per = slot_bytes(model.cfg, model.dtype, length, model.has_mtp)["total"]
+    if free is not None and batch * per > free:
+        raise ValueError(f"--batch {batch}: {batch} sequences of {length} tokens need {batch * per / 2**30:.1f} GiB "
+                         f"of state ({per / 2**20:.2f} MiB each), more than the {free / 2**30:.1f} GiB free on "
+                         f"{dev.type}: at most {free // per} fit")
+
+
 def run_batches(model, args, dev, weight_bytes: int | None = None, bandwidth_gbps: float | None = None) -> dict:
     """--batch: aggregate throughput per batch size; on a GPU the BatchDecoder (CUDA graphs
     per batch size, with a batch-invariance check, and each plain step's bandwidth floor
@@ -403,6 +418,9 @@ def main(argv=None) -> int:
 
         raise ValueError(f"{args.model or args.config}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
                          f"(for plain speed alone: hyspec generate --draft 0 --json prints tok/s)")
+    if args.batch:  # before any timing run
+        check_batch_memory(model, max(int(b) for b in args.batch.split(",")), args.prompt_len + args.new_tokens + 8,
+                           dev)
     context = model.cfg.max_position_embeddings
     longest = max(args.new_tokens, args.exact_tokens if args.exact_prompts else 0)
     if args.prompt_len + longest > context:
