@@ -277,6 +277,15 @@ def test_serve_pp2(ckpts):
             "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
+        # a prompt extending the first sequence: the pipeline keeps no prefix store (its driver
+        # holds only its own layers' state), and /health says so
+        longer = prompt + want + [7, 8]
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": path.name, "prompt": [longer], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == ref.generate(longer, max_new_tokens=4, draft=2,
+                                                                   ignore_eos=True).tokens
+        assert httpx.get(url + "/health", timeout=5).json()["prefix_store"] is None
     finally:
         os.killpg(p.pid, signal.SIGINT)
         try:

@@ -139,6 +139,8 @@ def make_app(args):
     draft = args.draft if args.draft is not None else (3 if eng.model.has_mtp else 0)  # (in range: check)
     if draft and not eng.model.has_mtp:
         raise no_mtp_error()
+    if parallel.ACTIVE is not None:  # the pipeline keeps no prefix store: /health and /metrics say so
+        args.no_prefix_store = True
     if not args.no_prefix_store:
         from hyspec.prefix_store import PrefixStore
 
