@@ -267,6 +267,10 @@ def test_the_cli_step_count_has_no_default_time_limit(tmp_path):
     assert parse_args(["--out", out]).minutes == 7.5
     assert parse_args(["--out", out, "--steps", "5"]).minutes == 0
     assert parse_args(["--out", out, "--steps", "5", "--minutes", "2"]).minutes == 2
+    from hyspec.train.config import check_arch
+
+    with pytest.raises(ValueError, match=r"model shape: --kv-heads \(2\) must divide --heads \(3\)"):
+        check_arch({**TINY_ARCH, "heads": 3})  # (named config.json's fields)
     with pytest.raises(ValueError, match="--out is empty"):
         from hyspec.train.config import check_config
 

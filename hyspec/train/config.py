@@ -64,6 +64,7 @@ def check_config(a: TrainConfig) -> None:
     for k, v in a.arch.items():
         if v < 1:
             raise ValueError(f"{flag(k)} must be >= 1, got {v}")
+    check_arch(a.arch)
     from hyspec.cli.common import check_out_dir
 
     check_out_dir(a.out)  # before hours of training whose checkpoint it holds
@@ -71,6 +72,30 @@ def check_config(a: TrainConfig) -> None:
         from hyspec.engine import check_device
 
         check_device(a.device)
+
+
+# the config.json field each model-shape flag sets (hyspec.train.model.model_config)
+ARCH_FIELDS = {"hidden_size": "hidden", "intermediate_size": "intermediate", "num_hidden_layers": "layers",
+               "num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "head_dim": "head_dim",
+               "linear_num_key_heads": "lin_k_heads", "linear_num_value_heads": "lin_v_heads",
+               "linear_key_head_dim": "lin_head_dim", "linear_value_head_dim": "lin_head_dim",
+               "linear_conv_kernel_dim": "conv", "full_attention_interval": "full_every"}
+
+
+def check_arch(arch: dict) -> None:
+    """ValueError naming the flags (not config.json's fields) for a model shape the model
+    definition refuses (heads that do not divide, ...)."""
+    import re
+
+    from hyspec.config import ConfigError, ModelConfig
+    from hyspec.train.model import model_config
+
+    try:
+        ModelConfig.from_dict(model_config(**arch))
+    except ConfigError as e:
+        msg = re.sub(r"^config\.json: (field )?", "", str(e))
+        msg = re.sub(r"'?\b(" + "|".join(ARCH_FIELDS) + r")\b'?", lambda m: flag(ARCH_FIELDS[m.group(1)]), msg)
+        raise ValueError(f"model shape: {msg}") from None
 
 
 TrainArgs = TrainConfig  # the earlier name

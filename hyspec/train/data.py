@@ -47,8 +47,9 @@ class WindowSampler:
 
     def __init__(self, stream: torch.Tensor, win: int, stride: int, batch: int, seed: int) -> None:
         if stream.numel() < win + batch * stride:
-            raise ValueError(f"training stream of {stream.numel()} tokens is too short for "
-                             f"{batch} windows of {win}")
+            raise ValueError(f"the corpus's train split ({stream.numel()} tokens) is too short for one step: "
+                             f"--batch-size {batch} windows of --seq-len {stride} tokens need {win + batch * stride}; "
+                             f"lower them or give a larger --corpus")
         self.stream, self.win, self.stride, self.batch = stream, win, stride, batch
         self.g = torch.Generator().manual_seed(seed)
         self.epoch, self.starts, self.pos = 0, None, 0
