@@ -125,9 +125,10 @@ def test_a_stop_inside_a_round_cuts_the_logprobs_with_the_tokens(zoo):
 
 def test_mixed_lanes_in_pipelined_rounds(zoo, monkeypatch):
     """Three lanes in one batch: K=2 asking for the top 3, K=1 not asking, plain asking for
-    no alternatives (logprobs=0; the asking lanes 0 and 2 are not neighbours); 10 tokens
-    each, so rounds are queued before the previous one is read (pipelined). Each asking
-    lane's entries are the reference's; the other has none."""
+    no alternatives (logprobs=0; the asking lanes 0 and 2 are not neighbours); 8 tokens
+    each, so rounds are queued before the previous one is read (pipelined; two in a row: a
+    queued round is still unread when the next one is queued). Each asking lane's entries
+    are the reference's; the other has none."""
     from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, run_batch
 
     queued = []
@@ -141,11 +142,13 @@ def test_mixed_lanes_in_pipelined_rounds(zoo, monkeypatch):
     eng = graph_engine(zoo, "qwen3_5")
     dec = eng.new_batch_decoder(4, 48, 3)
     prompts = [PROMPT, [8, 1, 2, 9], [33, 4, 12]]
-    lanes = [LaneRequest(prompt=prompts[0], max_new_tokens=10, k=2, logprobs=3),
-             LaneRequest(prompt=prompts[2], max_new_tokens=10, k=1),
-             LaneRequest(prompt=prompts[1], max_new_tokens=10, k=0, logprobs=0)]  # asking: lanes 0 and 2
+    # (8 tokens: a round is queued while >= 2 (k + 1) = 6 are left, so rounds 2 and 3 are
+    # queued, each before the one before it is read; each round costs seconds in the interpreter)
+    lanes = [LaneRequest(prompt=prompts[0], max_new_tokens=8, k=2, logprobs=3),
+             LaneRequest(prompt=prompts[2], max_new_tokens=8, k=1),
+             LaneRequest(prompt=prompts[1], max_new_tokens=8, k=0, logprobs=0)]  # asking: lanes 0 and 2
     run_batch(dec, lanes)
-    assert any(queued) and all(len(lr.tokens) == 10 for lr in lanes)
+    assert sum(queued) >= 2 and all(len(lr.tokens) == 8 for lr in lanes)
     check_against_reference(eng.model, prompts[0], lanes[0].tokens, lanes[0].token_logprobs, top=3)
     check_against_reference(eng.model, prompts[1], lanes[2].tokens, lanes[2].token_logprobs, top=0)
     assert lanes[1].token_logprobs == []
@@ -210,7 +213,7 @@ def test_session_turns_with_logprobs(zoo):
             assert (out.samples[0].stats.get("path") == "batch-graphs") == (name == "lanes")
             check_against_reference(eng.model, s.tokens[: len(s.tokens) - len(reply)], reply, out.logprobs[0], top=2)
             got[name].append(reply)
-        assert s.send(msgs[0]).logprobs is None
+        assert s.send(msgs[0], max_new_tokens=2).logprobs is None  # (not asked: none; a prefill and one round)
     if ON_CPU:
         assert got["lanes"] == got["core"]
     with pytest.raises(ValueError, match="logprobs must be None or an integer >= 0"):
