@@ -536,6 +536,8 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "poison_lanes_h200.txt": "`python3 bench/poison_lanes.py` (H200; a constraint that cannot go on beside an "
+                             "unconstrained request on the graph lanes; header in the file)",
     "default_model_cuda_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and K=3, "
                                    "greedy and sampled (H200; the code and commit are in its header)",
     "gpu_tests_one_lane_pdl_h200.txt": "`python3 -m pytest -q -s -m gpu tests/test_gpu_fast.py -k "
