@@ -10,6 +10,7 @@ Commands:
     /save FILE    write the session (state, rewind points, messages) to FILE
     /load FILE    continue a saved session (in this or any later process; its settings replace the flags)
     /quit         leave (end of input, Ctrl-D, too)
+A line starting with "//" is sent as a message starting with "/" (the first "/" dropped).
 An empty line continues the reply (sends nothing new; the pending token runs first); the
 continuation of a reply cut by --max-new-tokens is shown on the cut reply's line (on a
 terminal its last line is drawn again below the prompt). With a chat template only a cut
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
 
-HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /quit"
+HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /quit  (//text sends /text)"
 
 
 class Chat:
@@ -376,11 +377,11 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             break
         line = line.rstrip("\n").removesuffix("\r")  # (a CRLF line end too)
         try:
-            if line.startswith("/"):
+            if line.startswith("/") and not line.startswith("//"):
                 if not chat.command(line):
                     break
-            else:
-                chat.user(line)
+            else:  # a line starting with "//" is a message starting with "/"
+                chat.user(line[1:] if line.startswith("//") else line)
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it: the turn is undone, the chat goes on
             chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if not
                      line.startswith("/") else "[interrupted]")

@@ -285,6 +285,15 @@ def test_a_crlf_line_is_the_same_message(run_chat):
     assert crlf[0]["turn_tokens"] == lf[0]["turn_tokens"] and crlf[0]["context_tokens"] == lf[0]["context_tokens"]
 
 
+def test_a_double_slash_line_is_a_message_starting_with_a_slash(run_chat, default_engine):
+    """"//usr/bin/env python" sends "/usr/bin/env python" (a line starting with one "/" is a
+    command: it was refused as an unknown one)."""
+    out = run_chat(["//usr/bin/env python", "/stats"], "--draft", "0")
+    assert "unknown command" not in out
+    want = default_engine.generate("/usr/bin/env python\n", max_new_tokens=8)
+    assert stats_lines(out)[0]["turn_tokens"] == want.tokens
+
+
 def test_chat_stop_ends_a_reply_at_the_stop_string(run_chat, default_engine):
     """--stop TEXT: a reply ends with the token that completes TEXT (the one-shot run with
     stop= gives the same tokens), and the chat goes on from there."""
