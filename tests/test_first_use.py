@@ -177,7 +177,8 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
                       ["bench", "--config", "tiny", "--device", "cpu", "--tuned-from", str(f)],
                       ["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "m2"), "--no-mtp", "--draft-vocab", "4"],
                       ["bench", "--pp", "2", "--forced-rates", "0.9"],
-                      ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1,4000000000"])
+                      ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1,4000000000"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1", "--prompt-len", "200000000"])
     assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
     assert "--max-new-tokens" in errs[1]
     assert "99999" in errs[2] and "out of range" in errs[2]
@@ -191,6 +192,7 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert "--no-mtp" in errs[12] and not (tmp_path / "m2").exists()  # (blamed the range; left an empty folder)
     assert "--optimistic" in errs[13]  # (--forced-rates was ignored without it)
     assert "--batch 4000000000" in errs[14] and "GiB free" in errs[14]  # (allocated until the process died)
+    assert "--prompt-len 200000000" in errs[15] and "context" in errs[15]  # (not blamed on --batch)
     if not torch.cuda.is_available():  # the pipeline bench on CUDA where there is none: one line, no traceback
         assert "CUDA is not available" in cli_errors(["bench", "--pp", "2", "--device", "cuda"])[0]
     assert "--pp" in cli_errors(["generate", "--model", str(ckpt), "--prompt-ids", "1", "--lanes", "2"])[0]

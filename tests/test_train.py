@@ -177,7 +177,7 @@ def test_train_writes_loadable_checkpoint(tmp_path):
     torch.testing.assert_close(lb, lg, atol=1e-4, rtol=1e-4)
 
 
-def _stopping_run(tmp_path, monkeypatch, fail, val: bool, steps: int = 6):
+def _stopping_run(tmp_path, monkeypatch, fail, val: bool, steps: int = 6, good: int = 2, n_evals: int = 1):
     """A tiny training run whose loss function misbehaves from its third call on: `fail` is
     "nan" (a non-finite loss) or "error" (a RuntimeError, as an out-of-memory would be)."""
     from tokenizers import Tokenizer
@@ -193,7 +193,7 @@ def _stopping_run(tmp_path, monkeypatch, fail, val: bool, steps: int = 6):
     def loss_fn(*args, **kw):
         calls["n"] += 1
         o = real(*args, **kw)
-        if calls["n"] > 2:
+        if calls["n"] > good:
             if fail == "error":
                 raise RuntimeError("CUDA out of memory (planted)\nsecond line")
             o["loss"] = o["loss"] * float("nan")
@@ -201,7 +201,7 @@ def _stopping_run(tmp_path, monkeypatch, fail, val: bool, steps: int = 6):
 
     monkeypatch.setattr(loop, "loss_fn", loss_fn)
     a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "model"), steps=steps, device="cpu",
-                     batch_size=2, seq_len=64, warmup=2, log_every=2, n_evals=1, arch=dict(TINY_ARCH))
+                     batch_size=2, seq_len=64, warmup=2, log_every=2, n_evals=n_evals, arch=dict(TINY_ARCH))
     logs = []
     return a, logs, (lambda: tr.train(a, streams=streams, log=logs.append))
 
@@ -231,6 +231,52 @@ def test_a_run_stopped_by_an_error_keeps_what_it_learnt_and_says_so(tmp_path, mo
     assert (Path(a.out) / "model.safetensors").is_file() and (Path(a.out) / "train_log.json").is_file()
     assert any("training stopped early" in line for line in logs)
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_diverged_run_with_validation_writes_the_best_step_in_strict_json(tmp_path, monkeypatch):
+    """A non-finite loss after a validation that improved: that step's weights are written,
+    and train_log.json stays strict JSON (the diverged losses are null, not NaN)."""
+    pytest.importorskip("safetensors")
+    a, logs, run = _stopping_run(tmp_path, monkeypatch, "nan", val=True, steps=8, good=4, n_evals=4)
+    res = run()
+    assert res["stopped"] == "non-finite loss" and res["chosen_step"] == 4 and res["steps"] == 6
+
+    def no_constants(c):
+        raise AssertionError(f"{c} in train_log.json")
+
+    log = json.loads((Path(a.out) / "train_log.json").read_text(), parse_constant=no_constants)
+    assert log["log"][-1]["loss"] is None
+
+
+def test_the_cli_exit_status_of_a_run_that_stopped(monkeypatch, capsys, tmp_path):
+    """hyspec train: 0 for a run that finished, 1 for one stopped early (checkpoint written)
+    and for one that failed (none written), with one line on stderr."""
+    from hyspec.train import cli
+
+    out = str(tmp_path / "m")
+    for stopped, code in (("steps", 0), ("time budget", 0), ("error: RuntimeError: boom", 1)):
+        monkeypatch.setattr(cli, "train", lambda a, log: {"stopped": stopped, "chosen_step": 3})
+        assert cli.main(["--out", out, "--steps", "4"]) == code
+    assert capsys.readouterr().err.count("hyspec train: training stopped early (error: RuntimeError: boom)") == 1
+
+    def fails(a, log):
+        raise tr.TrainingFailed("training stopped before its first step (time budget): no checkpoint written")
+
+    monkeypatch.setattr(cli, "train", fails)
+    assert cli.main(["--out", out, "--steps", "4"]) == 1
+    assert capsys.readouterr().err.strip() == ("hyspec train: error: training stopped before its first step "
+                                               "(time budget): no checkpoint written")
+
+
+def test_a_run_with_no_step_writes_nothing(tmp_path, monkeypatch):
+    """A time budget spent before the first step (with --steps too): no checkpoint of the
+    initial weights."""
+    pytest.importorskip("safetensors")
+    a, logs, run = _stopping_run(tmp_path, monkeypatch, "nan", val=False, good=10)
+    a.minutes = 1e-9
+    with pytest.raises(tr.TrainingFailed, match="before its first step"):
+        run()
+    assert not Path(a.out).exists() or not any(Path(a.out).iterdir())
 
 
 def test_an_interrupted_save_leaves_the_older_checkpoint_whole(tmp_path, monkeypatch):

@@ -353,17 +353,27 @@ def draft_vocab_figures(model, prompt, args, dev, roofline_ms: float) -> dict:
     return figures
 
 
-def check_batch_memory(model, batch: int, length: int, dev) -> None:
-    """ValueError naming --batch when `batch` sequence slots of `length` tokens (attention KV,
-    the draft KV and the linear-attention state: hyspec.core.slots.slot_bytes, a lower bound
-    of what a run holds) do not fit in the memory free on `dev` now."""
+def check_batch_memory(model, args, dev) -> None:
+    """ValueError naming --batch when the largest batch's sequence state does not fit in the
+    memory free on `dev` now: on the CPU the engine core's slots (prompt + new tokens), on a
+    GPU the BatchDecoder's lanes as hyspec.gpu.batch_bench sizes them (at least the
+    invariance check's 16, each long enough for its 500 tokens). A slot's bytes are
+    hyspec.core.slots.slot_bytes (attention KV, draft KV, linear-attention state): a lower
+    bound of what the run holds."""
     from hyspec.core.slots import slot_bytes
     from hyspec.train.memory import available_memory_bytes
 
-    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_memory_bytes()
+    batch = max(int(b) for b in args.batch.split(","))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # (memory the caching allocator holds unused counts as free)
+        free = torch.cuda.mem_get_info(dev)[0]
+        slots = max(batch, 16 if args.batch_inv_prompts else 1)
+        length = max(args.prompt_len, 64) + max(args.new_tokens, 500 if args.batch_inv_prompts else 0) + 3 + 8
+    else:
+        free, slots, length = available_memory_bytes(), batch, args.prompt_len + args.new_tokens + 8
     per = slot_bytes(model.cfg, model.dtype, length, model.has_mtp)["total"]
-    if free is not None and batch * per > free:
-        raise ValueError(f"--batch {batch}: {batch} sequences of {length} tokens need {batch * per / 2**30:.1f} GiB "
+    if free is not None and slots * per > free:
+        raise ValueError(f"--batch {batch}: {slots} sequences of {length} tokens need {slots * per / 2**30:.1f} GiB "
                          f"of state ({per / 2**20:.2f} MiB each), more than the {free / 2**30:.1f} GiB free on "
                          f"{dev.type}: at most {free // per} fit")
 
@@ -418,15 +428,14 @@ def main(argv=None) -> int:
 
         raise ValueError(f"{args.model or args.config}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
                          f"(for plain speed alone: hyspec generate --draft 0 --json prints tok/s)")
-    if args.batch:  # before any timing run
-        check_batch_memory(model, max(int(b) for b in args.batch.split(",")), args.prompt_len + args.new_tokens + 8,
-                           dev)
     context = model.cfg.max_position_embeddings
     longest = max(args.new_tokens, args.exact_tokens if args.exact_prompts else 0)
     if args.prompt_len + longest > context:
         flag = "--new-tokens" if longest == args.new_tokens else "--exact-tokens"
         raise ValueError(f"--prompt-len {args.prompt_len} + {flag} {longest} exceed the model's context of "
                          f"{context} tokens (max_position_embeddings)")
+    if args.batch:  # before any timing run
+        check_batch_memory(model, args, dev)
     n_params = sum(p.numel() for p in model.parameters())
     from hyspec.model.gdn import ssm_store_dtype
 
@@ -473,7 +482,11 @@ def main(argv=None) -> int:
             log(f"!! draft-vocabulary run failed: {type(e).__name__}: {e}")
         save()
     if args.batch:
-        result["batch"] = run_batches(model, args, dev, step_bytes, bandwidth)
+        try:
+            result["batch"] = run_batches(model, args, dev, step_bytes, bandwidth)
+        except Exception as e:  # (an out-of-memory the check above could not foresee: the figures so far stay)
+            result["errors"]["batch"] = failure(e)
+            log(f"!! batched run failed: {type(e).__name__}: {e}")
         save()
     if args.hf_tokens > 0:
         try:

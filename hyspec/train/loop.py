@@ -55,6 +55,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _finite_json(x):
+    """x with every non-finite float as None (strict JSON: a diverged run's losses are NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_json(v) for v in x]
+    return x
+
+
 class TrainingFailed(ValueError):
     """A run that stopped (an error, a non-finite loss) before it learnt weights worth writing."""
 
@@ -160,7 +171,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         sampler = WindowSampler(train_stream, T + 2, T, B, a.seed)  # the check does not consume data
     if a.wall_minutes > 0:
         left = a.wall_minutes * 60.0 - (time.time() - _PROCESS_START) - reserve
-        if left <= 0 and not a.steps:
+        if left <= 0:
             raise ValueError(f"--wall-minutes {a.wall_minutes:g} leaves no time to train: the set-up took "
                              f"{time.time() - _PROCESS_START:.0f}s and {reserve:.0f}s are kept for the evaluation "
                              "and the save")
@@ -251,6 +262,8 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
             log(f"restoring best val checkpoint from step {best['step']}")
             model.load_state_dict(best["state"])
     chosen_step = best["step"] if best["step"] >= 0 else step
+    if step == 0:  # (a time budget spent before the first step, an error in it)
+        raise TrainingFailed(f"training stopped before its first step ({stopped}): no checkpoint written to {a.out}")
     if stopped not in ("steps", "time budget"):
         log(f"training stopped early: {stopped}")
         diverged = stopped == "non-finite loss" and chosen_step == step  # no earlier validation to go back to
@@ -299,6 +312,6 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         "final": final,
         "total_seconds": round(time.time() - t_start, 1),
     }
-    (out / "train_log.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "train_log.json").write_text(json.dumps(_finite_json(result), indent=1, allow_nan=False) + "\n")
     log(f"wrote {out} (model.safetensors {size:,} bytes; {n_params:,} params) in {result['total_seconds']}s total")
     return result
