@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="sequences waiting for a batch slot; beyond: 429")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: hyspec-default for the embedded model, else the directory name)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--no-prefix-store", action="store_true",
                    help="do not keep finished requests' end states in the prefix store nor resume prompts from it")
