@@ -65,7 +65,10 @@ class ParamError(ValueError):
     def __init__(self, field: str, value: object, why: str, owner: str | None = None) -> None:
         self.field, self.value, self.why, self.owner = field, value, why, owner
         name = f"{owner}.{field}" if owner else field
-        super().__init__(f"{name}={value!r}: {why}")
+        shown = repr(value)
+        if len(shown) > 80:  # (a 400-digit number, a long list)
+            shown = shown[:60] + f"... ({len(shown)} characters)"
+        super().__init__(f"{name}={shown}: {why}")
 
 
 # --------------------------------------------------------------------------------------
@@ -77,6 +80,14 @@ class ParamError(ValueError):
 # a smaller temperature or a larger penalty says nothing more, it only overflows.
 TEMPERATURE_MIN = 1e-5
 PENALTY_MAX = 1e4
+
+
+def _finite(v) -> bool:
+    """A finite number (an int too large for a float, 10**400, is not)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class SamplingParams:
             "presence_penalty",
         ):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v):
                 raise bad(name, v, "must be a finite number")
         for name in ("top_k", "penalty_last_n", "seed"):
             v = getattr(self, name)

@@ -90,11 +90,55 @@ def test_bad_chat_lines_fail_before_the_model_loads(tmp_path):
         assert ":2:" in err and re.search(msg, err) and "no_such_model" not in err, err
 
 
+def test_file_wide_flags_and_damaged_input(tmp_path):
+    """--adaptive-floor reaches the file's lines (it was dropped: other drafts than the one
+    prompt run); --forced-rates is refused (it was ignored); a non-UTF-8 line, an integer too
+    large for a float (a traceback), a bad flag value (blamed on line 1) and options checked
+    after the model loaded (--max-batch 0, --stop-ids out of range: --out was emptied first)
+    are one-line errors naming the line or the flag, and an existing --out keeps its bytes."""
+    from cli_helpers import cli_many
+
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"prompt": "def add(a, b):", "max_new_tokens": 24}\n')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "\xff\xfe"}\n')
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"prompt": "a", "temperature": 1' + "0" * 400 + "}\n")
+    keep = tmp_path / "keep.jsonl"
+    keep.write_text("precious\n")
+    adaptive = ["--draft", "3", "--adaptive", "--adaptive-floor", "3"]
+    calls = [["generate", "--prompts-file", str(one), *adaptive],
+             ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json", *adaptive],
+             ["generate", "--prompts-file", str(one), "--draft", "3", "--forced-rates", "0,0,0"],
+             ["generate", "--prompts-file", str(bad)],
+             ["generate", "--prompts-file", str(big)],
+             ["generate", "--prompts-file", str(one), "--out", str(keep), "--max-batch", "0"],
+             ["generate", "--prompts-file", str(one), "--out", str(keep), "--stop-ids", "99999"],
+             ["generate", "--prompts-file", str(one), "--temperature", "-1"]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = cli_many(calls, env=env)
+    assert res[0][0] == res[1][0] == 0, res[0][2] + res[1][2]
+    file_spec, one_spec = (json.loads(r[1].splitlines()[0])["stats"]["spec"] for r in res[:2])
+    assert file_spec["drafted_at"] == one_spec["drafted_at"] and file_spec["accepted_at"] == one_spec["accepted_at"]
+    errs = [err for code, _, err in res[2:]]
+    assert all(code == 2 for code, _, _ in res[2:]) and not any("Traceback" in e for e in errs), errs
+    assert "--forced-rates" in errs[0]
+    assert "bad.jsonl:2: not UTF-8" in errs[1]
+    assert "big.jsonl:1:" in errs[2] and "finite" in errs[2] and len(errs[2]) < 300
+    assert "--max-batch" in errs[3] and "--stop-ids" in errs[4] and keep.read_text() == "precious\n"
+    assert "--temperature" in errs[5] and "one.jsonl" not in errs[5]
+
+
 def test_prompts_file_from_a_pipe():
     """--prompts-file /dev/stdin reads a pipe (the missing-file check leaves non-regular files alone)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--prompts-file", "/dev/stdin"],
                        input='{"prompt": "def f(x):", "max_new_tokens": 2}\n', capture_output=True, text=True,
                        env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 2
+    r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--prompts-file", "-"],
+                       input='{"prompt": "def f(x):", "max_new_tokens": 2}\n', capture_output=True, text=True,
+                       env=env, timeout=300)  # "-": standard input, as for most tools
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 2

@@ -13,6 +13,7 @@ from hyspec.cli.common import (
     add_model_args,
     add_sampling_args,
     add_spec_args,
+    check_out_file,
     check_spec_flags,
     constraint_from_args,
     fork_telemetry,
@@ -20,7 +21,7 @@ from hyspec.cli.common import (
     parse_ids,
     print_logprob_table,
 )
-from hyspec.core.scheduler import check_prompt
+from hyspec.core.scheduler import check_prompt, check_stop
 from hyspec.engine import stop_list
 from hyspec.sampling import SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
@@ -82,10 +83,15 @@ def read_prompts_file(path: str, args) -> list[dict]:
 
     base = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
     requests = []
-    if not os.path.exists(path) or os.path.isdir(path):  # (a pipe or /dev/stdin is fine)
+    if path != "-" and (not os.path.exists(path) or os.path.isdir(path)):  # (a pipe or /dev/stdin is fine)
         raise ValueError(f"--prompts-file {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with (open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")) as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the line)") \
+                    from None
             if not line.strip():
                 continue
             try:
@@ -169,11 +175,24 @@ def _file_options(args):
     if args.num_samples != 1:
         raise ValueError("--num-samples applies to one --prompt; with --prompts-file repeat a line per sample "
                          "(each with its own seed)")
+    if args.forced_rates is not None:  # (its reference is one prompt's plain greedy run)
+        raise ValueError("--forced-rates applies to one --prompt (the forced drafter replays that prompt's plain "
+                         "greedy continuation); not with --prompts-file")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.prompts_file == "-" and args.pp > 1:  # (the launcher would read it, the ranks find it empty)
+        raise ValueError("--prompts-file - (standard input) cannot be read by --pp's ranks: give a file")
+    # the flags' own values, the defaults of every line: a bad one is the flag's error, not a line's
+    SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
+    if args.draft < 0 or args.draft > MAX_DRAFT:
+        raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
+    if args.out is not None:
+        check_out_file(args.out)
     requests = read_prompts_file(args.prompts_file, args)
     spec = None
     if any(r["draft"] > 0 for r in requests):
         spec = SpecOptions(k=max(r["draft"] for r in requests), rollback=args.rollback, p_min=args.p_min,
-                           adaptive=args.adaptive, hidden=args.hidden)
+                           adaptive=args.adaptive, adaptive_floor=args.adaptive_floor, hidden=args.hidden)
     return requests, spec
 
 
@@ -194,8 +213,13 @@ def run_file(args) -> int:
             eng._cap(r["prompt"], r["max_new_tokens"])  # the context: too long, or no room left
         except ValueError as e:
             raise ValueError(f"{args.prompts_file}:{r['line']}: {e}") from None
+    if args.stop_ids:
+        try:
+            check_stop(args.stop_ids, eng.model.cfg.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"--stop-ids: {e}") from None
     stops = set(args.stop_ids or ()) | (set() if args.ignore_eos else set(eng.eos_ids))
-    sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
+    sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # (opened once every check passed)
     finished_early: dict[int, object] = {}  # outputs that wait for an earlier line to finish
     failed: list[int] = []  # lines whose request ended in error (each written with its "error")
     written = 0
