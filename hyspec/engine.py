@@ -61,6 +61,8 @@ def _token_ids(name: str, value) -> list[int]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ParamError(name, value, "must be a list of token ids")
     try:
+        if any(isinstance(t, bool) for t in value):  # (True is an int to Python, not a token id)
+            raise TypeError
         return [operator.index(t) for t in value]
     except TypeError:
         raise ParamError(name, value, "must be a list of integer token ids") from None

@@ -40,6 +40,7 @@ def test_prompts_file_equals_one_by_one(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["index"] for row in rows] == list(range(len(LINES)))
+    assert [row["line"] for row in rows] == list(range(1, len(LINES) + 1))  # the file's line numbers
     calls = []
     for x in LINES:
         args = ["generate", "--json", "--max-new-tokens", str(x["max_new_tokens"]), "--draft", str(x.get("draft", 0))]

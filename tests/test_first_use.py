@@ -178,7 +178,8 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
                       ["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "m2"), "--no-mtp", "--draft-vocab", "4"],
                       ["bench", "--pp", "2", "--forced-rates", "0.9"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1,4000000000"],
-                      ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1", "--prompt-len", "200000000"])
+                      ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1", "--prompt-len", "200000000"],
+                      ["score", "--model", str(ckpt), "--ids", "1,,2"])
     assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
     assert "--max-new-tokens" in errs[1]
     assert "99999" in errs[2] and "out of range" in errs[2]
@@ -193,6 +194,7 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert "--optimistic" in errs[13]  # (--forced-rates was ignored without it)
     assert "--batch 4000000000" in errs[14] and "GiB free" in errs[14]  # (allocated until the process died)
     assert "--prompt-len 200000000" in errs[15] and "context" in errs[15]  # (not blamed on --batch)
+    assert "--ids" in errs[16] and "'1,,2'" in errs[16]  # (the empty item was dropped)
     if not torch.cuda.is_available():  # the pipeline bench on CUDA where there is none: one line, no traceback
         assert "CUDA is not available" in cli_errors(["bench", "--pp", "2", "--device", "cuda"])[0]
     assert "--pp" in cli_errors(["generate", "--model", str(ckpt), "--prompt-ids", "1", "--lanes", "2"])[0]
@@ -243,9 +245,11 @@ def test_python_api_arguments_are_named(eng, ckpt) -> None:
              lambda: SpecOptions(adaptive="yes"), lambda: setattr(eng, "store", "not a store"),
              lambda: eng.generate([1, 2], max_new_tokens=2, draft=2, reference=[10 ** 6] * 8,
                                   spec=SpecOptions(k=2, forced_rates=(0.9, 0.8))),
-             lambda: eng.constraint("json_object", {"type": "object"})]
+             lambda: eng.constraint("json_object", {"type": "object"}),
+             lambda: eng.generate_batch([[True, 2]], max_new_tokens=1)]
     names = ["on_tokens", "on_finish", "prompts", "ids", "ids", "ids", "path", "forced_rates", "forced_seed",
-             "prime_pending", "adaptive", "store", "reference", "json_object takes no value"]
+             "prime_pending", "adaptive", "store", "reference", "json_object takes no value",
+             "integer token ids"]  # (True ran as token 1)
     for call, name in zip(calls, names):
         with pytest.raises(ValueError, match=name):
             call()

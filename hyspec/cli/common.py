@@ -43,8 +43,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_ids(text: str) -> list[int]:
     """'1, 2,3' -> [1, 2, 3] (argparse type)."""
+    items = text.replace(" ", "").removesuffix(",").split(",")
+    if items == [""]:  # (nothing: no ids, as before)
+        return []
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        if "" in items:  # ("1,,2": a missing id, not one to drop in silence)
+            raise ValueError
+        return [int(x) for x in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 

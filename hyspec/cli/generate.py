@@ -231,7 +231,7 @@ def run_file(args) -> int:
         bar.update(1)
         while written in finished_early:
             output = finished_early.pop(written)
-            row = {"index": written, "tokens": output.tokens, "text": output.text,
+            row = {"index": written, "line": requests[written]["line"], "tokens": output.tokens, "text": output.text,
                    "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
             if "error" in output.stats:  # this line's own failure (its constraint could not go on)
                 row["error"] = output.stats["error"]
