@@ -60,10 +60,13 @@ def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
 def _token_ids(name: str, value) -> list[int]:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ParamError(name, value, "must be a list of token ids")
+    if "bool" in str(getattr(value, "dtype", "")):  # a bool tensor or array: not token ids
+        raise ParamError(name, value, "must be a list of integer token ids")
     try:
-        if any(isinstance(t, bool) for t in value):  # (True is an int to Python, not a token id)
+        items = list(value)  # (once: a generator is read one time)
+        if any(isinstance(t, bool) for t in items):  # (True is an int to Python, not a token id)
             raise TypeError
-        return [operator.index(t) for t in value]
+        return [operator.index(t) for t in items]
     except TypeError:
         raise ParamError(name, value, "must be a list of integer token ids") from None
 
@@ -501,7 +504,7 @@ class Engine:
             return None
         if not self.model.has_mtp:
             raise no_mtp_error()
-        return SpecOptions(**{**(spec.__dict__ if spec else {}), "k": draft})
+        return (spec or SpecOptions()).with_k(draft)
 
     def _stops(self, stop_ids, ignore_eos: bool) -> set[int]:
         return set(() if ignore_eos else self.eos_ids) | set(stop_ids or ())

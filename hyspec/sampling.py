@@ -68,6 +68,7 @@ class ParamError(ValueError):
         shown = repr(value)
         if len(shown) > 80:  # (a 400-digit number, a long list)
             shown = shown[:60] + f"... ({len(shown)} characters)"
+        self.shown = shown
         super().__init__(f"{name}={shown}: {why}")
 
 

@@ -107,6 +107,9 @@ def test_file_wide_flags_and_damaged_input(tmp_path):
     big.write_text('{"prompt": "a", "temperature": 1' + "0" * 400 + "}\n")
     keep = tmp_path / "keep.jsonl"
     keep.write_text("precious\n")
+    mix = tmp_path / "mix.jsonl"  # lines drafting less than the file-wide floor: the floor is each line's K at most
+    mix.write_bytes(b'{"prompt": "def f(x):", "max_new_tokens": 4, "draft": 4}\r{"prompt": "def g(x):", '
+                    b'"max_new_tokens": 4, "draft": 2}\r')  # (and lone-CR line ends)
     adaptive = ["--draft", "3", "--adaptive", "--adaptive-floor", "3"]
     calls = [["generate", "--prompts-file", str(one), *adaptive],
              ["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json", *adaptive],
@@ -115,19 +118,25 @@ def test_file_wide_flags_and_damaged_input(tmp_path):
              ["generate", "--prompts-file", str(big)],
              ["generate", "--prompts-file", str(one), "--out", str(keep), "--max-batch", "0"],
              ["generate", "--prompts-file", str(one), "--out", str(keep), "--stop-ids", "99999"],
-             ["generate", "--prompts-file", str(one), "--temperature", "-1"]]
+             ["generate", "--prompts-file", str(one), "--temperature", "-1"],
+             ["generate", "--prompts-file", str(mix), "--adaptive", "--adaptive-floor", "3", "--out",
+              str(tmp_path / "mix_out.jsonl")],
+             ["generate", "--prompts-file", "/dev/null", "--pp", "2"]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = cli_many(calls, env=env)
     assert res[0][0] == res[1][0] == 0, res[0][2] + res[1][2]
     file_spec, one_spec = (json.loads(r[1].splitlines()[0])["stats"]["spec"] for r in res[:2])
     assert file_spec["drafted_at"] == one_spec["drafted_at"] and file_spec["accepted_at"] == one_spec["accepted_at"]
-    errs = [err for code, _, err in res[2:]]
-    assert all(code == 2 for code, _, _ in res[2:]) and not any("Traceback" in e for e in errs), errs
+    assert res[-2][0] == 0, res[-2][2]
+    assert [json.loads(x)["line"] for x in (tmp_path / "mix_out.jsonl").read_text().splitlines()] == [1, 2]
+    errs = [err for code, _, err in res[2:-2]] + [res[-1][2]]
+    assert all(code == 2 for code, _, _ in res[2:-2] + res[-1:]) and not any("Traceback" in e for e in errs), errs
     assert "--forced-rates" in errs[0]
     assert "bad.jsonl:2: not UTF-8" in errs[1]
     assert "big.jsonl:1:" in errs[2] and "finite" in errs[2] and len(errs[2]) < 300
     assert "--max-batch" in errs[3] and "--stop-ids" in errs[4] and keep.read_text() == "precious\n"
     assert "--temperature" in errs[5] and "one.jsonl" not in errs[5]
+    assert "regular file" in errs[6]  # (--pp's ranks each read it: a pipe would be read by the launcher)
 
 
 def test_prompts_file_from_a_pipe():

@@ -246,14 +246,17 @@ def test_python_api_arguments_are_named(eng, ckpt) -> None:
              lambda: eng.generate([1, 2], max_new_tokens=2, draft=2, reference=[10 ** 6] * 8,
                                   spec=SpecOptions(k=2, forced_rates=(0.9, 0.8))),
              lambda: eng.constraint("json_object", {"type": "object"}),
-             lambda: eng.generate_batch([[True, 2]], max_new_tokens=1)]
+             lambda: eng.generate_batch([[True, 2]], max_new_tokens=1),
+             lambda: eng.generate_batch([torch.tensor([True, False])], max_new_tokens=1)]
     names = ["on_tokens", "on_finish", "prompts", "ids", "ids", "ids", "path", "forced_rates", "forced_seed",
              "prime_pending", "adaptive", "store", "reference", "json_object takes no value",
-             "integer token ids"]  # (True ran as token 1)
+             "integer token ids", "integer token ids"]  # (True ran as token 1)
     for call, name in zip(calls, names):
         with pytest.raises(ValueError, match=name):
             call()
     assert not isinstance(eng._store, str)  # the refused store was not set
+    ids = eng.encode("def add(a, b):")  # a generator of ids is read once (the bool check had emptied it)
+    assert eng.decode(t for t in ids) == eng.decode(ids) and eng.generate(iter(ids), max_new_tokens=2).tokens
 
 
 def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:

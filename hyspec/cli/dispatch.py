@@ -43,7 +43,7 @@ def flag_name(name: str) -> str:
 
 def error_message(e: Exception) -> str:
     if isinstance(e, ParamError):
-        return f"argument {flag_name(e.field)}: {e.why} (got {e.value!r})"
+        return f"argument {flag_name(e.field)}: {e.why} (got {e.shown})"
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         return f"{e.strerror}: {e.filename}"
     return str(e)

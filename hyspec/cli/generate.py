@@ -85,8 +85,11 @@ def read_prompts_file(path: str, args) -> list[dict]:
     requests = []
     if path != "-" and (not os.path.exists(path) or os.path.isdir(path)):  # (a pipe or /dev/stdin is fine)
         raise ValueError(f"--prompts-file {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
+    if path == "-" and (sys.stdin is None or sys.stdin.closed):
+        raise ValueError("--prompts-file -: standard input is closed")
     with (open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")) as f:
-        for line_no, raw in enumerate(f, 1):
+        # lines end in \n, \r\n or \r, as text mode reads them (a JSON string's raw U+2028 ends none)
+        for line_no, raw in enumerate(f.read().splitlines(), 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -170,6 +173,8 @@ def _common_checks(args) -> None:
 
 def _file_options(args):
     """(requests, speculative options) of a --prompts-file run; ValueError on a bad line or option."""
+    import os
+
     _common_checks(args)
     check_spec_flags(args)
     if args.num_samples != 1:
@@ -180,8 +185,9 @@ def _file_options(args):
                          "greedy continuation); not with --prompts-file")
     if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.prompts_file == "-" and args.pp > 1:  # (the launcher would read it, the ranks find it empty)
-        raise ValueError("--prompts-file - (standard input) cannot be read by --pp's ranks: give a file")
+    if args.pp > 1 and not os.path.isfile(args.prompts_file):  # (the launcher would read a pipe, the ranks find it empty)
+        raise ValueError(f"--prompts-file {args.prompts_file}: --pp's ranks each read the file: give a regular file "
+                         "(not standard input or a pipe)")
     # the flags' own values, the defaults of every line: a bad one is the flag's error, not a line's
     SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
     if args.draft < 0 or args.draft > MAX_DRAFT:

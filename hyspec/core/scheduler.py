@@ -69,8 +69,7 @@ def spec_options(req: Request):
         raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {req.draft!r}")
     if req.draft == 0:
         return None
-    base = req.spec.__dict__ if req.spec is not None else {}
-    return SpecOptions(**{**base, "k": req.draft})
+    return (req.spec or SpecOptions()).with_k(req.draft)
 
 
 class Scheduler:

@@ -45,6 +45,11 @@ class SpecOptions:
     forced_seed: int = 0
     prime_pending: bool = True
 
+    def with_k(self, k: int) -> "SpecOptions":
+        """These options for K = k drafts (a request's own draft length): the floor of
+        adaptive K is at most k (a batch-wide or file-wide floor above one request's K)."""
+        return SpecOptions(**{**self.__dict__, "k": k, "adaptive_floor": min(self.adaptive_floor, k)})
+
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_DRAFT:
             raise ParamError("k", self.k, f"the draft length must be an integer in 1..{MAX_DRAFT} "
