@@ -201,6 +201,8 @@ class Chat:
         cmd, _, arg = line.strip().partition(" ")
         arg = arg.strip()
         path = os.path.expanduser(arg)  # (/save ~/chat.pt)
+        if arg and cmd in ("/quit", "/exit", "/reset", "/stats", "/help"):  # (not done with an argument ignored)
+            raise ValueError(f"{cmd} takes no argument, got {arg!r}")
         if cmd in ("/quit", "/exit"):
             return False
         if cmd == "/rewind":

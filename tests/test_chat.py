@@ -138,8 +138,8 @@ def test_chat_constraint_flags():
 
 
 def test_chat_bad_commands_and_json(tmp_path):
-    """A file that is not a torch file, a torch file that is not a session and a non-number
-    for /rewind are one-line errors and the chat goes on; --json prints the session's
+    """A file that is not a torch file, a torch file that is not a session, a non-number
+    for /rewind and an argument to /reset or /quit are one-line errors and the chat goes on; --json prints the session's
     figures as one JSON object at the end."""
     import io
 
@@ -150,11 +150,13 @@ def test_chat_bad_commands_and_json(tmp_path):
 
     torch.save({"a": 1}, tmp_path / "other.pt")
     out = io.StringIO()
-    lines = [f"/load {tmp_path / 'text.txt'}", f"/load {tmp_path / 'other.pt'}", "/rewind abc", "def f():"]
+    lines = [f"/load {tmp_path / 'text.txt'}", f"/load {tmp_path / 'other.pt'}", "/rewind abc", "def f():",
+             "/reset all", "/quit now"]  # (an argument to /reset or /quit was ignored: they ran)
     assert main(["--max-new-tokens", "4", "--json"], stdin=io.StringIO("\n".join(lines) + "\n"), stdout=out) == 0
     text = out.getvalue().splitlines()
     errors = [x for x in text if x.startswith("[error")]
-    assert len(errors) == 3 and "Traceback" not in out.getvalue(), text
+    assert len(errors) == 5 and "Traceback" not in out.getvalue(), text
+    assert "/reset takes no argument" in errors[3] and "/quit takes no argument" in errors[4]
     assert "not a hyspec session file" in errors[0] and "text.txt" in errors[0] and "\n" not in errors[0]
     assert "not a hyspec session file" in errors[1]
     assert "/rewind takes a number of turns, got 'abc'" in errors[2]
