@@ -259,6 +259,26 @@ def test_python_api_arguments_are_named(eng, ckpt) -> None:
     assert eng.decode(t for t in ids) == eng.decode(ids) and eng.generate(iter(ids), max_new_tokens=2).tokens
 
 
+def test_ctrl_c_while_the_command_starts_is_one_line(monkeypatch, capsys) -> None:
+    """The `hyspec` command's entry point imports the CLI (torch: a second or more) inside a
+    Ctrl-C handler: an interrupt then is "hyspec: interrupted", exit 130 (was a traceback)."""
+    import types
+
+    from hyspec import entry
+
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "hyspec.cli.dispatch", Interrupted("hyspec.cli.dispatch"))
+    assert entry.main() == 130
+    assert capsys.readouterr().err.strip() == "hyspec: interrupted"
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["hyspec"] == "hyspec.entry:main"
+
+
 def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:
     """`hyspec ... | head`: the reader goes away; no `error: [Errno 32] Broken pipe` line."""
     from hyspec.cli import dispatch
