@@ -60,8 +60,8 @@ class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
 
 
-def _finite(v) -> bool:
-    """A JSON number that is a finite float (Infinity / NaN literals and 10**400 are not)."""
+def finite_number(v) -> bool:
+    """A number that is a finite float (Infinity / NaN literals and 10**400 are not)."""
     try:
         return math.isfinite(float(v))
     except OverflowError:
@@ -130,7 +130,7 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
         v = rope.get(key, default)
         if v is None:
             return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or (positive and not v > 0):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not finite_number(v) or (positive and not v > 0):
             raise ConfigError(f"config.json: rope_parameters.{key} must be a {'positive' if positive else 'finite'} "
                               f"number for rope_type "
                               f"{kind!r}, got {v!r}")

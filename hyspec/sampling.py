@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from hyspec.config import finite_number
 from hyspec.rng import Stream, gumbel_noise, u01
 
 __all__ = [
@@ -83,14 +84,6 @@ TEMPERATURE_MIN = 1e-5
 PENALTY_MAX = 1e4
 
 
-def _finite(v) -> bool:
-    """A finite number (an int too large for a float, 10**400, is not)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling configuration (llama.cpp / vLLM meanings).
@@ -127,7 +120,7 @@ class SamplingParams:
             "presence_penalty",
         ):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not _finite(v):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not finite_number(v):
                 raise bad(name, v, "must be a finite number")
         for name in ("top_k", "penalty_last_n", "seed"):
             v = getattr(self, name)

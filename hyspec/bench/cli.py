@@ -367,8 +367,9 @@ def check_batch_memory(model, args, dev) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()  # (memory the caching allocator holds unused counts as free)
         free = torch.cuda.mem_get_info(dev)[0]
-        slots = max(batch, 16)  # (gpu_batch_bench's lanes, whatever --batch-inv-prompts asks)
-        length = max(args.prompt_len, 64) + max(args.new_tokens, 500) + 3 + 8
+        from hyspec.gpu.batch_bench import lane_shape
+
+        slots, length = lane_shape(batch, args.prompt_len, args.new_tokens)  # (the decoder gpu_batch_bench builds)
     else:
         free, slots, length = available_memory_bytes(), batch, args.prompt_len + args.new_tokens + 8
     per = slot_bytes(model.cfg, model.dtype, length, model.has_mtp)["total"]

@@ -49,6 +49,13 @@ def _target(value: float, name: str) -> dict:
     return {"value": round(value, 3), "target": TARGETS[name], "met": value >= TARGETS[name]}  # 3 places: 0.899 is not 0.9
 
 
+def lane_shape(batch: int, prompt_len: int, new_tokens: int, k: int = 3, inv_batch: int = 16,
+               inv_tokens: int = 500) -> tuple[int, int]:
+    """(lanes, positions per lane) of gpu_batch_bench's decoder: room for the largest batch and
+    the invariance check's batch, each lane long enough for both runs' tokens and K drafts."""
+    return max(batch, inv_batch), max(prompt_len, 64) + max(new_tokens, inv_tokens) + k + 8
+
+
 def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: int, k: int = 3,
                     forced=(0.9, 0.8, 0.7, 0.6), seed: int = 0, inv_prompts: int = 64, inv_tokens: int = 500,
                     inv_batch: int = 16, sampled_extra=(), draft_vocab: int = 0, weight_bytes: int | None = None,
@@ -62,8 +69,7 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
     B_max = max(batches)
-    slots = max(B_max, inv_batch)
-    max_len = max(prompt_len, 64) + max(new_tokens, inv_tokens) + k + 8
+    slots, max_len = lane_shape(B_max, prompt_len, new_tokens, k, inv_batch, inv_tokens)
     t0 = time.perf_counter()
     dec = BatchDecoder(model, max_len, k, slots)
     sizes = sorted({s for s in dec.sizes if s <= slots})
