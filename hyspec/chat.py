@@ -12,8 +12,9 @@ Commands:
     /quit         leave (end of input, Ctrl-D, too)
 A line starting with "//" is sent as a message starting with "/" (the first "/" dropped).
 An empty line continues the reply (sends nothing new; the pending token runs first); the
-continuation of a reply cut by --max-new-tokens is shown on the cut reply's line (on a
-terminal its last line is drawn again below the prompt). With a chat template only a cut
+continuation is shown on the reply's line (on a terminal its last line is drawn again below
+the prompt), for a reply cut by --max-new-tokens and, with the plain template, for one ended
+by a stop string or EOS too. With a chat template only a cut
 reply goes on (an empty message would end it). Ctrl-C during a reply stops it and undoes
 the turn; at the prompt it only says how to leave.
 
@@ -54,8 +55,9 @@ class Chat:
         self.rendered = ""  # the text the session's tokens stand for
         self.cut = False  # the last reply was cut by max_new_tokens: an empty line continues it
         self.stack: list[tuple[list[dict], str, bool]] = []  # (messages, rendered, cut) before each turn
-        # The screen: a cut reply's line stays open, so that an empty line's continuation
-        # follows it on the same line (on a terminal, the line is drawn again below the prompt).
+        # The screen: the line of a reply that an empty line continues (a cut one; with the
+        # plain template any) stays open, so that the continuation follows it on the same line
+        # (on a terminal, the line is drawn again below the prompt).
         self._line: list[int] | None = None  # the tokens of the reply whose text ends the screen
         self._shown = 0  # how much of its text is on screen (an incomplete UTF-8 sequence waits)
         self._open = False  # the cursor is still right after that text (no line break yet)
@@ -173,8 +175,8 @@ class Chat:
             self.session, self.stack = session, []
         cut = out.samples[0].stop_reason == "length"
         self._record(before, messages_now, full, go_on, out.tokens, cut)
-        if cut:  # the line stays open: an empty line continues it there
-            self._show()
+        if cut or self.plain:  # the line stays open: an empty line continues it there (the plain
+            self._show()      # template's replies all go on, a stop string's or EOS's end too)
         else:
             self.end_line()
         return out.stats

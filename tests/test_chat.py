@@ -308,6 +308,19 @@ def test_chat_stop_ends_a_reply_at_the_stop_string(run_chat, default_engine):
     assert st[0]["turn_tokens"] == want.tokens and st[1]["turns"] == 2
 
 
+def test_a_reply_ended_by_a_stop_string_goes_on_on_its_line(run_chat, default_engine):
+    """Plain template: an empty line after a reply ended by a --stop string continues it on
+    the same line (the transcript shows no line break there)."""
+    full = default_engine.generate("def f(x):\n", max_new_tokens=16, ignore_eos=True)
+    stop = full.text[len(full.text) // 3:][:2]
+    out = run_chat(["def f(x):", ""], "--ignore-eos", "--stop", stop)
+    first = default_engine.generate("def f(x):\n", max_new_tokens=8, ignore_eos=True, stop=stop)
+    assert first.samples[0].stop_reason == "stop"
+    reply = default_engine.decode(first.tokens)  # (the chat shows the stop string; .text leaves it out)
+    rest = out[len(reply):]
+    assert out.startswith(reply) and rest.strip() and not rest.startswith("\n")
+
+
 def test_stats_after_rewind_count_only_the_turns_left(run_chat):
     """/stats after /rewind: the conversation's acceptance without the undone turn, and the
     figures of the turn that is now the last (were: the undone turn counted, nulls)."""
