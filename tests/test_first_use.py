@@ -122,6 +122,17 @@ def test_prompt_longer_than_the_context_is_an_error(ckpt, eng, tmp_path) -> None
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_replay_of_a_text_too_short_for_a_draft_position_says_so(ckpt, tmp_path, capsys) -> None:
+    """No position to judge: one line saying why, not a table of 0.0 rates."""
+    from hyspec.cli.dispatch import main
+
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x\n")
+    assert main(["replay", "--model", str(ckpt), "--text-file", str(short), "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "0 draft positions" in out and "no draft position to judge" in out and "0.000" not in out
+
+
 def test_capped_request_allocates_only_the_capped_size(eng, monkeypatch) -> None:
     sizes = []
     orig = eng.model.new_cache

@@ -69,6 +69,10 @@ def run(args) -> int:
         return 0
     print(f"{report['tokens']} tokens, target perplexity {report['perplexity']:.3f}; "
           f"{report['positions']} draft positions (stride {report['stride']}, K={report['k']})")
+    if not report["positions"]:  # (the JSON's rates are 0 then, as SpecTelemetry's are without rounds)
+        print(f"no draft position to judge: a position needs the K + 2 = {report['k'] + 2} tokens from it in the "
+              f"text; give a longer text or a smaller --k")
+        return 0
     print("depth                      " + "".join(f"{d + 1:>8}" for d in range(report["k"])))
     for label, rates in (("accepted vs text", report), ("accepted vs target greedy", report["vs_target"])):
         print(f"{label:<27}" + "".join(f"{x:8.3f}" for x in rates["accept_rate_at"]))
