@@ -323,7 +323,10 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
+        from hyspec.engine import stop_list
+
         params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
+        stops = stop_list(args.stop or [])  # (before the model loads)
         spec = None
         if args.draft > 0:
             spec = SpecOptions(k=args.draft, rollback=args.rollback, p_min=args.p_min, adaptive=args.adaptive,
@@ -358,7 +361,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                               constraint=constraint)
         chat = Chat(eng, session, out=stdout)
         chat.template_kwargs = kwargs
-        chat.stop = [x for x in (args.stop or []) if x]
+        chat.stop = stops
     except (ValueError, OSError, ImportError) as e:
         from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
 

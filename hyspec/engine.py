@@ -166,7 +166,22 @@ def stop_list(stop) -> list[str]:
     stop = list(stop)
     if any(not isinstance(x, str) for x in stop):
         raise ParamError("stop", stop, "must be a string or a list of strings")
+    for x in stop:
+        why = lone_surrogate(x)
+        if why:
+            raise ParamError("stop", x, why)
     return [x for x in stop if x]
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Why a stop string can never match, when it holds a lone UTF-16 surrogate (U+D800..
+    U+DFFF: a JSON "\\ud800" escape, or a command-line byte that is not UTF-8, which Python
+    keeps as U+DC80..U+DCFF); decoded text never holds one. None when it has none."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            return (f"character {i} is a lone surrogate (U+{ord(ch):04X}), which no generated text holds "
+                    f"(not UTF-8 on the command line, or a broken \\u escape), so it would never match")
+    return None
 
 
 class StopStrings:

@@ -256,6 +256,12 @@ def test_errors(server, client):
     ok = httpx.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1, "response_format": {"type": "text"}})
     assert ok.status_code == 200
     _check_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    # a lone surrogate (a JSON \\ud800 escape; a stop string holding one could never match) is not valid JSON
+    # text (RFC 8259: I-JSON): the parser's reason is named
+    body = b'{"model": "%s", "prompt": "x", "max_tokens": 2, "stop": ["ok", "x\\ud800"]}' % MODEL.encode()
+    err = _check_error(httpx.post(url, content=body, headers={"content-type": "application/json"}), 400,
+                       "invalid_json")
+    assert "hex escape at line 1" in err["message"], err
     # chat_template_kwargs may set the template's named variables too (once a 400: a repeated keyword)
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,

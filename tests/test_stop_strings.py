@@ -69,6 +69,8 @@ def test_the_eos_text_never_completes_a_stop_string(eng):
         assert (out.tokens, out.text, out.samples[0].stop_reason) == (full.tokens, full.text, "eos"), stop
     with pytest.raises(ValueError, match="stop"):
         eng.generate("x", stop={"a": 1})
+    with pytest.raises(ValueError, match="stop='a\\\\udc80'.*lone surrogate"):  # (never in decoded text)
+        eng.generate("x", stop=["b", "a\udc80"])
 
 
 def test_the_first_bytes_of_a_character_never_complete_a_stop_string(eng):

@@ -136,7 +136,10 @@ def read_prompts_file(path: str, args) -> list[dict]:
             stop = obj.get("stop", args.stop)
             try:
                 stop = stop_list(stop)
-            except ValueError:
+            except ValueError as e:
+                why = getattr(e, "why", "")
+                if "surrogate" in why:
+                    raise ValueError(f"{path}:{line_no}: \"stop\" {e.shown}: {why}") from None
                 raise ValueError(f"{path}:{line_no}: \"stop\" must be a string or a list of strings, "
                                  f"got {stop!r}") from None
             chat = None

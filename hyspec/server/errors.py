@@ -64,8 +64,10 @@ async def parse_body(request: Request, schema):
         errors = e.errors()
         first = errors[0] if errors else {}
         field = str(first["loc"][0]) if first.get("loc") else None  # the request field at fault
-        if first.get("type") == "json_invalid":
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if first.get("type") == "json_invalid":  # (the parser's why: "lone leading surrogate in hex escape at...")
+            why = str(first.get("msg") or "").removeprefix("Invalid JSON: ")[:200]
+            raise APIError(400, "the request body is not valid JSON" + (f" ({why})" if why else ""),
+                           code="invalid_json") from None
         if first.get("type") == "model_type" and not first.get("loc"):
             raise APIError(400, "the request body must be a JSON object", code="invalid_type") from None
         message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
