@@ -313,6 +313,9 @@ def test_the_cli_step_count_has_no_default_time_limit(tmp_path):
     assert parse_args(["--out", out]).minutes == 7.5
     assert parse_args(["--out", out, "--steps", "5"]).minutes == 0
     assert parse_args(["--out", out, "--steps", "5", "--minutes", "2"]).minutes == 2
+    from hyspec.train.config import TrainConfig  # the same rule in Python
+
+    assert (TrainConfig().minutes, TrainConfig(steps=5).minutes, TrainConfig(steps=5, minutes=2).minutes) == (7.5, 0, 2)
     from hyspec.train.config import check_arch
 
     with pytest.raises(ValueError, match=r"model shape: --kv-heads \(2\) must divide --heads \(3\)"):

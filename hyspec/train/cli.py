@@ -64,9 +64,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         return ns  # type: ignore[return-value]
     kw = {f.name: getattr(ns, f.name) for f in fields(TrainConfig) if f.name != "arch"}
     kw["arch"] = {k: getattr(ns, k) for k in DEFAULT_ARCH}
-    if kw["minutes"] is None:
-        kw["minutes"] = 0.0 if ns.steps > 0 else TrainConfig.minutes
-    return TrainConfig(**kw)
+    return TrainConfig(**kw)  # (minutes None: the default budget, or none with --steps)
 
 
 def main(argv: list[str] | None = None) -> int:

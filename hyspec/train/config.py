@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 from hyspec.train.model import DEFAULT_ARCH
 
 
+DEFAULT_MINUTES = 7.5  # the time budget when neither a step count nor minutes is given
+
+
 @dataclass
 class TrainConfig:
     corpus: str = "data/pystdlib_corpus.jsonl.xz"
     tokenizer: str = "data/tokenizer/tokenizer.json"
     out: str = "runs/default_model"
-    minutes: float = 7.5  # 0: no time limit (then --steps must be given)
+    minutes: float | None = None  # None: DEFAULT_MINUTES, or no limit when steps is given; 0: no limit
     wall_minutes: float = 0.0  # 0: none; else stop training so the whole process ends within this
     steps: int = 0  # 0: choose from the time budget after timing the first steps
     device: str = ""
@@ -34,6 +37,10 @@ class TrainConfig:
     fla: str = "auto"  # auto | on | off
     check_fla: bool = True  # compare fla vs torch GDN (loss, grads) on the first batch; fall back if off
     arch: dict = field(default_factory=lambda: dict(DEFAULT_ARCH))  # model shape, keys of DEFAULT_ARCH
+
+    def __post_init__(self) -> None:
+        if self.minutes is None:  # as on the command line: a step count alone has no time limit
+            self.minutes = 0.0 if self.steps > 0 else DEFAULT_MINUTES
 
 
 def flag(name: str) -> str:
