@@ -51,7 +51,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -112,6 +112,17 @@ def _check_extra(extra) -> None:
 _engine_turn = engine_call(lambda session: session.engine)
 
 
+@dataclass(frozen=True)
+class RewindPoint:
+    """The session before one turn: what rewind restores (never mutated: forks share them)."""
+    state: SeqState | None  # the model state (None: empty)
+    matcher: object  # the constraint's state (None: free)
+    telemetry: SpecTelemetry  # the acceptance over the turns before
+    stats: dict  # last_stats ({} when unknown: a loaded session's)
+    draft: int  # the K a send without draft= follows
+    reply: list[int]  # the reply in progress (a stop string may straddle a "go on")
+
+
 class Session:
     def __init__(self, engine, *, draft: int = 0, params: SamplingParams | None = None, spec=None,
                  max_new_tokens: int = 64, stop_ids=None, ignore_eos: bool = False, use_store: bool = True,
@@ -138,17 +149,12 @@ class Session:
         self._seq = None  # the live Sequence (holds a slot) ...
         self._state: SeqState | None = None  # ... or the state the next turn resumes from
         self._boundary: SeqState | None = None  # the current state, captured when the last turn ended
-        self._history: list[SeqState | None] = []  # the state before each turn (None: empty)
+        self._points: list[RewindPoint] = []  # the session before each turn: what rewind restores
         self._matcher = None  # the constraint's state after the last turn (None: that turn was free)
-        self._matchers: list = []  # ... and before each turn (rewind points, beside _history)
-        self._telemetries: list[SpecTelemetry] = []  # the telemetry before each turn (beside _history)
-        self._stats_history: list[dict] = []  # last_stats before each turn (beside _history)
         self._speculative: bool | None = None
         self._last_draft = 0  # the last turn's K (a speculative session's default when its own draft is 0)
-        self._drafts: list[int] = []  # ... and before each turn (beside _history)
         self._reply: list[int] = []  # the reply in progress: the last turn's tokens, and those of the turns
         # before it that it went on from (send([])): a stop string may straddle them
-        self._replies: list[list[int]] = []  # ... and before each turn (beside _history)
         self.telemetry = SpecTelemetry()  # the turns in the conversation (rewind takes a turn's rounds out)
         self.last_stats: dict = {}
         self.closed = False
@@ -173,7 +179,7 @@ class Session:
 
     @property
     def num_turns(self) -> int:
-        return len(self._history)
+        return len(self._points)
 
     turns = num_turns  # (the same count: the turns in the conversation; an undone one no longer counts)
 
@@ -282,12 +288,8 @@ class Session:
                 raise req.exception
             end = capture(seq)
         # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
-        self._history.append(self._boundary)
-        self._matchers.append(self._matcher)
-        self._telemetries.append(self.telemetry.copy())
-        self._stats_history.append(self.last_stats)
-        self._drafts.append(self._last_draft)
-        self._replies.append(self._reply)
+        self._points.append(RewindPoint(self._boundary, self._matcher, self.telemetry.copy(), self.last_stats,
+                                        self._last_draft, self._reply))
         self._reply = (self._reply if not ids else []) + list(req.tokens)
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
         self._seq, self._state = seq, (end if seq is None else None)
@@ -349,22 +351,16 @@ class Session:
         self._check_open()
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"rewind needs a number of turns >= 1, got {n!r}")
-        if n > len(self._history):
-            raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._history)}")
-        target = self._history[-n]
-        self._matcher = self._matchers[-n]
-        self.telemetry = self._telemetries[-n].copy()  # (the snapshots are never mutated)
-        self.last_stats = self._stats_history[-n]
-        self._last_draft, self._reply = self._drafts[-n], self._replies[-n]
-        del self._drafts[-n:]
-        del self._replies[-n:]
-        del self._history[-n:]
-        del self._matchers[-n:]
-        del self._telemetries[-n:]
-        del self._stats_history[-n:]
+        if n > len(self._points):
+            raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._points)}")
+        p = self._points[-n]
+        del self._points[-n:]
+        self._matcher, self.last_stats = p.matcher, p.stats
+        self.telemetry = p.telemetry.copy()  # (the points are never mutated)
+        self._last_draft, self._reply = p.draft, p.reply
         self._release()
-        self._state = self._boundary = target
-        if target is None:
+        self._state = self._boundary = p.state
+        if p.state is None:
             self._speculative = None
 
     @_engine_turn
@@ -373,11 +369,8 @@ class Session:
         self._check_open()
         self._release()
         self._state = self._boundary = None
-        self._history = []
-        self._matcher, self._matchers = None, []
-        self._telemetries, self._stats_history = [], []
-        self._speculative, self._last_draft, self._drafts = None, 0, []
-        self._reply, self._replies = [], []
+        self._points, self._matcher = [], None
+        self._speculative, self._last_draft, self._reply = None, 0, []
         self.telemetry = SpecTelemetry()
         self.last_stats = {}
 
@@ -392,12 +385,10 @@ class Session:
         self._check_open()
         other = self._clone_settings()
         other._state = other._boundary = self._boundary
-        other._history = list(self._history)
-        other._matcher, other._matchers = self._matcher, list(self._matchers)  # never mutated: shared
-        other._speculative, other._last_draft, other._drafts = self._speculative, self._last_draft, list(self._drafts)
-        other._reply, other._replies = self._reply, list(self._replies)  # (never mutated: shared)
+        other._points = list(self._points)  # (the points, matchers and replies are never mutated: shared)
+        other._matcher, other._reply = self._matcher, self._reply
+        other._speculative, other._last_draft = self._speculative, self._last_draft
         other.telemetry = self.telemetry.copy()
-        other._telemetries, other._stats_history = list(self._telemetries), list(self._stats_history)
         other.last_stats = self.last_stats
         return other
 
@@ -407,8 +398,7 @@ class Session:
         if not self.closed:
             self._release()
             self._state = self._boundary = None
-            self._history, self._matchers, self._telemetries, self._stats_history, self._drafts = [], [], [], [], []
-            self._reply, self._replies = [], []
+            self._points, self._reply = [], []
             self.closed = True
 
     def __del__(self) -> None:  # a dropped session gives its slot back to the pool
@@ -463,16 +453,17 @@ class Session:
                          "max_new_tokens": self.max_new_tokens, "stop_ids": list(self.stop_ids),
                          "ignore_eos": self.ignore_eos, "use_store": self.use_store},
             "state": None if self._boundary is None else self._boundary.to_dict(),
-            "history": [None if h is None else h.to_dict() for h in self._history],
+            # the rewind points, one list per field (a turn's stats are not saved)
+            "history": [None if p.state is None else p.state.to_dict() for p in self._points],
             # each state's identity (SeqState.digest), checked at load: a damaged file fails there
             "digests": {"state": None if self._boundary is None else self._boundary.digest(),
-                        "history": [None if h is None else h.digest() for h in self._history]},
+                        "history": [None if p.state is None else p.state.digest() for p in self._points]},
             "constraint": _constraint_dict(self.constraint), "matcher": _constraint_dict(self._matcher),
-            "matchers": [_constraint_dict(m) for m in self._matchers],
+            "matchers": [_constraint_dict(p.matcher) for p in self._points],
             "speculative": self._speculative, "turns": self.turns, "telemetry": self.telemetry.to_dict(),
-            "last_draft": self._last_draft, "drafts": list(self._drafts),  # a send without draft= follows them
-            "reply": list(self._reply), "replies": [list(r) for r in self._replies],  # stop strings in a "go on"
-            "telemetries": [t.to_dict() for t in self._telemetries],
+            "last_draft": self._last_draft, "drafts": [p.draft for p in self._points],  # a send without draft=
+            "reply": list(self._reply), "replies": [list(p.reply) for p in self._points],  # stop strings in a "go on"
+            "telemetries": [p.telemetry.to_dict() for p in self._points],
             "extra": extra or {},
         }
 
@@ -544,26 +535,27 @@ class Session:
         history = d["history"]
         if digests is not None and len(digests["history"]) != len(history):
             raise ValueError("the session file is damaged: its rewind points and their digests differ in number")
-        session._history = [state_of(h, digests and digests["history"][i], f"rewind point {i}'s")
-                            for i, h in enumerate(history)]
+        states = [state_of(h, digests and digests["history"][i], f"rewind point {i}'s")
+                  for i, h in enumerate(history)]
+        n = len(states)
         session.constraint = _constraint_from(engine, d.get("constraint"))
         session._matcher = _constraint_from(engine, d.get("matcher"))
-        session._matchers = [_constraint_from(engine, m) for m in d.get("matchers", [None] * len(session._history))]
+        matchers = [_constraint_from(engine, m) for m in d.get("matchers", [None] * n)]
         session._speculative = d["speculative"]
         # (a file written before they were saved: a speculative session's default K is then its spec's, or 3)
         session._last_draft = int(d.get("last_draft", 0))
-        session._drafts = [int(k) for k in d.get("drafts", [0] * len(session._history))]
+        drafts = [int(k) for k in d.get("drafts", [0] * n)]
         session._reply = [int(t) for t in d.get("reply", [])]
-        session._replies = [[int(t) for t in r] for r in d.get("replies", [[] for _ in session._history])]
-        if len(session._drafts) != len(session._history) or len(session._replies) != len(session._history):
-            raise ValueError("the session file is damaged: its rewind points and their draft lengths or replies differ in "
-                             "number")
+        replies = [[int(t) for t in r] for r in d.get("replies", [[] for _ in range(n)])]
         session.telemetry = SpecTelemetry.from_dict(d["telemetry"])
         # the telemetry before each turn (a file written before they were saved: the current one,
         # so a rewind there keeps counting the undone turns' rounds, as it did then)
-        session._telemetries = [SpecTelemetry.from_dict(t) for t in
-                                d.get("telemetries", [d["telemetry"]] * len(session._history))]
-        session._stats_history = [{} for _ in session._history]
+        telemetries = [SpecTelemetry.from_dict(t) for t in d.get("telemetries", [d["telemetry"]] * n)]
+        if any(len(x) != n for x in (matchers, drafts, replies, telemetries)):
+            raise ValueError("the session file is damaged: its rewind points and their constraint states, draft "
+                             "lengths, replies or telemetries differ in number")
+        session._points = [RewindPoint(st, m, t, {}, k, r)  # (a turn's stats are not saved)
+                           for st, m, t, k, r in zip(states, matchers, telemetries, drafts, replies)]
         session.extra = d.get("extra", {})
         return session
 

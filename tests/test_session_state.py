@@ -75,8 +75,8 @@ def test_save_load_is_bitwise(zoo, arch, tmp_path):
     assert t.extra == {"note": "x"}
     assert_same(t.state(), s.live_state(), "loaded")
     assert t.state().digest() == s.state().digest()
-    for a, b in zip(t._history[1:], s._history[1:]):
-        assert_same(a, b, "rewind points")
+    for a, b in zip(t._points[1:], s._points[1:]):
+        assert_same(a.state, b.state, "rewind points")
     assert t.send(msgs[3]).tokens == s.send(msgs[3]).tokens
     assert_same(t.live_state(), s.live_state(), "continued after load")
     t.rewind(2)
@@ -157,8 +157,8 @@ def test_fault_mid_round_leaves_last_committed_state(zoo, arch):
         assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
         assert_same(s.live_state(), twin.live_state())
         s.rewind(2)  # the failed turn is a turn: rewinding it returns to before it
-        assert len(s.tokens) == len(ref._history[1].tokens)
-        assert_same(s.live_state(), ref._history[1])
+        assert len(s.tokens) == len(ref._points[1].state.tokens)
+        assert_same(s.live_state(), ref._points[1].state)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
