@@ -357,6 +357,9 @@ def test_second_chat_turn_resumes_from_the_prefix_store(server, client, ref_engi
     assert after["hyspec_prefix_cache_hits_total"] == before["hyspec_prefix_cache_hits_total"] + 1
     assert after["hyspec_prefix_cache_cached_tokens_total"] == before["hyspec_prefix_cache_cached_tokens_total"] + cached
     assert httpx.get(server.url + "/health").json()["prefix_store"]["hits"] >= 1
+    # n samples of one prompt: its reused tokens count once, as its prompt tokens do (were n times)
+    r3 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0.7, seed=1, n=3)
+    assert (r3.usage.prompt_tokens, r3.usage.prompt_tokens_details.cached_tokens) == (len(p2), cached)
 
 
 def test_no_prefix_store_flag():

@@ -155,7 +155,13 @@ class Run:
     def usage(self) -> dict:
         prompt = sum(len(x) for x in self.prompts)
         completion = sum(c.completion_tokens for c in self.choices)
-        cached = sum(int(c.stats.get("cached_tokens", 0) or 0) for c in self.choices)
+        # a prompt's tokens count once however many samples it has (as in prompt_tokens): the most
+        # any of its samples reused from the prefix store (a sibling may resume from another's state)
+        by_prompt: dict[int, int] = {}
+        for c in self.choices:
+            key = id(c.prompt_ids)  # (the samples of one prompt share its list: Run.add)
+            by_prompt[key] = max(by_prompt.get(key, 0), int(c.stats.get("cached_tokens", 0) or 0))
+        cached = sum(by_prompt.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
