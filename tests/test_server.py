@@ -282,7 +282,8 @@ def test_errors(server, client):
     _check_error(httpx.post(server.url + "/v1/chat/completions",
                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}),
                  400)
-    _check_error(httpx.post(url, json={"model": "gpt-4", "prompt": "x"}), 404, "model_not_found")
+    err = _check_error(httpx.post(url, json={"model": "gpt-4", "prompt": "x"}), 404, "model_not_found")
+    assert err["type"] == "invalid_request_error"  # (OpenAI's type for it)
     _check_error(httpx.get(server.url + "/v1/nothing-here"), 404)
     _check_error(httpx.post(url, content=b"x" * (5 << 20)), 413)
     with pytest.raises(openai.BadRequestError) as ei:
