@@ -155,6 +155,9 @@ class Output:
         return d
 
 
+SAMPLES_AT_ONCE = 64  # Engine.generate's num_samples decode in batches of at most this many
+
+
 def stop_list(stop) -> list[str]:
     """A request's stop strings: None, one string or a list of strings (empty ones dropped)."""
     if stop is None:
@@ -540,6 +543,9 @@ class Engine:
         context_length). stats are totals over the samples; each sample's own are in
         samples[i].stats.
 
+        num_samples: samples of the prompt (sample i > 0 seeded with derive_seed(seed, i)),
+        decoded together, at most SAMPLES_AT_ONCE (64) at a time.
+
         constraint: a hyspec.constraints.Constraint (see Engine.constraint) the output must
         match; each sample runs on its own clone, so the object passed in is not advanced.
         A sample whose constraint allows no further token after an EOS (with ignore_eos) ends
@@ -585,7 +591,9 @@ class Engine:
                                     on_tokens=stream,
                                     logprobs=logprobs, constraint=None if constraint is None else constraint.clone(),
                                     use_store=use_store))
-        self._run_requests(requests, max_batch=num_samples)
+        # at most SAMPLES_AT_ONCE sequences hold a slot at a time (the next start as others end;
+        # a sample's output does not depend on its batch): 100,000 samples do not take 100,000 slots
+        self._run_requests(requests, max_batch=min(num_samples, SAMPLES_AT_ONCE))
         texts = [c.apply(r) if c is not None else None for c, r in zip(cuts, requests)]
         samples = [Sample(r.tokens, self.decode(r.tokens) if t is None else t, r.stop_reason, r.stats)
                    for r, t in zip(requests, texts)]

@@ -486,6 +486,23 @@ def test_seed_out_of_range_is_rejected(ckpt) -> None:
     assert all("--seed" in err for err in errs)
 
 
+def test_many_samples_decode_a_few_at_a_time(eng, monkeypatch) -> None:
+    """num_samples decodes at most SAMPLES_AT_ONCE sequences at a time (--num-samples 100000
+    asked for 100,000 slots at once and was killed); the samples are the same."""
+    import hyspec.engine as engine_mod
+
+    p = SamplingParams(temperature=1.0, seed=7)
+    want = eng.generate([1, 2], max_new_tokens=4, params=p, num_samples=5, draft=2, ignore_eos=True)
+    batches = []
+    orig = Engine._run_requests
+    monkeypatch.setattr(Engine, "_run_requests", lambda self, reqs, max_batch, **kw: (
+        batches.append(max_batch), orig(self, reqs, max_batch, **kw))[1])
+    monkeypatch.setattr(engine_mod, "SAMPLES_AT_ONCE", 2)
+    got = eng.generate([1, 2], max_new_tokens=4, params=p, num_samples=5, draft=2, ignore_eos=True)
+    assert batches == [2] and [s.tokens for s in got.samples] == [s.tokens for s in want.samples]
+    assert len({tuple(s.tokens) for s in got.samples}) > 1
+
+
 def test_largest_seed_is_accepted(eng) -> None:
     p = SamplingParams(temperature=1.0, seed=2**64 - 1)
     assert len(eng.generate([1, 2], max_new_tokens=3, params=p, num_samples=2, ignore_eos=True).samples) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 
 from hyspec.cli.common import (
     HelpFormatter,
@@ -384,6 +385,7 @@ def run(args) -> int:
     # samples decode together in one batch, so their tokens interleave: stream only a single sample
     # (and not with stop strings: the text is cut inside the token that completes one)
     stream = printer is not None and not args.no_stream and args.num_samples == 1 and not args.stop
+    t0 = time.perf_counter()
     out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
                        stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
                        on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs,
@@ -406,9 +408,13 @@ def run(args) -> int:
         print_logprobs(eng, out, args.logprobs)
     stats = out.stats
     rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
-    per = f" over {stats['num_samples']} samples" if stats["num_samples"] > 1 else ""
-    print(f"[{stats['generated_tokens']} tokens{per}, prefill {stats['prefill_s']*1e3:.0f} ms, decode {rate}]",
-          file=sys.stderr)
+    if stats["num_samples"] > 1:  # (the samples' own times overlap: their sums say little) the call's wall time
+        wall = time.perf_counter() - t0
+        print(f"[{stats['generated_tokens']} tokens over {stats['num_samples']} samples in {wall:.2f} s: "
+              f"{stats['generated_tokens'] / wall:.1f} tok/s together, decode {rate} per sample]", file=sys.stderr)
+    else:
+        print(f"[{stats['generated_tokens']} tokens, prefill {stats['prefill_s']*1e3:.0f} ms, decode {rate}]",
+              file=sys.stderr)
     if "max_new_tokens_capped_to" in stats:
         print(f"[--max-new-tokens {args.max_new_tokens} capped to {stats['max_new_tokens_capped_to']}: prompt + "
               f"completion must fit in the model's context of {stats['context_length']} tokens]", file=sys.stderr)
