@@ -147,6 +147,16 @@ class Chat:
                 if restart:
                     session = session.empty_copy()
                 ids = eng.encode(full)
+        # a turn's reply is capped to the room the model's context leaves (as generate caps
+        # --max-new-tokens); with none left the turn is refused, the conversation kept
+        room = eng.context_length - len(session.tokens) - len(ids)
+        if room < 1:
+            if restart:
+                session.close()
+            self.say(f"[the conversation fills the model's context of {eng.context_length} tokens: /rewind or "
+                     f"/reset]")
+            return {}
+        limit = min(session.max_new_tokens, room)
         if go_on and self._line is not None:  # the cut reply's continuation: on its line
             if not self._open:  # (a terminal: the prompt and the empty line came after it)
                 self._redraw()
@@ -163,7 +173,7 @@ class Chat:
 
         before = (list(self.messages), self.rendered, self.cut)
         try:
-            out = session.send(ids, on_tokens=stream, stop=self.stop or None)
+            out = session.send(ids, on_tokens=stream, stop=self.stop or None, max_new_tokens=limit)
         except BaseException:
             if restart:  # the old conversation stays, whole
                 session.close()
@@ -175,7 +185,9 @@ class Chat:
             self.session, self.stack = session, []
         cut = out.samples[0].stop_reason == "length"
         self._record(before, messages_now, full, go_on, out.tokens, cut)
-        if cut or self.plain:  # the line stays open: an empty line continues it there (the plain
+        if cut and limit < session.max_new_tokens:  # the context, not --max-new-tokens, cut it
+            self.say(f"[the reply reached the model's context of {eng.context_length} tokens: /rewind or /reset]")
+        elif cut or self.plain:  # the line stays open: an empty line continues it there (the plain
             self._show()      # template's replies all go on, a stop string's or EOS's end too)
         else:
             self.end_line()
