@@ -20,9 +20,12 @@ the turn; at the prompt it only says how to leave.
 
 The prompt text is the conversation rendered with the checkpoint's chat template
 (hyspec/chat_template.py; the plain template when the checkpoint has none: the embedded
-default model is a code model, so its chat is "type code, the model continues it"; each
-line is sent with its newline). A turn sends only the text the template adds after what
-the session already holds.
+default model is a code model, so its chat is "type code, the model continues it": a line
+is sent as typed, after a line break when the transcript does not end with one, so the
+model continues the line itself (a line sent with its own trailing newline ends on a bare
+"\n" token, which the tokenizer merges with the next line's indentation in the text the model
+learnt from: "def f(x):\n" drew unrelated text, "def f(x):" the function's body). A turn
+sends only the text the template adds after what the session already holds.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Chat:
         # (on a terminal, the line is drawn again below the prompt).
         self._line: list[int] | None = None  # the tokens of the reply whose text ends the screen
         self._shown = 0  # how much of its text is on screen (an incomplete UTF-8 sequence waits)
+        # the plain template's reply to a line usually opens with the line's break: the typed
+        # line (on a terminal) or the last reply (a pipe) already ended there, so it is not drawn
+        self._skip_break = False
         self._open = False  # the cursor is still right after that text (no line break yet)
 
     def render(self, messages, gen: bool) -> str:
@@ -74,6 +80,10 @@ class Chat:
         """Write what is not yet on screen of the reply's text (all of it when final; else up
         to an incomplete UTF-8 sequence, which waits for the next tokens)."""
         text = self.eng.tokenizer.decode(self._shown_tokens())  # (generated ids: no checks per round)
+        if self._skip_break and text:  # a new reply's first line break: the screen is on a new line already
+            self._skip_break = False
+            if text.startswith("\n") and self._shown == 0:
+                self._shown = 1
         upto = len(text) if final else len(text.rstrip("\ufffd"))
         if upto > self._shown:
             self.out.write(text[self._shown:upto])
@@ -138,7 +148,9 @@ class Chat:
         if go_on:
             messages_now, full, ids = self.messages, self.rendered, []
         else:
-            messages_now = self.messages + [{"role": "user", "content": text + "\n" if self.plain else text}]
+            if self.plain and self.rendered and not self.rendered.endswith("\n"):
+                text = "\n" + text  # a new line of the transcript (see the module doc)
+            messages_now = self.messages + [{"role": "user", "content": text}]
             full = self.render(messages_now, True)
             if session.tokens and full.startswith(self.rendered):
                 ids = eng.encode(full[len(self.rendered):])
@@ -164,7 +176,7 @@ class Chat:
         else:
             self.end_line()
             reply = self._line = []
-            self._shown = 0
+            self._shown, self._skip_break = 0, self.plain
         turns, held = session.num_turns, len(session.tokens)
 
         def stream(new):

@@ -264,7 +264,8 @@ def test_a_cut_reply_goes_on_on_its_line_on_a_terminal(default_engine, monkeypat
 
     monkeypatch.setenv("TERM", "xterm")
     eng = default_engine
-    whole = eng.decode(eng.session(max_new_tokens=24).send("def f(x):\n").tokens)
+    whole = eng.decode(eng.session(max_new_tokens=24).send("def f(x):").tokens)
+    assert whole.startswith("\n")  # (the line's break: not drawn again after the typed line's)
     tty = Tty()
     c = Chat(eng, eng.session(max_new_tokens=8), default_model_dir(), out=tty)
     for typed in ("def f(x):", "", ""):
@@ -272,7 +273,7 @@ def test_a_cut_reply_goes_on_on_its_line_on_a_terminal(default_engine, monkeypat
         tty.write(typed + "\n")  # the terminal's echo
         c.user(typed)
     c.prompt()
-    assert terminal(tty.getvalue()) == ["> def f(x):"] + whole.split("\n") + ["> "]
+    assert terminal(tty.getvalue()) == ["> def f(x):"] + whole[1:].split("\n") + ["> "]
     assert tty.getvalue().count("\x1b[") == 4  # (two redraws: up, clear)
     tty.write("/stats\n")
     c.command("/stats")  # a command's output ends the reply's line: the next piece starts a line of its own
@@ -292,16 +293,16 @@ def test_a_double_slash_line_is_a_message_starting_with_a_slash(run_chat, defaul
     command: it was refused as an unknown one)."""
     out = run_chat(["//usr/bin/env python", "/stats"], "--draft", "0")
     assert "unknown command" not in out
-    want = default_engine.generate("/usr/bin/env python\n", max_new_tokens=8)
+    want = default_engine.generate("/usr/bin/env python", max_new_tokens=8)
     assert stats_lines(out)[0]["turn_tokens"] == want.tokens
 
 
 def test_chat_stop_ends_a_reply_at_the_stop_string(run_chat, default_engine):
     """--stop TEXT: a reply ends with the token that completes TEXT (the one-shot run with
     stop= gives the same tokens), and the chat goes on from there."""
-    full = default_engine.generate("def f(x):\n", max_new_tokens=8, draft=3, ignore_eos=True)
+    full = default_engine.generate("def f(x):", max_new_tokens=8, draft=3, ignore_eos=True)
     stop = full.text[len(full.text) // 2:][:2]
-    want = default_engine.generate("def f(x):\n", max_new_tokens=8, draft=3, ignore_eos=True, stop=stop)
+    want = default_engine.generate("def f(x):", max_new_tokens=8, draft=3, ignore_eos=True, stop=stop)
     assert want.samples[0].stop_reason == "stop" and len(want.tokens) < len(full.tokens)
     st = stats_lines(run_chat(["def f(x):", "/stats", "y = 1", "/stats"], "--draft", "3", "--ignore-eos", "--stop",
                               stop, "--stop", "never here"))
@@ -311,12 +312,13 @@ def test_chat_stop_ends_a_reply_at_the_stop_string(run_chat, default_engine):
 def test_a_reply_ended_by_a_stop_string_goes_on_on_its_line(run_chat, default_engine):
     """Plain template: an empty line after a reply ended by a --stop string continues it on
     the same line (the transcript shows no line break there)."""
-    full = default_engine.generate("def f(x):\n", max_new_tokens=16, ignore_eos=True)
+    full = default_engine.generate("def f(x):", max_new_tokens=16, ignore_eos=True)
     stop = full.text[len(full.text) // 3:][:2]
     out = run_chat(["def f(x):", ""], "--ignore-eos", "--stop", stop)
-    first = default_engine.generate("def f(x):\n", max_new_tokens=8, ignore_eos=True, stop=stop)
+    first = default_engine.generate("def f(x):", max_new_tokens=8, ignore_eos=True, stop=stop)
     assert first.samples[0].stop_reason == "stop"
-    reply = default_engine.decode(first.tokens)  # (the chat shows the stop string; .text leaves it out)
+    # (the chat shows the stop string, .text leaves it out; the reply's opening line break is not drawn)
+    reply = default_engine.decode(first.tokens).removeprefix("\n")
     rest = out[len(reply):]
     assert out.startswith(reply) and rest.strip() and not rest.startswith("\n")
 
@@ -575,7 +577,7 @@ def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
                 stdout=out) == 0
     text = out.getvalue()
     stats = stats_lines(text)
-    first = len(eng.encode("ab\n"))
+    first = len(eng.encode("ab"))
     assert len(stats[0]["turn_tokens"]) == 24 - first and stats[1]["turns"] == 0
     assert text.count("[the reply reached the model's context of 24 tokens") == 1
     assert text.count("[the conversation fills the model's context of 24 tokens") == 2
