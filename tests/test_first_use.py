@@ -472,6 +472,15 @@ def test_train_memory_estimate_of_the_defaults() -> None:
     assert 30e9 < est < 80e9
     small = estimate_train_bytes(TrainArgs(batch_size=2, seq_len=128), vocab_size=4096, device="cpu")
     assert small < 2e9
+    # a small --hidden keeps the other widths (intermediate, heads): its activations hardly shrink
+    # (--hidden 32 at 2 x 1024 tokens peaked at 2.0 GB and was estimated at 1.4; the default run of
+    # --hidden 33 passed the check on a 24 GB machine and was killed)
+    narrow = TrainArgs(batch_size=2, seq_len=1024)
+    narrow.arch["hidden"] = 32
+    assert estimate_train_bytes(narrow, vocab_size=4096, device="cpu") > 2.0e9
+    narrow = TrainArgs()
+    narrow.arch["hidden"] = 33
+    assert estimate_train_bytes(narrow, vocab_size=4096, device="cpu") > 30e9
 
 
 # ---- 7. seeds ---------------------------------------------------------------------------------------

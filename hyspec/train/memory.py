@@ -11,10 +11,18 @@ from hyspec.config import ModelConfig
 from hyspec.train.config import TrainConfig
 from hyspec.train.model import count_params, model_config
 
-# bytes of saved activations per training token and layer, in units of 4 * hidden (fp32),
-# and per token in units of 4 * vocab (the two heads' logits, softmax and their grads);
-# measured on the CPU with the default model (0.74 MB per token at batch 1..4 x 512..2048)
-_ACT_PER_LAYER_HIDDEN = 64
+# Saved activations per training token, in fp32 values: per layer (the target layers and the
+# MTP layer) _ACT_HIDDEN per hidden unit + _ACT_INTER per MLP unit + _ACT_HEADS per unit of
+# the widest mixer projection (Gated DeltaNet q|k|v|z or attention q|gate|k|v), and
+# _ACT_PER_VOCAB per vocabulary entry (the two heads' logits, softmax and their grads).
+# Fitted on the CPU to peak memory of one step at 2 x 1024 tokens, varying each width apart
+# (hidden 32 / 288, intermediate 64 / 864 / 2048, head dims 16 / 64: each term adds up; the
+# activations hardly follow hidden alone, which the earlier 64 x hidden per layer assumed, so
+# --hidden 32 was estimated at 1.4 GB and used 2.0), scaled to the default model's 0.74 MB per
+# token measured at batch 1..4 x 512..2048 (so 17-30 % above those 2 x 1024-token peaks).
+_ACT_HIDDEN = 9
+_ACT_INTER = 9
+_ACT_HEADS = 11
 _ACT_PER_VOCAB = 6
 _FIXED_BYTES = 1 << 30  # interpreter, torch, the token streams
 
@@ -22,8 +30,10 @@ _FIXED_BYTES = 1 << 30  # interpreter, torch, the token streams
 def _train_memory_terms(a: TrainConfig, vocab_size: int) -> tuple[int, int]:
     """(bytes independent of the batch, bytes per training token)."""
     cfg = ModelConfig.from_dict(model_config(vocab_size, **a.arch))
-    per_token = 4 * ((cfg.num_hidden_layers + 1) * _ACT_PER_LAYER_HIDDEN * cfg.hidden_size
-                     + _ACT_PER_VOCAB * vocab_size)
+    gdn = 2 * (cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    attn = 2 * (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+    per_layer = _ACT_HIDDEN * cfg.hidden_size + _ACT_INTER * cfg.intermediate_size + _ACT_HEADS * max(gdn, attn)
+    per_token = 4 * ((cfg.num_hidden_layers + 1) * per_layer + _ACT_PER_VOCAB * vocab_size)
     return 16 * count_params(cfg) + _FIXED_BYTES, per_token
 
 
