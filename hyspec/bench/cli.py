@@ -166,6 +166,11 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         dev = check_device(args.device)
     if args.config is None:  # the 2.3 B bench model takes ~10 GB and minutes per figure on a CPU
         args.config = "qwen3-next-2b-dense" if dev.type == "cuda" else "tiny"
+    elif dev.type != "cuda" and args.model is None and args.config in ("qwen3-next-2b-dense", "b2"):
+        from hyspec.bench.report import log
+
+        log("note: qwen3-next-2b-dense is the GPU bench model: on the CPU it takes ~10 GB and minutes per figure "
+            "(the CPU bench is --config tiny, or --model DIR)")
     for flag, _, gpu, cpu, _ in DEVICE_DEFAULTS:
         name = flag[2:].replace("-", "_")
         if getattr(args, name) is None:
