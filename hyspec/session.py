@@ -488,8 +488,13 @@ class Session:
 
     @classmethod
     def load(cls, engine, path) -> "Session":
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise IsADirectoryError(f"{path} is a directory, not a session file")
+        if not p.exists():
+            raise FileNotFoundError(f"no session file {path}")
         try:
-            d = torch.load(str(path), map_location="cpu", weights_only=True)
+            d = torch.load(str(p), map_location="cpu", weights_only=True)
         except OSError:
             raise
         except Exception as e:  # not a torch file at all (pickle / zip errors of every kind)

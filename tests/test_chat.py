@@ -151,12 +151,15 @@ def test_chat_bad_commands_and_json(tmp_path):
     torch.save({"a": 1}, tmp_path / "other.pt")
     out = io.StringIO()
     lines = [f"/load {tmp_path / 'text.txt'}", f"/load {tmp_path / 'other.pt'}", "/rewind abc", "def f():",
-             "/reset all", "/quit now"]  # (an argument to /reset or /quit was ignored: they ran)
+             "/reset all", f"/load {tmp_path / 'none.pt'}", f"/load {tmp_path}",  # (were "[Errno 2] ...")
+             "/quit now"]  # (an argument to /reset or /quit was ignored: they ran)
     assert main(["--max-new-tokens", "4", "--json"], stdin=io.StringIO("\n".join(lines) + "\n"), stdout=out) == 0
     text = out.getvalue().splitlines()
     errors = [x for x in text if x.startswith("[error")]
-    assert len(errors) == 5 and "Traceback" not in out.getvalue(), text
-    assert "/reset takes no argument" in errors[3] and "/quit takes no argument" in errors[4]
+    assert len(errors) == 7 and "Traceback" not in out.getvalue(), text
+    assert "/reset takes no argument" in errors[3] and "/quit takes no argument" in errors[6]
+    assert errors[4] == f"[error: no session file {tmp_path / 'none.pt'}]"
+    assert errors[5] == f"[error: {tmp_path} is a directory, not a session file]"
     assert "not a hyspec session file" in errors[0] and "text.txt" in errors[0] and "\n" not in errors[0]
     assert "not a hyspec session file" in errors[1]
     assert "/rewind takes a number of turns, got 'abc'" in errors[2]
