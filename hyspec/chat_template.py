@@ -211,7 +211,8 @@ def read_template_file(path, flag: str = "chat template") -> str:
     (the CLIs check --chat-template before loading a model)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"{flag}: no such file {str(path)!r}")
+        raise ValueError(f"{flag}: {str(path)!r} is a directory, not a file" if p.is_dir() else
+                         f"{flag}: no such file {str(path)!r}")
     try:
         source = p.read_text(encoding="utf-8")
         _compile(source)

@@ -579,3 +579,26 @@ def test_the_package_exports_what_the_examples_use() -> None:
             "assert sorted(hyspec.__all__) == ['Engine', 'SamplingParams', 'Session', 'SpecOptions']")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_directory_or_missing_input_file_is_named(tmp_path, capsys) -> None:
+    """A directory given for a file is called one (was "no such file" / "does not exist"), and
+    train names a missing --corpus before its memory check (which named neither)."""
+    import argparse
+
+    from hyspec.chat_template import read_template_file
+    from hyspec.cli.common import constraint_from_args
+    from hyspec.cli.dispatch import main
+
+    with pytest.raises(ValueError, match="--chat-template: .* is a directory, not a file"):
+        read_template_file(tmp_path, "--chat-template")
+    for flag in ("grammar", "json_schema"):
+        args = argparse.Namespace(**{flag: str(tmp_path)})
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}: .* is a directory"):
+            constraint_from_args(None, args)
+    tok = str(Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "tokenizer.json")
+    assert main(["train", "--tokenizer", tok, "--corpus", str(tmp_path / "none.xz"), "--out", str(tmp_path / "m"),
+                 "--batch-size", "4096"]) == 2  # (a batch no CPU fits: the memory check came first)
+    assert f"--corpus {tmp_path / 'none.xz'} does not exist" in capsys.readouterr().err
+    assert main(["train", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "m")]) == 2
+    assert f"--tokenizer {tmp_path} is a directory, not a file" in capsys.readouterr().err

@@ -181,6 +181,8 @@ def constraint_from_args(eng, args):
     if getattr(args, "json_schema", None) is not None:
         schema = args.json_schema
         if not schema.strip().startswith(("{", "[")) and schema.strip() not in ("true", "false"):
+            if Path(schema).is_dir():
+                raise ValueError(f"--json-schema: {schema!r} is a directory, not a schema file")
             if not Path(schema).is_file():
                 raise ValueError(f"--json-schema: {schema!r} is neither JSON text nor an existing file")
             schema = Path(schema)  # the library reads it (a str would be taken as JSON text)
@@ -192,7 +194,8 @@ def constraint_from_args(eng, args):
     if getattr(args, "grammar", None) is not None:
         path = Path(args.grammar)
         if not path.is_file():
-            raise ValueError(f"--grammar: no such file {args.grammar!r}")
+            raise ValueError(f"--grammar: {args.grammar!r} is a directory, not a file" if path.is_dir() else
+                             f"--grammar: no such file {args.grammar!r}")
         return eng.constraint("grammar", path.read_text(encoding="utf-8"), arg=f"--grammar {args.grammar}")
     if getattr(args, "choice", None) is not None:
         return eng.constraint("choice", [c for c in args.choice.split(",")], arg="--choice")

@@ -91,8 +91,10 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
 
     from tokenizers import Tokenizer
 
-    if not Path(a.tokenizer).is_file():
-        raise FileNotFoundError(f"--tokenizer {a.tokenizer} does not exist")
+    for flag, path, needed in (("--tokenizer", a.tokenizer, True), ("--corpus", a.corpus, streams is None)):
+        if needed and not Path(path).is_file():  # (both before the memory check, which names neither)
+            raise FileNotFoundError(f"{flag} {path} " + ("is a directory, not a file" if Path(path).is_dir() else
+                                                            "does not exist"))
     try:
         vocab = Tokenizer.from_file(str(a.tokenizer)).get_vocab_size(with_added_tokens=True)
     except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
@@ -100,8 +102,6 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     check_train_memory(a, vocab, device)  # before anything large is allocated
     if streams is None:
-        if not Path(a.corpus).is_file():
-            raise FileNotFoundError(f"--corpus {a.corpus} does not exist")
         streams = load_streams(a.corpus, a.tokenizer)
     log(f"data: train {streams['train'].numel():,} tokens, val {streams['val'].numel():,}, "
         f"heldout {streams['heldout'].numel():,} ({time.time() - t_start:.1f}s)")
