@@ -520,7 +520,7 @@ def test_largest_seed_is_accepted(eng) -> None:
 # ---- 8. MTP in the config, none in the weights --------------------------------------------------------
 
 
-def test_missing_mtp_weights_warn_once(ckpt, tmp_path) -> None:
+def test_missing_mtp_weights_warn_once(ckpt, tmp_path, capsys) -> None:
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "no_mtp_weights"
@@ -543,6 +543,15 @@ def test_missing_mtp_weights_warn_once(ckpt, tmp_path) -> None:
     r = cli("generate", "--model", str(out), "--prompt-ids", "1,2", "--max-new-tokens", "2")
     assert r.returncode == 0 and r.stderr.lower().count("speculat") == 1 and "Traceback" not in r.stderr
     assert torch is not None
+    # replay of a text longer than the context: the missing head is the error (was the text's length)
+    from hyspec.cli.dispatch import main
+
+    long = tmp_path / "long.txt"
+    long.write_text("x = 1\n" * 400)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["replay", "--model", str(out), "--text-file", str(long)]) == 2
+    assert "no MTP head" in capsys.readouterr().err
 
 
 def test_old_module_name_still_imports() -> None:

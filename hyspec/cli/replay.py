@@ -49,6 +49,10 @@ def run(args) -> int:
         raise ValueError(f"--max-tokens: must be >= 2 (a replay needs a token to draft from and one to check), "
                          f"got {args.max_tokens}")
     eng = load_engine(args)
+    if not eng.model.has_mtp:  # (before reading the text: its length is beside the point then)
+        from hyspec.config import no_mtp_error
+
+        raise no_mtp_error(": there is nothing to replay")
     if eng.tokenizer is None:
         raise ValueError("replay needs a checkpoint with a tokenizer.json: --text-file is text")
     try:
