@@ -391,3 +391,16 @@ def test_bench_cpu_smoke(tmp_path, capsys) -> None:
     assert row["coupled"]["forced"]["equal"] and row["coupled"]["mtp"]["equal"]
     assert r["targets"] == {}  # the GPU targets are not judged on the CPU
     assert "hyspec bench" in capsys.readouterr().out
+
+
+def test_an_unknown_flag_is_the_commands_error(capsys):
+    """`hyspec score --text x --text-file f`: the command's one-line error ("hyspec score:
+    error: unrecognized arguments ..."; the top-level parser said "hyspec: error: ...")."""
+    from hyspec.cli.dispatch import main
+
+    for cmd, argv in (("score", ["--text", "x", "--text-file", "f"]), ("generate", ["--prompt", "x", "--bogus"])):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"hyspec {cmd}: error: unrecognized arguments: {argv[-2] if cmd == 'score' else '--bogus'}" in err

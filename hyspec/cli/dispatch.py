@@ -30,7 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `hyspec serve --help`)", add_help=False)
     sub.add_parser("chat", help="interactive chat with a kept session state (see `hyspec chat --help`)",
                    add_help=False)
+    parser.commands = sub.choices  # name -> its subparser (parse reports a command's unknown flags there)
     return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The top-level parser's namespace; a flag the command does not know is that command's
+    error ("hyspec score: error: unrecognized arguments ...", as its other flag errors are)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 # Python argument / option names -> the flags a user types
@@ -78,7 +89,7 @@ def _check_before_launch(cmd: str, argv: list[str]) -> None:
 
         server.check(server.build_parser().parse_args(argv[1:]))
     elif cmd in SUBCOMMANDS and hasattr(SUBCOMMANDS[cmd], "check"):
-        SUBCOMMANDS[cmd].check(build_parser().parse_args(argv))
+        SUBCOMMANDS[cmd].check(parse(argv))
     parallel.check_launch(argv, parallel.pp_from_argv(argv))  # device, stages <= layers
 
 
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         delegated = _delegated(cmd)
         if delegated is not None:
             return delegated(argv[1:])
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
         return SUBCOMMANDS[args.cmd].run(args)
     except BrokenPipeError:  # the reader went away (`| head`): not an error of the user's input
         try:  # stop the interpreter's final flush of stdout from failing again at exit
