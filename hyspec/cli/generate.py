@@ -171,6 +171,8 @@ def _common_checks(args) -> None:
         raise ValueError(f"--pp must be >= 1, got {args.pp}")
     if args.lanes < 1:
         raise ValueError(f"--lanes must be >= 1, got {args.lanes}")
+    if args.max_batch is not None and args.max_batch < 1:  # (used with --prompts-file; checked always)
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.lanes > 1 and args.pp < 2:  # (as --optimistic: not ignored in silence)
         raise ValueError("--lanes alternates batch groups through pipeline stages: it needs --pp N with N >= 2")
 
@@ -187,8 +189,6 @@ def _file_options(args):
     if args.forced_rates is not None:  # (its reference is one prompt's plain greedy run)
         raise ValueError("--forced-rates applies to one --prompt (the forced drafter replays that prompt's plain "
                          "greedy continuation); not with --prompts-file")
-    if args.max_batch is not None and args.max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.pp > 1 and not os.path.isfile(args.prompts_file):  # (the launcher would read a pipe, the ranks find it empty)
         raise ValueError(f"--prompts-file {args.prompts_file}: --pp's ranks each read the file: give a regular file "
                          "(not standard input or a pipe)")
