@@ -404,3 +404,14 @@ def test_an_unknown_flag_is_the_commands_error(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert f"hyspec {cmd}: error: unrecognized arguments: {argv[-2] if cmd == 'score' else '--bogus'}" in err
+
+
+def test_make_tiny_refuses_a_checkpoint_that_is_not_small(tmp_path, capsys):
+    """--layers 100000 ran for minutes building a 7.7 B-parameter model; a size below 1 is named."""
+    from hyspec.cli.dispatch import main
+
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "a"), "--layers", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "make-tiny writes small test checkpoints" in err and "--layers" in err and not (tmp_path / "a").exists()
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "b"), "--hidden-size", "0"]) == 2
+    assert "--hidden-size must be >= 1, got 0" in capsys.readouterr().err

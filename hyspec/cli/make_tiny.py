@@ -28,6 +28,19 @@ def add_parser(sub) -> None:
                    help="MoE expert layout: stacked gate_up_proj/down_proj or per-expert keys")
 
 
+MAX_PARAMS = 2_000_000_000  # make-tiny's checkpoints are for tests: about 8 GB in fp32 at most
+
+
+def estimated_params(arch: str, vocab_size: int, hidden: int, layers: int) -> int:
+    """The checkpoint's parameter count, from two small layer counts (models on the meta
+    device: no memory), without building a model of `layers` layers."""
+    from hyspec.tiny import tiny_config
+    from hyspec.train.model import count_params
+
+    p4, p8 = (count_params(tiny_config(arch, vocab_size=vocab_size, hidden=hidden, layers=n)) for n in (4, 8))
+    return p4 + (layers - 4) * (p8 - p4) // 4
+
+
 def run(args) -> int:
     import math
 
@@ -40,6 +53,14 @@ def run(args) -> int:
     if not 0 <= args.draft_vocab <= args.vocab_size:
         raise ValueError(f"--draft-vocab must be in 0..--vocab-size ({args.vocab_size}; 0: none), got "
                          f"{args.draft_vocab}")
+    for flag, v in (("--vocab-size", args.vocab_size), ("--hidden-size", args.hidden_size), ("--layers", args.layers)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    params = estimated_params(args.arch, args.vocab_size, args.hidden_size, args.layers)
+    if params > MAX_PARAMS:
+        raise ValueError(f"make-tiny writes small test checkpoints: this one would hold about {params / 1e9:.1f} B "
+                         f"parameters ({4 * params / 1e9:.0f} GB in fp32), more than {MAX_PARAMS / 1e9:.0f} B: "
+                         f"lower --layers / --hidden-size / --vocab-size")
     out = make_tiny(args.arch, args.out, seed=args.seed, vocab_size=args.vocab_size, hidden=args.hidden_size,
                     layers=args.layers, std=args.init_std, with_mtp=not args.no_mtp,
                     draft_vocab=args.draft_vocab, fp8=args.fp8, fp8_block=fp8_block(args.fp8_block),
