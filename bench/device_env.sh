@@ -11,7 +11,10 @@
 #   (fla.ops needs einops; tests/test_server_constraints.py needs jsonschema).
 # The wheel list (python3.12, manylinux x86_64; docs/gpu.md "Tests"): fla-core,
 # flash-linear-attention, einops, llguidance, fastapi, starlette, uvicorn, prometheus_client,
-# openai and their dependencies, pytest-xdist, execnet.
+# openai and their dependencies, pytest-xdist, execnet. Take the versions this checkout's own
+# environment runs (`pip show NAME`), and their dependencies with them: openai 3.63 needs
+# httpx2, httpcore2 and truststore, fastapi 0.165 opentelemetry-api (without them the
+# server test files skip at import; the machine already has anyio, h11, einops, xdist).
 if ls .whl/*.whl >/dev/null 2>&1; then
   rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
