@@ -185,7 +185,8 @@ class Chat:
 
         before = (list(self.messages), self.rendered, self.cut)
         try:
-            out = session.send(ids, on_tokens=stream, stop=self.stop or None, max_new_tokens=limit)
+            out = session.send(ids, on_tokens=stream, stop=self.stop or None, max_new_tokens=limit,
+                               stop_skips_opening_break=self.plain and not go_on)
         except BaseException:
             if restart:  # the old conversation stays, whole
                 session.close()

@@ -195,14 +195,15 @@ class StopStrings:
     `apply(request)` gives the text cut before the stop string (as the server shows it:
     special tokens left out). Stop ids (EOS) never complete a stop string."""
 
-    def __init__(self, engine, stops: list[str], stop_ids=()) -> None:
+    def __init__(self, engine, stops: list[str], stop_ids=(), skip_break: bool = False) -> None:
         from hyspec.server.text import StopMatcher
 
         if engine.tokenizer is None:
             raise ValueError("stop strings need the checkpoint's tokenizer.json (use stop_ids instead)")
         # as the server matches: the text without special tokens, the stop ids (EOS) never part of it
         tok = engine.tokenizer
-        self.matcher = StopMatcher(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=stop_ids)
+        self.matcher = StopMatcher(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=stop_ids,
+                                   skip_break=skip_break)
         self.offset = 0  # characters of primed text (apply gives the text after them)
 
     def prime(self, tokens: list[int]) -> None:

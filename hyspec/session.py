@@ -210,7 +210,7 @@ class Session:
     @_engine_turn
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
              draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None,
-             stop=None):
+             stop=None, stop_skips_opening_break: bool = False):
         """Append `message` (text or token ids) to the conversation and generate; returns the
         turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
         on_tokens(new_ids) is called as rounds commit tokens. constraint: this turn's (None: the
@@ -220,7 +220,10 @@ class Session:
         logits', as Engine.generate reports them) in Output.logprobs[0].
         stop: stop strings (a string or a list), as in Engine.generate: the reply ends with the
         token that completes one (stop_reason "stop"; the transcript keeps that token) and
-        its text ends before the stop string."""
+        its text ends before the stop string. stop_skips_opening_break: a line break that opens
+        the reply is no part of a match (a match begins after it): `hyspec chat`'s plain
+        template sends a line without its newline, so the model's reply opens with it, and
+        `--stop "\n"` still ends a reply at the end of its first whole line."""
         from hyspec.core.scheduler import check_stop
         from hyspec.engine import Sample, StopStrings, _token_ids, stop_list
 
@@ -256,7 +259,7 @@ class Session:
         check_stop(extra, eng.model.cfg.vocab_size)
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
         stop_strings = stop_list(stop)
-        cut = StopStrings(eng, stop_strings, stops) if stop_strings else None
+        cut = StopStrings(eng, stop_strings, stops, skip_break=bool(stop_skips_opening_break)) if stop_strings else None
         if cut is not None and not ids and self._reply:  # "go on": the reply so far comes first
             cut.prime(self._reply)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))

@@ -326,6 +326,16 @@ def test_a_reply_ended_by_a_stop_string_goes_on_on_its_line(run_chat, default_en
     assert out.startswith(reply) and rest.strip() and not rest.startswith("\n")
 
 
+def test_a_newline_stop_ends_a_reply_at_its_first_whole_line(run_chat, default_engine):
+    """Plain template: a line is sent without its newline, so the reply opens with the line
+    break; --stop "\n" must not match that break (the reply was its first token alone) but
+    the one that ends the reply's first whole line."""
+    st = stats_lines(run_chat(["def f(x):", "/stats"], "--max-new-tokens", "40", "--stop", "\n"))
+    text = default_engine.decode(st[0]["turn_tokens"])
+    assert text.startswith("\n") and text[1:].split("\n")[0].strip()  # (was "\n        ": one token)
+    assert "\n" in text[1:] and len(st[0]["turn_tokens"]) < 40  # ended by the first whole line's break
+
+
 def test_stats_after_rewind_count_only_the_turns_left(run_chat):
     """/stats after /rewind: the conversation's acceptance without the undone turn, and the
     figures of the turn that is now the last (were: the undone turn counted, nulls)."""

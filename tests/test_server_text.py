@@ -46,6 +46,23 @@ def test_stop_string_across_token_boundary(tok):
     assert m.emittable() == text[:start]
 
 
+def test_skip_break_leaves_the_opening_line_break_out_of_a_match(tok):
+    """skip_break (hyspec chat's plain template): a line break opening the text is no part of
+    a match; the next one is; without it the opening break matches at once."""
+    ids = tok.encode("\n    return x\ny = 2\n")
+    plain, skipping = StopMatcher(_dec(tok), ["\n"]), StopMatcher(_dec(tok), ["\n"], skip_break=True)
+    for m in (plain, skipping):
+        for t in ids:
+            m.feed([t])
+            if m.stopped:
+                break
+    assert plain.stopped and plain.text == "" and plain.n_tokens == 1
+    assert skipping.stopped and skipping.text == "\n    return x"
+    other = StopMatcher(_dec(tok), ["\n    return"], skip_break=True)  # (a match holding the break)
+    other.feed(ids)
+    assert not other.stopped
+
+
 def test_stop_holdback_and_no_stop(tok):
     text = "x = 1\ny = 2\n"
     ids = tok.encode(text)

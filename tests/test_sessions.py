@@ -62,7 +62,7 @@ class _TokenStop:
     """A stand-in for hyspec.engine.StopStrings (the zoo's models have no tokenizer) whose
     "stop string" is one token id: the same peek / check / apply protocol."""
 
-    def __init__(self, engine, stops, stop_ids=()) -> None:
+    def __init__(self, engine, stops, stop_ids=(), skip_break=False) -> None:
         self.tok, self.stopped = int(stops[0]), False
 
     def peek(self, tokens):

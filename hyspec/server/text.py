@@ -29,8 +29,11 @@ class StopMatcher:
     shown in the text.
     """
 
-    def __init__(self, decode, stops: list[str] | None = None, drop_ids=()):
+    def __init__(self, decode, stops: list[str] | None = None, drop_ids=(), skip_break: bool = False):
         self.decode = decode
+        # skip_break: a line break that opens the searched text is no part of a match (hyspec
+        # chat's plain template: the break that ends the line the user sent)
+        self.skip_break = skip_break
         self.stops = [s for s in (stops or []) if s]
         self.drop_ids = set(drop_ids)
         self.ids: list[int] = []
@@ -97,6 +100,8 @@ class StopMatcher:
         hay = self.text
         if self._read < len(self._shown):  # an undecided tail: its U+FFFD may be a character's first
             hay = hay.rstrip("\ufffd")  # bytes, not text yet (a stop string must not match them)
+        if self.skip_break and hay[self._min_end:self._min_end + 1] == "\n":
+            start = max(start, self._min_end + 1)  # a match begins after the opening break
         for s in self.stops:
             i = hay.find(s, start)
             while 0 <= i and i + len(s) <= self._min_end:  # wholly in the primed text: not this one
