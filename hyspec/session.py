@@ -475,15 +475,22 @@ class Session:
         back bitwise, in any process, for the same model."""
         self._check_open()
         _check_extra(extra)
-        path = Path(path).expanduser()
+        path = given = Path(path).expanduser()
+        if path.is_symlink():  # the file it points to is written (the link stays a link)
+            path = path.resolve()
         if path.is_dir():
-            raise IsADirectoryError(f"{path} is a directory: give a file name to save the session to")
+            raise IsADirectoryError(f"{given} is a directory: give a file name to save the session to")
+        if path.exists() and not path.is_file():  # a device, a pipe, a socket: never replaced by a file
+            raise ValueError(f"cannot save the session to {given}: it is not a regular file")
         if not path.parent.is_dir():
-            raise FileNotFoundError(f"cannot save the session to {path}: the folder {path.parent} does not exist")
+            raise FileNotFoundError(f"cannot save the session to {given}: the folder {path.parent} does not exist")
         # written beside it, then moved over it: a failed or interrupted save leaves an older file whole
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            torch.save(self.to_dict(extra), str(tmp))
+            try:
+                torch.save(self.to_dict(extra), str(tmp))
+            except RuntimeError as e:  # (torch's file writer: "open file failed ...")
+                raise OSError(f"cannot save the session to {given}: {str(e).strip().splitlines()[0][:200]}") from None
             os.replace(tmp, path)
         finally:
             if tmp.exists():

@@ -439,6 +439,23 @@ def test_a_failed_save_leaves_the_older_file_whole(zoo, tmp_path, monkeypatch):
     assert Session.load(eng, f).tokens == s.tokens
     with pytest.raises(IsADirectoryError, match="is a directory"):
         s.save(tmp_path)
+    # a link is written through (the link stays one); a device or pipe is refused, never replaced
+    # (saving to /dev/null as root put a regular file in the device's place)
+    import os
+
+    link = tmp_path / "link.pt"
+    os.symlink(tmp_path / "target.pt", link)
+    s.save(link)
+    assert link.is_symlink() and Session.load(eng, tmp_path / "target.pt").tokens == s.tokens
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        s.save(fifo)
+    assert fifo.is_fifo()
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # (root writes anywhere)
+        with pytest.raises(OSError, match="cannot save the session"):
+            s.save(tmp_path / "ro" / "s.pt")
 
 
 def test_sessions_and_requests_in_several_threads_take_turns(zoo):
