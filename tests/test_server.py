@@ -156,6 +156,14 @@ def test_logprobs(client, ref_engine):
     for lp, top in zip(c.logprobs.token_logprobs, c.logprobs.top_logprobs):
         assert max(top.values()) == pytest.approx(lp, abs=1e-6)  # greedy picks the top token
     assert "".join(c.logprobs.tokens) == c.text
+    # as OpenAI's completions: the chosen token is always in top_logprobs (logprobs=0 gave {})
+    for n in (0, 1):
+        s = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.5, seed=3,
+                                      logprobs=n, extra_body={"ignore_eos": True}).choices[0].logprobs
+        for tok, lp, top in zip(s.tokens, s.token_logprobs, s.top_logprobs):
+            assert top[tok] == lp and n <= len(top) <= n + 1
+        if n:
+            assert any(len(top) == 2 for top in s.top_logprobs)  # (a sampled token outside the top 1)
     ch = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = "}], max_tokens=4,
                                         temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = ch.choices[0].logprobs.content

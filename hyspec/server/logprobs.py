@@ -61,5 +61,12 @@ def completion_logprobs(state: "ServerState", echo_entries: list, entries: list,
         for token_id, logprob, top in group:
             tokens.append(state.token_str(token_id))
             token_logprobs.append(logprob)
-            tops.append(None if top is None else {state.token_str(t): v for t, v in top})
+            if top is None:
+                tops.append(None)
+                continue
+            alternatives = {state.token_str(t): v for t, v in top}
+            # as OpenAI's completions: the chosen token is always among them (up to logprobs + 1),
+            # with its own logprob where another id prints alike (byte tokens all print U+FFFD)
+            alternatives[state.token_str(token_id)] = logprob
+            tops.append(alternatives)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": text_offset}
