@@ -448,6 +448,7 @@ def test_auth_queue_full_and_disconnect(ref_engine):
             r = httpx.post(url, headers=hdr, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
             assert time.perf_counter() - t < 2.0
             _check_error(r, 429)
+            assert r.headers["retry-after"] == "1"  # (clients that retry wait for it)
         # the client went away: its sequence is cancelled and the slot frees up
         batched = app.state.hyspec.worker.batched
         t_end = time.monotonic() + (10 if batched else 60)

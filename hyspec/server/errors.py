@@ -21,7 +21,9 @@ log = logging.getLogger("hyspec.server")
 def error_response(err: APIError, metrics: Metrics | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.http_errors.labels(status=str(err.status)).inc()
-    return JSONResponse(err.body(), status_code=err.status)
+    # a full queue: clients that retry (the openai client does) wait a second first
+    headers = {"Retry-After": "1"} if err.status == 429 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 async def send_error(send, err: APIError, metrics: Metrics) -> None:
