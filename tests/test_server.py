@@ -50,6 +50,8 @@ def metric(server, name, labels=""):
 
 def test_health_models_tokenize(server, client, ref_engine):
     assert httpx.get(server.url + "/health").status_code == 200
+    head = httpx.head(server.url + "/health")  # (a 405 before: load balancers probe with HEAD)
+    assert head.status_code == 200 and head.content == b""
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):

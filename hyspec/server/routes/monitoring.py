@@ -1,4 +1,4 @@
-"""GET /health (engine kind, prefix-store counters) and GET /metrics (Prometheus text)."""
+"""GET (or HEAD) /health (engine kind, prefix-store counters) and GET /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ PREFIX_STORE_FIELDS = ("entries", "hits", "misses", "tokens_saved", "bytes_devic
 
 
 def register(app, state) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health():
         store = state.worker.store
         return {"status": "ok", "engine": "batched" if state.worker.batched else "sequential",
