@@ -209,10 +209,9 @@ def normalize_messages(messages) -> list[dict]:
 def read_template_file(path, flag: str = "chat template") -> str:
     """The text of a chat template file that exists and parses; ValueError naming `flag`
     (the CLIs check --chat-template before loading a model)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ValueError(f"{flag}: {str(path)!r} is a directory, not a file" if p.is_dir() else
-                         f"{flag}: no such file {str(path)!r}")
+    from hyspec.config import input_file
+
+    p = input_file(path, flag)
     try:
         source = p.read_text(encoding="utf-8")
         _compile(source)

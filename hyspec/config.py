@@ -56,6 +56,16 @@ def no_mtp_error(tail: str = NO_MTP_SPEC_TAIL) -> ValueError:
     return ValueError(NO_MTP_HEAD + tail)
 
 
+def input_file(path, what: str) -> Path:
+    """`path` (a user's ~ expanded) when it is a file to read; else ValueError naming `what`
+    (the flag or argument): "WHAT: 'p' is a directory, not a file" or "WHAT: no such file 'p'"."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{what}: {str(path)!r} is a directory, not a file" if p.is_dir() else
+                         f"{what}: no such file {str(path)!r}")
+    return p
+
+
 class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
 

@@ -129,10 +129,9 @@ def _json_text(schema, arg: str) -> str:
     if isinstance(schema, (dict, bool)):
         return json.dumps(schema)
     if isinstance(schema, Path):
-        if not schema.is_file():
-            raise ValueError(f"{arg}: {str(schema)!r} is a directory, not a file" if schema.is_dir() else
-                             f"{arg}: no such file {str(schema)!r}")
-        schema = schema.read_text(encoding="utf-8")
+        from hyspec.config import input_file
+
+        schema = input_file(schema, arg).read_text(encoding="utf-8")
     if not isinstance(schema, str):
         raise ValueError(f"{arg}: expected a JSON schema (dict, JSON text or a pathlib.Path), "
                          f"got {type(schema).__name__}")

@@ -192,11 +192,10 @@ def constraint_from_args(eng, args):
     if getattr(args, "regex", None) is not None:
         return eng.constraint("regex", args.regex, arg="--regex")
     if getattr(args, "grammar", None) is not None:
-        path = Path(args.grammar)
-        if not path.is_file():
-            raise ValueError(f"--grammar: {args.grammar!r} is a directory, not a file" if path.is_dir() else
-                             f"--grammar: no such file {args.grammar!r}")
-        return eng.constraint("grammar", path.read_text(encoding="utf-8"), arg=f"--grammar {args.grammar}")
+        from hyspec.config import input_file
+
+        text = input_file(args.grammar, "--grammar").read_text(encoding="utf-8")
+        return eng.constraint("grammar", text, arg=f"--grammar {args.grammar}")
     if getattr(args, "choice", None) is not None:
         return eng.constraint("choice", [c for c in args.choice.split(",")], arg="--choice")
     return None
