@@ -24,7 +24,7 @@ from hyspec.cli.common import (
 )
 from hyspec.core.scheduler import check_prompt, check_stop
 from hyspec.engine import stop_list
-from hyspec.sampling import SamplingParams
+from hyspec.sampling import ParamError, SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
 
@@ -137,12 +137,8 @@ def read_prompts_file(path: str, args) -> list[dict]:
             stop = obj.get("stop", args.stop)
             try:
                 stop = stop_list(stop)
-            except ValueError as e:
-                why = getattr(e, "why", "")
-                if "surrogate" in why:
-                    raise ValueError(f"{path}:{line_no}: \"stop\" {e.shown}: {why}") from None
-                raise ValueError(f"{path}:{line_no}: \"stop\" must be a string or a list of strings, "
-                                 f"got {stop!r}") from None
+            except ParamError as e:  # (stop_list's reason: not strings, or a lone surrogate)
+                raise ValueError(f"{path}:{line_no}: \"stop\" {e.shown}: {e.why}") from None
             chat = None
             if "messages" in obj:  # the checks that need no model, before it loads
                 from hyspec.chat_template import normalize_messages
