@@ -38,7 +38,7 @@ from hyspec.decode import GREEDY, generate_plain
 from hyspec.loading import load_model, parse_dtype
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.sampling import ParamError, SamplingParams
+from hyspec.sampling import ParamError, SamplingParams, as_bool, as_int
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.tokenizer import Tokenizer
@@ -50,11 +50,23 @@ _SUMMED_STATS = ("generated_tokens", "target_forwards", "mtp_forwards", "direct_
 
 
 def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ParamError(name, value, "must be an integer")
+    """`value` as a Python int (a numpy integer is taken), checked against lo..hi."""
+    value_in = value
+    value = as_int(value)
+    if value is None:
+        raise ParamError(name, value_in, "must be an integer")
     if value < lo or (hi is not None and value > hi):
         raise ParamError(name, value, f"must be in {lo}..{hi}" if hi is not None else f"must be >= {lo}")
     return value
+
+
+def _bool_arg(name: str, value) -> bool:
+    """`value` as a Python bool; a string such as "no" or a number is refused, not taken by
+    its truthiness."""
+    flag = as_bool(value)
+    if flag is None:
+        raise ParamError(name, value, "must be True or False")
+    return flag
 
 
 def _token_ids(name: str, value) -> list[int]:
@@ -516,7 +528,7 @@ class Engine:
 
     # -- generation --------------------------------------------------------------------
     def _spec_options(self, draft: int, spec: SpecOptions | None) -> SpecOptions | None:
-        _int_arg("draft", draft, 0, MAX_DRAFT)
+        draft = _int_arg("draft", draft, 0, MAX_DRAFT)
         if spec is not None and not isinstance(spec, SpecOptions):
             raise ParamError("spec", spec, "must be a hyspec.speculative.loop.SpecOptions or None")
         if draft == 0:
@@ -564,8 +576,10 @@ class Engine:
         stop_strings = stop_list(stop)
         if not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
-        _int_arg("max_new_tokens", max_new_tokens, 0)
-        _int_arg("num_samples", num_samples, 1)
+        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
+        num_samples = _int_arg("num_samples", num_samples, 1)
+        draft = _int_arg("draft", draft, 0, MAX_DRAFT)
+        ignore_eos, use_store = _bool_arg("ignore_eos", ignore_eos), _bool_arg("use_store", use_store)
         if stop_ids is not None:
             stop_ids = _token_ids("stop_ids", stop_ids)
         if reference is not None:
@@ -650,15 +664,16 @@ class Engine:
         for c in constraints:
             if c is not None:
                 self._check_constraint(c)
-        stops = self._stops(stop_ids, ignore_eos)
+        stops = self._stops(stop_ids, _bool_arg("ignore_eos", ignore_eos))
         requests, caps, cuts = [], [], []  # caps[i]: the context capped prompt i's max_new_tokens (stop_reason
         # "context"); cuts[i]: its stop strings
         for i, (prompt, limit, prompt_params, k, c, lp) in enumerate(zip(prompts, limits, params_each, drafts,
                                                                          constraints, lps)):
             try:
                 ids = self.encode(prompt)
+                k = _int_arg("draft", k, 0, MAX_DRAFT)
                 opts = self._spec_options(k, spec)
-                _int_arg("max_new_tokens", limit, 0)
+                limit = _int_arg("max_new_tokens", limit, 0)
                 limit, capped = self._cap(ids, limit)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
@@ -810,11 +825,11 @@ class Engine:
         `budget_bytes` (default: free device memory on CUDA)."""
         from hyspec.core.slots import slot_bytes
 
-        _int_arg("context_len", context_len, 1)
+        context_len = _int_arg("context_len", context_len, 1)
         if budget_bytes is not None:
             if isinstance(budget_bytes, float) and math.isfinite(budget_bytes):
                 budget_bytes = int(budget_bytes)  # (8e9)
-            _int_arg("budget_bytes", budget_bytes, 0)
+            budget_bytes = _int_arg("budget_bytes", budget_bytes, 0)
         per = slot_bytes(self.model.cfg, self.model.dtype, context_len, self.model.has_mtp)
         if budget_bytes is None and self.model.device.type == "cuda":
             budget_bytes = torch.cuda.mem_get_info(self.model.device)[0]
@@ -835,8 +850,8 @@ class Engine:
         if len(ids) < 2:
             raise ValueError("scoring needs at least 2 tokens")
         self._check_context(len(ids), "the text to score")
-        _int_arg("top_logprobs", top_logprobs, 0)
-        _int_arg("chunk", chunk, 1)
+        top_logprobs = _int_arg("top_logprobs", top_logprobs, 0)
+        chunk = _int_arg("chunk", chunk, 1)
         vocab_size = self.model.cfg.vocab_size
         out_of_range = [t for t in ids if not 0 <= t < vocab_size]
         if out_of_range:

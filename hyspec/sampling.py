@@ -26,6 +26,8 @@ target's row after the last draft. Each round emits accepted drafts + one token.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -71,6 +73,35 @@ class ParamError(ValueError):
             shown = shown[:60] + f"... ({len(shown)} characters)"
         self.shown = shown
         super().__init__(f"{name}={shown}: {why}")
+
+
+def as_int(value) -> int | None:
+    """`value` as a Python int when it is an integer -- int, a numpy integer, a 0-d integer
+    tensor (anything with __index__) -- else None. True / False are not integers here."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def as_float(value) -> float | None:
+    """`value` as a Python float when it is a real number (int, float, numpy scalar), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # (10**400: not a finite number, refused by the caller as such)
+        return math.inf
+
+
+def as_bool(value) -> bool | None:
+    """`value` as a Python bool when it is True / False (or a numpy bool), else None: a
+    string such as "no" or a number is not taken by its truthiness."""
+    if isinstance(value, bool) or type(value).__name__ == "bool" and type(value).__module__ == "numpy":
+        return bool(value)
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -120,12 +151,17 @@ class SamplingParams:
             "presence_penalty",
         ):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not finite_number(v):
+            f = as_float(v)
+            if f is None or not finite_number(f):
                 raise bad(name, v, "must be a finite number")
+            if type(v) is not int:  # numpy scalars are kept as Python floats (ints stay as given)
+                object.__setattr__(self, name, f)
         for name in ("top_k", "penalty_last_n", "seed"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
+            i = as_int(v)
+            if i is None:
                 raise bad(name, v, "must be an int")
+            object.__setattr__(self, name, i)
         if not 0 <= self.seed <= SEED_MAX:
             raise bad("seed", self.seed, "must be in 0..2**64-1 (18446744073709551615)")
         if self.temperature < 0 or 0 < self.temperature < TEMPERATURE_MIN:

@@ -59,7 +59,8 @@ import torch
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.state import SeqState, capture, check_state
 from hyspec.engine import engine_call
-from hyspec.sampling import ParamError, SamplingParams
+from hyspec.sampling import ParamError, SamplingParams, as_int
+from hyspec.speculative.loop import MAX_DRAFT
 from hyspec.speculative.telemetry import SpecTelemetry
 
 FORMAT = "hyspec-session/1"
@@ -131,10 +132,11 @@ class Session:
         if constraint is not None:
             engine._check_constraint(constraint)
         self.constraint = constraint  # every reply's constraint (each turn uses a copy)
-        self.draft = draft
-        engine._spec_options(draft, spec)  # validates draft / MTP head
         from hyspec.core.scheduler import check_stop
-        from hyspec.engine import _int_arg, _token_ids
+        from hyspec.engine import _bool_arg, _int_arg, _token_ids
+
+        self.draft = _int_arg("draft", draft, 0, MAX_DRAFT)
+        engine._spec_options(self.draft, spec)  # validates draft / MTP head
 
         if params is not None and not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
@@ -144,8 +146,8 @@ class Session:
         self.max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)  # every turn's default
         self.stop_ids = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
         check_stop(self.stop_ids, engine.model.cfg.vocab_size)
-        self.ignore_eos = ignore_eos
-        self.use_store = use_store
+        self.ignore_eos = _bool_arg("ignore_eos", ignore_eos)
+        self.use_store = _bool_arg("use_store", use_store)
         self._seq = None  # the live Sequence (holds a slot) ...
         self._state: SeqState | None = None  # ... or the state the next turn resumes from
         self._boundary: SeqState | None = None  # the current state, captured when the last turn ended
@@ -225,7 +227,7 @@ class Session:
         template sends a line without its newline, so the model's reply opens with it, and
         `--stop "\n"` still ends a reply at the end of its first whole line."""
         from hyspec.core.scheduler import check_stop
-        from hyspec.engine import Sample, StopStrings, _token_ids, stop_list
+        from hyspec.engine import Sample, StopStrings, _int_arg, _token_ids, stop_list
 
         self._check_open()
         eng = self.engine
@@ -234,7 +236,7 @@ class Session:
             raise ValueError(f"on_tokens must be a callable (new token ids) or None, got {on_tokens!r}")
         if params is not None and not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None: the session's)")
-        n_drafts = self.draft if draft is None else draft
+        n_drafts = self.draft if draft is None else _int_arg("draft", draft, 0, MAX_DRAFT)
         if draft is None and self._speculative is not None and (n_drafts > 0) != self._speculative:
             # a session stays as its first turn went by default (a plain one plain; a speculative one at
             # its last turn's K): its other default then refused every send without draft=
@@ -245,16 +247,18 @@ class Session:
                              f"first turn; draft={n_drafts} would need the drafter's rows for the whole transcript "
                              "(use a new session)")
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        if as_int(limit) is None or as_int(limit) < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {limit!r}")
+        limit = as_int(limit)
         context = eng.model.cfg.max_position_embeddings
         total = len(self.tokens) + len(ids) + limit
         if total > context:
             raise ValueError(f"the conversation would reach {total} tokens ({len(self.tokens)} so far + {len(ids)} "
                              f"new + max_new_tokens {limit}), beyond the model's maximum context of {context} tokens "
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        if logprobs is not None and (as_int(logprobs) is None or as_int(logprobs) < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
+        logprobs = None if logprobs is None else as_int(logprobs)
         extra = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
         check_stop(extra, eng.model.cfg.vocab_size)
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
@@ -352,8 +356,9 @@ class Session:
         the turn that is now the last; {} when it is unknown: none, or a loaded session's) and
         the draft length a send without draft= takes (the one before the undone turns)."""
         self._check_open()
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if as_int(n) is None or as_int(n) < 1:
             raise ValueError(f"rewind needs a number of turns >= 1, got {n!r}")
+        n = as_int(n)
         if n > len(self._points):
             raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._points)}")
         p = self._points[-n]

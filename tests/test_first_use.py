@@ -323,6 +323,37 @@ def test_score_validates_its_arguments(eng) -> None:
         eng.score([1, 2, 3], top_logprobs=2.5)
 
 
+def test_numpy_integers_are_taken_and_flags_are_not_read_by_truthiness(eng) -> None:
+    """Numbers that come out of numpy (a seed from a numpy RNG, a length from an array) are
+    integers to the API, and give what their Python ints give; a flag is True or False, not a
+    string read by its truthiness ("no" is not False)."""
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(temperature=np.float32(0.8), top_k=np.int64(20), seed=np.uint64(7))
+    assert (type(params.temperature), type(params.top_k), type(params.seed)) == (float, int, int)
+    want = eng.generate([1, 2, 3], max_new_tokens=6, draft=2, params=SamplingParams(temperature=0.800000011920929,
+                                                                                   top_k=20, seed=7))
+    got = eng.generate([1, 2, 3], max_new_tokens=np.int64(6), draft=np.int32(2), params=params,
+                       num_samples=np.int8(1), logprobs=np.int16(2))
+    assert got.tokens == want.tokens and len(got.logprobs[0]) == len(want.tokens)
+    outs = eng.generate_batch([[1, 2, 3]], max_new_tokens=[np.int64(6)], draft=[np.int64(2)], params=params)
+    assert outs[0].tokens == want.tokens
+    s = eng.session(draft=np.int64(2), max_new_tokens=np.int32(4))
+    s.send([1, 2], max_new_tokens=np.int64(3), logprobs=np.int64(1))
+    s.send([3])
+    s.rewind(np.int64(2))
+    s.close()
+    assert eng.memory(np.int64(16), budget_bytes=np.int64(10**9))["context_len"] == 16
+    assert eng.score([1, 2, 3], top_logprobs=np.int64(2))["tokens"] == [1, 2, 3]
+    with pytest.raises(ValueError, match="ignore_eos"):
+        eng.generate([1, 2], max_new_tokens=2, ignore_eos="no")
+    with pytest.raises(ValueError, match="use_store"):
+        eng.generate([1, 2], max_new_tokens=2, use_store=1)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        eng.session(ignore_eos="false")
+    with pytest.raises(ValueError, match="draft"):
+        eng.generate([1, 2], max_new_tokens=2, draft=np.bool_(True))
+
+
 # ---- 3. stats over several samples -----------------------------------------------------------
 
 

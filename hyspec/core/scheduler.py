@@ -22,7 +22,7 @@ from hyspec.core.request import Request
 from hyspec.core.round import Sequence, choose_token, masked, run_round
 from hyspec.core.slots import SlotPool
 from hyspec.core.state import Carry, RoundTxn, SeqState, capture, carry_of, drafter_of, restore_into
-from hyspec.sampling import SamplingParams
+from hyspec.sampling import SamplingParams, as_int
 
 MAX_DRAFT = 16
 
@@ -65,8 +65,10 @@ def spec_options(req: Request):
     """The request's SpecOptions (k = req.draft), or None for plain decoding."""
     from hyspec.speculative.loop import SpecOptions
 
-    if isinstance(req.draft, bool) or not isinstance(req.draft, int) or req.draft < 0:
+    draft = as_int(req.draft)
+    if draft is None or draft < 0:
         raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {req.draft!r}")
+    req.draft = draft  # (a numpy integer is kept as a Python int)
     if req.draft == 0:
         return None
     return (req.spec or SpecOptions()).with_k(req.draft)
@@ -75,10 +77,10 @@ def spec_options(req: Request):
 class Scheduler:
     def __init__(self, model, *, max_batch: int = 16, backend=None, pool: SlotPool | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, store=None) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        if as_int(max_batch) is None or as_int(max_batch) < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model = model
-        self.max_batch = max_batch
+        self.max_batch = as_int(max_batch)
         self.backend = backend if backend is not None else ReferenceBackend(model)
         self.pool = pool if pool is not None else SlotPool(model, max_slots=max_batch)
         self.prefill_chunk = prefill_chunk
@@ -98,10 +100,12 @@ class Scheduler:
             check_prompt(req.prompt_ids, cfg.vocab_size)
         elif req.resume.pending is None:
             raise ValueError("nothing to send: the conversation has no pending token, give at least one token")
-        if req.resume is not None and isinstance(req.max_new_tokens, int) and req.max_new_tokens == 0:
-            raise ValueError("a resumed request needs max_new_tokens >= 1")
-        if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 0:
+        limit = as_int(req.max_new_tokens)
+        if limit is None or limit < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {req.max_new_tokens!r}")
+        if req.resume is not None and limit == 0:
+            raise ValueError("a resumed request needs max_new_tokens >= 1")
+        req.max_new_tokens = limit
         if not isinstance(req.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(req.params).__name__}")
         opts = spec_options(req)
@@ -113,9 +117,10 @@ class Scheduler:
             bad = [t for t in req.reference if not 0 <= t < cfg.vocab_size]
             if bad:
                 raise ValueError(f"reference: token id(s) {bad[:5]} out of range for vocabulary size {cfg.vocab_size}")
-        if req.logprobs is not None and (isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int)
-                                         or req.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {req.logprobs!r}")
+        if req.logprobs is not None:
+            if as_int(req.logprobs) is None or as_int(req.logprobs) < 0:
+                raise ValueError(f"logprobs must be None or an integer >= 0, got {req.logprobs!r}")
+            req.logprobs = as_int(req.logprobs)
         return opts, check_stop(req.stop_ids, cfg.vocab_size)
 
     def submit(self, req: Request) -> Request:

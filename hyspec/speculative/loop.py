@@ -18,7 +18,7 @@ import torch
 from hyspec.core.request import GREEDY, Request
 from hyspec.decode import GenerationResult, run_request
 from hyspec.model.hybrid import HybridLM
-from hyspec.sampling import ParamError, SamplingParams
+from hyspec.sampling import ParamError, SamplingParams, as_float, as_int
 from hyspec.speculative.rollback import make_rollback
 from hyspec.speculative.telemetry import SpecTelemetry
 
@@ -51,14 +51,20 @@ class SpecOptions:
         return SpecOptions(**{**self.__dict__, "k": k, "adaptive_floor": min(self.adaptive_floor, k)})
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= MAX_DRAFT:
+        k = as_int(self.k)
+        if k is None or not 1 <= k <= MAX_DRAFT:
             raise ParamError("k", self.k, f"the draft length must be an integer in 1..{MAX_DRAFT} "
                              f"(use --draft 0 for plain decoding)", owner="SpecOptions")
+        object.__setattr__(self, "k", k)  # (numpy scalars are kept as Python values)
         make_rollback(self.rollback)
-        if not isinstance(self.p_min, (int, float)) or isinstance(self.p_min, bool) or not 0.0 <= self.p_min < 1.0:
+        p_min = as_float(self.p_min)
+        if p_min is None or not 0.0 <= p_min < 1.0:
             raise ParamError("p_min", self.p_min, "must be in [0, 1)", owner="SpecOptions")
-        if not isinstance(self.adaptive_floor, int) or not 1 <= self.adaptive_floor <= self.k:
+        object.__setattr__(self, "p_min", p_min)
+        floor = as_int(self.adaptive_floor)
+        if floor is None or not 1 <= floor <= self.k:
             raise ParamError("adaptive_floor", self.adaptive_floor, f"must be in 1..k={self.k}", owner="SpecOptions")
+        object.__setattr__(self, "adaptive_floor", floor)
         if self.hidden not in ("post", "pre"):
             raise ParamError("hidden", self.hidden, "must be 'post' or 'pre'", owner="SpecOptions")
         # numpy scalars are taken and stored as Python values; a string such as "no" is not a bool
