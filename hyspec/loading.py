@@ -150,6 +150,37 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def check_experts(prefix: str, experts: dict[int, dict[str, torch.Tensor]]) -> int:
+    """Check one layer's per-expert tensors ({expert id: {"gate_proj": w, ...}}) before they
+    are stacked: ids 0..n-1 with all three parts each, matrices of a floating-point dtype (a
+    copy into the stack would turn integers into other numbers silently), each part of one
+    shape across the experts. Returns n."""
+    n = max(experts) + 1
+    if len(experts) != n:
+        gap = min(e for e in range(n) if e not in experts)
+        raise CheckpointError(f"'{prefix}' has tensors of {len(experts)} experts with ids up to {n - 1}: expert "
+                              f"{gap} is missing (missing tensor '{prefix}.{gap}.gate_proj.weight')")
+    for e in range(n):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            if part not in experts[e]:
+                raise CheckpointError(f"missing tensor '{prefix}.{e}.{part}.weight'")
+            w, first = experts[e][part], experts[0][part]
+            name = f"{prefix}.{e}.{part}.weight"
+            if not w.is_floating_point():
+                raise CheckpointError(f"tensor '{name}' is stored as {w.dtype}; a weight must be a floating-point "
+                                      f"tensor")
+            if w.dim() != 2:
+                raise CheckpointError(f"tensor '{name}' has shape {list(w.shape)}; an expert's weight is a matrix")
+            if tuple(w.shape) != tuple(first.shape):
+                raise CheckpointError(f"tensor '{name}' has shape {list(w.shape)}, expert 0's is "
+                                      f"{list(first.shape)}")
+    if experts[0]["gate_proj"].shape[1] != experts[0]["up_proj"].shape[1]:
+        raise CheckpointError(f"'{prefix}.0.gate_proj.weight' and '{prefix}.0.up_proj.weight' have shapes "
+                              f"{list(experts[0]['gate_proj'].shape)} and {list(experts[0]['up_proj'].shape)}: "
+                              "their columns (the hidden size) differ")
+    return n
+
+
 def _stack_experts(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert keys -> stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -159,20 +190,12 @@ def _stack_experts(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t.pop(k)
     for prefix in list(groups):
         experts = groups.pop(prefix)  # one layer's per-expert tensors are let go once stacked: the host
-        n = max(experts) + 1  # holds the checkpoint once, plus one layer's experts, not twice
-        for e in range(n):
-            for part in ("gate_proj", "up_proj", "down_proj"):
-                if part not in experts.get(e, {}):
-                    raise CheckpointError(f"missing tensor '{prefix}.{e}.{part}.weight'")
+        n = check_experts(prefix, experts)  # holds the checkpoint once, plus one layer's experts, not twice
         gate, up = experts[0]["gate_proj"], experts[0]["up_proj"]
         gate_up = torch.empty((n, gate.shape[0] + up.shape[0], *gate.shape[1:]), dtype=gate.dtype)
         down = torch.empty((n, *experts[0]["down_proj"].shape), dtype=experts[0]["down_proj"].dtype)
         for e in range(n):
             w = experts.pop(e)
-            for part, want in (("gate_proj", gate.shape), ("up_proj", up.shape), ("down_proj", down.shape[1:])):
-                if tuple(w[part].shape) != tuple(want):
-                    raise CheckpointError(f"tensor '{prefix}.{e}.{part}.weight' has shape {list(w[part].shape)}, "
-                                          f"expert 0's is {list(want)}")
             gate_up[e, : w["gate_proj"].shape[0]] = w["gate_proj"]
             gate_up[e, w["gate_proj"].shape[0]:] = w["up_proj"]
             down[e] = w["down_proj"]
@@ -283,7 +306,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
         tensors = read_tensors(path, dtype=dtype, keep=keep)
     if layers is None:  # a config.json with fewer or more layers than the weights hold: not run cut short
         found = {int(m.group(1)) for k in tensors for m in [_LAYER_KEY.match(k)] if m}
-        if found and max(found) + 1 > cfg.num_hidden_layers:  # (fewer: the missing tensors are named below)
+        # (more layers in config.json than in the weights: named here, before a model of
+        # 10,000,000 layers is built to list their missing tensors)
+        if found and max(found) + 1 != cfg.num_hidden_layers:
             raise CheckpointError(f"config.json has num_hidden_layers={cfg.num_hidden_layers} but the checkpoint "
                                   f"{path} holds weights of {max(found) + 1} layers (model.layers.0 .. "
                                   f"model.layers.{max(found)}): config.json and the weights disagree")

@@ -131,11 +131,12 @@ def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int,
     """Per-element fp32 scales of `shape`: each block's scale repeated, edge blocks cropped.
     rows: optional int map [R] (weight row -> scale row) for weights whose rows were
     concatenated or reordered (row i takes scale row rows[i] instead of i // bR)."""
-    if rows is not None:
-        s = scale.float().index_select(-2, rows.to(device=scale.device, dtype=torch.long))
-    else:
-        s = scale.float().repeat_interleave(block[0], dim=-2)[..., : shape[-2], :]
-    return s.repeat_interleave(block[1], dim=-1)[..., : shape[-1]]
+    # (indexed, not repeated then cropped: a block larger than the weight -- one block for the
+    # whole matrix -- would otherwise repeat each scale block-size times)
+    if rows is None:
+        rows = torch.arange(shape[-2], device=scale.device) // block[0]
+    s = scale.float().index_select(-2, rows.to(device=scale.device, dtype=torch.long))
+    return s.index_select(-1, torch.arange(shape[-1], device=scale.device) // block[1])
 
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = "weight",
@@ -166,6 +167,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     scale = amax / 448, so the block's largest entry maps to the fp8 maximum."""
     w = w.float()
     R, C = w.shape[-2:]
+    block = (min(block[0], R), min(block[1], C))  # (a block past the matrix's edge is the matrix: no padding to it)
     gr, gc = math.ceil(R / block[0]), math.ceil(C / block[1])
     pad = torch.zeros(*w.shape[:-2], gr * block[0], gc * block[1])
     pad[..., :R, :C] = w
@@ -341,7 +343,7 @@ def prepare_fp8(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None) -
     keys stacked (fp8 weights and their scale grids; where gate's rows are not a multiple of
     the block the stacked gate | up gets a ``..._scale_rows`` map). A column block the
     kernels cannot step through (not a multiple of 16) dequantizes everything instead."""
-    from hyspec.loading import CheckpointError, _stack_experts
+    from hyspec.loading import CheckpointError, _stack_experts, check_experts
 
     fp8 = check_fp8_tensors(tensors, qcfg)
     if not fp8:
@@ -367,6 +369,8 @@ def prepare_fp8(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None) -
     for prefix, experts in groups.items():
         keys = [k for e in experts.values() for k in e.values()]
         n = max(experts) + 1
+        if len(keys) == 3 * n and all(is_fp8(tensors[k]) for k in keys):  # (else named by the stacking below)
+            check_experts(prefix, {e: {part: tensors[k] for part, k in parts.items()} for e, parts in experts.items()})
         if len(keys) != 3 * n or not all(is_fp8(tensors[k]) for k in keys):
             for k in keys:  # incomplete (the stacking below names what is missing) or mixed: dequantize
                 if is_fp8(tensors[k]):

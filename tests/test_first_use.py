@@ -303,6 +303,29 @@ def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:
     assert "error" not in capsys.readouterr().err
 
 
+def test_out_of_memory_is_one_line_and_other_errors_keep_their_traceback(monkeypatch, capsys) -> None:
+    """A failed allocation (the CPU allocator's RuntimeError, MemoryError) ends in one line;
+    any other RuntimeError is a bug and keeps its traceback."""
+    from hyspec.cli import dispatch
+
+    errors = iter([RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                                "memory: you tried to allocate 4000000000000 bytes."), MemoryError(),
+                   RuntimeError("shape '[2, 3]' is invalid")])
+
+    def fail(args):
+        raise next(errors)
+
+    monkeypatch.setattr(dispatch.SUBCOMMANDS["score"], "run", fail)
+    assert dispatch.main(["score", "--ids", "1,2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hyspec score: error: out of memory (") and "4000000000000 bytes" in err
+    assert len(err.strip().splitlines()) == 1
+    assert dispatch.main(["score", "--ids", "1,2"]) == 1
+    assert capsys.readouterr().err.strip() == "hyspec score: error: out of memory (MemoryError)"
+    with pytest.raises(RuntimeError, match="is invalid"):
+        dispatch.main(["score", "--ids", "1,2"])
+
+
 @pytest.mark.parametrize("kwargs,name", [
     ({"draft": "3"}, "draft"), ({"max_new_tokens": 8.5}, "max_new_tokens"), ({"prompt": None}, "prompt"),
     ({"num_samples": "2"}, "num_samples"), ({"params": {"temperature": 1}}, "params"),

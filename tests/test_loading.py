@@ -123,6 +123,16 @@ def test_missing_or_broken_files(ckpt, tmp_path):
         load_model(empty)
 
 
+def test_a_tokenizer_json_that_is_a_directory_is_named(ckpt):
+    """It was taken for an absent tokenizer ("this checkpoint has no tokenizer.json" at the first text)."""
+    from hyspec.engine import Engine
+
+    (ckpt / "tokenizer.json").unlink(missing_ok=True)
+    (ckpt / "tokenizer.json").mkdir()
+    with pytest.raises(ValueError, match=r"tokenizer\.json is a directory, not the tokenizer's file"):
+        Engine.load(ckpt)
+
+
 def test_shard_index_naming_a_missing_file(ckpt):
     t = _tensors(ckpt)
     (ckpt / "model.safetensors").unlink()
@@ -147,6 +157,33 @@ def test_an_expert_of_another_shape_is_named(ckpt):
     t[k] = t[k][:, :-1]
     _write(ckpt, t)
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight' has shape"):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize("damage,match", [
+    # an int32 expert was copied into the float stack (its values truncated to other numbers) and loaded
+    (lambda w: w.to(torch.int32), r"'model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight' is stored as "
+                                  r"torch\.int32; a weight must be a floating-point tensor"),
+    # a 0-d expert tensor raised a bare IndexError
+    (lambda w: w[0, 0], r"'model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight' has shape \[\]; an expert's "
+                        r"weight is a matrix"),
+])
+def test_a_damaged_expert_tensor_is_named(ckpt, damage, match):
+    t = _per_expert(_tensors(ckpt))
+    k = "model.layers.1.mlp.experts.2.up_proj.weight"
+    t[k] = damage(t[k]).contiguous()
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=match):
+        load_model(ckpt)
+
+
+def test_a_stray_expert_id_is_named(ckpt):
+    """An expert id far past the others was reported as the first missing expert's tensor."""
+    t = _per_expert(_tensors(ckpt))
+    t["model.layers.1.mlp.experts.1000000.up_proj.weight"] = t["model.layers.1.mlp.experts.0.up_proj.weight"].clone()
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts' has tensors of \d+ experts with "
+                                              r"ids up to 1000000: expert \d+ is missing"):
         load_model(ckpt)
 
 
@@ -181,6 +218,11 @@ def test_a_config_that_describes_another_model_than_the_weights_is_refused(ckpt)
     n = cfg["num_hidden_layers"]
     refused({"num_hidden_layers": n - 1},
             f"num_hidden_layers={n - 1} but the checkpoint .* holds weights of {n} layers")
+    # more layers than the weights hold: named before a model of that many layers is built
+    # (10,000,000 layers hung in the meta model's construction, memory growing; a smaller
+    # excess was reported as the first missing tensor of the first absent layer)
+    refused({"num_hidden_layers": n + 2},
+            f"num_hidden_layers={n + 2} but the checkpoint .* holds weights of {n} layers")
     refused({"shared_expert_intermediate_size": 0}, "does not describe, e.g. .*shared_expert")
     refused({"vocab_size": 10 ** 12}, r"'model.embed_tokens.weight' has shape \[\d+, \d+\], expected \[1000000000000")
     # a tokenizer larger than the vocabulary is named at load (it surfaced per request, as an id out of range)

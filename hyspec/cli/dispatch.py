@@ -93,6 +93,14 @@ def _check_before_launch(cmd: str, argv: list[str]) -> None:
     parallel.check_launch(argv, parallel.pp_from_argv(argv))  # device, stages <= layers
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """A failed allocation: MemoryError, torch's OutOfMemoryError (CUDA), or the CPU
+    allocator's RuntimeError."""
+    text = str(e)
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower()))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point. User errors (bad values, missing files) end in one `hyspec CMD:
     error: ...` line and exit code 2, never a traceback."""
@@ -123,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"hyspec {cmd}: error: {error_message(e)}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise  # a bug: its traceback is what a report needs
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"hyspec {cmd}: error: out of memory ({first})", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nhyspec: interrupted", file=sys.stderr)
         return 130
