@@ -52,6 +52,7 @@ class Vocab:
     lltok: Any
     vocab_size: int  # V_model
     eos_ids: tuple[int, ...]
+    fingerprint: str = ""  # the tokenizer's vocabulary (hyspec.tokenizer.vocab_fingerprint): which model it fits
 
     @property
     def tok_vocab(self) -> int:
@@ -113,7 +114,12 @@ def _make_vocab(tokenizer_json: str, vocab_size: int | None, eos_ids) -> Vocab:
             raise ValueError(f"the model's EOS id(s) {list(eos_ids)} are outside the tokenizer's vocabulary "
                              f"({n_tok} tokens), so a constrained output could never end")
     lltok = llg.LLTokenizer(tokenizer_json, eos_token=eos)
-    return Vocab(lltok, int(vocab_size) if vocab_size is not None else n_tok, tuple(eos))
+    from tokenizers import Tokenizer as _Tok
+
+    from hyspec.tokenizer import vocab_fingerprint
+
+    return Vocab(lltok, int(vocab_size) if vocab_size is not None else n_tok, tuple(eos),
+                 vocab_fingerprint(_Tok.from_str(tokenizer_json)))
 
 
 # --------------------------------------------------------------------------------------

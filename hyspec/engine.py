@@ -821,6 +821,10 @@ class Engine:
         if V != self.model.cfg.vocab_size:
             raise ValueError(f"constraint was built for a vocabulary of {V} tokens; this model has "
                              f"{self.model.cfg.vocab_size}")
+        theirs = getattr(getattr(constraint, "vocab", None), "fingerprint", "")
+        if theirs and self.tokenizer is not None and theirs != self.tokenizer.fingerprint:
+            raise ValueError("constraint was built for another tokenizer than this model's (the same number of "
+                             "tokens, other texts or ids): build it with this engine's constraint()")
 
     def memory(self, context_len: int, budget_bytes: int | None = None) -> dict:
         """Bytes one sequence slot needs at `context_len` tokens, and how many slots fit in

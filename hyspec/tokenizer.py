@@ -20,6 +20,15 @@ class Tokenizer:
             raise ValueError(f"{p}: cannot parse tokenizer ({e})") from None
 
     @property
+    def fingerprint(self) -> str:
+        """Identifies the vocabulary (every token's text and id): two tokenizers with one
+        fingerprint map text to the same ids. Computed once."""
+        fp = getattr(self, "_fingerprint", None)
+        if fp is None:
+            fp = self._fingerprint = vocab_fingerprint(self._tok)
+        return fp
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -90,3 +99,12 @@ def _byte_symbols() -> dict[str, int]:
 
 
 _UNICODE_TO_BYTE = _byte_symbols()
+
+
+def vocab_fingerprint(tok) -> str:
+    """A hash of a `tokenizers.Tokenizer`'s vocabulary, added tokens included."""
+    import hashlib
+    import json
+
+    items = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    return hashlib.blake2b(json.dumps(items, ensure_ascii=False).encode("utf-8"), digest_size=12).hexdigest()

@@ -245,6 +245,25 @@ def test_engine_generate_constraint(engine):
         engine.generate("x", constraint="json")
 
 
+def test_a_constraint_of_another_tokenizer_of_the_same_size_is_refused(engine, tmp_path):
+    """The vocabulary sizes matched, so the other tokenizer's mask was applied to this model's
+    ids and the output broke the constraint (' #lro' for a choice of 'hello' / 'world')."""
+    from hyspec.tiny import make_tiny
+
+    other = Engine.load(make_tiny("qwen3_5", tmp_path / "other", vocab_size=engine.model.cfg.vocab_size, hidden=32,
+                                  layers=2, seed=1))
+    theirs = other.constraint("choice", ["hello", "world"])
+    assert theirs.vocab_size == engine.model.cfg.vocab_size
+    with pytest.raises(ValueError, match="constraint was built for another tokenizer than this model's"):
+        engine.generate("x = ", max_new_tokens=6, constraint=theirs)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        engine.session(max_new_tokens=6).send("x", constraint=theirs)
+    # the same tokenizer through its file (not the engine) is this model's
+    ours = Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["hello", "world"])
+    assert engine.generate("x = ", max_new_tokens=6, constraint=ours).text.replace("<|endoftext|>", "") in (
+        "hello", "world")
+
+
 @pytest.mark.parametrize("lark", ['start: "x=" foo\nfoo[stop=";"]: /[a-z]+/\n',
                                   'start: foo\nfoo[max_tokens=4]: /[a-z]+/\n'])
 def test_lexemes_llguidance_cannot_roll_back_decode_alike_with_drafts(engine, lark):
