@@ -190,7 +190,9 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
                       ["bench", "--pp", "2", "--forced-rates", "0.9"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1,4000000000"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--batch", "1", "--prompt-len", "200000000"],
-                      ["score", "--model", str(ckpt), "--ids", "1,,2"])
+                      ["score", "--model", str(ckpt), "--ids", "1,,2"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--slot-lengths", "-5"],
+                      ["bench", "--config", "tiny", "--device", "cpu", "--draft-vocab", "99999"])
     assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
     assert "--max-new-tokens" in errs[1]
     assert "99999" in errs[2] and "out of range" in errs[2]
@@ -206,6 +208,8 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert "--batch 4000000000" in errs[14] and "GiB free" in errs[14]  # (allocated until the process died)
     assert "--prompt-len 200000000" in errs[15] and "context" in errs[15]  # (not blamed on --batch)
     assert "--ids" in errs[16] and "'1,,2'" in errs[16]  # (the empty item was dropped)
+    assert "--slot-lengths" in errs[17] and "'-5'" in errs[17]  # (accepted: "562 slots of -5 tokens")
+    assert "--draft-vocab" in errs[18] and "99999" in errs[18]  # (failed after the whole run, exit 1)
     if not torch.cuda.is_available():  # the pipeline bench on CUDA where there is none: one line, no traceback
         assert "CUDA is not available" in cli_errors(["bench", "--pp", "2", "--device", "cuda"])[0]
     assert "--pp" in cli_errors(["generate", "--model", str(ckpt), "--prompt-ids", "1", "--lanes", "2"])[0]

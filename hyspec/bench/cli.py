@@ -122,6 +122,7 @@ def check_args(args) -> None:
         raise ValueError(f"--forced: {e}") from None
     if args.batch is not None:
         _int_list("batch", args.batch, 1)
+    args.slot_lengths = ",".join(str(n) for n in _int_list("slot-lengths", args.slot_lengths, 1))
     from hyspec.cli.common import check_out_file
 
     check_out_file(args.out)  # before the run whose results it holds
@@ -442,6 +443,9 @@ def main(argv=None) -> int:
                          f"{context} tokens (max_position_embeddings)")
     if args.batch:  # before any timing run
         check_batch_memory(model, args, dev)
+    if args.draft_vocab and not 1 <= args.draft_vocab <= model.cfg.vocab_size:  # (it failed after the whole run)
+        raise ValueError(f"--draft-vocab: must be in 1..{model.cfg.vocab_size} (the model's vocabulary), "
+                         f"got {args.draft_vocab}")
     n_params = sum(p.numel() for p in model.parameters())
     from hyspec.model.gdn import ssm_store_dtype
 
