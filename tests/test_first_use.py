@@ -399,6 +399,20 @@ def test_num_samples_stats_are_totals_with_per_sample_stats(ckpt) -> None:
         assert s["stats"]["generated_tokens"] == len(s["tokens"])
 
 
+def test_options_that_cannot_act_get_a_note(ckpt) -> None:
+    """Greedy samples are all the same and the drafter's options do nothing without drafts: the
+    run goes on (exit 0) with one note line each (they were silent)."""
+    base = ["generate", "--model", str(ckpt), "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json"]
+    (c1, _, e1), (c2, _, e2), (c3, _, e3) = cli_many([base + ["--num-samples", "2"],
+                                                      base + ["--adaptive", "--p-min", "0.2"],
+                                                      base + ["--num-samples", "2", "--temperature", "1",
+                                                              "--draft", "2", "--adaptive"]], env=ENV)
+    assert (c1, c2, c3) == (0, 0, 0)
+    assert "note: --num-samples 2 with greedy decoding (temperature 0) gives 2 equal samples" in e1
+    assert "note: --p-min, --adaptive only act with --draft K > 0" in e2
+    assert "note:" not in e3
+
+
 # ---- 4. streaming, score table ------------------------------------------------------------------
 
 

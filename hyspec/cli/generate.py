@@ -366,10 +366,28 @@ def check(args) -> None:
         _options(args)
 
 
+def _notes(args, params: SamplingParams) -> None:
+    """One stderr line for an option that cannot change this run's output (it ran silently)."""
+    if args.num_samples > 1 and params.greedy:
+        print(f"hyspec generate: note: --num-samples {args.num_samples} with greedy decoding (temperature 0) gives "
+              f"{args.num_samples} equal samples; set --temperature to sample", file=sys.stderr)
+    if args.draft == 0:
+        d = SpecOptions()
+        unused = [flag for flag, value, default in (("--rollback", args.rollback, d.rollback),
+                                                    ("--p-min", args.p_min, d.p_min),
+                                                    ("--adaptive", args.adaptive, d.adaptive),
+                                                    ("--adaptive-floor", args.adaptive_floor, d.adaptive_floor),
+                                                    ("--hidden", args.hidden, d.hidden)) if value != default]
+        if unused:
+            print(f"hyspec generate: note: {', '.join(unused)} only act with --draft K > 0 (this run decodes "
+                  "plainly)", file=sys.stderr)
+
+
 def run(args) -> int:
     if args.prompts_file is not None:
         return run_file(args)
     params, spec = _options(args)
+    _notes(args, params)
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # a bad constraint fails here, before any generation
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
