@@ -212,6 +212,7 @@ class Constraint:
         self.vocab = vocab
         self.kind = kind
         self.grammar_text = grammar
+        _matcher_given = _matcher is not None
         if _matcher is None:
             _validated(grammar, vocab, arg or kind)
             _matcher = llg.LLMatcher(vocab.lltok, grammar, log_level=0)
@@ -224,6 +225,13 @@ class Constraint:
         self._recorded: list[bool] = []  # per token: in the matcher's rollback history
         self.after: str | None = None  # after_text's close, for a wrapped grammar
         self.failure: str | None = None  # why this constraint cannot go on (fail): its sequence ends in error
+        if not _matcher_given:  # a grammar no output can even start (`start: x` / `x: x "a"`): refused here,
+            # before any generation, not at the first step of each sequence
+            words = self._words_now()
+            if not words.any() and not self._m.is_accepting():
+                raise ValueError(f"{arg or kind}: the grammar admits no output (no token may start it and the empty "
+                                 "output is not a match)")
+            self._cache[()] = words
 
     # -- factories ---------------------------------------------------------------------
     @classmethod

@@ -214,8 +214,17 @@ def test_a_constraint_that_cannot_go_on_ends_only_its_own_sequence(tiny):
     spec = Engine(m).generate_batch([PROMPTS[0]], max_new_tokens=N, constraint=poison, draft=3)[0]
     assert spec.tokens == outs[0].tokens == lanes[0].tokens and spec.samples[0].stop_reason == "error"
     assert "cannot be completed" in spec.stats["error"] and "cannot be completed" in lanes[0].error
-    # nothing allowed before the first token: an error on the core path too (it ended "constraint")
-    never = make_constraint(d, "grammar", 'start: x\nx: /[^\x00-\U0010FFFF]/')
+    # nothing allowed before the first token: refused when the constraint is built; a matcher in that
+    # state anyway (built around the check) is an error on the core path too (it ended "constraint")
+    dead = 'start: x\nx: /[^\x00-\U0010FFFF]/'
+    with pytest.raises(ValueError, match="the grammar admits no output"):
+        make_constraint(d, "grammar", dead)
+    import llguidance
+
+    from hyspec.constraints import Constraint, grammar_for, vocab_for
+
+    vocab, text = vocab_for(d), grammar_for("grammar", dead, "grammar")
+    never = Constraint(vocab, text, _matcher=llguidance.LLMatcher(vocab.lltok, text, log_level=0))
     for draft in (0, 2):
         first = Engine(m).generate_batch([PROMPTS[0]], max_new_tokens=N, constraint=never, draft=draft)[0]
         assert (first.tokens, first.samples[0].stop_reason) == ([], "error") and "after 0 token" in first.stats["error"]

@@ -328,6 +328,19 @@ def test_cli_generate_and_bad_constraint_errors(tmp_path, capsys):
                            "--json-schema: '" + str(tmp_path / "none.json") + "' is neither JSON text nor an existing file")]:
         r = _cli(capsys, *flags)
         assert r.returncode == 2 and needle in r.stderr and r.stdout == "", (flags, r.stderr)
+    # a grammar no output can start is refused before generation (it failed at each sequence's first step)
+    dead = tmp_path / "dead.lark"
+    dead.write_text('start: x\nx: x "a"\n')
+    r = _cli(capsys, "--grammar", str(dead))
+    assert r.returncode == 2 and r.stdout == "" and f"--grammar {dead}: the grammar admits no output" in r.stderr
+    # one that dies mid-output: the streamed text ends its line, the error is on its own line
+    # (it was glued on: "x = abhyspec generate: error: ...")
+    dead.write_text('start: "ab" x\nx: /[^\\s\\S]/\n')
+    r = _cli(capsys, "--grammar", str(dead))
+    assert r.returncode == 2 and r.stdout == "x = ab\n" and "cannot be completed" in r.stderr, (r.stdout, r.stderr)
+    with pytest.raises(ValueError, match="admits no output"):  # the Python API alike; an empty match is fine
+        Engine.load().constraint("grammar", 'start: x\nx: x "a"\n')
+    assert Engine.load().constraint("regex", "a{0}").allowed().any()
 
 
 def test_cli_prompts_file_with_a_constraint(tmp_path, capsys):

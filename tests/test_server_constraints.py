@@ -258,7 +258,10 @@ def test_a_constraint_that_cannot_go_on_is_a_400_and_its_neighbours_keep_their_o
         body = "".join(s.iter_text())
     assert "constraint_failed" in body and "Traceback" not in body
     assert errors_400() == before + 1  # a stream's error event is counted too (it was not)
-    # nothing allowed at the very first token: a 400 too (it was a 200 with an empty "stop" output)
+    # nothing allowed at the very first token: a 400 too (it was a 200 with an empty "stop" output), now
+    # before any generation, naming the field
     never = {**poison, "guided_grammar": 'start: x\nx: /[^\x00-\U0010FFFF]/'}
     r = httpx.post(server.url + "/v1/completions", json=never, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "constraint_failed", r.text
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_value" and err["param"] == "guided_grammar", r.text
+    assert "the grammar admits no output" in err["message"]

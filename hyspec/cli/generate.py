@@ -400,10 +400,16 @@ def run(args) -> int:
     # (and not with stop strings: the text is cut inside the token that completes one)
     stream = printer is not None and not args.no_stream and args.num_samples == 1 and not args.stop
     t0 = time.perf_counter()
-    out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
-                       stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
-                       on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs,
-                       stop=args.stop)
+    try:
+        out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
+                           stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
+                           on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs,
+                           stop=args.stop)
+    except BaseException:
+        if stream and printer.current >= 0:  # the streamed text ends its line before the error's (it was glued
+            printer._flush(final=True)  # onto it: "x = abhyspec generate: error: ...")
+            printer._write("\n")
+        raise
     fork = fork_telemetry(eng)
     if fork is not None:
         out.stats["fork"] = fork.to_dict()
