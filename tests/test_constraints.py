@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 
 import pytest
@@ -367,3 +368,46 @@ def test_cli_prompts_file_with_a_constraint(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["stop_reason"] for r in rows] == ["error"] * 3 and all("cannot be completed" in r["error"] for r in rows)
     assert "3 of 3 line(s) ended in error (line(s) 1, 2, 3" in capsys.readouterr().err
+
+
+def test_a_prompts_file_line_carries_its_own_constraint(tmp_path, capsys):
+    """A line's "json_schema" / "json_object" / "regex" / "grammar" / "choice" constrains that
+    line (in place of the flag's), and its output is the one the same request gets alone
+    (they were 'unknown field(s)': one constraint for the whole file only)."""
+    from hyspec.cli import main
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "additionalProperties": False}
+    lines = [{"prompt": "point = ", "json_schema": schema, "draft": 3, "max_new_tokens": 30},
+             {"prompt": "answer = ", "choice": ["yes", "no"], "temperature": 1.0, "seed": 5},
+             {"prompt": "date = ", "regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}", "draft": 2},
+             {"prompt": "x = ", "max_new_tokens": 6},  # the flag's constraint
+             {"prompt": "obj = ", "json_object": True, "max_new_tokens": 20},
+             {"prompt": "op = ", "grammar": 'start: "add" | "sub"'}]
+    f, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["generate", "--prompts-file", str(f), "--out", str(out), "--max-new-tokens", "16",
+                 "--choice", "red,green"]) == 0
+    texts = [json.loads(line)["text"].replace("<|endoftext|>", "") for line in out.read_text().splitlines()]
+    import jsonschema
+
+    jsonschema.validate(json.loads(texts[0]), schema)
+    assert texts[1] in ("yes", "no") and texts[3] in ("red", "green") and texts[5] in ("add", "sub")
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", texts[2]) and isinstance(json.loads(texts[4]), dict)
+    eng = Engine.load()
+    from hyspec.sampling import SamplingParams
+
+    alone = eng.generate("answer = ", max_new_tokens=16, constraint=eng.constraint("choice", ["yes", "no"]),
+                         params=SamplingParams(temperature=1.0, seed=5))
+    assert alone.text.replace("<|endoftext|>", "") == texts[1]
+    alone = eng.generate("point = ", max_new_tokens=30, draft=0, constraint=eng.constraint("json_schema", schema))
+    assert alone.text.replace("<|endoftext|>", "") == texts[0]
+    capsys.readouterr()
+    for line, needle in [({"prompt": "a", "regex": "[a-z]", "choice": ["a"]}, "one constraint per line"),
+                         ({"prompt": "a", "json_object": 1}, '"json_object" must be true'),
+                         ({"prompt": "a", "choice": []}, '"choice": expected one or more non-empty strings'),
+                         ({"prompt": "a", "regex": "("}, '"regex": ')]:
+        f.write_text(json.dumps(line) + "\n")
+        assert main(["generate", "--prompts-file", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert f"{f}:1: " in err and needle in err, err

@@ -40,8 +40,10 @@ def add_parser(sub) -> None:
     source.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...}, "
                         "{\"prompt_ids\": [...]} or {\"messages\": [...]} (a chat request: rendered with the chat "
                         "template; optional tools, tool_choice, parallel_tool_calls, chat_template_kwargs; the "
-                        "result gets the reply as \"message\"), optional max_new_tokens, draft, logprobs and "
-                        "sampling fields (temperature, seed, top_p, ...); one JSON result per line, in input order")
+                        "result gets the reply as \"message\"), optional max_new_tokens, draft, logprobs, stop, "
+                        "sampling fields (temperature, seed, top_p, ...) and one constraint (json_schema, "
+                        "json_object: true, regex, grammar: Lark text, choice: [...]); one JSON result per line, in "
+                        "input order")
     p.add_argument("--out", default=None, help="with --prompts-file: write the results here instead of stdout")
     p.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
     p.add_argument("--max-new-tokens", type=int, default=64, help="token limit (capped at the model's context)")
@@ -74,8 +76,32 @@ def add_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- --prompts-file
 CHAT_KEYS = {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}  # with "messages" only
+# a line's own constraint (at most one; it replaces the flag's for that line): the Python kinds,
+# each with the value Engine.constraint takes ("json_object": true; "grammar": Lark text, not a file)
+CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "grammar", "choice")
 LINE_KEYS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "draft", "logprobs", "stop"} | CHAT_KEYS | {
-    f.name for f in dataclasses.fields(SamplingParams)}
+    f.name for f in dataclasses.fields(SamplingParams)} | set(CONSTRAINT_KEYS)
+
+
+def _line_constraint(obj: dict, where: str):
+    """(kind, value) of a line's own constraint, checked without the model; None without one."""
+    kinds = [k for k in CONSTRAINT_KEYS if k in obj]
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise ValueError(f"{where}: one constraint per line, got {kinds}")
+    kind, value = kinds[0], obj[kinds[0]]
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"{where}: \"json_object\" must be true (any JSON object), got {value!r}")
+        value = None
+    from hyspec.constraints import grammar_for
+
+    try:
+        grammar_for(kind, value, arg=f'"{kind}"')  # (the value's shape: a schema, non-empty strings, ...)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return kind, value
 
 
 def read_prompts_file(path: str, args) -> list[dict]:
@@ -152,9 +178,10 @@ def read_prompts_file(path: str, args) -> list[dict]:
                 chat = {"messages": obj["messages"], "tools": obj.get("tools"), "tool_choice": obj.get("tool_choice"),
                         "parallel_tool_calls": obj.get("parallel_tool_calls"),
                         "template_kwargs": obj.get("chat_template_kwargs")}
+            own = _line_constraint(obj, f"{path}:{line_no}")
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
                              "params": params, "draft": draft, "logprobs": logprobs, "line": line_no, "chat": chat,
-                             "stop": stop})
+                             "stop": stop, "own_constraint": own})
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
@@ -208,11 +235,18 @@ def run_file(args) -> int:
     requests, spec = _file_options(args)
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
+    built: dict[str, object] = {}  # the lines' own constraints, each distinct one built once
     for r in requests:  # every line's ids against the vocabulary before anything runs (encoded once)
         r["constraint"], r["turn"] = constraint, None
         try:
+            if r["own_constraint"] is not None:  # the line's own, in place of the flag's
+                kind, value = r["own_constraint"]
+                key = json.dumps([kind, value], sort_keys=True)
+                if key not in built:
+                    built[key] = eng.constraint(kind, value, arg=f'"{kind}"')
+                r["constraint"] = built[key]
             if r["chat"] is not None:  # rendered with the chat template, tools checked, as the server does
-                r["turn"] = eng.prepare_chat(**r["chat"], constraint=constraint)
+                r["turn"] = eng.prepare_chat(**r["chat"], constraint=r["constraint"])
                 r["prompt"], r["constraint"] = r["turn"].prompt, r["turn"].constraint
             r["prompt"] = eng.encode(r["prompt"])
             check_prompt(r["prompt"], eng.model.cfg.vocab_size)
