@@ -375,9 +375,9 @@ class Engine:
                              "model")
         path = Path(path) if path is not None else default_model_dir()
         check_device(device)
-        model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)
-        if (path / "tokenizer.json").is_dir():
+        if (path / "tokenizer.json").is_dir():  # (before the weights load)
             raise ValueError(f"{path / 'tokenizer.json'} is a directory, not the tokenizer's file")
+        model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)
         tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if tok is not None and tok.vocab_size > model.cfg.vocab_size:
             warnings.warn(f"{path}: tokenizer.json has {tok.vocab_size} tokens, more than config.json's vocab_size "

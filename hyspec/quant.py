@@ -131,12 +131,14 @@ def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int,
     """Per-element fp32 scales of `shape`: each block's scale repeated, edge blocks cropped.
     rows: optional int map [R] (weight row -> scale row) for weights whose rows were
     concatenated or reordered (row i takes scale row rows[i] instead of i // bR)."""
-    # (indexed, not repeated then cropped: a block larger than the weight -- one block for the
-    # whole matrix -- would otherwise repeat each scale block-size times)
-    if rows is None:
-        rows = torch.arange(shape[-2], device=scale.device) // block[0]
-    s = scale.float().index_select(-2, rows.to(device=scale.device, dtype=torch.long))
-    return s.index_select(-1, torch.arange(shape[-1], device=scale.device) // block[1])
+    # a block past the matrix's edge is the matrix (one block): each scale is repeated at most the
+    # matrix's size (repeating it block-size times tried to allocate terabytes for a huge block)
+    b_rows, b_cols = min(block[0], shape[-2]), min(block[1], shape[-1])
+    if rows is not None:
+        s = scale.float().index_select(-2, rows.to(device=scale.device, dtype=torch.long))
+    else:
+        s = scale.float().repeat_interleave(b_rows, dim=-2)[..., : shape[-2], :]
+    return s.repeat_interleave(b_cols, dim=-1)[..., : shape[-1]]
 
 
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = "weight",
@@ -167,7 +169,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     scale = amax / 448, so the block's largest entry maps to the fp8 maximum."""
     w = w.float()
     R, C = w.shape[-2:]
-    block = (min(block[0], R), min(block[1], C))  # (a block past the matrix's edge is the matrix: no padding to it)
+    block = (max(1, min(block[0], R)), max(1, min(block[1], C)))  # (a block past the matrix's edge is the matrix)
     gr, gc = math.ceil(R / block[0]), math.ceil(C / block[1])
     pad = torch.zeros(*w.shape[:-2], gr * block[0], gc * block[1])
     pad[..., :R, :C] = w

@@ -78,8 +78,8 @@ class ParamError(ValueError):
 def as_int(value) -> int | None:
     """`value` as a Python int when it is an integer -- int, a numpy integer, a 0-d integer
     tensor (anything with __index__) -- else None. True / False are not integers here."""
-    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
-        return None
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")) or getattr(value, "ndim", 0) != 0:
+        return None  # (a one-element tensor or array is not a number either)
     try:
         return operator.index(value)
     except TypeError:
@@ -99,7 +99,9 @@ def as_float(value) -> float | None:
 def as_bool(value) -> bool | None:
     """`value` as a Python bool when it is True / False (or a numpy bool), else None: a
     string such as "no" or a number is not taken by its truthiness."""
-    if isinstance(value, bool) or type(value).__name__ == "bool" and type(value).__module__ == "numpy":
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     return None
 

@@ -402,6 +402,14 @@ def test_a_prompts_file_line_carries_its_own_constraint(tmp_path, capsys):
     assert alone.text.replace("<|endoftext|>", "") == texts[1]
     alone = eng.generate("point = ", max_new_tokens=30, draft=0, constraint=eng.constraint("json_schema", schema))
     assert alone.text.replace("<|endoftext|>", "") == texts[0]
+    # two schemas that differ only in their properties' order are two constraints (the order is the output's)
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+          "required": ["a", "b"], "additionalProperties": False}
+    ba = {**ab, "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    f.write_text("".join(json.dumps({"prompt": "v = ", "json_schema": s, "max_new_tokens": 6}) + "\n" for s in (ab, ba)))
+    assert main(["generate", "--prompts-file", str(f), "--out", str(out)]) == 0
+    texts = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+    assert texts[0].startswith('{"a"') and texts[1].startswith('{"b"'), texts
     capsys.readouterr()
     for line, needle in [({"prompt": "a", "regex": "[a-z]", "choice": ["a"]}, "one constraint per line"),
                          ({"prompt": "a", "json_object": 1}, '"json_object" must be true'),

@@ -371,8 +371,12 @@ def test_numpy_integers_are_taken_and_flags_are_not_read_by_truthiness(eng) -> N
     s.close()
     assert eng.memory(np.int64(16), budget_bytes=np.int64(10**9))["context_len"] == 16
     assert eng.score([1, 2, 3], top_logprobs=np.int64(2))["tokens"] == [1, 2, 3]
+    assert eng.generate([1, 2, 3], max_new_tokens=6, draft=2, params=params, ignore_eos=np.False_,
+                        use_store=np.True_).tokens == want.tokens
     with pytest.raises(ValueError, match="ignore_eos"):
         eng.generate([1, 2], max_new_tokens=2, ignore_eos="no")
+    with pytest.raises(ValueError, match="max_new_tokens"):  # a one-element array is not a number
+        eng.generate([1, 2], max_new_tokens=np.array([2]))
     with pytest.raises(ValueError, match="use_store"):
         eng.generate([1, 2], max_new_tokens=2, use_store=1)
     with pytest.raises(ValueError, match="ignore_eos"):

@@ -443,6 +443,8 @@ def main(argv=None) -> int:
                          f"{context} tokens (max_position_embeddings)")
     if args.batch:  # before any timing run
         check_batch_memory(model, args, dev)
+    if args.draft_vocab and not model.has_mtp:
+        raise ValueError("--draft-vocab: the model has no MTP head (nothing drafts)")
     if args.draft_vocab and not 1 <= args.draft_vocab <= model.cfg.vocab_size:  # (it failed after the whole run)
         raise ValueError(f"--draft-vocab: must be in 1..{model.cfg.vocab_size} (the model's vocabulary), "
                          f"got {args.draft_vocab}")

@@ -241,7 +241,7 @@ def run_file(args) -> int:
         try:
             if r["own_constraint"] is not None:  # the line's own, in place of the flag's
                 kind, value = r["own_constraint"]
-                key = json.dumps([kind, value], sort_keys=True)
+                key = json.dumps([kind, value])  # (not sort_keys: a schema's property order is its output's)
                 if key not in built:
                     built[key] = eng.constraint(kind, value, arg=f'"{kind}"')
                 r["constraint"] = built[key]

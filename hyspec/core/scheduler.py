@@ -82,7 +82,7 @@ class Scheduler:
         self.model = model
         self.max_batch = as_int(max_batch)
         self.backend = backend if backend is not None else ReferenceBackend(model)
-        self.pool = pool if pool is not None else SlotPool(model, max_slots=max_batch)
+        self.pool = pool if pool is not None else SlotPool(model, max_slots=self.max_batch)
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Sequence] = deque()
