@@ -326,6 +326,64 @@ def test_the_cli_step_count_has_no_default_time_limit(tmp_path):
         check_config(tr.TrainArgs(out=""))
 
 
+def test_grad_clip_zero_means_no_clipping(tmp_path):
+    """--grad-clip 0 zeroed every gradient (clip_grad_norm_ to a norm of 0): the run "trained"
+    with a flat loss and wrote its initial weights. 0 is now no clipping: the weights equal a
+    run whose clip never bites."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(TOKENIZER)).encode((ROOT / "hyspec" / "tiny.py").read_text()).ids
+    stream = torch.tensor((ids + [0]) * 2, dtype=torch.long)
+    weights = []
+    for clip in (0.0, 1e30):
+        a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / f"m{clip:g}"), steps=3, device="cpu",
+                         batch_size=2, seq_len=32, warmup=1, log_every=3, n_evals=1, grad_clip=clip,
+                         arch=dict(TINY_ARCH))
+        tr.train(a, streams={"train": stream, "val": stream[:0], "heldout": stream[:200]}, log=lambda s: None)
+        weights.append(load_file(str(tmp_path / f"m{clip:g}" / "model.safetensors")))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_train_and_its_tools_refuse_bad_input_in_one_line(tmp_path, capsys):
+    """Each was a traceback or a silent bad run: --eval-max-tokens 1 (a crash in the
+    evaluation), a seed past 64 bits (torch's overflow message), --fla on without CUDA (a
+    warning, then a fallback or a failure after the data loaded), a tokenizer whose id 0 is
+    no special token (documents were joined with '!' and '!' became the EOS), --selfcheck
+    without CUDA, and the corpus / tokenizer tools' missing files and folders."""
+    from tokenizers import Tokenizer, models
+
+    from hyspec.cli.dispatch import main
+    from hyspec.train import corpus, tokenizer_train
+
+    plain = tmp_path / "plain.json"
+    Tokenizer(models.WordLevel({"!": 0, "a": 1, "b": 2}, unk_token="a")).save(str(plain))
+    base = ["train", "--tokenizer", str(TOKENIZER), "--out", str(tmp_path / "m"), "--steps", "1", "--device", "cpu"]
+    for argv, needle in [(base + ["--eval-max-tokens", "1"], "--eval-max-tokens must be 0 (the whole split) or >= 3"),
+                         (base + ["--seed", str(2 ** 64)], "--seed must be in 0..2**64-1"),
+                         (base + ["--fla", "on"], "--fla on: it runs on CUDA only"),
+                         (["train", "--tokenizer", str(plain), "--out", str(tmp_path / "m"), "--steps", "1",
+                           "--device", "cpu"], f"--tokenizer {plain}: id 0 is '!', not a special token"),
+                         (["train", "--selfcheck", "--device", "cpu"], "--selfcheck compares fla's CUDA kernels")]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "m").exists()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for tool, argv, needle in [
+            (tokenizer_train, ["--corpus", str(tmp_path / "none.xz"), "--out", str(tmp_path / "t")],
+             "--corpus: no such file"),
+            (tokenizer_train, ["--corpus", str(tmp_path / "none.xz"), "--out", str(a_file)], "is a file"),
+            (corpus, ["--out", str(tmp_path / "c"), "--root", str(tmp_path / "nowhere")], "no such directory"),
+            (corpus, ["--out", str(a_file)], "is a file")]:
+        assert tool.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and "error:" in err and "Traceback" not in err, err
+
+
 def _fake_fla(q, k, v, g, beta, scale=None, output_final_state=False, **kw):
     """fla.chunk_gated_delta_rule's documented semantics, written out naively: q, k [B,T,H,K],
     v [B,T,HV,V], g/beta [B,T,HV]; value head h reads key head h // (HV // H)."""

@@ -247,3 +247,15 @@ def print_logprob_table(eng, tokens, entries, top: int, prefix: str = "") -> Non
         alternatives = "  ".join(f"{show(a)} {v:.2f}" for a, v in alts)
         print(f"{pad}{j:>5}  {show(tok):<14} {logprob:>8.3f}   {alternatives}".rstrip())
 
+
+def tool_main(prog: str, body, argv=None) -> int:
+    """Run a module tool's `body(argv)` (`python -m hyspec.train.corpus`, ...) with the CLI's
+    error form: a bad value or file is one `PROG: error: ...` line and exit code 2, no
+    traceback."""
+    import sys
+
+    try:
+        return body(argv)
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2

@@ -70,7 +70,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if isinstance(a, argparse.Namespace):
-        print(json.dumps(selfcheck(a.device or "cuda"), indent=1))
+        import torch
+
+        from hyspec.train import forward
+
+        device = a.device or "cuda"
+        if not device.startswith("cuda") or not torch.cuda.is_available():  # (tracebacks: no CUDA / no fla)
+            raise ValueError("--selfcheck compares fla's CUDA kernels with the torch path: it needs a CUDA device")
+        if forward.fla_kernel() is None:
+            raise ValueError(f"--selfcheck: fla's kernel is unusable here: {forward.FLA_UNUSABLE_REASON}")
+        print(json.dumps(selfcheck(device), indent=1))
         return 0
     try:
         res = train(a, log=lambda s: print(s, flush=True))

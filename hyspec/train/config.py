@@ -63,6 +63,10 @@ def check_config(a: TrainConfig) -> None:
             raise ValueError(f"{flag(name)} must be a finite number >= 0, got {v}")
     if a.lr == 0:
         raise ValueError("--lr must be > 0")
+    if 0 < a.eval_max_tokens < 3:  # (1 crashed in the evaluation; a window needs a token and two targets)
+        raise ValueError(f"--eval-max-tokens must be 0 (the whole split) or >= 3, got {a.eval_max_tokens}")
+    if not 0 <= a.seed < 2 ** 64:
+        raise ValueError(f"--seed must be in 0..2**64-1, got {a.seed}")
     if a.min_lr_ratio > 1 or a.dropout >= 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1] and --dropout in [0, 1), got {a.min_lr_ratio} / "
                          f"{a.dropout}")
@@ -123,7 +127,7 @@ HELP = {
     "min_lr_ratio": "final lr / peak lr (cosine)",
     "warmup": "warm-up steps",
     "weight_decay": "AdamW weight decay",
-    "grad_clip": "gradient norm clip",
+    "grad_clip": "gradient norm clip (0: none)",
     "mtp_weight": "weight of the MTP loss",
     "dropout": "residual dropout",
     "log_every": "log every N steps",

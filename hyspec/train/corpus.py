@@ -239,6 +239,12 @@ def load_corpus(path: str | os.PathLike) -> dict[str, list[tuple[str, str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hyspec.cli.common import tool_main
+
+    return tool_main("python -m hyspec.train.corpus", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--name", default=DEFAULT_NAME, help="corpus file name (.jsonl.xz)")
@@ -247,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-file-bytes", type=int, default=MAX_FILE_BYTES)
     ap.add_argument("--max-compressed-bytes", type=int, default=MAX_COMPRESSED_BYTES)
     args = ap.parse_args(argv)
+    if args.root is not None and not Path(args.root).is_dir():
+        raise ValueError(f"--root {args.root}: no such directory")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: is a file, not a directory")
     build_corpus(Path(args.out) / args.name, root=args.root,
                  heldout_percent=args.heldout_percent,
                  max_file_bytes=args.max_file_bytes,

@@ -26,7 +26,7 @@ from hyspec.train.evaluate import evaluate
 from hyspec.train.forward import fla_kernel, loss_fn
 from hyspec.train.kernel_check import compare_gdn_paths
 from hyspec.train.memory import check_train_memory
-from hyspec.train.model import init_params, model_config
+from hyspec.train.model import EOS_ID, init_params, model_config
 
 _PROCESS_START = time.time()
 
@@ -87,6 +87,9 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
     use_fla = {"auto": None, "on": True, "off": False}[a.fla]
     if use_fla is None:
         use_fla = cuda and fla_kernel() is not None
+    elif use_fla and (not cuda or fla_kernel() is None):  # (it fell back or failed after loading the data)
+        why = "it runs on CUDA only" if not cuda else f"its kernel is unusable here: {fwd.FLA_UNUSABLE_REASON}"
+        raise ValueError(f"--fla on: {why} (--fla auto uses it where it works)")
     amp = cuda
 
     from tokenizers import Tokenizer
@@ -96,10 +99,16 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
             raise FileNotFoundError(f"{flag} {path} " + ("is a directory, not a file" if Path(path).is_dir() else
                                                             "does not exist"))
     try:
-        vocab = Tokenizer.from_file(str(a.tokenizer)).get_vocab_size(with_added_tokens=True)
+        tok = Tokenizer.from_file(str(a.tokenizer))
+        vocab = tok.get_vocab_size(with_added_tokens=True)
     except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
         raise ValueError(f"--tokenizer {a.tokenizer}: not a tokenizer.json the tokenizers library reads "
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    first = tok.get_added_tokens_decoder().get(EOS_ID)
+    if first is None or not first.special:  # documents are joined with id 0, and it is the model's EOS
+        raise ValueError(f"--tokenizer {a.tokenizer}: id {EOS_ID} is {tok.id_to_token(EOS_ID)!r}, not a special "
+                         f"token: the trainer separates documents with id {EOS_ID} and writes it as the model's "
+                         "EOS (hyspec.train.tokenizer_train puts <|endoftext|> there)")
     check_train_memory(a, vocab, device)  # before anything large is allocated
     if streams is None:
         streams = load_streams(a.corpus, a.tokenizer)
@@ -202,7 +211,8 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
                 o = loss_fn(model, win, a.mtp_weight, use_fla, a.dropout)
             o["loss"].backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+            # (0: no clipping, the norm still measured; a max norm of 0 zeroed every gradient)
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip if a.grad_clip > 0 else math.inf)
             opt.step()
             opt.zero_grad(set_to_none=True)
             acc += torch.stack([o["loss"].detach(), o["main"].detach(), o.get("mtp", o["main"]).detach()])

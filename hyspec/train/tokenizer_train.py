@@ -132,6 +132,14 @@ def tokenizer_sha256(path: str | os.PathLike) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hyspec.cli.common import tool_main
+
+    return tool_main("python -m hyspec.train.tokenizer_train", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from hyspec.config import input_file
+
     from .corpus import load_corpus
 
     ap = argparse.ArgumentParser(description="train a byte-level BPE tokenizer on the corpus")
@@ -142,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-special", action="append", default=[],
                     help="extra special token(s), ids 1.. (e.g. '<|pad|>')")
     args = ap.parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: is a file, not a directory")
 
-    corpus = load_corpus(args.corpus)
+    corpus = load_corpus(input_file(args.corpus, "--corpus"))
     train = [t for _, t in corpus["train"]]
     held = [t for _, t in corpus["heldout"]]
+    if not train:
+        raise ValueError(f"--corpus {args.corpus}: no training documents in it")
     t0 = time.perf_counter()
     tok = train_tokenizer(train, vocab_size=args.vocab_size, out_path=None,
                           extra_special_tokens=args.extra_special,

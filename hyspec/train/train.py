@@ -94,5 +94,7 @@ class _Module(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Module
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # through the CLI's dispatch: a user error is one line, not a traceback
+    from hyspec.cli.dispatch import main as _dispatch
+
+    sys.exit(_dispatch(["train", *sys.argv[1:]]))
