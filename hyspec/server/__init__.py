@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="qwen3: a reply's <think> part is returned as reasoning_content; none: all is content; "
                         "auto (default): qwen3 when the chat template writes </think>")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the level of the server's log (one line per finished request at info) and uvicorn's")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (processes / GPUs); the HTTP server runs on the last rank (docs/multi-gpu.md)")
     p.add_argument("--optimistic", action="store_true",
