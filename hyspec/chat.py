@@ -67,6 +67,7 @@ class Chat:
         # line (on a terminal) or the last reply (a pipe) already ended there, so it is not drawn
         self._skip_break = False
         self._open = False  # the cursor is still right after that text (no line break yet)
+        self._typed: str | None = None  # the line typed on a terminal for this reply (its echo ends the row)
 
     def render(self, messages, gen: bool) -> str:
         return render_template(self.template, messages, gen, self.special, **self.template_kwargs)
@@ -84,6 +85,8 @@ class Chat:
             self._skip_break = False
             if text.startswith("\n") and self._shown == 0:
                 self._shown = 1
+            elif self._shown == 0 and self._typed is not None:  # the reply goes on the typed line itself:
+                self._after_typed_line()  # drawn after it, not on the row below (where the Enter left the cursor)
         upto = len(text) if final else len(text.rstrip("\ufffd"))
         if upto > self._shown:
             self.out.write(text[self._shown:upto])
@@ -119,6 +122,17 @@ class Chat:
         self.out.write("> ")
         self.out.flush()
 
+    def _after_typed_line(self) -> None:
+        """Move the cursor back up to the end of the line typed on the terminal (the prompt and
+        the line: its echo's last row, then the column after it)."""
+        try:
+            cols = os.get_terminal_size(self.out.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            cols = 80
+        width = display_width(("> " + self._typed).expandtabs())
+        if cols > 0 and width % cols:  # (a line that filled its last row exactly: the next row is right)
+            self.out.write(f"\x1b[1F\x1b[{width % cols + 1}G")
+
     def _redraw(self) -> None:
         """Back over the prompt and the empty line typed to the cut reply's last line, which is
         drawn again: the continuation follows it there."""
@@ -134,9 +148,11 @@ class Chat:
         self._show()
 
     # -- a turn ------------------------------------------------------------------------
-    def user(self, text: str) -> dict:
+    def user(self, text: str, typed: str | None = None) -> dict:
         """Send one input line (an empty one: the reply goes on, nothing new is sent). Returns
-        the turn's stats ({} when there was nothing to continue)."""
+        the turn's stats ({} when there was nothing to continue). typed: the line as a
+        terminal echoed it after the prompt (None: no echo, e.g. piped input); a reply that
+        goes on on that line is drawn after it."""
         eng, session = self.eng, self.session
         go_on = not text
         if go_on and not (session.tokens and (self.plain or self.cut)):
@@ -177,6 +193,8 @@ class Chat:
             self.end_line()
             reply = self._line = []
             self._shown, self._skip_break = 0, self.plain
+            # on a terminal the typed line ends its row (the echo of its Enter); a pipe's has no echo
+            self._typed = typed if self.plain and typed is not None and _is_terminal(self.out) else None
         turns, held = session.num_turns, len(session.tokens)
 
         def stream(new):
@@ -413,7 +431,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                 if not chat.command(line):
                     break
             else:  # a line starting with "//" is a message starting with "/"
-                chat.user(line[1:] if line.startswith("//") else line)
+                chat.user(line[1:] if line.startswith("//") else line, typed=line if tty else None)
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it: the turn is undone, the chat goes on
             chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if not
                      line.startswith("/") else "[interrupted]")

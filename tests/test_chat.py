@@ -225,15 +225,17 @@ def test_a_cut_reply_goes_on_on_its_own_line(run_chat):
 
 
 def terminal(data: str, cols: int = 80) -> list[str]:
-    """The rows a terminal shows for `data` (text, line breaks, wrapping, ESC[nF, ESC[J)."""
+    """The rows a terminal shows for `data` (text, line breaks, wrapping, ESC[nF, ESC[nG, ESC[J)."""
     import re
 
     rows, r, c, i = [[]], 0, 0, 0
     while i < len(data):
-        m = re.match(r"\x1b\[(\d*)([FJ])", data[i:])
+        m = re.match(r"\x1b\[(\d*)([FGJ])", data[i:])
         if m:
             if m.group(2) == "F":
                 r, c = max(0, r - int(m.group(1) or 1)), 0
+            elif m.group(2) == "G":
+                c = min(cols, int(m.group(1) or 1)) - 1
             else:
                 del rows[r][c:], rows[r + 1:]
             i += m.end()
@@ -283,6 +285,39 @@ def test_a_cut_reply_goes_on_on_its_line_on_a_terminal(default_engine, monkeypat
     tty.write("\n")
     c.user("")
     assert tty.getvalue().count("\x1b[") == 4 and "\n[stats] " in tty.getvalue()
+
+
+def test_a_reply_that_goes_on_on_the_typed_line_is_drawn_after_it(default_engine, monkeypatch):
+    """Plain template on a terminal: a reply that continues the typed line itself ("import" ->
+    " warnings...") is drawn after it on its row (it was drawn on the row below, where the
+    Enter left the cursor: the screen showed a line break the transcript does not have); a
+    reply that opens with a line break is drawn below as before; piped input has no echo."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("TERM", "xterm")
+    eng = default_engine
+    for typed in ("import", "x" * 70 + " import"):  # (the second one wraps past the 80 columns)
+        reply = eng.decode(eng.session(max_new_tokens=6).send(typed).tokens)
+        assert not reply.startswith("\n")
+        tty = Tty()
+        c = Chat(eng, eng.session(max_new_tokens=6), default_model_dir(), out=tty)
+        c.prompt()
+        tty.write(typed + "\n")  # the terminal's echo
+        c.user(typed, typed=typed)
+        c.end_line()
+        want = [row[i:i + 80] for row in ("> " + typed + reply).split("\n") for i in range(0, max(1, len(row)), 80)]
+        assert terminal(tty.getvalue()) == want + [""], (terminal(tty.getvalue()), want)
+    piped = Tty()
+    c = Chat(eng, eng.session(max_new_tokens=6), default_model_dir(), out=piped)
+    c.user("import")  # (no echo: nothing to go back over)
+    assert "\x1b[" not in piped.getvalue()
 
 
 def test_a_crlf_line_is_the_same_message(run_chat):
