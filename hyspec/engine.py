@@ -395,7 +395,10 @@ class Engine:
             try:
                 return self.tokenizer.encode(prompt)
             except TypeError:  # lone surrogates: bytes that are not UTF-8 (a shell argument's, decoded by Python)
-                raise ParamError(arg, prompt[:40], "is not valid text: it holds bytes that are not UTF-8") from None
+                at = next(i for i, ch in enumerate(prompt) if "\ud800" <= ch <= "\udfff")
+                raise ParamError(arg, prompt[:40], f"is not valid text: character {at} is a lone surrogate "
+                                 f"(U+{ord(prompt[at]):04X}: a byte that is not UTF-8 on the command line, or a "
+                                 "broken \\u escape, e.g. an emoji's two halves decoded apart)") from None
         if prompt is None or isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
             raise ParamError(arg, prompt, "must be a str or a list of token ids")
         return _token_ids(arg, prompt)
@@ -648,11 +651,13 @@ class Engine:
             stop_ids = _token_ids("stop_ids", stop_ids)
         n = len(prompts)
 
-        def per(name, v):
-            if isinstance(v, (list, tuple)):
+        def per(name, v):  # one value for every prompt, or a sequence of one per prompt
+            if hasattr(v, "__iter__") and not isinstance(v, (str, bytes, dict, SamplingParams)) and not (
+                    hasattr(v, "allowed") and hasattr(v, "commit")) and getattr(v, "ndim", 1) != 0:
+                v = list(v)  # (a list or tuple; a generator, a 1-d numpy array or tensor of per-prompt values)
                 if len(v) != n:
                     raise ValueError(f"{name} has {len(v)} entries for {n} prompts")
-                return list(v)
+                return v
             return [v] * n
 
         if isinstance(stop, (list, tuple)) and any(x is None or isinstance(x, (list, tuple)) for x in stop):
@@ -828,7 +833,8 @@ class Engine:
 
     def memory(self, context_len: int, budget_bytes: int | None = None) -> dict:
         """Bytes one sequence slot needs at `context_len` tokens, and how many slots fit in
-        `budget_bytes` (default: free device memory on CUDA)."""
+        `budget_bytes` (default: free device memory on CUDA). `model_context_length` is the
+        model's own limit (max_position_embeddings): a longer context_len is sized, not run."""
         from hyspec.core.slots import slot_bytes
 
         context_len = _int_arg("context_len", context_len, 1)
@@ -840,7 +846,8 @@ class Engine:
         if budget_bytes is None and self.model.device.type == "cuda":
             budget_bytes = torch.cuda.mem_get_info(self.model.device)[0]
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        out = {"context_len": context_len, "slot_bytes": per, "weight_bytes": weights}
+        out = {"context_len": context_len, "slot_bytes": per, "weight_bytes": weights,
+               "model_context_length": self.model.cfg.max_position_embeddings}  # (context_len may exceed it)
         if budget_bytes is not None:
             out["budget_bytes"] = budget_bytes
             out["slots_that_fit"] = int(budget_bytes // per["total"])

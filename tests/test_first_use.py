@@ -364,6 +364,13 @@ def test_numpy_integers_are_taken_and_flags_are_not_read_by_truthiness(eng) -> N
     assert got.tokens == want.tokens and len(got.logprobs[0]) == len(want.tokens)
     outs = eng.generate_batch([[1, 2, 3]], max_new_tokens=[np.int64(6)], draft=[np.int64(2)], params=params)
     assert outs[0].tokens == want.tokens
+    # per-prompt values as an array or a generator (each was taken as one value: "must be an integer")
+    outs = eng.generate_batch([[1, 2, 3], [1, 2, 3]], max_new_tokens=np.array([6, 3]), draft=torch.tensor([2, 0]),
+                              params=(p for p in (params, params)))
+    assert outs[0].tokens == want.tokens
+    assert outs[1].tokens == eng.generate([1, 2, 3], max_new_tokens=3, params=params).tokens
+    with pytest.raises(ValueError, match="max_new_tokens has 3 entries for 2 prompts"):
+        eng.generate_batch([[1, 2], [1, 2]], max_new_tokens=np.array([1, 2, 3]))
     s = eng.session(draft=np.int64(2), max_new_tokens=np.int32(4))
     s.send([1, 2], max_new_tokens=np.int64(3), logprobs=np.int64(1))
     s.send([3])
