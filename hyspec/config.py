@@ -385,6 +385,9 @@ class ModelConfig:
         if flag("attention_bias", False):
             raise ConfigError("config.json: attention_bias true is not supported (the gated attention of these "
                               "families has no projection biases)")
+        if flag("use_sliding_window", False):  # (was ignored: full attention computed in its place)
+            raise ConfigError("config.json: use_sliding_window true is not supported (these families' attention "
+                              "layers attend to the whole context)")
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (these families use 'silu')")

@@ -378,6 +378,7 @@ def test_float64_float32_bfloat16(zoo):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
                        "truncate": "false"}}, "rope_parameters.truncate must be true or false"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True}, "use_sliding_window true is not supported"),  # (was ignored)
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     # fields of the wrong type, named (were: TypeError tracebacks, or bool("false") read as true)
     ({"num_hidden_layers": "4"}, "'num_hidden_layers' must be a positive integer, got '4'"),
