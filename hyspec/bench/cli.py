@@ -123,6 +123,10 @@ def check_args(args) -> None:
     if args.batch is not None:
         _int_list("batch", args.batch, 1)
     args.slot_lengths = ",".join(str(n) for n in _int_list("slot-lengths", args.slot_lengths, 1))
+    if not 0 <= args.seed < 2 ** 64:  # (as generate's --seed; -1 was taken)
+        raise ValueError(f"--seed: must be in 0..2**64-1, got {args.seed}")
+    if args.tune != "none" and args.tuned_from:  # (the search was skipped in silence)
+        raise ValueError("--tune searches the GEMM configs and --tuned-from takes an earlier run's: give one of them")
     from hyspec.cli.common import check_out_file
 
     check_out_file(args.out)  # before the run whose results it holds
@@ -416,6 +420,8 @@ def main(argv=None) -> int:
     dev, dtype = resolve_device(args)
     result: dict = {"meta": run_meta(args, argv, dev, dtype), "errors": {}}
     log(f"# {result['meta']}")
+    if args.tune != "none" and dev.type != "cuda":  # (ignored in silence)
+        log(f"note: --tune {args.tune} searches the GPU kernels' GEMM configs: nothing to tune on the {dev.type}")
     t_start = time.perf_counter()
 
     def save():
