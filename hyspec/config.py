@@ -27,6 +27,8 @@ _ARCHS = {
     "qwen3_5_moe_text": ("qwen3_5", True),
 }
 SUPPORTED_MODEL_TYPES = tuple(_ARCHS)
+# transformers' class-name prefixes (config.json "architectures") -> model_type without "_text"
+_ARCH_CLASSES = {"Qwen3NextFor": "qwen3_next", "Qwen3_5MoeFor": "qwen3_5_moe", "Qwen3_5For": "qwen3_5"}
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -306,6 +308,16 @@ class ModelConfig:
         if mt not in _ARCHS:
             raise ConfigError(f"config.json: field 'model_type' is {mt!r}; supported: "
                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        archs = d.get("architectures")
+        if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise ConfigError(f"config.json: field 'architectures' must be a list of class names, got {archs!r}")
+        named = {_ARCH_CLASSES[p] for a in archs or () for p in _ARCH_CLASSES if a.startswith(p)}
+        if named and mt.removesuffix("_text") not in named:  # (it listed the other family's missing tensors)
+            raise ConfigError(f"config.json: architectures {archs} are the {' / '.join(sorted(named))} family but "
+                              f"model_type is {mt!r}: the two disagree (the weights follow the architecture)")
+        if d.get("text_config") is not None and not isinstance(d["text_config"], dict):
+            raise ConfigError(f"config.json: field 'text_config' must be an object, got "
+                              f"{type(d['text_config']).__name__}")
         if isinstance(d.get("text_config"), dict):
             d = {**d["text_config"]}
             d.setdefault("model_type", mt + "_text")

@@ -379,6 +379,11 @@ def test_float64_float32_bfloat16(zoo):
                        "truncate": "false"}}, "rope_parameters.truncate must be true or false"),
     ({"attention_bias": True}, "attention_bias"),
     ({"use_sliding_window": True}, "use_sliding_window true is not supported"),  # (was ignored)
+    # another family's class name: the other family's missing tensors were listed, with no hint
+    ({"architectures": ["Qwen3NextForCausalLM"]}, r"architectures \['Qwen3NextForCausalLM'\] are the qwen3_next "
+                                                  r"family but model_type is 'qwen3_5_text'"),
+    ({"architectures": "Qwen3_5ForCausalLM"}, "'architectures' must be a list of class names"),
+    ({"text_config": [1]}, "'text_config' must be an object, got list"),  # (was: "'num_hidden_layers' is missing")
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     # fields of the wrong type, named (were: TypeError tracebacks, or bool("false") read as true)
     ({"num_hidden_layers": "4"}, "'num_hidden_layers' must be a positive integer, got '4'"),
