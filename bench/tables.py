@@ -536,12 +536,11 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
-    "gpu_tests_h100.txt": "`bash bench/gpu_tests.sh` (H100: the lent machine that day; its 4 skips are the server "
-                          "test files at import, the openai 3.63 wheel's httpx2 not carried; they hold no gpu-marked "
-                          "test: `-m gpu` on them with every wheel, at the same commit, ran none)",
-    "poison_lanes_h100.txt": "`python3 bench/poison_lanes.py` (H100; header in the file)",
-    "default_model_cuda_h100.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and K=3, "
-                                   "greedy and sampled (H100; not comparable with the H200 file; header in the file)",
+    "gpu_tests_latest_h200.txt": "`bash bench/gpu_tests.sh` (H200; the latest run of the whole suite, on main after the "
+                                 "b2 figures' commit, whose suite log is gpu_tests_h200.txt)",
+    "poison_lanes_latest_h200.txt": "`python3 bench/poison_lanes.py` (H200; the latest run; header in the file)",
+    "default_model_cuda_latest_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
+                                          "K=3, greedy and sampled (H200; the latest run; header in the file)",
     "poison_lanes_h200.txt": "`python3 bench/poison_lanes.py` (H200; a constraint that cannot go on beside an "
                              "unconstrained request on the graph lanes; header in the file)",
     "default_model_cuda_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and K=3, "
