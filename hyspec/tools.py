@@ -71,8 +71,10 @@ class ToolSpec:
 
     def constraint_schema(self) -> dict | None:
         """The JSON schema the output must match ("required" / named), else None."""
+        # (a parameters schema without "type" -- {} or properties alone, which check_tools takes as an
+        # object's -- is pinned to an object here: JSON Schema would let any value through)
         if self.choice == "named":
-            return self.named.parameters
+            return {"type": "object", **self.named.parameters}
         if self.choice != "required":
             return None
         # each tool's schema sits under items...parameters, where its "#/$defs/..." references
@@ -80,7 +82,7 @@ class ToolSpec:
         shared: dict[str, dict] = {}
         items = []
         for t in self.tools.values():
-            params = dict(t.parameters)
+            params = {"type": "object", **t.parameters}
             for key in ("$defs", "definitions"):
                 defs = params.pop(key, None)
                 if defs is None:
@@ -174,8 +176,12 @@ def _no_constant(name: str):
 
 
 def loads(text: str):
-    """json.loads without Python's NaN / Infinity (no JSON parser outside Python reads them)."""
-    return json.loads(text, parse_constant=_no_constant)
+    """json.loads without Python's NaN / Infinity (no JSON parser outside Python reads them);
+    nesting too deep for the parser is a ValueError too (a RecursionError escaped as a 500)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def dumps(value) -> str:
@@ -271,7 +277,7 @@ def _xml_call(body: str, tools: dict[str, Tool]) -> ToolCall | None:
 def _json_call(body: str, tools: dict[str, Tool]) -> ToolCall | None:
     try:
         obj = loads(body)
-        if not isinstance(obj, dict) or obj.get("name") not in tools:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in tools:
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as JSON text

@@ -61,7 +61,12 @@ def test_both_formats_parse_and_bad_blocks_stay_text():
                  '<tool_call>\n{"name": "now", "arguments": {}\n</tool_call>',
                  'ok <tool_call>\n{"name": "now", "arguments": {}}',
                  "<tool_call>\n<function=now>\nhello\n</function>\n</tool_call>",
-                 "no call here"]:
+                 "no call here",
+                 # a name that is no string, nesting too deep for the parser: were a 500 (TypeError,
+                 # RecursionError); they stay text
+                 '<tool_call>{"name": ["now"], "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "now", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + '}}</tool_call>']:
         assert parse_tool_calls(text, TOOLS) == (text, [])
     # a mention of the tag before a real call: the mention is content, the call is parsed
     said = "Use the <tool_call> tag to call it:\n" + XML.split("\n<tool_call>\n<function=now>")[0]
@@ -132,6 +137,20 @@ def test_tool_checks_name_the_field():
     for args, words in cases:
         with pytest.raises(ToolError, match=words):
             check_tools(*args)
+    # a parameters schema without "type" is an object's in the forced output too (JSON Schema
+    # alone let any value through: the arguments came back as '"xml"' or a number)
+    jsonschema = pytest.importorskip("jsonschema")
+    for params in ({}, {"properties": {"city": {"type": "string"}}}):
+        loose = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        named = check_tools(loose, {"type": "function", "function": {"name": "f"}}).constraint_schema()
+        required = check_tools(loose, "required").constraint_schema()
+        for bad in ('"xml"', -4.1, [1]):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(bad, named)
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate([{"name": "f", "parameters": bad}], required)
+        jsonschema.validate({"city": "Oslo"}, named)
+        jsonschema.validate([{"name": "f", "parameters": {}}], required)
     # required: an array of {name, parameters}; at most one without parallel calls
     schema = check_tools([WEATHER, CLOCK], "required", False).constraint_schema()
     assert schema["minItems"] == 1 and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
@@ -149,9 +168,10 @@ def test_history_tool_calls_reach_the_template_as_objects():
     out = template_messages(msgs)
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == '{"tz": "UTC"}'  # the request is not changed
-    msgs[1]["tool_calls"][0]["function"]["arguments"] = "{tz"
-    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
-        template_messages(msgs)
+    for bad in ("{tz", '{"a": ' + "[" * 5000 + "]" * 5000 + "}"):  # (the deep one was a RecursionError: a 500)
+        msgs[1]["tool_calls"][0]["function"]["arguments"] = bad
+        with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
+            template_messages(msgs)
 
 
 # ------------------------------------------------------------------------------------------
