@@ -415,3 +415,13 @@ def test_make_tiny_refuses_a_checkpoint_that_is_not_small(tmp_path, capsys):
     assert "make-tiny writes small test checkpoints" in err and "--layers" in err and not (tmp_path / "a").exists()
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "b"), "--hidden-size", "0"]) == 2
     assert "--hidden-size must be >= 1, got 0" in capsys.readouterr().err
+    # a directory that holds files: refused (the old tokenizer or shard index stayed beside the new
+    # checkpoint and was loaded with it); options that cannot act are named
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "model.safetensors.index.json").write_text("{}")
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(held)]) == 2
+    assert "the directory is not empty (model.safetensors.index.json)" in capsys.readouterr().err
+    assert sorted(p.name for p in held.iterdir()) == ["model.safetensors.index.json"]
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "c"), "--fp8-block", "32,32"]) == 2
+    assert "--fp8-block applies with --fp8" in capsys.readouterr().err and not (tmp_path / "c").exists()

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 from hyspec.cli.common import HelpFormatter
 
+FP8_BLOCK_DEFAULT = "128,128"
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("make-tiny", help="write a random tiny checkpoint (with mtp.* weights and a tokenizer)",
                        formatter_class=HelpFormatter)
     p.add_argument("--arch", required=True, choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"],
                    help="model family (required)")
-    p.add_argument("--out", required=True, help="output directory (required)")
+    p.add_argument("--out", required=True, help="output directory, new or empty (required)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary size (>= 300: with a tokenizer.json)")
+    p.add_argument("--vocab-size", type=int, default=512,
+                   help="vocabulary size (>= 300: with a tokenizer.json, trained on a short sample: about 380 "
+                        "tokens at most; larger ids decode to nothing)")
     p.add_argument("--hidden-size", type=int, default=64, help="hidden size")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--init-std", type=float, default=0.02, help="weight scale (larger = more peaked logits)")
@@ -23,9 +27,10 @@ def add_parser(sub) -> None:
     p.add_argument("--fp8", action="store_true",
                    help="block-FP8 weights like Qwen's -FP8 checkpoints (float8_e4m3fn + weight_scale_inv, "
                         "quantization_config in config.json)")
-    p.add_argument("--fp8-block", default="128,128", help="weight_block_size for --fp8, as ROWS,COLS")
+    p.add_argument("--fp8-block", default=FP8_BLOCK_DEFAULT, help="weight_block_size for --fp8, as ROWS,COLS")
     p.add_argument("--experts", default="stacked", choices=["stacked", "per_expert"],
-                   help="MoE expert layout: stacked gate_up_proj/down_proj or per-expert keys")
+                   help="MoE expert layout: stacked gate_up_proj/down_proj or per-expert keys (the MoE families; "
+                        "qwen3_5 is dense and has none)")
 
 
 MAX_PARAMS = 2_000_000_000  # make-tiny's checkpoints are for tests: about 8 GB in fp32 at most
@@ -56,6 +61,17 @@ def run(args) -> int:
     for flag, v in (("--vocab-size", args.vocab_size), ("--hidden-size", args.hidden_size), ("--layers", args.layers)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
+    from pathlib import Path
+
+    out_dir = Path(args.out).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {args.out}: is a file, not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):  # (its old files stayed beside the new ones: an old
+        held = sorted(p.name for p in out_dir.iterdir())  # tokenizer or shard index was loaded with them)
+        raise ValueError(f"--out {args.out}: the directory is not empty ({', '.join(held[:4])}"
+                         f"{', ...' if len(held) > 4 else ''}); give a new or empty one")
+    if args.fp8_block != FP8_BLOCK_DEFAULT and not args.fp8:
+        raise ValueError("--fp8-block applies with --fp8")
     params = estimated_params(args.arch, args.vocab_size, args.hidden_size, args.layers)
     if params > MAX_PARAMS:
         raise ValueError(f"make-tiny writes small test checkpoints: this one would hold about {params / 1e9:.1f} B "
