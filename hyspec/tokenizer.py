@@ -106,5 +106,5 @@ def vocab_fingerprint(tok) -> str:
     import hashlib
     import json
 
-    items = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    items = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: (kv[1], kv[0]))
     return hashlib.blake2b(json.dumps(items, ensure_ascii=False).encode("utf-8"), digest_size=12).hexdigest()
