@@ -161,9 +161,16 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     ``*_scale_inv`` per fp8_block block, ``quantization_config`` in config.json)."""
     from safetensors.torch import save_file
 
+    out = Path(out)
+    shards = sorted(p.name for p in out.glob("model*.safetensors*") if p.name != "model.safetensors") \
+        if out.is_dir() else []
+    if shards:  # (the loader prefers a shard index: the other checkpoint's weights loaded under this config)
+        raise ValueError(f"{out} holds another checkpoint's shards ({', '.join(shards[:3])}"
+                         f"{', ...' if len(shards) > 3 else ''}); make-tiny writes one model.safetensors: give a new "
+                         "or empty directory")
+
     from hyspec.model.hybrid import HybridLM
 
-    out = Path(out)
     if draft_vocab and not with_mtp:
         raise ValueError("a reduced draft vocabulary (draft_vocab) needs the MTP head; drop with_mtp=False (--no-mtp)")
     if draft_vocab and not 0 < draft_vocab <= vocab_size:
@@ -192,6 +199,8 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         qcfg = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip))
         cfg_dict["quantization_config"] = qcfg.to_dict()
     out.mkdir(parents=True, exist_ok=True)  # only once everything is built: a refused call leaves no folder
+    if vocab_size < 300:  # an earlier checkpoint's tokenizer here would be loaded with this one (and refuse its ids)
+        (out / "tokenizer.json").unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))

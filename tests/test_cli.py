@@ -415,13 +415,19 @@ def test_make_tiny_refuses_a_checkpoint_that_is_not_small(tmp_path, capsys):
     assert "make-tiny writes small test checkpoints" in err and "--layers" in err and not (tmp_path / "a").exists()
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "b"), "--hidden-size", "0"]) == 2
     assert "--hidden-size must be >= 1, got 0" in capsys.readouterr().err
-    # a directory that holds files: refused (the old tokenizer or shard index stayed beside the new
-    # checkpoint and was loaded with it); options that cannot act are named
+    # an earlier checkpoint in --out: a make-tiny one is replaced whole (its tokenizer stayed beside a new
+    # checkpoint without one, and every text's ids were refused); another one's shards are refused (the
+    # loader preferred their index: the old weights loaded under the new config)
+    again = tmp_path / "again"
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(again)]) == 0
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(again), "--vocab-size", "200"]) == 0
+    assert not (again / "tokenizer.json").exists()
+    capsys.readouterr()
     held = tmp_path / "held"
     held.mkdir()
     (held / "model.safetensors.index.json").write_text("{}")
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(held)]) == 2
-    assert "the directory is not empty (model.safetensors.index.json)" in capsys.readouterr().err
+    assert "holds another checkpoint's shards (model.safetensors.index.json)" in capsys.readouterr().err
     assert sorted(p.name for p in held.iterdir()) == ["model.safetensors.index.json"]
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "c"), "--fp8-block", "32,32"]) == 2
     assert "--fp8-block applies with --fp8" in capsys.readouterr().err and not (tmp_path / "c").exists()

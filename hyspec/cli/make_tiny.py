@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("--arch", required=True, choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"],
                    help="model family (required)")
-    p.add_argument("--out", required=True, help="output directory, new or empty (required)")
+    p.add_argument("--out", required=True,
+                   help="output directory (required; an earlier make-tiny checkpoint there is replaced)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--vocab-size", type=int, default=512,
                    help="vocabulary size (>= 300: with a tokenizer.json, trained on a short sample: about 380 "
@@ -66,10 +67,6 @@ def run(args) -> int:
     out_dir = Path(args.out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {args.out}: is a file, not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()):  # (its old files stayed beside the new ones: an old
-        held = sorted(p.name for p in out_dir.iterdir())  # tokenizer or shard index was loaded with them)
-        raise ValueError(f"--out {args.out}: the directory is not empty ({', '.join(held[:4])}"
-                         f"{', ...' if len(held) > 4 else ''}); give a new or empty one")
     if args.fp8_block != FP8_BLOCK_DEFAULT and not args.fp8:
         raise ValueError("--fp8-block applies with --fp8")
     params = estimated_params(args.arch, args.vocab_size, args.hidden_size, args.layers)
