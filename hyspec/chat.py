@@ -122,13 +122,17 @@ class Chat:
         self.out.write("> ")
         self.out.flush()
 
+    def _columns(self) -> int:
+        """The terminal's width (80 where it cannot be read)."""
+        try:
+            return os.get_terminal_size(self.out.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            return 80
+
     def _after_typed_line(self) -> None:
         """Move the cursor back up to the end of the line typed on the terminal (the prompt and
         the line: its echo's last row, then the column after it)."""
-        try:
-            cols = os.get_terminal_size(self.out.fileno()).columns
-        except (AttributeError, OSError, ValueError):
-            cols = 80
+        cols = self._columns()
         width = display_width(("> " + self._typed).expandtabs())
         if cols > 0 and width % cols:  # (a line that filled its last row exactly: the next row is right)
             self.out.write(f"\x1b[1F\x1b[{width % cols + 1}G")
@@ -138,10 +142,7 @@ class Chat:
         drawn again: the continuation follows it there."""
         text = self.eng.tokenizer.decode(self._shown_tokens())  # (generated ids: no checks per round)
         start = text.rfind("\n") + 1
-        try:
-            cols = os.get_terminal_size(self.out.fileno()).columns
-        except (AttributeError, OSError, ValueError):
-            cols = 80
+        cols = self._columns()
         rows = max(1, -(-display_width(text[start:].expandtabs()) // max(1, cols)))  # the rows the line took
         self.out.write(f"\x1b[{rows + 1}F\x1b[J")  # up to its first row (and the prompt's), cleared
         self._shown = start

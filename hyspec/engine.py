@@ -184,18 +184,19 @@ def stop_list(stop) -> list[str]:
     for x in stop:
         why = lone_surrogate(x)
         if why:
-            raise ParamError("stop", x, why)
+            raise ParamError("stop", x, why + ", which no generated text holds, so it would never match")
     return [x for x in stop if x]
 
 
 def lone_surrogate(text: str) -> str | None:
-    """Why a stop string can never match, when it holds a lone UTF-16 surrogate (U+D800..
-    U+DFFF: a JSON "\\ud800" escape, or a command-line byte that is not UTF-8, which Python
-    keeps as U+DC80..U+DCFF); decoded text never holds one. None when it has none."""
+    """Where `text` holds a lone UTF-16 surrogate (U+D800..U+DFFF: a JSON "\\ud800" escape, or
+    a command-line byte that is not UTF-8, which Python keeps as U+DC80..U+DCFF), which no
+    tokenizer encodes and no decoded text holds: "character i is a lone surrogate (...)".
+    None when it has none."""
     for i, ch in enumerate(text):
         if "\ud800" <= ch <= "\udfff":
-            return (f"character {i} is a lone surrogate (U+{ord(ch):04X}), which no generated text holds "
-                    f"(not UTF-8 on the command line, or a broken \\u escape), so it would never match")
+            return (f"character {i} is a lone surrogate (U+{ord(ch):04X}: not UTF-8 on the command line, or a "
+                    f"broken \\u escape, e.g. an emoji's two halves decoded apart)")
     return None
 
 
@@ -395,10 +396,7 @@ class Engine:
             try:
                 return self.tokenizer.encode(prompt)
             except TypeError:  # lone surrogates: bytes that are not UTF-8 (a shell argument's, decoded by Python)
-                at = next(i for i, ch in enumerate(prompt) if "\ud800" <= ch <= "\udfff")
-                raise ParamError(arg, prompt[:40], f"is not valid text: character {at} is a lone surrogate "
-                                 f"(U+{ord(prompt[at]):04X}: a byte that is not UTF-8 on the command line, or a "
-                                 "broken \\u escape, e.g. an emoji's two halves decoded apart)") from None
+                raise ParamError(arg, prompt[:40], f"is not valid text: {lone_surrogate(prompt) or 'not UTF-8'}") from None
         if prompt is None or isinstance(prompt, bytes) or not hasattr(prompt, "__iter__"):
             raise ParamError(arg, prompt, "must be a str or a list of token ids")
         return _token_ids(arg, prompt)

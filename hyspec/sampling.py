@@ -86,6 +86,13 @@ def as_int(value) -> int | None:
         return None
 
 
+def int_in(value, lo: int, hi: int | None = None) -> int | None:
+    """`value` as a Python int when it is an integer (as_int) in lo..hi (hi None: no bound),
+    else None: the caller raises its own message."""
+    n = as_int(value)
+    return n if n is not None and n >= lo and (hi is None or n <= hi) else None
+
+
 def as_float(value) -> float | None:
     """`value` as a Python float when it is a real number (int, float, numpy scalar), else None."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

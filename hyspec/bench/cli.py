@@ -123,7 +123,9 @@ def check_args(args) -> None:
     if args.batch is not None:
         _int_list("batch", args.batch, 1)
     args.slot_lengths = ",".join(str(n) for n in _int_list("slot-lengths", args.slot_lengths, 1))
-    if not 0 <= args.seed < 2 ** 64:  # (as generate's --seed; -1 was taken)
+    from hyspec.sampling import SEED_MAX
+
+    if not 0 <= args.seed <= SEED_MAX:  # (as generate's --seed; -1 was taken)
         raise ValueError(f"--seed: must be in 0..2**64-1, got {args.seed}")
     if args.tune != "none" and args.tuned_from:  # (the search was skipped in silence)
         raise ValueError("--tune searches the GEMM configs and --tuned-from takes an earlier run's: give one of them")

@@ -83,8 +83,9 @@ LINE_KEYS = {"prompt", "prompt_ids", "messages", "max_new_tokens", "draft", "log
     f.name for f in dataclasses.fields(SamplingParams)} | set(CONSTRAINT_KEYS)
 
 
-def _line_constraint(obj: dict, where: str):
-    """(kind, value) of a line's own constraint, checked without the model; None without one."""
+def _line_constraint(obj: dict, where: str, checked: set[str]):
+    """(kind, value) of a line's own constraint, checked without the model (each distinct one
+    once: `checked` holds those seen); None without one."""
     kinds = [k for k in CONSTRAINT_KEYS if k in obj]
     if not kinds:
         return None
@@ -95,12 +96,15 @@ def _line_constraint(obj: dict, where: str):
         if value is not True:
             raise ValueError(f"{where}: \"json_object\" must be true (any JSON object), got {value!r}")
         value = None
-    from hyspec.constraints import grammar_for
+    key = json.dumps([kind, value])  # (not sort_keys: a schema's property order is its output's)
+    if key not in checked:
+        from hyspec.constraints import grammar_for
 
-    try:
-        grammar_for(kind, value, arg=f'"{kind}"')  # (the value's shape: a schema, non-empty strings, ...)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        try:
+            grammar_for(kind, value, arg=f'"{kind}"')  # (the value's shape: a schema, non-empty strings, ...)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        checked.add(key)
     return kind, value
 
 
@@ -109,7 +113,7 @@ def read_prompts_file(path: str, args) -> list[dict]:
     import os
 
     base = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)}
-    requests = []
+    requests, checked = [], set()  # (checked: the lines' distinct constraints, each validated once)
     if path != "-" and (not os.path.exists(path) or os.path.isdir(path)):  # (a pipe or /dev/stdin is fine)
         raise ValueError(f"--prompts-file {path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
     if path == "-" and (sys.stdin is None or sys.stdin.closed):
@@ -178,7 +182,7 @@ def read_prompts_file(path: str, args) -> list[dict]:
                 chat = {"messages": obj["messages"], "tools": obj.get("tools"), "tool_choice": obj.get("tool_choice"),
                         "parallel_tool_calls": obj.get("parallel_tool_calls"),
                         "template_kwargs": obj.get("chat_template_kwargs")}
-            own = _line_constraint(obj, f"{path}:{line_no}")
+            own = _line_constraint(obj, f"{path}:{line_no}", checked)
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
                              "params": params, "draft": draft, "logprobs": logprobs, "line": line_no, "chat": chat,
                              "stop": stop, "own_constraint": own})

@@ -62,11 +62,9 @@ def run(args) -> int:
     for flag, v in (("--vocab-size", args.vocab_size), ("--hidden-size", args.hidden_size), ("--layers", args.layers)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
-    from pathlib import Path
+    from hyspec.cli.common import check_out_dir
 
-    out_dir = Path(args.out).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {args.out}: is a file, not a directory")
+    check_out_dir(args.out)
     if args.fp8_block != FP8_BLOCK_DEFAULT and not args.fp8:
         raise ValueError("--fp8-block applies with --fp8")
     params = estimated_params(args.arch, args.vocab_size, args.hidden_size, args.layers)

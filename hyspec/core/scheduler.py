@@ -22,7 +22,7 @@ from hyspec.core.request import Request
 from hyspec.core.round import Sequence, choose_token, masked, run_round
 from hyspec.core.slots import SlotPool
 from hyspec.core.state import Carry, RoundTxn, SeqState, capture, carry_of, drafter_of, restore_into
-from hyspec.sampling import SamplingParams, as_int
+from hyspec.sampling import SamplingParams, int_in
 
 MAX_DRAFT = 16
 
@@ -65,8 +65,8 @@ def spec_options(req: Request):
     """The request's SpecOptions (k = req.draft), or None for plain decoding."""
     from hyspec.speculative.loop import SpecOptions
 
-    draft = as_int(req.draft)
-    if draft is None or draft < 0:
+    draft = int_in(req.draft, 0)
+    if draft is None:
         raise ValueError(f"draft must be an integer >= 0 (0 = plain decoding), got {req.draft!r}")
     req.draft = draft  # (a numpy integer is kept as a Python int)
     if req.draft == 0:
@@ -77,10 +77,10 @@ def spec_options(req: Request):
 class Scheduler:
     def __init__(self, model, *, max_batch: int = 16, backend=None, pool: SlotPool | None = None,
                  prefill_chunk: int = PREFILL_CHUNK, store=None) -> None:
-        if as_int(max_batch) is None or as_int(max_batch) < 1:
+        self.max_batch = int_in(max_batch, 1)
+        if self.max_batch is None:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model = model
-        self.max_batch = as_int(max_batch)
         self.backend = backend if backend is not None else ReferenceBackend(model)
         self.pool = pool if pool is not None else SlotPool(model, max_slots=self.max_batch)
         self.prefill_chunk = prefill_chunk
@@ -100,8 +100,8 @@ class Scheduler:
             check_prompt(req.prompt_ids, cfg.vocab_size)
         elif req.resume.pending is None:
             raise ValueError("nothing to send: the conversation has no pending token, give at least one token")
-        limit = as_int(req.max_new_tokens)
-        if limit is None or limit < 0:
+        limit = int_in(req.max_new_tokens, 0)
+        if limit is None:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {req.max_new_tokens!r}")
         if req.resume is not None and limit == 0:
             raise ValueError("a resumed request needs max_new_tokens >= 1")
@@ -118,9 +118,10 @@ class Scheduler:
             if bad:
                 raise ValueError(f"reference: token id(s) {bad[:5]} out of range for vocabulary size {cfg.vocab_size}")
         if req.logprobs is not None:
-            if as_int(req.logprobs) is None or as_int(req.logprobs) < 0:
+            top = int_in(req.logprobs, 0)
+            if top is None:
                 raise ValueError(f"logprobs must be None or an integer >= 0, got {req.logprobs!r}")
-            req.logprobs = as_int(req.logprobs)
+            req.logprobs = top
         return opts, check_stop(req.stop_ids, cfg.vocab_size)
 
     def submit(self, req: Request) -> Request:

@@ -40,7 +40,7 @@ from hyspec.config import no_mtp_error
 from hyspec.decode import check_prompt
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.sampling import as_int
+from hyspec.sampling import int_in
 from hyspec.speculative.drafter import draft_logits, draft_vocab
 from hyspec.speculative.loop import MAX_DRAFT
 from hyspec.speculative.telemetry import SpecTelemetry
@@ -99,13 +99,13 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
       drafts (only with return_drafts): [[d_1..d_k] per position];
       mtp_forwards, seconds.
     """
-    if as_int(k) is None or not 1 <= as_int(k) <= MAX_DRAFT:
+    if int_in(k, 1, MAX_DRAFT) is None:
         raise ValueError(f"k (drafts per position) must be an integer in 1..{MAX_DRAFT}, got {k!r}")
-    if as_int(stride) is None or as_int(stride) < 1:
+    if int_in(stride, 1) is None:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    if as_int(chunk) is None or as_int(chunk) < 1:
+    if int_in(chunk, 1) is None:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    k, stride, chunk = as_int(k), as_int(stride), as_int(chunk)  # (numpy integers as Python ints)
+    k, stride, chunk = int_in(k, 1), int_in(stride, 1), int_in(chunk, 1)  # (numpy integers as Python ints)
     if hidden not in ("post", "pre"):
         raise ValueError(f"hidden must be 'post' or 'pre', got {hidden!r}")
     if not model.has_mtp:

@@ -65,7 +65,9 @@ def check_config(a: TrainConfig) -> None:
         raise ValueError("--lr must be > 0")
     if 0 < a.eval_max_tokens < 3:  # (1 crashed in the evaluation; a window needs a token and two targets)
         raise ValueError(f"--eval-max-tokens must be 0 (the whole split) or >= 3, got {a.eval_max_tokens}")
-    if not 0 <= a.seed < 2 ** 64:
+    from hyspec.sampling import SEED_MAX
+
+    if not 0 <= a.seed <= SEED_MAX:
         raise ValueError(f"--seed must be in 0..2**64-1, got {a.seed}")
     if a.min_lr_ratio > 1 or a.dropout >= 1:
         raise ValueError(f"--min-lr-ratio must be in [0, 1] and --dropout in [0, 1), got {a.min_lr_ratio} / "

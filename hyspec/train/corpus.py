@@ -255,8 +255,9 @@ def _main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.root is not None and not Path(args.root).is_dir():
         raise ValueError(f"--root {args.root}: no such directory")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out}: is a file, not a directory")
+    from hyspec.cli.common import check_out_dir
+
+    check_out_dir(args.out)
     build_corpus(Path(args.out) / args.name, root=args.root,
                  heldout_percent=args.heldout_percent,
                  max_file_bytes=args.max_file_bytes,

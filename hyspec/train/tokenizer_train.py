@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
+    from hyspec.cli.common import check_out_dir
     from hyspec.config import input_file
 
     from .corpus import load_corpus
@@ -150,8 +151,7 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-special", action="append", default=[],
                     help="extra special token(s), ids 1.. (e.g. '<|pad|>')")
     args = ap.parse_args(argv)
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out}: is a file, not a directory")
+    check_out_dir(args.out)
 
     corpus = load_corpus(input_file(args.corpus, "--corpus"))
     train = [t for _, t in corpus["train"]]
