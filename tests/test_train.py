@@ -432,3 +432,50 @@ def test_chunked_scan_batched_matches_reference():
     for b in range(B):
         torch.testing.assert_close(o[b], chunked_scan(q[b], k[b], v[b], g[b], beta[b], s0)[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(o[b], recurrent_scan(q[b], k[b], v[b], g[b], beta[b], s0)[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_training_at_a_step_and_writes_what_it_learnt(tmp_path, monkeypatch, capsys, presses):
+    """Ctrl-C in `hyspec train` wrote nothing (a KeyboardInterrupt from inside the step). One
+    press now stops the loop at the next step boundary, evaluates and writes the weights
+    (exit 130, the message names the step); a second press aborts at once, writing nothing.
+    The SIGINT handler is the previous one afterwards."""
+    pytest.importorskip("safetensors")
+    import os
+    import signal
+
+    from hyspec.cli.dispatch import main
+    from hyspec.train import loop
+
+    paths = [p for p in (f"m{i}.py" for i in range(200)) if not tr.is_val_doc(p)][:60]
+    entries = [{"path": p, "split": "heldout" if i == 0 else "train", "text": f"def f{i}(x):\n    return x + {i}\n"}
+               for i, p in enumerate(paths)]
+    corpus = tmp_path / "c.jsonl.xz"
+    corpus.write_bytes(lzma.compress("".join(json.dumps(e) + "\n" for e in entries).encode()))
+    real_loss, calls = loop.loss_fn, []
+
+    def loss_then_ctrl_c(*args, **kw):  # the user presses Ctrl-C during the second step
+        calls.append(1)
+        if len(calls) == 2:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real_loss(*args, **kw)
+
+    monkeypatch.setattr(loop, "loss_fn", loss_then_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)
+    out = tmp_path / "m"
+    argv = ["train", "--corpus", str(corpus), "--tokenizer", str(TOKENIZER), "--out", str(out), "--steps", "6",
+            "--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--log-every", "1",
+            "--n-evals", "1"] + [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ARCH.items()]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert signal.getsignal(signal.SIGINT) is before
+    if presses == 2:
+        assert "hyspec: interrupted" in captured.err and not out.exists() and len(calls) == 2
+        return
+    assert len(calls) == 2  # the second step finished, no third began
+    assert f"training interrupted (Ctrl-C) at step 2; {out} holds the weights of step 2" in captured.err
+    assert "Ctrl-C: training stops at step 2" in captured.out
+    log = json.loads((out / "train_log.json").read_text())
+    assert (log["stopped"], log["steps"], log["chosen_step"]) == ("interrupted (Ctrl-C)", 2, 2)
+    assert (out / "model.safetensors").is_file()

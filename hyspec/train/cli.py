@@ -22,7 +22,7 @@ from dataclasses import MISSING, fields
 
 from hyspec.train.config import CHOICES, HELP, TrainConfig, flag
 from hyspec.train.kernel_check import selfcheck
-from hyspec.train.loop import TrainingFailed, train
+from hyspec.train.loop import INTERRUPTED, TrainingFailed, train
 from hyspec.train.model import DEFAULT_ARCH
 
 DESCRIPTION = ("Train the default hyspec hybrid model (+MTP head). "
@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingFailed as e:  # the run failed (not the user's flags): exit 1, as a run stopped early
         print(f"hyspec train: error: {e}", file=sys.stderr)
         return 1
+    if res["stopped"] == INTERRUPTED:  # written, as the user asked; the shell's status for Ctrl-C
+        print(f"hyspec train: training interrupted (Ctrl-C) at step {res['steps']}; {a.out} holds the weights "
+              f"of step {res['chosen_step']}", file=sys.stderr)
+        return 130
     if res["stopped"] not in ("steps", "time budget"):
         print(f"hyspec train: training stopped early ({res['stopped']}); {a.out} holds the weights of step "
               f"{res['chosen_step']}", file=sys.stderr)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -68,6 +71,32 @@ def _finite_json(x):
 
 class TrainingFailed(ValueError):
     """A run that stopped (an error, a non-finite loss) before it learnt weights worth writing."""
+
+
+INTERRUPTED = "interrupted (Ctrl-C)"
+
+
+@contextmanager
+def _stop_on_ctrl_c(flag: dict):
+    """While training: a first Ctrl-C (SIGINT) only sets flag["sigint"], so the loop stops at
+    the next step's boundary (never inside an optimizer step) and the run evaluates and writes
+    what it learnt; a second one raises KeyboardInterrupt at once (nothing is written: the save
+    is atomic). The previous handler is back on exit. Off the main thread (where Python
+    delivers no signals) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        if flag["sigint"]:
+            raise KeyboardInterrupt
+        flag["sigint"] = True
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=print) -> dict:
@@ -191,7 +220,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         if streams["val"].numel() > 1 else 0
     t0 = time.time()
     st = {"step": 0, "total": total, "eval_every": max(1, total // a.n_evals) if total else 0,
-          "stopped": "steps"}
+          "stopped": "steps", "sigint": False}
 
     def train_loop() -> None:
         acc = torch.zeros(3, device=device)  # loss, main, mtp sums since last log
@@ -203,6 +232,11 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
                 return
             if time.time() - t0 > budget:
                 st["stopped"] = "time budget"
+                return
+            if st["sigint"]:
+                st["stopped"] = INTERRUPTED
+                log(f"Ctrl-C: training stops at step {step}; the weights are evaluated and written "
+                    f"(Ctrl-C again aborts without writing)")
                 return
             lr = lr_at(step, total or 10 ** 9, a) if total or step < a.warmup else a.lr
             for gr in opt.param_groups:
@@ -252,7 +286,8 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
                 t_log = time.time()
 
     try:
-        train_loop()
+        with _stop_on_ctrl_c(st):
+            train_loop()
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far (checked below)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         st["stopped"] = f"error: {type(e).__name__}: {first}"[:300]
