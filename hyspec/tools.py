@@ -295,15 +295,23 @@ def parse_block(body: str, tools: dict[str, Tool]) -> ToolCall | None:
 
 def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a finished reply. A block runs from the last ``<tool_call>``
-    before a ``</tool_call>`` (an earlier one is text: "use the <tool_call> tag"). With
+    before a ``</tool_call>`` (an earlier one is text: "use the <tool_call> tag"), or from the
+    last ``<tool_call>`` after every close to the end of the text when that parses. With
     calls, content is the text outside the parsed blocks (the part before the first one
     right-stripped, later parts stripped, joined by newlines); without, `text` unchanged."""
     pieces, calls, pos = [], [], 0
     while True:
         j = text.find(TOOL_CLOSE, pos)
         i = text.rfind(TOOL_OPEN, pos, j) if j >= 0 else -1
-        if i < 0:
-            pieces.append(text[pos:])
+        if i < 0:  # no block closes after pos: an unclosed last one is a call when its text parses whole
+            rest = text[pos:]  # (an EOS before </tool_call>, or a client's stop=["</tool_call>"]; as vLLM)
+            k = rest.rfind(TOOL_OPEN)
+            call = parse_block(rest[k + len(TOOL_OPEN):], tools) if k >= 0 else None
+            if call is None:
+                pieces.append(rest)
+            else:
+                pieces.append(rest[:k])
+                calls.append(call)
             break
         call = parse_block(text[i + len(TOOL_OPEN):j], tools)
         end = j + len(TOOL_CLOSE)

@@ -56,10 +56,10 @@ def test_both_formats_parse_and_bad_blocks_stay_text():
     # arguments given as JSON text, "parameters" for "arguments"
     _, calls = parse_tool_calls('<tool_call>{"name": "now", "parameters": "{}"}</tool_call>', TOOLS)
     assert calls[0].arguments == "{}"
-    # an undeclared function, broken JSON, an unclosed block, stray text in XML: all stay text
+    # an undeclared function, broken JSON (closed or not), stray text in XML: all stay text
     for text in ['<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
                  '<tool_call>\n{"name": "now", "arguments": {}\n</tool_call>',
-                 'ok <tool_call>\n{"name": "now", "arguments": {}}',
+                 'ok <tool_call>\n{"name": "now", "arguments": {}',
                  "<tool_call>\n<function=now>\nhello\n</function>\n</tool_call>",
                  "no call here",
                  # a name that is no string, nesting too deep for the parser: were a 500 (TypeError,
@@ -68,6 +68,15 @@ def test_both_formats_parse_and_bad_blocks_stay_text():
                  '<tool_call>{"name": {"a": 1}, "arguments": {}}</tool_call>',
                  '<tool_call>{"name": "now", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + '}}</tool_call>']:
         assert parse_tool_calls(text, TOOLS) == (text, [])
+    # an unclosed last block that parses whole is a call (an EOS before </tool_call>, or the
+    # client's stop=["</tool_call>"] cut it): it stayed text, and the call was lost
+    content, calls = parse_tool_calls('ok <tool_call>\n{"name": "now", "arguments": {}}\n', TOOLS)
+    assert content == "ok" and [c.name for c in calls] == ["now"]
+    two = HERMES + "\n<tool_call>\n<function=now>\n</function>\n"
+    content, calls = parse_tool_calls(two, TOOLS)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather", "now"]
+    content, calls = parse_tool_calls(HERMES + '\n<tool_call>{"name": "now"', TOOLS)  # cut: text
+    assert content == 'Let me look.\n<tool_call>{"name": "now"' and [c.name for c in calls] == ["get_weather"]
     # a mention of the tag before a real call: the mention is content, the call is parsed
     said = "Use the <tool_call> tag to call it:\n" + XML.split("\n<tool_call>\n<function=now>")[0]
     content, calls = parse_tool_calls(said, TOOLS)
@@ -100,7 +109,8 @@ def test_parameter_conversion_follows_the_schema():
 
 def test_stream_content_equals_the_whole_reply_at_every_split():
     for text in [HERMES, XML, "plain <tool reply>  \n", "ends in <tool_c", 'x <tool_call>{"bad"}</tool_call> y',
-                 "  lead and trail  ", "Use the <tool_call> tag:\n" + HERMES, "a <tool_call> b <tool_call>\n{"]:
+                 "  lead and trail  ", "Use the <tool_call> tag:\n" + HERMES, "a <tool_call> b <tool_call>\n{",
+                 'ok <tool_call>\n{"name": "now", "arguments": {}}\n', HERMES + "\n<tool_call><function=now></function>"]:
         content, calls = parse_tool_calls(text, TOOLS)
         for step in (1, 3, 7):
             stream, sent = ToolStream(TOOLS), ""
