@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def git_state(root: str | Path = ROOT) -> dict:
     """{"commit": sha or None, "dirty": bool or None} of the checkout at `root` (None
-    outside a git checkout, e.g. an installed wheel). HYSPEC_GIT_COMMIT / HYSPEC_GIT_DIRTY
+    outside a git checkout whose top is `root`, e.g. an installed wheel, even in a venv inside
+    some other repository; None without git). HYSPEC_GIT_COMMIT / HYSPEC_GIT_DIRTY
     override both: for a copy of a working tree whose .git is not the one it was copied from
     (the GPU machine gets such a copy). "env": the HYSPEC_* switches set for the run
     (e.g. HYSPEC_TOPP_KERNEL), when any is."""
@@ -23,9 +24,15 @@ def git_state(root: str | Path = ROOT) -> dict:
         return {"commit": os.environ["HYSPEC_GIT_COMMIT"], "dirty": os.environ.get("HYSPEC_GIT_DIRTY", "0") == "1",
                 "source": "HYSPEC_GIT_COMMIT", **extra}
     def run(*args):
-        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        try:
+            r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        except OSError:  # no git on this machine (a slim image): nothing to record
+            return None
         return r.stdout.strip() if r.returncode == 0 else None
 
+    top = run("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(root).resolve():  # an installed copy inside another
+        return {"commit": None, "dirty": None, **extra}  # repository (a venv in the user's project): not ours
     commit = run("rev-parse", "HEAD")
     status = run("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": None if status is None else bool(status), **extra}

@@ -83,3 +83,23 @@ def test_fp8_weights_are_refused_by_name():
     with pytest.raises(ValueError, match="block-FP8"):
         hf_model_sharing_weights(model, torch.device("cpu"))
     assert "block-FP8" in hf_generate(model, [1, 2], 2, torch.device("cpu"), torch.float32)["skipped"]
+
+
+def test_bench_without_transformers_skips_its_default_comparison_and_refuses_the_asked_one(monkeypatch, capsys):
+    """transformers is in no user extra, and the GPU bench compares with it by default: the
+    run failed at its end ("1 part(s) failed ... No module named 'transformers'"). The default
+    is now skipped with a note; --hf-tokens given by the user is refused before any work."""
+    import importlib.util
+
+    from hyspec.bench import cli as bench_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    parse = bench_cli.build_parser().parse_args
+    with pytest.raises(ValueError, match=r"--hf-tokens 4: the comparison runs transformers, which is not installed"):
+        bench_cli.resolve_device(parse(["--config", "tiny", "--device", "cpu", "--hf-tokens", "4"]))
+    monkeypatch.setattr(bench_cli, "DEVICE_DEFAULTS", tuple((f, t, g, 4 if f == "--hf-tokens" else c, w)
+                                                            for f, t, g, c, w in bench_cli.DEVICE_DEFAULTS))
+    args = parse(["--config", "tiny", "--device", "cpu"])  # (4 by default, as 32 is on a GPU)
+    bench_cli.resolve_device(args)
+    assert args.hf_tokens == 0 and "transformers is not installed" in capsys.readouterr().out

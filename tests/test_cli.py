@@ -431,3 +431,30 @@ def test_make_tiny_refuses_a_checkpoint_that_is_not_small(tmp_path, capsys):
     assert sorted(p.name for p in held.iterdir()) == ["model.safetensors.index.json"]
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "c"), "--fp8-block", "32,32"]) == 2
     assert "--fp8-block applies with --fp8" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_a_missing_extra_names_what_installs_it():
+    """`hyspec serve` without the serve extra said only "No module named 'fastapi'"; the
+    error now names the extra (as constrained decoding's already did for llguidance)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = None; from hyspec.cli.dispatch import main; "
+            "sys.exit(main(['serve', '--port', '0']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "hyspec serve: error: import of fastapi halted; None in sys.modules (pip install 'hyspec[serve]', "
+        "or from a checkout: pip install -e '.[serve]')"]
+
+
+def test_version_and_python_dash_m():
+    """`hyspec --version` was "the following arguments are required: cmd"; `python -m hyspec`
+    was "No module named hyspec.__main__"."""
+    import subprocess
+    import sys
+
+    import hyspec
+
+    r = subprocess.run([sys.executable, "-m", "hyspec", "--version"], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, f"hyspec {hyspec.__version__}"), r.stderr

@@ -130,3 +130,30 @@ def test_where_results_keep_their_commit(tables, tmp_path):
         "`aaaaaaa`", "`bbbbbbb` dirty", "`ccccccc`", "`ddddddd` (dirty: unknown)",
         "not recorded (added in `1234567`)", "not recorded"]
     assert tables.missing_provenance(res) == ["f.json"]
+
+
+def test_git_state_names_only_this_checkout_and_never_fails(tmp_path, monkeypatch):
+    """Results record the commit of hyspec's own checkout. Without git on the machine
+    `hyspec bench` / `hyspec train` failed ("No such file or directory: git"); an installed
+    copy inside another repository (a venv in the user's project) would have recorded that
+    project's commit as hyspec's."""
+    import subprocess
+
+    from hyspec.provenance import git_state
+
+    monkeypatch.delenv("HYSPEC_GIT_COMMIT", raising=False)
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    here = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if here.returncode == 0:  # (a checkout: the commit is its HEAD)
+        assert git_state()["commit"] == here.stdout.strip()
+    other = tmp_path / "project"
+    (other / ".venv" / "site-packages").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    subprocess.run(["git", "-C", str(other), "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)
+    assert git_state(other)["commit"] is not None  # the top of a repository: its commit
+    pair = lambda g: (g["commit"], g["dirty"])  # noqa: E731 (HYSPEC_* switches may add "env")
+    assert pair(git_state(other / ".venv" / "site-packages")) == (None, None)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-such-dir"))
+    assert pair(git_state()) == (None, None)

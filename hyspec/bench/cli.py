@@ -178,11 +178,24 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
 
         log("note: qwen3-next-2b-dense is the GPU bench model: on the CPU it takes ~10 GB and minutes per figure "
             "(the CPU bench is --config tiny, or --model DIR)")
+    hf_default = args.hf_tokens is None
     for flag, _, gpu, cpu, _ in DEVICE_DEFAULTS:
         name = flag[2:].replace("-", "_")
         if getattr(args, name) is None:
             setattr(args, name, gpu if dev.type == "cuda" else cpu)
     check_args(args)
+    if args.hf_tokens > 0:
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:  # no user extra installs it (the test extra does)
+            if not hf_default:  # (the run failed at its end, after every other figure)
+                raise ValueError(f"--hf-tokens {args.hf_tokens}: the comparison runs transformers, which is not "
+                                 "installed (pip install transformers, or --hf-tokens 0)")
+            from hyspec.bench.report import log
+
+            log("note: transformers is not installed: the transformers comparison is skipped (pip install "
+                "transformers to run it)")
+            args.hf_tokens = 0
     args.variant_list = variant_names(args.variants)
     if dev.type != "cuda" and "cublas" in args.variant_list:
         raise ValueError("--variants cublas needs a GPU (cuBLAS matmuls); the CPU bench runs the reference backend: "

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli.common import OneLineParser
 
     parser = OneLineParser(prog="hyspec", description=hyspec.cli.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hyspec {hyspec.__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)
@@ -52,9 +53,18 @@ def flag_name(name: str) -> str:
     return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
 
 
+# a missing optional module -> what installs it (pyproject.toml's extras)
+EXTRA_OF = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "prometheus_client": "serve",
+            "pydantic": "serve", "llguidance": "constraints", "triton": "gpu", "fla": "gpu"}
+
+
 def error_message(e: Exception) -> str:
     if isinstance(e, ParamError):
         return f"argument {flag_name(e.field)}: {e.why} (got {e.shown})"
+    if isinstance(e, ModuleNotFoundError) and e.name and "pip install" not in str(e):
+        top = e.name.split(".")[0]
+        if top in EXTRA_OF:  # (the bare "No module named 'fastapi'" said nothing of what to install)
+            return f"{e} (pip install 'hyspec[{EXTRA_OF[top]}]', or from a checkout: pip install -e '.[{EXTRA_OF[top]}]')"
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         return f"{e.strerror}: {e.filename}"
     return str(e)

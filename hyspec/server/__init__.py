@@ -18,8 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = OneLineParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--draft", type=int, default=None,
                    help=f"default drafts per round K for requests that do not set `draft` (0..{MAX_DRAFT}; "
                         "default 3 when the model has an MTP head, else 0)")
