@@ -58,6 +58,9 @@ class Chat:
         self.rendered = ""  # the text the session's tokens stand for
         self.cut = False  # the last reply was cut by max_new_tokens: an empty line continues it
         self.stack: list[tuple[list[dict], str, bool]] = []  # (messages, rendered, cut) before each turn
+        # the sessions a template's re-render replaced (see user), oldest first, each with its
+        # stack and parked (no slot): /rewind goes back into them
+        self.previous: list[tuple[object, list]] = []
         # The screen: the line of a reply that an empty line continues (a cut one; with the
         # plain template any) stays open, so that the continuation follows it on the same line
         # (on a terminal, the line is drawn again below the prompt).
@@ -212,8 +215,9 @@ class Chat:
             elif session.num_turns > turns:  # failed mid-turn, the rounds before kept: the chat keeps them too
                 self._record(before, messages_now, full, go_on, session.tokens[held + len(ids):], True)
             raise
-        if restart:
-            self.session.close()
+        if restart:  # the old session is kept aside, parked: /rewind past this turn goes back to it
+            self.session.park()
+            self.previous.append((self.session, self.stack))
             self.session, self.stack = session, []
         cut = out.samples[0].stop_reason == "length"
         self._record(before, messages_now, full, go_on, out.tokens, cut)
@@ -254,16 +258,27 @@ class Chat:
         if cmd == "/rewind":
             if arg and not (arg.isascii() and arg.isdigit()):
                 raise ValueError(f"/rewind takes a number of turns, got {arg!r}")
-            n = int(arg) if arg else 1
-            self.session.rewind(n)
-            if n <= len(self.stack):
-                self.messages, self.rendered, self.cut = self.stack[-n]
-                del self.stack[-n:]
-            else:  # into turns this chat has no record of (a loaded session saved without one)
-                self.messages, self.rendered, self.cut, self.stack = [], "", False, []
-            self.say(f"[rewound {n} turn(s): {len(self.session.tokens)} tokens]")
+            asked = n = int(arg) if arg else 1
+            total = self.session.num_turns + sum(old.num_turns for old, _ in self.previous)
+            if not 1 <= n <= total:  # (checked whole first: nothing changes)
+                raise ValueError(f"cannot rewind {n} turn(s): the conversation has {total}" if n else
+                                 "/rewind needs a number of turns >= 1, got 0")
+            while self.previous and n >= self.session.num_turns:  # back past a restart: the session before it
+                n -= self.session.num_turns
+                self.messages, self.rendered, self.cut = self.stack[0]  # the chat before the restarted turn
+                self.session.close()
+                self.session, self.stack = self.previous.pop()
+            if n:
+                self.session.rewind(n)
+                if n <= len(self.stack):
+                    self.messages, self.rendered, self.cut = self.stack[-n]
+                    del self.stack[-n:]
+                else:  # into turns this chat has no record of (a loaded session saved without one)
+                    self.messages, self.rendered, self.cut, self.stack = [], "", False, []
+            self.say(f"[rewound {asked} turn(s): {len(self.session.tokens)} tokens]")
         elif cmd == "/reset":
             self.session.reset()
+            self._close_previous()
             self.messages, self.rendered, self.cut, self.stack = [], "", False, []
             self.say("[reset]")
         elif cmd == "/stats":
@@ -288,6 +303,7 @@ class Chat:
                 new.close()
                 raise ValueError(f"{arg}: malformed chat record in the session file ({type(e).__name__})") from None
             self.session.close()
+            self._close_previous()
             self.session = new
             self.messages, self.rendered, self.stack, self.cut = messages, rendered, stack, cut
             self.say(f"[loaded {len(new.tokens)} tokens from {arg}]")
@@ -296,6 +312,16 @@ class Chat:
         else:
             self.say(f"[unknown command {cmd}; {HELP}]")
         return True
+
+    def _close_previous(self) -> None:
+        for old, _ in self.previous:
+            old.close()
+        self.previous = []
+
+    def close(self) -> None:
+        """Close the session and the ones kept aside for /rewind."""
+        self.session.close()
+        self._close_previous()
 
     def stats(self) -> dict:
         session = self.session
@@ -441,5 +467,5 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     chat.end_line()
     if args.json:  # one JSON object at the end: the session's figures (as /stats prints them)
         print(json.dumps(chat.stats()), file=stdout, flush=True)
-    chat.session.close()
+    chat.close()
     return 0

@@ -401,6 +401,16 @@ class Session:
         return other
 
     @_engine_turn
+    def park(self) -> None:
+        """Give the engine's slot back and keep everything else: the transcript, the state
+        (as the boundary, which the next turn resumes from, as after a rewind) and the rewind
+        points. For a session kept aside that may be used again."""
+        self._check_open()
+        if self._seq is not None:
+            self._release()
+            self._state = self._boundary
+
+    @_engine_turn
     def close(self) -> None:
         """Free the slot (the session cannot be used afterwards)."""
         if not self.closed:

@@ -564,6 +564,19 @@ def test_an_interrupted_restart_keeps_the_conversation(zoo, tmp_path):
     del c._show
     stats = c.user("and again")  # the restart itself: one turn on the new session, from the whole text
     assert c.session.num_turns == 1 and stats["prompt_tokens"] == len(eng.encode(render_chat(c.messages[:-1], d)))
+    # /rewind undoes the restarted turn: back to the session before it, kept aside without a
+    # slot (was: the new one-turn session rewound to nothing, the whole conversation wiped)
+    c.command("/rewind")
+    assert c.session.tokens == held and c.session.num_turns == turns and c.messages == messages
+    c.user("and again")  # (the record still ends in the test's "x": a restart again)
+    with pytest.raises(ValueError, match=r"cannot rewind 3 turn\(s\): the conversation has 2"):
+        c.command("/rewind 3")
+    assert c.session.num_turns == 1 and len(c.previous) == 1  # (a refused rewind changes nothing)
+    c.command("/rewind 2")
+    assert c.session.tokens == [] and c.messages == [] and not c.previous
+    c.user("hello there")  # the parked session resumes as it was
+    assert c.session.tokens == held
+    c.close()
 
 
 def test_a_redrawn_line_counts_terminal_columns():
