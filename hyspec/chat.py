@@ -392,6 +392,16 @@ def main(argv=None, stdin=None, stdout=None) -> int:
 
     args = build_parser().parse_args(argv)
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    # a terminal / pipe whose encoding cannot hold what is typed or replied (PYTHONIOENCODING=ascii):
+    # a reply's character the output cannot encode is shown as "?" (it ended the chat, the
+    # conversation lost); a typed byte the input cannot decode is kept as a lone surrogate,
+    # which the turn refuses in one line ("[error: character i is a lone surrogate ...]")
+    for stream, errors in ((stdin, "surrogateescape"), (stdout, "replace")):
+        if getattr(stream, "encoding", None) and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors=errors)
+            except (ValueError, OSError):  # (a closed or detached stream: left as it is)
+                pass
     try:
         from hyspec.engine import stop_list
 

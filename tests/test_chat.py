@@ -642,3 +642,22 @@ def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
     assert len(stats[0]["turn_tokens"]) == 24 - first and stats[1]["turns"] == 0
     assert text.count("[the reply reached the model's context of 24 tokens") == 1
     assert text.count("[the conversation fills the model's context of 24 tokens") == 2
+
+
+def test_a_terminal_that_cannot_encode_the_reply_keeps_the_chat(capsys):
+    """With an ASCII terminal (PYTHONIOENCODING=ascii) a reply holding a character it cannot
+    show ended the chat mid-reply ("'ascii' codec can't encode ...", exit 2; through main() a
+    chained traceback), and a typed byte it cannot decode did too. Now the reply shows "?"
+    there and the chat goes on; the undecodable line is refused in one line."""
+    import io
+
+    from hyspec.chat import main
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"# \xe4\xb8\xad\nx = 1\n/stats\n"), encoding="ascii")
+    raw = io.BytesIO()
+    stdout = io.TextIOWrapper(raw, encoding="ascii", write_through=True)
+    # (seeded: this reply holds U+FFFD, a byte token the model drew alone)
+    assert main(["--temperature", "1.5", "--seed", "12", "--max-new-tokens", "60"], stdin=stdin, stdout=stdout) == 0
+    text = raw.getvalue().decode("ascii")
+    assert "[error: prompt='# \\udce4\\udcb8\\udcad': is not valid text: character 2 is a lone surrogate" in text
+    assert "?" in text and "[stats] " in text
