@@ -114,15 +114,17 @@ class Chat:
             self.out.flush()
         self._line, self._open = None, False
 
-    def prompt(self) -> None:
+    def prompt(self, marker: bool = True) -> None:
         """A terminal's input prompt. After a cut reply, on its own line; an empty line then
-        draws the reply's last line again in its place (see user)."""
+        draws the reply's last line again in its place (see user). marker False: all but the
+        "> " itself (which the line editor then writes: input("> "))."""
         keep = self._line is not None and self._open and _is_terminal(self.out)
         line = self._line
         self.end_line()
         if keep:
             self._line = line
-        self.out.write("> ")
+        if marker:
+            self.out.write("> ")
         self.out.flush()
 
     def _columns(self) -> int:
@@ -448,13 +450,28 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         print(f"hyspec chat: error: {error_message(e)}", file=sys.stderr)
         return 2
     tty = hasattr(stdin, "isatty") and stdin.isatty()
+    # on the process's own terminal, lines are read with the line editor (arrow keys, history;
+    # a bare stdin.readline() sent the keys' escape sequences as text, and the reply drawn on
+    # the typed line's row then overwrote their echo)
+    edit = tty and stdin is sys.stdin and stdout is sys.stdout and _is_terminal(stdout)
+    if edit:
+        try:
+            import readline  # noqa: F401  (input() edits lines once it is imported)
+        except ImportError:  # (no readline on this platform: plain reads)
+            edit = False
     note = " (a code model: type code, it continues)" if chat.plain and args.model is None else ""
     print(f"[hyspec chat: template {chat.template_source}{note}; {HELP}]", file=sys.stderr)
     while True:
         try:
             if tty:
-                chat.prompt()
-            line = stdin.readline()
+                chat.prompt(marker=not edit)
+            if edit:
+                try:
+                    line = input("> ") + "\n"
+                except EOFError:  # Ctrl-D
+                    line = ""
+            else:
+                line = stdin.readline()
         except KeyboardInterrupt:  # Ctrl-C at the prompt: the conversation stays (leave with /quit or Ctrl-D)
             chat.say("\n[Ctrl-C: /quit or Ctrl-D leaves]" if tty else "[Ctrl-C: /quit or Ctrl-D leaves]")
             continue

@@ -661,3 +661,57 @@ def test_a_terminal_that_cannot_encode_the_reply_keeps_the_chat(capsys):
     text = raw.getvalue().decode("ascii")
     assert "[error: prompt='# \\udce4\\udcb8\\udcad': is not valid text: character 2 is a lone surrogate" in text
     assert "?" in text and "[stats] " in text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a pseudo-terminal (POSIX)")
+def test_on_a_terminal_lines_are_edited_with_the_arrow_keys(tmp_path):
+    """On a real terminal the chat read lines with stdin.readline(): the arrow keys' escape
+    sequences went to the model as text ("x = 1\\x1b[D\\x1b[D2"), and the reply drawn on the
+    typed line's row overwrote their echo. Lines are now read with the line editor (readline),
+    so Left Left then 2 edits the line, and Up recalls it."""
+    pytest.importorskip("readline")
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    from hyspec.engine import Engine
+    from hyspec.session import Session
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "hyspec", "chat", "--max-new-tokens", "3"], stdin=follower,
+                            stdout=follower, stderr=follower, cwd=tmp_path, close_fds=True)
+    os.close(follower)
+    seen = b""
+
+    def until_prompts(n, timeout=120.0):  # the screen so far, once it shows n prompts
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while seen.count(b"> ") < n and time.monotonic() < end:
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:  # (the child closed the terminal)
+                    break
+        assert seen.count(b"> ") >= n, seen
+
+    try:
+        until_prompts(1)
+        os.write(leader, b"x = 1\x1b[D\x1b[D2\r")  # Left Left 2: "x =2 1"
+        until_prompts(2)
+        os.write(leader, b"\x1b[A\r")  # Up: the same line again
+        until_prompts(3)
+        os.write(leader, f"/save {tmp_path / 's.pt'}\r".encode())
+        until_prompts(4)
+        os.write(leader, b"\x04")  # Ctrl-D leaves
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+    eng = Engine.load()
+    text = eng.decode(Session.load(eng, tmp_path / "s.pt").tokens)
+    assert text.startswith("x =2 1") and text.count("x =2 1") == 2 and "\x1b" not in text, text
