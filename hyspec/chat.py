@@ -40,7 +40,7 @@ from pathlib import Path
 
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
 
-HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /quit  (//text sends /text)"
+HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /help  /quit (or /exit)  (//text sends /text)"
 
 
 class Chat:
