@@ -48,6 +48,7 @@ and the store keeps); *history* = the boundary before each turn (the rewind poin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -113,6 +114,27 @@ def _check_extra(extra) -> None:
 _engine_turn = engine_call(lambda session: session.engine)
 
 
+def _not_in_own_turn(method):
+    """For the methods that move the session (send, rewind, reset, park, close), inside the
+    engine's lock: refused while this session's own turn runs, i.e. from its on_tokens
+    callback (the lock is re-entrant for its thread). A rewind there handed back the slot the
+    turn was still writing, which the next session then took: its output and this one's
+    went wrong in silence. send marks its turn."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._in_turn:
+            raise RuntimeError(f"Session.{method.__name__}() was called during this session's own turn (from its "
+                               "on_tokens callback): a turn cannot move its session; call it after send() returns")
+        if method.__name__ != "send":
+            return method(self, *args, **kwargs)
+        self._in_turn = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_turn = False
+    return run
+
+
 @dataclass(frozen=True)
 class RewindPoint:
     """The session before one turn: what rewind restores (never mutated: forks share them)."""
@@ -160,6 +182,7 @@ class Session:
         self.telemetry = SpecTelemetry()  # the turns in the conversation (rewind takes a turn's rounds out)
         self.last_stats: dict = {}
         self.closed = False
+        self._in_turn = False  # send() is running (its callbacks may not move the session)
 
     # -- what the session holds ----------------------------------------------------------
     @property
@@ -210,6 +233,7 @@ class Session:
 
     # -- a turn ------------------------------------------------------------------------
     @_engine_turn
+    @_not_in_own_turn
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
              draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None,
              stop=None, stop_skips_opening_break: bool = False):
@@ -293,7 +317,13 @@ class Session:
                     sched.pool.release(seq.slot)
                     self._seq, self._state = None, self._boundary
                 raise req.exception
-            end = capture(seq)
+            try:
+                end = capture(seq)
+            except BaseException:  # (a Ctrl-C after the last round, before the turn is recorded): undone,
+                sched.abandon(req)  # as mid-round; the session stayed pointed at a Sequence already continued
+                self._release()
+                self._state = self._boundary
+                raise
         # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
         self._points.append(RewindPoint(self._boundary, self._matcher, self.telemetry.copy(), self.last_stats,
                                         self._last_draft, self._reply))
@@ -350,6 +380,7 @@ class Session:
 
     # -- moving in the conversation ----------------------------------------------------
     @_engine_turn
+    @_not_in_own_turn
     def rewind(self, n: int = 1) -> None:
         """Return to the exact state before the last n turns: the model state, the constraint's,
         the telemetry (the undone turns' rounds no longer count), last_stats (the stats of
@@ -372,6 +403,7 @@ class Session:
             self._speculative = None
 
     @_engine_turn
+    @_not_in_own_turn
     def reset(self) -> None:
         """Back to an empty conversation (the same settings)."""
         self._check_open()
@@ -401,6 +433,7 @@ class Session:
         return other
 
     @_engine_turn
+    @_not_in_own_turn
     def park(self) -> None:
         """Give the engine's slot back and keep everything else: the transcript, the state
         (as the boundary, which the next turn resumes from, as after a rewind) and the rewind
@@ -411,6 +444,7 @@ class Session:
             self._state = self._boundary
 
     @_engine_turn
+    @_not_in_own_turn
     def close(self) -> None:
         """Free the slot (the session cannot be used afterwards)."""
         if not self.closed:

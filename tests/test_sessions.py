@@ -351,6 +351,60 @@ def test_an_exception_escaping_a_turn_undoes_it_and_leaves_the_engine_clean(zoo,
     assert not sched.pool.used  # no slot leaked
 
 
+@pytest.mark.parametrize("method", ["rewind", "reset", "park", "close", "send"])
+def test_a_turn_cannot_move_its_own_session(zoo, method):
+    """rewind() / reset() / park() / close() from the session's own on_tokens were let in (the
+    engine's lock is re-entrant): they handed back the slot the turn was still writing, the
+    next session took it, and both went on wrong in silence. Now they are refused there with
+    an error naming the call; the turn is undone, and the session and the others go on exact."""
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=5)
+    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    want = [ref.send(m).tokens for m in msgs]
+    ref.close()
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == want[0]
+    move = (lambda: s.send(msgs[2])) if method == "send" else getattr(s, method)
+    with pytest.raises(RuntimeError, match=rf"Session.{method}\(\) was called during this session's own turn"):
+        s.send(msgs[1], on_tokens=lambda ids: move())
+    assert s.num_turns == 1 and not s.closed
+    other = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)  # (it took the slot handed back)
+    assert other.send(msgs[0]).tokens == want[0]
+    assert [s.send(m).tokens for m in msgs[1:]] == want[1:]
+    s.close()
+    other.close()
+    assert not eng.session_scheduler().pool.used
+
+
+def test_a_ctrl_c_as_a_turn_ends_undoes_it(zoo, monkeypatch):
+    """A KeyboardInterrupt after the turn's last round, while its end state is captured, left
+    the session pointing at a Sequence already continued: every later send failed ("this
+    kept Sequence was already continued by another request"). The turn is now undone, as
+    one interrupted mid-round."""
+    import hyspec.session as session_mod
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=6)
+    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    want = [ref.send(m).tokens for m in msgs]
+    ref.close()
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == want[0]
+    real = session_mod.capture
+
+    def interrupted(seq):
+        monkeypatch.setattr(session_mod, "capture", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session_mod, "capture", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.send(msgs[1])
+    assert s.num_turns == 1 and len(s.tokens) == len(msgs[0]) + len(want[0])
+    assert [s.send(m).tokens for m in msgs[1:]] == want[1:]
+    s.close()
+    assert not eng.session_scheduler().pool.used
+
+
 def test_on_finish_is_called_once_even_when_it_raises(zoo):
     eng = engine(zoo, "qwen3_5")
     calls = []
