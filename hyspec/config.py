@@ -424,6 +424,11 @@ class ModelConfig:
                 isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
             raise bad("mlp_only_layers", "a list of layer indices", mlp_only)
         mtp_key = "mtp_num_hidden_layers" if "mtp_num_hidden_layers" in d else "num_nextn_predict_layers"
+        # Qwen3.5-MoE (transformers' model): every layer is MoE and the top-k weights are always
+        # renormalised; norm_topk_prob / decoder_sparse_step / mlp_only_layers are Qwen3-Next's
+        # fields, which its config may carry but its model never reads (a dense layer was
+        # refused, "false" changed the routing)
+        qwen3_next_moe_fields = d["model_type"].removesuffix("_text") != "qwen3_5_moe"
         return cls(
             model_type=d["model_type"],
             vocab_size=need("vocab_size"),
@@ -445,9 +450,9 @@ class ModelConfig:
             num_experts_per_tok=integer("num_experts_per_tok", 0) if n_experts else 0,
             moe_intermediate_size=integer("moe_intermediate_size", 0),
             shared_expert_intermediate_size=integer("shared_expert_intermediate_size", 0),
-            norm_topk_prob=flag("norm_topk_prob", True),
-            decoder_sparse_step=integer("decoder_sparse_step", 1, 1),
-            mlp_only_layers=tuple(mlp_only),
+            norm_topk_prob=flag("norm_topk_prob", True) if qwen3_next_moe_fields else True,
+            decoder_sparse_step=integer("decoder_sparse_step", 1, 1) if qwen3_next_moe_fields else 1,
+            mlp_only_layers=tuple(mlp_only) if qwen3_next_moe_fields else (),
             rms_norm_eps=number("rms_norm_eps", 1e-6),
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=False,  # (true refused above)

@@ -192,3 +192,17 @@ def test_odd_gdn_shapes_match_transformers(extra_ckpts, arch):
         torch.testing.assert_close(m.logits(torch.cat(hs)).log_softmax(-1), ref, rtol=0, atol=TOL)
     prompt = _ids(8, seed=7).tolist()
     assert generate_plain(m, prompt, max_new_tokens=32).tokens == hf_greedy(hf, prompt, 32)
+
+
+def test_qwen3_5_moe_ignores_qwen3_next_routing_fields_as_transformers_does(tmp_path):
+    """transformers' Qwen3.5-MoE makes every layer MoE and always renormalises the top-k
+    weights; a config carrying Qwen3-Next's norm_topk_prob false, decoder_sparse_step or
+    mlp_only_layers loaded here as other routing (false: log-probs off by ~2) or was refused
+    ("intermediate_size must be positive when some layers are dense")."""
+    hf = _hf_save("qwen3_5_moe", tmp_path, seed=8, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[0])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["norm_topk_prob"], cfg["decoder_sparse_step"], cfg["mlp_only_layers"]) == (False, 2, [0])
+    m = load_model(tmp_path, dtype="float32")
+    ids = _ids(24, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).log_softmax(-1), hf_logprobs(hf, ids), rtol=0, atol=TOL)
