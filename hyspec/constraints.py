@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,10 @@ class Vocab:
         return int(self.lltok.vocab_size)
 
 
-_VOCAB_CACHE: dict = {}
+_VOCAB_CACHE: dict = {}  # (a file's path, size and mtime, vocab_size, eos ids) -> Vocab
+# an engine's tokenizer without a file -> {(vocab_size, eos ids): Vocab}; weak, so a freed
+# tokenizer's entry goes with it (keyed by id(), a new tokenizer at a reused id got its Vocab)
+_TOKENIZER_VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def vocab_for(source, *, vocab_size: int | None = None, eos_ids=None) -> Vocab:
@@ -76,10 +80,11 @@ def vocab_for(source, *, vocab_size: int | None = None, eos_ids=None) -> Vocab:
         if source.model_dir is not None and (Path(source.model_dir) / "tokenizer.json").is_file():
             path = Path(source.model_dir) / "tokenizer.json"
         elif source.tokenizer is not None:
-            key = ("engine-tok", id(source.tokenizer), vocab_size, tuple(eos_ids or ()))
-            if key not in _VOCAB_CACHE:
-                _VOCAB_CACHE[key] = _make_vocab(source.tokenizer._tok.to_str(), vocab_size, eos_ids)
-            return _VOCAB_CACHE[key]
+            cache = _TOKENIZER_VOCABS.setdefault(source.tokenizer, {})
+            key = (vocab_size, tuple(eos_ids or ()))
+            if key not in cache:
+                cache[key] = _make_vocab(source.tokenizer._tok.to_str(), vocab_size, eos_ids)
+            return cache[key]
         else:
             raise ValueError("constraints need the checkpoint's tokenizer.json (this model has none)")
     else:
@@ -96,7 +101,9 @@ def vocab_for(source, *, vocab_size: int | None = None, eos_ids=None) -> Vocab:
         if not p.is_file():
             raise ValueError(f"constraints need a tokenizer.json; there is none at {p}")
         path = p
-    key = (str(Path(path).resolve()), vocab_size, None if eos_ids is None else tuple(eos_ids))
+    st = Path(path).stat()  # (a file rewritten in place, e.g. make-tiny into the same --out, is another vocabulary)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, vocab_size,
+           None if eos_ids is None else tuple(eos_ids))
     if key not in _VOCAB_CACHE:
         _VOCAB_CACHE[key] = _make_vocab(Path(path).read_text(encoding="utf-8"), vocab_size, eos_ids)
     return _VOCAB_CACHE[key]

@@ -265,6 +265,22 @@ def test_a_constraint_of_another_tokenizer_of_the_same_size_is_refused(engine, t
         "hello", "world")
 
 
+def test_a_tokenizer_file_rewritten_in_place_is_read_again(tmp_path):
+    """The vocabulary of a tokenizer.json was cached by its path alone: a file rewritten in
+    place (make-tiny into the same --out) kept the old vocabulary in this process, whose
+    masks were then another tokenizer's."""
+    import shutil
+
+    from hyspec.tiny import make_tiny
+
+    t = tmp_path / "tokenizer.json"
+    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", t)
+    first = vocab_for(t)
+    shutil.copy(make_tiny("qwen3_5", tmp_path / "tiny", hidden=32, layers=2, seed=1) / "tokenizer.json", t)
+    assert vocab_for(t).fingerprint != first.fingerprint
+    assert vocab_for(t) is vocab_for(t)  # (unchanged: the cached one)
+
+
 @pytest.mark.parametrize("lark", ['start: "x=" foo\nfoo[stop=";"]: /[a-z]+/\n',
                                   'start: foo\nfoo[max_tokens=4]: /[a-z]+/\n'])
 def test_lexemes_llguidance_cannot_roll_back_decode_alike_with_drafts(engine, lark):
