@@ -463,8 +463,10 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     print(f"[hyspec chat: template {chat.template_source}{note}; {HELP}]", file=sys.stderr)
     while True:
         try:
-            if tty:
-                chat.prompt(marker=not edit)
+            if tty:  # (the output redirected to a file: the prompt goes to the terminal, not into the file)
+                chat.prompt(marker=not edit and _is_terminal(stdout))
+                if not edit and not _is_terminal(stdout):
+                    print("> ", end="", file=sys.stderr, flush=True)
             if edit:
                 try:
                     line = input("> ") + "\n"
