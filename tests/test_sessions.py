@@ -351,19 +351,26 @@ def test_an_exception_escaping_a_turn_undoes_it_and_leaves_the_engine_clean(zoo,
     assert not sched.pool.used  # no slot leaked
 
 
+def _three_turns_and_a_session_after_one(zoo, seed):
+    """(engine, 3 messages, the 3 replies of a session that runs them, a new session after
+    the first of them)."""
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=seed)
+    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    want = [ref.send(m).tokens for m in msgs]
+    ref.close()
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == want[0]
+    return eng, msgs, want, s
+
+
 @pytest.mark.parametrize("method", ["rewind", "reset", "park", "close", "send"])
 def test_a_turn_cannot_move_its_own_session(zoo, method):
     """rewind() / reset() / park() / close() from the session's own on_tokens were let in (the
     engine's lock is re-entrant): they handed back the slot the turn was still writing, the
     next session took it, and both went on wrong in silence. Now they are refused there with
     an error naming the call; the turn is undone, and the session and the others go on exact."""
-    eng = engine(zoo, "qwen3_5")
-    msgs = messages(eng.model.cfg.vocab_size, 3, seed=5)
-    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
-    want = [ref.send(m).tokens for m in msgs]
-    ref.close()
-    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
-    assert s.send(msgs[0]).tokens == want[0]
+    eng, msgs, want, s = _three_turns_and_a_session_after_one(zoo, seed=5)
     move = (lambda: s.send(msgs[2])) if method == "send" else getattr(s, method)
     with pytest.raises(RuntimeError, match=rf"Session.{method}\(\) was called during this session's own turn"):
         s.send(msgs[1], on_tokens=lambda ids: move())
@@ -383,13 +390,7 @@ def test_a_ctrl_c_as_a_turn_ends_undoes_it(zoo, monkeypatch):
     one interrupted mid-round."""
     import hyspec.session as session_mod
 
-    eng = engine(zoo, "qwen3_5")
-    msgs = messages(eng.model.cfg.vocab_size, 3, seed=6)
-    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
-    want = [ref.send(m).tokens for m in msgs]
-    ref.close()
-    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
-    assert s.send(msgs[0]).tokens == want[0]
+    eng, msgs, want, s = _three_turns_and_a_session_after_one(zoo, seed=6)
     real = session_mod.capture
 
     def interrupted(seq):
