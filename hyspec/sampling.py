@@ -126,7 +126,8 @@ PENALTY_MAX = 1e4
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling configuration (llama.cpp / vLLM meanings).
+    """Sampling configuration: transformers' / vLLM's order (penalties, temperature, top-k,
+    top-p, min-p: docs/sampling.md), with llama.cpp's penalty window.
 
     temperature: 0 means greedy.  top_k: 0 = off.  top_p: 1.0 = off.  min_p: 0 = off.
     repetition_penalty: 1.0 = off.  frequency_penalty / presence_penalty: 0 = off.
