@@ -832,7 +832,11 @@ class Engine:
     def memory(self, context_len: int, budget_bytes: int | None = None) -> dict:
         """Bytes one sequence slot needs at `context_len` tokens, and how many slots fit in
         `budget_bytes` (default: free device memory on CUDA). `model_context_length` is the
-        model's own limit (max_position_embeddings): a longer context_len is sized, not run."""
+        model's own limit (max_position_embeddings): a longer context_len is sized, not run.
+        A lower bound of what runs: a request's slot also holds its draft rows and two more
+        (prompt + max_new_tokens + K + 2 positions), a session's grows by half again when a
+        turn needs more, and a GPU lane pads a few rows and keeps small per-lane buffers.
+        weight_bytes: the parameters, with kept-FP8 weights' scales."""
         from hyspec.core.slots import slot_bytes
 
         context_len = _int_arg("context_len", context_len, 1)
@@ -843,8 +847,9 @@ class Engine:
         per = slot_bytes(self.model.cfg, self.model.dtype, context_len, self.model.has_mtp)
         if budget_bytes is None and self.model.device.type == "cuda":
             budget_bytes = torch.cuda.mem_get_info(self.model.device)[0]
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        out = {"context_len": context_len, "slot_bytes": per, "weight_bytes": weights,
+        from hyspec.quant import weight_bytes
+
+        out = {"context_len": context_len, "slot_bytes": per, "weight_bytes": weight_bytes(self.model),
                "model_context_length": self.model.cfg.max_position_embeddings}  # (context_len may exceed it)
         if budget_bytes is not None:
             out["budget_bytes"] = budget_bytes

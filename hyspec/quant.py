@@ -46,6 +46,14 @@ from hyspec.model.ops import acc_dtype
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv ; stacked X -> X_scale_inv
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights: its parameters and, for block-FP8 weights kept FP8, their
+    scales and row maps (buffers, not parameters)."""
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    return n + sum(b.numel() * b.element_size() for name, b in model.named_buffers()
+                   if name.endswith((SCALE_SUFFIX, "_scale_rows")))
 _OTHER_FP8_NAMES = ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _OTHER_FP8 = tuple(d for d in (getattr(torch, n, None) for n in _OTHER_FP8_NAMES) if d is not None)
 

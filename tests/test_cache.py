@@ -117,6 +117,12 @@ def test_keep_without_records_and_record_sizes(zoo):
         assert cache.record_nbytes() == xcat + n_lin * T * state
         cache.clear_records()
         assert cache.record_nbytes() == 0
+        # the stashed inputs hold only their own bytes: v was a view of the [T, C] conv
+        # output in a float32 model, so the record pinned more than record_nbytes said
+        m.forward_hidden(NEW, cache, StepCtx(start=cache.pos, exact=True, record="inputs"))
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for s in cache.linear_states for t in (s.record.xcat, *s.record.inputs)}
+        assert cache.record_nbytes() == sum(held.values())
 
 
 def test_bounds_and_positions(zoo):

@@ -172,6 +172,18 @@ def test_fp8_loads_in_bf16(ckpts):
             assert torch.equal(a, b.to(torch.bfloat16)), k
 
 
+def test_engine_memory_counts_the_kept_fp8_scales(ckpts):
+    """Engine.memory's weight_bytes summed the parameters only: weights kept FP8 left out
+    their block scales and row maps (buffers), which the bench's report counted."""
+    from hyspec.engine import Engine
+
+    for arch, block in (("qwen3_5_moe", (32, 48)), ("qwen3_next", (128, 128))):
+        m = load_model(ckpts(arch, "per_expert", block), dtype="bfloat16", fp8="keep")
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in m.state_dict().values()}
+        assert any(n.endswith("_scale_inv") for n, _ in m.named_buffers())
+        assert Engine(m).memory(16)["weight_bytes"] == sum(held.values())
+
+
 def test_keep_fp8_hook_returns_weights_and_scales(ckpts):
     """read_tensors(dequantize=False): the GPU path's hook gets the stored fp8 weights + scales."""
     d = ckpts("qwen3_5_moe", "per_expert", (32, 48))

@@ -406,6 +406,30 @@ def test_a_ctrl_c_as_a_turn_ends_undoes_it(zoo, monkeypatch):
     assert not eng.session_scheduler().pool.used
 
 
+def test_a_growing_session_slot_keeps_to_the_pool_budget(zoo):
+    """A turn that needs a longer slot grew it without looking at the pool's budget (held
+    3.5x a budget of one slot, no error). Now growing past the budget is a MemoryError for
+    that turn, the session stays as before it, and with room it goes on exactly."""
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=7)
+    ref = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    want = [ref.send(m).tokens for m in msgs]
+    ref.close()
+    pool = eng.session_scheduler().pool
+    pool.free.clear()  # (no free slot of earlier sessions to reuse: the first turn's slot is its own size)
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0]).tokens == want[0]
+    pool.budget_bytes = pool.held_bytes  # (that slot alone: no room to grow)
+    try:
+        with pytest.raises(MemoryError, match="growing a slot to .* tokens needs .* more bytes"):
+            s.send(msgs[1])
+        assert pool.held_bytes <= pool.budget_bytes and s.num_turns == 1
+    finally:
+        pool.budget_bytes = None
+    assert [s.send(m).tokens for m in msgs[1:]] == want[1:]
+    s.close()
+
+
 def test_on_finish_is_called_once_even_when_it_raises(zoo):
     eng = engine(zoo, "qwen3_5")
     calls = []

@@ -31,12 +31,10 @@ def memory_report(model, dev, lengths) -> dict:
     """Peak GPU memory so far, bytes of the weights, and how many sequence slots of each
     length fit in what is free (hyspec.core.slots.slot_bytes per slot)."""
     from hyspec.presets import slots_that_fit
+    from hyspec.quant import weight_bytes
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    weight_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                        if n.endswith(("_scale_inv", "_scale_rows")))  # block-FP8 scales
     free, total = torch.cuda.mem_get_info(dev)
-    return {"weights_bytes": weight_bytes, "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
+    return {"weights_bytes": weight_bytes(model), "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev),
             "allocated_bytes": torch.cuda.memory_allocated(dev), "free_bytes": free, "total_bytes": total,
             "slots": [slots_that_fit(model.cfg, model.dtype, length, free, bool(model.has_mtp)) for length in lengths]}
 

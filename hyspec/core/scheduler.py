@@ -260,10 +260,9 @@ class Scheduler:
                         raise ValueError("this kept Sequence was already continued by another request: resume from "
                                          "that request's Sequence, or from a SeqState captured before "
                                          "(hyspec.core.state.capture), which can be resumed any number of times")
-                    resume.continued = True
                     slot = resume.slot
-                    if need > slot.length:  # grow (keeping every row), with headroom for later turns
-                        slot.grow(self.model, max(need, slot.length + slot.length // 2))
+                    self.pool.grow(slot, need)  # (keeping every row; within the pool's budget: else a MemoryError
+                    resume.continued = True  # for this request, and the kept Sequence is still the one to resume)
         except Exception as e:
             self._finish_request(req, "error", e)
             return

@@ -139,6 +139,24 @@ class SlotPool:
         self.used[slot.index] = slot
         return slot
 
+    def grow(self, slot: Slot, need: int) -> None:
+        """Make a held slot room for `need` tokens, keeping its rows, within the budget (as
+        alloc: free slots are dropped to make room). Headroom for later turns (1.5x its
+        length) where the budget has it without dropping any; else exactly `need`."""
+        if need <= slot.length:
+            return
+        roomy = max(need, slot.length + slot.length // 2)
+        for length, may_drop in ((roomy, False), (need, True)):
+            extra = self.bytes_per_slot(length)["total"] - slot.nbytes()
+            while may_drop and self.free and self.budget_bytes is not None \
+                    and self.held_bytes + extra > self.budget_bytes:
+                self.free.pop(0)
+            if self.budget_bytes is None or self.held_bytes + extra <= self.budget_bytes:
+                slot.grow(self.model, length)
+                return
+        raise MemoryError(f"growing a slot to {need} tokens needs {extra} more bytes; {self.held_bytes} of the "
+                          f"{self.budget_bytes}-byte slot budget are held")
+
     def release(self, slot: Slot) -> None:
         if self.used.pop(slot.index, None) is not None:
             self.free.append(slot)

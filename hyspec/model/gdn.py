@@ -262,7 +262,8 @@ class GatedDeltaNet(nn.Module):
             if ctx.record == "states":
                 st.record = GdnRecord(xcat=xcat, states=states)
             elif ctx.record == "inputs":
-                st.record = GdnRecord(xcat=xcat, inputs=(q, k, v, g, beta))
+                # (v: its own rows; in a float32 model it is a view of y, whose whole [T, C] it kept)
+                st.record = GdnRecord(xcat=xcat, inputs=(q, k, v.contiguous(), g, beta))
             else:
                 st.record = None
         return o
