@@ -293,6 +293,11 @@ def engine_call(engine_of=lambda obj: obj):
     return wrap
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
 one_at_a_time = engine_call()  # Engine's own methods (Session's: engine_call(lambda s: s.engine))
 
 
@@ -708,9 +713,13 @@ class Engine:
         batch_graphs is set (the Triton interpreter in tests); not on a pipeline; needs triton."""
         if self.backend is not None or not (self.model.device.type == "cuda" or self.batch_graphs):
             return False
-        from hyspec.kernels.common import triton_available
+        from hyspec.kernels.common import triton_unusable
 
-        return triton_available()
+        why = triton_unusable()
+        if why is not None:
+            _warn_once(f"the GPU fast path is off: {why}; requests run on the reference engine core (exact, but "
+                       "orders of magnitude slower)")
+        return why is None
 
     def new_batch_decoder(self, slots: int, max_len: int, k_max: int):
         """A BatchDecoder of this model (max_len capped by the context; on a GPU the cached

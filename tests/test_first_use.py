@@ -698,3 +698,28 @@ def test_a_directory_or_missing_input_file_is_named(tmp_path, capsys) -> None:
     assert f"--corpus {tmp_path / 'none.xz'} does not exist" in capsys.readouterr().err
     assert main(["train", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "m")]) == 2
     assert f"--tokenizer {tmp_path} is a directory, not a file" in capsys.readouterr().err
+
+
+def test_a_triton_too_old_for_the_kernels_turns_the_fast_path_off_with_a_warning(monkeypatch):
+    """torch 2.4-2.7's CUDA wheels pin triton 3.0-3.3, whose compiler fails on every one of
+    our kernels ("NameError: tl is not defined", at the first launch): only the import was
+    checked. Such a triton now counts as unusable: the engine says so once and runs the
+    reference engine core."""
+    triton = pytest.importorskip("triton")
+    from hyspec.engine import Engine
+    from hyspec.kernels import common
+
+    monkeypatch.setattr(triton, "__version__", "3.3.1")
+    common.triton_unusable.cache_clear()
+    try:
+        assert not common.triton_available() and "triton 3.3.1 is older than 3.4" in common.triton_unusable()
+        eng = Engine.load()
+        eng.batch_graphs = True  # (as on a GPU: the lanes would run)
+        with pytest.warns(UserWarning, match="the GPU fast path is off: triton 3.3.1 is older than 3.4"):
+            assert not eng.graphs_available()
+        assert eng.generate("def f(x):", max_new_tokens=4, draft=2).tokens  # (the engine core serves it)
+        monkeypatch.setattr(triton, "__version__", "3.4.0")
+        common.triton_unusable.cache_clear()
+        assert common.triton_available()
+    finally:
+        common.triton_unusable.cache_clear()

@@ -7,6 +7,7 @@ hand to the RMSNorm, and the triton import check.
 """
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 import torch
@@ -74,12 +75,26 @@ class MoePartials:
         return acc.to(dtype)
 
 
+TRITON_MIN = (3, 4)  # the kernels are built inside functions: older compilers see module globals only
+
+
 @lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when triton imports (checked once, then cached)."""
+def triton_unusable() -> str | None:
+    """Why the Triton kernels cannot run here, or None when they can (checked once, then
+    cached): triton does not import, or it is older than 3.4, whose compiler fails on every
+    kernel ("NameError: tl is not defined"; torch 2.4-2.7's CUDA wheels pin 3.0-3.3)."""
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as e:
+        return f"triton does not import ({type(e).__name__}: {e})"
+    version = getattr(triton, "__version__", "0")
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < TRITON_MIN:
+        return (f"triton {version} is older than {'.'.join(map(str, TRITON_MIN))}, whose compiler the kernels need "
+                "(pip install 'triton>=3.4'; torch >= 2.8 brings one)")
+    return None
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run here (triton_unusable() is None)."""
+    return triton_unusable() is None
