@@ -254,6 +254,17 @@ def stage_keeps(key: str, layers: range, last: bool) -> bool:
 FP8_MODES = ("keep", "dequantize")
 
 
+def check_model_dir(path: str | Path) -> Path:
+    """`path` as a Path when it is a directory, else a CheckpointError naming what it is."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
+                              f"(config.json + *.safetensors)")
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
+    return path
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                load_mtp: bool = True, layers: range | None = None, fp8: str | None = None,
                ssm_dtype: str | None = None) -> HybridLM:
@@ -275,12 +286,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     bytes (more sequence slots; no faster on the H200: docs/models.md) and rounds it after
     every token: the output then differs from an fp32 state's, not between plain and
     speculative decoding."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
-                              f"(config.json + *.safetensors)")
-    if not path.is_dir():
-        raise CheckpointError(f"model directory {path} does not exist")
+    path = check_model_dir(path)
     dtype = parse_dtype(dtype, device)
     if fp8 is not None and fp8 not in FP8_MODES:
         raise ValueError(f"fp8 must be one of {', '.join(FP8_MODES)}, got {fp8!r}")

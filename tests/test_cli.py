@@ -458,3 +458,19 @@ def test_version_and_python_dash_m():
 
     r = subprocess.run([sys.executable, "-m", "hyspec", "--version"], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, f"hyspec {hyspec.__version__}"), r.stderr
+
+
+def test_bench_names_the_embedded_model_and_checks_model_first(tmp_path):
+    """The README's `--model hyspec/default_model` worked from a checkout only (an installed
+    package has no such relative path): `--config default` names the embedded model anywhere.
+    A --model that is no directory was found after the header and the bandwidth measurement."""
+    from hyspec.bench import cli as bench_cli
+    from hyspec.engine import default_model_dir
+    from hyspec.loading import CheckpointError
+
+    parse = bench_cli.build_parser().parse_args
+    args = parse(["--config", "default", "--device", "cpu"])
+    bench_cli.resolve_device(args)
+    assert args.model == str(default_model_dir())
+    with pytest.raises(CheckpointError, match=f"model directory {tmp_path / 'none'} does not exist"):
+        bench_cli.resolve_device(parse(["--model", str(tmp_path / "none"), "--device", "cpu"]))

@@ -44,11 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     from hyspec.presets import ALIASES, BENCH_MODELS, PRESETS
 
     ap = OneLineParser(prog="hyspec bench", description=hyspec.bench.__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--config", default=None, choices=[*BENCH_MODELS, *ALIASES, "tiny", *PRESETS],
+    ap.add_argument("--config", default=None, choices=[*BENCH_MODELS, *ALIASES, "tiny", *PRESETS, "default"],
                     help="in-memory random model (default: qwen3-next-2b-dense on a GPU, tiny on the CPU): "
                          "qwen3-next-2b-dense (old name b2: the bench's own ~2.3 B model), "
                          "tiny, or a preset with published shapes (qwen3.5-27b, qwen3.5-35b-a3b, "
-                         "qwen3-next-80b-a3b-fp8; GPU only; hyspec/presets.py)")
+                         "qwen3-next-80b-a3b-fp8; GPU only; hyspec/presets.py); or default: the embedded "
+                         "default model (trained, so its drafts are accepted; the same as --model with its directory)")
     ap.add_argument("--fp8", action="store_true",
                     help="in-memory models (presets, bench model, tiny): build the block-FP8 form (Qwen's -FP8 "
                          "checkpoints: float8 weights + 128x128 block scales, kept FP8 on the device); the "
@@ -171,6 +172,14 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         from hyspec.engine import check_device
 
         dev = check_device(args.device)
+    if args.config == "default":  # the embedded default model: a trained MTP head (random weights draft noise)
+        from hyspec.engine import default_model_dir
+
+        args.model = args.model or str(default_model_dir())
+    if args.model is not None:  # (before the header and the bandwidth measurement)
+        from hyspec.loading import check_model_dir
+
+        check_model_dir(args.model)
     if args.config is None:  # the 2.3 B bench model takes ~10 GB and minutes per figure on a CPU
         args.config = "qwen3-next-2b-dense" if dev.type == "cuda" else "tiny"
     elif dev.type != "cuda" and args.model is None and args.config in ("qwen3-next-2b-dense", "b2"):
