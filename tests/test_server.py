@@ -305,6 +305,17 @@ def test_errors(server, client):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
 
 
+def test_echo_only_choices_count_as_finished(server, client):
+    """An echo with max_tokens 0 answers finish_reason "length" without running: it was in no
+    finish counter nor the latency histogram (its prompt tokens were counted)."""
+    key = 'hyspec_requests_total{finish_reason="length"}'
+    before = (metric(server, key), metric(server, "hyspec_e2e_request_latency_seconds_count"))
+    r = client.completions.create(model=MODEL, prompt=["x = 1", "y = 2"], max_tokens=0, echo=True)
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    assert (metric(server, key), metric(server, "hyspec_e2e_request_latency_seconds_count")) == (
+        before[0] + 2, before[1] + 2)
+
+
 def test_metrics_move(server, client):
     before = {k: metric(server, k) for k in ("hyspec_generation_tokens_total", "hyspec_prompt_tokens_total",
                                              "hyspec_spec_drafts_total", "hyspec_spec_draft_tokens_total",
@@ -368,9 +379,14 @@ def test_second_chat_turn_resumes_from_the_prefix_store(server, client, ref_engi
     assert after["hyspec_prefix_cache_hits_total"] == before["hyspec_prefix_cache_hits_total"] + 1
     assert after["hyspec_prefix_cache_cached_tokens_total"] == before["hyspec_prefix_cache_cached_tokens_total"] + cached
     assert httpx.get(server.url + "/health").json()["prefix_store"]["hits"] >= 1
-    # n samples of one prompt: its reused tokens count once, as its prompt tokens do (were n times)
+    # n samples of one prompt: its reused tokens count once, as its prompt tokens do (were n times),
+    # in usage and in the metrics (which counted each sample: cached tokens outgrew prompt tokens)
+    before = {k: metric(server, k) for k in (*PREFIX_METRICS, "hyspec_prompt_tokens_total")}
     r3 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0.7, seed=1, n=3)
     assert (r3.usage.prompt_tokens, r3.usage.prompt_tokens_details.cached_tokens) == (len(p2), cached)
+    moved = {k: metric(server, k) - v for k, v in before.items()}
+    assert moved == {"hyspec_prefix_cache_queries_total": 1, "hyspec_prefix_cache_hits_total": 1,
+                     "hyspec_prefix_cache_cached_tokens_total": cached, "hyspec_prompt_tokens_total": len(p2)}
 
 
 def test_no_prefix_store_flag():
@@ -601,9 +617,9 @@ def test_prefix_queries_count_only_sequences_that_ran():
 
     m = Metrics()
     m.prefix_store = True
-    m.observe_finish("cancelled", {})
-    m.observe_finish("error", {"error": "refused"})
-    m.observe_finish("stop", {"prompt_tokens": 5, "cached_tokens": 3})
+    m.observe_prefix([{}])  # cancelled in the queue
+    m.observe_prefix([{"error": "refused"}])
+    m.observe_prefix([{"prompt_tokens": 5, "cached_tokens": 3}])
     assert m.prefix_queries._value.get() == 1 and m.prefix_hits._value.get() == 1
 
 

@@ -82,6 +82,9 @@ class Choice:
         state = self.run.state
         state.metrics.observe_finish(self.finish_reason, stats)
         state.metrics.e2e.observe(time.perf_counter() - self.run.t0)
+        siblings = [c for c in self.run.choices if c.prompt_ids is self.prompt_ids]  # (Run.add: one shared list)
+        if all(c.job_done for c in siblings):  # the prompt's last sample: its prefix figures, once
+            state.metrics.observe_prefix([c.stats for c in siblings])
         self.run.notify()
 
     @property
@@ -125,14 +128,17 @@ class Run:
 
     def start(self) -> None:
         jobs = [c.job for c in self.choices if c.job.max_new_tokens > 0]
-        for choice in self.choices:
-            if choice.job.max_new_tokens == 0:
-                choice.job_done, choice.finish_reason = True, "length"
         try:
             self.state.worker.submit(jobs)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full") from None
-        self.state.metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
+        metrics = self.state.metrics
+        metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
+        for choice in self.choices:
+            if choice.job.max_new_tokens == 0:  # echo only: finished without running (counted as one, as usage does)
+                choice.job_done, choice.finish_reason = True, "length"
+                metrics.observe_finish("length", {})
+                metrics.e2e.observe(time.perf_counter() - self.t0)
 
     @property
     def done(self) -> bool:

@@ -28,12 +28,14 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("hyspec_e2e_request_latency_seconds", "request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefix_queries = Counter("hyspec_prefix_cache_queries", "sequences that looked up the prefix store",
+        # per prompt, as usage counts a prompt once however many samples it has
+        self.prefix_queries = Counter("hyspec_prefix_cache_queries", "prompts that looked up the prefix store",
                                       registry=r)
-        self.prefix_hits = Counter("hyspec_prefix_cache_hits", "sequences that reused cached prefix tokens",
+        self.prefix_hits = Counter("hyspec_prefix_cache_hits", "prompts that reused cached prefix tokens",
                                    registry=r)
         self.prefix_cached_tokens = Counter("hyspec_prefix_cache_cached_tokens",
-                                            "prompt tokens served from the prefix store", registry=r)
+                                            "prompt tokens served from the prefix store (a prompt's most over "
+                                            "its samples, as usage's cached_tokens)", registry=r)
         self.spec_drafts = Counter("hyspec_spec_drafts", "speculative rounds (each verifies one draft)", registry=r)
         self.spec_draft_tokens = Counter("hyspec_spec_draft_tokens", "drafted tokens", registry=r)
         self.spec_accepted_tokens = Counter("hyspec_spec_accepted_tokens", "accepted draft tokens", registry=r)
@@ -52,14 +54,21 @@ class Metrics:
         self._accepted = 0
         self.prefix_store = True  # the server looks prompts up in a prefix store (--no-prefix-store: False)
 
-    def observe_finish(self, reason: str, stats: dict) -> None:
-        self.requests.labels(finish_reason=reason).inc()
-        if self.prefix_store and "prompt_tokens" in stats:  # it ran (not cancelled in the queue, not refused)
+    def observe_prefix(self, samples: list[dict]) -> None:
+        """One prompt's prefix-store figures, from the stats of its finished samples: a query
+        when any of them ran (not cancelled in the queue, not refused), its cached tokens the
+        most any reused (the n samples of one prompt counted once, as in usage: per sample,
+        cached tokens outgrew the prompt tokens counted)."""
+        if self.prefix_store and any("prompt_tokens" in st for st in samples):
             self.prefix_queries.inc()
-        cached = int(stats.get("cached_tokens", 0) or 0)
+        cached = max((int(st.get("cached_tokens", 0) or 0) for st in samples), default=0)
         if cached > 0:
             self.prefix_hits.inc()
             self.prefix_cached_tokens.inc(cached)
+
+    def observe_finish(self, reason: str, stats: dict) -> None:
+        """A finished sequence (its prompt's prefix figures: observe_prefix)."""
+        self.requests.labels(finish_reason=reason).inc()
         spec = stats.get("spec")
         if spec:
             rounds = int(spec.get("rounds", 0))
