@@ -61,8 +61,8 @@ class Vocab:
 
 
 _VOCAB_CACHE: dict = {}  # (a file's path, size and mtime, vocab_size, eos ids) -> Vocab
-# an engine's tokenizer without a file -> {(vocab_size, eos ids): Vocab}; weak, so a freed
-# tokenizer's entry goes with it (keyed by id(), a new tokenizer at a reused id got its Vocab)
+# an engine's tokenizer -> {(vocab_size, eos ids): Vocab}; weak, so a freed tokenizer's entry
+# goes with it (keyed by id(), a new tokenizer at a reused id got its Vocab)
 _TOKENIZER_VOCABS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -77,16 +77,15 @@ def vocab_for(source, *, vocab_size: int | None = None, eos_ids=None) -> Vocab:
         cfg = source.model.cfg
         vocab_size = cfg.vocab_size if vocab_size is None else vocab_size
         eos_ids = cfg.eos_token_ids if eos_ids is None else eos_ids
-        if source.model_dir is not None and (Path(source.model_dir) / "tokenizer.json").is_file():
-            path = Path(source.model_dir) / "tokenizer.json"
-        elif source.tokenizer is not None:
+        if source.tokenizer is not None:  # the tokenizer it encodes with (its file may have been rewritten)
             cache = _TOKENIZER_VOCABS.setdefault(source.tokenizer, {})
             key = (vocab_size, tuple(eos_ids or ()))
             if key not in cache:
                 cache[key] = _make_vocab(source.tokenizer._tok.to_str(), vocab_size, eos_ids)
             return cache[key]
-        else:
+        if source.model_dir is None or not (Path(source.model_dir) / "tokenizer.json").is_file():
             raise ValueError("constraints need the checkpoint's tokenizer.json (this model has none)")
+        path = Path(source.model_dir) / "tokenizer.json"  # (a model without its tokenizer loaded: the file's)
     else:
         p = Path(source)
         if p.is_dir():

@@ -54,6 +54,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     return n + sum(b.numel() * b.element_size() for name, b in model.named_buffers()
                    if name.endswith((SCALE_SUFFIX, "_scale_rows")))
+
+
 _OTHER_FP8_NAMES = ("float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 _OTHER_FP8 = tuple(d for d in (getattr(torch, n, None) for n in _OTHER_FP8_NAMES) if d is not None)
 

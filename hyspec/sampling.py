@@ -126,8 +126,9 @@ PENALTY_MAX = 1e4
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling configuration: transformers' / vLLM's order (penalties, temperature, top-k,
-    top-p, min-p: docs/sampling.md), with llama.cpp's penalty window.
+    """Sampling configuration: transformers' order (penalties, temperature, top-k, top-p,
+    min-p: docs/sampling.md; vLLM's v0 too, its v1 applies min-p first), with llama.cpp's
+    penalty window.
 
     temperature: 0 means greedy.  top_k: 0 = off.  top_p: 1.0 = off.  min_p: 0 = off.
     repetition_penalty: 1.0 = off.  frequency_penalty / presence_penalty: 0 = off.

@@ -298,6 +298,10 @@ class Session:
                       constraint=matcher, logprobs=logprobs)
         sched = eng.session_scheduler()
         sched.validate(req)  # invalid input raises here; the session is unchanged
+        # the rewind point of this turn: the session before it (made now, so that nothing but
+        # the assignments below runs between the turn's end and its record)
+        point = RewindPoint(self._boundary, self._matcher, self.telemetry.copy(), self.last_stats, self._last_draft,
+                            self._reply)
         if self._graph_turn(req):
             seq, end = None, req.end_state
         else:
@@ -324,13 +328,12 @@ class Session:
                 self._release()
                 self._state = self._boundary
                 raise
+        reply = (self._reply if not ids else []) + list(req.tokens)
         # a turn that ran (or failed mid-round: the round was undone, the earlier rounds are committed)
-        self._points.append(RewindPoint(self._boundary, self._matcher, self.telemetry.copy(), self.last_stats,
-                                        self._last_draft, self._reply))
-        self._reply = (self._reply if not ids else []) + list(req.tokens)
+        self._seq, self._state, self._boundary = seq, (end if seq is None else None), end
+        self._points.append(point)
+        self._reply = reply
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
-        self._seq, self._state = seq, (end if seq is None else None)
-        self._boundary = end
         self._speculative = n_drafts > 0
         self._last_draft = n_drafts
         if self.use_store:

@@ -474,3 +474,6 @@ def test_bench_names_the_embedded_model_and_checks_model_first(tmp_path):
     assert args.model == str(default_model_dir())
     with pytest.raises(CheckpointError, match=f"model directory {tmp_path / 'none'} does not exist"):
         bench_cli.resolve_device(parse(["--model", str(tmp_path / "none"), "--device", "cpu"]))
+    for extra in (["--model", str(tmp_path)], ["--fp8"]):
+        with pytest.raises(ValueError, match=f"{extra[0]} does not go with it"):
+            bench_cli.resolve_device(parse(["--config", "default", "--device", "cpu", *extra]))

@@ -279,6 +279,13 @@ def test_a_tokenizer_file_rewritten_in_place_is_read_again(tmp_path):
     shutil.copy(make_tiny("qwen3_5", tmp_path / "tiny", hidden=32, layers=2, seed=1) / "tokenizer.json", t)
     assert vocab_for(t).fingerprint != first.fingerprint
     assert vocab_for(t) is vocab_for(t)  # (unchanged: the cached one)
+    # an engine's constraints follow the tokenizer it encodes with, not its file rewritten since
+    d = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, d)
+    eng = Engine.load(d)
+    shutil.copy(tmp_path / "tiny" / "tokenizer.json", d / "tokenizer.json")
+    out = eng.generate("x = ", max_new_tokens=6, constraint=eng.constraint("choice", ["hello", "world"]))
+    assert out.text.replace("<|endoftext|>", "") in ("hello", "world")
 
 
 @pytest.mark.parametrize("lark", ['start: "x=" foo\nfoo[stop=";"]: /[a-z]+/\n',

@@ -139,7 +139,9 @@ def test_fork_is_independent(zoo, arch):
     f = s.fork()
     got_a, got_b = [], []
     got_a.append(s.send(msgs[2]).tokens)  # interleaved
-    s.park()  # (its slot given back: the next turn resumes from the boundary, the same bits)
+    held = len(eng.session_scheduler().pool.used)
+    s.park()  # its slot given back: the next turn resumes from the boundary, the same bits
+    assert len(eng.session_scheduler().pool.used) == held - 1
     got_b.append(f.send(msgs[3]).tokens)
     got_a.append(s.send(msgs[3]).tokens)
     got_b.append(f.send(msgs[2]).tokens)

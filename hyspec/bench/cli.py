@@ -175,7 +175,10 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
     if args.config == "default":  # the embedded default model: a trained MTP head (random weights draft noise)
         from hyspec.engine import default_model_dir
 
-        args.model = args.model or str(default_model_dir())
+        for flag, given in (("--model", args.model is not None), ("--fp8", args.fp8)):
+            if given:  # (the one would have replaced the model in silence, the other been ignored)
+                raise ValueError(f"--config default is the embedded model's checkpoint: {flag} does not go with it")
+        args.model = str(default_model_dir())
     if args.model is not None:  # (before the header and the bandwidth measurement)
         from hyspec.loading import check_model_dir
 

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         res = train(a, log=lambda s: print(s, flush=True))
     except TrainingFailed as e:  # the run failed (not the user's flags): exit 1, as a run stopped early
         print(f"hyspec train: error: {e}", file=sys.stderr)
-        return 1
+        return 130 if f"({INTERRUPTED})" in str(e) else 1  # (a Ctrl-C before the first step ended)
     if res["stopped"] == INTERRUPTED:  # written, as the user asked; the shell's status for Ctrl-C
         print(f"hyspec train: training interrupted (Ctrl-C) at step {res['steps']}; {a.out} holds the weights "
               f"of step {res['chosen_step']}", file=sys.stderr)

@@ -82,8 +82,10 @@ def _stop_on_ctrl_c(flag: dict):
     the next step's boundary (never inside an optimizer step) and the run evaluates and writes
     what it learnt; a second one raises KeyboardInterrupt at once (nothing is written: the save
     is atomic). The previous handler is back on exit. Off the main thread (where Python
-    delivers no signals) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    delivers no signals), with SIGINT ignored (a background job: Ctrl-C is not for it) or
+    handled outside Python, it does nothing."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
         yield
         return
 
