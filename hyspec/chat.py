@@ -330,16 +330,20 @@ class Chat:
         last = session.last_stats or {}
         spec = last.get("spec")
         state = session.state()
+        overall = session.telemetry.copy()  # the conversation's: with the sessions a restart kept aside
+        for old, _ in self.previous:
+            overall.merge(old.telemetry)
         return {
-            "turns": session.num_turns, "context_tokens": len(session.tokens),
+            "turns": session.num_turns + sum(old.num_turns for old, _ in self.previous),
+            "context_tokens": len(session.tokens),
             "turn_tokens": last.get("generated_tokens")
             and session.tokens[len(session.tokens) - last["generated_tokens"]:],
             "turn_prefilled": (last.get("prompt_tokens", 0) - last.get("cached_tokens", 0)) if last else None,
             "turn_ttft_s": last.get("time_to_first_token_s"),
             "turn_acceptance": None if not spec else {k: spec[k] for k in ("acceptance_length", "acceptance_rate")},
-            "overall_acceptance": (None if not session.telemetry.rounds else
-                                   {"acceptance_length": session.telemetry.acceptance_length,
-                                    "acceptance_rate": session.telemetry.acceptance_rate}),
+            "overall_acceptance": (None if not overall.rounds else
+                                   {"acceptance_length": overall.acceptance_length,
+                                    "acceptance_rate": overall.acceptance_rate}),
             "store": self.eng.store.stats(),
             "state_digest": None if state is None else state.digest(),
         }

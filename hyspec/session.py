@@ -442,9 +442,9 @@ class Session:
         (as the boundary, which the next turn resumes from, as after a rewind) and the rewind
         points. For a session kept aside that may be used again."""
         self._check_open()
-        if self._seq is not None:
-            self._release()
-            self._state = self._boundary
+        if self._seq is not None:  # (the slot's buffers let go of: the state lives on in the boundary, and a
+            self._release(keep=False)  # chat's restarts, each parking a session, piled up free slots no
+            self._state = self._boundary  # later turn was small enough to reuse)
 
     @_engine_turn
     @_not_in_own_turn
@@ -473,10 +473,10 @@ class Session:
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 
-    def _release(self) -> None:
+    def _release(self, keep: bool = True) -> None:
         with self.engine._lock:  # (also from __del__, in whichever thread collects the session)
             if self._seq is not None:
-                self.engine.session_scheduler().pool.release(self._seq.slot)
+                self.engine.session_scheduler().pool.release(self._seq.slot, keep=keep)
                 self._seq = None
 
     def _check_open(self) -> None:

@@ -569,6 +569,13 @@ def test_an_interrupted_restart_keeps_the_conversation(zoo, tmp_path):
     c.command("/rewind")
     assert c.session.tokens == held and c.session.num_turns == turns and c.messages == messages
     c.user("and again")  # (the record still ends in the test's "x": a restart again)
+    assert c.stats()["turns"] == 2  # (was the current session's: 1)
+    pool = eng.session_scheduler().pool
+    for i in range(4):  # each restart parks a session: its slot is let go of (they piled up in the free list)
+        c.rendered += "x"
+        c.user(f"turn {i}")
+    assert pool.stats()["slots_in_use"] == 1 and pool.stats()["slots_free"] <= 1, pool.stats()
+    c.command("/rewind 4")
     with pytest.raises(ValueError, match=r"cannot rewind 3 turn\(s\): the conversation has 2"):
         c.command("/rewind 3")
     assert c.session.num_turns == 1 and len(c.previous) == 1  # (a refused rewind changes nothing)

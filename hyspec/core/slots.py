@@ -157,8 +157,9 @@ class SlotPool:
         raise MemoryError(f"growing a slot to {need} tokens needs {extra} more bytes; {self.held_bytes} of the "
                           f"{self.budget_bytes}-byte slot budget are held")
 
-    def release(self, slot: Slot) -> None:
-        if self.used.pop(slot.index, None) is not None:
+    def release(self, slot: Slot, keep: bool = True) -> None:
+        """Give a slot back: kept for reuse, or (keep False) let go of with its buffers."""
+        if self.used.pop(slot.index, None) is not None and keep:
             self.free.append(slot)
 
     def stats(self) -> dict:
