@@ -438,9 +438,9 @@ class Session:
     @_engine_turn
     @_not_in_own_turn
     def park(self) -> None:
-        """Give the engine's slot back and keep everything else: the transcript, the state
-        (as the boundary, which the next turn resumes from, as after a rewind) and the rewind
-        points. For a session kept aside that may be used again."""
+        """Let the engine's slot (and its buffers) go and keep everything else: the transcript,
+        the state (as the boundary, which the next turn resumes from, as after a rewind) and
+        the rewind points. For a session kept aside that may be used again."""
         self._check_open()
         if self._seq is not None:  # (the slot's buffers let go of: the state lives on in the boundary, and a
             self._release(keep=False)  # chat's restarts, each parking a session, piled up free slots no
