@@ -14,9 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
     from hyspec.config import DTYPE_NAMES, SSM_CHOICES
     from hyspec.speculative.loop import MAX_DRAFT
 
-    from hyspec.cli.common import OneLineParser
+    from hyspec.cli.common import HelpFormatter, OneLineParser
 
-    p = OneLineParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)")
+    class Help(HelpFormatter):  # the defaults shown, but no "(default: None)" after a help that explains it
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+
+    p = OneLineParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)", formatter_class=Help)
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
@@ -26,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 3 when the model has an MTP head, else 0)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     p.add_argument("--max-queue", type=int, default=256, help="sequences waiting for a batch slot; beyond: 429")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: hyspec-default for the embedded model, else the directory name)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--no-prefix-store", action="store_true",

@@ -127,7 +127,7 @@ HELP = {
     "seq_len": "tokens per window",
     "lr": "peak learning rate",
     "min_lr_ratio": "final lr / peak lr (cosine)",
-    "warmup": "warm-up steps",
+    "warmup": "warm-up steps (at most a tenth of the run's steps)",
     "weight_decay": "AdamW weight decay",
     "grad_clip": "gradient norm clip (0: none)",
     "mtp_weight": "weight of the MTP loss",
