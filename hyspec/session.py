@@ -270,19 +270,21 @@ class Session:
             raise ValueError(f"this session decodes {'with' if self._speculative else 'without'} drafts since its "
                              f"first turn; draft={n_drafts} would need the drafter's rows for the whole transcript "
                              "(use a new session)")
-        limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if int_in(limit, 1) is None:
-            raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {limit!r}")
-        limit = int_in(limit, 1)  # (a numpy integer as a Python int)
+        given = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        limit = int_in(given, 1)  # (a numpy integer as a Python int)
+        if limit is None:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 in a session turn, got {given!r}")
         context = eng.model.cfg.max_position_embeddings
         total = len(self.tokens) + len(ids) + limit
         if total > context:
             raise ValueError(f"the conversation would reach {total} tokens ({len(self.tokens)} so far + {len(ids)} "
                              f"new + max_new_tokens {limit}), beyond the model's maximum context of {context} tokens "
                              "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
-        if logprobs is not None and int_in(logprobs, 0) is None:
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
-        logprobs = None if logprobs is None else int_in(logprobs, 0)
+        if logprobs is not None:
+            top = int_in(logprobs, 0)
+            if top is None:
+                raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
+            logprobs = top
         extra = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
         check_stop(extra, eng.model.cfg.vocab_size)
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
@@ -390,9 +392,10 @@ class Session:
         the turn that is now the last; {} when it is unknown: none, or a loaded session's) and
         the draft length a send without draft= takes (the one before the undone turns)."""
         self._check_open()
-        if int_in(n, 1) is None:
+        turns = int_in(n, 1)
+        if turns is None:
             raise ValueError(f"rewind needs a number of turns >= 1, got {n!r}")
-        n = int_in(n, 1)
+        n = turns
         if n > len(self._points):
             raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._points)}")
         p = self._points[-n]

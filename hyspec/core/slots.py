@@ -129,15 +129,21 @@ class SlotPool:
             slot.reset()
         else:
             need = self.bytes_per_slot(length)["total"]
-            while self.free and self.budget_bytes is not None and self.held_bytes + need > self.budget_bytes:
-                self.free.pop(0)  # drop a too-small free slot to make room
-            if self.budget_bytes is not None and self.held_bytes + need > self.budget_bytes:
+            if not self._room_for(need):
                 raise MemoryError(f"a slot of {length} tokens needs {need} bytes; {self.held_bytes} of the "
                                   f"{self.budget_bytes}-byte slot budget are held")
             slot = Slot(self._next, self.model, length)
             self._next += 1
         self.used[slot.index] = slot
         return slot
+
+    def _room_for(self, extra: int, drop_free: bool = True) -> bool:
+        """Whether `extra` more bytes fit the budget, free slots dropped (oldest first) to make
+        room when drop_free."""
+        while drop_free and self.free and self.budget_bytes is not None and \
+                self.held_bytes + extra > self.budget_bytes:
+            self.free.pop(0)  # drop a too-small free slot to make room
+        return self.budget_bytes is None or self.held_bytes + extra <= self.budget_bytes
 
     def grow(self, slot: Slot, need: int) -> None:
         """Make a held slot room for `need` tokens, keeping its rows, within the budget (as
@@ -146,12 +152,9 @@ class SlotPool:
         if need <= slot.length:
             return
         roomy = max(need, slot.length + slot.length // 2)
-        for length, may_drop in ((roomy, False), (need, True)):
+        for length, drop_free in ((roomy, False), (need, True)):
             extra = self.bytes_per_slot(length)["total"] - slot.nbytes()
-            while may_drop and self.free and self.budget_bytes is not None \
-                    and self.held_bytes + extra > self.budget_bytes:
-                self.free.pop(0)
-            if self.budget_bytes is None or self.held_bytes + extra <= self.budget_bytes:
+            if self._room_for(extra, drop_free):
                 slot.grow(self.model, length)
                 return
         raise MemoryError(f"growing a slot to {need} tokens needs {extra} more bytes; {self.held_bytes} of the "

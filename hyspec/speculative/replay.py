@@ -99,13 +99,14 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
       drafts (only with return_drafts): [[d_1..d_k] per position];
       mtp_forwards, seconds.
     """
-    if int_in(k, 1, MAX_DRAFT) is None:
+    checked = (int_in(k, 1, MAX_DRAFT), int_in(stride, 1), int_in(chunk, 1))  # (numpy integers as Python ints)
+    if checked[0] is None:
         raise ValueError(f"k (drafts per position) must be an integer in 1..{MAX_DRAFT}, got {k!r}")
-    if int_in(stride, 1) is None:
+    if checked[1] is None:
         raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    if int_in(chunk, 1) is None:
+    if checked[2] is None:
         raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    k, stride, chunk = int_in(k, 1), int_in(stride, 1), int_in(chunk, 1)  # (numpy integers as Python ints)
+    k, stride, chunk = checked
     if hidden not in ("post", "pre"):
         raise ValueError(f"hidden must be 'post' or 'pre', got {hidden!r}")
     if not model.has_mtp:
