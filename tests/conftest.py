@@ -95,6 +95,90 @@ def _interpreter_dot_in_fixed_order() -> None:
 _interpreter_dot_in_fixed_order()
 
 
+def _interpreter_type_objects_cached() -> None:
+    """Most of an interpreted kernel's time is Triton's front end re-deriving the same type
+    objects for every operation of every program: a block type's shape unwrapped and
+    validated, a tensor's shape turned into a tuple of constexprs, the numpy dtype of a
+    Triton dtype looked up in a dict built per call. Here each is derived once per shape / dtype name and reused (the
+    objects are never mutated in the interpreter): the same attributes, values and errors,
+    about a third less time per interpreted round (measured on this 2-core machine with
+    triton 3.9: test_batch_decoder's sampled lanes test 14.4 -> 9.2 s, test_sessions_graphs's
+    rewind test 24.2 -> 16.6 s). Applied only where a probe built both ways agrees (another
+    Triton version's objects: left alone)."""
+    import math
+
+    interpreter = _interpreter()
+    if interpreter is None:
+        return
+    try:
+        from triton.language import core
+
+        tl_tuple, constexpr, block_type, tensor = core.tuple, core.constexpr, core.block_type, core.tensor
+        orig_np, orig_bt, orig_tensor = interpreter._get_np_dtype, block_type.__init__, tensor.__init__
+    except AttributeError:
+        return
+
+    np_dtypes: dict = {}
+
+    def get_np_dtype(tt):  # the dtype's name names its numpy dtype (a block's: shape and element)
+        name = getattr(tt, "name", None)
+        r = np_dtypes.get(name) if type(name) is str else None
+        if r is None:
+            r = orig_np(tt)
+            if type(name) is str:
+                np_dtypes[name] = r
+        return r
+
+    blocks: dict = {}
+
+    def bt_init(self, element_ty, shape):
+        vals = shape.values if type(shape) is tl_tuple else shape if type(shape) is list else None
+        key = tuple([s.value if type(s) is constexpr else s for s in vals]) if vals else None
+        known = blocks.get(key) if key is not None and all(type(s) is int for s in key) else None
+        if known is None:  # first sight (validated) or anything unusual: Triton's own
+            orig_bt(self, element_ty, shape)
+            if key is not None and all(type(s) is int for s in key):
+                blocks[key] = (self.shape, self.numel, str(self.shape))
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, text = known
+        self.name = f"<{text}, {element_ty}>"
+
+    shapes: dict = {}
+
+    def tensor_init(self, handle, type):
+        self.handle = handle
+        block = type.is_block()
+        key = type.name if block else ""
+        known = shapes.get(key)
+        if known is None:
+            shape = type.shape if block else ()
+            known = shapes[key] = (constexpr(math.prod(shape)), tl_tuple([constexpr(s) for s in shape]))
+        self.numel, self.shape = known
+        self.type = type
+        self.dtype = type.scalar
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(str(a[k]) == str(b[k]) for k in a)
+
+    probe_ty = [block_type.__new__(block_type) for _ in range(3)]
+    orig_bt(probe_ty[0], core.float32, [constexpr(16), 8])
+    bt_init(probe_ty[1], core.float32, [constexpr(16), 8])
+    bt_init(probe_ty[2], core.float32, tl_tuple([16, constexpr(8)]))
+    probe_t = [tensor.__new__(tensor) for _ in range(2)]
+    orig_tensor(probe_t[0], None, probe_ty[0])
+    tensor_init(probe_t[1], None, probe_ty[2])
+    if not (same(vars(probe_ty[0]), vars(probe_ty[1])) and same(vars(probe_ty[0]), vars(probe_ty[2]))
+            and same(vars(probe_t[0]), vars(probe_t[1])) and get_np_dtype(probe_ty[2]) == orig_np(probe_ty[0])):
+        return
+    interpreter._get_np_dtype = get_np_dtype
+    block_type.__init__ = bt_init
+    tensor.__init__ = tensor_init
+
+
+_interpreter_type_objects_cached()
+
+
 def pytest_configure(config):
     """With -n N (pytest-xdist) and no --dist of its own choosing, the "worksteal" schedule:
     an idle worker takes tests queued for a busy one, so the suite does not wait on one
