@@ -137,7 +137,10 @@ class ChatTemplate:
     @classmethod
     def for_model(cls, model_dir) -> "ChatTemplate":
         source, where, special = load_template(model_dir)
-        return cls(source, special, where)
+        try:
+            return cls(source, special, where)
+        except TemplateError as e:  # which file's template: the error names it
+            raise TemplateError(f"{Path(model_dir) / where}: {e}") from None
 
     @property
     def reads_tools(self) -> bool:

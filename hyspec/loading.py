@@ -297,12 +297,18 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
     # float8 with their scales (fp8="keep"): the device only ever holds the model's one copy
     last = True
     keep = None
+    seen: set[int] = set()  # a pipeline stage's keep(): the layers the checkpoint's keys name
     if layers is not None:
         if not (0 <= layers.start < layers.stop <= cfg.num_hidden_layers) or layers.step != 1:
             raise ValueError(f"stage layers {layers} are not a contiguous range of 0..{cfg.num_hidden_layers - 1}")
         last = layers.stop == cfg.num_hidden_layers
         load_mtp = load_mtp and last
-        keep = (lambda k: stage_keeps(k, layers, last))
+
+        def keep(k: str) -> bool:  # (every layer a key names is seen, read or not: the count is checked below)
+            m = _LAYER_KEY.match(k)
+            if m:
+                seen.add(int(m.group(1)))
+            return stage_keeps(k, layers, last)
     qcfg = _quant_config(path) if fp8 == "keep" else None
     if qcfg is not None:
         from hyspec.quant import prepare_fp8
@@ -310,14 +316,15 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
         tensors = prepare_fp8(read_tensors(path, dequantize=False, keep=keep), qcfg)
     else:
         tensors = read_tensors(path, dtype=dtype, keep=keep)
-    if layers is None:  # a config.json with fewer or more layers than the weights hold: not run cut short
-        found = {int(m.group(1)) for k in tensors for m in [_LAYER_KEY.match(k)] if m}
-        # (more layers in config.json than in the weights: named here, before a model of
-        # 10,000,000 layers is built to list their missing tensors)
-        if found and max(found) + 1 != cfg.num_hidden_layers:
-            raise CheckpointError(f"config.json has num_hidden_layers={cfg.num_hidden_layers} but the checkpoint "
-                                  f"{path} holds weights of {max(found) + 1} layers (model.layers.0 .. "
-                                  f"model.layers.{max(found)}): config.json and the weights disagree")
+    # a config.json with fewer or more layers than the weights hold: not run cut short (also by
+    # a pipeline stage, which reads only its own layers but sees every layer's keys)
+    # (more layers in config.json than in the weights: named here, before a model of
+    # 10,000,000 layers is built to list their missing tensors)
+    found = seen if layers is not None else {int(m.group(1)) for k in tensors for m in [_LAYER_KEY.match(k)] if m}
+    if found and max(found) + 1 != cfg.num_hidden_layers:
+        raise CheckpointError(f"config.json has num_hidden_layers={cfg.num_hidden_layers} but the checkpoint "
+                              f"{path} holds weights of {max(found) + 1} layers (model.layers.0 .. "
+                              f"model.layers.{max(found)}): config.json and the weights disagree")
     has_mtp = load_mtp and any(k.startswith("mtp.") for k in tensors)
     with torch.device("meta"):
         model = HybridLM(cfg, with_mtp=has_mtp)
@@ -388,6 +395,11 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
             if name in kept:
                 p = getattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2] + "_scale_inv")
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                src = sources.get(name)
+                if name not in kept and src is not None and src.is_floating_point() and bool(torch.isfinite(src).all()):
+                    big = float(src.abs().max())  # finite in the file, not in the load dtype (fp16: max 65504)
+                    raise CheckpointError(f"tensor '{name}' holds values up to {big:.4g}, beyond the range of "
+                                          f"{p.dtype} it is loaded in: load it in bfloat16 or float32 (--dtype)")
                 raise CheckpointError(f"tensor '{name}'{' (its block scales)' if name in kept else ''} holds NaN or "
                                       f"infinite values: the checkpoint is damaged")
     d2t = tensors.get("mtp.d2t", tensors.get("d2t"))

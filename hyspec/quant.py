@@ -363,10 +363,14 @@ def prepare_fp8(tensors: dict[str, torch.Tensor], qcfg: Fp8BlockConfig | None) -
     block = qcfg.block
     for k in fp8:
         want = scale_shape(tuple(tensors[k].shape), block)
-        got = tuple(tensors[scale_key_of(k)].shape)
-        if got != want:
-            raise CheckpointError(f"tensor '{scale_key_of(k)}' has shape {list(got)}, expected {list(want)} for "
-                                  f"weight shape {list(tensors[k].shape)} and weight_block_size {list(block)}")
+        scale = tensors[scale_key_of(k)]
+        if tuple(scale.shape) != want:
+            raise CheckpointError(f"tensor '{scale_key_of(k)}' has shape {list(scale.shape)}, expected {list(want)} "
+                                  f"for weight shape {list(tensors[k].shape)} and weight_block_size {list(block)}")
+        if not scale.is_floating_point() or scale.dtype == FP8_DTYPE:  # (as dequantize: an int grid would be
+            # copied into the kept float scales, 0.0002 -> 0, and zero the weight without a word)
+            raise CheckpointError(f"tensor '{scale_key_of(k)}' has dtype {scale.dtype}; expected float32 (or bf16) "
+                                  f"scales")
     if block[1] % FP8_K_ALIGN:
         import warnings
 

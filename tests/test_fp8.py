@@ -321,6 +321,15 @@ def test_scale_shape_mismatch_is_named(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+def test_an_integer_scale_grid_is_refused(ckpt, fp8):
+    """Integer scales (0.0002 -> 0) zeroed every kept weight without a word (fp8="keep", the
+    default on CUDA); the dequantizing path refused them."""
+    _edit(ckpt, lambda t: t.update({KEY + "_scale_inv": t[KEY + "_scale_inv"].to(torch.int32)}))
+    with pytest.raises(CheckpointError, match=rf"'{KEY}_scale_inv' has dtype torch.int32; expected float32"):
+        load_model(ckpt, fp8=fp8)
+
+
 def test_scale_shape_of_other_block_size_is_rejected(ckpt):
     """A scale grid made for another block size does not silently dequantize."""
     _set_q(ckpt, weight_block_size=[128, 128])

@@ -218,6 +218,12 @@ def test_a_config_that_describes_another_model_than_the_weights_is_refused(ckpt)
     n = cfg["num_hidden_layers"]
     refused({"num_hidden_layers": n - 1},
             f"num_hidden_layers={n - 1} but the checkpoint .* holds weights of {n} layers")
+    # ... also for a pipeline stage (--pp), which reads only its own layers: it ran a
+    # cut-down model without a word
+    for stage in (range(0, 1), range(1, n - 1)):
+        with pytest.raises(CheckpointError, match=f"num_hidden_layers={n - 1} but the checkpoint .* holds weights "
+                                                  f"of {n} layers"):
+            load_model(ckpt, layers=stage)
     # more layers than the weights hold: named before a model of that many layers is built
     # (10,000,000 layers hung in the meta model's construction, memory growing; a smaller
     # excess was reported as the first missing tensor of the first absent layer)
@@ -497,3 +503,21 @@ def test_more_damaged_checkpoints_are_named(ckpt, tmp_path):
         load_model(ckpt)
     (ckpt / "config.json").write_text(json.dumps(cfg))
     assert load_model(ckpt).cfg.num_hidden_layers == cfg["num_hidden_layers"]
+
+
+def test_a_weight_beyond_float16s_range_is_not_called_damage(ckpt):
+    """A finite weight that overflows the load dtype (float16: max 65504) names the range and
+    the way out; it was "holds NaN or infinite values: the checkpoint is damaged"."""
+    key = "model.layers.0.mlp.shared_expert.down_proj.weight"
+    t = _tensors(ckpt)
+    t[key] = t[key].clone()
+    t[key][0, 0] = 1e6
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=rf"'{key}' holds values up to 1e\+06, beyond the range of "
+                                              r"torch.float16 .*bfloat16 or float32"):
+        load_model(ckpt, dtype="float16")
+    load_model(ckpt, dtype="float32")  # (the file is fine)
+    t[key][0, 0] = float("inf")
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match="holds NaN or infinite values: the checkpoint is damaged"):
+        load_model(ckpt, dtype="float32")

@@ -135,6 +135,16 @@ def test_fallback_template_and_errors():
     assert t.render([{"role": "user", "content": "x"}], True, greeting="hi") == "hi1True"
 
 
+def test_a_checkpoints_template_that_does_not_parse_names_its_file(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m "}))
+    with pytest.raises(TemplateError, match=r"tokenizer_config\.json: the chat template does not parse"):
+        ChatTemplate.for_model(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(TemplateError, match=r"chat_template\.jinja: the chat template does not parse"):
+        ChatTemplate.for_model(tmp_path)
+
+
 def test_incremental_decode_equals_full_decode(tok):
     """Committed text plus a re-decoded tail equals decoding everything at once, for rounds
     of any size, multi-byte characters included; what is emittable is always a prefix of
