@@ -92,7 +92,7 @@ def load_template(model_dir) -> tuple[str, str, dict]:
         try:
             return (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja", special
         except UnicodeDecodeError as e:
-            raise TemplateError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start})") \
+            raise TemplateError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start + 1})") \
                 from None
     return PLAIN_TEMPLATE, "plain", special
 

@@ -87,7 +87,7 @@ def read_json(p: Path) -> Any:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start + 1})") from None
 
 
 # storage dtypes of the Gated DeltaNet state (the `mamba_ssm_dtype` field, the `ssm_dtype` option)

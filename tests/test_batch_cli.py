@@ -121,16 +121,25 @@ def test_file_wide_flags_and_damaged_input(tmp_path):
              ["generate", "--prompts-file", str(one), "--temperature", "-1"],
              ["generate", "--prompts-file", str(mix), "--adaptive", "--adaptive-floor", "3", "--out",
               str(tmp_path / "mix_out.jsonl")],
-             ["generate", "--prompts-file", "/dev/null", "--pp", "2"]]
+             ["generate", "--prompts-file", "/dev/null", "--pp", "2"],
+             ["generate", "--prompts-file", str(one), "--max-new-tokens", "-1"],  # (was blamed on one.jsonl:1)
+             ["generate", "--prompts-file", str(keep), "--out", str(keep)],  # (it emptied the prompts)
+             ["generate", "--prompt", "a", "--stop-ids", "99999"]]  # (one prompt: the flag was not named)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = cli_many(calls, env=env)
     assert res[0][0] == res[1][0] == 0, res[0][2] + res[1][2]
     file_spec, one_spec = (json.loads(r[1].splitlines()[0])["stats"]["spec"] for r in res[:2])
     assert file_spec["drafted_at"] == one_spec["drafted_at"] and file_spec["accepted_at"] == one_spec["accepted_at"]
+    tail = res[-3:]
+    res = res[:-3]
     assert res[-2][0] == 0, res[-2][2]
     assert [json.loads(x)["line"] for x in (tmp_path / "mix_out.jsonl").read_text().splitlines()] == [1, 2]
     errs = [err for code, _, err in res[2:-2]] + [res[-1][2]]
     assert all(code == 2 for code, _, _ in res[2:-2] + res[-1:]) and not any("Traceback" in e for e in errs), errs
+    assert [code for code, _, _ in tail] == [2, 2, 2], tail
+    assert "--max-new-tokens must be >= 0" in tail[0][2] and "one.jsonl" not in tail[0][2]
+    assert "is the --prompts-file" in tail[1][2] and keep.read_text() == "precious\n"
+    assert "--stop-ids: stop id(s) [99999] out of range" in tail[2][2]
     assert "--forced-rates" in errs[0]
     assert "bad.jsonl:2: not UTF-8" in errs[1]
     assert "big.jsonl:1:" in errs[2] and "finite" in errs[2] and len(errs[2]) < 300
@@ -152,3 +161,39 @@ def test_prompts_file_from_a_pipe():
                        env=env, timeout=300)  # "-": standard input, as for most tools
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 2
+
+
+def test_ctrl_c_writes_the_finished_lines_only(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-batch: the lines finished so far are written (one after a line still running
+    too, with its line number), the cut-off ones are not (they were written as "error" rows,
+    "KeyboardInterrupt: ", so the file looked complete with two failures); exit 130."""
+    from hyspec.cli.dispatch import main
+    from hyspec.core.scheduler import Scheduler
+
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7], "max_new_tokens": n}) + "\n" for n in (2, 60, 2, 60)))
+    out = tmp_path / "out.jsonl"
+    step, calls = Scheduler.step, [0]
+
+    def interrupted_step(self):
+        calls[0] += 1
+        if calls[0] == 12:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Scheduler, "step", interrupted_step)
+    assert main(["generate", "--prompts-file", str(f), "--max-batch", "2", "--ignore-eos", "--out", str(out)]) == 130
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 3] and all(len(r["tokens"]) == 2 and "error" not in r for r in rows)
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_a_closed_standard_output_is_one_line(monkeypatch, capsys):
+    """`hyspec generate ... >&-` decoded everything, then died in a traceback at its first
+    write ('NoneType' object has no attribute 'write'); `hyspec score` printed nothing, exit 0."""
+    from hyspec.cli.dispatch import main
+
+    monkeypatch.setattr(sys, "stdout", None)
+    for argv in (["generate", "--prompt", "a"], ["score", "--text", "ab cd"]):
+        assert main(argv) == 2
+        assert "standard output is closed" in capsys.readouterr().err

@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     old_format = warnings.formatwarning
     warnings.formatwarning = _format_warning
     try:
+        if sys.stdout is None and cmd not in (None, "serve"):  # (`>&-`: every write would fail, after the work)
+            raise ValueError("standard output is closed: this command writes its results there (redirect it to a "
+                             "file instead)")
         if cmd in ("generate", "bench", "serve") and "--pp" in " ".join(argv):
             from hyspec import parallel
 

@@ -200,6 +200,8 @@ def _common_checks(args) -> None:
         raise ValueError(f"--lanes must be >= 1, got {args.lanes}")
     if args.max_batch is not None and args.max_batch < 1:  # (used with --prompts-file; checked always)
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_new_tokens < 0:  # (every line's default: the flag's error, not line 1's)
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.lanes > 1 and args.pp < 2:  # (as --optimistic: not ignored in silence)
         raise ValueError("--lanes alternates batch groups through pipeline stages: it needs --pp N with N >= 2")
 
@@ -225,6 +227,10 @@ def _file_options(args):
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
     if args.out is not None:
         check_out_file(args.out)
+        if args.prompts_file != "-" and os.path.exists(args.out) and os.path.exists(args.prompts_file) \
+                and os.path.samefile(args.out, args.prompts_file):  # (it was emptied before being read)
+            raise ValueError(f"--out {args.out} is the --prompts-file: the results would overwrite the prompts; "
+                             "give another file")
     requests = read_prompts_file(args.prompts_file, args)
     spec = None
     if any(r["draft"] > 0 for r in requests):
@@ -269,26 +275,30 @@ def run_file(args) -> int:
     written = 0
     bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=None)
 
+    def write(i, output) -> None:
+        row = {"index": i, "line": requests[i]["line"], "tokens": output.tokens, "text": output.text,
+               "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
+        if "error" in output.stats:  # this line's own failure (its constraint could not go on)
+            row["error"] = output.stats["error"]
+            failed.append(requests[i]["line"])
+        turn = requests[i]["turn"]
+        if turn is not None:
+            cut = requests[i]["stop"] if row["stop_reason"] == "stop" else ()
+            row["message"] = turn.message(output.tokens, stops, cut)
+        if output.logprobs is not None:
+            d = output.to_dict()
+            row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
+        sink.write(json.dumps(row) + "\n")
+        sink.flush()
+
     def finished(i, out) -> None:  # write results in input order as soon as the prefix is complete
         nonlocal written
+        if str(out.stats.get("error", "")).startswith("KeyboardInterrupt"):
+            return  # cut off by Ctrl-C: not a result (nor a failure of the line's own)
         finished_early[i] = out
         bar.update(1)
         while written in finished_early:
-            output = finished_early.pop(written)
-            row = {"index": written, "line": requests[written]["line"], "tokens": output.tokens, "text": output.text,
-                   "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
-            if "error" in output.stats:  # this line's own failure (its constraint could not go on)
-                row["error"] = output.stats["error"]
-                failed.append(requests[written]["line"])
-            turn = requests[written]["turn"]
-            if turn is not None:
-                cut = requests[written]["stop"] if row["stop_reason"] == "stop" else ()
-                row["message"] = turn.message(output.tokens, stops, cut)
-            if output.logprobs is not None:
-                d = output.to_dict()
-                row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
-            sink.write(json.dumps(row) + "\n")
-            sink.flush()
+            write(written, finished_early.pop(written))
             written += 1
 
     try:
@@ -297,6 +307,10 @@ def run_file(args) -> int:
                            stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, max_batch=args.max_batch,
                            on_finish=finished, constraint=[r["constraint"] for r in requests],
                            logprobs=[r["logprobs"] for r in requests], stop=[r["stop"] for r in requests])
+    except KeyboardInterrupt:  # the lines finished so far are written, those after an unfinished one
+        for i in sorted(finished_early):  # too (each row names its line); the unfinished ones are not
+            write(i, finished_early[i])
+        raise
     finally:
         bar.close()
         if args.out:
@@ -431,6 +445,11 @@ def run(args) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     ids = eng.encode(prompt)
     check_prompt(ids, eng.model.cfg.vocab_size)  # (before the printer decodes it)
+    if args.stop_ids:
+        try:
+            check_stop(args.stop_ids, eng.model.cfg.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"--stop-ids: {e}") from None
     printer = None
     if not args.json:
         printer = StreamPrinter(eng, ids, args.prompt, args.num_samples)

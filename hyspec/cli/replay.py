@@ -45,6 +45,12 @@ def run(args) -> int:
         raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")
     if not os.path.isfile(args.text_file):
         raise ValueError(f"--text-file {args.text_file} does not exist")
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    for flag, value, low, high in (("--k", args.k, 1, MAX_DRAFT), ("--stride", args.stride, 1, None),
+                                   ("--chunk", args.chunk, 1, None)):  # (the flag named, before the model loads)
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"{flag} must be {'in %d..%d' % (low, high) if high else '>= %d' % low}, got {value}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens: must be >= 2 (a replay needs a token to draft from and one to check), "
                          f"got {args.max_tokens}")
@@ -59,7 +65,7 @@ def run(args) -> int:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({e.reason} at byte {e.start + 1})") from None
     ids = eng.encode(text)
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
