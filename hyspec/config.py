@@ -61,6 +61,8 @@ def no_mtp_error(tail: str = NO_MTP_SPEC_TAIL) -> ValueError:
 def input_file(path, what: str) -> Path:
     """`path` (a user's ~ expanded) when it is a file to read; else ValueError naming `what`
     (the flag or argument): "WHAT: 'p' is a directory, not a file" or "WHAT: no such file 'p'"."""
+    if not str(path).strip():  # (Path('') is the current directory: "'' is a directory" misled)
+        raise ValueError(f"{what}: the file name is empty")
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValueError(f"{what}: {str(path)!r} is a directory, not a file" if p.is_dir() else

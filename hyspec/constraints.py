@@ -193,11 +193,26 @@ def grammar_for(kind: str, value, arg: str | None = None) -> str:
     raise ValueError(f"unknown constraint kind {kind!r}; choose one of {', '.join(KINDS)}")
 
 
-def _validated(grammar: str, vocab: Vocab, arg: str) -> str:
+def grammar_error_line(message: str, kind: str = "grammar") -> str:
+    """llguidance's error as one line: its first line with the cause it gives further down
+    ("error: unclosed character class") and without the quoted source under carets. For a
+    regex, the position and the "(in regex)" note are dropped: they point into the Lark
+    wrapper made around it (``start: /.../``), which the user never wrote."""
+    lines = [ln.strip() for ln in str(message).strip().splitlines()]
+    head = lines[0] if lines and lines[0] else "invalid grammar"
+    cause = next((ln[len("error:"):].strip() for ln in lines[1:] if ln.startswith("error:")), "")
+    if cause:
+        head = f"{head.rstrip(':')}: {cause}"
+    if kind == "regex":
+        head = re.sub(r"^(at )?\d+\(\d+\): ", "", head).replace(" (in regex)", "")
+    return head
+
+
+def _validated(grammar: str, vocab: Vocab, arg: str, kind: str = "grammar") -> str:
     llg = _llg()
     is_err, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, vocab.lltok)
     if is_err:
-        raise ValueError(f"{arg}: {msgs[0].strip() if msgs else 'invalid grammar'}")
+        raise ValueError(f"{arg}: {grammar_error_line(msgs[0], kind) if msgs else 'invalid grammar'}")
     return grammar
 
 
@@ -220,10 +235,10 @@ class Constraint:
         self.grammar_text = grammar
         _matcher_given = _matcher is not None
         if _matcher is None:
-            _validated(grammar, vocab, arg or kind)
+            _validated(grammar, vocab, arg or kind, kind)
             _matcher = llg.LLMatcher(vocab.lltok, grammar, log_level=0)
             if _matcher.is_error():
-                raise ValueError(f"{arg or kind}: {_matcher.get_error()}")
+                raise ValueError(f"{arg or kind}: {grammar_error_line(_matcher.get_error(), kind)}")
         self._m = _matcher
         self._cache: dict[tuple[int, ...], np.ndarray] = {}  # prefix -> packed mask words (mask_words)
         self._bools: dict[tuple[int, ...], torch.Tensor] = {}  # prefix -> allowed() (unpacked from the words)

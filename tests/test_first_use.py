@@ -196,7 +196,8 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
                       ["bench", "--config", "tiny", "--device", "cpu", "--seed", "-1"],
                       ["bench", "--config", "tiny", "--device", "cpu", "--tune", "step", "--tuned-from", str(f)],
                       ["replay", "--model", str(ckpt), "--text-file", str(f), "--k", "0"],
-                      ["replay", "--model", str(ckpt), "--text-file", str(f), "--stride", "0"])
+                      ["replay", "--model", str(ckpt), "--text-file", str(f), "--stride", "0"],
+                      ["generate", "--prompt", "x", "--grammar", ""], ["generate", "--prompt", "x", "--json-schema", ""])
     assert "--top-p" in errs[0] and "SamplingParams" not in errs[0]
     assert "--max-new-tokens" in errs[1]
     assert "99999" in errs[2] and "out of range" in errs[2]
@@ -217,6 +218,8 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert "--seed" in errs[19] and "-1" in errs[19]  # (taken; generate's --seed refused it)
     assert "--tune" in errs[20] and "--tuned-from" in errs[20]  # (the search was skipped in silence)
     assert "--k must be in 1..16" in errs[21] and "--stride must be >= 1" in errs[22]  # (named k, stride)
+    assert "--grammar: the file name is empty" in errs[23] and "--json-schema: the value is empty" in errs[24]
+    # (both said "'' is a directory": Path('') is the current one)
     if not torch.cuda.is_available():  # the pipeline bench on CUDA where there is none: one line, no traceback
         assert "CUDA is not available" in cli_errors(["bench", "--pp", "2", "--device", "cuda"])[0]
     assert "--pp" in cli_errors(["generate", "--model", str(ckpt), "--prompt-ids", "1", "--lanes", "2"])[0]

@@ -143,6 +143,10 @@ def test_json_object_choice_regex_grammar(client, ref_engine):
                                   extra_body={"guided_json": PERSON, "return_token_ids": True})
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
     assert r.choices[0].token_ids == reference(ref_engine, "{", "json_schema", PERSON)[0]
+    # the schema true (any JSON value), as the Python API takes it (was a 400: "Input should be an object")
+    r = client.completions.create(model=MODEL, prompt="[", max_tokens=8, temperature=0,
+                                  extra_body={"guided_json": True, "return_token_ids": True})
+    assert r.choices[0].token_ids == reference(ref_engine, "[", "json_schema", True, max_tokens=8)[0]
 
 
 BAD = [
@@ -165,6 +169,7 @@ BAD = [
     # a string is JSON text, never a path: the server must not read its own files for a client
     ({"guided_json": str(default_model_dir() / "config.json")}, "guided_json", "not valid JSON"),
     ({"guided_json": "/no/such/file.json"}, "guided_json", "not valid JSON"),
+    ({"guided_json": False}, "guided_json", "admits no value"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "at most one"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "at most one"),
 ]

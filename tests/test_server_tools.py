@@ -392,7 +392,14 @@ BAD = [({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"n
         "messages", "must be a JSON object"),
        ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"$defs": {"X": {"type": "string"}}}}},
                    {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"X": {"type": "integer"}}}}}],
-         "tool_choice": "required"}, "tools", "define $defs/X differently")]
+         "tool_choice": "required"}, "tools", "define $defs/X differently"),
+       # a tool's schema the library cannot take: the tool is named (the combined schema's error did not)
+       ({"tools": [WEATHER, {"type": "function", "function": {"name": "g", "parameters": {
+           "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}],
+         "tool_choice": "required"}, "tools", "tools: tool 'g': parameters: Unimplemented keys: [\"uniqueItems\"]"),
+       ({"tools": [WEATHER, {"type": "function", "function": {"name": "h", "parameters": {
+           "type": "object", "properties": {"a": {"type": "foo"}}}}}],
+         "tool_choice": {"type": "function", "function": {"name": "h"}}}, "tools", "tool 'h': parameters: Invalid type")]
 
 
 @pytest.mark.parametrize("body,param,words", BAD)

@@ -180,6 +180,8 @@ def constraint_from_args(eng, args):
 
     if getattr(args, "json_schema", None) is not None:
         schema = args.json_schema
+        if not schema.strip():
+            raise ValueError("--json-schema: the value is empty: give a schema file or JSON text")
         if not schema.strip().startswith(("{", "[")) and schema.strip() not in ("true", "false"):
             if Path(schema).is_dir():
                 raise ValueError(f"--json-schema: {schema!r} is a directory, not a schema file")

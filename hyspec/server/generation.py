@@ -35,6 +35,11 @@ def build_constraint(engine, spec: ConstraintSpec):
         raise APIError(400, f"{spec.param}: constrained decoding is not available on this server ({e})",
                        param=spec.param, code="unsupported_value") from None
     except Exception as e:  # noqa: BLE001 - the library's message on the user's input: a 400, never a 500
+        for label, value in spec.parts:  # which tool's schema it is (the combined one's error does not say)
+            try:
+                engine.constraint(spec.kind, value, arg=label)
+            except Exception as part_error:  # noqa: BLE001 - as above
+                raise bad(f"{spec.param}: {part_error}", spec.param) from None
         raise bad(str(e) or type(e).__name__, spec.param) from None
 
 

@@ -67,6 +67,8 @@ class ConstraintSpec:
     kind: str
     value: object
     param: str
+    parts: tuple = ()  # ((label, schema), ...): where a failed schema is built from several (the tools'),
+    # the first part that fails alone is the one its error names
 
 
 def check_response_format(rf) -> ConstraintSpec | None:

@@ -55,7 +55,7 @@ class _Sampling(_Base):
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     # constrained decoding beyond response_format (extensions, vLLM's names); at most one
-    guided_json: Optional[Union[dict[str, Any], str]] = None  # a JSON schema (object or JSON text)
+    guided_json: Optional[Union[dict[str, Any], bool, str]] = None  # a JSON schema (object, true / false, or JSON text)
     guided_regex: Optional[str] = None
     guided_grammar: Optional[str] = None  # Lark grammar text (llguidance's dialect)
     guided_choice: Optional[list[str]] = None

@@ -39,7 +39,11 @@ def check_request_tools(state, req):
         schema = tools.constraint_schema() if tools is not None else None
     except ToolError as e:
         raise bad(str(e), e.param) from None
-    return tools, (None if schema is None else ConstraintSpec("json_schema", schema, "tools"))
+    if schema is None:
+        return tools, None
+    chosen = [tools.named] if tools.choice == "named" else list(tools.tools.values())
+    parts = tuple((f"tool {t.name!r}: parameters", {"type": "object", **t.parameters}) for t in chosen)
+    return tools, ConstraintSpec("json_schema", schema, "tools", parts)
 
 
 def register(app, state) -> None:
