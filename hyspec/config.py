@@ -61,7 +61,7 @@ def no_mtp_error(tail: str = NO_MTP_SPEC_TAIL) -> ValueError:
 def input_file(path, what: str) -> Path:
     """`path` (a user's ~ expanded) when it is a file to read; else ValueError naming `what`
     (the flag or argument): "WHAT: 'p' is a directory, not a file" or "WHAT: no such file 'p'"."""
-    if not str(path).strip():  # (Path('') is the current directory: "'' is a directory" misled)
+    if str(path) == "":  # (Path('') is the current directory: "'' is a directory" misled)
         raise ValueError(f"{what}: the file name is empty")
     p = Path(path).expanduser()
     if not p.is_file():

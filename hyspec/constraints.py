@@ -200,11 +200,15 @@ def grammar_error_line(message: str, kind: str = "grammar") -> str:
     wrapper made around it (``start: /.../``), which the user never wrote."""
     lines = [ln.strip() for ln in str(message).strip().splitlines()]
     head = lines[0] if lines and lines[0] else "invalid grammar"
-    cause = next((ln[len("error:"):].strip() for ln in lines[1:] if ln.startswith("error:")), "")
+    # the cause is the last "error:" line (the quoted source above it may hold that text too)
+    cause = next((ln[len("error:"):].strip() for ln in reversed(lines[1:]) if ln.startswith("error:")), "")
     if cause:
         head = f"{head.rstrip(':')}: {cause}"
     if kind == "regex":
-        head = re.sub(r"^(at )?\d+\(\d+\): ", "", head).replace(" (in regex)", "")
+        head = re.sub(r"^(at )?\d+\(\d+\): ", "", head)
+        note = head.rfind('" (in regex)')  # (after the quoted regex: the user's own text is left as it is)
+        if note >= 0:
+            head = head[:note + 1] + head[note + len('" (in regex)'):]
     return head
 
 

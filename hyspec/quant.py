@@ -171,7 +171,13 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                               f"expected float32 (or bf16) scales")
     acc = acc_dtype(dtype)
     out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block, rows).to(acc)
-    return out if out.dtype == dtype else out.to(dtype)
+    if out.dtype == dtype:
+        return out
+    cast = out.to(dtype)
+    if dtype == torch.float16 and not bool(torch.isfinite(cast).all()) and bool(torch.isfinite(out).all()):
+        raise CheckpointError(f"tensor '{name}' dequantizes to values up to {float(out.abs().max()):.4g}, beyond the "
+                              f"range of {dtype} it is loaded in: load it in bfloat16 or float32 (--dtype)")
+    return cast
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -161,15 +161,20 @@ def _interpreter_type_objects_cached() -> None:
     def same(a, b):
         return a.keys() == b.keys() and all(str(a[k]) == str(b[k]) for k in a)
 
-    probe_ty = [block_type.__new__(block_type) for _ in range(3)]
-    orig_bt(probe_ty[0], core.float32, [constexpr(16), 8])
-    bt_init(probe_ty[1], core.float32, [constexpr(16), 8])
-    bt_init(probe_ty[2], core.float32, tl_tuple([16, constexpr(8)]))
-    probe_t = [tensor.__new__(tensor) for _ in range(2)]
-    orig_tensor(probe_t[0], None, probe_ty[0])
-    tensor_init(probe_t[1], None, probe_ty[2])
-    if not (same(vars(probe_ty[0]), vars(probe_ty[1])) and same(vars(probe_ty[0]), vars(probe_ty[2]))
-            and same(vars(probe_t[0]), vars(probe_t[1])) and get_np_dtype(probe_ty[2]) == orig_np(probe_ty[0])):
+    try:  # (another Triton's signatures or fields: the probe fails or differs, and nothing is patched)
+        probe_ty = [block_type.__new__(block_type) for _ in range(3)]
+        orig_bt(probe_ty[0], core.float32, [constexpr(16), 8])
+        bt_init(probe_ty[1], core.float32, [constexpr(16), 8])
+        bt_init(probe_ty[2], core.float32, tl_tuple([16, constexpr(8)]))
+        probe_t = [tensor.__new__(tensor) for _ in range(2)]
+        orig_tensor(probe_t[0], None, probe_ty[0])
+        tensor_init(probe_t[1], None, probe_ty[2])
+        agree = (same(vars(probe_ty[0]), vars(probe_ty[1])) and same(vars(probe_ty[0]), vars(probe_ty[2]))
+                 and same(vars(probe_t[0]), vars(probe_t[1])) and get_np_dtype(probe_ty[2]) == orig_np(probe_ty[0]))
+    except Exception:  # noqa: BLE001
+        agree = False
+    if not agree:
+        blocks.clear(), shapes.clear(), np_dtypes.clear()
         return
     interpreter._get_np_dtype = get_np_dtype
     block_type.__init__ = bt_init

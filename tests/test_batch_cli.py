@@ -188,7 +188,7 @@ def test_ctrl_c_writes_the_finished_lines_only(tmp_path, monkeypatch, capsys):
     assert "interrupted" in capsys.readouterr().err
 
 
-def test_a_closed_standard_output_is_one_line(monkeypatch, capsys):
+def test_a_closed_standard_output_is_one_line(monkeypatch, capsys, tmp_path):
     """`hyspec generate ... >&-` decoded everything, then died in a traceback at its first
     write ('NoneType' object has no attribute 'write'); `hyspec score` printed nothing, exit 0."""
     from hyspec.cli.dispatch import main
@@ -197,3 +197,22 @@ def test_a_closed_standard_output_is_one_line(monkeypatch, capsys):
     for argv in (["generate", "--prompt", "a"], ["score", "--text", "ab cd"]):
         assert main(argv) == 2
         assert "standard output is closed" in capsys.readouterr().err
+    # commands whose results go to files still run
+    f, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    f.write_text('{"prompt_ids": [5, 6], "max_new_tokens": 2}\n')
+    assert main(["generate", "--prompts-file", str(f), "--out", str(out)]) == 0 and len(out.read_text().splitlines()) == 1
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "config.json").is_file()
+
+
+def test_out_is_the_file_standard_input_reads(tmp_path):
+    """`--prompts-file - --out p.jsonl < p.jsonl` emptied the prompts (exit 0, results only)."""
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt_ids": [5, 6], "max_new_tokens": 2}\n')
+    with open(p) as stdin:
+        r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--prompts-file", "-", "--out", str(p)],
+                           stdin=stdin, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "is the --prompts-file" in r.stderr, r.stderr
+    assert p.read_text() == '{"prompt_ids": [5, 6], "max_new_tokens": 2}\n'

@@ -330,6 +330,14 @@ def test_an_integer_scale_grid_is_refused(ckpt, fp8):
         load_model(ckpt, fp8=fp8)
 
 
+def test_a_weight_that_dequantizes_beyond_float16s_range_is_not_called_damage(ckpt):
+    _edit(ckpt, lambda t: t[KEY + "_scale_inv"].view(-1)[0].fill_(1e4))
+    with pytest.raises(CheckpointError, match=rf"'{KEY}' dequantizes to values up to .*beyond the range of "
+                                              r"torch.float16 .*bfloat16 or float32"):
+        load_model(ckpt, dtype="float16")
+    load_model(ckpt, dtype="float32")
+
+
 def test_scale_shape_of_other_block_size_is_rejected(ckpt):
     """A scale grid made for another block size does not silently dequantize."""
     _set_q(ckpt, weight_block_size=[128, 128])

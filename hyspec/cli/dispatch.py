@@ -119,9 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     old_format = warnings.formatwarning
     warnings.formatwarning = _format_warning
     try:
-        if sys.stdout is None and cmd not in (None, "serve"):  # (`>&-`: every write would fail, after the work)
-            raise ValueError("standard output is closed: this command writes its results there (redirect it to a "
-                             "file instead)")
+        if sys.stdout is None and cmd is not None:  # (`>&-`: a write would fail, after the work)
+            to_file = any(a == "--out" or a.startswith("--out=") for a in argv)
+            if cmd in ("score", "replay", "chat") or (cmd in ("generate", "bench") and not to_file):
+                raise ValueError("standard output is closed: this command writes its results there (redirect it "
+                                 "to a file instead)")
+            sys.stdout = open(os.devnull, "w")  # (its results go to files: a stray line is dropped, not fatal)
         if cmd in ("generate", "bench", "serve") and "--pp" in " ".join(argv):
             from hyspec import parallel
 

@@ -206,6 +206,20 @@ def _common_checks(args) -> None:
         raise ValueError("--lanes alternates batch groups through pipeline stages: it needs --pp N with N >= 2")
 
 
+def _same_regular_file(out: str, prompts_file: str) -> bool:
+    """Whether --out names the regular file the prompts are read from (standard input's, for
+    "-"); a terminal or pipe both read and written is no hazard."""
+    import os
+    import stat
+
+    try:
+        a = os.stat(out)
+        b = os.fstat(0) if prompts_file == "-" else os.stat(prompts_file)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(a.st_mode) and stat.S_ISREG(b.st_mode) and (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _file_options(args):
     """(requests, speculative options) of a --prompts-file run; ValueError on a bad line or option."""
     import os
@@ -227,8 +241,7 @@ def _file_options(args):
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {args.draft}")
     if args.out is not None:
         check_out_file(args.out)
-        if args.prompts_file != "-" and os.path.exists(args.out) and os.path.exists(args.prompts_file) \
-                and os.path.samefile(args.out, args.prompts_file):  # (it was emptied before being read)
+        if _same_regular_file(args.out, args.prompts_file):  # (it was emptied before being read)
             raise ValueError(f"--out {args.out} is the --prompts-file: the results would overwrite the prompts; "
                              "give another file")
     requests = read_prompts_file(args.prompts_file, args)
