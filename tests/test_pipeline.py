@@ -304,3 +304,56 @@ def test_three_stages(ckpts):
     jobs = [JOBS[1], JOBS[6], JOBS[7], fork]
     eng = Engine(load_model(path, dtype="float32"))
     assert run_jobs(path, jobs, world=3) == [run_job(eng, job) for job in jobs]
+
+
+def test_ctrl_c_and_sigterm_to_the_launcher(ckpts, tmp_path):
+    """Ctrl-C to a `--pp 2` launcher: the driver ends the command as one process does and rank
+    0 prints what it printed (the launcher killed every rank at once: the finished lines and
+    all else the driver printed were lost), exit 130; SIGTERM stops the ranks with a
+    SIGTERM's exit (143, was 130 "interrupted"). No rank is left behind."""
+    import signal
+    import time
+
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt_ids": [5, 6], "max_new_tokens": 1}\n{"prompt_ids": [7, 8], "max_new_tokens": 2000}\n')
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        out = tmp_path / f"out{code}.jsonl"
+        p = subprocess.Popen([sys.executable, "-m", "hyspec.cli", "generate", "--pp", "2", "--model",
+                              str(ckpts["qwen3_5"]), "--prompts-file", str(f), "--ignore-eos", "--max-batch", "1",
+                              "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (out.exists() and out.read_text().count("\n") >= 1):  # line 1 done: line 2 decodes now
+                assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+                time.sleep(0.1)
+            p.send_signal(sig)  # (the launcher alone, as `kill` does; a terminal's Ctrl-C reaches every rank)
+            _, err = p.communicate(timeout=60)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        assert p.returncode == code, err
+        assert "Traceback" not in err and err.count("interrupted") == (code == 130), err
+        if code == 130:  # what the driver printed reached rank 0
+            assert "[pipeline: 2 stages" in err, err
+        assert [json.loads(x)["line"] for x in out.read_text().splitlines()] == [1]
+        r = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+        assert r.stdout.strip() == "", "a rank was left running"
+
+
+def test_a_bench_rank_that_dies_is_named(monkeypatch, capsys):
+    """`bench --pp 2` with a rank killed: one line naming it, the signal's exit code (it was a
+    20-line ProcessExitedException traceback, exit 1)."""
+    import torch.multiprocessing as mp
+
+    from hyspec.cli.dispatch import main
+
+    def killed(*a, **kw):
+        raise mp.ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1, error_pid=1,
+                                        exit_code=-9, signal_name="SIGKILL")
+
+    monkeypatch.setattr(mp, "spawn", killed)
+    assert main(["bench", "--pp", "2", "--layers", "2", "--hidden", "32", "--batch", "1", "--new-tokens", "2",
+                 "--prompt-len", "2"]) == 137
+    assert "pipeline rank 1 of 2 was killed by SIGKILL" in capsys.readouterr().err

@@ -10,6 +10,8 @@ import os
 import sys
 import warnings
 
+from hyspec.parallel import RankDied
+
 from hyspec.cli import generate, make_tiny, replay, score
 from hyspec.sampling import ParamError
 
@@ -147,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError) as e:
         print(f"hyspec {cmd}: error: {error_message(e)}", file=sys.stderr)
         return 2
+    except RankDied as e:  # a pipeline rank the bench started died: named, its signal's exit code
+        print(f"hyspec {cmd}: error: {e}", file=sys.stderr)
+        return e.exit_code
     except (MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise  # a bug: its traceback is what a report needs

@@ -99,6 +99,55 @@ def _die_with_launcher() -> None:
         raise SystemExit(1)
 
 
+class RankDied(RuntimeError):
+    """A pipeline rank ended mid-run (killed, or exited on its own): the message names it;
+    exit_code is what a shell would report for it."""
+
+    def __init__(self, rank: int, world: int, code: int) -> None:
+        import signal
+
+        how = f"exited with code {code}"
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:  # (a signal number without a name)
+                how = f"was killed by signal {-code}"
+        super().__init__(f"pipeline rank {rank} of {world} {how}; the other ranks were stopped")
+        self.exit_code = 128 - code if code < 0 else (code or 1)
+
+
+_DEFERRED = {"depth": 0, "pending": False}  # the driver's Ctrl-C inside an exchange with the stages
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """A Ctrl-C that reaches the pipeline driver inside this block (a message sent to the
+    stages, their reply not yet read) is raised at the block's end: raised halfway, the
+    driver's stop message would meet a worker blocked sending that reply, and neither would
+    move (the launcher then killed them, and everything printed so far was lost)."""
+    _DEFERRED["depth"] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED["depth"] -= 1
+    if _DEFERRED["depth"] == 0 and _DEFERRED["pending"]:
+        _DEFERRED["pending"] = False
+        raise KeyboardInterrupt
+
+
+def _driver_sigint(*_):
+    """The driver rank's SIGINT handler: the first Ctrl-C ends the command (at once, or at the
+    end of an exchange with the stages); later copies (a terminal's and the launcher's) are
+    ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _DEFERRED["depth"]:
+        _DEFERRED["pending"] = True
+        return
+    raise KeyboardInterrupt
+
+
 def launch(argv: list[str], world: int) -> int:
     """Start `world` ranks of `python -m hyspec.cli ARGV` on this machine (what torchrun
     would do) and wait for them; if one fails, the others are stopped. Returns rank 0's
@@ -107,7 +156,10 @@ def launch(argv: list[str], world: int) -> int:
            "LOCAL_WORLD_SIZE": str(world)}
     import signal
 
+    stopped_by: list[int] = []  # SIGTERM: the ranks are stopped and the exit is a SIGTERM's (143), not Ctrl-C's
+
     def _term(*_):
+        stopped_by.append(signal.SIGTERM)
         raise KeyboardInterrupt
 
     if threading_main():
@@ -126,8 +178,23 @@ def launch(argv: list[str], world: int) -> int:
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
-        bad = [130]
-        print("hyspec: interrupted", file=sys.stderr)  # (as one process says it)
+        if not stopped_by and procs[-1].poll() is None:
+            # Ctrl-C: the driver rank ends the command as one process would (its "interrupted" line,
+            # the lines finished so far) and hands rank 0 what it printed; the other ranks ignore
+            # SIGINT (run_cli). A second Ctrl-C, or 15 s without an end, stops every rank now.
+            try:
+                procs[-1].send_signal(signal.SIGINT)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+            if all(p.poll() is not None for p in procs) and procs[0].returncode is not None \
+                    and procs[0].returncode >= 0:
+                return procs[0].returncode  # (rank 0 printed the driver's output, its "interrupted" included)
+        bad = [143 if stopped_by else 130]
+        if not stopped_by:
+            print("hyspec: interrupted", file=sys.stderr)  # (as one process says it)
     if bad:
         for p in procs:
             if p.poll() is None:
@@ -139,14 +206,7 @@ def launch(argv: list[str], world: int) -> int:
                 p.kill()
                 p.wait()
         if first is not None and (first[1] < 0 or first[0] != 0):  # rank 0 prints its own (the driver's) errors
-            r, rc = first
-            how = f"exited with code {rc}"
-            if rc < 0:
-                try:
-                    how = f"was killed by {signal.Signals(-rc).name}"
-                except ValueError:  # (a signal number without a name)
-                    how = f"was killed by signal {-rc}"
-            print(f"hyspec: error: pipeline rank {r} of {world} {how}; the other ranks were stopped", file=sys.stderr)
+            print(f"hyspec: error: {RankDied(first[0], world, first[1])}", file=sys.stderr)
         rc = procs[0].returncode if procs[0].returncode not in (None, 0, -15) else bad[0]
         return 128 - rc if rc < 0 else rc  # (a signal as a shell reports it, not 256 - n)
     return procs[0].returncode
@@ -171,6 +231,14 @@ def run_cli(argv: list[str], world: int, main) -> int:
     rank, dev = init(world, margs.device)
     link = Link(rank, world, dev)
     try:
+        ours = os.environ.get("HYSPEC_LAUNCHER_PID") is not None and threading_main()
+        if ours:  # launch()'s ranks: a Ctrl-C reaches the driver (the launcher passes it on), once
+            import signal
+
+            if rank == world - 1:
+                signal.signal(signal.SIGINT, _driver_sigint)
+            else:  # a worker serves its stage until the driver stops it
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
         if rank == world - 1:
             ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
             out, err = io.StringIO(), io.StringIO()

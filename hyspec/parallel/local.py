@@ -107,8 +107,13 @@ def run_jobs(path, jobs: list, *, world: int = 2, dtype: str = "float32", device
     fd, out_file = tempfile.mkstemp(suffix=".pkl")
     os.close(fd)
     try:
-        mp.spawn(_rank_main, args=(world, free_port(), str(path), dtype, device, jobs, out_file, threads),
-                 nprocs=world, join=True)
+        try:
+            mp.spawn(_rank_main, args=(world, free_port(), str(path), dtype, device, jobs, out_file, threads),
+                     nprocs=world, join=True)
+        except mp.ProcessExitedException as e:  # (killed, or gone without a Python error): named, not a traceback
+            from hyspec.parallel import RankDied
+
+            raise RankDied(e.error_index, world, e.exit_code) from None  # (exit_code: -signal for a killed rank)
         with open(out_file, "rb") as f:
             res = pickle.load(f)
     finally:

@@ -275,6 +275,12 @@ class Driver:
                "seqs": [(None if c is None else c.uid, 0 if c is None else c.max_len, ctx.start, ctx.exact, ctx.record,
                          ctx.chunked) for ctx, c in zip(ctxs, caches)]}
         msg = {"ops": self.ops, "fwd": fwd, "lane": lane}
+        from hyspec.parallel import sigint_deferred
+
+        with sigint_deferred():  # (a Ctrl-C between the send and the reply waits for the reply)
+            return self._exchange(msg, fwd, lane, guess, N, ctxs, caches, sizes)
+
+    def _exchange(self, msg, fwd, lane, guess, N, ctxs, caches, sizes):
         self._ops[lane] = []
         with self._send:
             if self.fork is not None:  # the fork in flight: this command uses it or throws it away
