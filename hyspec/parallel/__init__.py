@@ -165,7 +165,10 @@ def launch(argv: list[str], world: int) -> int:
     if threading_main():
         signal.signal(signal.SIGTERM, _term)  # stop the ranks too
     env["HYSPEC_LAUNCHER_PID"] = str(os.getpid())  # a rank ends itself when this process dies
-    procs = [subprocess.Popen([sys.executable, "-m", "hyspec.cli", *argv],
+    def _no_sigint():  # (in each rank, before Python starts: a Ctrl-C while it boots is not a traceback;
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver takes SIGINT once it can end cleanly, run_cli)
+
+    procs = [subprocess.Popen([sys.executable, "-m", "hyspec.cli", *argv], preexec_fn=_no_sigint,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     first = None  # (rank, exit code) of the first rank that failed
     try:
@@ -183,9 +186,11 @@ def launch(argv: list[str], world: int) -> int:
             # the lines finished so far) and hands rank 0 what it printed; the other ranks ignore
             # SIGINT (run_cli). A second Ctrl-C, or 15 s without an end, stops every rank now.
             try:
-                procs[-1].send_signal(signal.SIGINT)
-                deadline = time.monotonic() + 15
+                deadline, resend = time.monotonic() + 15, 0.0
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    if time.monotonic() >= resend and procs[-1].poll() is None:  # (again until it takes it:
+                        procs[-1].send_signal(signal.SIGINT)  # a driver still starting ignores SIGINT)
+                        resend = time.monotonic() + 0.5
                     time.sleep(0.05)
             except KeyboardInterrupt:
                 pass
@@ -231,14 +236,9 @@ def run_cli(argv: list[str], world: int, main) -> int:
     rank, dev = init(world, margs.device)
     link = Link(rank, world, dev)
     try:
+        # launch()'s ranks start with SIGINT ignored; the driver takes it from its command's start
+        # (the launcher passes a Ctrl-C on), the workers serve their stages until the driver stops them
         ours = os.environ.get("HYSPEC_LAUNCHER_PID") is not None and threading_main()
-        if ours:  # launch()'s ranks: a Ctrl-C reaches the driver (the launcher passes it on), once
-            import signal
-
-            if rank == world - 1:
-                signal.signal(signal.SIGINT, _driver_sigint)
-            else:  # a worker serves its stage until the driver stops it
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
         if rank == world - 1:
             ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
             out, err = io.StringIO(), io.StringIO()
@@ -250,6 +250,10 @@ def run_cli(argv: list[str], world: int, main) -> int:
                 with contextlib.nullcontext() if live else contextlib.redirect_stdout(out), \
                         contextlib.nullcontext() if live else contextlib.redirect_stderr(err):
                     try:
+                        if ours:
+                            import signal
+
+                            signal.signal(signal.SIGINT, _driver_sigint)
                         rc = main(argv)
                     except SystemExit as e:  # argparse: --help, usage errors
                         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
@@ -325,9 +329,10 @@ def check_stages(link, ranges) -> None:
     """The driver asks every other rank whether its stage loaded; ValueError naming the
     first that did not, and why (so a command fails at start-up with the reason, not at its
     first forward with a traceback, and a server does not start half-loaded)."""
-    for r in range(link.world - 1):
-        link.send_obj({"status": True}, r)
-    answers = [link.recv_obj(r) for r in range(link.world - 1)]
+    with sigint_deferred():  # (a Ctrl-C halfway would leave a worker blocked on its answer)
+        for r in range(link.world - 1):
+            link.send_obj({"status": True}, r)
+        answers = [link.recv_obj(r) for r in range(link.world - 1)]
     for r, answer in enumerate(answers):
         if answer.get("load_error"):
             raise ValueError(f"pipeline stage {r} (layers {ranges[r].start}..{ranges[r].stop - 1}, rank {r}) could "
