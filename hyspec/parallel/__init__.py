@@ -55,6 +55,20 @@ def check_launch(argv: list[str], stages: int) -> None:
         raise ValueError(f"--pp {stages}: the model has {cfg.num_hidden_layers} layers; each stage needs at least one")
 
 
+def graceful_ctrl_c(argv: list[str]) -> bool:
+    """Whether a Ctrl-C of this `--pp` command is passed to its driver rank, which ends the
+    command as one process does (what it printed so far kept): `generate` with one lane.
+    `serve` (uvicorn takes SIGINT itself and would count the launcher's copy as a second,
+    forced one) and `--lanes N` (the lanes' exchanges run in threads the signal does not
+    reach) stop every rank at once, as before."""
+    if not argv or argv[0] != "generate":
+        return False
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--lanes", default="1")
+    args, _ = ap.parse_known_args(argv)
+    return str(args.lanes).strip() in ("", "1")
+
+
 def _model_args(argv: list[str]):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model", default=None)
@@ -125,6 +139,9 @@ def sigint_deferred():
     stages, their reply not yet read) is raised at the block's end: raised halfway, the
     driver's stop message would meet a worker blocked sending that reply, and neither would
     move (the launcher then killed them, and everything printed so far was lost)."""
+    if not threading_main():  # (a signal reaches the main thread only: another thread's block defers nothing)
+        yield
+        return
     _DEFERRED["depth"] += 1
     try:
         yield
@@ -181,7 +198,7 @@ def launch(argv: list[str], world: int) -> int:
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
-        if not stopped_by and procs[-1].poll() is None:
+        if not stopped_by and graceful_ctrl_c(argv) and procs[-1].poll() is None:
             # Ctrl-C: the driver rank ends the command as one process would (its "interrupted" line,
             # the lines finished so far) and hands rank 0 what it printed; the other ranks ignore
             # SIGINT (run_cli). A second Ctrl-C, or 15 s without an end, stops every rank now.
@@ -238,7 +255,7 @@ def run_cli(argv: list[str], world: int, main) -> int:
     try:
         # launch()'s ranks start with SIGINT ignored; the driver takes it from its command's start
         # (the launcher passes a Ctrl-C on), the workers serve their stages until the driver stops them
-        ours = os.environ.get("HYSPEC_LAUNCHER_PID") is not None and threading_main()
+        ours = os.environ.get("HYSPEC_LAUNCHER_PID") is not None and threading_main() and graceful_ctrl_c(argv)
         if rank == world - 1:
             ACTIVE = {"world": world, "rank": rank, "device": dev, "link": link}
             out, err = io.StringIO(), io.StringIO()
@@ -264,6 +281,10 @@ def run_cli(argv: list[str], world: int, main) -> int:
                         print(f"hyspec: error: the pipeline broke: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                               file=sys.stderr)
             finally:
+                if ours:  # (a Ctrl-C now would cut the stop messages short: the workers would wait on)
+                    import signal
+
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
                 driver = ACTIVE.get("driver")
                 result = (out.getvalue(), err.getvalue(), rc)
                 try:
