@@ -288,12 +288,13 @@ def test_serve_pp2(ckpts):
                                                                    ignore_eos=True).tokens
         assert httpx.get(url + "/health", timeout=5).json()["prefix_store"] is None
     finally:
-        os.killpg(p.pid, signal.SIGINT)
+        os.killpg(p.pid, signal.SIGINT)  # (a terminal's Ctrl-C: every rank gets it)
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    assert p.returncode == 130  # (a launcher passing its Ctrl-C on to uvicorn made it 0, after a traceback)
 
 
 def test_three_stages(ckpts):
