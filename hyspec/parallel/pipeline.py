@@ -57,6 +57,7 @@ from hyspec.cache import HybridCache
 from hyspec.core.backend import ReferenceBackend
 from hyspec.model.hybrid import HybridLM, check_batch
 from hyspec.model.ops import StepCtx
+from hyspec.parallel import sigint_deferred
 from hyspec.parallel.fork import (ForkController, ForkTelemetry, PendingFork, capture, fork_fwd, install, is_hit,
                                   same_state)
 
@@ -275,40 +276,35 @@ class Driver:
                "seqs": [(None if c is None else c.uid, 0 if c is None else c.max_len, ctx.start, ctx.exact, ctx.record,
                          ctx.chunked) for ctx, c in zip(ctxs, caches)]}
         msg = {"ops": self.ops, "fwd": fwd, "lane": lane}
-        from hyspec.parallel import sigint_deferred
-
         with sigint_deferred():  # (a Ctrl-C between the send and the reply waits for the reply)
-            return self._exchange(msg, fwd, lane, guess, N, ctxs, caches, sizes)
-
-    def _exchange(self, msg, fwd, lane, guess, N, ctxs, caches, sizes):
-        self._ops[lane] = []
-        with self._send:
-            if self.fork is not None:  # the fork in flight: this command uses it or throws it away
-                msg["fork_res"] = self._resolve_fork(fwd, msg["ops"])
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            for r in range(self.link.world - 1):
-                self.link.send_obj(msg, r)
-        # the guess of the next round is made while stage 0 works on this one; it is sent
-        # once this command's reply is in (a blocking send now would wait on a worker that
-        # is itself blocked sending its reply to this rank)
-        nxt = self._fork_guess(fwd, guess) if guess is not None else None
-        m = self.model
-        self.link._wait_begin()
-        try:
-            with self._turn:
-                while self._serving != ticket:
-                    self._turn.wait()
-            with self._recv_lock:
-                h = self.link.recv_x(self.link.rank - 1, (N, m.cfg.hidden_size), m.dtype, m.device, tag=1 + lane,
-                                     account=False)
-        finally:
-            self.link._wait_end()
-            with self._turn:
-                self._serving += 1
-                self._turn.notify_all()
-        if nxt is not None:
-            self._fork_send(nxt, lane)
+            self._ops[lane] = []
+            with self._send:
+                if self.fork is not None:  # the fork in flight: this command uses it or throws it away
+                    msg["fork_res"] = self._resolve_fork(fwd, msg["ops"])
+                ticket = self._next_ticket
+                self._next_ticket += 1
+                for r in range(self.link.world - 1):
+                    self.link.send_obj(msg, r)
+            # the guess of the next round is made while stage 0 works on this one; it is sent
+            # once this command's reply is in (a blocking send now would wait on a worker that
+            # is itself blocked sending its reply to this rank)
+            nxt = self._fork_guess(fwd, guess) if guess is not None else None
+            m = self.model
+            self.link._wait_begin()
+            try:
+                with self._turn:
+                    while self._serving != ticket:
+                        self._turn.wait()
+                with self._recv_lock:
+                    h = self.link.recv_x(self.link.rank - 1, (N, m.cfg.hidden_size), m.dtype, m.device, tag=1 + lane,
+                                         account=False)
+            finally:
+                self.link._wait_end()
+                with self._turn:
+                    self._serving += 1
+                    self._turn.notify_all()
+            if nxt is not None:
+                self._fork_send(nxt, lane)
         t0 = time.perf_counter()
         out = HybridLM.forward_batch(m, None, ctxs, caches, sizes, layers=m.stage_layers, x=h)
         self.compute_s += time.perf_counter() - t0
