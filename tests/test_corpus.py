@@ -167,3 +167,24 @@ def test_bad_corpus_fields_tokenizer_files_and_argument_text_are_named(tmp_path)
         Engine.load().encode("abc\udcff")
     with pytest.raises(ValueError, match="--batch"):
         _int_list("batch", "1,,2", 1)
+
+
+def test_a_corpus_line_with_an_unknown_split_or_invalid_unicode_is_refused_by_line(tmp_path):
+    """A document whose split is neither train nor heldout ("test", "Train") was dropped
+    without a word (a corpus of such lines trained on nothing and said the train split was
+    too short); a lone surrogate in the text (valid JSON: "\\ud800") was a traceback deep in
+    the tokenizer. Both now name the file, the line and the problem."""
+    from hyspec.train.corpus import iter_corpus, load_corpus
+
+    for i, (entry, msg) in enumerate((({"path": "a.py", "split": "test", "text": "x"}, "line 2: split 'test' is not"),
+                                      ({"path": "a.py", "split": "Train", "text": "x"}, "line 2: split 'Train'"),
+                                      ({"path": "a.py", "split": "train", "text": "a\ud800b"},
+                                       "line 2: text is not valid Unicode"))):
+        p = tmp_path / f"c{i}.jsonl.xz"
+        with lzma.open(p, "wt", encoding="utf-8") as f:
+            f.write(json.dumps({"path": "ok.py", "split": "train", "text": "fine"}) + "\n")
+            f.write(json.dumps(entry) + "\n")
+        with pytest.raises(ValueError, match=f"--corpus .*c{i}.jsonl.xz: {msg}"):
+            load_corpus(p)
+        with pytest.raises(ValueError, match=msg):
+            list(iter_corpus(p))

@@ -149,9 +149,12 @@ def test_train_writes_loadable_checkpoint(tmp_path):
     streams = {"train": stream, "val": stream[:130], "heldout": stream[300:700]}
     out = tmp_path / "model"
     a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(out), steps=4, device="cpu", batch_size=2,
-                     seq_len=64, warmup=2, log_every=2, n_evals=1, arch=dict(TINY_ARCH))
+                     seq_len=64, warmup=2, log_every=2, n_evals=1, eval_max_tokens=100, arch=dict(TINY_ARCH))
     logs = []
     res = tr.train(a, streams=streams, log=logs.append)
+    # --eval-max-tokens cuts the validations during training, not the final evaluations (the
+    # reported held-out figures were of a 99-token prefix)
+    assert all(v["tokens"] <= 100 for v in res["val"]) and res["final"]["val"]["tokens"] == 129
     assert res["steps"] == 4 and len(res["log"]) == 2
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "train_log.json"):
         assert (out / name).is_file(), name
@@ -490,3 +493,102 @@ def test_ctrl_c_stops_training_at_a_step_and_writes_what_it_learnt(tmp_path, mon
     log = json.loads((out / "train_log.json").read_text())
     assert (log["stopped"], log["steps"], log["chosen_step"]) == ("interrupted (Ctrl-C)", 2, 2)
     assert (out / "model.safetensors").is_file()
+
+
+def _ctrl_c_corpus(tmp_path):
+    paths = [p for p in (f"m{i}.py" for i in range(200)) if not tr.is_val_doc(p)][:60]
+    entries = [{"path": p, "split": "heldout" if i == 0 else "train", "text": f"def f{i}(x):\n    return x + {i}\n"}
+               for i, p in enumerate(paths)]
+    corpus = tmp_path / "c.jsonl.xz"
+    corpus.write_bytes(lzma.compress("".join(json.dumps(e) + "\n" for e in entries).encode()))
+    return ["train", "--corpus", str(corpus), "--tokenizer", str(TOKENIZER), "--steps", "3", "--device", "cpu",
+            "--batch-size", "2", "--seq-len", "16", "--warmup", "1", "--log-every", "1", "--n-evals", "1"] + \
+        [f"--{k.replace('_', '-')}={v}" for k, v in TINY_ARCH.items()]
+
+
+@pytest.mark.parametrize("where", ["final evaluation", "save"])
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_after_the_last_step_finishes_the_run_or_aborts_it_whole(tmp_path, monkeypatch, capsys, presses,
+                                                                       where):
+    """The Ctrl-C handler of training was gone once the steps ended: one press during the
+    final evaluation (minutes on a real corpus) or the write lost the whole run (exit 130,
+    nothing written). Now one press there lets the run finish and write (exit 0: nothing was
+    cut; the log says so), and a second aborts without writing: the older checkpoint in
+    --out stays whole and no partial file is left behind."""
+    pytest.importorskip("safetensors")
+    import os
+    import signal
+
+    from hyspec.cli.dispatch import main
+    from hyspec.train import loop
+
+    out = tmp_path / "m"
+    out.mkdir()
+    for name in ("model.safetensors", "config.json", "train_log.json"):
+        (out / name).write_text(f"older {name}")
+    real = {"final evaluation": loop.evaluate, "save": loop.stage_checkpoint}[where]
+    calls = []
+
+    def then_ctrl_c(*args, **kw):
+        r = real(*args, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return r
+
+    monkeypatch.setattr(loop, {"final evaluation": "evaluate", "save": "stage_checkpoint"}[where], then_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)
+    rc = main(_ctrl_c_corpus(tmp_path) + ["--out", str(out)])
+    captured = capsys.readouterr()
+    assert signal.getsignal(signal.SIGINT) is before and calls
+    if presses == 2:
+        assert rc == 130 and "hyspec: interrupted" in captured.err
+        assert sorted(f.name for f in out.iterdir()) == ["config.json", "model.safetensors", "train_log.json"]
+        assert all(f.read_text() == f"older {f.name}" for f in out.iterdir())
+        return
+    assert rc == 0, captured.err
+    assert "Ctrl-C after the last step" in captured.out
+    log = json.loads((out / "train_log.json").read_text())
+    assert (log["stopped"], log["steps"]) == ("steps", 3) and "heldout" in log["final"]
+    assert not [f for f in out.iterdir() if f.name.endswith(".partial")]
+
+
+def test_a_ctrl_c_during_the_renames_takes_effect_after_them():
+    """The renames that put a checkpoint in place run with Ctrl-C held (a press between two of
+    them left a model.safetensors of one run beside the config.json of another): the press
+    is delivered to the previous handler at the block's end."""
+    import os
+    import signal
+
+    from hyspec.train.checkpoint import _sigint_held
+
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("renamed")
+    assert done == ["renamed"] and signal.getsignal(signal.SIGINT) is before
+
+
+def test_train_paths_expand_the_users_home_and_a_long_window_widens_the_context(tmp_path, monkeypatch):
+    """--out=~/m (the shell leaves ~ there) was checked as the home folder's m but written to
+    ./~/m; --corpus ~/... did "not exist". And a --seq-len above 4096 wrote a config.json whose
+    context (4096) refused prompts as long as the windows the model was trained on."""
+    pytest.importorskip("safetensors")
+    from hyspec.loading import load_model
+    from hyspec.train.config import TrainConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    a = TrainConfig(corpus="~/c.jsonl.xz", tokenizer="~/t.json", out="~/m", steps=1)
+    assert (a.corpus, a.tokenizer, a.out) == (str(tmp_path / "c.jsonl.xz"), str(tmp_path / "t.json"),
+                                              str(tmp_path / "m"))
+    T = 4200
+    stream = torch.arange(1, 2 * T + 10, dtype=torch.long) % 200 + 1
+    streams = {"train": stream, "val": stream[:0], "heldout": stream[:0]}
+    a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "long"), steps=1, device="cpu", batch_size=1,
+                     seq_len=T, warmup=1, log_every=1, n_evals=1, arch=dict(TINY_ARCH, layers=2, full_every=2))
+    tr.train(a, streams=streams, log=lambda s: None)
+    model = load_model(tmp_path / "long")
+    assert model.cfg.max_position_embeddings >= T

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,7 +38,12 @@ def round_to_bf16_(model: HybridLM) -> None:
                 p.copy_(p.to(torch.bfloat16).to(p.dtype))
 
 
-def save_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer: str | Path | None) -> Path:
+def stage_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer: str | Path | None,
+                     staged: dict | None = None) -> dict:
+    """Write the checkpoint's files beside their final names in `out` and return `staged`
+    ({name: partial file}, filled as they are written, so a caller's clean-up sees every one);
+    `commit_checkpoint` renames them into place. A failure (or Ctrl-C) part-way removes the
+    partial files written so far and leaves `out` as it was."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -44,23 +52,59 @@ def save_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer:
     for k, v in model.state_dict().items():
         v = v.detach().to("cpu")
         tensors[k] = (v.float() if _keep_fp32(k) else v.to(torch.bfloat16)).contiguous()
-    # every file is written beside its final name and renamed once all are complete, so a save
-    # interrupted part-way leaves an older checkpoint in `out` whole (and a train_log.json of an
-    # earlier run goes, since the one of this run is written after the weights)
     parts = {"model.safetensors": lambda f: save_file(tensors, str(f), metadata={"format": "pt"}),
              "config.json": lambda f: f.write_text(json.dumps(cfg_dict, indent=2) + "\n"),
              "generation_config.json": lambda f: f.write_text(json.dumps({"eos_token_id": EOS_ID}, indent=2) + "\n")}
     if tokenizer is not None:
         parts["tokenizer.json"] = lambda f: shutil.copyfile(tokenizer, f)
-    tmp = {name: out / f".{name}.partial" for name in parts}
+    staged = {} if staged is None else staged
     try:
         for name, write in parts.items():
-            write(tmp[name])
+            staged[name] = out / f".{name}.partial"
+            write(staged[name])
     except BaseException:
-        for f in tmp.values():
-            f.unlink(missing_ok=True)
+        discard_staged(staged)
         raise
-    (out / "train_log.json").unlink(missing_ok=True)
-    for name, f in tmp.items():
-        f.replace(out / name)
+    return staged
+
+
+def discard_staged(staged: dict) -> None:
+    for f in staged.values():
+        Path(f).unlink(missing_ok=True)
+
+
+@contextmanager
+def _sigint_held():
+    """A Ctrl-C inside the block takes effect at its end (the handler in place before it then
+    runs), so the block's renames are never cut halfway. Off the main thread (no signals
+    reach it) it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if pressed and callable(old):
+        old(signal.SIGINT, None)
+
+
+def commit_checkpoint(out: str | Path, staged: dict) -> Path:
+    """Rename staged files into place in `out`, with Ctrl-C held for the renames: a checkpoint
+    is the old one or the new one, never a mix (a model.safetensors of one run beside the
+    config.json of another). A train_log.json not among them goes (it was an earlier run's)."""
+    out = Path(out)
+    with _sigint_held():
+        if "train_log.json" not in staged:
+            (out / "train_log.json").unlink(missing_ok=True)
+        for name, f in staged.items():
+            Path(f).replace(out / name)
     return out
+
+
+def save_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer: str | Path | None) -> Path:
+    """Write the checkpoint to `out` (stage_checkpoint then commit_checkpoint): a save
+    interrupted part-way leaves an older checkpoint in `out` whole."""
+    return commit_checkpoint(out, stage_checkpoint(model, cfg_dict, out, tokenizer))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from hyspec.train.model import DEFAULT_ARCH
@@ -39,6 +40,8 @@ class TrainConfig:
     arch: dict = field(default_factory=lambda: dict(DEFAULT_ARCH))  # model shape, keys of DEFAULT_ARCH
 
     def __post_init__(self) -> None:
+        for name in ("corpus", "tokenizer", "out"):  # a user's ~ (in --out=~/m the shell leaves it): the
+            setattr(self, name, os.path.expanduser(getattr(self, name)))  # folder checked is the one written
         if self.minutes is None:  # as on the command line: a step count alone has no time limit
             self.minutes = 0.0 if self.steps > 0 else DEFAULT_MINUTES
 

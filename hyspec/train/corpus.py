@@ -224,6 +224,15 @@ def iter_corpus(path: str | os.PathLike):
                     if bad:  # (a number or null text was a TypeError deep in the tokenizer)
                         raise ValueError(f"--corpus {path}: line {n}: {' / '.join(bad)} must be text (a JSON string); "
                                          f"expected {want}")
+                    if e["split"] not in SPLITS:  # (another name's documents were dropped without a word)
+                        raise ValueError(f"--corpus {path}: line {n}: split {e['split']!r} is not one of "
+                                         f"{' / '.join(SPLITS)}")
+                    for k in ("path", "text"):  # (a lone surrogate, "\\ud800" in JSON: a traceback in the tokenizer)
+                        try:
+                            e[k].encode("utf-8")
+                        except UnicodeEncodeError as u:
+                            raise ValueError(f"--corpus {path}: line {n}: {k} is not valid Unicode ({u.reason} at "
+                                             f"character {u.start})") from None
                     yield e
     except (lzma.LZMAError, EOFError, UnicodeDecodeError) as e:
         raise ValueError(f"--corpus {path}: not readable as xz-compressed UTF-8 text ({e}); expected {want}") from None
@@ -234,7 +243,7 @@ def load_corpus(path: str | os.PathLike) -> dict[str, list[tuple[str, str]]]:
     Both 'train' and 'heldout' keys are always present."""
     out: dict[str, list[tuple[str, str]]] = {s: [] for s in SPLITS}
     for e in iter_corpus(path):
-        out.setdefault(e["split"], []).append((e["path"], e["text"]))
+        out[e["split"]].append((e["path"], e["text"]))
     return out
 
 

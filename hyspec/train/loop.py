@@ -20,8 +20,10 @@ from hyspec.provenance import git_state
 from hyspec.train import forward as fwd
 from hyspec.train.checkpoint import (
     checkpoint_tensor_bytes,
+    commit_checkpoint,
+    discard_staged,
     round_to_bf16_,
-    save_checkpoint,
+    stage_checkpoint,
 )
 from hyspec.train.config import TrainConfig
 from hyspec.train.data import WindowSampler, eval_windows, load_streams
@@ -78,10 +80,11 @@ INTERRUPTED = "interrupted (Ctrl-C)"
 
 @contextmanager
 def _stop_on_ctrl_c(flag: dict):
-    """While training: a first Ctrl-C (SIGINT) only sets flag["sigint"], so the loop stops at
-    the next step's boundary (never inside an optimizer step) and the run evaluates and writes
-    what it learnt; a second one raises KeyboardInterrupt at once (nothing is written: the save
-    is atomic). The previous handler is back on exit. Off the main thread (where Python
+    """While training and until the checkpoint is written: a first Ctrl-C (SIGINT) only sets
+    flag["sigint"], so the loop stops at the next step's boundary (never inside an optimizer
+    step) and the run evaluates and writes what it learnt (after the last step: it finishes as
+    planned); a second one raises KeyboardInterrupt at once (nothing is written: the save is
+    atomic). The previous handler is back on exit. Off the main thread (where Python
     delivers no signals), with SIGINT ignored (a background job: Ctrl-C is not for it) or
     handled outside Python, it does nothing."""
     if threading.current_thread() is not threading.main_thread() or \
@@ -146,7 +149,9 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
     log(f"data: train {streams['train'].numel():,} tokens, val {streams['val'].numel():,}, "
         f"heldout {streams['heldout'].numel():,} ({time.time() - t_start:.1f}s)")
 
-    cfg_dict = model_config(vocab, **a.arch)
+    # (the context the checkpoint declares covers the windows it was trained on: a longer --seq-len than
+    # the default 4096 wrote a model that refused prompts of its own training length)
+    cfg_dict = model_config(vocab, max_positions=max(4096, a.seq_len), **a.arch)
     cfg = ModelConfig.from_dict(cfg_dict)
     model = HybridLM(cfg, with_mtp=True)
     init_params(model, a.seed)
@@ -287,78 +292,102 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
                 run_val(step)
                 t_log = time.time()
 
-    try:
-        with _stop_on_ctrl_c(st):
+    def wrap_up() -> dict:
+        """The final validation, evaluations and the write, with the Ctrl-C handler of the
+        training loop still in place: a first Ctrl-C here (after the last step) lets the run
+        finish and write, as one during training does; a second aborts without writing (it
+        was the default handler here: one press lost the whole run)."""
+        step, total, stopped = st["step"], st["total"], st["stopped"]
+
+        def notice_ctrl_c() -> None:
+            if st["sigint"] and stopped != INTERRUPTED and not st.get("told"):
+                st["told"] = True
+                log("Ctrl-C after the last step: the run finishes as planned and writes its checkpoint "
+                    "(Ctrl-C again before the write aborts without writing)")
+        _sync(device)
+        train_seconds = time.time() - t0
+        peak_mem = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0
+        log(f"training stopped ({stopped}) after {step} steps, {step * B * T:,} tokens, {train_seconds:.1f}s"
+            f"{f', peak GPU memory {peak_mem:.1f} GiB' if cuda else ''}")
+        if streams["val"].numel() > 1:
+            if not val_hist or val_hist[-1]["step"] != step:
+                run_val(step)
+            if best["step"] != step:
+                log(f"restoring best val checkpoint from step {best['step']}")
+                model.load_state_dict(best["state"])
+        chosen_step = best["step"] if best["step"] >= 0 else step
+        if step == 0:  # (a time budget spent before the first step, an error in it)
+            raise TrainingFailed(f"training stopped before its first step ({stopped}): no checkpoint written to {a.out}")
+        if stopped not in ("steps", "time budget"):
+            log(f"training stopped early: {stopped}")
+            diverged = stopped == "non-finite loss" and chosen_step == step  # no earlier validation to go back to
+            if chosen_step == 0 or diverged or not all(torch.isfinite(p).all() for p in model.parameters()):
+                what = "the initial weights" if chosen_step == 0 else "the weights that diverged"
+                raise TrainingFailed(f"training stopped at step {step} ({stopped}) and kept only {what}: "
+                                     f"no checkpoint written to {a.out}")
+        round_to_bf16_(model)
+        model.eval()
+        final = {}
+        for split in ("heldout", "val"):  # (each whole: --eval-max-tokens is for the validations in training)
+            if streams[split].numel() > 1:
+                notice_ctrl_c()
+                final[split] = evaluate(model, streams[split], **{**eval_kw, "max_tokens": None})
+                r = final[split]
+                log(f"final {split} ({r['tokens']:,} tokens, bf16 weights): loss {r['loss']:.4f} ppl {r['ppl']:.2f} "
+                    f"top1 {r['top1']:.4f} | mtp loss {r.get('mtp_loss', float('nan')):.4f} ppl "
+                    f"{r.get('mtp_ppl', float('nan')):.2f} top1 {r.get('mtp_top1', float('nan')):.4f}")
+        notice_ctrl_c()
+        staged: dict = {}
+        try:  # (a second Ctrl-C before the renames: nothing written, no partial file left)
+            stage_checkpoint(model, cfg_dict, a.out, a.tokenizer, staged)
+            out = Path(a.out)
+            size = staged["model.safetensors"].stat().st_size
+            train_tok_s = [h["tok_s"] for h in history[1:]] or [h["tok_s"] for h in history]
+            result = {
+                "git": git,
+                "args": {k: v for k, v in asdict(a).items()},
+                "config": cfg_dict,
+                "params": n_params,
+                "tensor_bytes": ckpt_bytes,
+                "safetensors_bytes": size,
+                "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
+                "torch": torch.__version__,
+                "gdn_kernel": "fla.chunk_gated_delta_rule" if use_fla else "torch chunked_scan_batched",
+                "fla_unusable": None if use_fla else fwd.FLA_UNUSABLE_REASON,
+                "kernel_check": kernel_check,
+                "train_budget_s": round(budget, 1) if math.isfinite(budget) else None,
+                "steps": step,
+                "planned_steps": total,
+                "stopped": stopped,
+                "tokens_seen": step * B * T,
+                "epochs": round(sampler.epochs_done, 3),
+                "train_seconds": round(train_seconds, 1),
+                "peak_gpu_mem_gib": round(peak_mem, 2),
+                "median_tok_s": sorted(train_tok_s)[len(train_tok_s) // 2] if train_tok_s else None,
+                "chosen_step": chosen_step,
+                "data_tokens": {k: int(v.numel()) for k, v in streams.items()},
+                "log": history,
+                "val": val_hist,
+                "final": final,
+                "total_seconds": round(time.time() - t_start, 1),
+            }
+            staged["train_log.json"] = out / ".train_log.json.partial"
+            staged["train_log.json"].write_text(json.dumps(_finite_json(result), indent=1, allow_nan=False) + "\n")
+            commit_checkpoint(out, staged)  # (the weights and their log together, or neither)
+        except BaseException:
+            discard_staged(staged)
+            raise
+        notice_ctrl_c()
+        log(f"wrote {out} (model.safetensors {size:,} bytes; {n_params:,} params) in {result['total_seconds']}s total")
+        return result
+
+    with _stop_on_ctrl_c(st):
+        try:
             train_loop()
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far (checked below)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        st["stopped"] = f"error: {type(e).__name__}: {first}"[:300]
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.empty_cache()
-    step, total, stopped = st["step"], st["total"], st["stopped"]
-    _sync(device)
-    train_seconds = time.time() - t0
-    peak_mem = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else 0.0
-    log(f"training stopped ({stopped}) after {step} steps, {step * B * T:,} tokens, {train_seconds:.1f}s"
-        f"{f', peak GPU memory {peak_mem:.1f} GiB' if cuda else ''}")
-    if streams["val"].numel() > 1:
-        if not val_hist or val_hist[-1]["step"] != step:
-            run_val(step)
-        if best["step"] != step:
-            log(f"restoring best val checkpoint from step {best['step']}")
-            model.load_state_dict(best["state"])
-    chosen_step = best["step"] if best["step"] >= 0 else step
-    if step == 0:  # (a time budget spent before the first step, an error in it)
-        raise TrainingFailed(f"training stopped before its first step ({stopped}): no checkpoint written to {a.out}")
-    if stopped not in ("steps", "time budget"):
-        log(f"training stopped early: {stopped}")
-        diverged = stopped == "non-finite loss" and chosen_step == step  # no earlier validation to go back to
-        if chosen_step == 0 or diverged or not all(torch.isfinite(p).all() for p in model.parameters()):
-            what = "the initial weights" if chosen_step == 0 else "the weights that diverged"
-            raise TrainingFailed(f"training stopped at step {step} ({stopped}) and kept only {what}: "
-                                 f"no checkpoint written to {a.out}")
-    round_to_bf16_(model)
-    model.eval()
-    final = {}
-    for split in ("heldout", "val"):
-        if streams[split].numel() > 1:
-            final[split] = evaluate(model, streams[split], **eval_kw)
-            r = final[split]
-            log(f"final {split} ({r['tokens']:,} tokens, bf16 weights): loss {r['loss']:.4f} ppl {r['ppl']:.2f} "
-                f"top1 {r['top1']:.4f} | mtp loss {r.get('mtp_loss', float('nan')):.4f} ppl "
-                f"{r.get('mtp_ppl', float('nan')):.2f} top1 {r.get('mtp_top1', float('nan')):.4f}")
-    out = save_checkpoint(model, cfg_dict, a.out, a.tokenizer)
-    size = (out / "model.safetensors").stat().st_size
-    train_tok_s = [h["tok_s"] for h in history[1:]] or [h["tok_s"] for h in history]
-    result = {
-        "git": git,
-        "args": {k: v for k, v in asdict(a).items()},
-        "config": cfg_dict,
-        "params": n_params,
-        "tensor_bytes": ckpt_bytes,
-        "safetensors_bytes": size,
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
-        "torch": torch.__version__,
-        "gdn_kernel": "fla.chunk_gated_delta_rule" if use_fla else "torch chunked_scan_batched",
-        "fla_unusable": None if use_fla else fwd.FLA_UNUSABLE_REASON,
-        "kernel_check": kernel_check,
-        "train_budget_s": round(budget, 1) if math.isfinite(budget) else None,
-        "steps": step,
-        "planned_steps": total,
-        "stopped": stopped,
-        "tokens_seen": step * B * T,
-        "epochs": round(sampler.epochs_done, 3),
-        "train_seconds": round(train_seconds, 1),
-        "peak_gpu_mem_gib": round(peak_mem, 2),
-        "median_tok_s": sorted(train_tok_s)[len(train_tok_s) // 2] if train_tok_s else None,
-        "chosen_step": chosen_step,
-        "data_tokens": {k: int(v.numel()) for k, v in streams.items()},
-        "log": history,
-        "val": val_hist,
-        "final": final,
-        "total_seconds": round(time.time() - t_start, 1),
-    }
-    (out / "train_log.json").write_text(json.dumps(_finite_json(result), indent=1, allow_nan=False) + "\n")
-    log(f"wrote {out} (model.safetensors {size:,} bytes; {n_params:,} params) in {result['total_seconds']}s total")
-    return result
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far (checked below)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            st["stopped"] = f"error: {type(e).__name__}: {first}"[:300]
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.empty_cache()
+        return wrap_up()
