@@ -129,8 +129,8 @@ class Chat:
 
     def _columns(self) -> int:
         """The terminal's width (80 where it cannot be read)."""
-        try:
-            return os.get_terminal_size(self.out.fileno()).columns
+        try:  # (a terminal that reports no size, 0 columns: 80, not one row per character)
+            return os.get_terminal_size(self.out.fileno()).columns or 80
         except (AttributeError, OSError, ValueError):
             return 80
 
@@ -170,7 +170,10 @@ class Chat:
         if go_on:
             messages_now, full, ids = self.messages, self.rendered, []
         else:
-            if self.plain and self.rendered and not self.rendered.endswith("\n"):
+            # the transcript so far: the chat's record, or (a session loaded without one, or rewound
+            # into turns before it) the session's own tokens, the last few decoded
+            before_text = self.rendered or (eng.decode(session.tokens[-4:]) if session.tokens else "")
+            if self.plain and before_text and not before_text.endswith("\n"):
                 text = "\n" + text  # a new line of the transcript (see the module doc)
             messages_now = self.messages + [{"role": "user", "content": text}]
             full = self.render(messages_now, True)
@@ -187,8 +190,13 @@ class Chat:
         if room < 1:
             if restart:
                 session.close()
-            self.say(f"[the conversation fills the model's context of {eng.context_length} tokens: /rewind or "
-                     f"/reset]")
+            if session.tokens:
+                self.say(f"[the conversation fills the model's context of {eng.context_length} tokens: /rewind or "
+                         f"/reset]")
+            else:  # (the message is the whole prompt: /rewind or /reset cannot make room for it)
+                what = "the message with the conversation before it, rendered anew," if restart else "the message"
+                self.say(f"[{what} is {len(ids)} tokens: the model's context is {eng.context_length} tokens, "
+                         f"with room for a reply; shorten it{' or /rewind' if restart else ''}]")
             return {}
         limit = min(session.max_new_tokens, room)
         if go_on and self._line is not None:  # the cut reply's continuation: on its line

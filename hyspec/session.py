@@ -78,6 +78,36 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
+_STATE_KEYS = ("state", "history", "digests")  # the states have their own digests (SeqState.digest)
+
+
+def _record_digest(d: dict) -> str:
+    """A digest of everything in a session file's dict but its states: settings, constraint
+    and reply records, draft lengths, telemetry and `extra` (a damaged byte there loaded
+    without a word and ran differently: another seed, another penalty)."""
+    h = hashlib.blake2b(digest_size=12)
+
+    def walk(x) -> None:
+        if isinstance(x, dict):
+            h.update(b"{%d" % len(x))
+            for k in sorted(x, key=repr):
+                walk(k)
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[%d" % len(x))
+            for v in x:
+                walk(v)
+        elif isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(f"{type(x).__name__}:{x!r};".encode())
+
+    walk({k: v for k, v in d.items() if k not in _STATE_KEYS})
+    return h.hexdigest()
+
+
 def _check_extra(extra) -> None:
     """Session.save's `extra`: a dict that Session.load can read back (torch.load with
     weights_only: None, bools, numbers, strings, bytes, tensors, dtypes and containers of
@@ -504,7 +534,7 @@ class Session:
 
     # -- on disk -----------------------------------------------------------------------
     def to_dict(self, extra: dict | None = None) -> dict:
-        return {
+        d = {
             "format": FORMAT, "model": model_fingerprint(self.engine.model),
             "settings": {"draft": self.draft, "params": asdict(self.params),
                          "spec": None if self.spec is None else asdict(self.spec),
@@ -524,6 +554,8 @@ class Session:
             "telemetries": [p.telemetry.to_dict() for p in self._points],
             "extra": extra or {},
         }
+        d["digests"]["record"] = _record_digest(d)  # (the rest of the file, checked at load too)
+        return d
 
     def save(self, path, extra: dict | None = None) -> None:
         """Write the session (state, rewind points, settings) to a file; Session.load reads it
@@ -580,6 +612,10 @@ class Session:
             raise ValueError(f"not a hyspec session file (expected format {FORMAT!r})")
         if d["model"] != model_fingerprint(engine.model):
             raise ValueError("this session was saved with a different model (config or weights differ)")
+        digests = d.get("digests")  # (absent in files written before they were saved)
+        if digests is not None and "record" in digests and digests["record"] != _record_digest(d):
+            raise ValueError("the session file is damaged: its settings, replies, telemetry or extra are not the "
+                             "ones saved (their digest differs)")
         settings = d["settings"]
         spec = settings["spec"]
         if spec is not None and spec.get("forced_rates") is not None:
@@ -589,7 +625,6 @@ class Session:
                       stop_ids=settings["stop_ids"], ignore_eos=settings["ignore_eos"],
                       use_store=settings["use_store"])
         dev = engine.model.device
-        digests = d.get("digests")  # (absent in files written before they were saved)
 
         def state_of(x, digest, what):
             if x is None:

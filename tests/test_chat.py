@@ -722,3 +722,71 @@ def test_on_a_terminal_lines_are_edited_with_the_arrow_keys(tmp_path):
     eng = Engine.load()
     text = eng.decode(Session.load(eng, tmp_path / "s.pt").tokens)
     assert text.startswith("x =2 1") and text.count("x =2 1") == 2 and "\x1b" not in text, text
+
+
+def test_a_line_after_a_loaded_session_without_a_chat_record_starts_a_new_line(default_engine, tmp_path):
+    """/load of a session saved by the Python API (no chat record), or /rewind into its turns:
+    the next typed line was glued onto the transcript's last line ("return self.tk.print(1)"),
+    since the chat decided the line break from its own (empty) record. It now goes after a
+    line break, as in a chat that made those turns itself."""
+    import io
+
+    from hyspec.chat import Chat
+
+    eng = default_engine
+    s = eng.session(max_new_tokens=6, ignore_eos=True)
+    s.send("def f(x):")
+    s.send("    y = 1")
+    assert not eng.decode(s.tokens).endswith("\n")
+    f = tmp_path / "api.pt"
+    s.save(f)
+    for commands in ([f"/load {f}"], [f"/load {f}", "/rewind 1"]):
+        c = Chat(eng, eng.session(max_new_tokens=6, ignore_eos=True), out=io.StringIO())
+        for cmd in commands:
+            c.command(cmd)
+        held = list(c.session.tokens)
+        assert not eng.decode(held).endswith("\n")
+        c.user("print(1)")
+        assert c.session.tokens[len(held):len(held) + len(eng.encode("\nprint(1)"))] == eng.encode("\nprint(1)")
+        c.close()
+    s.close()
+
+
+def test_a_first_message_longer_than_the_context_says_so(tmp_path, monkeypatch):
+    """A first message longer than the whole context was refused with "the conversation fills
+    the model's context: /rewind or /reset" (the conversation was empty: neither helps)."""
+    import io
+
+    from hyspec.chat import main
+    from hyspec.cli import common
+    from hyspec.engine import Engine
+    from hyspec.tiny import make_tiny
+
+    ckpt = make_tiny("qwen3_5", tmp_path / "tiny", vocab_size=320, hidden=32, layers=2, seed=1, std=0.1)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["max_position_embeddings"] = 24
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    eng = Engine.load(ckpt)
+    monkeypatch.setattr(common, "load_engine", lambda args: eng)
+    out = io.StringIO()
+    long = "ab " * 30
+    assert main(["--max-new-tokens", "4"], stdin=io.StringIO(long + "\n/stats\n"), stdout=out) == 0
+    text = out.getvalue()
+    assert f"[the message is {len(eng.encode(long))} tokens: the model's context is 24 tokens" in text, text
+    assert "/rewind or /reset" not in text and stats_lines(text)[0]["turns"] == 0
+
+
+def test_a_terminal_reporting_no_columns_counts_eighty(monkeypatch):
+    """A pty with no window size reports 0 columns: the redraw of a continued line went up one
+    row per character and cleared the output above it."""
+    import io
+
+    from hyspec import chat as chat_mod
+
+    c = chat_mod.Chat.__new__(chat_mod.Chat)
+    c.out = io.StringIO()
+    monkeypatch.setattr(c.out, "fileno", lambda: 1, raising=False)
+    monkeypatch.setattr(chat_mod.os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))
+    assert c._columns() == 80
+    monkeypatch.setattr(chat_mod.os, "get_terminal_size", lambda fd: os.terminal_size((100, 30)))
+    assert c._columns() == 100

@@ -225,8 +225,19 @@ def test_a_damaged_or_edited_session_file_fails_at_load(zoo, tmp_path):
     with pytest.raises(ValueError, match="vocabulary"):
         load_edited(lambda x: x["state"]["meta"]["tokens"].__setitem__(0, 10 ** 9))
     for key in ("matchers", "telemetries", "drafts", "replies"):  # a rewind point's field missing
-        with pytest.raises(ValueError, match=r"bad\.pt: .*damaged.*differ in number"):
+        with pytest.raises(ValueError, match=r"bad\.pt: .*damaged.*their digest differs"):
             load_edited(lambda x: x[key].pop())
+        with pytest.raises(ValueError, match=r"bad\.pt: .*damaged.*differ in number"):  # (and without the record's
+            load_edited(lambda x: (x[key].pop(), x["digests"].pop("record")))  # digest: an older file)
+    # the rest of the file has its digest too: a changed seed or penalty, reply, telemetry or
+    # extra loaded without a word and ran differently
+    for edit in (lambda x: x["settings"]["params"].__setitem__("seed", 3),
+                 lambda x: x["settings"]["params"].__setitem__("repetition_penalty", 1.0000000000000002),
+                 lambda x: x["reply"].append(1), lambda x: x.__setitem__("last_draft", 2),
+                 lambda x: x["extra"].__setitem__("k", torch.zeros(2))):
+        with pytest.raises(ValueError, match=r"bad\.pt: .*damaged: its settings, replies, telemetry or extra"):
+            load_edited(edit)
+    assert Session.load(eng, good).state().digest() == s.state().digest()
     old = load_edited(lambda x: x.pop("digests"))  # an older file: no digests, the layout still checked
     assert old.state().digest() == s.state().digest() == d["digests"]["state"]
     st = s.state()
