@@ -6,7 +6,10 @@
 #   with --upgrade leaves the second's folder alone (no fla.ops); a warm machine may still
 #   hold an earlier call's /tmp/site, hence the rm;
 # * exports PYTHONPATH, PYTHONUNBUFFERED and, with an argument, HYSPEC_GIT_COMMIT /
-#   HYSPEC_GIT_DIRTY=0 (the device copy has no .git: hyspec.provenance reads these);
+#   HYSPEC_GIT_DIRTY from a second argument, clean or dirty (the device copy has no .git:
+#   hyspec.provenance reads these; without it the results say "dirty: unknown"):
+#     source bench/device_env.sh $(git rev-parse --short HEAD) $(test -z "$(git status --porcelain)" && echo clean || echo dirty)
+#   (run that $(...) here, on this machine, and paste the two words into the device command);
 # * prints which optional modules import, so a missing wheel shows before the run
 #   (fla.ops needs einops; tests/test_server_constraints.py needs jsonschema).
 # The wheel list (python3.12, manylinux x86_64; docs/gpu.md "Tests"): fla-core,
@@ -26,7 +29,13 @@ else
 fi
 export PYTHONUNBUFFERED=1
 if [ -n "$1" ]; then
-  export HYSPEC_GIT_COMMIT=$1 HYSPEC_GIT_DIRTY=${HYSPEC_GIT_DIRTY:-0}
+  export HYSPEC_GIT_COMMIT=$1
+  case "$2" in
+    clean) export HYSPEC_GIT_DIRTY=0 ;;
+    dirty) export HYSPEC_GIT_DIRTY=1 ;;
+    "") ;;  # (HYSPEC_GIT_DIRTY as the caller set it, or unknown)
+    *) echo "device_env: the second argument is clean or dirty, got '$2'"; return 1 ;;
+  esac
 fi
 python3 - <<'PY'
 import importlib

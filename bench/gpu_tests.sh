@@ -5,7 +5,7 @@
 #                                     carried as a wheel in .whl/ like the others)
 # Commit the log as bench/results/gpu_tests_h200.txt, beside the bench JSON of the same commit.
 # On a copy of the tree without its .git, name the commit: HYSPEC_GIT_COMMIT=<sha>
-# (HYSPEC_GIT_DIRTY=1 if the copy had uncommitted changes), as for hyspec bench.
+# and HYSPEC_GIT_DIRTY=0 or 1 (clean or not; unset: recorded unknown), as for hyspec bench.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LOG=$OUT/${LOG_NAME:-gpu_tests_h200.txt}

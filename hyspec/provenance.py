@@ -15,13 +15,16 @@ def git_state(root: str | Path = ROOT) -> dict:
     outside a git checkout whose top is `root`, e.g. an installed wheel, even in a venv inside
     some other repository; None without git). HYSPEC_GIT_COMMIT / HYSPEC_GIT_DIRTY
     override both: for a copy of a working tree whose .git is not the one it was copied from
-    (the GPU machine gets such a copy). "env": the HYSPEC_* switches set for the run
+    (the GPU machine gets such a copy); dirty is None (unknown) unless HYSPEC_GIT_DIRTY is
+    0 or 1 (a commit named alone was recorded clean, whatever the copy held). A file git does
+    not ignore and does not track (a new script) makes the tree dirty: the commit lacks it. "env": the HYSPEC_* switches set for the run
     (e.g. HYSPEC_TOPP_KERNEL), when any is."""
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("HYSPEC_") and k not in ("HYSPEC_GIT_COMMIT", "HYSPEC_GIT_DIRTY")}
     extra = {"env": env} if env else {}
     if os.environ.get("HYSPEC_GIT_COMMIT"):
-        return {"commit": os.environ["HYSPEC_GIT_COMMIT"], "dirty": os.environ.get("HYSPEC_GIT_DIRTY", "0") == "1",
+        return {"commit": os.environ["HYSPEC_GIT_COMMIT"],
+                "dirty": {"0": False, "1": True}.get(os.environ.get("HYSPEC_GIT_DIRTY", "").strip()),
                 "source": "HYSPEC_GIT_COMMIT", **extra}
     def run(*args):
         try:
@@ -34,5 +37,5 @@ def git_state(root: str | Path = ROOT) -> dict:
     if top is None or Path(top).resolve() != Path(root).resolve():  # an installed copy inside another
         return {"commit": None, "dirty": None, **extra}  # repository (a venv in the user's project): not ours
     commit = run("rev-parse", "HEAD")
-    status = run("status", "--porcelain", "--untracked-files=no")
+    status = run("status", "--porcelain", "--untracked-files=normal")
     return {"commit": commit, "dirty": None if status is None else bool(status), **extra}

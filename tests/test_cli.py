@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,11 +374,14 @@ def test_bench_cpu_smoke(tmp_path, capsys) -> None:
     """`hyspec bench` on CPU (tiny preset, the reference backend): runs end to end, writes the JSON
     with every section, and its speculative runs equal plain decoding."""
     out = tmp_path / "b.json"
+    tuned = Path(__file__).resolve().parents[1] / "bench" / "results" / "qwen3.5-35b-a3b_h200_tuning.json"
     rc = main(["bench", "--config", "tiny", "--prompt-len", "8", "--new-tokens", "8", "--ks", "1,2",
                "--verify-max", "3", "--reps", "1", "--exact-prompts", "1", "--exact-tokens", "12",
-               "--hf-tokens", "0", "--variants", "exact", "--out", str(out)])
+               "--hf-tokens", "0", "--variants", "exact", "--out", str(out), "--tuned-from", str(tuned)])
     assert rc == 0
     r = json.loads(out.read_text())
+    # the GPU kernels' configs of --tuned-from are not used on the CPU: not recorded as if they were
+    assert "tuned_gemm" not in r and "tuned_moe_gemm" not in r
     ex = r["variants"]["exact"]
     assert r["copy_bandwidth_GBps"] > 0 and r["roofline_ms"] > 0 and not r["errors"]
     assert ex["plain"]["tok_s"] > 0 and set(ex["verify_ms"]) == {"1", "2", "3"}
@@ -477,3 +481,17 @@ def test_bench_names_the_embedded_model_and_checks_model_first(tmp_path):
     for extra in (["--model", str(tmp_path)], ["--fp8"]):
         with pytest.raises(ValueError, match=f"{extra[0]} does not go with it"):
             bench_cli.resolve_device(parse(["--config", "default", "--device", "cpu", *extra]))
+
+
+def test_a_failed_part_of_the_batched_bench_fails_the_run(monkeypatch, capsys) -> None:
+    """The GPU batched bench keeps going past a failed part (the invariance check, the sampled
+    speed) and lists it in its own errors: those never reached the run's exit status (0) nor
+    its closing error line."""
+    from hyspec.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "run_batches", lambda *a, **k: {"rows": [], "errors": {
+        "invariance": "AssertionError: lane 3 differs", "sampled": "RuntimeError: x"}})
+    rc = main(["bench", "--config", "tiny", "--device", "cpu", "--prompt-len", "4", "--new-tokens", "4", "--ks", "1",
+               "--reps", "1", "--exact-prompts", "0", "--hf-tokens", "0", "--batch", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "2 part(s) failed" in err and "batch/invariance: AssertionError: lane 3 differs" in err

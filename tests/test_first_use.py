@@ -228,6 +228,20 @@ def test_more_user_errors_fail_up_front_naming_the_flag(ckpt, tmp_path) -> None:
     assert build_parser().parse_args(["generate", "--prompt", "x", "--ssm-dtype", "bf16"]).ssm_dtype == "bf16"
 
 
+def test_bench_options_that_ran_nothing_or_were_ignored_fail_up_front(ckpt) -> None:
+    """An empty --variants ran no variant and exited 0 (a results file without a figure); a
+    repeated one ran twice, the second's figures replacing the first's; --fp8 with --model
+    was ignored in silence (the checkpoint loaded as stored); --copy-bytes 1 timed a call,
+    not the bandwidth (a roofline of 15,000 %); --pp with --threads 0 was a traceback."""
+    bench = ["bench", "--config", "tiny", "--device", "cpu"]
+    errs = cli_errors(bench + ["--variants", ","], bench + ["--variants", "exact,exact"],
+                      ["bench", "--model", str(ckpt), "--device", "cpu", "--fp8"], bench + ["--copy-bytes", "1"],
+                      ["bench", "--pp", "2", "--threads", "0"])
+    assert "--variants: give at least one of" in errs[0] and "--variants: each variant once" in errs[1]
+    assert "--fp8" in errs[2] and "--model" in errs[2]
+    assert "--copy-bytes: must be >= 1048576" in errs[3] and "--threads: must be >= 1, got 0" in errs[4]
+
+
 def test_pipeline_and_train_options_fail_before_any_process_or_file(tmp_path) -> None:
     """--pp values that hung (bench --pp 1), started a plain server (serve --pp 0), started
     N processes before the layer count refused them (--pp 9 on 8 layers), or gave a

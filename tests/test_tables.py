@@ -157,3 +157,32 @@ def test_git_state_names_only_this_checkout_and_never_fails(tmp_path, monkeypatc
     assert pair(git_state(other / ".venv" / "site-packages")) == (None, None)
     monkeypatch.setenv("PATH", str(tmp_path / "no-such-dir"))
     assert pair(git_state()) == (None, None)
+
+
+def test_git_state_counts_untracked_files_and_an_unnamed_dirty_state_is_unknown(tmp_path, monkeypatch):
+    """A new, uncommitted script (untracked) left the tree "clean": results named a commit
+    that lacks the code that wrote them. HYSPEC_GIT_COMMIT alone (the GPU machine's copy)
+    was recorded clean whatever the copy held: now unknown (None) unless HYSPEC_GIT_DIRTY
+    is 0 or 1."""
+    import subprocess
+
+    from hyspec.provenance import git_state
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.delenv("HYSPEC_GIT_COMMIT", raising=False)
+    repo = tmp_path / "r"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "a.py").write_text("x = 1\n")
+    subprocess.run(["git", "-C", str(repo), "add", "a.py"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "-m", "x"],
+                   check=True)
+    assert git_state(repo)["dirty"] is False
+    (repo / "new_bench.py").write_text("print(1)\n")
+    assert git_state(repo)["dirty"] is True
+    monkeypatch.setenv("HYSPEC_GIT_COMMIT", "abc1234")
+    monkeypatch.delenv("HYSPEC_GIT_DIRTY", raising=False)
+    assert (git_state()["commit"], git_state()["dirty"]) == ("abc1234", None)
+    for value, dirty in (("0", False), ("1", True), ("yes", None)):
+        monkeypatch.setenv("HYSPEC_GIT_DIRTY", value)
+        assert git_state()["dirty"] is dirty

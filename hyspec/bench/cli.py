@@ -111,7 +111,8 @@ def check_args(args) -> None:
     args.ks = _int_list("ks", args.ks, 1, MAX_DRAFT)
     for flag, lo in (("prompt-len", 1), ("new-tokens", 1), ("verify-max", 1), ("reps", 1), ("exact-tokens", 1),
                      ("exact-prompts", 0), ("hf-tokens", 0), ("draft-vocab", 0), ("batch-inv-prompts", 0),
-                     ("copy-bytes", 1)):
+                     ("copy-bytes", 1 << 20)):  # (a few bytes timed the call, not the bandwidth: rooflines of
+                                                # 15,000 %)
         v = getattr(args, flag.replace("-", "_"))
         if v is not None and v < lo:
             raise ValueError(f"--{flag}: must be >= {lo}, got {v}")
@@ -179,6 +180,9 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
             if given:  # (the one would have replaced the model in silence, the other been ignored)
                 raise ValueError(f"--config default is the embedded model's checkpoint: {flag} does not go with it")
         args.model = str(default_model_dir())
+    elif args.model is not None and args.fp8:  # (ignored in silence: the checkpoint loaded as it is stored)
+        raise ValueError("--fp8 builds the in-memory models (presets, the bench model, tiny) in block-FP8; --model "
+                         "loads a checkpoint as it is stored (an -FP8 checkpoint's weights stay FP8): drop --fp8")
     if args.model is not None:  # (before the header and the bandwidth measurement)
         from hyspec.loading import check_model_dir
 
@@ -278,7 +282,7 @@ def step_bytes_and_gemm_configs(model, args, dev, result: dict) -> tuple[int, in
 
         c = count(model.cfg, dtype=model.dtype)
         step_bytes, draft_bytes = c["step_bytes"], c["draft_bytes"]
-    if args.tuned_from:
+    if args.tuned_from and dev.type == "cuda":
         from hyspec.kernels.matmul import set_tuned
         from hyspec.kernels.moe.grouped import set_moe_tuned
 
@@ -449,6 +453,9 @@ def main(argv=None) -> int:
     log(f"# {result['meta']}")
     if args.tune != "none" and dev.type != "cuda":  # (ignored in silence)
         log(f"note: --tune {args.tune} searches the GPU kernels' GEMM configs: nothing to tune on the {dev.type}")
+    if args.tuned_from and dev.type != "cuda":  # (were recorded in the results as if they had been used)
+        log(f"note: --tuned-from sets the GPU kernels' GEMM configs: the {dev.type} runs the reference backend, "
+            "they are not used (nor recorded)")
     t_start = time.perf_counter()
 
     def save():
@@ -529,6 +536,8 @@ def main(argv=None) -> int:
     if args.batch:
         try:
             result["batch"] = run_batches(model, args, dev, step_bytes, bandwidth)
+            for part, why in result["batch"].get("errors", {}).items():  # (a failed part of the batched run:
+                result["errors"][f"batch/{part}"] = why                   # the exit status says so, was 0)
         except Exception as e:  # (an out-of-memory the check above could not foresee: the figures so far stay)
             result["errors"]["batch"] = failure(e)
             log(f"!! batched run failed: {type(e).__name__}: {e}")

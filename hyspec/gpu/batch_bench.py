@@ -129,7 +129,8 @@ def gpu_batch_bench(model, batches: list[int], *, prompt_len: int, new_tokens: i
         out["sampled"] = sampled_speed(dec, prompts, [b for b in (1, 16) if b in batches] or [min(batches)],
                                        new_tokens, k, rates, log)
     except Exception as e:  # noqa: BLE001 - record and go on
-        out["errors"] = {"sampled": f"{type(e).__name__}: {e}"}
+        out.setdefault("errors", {})["sampled"] = f"{type(e).__name__}: {e}"  # (was a new dict: the floor's
+        # or draft vocabulary's error before it was lost)
         log(f"!! sampled speed failed: {e}")
     for name in sampled_extra:
         try:

@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     from hyspec.cli.common import check_out_file, parse_rates
     from hyspec.engine import check_device
 
+    if args.threads < 1:  # (torch.set_num_threads' traceback)
+        raise ValueError(f"--threads: must be >= 1, got {args.threads}")
     if args.forced_rates and not args.optimistic:
         raise ValueError("--forced-rates picks the drafters of the --optimistic comparison: add --optimistic "
                          "(the lanes comparison runs the checkpoint's MTP head)")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
 
     if args.optimistic:
         try:
-            return _fork_bench(args, path, cfg, prompts, ranges)
+            return _fork_bench(args, path, cfg, prompts, ranges, git)
         finally:
             if tmp is not None:
                 tmp.cleanup()
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 
-def _fork_bench(args, path, cfg, prompts, ranges) -> int:
+def _fork_bench(args, path, cfg, prompts, ranges, git: dict) -> int:
     """--optimistic: one process vs --pp N vs --pp N --optimistic, single requests in turn,
     per drafter setting."""
     import platform
@@ -150,7 +152,6 @@ def _fork_bench(args, path, cfg, prompts, ranges) -> int:
     from hyspec.engine import Engine
     from hyspec.loading import load_model
     from hyspec.parallel.local import run_job, run_jobs
-    from hyspec.provenance import git_state
     from hyspec.speculative.loop import SpecOptions
 
     settings = args.forced_rates or ["mtp"]
@@ -202,6 +203,6 @@ def _fork_bench(args, path, cfg, prompts, ranges) -> int:
               f"{r['same_tokens']}")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "args": vars(args), "stages": [[r.start, r.stop] for r in ranges], "rows": rows, "git": git_state(),
+            "args": vars(args), "stages": [[r.start, r.stop] for r in ranges], "rows": rows, "git": git,
             "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()}}, indent=1))
     return 0 if all(r["same_tokens"] for r in rows) else 1
