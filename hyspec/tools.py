@@ -185,7 +185,14 @@ def loads(text: str):
 
 
 def dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    """JSON text of `value`; ValueError for what a response cannot carry: NaN / Infinity, and a
+    lone surrogate (valid JSON as "\\ud83d", half an emoji: the UTF-8 response failed)."""
+    out = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode ({e.reason})") from None
+    return out
 
 
 def declared_types(schema) -> list[str]:
@@ -296,31 +303,39 @@ def parse_block(body: str, tools: dict[str, Tool]) -> ToolCall | None:
 def parse_tool_calls(text: str, tools: dict[str, Tool]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a finished reply. A block runs from the last ``<tool_call>``
     before a ``</tool_call>`` (an earlier one is text: "use the <tool_call> tag"), or from the
-    last ``<tool_call>`` after every close to the end of the text when that parses. With
-    calls, content is the text outside the parsed blocks (the part before the first one
-    right-stripped, later parts stripped, joined by newlines); without, `text` unchanged."""
+    last ``<tool_call>`` after every close to the end of the text when that parses; a close
+    with no open before it is text. With calls, content is the text outside the parsed blocks
+    (a block that does not parse stays in its text as written; the part before the first
+    call right-stripped, the parts between and after calls stripped, joined by newlines);
+    without, `text` unchanged."""
     pieces, calls, pos = [], [], 0
+    held = ""  # text since the last parsed call (blocks that did not parse stay in it, as written)
     while True:
         j = text.find(TOOL_CLOSE, pos)
-        i = text.rfind(TOOL_OPEN, pos, j) if j >= 0 else -1
-        if i < 0:  # no block closes after pos: an unclosed last one is a call when its text parses whole
+        if j < 0:  # no block closes after pos: an unclosed last one is a call when its text parses whole
             rest = text[pos:]  # (an EOS before </tool_call>, or a client's stop=["</tool_call>"]; as vLLM)
             k = rest.rfind(TOOL_OPEN)
             call = parse_block(rest[k + len(TOOL_OPEN):], tools) if k >= 0 else None
             if call is None:
-                pieces.append(rest)
+                held += rest
             else:
-                pieces.append(rest[:k])
+                pieces.append(held + rest[:k])
+                held = ""
                 calls.append(call)
             break
-        call = parse_block(text[i + len(TOOL_OPEN):j], tools)
+        # (a close with no open before it, "each call ends with </tool_call>", is text: it made
+        # every later block, whole calls too, one unclosed block that did not parse)
+        i = text.rfind(TOOL_OPEN, pos, j)
         end = j + len(TOOL_CLOSE)
+        call = parse_block(text[i + len(TOOL_OPEN):j], tools) if i >= 0 else None
         if call is None:
-            pieces.append(text[pos:end])  # kept as text
+            held += text[pos:end]  # kept as text (its piece goes on: "</tool_call> tags" kept its space)
         else:
-            pieces.append(text[pos:i])
+            pieces.append(held + text[pos:i])
+            held = ""
             calls.append(call)
         pos = end
+    pieces.append(held)
     if not calls:
         return text, []
     first = pieces[0].rstrip()

@@ -87,6 +87,44 @@ def test_both_formats_parse_and_bad_blocks_stay_text():
     assert content == "A\n" + bad + "\nB" and len(calls) == 1
 
 
+def test_a_stray_close_tag_or_a_mention_keeps_the_calls_and_the_text_as_written():
+    """A </tool_call> with no <tool_call> before it ("each call ends with </tool_call>") made
+    every later block, whole valid calls too, one unclosed block that did not parse: the calls
+    came back as content (finish_reason "stop"). A block kept as text ended its piece of
+    content, so the text after it was stripped and joined with a newline ("</tool_call> tags"
+    came back "</tool_call>\ntags"). A stream gives the same content and calls."""
+    rome = HERMES.split("\n", 1)[1].replace("Paris", "Oslo")
+    for text, want_content, want in (
+            ("Each call ends with </tool_call>.\n" + HERMES, "Each call ends with </tool_call>.\nLet me look.",
+             ["Paris"]),
+            (HERMES + "\nstray </tool_call> then\n" + rome, "Let me look.\nstray </tool_call> then", ["Paris", "Oslo"]),
+            ("I will use <tool_call> and </tool_call> tags.\n\nSecond paragraph.\n" + rome,
+             "I will use <tool_call> and </tool_call> tags.\n\nSecond paragraph.", ["Oslo"])):
+        content, calls = parse_tool_calls(text, TOOLS)
+        assert content == want_content and [json.loads(c.arguments)["city"] for c in calls] == want, text
+        for step in (1, 5):
+            stream, sent = ToolStream(TOOLS), ""
+            for end in range(step, len(text) + step, step):
+                sent += stream.update(text[:end], False)
+            sent += stream.update(text, True)
+            assert sent == content and [c.arguments for c in stream.calls] == [c.arguments for c in calls]
+
+
+def test_a_call_whose_json_holds_half_a_surrogate_pair_stays_text():
+    """A lone surrogate escape in a call's JSON ("\\ud83d", half an emoji) is valid JSON but
+    not Unicode a response can carry: its arguments made the UTF-8 JSON response (a 500) and
+    the stream's event fail. The block stays text, as one with NaN does."""
+    from hyspec.server.streaming import sse
+
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "half \\ud83d", "days": 1}}\n</tool_call>'
+    assert parse_tool_calls(bad, TOOLS) == (bad, [])
+    msg = Reply.of(check_tools([WEATHER]), None).whole(bad)
+    assert "tool_calls" not in msg and json.dumps(msg, ensure_ascii=False).encode("utf-8")
+    sse({"delta": msg}).encode("utf-8")
+    ok = bad.replace("\\ud83d", "\\ud83d\\ude00")  # the whole pair: one emoji
+    assert json.loads(parse_tool_calls(ok, TOOLS)[1][0].arguments)["city"] == "half \U0001F600"
+
+
 def test_parameter_conversion_follows_the_schema():
     assert convert_parameter("007", {"type": "string"}) == "007"
     assert convert_parameter(" 7 ", {"type": "integer"}) == 7
