@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CODE_SUFFIXES = (".py", ".sh")  # untracked files that make a tree dirty (code the commit lacks)
 
 
 def git_state(root: str | Path = ROOT) -> dict:
@@ -16,8 +17,10 @@ def git_state(root: str | Path = ROOT) -> dict:
     some other repository; None without git). HYSPEC_GIT_COMMIT / HYSPEC_GIT_DIRTY
     override both: for a copy of a working tree whose .git is not the one it was copied from
     (the GPU machine gets such a copy); dirty is None (unknown) unless HYSPEC_GIT_DIRTY is
-    0 or 1 (a commit named alone was recorded clean, whatever the copy held). A file git does
-    not ignore and does not track (a new script) makes the tree dirty: the commit lacks it. "env": the HYSPEC_* switches set for the run
+    0 or 1 (a commit named alone was recorded clean, whatever the copy held). An untracked
+    file of code (.py, .sh; a new script: the commit lacks it) makes the tree dirty; other
+    untracked files (a --out of the documented commands, a results file) do not. "env": the
+    HYSPEC_* switches set for the run
     (e.g. HYSPEC_TOPP_KERNEL), when any is."""
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith("HYSPEC_") and k not in ("HYSPEC_GIT_COMMIT", "HYSPEC_GIT_DIRTY")}
@@ -37,5 +40,9 @@ def git_state(root: str | Path = ROOT) -> dict:
     if top is None or Path(top).resolve() != Path(root).resolve():  # an installed copy inside another
         return {"commit": None, "dirty": None, **extra}  # repository (a venv in the user's project): not ours
     commit = run("rev-parse", "HEAD")
-    status = run("status", "--porcelain", "--untracked-files=normal")
-    return {"commit": commit, "dirty": None if status is None else bool(status), **extra}
+    status = run("status", "--porcelain", "--untracked-files=all")
+    if status is None:
+        return {"commit": commit, "dirty": None, **extra}
+    dirty = any(not line.startswith("??") or line[3:].strip('"').endswith(CODE_SUFFIXES)
+                for line in status.splitlines() if line.strip())
+    return {"commit": commit, "dirty": dirty, **extra}

@@ -85,27 +85,24 @@ def _record_digest(d: dict) -> str:
     """A digest of everything in a session file's dict but its states: settings, constraint
     and reply records, draft lengths, telemetry and `extra` (a damaged byte there loaded
     without a word and ran differently: another seed, another penalty)."""
-    h = hashlib.blake2b(digest_size=12)
+    def enc(x) -> bytes:  # a value's canonical bytes (equal values, equal bytes, in any process)
+        if isinstance(x, dict):  # (keys and a set's items ordered by their own bytes: a set's repr
+            items = sorted((enc(k), enc(v)) for k, v in x.items())  # follows the hash seed)
+            return b"{%d" % len(items) + b"".join(k + v for k, v in items) + b"}"
+        if isinstance(x, (set, frozenset)):
+            return b"<%d" % len(x) + b"".join(sorted(enc(v) for v in x)) + b">"
+        if isinstance(x, (list, tuple)):
+            return b"[%d" % len(x) + b"".join(enc(v) for v in x) + b"]"
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu()
+            if t.layout != torch.strided:  # (sparse: its dense values)
+                t = t.to_dense()
+            t = t.resolve_conj().resolve_neg().contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            return f"T{t.dtype}{tuple(t.shape)}:".encode() + hashlib.blake2b(data, digest_size=16).digest()
+        return f"{type(x).__name__}:{x!r};".encode()
 
-    def walk(x) -> None:
-        if isinstance(x, dict):
-            h.update(b"{%d" % len(x))
-            for k in sorted(x, key=repr):
-                walk(k)
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(b"[%d" % len(x))
-            for v in x:
-                walk(v)
-        elif isinstance(x, torch.Tensor):
-            t = x.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        else:
-            h.update(f"{type(x).__name__}:{x!r};".encode())
-
-    walk({k: v for k, v in d.items() if k not in _STATE_KEYS})
-    return h.hexdigest()
+    return hashlib.blake2b(enc({k: v for k, v in d.items() if k not in _STATE_KEYS}), digest_size=12).hexdigest()
 
 
 def _check_extra(extra) -> None:

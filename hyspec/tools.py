@@ -354,10 +354,16 @@ def parse_forced(text: str, spec: ToolSpec) -> list[ToolCall]:
         value = loads(text)
         if not isinstance(value, list):
             return []
-        return [ToolCall(c["name"], dumps(c["parameters"])) for c in value
-                if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict)]
     except ValueError:
         return []
+    calls = []
+    for c in value:
+        if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict):
+            try:
+                calls.append(ToolCall(c["name"], dumps(c["parameters"])))
+            except ValueError:  # (a lone surrogate in this call's arguments: this call only is dropped)
+                continue
+    return calls
 
 
 def partial_tag(text: str, tag: str) -> int:

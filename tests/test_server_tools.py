@@ -121,6 +121,12 @@ def test_a_call_whose_json_holds_half_a_surrogate_pair_stays_text():
     msg = Reply.of(check_tools([WEATHER]), None).whole(bad)
     assert "tool_calls" not in msg and json.dumps(msg, ensure_ascii=False).encode("utf-8")
     sse({"delta": msg}).encode("utf-8")
+    # a "required" array: the call with half a pair is dropped, the others stay (one such call
+    # dropped them all)
+    required = check_tools([WEATHER, CLOCK], "required")
+    calls = parse_forced('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
+                         '{"city": "half \\ud83d", "days": 2}}]', required)
+    assert [c.name for c in calls] == ["now"]
     ok = bad.replace("\\ud83d", "\\ud83d\\ude00")  # the whole pair: one emoji
     assert json.loads(parse_tool_calls(ok, TOOLS)[1][0].arguments)["city"] == "half \U0001F600"
 

@@ -5,6 +5,8 @@ its last committed state, usable, as if the round never started."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import ARCHS
@@ -238,6 +240,23 @@ def test_a_damaged_or_edited_session_file_fails_at_load(zoo, tmp_path):
         with pytest.raises(ValueError, match=r"bad\.pt: .*damaged: its settings, replies, telemetry or extra"):
             load_edited(edit)
     assert Session.load(eng, good).state().digest() == s.state().digest()
+    # the record's digest does not depend on the process: a set's order follows the hash seed, and a
+    # sparse or conjugate tensor has no plain bytes (the one failed its load, the other its save)
+    extra = {"tags": {"alpha", "beta", "gamma", "delta", "eps"},
+             "sp": torch.eye(3).to_sparse(), "cj": torch.tensor([1 + 2j]).conj()}
+    s.save(tmp_path / "extra.pt", extra=extra)
+    back = Session.load(eng, tmp_path / "extra.pt").extra
+    assert back["tags"] == extra["tags"] and torch.equal(back["sp"].to_dense(), torch.eye(3))
+    import subprocess
+    import sys
+
+    from hyspec.session import _record_digest
+
+    code = ("import sys, torch; from hyspec.session import _record_digest; "
+            "print(_record_digest({'extra': {'k': {'a', 'b', 'c', 'd', 'e'}, 'f': {frozenset({'x', 'y'}): 1}}}))")
+    seeds = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                            capture_output=True, text=True, check=True).stdout.strip() for seed in (1, 2, 3)}
+    assert seeds == {_record_digest({"extra": {"k": {"a", "b", "c", "d", "e"}, "f": {frozenset({"x", "y"}): 1}}})}
     old = load_edited(lambda x: x.pop("digests"))  # an older file: no digests, the layout still checked
     assert old.state().digest() == s.state().digest() == d["digests"]["state"]
     st = s.state()

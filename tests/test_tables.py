@@ -178,7 +178,12 @@ def test_git_state_counts_untracked_files_and_an_unnamed_dirty_state_is_unknown(
     subprocess.run(["git", "-C", str(repo), "-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "-m", "x"],
                    check=True)
     assert git_state(repo)["dirty"] is False
-    (repo / "new_bench.py").write_text("print(1)\n")
+    (repo / "tiny_default").mkdir()  # a documented command's output (make-tiny --out, bench --out): not code
+    (repo / "tiny_default" / "config.json").write_text("{}")
+    (repo / "bench.json").write_text("{}")
+    assert git_state(repo)["dirty"] is False
+    (repo / "tools").mkdir()
+    (repo / "tools" / "new_bench.py").write_text("print(1)\n")
     assert git_state(repo)["dirty"] is True
     monkeypatch.setenv("HYSPEC_GIT_COMMIT", "abc1234")
     monkeypatch.delenv("HYSPEC_GIT_DIRTY", raising=False)

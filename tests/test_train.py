@@ -592,3 +592,58 @@ def test_train_paths_expand_the_users_home_and_a_long_window_widens_the_context(
     tr.train(a, streams=streams, log=lambda s: None)
     model = load_model(tmp_path / "long")
     assert model.cfg.max_position_embeddings >= T
+
+
+def test_a_second_ctrl_c_during_the_renames_comes_after_the_write(tmp_path, monkeypatch, capsys):
+    """A second Ctrl-C that lands while the written files are renamed into place was held
+    there, then raised: "interrupted" (exit 130) for a run whose new checkpoint had replaced
+    the old one. The write is the run's last work: such a press is dropped, the run ends as
+    written (exit 0, "wrote ...")."""
+    pytest.importorskip("safetensors")
+    import os
+    import pathlib
+    import signal
+
+    from hyspec.cli.dispatch import main
+    from hyspec.train import loop
+
+    out = tmp_path / "m"
+    real_eval, real_replace, pressed = loop.evaluate, pathlib.Path.replace, []
+
+    def eval_then_ctrl_c(*args, **kw):  # the first press: during the final evaluation
+        r = real_eval(*args, **kw)
+        if not pressed:
+            pressed.append("eval")
+            os.kill(os.getpid(), signal.SIGINT)
+        return r
+
+    def replace_then_ctrl_c(self, target):  # the second: after the first rename into --out
+        r = real_replace(self, target)
+        if pathlib.Path(target).parent == out and len(pressed) == 1:
+            pressed.append("rename")
+            os.kill(os.getpid(), signal.SIGINT)
+        return r
+
+    monkeypatch.setattr(loop, "evaluate", eval_then_ctrl_c)
+    monkeypatch.setattr(pathlib.Path, "replace", replace_then_ctrl_c)
+    rc = main(_ctrl_c_corpus(tmp_path) + ["--out", str(out)])
+    captured = capsys.readouterr()
+    assert pressed == ["eval", "rename"]
+    assert rc == 0 and "interrupted" not in captured.err and f"wrote {out}" in captured.out, captured.err
+    assert json.loads((out / "train_log.json").read_text())["steps"] == 3
+
+
+def test_under_wall_minutes_the_final_evaluations_keep_the_token_cap(tmp_path):
+    """--wall-minutes keeps a fixed reserve for the final evaluations and the write: there the
+    final evaluations stay cut to --eval-max-tokens (whole splits could run past the limit)."""
+    pytest.importorskip("safetensors")
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(TOKENIZER)).encode((ROOT / "hyspec" / "tiny.py").read_text()).ids
+    stream = torch.tensor((ids + [0]) * 3, dtype=torch.long)
+    streams = {"train": stream, "val": stream[:130], "heldout": stream[300:700]}
+    a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "m"), steps=2, device="cpu", batch_size=2,
+                     seq_len=64, warmup=1, log_every=1, n_evals=1, eval_max_tokens=100, wall_minutes=60.0,
+                     arch=dict(TINY_ARCH))
+    res = tr.train(a, streams=streams, log=lambda s: None)
+    assert res["final"]["val"]["tokens"] <= 100 and res["final"]["heldout"]["tokens"] <= 100

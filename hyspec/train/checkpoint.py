@@ -74,10 +74,11 @@ def discard_staged(staged: dict) -> None:
 
 
 @contextmanager
-def _sigint_held():
+def _sigint_held(deliver: bool = True):
     """A Ctrl-C inside the block takes effect at its end (the handler in place before it then
-    runs), so the block's renames are never cut halfway. Off the main thread (no signals
-    reach it) it holds nothing."""
+    runs; deliver=False: it is dropped, the work it would have stopped being done), so the
+    block's renames are never cut halfway. Off the main thread (no signals reach it) it holds
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -87,16 +88,18 @@ def _sigint_held():
         yield
     finally:
         signal.signal(signal.SIGINT, old)
-    if pressed and callable(old):
+    if pressed and deliver and callable(old):
         old(signal.SIGINT, None)
 
 
-def commit_checkpoint(out: str | Path, staged: dict) -> Path:
+def commit_checkpoint(out: str | Path, staged: dict, late_ctrl_c: bool = True) -> Path:
     """Rename staged files into place in `out`, with Ctrl-C held for the renames: a checkpoint
     is the old one or the new one, never a mix (a model.safetensors of one run beside the
-    config.json of another). A train_log.json not among them goes (it was an earlier run's)."""
+    config.json of another). A train_log.json not among them goes (it was an earlier run's).
+    late_ctrl_c: a Ctrl-C during the renames raises after them (False: it is dropped; for a
+    caller whose work ends with the write, which a late "interrupted" would misreport)."""
     out = Path(out)
-    with _sigint_held():
+    with _sigint_held(deliver=late_ctrl_c):
         if "train_log.json" not in staged:
             (out / "train_log.json").unlink(missing_ok=True)
         for name, f in staged.items():

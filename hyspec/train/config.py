@@ -137,7 +137,8 @@ HELP = {
     "dropout": "residual dropout",
     "log_every": "log every N steps",
     "n_evals": "validation evaluations in the run",
-    "eval_max_tokens": "tokens per validation evaluation (0: the whole split)",
+    "eval_max_tokens": "tokens per validation evaluation during training (0: the whole split); the final "
+                       "evaluations are of the whole splits, except with --wall-minutes",
     "fla": "fla GDN kernels (CUDA)",
     "check_fla": "skip the fla-vs-torch comparison on the first batch (default: compare)",
 }

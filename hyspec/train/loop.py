@@ -328,10 +328,13 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         round_to_bf16_(model)
         model.eval()
         final = {}
-        for split in ("heldout", "val"):  # (each whole: --eval-max-tokens is for the validations in training)
+        # each split whole (--eval-max-tokens is for the validations during training), except under
+        # --wall-minutes, whose reserve for the final evaluations and the write is fixed
+        final_kw = {**eval_kw, "max_tokens": eval_kw["max_tokens"] if a.wall_minutes > 0 else None}
+        for split in ("heldout", "val"):
             if streams[split].numel() > 1:
                 notice_ctrl_c()
-                final[split] = evaluate(model, streams[split], **{**eval_kw, "max_tokens": None})
+                final[split] = evaluate(model, streams[split], **final_kw)
                 r = final[split]
                 log(f"final {split} ({r['tokens']:,} tokens, bf16 weights): loss {r['loss']:.4f} ppl {r['ppl']:.2f} "
                     f"top1 {r['top1']:.4f} | mtp loss {r.get('mtp_loss', float('nan')):.4f} ppl "
@@ -373,7 +376,9 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
             }
             staged["train_log.json"] = out / ".train_log.json.partial"
             staged["train_log.json"].write_text(json.dumps(_finite_json(result), indent=1, allow_nan=False) + "\n")
-            commit_checkpoint(out, staged)  # (the weights and their log together, or neither)
+            # (the weights and their log together, or neither; a Ctrl-C during the renames came after
+            # everything was written: dropped, not an "interrupted" run whose checkpoint was replaced)
+            commit_checkpoint(out, staged, late_ctrl_c=False)
         except BaseException:
             discard_staged(staged)
             raise
