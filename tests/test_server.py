@@ -467,6 +467,18 @@ def test_auth_queue_full_and_disconnect(ref_engine):
             assert time.perf_counter() - t < 2.0
             _check_error(r, 429)
             assert r.headers["retry-after"] == "1"  # (clients that retry wait for it)
+            # echo + logprobs: refused before its prompts are scored (it scored them on the engine
+            # thread first, seconds of work that stalled the running stream, then answered 429)
+            scored = []
+            real_score = eng.score
+            eng.score = lambda *a, **k: (scored.append(1), real_score(*a, **k))[1]
+            try:
+                r = httpx.post(url, headers=hdr, json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 1,
+                                                       "echo": True, "logprobs": 1})
+            finally:
+                del eng.score
+            _check_error(r, 429)
+            assert not scored
         # the client went away: its sequence is cancelled and the slot frees up
         batched = app.state.hyspec.worker.batched
         t_end = time.monotonic() + (10 if batched else 60)
@@ -605,7 +617,10 @@ def test_serve_option_checks():
 
     for argv, needle in ((["--port", "99999"], "--port must be in 0..65535"), (["--port", "-1"], "--port"),
                          (["--max-batch", "0"], "--max-batch must be >= 1"),
-                         (["--max-queue", "-1"], "--max-queue must be >= 0")):
+                         (["--max-queue", "-1"], "--max-queue must be >= 0"),
+                         # (0 removed the limit in silence, -1 refused every POST)
+                         (["--max-body-bytes", "0"], "--max-body-bytes must be >= 1"),
+                         (["--max-body-bytes", "-1"], "--max-body-bytes must be >= 1")):
         with pytest.raises(ValueError, match=needle):
             server.check(server.build_parser().parse_args(argv))
 
@@ -655,3 +670,41 @@ def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_then_done():
     assert events[-1] == "data: [DONE]\n\n"
     err = json.loads(events[-2][len("data: "):])
     assert err["error"]["code"] == "internal_error" and counted == ["500"] and cancelled == [True]
+
+
+def test_prompts_are_rendered_and_encoded_off_the_event_loop():
+    """Prompts were encoded (and chat templates rendered) on the event loop: a 4 MB prompt
+    stood every other request and stream still for seconds, even one refused afterwards as
+    too long. Each route now does that work in a thread; checked by where it runs."""
+    import asyncio
+
+    eng = Engine.load()
+    app = create_app(eng, ServerConfig(served_model_name=MODEL))
+    state = app.state.hyspec
+    on_loop = []
+
+    class Watched:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        def encode(self, *a, **k):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:  # (no loop runs in this thread)
+                on_loop.append(False)
+            return self._tok.encode(*a, **k)
+
+    state.tokenizer = Watched(state.tokenizer)
+    with ServerThread(app) as s:
+        for path, body in (("/v1/completions", {"prompt": "def f(x):", "max_tokens": 1}),
+                           ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+                           ("/tokenize", {"prompt": "def f(x):"}),
+                           ("/tokenize", {"messages": [{"role": "user", "content": "x"}]})):
+            r = httpx.post(s.url + path, json={"model": MODEL, **body})
+            assert r.status_code == 200, (path, r.text)
+    assert on_loop and not any(on_loop), on_loop

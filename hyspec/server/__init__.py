@@ -80,6 +80,8 @@ def check(args) -> None:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes < 1:  # (0 removed the limit in silence, a negative one refused every POST)
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.chat_template is not None:
         from hyspec.chat_template import read_template_file
 

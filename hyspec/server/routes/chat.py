@@ -62,9 +62,11 @@ def register(app, state) -> None:
         template_vars = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:  # OpenAI's field, for templates that read it (as vLLM passes it)
             template_vars.setdefault("reasoning_effort", req.reasoning_effort)
-        text, generation = state.render_chat(req.messages, bool(req.add_generation_prompt), req.tools,
-                                             template_vars, suffix=True)
-        ids = state.tokenizer.encode(text)
+        # (rendered and encoded in a thread: a large conversation on the event loop stalled every
+        # other request and stream)
+        text, generation = await asyncio.to_thread(state.render_chat, req.messages, bool(req.add_generation_prompt),
+                                                   req.tools, template_vars, suffix=True)
+        ids = await asyncio.to_thread(state.tokenizer.encode, text)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         constraint = await request_constraint(state.engine, req, forced)
         think = prompt_opens_thinking(generation) if state.reasoning else None

@@ -4,6 +4,7 @@ chunks or answered whole."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -18,7 +19,9 @@ from hyspec.server.streaming import stream_response, whole_response
 
 
 def prompt_ids(state, prompt) -> list[list[int]]:
-    """The request's prompts as id lists (a string, strings, an id list or id lists)."""
+    """The request's prompts as id lists (a string, strings, an id list or id lists). Text is
+    encoded in a thread by the route (a 4 MB prompt took seconds: on the event loop every other
+    request and stream stood still)."""
     if isinstance(prompt, str):
         return [state.tokenizer.encode(prompt)]
     if prompt and isinstance(prompt[0], str):
@@ -49,7 +52,7 @@ def register(app, state) -> None:
         state.check_model(req.model)
         if req.suffix:
             raise bad("suffix is not supported", "suffix")
-        prompts = prompt_ids(state, req.prompt)
+        prompts = await asyncio.to_thread(prompt_ids, state, req.prompt)
         if not prompts:
             raise bad("prompt must not be an empty list", "prompt")
         top_n = req.logprobs  # None: no logprobs
@@ -59,8 +62,12 @@ def register(app, state) -> None:
         constraint = await request_constraint(state.engine, req)
         run = new_run(state, req, prompts, "prompt", 16, bool(req.echo), top_n, request_id, t0, constraint)
         run.object, run.created = "text_completion", int(time.time())
-        echoed = await echo_entries(state, prompts, top_n) if req.echo and top_n is not None else {}
-        run.start()
+        run.start()  # (first: a full server answers 429 at once; it scored the prompts for seconds before)
+        try:
+            echoed = await echo_entries(state, prompts, top_n) if req.echo and top_n is not None else {}
+        except BaseException:  # (a failed scoring, or the request cancelled meanwhile: its sequences go too)
+            run.cancel()
+            raise
         n = len(run.choices) // len(prompts)  # choices per prompt
 
         def prompt_text(choice) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 
 from hyspec.server import schemas
@@ -24,9 +26,9 @@ def register(app, state) -> None:
                 check_tools(req.tools)
             except ToolError as e:
                 raise bad(str(e), e.param) from None
-        text = req.prompt if req.prompt is not None else state.render_chat(
-            req.messages, bool(req.add_generation_prompt), req.tools, req.chat_template_kwargs)
-        ids = state.tokenizer.encode(text)
+        text = req.prompt if req.prompt is not None else await asyncio.to_thread(  # (off the event loop)
+            state.render_chat, req.messages, bool(req.add_generation_prompt), req.tools, req.chat_template_kwargs)
+        ids = await asyncio.to_thread(state.tokenizer.encode, text)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.max_model_len}
 
     @app.post("/detokenize")
