@@ -524,6 +524,18 @@ def gpu_tests(res: Results) -> str:
 # How the files whose JSON does not record its command were made (the others: their
 # meta.command / command, shown without --out).
 MADE_BY = {
+    # (scripts since renamed or removed: the command as it ran, and where the script is now)
+    "constraints_cpu.json": "`python3 bench/constraints_cpu.py --reps 3` (renamed `bench/constraints.py` in `e407194`: "
+                            "`python3 bench/constraints.py --path core --reps 3`)",
+    "gdn_contiguous_probe_h200.json": "`python bench/gdn_persist_bench.py --lanes 1,16,64 --per-sm 2 --stages 3 "
+                                      "--probe-contiguous` (H200; the script was removed in `1a9f697`, its tries "
+                                      "measured slower: `git show 1a9f697^:bench/gdn_persist_bench.py`)",
+    "gdn_persist_h200.json": "`python bench/gdn_persist_bench.py --lanes 1,16,64 --best /root/out/best.txt` (H200; the "
+                             "script was removed in `1a9f697`: `git show 1a9f697^:bench/gdn_persist_bench.py`)",
+    "prefetch_h200.json": "`python bench/prefetch_bench.py --config b2 --sizes 1,4,16,64` (H200; the script is "
+                          "`bench/runner_ab.py` since `00b3c59`)",
+    "tile16_h200.json": "`python bench/tile16_bench.py --lanes 16 --budget-s 170` (H200; the script is "
+                        "`bench/tile_bench.py --height 16` since `06b9d80`)",
     "b2_h200.md": "by hand: the b2 write-up (its current-figures table: `python bench/tables.py`)",
     "b2_h200.png": "`python bench/plot_results.py bench/results/b2_h200.json bench/results/b2_h200_baselines.json "
                    "--out bench/results/b2_h200.png` (needs matplotlib)",
@@ -536,9 +548,13 @@ MADE_BY = {
                                 "tests/test_gpu_fast.py` (H200; first line of the log)",
     "default_model_train_stdout.txt": "`hyspec train ...` (docs/default_model.md, \"Reproducing the checkpoint\")",
     "gpu_tests_h200.txt": "`bash bench/gpu_tests.sh` (H200)",
+    "gpu_tests_latest_h100.txt": "`bash bench/gpu_tests.sh` (H100, `HYSPEC_B2_EXACT=500,2`, `-n 8`; the latest run of "
+                                 "the whole suite, on main: no H200 came that session)",
     "gpu_tests_latest_h200.txt": "`bash bench/gpu_tests.sh` (H200; the latest run of the whole suite, on main after the "
                                  "b2 figures' commit, whose suite log is gpu_tests_h200.txt)",
     "poison_lanes_latest_h200.txt": "`python3 bench/poison_lanes.py` (H200; the latest run; header in the file)",
+    "default_model_cuda_latest_h100.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
+                                          "K=3, greedy and sampled (H100; the latest run; header in the file)",
     "default_model_cuda_latest_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
                                           "K=3, greedy and sampled (H200; the latest run; header in the file)",
     "poison_lanes_h200.txt": "`python3 bench/poison_lanes.py` (H200; a constraint that cannot go on beside an "
@@ -549,7 +565,8 @@ MADE_BY = {
                                        "test_one_lane_spec_equals_plain` (H200; header in the file)",
     "gpu_tests_load_order_h200.txt": "`python3 -m pytest -q -rs -n 4 tests/test_kernels_argmax.py "
                                      "tests/test_kernels_prefetch.py tests/test_kernels_load_order.py "
-                                     "tests/test_gpu_batch.py -k ...` (H200; the command and commit are in its header)",
+                                     "tests/test_gpu_batch.py -k ...` (H200; the command and commit are in its header; "
+                                     "test_kernels_prefetch.py was removed since)",
     "profile_batch_b16_b64_h200.txt": "`python bench/profile_batch.py --config b2 --sizes 16,64 --per-call '' --top 12` "
                                       "(H200; the lines the device call printed, header in the file)",
     "profile_sampled_b1_h200.txt": "`python bench/profile_batch.py --config b2 --sizes 1 --sampled --top 30` "

@@ -495,3 +495,13 @@ def test_a_failed_part_of_the_batched_bench_fails_the_run(monkeypatch, capsys) -
                "--reps", "1", "--exact-prompts", "0", "--hf-tokens", "0", "--batch", "1"])
     err = capsys.readouterr().err
     assert rc == 1 and "2 part(s) failed" in err and "batch/invariance: AssertionError: lane 3 differs" in err
+
+
+def test_bench_with_no_variant_runs_the_batches_alone(tmp_path) -> None:
+    """`--variants '' --batch ...` (the documented batched-only runs) still runs: only an empty
+    --variants with nothing else asked for is refused."""
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--config", "tiny", "--device", "cpu", "--variants", "", "--batch", "1,2", "--prompt-len", "4",
+               "--new-tokens", "4", "--hf-tokens", "0", "--exact-prompts", "0", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["variants"] == {} and not r["errors"] and r["batch"]["backend"]

@@ -213,6 +213,11 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
                 "transformers to run it)")
             args.hf_tokens = 0
     args.variant_list = variant_names(args.variants)
+    # (--variants '' with --batch: the batched runs alone; with nothing else it ran nothing and exited 0,
+    # a results file without a figure)
+    if not args.variant_list and not args.batch and not args.draft_vocab:
+        raise ValueError(f"--variants {args.variants!r} runs no variant and nothing else is asked for: give one "
+                         f"of {', '.join(VARIANTS)}, or --batch for the batched runs alone")
     if dev.type != "cuda" and "cublas" in args.variant_list:
         raise ValueError("--variants cublas needs a GPU (cuBLAS matmuls); the CPU bench runs the reference backend: "
                          "--variants exact")
