@@ -200,6 +200,38 @@ def lone_surrogate(text: str) -> str | None:
     return None
 
 
+class TextStream:
+    """Text of a growing list of generated tokens, for streaming (Engine.text_stream): each
+    `feed(ids)` returns only the text that is final so far (a character whose bytes are split
+    over tokens or rounds comes out whole, never as U+FFFD; with stop strings, a tail that may
+    still become one is held back and nothing after a match comes out), and `finish()` the
+    rest. The pieces joined are the request's Output.text (decoding each round's ids alone
+    printed U+FFFD for every split character)."""
+
+    def __init__(self, decode, stop: list[str] | None = None, drop_ids=()) -> None:
+        from hyspec.server.text import StopMatcher
+
+        self._matcher = StopMatcher(decode, list(stop or []), drop_ids=drop_ids)
+        self._sent = 0
+
+    def _take(self, text: str) -> str:
+        new = text[self._sent:]
+        self._sent = max(self._sent, len(text))
+        return new
+
+    def feed(self, ids) -> str:
+        self._matcher.feed(ids)
+        return self._take(self._matcher.emittable())
+
+    def finish(self) -> str:
+        return self._take(self._matcher.emittable(final=True))
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (what finish() completes)."""
+        return self._matcher.text
+
+
 class StopStrings:
     """One request's stop strings (the server's matcher, hyspec.server.text.StopMatcher), as
     its Request.stop_text: the round driver (engine core and CUDA-graph lanes) ends the
@@ -223,7 +255,7 @@ class StopStrings:
         """The reply's tokens before this request (a session's "go on" turn): a stop string
         may begin in them and complete in this request's tokens."""
         self.matcher.prime(tokens)
-        self.offset = len(self.matcher.text)
+        self.offset = self.matcher.settled_length()  # (a character cut in the primed tokens is this text's)
 
     def peek(self, tokens: list[int]) -> int | None:
         """The index of the token in `tokens` that would complete a stop string (None: none
@@ -441,6 +473,19 @@ class Engine:
     @property
     def eos_ids(self) -> tuple[int, ...]:
         return self.model.cfg.eos_token_ids
+
+    def text_stream(self, stop=None) -> TextStream:
+        """An incremental decoder for one sample's tokens as they arrive (on_tokens): feed(ids)
+        gives the new final text, finish() the rest; joined they are Output.text. `stop`: the
+        request's stop strings (then, as Output.text, the text ends before the first and
+        special tokens are left out)."""
+        if self.tokenizer is None:
+            raise ValueError("a text stream needs the checkpoint's tokenizer.json")
+        stops = stop_list(stop) if stop is not None else []
+        if not stops:
+            return TextStream(self.tokenizer.decode)
+        tok = self.tokenizer
+        return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=self.eos_ids)
 
     # -- chat --------------------------------------------------------------------------
     @property

@@ -372,7 +372,9 @@ class Session:
         if req.stop_reason == "error":
             raise req.exception
         text = cut.apply(req) if cut is not None else None
-        out = eng._output([Sample(list(req.tokens), eng.decode(req.tokens) if text is None else text, req.stop_reason,
+        if text is None:  # a "go on" turn's text in the context of the reply before it: a character cut
+            text = _continued_text(eng, [] if ids else point.reply, list(req.tokens))  # there is this turn's
+        out = eng._output([Sample(list(req.tokens), text, req.stop_reason,
                                   req.stats)], ids, n_drafts > 0)
         if logprobs is not None:
             out.logprobs = [list(req.token_logprobs)]
@@ -660,6 +662,19 @@ class Session:
                            for st, m, t, k, r in zip(states, matchers, telemetries, drafts, replies)]
         session.extra = d.get("extra", {})
         return session
+
+
+def _continued_text(eng, before: list[int], tokens: list[int]) -> str:
+    """The text of `tokens` that follow `before` (the reply so far): a character whose first
+    bytes ended `before` (shown there as U+FFFD) is completed here, as the whole reply's text
+    has it (decoded alone, the continuation began with U+FFFD for its last bytes)."""
+    if not before:
+        return eng.decode(tokens)
+    head = eng.decode(before)
+    if not head.endswith("\ufffd"):
+        return eng.decode(tokens)
+    whole, settled = eng.decode(before + tokens), head.rstrip("\ufffd")
+    return whole[len(settled):] if whole.startswith(settled) else eng.decode(tokens)
 
 
 def _constraint_dict(c) -> dict | None:

@@ -256,3 +256,45 @@ def test_a_stop_string_on_the_graph_lanes(tmp_path):
     assert (got.tokens, got.pos, got.pending) == (want_st.tokens, want_st.pos, want_st.pending)
     for name, t in want_st.tensors().items():
         assert torch.allclose(got.tensors()[name], t, rtol=1e-4, atol=1e-5), name
+
+
+def test_a_character_cut_in_its_bytes_completes_in_the_continuation(eng):
+    """A reply cut inside a character's bytes (an emoji of four byte-tokens, cut after two),
+    then continued (send([])): a stop string ending on that character was skipped as "wholly
+    in the earlier part" (the run went on to EOS while one uncut run stops there), and the
+    continuation's text began with U+FFFD U+FFFD for the character's last bytes (or, cut by
+    a later stop string, lost it). The character is now the continuation's, as in the whole
+    reply's text."""
+    c = eng.constraint("regex", "ab😀cd中文ef é gh")
+    whole = eng.generate("s = '", max_new_tokens=40, constraint=c, draft=0)
+    assert eng.decode(whole.tokens).startswith("ab😀cd中文ef é gh")
+    for stop, want_text, want_reason in ((["😀"], "", "stop"), (["b😀"], "", "stop"), (None, None, None),
+                                         (["ef"], "😀cd中文", "stop")):
+        for draft in (0, 3):
+            s = eng.session(draft=draft, max_new_tokens=3, use_store=False)
+            first = s.send("s = '", constraint=c)
+            assert first.tokens == whole.tokens[:3] and first.text.endswith("\ufffd")  # cut in 😀's bytes
+            go_on = s.send([], max_new_tokens=30, stop=stop)
+            one_shot = eng.generate("s = '", max_new_tokens=33, constraint=c, stop=stop, draft=draft)
+            assert first.tokens + go_on.tokens == one_shot.tokens, (stop, draft)
+            if stop is None:
+                assert go_on.text == eng.decode(whole.tokens)[2:len(eng.decode(one_shot.tokens))], draft
+                assert "\ufffd" not in go_on.text
+            else:
+                assert (go_on.text, go_on.samples[0].stop_reason) == (want_text, want_reason), (stop, draft)
+            s.close()
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+@pytest.mark.parametrize("stop", [None, ["中文"]])
+def test_a_text_stream_gives_output_text_without_replacement_characters(eng, draft, stop):
+    """The README's streaming recipe decoded each round's ids alone: every character split
+    over tokens or rounds printed as U+FFFD. Engine.text_stream gives final text only, and
+    its pieces joined are Output.text (with stop strings: cut before the first)."""
+    c = eng.constraint("regex", "ab😀cd中文ef é gh")
+    stream, pieces = eng.text_stream(stop=stop), []
+    out = eng.generate("s = '", max_new_tokens=30, constraint=c, draft=draft, stop=stop,
+                       on_tokens=lambda i, ids: pieces.append(stream.feed(ids)))
+    pieces.append(stream.finish())
+    assert "".join(pieces) == out.text and not any("\ufffd" in p for p in pieces), pieces
+    assert out.text.startswith("ab😀cd") and ("中" in out.text) == (stop is None)

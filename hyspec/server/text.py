@@ -52,7 +52,15 @@ class StopMatcher:
         stops, self.stops = self.stops, []
         self.feed(ids)
         self.stops = stops
-        self._min_end = self._scan_from = len(self.text)
+        self._min_end = self._scan_from = self.settled_length()
+
+    def settled_length(self) -> int:
+        """Characters of `text` that are final: a trailing U+FFFD of an undecided tail stands for
+        a character cut in its bytes, which the next tokens complete (a stop string ending on it
+        ends after the primed text; was: skipped as wholly in it)."""
+        if self._read < len(self._shown):
+            return len(self.text.rstrip("\ufffd"))
+        return len(self.text)
 
     @property
     def n_tokens(self) -> int:
