@@ -27,6 +27,8 @@ evicted. stats() reports hits, misses, tokens saved and bytes in each tier.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -46,6 +48,17 @@ class _Entry:
     home: torch.device  # where the state was put from: a promotion goes back there
 
 
+def _locked(method):
+    """Runs the method under the store's lock: the server's engine thread puts and looks up
+    while /health reads the stats on the event loop (an OrderedDict iterated there while the
+    other thread moved an entry: "mutated during iteration", a 500)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class PrefixStore:
     def __init__(self, *, budget_bytes: int = 1 << 30, host_budget_bytes: int = 4 << 30,
                  verify: str = "always") -> None:
@@ -58,25 +71,31 @@ class PrefixStore:
         self.budget_bytes = budget_bytes
         self.host_budget_bytes = host_budget_bytes
         self.verify = verify
+        self._lock = threading.RLock()
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
         self._lengths: Counter = Counter()
         self.hits = self.misses = self.tokens_saved = 0
         self.demotions = self.promotions = self.evictions = self.identity_failures = 0
 
     # -- contents ----------------------------------------------------------------------
+    @_locked
     def __len__(self) -> int:
         return len(self._entries)
 
+    @_locked
     def __contains__(self, tokens) -> bool:
         return tuple(tokens) in self._entries
 
+    @_locked
     def bytes_in(self, tier: str) -> int:
         return sum(e.nbytes for e in self._entries.values() if e.tier == tier)
 
+    @_locked
     def tier_of(self, tokens) -> str | None:
         e = self._entries.get(tuple(tokens))
         return None if e is None else e.tier
 
+    @_locked
     def put(self, state: SeqState) -> None:
         """Keep `state` under its token sequence (the most recently used entry). An entry with
         drafter rows is not replaced by one without."""
@@ -91,6 +110,7 @@ class PrefixStore:
         self._entries.move_to_end(key)
         self._enforce()
 
+    @_locked
     def remove(self, tokens) -> None:
         key = tuple(tokens)
         if self._entries.pop(key, None) is not None:
@@ -98,11 +118,13 @@ class PrefixStore:
             if not self._lengths[len(key)]:
                 del self._lengths[len(key)]
 
+    @_locked
     def clear(self) -> None:
         self._entries.clear()
         self._lengths.clear()
 
     # -- lookup ------------------------------------------------------------------------
+    @_locked
     def extends(self, tokens) -> bool:
         """Whether `tokens` extend a stored sequence (a peek: no hit or miss counted, nothing
         moved; lookup may still refuse it for its drafter rows)."""
@@ -113,6 +135,7 @@ class PrefixStore:
                 return True
         return False
 
+    @_locked
     def lookup(self, tokens, drafter: str | None = None) -> SeqState | None:
         """The state of the longest stored sequence that `tokens` extends (None: a miss).
         drafter: the hidden a speculative request's drafter uses (None: plain decoding)."""
@@ -147,6 +170,7 @@ class PrefixStore:
         return None
 
     # -- tiers -------------------------------------------------------------------------
+    @_locked
     def demote(self, tokens) -> None:
         """Move an entry to host memory now (tests, and the LRU policy below)."""
         e = self._entries[tuple(tokens)]
@@ -155,6 +179,7 @@ class PrefixStore:
             e.state, e.tier = host, HOST
             self.demotions += 1
 
+    @_locked
     def _enforce(self) -> None:
         """Demote least recently used device entries until the device tier fits its budget,
         then evict host entries likewise. The entry just put or looked up is the most recent,
@@ -176,6 +201,7 @@ class PrefixStore:
                 self.evictions += 1
                 host -= e.nbytes
 
+    @_locked
     def stats(self) -> dict:
         looked = self.hits + self.misses
         return {"entries": len(self._entries), "hits": self.hits, "misses": self.misses,

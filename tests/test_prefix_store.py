@@ -276,3 +276,50 @@ def test_sessions_and_one_shot_requests_share_the_store_after_it_is_dropped():
     assert eng.session_scheduler().store is eng.store and len(eng.store._entries) > 0
     out = eng.generate(s.tokens + eng.encode("    return"), max_new_tokens=2)
     assert out.stats["cached_tokens"] > 0
+
+
+def test_stats_read_from_another_thread_while_the_engine_thread_puts_and_looks_up():
+    """The server reads the store's stats on its event loop (/health) while its engine thread
+    puts and looks up entries: the stats iterated the entries' OrderedDict while the other
+    thread moved one ("OrderedDict mutated during iteration", /health answered 500)."""
+    import sys
+    import threading
+
+    import torch
+
+    from hyspec.core.state import SeqState
+    from hyspec.prefix_store import PrefixStore
+
+    def state(i):
+        toks = (1, i, 7)
+        return SeqState(toks, 2, [torch.zeros(2, 4)], [torch.zeros(1, 2, 2)], [torch.zeros(1, 2, 2)],
+                        [torch.zeros(1, 2, 2)], 7)
+
+    store = PrefixStore(verify="never")
+    states = [state(i) for i in range(2000)]
+    for st in states:
+        store.put(st)
+    errors, done = [], threading.Event()
+
+    def engine_thread():
+        i = 0
+        while not done.is_set():
+            store.put(states[i % len(states)])
+            store.lookup([1, (i * 7) % 2000, 7, 9])
+            i += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    try:
+        for _ in range(1500):
+            try:
+                store.stats()
+            except RuntimeError as e:
+                errors.append(repr(e))
+    finally:
+        done.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert not errors, errors[:1]
