@@ -225,6 +225,7 @@ class Session:
         """The current state (captured at the end of the last turn; None before the first)."""
         return self._boundary
 
+    @_engine_turn  # (a turn in another thread changes the slot meanwhile)
     def live_state(self) -> SeqState | None:
         """A fresh capture of the slot's contents (what the next turn reads)."""
         return capture(self._seq) if self._seq is not None else self._state
@@ -532,7 +533,8 @@ class Session:
         return session
 
     # -- on disk -----------------------------------------------------------------------
-    def to_dict(self, extra: dict | None = None) -> dict:
+    @_engine_turn  # (taken whole between turns: a turn ending in another thread tore it, e.g. a boundary
+    def to_dict(self, extra: dict | None = None) -> dict:  # of one turn beside the rewind points of the one before)
         d = {
             "format": FORMAT, "model": model_fingerprint(self.engine.model),
             "settings": {"draft": self.draft, "params": asdict(self.params),
@@ -671,7 +673,7 @@ def _continued_text(eng, before: list[int], tokens: list[int]) -> str:
     if not before:
         return eng.decode(tokens)
     head = eng.decode(before)
-    if not head.endswith("\ufffd"):
+    if head is None or not head.endswith("\ufffd"):  # (None: no tokenizer, no text)
         return eng.decode(tokens)
     whole, settled = eng.decode(before + tokens), head.rstrip("\ufffd")
     return whole[len(settled):] if whole.startswith(settled) else eng.decode(tokens)

@@ -604,3 +604,76 @@ def test_a_session_collected_while_another_call_runs_gives_its_slot_back_later(z
     t.join(30)
     eng.generate([5, 6], max_new_tokens=1)
     assert len(pool.used) == 0 and not eng._orphans
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_a_turn_failing_as_its_state_is_restored_gives_its_slot_back(zoo, monkeypatch, exc):
+    """A turn resuming from a kept state (after park, rewind, fork or a load) takes a slot and
+    copies the state into it: a failure there (a device out of memory, a Ctrl-C) kept that
+    slot for good (the session pool has no budget to reclaim it: one leaked slot per failed
+    turn). The slot now goes back; the session stays usable and equal to an uninterrupted one."""
+    import hyspec.core.scheduler as sched_mod
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=21)
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW)
+    s.send(msgs[0])
+    pool = eng.session_scheduler().pool
+    real = sched_mod.restore_into
+
+    def failing(state, slot):
+        raise exc("planted") if exc is RuntimeError else exc()
+
+    for _ in range(2):
+        s.park()
+        monkeypatch.setattr(sched_mod, "restore_into", failing)
+        with pytest.raises(exc):
+            s.send(msgs[1])
+        monkeypatch.setattr(sched_mod, "restore_into", real)
+        assert pool.stats()["slots_in_use"] == 0, pool.stats()
+    got = s.send(msgs[1]).tokens
+    ref = eng.session(draft=2, max_new_tokens=MAX_NEW)
+    ref.send(msgs[0])
+    assert got == ref.send(msgs[1]).tokens
+    s.close()
+    ref.close()
+
+
+def test_a_save_while_another_thread_runs_a_turn_is_whole(zoo, monkeypatch, tmp_path):
+    """Session.save read the session's fields (its state, rewind points, turn count, telemetry)
+    one by one without the engine's lock: a turn ending in another thread meanwhile wrote a
+    torn file ("its rewind points and their digests differ in number", or worse, a state of
+    one turn beside the points of the one before). The dict is now taken whole between turns."""
+    import threading
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 1, seed=22)
+    s = eng.session(draft=0, max_new_tokens=2, ignore_eos=True)
+    s.send(msgs[0])
+    import hyspec.session as session_mod
+
+    real_capture, in_turn, turn_may_end = session_mod.capture, threading.Event(), threading.Event()
+
+    def slow_capture(seq):  # a turn whose end is held open until the save has started
+        state = real_capture(seq)
+        in_turn.set()
+        turn_may_end.wait(5)
+        return state
+
+    monkeypatch.setattr(session_mod, "capture", slow_capture)
+    t = threading.Thread(target=lambda: s.send([]))
+    t.start()
+    assert in_turn.wait(30)
+    saver = threading.Thread(target=lambda: s.save(tmp_path / "s.pt"))
+    saver.start()
+    saver.join(0.5)
+    held = saver.is_alive()  # the save waits for the turn (before: it read the fields meanwhile)
+    turn_may_end.set()
+    t.join(30)
+    saver.join(30)
+    monkeypatch.setattr(session_mod, "capture", real_capture)
+    assert held
+    loaded = Session.load(eng, tmp_path / "s.pt")
+    assert loaded.num_turns == s.num_turns == 2 and loaded.tokens == s.tokens
+    s.close()
+    loaded.close()

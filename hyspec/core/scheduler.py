@@ -228,6 +228,7 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         t0 = time.perf_counter()  # the time to first token counts the store lookup and restore too
+        allocated = None  # a slot this call took from the pool (not a kept Sequence's own)
         try:
             opts, stops = self.validate(req)
             if opts is not None:
@@ -243,7 +244,7 @@ class Scheduler:
                 if resume is not None:
                     new = new[len(resume.tokens):]
             if resume is None:
-                slot = self.pool.alloc(len(new) + req.max_new_tokens + k + 2)
+                slot = allocated = self.pool.alloc(len(new) + req.max_new_tokens + k + 2)
             else:
                 if opts is not None and (resume.drafter if isinstance(resume, SeqState) else drafter_of(resume)) \
                         != opts.hidden:
@@ -253,7 +254,7 @@ class Scheduler:
                 need = (resume.pos if isinstance(resume, SeqState) else resume.cache.pos) + len(pending) + len(new) \
                     + req.max_new_tokens + k + 2
                 if isinstance(resume, SeqState):
-                    slot = self.pool.alloc(need)
+                    slot = allocated = self.pool.alloc(need)
                     restore_into(resume, slot)
                 else:
                     if getattr(resume, "continued", False):  # its slot holds a later state now
@@ -263,13 +264,17 @@ class Scheduler:
                     slot = resume.slot
                     self.pool.grow(slot, need)  # (keeping every row; within the pool's budget: else a MemoryError
                     resume.continued = True  # for this request, and the kept Sequence is still the one to resume)
-        except Exception as e:
+            seq = Sequence(self.model, req, slot, opts, rollback, stops)
+            seq.t_start = t0
+            if resume is not None:
+                self._resume(seq, resume, new, carry_k=req.resume is not None)
+        except BaseException as e:  # (the slot taken goes back: a failed restore, or a Ctrl-C in it, kept it
+            if allocated is not None:  # for good, a session's pool has no budget to reclaim it)
+                self.pool.release(allocated)
+            if not isinstance(e, Exception):
+                raise
             self._finish_request(req, "error", e)
             return
-        seq = Sequence(self.model, req, slot, opts, rollback, stops)
-        seq.t_start = t0
-        if resume is not None:
-            self._resume(seq, resume, new, carry_k=req.resume is not None)
         if req.max_new_tokens == 0:
             self._finish(seq, "length")
             return
