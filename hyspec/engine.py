@@ -697,6 +697,9 @@ class Engine:
                 raise ParamError(name, fn, "must be a callable (prompt index, ...) or None")
         if stop_ids is not None:
             stop_ids = _token_ids("stop_ids", stop_ids)
+            from hyspec.core.scheduler import check_stop
+
+            check_stop(stop_ids, self.model.cfg.vocab_size)  # (every prompt's: was blamed on "prompt 0")
         n = len(prompts)
 
         def per(name, v):  # one value for every prompt, or a sequence of one per prompt

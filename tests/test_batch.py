@@ -169,3 +169,13 @@ def test_slot_bytes_match_the_allocated_buffers(zoo, arch):
     sched = Scheduler(m, max_batch=2)
     per = sched.pool.bytes_per_slot(1000)["total"]
     assert sched.pool.slots_that_fit(10 * per + per // 2, 1000) == 10
+
+
+def test_a_batch_wide_stop_id_out_of_range_is_not_blamed_on_a_prompt():
+    """generate_batch's stop_ids hold for every prompt: one out of the vocabulary was refused as
+    "prompt 0: stop id(s) ..." (generate says it without a prompt)."""
+    from hyspec.engine import Engine
+
+    eng = Engine.load()
+    with pytest.raises(ValueError, match=r"^stop id\(s\) \[999999\] out of range"):
+        eng.generate_batch(["a", "b"], max_new_tokens=2, stop_ids=[999999])
