@@ -208,10 +208,11 @@ class TextStream:
     rest. The pieces joined are the request's Output.text (decoding each round's ids alone
     printed U+FFFD for every split character)."""
 
-    def __init__(self, decode, stop: list[str] | None = None, drop_ids=()) -> None:
+    def __init__(self, decode, stop: list[str] | None = None, drop_ids=(), whole_decode=None) -> None:
         from hyspec.server.text import StopMatcher
 
         self._matcher = StopMatcher(decode, list(stop or []), drop_ids=drop_ids)
+        self._whole = whole_decode  # Output.text's decode of a run no stop string ended (EOS text kept)
         self._sent = 0
 
     def _take(self, text: str) -> str:
@@ -224,7 +225,14 @@ class TextStream:
         return self._take(self._matcher.emittable())
 
     def finish(self) -> str:
-        return self._take(self._matcher.emittable(final=True))
+        m = self._matcher
+        if self._whole is not None and not m.stopped:  # no stop string met: Output.text is the tokens' whole
+            whole = self._whole(m.ids)  # text (its special tokens, EOS, too)
+            sent = m.text[:self._sent]
+            if whole.startswith(sent):
+                self._sent = len(whole)
+                return whole[len(sent):]
+        return self._take(m.emittable(final=True))
 
     @property
     def text(self) -> str:
@@ -249,13 +257,11 @@ class StopStrings:
         tok = engine.tokenizer
         self.matcher = StopMatcher(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=stop_ids,
                                    skip_break=skip_break)
-        self.offset = 0  # characters of primed text (apply gives the text after them)
 
     def prime(self, tokens: list[int]) -> None:
         """The reply's tokens before this request (a session's "go on" turn): a stop string
         may begin in them and complete in this request's tokens."""
         self.matcher.prime(tokens)
-        self.offset = self.matcher.settled_length()  # (a character cut in the primed tokens is this text's)
 
     def peek(self, tokens: list[int]) -> int | None:
         """The index of the token in `tokens` that would complete a stop string (None: none
@@ -278,7 +284,7 @@ class StopStrings:
         """A finished request's text cut before its stop string (None: no stop string met;
         after primed tokens, the text after theirs: "" when the match began in theirs)."""
         m = self.matcher
-        return m.text[self.offset:] if m.stopped else None
+        return m.text[m.primed_end:] if m.stopped else None  # (a character cut in the primed tokens: this text's)
 
 
 @dataclass
@@ -485,7 +491,8 @@ class Engine:
         if not stops:
             return TextStream(self.tokenizer.decode)
         tok = self.tokenizer
-        return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=self.eos_ids)
+        return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=self.eos_ids,
+                          whole_decode=tok.decode)
 
     # -- chat --------------------------------------------------------------------------
     @property

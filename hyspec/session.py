@@ -676,6 +676,8 @@ def _continued_text(eng, before: list[int], tokens: list[int]) -> str:
     if head is None or not head.endswith("\ufffd"):  # (None: no tokenizer, no text)
         return eng.decode(tokens)
     whole, settled = eng.decode(before + tokens), head.rstrip("\ufffd")
+    if whole.startswith(head):  # (its U+FFFD were real characters, EF BF BD: the earlier turn's)
+        return whole[len(head):]
     return whole[len(settled):] if whole.startswith(settled) else eng.decode(tokens)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+LONG_TEXT = 4096  # characters: longer texts are encoded with the GIL released (Tokenizer.encode)
+
 
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
@@ -33,7 +35,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) > LONG_TEXT:  # (the same ids; tokenizers' encode holds the GIL, encode_batch lets it go:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids  # a server's event loop runs on
+        return self._tok.encode(text, add_special_tokens=False).ids  # while another thread encodes a long prompt)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

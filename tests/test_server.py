@@ -699,6 +699,30 @@ def test_prompts_are_rendered_and_encoded_off_the_event_loop():
             return self._tok.encode(*a, **k)
 
     state.tokenizer = Watched(state.tokenizer)
+    # and a long text is encoded with the GIL let go (tokenizers' encode holds it: a thread
+    # alone froze the loop just the same; encode_batch releases it), to the same ids
+    from hyspec.tokenizer import LONG_TEXT
+
+    inner, calls = eng.tokenizer._tok, []
+    real_batch = inner.encode_batch
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def encode_batch(self, *a, **k):
+            calls.append(len(a[0][0]))
+            return real_batch(*a, **k)
+
+    long_text = "def f(x):\n    return x\n" * (LONG_TEXT // 10)
+    want = inner.encode(long_text, add_special_tokens=False).ids
+    eng.tokenizer._tok = Spy()
+    try:
+        assert eng.tokenizer.encode(long_text) == want and calls == [len(long_text)]
+        assert eng.tokenizer.encode("short") == inner.encode("short", add_special_tokens=False).ids
+        assert calls == [len(long_text)]
+    finally:
+        eng.tokenizer._tok = inner
     with ServerThread(app) as s:
         for path, body in (("/v1/completions", {"prompt": "def f(x):", "max_tokens": 1}),
                            ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1}),

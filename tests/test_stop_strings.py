@@ -285,8 +285,24 @@ def test_a_character_cut_in_its_bytes_completes_in_the_continuation(eng):
             s.close()
 
 
+def test_a_real_replacement_character_that_ends_a_turn_is_not_repeated(eng):
+    """A reply may end in a real U+FFFD (its bytes EF BF BD), not a cut character: the
+    continuation's text then repeated it (the cut-character rule took it for the start of
+    one), also with a stop string."""
+    c = eng.constraint("regex", "ab\ufffdcd ef")
+    whole = eng.generate("s = '", max_new_tokens=30, constraint=c).tokens
+    k = next(k for k in range(1, len(whole)) if eng.decode(whole[:k]) == "ab\ufffd")  # its last byte's token
+    for stop, want in ((None, "cd ef"), (["ef"], "cd ")):
+        s = eng.session(draft=0, max_new_tokens=k, use_store=False)
+        first = s.send("s = '", constraint=c)
+        assert first.text == "ab\ufffd"
+        go_on = s.send([], max_new_tokens=30, stop=stop)
+        assert go_on.text.startswith(want), (stop, go_on.text)
+        s.close()
+
+
 @pytest.mark.parametrize("draft", [0, 3])
-@pytest.mark.parametrize("stop", [None, ["中文"]])
+@pytest.mark.parametrize("stop", [None, ["中文"], ["zzz"]])
 def test_a_text_stream_gives_output_text_without_replacement_characters(eng, draft, stop):
     """The README's streaming recipe decoded each round's ids alone: every character split
     over tokens or rounds printed as U+FFFD. Engine.text_stream gives final text only, and
@@ -297,4 +313,5 @@ def test_a_text_stream_gives_output_text_without_replacement_characters(eng, dra
                        on_tokens=lambda i, ids: pieces.append(stream.feed(ids)))
     pieces.append(stream.finish())
     assert "".join(pieces) == out.text and not any("\ufffd" in p for p in pieces), pieces
-    assert out.text.startswith("ab😀cd") and ("中" in out.text) == (stop is None)
+    # (["zzz"]: no stop string met, the run ends on EOS: Output.text keeps its text, so does the stream)
+    assert out.text.startswith("ab😀cd") and ("中" in out.text) == (stop != ["中文"])

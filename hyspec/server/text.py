@@ -45,6 +45,7 @@ class StopMatcher:
         self._read = 0
         self._scan_from = 0
         self._min_end = 0  # a match must end past this many characters of text (prime)
+        self._primed: str | None = None  # primed text whose last character is undecided (see prime)
 
     def prime(self, ids) -> None:
         """Consume ids that come before what is searched (the earlier part of a reply that
@@ -53,14 +54,28 @@ class StopMatcher:
         self.feed(ids)
         self.stops = stops
         self._min_end = self._scan_from = self.settled_length()
+        # an undecided tail: a character cut in its bytes (the next tokens complete it: a stop
+        # string ending on it ends after the primed text; was: skipped as wholly in it), or a
+        # real U+FFFD (its bytes EF BF BD), decided once the text is final (_decide_primed)
+        self._primed = self.text if self._read < len(self._shown) else None
 
     def settled_length(self) -> int:
-        """Characters of `text` that are final: a trailing U+FFFD of an undecided tail stands for
-        a character cut in its bytes, which the next tokens complete (a stop string ending on it
-        ends after the primed text; was: skipped as wholly in it)."""
+        """Characters of `text` that are final: without a trailing U+FFFD of an undecided tail."""
         if self._read < len(self._shown):
             return len(self.text.rstrip("\ufffd"))
         return len(self.text)
+
+    @property
+    def primed_end(self) -> int:
+        """Where the text after the primed tokens begins (a character cut in their bytes is
+        the later text's; a real U+FFFD that ended them is theirs)."""
+        return self._min_end
+
+    def _decide_primed(self) -> None:
+        if self._primed is not None and self._read == len(self._shown):  # the text is final now
+            if self.text.startswith(self._primed):  # its U+FFFD were real characters, the primed text's
+                self._min_end = max(self._min_end, len(self._primed))
+            self._primed = None
 
     @property
     def n_tokens(self) -> int:
@@ -87,6 +102,7 @@ class StopMatcher:
                 continue
             self._shown.append(t)
             self._redecode()
+            self._decide_primed()
             if self._search():
                 return
 
