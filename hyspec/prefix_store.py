@@ -95,20 +95,22 @@ class PrefixStore:
         e = self._entries.get(tuple(tokens))
         return None if e is None else e.tier
 
-    @_locked
     def put(self, state: SeqState) -> None:
         """Keep `state` under its token sequence (the most recently used entry). An entry with
         drafter rows is not replaced by one without."""
-        key = tuple(state.tokens)
-        old = self._entries.get(key)
-        if old is not None and old.state.drafter is not None and state.drafter is None:
+        # (the digest, a pass over the state's bytes, before the lock: /health waits for it)
+        entry = _Entry(state, DEVICE, state.digest(), state.nbytes(), state.device)
+        with self._lock:
+            key = tuple(state.tokens)
+            old = self._entries.get(key)
+            if old is not None and old.state.drafter is not None and state.drafter is None:
+                self._entries.move_to_end(key)
+                return
+            if old is None:
+                self._lengths[len(key)] += 1
+            self._entries[key] = entry
             self._entries.move_to_end(key)
-            return
-        if old is None:
-            self._lengths[len(key)] += 1
-        self._entries[key] = _Entry(state, DEVICE, state.digest(), state.nbytes(), state.device)
-        self._entries.move_to_end(key)
-        self._enforce()
+            self._enforce()
 
     @_locked
     def remove(self, tokens) -> None:

@@ -560,7 +560,9 @@ class Session:
 
     def save(self, path, extra: dict | None = None) -> None:
         """Write the session (state, rewind points, settings) to a file; Session.load reads it
-        back bitwise, in any process, for the same model."""
+        back bitwise, in any process, for the same model. It takes the session as it is between
+        turns: a turn running in another thread is waited for (the engine's lock; called from
+        the turn's own on_tokens, it saves the session before that turn)."""
         self._check_open()
         _check_extra(extra)
         path = given = Path(path).expanduser()
