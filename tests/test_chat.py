@@ -622,13 +622,8 @@ def test_a_template_chat_shows_the_reply_without_its_stop_token(zoo, tmp_path):
     assert out.getvalue() == eng.decode(reply[:3]) + "\n" and c.messages[-1]["content"] == eng.decode(reply[:3])
 
 
-def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
-    """--max-new-tokens beyond the model's context: each reply is capped to the room left (as
-    generate caps it) and says the context cut it; with no room a turn is refused, the chat
-    goes on (every turn failed, and the limit cannot be lowered inside the chat)."""
-    import io
-
-    from hyspec.chat import main
+def _chat_engine_with_a_24_token_context(tmp_path, monkeypatch):
+    """A tiny checkpoint whose context is 24 tokens, the engine `hyspec chat` loads."""
     from hyspec.cli import common
     from hyspec.engine import Engine
     from hyspec.tiny import make_tiny
@@ -639,6 +634,18 @@ def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     eng = Engine.load(ckpt)
     monkeypatch.setattr(common, "load_engine", lambda args: eng)
+    return eng
+
+
+def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
+    """--max-new-tokens beyond the model's context: each reply is capped to the room left (as
+    generate caps it) and says the context cut it; with no room a turn is refused, the chat
+    goes on (every turn failed, and the limit cannot be lowered inside the chat)."""
+    import io
+
+    from hyspec.chat import main
+
+    eng = _chat_engine_with_a_24_token_context(tmp_path, monkeypatch)
     out = io.StringIO()
     lines = "ab\n/stats\n\nab\n/rewind\n/stats\n"
     assert main(["--max-new-tokens", "500", "--ignore-eos", "--draft", "2"], stdin=io.StringIO(lines),
@@ -758,16 +765,8 @@ def test_a_first_message_longer_than_the_context_says_so(tmp_path, monkeypatch):
     import io
 
     from hyspec.chat import main
-    from hyspec.cli import common
-    from hyspec.engine import Engine
-    from hyspec.tiny import make_tiny
 
-    ckpt = make_tiny("qwen3_5", tmp_path / "tiny", vocab_size=320, hidden=32, layers=2, seed=1, std=0.1)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["max_position_embeddings"] = 24
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    eng = Engine.load(ckpt)
-    monkeypatch.setattr(common, "load_engine", lambda args: eng)
+    eng = _chat_engine_with_a_24_token_context(tmp_path, monkeypatch)
     out = io.StringIO()
     long = "ab " * 30
     assert main(["--max-new-tokens", "4"], stdin=io.StringIO(long + "\n/stats\n"), stdout=out) == 0
