@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from hyspec.core.request import GREEDY, Request
-from hyspec.core.state import SeqState, capture, check_state
+from hyspec.core.state import SeqState, bytes_checksum, capture, check_state
 from hyspec.engine import engine_call
 from hyspec.sampling import ParamError, SamplingParams, int_in
 from hyspec.speculative.loop import MAX_DRAFT
@@ -93,13 +93,12 @@ def _record_digest(d: dict) -> str:
             return b"<%d" % len(x) + b"".join(sorted(enc(v) for v in x)) + b">"
         if isinstance(x, (list, tuple)):
             return b"[%d" % len(x) + b"".join(enc(v) for v in x) + b"]"
-        if isinstance(x, torch.Tensor):
-            t = x.detach().cpu()
+        if isinstance(x, torch.Tensor):  # (its bytes' checksum, as a state's digest takes it, where it lives)
+            t = x.detach()
             if t.layout != torch.strided:  # (sparse: its dense values)
                 t = t.to_dense()
-            t = t.resolve_conj().resolve_neg().contiguous()
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            return f"T{t.dtype}{tuple(t.shape)}:".encode() + hashlib.blake2b(data, digest_size=16).digest()
+            t = t.resolve_conj().resolve_neg()
+            return f"T{t.dtype}{tuple(t.shape)}:{bytes_checksum([t]) if t.numel() else ''};".encode()
         return f"{type(x).__name__}:{x!r};".encode()
 
     return hashlib.blake2b(enc({k: v for k, v in d.items() if k not in _STATE_KEYS}), digest_size=12).hexdigest()
