@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(dev)
     n_sm = props.multi_processor_count
     shapes = SHAPES if not a.shapes else [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-    report = {"device": props.name, "sms": n_sm, "provenance": git_state(), "shapes": {}}
+    report = {"device": props.name, "sms": n_sm, "git": git_state(), "command": "python " + " ".join(sys.argv), "shapes": {}}
     # copy bandwidth ceiling: read + write of 1 GiB
     big = torch.empty(2**29, dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(big)
