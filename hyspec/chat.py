@@ -190,7 +190,7 @@ class Chat:
         if room < 1:
             if restart:
                 session.close()
-            if session.tokens:
+            if session.tokens and len(ids) < eng.context_length:  # (the message alone leaves room)
                 self.say(f"[the conversation fills the model's context of {eng.context_length} tokens: /rewind or "
                          f"/reset]")
             else:  # (the message is the whole prompt: /rewind or /reset cannot make room for it)
@@ -241,13 +241,24 @@ class Chat:
 
     def _record(self, before, messages_now, full, go_on, tokens, cut) -> None:
         """The turn's reply into the chat's record (a continuation extends the reply)."""
+        from hyspec.session import continuation
+
         eng, session = self.eng, self.session
-        text = eng.decode(tokens)
         stops = eng._stops(session.stop_ids, session.ignore_eos)
         body = tokens[:-1] if (tokens and tokens[-1] in stops and not self.plain) else tokens
-        content = text if self.plain else eng.decode(body)
+        # a continuation's text as the whole reply's text has it: a character cut in its bytes
+        # at the end of the reply so far (recorded there as U+FFFD) is completed by this part
+        # (the session's reply tokens: the earlier parts, then this one's)
+        whole = session._reply if go_on else []
+        prior = whole[: len(whole) - len(tokens)] if whole[len(whole) - len(tokens):] == list(tokens) else []
+        drop, text = continuation(eng, prior, tokens)
+        drop_body, content = (drop, text) if self.plain else continuation(eng, prior, body)
+        if drop:
+            full = full[:-drop]
         if go_on and messages_now and messages_now[-1]["role"] == "assistant":
-            messages_now = messages_now[:-1] + [{"role": "assistant", "content": messages_now[-1]["content"] + content}]
+            earlier = messages_now[-1]["content"]
+            earlier = earlier[:-drop_body] if drop_body else earlier
+            messages_now = messages_now[:-1] + [{"role": "assistant", "content": earlier + content}]
         else:
             messages_now = messages_now + [{"role": "assistant", "content": content}]
         self.stack.append(before)

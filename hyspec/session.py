@@ -671,15 +671,25 @@ def _continued_text(eng, before: list[int], tokens: list[int]) -> str:
     """The text of `tokens` that follow `before` (the reply so far): a character whose first
     bytes ended `before` (shown there as U+FFFD) is completed here, as the whole reply's text
     has it (decoded alone, the continuation began with U+FFFD for its last bytes)."""
+    return continuation(eng, before, tokens)[1]
+
+
+def continuation(eng, before: list[int], tokens: list[int]) -> tuple[int, str]:
+    """(drop, text): the text of `tokens` after `before` as the whole reply's text has it, and
+    how many characters at the end of `before`'s own text (the U+FFFD of a character cut in
+    its bytes there, completed by `tokens`) that text replaces: ``decode(before)[:-drop or
+    None] + text == decode(before + tokens)`` where the decoding allows it."""
     if not before:
-        return eng.decode(tokens)
+        return 0, eng.decode(tokens)
     head = eng.decode(before)
     if head is None or not head.endswith("\ufffd"):  # (None: no tokenizer, no text)
-        return eng.decode(tokens)
+        return 0, eng.decode(tokens)
     whole, settled = eng.decode(before + tokens), head.rstrip("\ufffd")
     if whole.startswith(head):  # (its U+FFFD were real characters, EF BF BD: the earlier turn's)
-        return whole[len(head):]
-    return whole[len(settled):] if whole.startswith(settled) else eng.decode(tokens)
+        return 0, whole[len(head):]
+    if whole.startswith(settled):
+        return len(head) - len(settled), whole[len(settled):]
+    return 0, eng.decode(tokens)
 
 
 def _constraint_dict(c) -> dict | None:

@@ -773,6 +773,13 @@ def test_a_first_message_longer_than_the_context_says_so(tmp_path, monkeypatch):
     text = out.getvalue()
     assert f"[the message is {len(eng.encode(long))} tokens: the model's context is 24 tokens" in text, text
     assert "/rewind or /reset" not in text and stats_lines(text)[0]["turns"] == 0
+    # ... and after a turn, a message longer than the context alone says so too (it said "the
+    # conversation fills the context: /rewind or /reset", which cannot make room for it)
+    out = io.StringIO()
+    assert main(["--max-new-tokens", "4"], stdin=io.StringIO("ab\n" + long + "\n/stats\n"), stdout=out) == 0
+    text = out.getvalue()
+    assert "[the message is " in text and "tokens: the model's context is 24 tokens" in text, text
+    assert "/rewind or /reset" not in text and stats_lines(text)[0]["turns"] == 1
 
 
 def test_a_terminal_reporting_no_columns_counts_eighty(monkeypatch):
@@ -789,3 +796,30 @@ def test_a_terminal_reporting_no_columns_counts_eighty(monkeypatch):
     assert c._columns() == 80
     monkeypatch.setattr(chat_mod.os, "get_terminal_size", lambda fd: os.terminal_size((100, 30)))
     assert c._columns() == 100
+
+
+def test_a_continued_reply_completes_a_character_cut_in_its_bytes(default_engine):
+    """A reply cut inside a character's bytes, then continued (an empty line): the chat's record
+    (the messages /save writes, the rendered text a restart re-encodes) kept the U+FFFD of
+    both parts' decodings, where the session's tokens hold the character."""
+    import io
+
+    pytest.importorskip("llguidance")
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    eng = default_engine
+    c = eng.constraint("regex", "ab😀cd中文ef é gh")
+    for plain in (True, False):
+        chat = Chat(eng, eng.session(draft=0, max_new_tokens=3, constraint=c, use_store=False), default_model_dir(),
+                    out=io.StringIO())
+        if not plain:  # the record of a templated chat (its messages' content) alike
+            chat.plain = False
+        chat.user("s = '")
+        assert chat.rendered.endswith("\ufffd") and chat.cut
+        chat.user("")
+        chat.user("")
+        want = eng.decode(chat.session.tokens)
+        assert "😀" in want and chat.rendered == want, (chat.rendered, want)
+        assert chat.messages[-1]["content"].startswith("ab😀cd"), chat.messages
+        chat.close()
