@@ -45,6 +45,27 @@ def test_hf_template_rendering(tmp_path):
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == render_chat(msgs, tok_dir)
 
 
+def test_a_template_with_a_generation_block_renders_as_transformers_does(tmp_path):
+    """{% generation %}...{% endgeneration %} (around the assistant's text, for training masks;
+    transformers registers the tag for every template) was refused: "the chat template does not
+    parse: Encountered unknown tag 'generation'"."""
+    src = CHATML.replace("+ message['content'] + '<|im_end|>' + '\n' }}",
+                         "}}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}")
+    assert "{% generation %}" in src
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": src, "eos_token": "<|im_end|>"}))
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert render_chat(msgs, tmp_path) == want
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": src, "eos_token": "<|im_end|>",
+                                                                "tokenizer_class": "PreTrainedTokenizerFast"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
+
+
 def test_template_sources(tmp_path):
     assert load_template(tmp_path)[1] == "plain"
     assert load_template(tmp_path)[0] == PLAIN_TEMPLATE
