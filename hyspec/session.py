@@ -365,23 +365,32 @@ class Session:
         self._matcher = matcher  # its state after the turn (the round driver committed the tokens)
         self._speculative = n_drafts > 0
         self._last_draft = n_drafts
-        if self.use_store:
-            eng.store.put(self._boundary)
-        if "spec" in req.stats:
-            self.telemetry.merge(SpecTelemetry.from_dict(req.stats["spec"]))
-        if req.stop_reason == "error":
+        try:
+            if self.use_store:
+                eng.store.put(self._boundary)
+            if "spec" in req.stats:
+                self.telemetry.merge(SpecTelemetry.from_dict(req.stats["spec"]))
+        except BaseException:  # (a Ctrl-C after the turn's record): the turn is undone, as one mid-round
+            self._undo(1)
+            raise
+        if req.stop_reason == "error":  # failed mid-round: the rounds before it stay, a turn
             raise req.exception
-        text = cut.apply(req) if cut is not None else None
-        if text is None:  # a "go on" turn's text in the context of the reply before it: a character cut
-            text = _continued_text(eng, [] if ids else point.reply, list(req.tokens))  # there is this turn's
-        out = eng._output([Sample(list(req.tokens), text, req.stop_reason,
-                                  req.stats)], ids, n_drafts > 0)
-        if logprobs is not None:
-            out.logprobs = [list(req.token_logprobs)]
-        out.stats["turn"] = self.num_turns
-        out.stats["context_tokens"] = len(self.tokens)
-        out.stats["session"] = {"turns": self.num_turns, "spec": self.telemetry.to_dict() if n_drafts > 0 else None}
-        out.stats["store"] = eng.store.stats() if eng._store is not None else None
+        try:
+            text = cut.apply(req) if cut is not None else None
+            if text is None:  # a "go on" turn's text in the context of the reply before it: a character cut
+                text = _continued_text(eng, [] if ids else point.reply, list(req.tokens))  # there is this turn's
+            out = eng._output([Sample(list(req.tokens), text, req.stop_reason,
+                                      req.stats)], ids, n_drafts > 0)
+            if logprobs is not None:
+                out.logprobs = [list(req.token_logprobs)]
+            out.stats["turn"] = self.num_turns
+            out.stats["context_tokens"] = len(self.tokens)
+            out.stats["session"] = {"turns": self.num_turns,
+                                    "spec": self.telemetry.to_dict() if n_drafts > 0 else None}
+            out.stats["store"] = eng.store.stats() if eng._store is not None else None
+        except BaseException:  # (a Ctrl-C before the turn's reply is handed back: undone, the caller
+            self._undo(1)      # never saw it)
+            raise
         self.last_stats = out.stats
         return out
 
@@ -427,6 +436,10 @@ class Session:
         n = turns
         if n > len(self._points):
             raise ValueError(f"cannot rewind {n} turn(s): the session has {len(self._points)}")
+        self._undo(n)
+
+    def _undo(self, n: int) -> None:
+        """rewind's work, unchecked: back to the state before the last n turns."""
         p = self._points[-n]
         del self._points[-n:]
         self._matcher, self.last_stats = p.matcher, p.stats

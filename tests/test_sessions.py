@@ -408,6 +408,30 @@ def test_a_ctrl_c_as_a_turn_ends_undoes_it(zoo, monkeypatch):
     assert not eng.session_scheduler().pool.used
 
 
+@pytest.mark.parametrize("where", ["store", "output"])
+def test_a_ctrl_c_after_the_turn_is_recorded_undoes_it(zoo, monkeypatch, where):
+    """A KeyboardInterrupt after the turn's record, while its end state went into the prefix
+    store or its reply was being made, escaped with the turn kept (the chat then said "the
+    reply is dropped" of a turn still in the session). The turn is now undone there too."""
+    eng, msgs, want, s = _three_turns_and_a_session_after_one(zoo, seed=6)
+    s.use_store = where == "store"
+    target, name = (eng.store, "put") if where == "store" else (eng, "_output")
+    real = getattr(target, name)
+
+    def interrupted(*a, **kw):
+        monkeypatch.setattr(target, name, real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.send(msgs[1])
+    s.use_store = False
+    assert s.num_turns == 1 and len(s.tokens) == len(msgs[0]) + len(want[0])
+    assert [s.send(m).tokens for m in msgs[1:]] == want[1:]
+    s.close()
+    assert not eng.session_scheduler().pool.used
+
+
 def test_a_growing_session_slot_keeps_to_the_pool_budget(zoo):
     """A turn that needs a longer slot grew it without looking at the pool's budget (held
     3.5x a budget of one slot, no error). Now growing past the budget is a MemoryError for
