@@ -533,6 +533,50 @@ def test_engine_fault_is_contained(monkeypatch):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
+def test_the_sequential_fallback_stops_a_cancelled_job(monkeypatch):
+    """The sequential fallback (HYSPEC_SERVE_SCHEDULER=0) ran a job to its end whatever
+    happened: a client that left after 0.5 s of a 4,000-token request held the engine for the
+    whole of it (the next request waited a minute), a stop string matched early went on to
+    max_tokens. A cancel now ends the job after the round, and its tokens stream."""
+    monkeypatch.setenv("HYSPEC_SERVE_SCHEDULER", "0")
+    eng = Engine.load()
+    real, runs = eng.generate, []
+
+    def generate(prompt, **kw):
+        run = {"tokens": 0, "ended": None}
+        runs.append(run)
+        inner = kw.get("on_tokens")
+
+        def on_tokens(i, ids):
+            run["tokens"] += len(ids)
+            if inner is not None:
+                inner(i, ids)
+
+        try:
+            out = real(prompt, **{**kw, "on_tokens": on_tokens})
+        except BaseException as e:
+            run["ended"] = type(e).__name__
+            raise
+        run["ended"] = "done"
+        return out
+
+    monkeypatch.setattr(eng, "generate", generate)
+    with ServerThread(create_app(eng, ServerConfig(served_model_name=MODEL))) as s:
+        url = s.url + "/v1/completions"
+        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, json=body, timeout=0.5)
+        ok = httpx.post(url, json={**body, "max_tokens": 3}, timeout=120)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert runs[0]["ended"] == "_Cancelled" and runs[0]["tokens"] < 4000, runs
+        # a stop string ends the job there: its text, and the engine stops after that round
+        want = httpx.post(url, json={**body, "max_tokens": 40}).json()["choices"][0]["text"]
+        stop = want[10:14]
+        got = httpx.post(url, json={**body, "stop": [stop]}, timeout=120).json()
+        assert got["choices"][0]["text"] == want[: want.index(stop)] and got["choices"][0]["finish_reason"] == "stop"
+        assert runs[-1]["ended"] == "_Cancelled" and runs[-1]["tokens"] < 100, runs
+
+
 def test_rounds_stream_and_requests_join_the_batch(server, client):
     """With the batched engine: a stream gets tokens round by round, and a request that
     arrives while a long one runs joins the batch and finishes first."""

@@ -20,8 +20,9 @@ rest wait in this module's FIFO ("waiting"). submit() refuses at once (QueueFull
 429) when running + waiting + new jobs would exceed max_batch + max_queue.
 
 Without the Scheduler (HYSPEC_SERVE_SCHEDULER=0, or a hyspec without hyspec.core.scheduler)
-a fallback runs jobs one at a time through Engine.generate: same outputs, but tokens of a
-job arrive all at once at its end and there is no batching.
+a fallback runs jobs one at a time through Engine.generate: same outputs, no batching; a
+job's tokens stream as its rounds commit them (with logprobs: all at its end, scored then),
+and a cancel (a client gone, a stop string matched) ends it after the round.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from typing import Any, Callable
 from hyspec.sampling import SamplingParams
 
 log = logging.getLogger("hyspec.server")
+
+
+class _Cancelled(Exception):
+    """Raised by the fallback's token callback to end a cancelled job (Engine.generate stops)."""
 
 
 class QueueFull(Exception):
@@ -446,18 +451,31 @@ class EngineWorker:
             self._finish(job, "cancelled", {})
             return
         eng = self.engine
+        streamed = job.logprobs is None  # (with logprobs the tokens go out at the end, scored then)
+
+        def on_tokens(_, new_ids):
+            # a cancel (the client left, or a stop string matched) ends the job after this round
+            if streamed and new_ids and not job.cancelled:
+                self._to_loop(job.on_tokens, list(new_ids), None)
+            if job.cancelled:
+                raise _Cancelled
+
         try:
             out = eng.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
                                draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True, constraint=job.constraint,
-                               use_store=False)
+                               use_store=False, on_tokens=on_tokens)
+        except _Cancelled:
+            self._finish(job, "cancelled", {})
+            return
         except ValueError as e:
             log.error("sequence failed in the engine: %s", e)
             self._finish(job, "error", {"error": f"{type(e).__name__}: {e}"})
             return
         sample = out.samples[0]
-        logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs) if job.logprobs is not None else None
-        if sample.tokens:
-            self._to_loop(job.on_tokens, list(sample.tokens), logprobs)
+        if not streamed:
+            logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs)
+            if sample.tokens:
+                self._to_loop(job.on_tokens, list(sample.tokens), logprobs)
         stats = dict(sample.stats)
         if "spec" in out.stats:
             stats["spec"] = out.stats["spec"]
