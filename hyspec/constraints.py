@@ -434,11 +434,16 @@ class Constraint:
         if n == 0:
             return
         real = sum(self._recorded[len(self._recorded) - n:])
-        if real and not self._m.rollback(real):
-            raise RuntimeError(f"constraint: rollback failed: {self._m.get_error()}")
-        del self.tokens[len(self.tokens) - n:]
-        del self._recorded[len(self._recorded) - n:]
-        self._clear()
+        if self.failure is None and (not real or self._m.rollback(real)):
+            del self.tokens[len(self.tokens) - n:]
+            del self._recorded[len(self._recorded) - n:]
+            self._clear()
+            return
+        # a failed state (llguidance's matcher stops at a dead end and refuses to roll back) or
+        # a refused rollback: the grammar from its start, the tokens before the n again
+        keep = self.tokens[: len(self.tokens) - n]
+        self.reset()
+        self.commit(keep)
 
     def clone(self) -> "Constraint":
         """An independent copy at the same state (the matcher's deep_copy: microseconds)."""
@@ -489,10 +494,14 @@ class Constraint:
         return c
 
     def reset(self) -> None:
-        """Back to the start of the grammar."""
-        self._m.reset()
+        """Back to the start of the grammar (a failure marked on the way is gone with it)."""
+        if self.failure is not None or self._m.is_error():  # (llguidance's reset keeps a stopped
+            self._m = _llg().LLMatcher(self.vocab.lltok, self.grammar_text, log_level=0)  # matcher's error)
+        else:
+            self._m.reset()
         self.tokens = []
         self._recorded = []
+        self.failure = None
         self._clear()
 
     def _clear(self) -> None:

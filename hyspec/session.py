@@ -706,10 +706,12 @@ def continuation(eng, before: list[int], tokens: list[int]) -> tuple[int, str]:
 
 
 def _constraint_dict(c) -> dict | None:
-    """A constraint as data: its kind, grammar and the tokens it has consumed."""
+    """A constraint as data: its kind, grammar, the tokens it has consumed, the failure marked
+    on it (a dead end the last reply ran into) and the text its answer comes after, if any."""
     if c is None:
         return None
-    return {"kind": c.kind, "grammar": c.grammar_text, "tokens": list(c.tokens)}
+    return {"kind": c.kind, "grammar": c.grammar_text, "tokens": list(c.tokens), "failure": c.failure,
+            "after": c.after}
 
 
 def _constraint_from(engine, d: dict | None):
@@ -721,4 +723,8 @@ def _constraint_from(engine, d: dict | None):
 
     c = Constraint(vocab_for(engine), d["grammar"], kind=d["kind"])
     c.commit(d["tokens"])
+    c.after = d.get("after")
+    if d.get("failure"):  # (the dead end found again: the matcher then stands where it stood)
+        if not c.dead_end():
+            c.fail(d["failure"])
     return c

@@ -173,6 +173,24 @@ def test_rollback_and_clone(vocab, grammar, text, stopped):
         c.rollback(1)
 
 
+def test_reset_and_rollback_leave_a_dead_end(vocab):
+    """A dead end (a grammar that cannot be completed after its tokens) marked a failure that
+    reset() kept (the reset constraint allowed nothing: every generation under it failed), and
+    rollback() then raised "rollback failed" (llguidance's matcher stops there)."""
+    c = make_constraint(vocab, "grammar", 'start: "def" x | "class A"\nx: x "a"')
+    start = c.allowed([]).clone()
+    assert start.any()
+    c.commit(vocab.lltok.tokenize_str("def"))
+    assert c.dead_end() and not c.allowed([]).any()
+    d = c.clone()
+    c.reset()
+    assert c.failure is None and c.committed == 0 and torch.equal(c.allowed([]), start)
+    d.rollback(d.committed)
+    assert d.failure is None and d.committed == 0 and torch.equal(d.allowed([]), start)
+    d.commit(vocab.lltok.tokenize_str("class A"))
+    assert d.accepting
+
+
 def test_json_object_and_finished(engine):
     c = Constraint.json_object(engine)
     first = c.allowed([]).nonzero().flatten().tolist()

@@ -118,3 +118,29 @@ def test_a_reply_cut_where_the_grammar_is_complete_goes_on_to_its_eos():
     first = s.send("date = ").tokens
     assert s.matcher.finished and not s.matcher.ended
     assert first + s.send([], max_new_tokens=6).tokens == uncut.tokens
+
+
+def test_a_dead_end_stays_one_across_save_and_load(tmp_path):
+    """A reply that ran into a dead end of its grammar marks the session's matcher failed: a
+    "go on" is refused up front. Saved and loaded, the failure was lost (the matcher rebuilt
+    from its tokens, finished False): the turn started and failed at its first mask instead,
+    with another error."""
+    from hyspec.core.scheduler import ConstraintFailure
+
+    eng = Engine.load()
+    dead = eng.constraint("grammar", 'start: "def" x\nx: x "a"')
+    s = eng.session(draft=2, max_new_tokens=10, constraint=dead, use_store=False)
+    with pytest.raises(ConstraintFailure):
+        s.send("x = ")
+    assert s.matcher.failure is not None
+    with pytest.raises(ValueError) as before:
+        s.send([])
+    s.save(tmp_path / "d.pt")
+    t = Session.load(eng, tmp_path / "d.pt")
+    assert (t.matcher.failure, t.matcher.finished, t.matcher.tokens) == (s.matcher.failure, s.matcher.finished,
+                                                                          s.matcher.tokens)
+    with pytest.raises(ValueError) as after:
+        t.send([])
+    assert str(after.value) == str(before.value)
+    s.close()
+    t.close()
