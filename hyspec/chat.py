@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a reply at the token that completes this text (repeat the flag for several); the "
                         "reply keeps the text, as the conversation does")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
+    p.add_argument("--chat-template", default=None, type=os.path.expanduser, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}' "

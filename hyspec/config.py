@@ -70,6 +70,17 @@ def input_file(path, what: str) -> Path:
     return p
 
 
+def read_text_file(path, what: str) -> str:
+    """The UTF-8 text of the file `path` (:func:`input_file`'s checks; line ends read as
+    ``open``'s text mode reads them: \\r\\n and \\r as \\n); ValueError naming `what` and the
+    file where it is not UTF-8."""
+    p = input_file(path, what)
+    try:
+        return p.read_bytes().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start + 1})") from None
+
+
 class ConfigError(ValueError):
     """config.json is missing, malformed, or describes a model we cannot run."""
 

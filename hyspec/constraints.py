@@ -141,9 +141,9 @@ def _json_text(schema, arg: str) -> str:
     if isinstance(schema, (dict, bool)):
         return json.dumps(schema)
     if isinstance(schema, Path):
-        from hyspec.config import input_file
+        from hyspec.config import read_text_file
 
-        schema = input_file(schema, arg).read_text(encoding="utf-8")
+        schema = read_text_file(schema, arg)
     if not isinstance(schema, str):
         raise ValueError(f"{arg}: expected a JSON schema (dict, JSON text or a pathlib.Path), "
                          f"got {type(schema).__name__}")

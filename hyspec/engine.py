@@ -411,13 +411,13 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
              ssm_dtype: str | None = None) -> "Engine":
-        """The checkpoint at `path` (default: the embedded model). ssm_dtype: the Gated
+        """The checkpoint at `path` (a user's ~ expanded; default: the embedded model). ssm_dtype: the Gated
         DeltaNet state's storage dtype (hyspec.loading.load_model: "float32" by default,
         "bfloat16" halves a slot's state bytes and rounds the state after every token)."""
         if (path is not None and not isinstance(path, (str, os.PathLike))) or path == "":
             raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
                              "model")
-        path = Path(path) if path is not None else default_model_dir()
+        path = Path(path).expanduser() if path is not None else default_model_dir()
         check_device(device)
         if (path / "tokenizer.json").is_dir():  # (before the weights load)
             raise ValueError(f"{path / 'tokenizer.json'} is a directory, not the tokenizer's file")
@@ -936,6 +936,8 @@ class Engine:
         out_of_range = [t for t in ids if not 0 <= t < vocab_size]
         if out_of_range:
             raise ValueError(f"token id(s) {out_of_range[:5]} out of range for vocabulary size {vocab_size}")
+        from hyspec.speculative.replay import check_finite_logits, perplexity
+
         model = self.model
         cache = model.new_cache(len(ids))
         logprobs: list[float] = []  # [len(ids) - 1]
@@ -944,7 +946,9 @@ class Engine:
         for start in range(0, len(ids) - 1, chunk):
             part = ids[start : min(start + chunk, len(ids) - 1)]
             hidden = model.forward_hidden(torch.tensor(part, device=dev), cache, StepCtx(start=start, chunked=True))
-            log_probs = torch.log_softmax(model.logits(hidden).double(), dim=-1)  # [t, V]
+            logits = model.logits(hidden)
+            check_finite_logits(logits, start, model.dtype)
+            log_probs = torch.log_softmax(logits.double(), dim=-1)  # [t, V]
             next_ids = torch.tensor(ids[start + 1 : start + 1 + len(part)], device=dev)  # [t]
             logprobs.extend(log_probs.gather(1, next_ids[:, None])[:, 0].tolist())
             if top_logprobs:
@@ -955,6 +959,6 @@ class Engine:
         nll = -sum(logprobs)
         return {
             "tokens": ids, "logprobs": logprobs, "top_logprobs": top_lists if top_logprobs else None,
-            "nll": nll, "mean_nll": nll / len(logprobs), "perplexity": math.exp(nll / len(logprobs)),
+            "nll": nll, "mean_nll": nll / len(logprobs), "perplexity": perplexity(nll / len(logprobs)),
             "scored_tokens": len(logprobs),
         }

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 
 from hyspec.config import ModelConfig
+
+# the file make_tiny leaves beside a checkpoint it wrote (`hyspec make-tiny --out` replaces only those)
+MADE_BY_MAKE_TINY = "make_tiny.json"
 
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
@@ -202,7 +206,11 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     if vocab_size < 300:  # an earlier checkpoint's tokenizer here would be loaded with this one (and refuse its ids)
         (out / "tokenizer.json").unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    mask = os.umask(0)  # (safetensors creates the file for its owner only: the umask's mode, as the others)
+    os.umask(mask)
+    os.chmod(out / "model.safetensors", 0o666 & ~mask)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    (out / MADE_BY_MAKE_TINY).write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
     if vocab_size >= 300:  # a byte-level BPE needs the 256 byte tokens plus some merges
         tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))

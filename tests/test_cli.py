@@ -505,3 +505,79 @@ def test_bench_with_no_variant_runs_the_batches_alone(tmp_path) -> None:
                "--new-tokens", "4", "--hf-tokens", "0", "--exact-prompts", "0", "--out", str(out)])
     r = json.loads(out.read_text())
     assert rc == 0 and r["variants"] == {} and not r["errors"] and r["batch"]["backend"]
+
+
+def test_make_tiny_keeps_other_checkpoints_and_paths_expand_the_home(tmp_path, capsys, monkeypatch):
+    """make-tiny replaced any single-file checkpoint in --out (a trained one's weights lost) and
+    wrote its weights readable by their owner only; a --seed out of range was torch's
+    "Overflow when unpacking long long", -1 the weights of 2**64 - 1; `--out=~/x` (the shell
+    leaves that ~) wrote to ./~/x, and --model / --text-file / --prompts-file / generate's
+    --out with a ~ were "does not exist"."""
+    import os
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out=~/m", "--vocab-size", str(VOCAB)]) == 0
+    assert (tmp_path / "m" / "config.json").is_file() and not (tmp_path / "~").exists()
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", "~/m", "--vocab-size", str(VOCAB)]) == 0  # its own
+    trained = tmp_path / "trained"
+    shutil.copytree(tmp_path / "m", trained)
+    (trained / "make_tiny.json").unlink()
+    before = (trained / "model.safetensors").read_bytes()
+    assert "holds a checkpoint (config.json, model.safetensors, tokenizer.json) without the make_tiny.json" in \
+        run_error(capsys, "make-tiny", "--arch", "qwen3_5", "--out", str(trained))
+    assert (trained / "model.safetensors").read_bytes() == before
+    for seed in ("-1", str(2**64)):
+        assert "--seed must be in 0..2**64 - 1" in run_error(capsys, "make-tiny", "--arch", "qwen3_5", "--out",
+                                                            str(tmp_path / "s"), "--seed", seed)
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x\n" * 4)
+    assert run_json(capsys, "score", "--model", "~/m", "--text", "ab")["scored_tokens"] >= 1
+    assert run_json(capsys, "replay", "--model", "~/m", "--text-file", "~/t.txt", "--k", "2")["tokens"] > 4
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "ab"}) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--model", "~/m", "--prompts-file", "~/p.jsonl", "--out", "~/r.jsonl",
+                 "--max-new-tokens", "2"]) == 0
+    assert (tmp_path / "r.jsonl").read_text().count("\n") == 1
+
+
+def test_score_and_replay_of_overflowing_models(tmp_path, capsys, monkeypatch):
+    """A mean NLL above ~709 nats crashed `score` with OverflowError's traceback (replay
+    printed exp(700) instead of inf); logits that overflow float16 were NaN log-probs and
+    invalid JSON (NaN). The perplexity is now inf (null in --json), non-finite logits an
+    error naming the dtype; replay reads the file's bytes as they are (a CRLF file's \\r:
+    text mode dropped them) and standard input with "-"."""
+    import io
+    import sys
+
+    out = tmp_path / "big"
+    _make_tiny(out, "--init-std", "80")
+    text = "hello world the quick brown fox"
+    scored = run_json(capsys, "score", "--model", str(out), "--text", text)
+    assert scored["perplexity"] is None and scored["mean_nll"] > 709
+    capsys.readouterr()
+    assert main(["score", "--model", str(out), "--text", text]) == 0
+    assert "perplexity inf" in capsys.readouterr().out
+    assert "are not finite (NaN or inf) from position 0 on, in float16" in run_error(
+        capsys, "score", "--model", str(out), "--text", text, "--dtype", "float16")
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"def f(x):\r\n    return x\r\n" * 8)
+    want = len(Tokenizer(out).encode(crlf.read_bytes().decode()))
+    assert run_json(capsys, "replay", "--model", str(out), "--text-file", str(crlf), "--k", "2")["tokens"] == want
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(crlf.read_bytes())))
+    report = run_json(capsys, "replay", "--model", str(out), "--text-file", "-", "--k", "2")
+    assert report["tokens"] == want and report["perplexity"] is None
+
+
+def test_a_constraint_file_that_is_not_utf8_is_named(ckpt, tmp_path, capsys):
+    """A --grammar or --json-schema file that is not UTF-8 was "error: 'utf-8' codec can't
+    decode byte 0xff in position 0" (neither the flag nor the file named)."""
+    pytest.importorskip("llguidance")
+    bad = tmp_path / "bad.lark"
+    bad.write_bytes(b"\xffstart: \"a\"\n")
+    for flag in ("--grammar", "--json-schema"):
+        err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", flag, str(bad))
+        assert f"{flag}: '{bad}' is not UTF-8 text (invalid start byte at byte 1)" in err, err

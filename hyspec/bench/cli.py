@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import sys
 import time
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "qwen3-next-80b-a3b-fp8 preset is FP8 anyway")
     ap.add_argument("--slot-lengths", default="4096,32768,131072",
                     help="context lengths for the 'sequence slots that fit beside the weights' report")
-    ap.add_argument("--model", default=None, help="checkpoint directory (overrides --config)")
+    ap.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory (overrides --config)")
     ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--ssm-dtype", default=None, choices=SSM_CHOICES,
@@ -76,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune-only", default="all", choices=["all", "moe", "dense"],
                     help="which shapes --tune searches: all, the MoE expert matmuls only, or the other matmuls only")
     ap.add_argument("--tune-s", type=float, default=150.0, help="seconds for the GEMM config search")
-    ap.add_argument("--tuned-from", default=None, help="take the GEMM configs from an earlier bench JSON")
+    ap.add_argument("--tuned-from", default=None, type=os.path.expanduser, help="take the GEMM configs from an earlier bench JSON")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes copied to measure bandwidth "
                     "(at most 64 MiB on the CPU)")
-    ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--out", default=None, type=os.path.expanduser, help="write the JSON here")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     ap.add_argument("--batch-inv-prompts", type=int, default=64,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from hyspec.config import DTYPE_NAMES, SSM_CHOICES
 from hyspec.sampling import SamplingParams
@@ -65,6 +66,24 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def json_dumps(obj) -> str:
+    """json.dumps with each non-finite float (a perplexity past a float's range: inf) written
+    as null: JSON has no Infinity or NaN, and a reader of --json output must parse it."""
+    import json
+    import math
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), allow_nan=False)
+
+
 def check_out_file(path, flag: str = "--out") -> None:
     """ValueError naming `flag` when `path` could not be written (a folder, a missing or
     unwritable parent): checked before the work whose results it would hold."""
@@ -113,7 +132,7 @@ def check_out_dir(path, flag: str = "--out") -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
                    help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -167,10 +186,10 @@ def check_spec_flags(args) -> None:
 def add_constraint_args(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("constraints (the output must match; needs llguidance)")
     one_of = group.add_mutually_exclusive_group()
-    one_of.add_argument("--json-schema", metavar="FILE_OR_JSON", help="a JSON schema: a .json file or JSON text")
+    one_of.add_argument("--json-schema", type=os.path.expanduser, metavar="FILE_OR_JSON", help="a JSON schema: a .json file or JSON text")
     one_of.add_argument("--constrain-json", action="store_true", help="any JSON object")
     one_of.add_argument("--regex", help="a regular expression (Rust regex syntax) the whole output matches")
-    one_of.add_argument("--grammar", metavar="FILE.lark", help="a Lark grammar file (llguidance's Lark dialect)")
+    one_of.add_argument("--grammar", type=os.path.expanduser, metavar="FILE.lark", help="a Lark grammar file (llguidance's Lark dialect)")
     one_of.add_argument("--choice", metavar="A,B,C", help="exactly one of these comma-separated strings")
 
 
@@ -194,9 +213,9 @@ def constraint_from_args(eng, args):
     if getattr(args, "regex", None) is not None:
         return eng.constraint("regex", args.regex, arg="--regex")
     if getattr(args, "grammar", None) is not None:
-        from hyspec.config import input_file
+        from hyspec.config import read_text_file
 
-        text = input_file(args.grammar, "--grammar").read_text(encoding="utf-8")
+        text = read_text_file(args.grammar, "--grammar")
         return eng.constraint("grammar", text, arg=f"--grammar {args.grammar}")
     if getattr(args, "choice", None) is not None:
         return eng.constraint("choice", [c for c in args.choice.split(",")], arg="--choice")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -37,14 +38,14 @@ def add_parser(sub) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", type=parse_ids, help="prompt token ids, comma-separated")
-    source.add_argument("--prompts-file", help="JSONL, one request per line: {\"prompt\": ...}, "
+    source.add_argument("--prompts-file", type=os.path.expanduser, help="JSONL, one request per line: {\"prompt\": ...}, "
                         "{\"prompt_ids\": [...]} or {\"messages\": [...]} (a chat request: rendered with the chat "
                         "template; optional tools, tool_choice, parallel_tool_calls, chat_template_kwargs; the "
                         "result gets the reply as \"message\"), optional max_new_tokens, draft, logprobs, stop, "
                         "sampling fields (temperature, seed, top_p, ...) and one constraint (json_schema, "
                         "json_object: true, regex, grammar: Lark text, choice: [...]); one JSON result per line, in "
                         "input order")
-    p.add_argument("--out", default=None, help="with --prompts-file: write the results here instead of stdout")
+    p.add_argument("--out", default=None, type=os.path.expanduser, help="with --prompts-file: write the results here instead of stdout")
     p.add_argument("--max-batch", type=int, default=16, help="with --prompts-file: sequences decoded together")
     p.add_argument("--max-new-tokens", type=int, default=64, help="token limit (capped at the model's context)")
     p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids")

@@ -3,6 +3,9 @@ model family, for tests and quick experiments (hyspec.tiny)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from hyspec.cli.common import HelpFormatter
 
 FP8_BLOCK_DEFAULT = "128,128"
@@ -13,8 +16,8 @@ def add_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     p.add_argument("--arch", required=True, choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"],
                    help="model family (required)")
-    p.add_argument("--out", required=True,
-                   help="output directory (required; an earlier make-tiny checkpoint there is replaced)")
+    p.add_argument("--out", required=True, type=os.path.expanduser,
+                   help="output directory (required; an earlier make-tiny checkpoint there is replaced, another checkpoint is refused)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--vocab-size", type=int, default=512,
                    help="vocabulary size (>= 300: with a tokenizer.json, trained on a short sample: about 380 "
@@ -62,9 +65,20 @@ def run(args) -> int:
     for flag, v in (("--vocab-size", args.vocab_size), ("--hidden-size", args.hidden_size), ("--layers", args.layers)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
+    if not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be in 0..2**64 - 1, got {args.seed}")
     from hyspec.cli.common import check_out_dir
+    from hyspec.tiny import MADE_BY_MAKE_TINY
 
     check_out_dir(args.out)
+    out_dir = Path(args.out)
+    if out_dir.is_dir() and not (out_dir / MADE_BY_MAKE_TINY).is_file():
+        held = sorted(p.name for p in out_dir.iterdir()
+                      if p.name in ("config.json", "tokenizer.json") or p.name.endswith(".safetensors"))
+        if held:  # (a trained or downloaded checkpoint: replacing its weights would lose them)
+            raise ValueError(f"--out {args.out}: holds a checkpoint ({', '.join(held[:3])}"
+                             f"{', ...' if len(held) > 3 else ''}) without the {MADE_BY_MAKE_TINY} make-tiny leaves "
+                             f"beside its own: give a new or empty folder")
     if args.fp8_block != FP8_BLOCK_DEFAULT and not args.fp8:
         raise ValueError("--fp8-block applies with --fp8")
     params = estimated_params(args.arch, args.vocab_size, args.hidden_size, args.layers)

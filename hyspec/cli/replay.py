@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
-from hyspec.cli.common import HelpFormatter, add_model_args, load_engine
+from hyspec.cli.common import HelpFormatter, add_model_args, json_dumps, load_engine
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("replay", help="teacher-forced MTP acceptance over a text file", formatter_class=HelpFormatter)
     add_model_args(p)
-    p.add_argument("--text-file", required=True, help="UTF-8 text file to replay (required)")
+    p.add_argument("--text-file", required=True, type=os.path.expanduser,
+                   help="UTF-8 text file to replay (required; - reads standard input)")
     p.add_argument("--k", type=int, default=4, help="deepest draft depth measured")
     p.add_argument("--stride", type=int, default=1, help="draft from every N-th position")
     p.add_argument("--chunk", type=int, default=512, help="target forward chunk length")
@@ -41,10 +41,11 @@ class ProgressBar:
 def run(args) -> int:
     from hyspec.speculative.replay import replay_acceptance
 
-    if os.path.isdir(args.text_file):
-        raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")
-    if not os.path.isfile(args.text_file):
-        raise ValueError(f"--text-file {args.text_file} does not exist")
+    if args.text_file != "-":  # ("-": standard input; a pipe or <(...) is not a regular file, and is read)
+        if os.path.isdir(args.text_file):
+            raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")
+        if not os.path.exists(args.text_file):
+            raise ValueError(f"--text-file {args.text_file} does not exist")
     from hyspec.speculative.loop import MAX_DRAFT
 
     for flag, value, low, high in (("--k", args.k, 1, MAX_DRAFT), ("--stride", args.stride, 1, None),
@@ -61,9 +62,13 @@ def run(args) -> int:
         raise no_mtp_error(": there is nothing to replay")
     if eng.tokenizer is None:
         raise ValueError("replay needs a checkpoint with a tokenizer.json: --text-file is text")
-    try:
-        with open(args.text_file, encoding="utf-8") as f:
-            text = f.read()
+    try:  # the text as its bytes are (a CRLF file's \r kept: the model reads what the file holds)
+        if args.text_file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.text_file, "rb") as f:
+                data = f.read()
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"--text-file {args.text_file} is not UTF-8 text ({e.reason} at byte {e.start + 1})") from None
     ids = eng.encode(text)
@@ -75,7 +80,7 @@ def run(args) -> int:
     report = replay_acceptance(eng.model, ids, k=args.k, stride=args.stride, chunk=args.chunk, hidden=args.hidden,
                                progress=None if args.json else ProgressBar())
     if args.json:
-        print(json.dumps(report))
+        print(json_dumps(report))
         return 0
     print(f"{report['tokens']} tokens, target perplexity {report['perplexity']:.3f}; "
           f"{report['positions']} draft positions (stride {report['stride']}, K={report['k']})")

@@ -3,9 +3,8 @@ the top alternatives at each position."""
 
 from __future__ import annotations
 
-import json
 
-from hyspec.cli.common import HelpFormatter, add_model_args, load_engine, parse_ids, print_logprob_table
+from hyspec.cli.common import HelpFormatter, add_model_args, json_dumps, load_engine, parse_ids, print_logprob_table
 
 
 def add_parser(sub) -> None:
@@ -22,7 +21,7 @@ def run(args) -> int:
     eng = load_engine(args)
     scored = eng.score(args.text if args.text is not None else args.ids, top_logprobs=args.top_logprobs)
     if args.json:
-        print(json.dumps(scored))
+        print(json_dumps(scored))
         return 0
     if args.top_logprobs:
         entries = [(logprob, [(e[0], e[1]) for e in top]) for logprob, top in zip(scored["logprobs"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -21,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
             return action.help if action.default is None else super()._get_help_string(action)
 
     p = OneLineParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)", formatter_class=Help)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssm-dtype", default=None, choices=SSM_CHOICES,
                    help="storage dtype of the Gated DeltaNet state (default: the checkpoint's mamba_ssm_dtype, "
                         "else float32; bfloat16 halves a sequence's state bytes, output changes slightly)")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
+    p.add_argument("--chat-template", default=None, type=os.path.expanduser, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="qwen3: a reply's <think> part is returned as reasoning_content; none: all is content; "

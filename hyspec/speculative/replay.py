@@ -48,6 +48,22 @@ from hyspec.speculative.telemetry import SpecTelemetry
 Progress = Callable[[int, int], None]
 
 
+def perplexity(mean_nll: float) -> float:
+    """exp(mean NLL), inf where that overflows a float (a mean NLL above ~709 nats)."""
+    return math.exp(mean_nll) if mean_nll < 709.0 else math.inf
+
+
+def check_finite_logits(logits: torch.Tensor, start: int, dtype) -> None:
+    """ValueError where the forward gave NaN or inf logits (activations that overflow the
+    model's dtype, e.g. float16): scores and perplexities of them would be NaN."""
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    if bool(bad.any()):
+        first = start + int(bad.nonzero()[0, 0])
+        raise ValueError(f"the model's logits are not finite (NaN or inf) from position {first} on, in "
+                         f"{str(dtype).removeprefix('torch.')}: its activations overflow that dtype (load it "
+                         f"in float32 or bfloat16)")
+
+
 def _prefix_len(drafts: list[int], reference: list[int]) -> int:
     """How many leading drafts equal the reference tokens (the accepted count)."""
     n = 0
@@ -172,6 +188,7 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
         hidden_pre, hidden_post = model.forward_states(token_ids[start:end], cache,
                                                        StepCtx(start=start, chunked=True))
         logits = model.logits(hidden_post)  # [T, V]; row r predicts t_{start+r+1}
+        check_finite_logits(logits, start, model.dtype)
         predictions = torch.argmax(logits, dim=-1).tolist()
         for r, predicted in enumerate(predictions):
             greedy[start + r + 1] = predicted
@@ -209,7 +226,7 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     nll = nll_sum / n_scored
     out = {
         "tokens": n_tokens, "positions": n_positions, "k": k, "stride": stride, "chunk": chunk, "hidden": hidden,
-        "nll": nll, "nll_sum": nll_sum, "nll_tokens": n_scored, "perplexity": math.exp(min(nll, 700.0)),
+        "nll": nll, "nll_sum": nll_sum, "nll_tokens": n_scored, "perplexity": perplexity(nll),
         "target_top1": top1 / n_scored,
         "drafted_at": [n_positions] * k,
         **text_rates,
@@ -225,4 +242,4 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
     return out
 
 
-__all__ = ["replay_acceptance"]
+__all__ = ["replay_acceptance", "perplexity", "check_finite_logits"]
