@@ -480,19 +480,25 @@ class Engine:
     def eos_ids(self) -> tuple[int, ...]:
         return self.model.cfg.eos_token_ids
 
-    def text_stream(self, stop=None) -> TextStream:
+    def text_stream(self, stop=None, *, stop_ids=None, ignore_eos: bool = False) -> TextStream:
         """An incremental decoder for one sample's tokens as they arrive (on_tokens): feed(ids)
-        gives the new final text, finish() the rest; joined they are Output.text. `stop`: the
-        request's stop strings (then, as Output.text, the text ends before the first and
-        special tokens are left out)."""
+        gives the new final text, finish() the rest; joined they are Output.text. `stop`,
+        `stop_ids`, `ignore_eos`: the request's (generate's arguments; then, as Output.text, the
+        text ends before the first stop string, and a stop id ends the output before a stop
+        string its token would complete). One case differs: with stop strings, a special
+        token inside the output (an EOS under ignore_eos) is left out of the pieces as they
+        come, while Output.text keeps it when no stop string matched (the pieces cannot know
+        that before the end)."""
         if self.tokenizer is None:
             raise ValueError("a text stream needs the checkpoint's tokenizer.json")
         stops = stop_list(stop) if stop is not None else []
+        if stop_ids is not None:
+            stop_ids = _token_ids("stop_ids", stop_ids)
         if not stops:
             return TextStream(self.tokenizer.decode)
         tok = self.tokenizer
-        return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops, drop_ids=self.eos_ids,
-                          whole_decode=tok.decode)
+        return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops,
+                          drop_ids=self._stops(stop_ids, _bool_arg("ignore_eos", ignore_eos)), whole_decode=tok.decode)
 
     # -- chat --------------------------------------------------------------------------
     @property
@@ -653,8 +659,10 @@ class Engine:
         max_new_tokens, capped = self._cap(ids, max_new_tokens)
         stops = self._stops(stop_ids, ignore_eos)
         if spec is not None and spec.forced_rates is not None and reference is None:
-            reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1, params=GREEDY,
-                                       stop_ids=()).tokens
+            # the continuation the forced drafter matches: greedy, with the request's penalties where
+            # it is greedy (plain greedy of the bare model split from a penalised one at once)
+            reference = generate_plain(self.model, ids, max_new_tokens=max_new_tokens + spec.k + 1,
+                                       params=params if params.greedy else GREEDY, stop_ids=()).tokens
         requests, cuts = [], []
         for i in range(num_samples):
             sample_params = params if i == 0 else SamplingParams(**{**params.__dict__,

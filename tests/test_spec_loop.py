@@ -376,3 +376,20 @@ def test_no_pending_short_run_keeps_telemetry_identity(zoo, n):
 def test_bool_draft_length_is_rejected():
     with pytest.raises(ValueError, match="1..16"):
         SpecOptions(k=True)
+
+
+def test_forced_acceptance_follows_a_penalised_greedy_request():
+    """The forced drafter's built-in reference was the bare model's greedy continuation: a
+    greedy request with a repetition penalty split from it at once, and rates of 1.0 accepted
+    nothing (acceptance length 1.0 against 3.6 without the penalty). It is now the request's
+    own greedy continuation, penalties included."""
+    from hyspec import Engine, SamplingParams
+
+    eng = Engine.load()
+    lengths = []
+    for sp in (SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.3)):
+        o = eng.generate("import os\n", max_new_tokens=30, draft=3, params=sp, ignore_eos=True,
+                         spec=SpecOptions(forced_rates=(1.0, 1.0, 1.0)))
+        assert o.tokens == eng.generate("import os\n", max_new_tokens=30, params=sp, ignore_eos=True).tokens
+        lengths.append(o.stats["spec"]["acceptance_length"])
+    assert min(lengths) > 3, lengths

@@ -315,3 +315,22 @@ def test_a_text_stream_gives_output_text_without_replacement_characters(eng, dra
     assert "".join(pieces) == out.text and not any("\ufffd" in p for p in pieces), pieces
     # (["zzz"]: no stop string met, the run ends on EOS: Output.text keeps its text, so does the stream)
     assert out.text.startswith("ab😀cd") and ("中" in out.text) == (stop != ["中文"])
+
+
+def test_a_text_stream_takes_the_requests_stop_ids():
+    """A stop id whose token would also complete a stop string ends the output with its text
+    (the stop id is checked first, as in the round driver); the stream, which knew only the
+    stop strings, cut it there instead: its pieces were not Output.text."""
+    from hyspec import Engine, SamplingParams
+
+    eng = Engine.load()
+    sp = SamplingParams(temperature=0, repetition_penalty=1.2)
+    full = eng.generate("def read_file(path):", max_new_tokens=30, params=sp)
+    sid = next(t for t in full.tokens[1:] if "file" in eng.decode([t]))
+    for ignore_eos in (False, True):
+        stream, pieces = eng.text_stream(stop=["file"], stop_ids=[sid], ignore_eos=ignore_eos), []
+        out = eng.generate("def read_file(path):", max_new_tokens=30, params=sp, stop=["file"], stop_ids=[sid],
+                           ignore_eos=ignore_eos, on_tokens=lambda i, ids: pieces.append(stream.feed(ids)))
+        pieces.append(stream.finish())
+        assert out.samples[0].stop_reason == "eos" and out.text.endswith("file")
+        assert "".join(pieces) == out.text, (pieces, out.text)
