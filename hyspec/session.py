@@ -724,7 +724,8 @@ def _constraint_from(engine, d: dict | None):
     c = Constraint(vocab_for(engine), d["grammar"], kind=d["kind"])
     c.commit(d["tokens"])
     c.after = d.get("after")
-    if d.get("failure"):  # (the dead end found again: the matcher then stands where it stood)
-        if not c.dead_end():
-            c.fail(d["failure"])
+    if d.get("failure"):  # (a dead end found again stops the matcher where it stood; the saved reason stays)
+        c.dead_end()
+        c.failure = None
+        c.fail(d["failure"])
     return c

@@ -203,14 +203,15 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         qcfg = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip))
         cfg_dict["quantization_config"] = qcfg.to_dict()
     out.mkdir(parents=True, exist_ok=True)  # only once everything is built: a refused call leaves no folder
+    marker = out / MADE_BY_MAKE_TINY  # first: a run cut short leaves a folder the next make-tiny may replace
+    marker.unlink(missing_ok=True)  # (made afresh: its mode is the umask's, the weights file's below)
+    marker.write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     if vocab_size < 300:  # an earlier checkpoint's tokenizer here would be loaded with this one (and refuse its ids)
         (out / "tokenizer.json").unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    mask = os.umask(0)  # (safetensors creates the file for its owner only: the umask's mode, as the others)
-    os.umask(mask)
-    os.chmod(out / "model.safetensors", 0o666 & ~mask)
+    # (safetensors creates the file for its owner only: the mode a new file gets, as the others)
+    os.chmod(out / "model.safetensors", marker.stat().st_mode & 0o777)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-    (out / MADE_BY_MAKE_TINY).write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
     if vocab_size >= 300:  # a byte-level BPE needs the 256 byte tokens plus some merges
         tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))

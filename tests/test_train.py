@@ -647,3 +647,19 @@ def test_under_wall_minutes_the_final_evaluations_keep_the_token_cap(tmp_path):
                      arch=dict(TINY_ARCH))
     res = tr.train(a, streams=streams, log=lambda s: None)
     assert res["final"]["val"]["tokens"] <= 100 and res["final"]["heldout"]["tokens"] <= 100
+
+
+def test_a_trained_checkpoint_over_a_make_tiny_one_drops_its_marker(tmp_path):
+    """`hyspec train --out` into a make-tiny folder kept make-tiny's make_tiny.json beside the
+    trained weights: a later `hyspec make-tiny --out` there replaced them as its own."""
+    from hyspec.cli import main
+    from hyspec.train.checkpoint import commit_checkpoint
+
+    out = tmp_path / "m"
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(out), "--vocab-size", "64"]) == 0
+    assert (out / "make_tiny.json").is_file()
+    staged = tmp_path / "config.staged"
+    staged.write_text((out / "config.json").read_text())
+    commit_checkpoint(out, {"config.json": staged})
+    assert not (out / "make_tiny.json").exists()
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(out), "--vocab-size", "64"]) == 2

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--arch", required=True, choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"],
                    help="model family (required)")
     p.add_argument("--out", required=True, type=os.path.expanduser,
-                   help="output directory (required; an earlier make-tiny checkpoint there is replaced, another checkpoint is refused)")
+                   help="output directory (required; an earlier make-tiny checkpoint there, with the make_tiny.json "
+                        "it leaves, is replaced; another checkpoint is refused)")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     p.add_argument("--vocab-size", type=int, default=512,
                    help="vocabulary size (>= 300: with a tokenizer.json, trained on a short sample: about 380 "

@@ -64,7 +64,7 @@ def run(args) -> int:
         raise ValueError("replay needs a checkpoint with a tokenizer.json: --text-file is text")
     try:  # the text as its bytes are (a CRLF file's \r kept: the model reads what the file holds)
         if args.text_file == "-":
-            data = sys.stdin.buffer.read()
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8")
         else:
             with open(args.text_file, "rb") as f:
                 data = f.read()

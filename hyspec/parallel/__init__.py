@@ -71,7 +71,7 @@ def graceful_ctrl_c(argv: list[str]) -> bool:
 
 def _model_args(argv: list[str]):
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, type=os.path.expanduser)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--ssm-dtype", default=None)

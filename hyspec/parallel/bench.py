@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="hyspec bench --pp", description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: a random tiny checkpoint)")
+    ap.add_argument("--model", default=None, type=os.path.expanduser,
+                    help="checkpoint directory (default: a random tiny checkpoint)")
     ap.add_argument("--arch", default="qwen3_5", choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"],
                     help="family of the random checkpoint (without --model)")
     ap.add_argument("--layers", type=int, default=8, help="layers of the random checkpoint")
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", type=int, default=2, help="drafts per round K (0 = plain decoding)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, type=os.path.expanduser, help="write the results as JSON here")
     ap.add_argument("--optimistic", action="store_true",
                     help="compare --pp N with and without the optimistic fork instead of lanes (single requests)")
     ap.add_argument("--forced-rates", action="append", default=None,

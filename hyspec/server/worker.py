@@ -473,7 +473,12 @@ class EngineWorker:
             return
         sample = out.samples[0]
         if not streamed:
-            logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs)
+            try:
+                logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs)
+            except ValueError as e:  # (e.g. logits that overflow the model's dtype: named, this request's)
+                log.error("sequence failed in the engine: %s", e)
+                self._finish(job, "error", {"error": f"{type(e).__name__}: {e}"})
+                return
             if sample.tokens:
                 self._to_loop(job.on_tokens, list(sample.tokens), logprobs)
         stats = dict(sample.stats)

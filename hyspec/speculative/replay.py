@@ -49,8 +49,11 @@ Progress = Callable[[int, int], None]
 
 
 def perplexity(mean_nll: float) -> float:
-    """exp(mean NLL), inf where that overflows a float (a mean NLL above ~709 nats)."""
-    return math.exp(mean_nll) if mean_nll < 709.0 else math.inf
+    """exp(mean NLL), inf where that overflows a float (a mean NLL above ~709.78 nats)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
 
 
 def check_finite_logits(logits: torch.Tensor, start: int, dtype) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from hyspec.config import ModelConfig
 from hyspec.model.hybrid import HybridLM
+from hyspec.tiny import MADE_BY_MAKE_TINY
 from hyspec.train.model import EOS_ID
 
 
@@ -95,13 +96,15 @@ def _sigint_held(deliver: bool = True):
 def commit_checkpoint(out: str | Path, staged: dict, late_ctrl_c: bool = True) -> Path:
     """Rename staged files into place in `out`, with Ctrl-C held for the renames: a checkpoint
     is the old one or the new one, never a mix (a model.safetensors of one run beside the
-    config.json of another). A train_log.json not among them goes (it was an earlier run's).
+    config.json of another). A train_log.json not among them goes (it was an earlier run's), and
+    so does make-tiny's marker (the trained weights are not a make-tiny checkpoint it may replace).
     late_ctrl_c: a Ctrl-C during the renames raises after them (False: it is dropped; for a
     caller whose work ends with the write, which a late "interrupted" would misreport)."""
     out = Path(out)
     with _sigint_held(deliver=late_ctrl_c):
         if "train_log.json" not in staged:
             (out / "train_log.json").unlink(missing_ok=True)
+        (out / MADE_BY_MAKE_TINY).unlink(missing_ok=True)
         for name, f in staged.items():
             Path(f).replace(out / name)
     return out
