@@ -64,6 +64,10 @@ def test_prompts_file_equals_one_by_one(tmp_path):
     ('{"prompt": "x", "temperature": -1}', "temperature"),
     ('{"prompt": "x", "draft": "3"}', "draft must be an integer"),
     ('{"prompt": "x", "logprobs": -1}', "logprobs must be null or an integer >= 0"),
+    # (a plain ValueError and a RecursionError of json.loads: unnamed, or a traceback)
+    pytest.param('{"prompt": "x", "seed": ' + "9" * 5000 + "}", "not valid JSON here .*4300", id="bignum"),
+    pytest.param('{"prompt": "x", "stop": ' + "[" * 100000 + "]" * 100000 + "}",
+                 r"not valid JSON here \(nested too deeply\)", id="deep"),
 ])
 def test_bad_lines_are_named(tmp_path, line, msg):
     f = tmp_path / "bad.jsonl"
@@ -216,3 +220,31 @@ def test_out_is_the_file_standard_input_reads(tmp_path):
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and "is the --prompts-file" in r.stderr, r.stderr
     assert p.read_text() == '{"prompt_ids": [5, 6], "max_new_tokens": 2}\n'
+
+
+def test_lines_the_checkpoint_cannot_run_are_named_and_leave_out_alone(tmp_path, capsys):
+    """A line drafting on a checkpoint without an MTP head was "prompt 0: ..." (0-based, or
+    another line's number), one with stop strings on a checkpoint without a tokenizer named no
+    line at all, and both emptied an existing --out file; an --adaptive-floor above every
+    line's K was refused although a line drafting fewer takes its K as the floor."""
+    from hyspec.cli import main
+
+    nomtp, notok = tmp_path / "nomtp", tmp_path / "notok"
+    assert main(["make-tiny", "--arch", "qwen3_next", "--out", str(nomtp), "--no-mtp"]) == 0
+    assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(notok), "--vocab-size", "256"]) == 0
+    f, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    out.write_text("earlier results\n")
+    for model, lines, flags, msg in (
+            (nomtp, '\n\n{"prompt": "a"}\n', ["--draft", "3"], ":3: this checkpoint has no MTP head"),
+            (nomtp, '{"prompt": "a"}\n{"prompt": "b", "draft": 2}\n', [], ":2: this checkpoint has no MTP head"),
+            (notok, '{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [1, 2], "stop": ["x"]}\n', [],
+             ":3: stop strings need the checkpoint's tokenizer.json")):
+        f.write_text(lines)
+        capsys.readouterr()
+        assert main(["generate", "--model", str(model), "--prompts-file", str(f), "--out", str(out), *flags]) == 2
+        assert f"{f}{msg}" in capsys.readouterr().err
+        assert out.read_text() == "earlier results\n"
+    f.write_text('{"prompt_ids": [1, 2], "draft": 2, "max_new_tokens": 3}\n')
+    assert main(["generate", "--model", str(notok), "--prompts-file", str(f), "--out", str(out), "--adaptive",
+                 "--adaptive-floor", "3"]) == 0
+    assert len(out.read_text().splitlines()) == 1

@@ -23,6 +23,7 @@ from hyspec.cli.common import (
     parse_ids,
     print_logprob_table,
 )
+from hyspec.config import no_mtp_error
 from hyspec.core.scheduler import check_prompt, check_stop
 from hyspec.engine import stop_list
 from hyspec.sampling import ParamError, SamplingParams
@@ -133,6 +134,10 @@ def read_prompts_file(path: str, args) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+            except ValueError as e:  # (an integer past Python's 4,300-digit limit)
+                raise ValueError(f"{path}:{line_no}: not valid JSON here ({e})") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{line_no}: not valid JSON here (nested too deeply)") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(obj).__name__}")
             unknown = sorted(set(obj) - LINE_KEYS)
@@ -248,8 +253,9 @@ def _file_options(args):
     requests = read_prompts_file(args.prompts_file, args)
     spec = None
     if any(r["draft"] > 0 for r in requests):
-        spec = SpecOptions(k=max(r["draft"] for r in requests), rollback=args.rollback, p_min=args.p_min,
-                           adaptive=args.adaptive, adaptive_floor=args.adaptive_floor, hidden=args.hidden)
+        kmax = max(r["draft"] for r in requests)  # (a line drafting fewer than the floor takes its K as the
+        spec = SpecOptions(k=kmax, rollback=args.rollback, p_min=args.p_min,  # floor, whatever the others draft)
+                           adaptive=args.adaptive, adaptive_floor=min(args.adaptive_floor, kmax), hidden=args.hidden)
     return requests, spec
 
 
@@ -272,6 +278,11 @@ def run_file(args) -> int:
             if r["chat"] is not None:  # rendered with the chat template, tools checked, as the server does
                 r["turn"] = eng.prepare_chat(**r["chat"], constraint=r["constraint"])
                 r["prompt"], r["constraint"] = r["turn"].prompt, r["turn"].constraint
+            if r["draft"] > 0 and not eng.model.has_mtp:
+                raise no_mtp_error(f", so it cannot speculate: this line drafts {r['draft']} (--draft 0, or the "
+                                   f"line's \"draft\": 0, decodes plainly)")
+            if r["stop"] and eng.tokenizer is None:
+                raise ValueError("stop strings need the checkpoint's tokenizer.json (use --stop-ids instead)")
             r["prompt"] = eng.encode(r["prompt"])
             check_prompt(r["prompt"], eng.model.cfg.vocab_size)
             eng._cap(r["prompt"], r["max_new_tokens"])  # the context: too long, or no room left
@@ -283,13 +294,15 @@ def run_file(args) -> int:
         except ValueError as e:
             raise ValueError(f"--stop-ids: {e}") from None
     stops = set(args.stop_ids or ()) | (set() if args.ignore_eos else set(eng.eos_ids))
-    sink = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # (opened once every check passed)
+    # --out opened at the first result: an error before any (a check of generate_batch's) leaves it as it was
+    sink = None if args.out else sys.stdout
     finished_early: dict[int, object] = {}  # outputs that wait for an earlier line to finish
     failed: list[int] = []  # lines whose request ended in error (each written with its "error")
     written = 0
     bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=None)
 
     def write(i, output) -> None:
+        nonlocal sink
         row = {"index": i, "line": requests[i]["line"], "tokens": output.tokens, "text": output.text,
                "stop_reason": output.samples[0].stop_reason, "stats": output.stats}
         if "error" in output.stats:  # this line's own failure (its constraint could not go on)
@@ -302,6 +315,8 @@ def run_file(args) -> int:
         if output.logprobs is not None:
             d = output.to_dict()
             row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
+        if sink is None:
+            sink = open(args.out, "w", encoding="utf-8")
         sink.write(json.dumps(row) + "\n")
         sink.flush()
 
@@ -327,7 +342,7 @@ def run_file(args) -> int:
         raise
     finally:
         bar.close()
-        if args.out:
+        if args.out and sink is not None:
             sink.close()
     fork = fork_telemetry(eng)
     if fork is not None:
