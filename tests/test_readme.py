@@ -96,7 +96,8 @@ def test_readme_examples_run(tmp_path) -> None:
     (tmp_path / "some_file.py").write_text((ROOT / "hyspec" / "tokenizer.py").read_text())
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "def add(a, b):", "max_new_tokens": 8, "draft": 3}\n'
                                             '{"prompt": "import os", "max_new_tokens": 8, "temperature": 0.8}\n')
-    cmds = runnable()
+    # (their /tmp/ folders here: a checkpoint another run left in /tmp/tiny is not this run's)
+    cmds = [c.replace("/tmp/", f"{tmp_path}/") for c in runnable()]
     argvs = shell_argvs(cmds, tmp_path)
     assert argvs[cmds.index(next(c for c in cmds if "$(printf" in c))][2] == "def add(a, b):\n    return a + b"  # $(...) expanded
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -79,7 +79,8 @@ def run(args) -> int:
         if held:  # (a trained or downloaded checkpoint: replacing its weights would lose them)
             raise ValueError(f"--out {args.out}: holds a checkpoint ({', '.join(held[:3])}"
                              f"{', ...' if len(held) > 3 else ''}) without the {MADE_BY_MAKE_TINY} make-tiny leaves "
-                             f"beside its own: give a new or empty folder")
+                             f"beside its own: give a new or empty folder (one an older hyspec's make-tiny wrote: "
+                             f"remove it first)")
     if args.fp8_block != FP8_BLOCK_DEFAULT and not args.fp8:
         raise ValueError("--fp8-block applies with --fp8")
     params = estimated_params(args.arch, args.vocab_size, args.hidden_size, args.layers)
