@@ -190,6 +190,10 @@ def test_ctrl_c_writes_the_finished_lines_only(tmp_path, monkeypatch, capsys):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["line"] for r in rows] == [1, 3] and all(len(r["tokens"]) == 2 and "error" not in r for r in rows)
     assert "interrupted" in capsys.readouterr().err
+    # ... and before any line finished: --out holds none (not an earlier run's rows)
+    calls[0] = 11  # (the next step is the 12th: it raises)
+    assert main(["generate", "--prompts-file", str(f), "--max-batch", "2", "--ignore-eos", "--out", str(out)]) == 130
+    assert out.read_text() == ""
 
 
 def test_a_closed_standard_output_is_one_line(monkeypatch, capsys, tmp_path):
@@ -234,15 +238,20 @@ def test_lines_the_checkpoint_cannot_run_are_named_and_leave_out_alone(tmp_path,
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(notok), "--vocab-size", "256"]) == 0
     f, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     out.write_text("earlier results\n")
-    for model, lines, flags, msg in (
-            (nomtp, '\n\n{"prompt": "a"}\n', ["--draft", "3"], ":3: this checkpoint has no MTP head"),
-            (nomtp, '{"prompt": "a"}\n{"prompt": "b", "draft": 2}\n', [], ":2: this checkpoint has no MTP head"),
+    for model, lines, flags, msg in (  # (a flag's value: the flag named; a line's own: its line)
+            (nomtp, '\n\n{"prompt": "a"}\n', ["--draft", "3"],
+             "error: this checkpoint has no MTP head (no mtp.* weights): --draft 3 cannot run; use --draft 0"),
+            (nomtp, '{"prompt": "a"}\n{"prompt": "b", "draft": 2}\n', [],
+             f'error: {f}:2: this checkpoint has no MTP head (no mtp.* weights), so it cannot speculate: the line\'s '
+             '"draft": 2'),
             (notok, '{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [1, 2], "stop": ["x"]}\n', [],
-             ":3: stop strings need the checkpoint's tokenizer.json")):
+             f"error: {f}:3: the line's \"stop\": stop strings need the checkpoint's tokenizer.json"),
+            (notok, '{"prompt_ids": [1, 2]}\n', ["--stop", "x"],
+             "error: --stop: stop strings need the checkpoint's tokenizer.json")):
         f.write_text(lines)
         capsys.readouterr()
         assert main(["generate", "--model", str(model), "--prompts-file", str(f), "--out", str(out), *flags]) == 2
-        assert f"{f}{msg}" in capsys.readouterr().err
+        assert msg in capsys.readouterr().err
         assert out.read_text() == "earlier results\n"
     f.write_text('{"prompt_ids": [1, 2], "draft": 2, "max_new_tokens": 3}\n')
     assert main(["generate", "--model", str(notok), "--prompts-file", str(f), "--out", str(out), "--adaptive",

@@ -191,7 +191,8 @@ def read_prompts_file(path: str, args) -> list[dict]:
             own = _line_constraint(obj, f"{path}:{line_no}", checked)
             requests.append({"prompt": obj.get("prompt", obj.get("prompt_ids")), "max_new_tokens": limit,
                              "params": params, "draft": draft, "logprobs": logprobs, "line": line_no, "chat": chat,
-                             "stop": stop, "own_constraint": own})
+                             "stop": stop, "own_constraint": own,
+                             "own": {k for k in ("draft", "stop") if k in obj}})  # (else the flag's value)
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
@@ -266,6 +267,11 @@ def run_file(args) -> int:
     eng = load_engine(args)
     constraint = constraint_from_args(eng, args)  # one constraint for every line (each its own clone)
     built: dict[str, object] = {}  # the lines' own constraints, each distinct one built once
+    # the flags' values no model can run: the flag named (no line asked for them)
+    if args.draft > 0 and not eng.model.has_mtp and any(r["draft"] and "draft" not in r["own"] for r in requests):
+        raise no_mtp_error(f": --draft {args.draft} cannot run; use --draft 0 for plain decoding")
+    if args.stop and eng.tokenizer is None and any(r["stop"] and "stop" not in r["own"] for r in requests):
+        raise ValueError("--stop: stop strings need the checkpoint's tokenizer.json (use --stop-ids instead)")
     for r in requests:  # every line's ids against the vocabulary before anything runs (encoded once)
         r["constraint"], r["turn"] = constraint, None
         try:
@@ -278,11 +284,11 @@ def run_file(args) -> int:
             if r["chat"] is not None:  # rendered with the chat template, tools checked, as the server does
                 r["turn"] = eng.prepare_chat(**r["chat"], constraint=r["constraint"])
                 r["prompt"], r["constraint"] = r["turn"].prompt, r["turn"].constraint
-            if r["draft"] > 0 and not eng.model.has_mtp:
-                raise no_mtp_error(f", so it cannot speculate: this line drafts {r['draft']} (--draft 0, or the "
-                                   f"line's \"draft\": 0, decodes plainly)")
+            if r["draft"] > 0 and not eng.model.has_mtp:  # (the line's own "draft": the flag's was checked above)
+                raise no_mtp_error(f", so it cannot speculate: the line's \"draft\": {r['draft']} (0 decodes plainly)")
             if r["stop"] and eng.tokenizer is None:
-                raise ValueError("stop strings need the checkpoint's tokenizer.json (use --stop-ids instead)")
+                raise ValueError("the line's \"stop\": stop strings need the checkpoint's tokenizer.json (use "
+                                 "--stop-ids instead)")
             r["prompt"] = eng.encode(r["prompt"])
             check_prompt(r["prompt"], eng.model.cfg.vocab_size)
             eng._cap(r["prompt"], r["max_new_tokens"])  # the context: too long, or no room left
@@ -301,6 +307,12 @@ def run_file(args) -> int:
     written = 0
     bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=None)
 
+    def open_out():
+        try:
+            return open(args.out, "w", encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--out {args.out}: cannot write it ({e.strerror or e})") from None
+
     def write(i, output) -> None:
         nonlocal sink
         row = {"index": i, "line": requests[i]["line"], "tokens": output.tokens, "text": output.text,
@@ -316,7 +328,7 @@ def run_file(args) -> int:
             d = output.to_dict()
             row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
         if sink is None:
-            sink = open(args.out, "w", encoding="utf-8")
+            sink = open_out()
         sink.write(json.dumps(row) + "\n")
         sink.flush()
 
@@ -339,6 +351,11 @@ def run_file(args) -> int:
     except KeyboardInterrupt:  # the lines finished so far are written, those after an unfinished one
         for i in sorted(finished_early):  # too (each row names its line); the unfinished ones are not
             write(i, finished_early[i])
+        if args.out and sink is None:  # none finished: --out holds this run's rows, none (not an earlier run's)
+            try:
+                sink = open_out()
+            except ValueError:
+                pass
         raise
     finally:
         bar.close()
