@@ -252,6 +252,11 @@ class Session:
 
             raise ConstraintFailure(f"the last reply's constraint cannot go on ({self._matcher.failure}): rewind, "
                                     f"or send a message (with constraint=False or another constraint)")
+        if not ids and self._matcher is not None and self._matcher.ended:  # (a reply cut at the EOS that ended
+            from hyspec.core.scheduler import ConstraintFailure  # its constraint: the uncut reply ended there)
+
+            raise ConstraintFailure("the last reply's constraint is complete (an EOS ended it): nothing may follow "
+                                    "it; send a message (with constraint=False or another constraint), or rewind")
         if not ids and self._matcher is not None and not self._matcher.ended:  # (a reply cut where the grammar
             # is complete goes on too: only its EOS may follow)
             return self._matcher.clone()  # "go on": the unfinished reply (constrained by the session's

@@ -144,3 +144,26 @@ def test_a_dead_end_stays_one_across_save_and_load(tmp_path):
     assert str(after.value) == str(before.value)
     s.close()
     t.close()
+
+
+def test_a_reply_cut_at_its_constraints_eos_is_not_restarted():
+    """A reply cut by max_new_tokens exactly at the EOS that completes its constraint (under
+    ignore_eos) is whole, as the uncut reply that ended there ("constraint"); a "go on" after
+    it started the session's constraint afresh and wrote a second answer ("yes" then "no").
+    It is refused now, and the session goes on with a message."""
+    from hyspec.core.scheduler import ConstraintFailure
+
+    eng = Engine.load()
+    c = eng.constraint("choice", ["yes", "no"])
+    for draft in (0, 2):
+        whole = eng.session(constraint=c, ignore_eos=True, draft=draft, use_store=False).send("answer = ",
+                                                                                          max_new_tokens=8)
+        assert whole.samples[0].stop_reason == "constraint"
+        s = eng.session(constraint=c, ignore_eos=True, draft=draft, use_store=False)
+        cut = s.send("answer = ", max_new_tokens=len(whole.tokens))
+        assert cut.tokens == whole.tokens
+        with pytest.raises(ConstraintFailure, match="the last reply's constraint is complete"):
+            s.send([], max_new_tokens=4)
+        assert s.num_turns == 1 and s.tokens[-len(cut.tokens):] == cut.tokens
+        assert eng.decode(s.send(" again: ", max_new_tokens=8).tokens).removesuffix("<|endoftext|>") in ("yes", "no")
+        s.close()
