@@ -93,6 +93,18 @@ def finite_number(v) -> bool:
         return False
 
 
+def finite_json(x):
+    """x with every non-finite float as None, through dicts, lists and tuples: strict JSON
+    has no NaN or Infinity (a diverged run's losses, a perplexity past a float's range)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_json(v) for v in x]
+    return x
+
+
 def read_json(p: Path) -> Any:
     """A checkpoint's JSON file; ConfigError naming the file when it is not UTF-8 JSON."""
     try:

@@ -70,18 +70,10 @@ def json_dumps(obj) -> str:
     """json.dumps with each non-finite float (a perplexity past a float's range: inf) written
     as null: JSON has no Infinity or NaN, and a reader of --json output must parse it."""
     import json
-    import math
 
-    def clean(x):
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
+    from hyspec.config import finite_json
 
-    return json.dumps(clean(obj), allow_nan=False)
+    return json.dumps(finite_json(obj), allow_nan=False)
 
 
 def check_out_file(path, flag: str = "--out") -> None:

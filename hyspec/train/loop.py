@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hyspec.config import FULL, ModelConfig
+from hyspec.config import FULL, ModelConfig, finite_json
 from hyspec.model.hybrid import HybridLM
 from hyspec.provenance import git_state
 from hyspec.train import forward as fwd
@@ -58,17 +58,6 @@ def _param_groups(model: HybridLM, wd: float):
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def _finite_json(x):
-    """x with every non-finite float as None (strict JSON: a diverged run's losses are NaN)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite_json(v) for v in x]
-    return x
 
 
 class TrainingFailed(ValueError):
@@ -375,7 +364,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
                 "total_seconds": round(time.time() - t_start, 1),
             }
             staged["train_log.json"] = out / ".train_log.json.partial"
-            staged["train_log.json"].write_text(json.dumps(_finite_json(result), indent=1, allow_nan=False) + "\n")
+            staged["train_log.json"].write_text(json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n")
             # (the weights and their log together, or neither; a Ctrl-C during the renames came after
             # everything was written: dropped, not an "interrupted" run whose checkpoint was replaced)
             commit_checkpoint(out, staged, late_ctrl_c=False)
