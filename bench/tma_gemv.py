@@ -16,9 +16,8 @@ torch product, and the device's copy bandwidth as the ceiling. Results JSON: --o
 
   python bench/tma_gemv.py --out results.json [--quick]
 
-(bench/results/tma_gemv_h100.json ran at 4f299f6, whose own timing loop took one batch of
-20 replays after one warm-up replay; the script now times with hyspec.gpu.graphs.graph_ms,
-the best of three batches, and measures the copy with hyspec.bench.timing.copy_bandwidth.)
+Timing: hyspec.gpu.graphs.graph_ms (the best of three batches of replays); the copy:
+hyspec.bench.timing.copy_bandwidth.
 """
 from __future__ import annotations
 
