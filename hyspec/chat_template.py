@@ -137,6 +137,11 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
     variables = {"tools": tools, "documents": None}
     variables.update({k: v for k, v in (special or {}).items() if v is not None})
     variables.update(kwargs)
+    if "developer" not in source and any(isinstance(m, dict) and m.get("role") == "developer" for m in messages):
+        # OpenAI's "developer" role is its newer name for "system"; a template that never
+        # names it (Qwen's: they test role == "system") would drop such a message in silence
+        messages = [dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m
+                    for m in messages]
     variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
     try:
         return _compile(source).render(variables)  # (a dict: a variable may be called "self")

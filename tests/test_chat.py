@@ -66,6 +66,29 @@ def test_a_template_with_a_generation_block_renders_as_transformers_does(tmp_pat
     assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
 
 
+QWEN3_LOOP = ("{%- if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+              "{%- endif %}{%- for m in messages %}"
+              "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
+              "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}<|im_end|>\n{%- endif %}"
+              "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_developer_message_reaches_a_template_that_knows_only_system(tmp_path):
+    """OpenAI's "developer" role (its newer name for "system"): Qwen's templates test
+    role == "system" and rendered no such message at all (dropped in silence)."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_LOOP}))
+    dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    sys_ = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert "Be brief." in render_chat(dev, tmp_path)
+    assert render_chat(dev, tmp_path) == render_chat(sys_, tmp_path)
+    # a template that names the role itself gets it as it is
+    own = "{% for m in messages %}{% if m.role == 'developer' %}D:{{ m.content }}|{% else %}{{ m.content }}|" \
+          "{% endif %}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": own}))
+    assert render_chat(dev, tmp_path) == "D:Be brief.|hi|"
+
+
 def test_template_sources(tmp_path):
     assert load_template(tmp_path)[1] == "plain"
     assert load_template(tmp_path)[0] == PLAIN_TEMPLATE
