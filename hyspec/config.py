@@ -178,8 +178,11 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
         if factor is None:
             raise ConfigError("config.json: rope_parameters.factor is required for rope_type 'linear'")
         return kind, (("factor", factor),)
-    orig = num("original_max_position_embeddings", d.get("original_max_position_embeddings",
-                                                         d.get("max_position_embeddings")))
+    if d.get("original_max_position_embeddings") is not None:
+        # a top-level value wins over the rope dict's, as in transformers' standardize_rope_params
+        # (Phi3-style configs keep the pretraining length there)
+        rope = {**rope, "original_max_position_embeddings": d["original_max_position_embeddings"]}
+    orig = num("original_max_position_embeddings", d.get("max_position_embeddings"))
     if orig is None:
         raise ConfigError("config.json: rope_parameters.original_max_position_embeddings is required for "
                           "rope_type 'yarn'")
@@ -412,6 +415,13 @@ class ModelConfig:
         for k in ("rope_scaling", "rope_parameters"):
             if d.get(k) is not None and not isinstance(d[k], dict):
                 raise bad(k, "an object", d[k])
+        for k in ("rope_scaling", "rope_parameters"):  # transformers' per-layer-type form: {layer type: {...}}
+            nested = sorted(t for t, v in (d.get(k) or {}).items()
+                            if isinstance(v, dict) and (t in set(layer_types) or t.endswith("_attention")))
+            if nested:
+                raise ConfigError(f"config.json: {k} nested by layer type ({', '.join(nested)}) is not supported "
+                                  "for these families (transformers does not load it either); give one object "
+                                  "of RoPE parameters")
         scaling = dict(d.get("rope_scaling") or {})
         if "type" in scaling:  # the older spelling of rope_type
             scaling.setdefault("rope_type", scaling.pop("type"))

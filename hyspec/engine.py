@@ -141,6 +141,11 @@ class Output:
         return self.samples[0].text
 
     @property
+    def stop_reason(self) -> str:
+        """Why the first sample ended ("eos", "length", "stop", "context", "constraint", ...)."""
+        return self.samples[0].stop_reason
+
+    @property
     def message(self) -> dict | None:
         """Engine.chat's reply of the first sample, as an OpenAI-style assistant message."""
         return self.samples[0].message

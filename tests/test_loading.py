@@ -409,6 +409,10 @@ def test_float64_float32_bfloat16(zoo):
      "rope_parameters.factor must be a positive number"),  # (Infinity in JSON: it decoded garbage)
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
                        "mscale": float("nan")}}, "rope_parameters.mscale must be a finite number"),
+    # transformers' per-layer-type form: every value in it was dropped (plain RoPE, theta 10000)
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                             "original_max_position_embeddings": 16}}},
+     r"rope_parameters nested by layer type \(full_attention\)"),
 ])
 def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
     from hyspec.config import ConfigError, ModelConfig
@@ -420,6 +424,20 @@ def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
                                     "rope_scaling": {"type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}})
     assert legacy.rope_type == "yarn" and dict(legacy.rope_scaling)["factor"] == 4.0
+
+
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers():
+    """YaRN's pretraining length given both at the top level and in the rope dict: transformers
+    takes the top-level one (Phi3-style configs); hyspec took the dict's (logits off by ~0.5;
+    tests/test_model_hf.py compares the logits)."""
+    from hyspec.config import ModelConfig
+    from hyspec.tiny import tiny_config
+
+    d = {**tiny_config("qwen3_5"), "original_max_position_embeddings": 16,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
+    assert dict(ModelConfig.from_dict(d).rope_scaling)["original_max_position_embeddings"] == 16.0
+    d.pop("original_max_position_embeddings")
+    assert dict(ModelConfig.from_dict(d).rope_scaling)["original_max_position_embeddings"] == 64.0
 
 
 def test_numbered_shards_without_an_index_must_all_be_there(ckpt, reference):
