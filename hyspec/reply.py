@@ -44,7 +44,7 @@ class Reply:
             self.calls = parse_forced(answer, self.tools)
             content = "" if self.calls else answer  # an incomplete "required" array stays text
         msg = {"role": "assistant", "content": content if content or not self.calls else None}
-        if reasoning is not None:
+        if reasoning:  # (an empty thinking block: no field, as a stream, which never sends an empty piece)
             msg["reasoning_content"] = reasoning
         if self.calls:
             msg["tool_calls"] = [c.openai() for c in self.calls]

@@ -513,7 +513,8 @@ def test_reply_stream_equals_the_whole_reply_at_every_split():
              ("\n<think>abc</think>x", True, "off"), ("a <tool_call> b\n</think>\n\n" + HERMES, True, "auto"),
              ("thinking <tool_call>\n<function=now>\n</function>\n</tool_call>", True, "auto"),
              ("<think>a</think>\n\nb <tool_c", False, "auto"), ("answer only", False, "auto"),
-             ("think </thin", True, "off"), ("  <thinking> is not the tag", False, "off")]
+             ("think </thin", True, "off"), ("  <thinking> is not the tag", False, "off"),
+             ("<think></think>\n\nHello", False, "off"), ("</think>\n\nHello", True, "auto")]
     spec = check_tools([WEATHER, CLOCK, SEARCH])
     for text, opens, mode in cases:
         whole = Reply(mode, spec, opens).whole(text)
@@ -525,7 +526,8 @@ def test_reply_stream_equals_the_whole_reply_at_every_split():
                 got["reasoning_content"] += out.get("reasoning_content", "")
                 got["content"] += out.get("content", "")
                 got["tool_calls"] += out.get("tool_calls", [])
-            assert got["reasoning_content"] == (whole.get("reasoning_content") or ""), (text, step)
+            assert got["reasoning_content"] == whole.get("reasoning_content", ""), (text, step)
+            assert whole.get("reasoning_content") != ""  # (a stream's client never sees an empty field)
             assert got["content"] == (whole["content"] or ""), (text, step)
             assert [c["function"] for c in got["tool_calls"]] == [c["function"] for c in whole.get("tool_calls", [])]
     # a stream never shows a piece of a tag
