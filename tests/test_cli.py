@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -478,6 +479,10 @@ def test_bench_names_the_embedded_model_and_checks_model_first(tmp_path):
     assert args.model == str(default_model_dir())
     with pytest.raises(CheckpointError, match=f"model directory {tmp_path / 'none'} does not exist"):
         bench_cli.resolve_device(parse(["--model", str(tmp_path / "none"), "--device", "cpu"]))
+    from hyspec.config import ConfigError  # (a directory without config.json: found at the load, after both)
+
+    with pytest.raises(ConfigError, match=f"no config.json in {tmp_path}"):
+        bench_cli.resolve_device(parse(["--model", str(tmp_path), "--device", "cpu"]))
     for extra in (["--model", str(tmp_path)], ["--fp8"]):
         with pytest.raises(ValueError, match=f"{extra[0]} does not go with it"):
             bench_cli.resolve_device(parse(["--config", "default", "--device", "cpu", *extra]))
@@ -581,3 +586,12 @@ def test_a_constraint_file_that_is_not_utf8_is_named(ckpt, tmp_path, capsys):
     for flag in ("--grammar", "--json-schema"):
         err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", flag, str(bad))
         assert f"{flag}: '{bad}' is not UTF-8 text (invalid start byte at byte 1)" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_bench_results_that_cannot_be_written_name_the_out_path():
+    """--out on a full disk: the error was "[Errno 28] No space left on device", no file named."""
+    from hyspec.bench.report import write_json
+
+    with pytest.raises(OSError, match=r"^--out /dev/full: cannot write the results \(No space left on device\)"):
+        write_json("/dev/full", {"a": 1})

@@ -185,9 +185,10 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         raise ValueError("--fp8 builds the in-memory models (presets, the bench model, tiny) in block-FP8; --model "
                          "loads a checkpoint as it is stored (an -FP8 checkpoint's weights stay FP8): drop --fp8")
     if args.model is not None:  # (before the header and the bandwidth measurement)
+        from hyspec.config import ModelConfig
         from hyspec.loading import check_model_dir
 
-        check_model_dir(args.model)
+        ModelConfig.from_dir(check_model_dir(args.model))  # (a missing or malformed config.json too)
     if args.config is None:  # the 2.3 B bench model takes ~10 GB and minutes per figure on a CPU
         args.config = "qwen3-next-2b-dense" if dev.type == "cuda" else "tiny"
     elif dev.type != "cuda" and args.model is None and args.config in ("qwen3-next-2b-dense", "b2"):

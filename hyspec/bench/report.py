@@ -23,8 +23,11 @@ def si(x: float) -> str:
 
 def write_json(path: str | None, result: dict) -> None:
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=1, default=str))
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(result, indent=1, default=str))
+        except OSError as e:  # (a full disk named no file: "[Errno 28] No space left on device")
+            raise OSError(f"--out {path}: cannot write the results ({e.strerror or e})") from None
 
 
 def memory_report(model, dev, lengths) -> dict:
