@@ -595,3 +595,19 @@ def test_bench_results_that_cannot_be_written_name_the_out_path():
 
     with pytest.raises(OSError, match=r"^--out /dev/full: cannot write the results \(No space left on device\)"):
         write_json("/dev/full", {"a": 1})
+
+
+def test_an_interrupted_bench_keeps_the_figures_measured_so_far(monkeypatch, tmp_path):
+    """Ctrl-C during a bench run: --out was written only after a whole part finished, so a run
+    stopped later left no file although figures had been printed."""
+    from hyspec.bench import cli as bench_cli
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_cli, "make_model", stop)
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_cli.main(["--config", "tiny", "--device", "cpu", "--copy-bytes", "1048576", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["interrupted"] is True and got["copy_bandwidth_GBps"] > 0 and "git" in got["meta"]

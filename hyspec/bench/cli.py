@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     ap.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes copied to measure bandwidth "
                     "(at most 64 MiB on the CPU)")
-    ap.add_argument("--out", default=None, type=os.path.expanduser, help="write the JSON here")
+    ap.add_argument("--out", default=None, type=os.path.expanduser, help="write the JSON here (after each part; an interrupted run keeps what it measured, with \"interrupted\": true)")
     ap.add_argument("--batch", default=None,
                     help="comma-separated batch sizes (e.g. 1,4,16): aggregate throughput through the engine core")
     ap.add_argument("--batch-inv-prompts", type=int, default=64,
@@ -468,114 +468,126 @@ def main(argv=None) -> int:
     def save():
         write_json(args.out, result)
 
-    if canonical_name(args.config) in PRESETS and not args.model:  # published shapes: figures, then run if it can
-        if not preset_figures(args, dev, dtype, result):
+    def run() -> int:
+        if canonical_name(args.config) in PRESETS and not args.model:  # published shapes: figures, then run if it can
+            if not preset_figures(args, dev, dtype, result):
+                save()
+                return 2
+
+        bandwidth = copy_bandwidth(dev, args.copy_bytes)
+        result["copy_bandwidth_GBps"] = bandwidth
+        log(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)")
+        model = make_model(args, dev, dtype)
+        if not model.has_mtp:
+            from hyspec.config import NO_MTP_HEAD
+
+            raise ValueError(f"{args.model or args.config}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
+                             f"(for plain speed alone: hyspec generate --draft 0 --json prints tok/s)")
+        context = model.cfg.max_position_embeddings
+        longest = max(args.new_tokens, args.exact_tokens if args.exact_prompts else 0)
+        if args.prompt_len + longest > context:
+            flag = "--new-tokens" if longest == args.new_tokens else "--exact-tokens"
+            raise ValueError(f"--prompt-len {args.prompt_len} + {flag} {longest} exceed the model's context of "
+                             f"{context} tokens (max_position_embeddings)")
+        if args.batch:  # before any timing run
+            check_batch_memory(model, args, dev)
+        if args.draft_vocab and not model.has_mtp:
+            raise ValueError("--draft-vocab: the model has no MTP head (nothing drafts)")
+        if args.draft_vocab and not 1 <= args.draft_vocab <= model.cfg.vocab_size:  # (it failed after the whole run)
+            raise ValueError(f"--draft-vocab: must be in 1..{model.cfg.vocab_size} (the model's vocabulary), "
+                             f"got {args.draft_vocab}")
+        n_params = sum(p.numel() for p in model.parameters())
+        from hyspec.model.gdn import ssm_store_dtype
+
+        result["meta"]["ssm_dtype"] = str(ssm_store_dtype(model.cfg, model.dtype)).replace("torch.", "")
+        log(f"Gated DeltaNet state stored in {result['meta']['ssm_dtype']}")
+        if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
+            result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
+            log(format_memory(result["memory"]))
+        if dev.type == "cpu" and n_params < 50_000_000:
+            torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost (as the CLI)
+        step_bytes, draft_bytes = step_bytes_and_gemm_configs(model, args, dev, result)
+        roofline_ms = step_bytes / (bandwidth * 1e9) * 1e3
+        result["model"] = {"config": model.cfg.to_dict(), "params": n_params, "weight_bytes_per_step": step_bytes,
+                           "draft_bytes_per_step": draft_bytes, "fp8_block": fp8_block(model)}
+        result["roofline_ms"] = roofline_ms
+        result["roofline_tok_s"] = 1e3 / roofline_ms
+        cfg = model.cfg
+        moe = (f" (MoE: everything shared + top-{cfg.num_experts_per_tok} of {cfg.num_experts} routed experts per "
+               f"layer)" if cfg.has_moe else "")
+        log(f"model: {si(n_params)} params{', block-FP8 weights' if fp8_block(model) else ''}; a decode step reads "
+            f"{si(step_bytes)}B{moe} -> roofline {roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s) at "
+            f"{bandwidth:.0f} GB/s; a draft step reads {si(draft_bytes)}B")
+        generator = torch.Generator().manual_seed(args.seed)
+        prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
+
+        exact_decoder = run_variants(model, prompt, args, dev, roofline_ms, result, save)
+        if exact_decoder is not None and args.exact_prompts > 0:
+            try:
+                log("exactness check (exact variant): speculative K=3 vs plain, bitwise"
+                    + (", greedy and coupled sampling" if args.exact_coupled else ""))
+                result["exactness"] = exactness_check(model, args, dev, exact_decoder)
+            except Exception as e:
+                result["errors"]["exactness"] = failure(e)
+                log(f"!! exactness check failed: {e}")
             save()
-            return 2
-
-    bandwidth = copy_bandwidth(dev, args.copy_bytes)
-    result["copy_bandwidth_GBps"] = bandwidth
-    log(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)")
-    model = make_model(args, dev, dtype)
-    if not model.has_mtp:
-        from hyspec.config import NO_MTP_HEAD
-
-        raise ValueError(f"{args.model or args.config}: {NO_MTP_HEAD}; the bench measures speculative decoding against plain "
-                         f"(for plain speed alone: hyspec generate --draft 0 --json prints tok/s)")
-    context = model.cfg.max_position_embeddings
-    longest = max(args.new_tokens, args.exact_tokens if args.exact_prompts else 0)
-    if args.prompt_len + longest > context:
-        flag = "--new-tokens" if longest == args.new_tokens else "--exact-tokens"
-        raise ValueError(f"--prompt-len {args.prompt_len} + {flag} {longest} exceed the model's context of "
-                         f"{context} tokens (max_position_embeddings)")
-    if args.batch:  # before any timing run
-        check_batch_memory(model, args, dev)
-    if args.draft_vocab and not model.has_mtp:
-        raise ValueError("--draft-vocab: the model has no MTP head (nothing drafts)")
-    if args.draft_vocab and not 1 <= args.draft_vocab <= model.cfg.vocab_size:  # (it failed after the whole run)
-        raise ValueError(f"--draft-vocab: must be in 1..{model.cfg.vocab_size} (the model's vocabulary), "
-                         f"got {args.draft_vocab}")
-    n_params = sum(p.numel() for p in model.parameters())
-    from hyspec.model.gdn import ssm_store_dtype
-
-    result["meta"]["ssm_dtype"] = str(ssm_store_dtype(model.cfg, model.dtype)).replace("torch.", "")
-    log(f"Gated DeltaNet state stored in {result['meta']['ssm_dtype']}")
-    if dev.type == "cuda":  # memory: weights resident, peak while building, slots that fit beside them
-        result["memory"] = memory_report(model, dev, [int(x) for x in args.slot_lengths.split(",") if x])
-        log(format_memory(result["memory"]))
-    if dev.type == "cpu" and n_params < 50_000_000:
-        torch.set_num_threads(1)  # small matrices: extra threads only add synchronisation cost (as the CLI)
-    step_bytes, draft_bytes = step_bytes_and_gemm_configs(model, args, dev, result)
-    roofline_ms = step_bytes / (bandwidth * 1e9) * 1e3
-    result["model"] = {"config": model.cfg.to_dict(), "params": n_params, "weight_bytes_per_step": step_bytes,
-                       "draft_bytes_per_step": draft_bytes, "fp8_block": fp8_block(model)}
-    result["roofline_ms"] = roofline_ms
-    result["roofline_tok_s"] = 1e3 / roofline_ms
-    cfg = model.cfg
-    moe = (f" (MoE: everything shared + top-{cfg.num_experts_per_tok} of {cfg.num_experts} routed experts per "
-           f"layer)" if cfg.has_moe else "")
-    log(f"model: {si(n_params)} params{', block-FP8 weights' if fp8_block(model) else ''}; a decode step reads "
-        f"{si(step_bytes)}B{moe} -> roofline {roofline_ms:.3f} ms ({1e3 / roofline_ms:.0f} tok/s) at "
-        f"{bandwidth:.0f} GB/s; a draft step reads {si(draft_bytes)}B")
-    generator = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,), generator=generator).tolist()
-
-    exact_decoder = run_variants(model, prompt, args, dev, roofline_ms, result, save)
-    if exact_decoder is not None and args.exact_prompts > 0:
-        try:
-            log("exactness check (exact variant): speculative K=3 vs plain, bitwise"
-                + (", greedy and coupled sampling" if args.exact_coupled else ""))
-            result["exactness"] = exactness_check(model, args, dev, exact_decoder)
-        except Exception as e:
-            result["errors"]["exactness"] = failure(e)
-            log(f"!! exactness check failed: {e}")
+        del exact_decoder
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.draft_vocab:
+            try:
+                result["draft_vocab"] = draft_vocab_figures(model, prompt, args, dev, roofline_ms)
+            except Exception as e:
+                result["errors"]["draft_vocab"] = failure(e)
+                log(f"!! draft-vocabulary run failed: {type(e).__name__}: {e}")
+            save()
+        if args.batch:
+            try:
+                result["batch"] = run_batches(model, args, dev, step_bytes, bandwidth)
+                for part, why in result["batch"].get("errors", {}).items():  # (a failed part of the batched run:
+                    result["errors"][f"batch/{part}"] = why                   # the exit status says so, was 0)
+            except Exception as e:  # (an out-of-memory the check above could not foresee: the figures so far stay)
+                result["errors"]["batch"] = failure(e)
+                log(f"!! batched run failed: {type(e).__name__}: {e}")
+            save()
+        if args.hf_tokens > 0:
+            try:
+                log("transformers generate (same weights)")
+                result["hf"] = hf = hf_generate(model, prompt, args.hf_tokens, dev, dtype, model_dir=args.model)
+                ours = ((result.get("variants") or {}).get("exact") or {}).get("plain", {}).get("tok_s")
+                if hf.get("decode_tok_s") and ours:
+                    hf["hyspec_plain_vs_hf"] = ours / hf["decode_tok_s"]  # the baseline ratio
+                if "skipped" in hf:
+                    log(f"  HF comparison skipped: {hf['skipped']}")
+                else:
+                    log(f"  HF: {hf.get('decode_tok_s', 0):.1f} tok/s (fla importable: {hf.get('fla_importable')})"
+                        + (f"; hyspec plain x{hf['hyspec_plain_vs_hf']:.1f} of it" if "hyspec_plain_vs_hf" in hf else ""))
+            except Exception as e:
+                result["errors"]["hf"] = failure(e)
+                log(f"!! HF comparison failed: {e}")
+        result["targets"] = targets(result) if dev.type == "cuda" else {}  # GPU goals: not judged on a CPU
+        result["wall_s"] = time.perf_counter() - t_start
         save()
-    del exact_decoder
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    if args.draft_vocab:
-        try:
-            result["draft_vocab"] = draft_vocab_figures(model, prompt, args, dev, roofline_ms)
-        except Exception as e:
-            result["errors"]["draft_vocab"] = failure(e)
-            log(f"!! draft-vocabulary run failed: {type(e).__name__}: {e}")
-        save()
-    if args.batch:
-        try:
-            result["batch"] = run_batches(model, args, dev, step_bytes, bandwidth)
-            for part, why in result["batch"].get("errors", {}).items():  # (a failed part of the batched run:
-                result["errors"][f"batch/{part}"] = why                   # the exit status says so, was 0)
-        except Exception as e:  # (an out-of-memory the check above could not foresee: the figures so far stay)
-            result["errors"]["batch"] = failure(e)
-            log(f"!! batched run failed: {type(e).__name__}: {e}")
-        save()
-    if args.hf_tokens > 0:
-        try:
-            log("transformers generate (same weights)")
-            result["hf"] = hf = hf_generate(model, prompt, args.hf_tokens, dev, dtype, model_dir=args.model)
-            ours = ((result.get("variants") or {}).get("exact") or {}).get("plain", {}).get("tok_s")
-            if hf.get("decode_tok_s") and ours:
-                hf["hyspec_plain_vs_hf"] = ours / hf["decode_tok_s"]  # the baseline ratio
-            if "skipped" in hf:
-                log(f"  HF comparison skipped: {hf['skipped']}")
-            else:
-                log(f"  HF: {hf.get('decode_tok_s', 0):.1f} tok/s (fla importable: {hf.get('fla_importable')})"
-                    + (f"; hyspec plain x{hf['hyspec_plain_vs_hf']:.1f} of it" if "hyspec_plain_vs_hf" in hf else ""))
-        except Exception as e:
-            result["errors"]["hf"] = failure(e)
-            log(f"!! HF comparison failed: {e}")
-    result["targets"] = targets(result) if dev.type == "cuda" else {}  # GPU goals: not judged on a CPU
-    result["wall_s"] = time.perf_counter() - t_start
-    save()
-    print_table(result)
-    if result["errors"]:  # partial results were written and printed; the run still failed
-        where = f" (tracebacks in {args.out})" if args.out else " (--out FILE keeps their tracebacks)"
-        causes = "; ".join(f"{part}: {str(why).splitlines()[0] if str(why) else '?'}"
-                           for part, why in result["errors"].items())
-        print(f"hyspec bench: error: {len(result['errors'])} part(s) failed ({causes}){where}", file=sys.stderr,
-              flush=True)
-        return 1
-    return 0
+        print_table(result)
+        if result["errors"]:  # partial results were written and printed; the run still failed
+            where = f" (tracebacks in {args.out})" if args.out else " (--out FILE keeps their tracebacks)"
+            causes = "; ".join(f"{part}: {str(why).splitlines()[0] if str(why) else '?'}"
+                               for part, why in result["errors"].items())
+            print(f"hyspec bench: error: {len(result['errors'])} part(s) failed ({causes}){where}", file=sys.stderr,
+                  flush=True)
+            return 1
+        return 0
+
+    try:
+        return run()
+    except KeyboardInterrupt:  # the figures measured so far are still worth keeping
+        if set(result) - {"meta", "errors"}:
+            result["interrupted"] = True
+            try:
+                save()
+            except OSError:
+                pass
+        raise
 
 
 __all__ = ["main", "build_parser", "DEVICE_DEFAULTS", "VARIANTS", "VARIANT_ALIASES"]
