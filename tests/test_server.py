@@ -144,6 +144,9 @@ def test_stop_strings(client, ref_engine):
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True) if ch.choices)
     assert streamed == full[:cut]
     assert stop not in streamed
+    # vLLM's include_stop_str_in_output: the text ends after the stop string (it was ignored)
+    kw["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
+    assert client.completions.create(**kw).choices[0].text == full[:cut + len(stop)]
 
 
 def test_logprobs(client, ref_engine):

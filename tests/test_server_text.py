@@ -44,6 +44,11 @@ def test_stop_string_across_token_boundary(tok):
     assert m.stopped and m.text == text[:start]
     assert m.n_tokens == k + 2  # the token that completed the match is counted, later ones are not
     assert m.emittable() == text[:start]
+    kept = StopMatcher(_dec(tok), ["@@never@@", stop], include_stop=True)  # include_stop_str_in_output
+    for j in range(0, len(ids), 3):
+        kept.feed(ids[j: j + 3])
+    assert kept.stopped and kept.text == kept.emittable() == text[:start + len(stop)]
+    assert kept.n_tokens == k + 2
 
 
 def test_skip_break_leaves_the_opening_line_break_out_of_a_match(tok):

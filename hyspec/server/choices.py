@@ -115,7 +115,8 @@ class Run:
     def notify(self) -> None:
         self.event.set()
 
-    def add(self, prompt_ids, max_tokens, params, n, draft, stops, stop_ids, logprobs, constraint=None) -> None:
+    def add(self, prompt_ids, max_tokens, params, n, draft, stops, stop_ids, logprobs, constraint=None,
+            include_stop: bool = False) -> None:
         """n sequences for one prompt (sample j > 0 gets a seed derived from the request's)."""
         self.prompts.append(prompt_ids)
         for j in range(n):
@@ -123,7 +124,7 @@ class Run:
             job = Job(prompt_ids=prompt_ids, max_new_tokens=max_tokens, params=sample_params, draft=draft,
                       stop_ids=stop_ids, logprobs=logprobs,
                       constraint=None if constraint is None else constraint.clone())
-            matcher = StopMatcher(self.state.decode_skip, stops, drop_ids=stop_ids)
+            matcher = StopMatcher(self.state.decode_skip, stops, drop_ids=stop_ids, include_stop=include_stop)
             self.choices.append(Choice(self, len(self.choices), prompt_ids, job, matcher))
 
     def start(self) -> None:

@@ -68,5 +68,6 @@ def new_run(state: "ServerState", req, prompts: list[list[int]], param: str, def
     for ids in prompts:
         check_prompt_ids(ids, state.limits, param)
         limit = max_new_tokens(req, len(ids), state.limits, default_max, allow_zero)
-        run.add(ids, limit, params, n, draft, stops, stop_ids, logprobs, constraint)
+        run.add(ids, limit, params, n, draft, stops, stop_ids, logprobs, constraint,
+                include_stop=bool(req.include_stop_str_in_output))
     return run

@@ -45,6 +45,7 @@ class _Sampling(_Base):
     seed: Optional[int] = None
     n: Optional[int] = 1
     stop: Optional[Union[str, list[str]]] = None
+    include_stop_str_in_output: Optional[bool] = False  # (vLLM's): the text ends after the stop string
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = False
     stream: Optional[bool] = False

@@ -17,7 +17,8 @@ class StopMatcher:
     whose output depends on the neighbour (byte-level pieces of one character, leading
     spaces) give the same text as decoding everything at once. Each new piece of text is
     searched for every stop string, including matches that straddle token boundaries. On a
-    match the text is cut at the start of the stop string and `stopped` is set; `n_tokens`
+    match the text is cut at the start of the stop string (`include_stop`: at its end, vLLM's
+    include_stop_str_in_output) and `stopped` is set; `n_tokens`
     is the number of ids consumed up to and including the one that completed the match
     (the rest of a round is discarded).
 
@@ -29,8 +30,10 @@ class StopMatcher:
     shown in the text.
     """
 
-    def __init__(self, decode, stops: list[str] | None = None, drop_ids=(), skip_break: bool = False):
+    def __init__(self, decode, stops: list[str] | None = None, drop_ids=(), skip_break: bool = False,
+                 include_stop: bool = False):
         self.decode = decode
+        self.include_stop = include_stop
         # skip_break: a line break that opens the searched text is no part of a match (hyspec
         # chat's plain template: the break that ends the line the user sent)
         self.skip_break = skip_break
@@ -120,7 +123,7 @@ class StopMatcher:
     def _search(self) -> bool:
         longest = max(len(s) for s in self.stops)
         start = max(0, self._scan_from - longest - 4)  # a trailing U+FFFD may resolve later
-        best = -1
+        best, cut = -1, -1
         hay = self.text
         if self._read < len(self._shown):  # an undecided tail: its U+FFFD may be a character's first
             hay = hay.rstrip("\ufffd")  # bytes, not text yet (a stop string must not match them)
@@ -131,9 +134,9 @@ class StopMatcher:
             while 0 <= i and i + len(s) <= self._min_end:  # wholly in the primed text: not this one
                 i = hay.find(s, i + 1)
             if i >= 0 and (best < 0 or i < best):
-                best = i
+                best, cut = i, i + len(s) if self.include_stop else i
         if best >= 0:
-            self.text = self.text[:best]
+            self.text = self.text[:cut]
             self.stopped = True
             return True
         self._scan_from = len(self.text)
