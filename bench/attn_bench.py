@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/attn_bench.py")
     from hyspec.bench.timing import time_fn
     from hyspec.kernels.attention import grouped
     from hyspec.kernels.attention import kernel as akernel

@@ -62,6 +62,9 @@ def main() -> None:
                          "...); each way runs once per set too (after --const-dv's runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/gdn_bench.py", args.device)
     from hyspec.kernels.gdn import kernel as gk
     from hyspec.kernels.gdn import gdn_replay, gdn_step
     from hyspec.provenance import git_state

@@ -20,6 +20,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/poison_lanes.py", args.device)
     eng = Engine.load(device=args.device)
     eng.batch_graphs = True
     victim = eng.encode("def fibonacci(n):")

@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/prefill_profile.py")
     from hyspec.bench import build_config_model
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.presets import model_dict

@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/profile_batch.py")
     from hyspec.bench.timing import time_fn
     from hyspec.gpu.batch_bench import preset_model, random_lanes, sampled_regime
     from hyspec.provenance import git_state

@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/runner_ab.py")
     from hyspec.bench.timing import time_fn
     from hyspec.gpu.batch_bench import preset_model, random_lanes
     from hyspec.provenance import git_state

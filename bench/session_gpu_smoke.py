@@ -20,8 +20,14 @@ from hyspec.session import Session  # noqa: E402
 
 
 def main() -> int:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print("usage: python bench/session_gpu_smoke.py [DEVICE (cuda)] [DTYPE (float32)]\n" + __doc__)
+        return 0
     dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/session_gpu_smoke.py", dev)
     eng = Engine.load(device=dev, dtype=dtype)
     msgs = ["def add(a, b):\n", "    return a + b\n", "class Stack:\n", "    def push(self, x):\n"]
     plain = eng.session(max_new_tokens=24, ignore_eos=True, use_store=False)

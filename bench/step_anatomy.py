@@ -253,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--after-rows", default="", help="rows measured again with the tuned table")
     ap.add_argument("--out", default="anatomy.json")
     args = ap.parse_args(argv)
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/step_anatomy.py")
     dev = torch.device("cuda")
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.tune import model_shapes, tune_in_step

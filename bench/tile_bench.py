@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/tile_bench.py")
     from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu import runner_triton
     from hyspec.gpu.graphs import replay_ms

@@ -103,9 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="N:K,N:K (default: the b2 shapes)")
     ap.add_argument("--bytes", type=float, default=512e6, help="weight bytes per graph (> 2x L2)")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tma_gemv: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/tma_gemv.py")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from hyspec.bench.timing import copy_bandwidth

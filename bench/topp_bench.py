@@ -30,6 +30,9 @@ def main() -> None:
                     help="MREPxREP pairs: copies of the histogram's bins and of its block totals")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.timing import require_cuda
+
+    require_cuda("bench/topp_bench.py")
     from hyspec.gpu import sampling as dsamp
     from hyspec.kernels.probs import topp
     from hyspec.provenance import git_state

@@ -43,3 +43,10 @@ def copy_bandwidth(dev, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = time_fn(lambda: dst.copy_(src), dev, reps=10 if dev.type == "cuda" else 2)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def require_cuda(script: str, device: str = "cuda") -> None:
+    """Exit with one line naming `script` when `device` is a CUDA device and none is here (the
+    bench/ scripts time GPU kernels: without a GPU they ended in a torch traceback)."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU (torch.cuda.is_available() is False)")
