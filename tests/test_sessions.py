@@ -456,6 +456,33 @@ def test_a_growing_session_slot_keeps_to_the_pool_budget(zoo):
     s.close()
 
 
+def test_a_growing_slot_takes_no_headroom_past_the_context(zoo, monkeypatch):
+    """A session's slot grew by 1.5x with no cap: near a model's context it held rows no turn
+    can ever use (76 positions for a context of 64 + 5). The headroom now stops at the most
+    a turn can need: the context plus the round's k + 2 rows."""
+    from hyspec.core.slots import SlotPool
+
+    eng = engine(zoo, "qwen3_5")
+    pool = SlotPool(eng.model)
+    slot = pool.alloc(40)
+    pool.grow(slot, 45, most=50)
+    assert slot.length == 50  # (1.5x would be 60)
+    pool.grow(slot, 52, most=51)
+    assert slot.length == 52  # (the need always wins)
+    pool.grow(slot, 60)
+    assert slot.length == 78  # (no cap given: 1.5x)
+    pool.release(slot, keep=False)
+    seen = []
+    shared = eng.session_scheduler().pool
+    grow = shared.grow
+    monkeypatch.setattr(shared, "grow", lambda slot, need, most=None: (seen.append(most), grow(slot, need, most)))
+    s = eng.session(draft=3, max_new_tokens=MAX_NEW, use_store=False)
+    for m in messages(eng.model.cfg.vocab_size, 2, seed=5):
+        s.send(m)
+    s.close()
+    assert seen and set(seen) == {eng.model.cfg.max_position_embeddings + 3 + 2}
+
+
 def test_on_finish_is_called_once_even_when_it_raises(zoo):
     eng = engine(zoo, "qwen3_5")
     calls = []

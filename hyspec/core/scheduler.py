@@ -262,7 +262,9 @@ class Scheduler:
                                          "that request's Sequence, or from a SeqState captured before "
                                          "(hyspec.core.state.capture), which can be resumed any number of times")
                     slot = resume.slot
-                    self.pool.grow(slot, need)  # (keeping every row; within the pool's budget: else a MemoryError
+                    # (keeping every row; within the pool's budget: else a MemoryError; no headroom past
+                    # what a turn can need: the context, plus this round's k + 2 rows)
+                    self.pool.grow(slot, need, most=self.model.cfg.max_position_embeddings + k + 2)
                     resume.continued = True  # for this request, and the kept Sequence is still the one to resume)
             seq = Sequence(self.model, req, slot, opts, rollback, stops)
             seq.t_start = t0

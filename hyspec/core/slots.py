@@ -145,13 +145,15 @@ class SlotPool:
             self.free.pop(0)  # drop a too-small free slot to make room
         return self.budget_bytes is None or self.held_bytes + extra <= self.budget_bytes
 
-    def grow(self, slot: Slot, need: int) -> None:
+    def grow(self, slot: Slot, need: int, most: int | None = None) -> None:
         """Make a held slot room for `need` tokens, keeping its rows, within the budget (as
         alloc: free slots are dropped to make room). Headroom for later turns (1.5x its
-        length) where the budget has it without dropping any; else exactly `need`."""
+        length, at most `most`: the most any turn can need, the model's context plus a
+        round's extra rows) where the budget has it without dropping any; else exactly `need`."""
         if need <= slot.length:
             return
-        roomy = max(need, slot.length + slot.length // 2)
+        roomy = slot.length + slot.length // 2
+        roomy = max(need, roomy if most is None else min(roomy, most))
         for length, drop_free in ((roomy, False), (need, True)):
             extra = self.bytes_per_slot(length)["total"] - slot.nbytes()
             if self._room_for(extra, drop_free):
