@@ -190,9 +190,13 @@ class Chat:
         if room < 1:
             if restart:
                 session.close()
-            if session.tokens and len(ids) < eng.context_length:  # (the message alone leaves room)
-                self.say(f"[the conversation fills the model's context of {eng.context_length} tokens: /rewind or "
-                         f"/reset]")
+            held, ctx = len(session.tokens), eng.context_length
+            if session.tokens and ctx - held <= 1:  # (not even a one-token message and its reply fit)
+                self.say(f"[the conversation fills the model's context of {ctx} tokens: /rewind or /reset]")
+            elif session.tokens and len(ids) < ctx:  # (the message alone leaves room)
+                self.say(f"[the message is {len(ids)} tokens: the conversation holds {held} of the model's "
+                         f"context of {ctx} tokens, which leaves {ctx - held - 1} for a message with room for a "
+                         f"reply; shorten it, /rewind or /reset]")
             else:  # (the message is the whole prompt: /rewind or /reset cannot make room for it)
                 what = "the message with the conversation before it, rendered anew," if restart else "the message"
                 self.say(f"[{what} is {len(ids)} tokens: the model's context is {eng.context_length} tokens, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -700,6 +701,16 @@ def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
     assert len(stats[0]["turn_tokens"]) == 24 - first and stats[1]["turns"] == 0
     assert text.count("[the reply reached the model's context of 24 tokens") == 1
     assert text.count("[the conversation fills the model's context of 24 tokens") == 2
+    # a message too long for the room a short conversation leaves: said so, not "fills" (it said
+    # the conversation filled the context at 5 of 24 tokens)
+    out = io.StringIO()
+    long = next(t for t in (" ".join(["ab"] * k) for k in range(1, 24)) if len(eng.encode(t)) >= 24 - first - 2)
+    n_long = len(eng.encode(long))
+    assert n_long < 23
+    assert main(["--max-new-tokens", "2", "--ignore-eos"], stdin=io.StringIO(f"ab\n{long}\n"), stdout=out) == 0
+    assert "fills" not in out.getvalue()
+    assert re.search(rf"\[the message is \d+ tokens: the conversation holds {first + 2} of the model's "
+                     r"context of 24 tokens, which leaves \d+ for a message", out.getvalue())
 
 
 def test_a_terminal_that_cannot_encode_the_reply_keeps_the_chat(capsys):
