@@ -319,6 +319,24 @@ def test_echo_only_choices_count_as_finished(server, client):
         before[0] + 2, before[1] + 2)
 
 
+def test_an_echo_of_a_prompt_as_long_as_the_context_scores_it(client):
+    """echo + max_tokens 0 generates nothing: a prompt of the whole context was refused ("at
+    least one must be left to generate") although `hyspec score` takes it; one token more is
+    still refused, and in a request of several prompts the error names which one."""
+    ctx = 4096  # (the embedded model's)
+    full = [1] * ctx
+    r = client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True)
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens == ctx
+    with pytest.raises(openai.BadRequestError, match="as long as the model's context of 4096"):
+        client.completions.create(model=MODEL, prompt=full, max_tokens=1, echo=True)
+    with pytest.raises(openai.BadRequestError, match="longer than the model's context"):
+        client.completions.create(model=MODEL, prompt=full + [1], max_tokens=0, echo=True)
+    with pytest.raises(openai.BadRequestError, match="prompt 1: the prompt is 4097 tokens"):
+        client.completions.create(model=MODEL, prompt=[[1, 2], full + [1]], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="prompt 1: max_tokens=3 is too large: the prompt has 4094"):
+        client.completions.create(model=MODEL, prompt=[[1, 2], full[2:]], max_tokens=3)
+
+
 def test_metrics_move(server, client):
     before = {k: metric(server, k) for k in ("hyspec_generation_tokens_total", "hyspec_prompt_tokens_total",
                                              "hyspec_spec_drafts_total", "hyspec_spec_draft_tokens_total",

@@ -65,9 +65,12 @@ def new_run(state: "ServerState", req, prompts: list[list[int]], param: str, def
     run = Run(state, request_id, t0)
     if len(prompts) * n > state.limits.capacity:
         raise bad(f"too many sequences in one request ({len(prompts)} prompts x n={n})", "n")
-    for ids in prompts:
-        check_prompt_ids(ids, state.limits, param)
-        limit = max_new_tokens(req, len(ids), state.limits, default_max, allow_zero)
+    asked = req.max_completion_tokens if getattr(req, "max_completion_tokens", None) is not None else req.max_tokens
+    for i, ids in enumerate(prompts):
+        # (an echo with max_tokens 0 only scores the prompt: it may fill the whole context)
+        where = f"prompt {i}: " if len(prompts) > 1 else ""
+        check_prompt_ids(ids, state.limits, param, scoring=allow_zero and asked == 0, where=where)
+        limit = max_new_tokens(req, len(ids), state.limits, default_max, allow_zero, where)
         run.add(ids, limit, params, n, draft, stops, stop_ids, logprobs, constraint,
                 include_stop=bool(req.include_stop_str_in_output))
     return run

@@ -116,18 +116,21 @@ def constraint_spec(req, extra: ConstraintSpec | None = None) -> ConstraintSpec 
     return found[0] if found else None
 
 
-def check_prompt_ids(ids: list[int], lim: Limits, param: str) -> None:
+def check_prompt_ids(ids: list[int], lim: Limits, param: str, scoring: bool = False, where: str = "") -> None:
+    """scoring: an echo request that generates nothing (max_tokens 0) may fill the whole context.
+    where: which prompt of several ("prompt 2: "), for the message."""
     if not ids:
-        raise bad("the prompt is empty: give at least one token", param)
+        raise bad(f"{where}the prompt is empty: give at least one token", param)
     badids = [t for t in ids if not 0 <= t < lim.vocab_size]
     if badids:
-        raise bad(f"token id(s) {badids[:5]} out of range for vocabulary size {lim.vocab_size}", param)
-    if len(ids) >= lim.max_model_len:
-        raise bad(f"the prompt is {len(ids)} tokens, {'as long as' if len(ids) == lim.max_model_len else 'longer than'}"
+        raise bad(f"{where}token id(s) {badids[:5]} out of range for vocabulary size {lim.vocab_size}", param)
+    if len(ids) > lim.max_model_len or (len(ids) == lim.max_model_len and not scoring):
+        raise bad(f"{where}the prompt is {len(ids)} tokens, "
+                  f"{'as long as' if len(ids) == lim.max_model_len else 'longer than'}"
                   f" the model's context of {lim.max_model_len} tokens (at least one must be left to generate)", param)
 
 
-def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow_zero: bool) -> int:
+def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow_zero: bool, where: str = "") -> int:
     name = "max_tokens"
     mt = req.max_tokens
     if getattr(req, "max_completion_tokens", None) is not None:
@@ -138,7 +141,7 @@ def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow
     if mt < (0 if allow_zero else 1):
         raise bad(f"{name} must be at least {0 if allow_zero else 1}, got {mt}", name)
     if mt > room:
-        raise bad(f"{name}={mt} is too large: the prompt has {prompt_len} tokens and the context holds "
+        raise bad(f"{where}{name}={mt} is too large: the prompt has {prompt_len} tokens and the context holds "
                   f"{lim.max_model_len}, so at most {room} can be generated", name)
     return mt
 
