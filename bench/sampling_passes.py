@@ -41,9 +41,6 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--lanes", type=int, default=1)
     args = ap.parse_args()
-    from hyspec.bench.timing import require_cuda
-
-    require_cuda("bench/sampling_passes.py")
     from types import SimpleNamespace
 
     import hyspec.gpu.batch_sampling as bs

@@ -178,10 +178,13 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
         if factor is None:
             raise ConfigError("config.json: rope_parameters.factor is required for rope_type 'linear'")
         return kind, (("factor", factor),)
-    if d.get("original_max_position_embeddings") is not None:
+    top = d.get("original_max_position_embeddings")
+    if top is not None:
         # a top-level value wins over the rope dict's, as in transformers' standardize_rope_params
         # (Phi3-style configs keep the pretraining length there)
-        rope = {**rope, "original_max_position_embeddings": d["original_max_position_embeddings"]}
+        if isinstance(top, bool) or not isinstance(top, (int, float)) or not finite_number(top) or not top > 0:
+            raise ConfigError(f"config.json: original_max_position_embeddings must be a positive number, got {top!r}")
+        rope = {**rope, "original_max_position_embeddings": top}
     orig = num("original_max_position_embeddings", d.get("max_position_embeddings"))
     if orig is None:
         raise ConfigError("config.json: rope_parameters.original_max_position_embeddings is required for "
@@ -417,7 +420,7 @@ class ModelConfig:
                 raise bad(k, "an object", d[k])
         for k in ("rope_scaling", "rope_parameters"):  # transformers' per-layer-type form: {layer type: {...}}
             nested = sorted(t for t, v in (d.get(k) or {}).items()
-                            if isinstance(v, dict) and (t in set(layer_types) or t.endswith("_attention")))
+                            if isinstance(v, dict) and (t in layer_types or str(t).endswith("_attention")))
             if nested:
                 raise ConfigError(f"config.json: {k} nested by layer type ({', '.join(nested)}) is not supported "
                                   "for these families (transformers does not load it either); give one object "

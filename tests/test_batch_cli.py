@@ -257,3 +257,19 @@ def test_lines_the_checkpoint_cannot_run_are_named_and_leave_out_alone(tmp_path,
     assert main(["generate", "--model", str(notok), "--prompts-file", str(f), "--out", str(out), "--adaptive",
                  "--adaptive-floor", "3"]) == 0
     assert len(out.read_text().splitlines()) == 1
+
+
+def test_a_prompts_file_may_open_with_a_byte_order_mark(tmp_path):
+    """A UTF-8 BOM before the first line (Notepad on Windows writes one) was "not valid JSON
+    (Unexpected UTF-8 BOM)"; a BOM-like U+FEFF later in the file is still what it is."""
+    from hyspec.cli.dispatch import build_parser
+    from hyspec.cli.generate import read_prompts_file
+
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "x = ", "max_new_tokens": 3}\n{"prompt": "y"}\n')
+    args = build_parser().parse_args(["generate", "--prompts-file", str(f)])
+    reqs = read_prompts_file(str(f), args)
+    assert len(reqs) == 2
+    f.write_bytes(b'{"prompt": "x = "}\n\xef\xbb\xbf{"prompt": "y"}\n')
+    with pytest.raises(ValueError, match="bom.jsonl:2: not valid JSON"):
+        read_prompts_file(str(f), args)

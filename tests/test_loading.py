@@ -413,6 +413,12 @@ def test_float64_float32_bfloat16(zoo):
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                              "original_max_position_embeddings": 16}}},
      r"rope_parameters nested by layer type \(full_attention\)"),
+    ({"original_max_position_embeddings": 0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                              "original_max_position_embeddings": 64}},
+     r"^config.json: original_max_position_embeddings must be a positive number, got 0"),
+    ({"layer_types": [["full_attention"], "linear_attention", "linear_attention", "full_attention"],
+      "rope_parameters": {"x": {}}},
+     "unknown layer type"),  # (an unhashable entry: a TypeError traceback in the nesting check)
 ])
 def test_config_fields_the_model_cannot_honour_are_refused(patch, words):
     from hyspec.config import ConfigError, ModelConfig

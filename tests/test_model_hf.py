@@ -170,21 +170,22 @@ def test_rope_scaling_matches_transformers(tmp_path, arch, kind):
 
 
 def test_a_top_level_yarn_pretraining_length_matches_transformers(tmp_path):
-    """config.json with YaRN's original_max_position_embeddings both at the top level (16)
+    """config.json with YaRN's original_max_position_embeddings both at the top level (64)
     and in rope_parameters (24): the model transformers loads computes with the top-level
-    one (its AutoConfig alone still shows 24); hyspec used 24 (log-probs off by ~0.5)."""
+    one (its AutoConfig alone still shows 24); hyspec used 24 (log-probs off by ~0.05 here;
+    16 at the top would give this 8-wide rotary the same ramp as 24: no test)."""
     import transformers
 
     rope = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, **ROPE_SCALINGS["yarn"]}
     _hf_save("qwen3_5", tmp_path, seed=6, rope_parameters=rope)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["original_max_position_embeddings"] = 16
+    cfg["original_max_position_embeddings"] = 64
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     from hf_ref import _hf_classes
 
     hf = _hf_classes("qwen3_5")[1].from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     transformers.logging.set_verbosity_error()
-    assert hf.config.rope_parameters["original_max_position_embeddings"] == 16
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 64
     ids = _ids(N_TOK, seed=7)
     with torch.no_grad():
         ours = load_model(tmp_path, dtype="float32")(ids).log_softmax(-1)

@@ -123,8 +123,8 @@ def read_prompts_file(path: str, args) -> list[dict]:
     with (open(sys.stdin.fileno(), "rb", closefd=False) if path == "-" else open(path, "rb")) as f:
         # lines end in \n, \r\n or \r, as text mode reads them (a JSON string's raw U+2028 ends none)
         for line_no, raw in enumerate(f.read().splitlines(), 1):
-            try:
-                line = raw.decode("utf-8")
+            try:  # (the first line may open with a BOM: editors on Windows write one)
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the line)") \
                     from None
