@@ -206,6 +206,47 @@ def test_cli_pp_errors(ckpts, monkeypatch, capsys):
     assert main(serve + ["--draft", "99"]) == 2 and "--draft must be in" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # serve's own parser: usage and exit code 2, as without --pp
         main(serve + ["--bogus"])
+    # options a pipeline cannot honour were accepted and dropped in silence; a taken port was
+    # found by the driver rank after the ranks had started; an odd environment variable was
+    # each rank's error, unnamed ("could not convert string to float: 'abc'")
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(serve + ["--port", str(port)]) == 2
+        assert "the address is in use" in capsys.readouterr().err
+    for bad, msg in ((serve + ["--prefix-store-bytes", "1000"], "--prefix-store-bytes does not go with --pp"),
+                     (model + ["--prompts-file", str(lines), "--lanes", "2", "--optimistic"],
+                      "--optimistic does not go with --lanes")):
+        assert main(bad) == 2, bad
+        assert msg in capsys.readouterr().err, bad
+    monkeypatch.setenv("HYSPEC_PP_TIMEOUT", "abc")
+    assert main(model + ["--prompt-ids", "1,2"]) == 2
+    assert "environment variable HYSPEC_PP_TIMEOUT='abc' is not a number" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_whose_others_never_join_gives_up_in_one_line(ckpts):
+    """RANK / WORLD_SIZE of a launch whose other ranks never start (a torchrun rank that failed
+    before it joined, stale variables in a shell): the rank waited the one-year timeout meant
+    for idle workers (with a short HYSPEC_PP_TIMEOUT: torch's traceback). Now joining has its
+    own bound, HYSPEC_PP_JOIN_TIMEOUT, and ends in one line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "HYSPEC_PP_JOIN_TIMEOUT": "2"}
+    r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--model", str(ckpts["qwen3_5"]),
+                        "--prompt-ids", "1,2", "--pp", "2"], cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "pipeline rank 0 of 2: the other ranks did not join" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_stage_that_cannot_load_is_named_at_start_up(ckpts, tmp_path):

@@ -99,7 +99,9 @@ def _check_before_launch(cmd: str, argv: list[str]) -> None:
     if cmd == "serve":
         from hyspec import server
 
-        server.check(server.build_parser().parse_args(argv[1:]))
+        args = server.build_parser().parse_args(argv[1:])
+        server.check(args)
+        server.check_port(args.host, args.port)  # (the driver rank binds it: said before N ranks start)
     elif cmd in SUBCOMMANDS and hasattr(SUBCOMMANDS[cmd], "check"):
         SUBCOMMANDS[cmd].check(parse(argv))
     parallel.check_launch(argv, parallel.pp_from_argv(argv))  # device, stages <= layers

@@ -211,6 +211,8 @@ def _common_checks(args) -> None:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.lanes > 1 and args.pp < 2:  # (as --optimistic: not ignored in silence)
         raise ValueError("--lanes alternates batch groups through pipeline stages: it needs --pp N with N >= 2")
+    if args.lanes > 1 and getattr(args, "optimistic", False):  # (the fork was switched off in silence)
+        raise ValueError("--optimistic does not go with --lanes: the fork runs the pipeline's one lane")
 
 
 def _same_regular_file(out: str, prompts_file: str) -> bool:

@@ -41,7 +41,10 @@ def check_launch(argv: list[str], stages: int) -> None:
     least N layers (config.json only)."""
     from hyspec.config import ModelConfig
     from hyspec.engine import check_device, default_model_dir
+    from hyspec.parallel.pipeline import env_number
 
+    for name in ("HYSPEC_PP_TIMEOUT", "HYSPEC_PP_JOIN_TIMEOUT"):  # (each rank said it, then the launcher)
+        env_number(name, 1.0)
     margs = _model_args(argv)
     dev = check_device(margs.device)
     if dev.type == "cuda" and dev.index is None:
@@ -278,8 +281,10 @@ def run_cli(argv: list[str], world: int, main) -> int:
                             print(e.code, file=sys.stderr)
                     except RuntimeError as e:  # a stage's rank went away mid-command (the link broke)
                         rc = 1
-                        print(f"hyspec: error: the pipeline broke: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                              file=sys.stderr)
+                        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                        if first.startswith("[") and ("gloo" in first or "nccl" in first.lower()):
+                            first = "the connection to another rank was lost"  # (not gloo's source line and quip)
+                        print(f"hyspec: error: the pipeline broke: {first}", file=sys.stderr)
             finally:
                 if ours:  # (a Ctrl-C now would cut the stop messages short: the workers would wait on)
                     import signal

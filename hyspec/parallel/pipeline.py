@@ -46,6 +46,7 @@ import contextlib
 import itertools
 import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -650,9 +651,11 @@ def init(world: int, device: str = "cpu") -> tuple[int, torch.device]:
     environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Returns (rank, this rank's device)."""
     import datetime
 
-    n = int(os.environ.get("WORLD_SIZE", "1"))
+    n = int(env_number("WORLD_SIZE", 1, integer=True))
     if n != world:
         raise ValueError(f"--pp {world} needs {world} processes; this launch has WORLD_SIZE={n}")
+    rank = int(env_number("RANK", 0, integer=True))
+    env_number("MASTER_PORT", 0, integer=True)  # (torch's own error named no variable)
     dev = rank_device(device)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -660,9 +663,45 @@ def init(world: int, device: str = "cpu") -> tuple[int, torch.device]:
             torch.cuda.set_device(dev)
         # a worker waits for the driver's next command as long as the driver lives (an idle
         # server may send nothing for days); a dead rank ends the others through the launcher
-        timeout = datetime.timedelta(seconds=float(os.environ.get("HYSPEC_PP_TIMEOUT", str(365 * 86400))))
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        timeout = datetime.timedelta(seconds=env_number("HYSPEC_PP_TIMEOUT", 365 * 86400))
+        # but joining is bounded on its own: a rank whose others never start (a torchrun rank
+        # that failed before it joined, stale RANK / WORLD_SIZE in a shell) waited that year
+        join = env_number("HYSPEC_PP_JOIN_TIMEOUT", 300)
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        joined = threading.Event()
+
+        def give_up() -> None:
+            if not joined.wait(join):
+                print(f"hyspec: error: pipeline rank {rank} of {n}: the other ranks did not join at {where} within "
+                      f"{join:g} s (HYSPEC_PP_JOIN_TIMEOUT); a launch of {n} processes needs all of them",
+                      file=sys.stderr, flush=True)
+                os._exit(1)  # (this thread cannot interrupt the rendezvous the main thread waits in)
+
+        threading.Thread(target=give_up, daemon=True, name="hyspec-pp-join").start()
+        try:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        except Exception as e:  # (a store timeout, an unreachable MASTER_ADDR: one line, not torch's traceback)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"pipeline rank {rank} of {n}: joining the other ranks at {where} failed: {first}") \
+                from None
+        finally:
+            joined.set()
     return dist.get_rank(), dev
+
+
+def env_number(name: str, default: float, integer: bool = False) -> float:
+    """An environment variable's number (default when unset); ValueError naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw) if integer else float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not {'an integer' if integer else 'a number'}") \
+            from None
+    if not integer and not (v > 0 and v != float("inf")):
+        raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+    return v
 
 
 def load_stage(path, world: int, rank: int, *, dtype="auto", device="cpu", ssm_dtype=None) -> HybridLM:

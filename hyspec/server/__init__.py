@@ -40,11 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warm-up", action="store_true",
                    help="on a GPU, do not run the batched graphs once before the first request (the first "
                         "requests then pay for imports, compilation and the first graph captures)")
-    p.add_argument("--prefix-store-bytes", type=int, default=1 << 30,
+    p.add_argument("--prefix-store-bytes", type=int, default=None,
                    help="prefix store budget on the model's device (least recently used states beyond it move "
-                        "to host memory)")
-    p.add_argument("--prefix-store-host-bytes", type=int, default=4 << 30,
-                   help="prefix store budget in host memory (least recently used states beyond it are dropped)")
+                        "to host memory; default 1 GiB)")
+    p.add_argument("--prefix-store-host-bytes", type=int, default=None,
+                   help="prefix store budget in host memory (least recently used states beyond it are dropped; "
+                        "default 4 GiB)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
                    help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -73,8 +74,14 @@ def check(args) -> None:
 
     if args.draft is not None and not 0 <= args.draft <= MAX_DRAFT:
         raise ValueError(f"--draft must be in 0..{MAX_DRAFT}, got {args.draft}")
-    if args.prefix_store_bytes < 0 or args.prefix_store_host_bytes < 0:
+    given = [f for f, v in (("--prefix-store-bytes", args.prefix_store_bytes),
+                            ("--prefix-store-host-bytes", args.prefix_store_host_bytes)) if v is not None]
+    if any(v is not None and v < 0 for v in (args.prefix_store_bytes, args.prefix_store_host_bytes)):
         raise ValueError("--prefix-store-bytes and --prefix-store-host-bytes must be >= 0")
+    if given and getattr(args, "pp", 1) >= 2:  # (it was dropped in silence: /health said prefix_store null)
+        raise ValueError(f"{given[0]} does not go with --pp: a pipeline keeps no prefix store")
+    if given and args.no_prefix_store:
+        raise ValueError(f"{given[0]} does not go with --no-prefix-store")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1:
@@ -154,7 +161,9 @@ def make_app(args):
     if not args.no_prefix_store:
         from hyspec.prefix_store import PrefixStore
 
-        eng.store = PrefixStore(budget_bytes=args.prefix_store_bytes, host_budget_bytes=args.prefix_store_host_bytes)
+        eng.store = PrefixStore(budget_bytes=1 << 30 if args.prefix_store_bytes is None else args.prefix_store_bytes,
+                                host_budget_bytes=4 << 30 if args.prefix_store_host_bytes is None
+                                else args.prefix_store_host_bytes)
     name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
