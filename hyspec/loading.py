@@ -256,12 +256,16 @@ FP8_MODES = ("keep", "dequantize")
 
 def check_model_dir(path: str | Path) -> Path:
     """`path` as a Path when it is a directory, else a CheckpointError naming what it is."""
+    raw = str(path)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
                               f"(config.json + *.safetensors)")
     if not path.is_dir():
-        raise CheckpointError(f"model directory {path} does not exist")
+        hub = raw.count("/") == 1 and not raw.startswith((".", "/", "~")) and all(raw.split("/"))
+        hint = (f" (hyspec loads a local checkpoint directory; a Hugging Face model id such as this one is "
+                f"downloaded first, e.g. `hf download {raw} --local-dir DIR`, then --model DIR)") if hub else ""
+        raise CheckpointError(f"model directory {path} does not exist{hint}")
     return path
 
 

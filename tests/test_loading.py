@@ -545,3 +545,17 @@ def test_a_weight_beyond_float16s_range_is_not_called_damage(ckpt):
     _write(ckpt, t)
     with pytest.raises(CheckpointError, match="holds NaN or infinite values: the checkpoint is damaged"):
         load_model(ckpt, dtype="float32")
+
+
+def test_a_hugging_face_model_id_given_for_a_directory_gets_a_hint(tmp_path, monkeypatch):
+    """`--model Qwen/Qwen3.5-27B` (a hub id: hyspec does not download) said only "model
+    directory Qwen/Qwen3.5-27B does not exist"."""
+    from hyspec.loading import check_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"does not exist \(hyspec loads a local checkpoint directory; .*"
+                                              r"`hf download Qwen/Qwen3.5-27B --local-dir DIR`"):
+        check_model_dir("Qwen/Qwen3.5-27B")
+    for path in ("./Qwen/x", "/no/such", "nothing"):  # (a path, not an id: no hint)
+        with pytest.raises(CheckpointError, match=r"does not exist$"):
+            check_model_dir(path)
