@@ -227,21 +227,13 @@ def test_cli_pp_errors(ckpts, monkeypatch, capsys):
     assert "environment variable HYSPEC_PP_TIMEOUT='abc' is not a number" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_rank_whose_others_never_join_gives_up_in_one_line(ckpts):
     """RANK / WORLD_SIZE of a launch whose other ranks never start (a torchrun rank that failed
     before it joined, stale variables in a shell): the rank waited the one-year timeout meant
     for idle workers (with a short HYSPEC_PP_TIMEOUT: torch's traceback). Now joining has its
     own bound, HYSPEC_PP_JOIN_TIMEOUT, and ends in one line."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "HYSPEC_PP_JOIN_TIMEOUT": "2"}
+           "MASTER_PORT": str(free_port()), "HYSPEC_PP_JOIN_TIMEOUT": "2"}
     r = subprocess.run([sys.executable, "-m", "hyspec.cli", "generate", "--model", str(ckpts["qwen3_5"]),
                         "--prompt-ids", "1,2", "--pp", "2"], cwd=ROOT, capture_output=True, text=True, env=env,
                        timeout=120)
