@@ -393,9 +393,10 @@ def _is_terminal(f) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args, parse_ids
 
-    from hyspec.cli.common import OneLineParser
+    from hyspec.cli.common import HelpFormatter, OneLineParser
 
-    p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP)
+    p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP,
+                      formatter_class=HelpFormatter)  # (its --help showed no defaults, 128 tokens a reply among them)
     add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids, comma-separated")

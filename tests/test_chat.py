@@ -878,3 +878,13 @@ def test_a_continued_reply_completes_a_character_cut_in_its_bytes(default_engine
         assert "😀" in want and chat.rendered == want, (chat.rendered, want)
         assert chat.messages[-1]["content"].startswith("ab😀cd"), chat.messages
         chat.close()
+
+
+def test_chat_help_shows_the_defaults(capsys):
+    """`hyspec chat --help` showed no defaults (its own 128-token replies, where generate's are
+    64, among them), unlike every other command's help."""
+    from hyspec.chat import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "reply length limit per turn (default: 128)" in " ".join(capsys.readouterr().out.split())
