@@ -263,8 +263,8 @@ def check_model_dir(path: str | Path) -> Path:
                               f"(config.json + *.safetensors)")
     if not path.is_dir():
         hub = raw.count("/") == 1 and not raw.startswith((".", "/", "~")) and all(raw.split("/"))
-        hint = (f" (hyspec loads a local checkpoint directory; a Hugging Face model id such as this one is "
-                f"downloaded first, e.g. `hf download {raw} --local-dir DIR`, then --model DIR)") if hub else ""
+        hint = (f" (hyspec loads a local checkpoint directory: if {raw} is a Hugging Face model id, download it "
+                f"first, e.g. `hf download {raw} --local-dir DIR`, then give --model DIR)") if hub else ""
         raise CheckpointError(f"model directory {path} does not exist{hint}")
     return path
 

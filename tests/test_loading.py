@@ -553,7 +553,7 @@ def test_a_hugging_face_model_id_given_for_a_directory_gets_a_hint(tmp_path, mon
     from hyspec.loading import check_model_dir
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match=r"does not exist \(hyspec loads a local checkpoint directory; .*"
+    with pytest.raises(CheckpointError, match=r"does not exist \(hyspec loads a local checkpoint directory: .*"
                                               r"`hf download Qwen/Qwen3.5-27B --local-dir DIR`"):
         check_model_dir("Qwen/Qwen3.5-27B")
     for path in ("./Qwen/x", "/no/such", "nothing"):  # (a path, not an id: no hint)
