@@ -154,6 +154,28 @@ def _json_text(schema, arg: str) -> str:
     return schema.strip()
 
 
+def _repeatable_key_min_properties(node, where: str = "#"):
+    """(path, n) of the first object schema whose minProperties n >= 2 counts keys that the
+    grammar cannot keep from repeating (patternProperties, or additionalProperties not
+    false: llguidance counts a repeated key twice, a JSON parser keeps it once, so the
+    output could fail the schema), or None."""
+    if isinstance(node, dict):
+        n = node.get("minProperties")
+        open_keys = "patternProperties" in node or node.get("additionalProperties", True) is not False
+        if isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 2 and open_keys:
+            return where, n
+        items = [(k, v) for k, v in node.items() if k not in ("const", "enum", "default", "examples")]  # (data)
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return None
+    for k, v in items:
+        found = _repeatable_key_min_properties(v, f"{where}/{k}")
+        if found:
+            return found
+    return None
+
+
 def grammar_for(kind: str, value, arg: str | None = None) -> str:
     """The llguidance grammar (a string) for a constraint of `kind`; ValueError naming `arg`
     on a malformed value (validity of the grammar itself is checked by :func:`_validated`)."""
@@ -167,6 +189,12 @@ def grammar_for(kind: str, value, arg: str | None = None) -> str:
             raise ValueError(f"{arg}: the schema false admits no value, so nothing could be generated")
         elif not text.startswith("{"):
             raise ValueError(f"{arg}: a JSON schema must be a JSON object (or true), got {text[:40]!r}")
+        found = _repeatable_key_min_properties(json.loads(text))
+        if found:
+            raise ValueError(f"{arg}: minProperties {found[1]:g} at {found[0]} cannot be enforced where keys beyond "
+                             "`properties` are allowed (patternProperties, or additionalProperties not false): "
+                             "the grammar cannot keep such a key from repeating, and a repeated key counts once "
+                             "when the output is parsed; list the keys in `properties`, or drop minProperties")
         try:
             return llg.LLMatcher.grammar_from_json_schema(text, defaults=dict(JSON_DEFAULTS))
         except ValueError as e:

@@ -465,3 +465,27 @@ def test_a_prompts_file_line_carries_its_own_constraint(tmp_path, capsys):
         assert main(["generate", "--prompts-file", str(f)]) == 2
         err = capsys.readouterr().err
         assert f"{f}:1: " in err and needle in err, err
+
+
+def test_min_properties_over_keys_that_may_repeat_is_refused(vocab):
+    """llguidance counts a repeated key toward minProperties, a JSON parser keeps it once: with
+    patternProperties (or additionalProperties not false) the default model wrote {"b":0,"b":1}
+    for minProperties 2, which fails the schema. Such a schema is refused, naming the place;
+    minProperties over declared properties only (which cannot repeat) still builds."""
+    import llguidance
+
+    pattern = {"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}},
+               "additionalProperties": False, "minProperties": 2}
+    # (why: the grammar itself takes the repeated key as a complete object)
+    m = llguidance.LLMatcher(vocab.lltok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(pattern)))
+    assert m.consume_tokens(vocab.lltok.tokenize_str('{"a":1,"a":2}')) and m.is_accepting()
+    for schema, where in ((pattern, "#"),
+                          ({"$defs": {"m": {"type": "object", "additionalProperties": {"type": "integer"},
+                                            "minProperties": 3}}, "$ref": "#/$defs/m"}, "#/$defs/m")):
+        with pytest.raises(ValueError, match=f"minProperties .* at {re.escape(where)} cannot be enforced"):
+            Constraint.json_schema(vocab, schema)
+    declared = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"], "additionalProperties": False, "minProperties": 2}
+    Constraint.json_schema(vocab, declared)
+    Constraint.json_schema(vocab, {"type": "object", "minProperties": 1})  # (one key: a repeat still counts one)
+    Constraint.json_schema(vocab, {"const": {"minProperties": 5}})  # (data, not a schema)
