@@ -10,6 +10,9 @@ import logging
 import os
 import sys
 
+# the prefix store's default budgets (None on the command line: not given, which --pp must know)
+STORE_BYTES, STORE_HOST_BYTES = 1 << 30, 4 << 30
+
 
 def build_parser() -> argparse.ArgumentParser:
     from hyspec.config import DTYPE_NAMES, SSM_CHOICES
@@ -42,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests then pay for imports, compilation and the first graph captures)")
     p.add_argument("--prefix-store-bytes", type=int, default=None,
                    help="prefix store budget on the model's device (least recently used states beyond it move "
-                        "to host memory; default 1 GiB)")
+                        f"to host memory; default {STORE_BYTES >> 30} GiB)")
     p.add_argument("--prefix-store-host-bytes", type=int, default=None,
                    help="prefix store budget in host memory (least recently used states beyond it are dropped; "
-                        "default 4 GiB)")
+                        f"default {STORE_HOST_BYTES >> 30} GiB)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
                    help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -161,9 +164,9 @@ def make_app(args):
     if not args.no_prefix_store:
         from hyspec.prefix_store import PrefixStore
 
-        eng.store = PrefixStore(budget_bytes=1 << 30 if args.prefix_store_bytes is None else args.prefix_store_bytes,
-                                host_budget_bytes=4 << 30 if args.prefix_store_host_bytes is None
-                                else args.prefix_store_host_bytes)
+        eng.store = PrefixStore(
+            budget_bytes=STORE_BYTES if args.prefix_store_bytes is None else args.prefix_store_bytes,
+            host_budget_bytes=STORE_HOST_BYTES if args.prefix_store_host_bytes is None else args.prefix_store_host_bytes)
     name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,

@@ -14,6 +14,7 @@ from hyspec.server.params import (
     check_prompt_ids,
     constraint_spec,
     max_new_tokens,
+    requested_max_tokens,
     sampling,
     stop_strings,
 )
@@ -65,7 +66,7 @@ def new_run(state: "ServerState", req, prompts: list[list[int]], param: str, def
     run = Run(state, request_id, t0)
     if len(prompts) * n > state.limits.capacity:
         raise bad(f"too many sequences in one request ({len(prompts)} prompts x n={n})", "n")
-    asked = req.max_completion_tokens if getattr(req, "max_completion_tokens", None) is not None else req.max_tokens
+    asked = requested_max_tokens(req)[0]
     for i, ids in enumerate(prompts):
         # (an echo with max_tokens 0 only scores the prompt: it may fill the whole context)
         where = f"prompt {i}: " if len(prompts) > 1 else ""

@@ -130,11 +130,16 @@ def check_prompt_ids(ids: list[int], lim: Limits, param: str, scoring: bool = Fa
                   f" the model's context of {lim.max_model_len} tokens (at least one must be left to generate)", param)
 
 
-def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow_zero: bool, where: str = "") -> int:
-    name = "max_tokens"
-    mt = req.max_tokens
+def requested_max_tokens(req) -> tuple[int | None, str]:
+    """(the request's token limit, the field it came from): OpenAI's newer max_completion_tokens
+    wins over max_tokens."""
     if getattr(req, "max_completion_tokens", None) is not None:
-        mt, name = req.max_completion_tokens, "max_completion_tokens"
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def max_new_tokens(req, prompt_len: int, lim: Limits, default: int | None, allow_zero: bool, where: str = "") -> int:
+    mt, name = requested_max_tokens(req)
     room = lim.max_model_len - prompt_len
     if mt is None:
         return min(default, room) if default is not None else room
