@@ -368,7 +368,9 @@ class Engine:
         if self._store is None:
             from hyspec.prefix_store import PrefixStore
 
-            self.store = PrefixStore()  # (the setter: sessions share it)
+            with self._lock:  # (checked again under the lock: two threads' first sessions made two stores, and
+                if self._store is None:  # the second replaced the first with the turns already put in it)
+                    self.store = PrefixStore()  # (the setter: sessions share it)
         return self._store
 
     def _free_orphans(self) -> None:
@@ -854,10 +856,11 @@ class Engine:
                 sched.submit(r)
             sched.run()
         from hyspec.core.scheduler import ConstraintFailure
+        from hyspec.sampling import NonFiniteLogits
 
-        for r in requests:  # a request's own error (e.g. a constraint that could not go on), on every path
-            exc = getattr(r, "exception", None)
-            if exc is not None and (raise_errors or not isinstance(exc, ConstraintFailure)):
+        for r in requests:  # a request's own error (a constraint that could not go on, its logits overflowing), on
+            exc = getattr(r, "exception", None)  # every path
+            if exc is not None and (raise_errors or not isinstance(exc, (ConstraintFailure, NonFiniteLogits))):
                 raise exc  # (anything else, e.g. a failed forward or out of memory, is the engine's: raised)
 
     def _output(self, samples: list[Sample], ids: list[int], speculative: bool, capped: bool = False,

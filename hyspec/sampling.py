@@ -75,6 +75,16 @@ class ParamError(ValueError):
         super().__init__(f"{name}={shown}: {why}")
 
 
+class NonFiniteLogits(ValueError):
+    """A sequence's logits row holds NaN or +inf: the model's activations overflowed (a
+    damaged checkpoint, or a dtype too narrow for it). That sequence ends in error; the
+    others of its batch go on (Engine.generate_batch, a prompts file, the server)."""
+
+    def __init__(self, what: str = "logits contain NaN or +inf") -> None:
+        super().__init__(f"{what} (the model's activations overflowed: a damaged checkpoint, or a dtype "
+                         "too narrow for it, e.g. float16)")
+
+
 def as_int(value) -> int | None:
     """`value` as a Python int when it is an integer -- int, a numpy integer, a 0-d integer
     tensor (anything with __index__) -- else None. True / False are not integers here."""
@@ -309,7 +319,7 @@ def filter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"logits must be [V] or [N, V], got shape {tuple(logits.shape)}")
     if bool(torch.isnan(x).any()) or bool((x == math.inf).any()):
-        raise ValueError("logits contain NaN or +inf")
+        raise NonFiniteLogits()
     if not bool(torch.isfinite(x).any(dim=-1).all()):
         raise ValueError("a logits row has no finite entry (every token forbidden)")
     N, V = x.shape
@@ -349,10 +359,14 @@ def row_probs(
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """argmax of a [V] row; the lowest id wins ties."""
+    """argmax of a [V] row; the lowest id wins ties. A row with NaN or +inf is an error
+    (NonFiniteLogits), as for the sampled choice: argmax would pick the first NaN's id."""
     if logits.dim() != 1:
         raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
-    return int(torch.argmax(logits))  # torch returns the first maximal index
+    i = int(torch.argmax(logits))  # torch returns the first maximal index (a NaN's, a +inf's if any)
+    if not float(logits[i]) < math.inf:
+        raise NonFiniteLogits()
+    return i
 
 
 # --------------------------------------------------------------------------------------

@@ -797,3 +797,12 @@ def test_prompts_are_rendered_and_encoded_off_the_event_loop():
             r = httpx.post(s.url + path, json={"model": MODEL, **body})
             assert r.status_code == 200, (path, r.text)
     assert on_loop and not any(on_loop), on_loop
+
+
+def test_a_405_names_the_allowed_methods(server):
+    # RFC 9110 15.5.6: a 405 carries Allow; the OpenAI-shaped error handler dropped Starlette's header
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.headers.get("allow") == "POST"
+    r = httpx.post(server.url + "/health")
+    assert r.status_code == 405 and set(r.headers.get("allow", "").replace(" ", "").split(",")) >= {"GET", "HEAD"}

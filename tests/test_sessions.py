@@ -728,3 +728,35 @@ def test_a_save_while_another_thread_runs_a_turn_is_whole(zoo, monkeypatch, tmp_
     assert loaded.num_turns == s.num_turns == 2 and loaded.tokens == s.tokens
     s.close()
     loaded.close()
+
+
+def test_first_sessions_in_two_threads_share_one_prefix_store(zoo, monkeypatch):
+    """Engine.store made its store on first use without the engine's lock: a thread whose
+    first session() was still making the store while another thread's session ran a turn
+    set its own empty store over the one that turn had been put in, and a one-shot request
+    extending that conversation prefilled it all again (cached_tokens 0)."""
+    import threading
+    import time
+
+    import hyspec.prefix_store as ps
+
+    eng = engine(zoo, "qwen3_next")
+    made = ps.PrefixStore.__init__
+
+    def slow(self, *a, **k):  # widens the window between the engine's "no store yet" and its setting one
+        if threading.current_thread().name == "slow":
+            time.sleep(0.5)
+        made(self, *a, **k)
+
+    monkeypatch.setattr(ps.PrefixStore, "__init__", slow)
+    msgs = messages(eng.model.cfg.vocab_size)
+    sessions = []
+    other = threading.Thread(target=lambda: sessions.append(eng.session(max_new_tokens=3)), name="slow")
+    other.start()
+    time.sleep(0.1)
+    s = eng.session(max_new_tokens=3)
+    s.send(msgs[0])
+    other.join()
+    assert s.tokens in eng.store
+    g = eng.generate(s.tokens + msgs[1], max_new_tokens=2)
+    assert g.stats["cached_tokens"] == len(s.tokens) - 1  # (the pending token is prefilled again)

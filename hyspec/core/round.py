@@ -30,8 +30,8 @@ import torch
 
 from hyspec.core.request import Request
 from hyspec.rng import Stream, u01
-from hyspec.sampling import (apply_penalties, coupled_speculative, coupled_token, draft_token, greedy_token,
-                             plain_token, row_probs, sample_index, speculative_sample)
+from hyspec.sampling import (NonFiniteLogits, apply_penalties, coupled_speculative, coupled_token, draft_token,
+                             greedy_token, plain_token, row_probs, sample_index, speculative_sample)
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 
@@ -198,14 +198,17 @@ def _draft_one(seq: Sequence, rd: _Round, logits: torch.Tensor, j: int) -> bool:
         return False  # a reduced draft vocabulary (mtp.d2t) scores none of the allowed tokens
     hist = seq.history + rd.prefix + rd.drafts
     q = None
-    if p.greedy:
-        lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
-        tok = greedy_token(lg)
-        prob = float(torch.softmax(lg.double(), -1)[tok]) if opts.p_min > 0.0 else 1.0
-    else:
-        q = row_probs(logits, hist, p)
-        tok = coupled_token(q, p.seed, position) if p.mode == "coupled" else draft_token(q, p.seed, position)
-        prob = float(q[tok])
+    try:
+        if p.greedy:
+            lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
+            tok = greedy_token(lg)
+            prob = float(torch.softmax(lg.double(), -1)[tok]) if opts.p_min > 0.0 else 1.0
+        else:
+            q = row_probs(logits, hist, p)
+            tok = coupled_token(q, p.seed, position) if p.mode == "coupled" else draft_token(q, p.seed, position)
+            prob = float(q[tok])
+    except NonFiniteLogits:  # the drafter's row overflowed: no draft here; the target's choices are
+        return False  # untouched (any proposal keeps the output exact, none is one)
     if seq.forced_ref is not None:  # the real choice above keeps the cost; the token is forced
         tok = forced_token(seq.forced_ref, opts.forced_rates, opts.forced_seed, seq.vocab, j, position)
         if mask is not None and not bool(mask[tok]):
@@ -351,7 +354,10 @@ def next_round_guess(backend, seqs: list[Sequence]) -> list[list[int]] | None:
         rows = backend.draft_logits(torch.cat([g.h for g in spec]))
         for g, row in zip(spec, rows):
             s = g.s
-            g.bonus = _guess_bonus(s, row, s.history + s.round.drafts, g.n, g.P)
+            try:
+                g.bonus = _guess_bonus(s, row, s.history + s.round.drafts, g.n, g.P)
+            except NonFiniteLogits:  # the drafter's row overflowed: no guess
+                return None
             if g.bonus in s.stops:
                 return None
             g.rd = _Round.scratch(g.k2, g.P + 1, s.round.drafts + [g.bonus])

@@ -18,12 +18,13 @@ from hyspec.server.params import APIError
 log = logging.getLogger("hyspec.server")
 
 
-def error_response(err: APIError, metrics: Metrics | None = None) -> JSONResponse:
+def error_response(err: APIError, metrics: Metrics | None = None, headers: dict | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.http_errors.labels(status=str(err.status)).inc()
-    # a full queue: clients that retry (the openai client does) wait a second first
-    headers = {"Retry-After": "1"} if err.status == 429 else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    headers = dict(headers or {})
+    if err.status == 429:  # a full queue: clients that retry (the openai client does) wait a second first
+        headers["Retry-After"] = "1"
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
 async def send_error(send, err: APIError, metrics: Metrics) -> None:
@@ -49,7 +50,8 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             err = APIError(404, f"no such path: {request.method} {request.url.path}", code="unknown_url")
         else:
             err = APIError(exc.status_code, str(exc.detail), code=None)
-        return error_response(err, metrics)
+        # (the exception's headers kept: a 405 must name the allowed methods in Allow, RFC 9110 15.5.6)
+        return error_response(err, metrics, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):

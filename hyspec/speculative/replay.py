@@ -62,9 +62,11 @@ def check_finite_logits(logits: torch.Tensor, start: int, dtype) -> None:
     bad = ~torch.isfinite(logits).all(dim=-1)
     if bool(bad.any()):
         first = start + int(bad.nonzero()[0, 0])
-        raise ValueError(f"the model's logits are not finite (NaN or inf) from position {first} on, in "
-                         f"{str(dtype).removeprefix('torch.')}: its activations overflow that dtype (load it "
-                         f"in float32 or bfloat16)")
+        name = str(dtype).removeprefix("torch.")
+        why = ("its activations overflow that dtype (load it in float32 or bfloat16)" if name == "float16" else
+               "its activations overflow (load it in float32)" if name == "bfloat16" else
+               "its activations overflow even this dtype: the checkpoint's weights may be damaged")
+        raise ValueError(f"the model's logits are not finite (NaN or inf) from position {first} on, in {name}: {why}")
 
 
 def _prefix_len(drafts: list[int], reference: list[int]) -> int:

@@ -1,0 +1,77 @@
+"""Non-finite logits at run time (weights finite in the file, activations that overflow):
+the target's row is an error for that request on every path (greedy too, not argmax's
+first NaN id), and a drafter row that is not finite only stops drafting (output unchanged)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyspec import Engine, SamplingParams
+from hyspec.tiny import make_tiny
+
+POISON = 100  # the token whose embedding overflows layer 0's MLP
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny("qwen3_5", tmp_path_factory.mktemp("nonfinite") / "tiny", seed=0)
+
+
+def _poison(eng: Engine) -> Engine:
+    """Token POISON drives layer 0's MLP past float32's range (inf * inf), every other token not."""
+    m = eng.model
+    with torch.no_grad():
+        emb = m.model.embed_tokens.weight
+        emb[:, 0] = 0.0
+        emb[POISON] = 0.0
+        emb[POISON, 0] = 8.0
+        layer = m.model.layers[0]
+        layer.linear_attn.out_proj.weight[0, :] = 0.0
+        layer.mlp.gate_proj.weight[:, 0] = 1e19
+        layer.mlp.up_proj.weight[:, 0] = 1e19
+    return eng
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)],
+                         ids=["greedy", "sampled"])
+def test_nan_target_logits_are_an_error(ckpt, draft, params):
+    eng = _poison(Engine.load(str(ckpt)))
+    ok = eng.generate([1, 2, 3], max_new_tokens=4, params=params, draft=draft, ignore_eos=True)
+    assert len(ok.tokens) == 4
+    with pytest.raises(ValueError, match="NaN"):
+        eng.generate([1, POISON, 3], max_new_tokens=4, params=params, draft=draft, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=0.8, seed=1, mode="coupled"),
+                                    SamplingParams(temperature=0.8, seed=1)], ids=["greedy", "coupled", "rejection"])
+def test_nan_drafter_rows_only_stop_drafting(ckpt, params):
+    eng = Engine.load(str(ckpt))
+    with torch.no_grad():
+        eng.model.mtp.fc.weight.fill_(1e38)  # the MTP head's rows overflow to NaN
+    plain = eng.generate([1, 2, 3], max_new_tokens=12, params=params, draft=0, ignore_eos=True)
+    spec = eng.generate([1, 2, 3], max_new_tokens=12, params=params, draft=3, ignore_eos=True)
+    assert len(spec.tokens) == 12
+    if params.greedy or params.mode == "coupled":
+        assert spec.tokens == plain.tokens
+
+
+def test_one_overflowing_prompt_of_a_batch_ends_in_error_alone(ckpt):
+    """generate_batch (and so a prompts file): the poisoned prompt's Output ends in error, the
+    others are their solo runs (it raised for the whole call, losing them)."""
+    eng = _poison(Engine.load(str(ckpt)))
+    prompts = [[1, 2, 3], [1, POISON, 3], [4, 5, 6, 7]]
+    outs = eng.generate_batch(prompts, max_new_tokens=5, draft=2, ignore_eos=True)
+    assert outs[1].stop_reason == "error" and "NaN" in outs[1].stats["error"]
+    for i in (0, 2):
+        solo = eng.generate(prompts[i], max_new_tokens=5, draft=2, ignore_eos=True)
+        assert outs[i].tokens == solo.tokens and outs[i].stop_reason == "length"
+
+
+def test_score_names_a_float32_overflow_as_the_checkpoint_s(ckpt):
+    eng = _poison(Engine.load(str(ckpt)))
+    with pytest.raises(ValueError, match="in float32: its activations overflow even this dtype") as e:
+        eng.score([1, POISON, 3, 4])
+    assert "load it in float32" not in str(e.value)
