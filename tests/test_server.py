@@ -806,3 +806,37 @@ def test_a_405_names_the_allowed_methods(server):
     assert r.headers.get("allow") == "POST"
     r = httpx.post(server.url + "/health")
     assert r.status_code == 405 and set(r.headers.get("allow", "").replace(" ", "").split(",")) >= {"GET", "HEAD"}
+
+
+def test_an_exit_signal_stops_running_requests_with_a_503():
+    """On SIGINT / SIGTERM (uvicorn's handle_exit) plain uvicorn waited for every open request
+    to run to its max_tokens (tens of seconds here, unbounded in general) before the server
+    exited: now the running stream ends with a 503 error event and [DONE], a waiting
+    non-streamed request gets a 503, and the server thread exits at once."""
+    import signal
+    import threading
+
+    app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, draft=3, max_batch=4, warm_up=False))
+    s = ServerThread(app, shutdown_timeout=20).start()
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 3000, "ignore_eos": True}
+    plain = {}
+    t = threading.Thread(target=lambda: plain.update(r=httpx.post(s.url + "/v1/completions", json=body, timeout=60)))
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"text"' in first
+            t.start()
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            s.server.handle_exit(signal.SIGTERM, None)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][len("data: "):])["error"]
+        assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+        t.join(20)
+        assert plain["r"].status_code == 503 and plain["r"].json()["error"]["code"] == "server_shutting_down"
+        s.thread.join(20)
+        assert not s.thread.is_alive() and time.monotonic() - t0 < 15
+    finally:
+        s.stop()

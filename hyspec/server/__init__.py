@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="qwen3: a reply's <think> part is returned as reasoning_content; none: all is content; "
                         "auto (default): qwen3 when the chat template writes </think>")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM the running requests are stopped (each answered 503, a stream with "
+                        "its error event); connections still open after this many seconds are closed")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the level of the server's log (one line per finished request at info) and uvicorn's")
     p.add_argument("--pp", type=int, default=1,
@@ -91,6 +94,8 @@ def check(args) -> None:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not args.shutdown_timeout >= 0:  # (NaN too)
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.max_body_bytes < 1:  # (0 removed the limit in silence, a negative one refused every POST)
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     if args.chat_template is not None:
@@ -187,5 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    return 0
+    from hyspec.server.thread import uvicorn_server
+
+    server = uvicorn_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run()
+    return 0 if server.started else 3  # (as uvicorn.run: a bind that failed after the model loaded)

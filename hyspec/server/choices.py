@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from hyspec.server.state import ServerState
 
 log = logging.getLogger("hyspec.server")
+SHUTDOWN_ERROR = "ServerShutdown: the server is shutting down"  # a Choice's error when begin_shutdown stopped it
 
 
 class Choice:
@@ -34,6 +35,7 @@ class Choice:
         self.job_done = False
         self.stats: dict = {}
         self.error: str | None = None
+        self.shutdown = False  # stopped because the server is shutting down (ServerState.begin_shutdown)
         self.t_first: float | None = None  # perf_counter of the first token
         self.t_last: float | None = None
         self.sent_text = 0  # characters streamed
@@ -75,6 +77,8 @@ class Choice:
                 self.finish_reason = "error"
             elif reason in ("eos", "stop", "constraint"):  # a stop id, or a finished constraint
                 self.finish_reason = "stop"
+            elif reason == "cancelled" and self.shutdown:
+                self.error, self.finish_reason = SHUTDOWN_ERROR, "error"
             elif reason == "cancelled":
                 self.finish_reason = "cancelled"
             else:
@@ -128,11 +132,14 @@ class Run:
             self.choices.append(Choice(self, len(self.choices), prompt_ids, job, matcher))
 
     def start(self) -> None:
+        if self.state.closing:
+            raise engine_error(SHUTDOWN_ERROR)
         jobs = [c.job for c in self.choices if c.job.max_new_tokens > 0]
         try:
             self.state.worker.submit(jobs)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full") from None
+        self.state.runs.add(self)
         metrics = self.state.metrics
         metrics.prompt_tokens.inc(sum(len(p) for p in self.prompts))
         for choice in self.choices:
@@ -148,6 +155,14 @@ class Run:
     def cancel(self) -> None:
         for choice in self.choices:
             if not choice.job_done:
+                self.state.worker.cancel(choice.job)
+
+    def shutdown(self) -> None:
+        """Stop the sequences still running or queued: the server is shutting down (each
+        ends in error, the request's answer a 503)."""
+        for choice in self.choices:
+            if not choice.job_done:
+                choice.shutdown = True
                 self.state.worker.cancel(choice.job)
 
     async def wait_change(self) -> None:
@@ -185,8 +200,11 @@ class Run:
 def engine_error(error: str) -> APIError:
     """The API error of a choice that ended in error: a constraint that could not go on
     (hyspec.core.scheduler.ConstraintFailure: the request's grammar, not the server) is a
-    400 naming why; anything else is the engine's 500."""
+    400 naming why; a server shutting down a 503; anything else is the engine's 500."""
     if str(error).startswith("ConstraintFailure: "):
         return APIError(400, f"the request's constraint could not be satisfied: {error[len('ConstraintFailure: '):]}",
                         code="constraint_failed")
+    if error == SHUTDOWN_ERROR:
+        return APIError(503, "the server is shutting down: the request was stopped before it finished",
+                        code="server_shutting_down")
     return APIError(500, "the engine failed while generating this request", code="engine_error")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 from hyspec.chat_template import TemplateError, normalize_messages
@@ -63,6 +64,22 @@ class ServerState:
         except Exception as e:  # noqa: BLE001 - no llguidance: constrained requests get a 400 later
             log.debug("constraint vocabulary not prepared: %s", e)
         self.created = int(time.time())
+        self.runs: weakref.WeakSet = weakref.WeakSet()  # the requests started (Run.start), while alive
+        self.closing = False  # the server is shutting down: new requests get 503, running ones are stopped
+
+    def begin_shutdown(self) -> None:
+        """On the event loop, once the server was told to exit (SIGINT / SIGTERM): refuse new
+        requests and stop every running and queued sequence, so that each request ends at
+        once with a 503 (a stream: its error event and [DONE]) instead of the server waiting
+        for every open request to run to its max_tokens before it exits."""
+        if self.closing:
+            return
+        self.closing = True
+        runs = [r for r in list(self.runs) if not r.done]
+        if runs:
+            log.info("shutting down: stopping %d running request(s)", len(runs))
+        for run in runs:
+            run.shutdown()
 
     @property
     def model_name(self) -> str:
