@@ -38,7 +38,7 @@ from hyspec.decode import GREEDY, generate_plain
 from hyspec.loading import load_model, parse_dtype
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
-from hyspec.sampling import ParamError, SamplingParams, as_bool, as_int
+from hyspec.sampling import ParamError, SamplingParams, as_bool, as_int, top_ids
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.tokenizer import Tokenizer
@@ -968,8 +968,9 @@ class Engine:
             next_ids = torch.tensor(ids[start + 1 : start + 1 + len(part)], device=dev)  # [t]
             logprobs.extend(log_probs.gather(1, next_ids[:, None])[:, 0].tolist())
             if top_logprobs:
-                values, top_ids = torch.topk(log_probs, min(top_logprobs, vocab_size), dim=-1)
-                for row_values, row_ids in zip(values.tolist(), top_ids.tolist()):
+                best = top_ids(logits, top_logprobs)  # (ties by ascending id, as generate's lists)
+                values = log_probs.gather(1, best)
+                for row_values, row_ids in zip(values.tolist(), best.tolist()):
                     top_lists.append([[t, lp] + ([self.tokenizer.decode([t])] if self.tokenizer else [])
                                       for t, lp in zip(row_ids, row_values)])
         nll = -sum(logprobs)

@@ -358,6 +358,24 @@ def row_probs(
     return filter_probs(apply_penalties(logits, history, params), params)
 
 
+def top_ids(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The ids [..., n] of the n largest values of each row of x [..., V], by value
+    descending and, among equal values, by ascending id: the tie rule of greedy_token (the
+    lowest id wins) and of top-k (a stable sort), so a greedy token comes first among the
+    tokens tied with it and the n ids are those top_k = n keeps. (torch.topk leaves the
+    order of ties open: on the CPU it lists the highest id first.) No host sync: one topk
+    over int64 keys, the value's bits in order-preserving form above the reversed id
+    (values exact in float32: bf16, fp16, fp32 logits; a float64 row takes a stable sort)."""
+    n = min(int(n), x.shape[-1])
+    if x.dtype == torch.float64:
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :n]
+    bits = (x.float() + 0.0).view(torch.int32).to(torch.int64)  # (+ 0.0: -0.0 is +0.0, one key)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: their order reversed back
+    V = x.shape[-1]
+    tie = (V - 1) - torch.arange(V, device=x.device)  # the lower id, the larger key
+    return torch.topk(bits * (1 << 32) + tie, n, dim=-1).indices
+
+
 def greedy_token(logits: torch.Tensor) -> int:
     """argmax of a [V] row; the lowest id wins ties. A row with NaN or +inf is an error
     (NonFiniteLogits), as for the sampled choice: argmax would pick the first NaN's id."""

@@ -31,7 +31,7 @@ import torch
 from hyspec.core.request import Request
 from hyspec.rng import Stream, u01
 from hyspec.sampling import (NonFiniteLogits, apply_penalties, coupled_speculative, coupled_token, draft_token,
-                             greedy_token, plain_token, row_probs, sample_index, speculative_sample)
+                             greedy_token, plain_token, row_probs, sample_index, speculative_sample, top_ids)
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 
@@ -148,9 +148,9 @@ class Sequence:
 def _logprob(row: torch.Tensor, tok: int, top: int):
     lp = torch.log_softmax(row.double(), -1)
     alts = []
-    if top:
-        v, i = torch.topk(lp, min(top, lp.shape[0]))
-        alts = list(zip(i.tolist(), v.tolist()))
+    if top:  # (ties by ascending id: the greedy token first among its equals)
+        i = top_ids(row, top)
+        alts = list(zip(i.tolist(), lp[i].tolist()))
     return float(lp[tok]), alts
 
 

@@ -32,6 +32,7 @@ import torch
 from hyspec.config import no_mtp_error
 from hyspec.core.round import commit_constraint, stop_cut
 from hyspec.rng import u01_tensor
+from hyspec.sampling import top_ids
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.gpu.batch import BatchDecoder, padded_size
@@ -442,7 +443,8 @@ class BatchRunner:
         j = torch.arange(t, device=x.device)[None, :]
         tok = torch.where(j < res[:, :1], torch.cat([res[:, 2: 2 + k], bonus], 1), bonus)  # [n, t]
         chosen = x.view(n, t, -1).gather(2, tok[..., None]).view(-1)
-        vals, ids = torch.topk(x, top)
+        ids = top_ids(x, top)  # (ties by ascending id, as the engine core's lists)
+        vals = x.gather(1, ids)
         return torch.cat([torch.logsumexp(x, -1), chosen, vals.flatten(), ids.flatten().float()]), top, lanes
 
     def _run_masked(self, nb: int, k: int, regime, plain: bool, pmin: bool = False) -> None:
