@@ -677,6 +677,8 @@ def test_serve_option_checks():
                 assert "in use" not in str(e)
         with pytest.raises(ValueError, match="in use"):  # "": every interface, as uvicorn binds it
             server.check_port("", v4.getsockname()[1])
+    with pytest.raises(ValueError, match="not an address of this machine"):  # (uvicorn said so after the load)
+        server.check_port("192.0.2.1", 8000)  # (TEST-NET-1: documentation only, on no interface)
     server.check_port("127.0.0.1", 0)
     server.check_port("127.0.0.1", 99999)  # (out of range: check() names --port)
 

@@ -107,8 +107,8 @@ def check(args) -> None:
 def check_port(host: str, port: int) -> None:
     """ValueError when the server's address is taken (or its host unknown), said before the
     model loads. Each address the host resolves to is bound as asyncio binds it for uvicorn
-    (SO_REUSEADDR; IPv6 sockets IPv6-only; "" is every interface); only "in use" is reported,
-    any other bind failure is left to uvicorn."""
+    (SO_REUSEADDR; IPv6 sockets IPv6-only; "" is every interface); "in use", "not an address of
+    this machine" and "permission denied" are reported, any other bind failure is left to uvicorn."""
     import errno
     import socket
 
@@ -134,6 +134,12 @@ def check_port(host: str, port: int) -> None:
                 if e.errno == errno.EADDRINUSE:
                     raise ValueError(f"cannot listen on {host}:{port}: the address is in use (--host / --port)") \
                         from None
+                if e.errno == errno.EADDRNOTAVAIL:  # (it resolves, but to no interface of this machine: uvicorn
+                    raise ValueError(f"cannot listen on {host}:{port}: {addr[0]} is not an address of this "  # said
+                                     "machine (--host; 0.0.0.0 listens on every interface)") from None  # so after the load
+                if e.errno == errno.EACCES:
+                    raise ValueError(f"cannot listen on {host}:{port}: permission denied (ports below 1024 need "
+                                     "privileges; --port)") from None
 
 
 def make_app(args):
