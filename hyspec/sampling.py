@@ -369,11 +369,12 @@ def top_ids(x: torch.Tensor, n: int) -> torch.Tensor:
     n = min(int(n), x.shape[-1])
     if x.dtype == torch.float64:
         return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :n]
-    bits = (x.float() + 0.0).view(torch.int32).to(torch.int64)  # (+ 0.0: -0.0 is +0.0, one key)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: their order reversed back
+    bits = (x.float() + 0.0).view(torch.int32)  # (+ 0.0: -0.0 is +0.0, one key; a copy, changed in place)
+    bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats: their order reversed back (arithmetic shift)
     V = x.shape[-1]
     tie = (V - 1) - torch.arange(V, device=x.device)  # the lower id, the larger key
-    return torch.topk(bits * (1 << 32) + tie, n, dim=-1).indices
+    key = bits.to(torch.int64).mul_(1 << 32).add_(tie)  # (in place: a [rows, V] logits pack is large)
+    return torch.topk(key, n, dim=-1).indices
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -381,10 +382,11 @@ def greedy_token(logits: torch.Tensor) -> int:
     (NonFiniteLogits), as for the sampled choice: argmax would pick the first NaN's id."""
     if logits.dim() != 1:
         raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
-    i = int(torch.argmax(logits))  # torch returns the first maximal index (a NaN's, a +inf's if any)
-    if not float(logits[i]) < math.inf:
+    i = torch.argmax(logits)  # torch returns the first maximal index (a NaN's, a +inf's if any)
+    idx, top = torch.stack([i.to(torch.float64), logits[i].to(torch.float64)]).tolist()  # (one read: on CUDA,
+    if not top < math.inf:  # one sync)
         raise NonFiniteLogits()
-    return i
+    return int(idx)
 
 
 # --------------------------------------------------------------------------------------

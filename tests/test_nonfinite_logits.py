@@ -75,3 +75,32 @@ def test_score_names_a_float32_overflow_as_the_checkpoint_s(ckpt):
     with pytest.raises(ValueError, match="in float32: its activations overflow even this dtype") as e:
         eng.score([1, POISON, 3, 4])
     assert "load it in float32" not in str(e.value)
+
+
+@pytest.mark.parametrize("draft", [0, 2])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)],
+                         ids=["greedy", "sampled"])
+def test_an_overflow_in_a_decode_round_ends_that_sequence_alone(ckpt, draft, params):
+    """The overflow comes from a generated token (a decode round, not the prompt's prefill):
+    the round's other sequences go on as their solo runs (the round's exception ended them
+    all, each with the poisoned one's NonFiniteLogits)."""
+    eng = Engine.load(str(ckpt))
+    m = eng.model
+    with torch.no_grad():  # _poison's wiring, without a poisoned token yet
+        m.model.embed_tokens.weight[:, 0] = 0.0
+        m.model.layers[0].linear_attn.out_proj.weight[0, :] = 0.0
+        m.model.layers[0].mlp.gate_proj.weight[:, 0] = 1e19
+        m.model.layers[0].mlp.up_proj.weight[:, 0] = 1e19
+    bad, others = [4, 5, 6, 7], [[1, 2, 3], [8, 9, 10]]
+    kw = dict(max_new_tokens=6, params=params, draft=draft, ignore_eos=True)
+    poison = eng.generate(bad, **{**kw, "max_new_tokens": 3}).tokens[1]  # chosen in a round, fed in the next
+    solo = [eng.generate(p, **kw).tokens for p in others]
+    assert poison not in bad and all(poison not in t and poison not in p for t, p in zip(solo, others))
+    with torch.no_grad():
+        m.model.embed_tokens.weight[poison] = 0.0
+        m.model.embed_tokens.weight[poison, 0] = 8.0
+    outs = eng.generate_batch([others[0], bad, others[1]], **kw)
+    assert outs[1].stop_reason == "error" and "NaN" in outs[1].stats["error"]
+    assert [outs[0].tokens, outs[2].tokens] == solo and outs[0].stop_reason == outs[2].stop_reason == "length"
+    with pytest.raises(ValueError, match="NaN"):
+        eng.generate(bad, **kw)

@@ -97,6 +97,7 @@ class Sequence:
         self.direct = 0  # tokens taken from an already-known target row, without a verify
         self.extra_bytes = 0
         self.reason: str | None = None
+        self.failure: Exception | None = None  # its own error in a round (NonFiniteLogits): it alone ends
         self.prefilled = 0  # prompt tokens run so far
         self.hidden_parts: list[torch.Tensor] = []  # prompt hiddens that seed the drafter
         self.forced_ref = (list(req.prompt_ids) + list(req.reference)) if opts and opts.forced_rates else None
@@ -446,7 +447,11 @@ def run_round(backend, seqs: list[Sequence], may_fork: bool = True) -> dict[Sequ
                 s.reason = "constraint"
                 emitted[s] = []
                 continue
-            tok = choose_token(masked(s.last_logits[0], m), s.history, s.params, rd.base)
+            try:
+                tok = choose_token(masked(s.last_logits[0], m), s.history, s.params, rd.base)
+            except NonFiniteLogits as e:  # this sequence's own error: it alone ends (Scheduler.step)
+                s.failure, emitted[s] = e, []
+                continue
             s.pending = tok
             s.direct += 1
             if s.speculative and rd.k == 0:  # the drafter did not run: its queued rows stay queued
@@ -471,7 +476,11 @@ def run_round(backend, seqs: list[Sequence], may_fork: bool = True) -> dict[Sequ
         rows = vlogits if s.pending is not None else torch.cat([s.last_logits, vlogits])
         if s.speculative:
             s.extra_bytes = max(s.extra_bytes, s.cache.record_nbytes() + rd.snap.nbytes())
-        res = accept(s, rd, rows)
+        try:
+            res = accept(s, rd, rows)
+        except NonFiniteLogits as e:  # the target's row overflowed: this sequence's error, not the batch's
+            s.failure, emitted[s] = e, []
+            continue
         if res is None:  # the constraint allows no token at all here
             _commit(s, rd, 0, vpre, vpost, rows, None)
             emitted[s], s.reason = [], "constraint"

@@ -173,8 +173,8 @@ class Scheduler:
                 return True
             self.rounds += 1
             for s in batch:
-                failure = constraint_failure(s.req)
-                if failure is not None:  # its grammar cannot go on: it alone ends, in error
+                failure = getattr(s, "failure", None) or constraint_failure(s.req)
+                if failure is not None:  # its grammar cannot go on, or its logits overflowed: it alone ends, in error
                     if s in txn:
                         txn[s].restore(s)
                     self._finish(s, "error", failure)
