@@ -104,3 +104,33 @@ def test_an_overflow_in_a_decode_round_ends_that_sequence_alone(ckpt, draft, par
     assert [outs[0].tokens, outs[2].tokens] == solo and outs[0].stop_reason == outs[2].stop_reason == "length"
     with pytest.raises(ValueError, match="NaN"):
         eng.generate(bad, **kw)
+
+
+@pytest.mark.parametrize("mode", ["rejection", "coupled"])
+def test_an_overflowing_verify_row_after_a_rejected_draft_is_not_needed(mode):
+    """Row j of a sampled round follows drafts[:j]: when draft 0 is rejected, row 1 is never
+    used (plain decoding would not have fed that draft), so its NaN must not end the
+    sequence (it did: every row's probabilities were formed first); when draft 0 is
+    accepted, row 1 decides the next token and its NaN is the sequence's error."""
+    from hyspec.core.round import sampled_accept
+    from hyspec.sampling import NonFiniteLogits, coupled_token, draft_token, row_probs
+
+    V, pos = 16, 7
+    params = SamplingParams(temperature=1.0, seed=3, mode=mode)
+    row0 = torch.full((V,), -1e4)
+    row0[[2, 5]] = 0.0  # the target: 2 or 5, never 9
+    nan = torch.full((V,), float("nan"))
+    q = torch.zeros(V)
+    q[9] = 1.0  # a drafter sure of 9
+    n, tok = sampled_accept(torch.stack([row0, nan]), [9], [q], [], params, pos)
+    p0 = row_probs(row0, [], params)
+    plain = coupled_token(p0, 3, pos) if mode == "coupled" else None
+    assert n == 0 and tok in (2, 5) and (plain is None or tok == plain)
+    sure = torch.full((V,), -1e4)
+    sure[2] = 0.0  # the target takes 2 for sure; so does the drafter
+    q2 = torch.zeros(V)
+    q2[2] = 1.0
+    d = coupled_token(row_probs(sure, [], params), 3, pos) if mode == "coupled" else draft_token(q2, 3, pos)
+    assert d == 2
+    with pytest.raises(NonFiniteLogits):
+        sampled_accept(torch.stack([sure, nan]), [2], [q2], [], params, pos)

@@ -409,14 +409,39 @@ def accept(seq: Sequence, rd: _Round, rows: torch.Tensor) -> tuple[int, int | No
                 n, tok = j, t
                 break
     else:
-        p_rows = torch.stack([row_probs(rows[j], hist + drafts[:j], params) for j in range(k + 1)])
-        if params.mode == "coupled":
-            n, tok = coupled_speculative(p_rows, drafts, params.seed, rd.first_draft_pos)
-        else:
-            q = torch.stack(rd.q_rows) if k else p_rows[:0]
-            n, tok = speculative_sample(p_rows, q, drafts, params.seed, rd.first_draft_pos)
+        n, tok = sampled_accept(rows, drafts, rd.q_rows, hist, params, rd.first_draft_pos)
     if dead_end and n == k:
         return k, None
+    return n, tok
+
+
+def sampled_accept(rows: torch.Tensor, drafts: list[int], q_rows: list, hist: list[int], params,
+                   position: int) -> tuple[int, int]:
+    """A sampled round's (accepted count, next token) from its k + 1 verify rows (rejection
+    or coupled mode). Row j follows drafts[:j]: a row that overflows (NonFiniteLogits) past
+    row 0 matters only if those drafts are all accepted, so the round is decided over the
+    drafts before it and the error raised only when it is reached (plain decoding, which
+    never feeds a rejected draft, would not have seen that row)."""
+    k = len(drafts)
+    p_list, bad = [], None
+    for j in range(k + 1):
+        try:
+            p_list.append(row_probs(rows[j], hist + drafts[:j], params))
+        except NonFiniteLogits as e:
+            if j == 0:
+                raise
+            bad = e
+            p_list.append(p_list[-1])  # a stand-in row j: it only decides a bonus that is not taken
+            break
+    k = len(p_list) - 1
+    p_rows = torch.stack(p_list)
+    if params.mode == "coupled":
+        n, tok = coupled_speculative(p_rows, drafts[:k], params.seed, position)
+    else:
+        q = torch.stack(list(q_rows[:k])) if k else p_rows[:0]
+        n, tok = speculative_sample(p_rows, q, drafts[:k], params.seed, position)
+    if bad is not None and n == k:  # the drafts before the overflowing row all accepted: it is needed
+        raise bad
     return n, tok
 
 
