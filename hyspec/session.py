@@ -52,6 +52,8 @@ import functools
 import hashlib
 import io
 import os
+import stat
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -76,6 +78,24 @@ def model_fingerprint(model) -> str:
         h.update(name.encode())
         h.update(repr(float(p.double().sum())).encode())
     return h.hexdigest()
+
+
+def model_info(model) -> dict:
+    """What a session file says of its model beside the fingerprint: the figures that name
+    the difference when the fingerprint does not match (another family, dtype, SSM dtype...)."""
+    cfg = model.cfg
+    return {"model_type": getattr(cfg, "model_type", None), "dtype": str(model.dtype).removeprefix("torch."),
+            "ssm_dtype": getattr(cfg, "mamba_ssm_dtype", None), "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers}
+
+
+def _model_mismatch(saved, here: dict) -> str:
+    """The refusal of a session saved with another model: what differs, where the file says."""
+    if isinstance(saved, dict):
+        diff = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in here.items() if saved.get(k, v) != v]
+        what = "; ".join(diff) if diff else "the same config and dtype, other weights"
+        return f"this session was saved with a different model ({what})"
+    return "this session was saved with a different model (config or weights differ)"
 
 
 _STATE_KEYS = ("state", "history", "digests")  # the states have their own digests (SeqState.digest)
@@ -554,6 +574,7 @@ class Session:
     def to_dict(self, extra: dict | None = None) -> dict:  # of one turn beside the rewind points of the one before)
         d = {
             "format": FORMAT, "model": model_fingerprint(self.engine.model),
+            "model_info": model_info(self.engine.model),  # (names what differs when the fingerprint does not match)
             "settings": {"draft": self.draft, "params": asdict(self.params),
                          "spec": None if self.spec is None else asdict(self.spec),
                          "max_new_tokens": self.max_new_tokens, "stop_ids": list(self.stop_ids),
@@ -591,10 +612,16 @@ class Session:
             raise ValueError(f"cannot save the session to {given}: it is not a regular file")
         if not path.parent.is_dir():
             raise FileNotFoundError(f"cannot save the session to {given}: the folder {path.parent} does not exist")
-        # written beside it, then moved over it: a failed or interrupted save leaves an older file whole
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # written beside it, then moved over it: a failed or interrupted save leaves an older file whole.
+        # The temporary name is this save's own (two threads saving to one path wrote one file at once:
+        # one failed, the file left unreadable), and an existing file's mode stays (was: umask's, 0644)
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             try:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                if mode is not None:
+                    os.chmod(tmp, mode)
                 torch.save(self.to_dict(extra), str(tmp))
             except RuntimeError as e:  # (torch's file writer: "open file failed ...")
                 raise OSError(f"cannot save the session to {given}: {str(e).strip().splitlines()[0][:200]}") from None
@@ -610,13 +637,15 @@ class Session:
             raise IsADirectoryError(f"{path} is a directory, not a session file")
         if not p.exists():
             raise FileNotFoundError(f"no session file {path}")
+        if not p.is_file():  # a pipe, a device, a socket (a FIFO blocked the load until a writer came)
+            raise ValueError(f"{path} is not a regular file, not a session file")
         try:
             d = torch.load(str(p), map_location="cpu", weights_only=True)
         except OSError:
             raise
         except Exception as e:  # not a torch file at all (pickle / zip errors of every kind)
-            raise ValueError(f"{path}: not a hyspec session file (torch.load cannot read it: {type(e).__name__})") \
-                from None
+            raise ValueError(f"{path}: not a hyspec session file, or a damaged (truncated?) one (torch.load cannot "
+                             f"read it: {type(e).__name__})") from None
         try:
             return cls.from_dict(engine, d)
         except (KeyError, TypeError, AttributeError, IndexError) as e:  # a torch file with the wrong contents
@@ -628,10 +657,14 @@ class Session:
     def from_dict(cls, engine, d: dict) -> "Session":
         from hyspec.speculative.loop import SpecOptions
 
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
+        fmt = d.get("format") if isinstance(d, dict) else None
+        if isinstance(fmt, str) and fmt.startswith("hyspec-session/") and fmt != FORMAT:
+            raise ValueError(f"a session file of format {fmt!r}, which this hyspec cannot read (it reads {FORMAT!r}: "
+                             f"a newer hyspec wrote it?)")
+        if fmt != FORMAT:
             raise ValueError(f"not a hyspec session file (expected format {FORMAT!r})")
         if d["model"] != model_fingerprint(engine.model):
-            raise ValueError("this session was saved with a different model (config or weights differ)")
+            raise ValueError(_model_mismatch(d.get("model_info"), model_info(engine.model)))
         digests = d.get("digests")  # (absent in files written before they were saved)
         if digests is not None and "record" in digests and digests["record"] != _record_digest(d):
             raise ValueError("the session file is damaged: its settings, replies, telemetry or extra are not the "

@@ -262,3 +262,61 @@ def test_a_damaged_or_edited_session_file_fails_at_load(zoo, tmp_path):
     st = s.state()
     with pytest.raises(ValueError, match="position"):
         Session.from_state(eng, type(st)(**{**st.__dict__, "pos": st.pos + 1}))
+
+
+def test_session_file_robustness(zoo, tmp_path):
+    """Saving and loading session files: two threads saving to one path never leave an
+    unreadable file (nor fail: each save writes its own temporary file); an existing file's
+    mode is kept; a huge declared layer count is a ValueError (was a list of that many
+    Nones: out of memory); a pipe is refused, not waited on; a newer format and another
+    dtype are named in the refusal."""
+    import stat
+    import threading
+
+    import torch
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=5)
+    a, b = eng.session(draft=3, max_new_tokens=MAX_NEW), eng.session(max_new_tokens=MAX_NEW)
+    a.send(msgs[0])
+    b.send(msgs[1])
+    f = tmp_path / "s.pt"
+    errors = []
+
+    def saver(s):
+        for _ in range(4):
+            try:
+                s.save(f)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+    for _ in range(6):
+        threads = [threading.Thread(target=saver, args=(s,)) for s in (a, b)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert Session.load(eng, f).tokens in (a.tokens, b.tokens)
+    assert errors == []
+    assert not [x for x in os.listdir(tmp_path) if x.endswith(".tmp")]
+    os.chmod(f, 0o600)
+    a.save(f)
+    assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
+
+    def edited(edit, name):
+        d = torch.load(f, weights_only=True)
+        edit(d)
+        torch.save(d, tmp_path / name)
+        return tmp_path / name
+
+    huge = edited(lambda d: d["state"]["meta"].__setitem__("n_linear", 10 ** 12), "huge.pt")
+    with pytest.raises(ValueError, match=r"huge\.pt: .*declares 1000000000000 layers"):
+        Session.load(eng, huge)
+    newer = edited(lambda d: d.__setitem__("format", "hyspec-session/2"), "newer.pt")
+    with pytest.raises(ValueError, match=r"newer\.pt: a session file of format 'hyspec-session/2'.*newer hyspec"):
+        Session.load(eng, newer)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="not a regular file"):
+        Session.load(eng, tmp_path / "fifo")
+    other = engine(zoo, "qwen3_5", dtype="float32")
+    with pytest.raises(ValueError, match=r"different model \(dtype 'float64' there, 'float32' here\)"):
+        Session.load(other, f)
+    assert Session.load(eng, f).tokens == a.tokens

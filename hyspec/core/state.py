@@ -149,6 +149,9 @@ class SeqState:
     @classmethod
     def from_dict(cls, d: dict, device="cpu") -> "SeqState":
         m, t = d["meta"], d["tensors"]
+        for key in ("n_linear", "n_attn"):  # (a huge count built a list of that many Nones: out of memory)
+            if not 0 <= int(m[key]) <= len(t):
+                raise ValueError(f"the state declares {m[key]} layers ({key}) but holds {len(t)} tensors")
         g = (lambda k: t[k].to(device) if k in t else None)
         return cls(tuple(int(x) for x in m["tokens"]), int(m["pos"]),
                    [g(f"conv.{i}") for i in range(m["n_linear"])], [g(f"ssm.{i}") for i in range(m["n_linear"])],
