@@ -575,6 +575,7 @@ class Session:
         d = {
             "format": FORMAT, "model": model_fingerprint(self.engine.model),
             "model_info": model_info(self.engine.model),  # (names what differs when the fingerprint does not match)
+            "tokenizer": None if self.engine.tokenizer is None else self.engine.tokenizer.fingerprint,
             "settings": {"draft": self.draft, "params": asdict(self.params),
                          "spec": None if self.spec is None else asdict(self.spec),
                          "max_new_tokens": self.max_new_tokens, "stop_ids": list(self.stop_ids),
@@ -665,6 +666,10 @@ class Session:
             raise ValueError(f"not a hyspec session file (expected format {FORMAT!r})")
         if d["model"] != model_fingerprint(engine.model):
             raise ValueError(_model_mismatch(d.get("model_info"), model_info(engine.model)))
+        saved_tok, tok = d.get("tokenizer"), engine.tokenizer  # (absent in files written before it was saved)
+        if saved_tok is not None and tok is not None and saved_tok != tok.fingerprint:
+            raise ValueError("this session was saved with another tokenizer (its tokenizer.json maps text to other "
+                             "ids: the transcript would read as other text, a constraint replay on other tokens)")
         digests = d.get("digests")  # (absent in files written before they were saved)
         if digests is not None and "record" in digests and digests["record"] != _record_digest(d):
             raise ValueError("the session file is damaged: its settings, replies, telemetry or extra are not the "

@@ -323,3 +323,27 @@ def test_session_file_robustness(zoo, tmp_path):
         with pytest.raises(ValueError, match=r"different model \(dtype 'float64' there, 'float32' here\)"):
             Session.load(engine(zoo, "qwen3_5", dtype="float32"), f)
     assert Session.load(eng, f).tokens == a.tokens
+
+
+def test_a_session_of_another_tokenizer_is_refused(tmp_path):
+    """The model's fingerprint covers config, dtype and weights: a session saved with one
+    tokenizer.json loaded in silence beside another (its transcript then read as other text)."""
+    import json
+    import shutil
+
+    from hyspec.tiny import make_tiny
+
+    make_tiny("qwen3_5", tmp_path / "a")
+    eng = Engine.load(str(tmp_path / "a"))
+    s = eng.session(max_new_tokens=3)
+    s.send("def f(x):")
+    s.save(tmp_path / "s.pt")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    tj = json.loads((tmp_path / "b" / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    x, y = sorted(vocab, key=vocab.get)[100:102]
+    vocab[x], vocab[y] = vocab[y], vocab[x]  # two tokens' ids swapped
+    (tmp_path / "b" / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        Session.load(Engine.load(str(tmp_path / "b")), tmp_path / "s.pt")
+    assert Session.load(Engine.load(str(tmp_path / "a")), tmp_path / "s.pt").tokens == s.tokens
