@@ -353,6 +353,37 @@ def test_engine_generate_batch_on_the_graph_path(tmp_path):
     assert graph_eligible([Request(prompt_ids=prompts[0], max_new_tokens=3, params=pen)]) is None
 
 
+def test_generate_batch_on_finish_fires_as_each_prompt_ends_on_the_graph_path(tmp_path):
+    """Engine.generate_batch's on_finish(i, output) runs "as each one ends" on the graph path
+    too, as on the engine core: a prompt that ends early is reported before the rounds of the
+    ones still running (`hyspec generate --prompts-file` writes its lines, moves its progress
+    bar and keeps the finished lines at a Ctrl-C through it). It ran only once the whole
+    batch had ended, in prompt order."""
+    from hyspec.engine import Engine
+
+    m = _model(tmp_path, "qwen3_5")
+    prompts, limits = [[5, 17, 99, 3], [8, 1], [60, 61]], [1, 6, 2]
+    for graphs in (False, True):
+        eng = Engine(m)
+        eng.batch_graphs = graphs
+        events, outs = [], {}
+
+        def finished(i, out):
+            events.append(("fin", i))
+            outs[i] = (out.samples[0].tokens, out.samples[0].stop_reason)
+
+        got = eng.generate_batch(prompts, max_new_tokens=limits, draft=[0, 1, 0], max_batch=2, ignore_eos=True,
+                                 on_tokens=lambda i, t: events.extend(("tok", i) for _ in t), on_finish=finished)
+        assert (got[0].samples[0].stats.get("path") == "batch-graphs") == graphs
+        assert outs == {i: (o.samples[0].tokens, o.samples[0].stop_reason) for i, o in enumerate(got)}
+        last_tok = {i: max(j for j, e in enumerate(events) if e == ("tok", i)) for i in range(3)}
+        # each on_finish right after its prompt's last token, before the next token of the longest
+        for i in (0, 2):
+            fin = events.index(("fin", i))
+            assert last_tok[i] < fin < last_tok[1], (graphs, i, events)
+        assert events[-1] == ("fin", 1), (graphs, events)
+
+
 def test_engine_generate_one_greedy_request_on_the_graph_path(tmp_path):
     """Engine.generate of one greedy request (plain and speculative) runs on the BatchDecoder
     too where graphs are available (every request a GPU can take has one decoder; forced

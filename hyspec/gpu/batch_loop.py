@@ -783,27 +783,25 @@ def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
 
 def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
     """Run hyspec.core Requests to their end on the BatchDecoder; fills tokens, stop_reason,
-    stats and calls on_tokens / on_finish like the engine core's scheduler does. store: the
-    prefix store the requests resume from (use_store) and leave their end states in
-    (store_state), as on the engine core."""
+    stats and calls on_tokens / on_finish like the engine core's scheduler does (on_finish
+    as each request ends, not once the whole batch has: a session turn's, whose end state
+    may have to be rebuilt on the idle decoder, after the run). store: the prefix store the
+    requests resume from (use_store) and leave their end states in (store_state), as on the
+    engine core."""
     forced = next((r.spec for r in reqs if r.draft > 0 and r.spec is not None and r.spec.forced_rates), None)
     runner = BatchRunner(dec, max_batch=max_batch, forced_rates=forced.forced_rates if forced else None,
                          forced_seed=forced.forced_seed if forced else 0)
     lanes = [lane_of(r, store=store) for r in reqs]
-    for r, lr in zip(reqs, lanes):
-        runner.check(lr)
-        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested)
-            def on_tokens(toks, inner=lr.on_tokens, r=r, lr=lr):
-                inner(toks)
-                if r.cancel_requested:
-                    runner.cancel(lr)
-            lr.on_tokens = on_tokens
-    t0 = time.perf_counter()
-    for lr in lanes:
-        runner.submit(lr)
-    runner.run()
-    wall = time.perf_counter() - t0
-    for r, lr in zip(reqs, lanes):
+    t0 = 0.0  # (set as the requests are submitted)
+    ended = set()  # the requests whose finish ran
+
+    def batch_stats() -> dict:
+        stats = runner.stats()
+        return {"batch_wall_s": time.perf_counter() - t0, "batch_round_tok_s": stats["round_tok_s"],
+                "batch_runner": stats}
+
+    def finish(r, lr) -> None:  # r's outputs from its lane, then its on_finish (once)
+        ended.add(id(r))
         r.tokens[:] = lr.tokens
         r.stop_reason = lr.reason or "length"
         if lr.error is not None:
@@ -816,7 +814,27 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
             if r.end_state is not None and lr.adaptive_floor is not None:
                 r.end_state.k_next = lr.k_next
         r.done = True
-        r.stats = {**lane_stats(lr, dec), "batch_wall_s": wall, "batch_round_tok_s": runner.stats()["round_tok_s"],
-                   "batch_runner": runner.stats()}
+        r.stats = {**lane_stats(lr, dec), **batch_stats()}
         if r.on_finish is not None:
             r.on_finish(r)
+
+    for r, lr in zip(reqs, lanes):
+        runner.check(lr)
+        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested)
+            def on_tokens(toks, inner=lr.on_tokens, r=r, lr=lr):
+                inner(toks)
+                if r.cancel_requested:
+                    runner.cancel(lr)
+            lr.on_tokens = on_tokens
+        if not r.keep:  # as it leaves its lane (state_of, for a session turn, needs the decoder idle)
+            lr.on_finish = lambda lr, r=r: finish(r, lr)
+    t0 = time.perf_counter()
+    for lr in lanes:
+        runner.submit(lr)
+    runner.run()
+    final = batch_stats()
+    for r, lr in zip(reqs, lanes):
+        if id(r) in ended:  # (its on_finish has run) the batch's figures as of its end: now the whole batch's
+            r.stats = {**r.stats, **final}
+        else:
+            finish(r, lr)
