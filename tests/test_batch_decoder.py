@@ -368,9 +368,12 @@ def test_generate_batch_on_finish_fires_as_each_prompt_ends_on_the_graph_path(tm
         eng.batch_graphs = graphs
         events, outs = [], {}
 
+        early = {}
+
         def finished(i, out):
             events.append(("fin", i))
             outs[i] = (out.samples[0].tokens, out.samples[0].stop_reason)
+            early[i] = out.samples[0].stats.get("batch_runner")
 
         got = eng.generate_batch(prompts, max_new_tokens=limits, draft=[0, 1, 0], max_batch=2, ignore_eos=True,
                                  on_tokens=lambda i, t: events.extend(("tok", i) for _ in t), on_finish=finished)
@@ -382,6 +385,10 @@ def test_generate_batch_on_finish_fires_as_each_prompt_ends_on_the_graph_path(tm
             fin = events.index(("fin", i))
             assert last_tok[i] < fin < last_tok[1], (graphs, i, events)
         assert events[-1] == ("fin", 1), (graphs, events)
+        if graphs:  # the figures handed over early count the round in progress: its tokens and its time
+            st = early[2]  # (they counted its tokens only: no rate after one round, then inflated ones)
+            assert st["rounds"] >= 1 and st["round_tokens"] > 0, st  # (prompt 0 ends at its prefill: no round)
+            assert st["rounds_s"] > 0 and st["round_tok_s"] == st["round_tokens"] / st["rounds_s"], st
 
 
 def test_engine_generate_one_greedy_request_on_the_graph_path(tmp_path):

@@ -130,6 +130,7 @@ class BatchRunner:
         self.active: list[LaneRequest] = []  # active[i] sits in lane i
         self.round = 0  # rounds launched (and idle rounds waiting for a later arrival)
         self.prefill_s = self.rounds_s = 0.0
+        self._round_t0 = None  # perf_counter at the start of the round in progress (stats() counts it)
         self.wait_s = 0.0  # of rounds_s: the host waiting for a round's result (the rest is host work)
         self.tokens = 0  # tokens the rounds emitted (the prefills' first tokens not counted)
         self.constraint_s = 0.0  # host seconds in the constraints (masks and commits; the first tokens' included)
@@ -207,8 +208,10 @@ class BatchRunner:
     def stats(self) -> dict:
         """Timing so far: prefill and rounds apart."""
         g = self.dec.step_graphs
-        return {"prefill_s": self.prefill_s, "rounds_s": self.rounds_s, "wait_s": self.wait_s, "rounds": self.round,
-                "round_tokens": self.tokens, "round_tok_s": self.tokens / self.rounds_s if self.rounds_s > 0 else None,
+        t0 = self._round_t0  # (a lane that leaves inside a round: its tokens are counted, so is its time so far)
+        rounds_s = self.rounds_s + (time.perf_counter() - t0 if t0 is not None else 0.0)
+        return {"prefill_s": self.prefill_s, "rounds_s": rounds_s, "wait_s": self.wait_s, "rounds": self.round,
+                "round_tokens": self.tokens, "round_tok_s": self.tokens / rounds_s if rounds_s > 0 else None,
                 "constraint_s": self.constraint_s, "masked_rounds": self.masked_rounds, "store_s": self.store_s,
                 "graph_captures": g.captures - self._captures0[0], "graph_capture_s": g.capture_s - self._captures0[1]}
 
@@ -225,7 +228,7 @@ class BatchRunner:
                     self.round += 1
                     return True
                 return False
-        t0 = time.perf_counter()
+        t0 = self._round_t0 = time.perf_counter()
         if self._inflight is None:
             self._inflight = self._launch()
         nxt = self._launch() if self._may_queue_next(self._inflight[2]) else None
@@ -239,6 +242,7 @@ class BatchRunner:
         if self._inflight is None:
             self._leave()
         self.rounds_s += time.perf_counter() - t0
+        self._round_t0 = None
         return True
 
     def _take_handed(self) -> None:
