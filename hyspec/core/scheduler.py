@@ -173,7 +173,7 @@ class Scheduler:
                 return True
             self.rounds += 1
             for s in batch:
-                failure = getattr(s, "failure", None) or constraint_failure(s.req)
+                failure = s.failure or constraint_failure(s.req)
                 if failure is not None:  # its grammar cannot go on, or its logits overflowed: it alone ends, in error
                     if s in txn:
                         txn[s].restore(s)
