@@ -35,7 +35,7 @@ from hyspec.config import no_mtp_error
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
 from hyspec.decode import GREEDY, generate_plain
-from hyspec.loading import load_model, parse_dtype
+from hyspec.loading import load_model, parse_dtype, resolve_model_dir
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
 from hyspec.sampling import ParamError, SamplingParams, as_bool, as_int, top_ids
@@ -418,14 +418,16 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
              ssm_dtype: str | None = None) -> "Engine":
-        """The checkpoint at `path` (a user's ~ expanded; default: the embedded model). ssm_dtype: the Gated
-        DeltaNet state's storage dtype (hyspec.loading.load_model: "float32" by default,
-        "bfloat16" halves a slot's state bytes and rounds the state after every token)."""
+        """The checkpoint at `path` (a user's ~ expanded; a Hugging Face model id, `org/name`, comes
+        from huggingface_hub's cache or is downloaded there: hyspec.loading.resolve_model_dir;
+        default: the embedded model). ssm_dtype: the Gated DeltaNet state's storage dtype
+        (hyspec.loading.load_model: "float32" by default, "bfloat16" halves a slot's state bytes
+        and rounds the state after every token)."""
         if (path is not None and not isinstance(path, (str, os.PathLike))) or path == "":
             raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
                              "model")
-        path = Path(path).expanduser() if path is not None else default_model_dir()
-        check_device(device)
+        check_device(device)  # (before a download)
+        path = resolve_model_dir(path) if path is not None else default_model_dir()
         if (path / "tokenizer.json").is_dir():  # (before the weights load)
             raise ValueError(f"{path / 'tokenizer.json'} is a directory, not the tokenizer's file")
         model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)

@@ -254,18 +254,81 @@ def stage_keeps(key: str, layers: range, last: bool) -> bool:
 FP8_MODES = ("keep", "dequantize")
 
 
-def check_model_dir(path: str | Path) -> Path:
-    """`path` as a Path when it is a directory, else a CheckpointError naming what it is."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
+# what a checkpoint directory needs (config, weights, their index, tokenizer, chat template);
+# a repository's README, images, other weight formats are not downloaded
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja"]
+
+
+def is_hub_id(raw: str) -> bool:
+    """Whether `raw` reads as a Hugging Face model id, `org/name` or `org/name@revision`."""
+    return bool(_HUB_ID.match(raw)) and ".." not in raw
+
+
+def _complete_snapshot(path: Path) -> bool:
+    """Whether a cached snapshot holds a checkpoint: config.json and its weights (every shard
+    its index names, or some *.safetensors without one)."""
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError, AttributeError):
+            return False
+        return bool(shards) and all((path / s).is_file() for s in shards)
+    return any(path.glob("*.safetensors"))
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A checkpoint directory from what a user gave: a path (a user's ~ expanded), or, when
+    a str names no existing path, a Hugging Face model id (`org/name`, `org/name@revision`), whose
+    snapshot huggingface_hub takes from its cache (HF_HUB_CACHE, default
+    ~/.cache/huggingface/hub) or downloads there (config, *.safetensors, tokenizer and
+    template files; HF_HUB_OFFLINE=1: the cache only; HF_TOKEN for a gated model).
+    CheckpointError naming the id and why when it can be neither."""
     raw = str(path)
-    path = Path(path)
+    p = Path(raw).expanduser()
+    if not isinstance(path, str) or p.exists() or not is_hub_id(raw):  # (a Path is a path: a resolved one too)
+        return p
+    repo, _, revision = raw.partition("@")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # (tokenizers needs it, so it is there; a broken install may still lack it)
+        raise CheckpointError(f"model directory {raw} does not exist; as a Hugging Face model id it needs the "
+                              f"huggingface_hub package (pip install huggingface_hub)") from None
+    try:  # a complete snapshot in the cache is used as it is, without asking the Hub (`hf download` updates it)
+        got = Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES, local_files_only=True))
+        if _complete_snapshot(got):
+            return got
+    except Exception:  # noqa: BLE001 - not cached (or not wholly): downloaded below
+        pass
+    try:
+        got = snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - every hub failure becomes one line naming it
+        first = (str(e).strip().splitlines() or [""])[0].strip()
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        raise CheckpointError(f"model directory {raw} does not exist, and as a Hugging Face model id it is neither "
+                              f"in the local cache nor could it be downloaded ({why})") from None
+    got = Path(got)
+    if not _complete_snapshot(got):  # (offline, a partial cache comes back as it is; or a repo without safetensors)
+        raise CheckpointError(f"Hugging Face model {raw}: its snapshot {got} lacks config.json or *.safetensors "
+                              f"weights (hyspec reads safetensors checkpoints; offline (HF_HUB_OFFLINE) nothing "
+                              f"missing is downloaded)")
+    return got
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """`path` as a Path when it is a directory (a Hugging Face model id resolved to its cached
+    snapshot: resolve_model_dir), else a CheckpointError naming what it is."""
+    path = resolve_model_dir(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"model path {path} is a file, not a directory: give the checkpoint directory "
                               f"(config.json + *.safetensors)")
     if not path.is_dir():
-        hub = raw.count("/") == 1 and not raw.startswith((".", "/", "~")) and all(raw.split("/"))
-        hint = (f" (hyspec loads a local checkpoint directory: if {raw} is a Hugging Face model id, download it "
-                f"first, e.g. `hf download {raw} --local-dir DIR`, then give --model DIR)") if hub else ""
-        raise CheckpointError(f"model directory {path} does not exist{hint}")
+        raise CheckpointError(f"model directory {path} does not exist")
     return path
 
 

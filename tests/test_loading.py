@@ -4,6 +4,7 @@ with a CheckpointError / ConfigError that names what is wrong."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -547,15 +548,74 @@ def test_a_weight_beyond_float16s_range_is_not_called_damage(ckpt):
         load_model(ckpt, dtype="float32")
 
 
-def test_a_hugging_face_model_id_given_for_a_directory_gets_a_hint(tmp_path, monkeypatch):
-    """`--model Qwen/Qwen3.5-27B` (a hub id: hyspec does not download) said only "model
-    directory Qwen/Qwen3.5-27B does not exist"."""
+def _hub_cache(root: Path, repo: str, sha: str, files_from: Path | None) -> Path:
+    """A Hugging Face hub cache under `root` holding `repo` at commit `sha` as `main`
+    (huggingface_hub's layout: models--org--name/refs/main, snapshots/<sha>/...)."""
+    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    snap = repo_dir / "snapshots" / sha
+    snap.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(sha)
+    if files_from is not None:
+        for f in files_from.iterdir():
+            shutil.copy(f, snap / f.name)
+    return snap
+
+
+def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path):
+    """`--model org/name` (as vLLM, SGLang and transformers take it) is the model's snapshot in
+    huggingface_hub's cache (downloaded there when missing): it said only "model directory
+    Qwen/Qwen3.5-27B does not exist". Offline here: a cached id loads, the same tokens as its
+    directory; one not cached (or cached without its weights) is one line naming the id; a
+    path that does not exist is not taken for an id."""
+    from cli_helpers import cli_many
+
+    from hyspec.tiny import make_tiny
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    ckpt = make_tiny("qwen3_5", tmp_path / "ckpt", seed=3)
+    hub = tmp_path / "hub"
+    _hub_cache(hub, "acme/tiny", sha, ckpt)
+    part = _hub_cache(hub, "acme/part", sha, None)  # (a config fetched alone, no weights)
+    shutil.copy(ckpt / "config.json", part / "config.json")
+    gen = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "6", "--draft", "2", "--json"]
+    calls = [[*gen, "--model", str(ckpt)], [*gen, "--model", "acme/tiny"], [*gen, "--model", f"acme/tiny@{sha}"],
+             [*gen, "--model", "acme/missing"], [*gen, "--model", "acme/part"], [*gen, "--model", "no/such/dir"],
+             [*gen, "--model", "./acme/other"],
+             ["score", "--model", "acme/tiny", "--text", "def f(x): return x", "--json"]]
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    res = cli_many(calls, env=env, cwd=tmp_path)
+    want = json.loads(res[0][1])["tokens"]
+    for code, out, err in res[1:3]:
+        assert code == 0, err
+        assert json.loads(out)["tokens"] == want
+    for (code, out, err), want_msg in zip(res[3:5], (
+            "model directory acme/missing does not exist, and as a Hugging Face model id it is neither in the "
+            "local cache nor could it be downloaded",
+            "Hugging Face model acme/part: its snapshot ")):
+        assert code != 0 and "Traceback" not in err, err
+        msg = err.strip().splitlines()
+        assert len(msg) == 1 and want_msg in msg[0], err
+    for (code, _, err), path in zip(res[5:7], ("no/such/dir", "acme/other")):  # (./acme/other: a path)
+        assert code != 0 and f"model directory {path} does not exist" in err and "Hugging Face" not in err, err
+    assert res[7][0] == 0, res[7][2]
+    # `hyspec serve --model acme/tiny` answers to the id
+    import subprocess
+    import sys
+
+    code = ("from hyspec.server import build_parser, make_app; "
+            "args = build_parser().parse_args(['--model', 'acme/tiny@%s', '--no-prefix-store', '--no-warm-up']); "
+            "print(make_app(args).state.hyspec.cfg.served_model_name)" % sha)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **env})
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "acme/tiny", r.stderr[-2000:]
+    # a directory that exists wins over an id of the same spelling
     from hyspec.loading import check_model_dir
 
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(CheckpointError, match=r"does not exist \(hyspec loads a local checkpoint directory: .*"
-                                              r"`hf download Qwen/Qwen3.5-27B --local-dir DIR`"):
-        check_model_dir("Qwen/Qwen3.5-27B")
-    for path in ("./Qwen/x", "/no/such", "nothing"):  # (a path, not an id: no hint)
-        with pytest.raises(CheckpointError, match=r"does not exist$"):
-            check_model_dir(path)
+    shutil.copytree(ckpt, tmp_path / "acme" / "tiny")
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert check_model_dir("acme/tiny") == Path("acme/tiny")
+    finally:
+        os.chdir(cwd)

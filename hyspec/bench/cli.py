@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "qwen3-next-80b-a3b-fp8 preset is FP8 anyway")
     ap.add_argument("--slot-lengths", default="4096,32768,131072",
                     help="context lengths for the 'sequence slots that fit beside the weights' report")
-    ap.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory (overrides --config)")
+    ap.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory or Hugging Face model id (overrides --config)")
     ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--ssm-dtype", default=None, choices=SSM_CHOICES,
@@ -188,7 +188,8 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         from hyspec.config import ModelConfig
         from hyspec.loading import check_model_dir
 
-        ModelConfig.from_dir(check_model_dir(args.model))  # (a missing or malformed config.json too)
+        args.model = str(check_model_dir(args.model))  # (a Hugging Face id: its snapshot, fetched once)
+        ModelConfig.from_dir(args.model)  # (a missing or malformed config.json too)
     if args.config is None:  # the 2.3 B bench model takes ~10 GB and minutes per figure on a CPU
         args.config = "qwen3-next-2b-dense" if dev.type == "cuda" else "tiny"
     elif dev.type != "cuda" and args.model is None and args.config in ("qwen3-next-2b-dense", "b2"):

@@ -124,7 +124,7 @@ def check_out_dir(path, flag: str = "--out") -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory, or a Hugging Face model id (org/name[@revision]: from the local cache, else downloaded) (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=("auto",) + DTYPE_NAMES,
                    help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

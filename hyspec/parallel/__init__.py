@@ -41,6 +41,7 @@ def check_launch(argv: list[str], stages: int) -> None:
     least N layers (config.json only)."""
     from hyspec.config import ModelConfig
     from hyspec.engine import check_device, default_model_dir
+    from hyspec.loading import resolve_model_dir
     from hyspec.parallel.pipeline import env_number
 
     for name in ("HYSPEC_PP_TIMEOUT", "HYSPEC_PP_JOIN_TIMEOUT"):  # (each rank said it, then the launcher)
@@ -53,7 +54,7 @@ def check_launch(argv: list[str], stages: int) -> None:
         if torch.cuda.device_count() < stages:
             raise ValueError(f"--pp {stages} --device cuda puts rank r on cuda:r: this machine has "
                              f"{torch.cuda.device_count()} GPU(s)")
-    cfg = ModelConfig.from_dir(margs.model or default_model_dir())
+    cfg = ModelConfig.from_dir(resolve_model_dir(margs.model) if margs.model else default_model_dir())
     if stages > cfg.num_hidden_layers:
         raise ValueError(f"--pp {stages}: the model has {cfg.num_hidden_layers} layers; each stage needs at least one")
 
@@ -367,14 +368,13 @@ def check_stages(link, ranges) -> None:
 
 def active_engine(path, *, dtype: str, device: str, ssm_dtype: str | None = None):
     """In a pipeline driver: the Engine over this rank's (last) stage with PipelineBackend."""
-    from pathlib import Path
-
     from hyspec.engine import Engine, default_model_dir
+    from hyspec.loading import resolve_model_dir
     from hyspec.parallel.pipeline import PipelineBackend, load_stage
     from hyspec.tokenizer import Tokenizer
 
     a = ACTIVE
-    path = Path(path) if path is not None else default_model_dir()
+    path = resolve_model_dir(path) if path is not None else default_model_dir()
     model = load_stage(path, a["world"], a["rank"], dtype=dtype, device=a["device"], ssm_dtype=ssm_dtype)
     from hyspec.parallel.pipeline import stage_ranges
 

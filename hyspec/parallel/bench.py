@@ -97,7 +97,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     tmp = None
     path = args.model
-    if path is None:
+    if path is not None:
+        from hyspec.loading import resolve_model_dir
+
+        path = resolve_model_dir(path)
+    else:
         from hyspec.tiny import make_tiny
 
         tmp = tempfile.TemporaryDirectory()

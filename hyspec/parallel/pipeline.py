@@ -707,8 +707,9 @@ def env_number(name: str, default: float, integer: bool = False) -> float:
 def load_stage(path, world: int, rank: int, *, dtype="auto", device="cpu", ssm_dtype=None) -> HybridLM:
     """This rank's stage of the checkpoint at `path` (only its layers' tensors are read)."""
     from hyspec.config import ModelConfig
-    from hyspec.loading import load_model, parse_dtype
+    from hyspec.loading import load_model, parse_dtype, resolve_model_dir
 
+    path = resolve_model_dir(path)
     cfg = ModelConfig.from_dir(path)
     ranges = stage_ranges(cfg, world, parse_dtype(dtype, device))
     return load_model(path, dtype=dtype, device=device, layers=ranges[rank], ssm_dtype=ssm_dtype)

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
             return action.help if action.default is None else super()._get_help_string(action)
 
     p = OneLineParser(prog="hyspec serve", description="OpenAI-compatible server (docs/server.md)", formatter_class=Help)
-    p.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=None, type=os.path.expanduser, help="checkpoint directory, or a Hugging Face model id (org/name[@revision]: from the local cache, else downloaded) (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="sequences waiting for a batch slot; beyond: 429")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: hyspec-default for the embedded model, else the directory name)")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: hyspec-default for the embedded model, else the directory name, or the Hugging Face id as given)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--no-prefix-store", action="store_true",
                    help="do not keep finished requests' end states in the prefix store nor resume prompts from it")
@@ -178,7 +178,15 @@ def make_app(args):
         eng.store = PrefixStore(
             budget_bytes=STORE_BYTES if args.prefix_store_bytes is None else args.prefix_store_bytes,
             host_budget_bytes=STORE_HOST_BYTES if args.prefix_store_host_bytes is None else args.prefix_store_host_bytes)
-    name = args.served_model_name or ("hyspec-default" if args.model is None else Path(args.model).resolve().name)
+    if args.served_model_name:
+        name = args.served_model_name
+    elif args.model is None:
+        name = "hyspec-default"
+    else:  # a Hugging Face id: the id (as clients name it), else the directory's name
+        from hyspec.loading import is_hub_id
+
+        hub = is_hub_id(args.model) and not Path(args.model).expanduser().exists()
+        name = args.model.partition("@")[0] if hub else Path(args.model).expanduser().resolve().name
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                        prefix_store=not args.no_prefix_store, warm_up=False if args.no_warm_up else None,
