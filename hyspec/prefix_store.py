@@ -76,6 +76,7 @@ class PrefixStore:
         self._lengths: Counter = Counter()
         self.hits = self.misses = self.tokens_saved = 0
         self.demotions = self.promotions = self.evictions = self.identity_failures = 0
+        self._owner = None  # weakref to the Engine it serves (Engine.store: one engine's states, one model's)
 
     # -- contents ----------------------------------------------------------------------
     @_locked

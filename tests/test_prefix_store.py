@@ -323,3 +323,41 @@ def test_stats_read_from_another_thread_while_the_engine_thread_puts_and_looks_u
         t.join()
         sys.setswitchinterval(old)
     assert not errors, errors[:1]
+
+
+def test_a_store_serves_one_engine(zoo):
+    """A PrefixStore given to a second engine (here another state dtype: the Gated DeltaNet
+    state rounded to bfloat16 after every token) was taken: its entries are keyed by tokens
+    alone, so the second engine resumed from the first model's states (restore_into put a
+    float64 state into its slot: the first model's computation, not its own). Now the store
+    is refused while the first engine holds it, and free again once it lets it go."""
+    import gc
+
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.prefix_store import PrefixStore
+
+    path = zoo.path("tiny", "qwen3_5")
+    a = Engine(load_model(path, dtype="float64"))
+    b = Engine(load_model(path, dtype="float64", ssm_dtype="bfloat16"))
+    store = PrefixStore()
+    a.store = store
+    s = a.session(max_new_tokens=12)
+    s.send([5, 6, 7, 8, 9, 10, 11] * 4)
+    with pytest.raises(ValueError, match="this PrefixStore already serves another Engine"):
+        b.store = store
+    with pytest.raises(ValueError, match="already serves another Engine"):
+        b.store = a.store
+    assert b._store is None and a.store is store  # (neither changed)
+    prompt = s.tokens + [3, 4]
+    assert b.generate(prompt, max_new_tokens=2).stats["cached_tokens"] == 0  # b's own store
+    a.store = a.store  # (the same engine again: fine)
+    a.store = None  # let go: b may take it
+    b.store = store
+    assert b.store is store
+    c = Engine(load_model(path, dtype="float64"))
+    store2 = PrefixStore()
+    c.store = store2
+    del c
+    gc.collect()
+    b.store = store2  # (its engine is gone)
