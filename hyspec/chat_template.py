@@ -1,10 +1,11 @@
 """Chat templates: a checkpoint's `chat_template` rendered the way Hugging Face
 transformers renders it, or a documented plain template when the checkpoint has none.
 
-Where the template comes from (first found):
-  1. tokenizer_config.json "chat_template": a string, or a list of {"name", "template"}
+Where the template comes from (first found, as transformers' AutoTokenizer loads it):
+  1. chat_template.jinja next to tokenizer_config.json (newer transformers save it there;
+     transformers gives it priority over a template entry in the tokenizer config);
+  2. tokenizer_config.json "chat_template": a string, or a list of {"name", "template"}
      (the one named "default", else the first);
-  2. chat_template.jinja next to it (newer transformers save it there);
   3. PLAIN_TEMPLATE: every message's content as is, concatenated, no role markers.
      The embedded default model is a Python *code* model, not an instruction-tuned chat
      model: with the plain template a chat with it is "type code, the model continues it".
@@ -15,7 +16,9 @@ environment with trim_blocks and lstrip_blocks, the loopcontrols extension, a `t
 filter, the `raise_exception(message)` and `strftime_now(format)` globals, and the
 variables messages, add_generation_prompt, bos_token / eos_token / unk_token / pad_token
 (from tokenizer_config.json; a string or an AddedToken dict), tools=None, documents=None,
-plus any extra keyword arguments (the server's `chat_template_kwargs`).
+plus any extra keyword arguments (the server's `chat_template_kwargs`). A message's reasoning
+given as `reasoning` or `thinking` also reaches the template as `reasoning_content` (as
+transformers aliases them: _alias_reasoning).
 
 This is the one implementation: `hyspec chat` (hyspec/chat.py) and the server
 (hyspec/server/state.py, ServerState.render_chat) both use it.
@@ -102,6 +105,12 @@ def load_template(model_dir) -> tuple[str, str, dict]:
             raise TemplateError(f"{where}: the top level must be a JSON object")
     special = {k: _token_text(cfg.get(k)) for k in _SPECIAL}
     special = {k: v if isinstance(v, str) else None for k, v in special.items()}
+    if d is not None and (d / "chat_template.jinja").is_file():  # (transformers: it wins over the config's)
+        try:
+            return (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja", special
+        except UnicodeDecodeError as e:
+            raise TemplateError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start + 1})") \
+                from None
     tpl = cfg.get("chat_template")
     if isinstance(tpl, list):
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
@@ -111,12 +120,6 @@ def load_template(model_dir) -> tuple[str, str, dict]:
                             f"{type(tpl).__name__}")
     if isinstance(tpl, str) and tpl:
         return tpl, "tokenizer_config.json", special
-    if d is not None and (d / "chat_template.jinja").is_file():
-        try:
-            return (d / "chat_template.jinja").read_text(encoding="utf-8"), "chat_template.jinja", special
-        except UnicodeDecodeError as e:
-            raise TemplateError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start + 1})") \
-                from None
     return PLAIN_TEMPLATE, "plain", special
 
 
@@ -124,6 +127,22 @@ def render_chat(messages: list[dict], model_dir, add_generation_prompt: bool = T
     """The conversation as the model's prompt text (see the module docstring)."""
     source, _, special = load_template(model_dir)
     return render_template(source, messages, add_generation_prompt, special)
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a turn's reasoning
+
+
+def _alias_reasoning(message):
+    """A message's reasoning under each name templates read, as transformers'
+    apply_chat_template passes it: the first of REASONING_FIELDS that is set becomes
+    `reasoning_content` (what the Qwen templates read; vLLM's newer API and others send it
+    back as `reasoning`) and, unless given, `thinking`."""
+    if not isinstance(message, dict):
+        return message
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def render_template(source: str, messages: list[dict], add_generation_prompt: bool = True,
@@ -142,6 +161,7 @@ def render_template(source: str, messages: list[dict], add_generation_prompt: bo
         # names it (Qwen's: they test role == "system") would drop such a message in silence
         messages = [dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
+    messages = [_alias_reasoning(m) for m in messages]
     variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
     try:
         return _compile(source).render(variables)  # (a dict: a variable may be called "self")

@@ -43,7 +43,10 @@ class Reply:
         elif self.mode in ("named", "required"):
             self.calls = parse_forced(answer, self.tools)
             content = "" if self.calls else answer  # an incomplete "required" array stays text
-        msg = {"role": "assistant", "content": content if content or not self.calls else None}
+        # (null without text when the reply is calls, or is meant to be: a forced call's stream opens
+        # with content null and sends no "" piece, so a forced reply cut before any output is null too)
+        msg = {"role": "assistant",
+               "content": content if content or not (self.calls or self.mode in ("named", "required")) else None}
         if reasoning:  # (an empty thinking block: no field, as a stream, which never sends an empty piece)
             msg["reasoning_content"] = reasoning
         if self.calls:

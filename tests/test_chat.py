@@ -97,10 +97,32 @@ def test_template_sources(tmp_path):
                        tmp_path) == "def f():\n  pass"
     (tmp_path / "chat_template.jinja").write_text(CHATML)
     assert load_template(tmp_path)[1] == "chat_template.jinja"
+    (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "tool_use", "template": "x"}, {"name": "default", "template": CHATML}]}))
     src, where, _ = load_template(tmp_path)
     assert (src, where) == (CHATML, "tokenizer_config.json")
+
+
+def test_chat_template_jinja_wins_over_the_config_template_as_in_transformers(tmp_path):
+    """A checkpoint with both a tokenizer_config.json chat_template and a chat_template.jinja
+    (the file transformers saves, and the one it loads first): hyspec rendered the config's
+    (older) template, transformers' apply_chat_template (and vLLM) the .jinja file."""
+    msgs = [{"role": "user", "content": "hi"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "OLD {{ messages[0].content }}",
+                                                                "eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text("NEW {{ messages[0].content }} {{ eos_token }}")
+    src, where, special = load_template(tmp_path)
+    assert where == "chat_template.jinja" and special["eos_token"] == "<|im_end|>"
+    assert render_chat(msgs, tmp_path) == "NEW hi <|im_end|>"
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.apply_chat_template(msgs, tokenize=False) == render_chat(msgs, tmp_path)
 
 
 def chat(lines: list[str], *flags: str) -> tuple[list[dict], str]:
@@ -888,3 +910,38 @@ def test_chat_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "reply length limit per turn (default: 128)" in " ".join(capsys.readouterr().out.split())
+
+
+# a template that shows an assistant turn's reasoning the way the Qwen templates do (in our words)
+REASONING_TPL = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}"
+                 "{% if m.role == 'assistant' and m.reasoning_content is string %}"
+                 "{{ '<think>' + m.reasoning_content + '</think>' }}{% endif %}"
+                 "{{ m.content + '<|im_end|>\\n' }}{% endfor %}")
+
+
+def test_a_reasoning_field_reaches_the_template_as_reasoning_content_as_in_transformers():
+    """An assistant message sent back with its thinking under `reasoning` (vLLM's newer name,
+    OpenRouter's) or `thinking`: transformers' apply_chat_template gives the template it as
+    `reasoning_content` too (what the Qwen templates read); hyspec dropped it from the prompt."""
+    from hyspec.chat_template import ChatTemplate, normalize_messages
+
+    tpl = ChatTemplate(REASONING_TPL)
+    want = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>r1</think>a<|im_end|>\n"
+    for field in ("reasoning_content", "reasoning", "thinking"):
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: "r1"}]
+        assert tpl.render(normalize_messages(msgs), add_generation_prompt=False) == want, field
+    # reasoning_content wins over the other names; a null one does not count
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r1", "reasoning": "x", "thinking": "y"}]
+    assert tpl.render(normalize_messages(msgs), add_generation_prompt=False) == want
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": None, "reasoning": "r1"}]
+    assert tpl.render(normalize_messages(msgs), add_generation_prompt=False) == want
+    pytest.importorskip("transformers")
+    from transformers.utils import chat_template_utils as hf
+
+    if not hasattr(hf, "_alias_reasoning_fields"):
+        pytest.skip("this transformers does not alias reasoning fields")
+    for field in ("reasoning", "thinking"):
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: "r1"}]
+        assert hf.render_jinja_template([msgs], chat_template=REASONING_TPL)[0][0] == want

@@ -929,3 +929,20 @@ def test_reasoning_effort_reaches_the_template(tmp_path):
             r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=1, temperature=0, **kw)
             assert r.usage.prompt_tokens == len(encode(want)), kw
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_before_any_output_has_null_content_whole_and_streamed(choice):
+    """tool_choice required / named, cut by max_tokens before the model wrote anything of the
+    call (here: still thinking): the whole reply said content "" while its stream (whose role
+    chunk opens with content null, docs/server.md: "as the whole reply's") adds up to null."""
+    from hyspec.reply import Reply
+
+    spec = check_tools([WEATHER, CLOCK], choice)
+    for think, text in ((True, "still thinking"), (None, "")):
+        reply = Reply.of(spec, think, constrained=True)
+        msg = reply.whole(text)
+        stream = Reply.of(spec, think, constrained=True)
+        pieces = [stream.delta(text[:i], False) for i in range(1, len(text))] + [stream.delta(text, True)]
+        assert not any("content" in p for p in pieces)  # the stream sends no content: null, from its role chunk
+        assert msg["content"] is None and "tool_calls" not in msg
