@@ -69,6 +69,23 @@ from hyspec.speculative.telemetry import SpecTelemetry
 FORMAT = "hyspec-session/1"
 
 
+FINGERPRINT_CHUNK = 1 << 24  # elements summed per float64 copy (128 MiB of temporary at most)
+
+
+def _sum64(p: torch.Tensor) -> float:
+    """A tensor's sum in float64, its float64 copy made a chunk at a time: the whole copy of a
+    large model's embedding (1.27 G elements in Qwen3.5-27B: 10 GB) could not be allocated
+    beside the weights and slots on the device. A tensor of at most one chunk sums as a
+    whole (the fingerprint of every model without larger tensors is what it was)."""
+    flat = p.detach().reshape(-1)
+    if flat.numel() <= FINGERPRINT_CHUNK:
+        return float(flat.double().sum())
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for i in range(0, flat.numel(), FINGERPRINT_CHUNK):
+        total += flat[i:i + FINGERPRINT_CHUNK].double().sum()
+    return float(total)
+
+
 def model_fingerprint(model) -> str:
     """Identifies a model's config and weights (a saved session loads only into the same model)."""
     h = hashlib.blake2b(digest_size=12)
@@ -76,7 +93,7 @@ def model_fingerprint(model) -> str:
     h.update(str(model.dtype).encode())
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(repr(float(p.double().sum())).encode())
+        h.update(repr(_sum64(p)).encode())
     return h.hexdigest()
 
 

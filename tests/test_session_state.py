@@ -347,3 +347,50 @@ def test_a_session_of_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="another tokenizer"):
         Session.load(Engine.load(str(tmp_path / "b")), tmp_path / "s.pt")
     assert Session.load(Engine.load(str(tmp_path / "a")), tmp_path / "s.pt").tokens == s.tokens
+
+
+_FINGERPRINT_RSS = """
+import resource, sys, types
+import torch
+import hyspec.session as S
+S.FINGERPRINT_CHUNK = 1 << 20
+p = torch.ones(1 << 25)  # 128 MiB of float32: its whole float64 copy would be 256 MiB
+model = types.SimpleNamespace(cfg=types.SimpleNamespace(x=1), dtype=torch.float32, state_dict=lambda: {"w": p})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+fp = S.model_fingerprint(model)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024, fp)
+"""
+
+
+def test_the_model_fingerprint_sums_large_tensors_a_chunk_at_a_time(zoo):
+    """A session's save / load fingerprints the weights with a float64 sum per tensor; the
+    float64 copy of a whole tensor (Qwen3.5-27B's embedding: 10 GB) was made at once, on the
+    device, beside the weights and the slots. Large tensors are now summed a chunk at a time
+    (peak memory measured in a fresh process), and a model without such tensors keeps the
+    fingerprint it had (session files saved before still load)."""
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import hyspec.session as S
+
+    eng = engine(zoo, "qwen3_5")
+    h = hashlib.blake2b(digest_size=12)  # the formula before: one float64 copy per tensor
+    h.update(repr(sorted(eng.model.cfg.__dict__.items())).encode())
+    h.update(str(eng.model.dtype).encode())
+    for name, p in sorted(eng.model.state_dict().items()):
+        h.update(name.encode())
+        h.update(repr(float(p.double().sum())).encode())
+    assert S.model_fingerprint(eng.model) == h.hexdigest()
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _FINGERPRINT_RSS], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    grew_mib = int(r.stdout.split()[0])
+    assert grew_mib < 64, f"the fingerprint took {grew_mib} MiB beside a 128 MiB tensor"
+    if hasattr(S, "_sum64"):
+        big = torch.randn(3 << 24)
+        assert abs(S._sum64(big) - float(big.double().sum())) < 1e-6 * float(big.abs().double().sum())
