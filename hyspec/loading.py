@@ -124,7 +124,7 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
 
     qcfg = _quant_config(Path(path))
     out: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}  # normalised key -> the file it came from
+    origin: dict[str, tuple[str, str]] = {}  # normalised key -> (its key in the file, the file)
     for f in _shard_files(Path(path)):
         size = f.stat().st_size
         if not os.access(f, os.R_OK):
@@ -134,10 +134,12 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
                 for key in sf.keys():
                     k = _normalize(key)
                     if k is not None and (keep is None or keep(k)):
-                        if k in origin:
-                            raise CheckpointError(f"tensor {key!r} is in both {origin[k]} and {f.name}: which one "
-                                                  f"to load is ambiguous")
-                        out[k], origin[k] = sf.get_tensor(key), f.name
+                        if k in origin:  # (one file may hold a key twice over: model.X and model.language_model.X)
+                            okey, ofile = origin[k]
+                            what = (f"tensor {key!r} is in both {ofile} and {f.name}" if okey == key else
+                                    f"tensor {k!r} is stored twice, as {okey!r} ({ofile}) and {key!r} ({f.name})")
+                            raise CheckpointError(f"{what}: which one to load is ambiguous")
+                        out[k], origin[k] = sf.get_tensor(key), (key, f.name)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for bad files
@@ -265,19 +267,30 @@ def is_hub_id(raw: str) -> bool:
     return bool(_HUB_ID.match(raw)) and ".." not in raw
 
 
-def _complete_snapshot(path: Path) -> bool:
-    """Whether a cached snapshot holds a checkpoint: config.json and its weights (every shard
-    its index names, or some *.safetensors without one)."""
+def _snapshot_gap(path: Path) -> str | None:
+    """What a cached snapshot lacks to hold a checkpoint (None: nothing): config.json, the
+    shards its index names, or some *.safetensors without an index."""
     if not (path / "config.json").is_file():
-        return False
+        return "lacks config.json"
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError, AttributeError):
-            return False
-        return bool(shards) and all((path / s).is_file() for s in shards)
-    return any(path.glob("*.safetensors"))
+            missing = sorted(s for s in shards if not (path / s).is_file())
+        except (OSError, ValueError, AttributeError, TypeError):
+            return "has an unreadable model.safetensors.index.json"
+        if not shards:
+            return "has a model.safetensors.index.json that names no shard"
+        if missing:
+            return (f"lacks {len(missing)} of the {len(shards)} shard(s) its model.safetensors.index.json names "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+        return None
+    return None if any(path.glob("*.safetensors")) else "lacks *.safetensors weights"
+
+
+def _complete_snapshot(path: Path) -> bool:
+    """Whether a cached snapshot holds a checkpoint (see _snapshot_gap)."""
+    return _snapshot_gap(path) is None
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -313,10 +326,12 @@ def resolve_model_dir(path: str | Path) -> Path:
         raise CheckpointError(f"model directory {raw} does not exist, and as a Hugging Face model id it is neither "
                               f"in the local cache nor could it be downloaded ({why})") from None
     got = Path(got)
-    if not _complete_snapshot(got):  # (offline, a partial cache comes back as it is; or a repo without safetensors)
-        raise CheckpointError(f"Hugging Face model {raw}: its snapshot {got} lacks config.json or *.safetensors "
-                              f"weights (hyspec reads safetensors checkpoints; offline (HF_HUB_OFFLINE) nothing "
-                              f"missing is downloaded)")
+    gap = _snapshot_gap(got)
+    if gap is not None:  # (offline or with the Hub out of reach, a partial cache comes back as it is; or a repo
+        # without safetensors): what is missing named, not a guess at why
+        raise CheckpointError(f"Hugging Face model {raw}: its snapshot {got} {gap} (hyspec reads safetensors "
+                              f"checkpoints; a partial download is completed only when the Hub can be reached and "
+                              f"HF_HUB_OFFLINE is not set)")
     return got
 
 

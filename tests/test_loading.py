@@ -619,3 +619,48 @@ def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path):
         assert check_model_dir("acme/tiny") == Path("acme/tiny")
     finally:
         os.chdir(cwd)
+
+
+def test_one_tensor_stored_under_two_spellings_is_named_as_such(ckpt):
+    """A file holding `model.norm.weight` and `model.language_model.norm.weight` (both load as
+    model.norm.weight): the error said the tensor "is in both model.safetensors and
+    model.safetensors", the one file twice and one of the two keys."""
+    t = _tensors(ckpt)
+    t["model.language_model.norm.weight"] = t["model.norm.weight"] + 1
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError) as e:
+        load_model(ckpt)
+    msg = str(e.value)
+    assert "model.safetensors and model.safetensors" not in msg, msg
+    assert "'model.language_model.norm.weight'" in msg and "'model.norm.weight'" in msg and "twice" in msg, msg
+
+
+def test_a_hub_snapshot_missing_a_shard_names_the_shard(tmp_path, monkeypatch):
+    """An interrupted download leaves a hub snapshot with config.json, the index and some of
+    its shards. With HF_HUB_OFFLINE (or the Hub out of reach, when huggingface_hub falls
+    back to the cache) the error said the snapshot "lacks config.json or *.safetensors
+    weights" and blamed HF_HUB_OFFLINE; it names the missing shard."""
+    from hyspec.loading import resolve_model_dir
+    from hyspec.tiny import make_tiny
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    ckpt = make_tiny("qwen3_5", tmp_path / "ckpt", seed=3)
+    snap = _hub_cache(tmp_path / "hub", "acme/sharded", sha, ckpt)
+    t = load_file(str(snap / "model.safetensors"))
+    (snap / "model.safetensors").unlink()
+    keys = sorted(t)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    _write(snap, {k: t[k] for k in keys[: len(keys) // 2]}, names[0])  # the second shard never arrived
+    weight_map = {k: names[i >= len(keys) // 2] for i, k in enumerate(keys)}
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CheckpointError) as e:
+        resolve_model_dir("acme/sharded")
+    msg = str(e.value)
+    assert "Hugging Face model acme/sharded" in msg and names[1] in msg, msg
+    assert "lacks config.json or" not in msg, msg
