@@ -1,12 +1,13 @@
 """hyspec: exact speculative decoding for hybrid linear-attention LLMs with their own MTP head.
 
-    from hyspec import Engine, SamplingParams, Session, SpecOptions
+    from hyspec import Engine, PrefixStore, SamplingParams, Session, SpecOptions
 """
 
 __version__ = "0.1.0"
 
 _LAZY = {  # name -> module: imported on first use, so `import hyspec` stays cheap
     "Engine": "hyspec.engine",
+    "PrefixStore": "hyspec.prefix_store",
     "SamplingParams": "hyspec.sampling",
     "Session": "hyspec.session",
     "SpecOptions": "hyspec.speculative.loop",

@@ -318,7 +318,7 @@ class Session:
         its text ends before the stop string. stop_skips_opening_break: a line break that opens
         the reply is no part of a match (a match begins after it): `hyspec chat`'s plain
         template sends a line without its newline, so the model's reply opens with it, and
-        `--stop "\n"` still ends a reply at the end of its first whole line."""
+        `--stop "\\n"` still ends a reply at the end of its first whole line."""
         from hyspec.core.scheduler import check_stop
         from hyspec.engine import Sample, StopStrings, _int_arg, _token_ids, stop_list
 
