@@ -414,21 +414,39 @@ class Constraint:
         """How many of `toks` (from the current state) the grammar allows, not consuming them.
         llguidance's validate_tokens refuses an EOS once the grammar has stopped (though
         consume_token takes it there), so an EOS is judged here: valid exactly when the state
-        before it accepts; nothing is valid after it."""
+        before it accepts; nothing is valid after it. validate_tokens also stops at the end of
+        a stop= lexeme, so the tokens after it are validated again from the state there."""
         toks = list(toks)
         if self._ended():
             return 0
         n_tok, eos = self.vocab.tok_vocab, self.vocab.eos_ids
         stop = next((i for i, t in enumerate(toks) if t in eos or not 0 <= t < n_tok), len(toks))
-        m = self._m
+        m, done = self._m, 0  # done: how many of toks the copy `m` has consumed (0: m is self._m itself)
         n = m.validate_tokens(toks[:stop]) if stop else 0
+        while 0 < n < stop:
+            # validate_tokens also stops at the end of a stop= lexeme (`body[stop="."]`: the tokens
+            # after the "." are refused, though consume_token takes them, one at a time, as plain
+            # decoding commits them): go on from the state there, on a copy, until a token is
+            # refused at its own state (that one is not allowed)
+            m, done = self._advanced(m, toks, done, n), n
+            more = m.validate_tokens(toks[n:stop])
+            if not more:
+                break
+            n += more
         if n == stop < len(toks) and toks[stop] in eos:
             if n:  # the state after toks[:n], on a copy (nothing to roll back)
-                m = m.deep_copy()
-                if not m.consume_tokens(toks[:n]):
-                    raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
+                m, done = self._advanced(m, toks, done, n), n
             n += 1 if m.is_accepting() else 0
         return n
+
+    def _advanced(self, m, toks, done: int, n: int):
+        """`m` (self._m itself when done = 0, else a copy that consumed toks[:done]) moved on to
+        the state after toks[:n], never moving self._m."""
+        if done == 0:
+            m = m.deep_copy()
+        if n > done and not m.consume_tokens(toks[done:n]):
+            raise RuntimeError(f"constraint: consuming validated tokens failed: {m.get_error()}")
+        return m
 
     def _ended(self) -> bool:
         """An EOS was committed: nothing (not even another EOS) may follow."""

@@ -323,6 +323,33 @@ def test_lexemes_llguidance_cannot_roll_back_decode_alike_with_drafts(engine, la
     assert outs[0].tokens == outs[1].tokens == outs[2].tokens
 
 
+def test_tokens_past_the_end_of_a_stop_lexeme_commit_and_mask_as_one_by_one(vocab):
+    """llguidance's validate_tokens stops at the end of a stop= lexeme (the "." below): the
+    tokens after it were refused, so a speculative round that emitted "." and "!" together
+    ended in a ConstraintFailure ("token ... is not allowed") and a draft prefix crossing the
+    "." got an all-False mask (read as a dead end), where plain decoding, committing one
+    token at a time, went on. commit(several) == commit one by one; allowed(prefix) ==
+    commit(prefix) + allowed()."""
+    c = make_constraint(vocab, "grammar", 'start: "x" body "!"\nbody[stop="."]: /[a-z ]*/')
+    toks = [int(t) for t in vocab.lltok.tokenize_str("xab cd.!")]
+    eos = vocab.eos_ids[0]
+    one = c.clone()
+    for t in toks:
+        one.commit([t])
+    assert one.accepting
+    at_once = c.clone()
+    at_once.commit(toks + [eos])  # (was: ValueError at the "!")
+    assert at_once.ended and at_once.tokens == toks + [eos]
+    for i in range(len(toks) + 1):
+        ref = c.clone()
+        ref.commit(toks[:i])
+        assert torch.equal(c.allowed(toks[:i]), ref.allowed()), i
+        assert c.allowed(toks[:i]).any(), i
+    assert c.committed == 0
+    with pytest.raises(ValueError, match="not allowed"):  # a token the grammar refuses is still refused
+        c.clone().commit(toks[:-1] + [toks[0]])
+
+
 def test_stop_reason_constraint_when_nothing_is_allowed(engine):
     """ignore_eos: once the grammar ended with EOS nothing may follow, so generation stops
     with stop_reason "constraint" and the output so far (plain and speculative alike)."""

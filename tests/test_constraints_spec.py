@@ -216,3 +216,20 @@ def test_batched_requests_each_with_its_own_constraint(zoo):
             assert _valid(specs[i][0], r.tokens)
     choice_tokens, reason = alone[2]
     assert reason == "eos" and specs[2][0].vocab.lltok.decode_str(choice_tokens[:-1]) in ("first", "second", "third")
+
+
+def test_a_round_that_crosses_the_end_of_a_stop_lexeme(zoo):
+    """A Lark stop= lexeme followed by more grammar: the coupled sample below writes
+    'x ju forjrowakgeoxf.!' + EOS, and with drafts a round emitted the "." that ends the
+    lexeme together with the "!" after it. llguidance's validate_tokens stops at that "."
+    (consume_token goes on), so the commit refused the "!" and the speculative run ended
+    in a ConstraintFailure where plain decoding completed; now speculative == plain."""
+    model = zoo.model("tiny", "qwen3_5", "float32", "coop")
+    c = make_constraint(zoo.path("tiny", "qwen3_5"), "grammar", 'start: "x" body "!"\nbody[stop="."]: /[a-z ]*/')
+    params = SamplingParams(temperature=1.0, seed=5, mode="coupled")
+    ref = _plain(model, c, n=25, params=params)
+    assert ref.stop_reason == "eos"
+    for k in (1, 3):
+        res = _spec(model, c, k, n=25, params=params)
+        assert (res.tokens, res.stop_reason) == (ref.tokens, ref.stop_reason), k
+    assert _valid(c, ref.tokens)  # (committed at once: was refused at the "!" too)
