@@ -387,21 +387,31 @@ class Engine:
         """Replace the prefix store (e.g. PrefixStore(budget_bytes=..., host_budget_bytes=...)).
         None drops it: one-shot requests then run without a store until one is made again
         (a session makes one, shared from then on by every request and session). A store
-        serves one engine: one that another (live) engine holds is refused."""
+        serves one engine: one that another (live) engine holds is refused; one that another
+        engine let go (or that was garbage collected) is emptied first (its states are that
+        engine's model's)."""
         from hyspec.prefix_store import PrefixStore
 
         if store is not None and not isinstance(store, PrefixStore):
             raise ParamError("store", store, "must be a hyspec.prefix_store.PrefixStore or None")
         with self._lock:  # (not in the middle of another thread's call)
-            # (its entries are keyed by tokens alone: another engine's model would resume from them as its own)
-            owner = store._owner() if store is not None and store._owner is not None else None
-            if owner is not None and owner is not self:
-                raise ValueError("this PrefixStore already serves another Engine: its states are that engine's "
-                                 "model's (weights, dtype, state dtype); give each engine its own PrefixStore")
-            if self._store is not None and self._store is not store:
-                self._store._owner = None  # (free for another engine)
             if store is not None:
-                store._owner = weakref.ref(self)
+                # (its entries are keyed by tokens alone: another engine's model would resume from them as its own).
+                # Checked and taken under the store's lock: two engines taking one store in two threads (each
+                # under its own engine lock) would otherwise both see it free and both take it
+                with store._lock:
+                    owner = store._owner() if store._owner is not None else None
+                    if owner is not None and owner is not self:
+                        raise ValueError("this PrefixStore already serves another Engine: its states are that "
+                                         "engine's model's (weights, dtype, state dtype); give each engine its own "
+                                         "PrefixStore")
+                    served = store._served() if store._served is not None else None
+                    if store._served is not None and served is not self:
+                        store.clear()  # (the states of an engine that let it go, or is gone: not this model's)
+                    store._owner = store._served = weakref.ref(self)
+            if self._store is not None and self._store is not store:
+                with self._store._lock:
+                    self._store._owner = None  # (free for another engine, which starts it empty)
             self._store = store
             if self._session_sched is not None:
                 self._session_sched.store = store

@@ -289,8 +289,12 @@ def _snapshot_gap(path: Path) -> str | None:
 
 
 def _complete_snapshot(path: Path) -> bool:
-    """Whether a cached snapshot holds a checkpoint (see _snapshot_gap)."""
-    return _snapshot_gap(path) is None
+    """Whether a cached snapshot holds a checkpoint (see _snapshot_gap) with its tokenizer: a
+    cache filled by a weights-only download (a model loaded without its tokenizer, `hf download
+    ID --include "*.safetensors" config.json`) would otherwise be used as it is, never completed,
+    and load with no tokenizer and no chat template. (After a download, a repository without a
+    tokenizer.json is taken as it is: resolve_model_dir.)"""
+    return _snapshot_gap(path) is None and (path / "tokenizer.json").is_file()
 
 
 def resolve_model_dir(path: str | Path) -> Path:
@@ -300,7 +304,7 @@ def resolve_model_dir(path: str | Path) -> Path:
     ~/.cache/huggingface/hub) or downloads there (config, *.safetensors, tokenizer and
     template files; HF_HUB_OFFLINE=1: the cache only; HF_TOKEN for a gated model).
     CheckpointError naming the id and why when it can be neither."""
-    raw = str(path)
+    raw = os.fsdecode(path)  # (any os.PathLike by its path, as Path() takes it: str() of an os.DirEntry is its repr)
     p = Path(raw).expanduser()
     if not isinstance(path, str) or p.exists() or not is_hub_id(raw):  # (a Path is a path: a resolved one too)
         return p

@@ -77,6 +77,7 @@ class PrefixStore:
         self.hits = self.misses = self.tokens_saved = 0
         self.demotions = self.promotions = self.evictions = self.identity_failures = 0
         self._owner = None  # weakref to the Engine it serves (Engine.store: one engine's states, one model's)
+        self._served = None  # weakref to the last Engine it served (its entries are that engine's model's)
 
     # -- contents ----------------------------------------------------------------------
     @_locked

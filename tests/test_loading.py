@@ -664,3 +664,50 @@ def test_a_hub_snapshot_missing_a_shard_names_the_shard(tmp_path, monkeypatch):
     msg = str(e.value)
     assert "Hugging Face model acme/sharded" in msg and names[1] in msg, msg
     assert "lacks config.json or" not in msg, msg
+
+
+def test_a_path_like_that_is_not_a_path_object_still_loads(ckpt):
+    """load_model / Engine.load take any os.PathLike (Path() reads it by os.fspath); the
+    hub-id resolution read it by str(), which for an os.DirEntry (os.scandir) is its repr:
+    "model directory <DirEntry 'ckpt'> does not exist"."""
+    from hyspec.engine import Engine
+    from hyspec.loading import resolve_model_dir
+
+    entry = next(e for e in os.scandir(ckpt.parent) if e.name == ckpt.name)
+    assert resolve_model_dir(entry) == ckpt
+    assert load_model(entry, dtype="float32").cfg.num_hidden_layers > 0
+    assert Engine.load(entry).model_dir == str(ckpt)
+
+
+def test_a_cached_snapshot_without_its_tokenizer_is_completed(tmp_path, monkeypatch):
+    """A hub cache holding config.json and the weights but no tokenizer.json (filled by a
+    weights-only download) counted as complete: it was used without asking the Hub, and the
+    model loaded with no tokenizer ("this checkpoint has no tokenizer.json") and no chat
+    template. It is completed by a download; offline, it is still used as it is."""
+    import huggingface_hub
+
+    from hyspec.loading import resolve_model_dir
+    from hyspec.tiny import make_tiny
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    ckpt = make_tiny("qwen3_5", tmp_path / "ckpt", seed=3)
+    snap = _hub_cache(tmp_path / "hub", "acme/notok", sha, ckpt)
+    (snap / "tokenizer.json").unlink()
+    calls = []
+
+    def fake_snapshot_download(repo, revision=None, allow_patterns=None, local_files_only=False):
+        calls.append(local_files_only)
+        if not local_files_only and online:  # (the Hub: the missing files fetched)
+            shutil.copy(ckpt / "tokenizer.json", snap / "tokenizer.json")
+        return str(snap)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    online = False  # (HF_HUB_OFFLINE or the Hub out of reach: the cached folder back as it is)
+    assert resolve_model_dir("acme/notok") == snap and calls == [True, False]
+    assert not (snap / "tokenizer.json").exists()
+    calls.clear()
+    online = True
+    assert resolve_model_dir("acme/notok") == snap and calls == [True, False]
+    assert (snap / "tokenizer.json").is_file()
+    calls.clear()
+    assert resolve_model_dir("acme/notok") == snap and calls == [True]  # (complete now: the cache alone)

@@ -361,3 +361,85 @@ def test_a_store_serves_one_engine(zoo):
     del c
     gc.collect()
     b.store = store2  # (its engine is gone)
+
+
+def test_a_store_another_engine_let_go_or_left_behind_starts_empty(zoo, tmp_path):
+    """`a.store = None` (or `a` garbage collected) let another engine take a's store with a's
+    entries in it: keyed by tokens alone, so the other engine (other weights here) resumed
+    from a's states as its own, and its output was a's model's, not its own."""
+    import gc
+
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.prefix_store import PrefixStore
+    from hyspec.tiny import make_tiny
+
+    other = make_tiny("qwen3_5", tmp_path / "other", seed=4)  # (the same shapes, other weights)
+    for let_go in ("release", "gc"):
+        a = Engine(load_model(zoo.path("tiny", "qwen3_5"), dtype="float32"))
+        b = Engine(load_model(other, dtype="float32"))
+        store = PrefixStore()
+        a.store = store
+        s = a.session(max_new_tokens=12)
+        s.send([5, 6, 7, 8, 9, 10, 11] * 4)
+        prompt = s.tokens + [3, 4]
+        assert len(store) > 0
+        want = b.generate(prompt, max_new_tokens=8, use_store=False).tokens
+        if let_go == "release":
+            a.store = None
+            a.store = store  # (the same engine taking it back keeps its entries)
+            assert len(store) > 0
+            a.store = None
+        else:
+            del s, a
+            gc.collect()
+        b.store = store
+        out = b.generate(prompt, max_new_tokens=8)
+        assert out.stats["cached_tokens"] == 0 and out.tokens == want, let_go
+
+
+def test_two_engines_taking_one_store_in_two_threads_one_gets_it(zoo, monkeypatch):
+    """The owner check and the take were not atomic: each engine's setter holds only its own
+    engine's lock, so two threads could both see the store free and both take it."""
+    import threading
+
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.prefix_store import PrefixStore
+
+    path = zoo.path("tiny", "qwen3_5")
+    engines = [Engine(load_model(path, dtype="float32")) for _ in range(2)]
+    barrier = threading.Barrier(2, timeout=2)
+
+    class SlowStore(PrefixStore):  # the owner read waits for the other thread's (the window, made wide)
+        @property
+        def _owner(self):
+            ref = self.__dict__.get("_owner_ref")
+            if getattr(self, "_racing", False) and ref is None:  # (read, then wait: the other thread reads too)
+                try:
+                    barrier.wait()
+                except threading.BrokenBarrierError:
+                    pass
+            return ref
+
+        @_owner.setter
+        def _owner(self, ref):
+            self.__dict__["_owner_ref"] = ref
+
+    store = SlowStore()
+    store._racing = True
+    results = []
+
+    def take(eng):
+        try:
+            eng.store = store
+            results.append("took")
+        except ValueError:
+            results.append("refused")
+
+    threads = [threading.Thread(target=take, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["refused", "took"], results
