@@ -260,6 +260,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 # what a checkpoint directory needs (config, weights, their index, tokenizer, chat template);
 # a repository's README, images, other weight formats are not downloaded
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja"]
+HUB_SKIP = ["*/*"]  # (the patterns' * matches "/": the checkpoint is the top folder, not other formats' subfolders)
 
 
 def is_hub_id(raw: str) -> bool:
@@ -315,13 +316,14 @@ def resolve_model_dir(path: str | Path) -> Path:
         raise CheckpointError(f"model directory {raw} does not exist; as a Hugging Face model id it needs the "
                               f"huggingface_hub package (pip install huggingface_hub)") from None
     try:  # a complete snapshot in the cache is used as it is, without asking the Hub (`hf download` updates it)
-        got = Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES, local_files_only=True))
+        got = Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES,
+                                     ignore_patterns=HUB_SKIP, local_files_only=True))
         if _complete_snapshot(got):
             return got
     except Exception:  # noqa: BLE001 - not cached (or not wholly): downloaded below
         pass
     try:
-        got = snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES)
+        got = snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001 - every hub failure becomes one line naming it

@@ -695,7 +695,8 @@ def test_a_cached_snapshot_without_its_tokenizer_is_completed(tmp_path, monkeypa
     (snap / "tokenizer.json").unlink()
     calls = []
 
-    def fake_snapshot_download(repo, revision=None, allow_patterns=None, local_files_only=False):
+    def fake_snapshot_download(repo, revision=None, allow_patterns=None, ignore_patterns=None, local_files_only=False):
+        assert allow_patterns and ignore_patterns == ["*/*"]
         calls.append(local_files_only)
         if not local_files_only and online:  # (the Hub: the missing files fetched)
             shutil.copy(ckpt / "tokenizer.json", snap / "tokenizer.json")
