@@ -19,6 +19,7 @@ context after the prompt.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import operator
@@ -355,6 +356,7 @@ class Engine:
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
         self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
         self._batch_dec = None
+        self._lanes_busy = False  # a call is running on the _batch_dec lanes (Engine.on_lanes)
         self.session_graphs = True  # session turns on the graph lanes where they run (False: the engine core)
         self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
         self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
@@ -836,6 +838,11 @@ class Engine:
 
         if graph_eligible(requests) is not None:
             return None
+        if self._lanes_busy:  # (the lock is re-entrant: only a callback of the running call gets here)
+            raise RuntimeError("a model call on this engine was started from a callback (on_tokens / on_finish) of "
+                               "a request running on its CUDA-graph lanes: a callback must not start another "
+                               "request or turn on the same engine (it would take over the lanes the running "
+                               "request decodes on); make the call after the running one returns")
         if len(requests) == 1 and max_batch <= 1:
             slots = 1  # one request: one lane (16 lanes of a long context can outgrow the memory)
         else:
@@ -851,6 +858,18 @@ class Engine:
             max_len = max(need, grow, 1024 if self.model.device.type == "cuda" else need)
             self._batch_dec = decoder = self.new_batch_decoder(slots, max_len, k)
         return decoder
+
+    @contextlib.contextmanager
+    def on_lanes(self):
+        """Marks a run on the engine's BatchDecoder (_batch_dec): a BatchRunner frees every
+        lane when it starts, so a second run started meanwhile -- from a callback of this one,
+        the only caller the re-entrant lock lets in -- would end this run's lanes in silence
+        (its outputs then went wrong with no error); _graph_batch refuses it."""
+        self._lanes_busy = True
+        try:
+            yield
+        finally:
+            self._lanes_busy = False
 
     def _run_requests(self, requests: list[Request], max_batch: int, raise_errors: bool = True) -> None:
         """Decode the requests together. A request's own error (a constraint that could not go
@@ -869,7 +888,8 @@ class Engine:
         if decoder is not None:
             from hyspec.gpu.batch_loop import run_requests
 
-            run_requests(decoder, requests, max_batch, store=self._store)
+            with self.on_lanes():
+                run_requests(decoder, requests, max_batch, store=self._store)
         elif self.lanes > 1 and len(requests) > 1 and hasattr(self.backend, "driver"):
             from hyspec.parallel.lanes import run_lanes
 

@@ -457,7 +457,8 @@ class Session:
         if self._seq is not None:  # the state lives on in the boundary; the core's slot is given back
             self._release()
             self._state = self._boundary
-        run_requests(decoder, [req], 1, store=eng._store if self.use_store else None)
+        with eng.on_lanes():
+            run_requests(decoder, [req], 1, store=eng._store if self.use_store else None)
         if req.end_state is None:
             raise RuntimeError("a one-token conversation ended its turn without a reply: it has no state to keep "
                                "(send a longer message)")

@@ -316,6 +316,48 @@ def test_one_shot_extending_a_stored_conversation_where_graphs_run(zoo, triton_i
     assert one.tokens == s.send(msgs[2]).tokens
 
 
+@pytest.mark.parametrize("where", ["generate", "session", "on_finish"])
+def test_a_model_call_from_a_callback_on_the_lanes_is_refused(zoo, triton_interpreter, where):
+    """A callback (on_tokens, on_finish) that starts another model call on its engine while
+    its request runs on the CUDA-graph lanes (here batch_graphs through the Triton
+    interpreter): the engine's lock is re-entrant, so the inner call ran, its BatchRunner
+    freed every lane, and the outer request went on from a freed lane -- another output, no
+    error. It is now refused (RuntimeError from the callback, reaching the caller; a session
+    turn undone) and the engine's next calls equal a fresh engine's."""
+    pytest.importorskip("triton")
+
+    def lanes():
+        eng = engine(zoo, "qwen3_5", dtype="float32")
+        eng.batch_graphs = eng.session_graphs = True
+        return eng
+
+    prompts, inner = [[5, 6, 7], [8, 9, 10, 11]], [3, 4, 2]
+    fresh = lanes()
+    want = [fresh.generate(p, max_new_tokens=4).tokens for p in prompts]
+    eng = lanes()
+    nested = []
+
+    def call_in(*_):
+        if not nested:
+            nested.append(eng.generate(inner, max_new_tokens=2).tokens)
+
+    refused = pytest.raises(RuntimeError, match="started from a callback .* of a request running on its CUDA-graph")
+    if where == "generate":
+        with refused:
+            eng.generate(prompts[0], max_new_tokens=4, on_tokens=call_in)
+    elif where == "on_finish":
+        with refused:
+            eng.generate_batch(prompts, max_new_tokens=[2, 4], on_finish=call_in)  # (prompt 1 decodes on)
+    else:
+        s = eng.session(max_new_tokens=4)
+        with refused:
+            s.send(prompts[0], on_tokens=call_in)
+        assert s.num_turns == 0 and s.tokens == []
+        assert s.send(prompts[0]).tokens == want[0]
+    assert not nested
+    assert [o.tokens for o in eng.generate_batch(prompts, max_new_tokens=4)] == want
+
+
 @pytest.mark.parametrize("when,exc", [(1, ValueError), (2, ValueError), (1, KeyboardInterrupt),
                                       (2, KeyboardInterrupt)])
 def test_an_exception_escaping_a_turn_undoes_it_and_leaves_the_engine_clean(zoo, when, exc):
