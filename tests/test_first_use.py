@@ -687,12 +687,14 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_the_cpu(ckpt) -> None:
 
 
 def test_the_package_exports_what_the_examples_use() -> None:
-    """`from hyspec import Engine, SamplingParams, Session, SpecOptions` (README's snippets),
-    and `import hyspec` alone stays cheap (torch is not imported until a name is used)."""
+    """`from hyspec import Engine, SamplingParams, Session, SpecOptions` (README's snippets;
+    PrefixStore: docs/sessions.md's), and `import hyspec` alone stays cheap (torch is not
+    imported until a name is used)."""
     code = ("import sys, hyspec; assert 'torch' not in sys.modules; "
-            "from hyspec import Engine, SamplingParams, Session, SpecOptions; "
+            "from hyspec import Engine, PrefixStore, SamplingParams, Session, SpecOptions; "
             "assert Session.load and SamplingParams(temperature=0.5).temperature == 0.5; "
-            "assert sorted(hyspec.__all__) == ['Engine', 'SamplingParams', 'Session', 'SpecOptions']")
+            "assert PrefixStore(budget_bytes=0).budget_bytes == 0; "
+            "assert sorted(hyspec.__all__) == ['Engine', 'PrefixStore', 'SamplingParams', 'Session', 'SpecOptions']")
     r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
