@@ -663,3 +663,70 @@ def test_a_trained_checkpoint_over_a_make_tiny_one_drops_its_marker(tmp_path):
     commit_checkpoint(out, {"config.json": staged})
     assert not (out / "make_tiny.json").exists()
     assert main(["make-tiny", "--arch", "qwen3_5", "--out", str(out), "--vocab-size", "64"]) == 2
+
+
+def _tiny_streams():
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(TOKENIZER)).encode((ROOT / "hyspec" / "tiny.py").read_text()).ids
+    stream = torch.tensor((ids + [0]) * 3, dtype=torch.long)
+    return {"train": stream, "val": stream[:130], "heldout": stream[300:400]}
+
+
+def test_the_trained_weights_get_the_mode_of_the_other_files(tmp_path):
+    """safetensors creates model.safetensors for its owner only (0600): the trained checkpoint's
+    weights were unreadable to anyone its config.json and tokenizer.json were readable to."""
+    import os
+
+    out = tmp_path / "m"
+    old = os.umask(0o022)
+    try:
+        tr.train(tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(out), steps=1, device="cpu", batch_size=2,
+                              seq_len=32, warmup=0, log_every=1, arch=dict(TINY_ARCH)),
+                 streams=_tiny_streams(), log=lambda s: None)
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+
+
+def test_train_refuses_an_out_folder_holding_another_checkpoints_shards(tmp_path, capsys):
+    """The loader prefers model.safetensors.index.json (and reads every *.safetensors without
+    one): a run written beside another checkpoint's shards trained for nothing, its folder then
+    loading the old weights (or failing on their shapes). Refused before anything is done."""
+    from hyspec.cli.dispatch import main
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "model-00001-of-00001.safetensors").write_bytes(b"old")
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-00001-of-00001.safetensors"}}')
+    before = sorted(p.name for p in out.iterdir())
+    argv = ["train", "--tokenizer", str(TOKENIZER), "--out", str(out), "--steps", "1", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds another checkpoint's weights" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in out.iterdir()) == before
+    # a folder with an earlier trained checkpoint (one model.safetensors) is still overwritten
+    with pytest.raises(ValueError, match="nothing to train"):  # (past the folder check)
+        tr.train(tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "fresh"), steps=0, minutes=0))
+
+
+def test_the_corpus_tool_refuses_to_write_an_empty_corpus(tmp_path, capsys):
+    """A --root with no eligible *.py files (a user's .txt folder) wrote an empty corpus and
+    exited 0; the trainer then failed on it much later."""
+    from hyspec.train import corpus
+
+    root = tmp_path / "texts"
+    root.mkdir()
+    (root / "notes.txt").write_text("hello there\n")
+    out = tmp_path / "c"
+    assert corpus.main(["--out", str(out), "--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "the corpus would be empty" in err and "Traceback" not in err, err
+    assert not out.exists()
+    (root / "main.py").write_text("x = 1\n")  # one file, held out at 100 %: no train split
+    assert corpus.main(["--out", str(out), "--root", str(root), "--heldout-percent", "100"]) == 2
+    assert "no train split" in capsys.readouterr().err
+    assert not out.exists()
+    assert corpus.main(["--out", str(out), "--root", str(root)]) == 0
+    assert (out / corpus.DEFAULT_NAME).is_file()

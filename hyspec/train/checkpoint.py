@@ -4,6 +4,7 @@ in bf16 with A_log and dt_bias kept fp32, tokenizer.json) and its size."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import threading
@@ -63,6 +64,9 @@ def stage_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer
         for name, write in parts.items():
             staged[name] = out / f".{name}.partial"
             write(staged[name])
+        # (safetensors creates its file for its owner only, 0600: the weights get the mode a new file
+        # gets here, as config.json and the others have, so whoever may read the checkpoint can load it)
+        os.chmod(staged["model.safetensors"], staged["config.json"].stat().st_mode & 0o777)
     except BaseException:
         discard_staged(staged)
         raise

@@ -84,10 +84,30 @@ def check_config(a: TrainConfig) -> None:
     from hyspec.cli.common import check_out_dir
 
     check_out_dir(a.out)  # before hours of training whose checkpoint it holds
+    check_no_other_weights(a.out)
     if a.device:
         from hyspec.engine import check_device
 
         check_device(a.device)
+
+
+def check_no_other_weights(out) -> None:
+    """ValueError when the folder `out` holds weights the written model.safetensors would not
+    replace (another checkpoint's shards, their model.safetensors.index.json, other
+    *.safetensors): the loader prefers the index (or reads every *.safetensors), so the trained
+    checkpoint would load the other weights under its config, or fail to load."""
+    from pathlib import Path
+
+    out = Path(out)
+    if not out.is_dir():
+        return
+    held = sorted(p.name for p in out.iterdir()
+                  if p.name != "model.safetensors" and (p.name.endswith(".safetensors")
+                                                       or p.name == "model.safetensors.index.json"))
+    if held:
+        raise ValueError(f"--out {out}: holds another checkpoint's weights ({', '.join(held[:3])}"
+                         f"{', ...' if len(held) > 3 else ''}), which would be loaded in place of the trained "
+                         "model.safetensors: give a new or empty folder, or remove them")
 
 
 # the config.json field each model-shape flag sets (hyspec.train.model.model_config)

@@ -136,9 +136,11 @@ def build_corpus(out_path: str | os.PathLike,
 
     Returns a stats dict (counts, raw/compressed bytes, dropped files)."""
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     root_p = (Path(root) if root is not None else stdlib_root()).resolve()
     files = collect_stdlib_files(root_p, max_file_bytes=max_file_bytes)
+    if not files:  # (an empty corpus was written, exit status 0: the trainer then found no training text)
+        raise ValueError(f"no *.py files of at most {max_file_bytes:,} bytes in UTF-8 under {root_p} (test folders "
+                         "excluded): the corpus would be empty")
 
     entries = []
     for p in files:
@@ -170,10 +172,15 @@ def build_corpus(out_path: str | os.PathLike,
         entries = [e for j, e in enumerate(entries) if j not in drop]
         blob = _encode_entries(entries, preset)
 
-    out_path.write_bytes(blob)
     by_split: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for e in entries:
         by_split[e["split"]].append(e)
+    if not by_split["train"]:  # (every file held out or dropped for the size cap: nothing to train on)
+        raise ValueError(f"no training documents would remain under {root_p} ({len(files)} file(s): "
+                         f"{len(by_split['heldout'])} held out, {len(dropped)} dropped for the size cap): "
+                         "the corpus would have no train split")
+    out_path.parent.mkdir(parents=True, exist_ok=True)  # (only for a corpus that is written)
+    out_path.write_bytes(blob)
     d = out_path.parent
     (d / "train_files.txt").write_text("".join(e["path"] + "\n" for e in by_split["train"]))
     (d / "heldout_files.txt").write_text("".join(e["path"] + "\n" for e in by_split["heldout"]))
