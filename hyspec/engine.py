@@ -71,11 +71,17 @@ def _bool_arg(name: str, value) -> bool:
     return flag
 
 
-def _token_ids(name: str, value) -> list[int]:
+def _token_ids(name: str, value, ordered: bool = True) -> list[int]:
+    """`value` as a list of Python ints; ordered=False (stop ids) also takes a set."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ParamError(name, value, "must be a list of token ids")
     if "bool" in str(getattr(value, "dtype", "")):  # a bool tensor or array: not token ids
         raise ParamError(name, value, "must be a list of integer token ids")
+    if getattr(value, "ndim", 1) != 1:  # a 2-D tensor / array (its [N, 1] rows were flattened in silence)
+        raise ParamError(name, value, "must be a 1-D sequence of token ids")
+    # a dict gave its keys, a set its hash order (not the caller's), as the prompt's ids
+    if ordered and (isinstance(value, (dict, set, frozenset)) or hasattr(value, "keys")):
+        raise ParamError(name, value, "must be a list of token ids (an ordered sequence, not a dict or set)")
     try:
         items = list(value)  # (once: a generator is read one time)
         if any(isinstance(t, bool) for t in items):  # (True is an int to Python, not a token id)
@@ -525,12 +531,13 @@ class Engine:
             raise ValueError("a text stream needs the checkpoint's tokenizer.json")
         stops = stop_list(stop) if stop is not None else []
         if stop_ids is not None:
-            stop_ids = _token_ids("stop_ids", stop_ids)
+            stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)
+        ignore_eos = _bool_arg("ignore_eos", ignore_eos)  # (checked without stop strings too)
         if not stops:
             return TextStream(self.tokenizer.decode)
         tok = self.tokenizer
         return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops,
-                          drop_ids=self._stops(stop_ids, _bool_arg("ignore_eos", ignore_eos)), whole_decode=tok.decode)
+                          drop_ids=self._stops(stop_ids, ignore_eos), whole_decode=tok.decode)
 
     # -- chat --------------------------------------------------------------------------
     @property
@@ -617,6 +624,9 @@ class Engine:
         turn = self.prepare_chat(messages, tools=tools, tool_choice=tool_choice,
                                  parallel_tool_calls=parallel_tool_calls, template_kwargs=template_kwargs,
                                  reasoning=reasoning, constraint=generate_kwargs.pop("constraint", None))
+        if generate_kwargs.get("stop_ids") is not None:  # read once: generate took a generator's ids, and the
+            # reply's message then read it empty (its stop token's text kept in the content)
+            generate_kwargs["stop_ids"] = _token_ids("stop_ids", generate_kwargs["stop_ids"], ordered=False)
         out = self.generate(turn.prompt, constraint=turn.constraint, **generate_kwargs)
         stops = self._stops(generate_kwargs.get("stop_ids"), bool(generate_kwargs.get("ignore_eos")))
         strings = stop_list(generate_kwargs.get("stop"))
@@ -679,7 +689,7 @@ class Engine:
         draft = _int_arg("draft", draft, 0, MAX_DRAFT)
         ignore_eos, use_store = _bool_arg("ignore_eos", ignore_eos), _bool_arg("use_store", use_store)
         if stop_ids is not None:
-            stop_ids = _token_ids("stop_ids", stop_ids)
+            stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)
         if reference is not None:
             reference = _token_ids("reference", reference)
         if on_tokens is not None and not callable(on_tokens):
@@ -743,7 +753,7 @@ class Engine:
             if fn is not None and not callable(fn):
                 raise ParamError(name, fn, "must be a callable (prompt index, ...) or None")
         if stop_ids is not None:
-            stop_ids = _token_ids("stop_ids", stop_ids)
+            stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)
             from hyspec.core.scheduler import check_stop
 
             check_stop(stop_ids, self.model.cfg.vocab_size)  # (every prompt's: was blamed on "prompt 0")

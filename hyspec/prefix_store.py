@@ -28,6 +28,7 @@ evicted. stats() reports hits, misses, tokens saved and bytes in each tier.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ import torch
 from hyspec.core.state import SeqState
 
 DEVICE, HOST = "device", "host"
+
+
+def _key(tokens) -> tuple:
+    """The entries' key of a token sequence: a tuple of Python ints (a tensor's elements are
+    0-d tensors, hashed by identity: `tensor in store` was always False)."""
+    return tuple(operator.index(t) for t in tokens)
 
 
 @dataclass
@@ -64,8 +71,11 @@ class PrefixStore:
                  verify: str = "always") -> None:
         if verify not in ("always", "promote", "never"):
             raise ValueError(f"verify must be 'always', 'promote' or 'never', got {verify!r}")
+        import numbers
+
         for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+            # (a numpy integer or float is a number of bytes too)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0 or v == float("inf"):
                 raise ValueError(f"{name} must be a number of bytes >= 0, got {v!r}")
         budget_bytes, host_budget_bytes = int(budget_bytes), int(host_budget_bytes)
         self.budget_bytes = budget_bytes
@@ -86,7 +96,7 @@ class PrefixStore:
 
     @_locked
     def __contains__(self, tokens) -> bool:
-        return tuple(tokens) in self._entries
+        return _key(tokens) in self._entries
 
     @_locked
     def bytes_in(self, tier: str) -> int:
@@ -94,7 +104,7 @@ class PrefixStore:
 
     @_locked
     def tier_of(self, tokens) -> str | None:
-        e = self._entries.get(tuple(tokens))
+        e = self._entries.get(_key(tokens))
         return None if e is None else e.tier
 
     def put(self, state: SeqState) -> None:
@@ -116,7 +126,7 @@ class PrefixStore:
 
     @_locked
     def remove(self, tokens) -> None:
-        key = tuple(tokens)
+        key = _key(tokens)
         if self._entries.pop(key, None) is not None:
             self._lengths[len(key)] -= 1
             if not self._lengths[len(key)]:
@@ -177,7 +187,7 @@ class PrefixStore:
     @_locked
     def demote(self, tokens) -> None:
         """Move an entry to host memory now (tests, and the LRU policy below)."""
-        e = self._entries[tuple(tokens)]
+        e = self._entries[_key(tokens)]
         if e.tier == DEVICE:
             host = st_to_host(e.state)
             e.state, e.tier = host, HOST

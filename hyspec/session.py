@@ -229,7 +229,7 @@ class Session:
         self.spec = spec
 
         self.max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)  # every turn's default
-        self.stop_ids = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
+        self.stop_ids = _token_ids("stop_ids", stop_ids, ordered=False) if stop_ids is not None else []
         check_stop(self.stop_ids, engine.model.cfg.vocab_size)
         self.ignore_eos = _bool_arg("ignore_eos", ignore_eos)
         self.use_store = _bool_arg("use_store", use_store)
@@ -321,6 +321,7 @@ class Session:
         `--stop "\\n"` still ends a reply at the end of its first whole line."""
         from hyspec.core.scheduler import check_stop
         from hyspec.engine import Sample, StopStrings, _int_arg, _token_ids, stop_list
+        from hyspec.engine import _bool_arg as bool_arg
 
         self._check_open()
         eng = self.engine
@@ -354,11 +355,12 @@ class Session:
             if top is None:
                 raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
             logprobs = top
-        extra = _token_ids("stop_ids", stop_ids) if stop_ids is not None else []
+        extra = _token_ids("stop_ids", stop_ids, ordered=False) if stop_ids is not None else []
         check_stop(extra, eng.model.cfg.vocab_size)
         stops = eng._stops(list(self.stop_ids) + extra, self.ignore_eos)
         stop_strings = stop_list(stop)
-        cut = StopStrings(eng, stop_strings, stops, skip_break=bool(stop_skips_opening_break)) if stop_strings else None
+        skip_break = bool_arg("stop_skips_opening_break", stop_skips_opening_break)  # ("no" is not True)
+        cut = StopStrings(eng, stop_strings, stops, skip_break=skip_break) if stop_strings else None
         if cut is not None and not ids and self._reply:  # "go on": the reply so far comes first
             cut.prime(self._reply)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))

@@ -1,0 +1,94 @@
+"""Token-id arguments of the public API: a 2-D tensor / array, a dict or a set is refused with
+an error naming the argument (never flattened or read in hash order as a prompt)."""
+
+import numpy as np
+import pytest
+import torch
+
+from hyspec import Engine
+from hyspec.sampling import ParamError
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return Engine.load()
+
+
+IDS = [316, 288, 1465, 8, 78, 301]
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(IDS)[:, None], torch.tensor([IDS]), np.array(IDS)[:, None],
+                                 torch.tensor(IDS[0])])
+def test_prompt_not_1d_refused(eng, bad):
+    with pytest.raises(ParamError) as e:
+        eng.generate(bad, max_new_tokens=1)
+    assert e.value.field == "prompt"
+    with pytest.raises(ParamError) as e:
+        eng.encode(bad)
+    assert e.value.field == "prompt"
+    with pytest.raises(ParamError) as e:
+        eng.decode(bad)
+    assert e.value.field == "ids"
+
+
+@pytest.mark.parametrize("bad", [dict.fromkeys(IDS, 0), set(IDS), frozenset(IDS)])
+def test_prompt_dict_or_set_refused(eng, bad):
+    with pytest.raises(ParamError) as e:
+        eng.generate(bad, max_new_tokens=1)
+    assert e.value.field == "prompt"
+    with pytest.raises(ParamError) as e:
+        eng.score(bad)
+    assert e.value.field == "text"
+    with pytest.raises(ParamError) as e:
+        eng.decode(bad)
+    assert e.value.field == "ids"
+
+
+def test_token_ids_kept(eng):
+    for good in (np.array(IDS), torch.tensor(IDS), torch.tensor(IDS, dtype=torch.int32), tuple(IDS), iter(IDS)):
+        assert eng.encode(good) == IDS
+    assert eng.decode(np.array(IDS)) == eng.decode(IDS)
+
+
+def test_stop_ids_set_still_taken(eng):
+    from hyspec.engine import _token_ids
+
+    assert sorted(_token_ids("stop_ids", {5, 3}, ordered=False)) == [3, 5]
+    eng.text_stream("x", stop_ids={5, 3})
+
+
+def test_chat_stop_ids_generator_as_list(eng):
+    msgs = [{"role": "user", "content": "hello there"}]
+    first = eng.chat(msgs, max_new_tokens=6, ignore_eos=True).tokens
+    stop = first[2]
+    as_list = eng.chat(msgs, max_new_tokens=6, stop_ids=[stop])
+    as_gen = eng.chat(msgs, max_new_tokens=6, stop_ids=iter([stop]))
+    assert as_gen.tokens == as_list.tokens
+    assert as_gen.message == as_list.message  # (the generator's stop token's text was kept in the content)
+
+
+def test_bool_flags_refuse_strings(eng):
+    with pytest.raises(ParamError) as e:
+        eng.text_stream(ignore_eos="no")
+    assert e.value.field == "ignore_eos"
+    s = eng.session(max_new_tokens=1)
+    with pytest.raises(ParamError) as e:
+        s.send("x", stop="z", stop_skips_opening_break="no")
+    assert e.value.field == "stop_skips_opening_break"
+    assert s.num_turns == 0
+
+
+def test_prefix_store_numpy_budget_and_tensor_keys(eng):
+    from hyspec import PrefixStore
+
+    assert PrefixStore(budget_bytes=np.int64(1000), host_budget_bytes=np.uint32(7)).budget_bytes == 1000
+    s = eng.session(max_new_tokens=2)
+    s.send(IDS)
+    toks = s.tokens
+    store = eng.store
+    assert toks in store
+    for form in (torch.tensor(toks), np.array(toks)):
+        assert form in store
+        assert store.tier_of(form) == store.tier_of(toks) == "device"
+    store.remove(torch.tensor(toks))
+    assert toks not in store
