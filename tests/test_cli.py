@@ -245,6 +245,18 @@ def test_score_text(ckpt, capsys) -> None:
     assert "perplexity" in capsys.readouterr().out
 
 
+def test_score_summary_labels_units(ckpt, capsys) -> None:
+    """The plain summary line said "11 tokens  NLL 30.497  mean 2.7724" for a 12-token text:
+    the count is of scored tokens (the first has no context) and the NLL is in nats."""
+    d = run_json(capsys, "score", "--model", str(ckpt), "--text", PROMPT)
+    n = len(d["tokens"])
+    capsys.readouterr()
+    assert main(["score", "--model", str(ckpt), "--text", PROMPT]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"{n - 1} of {n} tokens scored  NLL "), last
+    assert " nats  mean " in last and " nats/token  perplexity " in last, last
+
+
 # --------------------------------------------------------------------------------------
 # errors
 # --------------------------------------------------------------------------------------
@@ -463,6 +475,16 @@ def test_version_and_python_dash_m():
 
     r = subprocess.run([sys.executable, "-m", "hyspec", "--version"], capture_output=True, text=True, timeout=120)
     assert (r.returncode, r.stdout.strip()) == (0, f"hyspec {hyspec.__version__}"), r.stderr
+
+
+def test_bare_hyspec_names_the_missing_command(capsys):
+    """A bare `hyspec` said "the following arguments are required: cmd" (the parser's internal
+    name); it names a COMMAND, and the usage line shows where it goes."""
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "required: COMMAND" in err and "cmd" not in err, err
 
 
 def test_bench_names_the_embedded_model_and_checks_model_first(tmp_path):

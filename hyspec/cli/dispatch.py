@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineParser(prog="hyspec", description=hyspec.cli.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hyspec {hyspec.__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)
     sub.add_parser("bench", help="speed benchmark (see `hyspec bench --help`)", add_help=False)

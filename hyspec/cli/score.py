@@ -27,6 +27,7 @@ def run(args) -> int:
         entries = [(logprob, [(e[0], e[1]) for e in top]) for logprob, top in zip(scored["logprobs"],
                                                                                   scored["top_logprobs"])]
         print_logprob_table(eng, scored["tokens"][1:], entries, args.top_logprobs)
-    print(f"{scored['scored_tokens']} tokens  NLL {scored['nll']:.3f}  mean {scored['mean_nll']:.4f}  "
-          f"perplexity {scored['perplexity']:.3f}")
+    # (natural log: the NLL in nats; the first token has no context, so it is not scored)
+    print(f"{scored['scored_tokens']} of {len(scored['tokens'])} tokens scored  NLL {scored['nll']:.3f} nats  "
+          f"mean {scored['mean_nll']:.4f} nats/token  perplexity {scored['perplexity']:.3f}")
     return 0
