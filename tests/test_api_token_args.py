@@ -17,31 +17,25 @@ def eng():
 IDS = [316, 288, 1465, 8, 78, 301]
 
 
+def _refused(eng, bad, calls):
+    """Each (method, field) of `calls` refuses `bad`, naming its own argument."""
+    for call, field in calls:
+        with pytest.raises(ParamError) as e:
+            call(eng, bad)
+        assert e.value.field == field, call
+
+
 @pytest.mark.parametrize("bad", [torch.tensor(IDS)[:, None], torch.tensor([IDS]), np.array(IDS)[:, None],
                                  torch.tensor(IDS[0])])
 def test_prompt_not_1d_refused(eng, bad):
-    with pytest.raises(ParamError) as e:
-        eng.generate(bad, max_new_tokens=1)
-    assert e.value.field == "prompt"
-    with pytest.raises(ParamError) as e:
-        eng.encode(bad)
-    assert e.value.field == "prompt"
-    with pytest.raises(ParamError) as e:
-        eng.decode(bad)
-    assert e.value.field == "ids"
+    _refused(eng, bad, [(lambda e, b: e.generate(b, max_new_tokens=1), "prompt"), (Engine.encode, "prompt"),
+                        (Engine.decode, "ids")])
 
 
 @pytest.mark.parametrize("bad", [dict.fromkeys(IDS, 0), set(IDS), frozenset(IDS)])
 def test_prompt_dict_or_set_refused(eng, bad):
-    with pytest.raises(ParamError) as e:
-        eng.generate(bad, max_new_tokens=1)
-    assert e.value.field == "prompt"
-    with pytest.raises(ParamError) as e:
-        eng.score(bad)
-    assert e.value.field == "text"
-    with pytest.raises(ParamError) as e:
-        eng.decode(bad)
-    assert e.value.field == "ids"
+    _refused(eng, bad, [(lambda e, b: e.generate(b, max_new_tokens=1), "prompt"), (Engine.score, "text"),
+                        (Engine.decode, "ids")])
 
 
 def test_token_ids_kept(eng):

@@ -562,7 +562,7 @@ def _hub_cache(root: Path, repo: str, sha: str, files_from: Path | None) -> Path
     return snap
 
 
-def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path):
+def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path, monkeypatch):
     """`--model org/name` (as vLLM, SGLang and transformers take it) is the model's snapshot in
     huggingface_hub's cache (downloaded there when missing): it said only "model directory
     Qwen/Qwen3.5-27B does not exist". Offline here: a cached id loads, the same tokens as its
@@ -613,12 +613,8 @@ def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path):
     from hyspec.loading import check_model_dir
 
     shutil.copytree(ckpt, tmp_path / "acme" / "tiny")
-    cwd = os.getcwd()
-    try:
-        os.chdir(tmp_path)
-        assert check_model_dir("acme/tiny") == Path("acme/tiny")
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)
+    assert check_model_dir("acme/tiny") == Path("acme/tiny")
 
 
 def test_one_tensor_stored_under_two_spellings_is_named_as_such(ckpt):
