@@ -582,7 +582,9 @@ def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path, monkeypatch)
     calls = [[*gen, "--model", str(ckpt)], [*gen, "--model", "acme/tiny"], [*gen, "--model", f"acme/tiny@{sha}"],
              [*gen, "--model", "acme/missing"], [*gen, "--model", "acme/part"], [*gen, "--model", "no/such/dir"],
              [*gen, "--model", "./acme/other"],
-             ["score", "--model", "acme/tiny", "--text", "def f(x): return x", "--json"]]
+             ["score", "--model", "acme/tiny", "--text", "def f(x): return x", "--json"],
+             ["bench", "--model", "acme/tiny", "--device", "cpu", "--prompt-len", "4", "--new-tokens", "4", "--ks", "2",
+              "--verify-max", "1", "--reps", "1", "--exact-prompts", "0", "--hf-tokens", "0", "--out", "b.json"]]
     env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     res = cli_many(calls, env=env, cwd=tmp_path)
     want = json.loads(res[0][1])["tokens"]
@@ -599,6 +601,9 @@ def test_a_hugging_face_model_id_loads_from_the_hub_cache(tmp_path, monkeypatch)
     for (code, _, err), path in zip(res[5:7], ("no/such/dir", "acme/other")):  # (./acme/other: a path)
         assert code != 0 and f"model directory {path} does not exist" in err and "Hugging Face" not in err, err
     assert res[7][0] == 0, res[7][2]
+    assert res[8][0] == 0, res[8][2]  # the bench's results name the id (and where its snapshot lies)
+    meta = json.loads((tmp_path / "b.json").read_text())["meta"]
+    assert meta["config"] == "acme/tiny" and Path(meta["model_dir"]).parent.name == "snapshots", meta
     # `hyspec serve --model acme/tiny` answers to the id
     import subprocess
     import sys

@@ -188,6 +188,7 @@ def resolve_device(args) -> tuple[torch.device, torch.dtype]:
         from hyspec.config import ModelConfig
         from hyspec.loading import check_model_dir
 
+        args.model_given = args.model  # (what the results name: the id, not its snapshot folder)
         args.model = str(check_model_dir(args.model))  # (a Hugging Face id: its snapshot, fetched once)
         ModelConfig.from_dir(args.model)  # (a missing or malformed config.json too)
     if args.config is None:  # the 2.3 B bench model takes ~10 GB and minutes per figure on a CPU
@@ -248,7 +249,9 @@ def run_meta(args, argv, dev, dtype) -> dict:
             "python": platform.python_version(), "dtype": str(dtype).replace("torch.", ""),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "command": "hyspec bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "config": args.model or canonical_name(args.config) + (" (fp8)" if args.fp8 else ""),
+            "config": (getattr(args, "model_given", None) or args.model
+                       or canonical_name(args.config) + (" (fp8)" if args.fp8 else "")),
+            **({"model_dir": args.model} if args.model else {}),
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "git": git_state()}
 
