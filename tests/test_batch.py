@@ -179,3 +179,22 @@ def test_a_batch_wide_stop_id_out_of_range_is_not_blamed_on_a_prompt():
     eng = Engine.load()
     with pytest.raises(ValueError, match=r"^stop id\(s\) \[999999\] out of range"):
         eng.generate_batch(["a", "b"], max_new_tokens=2, stop_ids=[999999])
+
+
+def test_the_pool_holds_at_most_max_batch_slots_when_prompts_grow(zoo):
+    """A long-lived scheduler (the server's) whose requests each need a longer slot than any
+    freed one (a chat's growing history) kept every freed slot: one more per request, never
+    let go of (40 slots, 114 MB on the default model after 40 requests at max_batch 4).
+    Now the shortest free slot goes when a new one is made: at most max_batch are held."""
+    m = zoo.model("tiny", "qwen3_5_moe", "float32")
+    sched = Scheduler(m, max_batch=2)
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 40, 3):
+        r = Request(prompt_ids=torch.randint(0, m.cfg.vocab_size, (n,), generator=g).tolist(), max_new_tokens=2,
+                    params=G, draft=1)
+        sched.submit(r)
+        sched.run()
+        assert r.done and r.stop_reason == "length"
+        st = sched.pool.stats()
+        assert st["slots_in_use"] == 0 and st["slots_free"] <= 2, st
+    assert sched.pool.held_bytes == sum(s.nbytes() for s in sched.pool.free)

@@ -365,6 +365,20 @@ def test_metrics_move(server, client):
     assert 1.0 <= metric(server, "hyspec_spec_mean_acceptance_length") <= 4.0
 
 
+def test_a_growing_conversation_does_not_pile_up_free_slots(server):
+    """Each request whose prompt is longer than every earlier one (a chat sending its growing
+    history) needed a slot longer than any freed one: the pool made a new one and kept the
+    old free, never let go of (40 free slots, 114 MB after 40 such requests at --max-batch 4).
+    The pool now holds at most --max-batch slots."""
+    for n in range(1, 30, 2):  # one at a time: a slot per request, each longer than the last
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": list(range(100, 100 + 10 * n)), "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    pool = server.server.config.app.state.hyspec.worker._sched.pool
+    st = pool.stats()
+    assert st["slots_in_use"] == 0 and st["slots_free"] <= pool.max_slots == 8, st
+
+
 PREFIX_METRICS = ("hyspec_prefix_cache_queries_total", "hyspec_prefix_cache_hits_total",
                   "hyspec_prefix_cache_cached_tokens_total")
 

@@ -96,8 +96,9 @@ class SlotPool:
     """Allocates slots, reuses freed ones, and accounts for their memory.
 
     A freed slot keeps its buffers and is handed out again (reset) to a request that fits
-    in it, so a server does not reallocate per request. `budget_bytes` (None = no limit)
-    caps the bytes held by all slots, free ones included."""
+    in it, so a server does not reallocate per request; at most `max_slots` slots are held,
+    free ones included (a new slot that needs room lets the shortest free one go).
+    `budget_bytes` (None = no limit) caps the bytes held by all slots, free ones included."""
 
     def __init__(self, model, *, max_slots: int = 64, budget_bytes: int | None = None) -> None:
         if max_slots < 1:
@@ -128,6 +129,11 @@ class SlotPool:
             self.free.remove(slot)
             slot.reset()
         else:
+            # at most max_slots slots held, free ones included: none of the free ones fits, so the
+            # shortest goes (a server's pool kept one more free slot for every longer prompt, e.g.
+            # each turn of a growing chat: never freed, far beyond its max_batch)
+            while self.free and len(self.used) + len(self.free) >= self.max_slots:
+                self.free.remove(min(self.free, key=lambda s: s.length))
             need = self.bytes_per_slot(length)["total"]
             if not self._room_for(need):
                 raise MemoryError(f"a slot of {length} tokens needs {need} bytes; {self.held_bytes} of the "
