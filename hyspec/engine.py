@@ -440,8 +440,10 @@ class Engine:
         if self._session_sched is None:
             from hyspec.core.slots import SlotPool
 
-            self._session_sched = Scheduler(self.model, max_batch=16, pool=SlotPool(self.model, max_slots=1 << 16),
-                                            store=self.store)
+            # every open session holds a slot; closed sessions' slots are kept for reuse up to a
+            # turn batch's worth (was: all of them, one more for each session longer than the last)
+            self._session_sched = Scheduler(self.model, max_batch=16, store=self.store,
+                                            pool=SlotPool(self.model, max_slots=1 << 16, max_free=16))
         return self._session_sched
 
     @classmethod

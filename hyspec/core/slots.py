@@ -97,14 +97,20 @@ class SlotPool:
 
     A freed slot keeps its buffers and is handed out again (reset) to a request that fits
     in it, so a server does not reallocate per request; at most `max_slots` slots are held,
-    free ones included (a new slot that needs room lets the shortest free one go).
-    `budget_bytes` (None = no limit) caps the bytes held by all slots, free ones included."""
+    free ones included (a new slot that needs room lets the shortest free one go), and at
+    most `max_free` (default: max_slots) of them free (a released slot beyond that lets the
+    shortest free one go). `budget_bytes` (None = no limit) caps the bytes held by all
+    slots, free ones included."""
 
-    def __init__(self, model, *, max_slots: int = 64, budget_bytes: int | None = None) -> None:
+    def __init__(self, model, *, max_slots: int = 64, budget_bytes: int | None = None,
+                 max_free: int | None = None) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if max_free is not None and max_free < 0:
+            raise ValueError(f"max_free must be >= 0, got {max_free}")
         self.model = model
         self.max_slots = max_slots
+        self.max_free = max_slots if max_free is None else max_free
         self.budget_bytes = budget_bytes
         self.free: list[Slot] = []
         self.used: dict[int, Slot] = {}
@@ -172,7 +178,9 @@ class SlotPool:
         """Give a slot back: kept for reuse, or (keep False) let go of with its buffers."""
         if self.used.pop(slot.index, None) is not None and keep:
             self.free.append(slot)
+            while len(self.free) > self.max_free:  # (the sessions' pool: many held, few kept once closed)
+                self.free.remove(min(self.free, key=lambda s: s.length))
 
     def stats(self) -> dict:
         return {"slots_in_use": len(self.used), "slots_free": len(self.free), "held_bytes": self.held_bytes,
-                "max_slots": self.max_slots, "budget_bytes": self.budget_bytes}
+                "max_slots": self.max_slots, "max_free": self.max_free, "budget_bytes": self.budget_bytes}
