@@ -411,6 +411,33 @@ def test_engine_generate_one_greedy_request_on_the_graph_path(tmp_path):
     assert got.samples[0].stats["spec"]["rounds"] > 0
 
 
+def test_graph_path_stats_have_the_engine_cores_ttft_and_direct_tokens(tmp_path):
+    """A lane's stats carry time_to_first_token_s (docs/sessions.md: a turn's stats; `hyspec
+    chat` /stats turn_ttft_s) and, speculative, direct_tokens (docs/speculative.md: tokens =
+    direct_tokens + accepted + rounds), as the engine core's do: on a GPU every request runs
+    on the lanes, and both were missing there (turn_ttft_s always null)."""
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    ref_eng = Engine(load_model(d))
+    eng = Engine(load_model(d))
+    eng.batch_graphs = True
+    for draft in (0, 2):
+        want = ref_eng.generate([5, 17, 99, 3], max_new_tokens=6, draft=draft, ignore_eos=True).samples[0].stats
+        got = eng.generate([5, 17, 99, 3], max_new_tokens=6, draft=draft, ignore_eos=True).samples[0].stats
+        assert got["path"] == "batch-graphs"
+        assert got["time_to_first_token_s"] is not None and got["time_to_first_token_s"] > 0, got
+        if draft:
+            assert got["direct_tokens"] == want["direct_tokens"] == 1
+            assert got["direct_tokens"] + got["spec"]["accepted"] + got["spec"]["rounds"] == got["generated_tokens"]
+    s = eng.session(draft=2, max_new_tokens=4)
+    s.send([5, 17, 99, 3])
+    out = s.send([8, 1])
+    assert out.stats["path"] == "batch-graphs" and out.stats["time_to_first_token_s"] is not None
+
+
 def test_packed_weights_are_held_once(tmp_path):
     """The runner's packed matmul weights are the model's own storage (the modules read
     views into them), and a second runner on the same model (another BatchDecoder, with

@@ -777,9 +777,11 @@ def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
     stats = {"prompt_tokens": len(lr.prompt), "generated_tokens": n, "path": "batch-graphs",
              "graphs": dec.step_graphs.active, "exact": dec.exact, "cached_tokens": lr.cached,
              "prefill_s": prefill, "decode_s": decode, "decode_tok_s": (n - 1) / decode if n > 1 and decode > 0 else None,
+             "time_to_first_token_s": prefill if lr.t_first is not None and lr.t_admit is not None else None,
              "target_forwards": lr.rounds}
     if lr.k > 0:
-        stats.update({"k": lr.k, "spec": lr.telemetry.to_dict()})
+        # a lane's only token off a known row is the prefill's (every round verifies [pending, drafts])
+        stats.update({"k": lr.k, "direct_tokens": min(n, 1), "spec": lr.telemetry.to_dict()})
     if lr.error is not None:  # (the engine core's req.error form: the server answers it with a 400)
         stats["error"] = f"ConstraintFailure: {lr.error}"
     return stats
