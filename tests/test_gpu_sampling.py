@@ -347,6 +347,20 @@ def test_probs_batch_filter_boundaries() -> None:
     assert (got[0] > 0).sum() == 2 and (got[3] > 0).tolist() == [True, True, False, False]
 
 
+def test_table_takes_a_top_k_past_int64() -> None:
+    """SamplingParams (and the server's top_k) take any k >= 0; one past int64 keeps every
+    token as any k >= V does, where writing it into the lane table overflowed (ValueError on
+    admission: on a GPU every sequence of the lanes' round failed with it)."""
+    row = torch.tensor([0.5, 2.0, -1.0, 0.0], dtype=torch.float64)
+    cases = [SamplingParams(top_k=k, temperature=0.7) for k in (1 << 63, 1 << 70, (1 << 63) - 1, 4)]
+    table = SamplingTable(len(cases))
+    for b, prm in enumerate(cases):
+        table.set(b, prm)
+    got = probs_batch(row.expand(len(cases), -1).clone(), table)
+    for b, prm in enumerate(cases):
+        assert torch.equal(got[b], row_probs(row, [], prm)), b
+
+
 @pytest.mark.parametrize("dtype,Vs", [(torch.bfloat16, 700), (torch.float32, 700), (torch.float64, 700),
                                       (torch.bfloat16, 1 << 17)])
 def test_prefix_select_equals_a_sort(dtype: torch.dtype, Vs: int) -> None:

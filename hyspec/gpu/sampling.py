@@ -188,7 +188,8 @@ class SamplingTable:
             repetition_penalty=float(p.repetition_penalty) if pen else 1.0,
             frequency_penalty=float(p.frequency_penalty) if pen else 0.0,
             presence_penalty=float(p.presence_penalty) if pen else 0.0,
-            top_k=int(p.top_k), topk_threshold=int(p.top_k) if p.top_k > 0 else KEEP_ALL,
+            # (a k past int64, which SamplingParams and the server take, keeps every token as k >= V does)
+            top_k=min(int(p.top_k), KEEP_ALL), topk_threshold=min(int(p.top_k), KEEP_ALL) if p.top_k > 0 else KEEP_ALL,
             # probs_batch's threshold: top_p in fixed-point masses, at least 1 (the top token)
             topp_threshold=max(1, int(float(p.top_p) * float(MASS_ONE))) if p.top_p < 1.0 else KEEP_ALL,
             seed=_signed64(p.seed), coupled=p.mode == "coupled", greedy=p.greedy,
