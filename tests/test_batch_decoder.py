@@ -703,3 +703,53 @@ def test_row_prefill_matches_the_modules_prefill_and_the_reference(tmp_path, arc
     # of the reference block (relative 3e-7) on 20 random rows. LOGPROB_ATOL for the dense ones.
     tol = 2e-4 if m.cfg.num_experts else LOGPROB_ATOL
     assert float((lp[2] - want).abs().max()) <= tol
+
+
+@pytest.mark.parametrize("draft", [0, 2])
+def test_a_lane_whose_prompt_overflows_ends_in_error_alone(tmp_path, draft):
+    """A prompt whose first row's logits overflow (NaN / +inf) on the graph lanes: a sampled
+    one raised NonFiniteLogits out of the runner's admission, which failed every lane of the
+    round (the server: each running request a 500), and a greedy one took argmax's first NaN
+    id in silence. Now that request alone ends in error, as on the engine core, and the
+    others' tokens are the engine core's."""
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    engines = []
+    for graphs in (False, True):
+        eng = Engine(load_model(d))
+        m = eng.model
+        with torch.no_grad():  # token 100 drives layer 0's MLP past float32's range, no other token
+            emb = m.model.embed_tokens.weight
+            emb[:, 0] = 0.0
+            emb[100] = 0.0
+            emb[100, 0] = 8.0
+            layer = m.model.layers[0]
+            layer.linear_attn.out_proj.weight[0, :] = 0.0
+            layer.mlp.gate_proj.weight[:, 0] = 1e19
+            layer.mlp.up_proj.weight[:, 0] = 1e19
+        eng.batch_graphs = graphs
+        engines.append(eng)
+    prompts = [[5, 17, 99, 3], [5, 100, 3], [7, 8, 9]]
+    for params in (None, SamplingParams(temperature=0.9, seed=4)):
+        kw = dict(max_new_tokens=5, draft=draft, ignore_eos=True, params=params)
+        want, got = (eng.generate_batch(prompts, **kw) for eng in engines)
+        assert got[0].stats["path"] == "batch-graphs" and want[0].stats.get("path") != "batch-graphs"
+        for w, g in zip(want, got):
+            assert (g.tokens, g.stop_reason) == (w.tokens, w.stop_reason), (params, draft)
+        assert got[1].stop_reason == "error" and got[1].stats["error"].startswith("NonFiniteLogits: "), got[1].stats
+        assert got[0].stop_reason == got[2].stop_reason == "length"
+        with pytest.raises(ValueError, match="NaN"):  # alone: the error itself, as on the engine core
+            engines[1].generate(prompts[1], **kw)
+        s = engines[1].session(draft=draft, max_new_tokens=3, params=params)
+        first = s.send([5, 17]).tokens
+        assert s.last_stats["path"] == "batch-graphs"
+        with pytest.raises(ValueError, match="NaN"):  # a session turn: undone, the session goes on exactly
+            s.send([100, 3])
+        assert s.num_turns == 1 and s.tokens[2:] == first
+        s2 = engines[0].session(draft=draft, max_new_tokens=3, params=params)
+        s2.send([5, 17])
+        assert s.send([7]).tokens == s2.send([7]).tokens

@@ -42,6 +42,10 @@ from hyspec.gpu.sampling import SampledGraphKey
 KEPT_ENDS = ("eos", "length")  # the ends whose state is kept (the engine core's rule; not cancelled, constraint)
 
 
+class _OwnError(Exception):
+    """A request's own ValueError while it is admitted (args[0]): it alone ends in error."""
+
+
 @dataclass(eq=False)
 class LaneRequest:
     prompt: list[int]
@@ -67,6 +71,7 @@ class LaneRequest:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "constraint" | "error"
     error: str | None = None  # why, with reason "error" (its constraint could not go on: Constraint.fail)
+    exception: Exception | None = None  # its own error at admission, with reason "error" (NonFiniteLogits)
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
     k_next: int = -1  # adaptive K: the k it asks for next round (before the token-limit cap)
     rounds: int = 0  # target forwards (plain steps and speculative rounds)
@@ -277,9 +282,6 @@ class BatchRunner:
         return bool(self.waiting) and len(self.active) < self.cap and self.waiting[0].arrival <= self.round
 
     def _admit(self) -> None:
-        from hyspec.core.round import _logprob, choose_token, masked
-        from hyspec.core.state import carry_of
-
         dec = self.dec
         t0 = time.perf_counter()
         while self._due():
@@ -295,6 +297,25 @@ class BatchRunner:
                 self._finished(r)
                 continue
             lane = len(self.active)
+            try:
+                self._admit_one(r, lane)
+            except _OwnError as e:  # r's own error, not the batch's: it alone ends (as on the engine
+                dec.free(lane)      # core); the lanes running go on
+                r.reason, r.exception = "error", e.args[0]
+                self._finished(r)
+        self._sync()
+        self.prefill_s += time.perf_counter() - t0
+
+    def _admit_one(self, r: LaneRequest, lane: int) -> None:
+        """Prefill r into the free lane and choose its first token (joins the round, or ends).
+        A ValueError of r's own on the way (its first row's logits overflowed: NonFiniteLogits;
+        a parameter the device tables refuse) is raised as _OwnError; a callback's goes as it is."""
+        from hyspec.core.round import _logprob, choose_token, masked
+        from hyspec.core.state import carry_of
+        from hyspec.sampling import greedy_token
+
+        dec = self.dec
+        try:
             dec.set_stops(lane, r.stop_ids)
             st, carry = r.resume, None
             if st is not None:  # the stored state, then [its pending token] + the prompt's new tokens
@@ -309,40 +330,41 @@ class BatchRunner:
                     dec.resume(lane, st)
                     r.t_first = time.perf_counter()
                     self._join(r, lane)
-                    continue
+                    return
                 pre, post, logits = dec.prefill(lane, feed, start=st.pos)
                 carry = carry_of(st) if r.k > 0 else None
             else:
                 pre, post, logits = dec.prefill(lane, r.prompt)
-            row = logits[0]
+            row, first = logits[0], None
             if r.constraint is not None:  # the first token under the constraint's state now
                 t_c = time.perf_counter()
                 mask = r.constraint.allowed()
                 self.constraint_s += time.perf_counter() - t_c
-                if not bool(mask.any()):
-                    r.reason = "constraint"
-                    dec.free(lane)
-                    self._finished(r)
-                    continue
-                row = masked(row, mask)
-            if r.params is None:
-                first = int(torch.argmax(row))
-            else:  # the token at position P, as the engine core chooses it (penalised greedy too)
-                first = choose_token(row, r.prompt, r.params, len(r.prompt))
-            r.t_first = time.perf_counter()
-            dec.set_params(lane, r.params)
-            self._emit(r, [first], None if r.logprobs is None else [_logprob(logits[0], first, r.logprobs)])
-            if r.reason is not None:
-                if self._keeps(r):  # its drafter rows belong to the state
-                    dec.start(lane, r.prompt, pre, post, first, r.k, carry)
-                    self._keep_state(lane, r)
-                dec.free(lane)
-                self._finished(r)
-                continue
-            dec.start(lane, r.prompt, pre, post, first, r.k, carry)
-            self._join(r, lane)
-        self._sync()
-        self.prefill_s += time.perf_counter() - t0
+                row = masked(row, mask) if bool(mask.any()) else None
+            if row is not None:
+                if r.params is None:  # (greedy_token: a row with NaN / +inf is an error, as on the engine core)
+                    first = greedy_token(row)
+                else:  # the token at position P, as the engine core chooses it (penalised greedy too)
+                    first = choose_token(row, r.prompt, r.params, len(r.prompt))
+                dec.set_params(lane, r.params)
+        except ValueError as e:
+            raise _OwnError(e) from e
+        if first is None:  # its constraint allows nothing
+            r.reason = "constraint"
+            dec.free(lane)
+            self._finished(r)
+            return
+        r.t_first = time.perf_counter()
+        self._emit(r, [first], None if r.logprobs is None else [_logprob(logits[0], first, r.logprobs)])
+        if r.reason is not None:
+            if self._keeps(r):  # its drafter rows belong to the state
+                dec.start(lane, r.prompt, pre, post, first, r.k, carry)
+                self._keep_state(lane, r)
+            dec.free(lane)
+            self._finished(r)
+            return
+        dec.start(lane, r.prompt, pre, post, first, r.k, carry)
+        self._join(r, lane)
 
     def _join(self, r: LaneRequest, lane: int) -> None:
         dec = self.dec
@@ -784,6 +806,8 @@ def lane_stats(lr: LaneRequest, dec: BatchDecoder) -> dict:
         stats.update({"k": lr.k, "direct_tokens": min(n, 1), "spec": lr.telemetry.to_dict()})
     if lr.error is not None:  # (the engine core's req.error form: the server answers it with a 400)
         stats["error"] = f"ConstraintFailure: {lr.error}"
+    elif lr.exception is not None:  # (the server: a 500 for this request alone)
+        stats["error"] = f"{type(lr.exception).__name__}: {lr.exception}"
     return stats
 
 
@@ -815,7 +839,11 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
 
             r.exception = ConstraintFailure(lr.error)
             r.error = f"ConstraintFailure: {lr.error}"
-        if r.keep and r.end_state is None:  # not exported (no token emitted, or not exact): rebuilt
+        elif lr.exception is not None:  # its own error at admission (NonFiniteLogits), as the engine core's
+            r.exception = lr.exception
+            r.error = f"{type(lr.exception).__name__}: {lr.exception}"
+        if r.keep and r.end_state is None and lr.exception is None:  # not exported (no token emitted, or not
+            # exact): rebuilt (not after an error at admission: the session turn is undone)
             r.end_state = state_of(dec, lr.prompt + lr.tokens, lr.k)
             if r.end_state is not None and lr.adaptive_floor is not None:
                 r.end_state.k_next = lr.k_next
