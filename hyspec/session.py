@@ -337,9 +337,13 @@ class Session:
             n_drafts = 0 if not self._speculative else (self._last_draft or (self.spec.k if self.spec else 3))
         opts = eng._spec_options(n_drafts, self.spec)
         if self._speculative is not None and (n_drafts > 0) != self._speculative:
-            raise ValueError(f"this session decodes {'with' if self._speculative else 'without'} drafts since its "
-                             f"first turn; draft={n_drafts} would need the drafter's rows for the whole transcript "
-                             "(use a new session)")
+            if self._speculative:  # (a plain turn needs no drafter rows: it builds none for the turns after it)
+                raise ValueError("this session decodes with drafts since its first turn; a plain turn (draft=0) "
+                                 "would not build the drafter's rows that its later speculative turns need (send "
+                                 "with draft >= 1, or use a new session)")
+            raise ValueError(f"this session decodes without drafts since its first turn; draft={n_drafts} would need "
+                             "the drafter's rows for the whole transcript, which its plain turns did not build (use a "
+                             "new session)")
         given = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         limit = int_in(given, 1)  # (a numpy integer as a Python int)
         if limit is None:
@@ -347,9 +351,13 @@ class Session:
         context = eng.model.cfg.max_position_embeddings
         total = len(self.tokens) + len(ids) + limit
         if total > context:
+            held = len(self.tokens) + len(ids)  # (with no room for one new token, a lower max_new_tokens cannot help)
+            fix = "rewind, reset, or lower max_new_tokens" if held < context else \
+                f"no room is left for a reply ({held} tokens before it): " + \
+                ("rewind, reset, or send a shorter message" if ids else "rewind or reset")
             raise ValueError(f"the conversation would reach {total} tokens ({len(self.tokens)} so far + {len(ids)} "
                              f"new + max_new_tokens {limit}), beyond the model's maximum context of {context} tokens "
-                             "(max_position_embeddings): rewind, reset, or lower max_new_tokens")
+                             f"(max_position_embeddings): {fix}")
         if logprobs is not None:
             top = int_in(logprobs, 0)
             if top is None:

@@ -201,6 +201,16 @@ def test_max_context_error_names_both_numbers(zoo):
             s.send([6] * 10)
         assert len(s.tokens) == 22  # unchanged by the refused turn
         assert s.send([6] * 2, max_new_tokens=6).tokens
+        # a full context: no max_new_tokens (>= 1) helps, so the error does not advise lowering it
+        assert len(s.tokens) == 30
+        for msg, advice in (([], r"no room is left for a reply \(30 tokens before it\): rewind or reset$"),
+                            ([7], r"no room is left for a reply \(31 tokens.*or send a shorter message$")):
+            with pytest.raises(ValueError, match=advice) as e:
+                s.send(msg, max_new_tokens=1)
+            assert "lower max_new_tokens" not in str(e.value)
+        s.rewind()
+        with pytest.raises(ValueError, match="lower max_new_tokens"):  # (where it would help, it says so)
+            s.send([6] * 2, max_new_tokens=7)
     finally:
         object.__setattr__(cfg, "max_position_embeddings", old)
 
@@ -245,6 +255,12 @@ def test_switching_plain_and_speculative_is_refused(zoo, tmp_path):
         s.send([6], draft=2)
     t = eng.session(draft=2, max_new_tokens=4)
     t.send([3, 4, 5])
+    # the other way the reason is another: a plain turn needs no drafter rows, it builds none for
+    # the speculative turns after it (was: "draft=0 would need the drafter's rows")
+    with pytest.raises(ValueError, match=r"with drafts since its first turn; a plain turn \(draft=0\) would not "
+                                         r"build the drafter's rows that its later speculative turns need") as e:
+        t.send([6], draft=0)
+    assert "draft=0 would need" not in str(e.value)
     assert t.send([6], draft=4).tokens  # K may change between speculative turns
     # a session made with draft=2 whose first turn was plain stays plain by default (it refused every
     # send without draft=0); a wrong params type is named before the draft rule
