@@ -220,18 +220,29 @@ def _keep_fp8(model: torch.nn.Module, tensors: dict[str, torch.Tensor], qcfg) ->
     """Make the (meta) model keep the checkpoint's fp8 weights: every float8 tensor that is a
     parameter of the model (in its shape) becomes a float8 parameter with its scale buffers.
     Stacked experts stored transposed are dequantized here instead (their block would be
-    transposed too). Returns the parameter names kept in fp8."""
+    transposed too), and so is a quantized weight whose module reads it as a plain tensor
+    (router, embedding, LM head: Qwen leaves them bf16, a checkpoint that quantizes them
+    loads as with fp8="dequantize"). Returns the parameter names kept in fp8."""
+    from hyspec.model.ffn import Experts
+    from hyspec.model.ops import Linear
     from hyspec.quant import SCALE_SUFFIX, dequantize, is_fp8, keep_fp8_params
 
     params = dict(model.named_parameters())
     specs = {}
+
+    def computes_in_fp8(k: str) -> bool:  # (the modules whose forward dequantizes on the fly: module_weight)
+        mod_name, _, attr = k.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        return ((isinstance(mod, Linear) and attr == "weight" and k != "lm_head.weight")
+                or (isinstance(mod, Experts) and attr in ("gate_up_proj", "down_proj")))
+
     for k in [k for k, v in tensors.items() if is_fp8(v)]:
         p = params.get(k)
         scale = tensors[k + SCALE_SUFFIX]
-        if p is not None and tuple(p.shape) == tuple(tensors[k].shape):
+        if p is not None and tuple(p.shape) == tuple(tensors[k].shape) and computes_in_fp8(k):
             rows = tensors.get(k + "_scale_rows")
             specs[k] = (tuple(scale.shape), None if rows is None else rows.shape[0])
-        else:  # not a parameter here (the loader reports it), or stored transposed
+        else:  # not a parameter here (the loader reports it), stored transposed, or read unquantized
             tensors[k] = dequantize(tensors[k], tensors.pop(k + SCALE_SUFFIX), qcfg.block, name=k,
                                     rows=tensors.pop(k + "_scale_rows", None))
     keep_fp8_params(model, specs, qcfg.block)

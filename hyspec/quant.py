@@ -125,9 +125,10 @@ def parse_quantization_config(raw: dict) -> Fp8BlockConfig | None:
     if (not isinstance(blk, (list, tuple)) or len(blk) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blk)):
         raise bad("weight_block_size", f"must be two positive integers, got {blk!r}")
-    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    skip_field = "modules_to_not_convert" if q.get("modules_to_not_convert") else "ignored_layers"
+    skip = q.get(skip_field) or ()
     if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
-        raise bad("modules_to_not_convert", "must be a list of module names")
+        raise bad(skip_field, "must be a list of module names")
     return Fp8BlockConfig(block=(blk[0], blk[1]), modules_to_not_convert=tuple(skip), activation_scheme=act)
 
 

@@ -272,6 +272,10 @@ def _set_q(d: Path, **kw) -> None:
     ({"fmt": "e5m2"}, r"'quantization_config\.fmt' is 'e5m2'"),
     ({"scale_fmt": "ue8m0"}, r"'quantization_config\.scale_fmt' is 'ue8m0'"),
     ({"weight_per_tensor": True}, r"'quantization_config\.weight_per_tensor' is true"),
+    ({"modules_to_not_convert": "lm_head"}, r"'quantization_config\.modules_to_not_convert' must be a list"),
+    # vLLM's name for the list: named as the user wrote it (the message named modules_to_not_convert)
+    ({"modules_to_not_convert": None, "ignored_layers": "lm_head"},
+     r"'quantization_config\.ignored_layers' must be a list"),
 ])
 def test_bad_quantization_config_is_named(ckpt, kw, match):
     _set_q(ckpt, **kw)

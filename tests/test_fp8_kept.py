@@ -56,6 +56,37 @@ def test_kept_fp8_forward_is_the_dequantized_models(ckpt, arch, experts, block):
         assert torch.equal(kept(TOKENS), deq(TOKENS))
 
 
+@pytest.mark.parametrize("key", ["model.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.gate.weight",
+                                 "model.embed_tokens.weight", "lm_head.weight"])
+def test_a_quantized_router_embedding_or_head_loads_kept_as_dequantized(ckpt, tmp_path, key):
+    """Qwen leaves the router, embedding and LM head in bf16, but a checkpoint that quantizes
+    one of them (a scale beside it) loaded with fp8="keep" (the default on CUDA) held it as
+    float8, which their forwards read as a plain tensor: 'expected m1 and m2 to have the same
+    dtype' at the first forward, where fp8="dequantize" runs it. Now dequantized at load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hyspec.quant import quantize
+
+    d = tmp_path / "q"
+    shutil.copytree(ckpt("qwen3_5_moe", "stacked", (32, 48)), d)
+    t = load_file(str(d / "model.safetensors"))
+    t[key], t[key + "_scale_inv"] = quantize(t[key], (32, 48))
+    save_file(t, str(d / "model.safetensors"))
+    kept, deq = load_model(d, fp8="keep"), load_model(d)
+    mod_name, _, attr = key.rpartition(".")
+    assert getattr(kept.get_submodule(mod_name), attr).dtype == torch.float32
+    assert torch.equal(getattr(kept.get_submodule(mod_name), attr), getattr(deq.get_submodule(mod_name), attr))
+    with torch.no_grad():
+        assert torch.equal(kept(TOKENS), deq(TOKENS))
+    from hyspec.engine import Engine
+
+    a, b = Engine(kept), Engine(deq)
+    assert a.generate(TOKENS.tolist(), max_new_tokens=6, draft=2, ignore_eos=True).tokens == \
+        b.generate(TOKENS.tolist(), max_new_tokens=6, ignore_eos=True).tokens
+
+
 def test_runner_packs_fp8_groups_without_copies(ckpt):
     from hyspec.gpu.packing import Segments, pack_gdn_in, pack_layer
 
