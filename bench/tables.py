@@ -71,8 +71,9 @@ class Results:
     def commit(self, name: str) -> str:
         """`abc1234`, `abc1234` dirty, or not recorded (added in `...`)."""
         g = git_of(self(name))
-        if g:
-            sha = f"`{str(g['commit'])[:7]}`"
+        if g:  # every commit a file names (one per run where its runs ran at two: "d24997f / 3c2f9fd")
+            shas = re.findall(r"\b[0-9a-f]{7,40}\b", str(g["commit"]))
+            sha = f"`{' / '.join(s[:7] for s in shas) if shas else str(g['commit'])[:7]}`"
             return sha + {True: " dirty", False: "", None: " (dirty: unknown)"}[g.get("dirty")]
         note = self.notes().get(name if name.endswith(".json") else name + ".json")
         return f"not recorded (added in `{note['added_in']}`)" if note else "not recorded"
@@ -195,10 +196,11 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
                 ("bitwise" if v else "**differs**") + what)
     m = re.fullmatch(r"plain_B(\d+)_vs_B(\d+)", name)
     if m:
-        return f"plain aggregate tok/s, batch {m.group(1)} ÷ batch {m.group(2)}", times(v)
+        return (f"plain aggregate tok/s, batch {m.group(1)} ÷ batch {m.group(2)}",
+                times_vs(_batch_ratio(d, name) or v, t.get("target")))
     m = re.fullmatch(r"spec_K(\d+)_vs_plain_B(\d+)", name)
     if m:
-        return f"forced K={m.group(1)} ÷ plain, batch {m.group(2)}", times(v)
+        return f"forced K={m.group(1)} ÷ plain, batch {m.group(2)}", times_vs(_batch_ratio(d, name) or v, t.get("target"))
     if name == "forced_k3_speedup_draft_vocab":
         ceil = f", cost-model ceiling {times(t['ceiling'])}" if t.get("ceiling") else ""
         step = (f"; draft step {t['draft_step_ms']:.3f} ms vs {t['draft_step_ms_full_vocab']:.3f} ms"
@@ -220,6 +222,23 @@ def _label_value(name: str, t: dict, d: dict) -> tuple[str, str]:
                       if k not in ("value", "target", "met", "stretch") and not isinstance(x, (dict, list)))
     shown = pct(v) if name.endswith("_frac") and isinstance(v, float) else num(v)
     return f"`{name}`", shown + (f" ({extra})" if extra else "")
+
+
+def _batch_ratio(d: dict, name: str) -> float | None:
+    """The unrounded ratio behind a batch target, from the file's batch runs: the target's
+    value is rounded to 3 places, and 2 places of that can differ from the batch table's
+    figure of the same runs (12.0347 -> 12.035 -> x12.04 beside the table's x12.03)."""
+    runs = (batch_of(d) or {}).get("runs") or {}
+
+    def run(B: str) -> dict:
+        return runs.get(B) or runs.get(int(B)) or {}
+
+    m = re.fullmatch(r"plain_B(\d+)_vs_B(\d+)", name)
+    if m:
+        a, b = run(m.group(1)).get("plain_tok_s"), run(m.group(2)).get("plain_tok_s")
+        return a / b if a and b else None
+    m = re.fullmatch(r"spec_K(\d+)_vs_plain_B(\d+)", name)
+    return run(m.group(2)).get("spec_vs_plain") if m else None
 
 
 def _target(name: str, t: dict) -> str:
@@ -488,7 +507,8 @@ def default_model_h200(res: Results) -> str:
 def gpu_log_commit(path: Path) -> str:
     """The commit in a text log's header: `commit SHA (clean|dirty)` (bench/gpu_tests.sh), or
     `commit SHA dirty=0|1` / `commit SHA dirty False|True` in its first lines (the
-    device scripts' `# ...` headers of diagnostic logs)."""
+    device scripts' `# ...` headers of diagnostic logs), or `commit SHA; COMMAND` (no dirty
+    flag: "(dirty: unknown)")."""
     text = path.read_text()
     m = re.match(r"commit (\w+) \(([^)]*)\)", text)
     if m:
@@ -498,7 +518,8 @@ def gpu_log_commit(path: Path) -> str:
     head = "\n".join(text.splitlines()[:3])
     m = re.search(r"commit ([0-9a-f]{7,40}) dirty[= ](0|1|False|True)\b", head)
     if not m:
-        return "not recorded"
+        m = re.match(r"#?\s*commit ([0-9a-f]{7,40});", text)  # `commit SHA; COMMAND`: no dirty flag
+        return f"`{m.group(1)[:7]}` (dirty: unknown)" if m else "not recorded"
     return f"`{m.group(1)[:7]}`" + ("" if m.group(2) in ("0", "False") else " dirty")
 
 

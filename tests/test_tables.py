@@ -132,6 +132,42 @@ def test_where_results_keep_their_commit(tables, tmp_path):
     assert tables.missing_provenance(res) == ["f.json"]
 
 
+def test_a_file_of_runs_at_two_commits_and_a_log_without_a_dirty_flag_name_their_commits(tables, tmp_path):
+    """A file whose runs ran at two commits names both (b2_h200_batch_ablation.json showed
+    only the first), and a GPU test log headed `commit SHA; COMMAND` names its commit with
+    its dirty state unknown (gpu_tests_logprobs_h200.txt and gpu_tests_pmin_h200.txt showed
+    "not recorded")."""
+    (tmp_path / "a.json").write_text(json.dumps({"git": {"commit": "d24997f / 3c2f9fd", "dirty": False}}))
+    assert tables.Results(tmp_path).commit("a.json") == "`d24997f / 3c2f9fd`"
+    log = tmp_path / "gpu_tests_x_h200.txt"
+    log.write_text("commit 19d34be9f0c691f3712cbda6170ce9e5c0ca62a3; HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q\n"
+                   "5 passed in 9.1s\n")
+    assert tables.gpu_log_commit(log) == "`19d34be` (dirty: unknown)"
+    assert "| `gpu_tests_x_h200.txt` | GPU tests: 5 passed | `19d34be` (dirty: unknown) |" in \
+        tables.gpu_tests(tables.Results(tmp_path))
+
+
+def test_a_batch_target_shows_the_ratio_of_the_runs_the_batch_table_shows(tables, tmp_path):
+    """A batch target's value is rounded to 3 places (12.0347 -> 12.035): its row shows the
+    runs' own ratio, as the batch table beside it does (x12.03, not x12.04)."""
+    runs = {"1": {"plain_tok_s": 648.30016041234, "spec_tok_s": 1301.1, "spec_vs_plain": 2.007, "plain_vs_B1": 1.0},
+            "16": {"plain_tok_s": 7802.125267940832, "spec_tok_s": 13585.6, "spec_vs_plain": 1.741265387089489,
+                   "plain_vs_B1": 12.03474215242894}}
+    targets = {"plain_B16_vs_B1": {"value": 12.035, "target": 12.0, "met": True},
+               "spec_K3_vs_plain_B16": {"value": 1.741, "target": 1.5, "met": True}}
+    d = {"git": {"commit": "a" * 40, "dirty": False}, "batch": {"backend": "cuda-graphs", "runs": runs, "targets": targets}}
+    (tmp_path / "b.json").write_text(json.dumps(d))
+    out = tables.render("b", tables.Results(tmp_path))
+    assert "| 16 | 7,802 | 13,586 | ×1.74 | ×12.03 | `aaaaaaa` |" in out
+    assert "| plain aggregate tok/s, batch 16 ÷ batch 1 | ×12.03 | ≥ ×12 | met | `aaaaaaa` |" in out
+    assert "| forced K=3 ÷ plain, batch 16 | ×1.74 | ≥ ×1.5 | met | `aaaaaaa` |" in out
+    runs["16"]["plain_tok_s"] = 648.30016041234 * 11.998  # a ratio that 2 places would round onto its target
+    targets["plain_B16_vs_B1"] = {"value": 11.998, "target": 12.0, "met": False}
+    (tmp_path / "b.json").write_text(json.dumps(d))
+    assert "| plain aggregate tok/s, batch 16 ÷ batch 1 | ×11.998 | ≥ ×12 | **missed** |" in \
+        tables.render("b", tables.Results(tmp_path))
+
+
 def test_git_state_names_only_this_checkout_and_never_fails(tmp_path, monkeypatch):
     """Results record the commit of hyspec's own checkout. Without git on the machine
     `hyspec bench` / `hyspec train` failed ("No such file or directory: git"); an installed
