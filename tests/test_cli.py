@@ -599,6 +599,16 @@ def test_score_and_replay_of_overflowing_models(tmp_path, capsys, monkeypatch):
     assert report["tokens"] == want and report["perplexity"] is None
 
 
+def test_replay_of_a_closed_standard_input_is_one_line(ckpt, capsys, monkeypatch):
+    """`hyspec replay --text-file - <&-` ended in AttributeError's traceback (sys.stdin is
+    None there), after loading the model; it is now one line, as --prompts-file - says it."""
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", None)
+    assert "hyspec replay: error: --text-file -: standard input is closed" in run_error(
+        capsys, "replay", "--model", str(ckpt), "--text-file", "-")
+
+
 def test_a_constraint_file_that_is_not_utf8_is_named(ckpt, tmp_path, capsys):
     """A --grammar or --json-schema file that is not UTF-8 was "error: 'utf-8' codec can't
     decode byte 0xff in position 0" (neither the flag nor the file named)."""

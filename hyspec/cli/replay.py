@@ -46,6 +46,8 @@ def run(args) -> int:
             raise ValueError(f"--text-file {args.text_file} is a directory: give a text file")
         if not os.path.exists(args.text_file):
             raise ValueError(f"--text-file {args.text_file} does not exist")
+    elif sys.stdin is None or sys.stdin.closed:  # (`<&-`: there is nothing to read)
+        raise ValueError("--text-file -: standard input is closed")
     from hyspec.speculative.loop import MAX_DRAFT
 
     for flag, value, low, high in (("--k", args.k, 1, MAX_DRAFT), ("--stride", args.stride, 1, None),

@@ -115,7 +115,9 @@ def replay_acceptance(model: HybridLM, ids: list[int], *, k: int = 4, stride: in
       drafts), tau (mean accepted drafts at K = k);
       telemetry: SpecTelemetry.to_dict() with one round of k drafts per position;
       vs_target: the same rates when drafts are judged against the target's own greedy
-      prediction of each token (teacher-forced) instead of the text;
+      prediction of each token (teacher-forced) instead of the text (given the text
+      before it, not the drafts: past a draft that equals the target's token and not the
+      text's, it is not what greedy speculation from that prefix would accept);
       per_position: {"position": [...], "accepted": [...], "accepted_vs_target": [...]};
       drafts (only with return_drafts): [[d_1..d_k] per position];
       mtp_forwards, seconds.
