@@ -242,7 +242,16 @@ def test_score_text(ckpt, capsys) -> None:
     assert len(d["logprobs"]) == len(d["tokens"]) - 1 and d["top_logprobs"] is None
     capsys.readouterr()
     assert main(["score", "--model", str(ckpt), "--text", PROMPT]) == 0
-    assert "perplexity" in capsys.readouterr().out
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "perplexity" in out[-1]
+    # each scored token's log-probability, as the command says (it printed the summary alone
+    # unless --top-logprobs was given); --summary: that line alone
+    assert out[0].split() == ["pos", "token", "logprob"] and len(out) == len(d["tokens"]) + 1, out
+    assert [float(line.split()[-1]) for line in out[1:-1]] == [round(v, 3) for v in d["logprobs"]]
+    assert main(["score", "--model", str(ckpt), "--text", PROMPT, "--summary"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == out[-1:]
+    assert "--top-logprobs does not go with it" in run_error(capsys, "score", "--model", str(ckpt), "--text", PROMPT,
+                                                             "--summary", "--top-logprobs", "2")
 
 
 def test_score_summary_labels_units(ckpt, capsys) -> None:
