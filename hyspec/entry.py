@@ -11,4 +11,25 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\nhyspec: interrupted", file=sys.stderr)
         return 130
-    return run()
+    code = run()
+    _quiet_exit()
+    return code
+
+
+def _quiet_exit() -> None:
+    """The command's work is done: a Ctrl-C while the interpreter shuts down (torch's exit
+    handlers take a while) ends the process as a SIGINT does (the shell's status 130), its
+    output flushed first; it raised KeyboardInterrupt inside those handlers ("Exception
+    ignored in atexit callback" and a traceback under the complete output)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # (a closed pipe: the interpreter's own final flush reports it as before)
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

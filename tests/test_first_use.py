@@ -318,6 +318,24 @@ def test_ctrl_c_while_the_command_starts_is_one_line(monkeypatch, capsys) -> Non
     assert scripts["hyspec"] == "hyspec.entry:main"
 
 
+def test_ctrl_c_after_the_command_finished_is_no_traceback() -> None:
+    """A Ctrl-C while the interpreter shuts down after the command's work (torch's exit
+    handlers run for a while) raised KeyboardInterrupt inside them: "Exception ignored in
+    atexit callback ... KeyboardInterrupt" and a traceback under complete output. It now ends
+    the process as a SIGINT does (the shell's status 130), the output flushed first."""
+    import signal
+
+    code = ("import atexit, os, signal, sys, time\n"
+            "import hyspec.cli.dispatch as d\n"
+            "d.main = lambda argv=None: print('done') or 0\n"
+            "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))\n"
+            "from hyspec.entry import main\n"
+            "sys.exit(main())\n")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
+    assert r.stdout == "done\n" and r.returncode == -signal.SIGINT
+
+
 def test_a_closed_pipe_is_not_reported_as_an_error(monkeypatch, capsys) -> None:
     """`hyspec ... | head`: the reader goes away; no `error: [Errno 32] Broken pipe` line."""
     from hyspec.cli import dispatch
