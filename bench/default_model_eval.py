@@ -41,6 +41,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--draft", type=int, default=3)
     ap.add_argument("--parts", default="replay,generate", help="which parts to run (replay, generate)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="replay each file's first N tokens (default: the model's context, max_position_embeddings, "
+                         "as `hyspec replay --max-tokens` cuts a longer file; 0: whole files, past the context)")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     git = git_state()  # the code that runs, recorded before it runs
@@ -68,15 +71,18 @@ def main() -> int:
 
 
 def run_replay(eng, heldout, eos, a) -> dict:
-    """Replay over every held-out file (each file its own text, EOS-terminated)."""
+    """Replay over every held-out file (each file its own text, EOS-terminated), cut to its
+    first max_tokens tokens (the model's context: positions past it are not the model's)."""
     t0 = time.perf_counter()
+    cap = eng.model.cfg.max_position_embeddings if a.max_tokens is None else a.max_tokens
     tot_nll = tot_tok = 0.0
     tel_pos = 0
     acc_through = [0] * a.k  # positions whose drafts 1..d+1 all equal the real text
     acc_target = [0] * a.k  # ... all equal the target's own greedy predictions
     per_file = []
     for path, text in heldout:
-        ids = eng.encode(text) + [eos]
+        whole = eng.encode(text) + [eos]
+        ids = whole[:cap] if cap else whole
         r = replay_acceptance(eng.model, ids, k=a.k, stride=a.stride)
         tot_nll += r["nll_sum"]
         tot_tok += r["nll_tokens"]
@@ -84,11 +90,13 @@ def run_replay(eng, heldout, eos, a) -> dict:
         for d in range(a.k):
             acc_through[d] += r["accepted_at"][d]
             acc_target[d] += r["vs_target"]["accepted_at"][d]
-        per_file.append({"path": path, "tokens": len(ids), "ppl": r["perplexity"], "positions": r["positions"]})
+        per_file.append({"path": path, "tokens": len(ids), "file_tokens": len(whole), "ppl": r["perplexity"],
+                         "positions": r["positions"]})
     through = [x / tel_pos for x in acc_through]
     through_t = [x / tel_pos for x in acc_target]
     replay = {
-        "files": len(heldout), "scored_tokens": int(tot_tok), "nll_per_token": tot_nll / tot_tok,
+        "files": len(heldout), "max_tokens": cap or None,
+        "files_cut": sum(f["file_tokens"] > f["tokens"] for f in per_file), "scored_tokens": int(tot_tok), "nll_per_token": tot_nll / tot_tok,
         "perplexity": float(torch.tensor(tot_nll / tot_tok).exp()), "draft_positions": tel_pos,
         "accept_through_depth": through,
         "conditional_rate_at": [through[0]] + [through[d] / through[d - 1] if through[d - 1] else 0.0
