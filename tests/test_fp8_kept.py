@@ -6,6 +6,8 @@ a row map) and decodes through the FP8 matmul and the grouped MoE kernels (inter
 plain == the reference, speculative == plain, distinct experts counted."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,6 +50,15 @@ def test_kept_fp8_forward_is_the_dequantized_models(ckpt, arch, experts, block):
         else:
             assert torch.equal(p, params[name]), name
     assert n8 > 10
+    # every fp8 weight of the checkpoint is kept in fp8 (none dequantized at load by mistake: the
+    # MTP layer's and the shared expert's projections, the stacked experts), and nothing else
+    from hyspec.loading import _quant_config, read_tensors
+    from hyspec.quant import is_fp8, prepare_fp8
+
+    raw = prepare_fp8(read_tensors(d, dequantize=False), _quant_config(Path(d)))
+    want = {k for k, v in raw.items() if is_fp8(v)}
+    assert any(k.startswith("mtp.") for k in want) and any("shared_expert." in k for k in want)
+    assert {name for name, p in kept.named_parameters() if p.dtype == FP8_DTYPE} == want
     if experts == "per_expert" and block == (128, 128):  # gate | up of 64 rows each: a row map
         assert "gate_up_proj_scale_rows" in kept.model.layers[0].mlp.experts._buffers
     nbytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
