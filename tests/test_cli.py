@@ -638,17 +638,19 @@ def test_bench_results_that_cannot_be_written_name_the_out_path():
         write_json("/dev/full", {"a": 1})
 
 
-def test_an_interrupted_bench_keeps_the_figures_measured_so_far(monkeypatch, tmp_path):
+@pytest.mark.parametrize("why", [KeyboardInterrupt, BrokenPipeError])
+def test_an_interrupted_bench_keeps_the_figures_measured_so_far(monkeypatch, tmp_path, why):
     """Ctrl-C during a bench run: --out was written only after a whole part finished, so a run
-    stopped later left no file although figures had been printed."""
+    stopped later left no file although figures had been printed. The same when the reader of
+    its output goes away (`hyspec bench ... --out F | head`: no file at all)."""
     from hyspec.bench import cli as bench_cli
 
     def stop(*a, **k):
-        raise KeyboardInterrupt
+        raise why
 
     monkeypatch.setattr(bench_cli, "make_model", stop)
     out = tmp_path / "r.json"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(why):
         bench_cli.main(["--config", "tiny", "--device", "cpu", "--copy-bytes", "1048576", "--out", str(out)])
     got = json.loads(out.read_text())
     assert got["interrupted"] is True and got["copy_bandwidth_GBps"] > 0 and "git" in got["meta"]

@@ -584,8 +584,8 @@ def main(argv=None) -> int:
 
     try:
         return run()
-    except KeyboardInterrupt:  # the figures measured so far are still worth keeping
-        if set(result) - {"meta", "errors"}:
+    except (KeyboardInterrupt, BrokenPipeError):  # the figures measured so far are still worth keeping (a Ctrl-C,
+        if set(result) - {"meta", "errors"}:     # or the reader of its output gone: `| head`)
             result["interrupted"] = True
             try:
                 save()
