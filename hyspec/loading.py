@@ -76,6 +76,8 @@ def _shard_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"{index} lists shard {f.name}, which does not exist")
         return files
     files = sorted(path.glob("*.safetensors"))
+    if not files and not os.access(path, os.R_OK):  # (glob finds nothing in a folder it cannot list)
+        raise CheckpointError(f"{path}: permission denied (the folder's files cannot be listed)")
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
     # without an index, shards named like transformers' (PREFIX-00003-of-00029) must all be there:
@@ -352,6 +354,30 @@ def resolve_model_dir(path: str | Path) -> Path:
     return got
 
 
+# the files of a checkpoint directory hyspec reads (besides *.safetensors)
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                    "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+
+
+def _check_files(path: Path) -> None:
+    """A CheckpointError naming a checkpoint file that is a broken symbolic link (in huggingface_hub's
+    cache layout, a snapshot's link to a blob that is gone: read as "no config.json", "no
+    tokenizer.json", "No such file or directory") or a *.safetensors that is a folder (read as
+    "No such device (os error 19)", or, in a shard index, as a shard that "does not exist")."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:  # (a folder that cannot be listed: its files are opened by name, as they were)
+        return
+    for e in entries:
+        if e.name not in CHECKPOINT_FILES and not e.name.endswith(".safetensors"):
+            continue
+        if e.is_symlink() and not os.path.exists(e.path):
+            raise CheckpointError(f"{e.path} is a broken symbolic link (to {os.readlink(e.path)}): the file it "
+                                  f"points to is missing (an incomplete or pruned download?)")
+        if e.name.endswith(".safetensors") and e.is_dir():
+            raise CheckpointError(f"{e.path} is a directory, not a safetensors file")
+
+
 def check_model_dir(path: str | Path) -> Path:
     """`path` as a Path when it is a directory (a Hugging Face model id resolved to its cached
     snapshot: resolve_model_dir), else a CheckpointError naming what it is."""
@@ -361,6 +387,7 @@ def check_model_dir(path: str | Path) -> Path:
                               f"(config.json + *.safetensors)")
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
+    _check_files(path)
     return path
 
 

@@ -198,6 +198,24 @@ def _not_in_own_turn(method):
     return run
 
 
+class _WriteErrors:
+    """A binary file for torch.save that records the OSError of a failed write in `failed`
+    (torch's writer reports only that its position is not the one expected)."""
+
+    def __init__(self, f, failed: list) -> None:
+        self.f, self.failed = f, failed
+
+    def write(self, b) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.failed.append(e)
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 @dataclass(frozen=True)
 class RewindPoint:
     """The session before one turn: what rewind restores (never mutated: forks share them)."""
@@ -649,13 +667,16 @@ class Session:
         mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
         try:
-            try:
-                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-                if mode is not None:
-                    os.chmod(tmp, mode)
-                torch.save(self.to_dict(extra), str(tmp))
-            except RuntimeError as e:  # (torch's file writer: "open file failed ...")
-                raise OSError(f"cannot save the session to {given}: {str(e).strip().splitlines()[0][:200]}") from None
+            failed = []  # a write's own OSError (torch's writer swallows it: "[enforce fail at inline_container.cc]
+            try:  # ... unexpected pos 3648 vs 3542" said nothing of a full disk)
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+                    if mode is not None:
+                        os.chmod(tmp, mode)
+                    torch.save(self.to_dict(extra), _WriteErrors(f, failed))
+            except (RuntimeError, OSError) as e:  # (a folder not writable named the temporary file, not this one)
+                why = failed[0].strerror if failed and failed[0].strerror else (
+                    e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200])
+                raise OSError(f"cannot save the session to {given}: {why}") from None
             os.replace(tmp, path)
         finally:
             if tmp.exists():

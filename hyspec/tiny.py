@@ -17,6 +17,22 @@ MADE_BY_MAKE_TINY = "make_tiny.json"
 
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, shown: str | Path | None = None) -> None:
+    """safetensors' save_file, a failed write (a full disk, an I/O error) an OSError naming the
+    file (`shown`: the name to give, e.g. a staged file's final one) and why: safetensors' own
+    SafetensorError is no OSError, and the CLI reported it as a traceback."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type (not importable by name)
+        if type(e).__name__ != "SafetensorError":
+            raise
+        why = (str(e).strip().splitlines() or [""])[0]
+        why = why.split("I/O error: ", 1)[-1] or type(e).__name__  # ("Error while serializing: I/O error: ...")
+        raise OSError(f"cannot write {shown or path}: {why}") from None
+
 _SAMPLE_TEXT = (
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
@@ -163,8 +179,6 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
     overrides: config.json entries set over the tiny config's (e.g. head sizes).
     fp8: block-quantize it like Qwen's -FP8 checkpoints (float8_e4m3fn weights,
     ``*_scale_inv`` per fp8_block block, ``quantization_config`` in config.json)."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     shards = sorted(p.name for p in out.glob("model*.safetensors*") if p.name != "model.safetensors") \
         if out.is_dir() else []
@@ -203,16 +217,21 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         qcfg = Fp8BlockConfig(block=tuple(fp8_block), modules_to_not_convert=tuple(skip))
         cfg_dict["quantization_config"] = qcfg.to_dict()
     out.mkdir(parents=True, exist_ok=True)  # only once everything is built: a refused call leaves no folder
-    marker = out / MADE_BY_MAKE_TINY  # first: a run cut short leaves a folder the next make-tiny may replace
-    marker.unlink(missing_ok=True)  # (made afresh: its mode is the umask's, the weights file's below)
-    marker.write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
-    if vocab_size < 300:  # an earlier checkpoint's tokenizer here would be loaded with this one (and refuse its ids)
-        (out / "tokenizer.json").unlink(missing_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # (safetensors creates the file for its owner only: the mode a new file gets, as the others)
-    os.chmod(out / "model.safetensors", marker.stat().st_mode & 0o777)
-    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
-    if vocab_size >= 300:  # a byte-level BPE needs the 256 byte tokens plus some merges
-        tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    try:
+        marker = out / MADE_BY_MAKE_TINY  # first: a run cut short leaves a folder the next make-tiny may replace
+        marker.unlink(missing_ok=True)  # (made afresh: its mode is the umask's, the weights file's below)
+        marker.write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
+        if vocab_size < 300:  # an earlier checkpoint's tokenizer here would be loaded with this one (and refuse its ids)
+            (out / "tokenizer.json").unlink(missing_ok=True)
+        save_safetensors(tensors, out / "model.safetensors")
+        # (safetensors creates the file for its owner only: the mode a new file gets, as the others)
+        os.chmod(out / "model.safetensors", marker.stat().st_mode & 0o777)
+        (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
+        if vocab_size >= 300:  # a byte-level BPE needs the 256 byte tokens plus some merges
+            tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    except OSError as e:  # (a full disk: "[Errno 28] No space left on device" named no file)
+        if e.filename is None and e.strerror:
+            raise OSError(f"cannot write the checkpoint to {out}: {e.strerror}") from None
+        raise
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -636,6 +637,49 @@ def test_bench_results_that_cannot_be_written_name_the_out_path():
 
     with pytest.raises(OSError, match=r"^--out /dev/full: cannot write the results \(No space left on device\)"):
         write_json("/dev/full", {"a": 1})
+
+
+def test_bench_results_are_replaced_whole(tmp_path, monkeypatch):
+    """--out is written after each part of a run: a write that failed part-way (a full disk, a
+    Ctrl-C) left a truncated JSON in place of the last part's whole one."""
+    from hyspec.bench.report import write_json
+
+    out = tmp_path / "r.json"
+    write_json(str(out), {"part": 1})
+    real = Path.write_text
+
+    def half(self, text, *a, **kw):
+        real(self, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match="cannot write the results"):
+        write_json(str(out), {"part": 2, "figures": list(range(100))})
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"part": 1} and [f.name for f in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_files_written_on_a_full_disk_are_named_in_one_line(ckpt, tmp_path, capsys, monkeypatch):
+    """make-tiny on a full disk ended in safetensors' SafetensorError traceback; generate --out
+    in "error: [Errno 28] No space left on device", no file named."""
+    import safetensors
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):  # (its error on a full disk, as safetensors 0.8 words it)
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "t"
+    err = run_error(capsys, "make-tiny", "--arch", "qwen3_5", "--out", str(out))
+    assert f"hyspec make-tiny: error: cannot write {out / 'model.safetensors'}: No space left on device (os error 28)" in err
+    monkeypatch.undo()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x", "max_new_tokens": 2}\n')
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompts-file", str(prompts), "--out", "/dev/full")
+    assert err.strip().splitlines()[-1] == "hyspec generate: error: --out /dev/full: cannot write it (No space left " \
+                                           "on device)", err
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)  # (written to as it is: never replaced by a file)
 
 
 @pytest.mark.parametrize("why", [KeyboardInterrupt, BrokenPipeError])

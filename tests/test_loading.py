@@ -134,6 +134,31 @@ def test_a_tokenizer_json_that_is_a_directory_is_named(ckpt):
         Engine.load(ckpt)
 
 
+def test_broken_links_and_folders_among_the_checkpoint_files_are_named(ckpt, tmp_path):
+    """In huggingface_hub's cache layout each file is a link to a blob: a blob gone made a shard
+    "No such file or directory", a tokenizer.json or config.json "no tokenizer.json" / "no
+    config.json" (the file is there, as a link to nothing); a *.safetensors that is a folder
+    read as "No such device (os error 19)", and, named by a shard index, as one that "does not
+    exist". Each is now named as what it is."""
+    from hyspec.engine import Engine
+
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for f in ckpt.iterdir():  # the cache's layout: the snapshot's files link to blobs
+        f.rename(blobs / f.name)
+        f.symlink_to(blobs / f.name)
+    load_model(ckpt)  # (links to files load)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        (blobs / name).rename(blobs / (name + ".gone"))
+        with pytest.raises(CheckpointError, match=rf"{name} is a broken symbolic link \(to .*blobs/{name}\): "
+                                                  r"the file it points to is missing"):
+            Engine.load(ckpt)
+        (blobs / (name + ".gone")).rename(blobs / name)
+    (ckpt / "extra.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=r"extra\.safetensors is a directory, not a safetensors file"):
+        load_model(ckpt)
+
+
 def test_shard_index_naming_a_missing_file(ckpt):
     t = _tensors(ckpt)
     (ckpt / "model.safetensors").unlink()

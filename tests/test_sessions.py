@@ -8,6 +8,9 @@ losing state; the maximum context gives an error naming both numbers."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from conftest import ARCHS
@@ -616,10 +619,8 @@ def test_a_failed_save_leaves_the_older_file_whole(zoo, tmp_path, monkeypatch):
     before = f.read_bytes()
     real = torch.save
 
-    def dies(obj, name):  # writes part of the file, then fails
-        real(obj, name)
-        with open(name, "r+b") as fh:
-            fh.truncate(100)
+    def dies(obj, f):  # writes the file, then fails before it is moved over the older one
+        real(obj, f)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", dies)
@@ -647,6 +648,37 @@ def test_a_failed_save_leaves_the_older_file_whole(zoo, tmp_path, monkeypatch):
     if os.geteuid() != 0:  # (root writes anywhere)
         with pytest.raises(OSError, match="cannot save the session"):
             s.save(tmp_path / "ro" / "s.pt")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_save_that_cannot_write_names_the_file_and_why(zoo, tmp_path, monkeypatch):
+    """A folder not writable was "[Errno 13] Permission denied: '.../.s.pt.1168.efb35b723bf2.tmp'"
+    (the temporary file named, not the one given); a full disk was "[enforce fail at
+    inline_container.cc:672] . unexpected pos 3648 vs 3542" (torch's writer swallows the
+    write's error). Both now name the file and the reason, and leave nothing behind."""
+    import os
+
+    eng = engine(zoo, "qwen3_5")
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(messages(eng.model.cfg.vocab_size, 1, seed=2)[0])
+    f = tmp_path / "s.pt"
+    real_open = os.open
+
+    def denied(path, flags, mode=0o777, **kw):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    def full(path, flags, mode=0o777, **kw):  # the temporary file made, its bytes going to a full disk
+        os.close(real_open(path, flags, mode))
+        return real_open("/dev/full", os.O_WRONLY)
+
+    for fake, why in ((denied, "Permission denied"), (full, "No space left on device")):
+        monkeypatch.setattr(os, "open", fake)
+        with pytest.raises(OSError, match=rf"^cannot save the session to {re.escape(str(f))}: {why}$"):
+            s.save(f)
+        monkeypatch.setattr(os, "open", real_open)
+        assert list(tmp_path.iterdir()) == []
+    s.save(f)
+    assert Session.load(eng, f).tokens == s.tokens
 
 
 def test_sessions_and_requests_in_several_threads_take_turns(zoo):

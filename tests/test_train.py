@@ -308,6 +308,25 @@ def test_an_interrupted_save_leaves_the_older_checkpoint_whole(tmp_path, monkeyp
                                                      "model.safetensors", "tokenizer.json"]
 
 
+def test_a_save_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """safetensors' SafetensorError ("Error while serializing: I/O error: No space left on
+    device") is no OSError: `hyspec train` ended in its traceback. It is one line naming the
+    file now, and the partial files are gone."""
+    import safetensors
+    import safetensors.torch
+
+    from hyspec.train import checkpoint
+
+    def full(tensors, filename, metadata=None):  # (its error on a full disk, as safetensors 0.8 words it)
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "m"
+    with pytest.raises(OSError, match=rf"^cannot write {out / 'model.safetensors'}: No space left on device \(os error 28\)$"):
+        checkpoint.save_checkpoint(_tiny_model(tied=True), {"a": 1}, out, TOKENIZER)
+    assert list(out.iterdir()) == []
+
+
 def test_the_cli_step_count_has_no_default_time_limit(tmp_path):
     """--steps N trains N steps: the default 7.5-minute budget applies only without it."""
     from hyspec.train.cli import parse_args

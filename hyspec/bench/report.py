@@ -4,6 +4,8 @@ judged on the exact variant, the final table, the JSON file."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -22,12 +24,26 @@ def si(x: float) -> str:
 
 
 def write_json(path: str | None, result: dict) -> None:
+    """Write the results to `path` (after each part of a run): written beside it and moved over
+    it, so a failed write (a full disk) or a Ctrl-C during it leaves the last part's file whole,
+    not a truncated JSON (a symbolic link stays a link: the file it points to is replaced; a
+    device or a pipe, /dev/stdout, is written to as it is)."""
     if path:
+        p = Path(path).resolve() if Path(path).is_symlink() else Path(path)
+        direct = p.exists() and not p.is_file()
+        tmp = p if direct else p.with_name(f".{p.name}.{os.getpid()}.tmp")
         try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(result, indent=1, default=str))
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(result, indent=1, default=str))
+            if not direct:
+                if p.exists():  # (its mode stays)
+                    os.chmod(tmp, stat.S_IMODE(p.stat().st_mode))
+                os.replace(tmp, p)
         except OSError as e:  # (a full disk named no file: "[Errno 28] No space left on device")
             raise OSError(f"--out {path}: cannot write the results ({e.strerror or e})") from None
+        finally:
+            if not direct:
+                tmp.unlink(missing_ok=True)
 
 
 def memory_report(model, dev, lengths) -> dict:

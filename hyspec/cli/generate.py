@@ -331,8 +331,13 @@ def run_file(args) -> int:
             row["logprobs"], row["top_logprobs"] = d["logprobs"], d["top_logprobs"]
         if sink is None:
             sink = open_out()
-        sink.write(json.dumps(row) + "\n")
-        sink.flush()
+        try:
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+        except OSError as e:  # (a full disk: "[Errno 28] No space left on device" named no file)
+            if sink is sys.stdout:
+                raise
+            raise ValueError(f"--out {args.out}: cannot write it ({e.strerror or e})") from None
 
     def finished(i, out) -> None:  # write results in input order as soon as the prefix is complete
         nonlocal written
@@ -362,7 +367,10 @@ def run_file(args) -> int:
     finally:
         bar.close()
         if args.out and sink is not None:
-            sink.close()
+            try:
+                sink.close()
+            except OSError:  # (the failed write's bytes, flushed again: the error is the one above)
+                pass
     fork = fork_telemetry(eng)
     if fork is not None:
         print(fork.summary_line(), file=sys.stderr)

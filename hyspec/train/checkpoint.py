@@ -15,7 +15,7 @@ import torch
 
 from hyspec.config import ModelConfig
 from hyspec.model.hybrid import HybridLM
-from hyspec.tiny import MADE_BY_MAKE_TINY
+from hyspec.tiny import MADE_BY_MAKE_TINY, save_safetensors
 from hyspec.train.model import EOS_ID
 
 
@@ -46,15 +46,13 @@ def stage_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer
     ({name: partial file}, filled as they are written, so a caller's clean-up sees every one);
     `commit_checkpoint` renames them into place. A failure (or Ctrl-C) part-way removes the
     partial files written so far and leaves `out` as it was."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for k, v in model.state_dict().items():
         v = v.detach().to("cpu")
         tensors[k] = (v.float() if _keep_fp32(k) else v.to(torch.bfloat16)).contiguous()
-    parts = {"model.safetensors": lambda f: save_file(tensors, str(f), metadata={"format": "pt"}),
+    parts = {"model.safetensors": lambda f: save_safetensors(tensors, f, out / "model.safetensors"),
              "config.json": lambda f: f.write_text(json.dumps(cfg_dict, indent=2) + "\n"),
              "generation_config.json": lambda f: f.write_text(json.dumps({"eos_token_id": EOS_ID}, indent=2) + "\n")}
     if tokenizer is not None:
@@ -63,7 +61,12 @@ def stage_checkpoint(model: HybridLM, cfg_dict: dict, out: str | Path, tokenizer
     try:
         for name, write in parts.items():
             staged[name] = out / f".{name}.partial"
-            write(staged[name])
+            try:
+                write(staged[name])
+            except OSError as e:  # (a full disk: "[Errno 28] No space left on device" named no file)
+                if not e.strerror or e.filename is not None:  # (save_safetensors' line, or one naming its file)
+                    raise
+                raise OSError(f"cannot write {out / name}: {e.strerror}") from None
         # (safetensors creates its file for its owner only, 0600: the weights get the mode a new file
         # gets here, as config.json and the others have, so whoever may read the checkpoint can load it)
         os.chmod(staged["model.safetensors"], staged["config.json"].stat().st_mode & 0o777)

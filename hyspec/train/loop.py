@@ -364,7 +364,10 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
                 "total_seconds": round(time.time() - t_start, 1),
             }
             staged["train_log.json"] = out / ".train_log.json.partial"
-            staged["train_log.json"].write_text(json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n")
+            try:
+                staged["train_log.json"].write_text(json.dumps(finite_json(result), indent=1, allow_nan=False) + "\n")
+            except OSError as e:  # (a full disk: "[Errno 28] No space left on device" named no file)
+                raise OSError(f"cannot write {out / 'train_log.json'}: {e.strerror or e}") from None
             # (the weights and their log together, or neither; a Ctrl-C during the renames came after
             # everything was written: dropped, not an "interrupted" run whose checkpoint was replaced)
             commit_checkpoint(out, staged, late_ctrl_c=False)
