@@ -356,7 +356,7 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 # the files of a checkpoint directory hyspec reads (besides *.safetensors)
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                    "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+                    "tokenizer_config.json", "chat_template.jinja")
 
 
 def _check_files(path: Path) -> None:

@@ -657,7 +657,8 @@ class Session:
             path = path.resolve()
         if path.is_dir():
             raise IsADirectoryError(f"{given} is a directory: give a file name to save the session to")
-        if path.exists() and not path.is_file():  # a device, a pipe, a socket: never replaced by a file
+        if given.exists() and not given.is_file():  # a device, a pipe, a socket: never replaced by a file (also
+            # one behind a link through /proc, /dev/stdout into a pipe: resolved, "/proc/PID/fd/pipe:[N]" was no file)
             raise ValueError(f"cannot save the session to {given}: it is not a regular file")
         if not path.parent.is_dir():
             raise FileNotFoundError(f"cannot save the session to {given}: the folder {path.parent} does not exist")

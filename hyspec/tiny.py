@@ -229,7 +229,12 @@ def make_tiny(arch: str, out: str | Path, *, seed: int = 0, vocab_size: int = 51
         (out / "config.json").write_text(json.dumps(cfg_dict, indent=2))
         (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}, indent=2))
         if vocab_size >= 300:  # a byte-level BPE needs the 256 byte tokens plus some merges
-            tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+            try:
+                tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+            except Exception as e:  # noqa: BLE001 - tokenizers' write error is a bare Exception ("No space
+                if type(e) is not Exception:  # left on device (os error 28)"): the CLI showed its traceback
+                    raise
+                raise OSError(f"cannot write {out / 'tokenizer.json'}: {e}") from None
     except OSError as e:  # (a full disk: "[Errno 28] No space left on device" named no file)
         if e.filename is None and e.strerror:
             raise OSError(f"cannot write the checkpoint to {out}: {e.strerror}") from None

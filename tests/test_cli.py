@@ -659,6 +659,24 @@ def test_bench_results_are_replaced_whole(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == {"part": 1} and [f.name for f in tmp_path.iterdir()] == ["r.json"]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs /proc's fd links")
+def test_bench_results_to_dev_stdout_are_written_to_it(tmp_path):
+    """--out /dev/stdout was resolved like a link to a file: into a pipe it was "cannot write
+    the results (No such file or directory)" (/proc/PID/fd/pipe:[N]); into a file (`> r.json`)
+    it replaced the file, and the next part's results went to a new file "r.json (deleted)"."""
+    import subprocess
+    import sys
+
+    code = ("from hyspec.bench.report import write_json; write_json('/dev/stdout', {'part': 1}); "
+            "write_json('/dev/stdout', {'part': 2})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.endswith('"part": 2\n}'), r.stderr
+    with open(tmp_path / "r.json", "w") as out:
+        r = subprocess.run([sys.executable, "-c", code], stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "r.json").read_text()) == {"part": 2} and os.listdir(tmp_path) == ["r.json"]
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_files_written_on_a_full_disk_are_named_in_one_line(ckpt, tmp_path, capsys, monkeypatch):
     """make-tiny on a full disk ended in safetensors' SafetensorError traceback; generate --out
@@ -680,6 +698,22 @@ def test_files_written_on_a_full_disk_are_named_in_one_line(ckpt, tmp_path, caps
     assert err.strip().splitlines()[-1] == "hyspec generate: error: --out /dev/full: cannot write it (No space left " \
                                            "on device)", err
     assert stat.S_ISCHR(os.stat("/dev/full").st_mode)  # (written to as it is: never replaced by a file)
+
+
+def test_make_tiny_names_a_tokenizer_json_it_cannot_write(tmp_path, capsys, monkeypatch):
+    """The weights fitting on a nearly full disk and tokenizer.json not: tokenizers' error is a
+    bare Exception ("No space left on device (os error 28)"), and make-tiny ended in its traceback."""
+    from hyspec import tiny
+
+    class Full:
+        def save(self, path):  # (tokenizers' own error on a full disk, as it words it)
+            raise Exception("No space left on device (os error 28)")  # noqa: TRY002
+
+    monkeypatch.setattr(tiny, "tiny_tokenizer", lambda vocab_size: Full())
+    out = tmp_path / "t"
+    err = run_error(capsys, "make-tiny", "--arch", "qwen3_5", "--out", str(out))
+    assert f"hyspec make-tiny: error: cannot write {out / 'tokenizer.json'}: No space left on device (os error 28)" \
+        in err, err
 
 
 @pytest.mark.parametrize("why", [KeyboardInterrupt, BrokenPipeError])

@@ -159,6 +159,15 @@ def test_broken_links_and_folders_among_the_checkpoint_files_are_named(ckpt, tmp
         load_model(ckpt)
 
 
+def test_a_broken_link_hyspec_does_not_read_is_no_error(ckpt):
+    """A snapshot's chat_template.json (a processor's file: hyspec reads chat_template.jinja and
+    tokenizer_config.json) linking to a pruned blob: the checkpoint loaded, and was then refused
+    as a broken link."""
+    (ckpt / "chat_template.json").symlink_to(ckpt / "gone.json")
+    (ckpt / "README.md").symlink_to(ckpt / "gone.md")
+    load_model(ckpt)
+
+
 def test_shard_index_naming_a_missing_file(ckpt):
     t = _tensors(ckpt)
     (ckpt / "model.safetensors").unlink()

@@ -681,6 +681,24 @@ def test_a_save_that_cannot_write_names_the_file_and_why(zoo, tmp_path, monkeypa
     assert Session.load(eng, f).tokens == s.tokens
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc's fd links")
+def test_a_save_to_a_pipe_behind_a_link_is_refused_as_one(zoo, tmp_path):
+    """/dev/stdout into a pipe (or /proc/self/fd/N): the link was resolved to /proc/PID/fd/pipe:[N],
+    which is no file, and the save failed with "No such file or directory"."""
+    import os
+
+    eng = engine(zoo, "qwen3_5")
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(messages(eng.model.cfg.vocab_size, 1, seed=2)[0])
+    r, w = os.pipe()
+    try:
+        with pytest.raises(ValueError, match=rf"^cannot save the session to /proc/self/fd/{w}: it is not a regular file$"):
+            s.save(f"/proc/self/fd/{w}")
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_sessions_and_requests_in_several_threads_take_turns(zoo):
     """Two sessions' turns and one-shot requests from three threads give what each gives
     alone (two sessions in two threads livelocked on the engine's shared session scheduler;

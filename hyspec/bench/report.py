@@ -29,8 +29,13 @@ def write_json(path: str | None, result: dict) -> None:
     not a truncated JSON (a symbolic link stays a link: the file it points to is replaced; a
     device or a pipe, /dev/stdout, is written to as it is)."""
     if path:
-        p = Path(path).resolve() if Path(path).is_symlink() else Path(path)
-        direct = p.exists() and not p.is_file()
+        p = Path(path)
+        # a device or a pipe is written as it is; so is a link in /dev or /proc, /dev/stdout: an open
+        # file's, resolved "/proc/PID/fd/pipe:[N]" (no file: a pipe's results were "No such file or
+        # directory") or, a file's, one replaced there that the link no longer leads to
+        direct = p.exists() and (not p.is_file() or p.is_symlink() and str(p.absolute()).startswith(("/dev/", "/proc/")))
+        if p.is_symlink() and not direct:
+            p = p.resolve()
         tmp = p if direct else p.with_name(f".{p.name}.{os.getpid()}.tmp")
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
