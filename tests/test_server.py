@@ -308,6 +308,43 @@ def test_errors(server, client):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices
 
 
+def test_vllm_fields_that_would_change_the_output_are_refused(server, client):
+    """vLLM's extra fields that hyspec does not implement and that change the output
+    (min_tokens, prompt_logprobs, skip_special_tokens: false, a per-request chat_template,
+    continue_final_message, ...) are a 400 naming the field: they were silently ignored (a
+    200 answered as if they had not been sent). Their "off" values and the fields that
+    change nothing (user, metadata, service_tier, guided_decoding_backend, ...) still pass."""
+    comp, chat = server.url + "/v1/completions", server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0}
+    chat_base = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "temperature": 0}
+    refused = {"min_tokens": 4, "prompt_logprobs": 1, "use_beam_search": True, "truncate_prompt_tokens": 2,
+               "skip_special_tokens": False, "return_tokens_as_token_ids": True, "bad_words": ["x"],
+               "allowed_token_ids": [1, 2], "logits_processors": ["x"], "structured_outputs": {"regex": "a"},
+               "guided_whitespace_pattern": " ", "extra_body": {"top_k": 1}, "best_of": 2}
+    for field, value in refused.items():
+        for url, body in ((comp, base), (chat, chat_base)):
+            err = _check_error(httpx.post(url, json={**body, field: value}), 400)
+            assert err["param"] == field and field in err["message"], (url, field, err)
+    chat_refused = {"chat_template": "{{ messages[0].content }}!", "continue_final_message": True, "echo": True,
+                    "documents": [{"title": "t", "text": "x"}]}
+    for field, value in chat_refused.items():
+        err = _check_error(httpx.post(chat, json={**chat_base, field: value}), 400)
+        assert err["param"] == field, (field, err)
+    with pytest.raises(openai.BadRequestError, match="min_tokens is not supported"):  # through extra_body
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"min_tokens": 2})
+    passed = {"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True, "bad_words": [],
+              "return_tokens_as_token_ids": False, "prompt_logprobs": None, "best_of": 1, "user": "u",
+              "metadata": {"a": "b"}, "service_tier": "auto", "guided_decoding_backend": "xgrammar",
+              "spaces_between_special_tokens": False, "length_penalty": 1.0, "priority": 0}
+    for url, body in ((comp, base), (chat, chat_base)):
+        want = httpx.post(url, json=body).json()["choices"][0]
+        r = httpx.post(url, json={**body, **passed})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0] == want
+    r = httpx.post(chat, json={**chat_base, "continue_final_message": False, "echo": False})
+    assert r.status_code == 200, r.text
+
+
 def test_echo_only_choices_count_as_finished(server, client):
     """An echo with max_tokens 0 answers finish_reason "length" without running: it was in no
     finish counter nor the latency histogram (its prompt tokens were counted)."""

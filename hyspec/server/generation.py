@@ -14,6 +14,7 @@ from hyspec.server.params import (
     check_prompt_ids,
     constraint_spec,
     max_new_tokens,
+    refuse_unsupported,
     requested_max_tokens,
     sampling,
     stop_strings,
@@ -60,6 +61,7 @@ def new_run(state: "ServerState", req, prompts: list[list[int]], param: str, def
     errors; `default_max` is max_tokens when the request leaves it out (None: the context)."""
     if getattr(req, "stream_options", None) is not None and not req.stream:
         raise bad("stream_options is only allowed with stream: true", "stream_options")
+    refuse_unsupported(req)
     params, n, draft = sampling(req, state.limits)
     stops = stop_strings(req)
     stop_ids = set(req.stop_token_ids or ()) | (set() if req.ignore_eos else set(state.engine.eos_ids))

@@ -212,6 +212,42 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     return params, n, draft
 
 
+# vLLM's request fields that hyspec does not implement and that would change the output:
+# (field, the values besides null that mean "off", why / what to do instead). Set to anything else they
+# are a 400 naming the field, so a request migrating from vLLM is never answered as if
+# they had not been sent.
+UNSUPPORTED = (
+    ("min_tokens", (0,), "EOS and stop strings are never suppressed"),
+    ("prompt_logprobs", (), "use echo with logprobs (/v1/completions) for the prompt's logprobs"),
+    ("use_beam_search", (False,), "there is no beam search"),
+    ("truncate_prompt_tokens", (), "send a prompt that fits"),
+    ("skip_special_tokens", (True,), "special tokens are always left out of the text"),
+    ("return_tokens_as_token_ids", (False,), "use return_token_ids for the generated ids"),
+    ("bad_words", ([],), ""),
+    ("allowed_token_ids", (), "use guided_choice / guided_regex / guided_grammar"),
+    ("logits_processors", ([],), ""),
+    ("structured_outputs", (), "use response_format or guided_json / guided_regex / guided_choice / "
+                               "guided_grammar"),
+    ("guided_whitespace_pattern", (), "JSON is generated compact"),
+    ("extra_body", (), "extra_body is the openai client's argument: its fields go at the top level of "
+                       "the request body"),
+)
+UNSUPPORTED_CHAT = (
+    ("chat_template", (), "the server's template is set with --chat-template"),
+    ("continue_final_message", (False,), ""),
+    ("echo", (False,), "echo is a /v1/completions field"),
+    ("documents", ([],), ""),
+)
+
+
+def refuse_unsupported(req, fields=UNSUPPORTED) -> None:
+    for name, off, hint in fields:
+        v = getattr(req, name, None)
+        if v is not None and not any(v == o and type(v) is type(o) for o in off):
+            raise APIError(400, f"{name} is not supported{': ' + hint if hint else ''}", param=name,
+                           code="unsupported_value")
+
+
 def stop_strings(req) -> list[str]:
     s = req.stop
     if s is None:

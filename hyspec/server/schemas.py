@@ -3,8 +3,10 @@
 Field names follow OpenAI; the non-OpenAI ones (top_k, min_p, repetition_penalty,
 stop_token_ids, ignore_eos, draft, ...) arrive through the client's `extra_body`, as with
 vLLM. Types are strict (a string where a number belongs is a 400, not a coercion); fields
-this server does not know are ignored. Value ranges are checked in hyspec.server.params,
-where the model's limits are known."""
+this server does not know are ignored, except vLLM's that would change the output and are
+not implemented (declared below as `Any`, refused by hyspec.server.params.refuse_unsupported
+when set to anything but their "off" value). Value ranges are checked in
+hyspec.server.params, where the model's limits are known."""
 
 from __future__ import annotations
 
@@ -60,6 +62,21 @@ class _Sampling(_Base):
     guided_regex: Optional[str] = None
     guided_grammar: Optional[str] = None  # Lark grammar text (llguidance's dialect)
     guided_choice: Optional[list[str]] = None
+    best_of: Optional[int] = None  # only = n (params.sampling)
+    # vLLM's fields that change the output and are not implemented: a 400 when set (params.UNSUPPORTED),
+    # never silently ignored
+    min_tokens: Optional[Any] = None
+    prompt_logprobs: Optional[Any] = None
+    use_beam_search: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
+    skip_special_tokens: Optional[Any] = None
+    return_tokens_as_token_ids: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
+    extra_body: Optional[Any] = None  # the openai client's argument, sent as a field by mistake
 
 
 class CompletionRequest(_Sampling):
@@ -67,7 +84,6 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
 
 
 class TextPart(_Base):
@@ -94,6 +110,11 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Optional[bool] = None
     functions: Optional[Any] = None  # OpenAI's deprecated names: refused, naming `tools`
     function_call: Optional[Any] = None
+    # vLLM's chat extensions that change the output and are not implemented (params.UNSUPPORTED_CHAT)
+    chat_template: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
+    echo: Optional[Any] = None
+    documents: Optional[Any] = None
 
 
 class TokenizeRequest(_Base):

@@ -18,7 +18,7 @@ from hyspec.server import schemas
 from hyspec.server.errors import parse_body
 from hyspec.server.generation import new_run, request_constraint
 from hyspec.server.logprobs import chat_logprobs
-from hyspec.server.params import MAX_LOGPROBS, ConstraintSpec, bad
+from hyspec.server.params import MAX_LOGPROBS, UNSUPPORTED_CHAT, ConstraintSpec, bad, refuse_unsupported
 from hyspec.server.streaming import stream_response, whole_response
 from hyspec.tools import ToolError, check_tools
 
@@ -52,6 +52,7 @@ def register(app, state) -> None:
         t0 = time.perf_counter()
         req = await parse_body(request, schemas.ChatCompletionRequest)
         state.check_model(req.model)
+        refuse_unsupported(req, UNSUPPORTED_CHAT)  # (before the template renders; the shared ones: new_run)
         if req.top_logprobs is not None:
             if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
                 raise bad(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {req.top_logprobs}", "top_logprobs")
