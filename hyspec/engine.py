@@ -5,8 +5,8 @@
     out = eng.generate("def fibonacci(n):", max_new_tokens=64, draft=3)
     print(out.text, out.stats["spec"]["acceptance_length"])
 
-Over ~400 lines on purpose: it is the whole public Python API in one class (load, encode,
-generate, generate_batch, session, constraint, memory, score), and each method validates
+Long on purpose: it is the whole public Python API in one class (load, encode, generate,
+generate_batch, chat, session, constraint, memory, score), and each method validates
 its own arguments here so errors name them and picks the path that runs them; the work
 itself is in hyspec/core/ (and hyspec/gpu/ on a GPU).
 
@@ -452,8 +452,9 @@ class Engine:
         """The checkpoint at `path` (a user's ~ expanded; a Hugging Face model id, `org/name`, comes
         from huggingface_hub's cache or is downloaded there: hyspec.loading.resolve_model_dir;
         default: the embedded model). ssm_dtype: the Gated DeltaNet state's storage dtype
-        (hyspec.loading.load_model: "float32" by default, "bfloat16" halves a slot's state bytes
-        and rounds the state after every token)."""
+        (hyspec.loading.load_model; None, the default, or "auto": config.json's
+        `mamba_ssm_dtype`, else float32; "bfloat16" halves a slot's state bytes and rounds the
+        state after every token)."""
         if (path is not None and not isinstance(path, (str, os.PathLike))) or path == "":
             raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
                              "model")
@@ -661,7 +662,8 @@ class Engine:
         on_tokens(sample_index, new_token_ids) is called as rounds commit tokens.
 
         prompt + new tokens must fit in the model's context (max_position_embeddings): a
-        longer prompt is an error; max_new_tokens beyond it is capped, and a sample that
+        longer prompt is an error (one that fills it too, unless max_new_tokens is 0);
+        max_new_tokens beyond it is capped, and a sample that
         runs into the cap ends with stop_reason "context" (stats: max_new_tokens_capped_to,
         context_length). stats are totals over the samples; each sample's own are in
         samples[i].stats.
@@ -677,6 +679,10 @@ class Engine:
 
         use_store: resume from the longest prefix held in the engine's prefix store (sessions
         fill it), prefilling only the rest.
+
+        logprobs: None, or N >= 0: each generated token's log-probability (the raw logits')
+        and its top-N alternatives, out.logprobs[sample][token] = (logprob, [(id, logprob),
+        ...]).
 
         stop: stop strings (a string or a list), matched across token boundaries as the server
         matches them: a sample ends at the token that completes a match (stop_reason "stop";
@@ -743,9 +749,10 @@ class Engine:
         runs on its own clone. stop: stop strings for every prompt (a string or a list of
         strings, as in generate), or one entry per prompt (None, a string or a list) when the
         list holds a list or None. A prompt whose decoding fails on its own (its constraint
-        cannot go on: hyspec.core.scheduler.ConstraintFailure) ends with stop_reason "error"
-        and the reason in its stats["error"]; the other prompts' outputs are returned as
-        usual (generate() raises such an error instead)."""
+        cannot go on: hyspec.core.scheduler.ConstraintFailure; its logits overflow:
+        hyspec.sampling.NonFiniteLogits) ends with stop_reason "error" and the reason in its
+        stats["error"]; the other prompts' outputs are returned as usual (generate() raises
+        such an error instead)."""
         if hasattr(prompts, "tolist") and getattr(prompts, "ndim", 0) == 2:  # a 2-D array / tensor of ids
             prompts = prompts.tolist()
         if isinstance(prompts, (str, bytes, dict, set, frozenset)) or not hasattr(prompts, "__len__") \

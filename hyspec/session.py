@@ -38,8 +38,9 @@ is part of the turn's checkpoint: rewind() restores it, fork() copies it, save()
 
 A session is plain (draft 0) or speculative (draft >= 1) from its first turn on: a
 speculative turn needs the drafter's rows for the whole transcript, which a plain turn
-does not build. K may change between speculative turns; a send() without draft= follows
-the session's mode (plain, or the last turn's K).
+does not build. K may change between speculative turns; a send() without draft= takes
+the session's `draft` where it agrees with the session's mode, else plain for a plain
+session and the last turn's K for a speculative one (docs/sessions.md).
 
 Words: *boundary* = the state captured when the last turn ended (what `state()` returns
 and the store keeps); *history* = the boundary before each turn (the rewind points);
