@@ -335,7 +335,8 @@ def test_vllm_fields_that_would_change_the_output_are_refused(server, client):
     passed = {"min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True, "bad_words": [],
               "return_tokens_as_token_ids": False, "prompt_logprobs": None, "best_of": 1, "user": "u",
               "metadata": {"a": "b"}, "service_tier": "auto", "guided_decoding_backend": "xgrammar",
-              "spaces_between_special_tokens": False, "length_penalty": 1.0, "priority": 0}
+              "spaces_between_special_tokens": False, "length_penalty": 1.0, "priority": 0,
+              "extra_body": {}}  # (an empty literal extra_body drops nothing)
     for url, body in ((comp, base), (chat, chat_base)):
         want = httpx.post(url, json=body).json()["choices"][0]
         r = httpx.post(url, json={**body, **passed})
@@ -343,6 +344,13 @@ def test_vllm_fields_that_would_change_the_output_are_refused(server, client):
         assert r.json()["choices"][0] == want
     r = httpx.post(chat, json={**chat_base, "continue_final_message": False, "echo": False})
     assert r.status_code == 200, r.text
+    # /tokenize renders messages as chat does: the same two template fields refused there (they were
+    # ignored: ids from the server's own template)
+    msgs = {"model": MODEL, "messages": chat_base["messages"]}
+    for field, value in (("chat_template", "{{ 'zzz' }}"), ("continue_final_message", True)):
+        err = _check_error(httpx.post(server.url + "/tokenize", json={**msgs, field: value}), 400)
+        assert err["param"] == field, (field, err)
+    assert httpx.post(server.url + "/tokenize", json={**msgs, "continue_final_message": False}).status_code == 200
 
 
 def test_echo_only_choices_count_as_finished(server, client):

@@ -229,8 +229,8 @@ UNSUPPORTED = (
     ("structured_outputs", (), "use response_format or guided_json / guided_regex / guided_choice / "
                                "guided_grammar"),
     ("guided_whitespace_pattern", (), "JSON is generated compact"),
-    ("extra_body", (), "extra_body is the openai client's argument: its fields go at the top level of "
-                       "the request body"),
+    ("extra_body", ({},), "extra_body is the openai client's argument: its fields go at the top level of "
+                          "the request body"),  # (an empty one drops nothing)
 )
 UNSUPPORTED_CHAT = (
     ("chat_template", (), "the server's template is set with --chat-template"),

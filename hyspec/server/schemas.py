@@ -124,6 +124,9 @@ class TokenizeRequest(_Base):
     add_generation_prompt: Optional[bool] = True
     tools: Optional[list[dict[str, Any]]] = None  # rendered with the messages, as chat renders them
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # (refused where set, as by the chat route: the ids would not be those chat renders)
+    chat_template: Optional[Any] = None
+    continue_final_message: Optional[Any] = None
 
 
 class DetokenizeRequest(_Base):

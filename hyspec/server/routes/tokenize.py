@@ -8,7 +8,7 @@ from fastapi import Request
 
 from hyspec.server import schemas
 from hyspec.server.errors import parse_body
-from hyspec.server.params import bad
+from hyspec.server.params import UNSUPPORTED_CHAT, bad, refuse_unsupported
 from hyspec.tools import ToolError, check_tools
 
 
@@ -17,6 +17,7 @@ def register(app, state) -> None:
     async def tokenize(request: Request):
         req = await parse_body(request, schemas.TokenizeRequest)
         state.check_model(req.model)
+        refuse_unsupported(req, [f for f in UNSUPPORTED_CHAT if f[0] in ("chat_template", "continue_final_message")])
         if (req.prompt is None) == (req.messages is None):
             raise bad("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None and (req.tools is not None or req.chat_template_kwargs is not None):
