@@ -52,9 +52,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
-import os
-import stat
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,6 +60,7 @@ import torch
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.state import SeqState, bytes_checksum, capture, check_state
 from hyspec.engine import engine_call
+from hyspec.files import write_whole
 from hyspec.sampling import ParamError, SamplingParams, int_in
 from hyspec.speculative.loop import MAX_DRAFT
 from hyspec.speculative.telemetry import SpecTelemetry
@@ -663,26 +661,15 @@ class Session:
             raise ValueError(f"cannot save the session to {given}: it is not a regular file")
         if not path.parent.is_dir():
             raise FileNotFoundError(f"cannot save the session to {given}: the folder {path.parent} does not exist")
-        # written beside it, then moved over it: a failed or interrupted save leaves an older file whole.
-        # The temporary name is this save's own (two threads saving to one path wrote one file at once:
-        # one failed, the file left unreadable), and an existing file's mode stays (was: umask's, 0644)
-        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            failed = []  # a write's own OSError (torch's writer swallows it: "[enforce fail at inline_container.cc]
-            try:  # ... unexpected pos 3648 vs 3542" said nothing of a full disk)
-                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-                    if mode is not None:
-                        os.chmod(tmp, mode)
-                    torch.save(self.to_dict(extra), _WriteErrors(f, failed))
-            except (RuntimeError, OSError) as e:  # (a folder not writable named the temporary file, not this one)
-                why = failed[0].strerror if failed and failed[0].strerror else (
-                    e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200])
-                raise OSError(f"cannot save the session to {given}: {why}") from None
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        # written beside it, then moved over it (hyspec.files.write_whole): a failed or interrupted save
+        # leaves an older file whole; an existing file's mode stays
+        failed = []  # a write's own OSError (torch's writer swallows it: "[enforce fail at inline_container.cc]
+        try:  # ... unexpected pos 3648 vs 3542" said nothing of a full disk)
+            write_whole(path, lambda f: torch.save(self.to_dict(extra), _WriteErrors(f, failed)))
+        except (RuntimeError, OSError) as e:  # (a folder not writable named the temporary file, not this one)
+            why = failed[0].strerror if failed and failed[0].strerror else (
+                e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0][:200])
+            raise OSError(f"cannot save the session to {given}: {why}") from None
 
     @classmethod
     def load(cls, engine, path) -> "Session":

@@ -644,15 +644,28 @@ def test_bench_results_are_replaced_whole(tmp_path, monkeypatch):
     Ctrl-C) left a truncated JSON in place of the last part's whole one."""
     from hyspec.bench.report import write_json
 
+    import builtins
+
+    import hyspec.files
+
     out = tmp_path / "r.json"
     write_json(str(out), {"part": 1})
-    real = Path.write_text
 
-    def half(self, text, *a, **kw):
-        real(self, text[: len(text) // 2])
-        raise OSError(28, "No space left on device")
+    class Half:  # a file whose write puts half the bytes down, then finds the disk full
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(Path, "write_text", half)
+        def write(self, b):
+            self.f.write(b[: len(b) // 2])
+            raise OSError(28, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(hyspec.files, "open", lambda *a, **kw: Half(builtins.open(*a, **kw)), raising=False)
     with pytest.raises(OSError, match="cannot write the results"):
         write_json(str(out), {"part": 2, "figures": list(range(100))})
     monkeypatch.undo()

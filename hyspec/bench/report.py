@@ -4,11 +4,11 @@ judged on the exact variant, the final table, the JSON file."""
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 
 import torch
+
+from hyspec.files import write_whole
 
 
 def log(*parts) -> None:
@@ -34,21 +34,15 @@ def write_json(path: str | None, result: dict) -> None:
         # file's, resolved "/proc/PID/fd/pipe:[N]" (no file: a pipe's results were "No such file or
         # directory") or, a file's, one replaced there that the link no longer leads to
         direct = p.exists() and (not p.is_file() or p.is_symlink() and str(p.absolute()).startswith(("/dev/", "/proc/")))
-        if p.is_symlink() and not direct:
-            p = p.resolve()
-        tmp = p if direct else p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        text = json.dumps(result, indent=1, default=str)
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(result, indent=1, default=str))
-            if not direct:
-                if p.exists():  # (its mode stays)
-                    os.chmod(tmp, stat.S_IMODE(p.stat().st_mode))
-                os.replace(tmp, p)
+            if direct:
+                p.write_text(text)
+            else:  # (hyspec.files.write_whole: its mode stays, a link's target is replaced)
+                write_whole(p, lambda f: f.write(text.encode()))
         except OSError as e:  # (a full disk named no file: "[Errno 28] No space left on device")
             raise OSError(f"--out {path}: cannot write the results ({e.strerror or e})") from None
-        finally:
-            if not direct:
-                tmp.unlink(missing_ok=True)
 
 
 def memory_report(model, dev, lengths) -> dict:
