@@ -28,6 +28,7 @@ evicted. stats() reports hits, misses, tokens saved and bytes in each tier.
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 import threading
 from collections import Counter, OrderedDict
@@ -71,8 +72,6 @@ class PrefixStore:
                  verify: str = "always") -> None:
         if verify not in ("always", "promote", "never"):
             raise ValueError(f"verify must be 'always', 'promote' or 'never', got {verify!r}")
-        import numbers
-
         for name, v in (("budget_bytes", budget_bytes), ("host_budget_bytes", host_budget_bytes)):
             # (a numpy integer or float is a number of bytes too)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0 or v == float("inf"):

@@ -136,10 +136,9 @@ class SlotPool:
             slot.reset()
         else:
             # at most max_slots slots held, free ones included: none of the free ones fits, so the
-            # shortest goes (a server's pool kept one more free slot for every longer prompt, e.g.
+            # shortest go (a server's pool kept one more free slot for every longer prompt, e.g.
             # each turn of a growing chat: never freed, far beyond its max_batch)
-            while self.free and len(self.used) + len(self.free) >= self.max_slots:
-                self.free.remove(min(self.free, key=lambda s: s.length))
+            self._keep_free(self.max_slots - len(self.used) - 1)
             need = self.bytes_per_slot(length)["total"]
             if not self._room_for(need):
                 raise MemoryError(f"a slot of {length} tokens needs {need} bytes; {self.held_bytes} of the "
@@ -178,8 +177,12 @@ class SlotPool:
         """Give a slot back: kept for reuse, or (keep False) let go of with its buffers."""
         if self.used.pop(slot.index, None) is not None and keep:
             self.free.append(slot)
-            while len(self.free) > self.max_free:  # (the sessions' pool: many held, few kept once closed)
-                self.free.remove(min(self.free, key=lambda s: s.length))
+            self._keep_free(self.max_free)  # (the sessions' pool: many held, few kept once closed)
+
+    def _keep_free(self, n: int) -> None:
+        """At most n free slots: the shortest others go (the longest fit the most requests)."""
+        while len(self.free) > max(n, 0):
+            self.free.remove(min(self.free, key=lambda s: s.length))
 
     def stats(self) -> dict:
         return {"slots_in_use": len(self.used), "slots_free": len(self.free), "held_bytes": self.held_bytes,
