@@ -62,6 +62,14 @@ def _int_arg(name: str, value, lo: int, hi: int | None = None) -> int:
     return value
 
 
+def draft_of(draft, spec) -> int:
+    """The K a request drafts: `draft` (0 = plain) or, when it is None, spec's k (0 without
+    spec: `generate(p, spec=SpecOptions(k=3))` speculates, as it reads)."""
+    if draft is None:
+        return spec.k if isinstance(spec, SpecOptions) else 0
+    return _int_arg("draft", draft, 0, MAX_DRAFT)
+
+
 def _bool_arg(name: str, value) -> bool:
     """`value` as a Python bool; a string such as "no" or a number is refused, not taken by
     its truthiness."""
@@ -638,10 +646,10 @@ class Engine:
         return out
 
     # -- generation --------------------------------------------------------------------
-    def _spec_options(self, draft: int, spec: SpecOptions | None) -> SpecOptions | None:
-        draft = _int_arg("draft", draft, 0, MAX_DRAFT)
+    def _spec_options(self, draft: int | None, spec: SpecOptions | None) -> SpecOptions | None:
         if spec is not None and not isinstance(spec, SpecOptions):
             raise ParamError("spec", spec, "must be a hyspec.speculative.loop.SpecOptions or None")
+        draft = draft_of(draft, spec)
         if draft == 0:
             return None
         if not self.model.has_mtp:
@@ -653,11 +661,12 @@ class Engine:
 
     @one_at_a_time
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
-                 draft: int = 0, spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
-                 num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
+                 draft: int | None = None, spec: SpecOptions | None = None, stop_ids=None,
+                 ignore_eos: bool = False, num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
                  constraint=None, logprobs: int | None = None, use_store: bool = True, stop=None) -> Output:
         """draft = 0: plain decoding; draft = K: speculative with K drafts per round (spec
-        gives the other drafter options; its k is replaced by `draft`). The samples of a
+        gives the other drafter options; its k is replaced by `draft`); draft None (the
+        default): spec's k when spec is given, else 0. The samples of a
         --num-samples run decode together in one batch (each equals a run of its own).
         on_tokens(sample_index, new_token_ids) is called as rounds commit tokens.
 
@@ -694,7 +703,9 @@ class Engine:
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
         max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
         num_samples = _int_arg("num_samples", num_samples, 1)
-        draft = _int_arg("draft", draft, 0, MAX_DRAFT)
+        if spec is not None and not isinstance(spec, SpecOptions):
+            raise ParamError("spec", spec, "must be a hyspec.speculative.loop.SpecOptions or None")
+        draft = draft_of(draft, spec)
         ignore_eos, use_store = _bool_arg("ignore_eos", ignore_eos), _bool_arg("use_store", use_store)
         if stop_ids is not None:
             stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)
@@ -736,13 +747,14 @@ class Engine:
         return out
 
     @one_at_a_time
-    def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=0,
+    def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=None,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                        max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None,
                        logprobs=None, stop=None) -> list[Output]:
         """One Output per prompt, in order. max_new_tokens, params, draft and logprobs (None,
         or N: each token's log-probability and top-N in Output.logprobs) may each be one
-        value for all prompts or a list with one per prompt. Up to max_batch sequences decode
+        value for all prompts or a list with one per prompt (a draft of None: spec's k when
+        spec is given, else 0, as in generate). Up to max_batch sequences decode
         together (continuous batching); each output is bitwise what generate() gives for that
         prompt alone. on_tokens(i, new_ids) streams; on_finish(i, output) as each one ends.
         constraint: one Constraint (or a list, one per prompt, None for none); each sequence
@@ -795,7 +807,7 @@ class Engine:
                                                                          constraints, lps)):
             try:
                 ids = self.encode(prompt)
-                k = _int_arg("draft", k, 0, MAX_DRAFT)
+                k = draft_of(k, spec)
                 opts = self._spec_options(k, spec)
                 limit = _int_arg("max_new_tokens", limit, 0)
                 limit, capped = self._cap(ids, limit)

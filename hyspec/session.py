@@ -227,7 +227,7 @@ class RewindPoint:
 
 
 class Session:
-    def __init__(self, engine, *, draft: int = 0, params: SamplingParams | None = None, spec=None,
+    def __init__(self, engine, *, draft: int | None = None, params: SamplingParams | None = None, spec=None,
                  max_new_tokens: int = 64, stop_ids=None, ignore_eos: bool = False, use_store: bool = True,
                  constraint=None) -> None:
         self.engine = engine
@@ -235,9 +235,10 @@ class Session:
             engine._check_constraint(constraint)
         self.constraint = constraint  # every reply's constraint (each turn uses a copy)
         from hyspec.core.scheduler import check_stop
-        from hyspec.engine import _bool_arg, _int_arg, _token_ids
+        from hyspec.engine import _bool_arg, _int_arg, _token_ids, draft_of
 
-        self.draft = _int_arg("draft", draft, 0, MAX_DRAFT)
+        engine._spec_options(0, spec)  # validates spec
+        self.draft = draft_of(draft, spec)  # (None: spec's k, or 0 without spec)
         engine._spec_options(self.draft, spec)  # validates draft / MTP head
 
         if params is not None and not isinstance(params, SamplingParams):

@@ -385,6 +385,25 @@ def test_generate_validates_its_arguments(eng, kwargs, name) -> None:
         eng.generate(prompt, **kw)
 
 
+def test_spec_without_draft_speculates_with_its_k(eng) -> None:
+    """generate(p, spec=SpecOptions(k=3)) decoded plain in silence (draft's default 0 won):
+    without draft= the K is spec's k, in generate, generate_batch and sessions; draft=0 is
+    still plain, and the output is plain greedy's either way."""
+    from hyspec import SpecOptions
+
+    plain = eng.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True)
+    spec = SpecOptions(k=3, rollback="rescan")
+    out = eng.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True, spec=spec)
+    assert out.tokens == plain.tokens and out.stats.get("spec"), out.stats
+    assert out.stats["mtp_forwards"] > 0 and out.stats["k"] == 3 and out.stats["rollback"] == "rescan", out.stats
+    assert not eng.generate([1, 2, 3], max_new_tokens=8, ignore_eos=True, spec=spec, draft=0).stats.get("spec")
+    outs = eng.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=8, ignore_eos=True, spec=spec, draft=[None, 0])
+    assert outs[0].stats.get("spec") and not outs[1].stats.get("spec") and outs[0].tokens == plain.tokens
+    s = eng.session(spec=spec, max_new_tokens=4)
+    assert s.draft == 3 and s.send([1, 2, 3]).stats.get("spec")
+    assert eng.session(spec=spec, draft=0).draft == 0 and eng.session().draft == 0
+
+
 def test_score_validates_its_arguments(eng) -> None:
     with pytest.raises(ValueError, match="text"):
         eng.score(None)
