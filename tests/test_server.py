@@ -147,6 +147,15 @@ def test_stop_strings(client, ref_engine):
     # vLLM's include_stop_str_in_output: the text ends after the stop string (it was ignored)
     kw["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
     assert client.completions.create(**kw).choices[0].text == full[:cut + len(stop)]
+    # a stop token id ends the text before its own text, or (include_stop_str_in_output, as vLLM's) after it (it
+    # was left out either way)
+    j = next(i for i in range(2, len(toks)) if pieces[i].strip() and toks[i] not in toks[:i])
+    for include, want in ((False, "".join(pieces[:j])), (True, "".join(pieces[:j + 1]))):
+        body = {"ignore_eos": True, "stop_token_ids": [toks[j]], "include_stop_str_in_output": include}
+        kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, extra_body=body)
+        r = client.completions.create(**kw)
+        assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (want, "stop", j + 1)
+        assert "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True) if ch.choices) == want
 
 
 def test_logprobs(client, ref_engine):

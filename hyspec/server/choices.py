@@ -128,7 +128,9 @@ class Run:
             job = Job(prompt_ids=prompt_ids, max_new_tokens=max_tokens, params=sample_params, draft=draft,
                       stop_ids=stop_ids, logprobs=logprobs,
                       constraint=None if constraint is None else constraint.clone())
-            matcher = StopMatcher(self.state.decode_skip, stops, drop_ids=stop_ids, include_stop=include_stop)
+            # (include_stop_str_in_output keeps a stop token id's text too, as vLLM's: special ones have none)
+            matcher = StopMatcher(self.state.decode_skip, stops, drop_ids=() if include_stop else stop_ids,
+                                  include_stop=include_stop)
             self.choices.append(Choice(self, len(self.choices), prompt_ids, job, matcher))
 
     def start(self) -> None:
