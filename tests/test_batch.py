@@ -171,6 +171,30 @@ def test_slot_bytes_match_the_allocated_buffers(zoo, arch):
     assert sched.pool.slots_that_fit(10 * per + per // 2, 1000) == 10
 
 
+def test_slot_bytes_and_the_pool_budget_refuse_impossible_values(zoo):
+    """slot_bytes of a negative length gave negative KV bytes (a fractional one fractional
+    bytes) with no error; a SlotPool took a negative, NaN or string budget_bytes in silence
+    (then refused every slot, or raised a TypeError at the first alloc), and slots_that_fit
+    of a negative budget was -1. Now they are ValueErrors (0 tokens: the fixed state alone)."""
+    from hyspec.core.slots import SlotPool
+
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    assert slot_bytes(m.cfg, m.dtype, 0)["kv"] == 0 < slot_bytes(m.cfg, m.dtype, 0)["total"]
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="length must be an integer >= 0"):
+            slot_bytes(m.cfg, m.dtype, bad)
+    for bad in (-5, float("nan"), float("inf"), "1000", True):
+        with pytest.raises(ValueError, match="budget_bytes must be None or a number of bytes >= 0"):
+            SlotPool(m, budget_bytes=bad)
+    per = slot_bytes(m.cfg, m.dtype, 50, m.has_mtp)["total"]
+    pool = SlotPool(m, budget_bytes=float(2 * per))  # (a float counts, as 8e9)
+    assert pool.budget_bytes == 2 * per and pool.slots_that_fit(-1, 50) == 0
+    a, b = pool.alloc(50), pool.alloc(50)
+    with pytest.raises(MemoryError, match="a slot of 50 tokens needs"):
+        pool.alloc(50)
+    assert pool.held_bytes == 2 * per == a.nbytes() + b.nbytes()
+
+
 def test_a_batch_wide_stop_id_out_of_range_is_not_blamed_on_a_prompt():
     """generate_batch's stop_ids hold for every prompt: one out of the vocabulary was refused as
     "prompt 0: stop id(s) ..." (generate says it without a prompt)."""

@@ -16,12 +16,15 @@ simply. A slot that must hold more tokens grows (copy into a bigger buffer).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from hyspec.cache import HybridCache
 from hyspec.config import FULL, ModelConfig
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import ssm_store_dtype
+from hyspec.sampling import int_in
 
 
 def _elt(dtype: torch.dtype) -> int:
@@ -30,6 +33,10 @@ def _elt(dtype: torch.dtype) -> int:
 
 def slot_bytes(cfg: ModelConfig, dtype: torch.dtype, length: int, with_mtp: bool = True) -> dict:
     """Bytes of one slot holding `length` tokens: {"kv", "draft_kv", "linear", "total"}."""
+    n = int_in(length, 0)
+    if n is None:  # (a negative length gave negative KV bytes, a fractional one fractional bytes)
+        raise ValueError(f"length must be an integer >= 0 (tokens), got {length!r}")
+    length = n
     e = _elt(dtype)
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * e  # keys + values of one token in one layer
     n_attn = sum(1 for t in cfg.layer_types if t == FULL)
@@ -108,6 +115,12 @@ class SlotPool:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if max_free is not None and max_free < 0:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
+        if budget_bytes is not None:  # (a negative or NaN one refused every slot later, a string one raised a
+            # TypeError at the first alloc; as PrefixStore's budgets, a numpy integer or float counts too)
+            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real) or \
+                    not budget_bytes >= 0 or budget_bytes == float("inf"):
+                raise ValueError(f"budget_bytes must be None or a number of bytes >= 0, got {budget_bytes!r}")
+            budget_bytes = int(budget_bytes)
         self.model = model
         self.max_slots = max_slots
         self.max_free = max_slots if max_free is None else max_free
@@ -120,7 +133,7 @@ class SlotPool:
         return slot_bytes(self.model.cfg, self.model.dtype, length, self.model.has_mtp)
 
     def slots_that_fit(self, budget_bytes: int, length: int) -> int:
-        return int(budget_bytes // self.bytes_per_slot(length)["total"])
+        return max(0, int(budget_bytes // self.bytes_per_slot(length)["total"]))  # (a negative budget: none)
 
     @property
     def held_bytes(self) -> int:
