@@ -273,3 +273,53 @@ def test_a_prompts_file_may_open_with_a_byte_order_mark(tmp_path):
     f.write_bytes(b'{"prompt": "x = "}\n\xef\xbb\xbf{"prompt": "y"}\n')
     with pytest.raises(ValueError, match="bom.jsonl:2: not valid JSON"):
         read_prompts_file(str(f), args)
+
+
+def _screen(text: str) -> list[str]:
+    """The lines a terminal shows for `text` (a carriage return goes back to the line's start)."""
+    lines = []
+    for raw in text.split("\n"):
+        buf, col = [], 0
+        for ch in raw:
+            if ch == "\r":
+                col = 0
+                continue
+            buf[col:col + 1] = [ch]
+            col += 1
+        lines.append("".join(buf).rstrip())
+    return lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal")
+def test_results_on_a_terminal_are_not_glued_to_the_progress_bar(tmp_path):
+    """Results on standard output in a terminal that also shows the progress bar (stderr): a
+    result line was written after the bar's text ("generate:   0%|...| 0/3 [...]{"index": 0,
+    ..."); the bar is cleared for each line now, and drawn again under it."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": [5, 6], "max_new_tokens": 2}) + "\n" for _ in range(3)))
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    p = subprocess.Popen([sys.executable, "-m", "hyspec.cli", "generate", "--prompts-file", str(f), "--max-batch",
+                          "1"], stdin=subprocess.DEVNULL, stdout=follower, stderr=follower,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    os.close(follower)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # (the other end closed: EIO)
+            break
+        if not chunk:
+            break
+        data += chunk
+    os.close(leader)
+    assert p.wait(timeout=300) == 0, data.decode(errors="replace")
+    shown = _screen(data.decode())
+    assert "generate:" in data.decode()  # (the bar was drawn: a terminal)
+    rows = [line for line in shown if '"index"' in line]
+    assert len(rows) == 3 and all(line.startswith('{"index": ') for line in rows), shown

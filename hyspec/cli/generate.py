@@ -3,6 +3,7 @@ decoded together (`--prompts-file`, one JSON result per line in input order)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -332,8 +333,11 @@ def run_file(args) -> int:
         if sink is None:
             sink = open_out()
         try:
-            sink.write(json.dumps(row) + "\n")
-            sink.flush()
+            # (on a terminal the bar on stderr is cleared for a line to stdout, then drawn under it: the line
+            # was glued to the bar's text)
+            with tqdm.external_write_mode(file=sink) if sink is sys.stdout else contextlib.nullcontext():
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
         except OSError as e:  # (a full disk: "[Errno 28] No space left on device" named no file)
             if sink is sys.stdout:
                 raise
