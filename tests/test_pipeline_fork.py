@@ -138,3 +138,15 @@ def test_cli_optimistic(ckpt):
     assert out["tokens"] == want
     f = out["stats"]["fork"]
     assert f["forks"] == f["hits"] + f["misses"] + f["dropped"] and f["forks"] > 0
+
+
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--new-tokens", "-1"), ("--prompt-len", "0")])
+def test_bench_sizes_checked(flag, value, capsys):
+    """`hyspec bench --pp 2 --optimistic` with a size out of range: one line naming the bench's
+    own flag, exit 2, before any checkpoint or rank (--batch 0 was an IndexError traceback)."""
+    from hyspec.cli.dispatch import main
+
+    assert main(["bench", "--pp", "2", "--optimistic", "--layers", "2", "--hidden", "32", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"hyspec bench: error: {flag}: must be >= {1 if value == '0' else 0}, "
+                                        f"got {value}"], err

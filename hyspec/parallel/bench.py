@@ -71,6 +71,12 @@ def main(argv=None) -> int:
 
     if args.threads < 1:  # (torch.set_num_threads' traceback)
         raise ValueError(f"--threads: must be >= 1, got {args.threads}")
+    # (--optimistic --batch 0 was an IndexError traceback; the others were blamed on flags the
+    # bench does not have: "max_batch", "--max-new-tokens", "the prompt is empty")
+    for flag, value, least in (("--batch", args.batch, 1), ("--new-tokens", args.new_tokens, 0),
+                               ("--prompt-len", args.prompt_len, 1)):
+        if value < least:
+            raise ValueError(f"{flag}: must be >= {least}, got {value}")
     if args.forced_rates and not args.optimistic:
         raise ValueError("--forced-rates picks the drafters of the --optimistic comparison: add --optimistic "
                          "(the lanes comparison runs the checkpoint's MTP head)")
