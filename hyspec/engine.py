@@ -597,6 +597,10 @@ class Engine:
         from hyspec.reasoning import prompt_opens_thinking
         from hyspec.tools import check_tools
 
+        if self.tokenizer is None:  # (its prompt is text: encode's "pass token ids instead" cannot be done
+            # in a message, whose content is text only)
+            raise ValueError("chat needs the checkpoint's tokenizer.json (this model has none): its prompt is "
+                             "text; pass the conversation's token ids to generate instead")
         spec = check_tools(tools, tool_choice, parallel_tool_calls)
         if spec is not None and spec.parses and not self.chat_template.reads_tools:
             raise ValueError("this model's chat template does not show tools to the model (it never reads `tools`)")

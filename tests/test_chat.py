@@ -945,3 +945,27 @@ def test_a_reasoning_field_reaches_the_template_as_reasoning_content_as_in_trans
     for field in ("reasoning", "thinking"):
         msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: "r1"}]
         assert hf.render_jinja_template([msgs], chat_template=REASONING_TPL)[0][0] == want
+
+
+def test_chat_without_a_tokenizer_says_chat_needs_one(default_engine, tmp_path, capsys):
+    """A checkpoint without tokenizer.json: Engine.chat (and a --prompts-file "messages" line)
+    said "pass token ids instead of text", which a chat cannot do (a message's content is text
+    only). Now it says that chat needs the tokenizer, and what to do instead."""
+    from hyspec.cli.dispatch import main
+    from hyspec.engine import Engine
+
+    eng = Engine(default_engine.model, None)
+    msgs = [{"role": "user", "content": "hi"}]
+    for call in (lambda: eng.chat(msgs, max_new_tokens=2), lambda: eng.prepare_chat(msgs)):
+        with pytest.raises(ValueError, match=r"chat needs the checkpoint's tokenizer\.json.*token ids to generate"):
+            call()
+    assert eng.chat_prompt(msgs)  # (rendering the text needs no tokenizer)
+    d = tmp_path / "no_tok"
+    d.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors"):
+        (d / f).symlink_to(Path(default_engine.model_dir) / f)
+    lines = tmp_path / "reqs.jsonl"
+    lines.write_text(json.dumps({"messages": msgs, "max_new_tokens": 2}) + "\n")
+    assert main(["generate", "--model", str(d), "--prompts-file", str(lines)]) == 2
+    err = capsys.readouterr().err
+    assert "reqs.jsonl:1: chat needs the checkpoint's tokenizer.json" in err and "Traceback" not in err

@@ -227,6 +227,28 @@ def test_cli_pp_errors(ckpts, monkeypatch, capsys):
     assert "environment variable HYSPEC_PP_TIMEOUT='abc' is not a number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["HYSPEC_PP_TIMEOUT", "HYSPEC_PP_JOIN_TIMEOUT"])
+def test_a_huge_pipeline_timeout_is_refused_in_one_line(name, ckpts, monkeypatch, capsys):
+    """A timeout of "forever" (1e10 s and up) passed the check and then failed in the ranks:
+    torch's deadline in int64 nanoseconds and Python's thread waits overflow near 9.2e9 s
+    (1e10: the join failed at once with torch's C++ traceback; 1e11: the ranks hung; 1e15 /
+    1e300: an OverflowError traceback). Now the launch refuses it before starting any rank."""
+    from hyspec import parallel
+    from hyspec.cli.dispatch import main
+    from hyspec.parallel.pipeline import MAX_TIMEOUT_S, env_number
+
+    def no_launch(argv, world):
+        raise AssertionError(f"ranks launched for {argv}")
+
+    monkeypatch.setattr(parallel, "launch", no_launch)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(name, "1e15")
+    assert main(["generate", "--model", str(ckpts["qwen3_5"]), "--pp", "2", "--prompt-ids", "1,2"]) == 2
+    assert f"environment variable {name}='1e15' must be at most" in capsys.readouterr().err
+    monkeypatch.setenv(name, f"{MAX_TIMEOUT_S:g}")  # the bound itself is taken
+    assert env_number(name, 1.0) == MAX_TIMEOUT_S
+
+
 def test_a_rank_whose_others_never_join_gives_up_in_one_line(ckpts):
     """RANK / WORLD_SIZE of a launch whose other ranks never start (a torchrun rank that failed
     before it joined, stale variables in a shell): the rank waited the one-year timeout meant

@@ -910,3 +910,22 @@ def test_an_exit_signal_stops_running_requests_with_a_503():
         assert not s.thread.is_alive() and time.monotonic() - t0 < 15
     finally:
         s.stop()
+
+
+def test_an_unwritable_profile_file_is_refused_at_start(ref_engine, tmp_path, monkeypatch, capsys):
+    """HYSPEC_PROFILE_ENGINE naming a file that cannot be written (a missing directory): the
+    server ran, and when it stopped the engine thread died in a FileNotFoundError traceback,
+    the run's profile lost. Now the server does not start: one line naming the variable."""
+    from hyspec.cli.dispatch import main
+    from hyspec.parallel import free_port
+
+    bad = str(tmp_path / "no-such-dir" / "engine.prof")
+    monkeypatch.setenv("HYSPEC_PROFILE_ENGINE", bad)
+    with pytest.raises(ValueError, match="HYSPEC_PROFILE_ENGINE=.*cannot write the profile there"):
+        create_app(ref_engine, ServerConfig())
+    assert main(["serve", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "HYSPEC_PROFILE_ENGINE=" in err and "Traceback" not in err
+    good = tmp_path / "engine.prof"  # a writable one is taken
+    monkeypatch.setenv("HYSPEC_PROFILE_ENGINE", str(good))
+    create_app(ref_engine, ServerConfig())

@@ -689,6 +689,9 @@ def init(world: int, device: str = "cpu") -> tuple[int, torch.device]:
     return dist.get_rank(), dev
 
 
+MAX_TIMEOUT_S = 1e9  # (about 31 years) the longest timeout env_number takes
+
+
 def env_number(name: str, default: float, integer: bool = False) -> float:
     """An environment variable's number (default when unset); ValueError naming the variable."""
     raw = os.environ.get(name)
@@ -701,6 +704,9 @@ def env_number(name: str, default: float, integer: bool = False) -> float:
             from None
     if not integer and not (v > 0 and v != float("inf")):
         raise ValueError(f"environment variable {name}={raw!r} must be a positive number of seconds")
+    if not integer and v > MAX_TIMEOUT_S:  # (torch's deadline in int64 nanoseconds, and Python's
+        # threading waits, overflow near 9.2e9 s: a traceback, a hang, or a join that failed at once)
+        raise ValueError(f"environment variable {name}={raw!r} must be at most {MAX_TIMEOUT_S:g} seconds")
     return v
 
 

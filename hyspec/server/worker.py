@@ -114,6 +114,15 @@ class EngineWorker:
         self.max_queue = max(0, int(max_queue))
         self._sched_mod = scheduler_module()
         self.batched = self._sched_mod is not None
+        # HYSPEC_PROFILE_ENGINE (a diagnostic): a file that cannot be written is said now, before
+        # the server starts (the profile is written when it stops: a traceback then, the run's profile lost)
+        self.profile_path = os.environ.get("HYSPEC_PROFILE_ENGINE") or None
+        if self.profile_path:
+            try:
+                open(self.profile_path, "ab").close()
+            except OSError as e:
+                raise ValueError(f"HYSPEC_PROFILE_ENGINE={self.profile_path!r}: cannot write the profile there "
+                                 f"({e.strerror or e})") from None
         # the engine's prefix store (hyspec/prefix_store.py): every finished sequence leaves its
         # end state there, and a prompt that extends a stored sequence resumes from it (engine
         # core and batched graphs; the sequential fallback neither stores nor looks up)
@@ -274,7 +283,7 @@ class EngineWorker:
         return job
 
     def _run(self) -> None:
-        path = os.environ.get("HYSPEC_PROFILE_ENGINE")
+        path = self.profile_path
         if not path:
             self._loop_forever()
             return
