@@ -192,3 +192,85 @@ def test_a_stream_never_shows_the_start_of_a_stop_string(tok, text, stops, final
         if m.stopped:
             break
     assert m.emittable(final=True) == final
+
+
+def _chars(ids):
+    """A decoder of one character per id (the id's code point): every boundary is a token's."""
+    return "".join(map(chr, ids))
+
+
+def _ids(text):
+    return [ord(c) for c in text]
+
+
+SP_PIECES = ["\u2581hello", "\u2581world", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "!"]
+
+
+def _sentencepiece(ids):
+    """The decoder of a SentencePiece vocabulary with byte fallback, as a Llama / Mistral
+    tokenizer.json has it: the first token's leading space is stripped, and each byte of an
+    incomplete character decodes as one U+FFFD."""
+    from tokenizers import decoders
+
+    dec = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                             decoders.Strip(" ", 1, 0)])
+    return dec.decode([SP_PIECES[i] for i in ids])
+
+
+@pytest.mark.parametrize("stops", [None, ["@@"]])
+def test_a_sentencepiece_decoder_keeps_its_spaces_and_holds_back_every_byte_of_a_character(stops):
+    """A SentencePiece decoder drops the leading space of the first token it decodes, so a
+    token re-decoded without its left context lost its space ("helloworld"); and it decodes an
+    incomplete character as one U+FFFD per byte: all of them are held back, not only the last."""
+    final = "hello world😀!"
+    m = StopMatcher(_sentencepiece, stops)
+    for t in [0, 1, 2, 3, 4, 5, 6]:
+        m.feed([t])
+        assert final.startswith(m.emittable()), (m.emittable(), final)
+    assert m.text == m.emittable() == final
+
+
+def test_a_token_that_completes_two_stop_strings_cuts_at_the_earlier_one():
+    """One token may complete two stop strings at once: the text is cut before the one that
+    starts first (was: the first of the list found, leaving the other in the text)."""
+    vocab = ["x", "abc"]
+    m = StopMatcher(lambda ids: "".join(vocab[i] for i in ids), ["c", "ab"])
+    m.feed([0, 1])
+    assert m.stopped and m.text == "x" and m.n_tokens == 2
+
+
+def test_the_longest_start_of_a_stop_string_is_held_back():
+    """A stop string whose start repeats in it ("```"): all of the text that may still become it
+    is held back, not only its shortest possible start."""
+    m = StopMatcher(_chars, ["```"])
+    for c in "x = 1\n```":
+        m.feed([ord(c)])
+        assert "x = 1\n".startswith(m.emittable()), m.emittable()
+    assert m.stopped and m.text == m.emittable() == "x = 1\n"
+
+
+def test_a_stop_id_is_left_out_of_the_text_without_stop_strings(tok):
+    """A stop id that is an ordinary token (stop_token_ids), with no stop strings: counted,
+    never shown (the path that decodes once per round took it in)."""
+    nl = tok.encode("\n")
+    assert len(nl) == 1 and not tok.is_special(nl[0])
+    ids = tok.encode("x = 1")
+    for stops in (None, ["@@"]):
+        m = StopMatcher(_dec(tok), stops, drop_ids=set(nl))
+        m.feed(ids + nl)
+        assert m.text == m.emittable() == "x = 1" and m.n_tokens == len(ids) + 1
+
+
+def test_a_stop_string_that_ends_where_the_primed_text_ends_does_not_match():
+    """A stop string wholly in the primed text (the earlier part of a reply that goes on) does
+    not end the continuation, also when it ends at the primed text's last character; one that
+    begins there and ends after it does."""
+    m = StopMatcher(_chars, ["END"])
+    m.prime(_ids("x END"))
+    for t in _ids(" more"):
+        m.feed([t])
+    assert not m.stopped and m.text == "x END more"
+    m = StopMatcher(_chars, ["END"])
+    m.prime(_ids("x EN"))
+    m.feed(_ids("D more"))
+    assert m.stopped and m.n_tokens == len("x END") and m.text == "x "
