@@ -202,6 +202,9 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
     return kind, tuple(sorted((k, v) for k, v in vals.items() if v is not None))
 
 
+DEFAULT_HEAD_DIM = 256  # transformers' Qwen3NextConfig / Qwen3_5TextConfig / Qwen3_5MoeTextConfig default
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -442,7 +445,9 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (these families use 'silu')")
         n_heads = need("num_attention_heads")
-        head_dim = d.get("head_dim")
+        # absent: 256, these families' default in transformers (its configs read so; hidden_size /
+        # heads was taken, which refused a checkpoint transformers loads); null or 0: hidden_size / heads
+        head_dim = d.get("head_dim", DEFAULT_HEAD_DIM)
         if not head_dim:  # hidden_size / heads, which must then divide
             hidden = need("hidden_size")
             if isinstance(hidden, int) and isinstance(n_heads, int) and n_heads > 0 and hidden % n_heads:

@@ -524,15 +524,19 @@ class Constraint:
         text = self.grammar_text
         inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
         grammars = [dict(g) for g in inner["grammars"]]
-        grammars[0]["name"] = "answer"
+        taken = {g.get("name") for g in grammars[1:]}  # (a grammar wrapped for another close holds an "answer")
+        answer = "answer"
+        while answer in taken:
+            answer += "_"
+        grammars[0]["name"] = answer
         spelled = f"spelled[suffix={json.dumps(close)}]: /(.|\\n)*/\n"
         ids = list(self.vocab.lltok.tokenize_str(close))
         if len(ids) == 1 and self.vocab.lltok.is_special_token(ids[0]):  # the token, or spelled
             rx = re.escape(close).replace("/", "\\/")
-            main = (f"start: free WS @answer\nfree: TEXT <[{ids[0]}]> | spelled\n"
+            main = (f"start: free WS @{answer}\nfree: TEXT <[{ids[0]}]> | spelled\n"
                     f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{rx}(.|\\n)*/\n{spelled}")
         else:
-            main = f"start: spelled WS @answer\n{spelled}"
+            main = f"start: spelled WS @{answer}\n{spelled}"
         main += "WS: /[ \\t\\r\\n]*/\n"
         outer = json.dumps({"grammars": [{"lark_grammar": main}] + grammars})
         c = Constraint(self.vocab, outer, kind=self.kind, arg=f"{self.kind} (after {close})")

@@ -252,6 +252,8 @@ def _keep_fp8(model: torch.nn.Module, tensors: dict[str, torch.Tensor], qcfg) ->
 
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# MTP layers past the first (mtp_num_hidden_layers > 1): hyspec drafts with mtp.layers.0 only (warned once)
+_LATER_MTP_LAYER = re.compile(r"^mtp\.layers\.0*[1-9]\d*\.")
 
 
 def stage_keeps(key: str, layers: range, last: bool) -> bool:
@@ -278,7 +280,7 @@ HUB_SKIP = ["*/*"]  # (the patterns' * matches "/": the checkpoint is the top fo
 
 def is_hub_id(raw: str) -> bool:
     """Whether `raw` reads as a Hugging Face model id, `org/name` or `org/name@revision`."""
-    return bool(_HUB_ID.match(raw)) and ".." not in raw
+    return bool(_HUB_ID.fullmatch(raw)) and ".." not in raw  # (match took "org/name\n": $ matches before a last \n)
 
 
 def _snapshot_gap(path: Path) -> str | None:
@@ -489,7 +491,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
         sources[name] = src
     consumed = {n + sfx for n in kept for sfx in ("_scale_inv", "_scale_rows")}
     unused = [k for k in tensors if k not in ("mtp.d2t", "d2t") and k not in sources and k not in consumed and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
-              and not (k.startswith("mtp.") and not has_mtp) and not k.startswith("mtp.layers.1")]
+              and not (k.startswith("mtp.") and not has_mtp) and not _LATER_MTP_LAYER.match(k)]
     undescribed = [k for k in unused if k.startswith("model.layers.") and not k.endswith("inv_freq")]
     if undescribed:  # a layer's weights the model does not have: config.json switched a part off
         raise CheckpointError(f"checkpoint {path} has {len(undescribed)} layer weight(s) that config.json does not "
@@ -519,6 +521,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                     mod._buffers[attr + suffix].copy_(tensors[name + suffix])
         for name, p in expected.items():  # a NaN or inf weight would decode garbage without a word
             if name in kept:
+                # float8_e4m3fn has no inf; its NaN codes are 0x7f / 0xff (torch has no isfinite for float8)
+                if bool(((p.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                    raise CheckpointError(f"tensor '{name}' holds NaN or infinite values: the checkpoint is damaged")
                 p = getattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2] + "_scale_inv")
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
                 src = sources.get(name)

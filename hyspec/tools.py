@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, <= 64
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI: a-z, A-Z, 0-9, underscores and dashes, <= 64 (fullmatch:
+# "$" also matched before a final newline, so "get\n" passed)
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # no parameters: {}
@@ -120,7 +121,7 @@ def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolSpec |
         if not isinstance(fn, dict):
             raise ToolError(f"{where}.function must be an object with a name", "tools")
         name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ToolError(f"{where}.function.name must be 1-64 letters, digits, '_', '-', '.' or ':', "
                             f"got {name!r}", "tools")
         if name in checked:

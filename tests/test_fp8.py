@@ -334,6 +334,18 @@ def test_an_integer_scale_grid_is_refused(ckpt, fp8):
         load_model(ckpt, fp8=fp8)
 
 
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+@pytest.mark.parametrize("key", [KEY, EXP])
+def test_a_nan_code_in_an_fp8_weight_is_named_as_damage(ckpt, fp8, key):
+    """A float8 NaN code (0x7f / 0xff) in a weight: named at load by the dequantizing path, and
+    loaded without a word by fp8="keep" (the default on CUDA), only its scales were checked."""
+    def f(t):
+        t[key].view(torch.uint8).view(-1)[5] = 0xFF
+    _edit(ckpt, f)
+    with pytest.raises(CheckpointError, match=rf"'{key}' holds NaN or infinite values: the checkpoint is damaged"):
+        load_model(ckpt, fp8=fp8)
+
+
 def test_a_weight_that_dequantizes_beyond_float16s_range_is_not_called_damage(ckpt):
     _edit(ckpt, lambda t: t[KEY + "_scale_inv"].view(-1)[0].fill_(1e4))
     with pytest.raises(CheckpointError, match=rf"'{KEY}' dequantizes to values up to .*beyond the range of "

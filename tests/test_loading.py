@@ -389,6 +389,28 @@ def test_checkpoint_without_mtp(zoo):
         assert a.shape == b.shape
 
 
+@pytest.mark.parametrize("n", [2, 3, 12])
+def test_mtp_layers_past_the_first_are_not_called_unexpected(ckpt, reference, n):
+    """mtp_num_hidden_layers > 1: one warning says only mtp.layers.0 drafts; mtp.layers.2.* (and
+    later) were also reported as "unexpected tensors" (only names starting mtp.layers.1 were spared)."""
+    import warnings
+
+    t = _tensors(ckpt)
+    for k in [k for k in t if k.startswith("mtp.layers.0.")]:
+        for i in range(1, n):
+            t[k.replace("mtp.layers.0.", f"mtp.layers.{i}.")] = t[k].clone()
+    _write(ckpt, t)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": n}))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m = load_model(ckpt, dtype="float32")
+    msgs = [str(x.message) for x in w]
+    assert not [s for s in msgs if "unexpected tensor" in s], msgs
+    assert [s for s in msgs if f"mtp_num_hidden_layers={n}; hyspec drafts with the first MTP layer" in s], msgs
+    _same_params(m, reference)
+
+
 def test_float64_float32_bfloat16(zoo):
     p = zoo.path("tiny", "qwen3_next")
     m64, m32, m16 = (load_model(p, dtype=d) for d in ("float64", "float32", torch.bfloat16))
@@ -747,3 +769,29 @@ def test_a_cached_snapshot_without_its_tokenizer_is_completed(tmp_path, monkeypa
     assert (snap / "tokenizer.json").is_file()
     calls.clear()
     assert resolve_model_dir("acme/notok") == snap and calls == [True]  # (complete now: the cache alone)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_an_absent_head_dim_is_read_as_transformers_reads_it(tmp_path, arch):
+    """A config.json without head_dim means 256 (transformers' default for the three
+    families: its config classes fill it in), not hidden_size / heads, which refused a
+    checkpoint with 256-wide heads that transformers loads ("q_proj.weight has shape ...")."""
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny(arch, tmp_path / "t", vocab_size=256, hidden=32, layers=4, overrides={"head_dim": 256})
+    want = load_model(d).cfg
+    cfg = json.loads((d / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    del text["head_dim"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    got = load_model(d).cfg
+    assert got.head_dim == 256 and got == want
+
+
+def test_a_model_id_with_a_trailing_line_break_is_no_hub_id():
+    """`$` matched before a last line break: "acme/tiny\n" (a line read from a file) was taken
+    as a Hugging Face id, and a download of a repository that cannot exist was tried."""
+    from hyspec.loading import is_hub_id
+
+    assert is_hub_id("acme/tiny") and is_hub_id("acme/tiny@v1.0")
+    assert not is_hub_id("acme/tiny\n") and not is_hub_id("acme/tiny@main\n")

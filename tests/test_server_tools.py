@@ -183,6 +183,8 @@ def test_tool_checks_name_the_field():
     cases = [(([], "auto"), "tool_choice needs tools"), (("x",), "tools must be a list"),
              (([{"type": "code"}],), "function tools only"), (([{"type": "function"}],), "name"),
              (([{"type": "function", "function": {"name": "a b"}}],), "got 'a b'"),
+             # ("$" matched before a final newline: "now\n" was taken, rendered and forced as the name)
+             (([{"type": "function", "function": {"name": "now\n"}}],), r"got 'now\\n'"),
              (([CLOCK, CLOCK],), "a second tool named 'now'"),
              (([{"type": "function", "function": {"name": "f", "parameters": [1]}}],), "JSON schema object"),
              (([CLOCK], "sometimes"), "tool_choice must be one of"),
@@ -653,6 +655,13 @@ def test_a_grammar_after_the_reasoning():
         assert walk(d, "x</think>") and not bool(d.allowed()[eng.eos_ids[0]])
     with pytest.raises(ValueError, match="non-empty"):
         c.after_text("")
+    # wrapped again for another close: both free parts, then the answer (the two grammars were
+    # both named "answer": ValueError "duplicate grammar name: @answer")
+    c = eng.constraint("regex", r"[0-9]{4}").after_text("</think>").after_text("</plan>")
+    d = c.clone()
+    assert walk(d, "a plan</plan> some thought</think>\n2024") and d.accepting
+    d = c.clone()
+    assert walk(d, "a plan</plan> some thought\n2024") and not d.accepting  # (still in the inner free part)
 
 
 # ------------------------------------------------------------------------------------------
