@@ -393,3 +393,39 @@ def test_the_model_fingerprint_sums_large_tensors_a_chunk_at_a_time(zoo):
     assert grew_mib < 64, f"the fingerprint took {grew_mib} MiB beside a 128 MiB tensor"
     big = torch.randn(3 << 24)
     assert abs(S._sum64(big) - float(big.double().sum())) < 1e-6 * float(big.abs().double().sum())
+
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
+    """A round whose target row overflows (NonFiniteLogits: the sequence's own error, not
+    an exception out of the round) mid-turn: as for an exception, the session is at the
+    state after the round before, and continues from it as a session restored there."""
+    import torch
+
+    from hyspec.sampling import NonFiniteLogits
+
+    eng = engine(zoo, "qwen3_5")
+    sched = eng.session_scheduler()
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=12)
+    ref = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
+    ref.send(msgs[0])
+    after_round = []
+    ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
+    s = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
+    s.send(msgs[0])
+    orig, calls = sched.backend.verify, {"n": 0}
+
+    def verify(items, **kw):  # the third verify's logits are NaN
+        out = orig(items, **kw)
+        calls["n"] += 1
+        return [(a, b, torch.full_like(lg, float("nan"))) for a, b, lg in out] if calls["n"] == 3 else out
+
+    sched.backend.verify = verify
+    try:
+        with pytest.raises(NonFiniteLogits):
+            s.send(msgs[1])
+    finally:
+        sched.backend.verify = orig
+    assert_same(s.live_state(), after_round[1], f"k={k}: after the overflowing round")
+    twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens

@@ -894,3 +894,24 @@ def test_closed_sessions_do_not_pile_up_free_slots(zoo):
     assert s.send(list(range(1, 9))).tokens == want and len(pool.free) == 15
     for s2 in (s, *held):
         s2.close()
+
+
+def test_a_turn_with_a_smaller_draft_keeps_to_it_under_adaptive_k(zoo):
+    """Adaptive K: a session's next turn goes on from the k its last round chose, but never
+    past that turn's own draft (a turn sent with draft=1 after draft=4 turns drafts at most
+    one token a round), and its tokens still equal the plain session's."""
+    from hyspec.speculative.loop import SpecOptions
+
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=6)
+    plain = eng.session(max_new_tokens=MAX_NEW, use_store=False)
+    want = run(plain, msgs)
+    s = eng.session(draft=4, spec=SpecOptions(adaptive=True, adaptive_floor=2), max_new_tokens=MAX_NEW,
+                    use_store=False)
+    first = s.send(msgs[0])
+    assert s.live_state().k_next >= 2  # the state asks for more than the next turn's draft
+    second = s.send(msgs[1], draft=1)
+    assert [first.tokens, second.tokens] == want
+    spec = second.samples[0].stats["spec"]
+    assert spec["rounds"] > 0 and spec["drafted"] <= spec["rounds"], spec
+    assert len(spec["drafted_at"]) <= 1, spec

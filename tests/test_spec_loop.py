@@ -198,6 +198,21 @@ def test_stop_token_inside_accepted_drafts(zoo, prime):
         assert res.tokens == want.tokens and res.stop_reason == "eos"
 
 
+def test_telemetry_counts_drafts_accepted_past_a_stop(zoo):
+    """docs/speculative.md: tau and the acceptance length count what verification accepted;
+    a stop id among the accepted drafts cuts what the round emits, not its telemetry (the
+    CUDA-graph lanes record the same raw count)."""
+    m = zoo.model("tiny", "qwen3_5", "float64")
+    ref = zoo.plain("tiny", "qwen3_5", "float64", 10)
+    stop = ref[2]  # the prefill emits ref[0]; the first round drafts ref[1..3], all accepted
+    assert stop not in ref[:2]
+    tel = RoundLog()
+    res = generate_speculative(m, PROMPT, max_new_tokens=10, reference=ref, stop_ids=[stop], telemetry=tel,
+                               opts=SpecOptions(k=3, forced_rates=(1.0,)))
+    assert res.tokens == ref[:3] and res.stop_reason == "eos"
+    assert tel.log == [(3, 3)] and tel.accepted == 3
+
+
 @pytest.mark.parametrize("prime", [True, False])
 def test_greedy_with_penalties_equals_plain(zoo, prime):
     """Greedy decoding with repetition / frequency / presence penalties: the drafter and
