@@ -521,8 +521,10 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                     mod._buffers[attr + suffix].copy_(tensors[name + suffix])
         for name, p in expected.items():  # a NaN or inf weight would decode garbage without a word
             if name in kept:
-                # float8_e4m3fn has no inf; its NaN codes are 0x7f / 0xff (torch has no isfinite for float8)
-                if bool(((p.view(torch.uint8) & 0x7F) == 0x7F).any()):
+                # float8_e4m3fn has no inf; its NaN codes are 0x7f / 0xff (torch has no isfinite for float8);
+                # in 64M-byte pieces (a whole 1 GiB expert stack took two 1 GiB temporaries on the GPU)
+                raw = p.view(torch.uint8).reshape(-1)
+                if any(bool(((raw[i: i + (1 << 26)] & 0x7F) == 0x7F).any()) for i in range(0, raw.numel(), 1 << 26)):
                     raise CheckpointError(f"tensor '{name}' holds NaN or infinite values: the checkpoint is damaged")
                 p = getattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2] + "_scale_inv")
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
