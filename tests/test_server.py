@@ -929,3 +929,107 @@ def test_an_unwritable_profile_file_is_refused_at_start(ref_engine, tmp_path, mo
     good = tmp_path / "engine.prof"  # a writable one is taken
     monkeypatch.setenv("HYSPEC_PROFILE_ENGINE", str(good))
     create_app(ref_engine, ServerConfig())
+
+
+# ---- request fields and stream shapes that a mutation run found unchecked --------------------
+
+
+def _sse_events(server, path, body):
+    """The JSON events of a raw stream (without the closing [DONE])."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_stream_that_ends_on_length_sends_the_text_it_held_back(server, client):
+    """The last characters of a reply that could still begin a stop string are held back while
+    it runs; when it ends on max_tokens ("length") the stream's final text sends them, so the
+    streamed text equals the whole response's."""
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    kw["stop"] = [whole[-1] + "@@never@@"]  # its first character ends the text: held back to the end
+    r = client.completions.create(**kw).choices[0]
+    assert (r.text, r.finish_reason) == (whole, "length")
+    chunks = [ch for ch in client.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(ch.choices[0].text for ch in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    ckw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**ckw).choices[0].message.content
+    ckw["stop"] = [content[-1] + "@@never@@"]
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**ckw, stream=True)
+                       if ch.choices)
+    assert streamed == content
+
+
+def test_stream_usage_follows_include_usage(server, client):
+    """stream_options.include_usage: true adds the usage chunk (choices []) and a "usage": null
+    on every other chunk, as OpenAI's; include_usage: false (or no stream_options) sends
+    neither (a client reading choices[0] of each chunk broke on the usage chunk)."""
+    body = {"model": MODEL, "prompt": "x = ", "max_tokens": 3, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    on = _sse_events(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert on[-1]["choices"] == [] and on[-1]["usage"]["completion_tokens"] == 3
+    assert all("usage" in ev and ev["usage"] is None for ev in on[:-1])
+    for extra in ({"stream_options": {"include_usage": False}}, {}):
+        off = _sse_events(server, "/v1/completions", {**body, **extra})
+        assert all(ev["choices"] and "usage" not in ev for ev in off), extra
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                               temperature=0, stream=True, stream_options={"include_usage": False}))
+    assert all(ch.choices and ch.usage is None for ch in chat)
+
+
+def test_without_max_tokens_a_request_stops_at_the_context(server, client):
+    """The default max_tokens (16 for completions, the rest of the context for chat) never runs
+    past the context: a prompt 5 tokens short of it gets 5 tokens, "length"."""
+    ctx = 4096  # (the embedded model's)
+    r = client.completions.create(model=MODEL, prompt=[1] * (ctx - 5), temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 5)
+
+    def chat_prompt(k):
+        return [{"role": "user", "content": " a" * k}]
+
+    base = httpx.post(server.url + "/tokenize", json={"messages": chat_prompt(100)}).json()["count"]
+    msgs = chat_prompt(100 + ctx - 5 - base)  # (each " a" is one token)
+    assert httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()["count"] == ctx - 5
+    c = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, extra_body={"ignore_eos": True})
+    assert (c.choices[0].finish_reason, c.usage.completion_tokens) == ("length", 5)
+
+
+def test_penalties_reach_the_sampler_under_their_own_names(client, ref_engine):
+    """presence_penalty, frequency_penalty and repetition_penalty go to the SamplingParams
+    fields of the same names, and penalty_last_n defaults to 64 (docs/server.md): the output
+    equals Engine.generate with those params (each pair of cases differs, so a swap shows)."""
+    fib = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef"
+    long = ('import os\nimport sys\n\n\ndef main():\n    print(os.path.join(sys.argv[1], "x"))\n# ' + "a " * 70
+            + "\n\n\ndef")
+    cases = [(fib, {"presence_penalty": 1.5}), (fib, {"frequency_penalty": 1.5}),
+             (long, {"repetition_penalty": 2.0}), (long, {"repetition_penalty": 2.0, "penalty_last_n": -1})]
+    wants = []
+    for prompt, fields in cases:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True, **fields})
+        params = SamplingParams(temperature=0.0, **{"penalty_last_n": 64, **fields})
+        want = ref_engine.generate(prompt, max_new_tokens=10, params=params, ignore_eos=True).samples[0].tokens
+        assert r.choices[0].token_ids == want, fields
+        wants.append(want)
+    assert wants[0] != wants[1] and wants[2] != wants[3]
+
+
+def test_sampling_field_edges(server, client):
+    """top_k -1 is "off" (as 0, vLLM's spelling); max_completion_tokens wins over max_tokens
+    when both are sent; a stop list of 16 strings (the documented most) is taken."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0.9, seed=5,
+              extra_body={"ignore_eos": True, "return_token_ids": True, "draft": 0})  # (plain decoding: a
+    # shorter run's tokens are a prefix of a longer one's, docs/sampling.md)
+    off = client.completions.create(**kw).choices[0].token_ids
+    assert client.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "top_k": -1}}).choices[0].token_ids \
+        == off
+    r = client.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "max_completion_tokens": 3}})
+    assert r.usage.completion_tokens == 3 and r.choices[0].token_ids == off[:3]
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                         "stop": [f"@{i}@" for i in range(16)]})
+    assert r.status_code == 200, r.text
