@@ -49,7 +49,24 @@ def test_plain_entries_serve_plain_requests_only(states):
     st.put(plain)
     assert st.lookup(list(plain.tokens) + [3]) is plain
     assert st.lookup(list(plain.tokens) + [3], drafter="post") is None
-    st.put(spec[0]) if spec[0].tokens == plain.tokens else None
+    st.put(spec[1])  # a plain request takes any entry (docs/sessions.md), a speculative one's too
+    assert st.lookup(list(spec[1].tokens) + [3]) is spec[1]
+
+
+def test_an_entry_with_drafter_rows_is_not_replaced_by_one_without(states):
+    """A plain and a speculative session with the same first turn (greedy: the same tokens)
+    put states under one key: the speculative one stays, whichever came first, so a
+    speculative request extending the transcript still resumes (and a plain one too)."""
+    spec, plain, msgs = states
+    assert plain.tokens == spec[0].tokens and plain.drafter is None and spec[0].drafter == "post"
+    toks = list(spec[0].tokens) + [3]
+    for order in ((spec[0], plain), (plain, spec[0])):
+        st = PrefixStore()
+        for x in order:
+            st.put(x)
+        assert len(st) == 1
+        assert st.lookup(toks, drafter="post") is spec[0], order
+        assert st.lookup(toks) is spec[0]
 
 
 def test_digest_check_drops_a_corrupted_entry(states):
@@ -96,6 +113,87 @@ def test_a_budget_smaller_than_one_state_keeps_none_on_the_device(states):
     got = st.lookup(list(spec[1].tokens) + [7], drafter="post")
     assert got.digest() == spec[1].digest() and got.device == spec[1].device
     assert st.stats()["bytes_device"] == 0 and st.tier_of(spec[1].tokens) == "host"
+
+
+def test_a_put_again_entry_is_the_most_recent(states):
+    """Putting a state under a key already stored (a turn repeated after a rewind, or another
+    session with the same transcript) makes it the most recently used: the budget demotes
+    the entries not touched since, not the one just put."""
+    spec, plain, msgs = states
+    sizes = [x.nbytes() for x in spec]
+    st = PrefixStore(budget_bytes=sizes[0] + sizes[2], host_budget_bytes=1 << 40)  # room for two
+    st.put(spec[0])
+    st.put(spec[1])
+    st.put(spec[0])  # again: now the most recent
+    st.put(spec[2])  # over the budget: the least recently used (spec[1]) goes to host
+    assert [st.tier_of(x.tokens) for x in spec[:3]] == ["device", "host", "device"]
+
+
+def test_an_eviction_keeps_the_other_entries_of_its_length(states):
+    """Two conversations whose transcripts have the same length: evicting one (host budget)
+    leaves the other one found (the store indexes entries by length: one removal of a length
+    must not hide the others of that length)."""
+    import dataclasses
+
+    spec, plain, msgs = states
+    a = spec[1]
+    b = dataclasses.replace(a, tokens=(a.tokens[0] % 50 + 1,) + tuple(a.tokens[1:]))
+    assert len(b.tokens) == len(a.tokens) and b.tokens != a.tokens
+    st = PrefixStore(budget_bytes=0, host_budget_bytes=b.nbytes())
+    st.put(a)
+    st.put(b)  # a is evicted
+    assert a.tokens not in st and st.tier_of(b.tokens) == "host" and st.evictions == 1
+    got = st.lookup(list(b.tokens) + [4], drafter="post")
+    assert got is not None and got.digest() == b.digest()
+    st.remove(b.tokens)
+    st.put(a)
+    assert st.lookup(list(a.tokens) + [4], drafter="post") is not None
+
+
+def test_verify_promote_checks_an_entry_coming_back_from_host(states):
+    """verify="promote": an entry whose host copy no longer matches its digest is dropped when
+    a lookup would promote it (identity_failures), and the next-longest entry serves."""
+    spec, plain, msgs = states
+    st = PrefixStore(verify="promote")
+    st.put(spec[0])
+    st.put(spec[1])
+    st.demote(spec[1].tokens)
+    st._entries[tuple(spec[1].tokens)].state.ssm[0].view(-1)[0] += 1.0  # the host copy, damaged
+    got = st.lookup(list(spec[1].tokens) + [4], drafter="post")
+    assert got is spec[0] and st.identity_failures == 1 and tuple(spec[1].tokens) not in st
+
+
+def test_an_entry_equal_to_the_prompt_serves_only_with_a_pending_token(zoo):
+    """A state without a pending token (a speculative prefill with prime_pending=False leaves
+    none) that equals the whole prompt leaves nothing to prefill: lookup and extends skip it
+    (the scheduler ran an empty prefill: RuntimeError in the scan), a longer prompt takes it."""
+    import dataclasses
+
+    from hyspec.core import Request, Scheduler
+    from hyspec.core.state import capture
+    from hyspec.speculative.loop import SpecOptions
+
+    eng = engine(zoo, "qwen3_5")
+    msg = messages(eng.model.cfg.vocab_size, 1, seed=21)[0]
+    opts = SpecOptions(k=2, prime_pending=False)
+    sched = Scheduler(eng.model)
+    got, start = [], sched._start
+    sched._start = lambda s, post: (start(s, post), got.append(capture(s)))  # the state right after prefill
+    sched.submit(Request(prompt_ids=msg, max_new_tokens=MAX_NEW, draft=2, spec=opts, keep=True))
+    sched.step()
+    st = got[0]
+    assert st.pending is None and st.tokens == tuple(msg) and st.pos == len(msg)
+    store = PrefixStore()
+    store.put(st)
+    other = dataclasses.replace(st, tokens=tuple(msg) + (4,), pending=4)  # (a longer entry, another transcript)
+    store.put(other)
+    assert not store.extends(msg) and store.extends(msg + [3])
+    assert store.lookup(msg, drafter="post") is None and store.misses == 1
+    assert store.lookup(msg + [3], drafter="post") is st
+    want = eng.generate(msg, max_new_tokens=MAX_NEW, draft=2, spec=opts, use_store=False).tokens
+    eng.store = store
+    out = eng.generate(msg, max_new_tokens=MAX_NEW, draft=2, spec=opts)
+    assert out.tokens == want and out.stats["cached_tokens"] == 0
 
 
 def test_bad_options():

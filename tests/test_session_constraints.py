@@ -99,6 +99,21 @@ def test_rewind_fork_and_save_restore_the_matcher(zoo, tmp_path):
     assert f.send([]).tokens == t.send([]).tokens  # the fork and the loaded copy go on alike
 
 
+def test_the_matcher_a_session_hands_out_is_a_copy(zoo):
+    """s.matcher is a copy: changing it (reset, commit) leaves the session's own, so a
+    "go on" turn continues the cut reply where it stopped."""
+    eng = _engine(zoo, "qwen3_5")
+    c = eng.constraint("json_schema", SCHEMA)
+    msg = messages(eng.model.cfg.vocab_size, 1, seed=3)[0]
+    s, twin = (eng.session(draft=2, max_new_tokens=4, constraint=c, use_store=False) for _ in range(2))
+    assert s.send(msg).tokens == twin.send(msg).tokens
+    m = s.matcher
+    before = list(m.tokens)
+    m.reset()
+    assert s.matcher.tokens == before
+    assert s.send([]).tokens == twin.send([]).tokens
+
+
 def test_session_constraint_for_another_vocabulary_is_refused(zoo):
     eng = _engine(zoo, "qwen3_5")
     other = make_constraint(zoo.path("tiny", "qwen3_5"), "regex", "[a-z]+", vocab_size=eng.model.cfg.vocab_size + 8)

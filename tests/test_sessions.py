@@ -285,6 +285,36 @@ def test_switching_plain_and_speculative_is_refused(zoo, tmp_path):
     assert w.send([8]).stats["k"] == v.send([8]).stats["k"] == 2
 
 
+def test_a_session_rewound_to_its_start_is_empty_again(zoo):
+    """rewind() back before the first turn leaves an empty session, as reset() does: its next
+    first turn may be plain or speculative again (the first turn sets the mode)."""
+    eng = engine(zoo, "qwen3_next")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=8)
+    want = eng.generate(msgs[1], max_new_tokens=MAX_NEW, use_store=False).tokens
+    s = eng.session(draft=0, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(msgs[0])
+    s.rewind()
+    assert s.tokens == [] and s.turns == 0
+    assert s.send(msgs[1], draft=2).tokens == want  # (was refused: "decodes without drafts since its first turn")
+    s.rewind()
+    assert s.send(msgs[1], draft=0).tokens == want
+
+
+def test_a_forks_turns_do_not_count_in_the_original_telemetry(zoo):
+    """fork() gives the copy its own telemetry: a turn of one counts in its own
+    s.telemetry and stats["session"]["spec"] only."""
+    eng = engine(zoo, "qwen3_next")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=9)
+    s = eng.session(draft=2, max_new_tokens=MAX_NEW, use_store=False)
+    s.send(msgs[0])
+    before = s.telemetry.copy()
+    f = s.fork()
+    out = f.send(msgs[1])
+    assert f.telemetry.rounds > before.rounds and out.stats["session"]["spec"] == f.telemetry.to_dict()
+    assert s.telemetry == before
+    assert s.send(msgs[1]).stats["session"]["spec"] == f.telemetry.to_dict()  # the same turn, counted once
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_drafter_options_across_turns(zoo, arch):
     """The no-pending form, the other rollback strategies, adaptive K and p_min: a

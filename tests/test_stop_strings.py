@@ -135,8 +135,8 @@ def test_a_session_turn_ends_at_a_stop_string(eng, draft, params):
 def test_a_stop_string_across_a_cut_reply_and_its_continuation(eng, tmp_path):
     """A reply cut by max_new_tokens inside a stop string, then continued (send([])): the
     continuation's matcher starts from the reply so far, so it ends where the uncut turn
-    ends (it ran on: each turn matched only its own text); also after save / load, and a
-    stop string wholly inside the earlier part does not end the continuation."""
+    ends (it ran on: each turn matched only its own text); also after save / load and in a
+    fork, and a stop string wholly inside the earlier part does not end the continuation."""
     from hyspec.session import Session
 
     prompt = "def read_file(path):\n"
@@ -154,7 +154,8 @@ def test_a_stop_string_across_a_cut_reply_and_its_continuation(eng, tmp_path):
     a = s.send(prompt, max_new_tokens=k, stop=stop)
     assert a.tokens == full.tokens[:k] and a.samples[0].stop_reason == "length"
     s.save(tmp_path / "cut.pt")
-    for sess in (s, Session.load(eng, tmp_path / "cut.pt")):
+    forked = s.fork()  # (a fork carries the reply so far too)
+    for sess in (s, Session.load(eng, tmp_path / "cut.pt"), forked):
         b = sess.send([], stop=stop)
         assert a.tokens + b.tokens == want_tokens and b.samples[0].stop_reason == "stop" and b.text == ""
     # a stop string found only in the earlier part: the continuation runs on to its limit
@@ -162,6 +163,34 @@ def test_a_stop_string_across_a_cut_reply_and_its_continuation(eng, tmp_path):
     early = eng.tokenizer.decode(full.tokens[:k], skip_special_tokens=True)[:3]
     c = s.send([], stop=early, max_new_tokens=5)
     assert c.samples[0].stop_reason == "length" and a.tokens + c.tokens == full.tokens[:k + 5]
+
+
+def test_a_continuation_matches_stop_strings_from_its_own_reply_only(eng):
+    """The reply a "go on" continues is the last message's reply: a stop string that begins
+    in the reply to an earlier message does not end it (the reply so far ran on across
+    messages: that earlier reply's text was matched too)."""
+    s = eng.session(draft=0, max_new_tokens=6, ignore_eos=True, use_store=False)
+    r1 = s.send("def read_file(path):\n").tokens
+    r2 = s.send("\n# next", max_new_tokens=1).tokens
+    free = s.fork().send([], max_new_tokens=8)  # the continuation without a stop string
+    text = lambda t: eng.tokenizer.decode(t, skip_special_tokens=True)
+    stop = text(r1)[-1:] + text(r2) + text(free.tokens)[:1]
+    assert len(stop) >= 3 and stop not in text(r2 + free.tokens)
+    out = s.send([], max_new_tokens=8, stop=stop)
+    assert out.tokens == free.tokens and out.samples[0].stop_reason == "length"
+
+
+def test_a_new_messages_reply_is_matched_on_its_own(eng):
+    """A turn with a message starts a new reply: a stop string that begins in the reply
+    before does not end it (only a "go on" continues the reply before)."""
+    text = lambda t: eng.tokenizer.decode(t, skip_special_tokens=True)
+    s = eng.session(draft=0, max_new_tokens=6, ignore_eos=True, use_store=False)
+    r1 = s.send("def read_file(path):\n").tokens
+    free = s.fork().send("\n# next", max_new_tokens=8)
+    stop = text(r1)[-2:] + text(free.tokens)[:1]
+    assert len(stop) == 3 and stop not in text(free.tokens)
+    out = s.send("\n# next", max_new_tokens=8, stop=stop)
+    assert out.tokens == free.tokens and out.samples[0].stop_reason == "length"
 
 
 def test_the_cli_stop_flag_and_prompts_file_lines(eng, tmp_path):
