@@ -135,18 +135,26 @@ def test_fault_in_the_drafter_mid_turn(zoo, arch):
         assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
 
 
+def _second_turn_rounds(eng, msgs, k):
+    """A reference session's state after each round of its second turn (msgs[1]), and a
+    session of the same settings after its first turn (the second is the one to fault)."""
+    sched = eng.session_scheduler()
+    ref = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
+    ref.send(msgs[0])
+    after_round = []
+    ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
+    s = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
+    s.send(msgs[0])
+    return ref, after_round, s
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fault_mid_round_leaves_last_committed_state(zoo, arch):
     eng = engine(zoo, arch)
     sched = eng.session_scheduler()
     msgs = messages(eng.model.cfg.vocab_size, 3, seed=12)
     for k in (3, 0):
-        ref = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
-        ref.send(msgs[0])
-        after_round = []
-        ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
-        s = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
-        s.send(msgs[0])
+        ref, after_round, s = _second_turn_rounds(eng, msgs, k)
         undo = inject(sched.backend, "verify", 3)
         try:
             with pytest.raises(Boom):
@@ -407,12 +415,7 @@ def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
     eng = engine(zoo, "qwen3_5")
     sched = eng.session_scheduler()
     msgs = messages(eng.model.cfg.vocab_size, 3, seed=12)
-    ref = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
-    ref.send(msgs[0])
-    after_round = []
-    ref.send(msgs[1], on_tokens=lambda t: sched.active and after_round.append(capture(sched.active[0])))
-    s = eng.session(draft=k, max_new_tokens=MAX_NEW + 6, use_store=False)
-    s.send(msgs[0])
+    _, after_round, s = _second_turn_rounds(eng, msgs, k)
     orig, calls = sched.backend.verify, {"n": 0}
 
     def verify(items, **kw):  # the third verify's logits are NaN
