@@ -707,9 +707,7 @@ class Engine:
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
         max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 0)
         num_samples = _int_arg("num_samples", num_samples, 1)
-        if spec is not None and not isinstance(spec, SpecOptions):
-            raise ParamError("spec", spec, "must be a hyspec.speculative.loop.SpecOptions or None")
-        draft = draft_of(draft, spec)
+        draft = draft_of(draft, spec)  # (a spec that is no SpecOptions: _spec_options below names it)
         ignore_eos, use_store = _bool_arg("ignore_eos", ignore_eos), _bool_arg("use_store", use_store)
         if stop_ids is not None:
             stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)

@@ -237,9 +237,8 @@ class Session:
         from hyspec.core.scheduler import check_stop
         from hyspec.engine import _bool_arg, _int_arg, _token_ids, draft_of
 
-        engine._spec_options(0, spec)  # validates spec
         self.draft = draft_of(draft, spec)  # (None: spec's k, or 0 without spec)
-        engine._spec_options(self.draft, spec)  # validates draft / MTP head
+        engine._spec_options(self.draft, spec)  # validates spec, draft / MTP head
 
         if params is not None and not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None for greedy)")
