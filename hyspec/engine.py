@@ -37,6 +37,7 @@ from hyspec.config import no_mtp_error
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
 from hyspec.decode import GREEDY, generate_plain
+from hyspec.envknobs import check as check_env
 from hyspec.loading import load_model, parse_dtype, resolve_model_dir
 from hyspec.model.hybrid import HybridLM
 from hyspec.model.ops import StepCtx
@@ -467,6 +468,7 @@ class Engine:
             raise ParamError("path", path, "must be a checkpoint directory (str or Path), or None for the embedded "
                              "model")
         check_device(device)  # (before a download)
+        check_env()  # a bad HYSPEC_* knob (hyspec.envknobs), before the weights load
         path = resolve_model_dir(path) if path is not None else default_model_dir()
         if (path / "tokenizer.json").is_dir():  # (before the weights load)
             raise ValueError(f"{path / 'tokenizer.json'} is a directory, not the tokenizer's file")

@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("standard output is closed: this command writes its results there (redirect it "
                                  "to a file instead)")
             sys.stdout = open(os.devnull, "w")  # (its results go to files: a stray line is dropped, not fatal)
+        if cmd not in (None, "-h", "--help", "--version"):  # a bad HYSPEC_* knob, before any model loads (hyspec.envknobs)
+            from hyspec.envknobs import check as check_env
+
+            check_env()
         if cmd in ("generate", "bench", "serve") and "--pp" in " ".join(argv):
             from hyspec import parallel
 

@@ -49,8 +49,8 @@ token, as the engine core resumes).
 """
 from __future__ import annotations
 
-import os
 
+from hyspec.envknobs import number
 import torch
 
 from hyspec.config import no_mtp_error
@@ -120,7 +120,7 @@ class BatchDecoder:
         # the chunked prefill, the reference's own algorithm (T recurrent steps leave a state
         # ~1e-4 further from it in fp32 log-probs: tests/test_batch_decoder.py)
         half = self.dtype in (torch.float16, torch.bfloat16)
-        self.fast_prefill_max = int(os.environ.get("HYSPEC_FAST_PREFILL", "64")) if cuda and half else 0
+        self.fast_prefill_max = number("HYSPEC_FAST_PREFILL") if cuda and half else 0
         self.backend = "triton"
 
         dev, dt = self.dev, self.dtype

@@ -9,9 +9,9 @@ inside its graphs (hyspec/gpu/batch.py).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
+from hyspec.envknobs import switch
 import torch
 
 from hyspec.gpu.sampling import SamplingTable, probs_batch
@@ -22,7 +22,7 @@ __all__ = ["PenaltyWindow", "window_counts", "row_counts", "verify_probs"]
 # a window's pushes as one Triton launch (hyspec.kernels.window) where the sampling row
 # kernels run (CUDA, or the Triton interpreter); HYSPEC_WINDOW_KERNEL=0 (or False here,
 # before a graph is captured) keeps the torch ops (PenaltyWindow.push_ref)
-WINDOW_KERNEL = os.environ.get("HYSPEC_WINDOW_KERNEL", "1") != "0"
+WINDOW_KERNEL = switch("HYSPEC_WINDOW_KERNEL")
 
 
 def _kernel_for(t: torch.Tensor) -> bool:

@@ -17,9 +17,9 @@ The original module weights stay the source: packed once at init (hyspec.gpu.pac
 """
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
+from hyspec.envknobs import choice, number, switch
 import torch
 
 from hyspec.gpu.packing import Segments, layer_weight_bytes, pack_layer, pack_views
@@ -44,17 +44,14 @@ from hyspec.quant import FP8_DTYPE, Fp8Weight
 __all__ = ["TritonRunner", "pack_views"]
 
 
-def _fixed_height(value: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int | None:
+def _fixed_height(v: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int | None:
     """HYSPEC_BATCH_BLOCK_T: 16, 32, 64 or 128 (one row-tile height for every call), or
     auto (None: by the call's rows, for bf16 models on a compute-capability 9.x GPU, the
     H200's, where a row's bits were measured not to depend on the height; 64 elsewhere)."""
-    v = value.strip().lower()
-    if v in ("", "auto"):
+    if v == "auto":
         dev = torch.device(device)
         measured = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9
         return None if measured and dtype == torch.bfloat16 else 64
-    if v not in ("16", "32", "64", "128"):
-        raise ValueError(f"HYSPEC_BATCH_BLOCK_T={value!r}: use auto, 16, 32, 64 or 128")
     return int(v)
 
 
@@ -116,7 +113,7 @@ def tall_tile(N: int, K: int, act: bool = False, fp8: bool = False, dtype: torch
         return t
     t = dict(split_k=c.split_k, block_n=c.block_n, block_k=min(c.block_k, 128), num_warps=max(c.num_warps, 4),
              num_stages=min(c.num_stages, 3), wt=c.wt)
-    use = not fp8 and dtype == torch.bfloat16 and os.environ.get("HYSPEC_TALL_TUNED", "1") != "0"
+    use = not fp8 and dtype == torch.bfloat16 and switch("HYSPEC_TALL_TUNED")
     entry = TALL.get((N, K, bool(act))) if use else None
     if entry:
         bad = set(entry) - set(_TALL_KEYS)
@@ -141,7 +138,7 @@ class TritonRunner:
         self.exact = exact
         self.lane_base = 0  # the lane _lane0 views (a one-lane forward of lane L: BatchDecoder.prefill)
         # commits replay the accepted rows (commit_linear): no state is saved per verify row
-        if os.environ.get("HYSPEC_REPLAY_COMMIT", "1") == "0":
+        if not switch("HYSPEC_REPLAY_COMMIT"):
             raise ValueError("HYSPEC_REPLAY_COMMIT=0 (a state saved after every verify row) is gone with the "
                              "single-sequence decoder: the batched commit replays the accepted rows; unset it")
         model = dec.model
@@ -223,7 +220,7 @@ class TritonRunner:
         # tile's width, so off CUDA auto means 64 always, and so it does for fp32 models
         # and GPUs other than compute capability 9.x (not measured).
         # HYSPEC_BATCH_BLOCK_T=16/32/64/128 fixes one height.
-        self.block_t = _fixed_height(os.environ.get("HYSPEC_BATCH_BLOCK_T", "auto"), dev, dt)
+        self.block_t = _fixed_height(choice("HYSPEC_BATCH_BLOCK_T"), dev, dt)
         top = self.block_t or 64
         self._workspace_rows = -(-R // top) * top  # split-K workspace rows: every call fits
         # verify slabs for the commit replay: in_proj outputs and conv outputs per GDN layer
@@ -250,8 +247,8 @@ class TritonRunner:
         # verify of 16 lanes 31.7 against 38.6 us (bench/results/gdn_const_parts_h200.json,
         # at 6121b06).  None: one program per head.
         self.gdn_block_v = 32 if cfg.linear_value_head_dim >= 64 else None
-        if os.environ.get("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
-            self.gdn_block_v = int(os.environ["HYSPEC_GDN_BLOCK_V"]) or None
+        if number("HYSPEC_GDN_BLOCK_V"):  # ablation knob (bench/profile_batch.py)
+            self.gdn_block_v = number("HYSPEC_GDN_BLOCK_V")
         # split-K partials of the matmuls that feed a residual RMSNorm are reduced inside
         # that norm (no reduce kernel); attention: q heads of a kv head in one program
         self.fuse_reduce = True
@@ -264,17 +261,17 @@ class TritonRunner:
         # column tile would recompute the activation of all its rows, so those calls run
         # silu_mul once and a plain matmul instead (the same bits: same expression, same
         # tile and K split); HYSPEC_TALL_ACT=fused keeps the fused load (ablation)
-        self.split_act = os.environ.get("HYSPEC_TALL_ACT", "split") != "fused"
+        self.split_act = choice("HYSPEC_TALL_ACT") == "split"
         # RMSNorm: the weight's load issued before the row's reduction (HYSPEC_NORM_W_FIRST=0: after)
-        self.norm_w_first = os.environ.get("HYSPEC_NORM_W_FIRST", "1") not in ("", "0")
+        self.norm_w_first = switch("HYSPEC_NORM_W_FIRST")
         # MoE: the slot combine done by the next RMSNorm (one launch fewer per MoE layer;
         # HYSPEC_MOE_DEFER=0: the combine kernel, the ablation's other arm)
-        self.moe_defer = os.environ.get("HYSPEC_MOE_DEFER", "1") not in ("", "0")
+        self.moe_defer = switch("HYSPEC_MOE_DEFER")
         # greedy choices through hyspec.kernels.probs.argmax on CUDA (HYSPEC_ARGMAX_KERNEL=0: torch's)
-        self.fast_argmax = os.environ.get("HYSPEC_ARGMAX_KERNEL", "1") not in ("", "0")
+        self.fast_argmax = switch("HYSPEC_ARGMAX_KERNEL")
         # a round's commit bookkeeping (accept test, stop cut, next fill) as one kernel,
         # hyspec.kernels.commit (HYSPEC_COMMIT_KERNEL=0: its torch reference, ~30 launches)
-        self.commit_kernel = os.environ.get("HYSPEC_COMMIT_KERNEL", "1") not in ("", "0")
+        self.commit_kernel = switch("HYSPEC_COMMIT_KERNEL")
         # the step graphs' programmatic dependent launch (hyspec.kernels.pdl.step_default: dense
         # models put the matmuls under it, triggering late; MoE or block-FP8 models leave them
         # out; pdl None: the process-wide setting), the kernel families launched without it and

@@ -57,10 +57,10 @@ reference raises); positions are in ``[0, 2**31)``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hyspec.envknobs import switch
 import torch
 
 from hyspec.kernels.common import triton_available
@@ -515,7 +515,7 @@ def coupled_rows(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
 
 # the few draws of a round (u01_draws) in one Triton launch where the row kernels run;
 # HYSPEC_U01_KERNEL=0 (or False here, before a graph is captured) restores the torch ops
-U01_KERNEL = os.environ.get("HYSPEC_U01_KERNEL", "1") != "0"
+U01_KERNEL = switch("HYSPEC_U01_KERNEL")
 
 
 def u01_draws(seeds: torch.Tensor, stream: int, counters: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:

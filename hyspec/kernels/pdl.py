@@ -38,6 +38,8 @@ from functools import lru_cache
 
 import torch
 
+from hyspec.envknobs import switch
+
 __all__ = ["pdl_enabled", "set_pdl", "scoped", "current", "step_default", "launch_kwargs", "interpreting",
            "kernels_per_mode", "FAMILIES", "families", "matmul_late"]
 
@@ -121,7 +123,7 @@ def pdl_enabled() -> bool:
     flag = current()[0]
     if flag is not None:
         return flag and _supported()
-    if os.environ.get("HYSPEC_PDL", "0") != "1":
+    if not switch("HYSPEC_PDL"):
         return False
     return _supported()
 
@@ -191,8 +193,7 @@ def step_default(dense: bool = False) -> tuple[bool | None, str, bool]:
     against that, mmlate_ab_<preset>_h200.json): the dense models faster again (b2 decode
     x0.974, K=3 round x0.978, 16 lanes x0.999 / x0.972; the 27B x0.987 / x0.977, 4 lanes
     x0.973 / x0.993), the MoE ones slower (35B x1.025 / x1.011; 80B-FP8 x1.124 / x1.033)."""
-    env = os.environ.get("HYSPEC_PDL", "")
-    if env in ("0", "1"):
+    if switch("HYSPEC_PDL") is not None:
         return None, "", False
     skip = os.environ.get("HYSPEC_PDL_SKIP", "" if dense else "matmul")
     families(skip, "HYSPEC_PDL_SKIP")  # a bad name fails here, when the decoder is built

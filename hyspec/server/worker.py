@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from hyspec.envknobs import switch
 from hyspec.sampling import SamplingParams
 
 log = logging.getLogger("hyspec.server")
@@ -73,7 +74,7 @@ class Job:
 
 def scheduler_module():
     """hyspec.core.scheduler, or None (absent, or HYSPEC_SERVE_SCHEDULER=0)."""
-    if os.environ.get("HYSPEC_SERVE_SCHEDULER", "1") == "0":
+    if not switch("HYSPEC_SERVE_SCHEDULER"):
         return None
     import hyspec
 

@@ -52,8 +52,8 @@ thing and waits for its predecessors before its first load (see ``hyspec.kernels
 """
 from __future__ import annotations
 
-import os
 
+from hyspec.envknobs import switch
 import torch
 
 from hyspec.kernels.attention.kernel import launch_combine
@@ -80,7 +80,7 @@ BLOCK_N = 32  # keys per block
 # CHUNKED = False (the default): block b in split b % GROUPED_SPLITS, 16 partials per row
 # whatever its keys, one program per split.  The two forms give other bits (each is exact
 # and batch invariant on its own): set it before any decoding.
-CHUNKED = os.environ.get("HYSPEC_ATTN_CHUNKED", "0") not in ("", "0")
+CHUNKED = switch("HYSPEC_ATTN_CHUNKED")
 PARTIALS_PER_LEVEL = 16
 MAX_LEVEL = 3  # chunks of at most 2^3 blocks = 256 keys (the kernel's level test goes up to 3)
 assert 0 <= MAX_LEVEL <= 3, "the kernels' level test goes up to 3"

@@ -2,8 +2,8 @@
 combine (contract: ``hyspec/kernels/attention/__init__.py``)."""
 from __future__ import annotations
 
-import os
 
+from hyspec.envknobs import switch
 import torch
 
 from hyspec.kernels.common import p2
@@ -21,7 +21,7 @@ ATTN_BLOCK_N = 32  # keys per block
 # The combine's form: the NS partials as one tile, the sums over them a reduction tree (every
 # load in flight at once), or (False) a loop over the splits in order.  The two round
 # differently; a constant for a process (HYSPEC_ATTN_COMBINE_TILE=0|1), never chosen per call.
-COMBINE_TILE = os.environ.get("HYSPEC_ATTN_COMBINE_TILE", "1") not in ("", "0")
+COMBINE_TILE = switch("HYSPEC_ATTN_COMBINE_TILE")
 
 
 def attn_splits() -> int:

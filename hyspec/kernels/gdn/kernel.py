@@ -289,18 +289,14 @@ def _kernels():
 
 
 def _env_launch() -> dict:
-    import os
+    from hyspec.envknobs import number, switch
 
-    def flag(name):
-        return os.environ.get(name, "1") not in ("", "0")
-
-    return {"num_warps": int(os.environ.get("HYSPEC_GDN_WARPS", "0")) or None,
-            "pv_first": flag("HYSPEC_GDN_PV_FIRST"), "prefetch": flag("HYSPEC_GDN_PREFETCH"),
-            "one_reduction": flag("HYSPEC_GDN_ONE_REDUCTION"),
-            "decode_blocks": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS", "1")),
-            "decode_blocks_min_lanes": int(os.environ.get("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES", "8")),
-            "stream": os.environ.get("HYSPEC_GDN_STREAM", "1") not in ("", "0"),
-            "const_dv": flag("HYSPEC_GDN_CONST_DV")}
+    return {"num_warps": number("HYSPEC_GDN_WARPS") or None,
+            "pv_first": switch("HYSPEC_GDN_PV_FIRST"), "prefetch": switch("HYSPEC_GDN_PREFETCH"),
+            "one_reduction": switch("HYSPEC_GDN_ONE_REDUCTION"),
+            "decode_blocks": number("HYSPEC_GDN_DECODE_BLOCKS"),
+            "decode_blocks_min_lanes": number("HYSPEC_GDN_DECODE_BLOCKS_MIN_LANES"),
+            "stream": switch("HYSPEC_GDN_STREAM"), "const_dv": switch("HYSPEC_GDN_CONST_DV")}
 
 
 # How the step kernel is launched (decode, verify and replay alike: they must run one

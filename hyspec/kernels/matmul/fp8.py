@@ -14,8 +14,8 @@ partials reduced in order 0..S-1, ``T`` passed with ``do_not_specialize``.
 """
 from __future__ import annotations
 
-import os
 
+from hyspec.envknobs import switch
 import torch
 
 from hyspec.kernels.common import SplitPartials
@@ -61,7 +61,7 @@ def int_cvt(dtype) -> int:
     """The kernels' CVT flag: 1 when the weights' e4m3 -> bf16 conversion runs in integer
     instructions (bf16 activations, compiled for a GPU, ``HYSPEC_FP8_CVT`` unset or not 0), else 0
     (Triton's conversion; the interpreter cannot run inline PTX). Both give the same bits."""
-    return int(dtype == torch.bfloat16 and not interpreting() and os.environ.get("HYSPEC_FP8_CVT", "1") != "0")
+    return int(dtype == torch.bfloat16 and not interpreting() and switch("HYSPEC_FP8_CVT"))
 
 
 @kernels_per_mode

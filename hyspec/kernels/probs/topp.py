@@ -37,11 +37,9 @@ HYSPEC_TOPP_KERNEL=1 (docs/gpu.md).
 """
 from __future__ import annotations
 
-import os
-import warnings
-
 import torch
 
+from hyspec.envknobs import switch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode
 from hyspec.kernels.probs.reference import CHUNK
@@ -72,26 +70,12 @@ CUT_WARPS = 8
 
 def topp_kernel_enabled(cuda: bool) -> bool:
     """Whether hyspec.gpu.sampling.probs_batch (with its row kernels on) cuts top-k / top-p
-    with these kernels: HYSPEC_TOPP_KERNEL=1 on, =0 off (or true/false, on/off, yes/no);
-    unset: on CUDA only (the Triton
+    with these kernels: HYSPEC_TOPP_KERNEL=1 on, =0 off (or true/false, on/off, yes/no; any
+    other value is a ValueError, hyspec.envknobs); unset: on CUDA only (the Triton
     interpreter runs them only when asked: slow, and the torch search is their reference)."""
-    v = os.environ.get("HYSPEC_TOPP_KERNEL", "").strip().lower()
-    if v in ("1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    if v:
-        _warn_once(f"HYSPEC_TOPP_KERNEL={v!r} is not one of 0/1 (off/on): ignored")
-    return cuda
+    v = switch("HYSPEC_TOPP_KERNEL")
+    return cuda if v is None else v
 
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 @kernels_per_mode
