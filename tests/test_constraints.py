@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -129,6 +130,22 @@ def test_allowed_does_not_move_the_state_and_matches_commit(engine):
     assert c.committed == 0 and torch.equal(c.allowed([]), before)
 
 
+def test_a_model_vocabulary_smaller_than_the_tokenizers(vocab):
+    """V_model < the tokenizer's vocabulary, not a multiple of 32: the ids below V_model in
+    the last (partial) mask word stay allowed, those at or past it are cleared in the
+    packed words too, and a packed mask is ceil(V / 32) words."""
+    V = vocab.tok_vocab - 5
+    c = Constraint.regex(DEFAULT_MODEL_DIR, "[a-zA-Z]+", vocab_size=V)
+    a = c.allowed([])
+    full = Constraint.regex(DEFAULT_MODEL_DIR, "[a-zA-Z]+", vocab_size=vocab.tok_vocab).allowed([])
+    last = V // 32 * 32
+    assert a.shape == (V,) and a[last:].any() and torch.equal(a, full[:V])
+    words = c.allowed_words([])
+    assert words.shape == ((V + 31) // 32,) and full[V:].any()
+    assert not (words.view("uint32")[-1] >> (V % 32)).any()  # (bits of ids >= V)
+    assert Constraint.regex(vocab, "[a-z]+").allowed_words([]).shape == ((vocab.vocab_size + 31) // 32,)
+
+
 def test_ids_past_the_tokenizer_are_never_allowed(engine):
     V_tok = vocab_for(engine).tok_vocab
     c = Constraint.regex(DEFAULT_MODEL_DIR, ".*", vocab_size=V_tok + 100)
@@ -144,6 +161,17 @@ def test_eos_is_the_models_eos(tmp_path):
     assert c.allowed(ids).nonzero().flatten().tolist() == [7]
     with pytest.raises(ValueError, match="EOS"):
         Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["ok"], eos_ids=(99999,))
+    # of several ids, those the tokenizer has (a padded vocabulary's id past it is dropped)
+    c = Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["ok"], eos_ids=(7, 99999))
+    assert c.eos_ids == (7,) and c.allowed(ids).nonzero().flatten().tolist() == [7]
+
+
+def test_an_engines_vocabulary_is_cached_per_eos_ids(engine):
+    """vocab_for(engine, eos_ids=...) gives those EOS ids, and the engine's own afterwards
+    its own (one cache per tokenizer, keyed by the vocabulary size and the EOS ids)."""
+    other = vocab_for(engine, eos_ids=(7,))
+    assert other.eos_ids == (7,) and vocab_for(engine).eos_ids == tuple(engine.eos_ids)
+    assert vocab_for(engine, eos_ids=(7,)) is other
 
 
 @pytest.mark.parametrize("grammar,text,stopped", [("regex", "[0-9]{2}", True), ("regex", "[0-9]+", False)])
@@ -191,6 +219,53 @@ def test_reset_and_rollback_leave_a_dead_end(vocab):
     assert d.accepting
 
 
+def test_an_eos_before_the_output_is_complete_is_not_allowed(vocab):
+    """commit([EOS]) where the output is not yet a match is refused as any other token the
+    grammar forbids (ValueError, the state left alone), not consumed into a matcher error."""
+    c = make_constraint(vocab, "regex", "[0-9]{3}")
+    one = list(vocab.lltok.tokenize_str("1"))
+    c.commit(one)
+    before = c.allowed([]).clone()
+    eos = vocab.eos_ids[0]
+    assert not before[eos] and not c.allowed([eos]).any()
+    with pytest.raises(ValueError, match="not allowed"):
+        c.commit([eos])
+    with pytest.raises(ValueError, match="not allowed"):
+        c.commit(one + [eos])
+    assert c.committed == 1 and c.error is None and torch.equal(c.allowed([]), before)
+
+
+def test_a_failure_stays_in_clones_and_goes_with_a_rollback(vocab):
+    """fail(): nothing is allowed from then on (masks computed before are dropped), the first
+    reason is kept, a clone keeps it, and rolling back (or reset) goes back to a live state;
+    a clone keeps after_text's close (wrapping the clone again is a fresh copy, not a second
+    free part)."""
+    c = make_constraint(vocab, "regex", "[0-9]+")
+    c.commit(list(vocab.lltok.tokenize_str("12")))
+    live = c.allowed([]).clone()
+    assert live.any()
+    c.fail("the first reason\nllguidance's state dump")
+    c.fail("a later one")
+    assert c.failure == "the first reason ..." and not c.allowed([]).any() and not c.allowed_words([]).any()
+    d = c.clone()
+    assert d.failure == c.failure and not d.allowed([]).any() and d.dead_end()
+    c.rollback(0)
+    assert c.failure is not None
+    n = c.committed
+    c.rollback(1)
+    assert c.failure is None and c.committed == n - 1 and c.allowed([]).any()
+    d.rollback(0)
+    d.reset()
+    assert d.failure is None and d.allowed([]).any()
+    fresh = make_constraint(vocab, "regex", "[0-9]+")  # (its constructor caches the start's mask)
+    fresh.fail("x")
+    assert not fresh.allowed([]).any()
+    wrapped = make_constraint(vocab, "regex", "[0-9]+").after_text("</think>")
+    twin = wrapped.clone()
+    assert twin.after == "</think>"
+    assert twin.after_text("</think>").grammar_text == wrapped.grammar_text
+
+
 def test_json_object_and_finished(engine):
     c = Constraint.json_object(engine)
     first = c.allowed([]).nonzero().flatten().tolist()
@@ -208,13 +283,16 @@ BAD = [
     ("json_schema", "/no/such/schema.json", "json_schema", "not valid JSON"),  # a str is never a path
     ("json_schema", "false", "json_schema", "admits no value"),
     ("json_schema", "[1, 2]", "json_schema", "must be a JSON object"),
-    ("regex", "[0-9", "regex", "unclosed character class"),
+    ("regex", "[0-9", "regex", 'regex: invalid regex "[0-9": regex parse error: unclosed character class'),  # (no
+    # position: it pointed into the Lark wrapper made around the regex)
     ("regex", "error: [A-Z", "regex", '"error: [A-Z": regex parse error: unclosed character class'),  # (the
     ("regex", "[x (in regex)", "regex", '"[x (in regex)": regex parse error'),  # user's text is kept whole)
     ("grammar", "start: foo(", "grammar", "Expected token"),
     ("grammar", "start: undefined_rule", "grammar", "undefined_rule"),
     ("choice", [], "choice", "non-empty strings"),
     ("choice", {"a": 1}, "choice", "non-empty strings"),
+    ("choice", ["yes", ""], "choice", "non-empty strings"),
+    ("json_object", {"type": "object"}, "json_object", "takes no value"),  # (a schema here was ignored)
 ]
 
 
@@ -241,6 +319,22 @@ def test_a_schema_string_is_json_text_and_a_path_is_read(vocab, tmp_path):
         make_constraint(vocab, "json_schema", tmp_path / "none.json")
     assert make_constraint(vocab, "json_schema", True).kind == "json_schema"
     assert make_constraint(vocab, "json_schema", "true").kind == "json_schema"
+    # JSON text as a file holds it: around it, whitespace (and a choice of one string)
+    assert make_constraint(vocab, "json_schema", "\n " + json.dumps(SCHEMA) + "\n").kind == "json_schema"
+    assert make_constraint(vocab, "json_schema", " true\n").kind == "json_schema"
+    yes = list(vocab.lltok.tokenize_str("yes"))
+    assert make_constraint(vocab, "choice", "yes").allowed(yes).nonzero().flatten().tolist() == list(vocab.eos_ids)
+
+
+def test_json_is_compact_unless_the_schema_says_otherwise(vocab):
+    """JSON grammars default to whitespace_flexible false (docs/constraints.md, "JSON
+    whitespace"); a schema's own "x-guidance" overrides it."""
+    ids = list(vocab.lltok.tokenize_str('{"a":1'))
+    blanks = [vocab.lltok.tokenize_str(b)[0] for b in (" ", "\n")]
+    for c in (Constraint.json_object(vocab), Constraint.json_schema(vocab, {"type": "object"})):
+        assert not any(c.allowed(ids)[b] for b in blanks)
+    flexible = Constraint.json_schema(vocab, {"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    assert all(flexible.allowed(ids)[b] for b in blanks)
 
 
 def test_unknown_kind(vocab):
@@ -302,6 +396,17 @@ def test_a_tokenizer_file_rewritten_in_place_is_read_again(tmp_path):
     shutil.copy(make_tiny("qwen3_5", tmp_path / "tiny", hidden=32, layers=2, seed=1) / "tokenizer.json", t)
     assert vocab_for(t).fingerprint != first.fingerprint
     assert vocab_for(t) is vocab_for(t)  # (unchanged: the cached one)
+    # rewritten to the same size (two pieces of a length swap their ids): another vocabulary too
+    tok = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
+    t.write_text(json.dumps(tok))
+    before = vocab_for(t)
+    pieces = tok["model"]["vocab"]
+    a, b = [k for k in pieces if len(k) == 3 and k.isalpha()][:2]
+    pieces[a], pieces[b] = pieces[b], pieces[a]
+    size, mtime = t.stat().st_size, t.stat().st_mtime_ns
+    t.write_text(json.dumps(tok))
+    os.utime(t, ns=(mtime + 10**9, mtime + 10**9))
+    assert t.stat().st_size == size and vocab_for(t).fingerprint != before.fingerprint
     # an engine's constraints follow the tokenizer it encodes with, not its file rewritten since
     d = tmp_path / "model"
     shutil.copytree(DEFAULT_MODEL_DIR, d)
@@ -515,4 +620,6 @@ def test_min_properties_over_keys_that_may_repeat_is_refused(vocab):
                 "required": ["a", "b"], "additionalProperties": False, "minProperties": 2}
     Constraint.json_schema(vocab, declared)
     Constraint.json_schema(vocab, {"type": "object", "minProperties": 1})  # (one key: a repeat still counts one)
+    with pytest.raises(ValueError, match="minProperties 2 at # cannot be enforced"):  # (additionalProperties
+        Constraint.json_schema(vocab, {"type": "object", "minProperties": 2})  # left out: any key allowed)
     Constraint.json_schema(vocab, {"const": {"minProperties": 5}})  # (data, not a schema)

@@ -484,6 +484,11 @@ def test_reasoning_splits_at_the_closing_tag_or_a_tool_call():
     assert split_reasoning("<think>a</think>b", False) == ("a", "b")  # the model opens it itself
     assert split_reasoning("still thinking", True) == ("still thinking", "")  # cut while thinking
     assert split_reasoning("plain answer", False) == (None, "plain answer")
+    assert split_reasoning("\n <think>a</think>b", False) == ("a", "b")  # (after leading whitespace too)
+    # a reply cut right after a <tool_call> tag (nothing yet says it starts a call) is still reasoning,
+    # and a stream sends neither the tag as content nor as reasoning before it can tell
+    assert split_reasoning("hmm <tool_call>", True) == ("hmm <tool_call>", "")
+    assert Reply("off", None, True).delta("hmm <tool_call>", False) == {"reasoning_content": "hmm "}
     assert split_reasoning("hmm\n<tool_call>\n{}</tool_call>", True) == ("hmm\n", "<tool_call>\n{}</tool_call>")
     # a mention of the tag is reasoning text; only a tag that starts a call ends the reasoning
     said = "I should answer with a <tool_call> block.\n</think>\n\n" + HERMES
