@@ -497,6 +497,25 @@ def test_sampled_lanes_equal_the_engine_core_and_alone(tmp_path):
         assert alone.tokens == reqs[i].tokens, i
 
 
+def test_plain_lanes_in_a_sampled_speculative_round(tmp_path):
+    """Plain lanes (k = 0) in the rounds of a speculative sampled lane: a seeded rejection
+    lane and a greedy lane decoding plainly take their row-0 token as plain decoding does
+    (stream PLAIN, the argmax of row 0), the speculative lane its accept test's token; each
+    gives the engine core's tokens."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    m = _model(tmp_path, "qwen3_5")
+    N = 5
+    lanes = [LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=N, k=2, params=SamplingParams(temperature=1.5, seed=21)),
+             LaneRequest(prompt=[8, 1], max_new_tokens=N, k=0, params=SamplingParams(temperature=1.5, seed=22)),
+             LaneRequest(prompt=[60, 61, 62], max_new_tokens=N, k=0, params=SamplingParams(temperature=0.0))]
+    dec = BatchDecoder(m, 4 + N + 8, 2, slots=3, graphs=False)
+    run_batch(dec, lanes)
+    assert [r.tokens for r in lanes] == _core_tokens(m, lanes)
+
+
 def test_decode_and_verify_give_the_kernels_the_same_strides(tmp_path, monkeypatch):
     """Triton compiles one binary per stride divisibility (by 16): a decode step whose conv
     input had another row stride than a verify's ran a second binary, and on the H200 its

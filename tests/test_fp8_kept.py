@@ -122,6 +122,35 @@ def test_runner_packs_fp8_groups_without_copies(ckpt):
     assert module_fp8(kept.model.layers[0].linear_attn.in_proj_ba) is None
 
 
+def test_layer_weight_bytes_count_every_packed_weight(ckpt):
+    """The bench roofline's bytes per layer (hyspec.gpu.packing.layer_weight_bytes) are the
+    layer's matmul weights, each once: every projection (the output ones too), a mixed
+    fp8 / bf16 group's every part (Segments: with the fp8 part's scales and its row map), and
+    of an MoE layer the router, the shared expert and `experts` of the E routed experts."""
+    from hyspec.gpu.packing import expert_bytes, layer_weight_bytes, pack_layer, weight_nbytes
+
+    skip = ("layernorm", "conv1d", "A_log", "dt_bias", "linear_attn.norm", "q_norm", "k_norm")
+
+    def held(lay, only=""):
+        return sum(t.numel() * t.element_size() for n, t in [*lay.named_parameters(), *lay.named_buffers()]
+                   if only in n and not any(x in n for x in skip))
+
+    moe = load_model(ckpt("qwen3_5_moe", "per_expert", (32, 48)))  # dequantized: plain tensors
+    for i, lay in enumerate(moe.model.layers):
+        p = pack_layer(lay, 0, i)
+        E = lay.mlp.experts.gate_up_proj.shape[0]
+        per = held(lay, "mlp.experts.") / E
+        assert expert_bytes(p) == per and layer_weight_bytes(p) == held(lay), i
+        assert layer_weight_bytes(p, experts=2) == held(lay) - (E - 2) * per, i
+        assert layer_weight_bytes(p, with_moe=False) == held(lay) - held(lay, "mlp."), i
+    kept = load_model(ckpt("qwen3_5", block=(32, 48)), fp8="keep")  # GDN w_in: Segments (fp8 q|k|v|z, bf16 b|a)
+    lay = kept.model.layers[0]
+    p = pack_layer(lay, 0, 0)
+    rows = p.w_in.parts[0].rows
+    assert weight_nbytes(p.w_in) == held(lay, "in_proj_") + (0 if rows is None else rows.numel() * rows.element_size())
+    assert layer_weight_bytes(p) == held(lay) + weight_nbytes(p.w_in) - held(lay, "in_proj_")
+
+
 def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
     """The GPU decoder's Triton runner on a block-FP8 MoE model (Triton interpreter, fp32
     activations; one sequence on a one-lane BatchDecoder through decode_one): FP8 matmuls

@@ -304,6 +304,40 @@ def test_penalty_window_capacity() -> None:
         w.load(0, [1, 2, 3], SamplingParams(repetition_penalty=1.2, penalty_last_n=9))
     w.load(0, list(range(50)), SamplingParams(repetition_penalty=1.2, penalty_last_n=-1))  # unbounded: fine
     assert int(w.counts[0].sum()) == 50
+    with pytest.raises(ValueError, match=">= -1"):  # an explicit window length below -1
+        w.load(1, [1, 2, 3], -2)
+
+
+def test_penalty_window_torch_pushes_and_copies(monkeypatch) -> None:
+    """The torch ops of the window (HYSPEC_WINDOW_KERNEL=0, or no Triton): push_many pushes
+    tokens[b, :n_valid[b]] and nothing past them, as the reference window has them; copy_
+    takes the other window's ring too (a copy then evicts the other's oldest tokens)."""
+    import hyspec.gpu.penalties as pen
+
+    monkeypatch.setattr(pen, "WINDOW_KERNEL", False)
+    rng = random.Random(5)
+    B, Vw = 6, 30
+    lasts = [-1, 0, 1, 2, 3, 5]
+    hists = [[rng.randrange(Vw) for _ in range(rng.randrange(8))] for _ in range(B)]
+    w = PenaltyWindow(B, Vw, capacity=8)
+    for b in range(B):
+        w.load(b, hists[b], lasts[b])
+    for step in range(8):
+        toks = torch.tensor([[rng.randrange(-1, Vw + 1) for _ in range(3)] for _ in range(B)])
+        n_valid = torch.tensor([rng.randrange(4) for _ in range(B)])
+        w.push_many(toks, n_valid)
+        for b in range(B):
+            hists[b] += toks[b, : int(n_valid[b])].tolist()
+            assert torch.equal(w.counts[b], window_counts(hists[b], lasts[b], Vw)), (step, b)
+            assert int(w.length[b]) == len(hists[b])
+    other = PenaltyWindow(B, Vw, capacity=8)  # another history in every field, then copied over
+    for b in range(B):
+        other.load(b, [rng.randrange(Vw) for _ in range(7)], lasts[b])
+    other.copy_(w)
+    extra = torch.tensor([rng.randrange(Vw) for _ in range(B)])
+    other.push(extra)
+    for b in range(B):
+        assert torch.equal(other.counts[b], window_counts(hists[b] + [int(extra[b])], lasts[b], Vw)), b
 
 
 # --------------------------------------------------------------------------------------
@@ -345,6 +379,31 @@ def test_probs_batch_filter_boundaries() -> None:
     for b, (row, prm) in enumerate(cases):
         assert torch.equal(got[b], row_probs(row, [], prm)), b
     assert (got[0] > 0).sum() == 2 and (got[3] > 0).tolist() == [True, True, False, False]
+    # a top_p below the fixed-point unit (2**-62) still keeps the top token, as the reference does
+    tiny = SamplingTable(1)
+    tiny.set(0, SamplingParams(top_p=1e-30))
+    assert torch.equal(probs_batch(halves.unsqueeze(0), tiny)[0], row_probs(halves, [], SamplingParams(top_p=1e-30)))
+
+
+def test_probs_batch_each_penalty_alone() -> None:
+    """Each penalty alone on a history with repeated tokens (counts > 1): frequency scales
+    with the count, presence does not, repetition divides positive logits and multiplies
+    negative ones; probabilities and greedy tokens == the reference's."""
+    row = torch.tensor([1.5, -0.5, 0.8, 0.0, 2.0, -1.0, 0.3], dtype=torch.float64)
+    hist = [0, 0, 0, 1, 1, 4, 5, 5, 5, 5]
+    cases = [SamplingParams(temperature=1.0, presence_penalty=0.9), SamplingParams(temperature=1.0,
+             frequency_penalty=0.4), SamplingParams(temperature=1.0, repetition_penalty=1.7),
+             SamplingParams(temperature=0.0, presence_penalty=0.9), SamplingParams(temperature=0.0,
+             repetition_penalty=3.0)]
+    table = SamplingTable(len(cases))
+    window = PenaltyWindow(len(cases), row.shape[0], capacity=64)
+    for b, prm in enumerate(cases):
+        table.set(b, prm)
+        window.load(b, hist, prm)
+    got = probs_batch(row.expand(len(cases), -1).clone(), table, window.counts)
+    for b, prm in enumerate(cases):
+        assert torch.equal(got[b], row_probs(row, hist, prm)), b
+    assert int(got[3].argmax()) == 4 and int(got[4].argmax()) == 2  # presence leaves 4 on top; r = 3 does not
 
 
 def test_table_takes_a_top_k_past_int64() -> None:
@@ -406,6 +465,35 @@ def test_table_views_repeat_and_are_read_only() -> None:
     assert torch.equal(table.repeat(3, 2).temperature, table.temperature[:3].repeat_interleave(2))
     with pytest.raises(TypeError, match="read-only"):
         view.set(0, None)
+    # the first lanes of a view, each repeated; and of the table itself
+    assert torch.equal(view.repeat(1, 3).seed, torch.tensor([1, 1, 1]))
+    assert torch.equal(view.repeat(1).temperature, table.temperature[1:2])
+    with pytest.raises(ValueError, match="expected 4 lanes"):
+        table.set_all([SamplingParams()] * 3)
+
+
+def test_blocked_rows_equal_one_call() -> None:
+    """hyspec.gpu.batch_sampling.blocked (the draws without the row kernels: fixed
+    SAMPLE_BLOCK-row calls, the last padded) gives each row what one call over all rows
+    gives: tensors and SamplingTables as row arguments, tuple outputs, n below, at and
+    past a block."""
+    from hyspec.gpu.batch_sampling import SAMPLE_BLOCK, blocked
+
+    gen = torch.Generator().manual_seed(8)
+    for n in (1, SAMPLE_BLOCK, SAMPLE_BLOCK + 5, 2 * SAMPLE_BLOCK + 1):
+        _, _, _, table, window = make_lanes(n, n)
+        logits = rand_logits(gen, n)
+        shapes = []
+
+        def fn(lg, tb, c, shapes=shapes):
+            shapes.append(lg.shape[0])
+            return probs_batch(lg, tb, c), lg.argmax(1)
+
+        p, am = blocked(fn, n, logits, table, window.counts)
+        assert set(shapes) == {SAMPLE_BLOCK}, n
+        assert p.shape == (n, V) and torch.equal(p, probs_batch(logits, table, window.counts)), n
+        assert torch.equal(am, logits.argmax(1)), n
+        assert torch.equal(blocked(lambda a: a.sum(-1), n, logits), logits.sum(-1)), n
 
 
 def test_regimes_equal_all_stages() -> None:
