@@ -370,7 +370,9 @@ def test_a_reply_that_goes_on_on_the_typed_line_is_drawn_after_it(default_engine
 
     monkeypatch.setenv("TERM", "xterm")
     eng = default_engine
-    for typed in ("import", "x" * 70 + " import"):  # (the second one wraps past the 80 columns)
+    # (the second one wraps past the 80 columns; the third, with the prompt, fills its row exactly:
+    # the reply starts on the row below, where the Enter left the cursor)
+    for typed in ("import", "x" * 70 + " import", "x" * 71 + " import"):
         reply = eng.decode(eng.session(max_new_tokens=6).send(typed).tokens)
         assert not reply.startswith("\n")
         tty = Tty()
@@ -393,6 +395,63 @@ def test_a_crlf_line_is_the_same_message(run_chat):
     assert crlf[0]["turn_tokens"] == lf[0]["turn_tokens"] and crlf[0]["context_tokens"] == lf[0]["context_tokens"]
 
 
+def test_a_plain_chat_shows_the_stop_token_and_help_and_refuses_arguments(default_engine):
+    """Plain template: the screen is the transcript, the token that ended the reply (a
+    --stop-ids one) included; /help prints the commands; /stats, /help and /exit take no
+    argument (one that was given was ignored)."""
+    import io
+
+    from hyspec.chat import HELP, Chat
+    from hyspec.engine import default_model_dir
+
+    eng = default_engine
+    free = eng.generate("def f(x):", max_new_tokens=4, ignore_eos=True).tokens
+    stop = free[1]
+    assert stop not in free[:1] and not eng.decode(free[1:2]).startswith("\n")
+    out = io.StringIO()
+    c = Chat(eng, eng.session(max_new_tokens=4, ignore_eos=True, stop_ids=[stop]), default_model_dir(), out=out)
+    c.user("def f(x):")
+    c.end_line()
+    assert out.getvalue() == eng.decode(free[:2]).removeprefix("\n") + "\n"
+    assert c.messages[-1]["content"] == eng.decode(free[:2])
+    c.command("/help")
+    assert out.getvalue().endswith(HELP + "\n")
+    for line in ("/stats x", "/help me", "/exit now"):
+        with pytest.raises(ValueError, match="takes no argument"):
+            c.command(line)
+    c.close()
+
+
+def test_rewind_of_several_turns_restores_the_record_before_them(default_engine):
+    """/rewind N (N > 1) goes back to the chat's record before the N-th last turn, and a
+    later /rewind to the one before that (the records of the undone turns all go)."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    eng = default_engine
+    c = Chat(eng, eng.session(max_new_tokens=3), default_model_dir(), out=io.StringIO())
+    for line in ("def f(x):", "    y = x", "    return y"):
+        c.user(line)
+    first = (list(c.stack[1][0]), c.stack[1][1])
+    c.command("/rewind 2")
+    assert len(c.stack) == 1 and (c.messages, c.rendered) == first and c.rendered == eng.decode(c.session.tokens)
+    c.command("/rewind")
+    assert c.stack == [] and c.messages == [] and c.rendered == "" and c.session.tokens == []
+    c.close()
+
+
+def test_a_continuation_stops_at_a_line_break_that_opens_it(run_chat, default_engine):
+    """--stop "\n" (plain template): the opening line break of a reply is no match, but a
+    cut reply's continuation that opens with a line break ends there (the reply's first
+    whole line ended)."""
+    first = default_engine.generate("x = 1", max_new_tokens=13, ignore_eos=True).tokens
+    assert default_engine.decode(first[12:13]).startswith("\n") and "\n" not in default_engine.decode(first[1:12])
+    st = stats_lines(run_chat(["x = 1", "/stats", "", "/stats"], "--max-new-tokens", "12", "--stop", "\n"))
+    assert st[0]["turn_tokens"] == first[:12] and st[1]["turn_tokens"] == first[12:13]
+
+
 def test_a_double_slash_line_is_a_message_starting_with_a_slash(run_chat, default_engine):
     """"//usr/bin/env python" sends "/usr/bin/env python" (a line starting with one "/" is a
     command: it was refused as an unknown one)."""
@@ -400,6 +459,10 @@ def test_a_double_slash_line_is_a_message_starting_with_a_slash(run_chat, defaul
     assert "unknown command" not in out
     want = default_engine.generate("/usr/bin/env python", max_new_tokens=8)
     assert stats_lines(out)[0]["turn_tokens"] == want.tokens
+    s = default_engine.session(max_new_tokens=8)
+    s.send("/usr/bin/env python")
+    assert stats_lines(out)[0]["state_digest"] == s.state().digest()  # (the message's own tokens: one "/")
+    s.close()
 
 
 def test_chat_stop_ends_a_reply_at_the_stop_string(run_chat, default_engine):
@@ -595,7 +658,8 @@ def test_chat_template_kwargs_reach_the_template(zoo, tmp_path, capsys):
     extra = len(eng.encode("NO THINKING"))
     assert stats[1]["turn_prefilled"] - stats[0]["turn_prefilled"] == extra > 0
     for bad, words in (("{nope", "not valid JSON"), ("[1]", "JSON object"),
-                       ('{"messages": []}', "other than ['messages']")):
+                       ('{"messages": []}', "other than ['messages']"),
+                       ('{"add_generation_prompt": false}', "other than ['add_generation_prompt']")):
         assert main(["--model", str(d), "--chat-template-kwargs", bad], stdin=io.StringIO("")) == 2
         err = capsys.readouterr().err
         assert "--chat-template-kwargs" in err and words in err and "Traceback" not in err
@@ -650,6 +714,38 @@ def test_an_interrupted_restart_keeps_the_conversation(zoo, tmp_path):
     assert c.session.tokens == [] and c.messages == [] and not c.previous
     c.user("hello there")  # the parked session resumes as it was
     assert c.session.tokens == held
+    c.close()
+
+
+def test_reset_forgets_restarts_and_load_keeps_a_cut_reply_going(zoo, tmp_path):
+    """/reset after a restarted turn leaves nothing to /rewind into (the sessions kept aside
+    for it are closed); a template chat saved after a cut reply and loaded again continues
+    that reply on an empty line, as before the save."""
+    import io
+    import shutil
+
+    from hyspec.chat import Chat
+    from hyspec.engine import Engine
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    eng = Engine.load(d, dtype="float64")
+    c = Chat(eng, eng.session(max_new_tokens=4, ignore_eos=True), d, out=io.StringIO())
+    c.user("hello there")
+    assert c.cut
+    f = tmp_path / "chat.pt"
+    c.command(f"/save {f}")
+    c.rendered += "x"  # the next render no longer extends what the session holds: a restart
+    c.user("and again")
+    assert len(c.previous) == 1
+    c.command("/reset")
+    assert not c.previous
+    with pytest.raises(ValueError, match=r"cannot rewind 1 turn\(s\): the conversation has 0"):
+        c.command("/rewind")
+    c.command(f"/load {f}")
+    held = len(c.session.tokens)
+    assert c.cut and c.user("") and len(c.session.tokens) > held and len(c.messages) == 2
     c.close()
 
 
@@ -733,6 +829,28 @@ def test_a_reply_is_capped_to_the_context_left(tmp_path, monkeypatch):
     assert "fills" not in out.getvalue()
     assert re.search(rf"\[the message is \d+ tokens: the conversation holds {first + 2} of the model's "
                      r"context of 24 tokens, which leaves \d+ for a message", out.getvalue())
+
+
+def test_the_room_left_for_a_message_is_counted_exactly(tmp_path, monkeypatch):
+    """A conversation one token short of the context fills it (no message and reply fit); the
+    room a shorter one leaves for a message is the context less the conversation less one
+    token for the reply."""
+    import io
+
+    from hyspec.chat import main
+
+    eng = _chat_engine_with_a_24_token_context(tmp_path, monkeypatch)
+    first = len(eng.encode("ab"))
+    out = io.StringIO()
+    assert main(["--max-new-tokens", str(23 - first), "--ignore-eos"], stdin=io.StringIO("ab\n/stats\nab\n"),
+                stdout=out) == 0
+    assert stats_lines(out.getvalue())[0]["context_tokens"] == 23
+    assert "[the conversation fills the model's context of 24 tokens: /rewind or /reset]" in out.getvalue()
+    out = io.StringIO()
+    long = next(t for t in (" ".join(["ab"] * k) for k in range(1, 24)) if len(eng.encode("\n" + t)) >= 24 - first - 2)
+    assert main(["--max-new-tokens", "2", "--ignore-eos"], stdin=io.StringIO(f"ab\n{long}\n"), stdout=out) == 0
+    assert (f"the conversation holds {first + 2} of the model's context of 24 tokens, which leaves "
+            f"{24 - first - 3} for a message") in out.getvalue(), out.getvalue()
 
 
 def test_a_terminal_that_cannot_encode_the_reply_keeps_the_chat(capsys):
@@ -888,8 +1006,9 @@ def test_a_continued_reply_completes_a_character_cut_in_its_bytes(default_engine
     eng = default_engine
     c = eng.constraint("regex", "ab😀cd中文ef é gh")
     for plain in (True, False):
+        out = io.StringIO()
         chat = Chat(eng, eng.session(draft=0, max_new_tokens=3, constraint=c, use_store=False), default_model_dir(),
-                    out=io.StringIO())
+                    out=out)
         if not plain:  # the record of a templated chat (its messages' content) alike
             chat.plain = False
         chat.user("s = '")
@@ -899,6 +1018,9 @@ def test_a_continued_reply_completes_a_character_cut_in_its_bytes(default_engine
         want = eng.decode(chat.session.tokens)
         assert "😀" in want and chat.rendered == want, (chat.rendered, want)
         assert chat.messages[-1]["content"].startswith("ab😀cd"), chat.messages
+        if plain:  # the screen too: the character's bytes wait for the rest (no U+FFFD drawn)
+            chat.end_line()
+            assert out.getvalue().startswith("ab😀cd") and "\ufffd" not in out.getvalue(), out.getvalue()
         chat.close()
 
 

@@ -151,6 +151,61 @@ def test_parameter_conversion_follows_the_schema():
     assert parse_tool_calls(bad, TOOLS) == (bad, [])
 
 
+def test_parameter_conversion_by_the_declared_types_only():
+    """A boolean is no integer or number (JSON's true is no 1); "null" is null where the
+    schema declares no string; every anyOf branch's type counts; a parameter's text loses
+    one line break at each end, no more."""
+    assert convert_parameter("true", {"type": "integer"}) == "true"
+    assert convert_parameter("false", {"type": "number"}) == "false"
+    assert convert_parameter("null", {"type": "integer"}) is None
+    assert convert_parameter("5", {"anyOf": [{"type": "integer"}, {"type": "null"}]}) == 5
+    assert convert_parameter("[1]", {"oneOf": [{"type": "array"}, {"type": "string"}]}) == [1]
+    xml = "<tool_call>\n<function=search>\n<parameter=q>\n a \n\n</parameter>\n</function>\n</tool_call>"
+    assert json.loads(parse_tool_calls(xml, TOOLS)[1][0].arguments) == {"q": " a \n"}
+
+
+def test_json_calls_content_and_forced_output_edge_cases():
+    """"parameters" for "arguments" keeps its values; arguments that are no object, or a
+    number JSON cannot carry (1e999), leave the block as text; an unclosed last block runs
+    from the last <tool_call> (an earlier one is a mention); the content before a call keeps
+    its leading whitespace; a whole reply's call has no "index" (a stream's has)."""
+    _, calls = parse_tool_calls('<tool_call>{"name": "search", "parameters": {"q": "x"}}</tool_call>', TOOLS)
+    assert json.loads(calls[0].arguments) == {"q": "x"}
+    for text in ('<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
+                 '<tool_call>{"name": "search", "arguments": {"score": 1e999}}</tool_call>'):
+        assert parse_tool_calls(text, TOOLS) == (text, [])
+    content, calls = parse_tool_calls('a <tool_call> b <tool_call>{"name": "now"}', TOOLS)
+    assert content == "a <tool_call> b" and [c.name for c in calls] == ["now"]
+    content, calls = parse_tool_calls('  Sure. <tool_call>{"name": "now"}</tool_call>', TOOLS)
+    assert content == "  Sure." and len(calls) == 1
+    assert "index" not in calls[0].openai() and calls[0].openai(0)["index"] == 0
+    # "required": an array of declared calls only (a lone object, an undeclared name: no call)
+    spec = check_tools([WEATHER, CLOCK], "required")
+    assert parse_forced('{"name": "now", "parameters": {}}', spec) == []
+    assert [c.name for c in parse_forced('[{"name": "rm", "parameters": {}}, {"name": "now", "parameters": {}}]',
+                                         spec)] == ["now"]
+
+
+def test_tool_checks_refuse_what_is_no_function_tool():
+    """parameters of another type than object (an array too), a description that is no
+    string and a parallel_tool_calls that is no boolean are refused by field; history
+    arguments given as empty text are none ({}), and only an assistant message's tool calls
+    are read."""
+    for tool, words in (({"name": "f", "parameters": {"type": "array"}}, "must describe an object"),
+                        ({"name": "f", "description": 5}, "description must be a string")):
+        with pytest.raises(ToolError, match=words) as e:
+            check_tools([{"type": "function", "function": tool}])
+        assert e.value.param == "tools"
+    with pytest.raises(ToolError, match="parallel_tool_calls must be a boolean") as e:
+        check_tools([CLOCK], None, "no")
+    assert e.value.param == "parallel_tool_calls"
+    call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": " "}}
+    out = template_messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {}
+    other = [{"role": "user", "content": "x", "tool_calls": [call]}]
+    assert template_messages(other) == other
+
+
 def test_stream_content_equals_the_whole_reply_at_every_split():
     for text in [HERMES, XML, "plain <tool reply>  \n", "ends in <tool_c", 'x <tool_call>{"bad"}</tool_call> y',
                  "  lead and trail  ", "Use the <tool_call> tag:\n" + HERMES, "a <tool_call> b <tool_call>\n{",
