@@ -30,6 +30,7 @@ The server (hyspec/server/routes/chat.py) uses this module; so can any Python ca
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -176,11 +177,19 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if math.isinf(v):  # (1e999: Python's float is inf, which no response can carry)
+        raise ValueError(f"the number {text[:40]} is beyond the float range")
+    return v
+
+
 def loads(text: str):
-    """json.loads without Python's NaN / Infinity (no JSON parser outside Python reads them);
-    nesting too deep for the parser is a ValueError too (a RecursionError escaped as a 500)."""
+    """json.loads without Python's NaN / Infinity (no JSON parser outside Python reads them),
+    nor a number that overflows to it (1e999); nesting too deep for the parser is a
+    ValueError too (a RecursionError escaped as a 500)."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 

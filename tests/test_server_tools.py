@@ -162,6 +162,12 @@ def test_parameter_conversion_by_the_declared_types_only():
     assert convert_parameter("[1]", {"oneOf": [{"type": "array"}, {"type": "string"}]}) == [1]
     xml = "<tool_call>\n<function=search>\n<parameter=q>\n a \n\n</parameter>\n</function>\n</tool_call>"
     assert json.loads(parse_tool_calls(xml, TOOLS)[1][0].arguments) == {"q": " a \n"}
+    # a number beyond the float range (1e999, Python's inf: no response carries it) is no
+    # number: the text stays a string and the call stands, as "NaN" does (the call was dropped)
+    assert convert_parameter("1e999", {"type": "number"}) == "1e999"
+    assert convert_parameter("[1, -1e999]", {"type": ["array", "string"]}) == "[1, -1e999]"
+    xml = "<tool_call>\n<function=search>\n<parameter=q>\nx\n</parameter>\n<parameter=score>\n1e999\n</parameter>\n</function>\n</tool_call>"
+    assert json.loads(parse_tool_calls(xml, TOOLS)[1][0].arguments) == {"q": "x", "score": "1e999"}
 
 
 def test_json_calls_content_and_forced_output_edge_cases():
