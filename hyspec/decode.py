@@ -20,18 +20,6 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def emit(out: list[int], tokens: list[int], stops: set[int], max_new_tokens: int) -> bool:
-    """Append a round's tokens to `out`, stopping at a stop id or the token limit.
-    Returns True when a stop id was emitted (used by the GPU fast path)."""
-    for tok in tokens:
-        out.append(tok)
-        if tok in stops:
-            return True
-        if len(out) >= max_new_tokens:
-            return False
-    return False
-
-
 def run_request(model, req: Request, scheduler: Scheduler | None = None) -> GenerationResult:
     """Run one request to the end and return its result (errors are raised)."""
     sched = scheduler if scheduler is not None else Scheduler(model, max_batch=1)
@@ -48,7 +36,8 @@ def generate_plain(model, prompt: list[int], *, max_new_tokens: int, params: Sam
                    stop_ids=(), max_len: int | None = None, on_tokens=None, constraint=None) -> GenerationResult:
     """Prefill the prompt, then one target forward per token (a K = 0 request); on_tokens(ids)
     is called with each round's emitted tokens (the streaming hook). `constraint`
-    (hyspec.constraints.Constraint, advanced in place) masks every row."""
+    (hyspec.constraints.Constraint, advanced in place) masks every row. `max_len` is not
+    used (kept for older callers: the request's length is prompt + max_new_tokens)."""
     req = Request(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
                   params=params if params is not None else GREEDY, draft=0, stop_ids=stop_ids,
                   on_tokens=None if on_tokens is None else (lambda r, toks: on_tokens(toks)), constraint=constraint)

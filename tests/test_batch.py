@@ -205,6 +205,32 @@ def test_a_batch_wide_stop_id_out_of_range_is_not_blamed_on_a_prompt():
         eng.generate_batch(["a", "b"], max_new_tokens=2, stop_ids=[999999])
 
 
+def test_a_bad_prompt_is_named_in_a_batch_only(zoo):
+    """A prompt the scheduler refuses (an id outside the vocabulary) is "prompt i: ..." in
+    generate_batch, and said without a prompt number by generate (one prompt)."""
+    from hyspec.engine import Engine
+
+    eng = Engine(zoo.model("tiny", "qwen3_5", "float32"))
+    with pytest.raises(ValueError, match="1000000") as e:
+        eng.generate([1, 10**6], max_new_tokens=2)
+    assert str(e.value).startswith("prompt token id"), str(e.value)
+    with pytest.raises(ValueError, match=r"^prompt 1: .*1000000"):
+        eng.generate_batch([[1, 2], [1, 10**6]], max_new_tokens=2)
+
+
+def test_an_engine_error_is_raised_by_generate_batch(zoo, monkeypatch):
+    """generate_batch returns a prompt's own decoding error (its constraint cannot go on, its
+    logits overflow) in that prompt's Output; any other error (a failed forward, out of
+    memory) is the engine's and is raised, not returned as stop_reason "error"."""
+    from hyspec.core.backend import ReferenceBackend
+    from hyspec.engine import Engine
+
+    eng = Engine(zoo.model("tiny", "qwen3_5", "float32"))
+    monkeypatch.setattr(ReferenceBackend, "verify", lambda self, items: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=4, draft=2)
+
+
 def test_the_pool_holds_at_most_max_batch_slots_when_prompts_grow(zoo):
     """A long-lived scheduler (the server's) whose requests each need a longer slot than any
     freed one (a chat's growing history) kept every freed slot: one more per request, never

@@ -380,6 +380,11 @@ def test_a_constraint_of_another_tokenizer_of_the_same_size_is_refused(engine, t
     ours = Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["hello", "world"])
     assert engine.generate("x = ", max_new_tokens=6, constraint=ours).text.replace("<|endoftext|>", "") in (
         "hello", "world")
+    # this model's tokenizer, but built for a vocabulary of another size: refused, naming both sizes
+    V = engine.model.cfg.vocab_size
+    wider = Constraint.choice(DEFAULT_MODEL_DIR / "tokenizer.json", ["hello", "world"], vocab_size=V + 64)
+    with pytest.raises(ValueError, match=f"built for a vocabulary of {V + 64} tokens; this model has {V}"):
+        engine.generate("x = ", max_new_tokens=6, constraint=wider)
 
 
 def test_a_tokenizer_file_rewritten_in_place_is_read_again(tmp_path):

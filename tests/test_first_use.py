@@ -103,6 +103,17 @@ def test_generate_batch_reports_the_context_cap_as_generate_does(eng) -> None:
     assert sorted(seen) == [(0, "context"), (1, "length")]
 
 
+def test_a_request_that_just_fits_the_context_is_not_capped(eng) -> None:
+    """max_new_tokens that exactly fill the context are no cap: the run ends with "length"
+    and no cap stats; one more token is capped ("context")."""
+    fits = eng.generate([1, 2], max_new_tokens=CTX - 2, ignore_eos=True)
+    assert len(fits.tokens) == CTX - 2 and fits.stop_reason == "length"
+    assert "max_new_tokens_capped_to" not in fits.stats and "context_length" not in fits.stats
+    over = eng.generate([1, 2], max_new_tokens=CTX - 1, ignore_eos=True)
+    assert over.tokens == fits.tokens and over.stop_reason == "context"
+    assert over.stats["max_new_tokens_capped_to"] == CTX - 2
+
+
 def test_prompt_longer_than_the_context_is_an_error(ckpt, eng, tmp_path) -> None:
     ids = ",".join(["5"] * (CTX + 8))
     long = tmp_path / "long.txt"
@@ -293,6 +304,8 @@ def test_python_api_arguments_are_named(eng, ckpt) -> None:
     for call, name in zip(calls, names):
         with pytest.raises(ValueError, match=name):
             call()
+    with pytest.raises(ValueError, match=f"ids.*0..{eng.model.cfg.vocab_size - 1}"):  # (the first id past it)
+        eng.decode([eng.model.cfg.vocab_size])
     assert not isinstance(eng._store, str)  # the refused store was not set
     ids = eng.encode("def add(a, b):")  # a generator of ids is read once (the bool check had emptied it)
     assert eng.decode(t for t in ids) == eng.decode(ids) and eng.generate(iter(ids), max_new_tokens=2).tokens
@@ -385,6 +398,18 @@ def test_generate_validates_its_arguments(eng, kwargs, name) -> None:
         eng.generate(prompt, **kw)
 
 
+def test_the_largest_draft_is_taken_and_one_more_is_refused(eng) -> None:
+    """draft is in 0..MAX_DRAFT, both ends included (generate and generate_batch)."""
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    plain = eng.generate([1, 2], max_new_tokens=4, ignore_eos=True)
+    out = eng.generate([1, 2], max_new_tokens=4, ignore_eos=True, draft=MAX_DRAFT)
+    assert out.tokens == plain.tokens and out.stats["k"] == MAX_DRAFT
+    assert eng.generate_batch([[1, 2]], max_new_tokens=4, ignore_eos=True, draft=MAX_DRAFT)[0].tokens == plain.tokens
+    with pytest.raises(ValueError, match=f"draft.*0..{MAX_DRAFT}"):
+        eng.generate([1, 2], max_new_tokens=4, draft=MAX_DRAFT + 1)
+
+
 def test_spec_without_draft_speculates_with_its_k(eng) -> None:
     """generate(p, spec=SpecOptions(k=3)) decoded plain in silence (draft's default 0 won):
     without draft= the K is spec's k, in generate, generate_batch and sessions; draft=0 is
@@ -409,6 +434,18 @@ def test_score_validates_its_arguments(eng) -> None:
         eng.score(None)
     with pytest.raises(ValueError, match="top_logprobs"):
         eng.score([1, 2, 3], top_logprobs=2.5)
+
+
+def test_score_in_chunks_equals_score_in_one(eng) -> None:
+    """score(chunk=N) runs the text N tokens at a time, each chunk at its own positions: the
+    log-probabilities are the one-chunk run's."""
+    ids = [(7 * i + 3) % 300 + 1 for i in range(CTX)]
+    whole = eng.score(ids, top_logprobs=2)
+    for chunk in (1, 5):
+        part = eng.score(ids, top_logprobs=2, chunk=chunk)
+        assert part["logprobs"] == pytest.approx(whole["logprobs"], abs=1e-4), chunk
+        assert [[e[0] for e in row] for row in part["top_logprobs"]] == \
+            [[e[0] for e in row] for row in whole["top_logprobs"]]
 
 
 def test_numpy_integers_are_taken_and_flags_are_not_read_by_truthiness(eng) -> None:
@@ -438,6 +475,8 @@ def test_numpy_integers_are_taken_and_flags_are_not_read_by_truthiness(eng) -> N
     s.rewind(np.int64(2))
     s.close()
     assert eng.memory(np.int64(16), budget_bytes=np.int64(10**9))["context_len"] == 16
+    mem = eng.memory(16, budget_bytes=10**6)
+    assert mem["slots_that_fit"] == 10**6 // mem["slot_bytes"]["total"] > 0
     assert eng.score([1, 2, 3], top_logprobs=np.int64(2))["tokens"] == [1, 2, 3]
     assert eng.generate([1, 2, 3], max_new_tokens=6, draft=2, params=params, ignore_eos=np.False_,
                         use_store=np.True_).tokens == want.tokens
@@ -654,6 +693,66 @@ def test_many_samples_decode_a_few_at_a_time(eng, monkeypatch) -> None:
     got = eng.generate([1, 2], max_new_tokens=4, params=p, num_samples=5, draft=2, ignore_eos=True)
     assert batches == [2] and [s.tokens for s in got.samples] == [s.tokens for s in want.samples]
     assert len({tuple(s.tokens) for s in got.samples}) > 1
+
+
+def test_one_sample_decodes_in_a_batch_of_one(eng, monkeypatch) -> None:
+    """num_samples sequences decode in a batch of num_samples (at most SAMPLES_AT_ONCE): one
+    sample is a batch of one (on a GPU one lane, not a batch's 16)."""
+    batches = []
+    orig = Engine._run_requests
+    monkeypatch.setattr(Engine, "_run_requests", lambda self, reqs, max_batch, **kw: (
+        batches.append(max_batch), orig(self, reqs, max_batch, **kw))[1])
+    eng.generate([1, 2], max_new_tokens=2)
+    eng.generate([1, 2], max_new_tokens=2, params=SamplingParams(temperature=1.0, seed=1), num_samples=3)
+    assert batches == [1, 3]
+
+
+def test_generate_batch_takes_ignore_eos(eng) -> None:
+    """generate_batch's ignore_eos holds as generate's: a run that ends on EOS goes on to its
+    max_new_tokens, token for token as generate's."""
+    prompt, n = [12, 13], CTX - 2
+    for seed in range(1, 200):  # a sampled run of the tiny model that ends on EOS
+        params = SamplingParams(temperature=1.0, seed=seed)
+        ends = eng.generate(prompt, max_new_tokens=n, params=params)
+        if ends.stop_reason == "eos" and len(ends.tokens) < n:
+            break
+    assert ends.stop_reason == "eos"
+    on = eng.generate(prompt, max_new_tokens=n, params=params, ignore_eos=True)
+    assert len(on.tokens) == n and on.tokens[:len(ends.tokens)] == ends.tokens
+    got = eng.generate_batch([prompt, prompt], max_new_tokens=n, params=params, ignore_eos=True)
+    assert [o.tokens for o in got] == [on.tokens] * 2 and got[0].stop_reason == "length"
+    off = eng.generate_batch([prompt], max_new_tokens=n, params=params)[0]
+    assert (off.tokens, off.stop_reason) == (ends.tokens, "eos")
+    # a capped request that ends on EOS before the cap ends with "eos", not "context"
+    capped = [eng.generate(prompt, max_new_tokens=10**6, params=params),
+              eng.generate_batch([prompt], max_new_tokens=10**6, params=params)[0]]
+    for out in capped:
+        assert (out.tokens, out.stop_reason, out.stats["max_new_tokens_capped_to"]) == (ends.tokens, "eos", n)
+
+
+def test_num_samples_stats_in_the_python_api(eng) -> None:
+    """Output.stats over samples: the rollback's extra bytes per round is the largest sample's
+    (a per-round figure, not a total), decode_tok_s the decode steps (a sample's first token
+    comes from the prefill) over the summed decode time."""
+    out = eng.generate([1, 2, 3], max_new_tokens=6, ignore_eos=True, num_samples=3, draft=2,
+                       params=SamplingParams(temperature=1.0, seed=4))
+    per = [s.stats for s in out.samples]
+    assert out.stats["rollback_extra_bytes_per_round"] == max(p["rollback_extra_bytes_per_round"] for p in per) > 0
+    assert out.stats["decode_s"] == pytest.approx(sum(p["decode_s"] for p in per))
+    assert out.stats["decode_tok_s"] == pytest.approx(3 * 5 / out.stats["decode_s"])
+
+
+def test_to_dict_logprobs_at_the_top_are_the_first_samples(eng) -> None:
+    """Output.to_dict with logprobs and several samples: each sample's entry has its own, and
+    the top-level logprobs / top_logprobs are the first sample's (as tokens and text)."""
+    out = eng.generate([1, 2, 3], max_new_tokens=5, ignore_eos=True, num_samples=3, logprobs=2,
+                       params=SamplingParams(temperature=1.0, seed=4))
+    d = out.to_dict()
+    for s, lps in zip(d["samples"], out.logprobs):
+        assert s["logprobs"] == [lp for lp, _ in lps] and s["top_logprobs"] == [[[i, v] for i, v in t] for _, t in lps]
+    assert len({tuple(s["logprobs"]) for s in d["samples"]}) == 3  # (the samples differ)
+    assert (d["tokens"], d["logprobs"], d["top_logprobs"]) == \
+        (d["samples"][0]["tokens"], d["samples"][0]["logprobs"], d["samples"][0]["top_logprobs"])
 
 
 def test_largest_seed_is_accepted(eng) -> None:

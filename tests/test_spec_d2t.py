@@ -67,8 +67,11 @@ def test_build_d2t_first_ids_and_most_frequent():
     counts = torch.tensor([0, 9, 1, 7, 0, 8, 0, 0, 3, 0])
     d2t = build_d2t(3, 10, counts)
     assert (torch.arange(3) + d2t).tolist() == [1, 3, 5]  # the 3 most frequent, ascending
-    with pytest.raises(ValueError, match="1..10"):
-        build_d2t(11, 10)
+    for size in (0, 11):
+        with pytest.raises(ValueError, match="1..10"):
+            build_d2t(size, 10)
+    with pytest.raises(ValueError, match=r"shape \[10\], got \[9\]"):  # (counts of another vocabulary)
+        build_d2t(3, 10, torch.ones(9))
     m = load_model(make_tiny("qwen3_5", __import__("tempfile").mkdtemp(), seed=5), dtype="float32")
     m.d2t = build_d2t(8, m.cfg.vocab_size)
     ids, rows = draft_vocab(m)

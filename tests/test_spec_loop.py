@@ -182,6 +182,24 @@ def test_short_runs_and_one_token_prompt(zoo, prime):
     assert res.tokens == want
 
 
+def test_the_single_request_entry_points_stream_and_raise(zoo, monkeypatch):
+    """generate_plain / generate_speculative call on_tokens(ids) with every committed token,
+    and raise a request's error (a failed forward) instead of returning a cut result."""
+    from hyspec.core.backend import ReferenceBackend
+    from hyspec.decode import generate_plain
+
+    m = zoo.model("tiny", "qwen3_5", "float64")
+    plain, spec = [], []
+    want = generate_plain(m, PROMPT, max_new_tokens=8, on_tokens=plain.extend).tokens
+    got = generate_speculative(m, PROMPT, max_new_tokens=8, opts=SpecOptions(k=3), on_tokens=spec.extend).tokens
+    assert plain == want == spec == got and len(want) == 8
+    monkeypatch.setattr(ReferenceBackend, "verify", lambda self, items: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        generate_plain(m, PROMPT, max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="boom"):
+        generate_speculative(m, PROMPT, max_new_tokens=8, opts=SpecOptions(k=3))
+
+
 @pytest.mark.parametrize("prime", [True, False])
 def test_stop_token_inside_accepted_drafts(zoo, prime):
     from hyspec.decode import generate_plain
