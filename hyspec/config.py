@@ -148,6 +148,7 @@ def dict_with_ssm_dtype(d: dict, ssm_dtype: str | None) -> dict:
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
+DEFAULT_MAX_POSITIONS = 32768  # max_position_embeddings when config.json leaves it out
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
               "mscale_all_dim", "truncate")
 
@@ -189,8 +190,12 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
     if orig is None:
         raise ConfigError("config.json: rope_parameters.original_max_position_embeddings is required for "
                           "rope_type 'yarn'")
-    if factor is None:
-        factor = float(d.get("max_position_embeddings", 0)) / orig
+    if factor is None:  # max_position_embeddings / orig, with ModelConfig's default length (0 made NaN frequencies)
+        mpe = d.get("max_position_embeddings")
+        mpe = DEFAULT_MAX_POSITIONS if mpe is None else mpe
+        if isinstance(mpe, bool) or not isinstance(mpe, (int, float)) or not finite_number(mpe) or not mpe > 0:
+            raise ConfigError(f"config.json: field 'max_position_embeddings' must be an integer >= 1, got {mpe!r}")
+        factor = float(mpe) / orig
     truncate = rope.get("truncate", True)
     truncate = False if truncate is None else truncate  # (null: read as false, as transformers' `if truncate`)
     if not isinstance(truncate, bool):  # (bool("false") is True)
@@ -499,7 +504,7 @@ class ModelConfig:
             rms_norm_eps=number("rms_norm_eps", 1e-6),
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=False,  # (true refused above)
-            max_position_embeddings=integer("max_position_embeddings", 32768, 1),
+            max_position_embeddings=integer("max_position_embeddings", DEFAULT_MAX_POSITIONS, 1),
             mtp_num_hidden_layers=integer(mtp_key, 0),
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=_ssm_dtype_field(d.get("mamba_ssm_dtype", outer.get("mamba_ssm_dtype"))),

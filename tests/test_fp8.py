@@ -315,14 +315,15 @@ def test_missing_stacked_expert_scale_is_named(ckpt):
         load_model(ckpt)
 
 
-def test_scale_shape_mismatch_is_named(ckpt):
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+def test_scale_shape_mismatch_is_named(ckpt, fp8):
     def f(t):
         s = t[KEY + "_scale_inv"]
         t[KEY + "_scale_inv"] = torch.ones(s.shape[0] + 1, s.shape[1])
     _edit(ckpt, f)
     with pytest.raises(CheckpointError, match=rf"'{KEY}_scale_inv' has shape \[\d+, \d+\], expected \[\d+, \d+\] "
                                               rf"for weight shape \[112, 64\] and weight_block_size \[32, 48\]"):
-        load_model(ckpt)
+        load_model(ckpt, fp8=fp8)
 
 
 @pytest.mark.parametrize("fp8", ["dequantize", "keep"])
@@ -423,3 +424,35 @@ def test_fp8_matches_transformers(ckpts, arch, experts, block):
         a = torch.log_softmax(hf(TOKENS[None]).logits[0].float(), dim=-1)
     b = logprobs(ours)
     assert (a - b).abs().max().item() < 1e-5  # stated tolerance (fp32 both; measured <= 1e-6)
+
+
+def test_an_all_zero_block_quantizes_to_zeros():
+    w = torch.randn(64, 96)
+    w[:32, 48:] = 0  # one block of (32, 48) all zero: scale 1, not 0 (0 / 0: NaN codes)
+    q, s = quantize(w, (32, 48))
+    assert s[0, 1] == 1 and bool((q[:32, 48:].float() == 0).all())
+    assert torch.equal(dequantize(q, s, (32, 48))[:32, 48:], torch.zeros(32, 48))
+
+
+def test_a_float64_dequantization_is_the_exact_product():
+    """For float64 the product is taken in float64 (exact: 4 + 24 significant bits), not
+    rounded to float32 first."""
+    g = torch.Generator().manual_seed(1)
+    q, _ = quantize(torch.randn(64, 96, generator=g), (32, 48))
+    s = torch.rand(2, 2, generator=g) + 0.1  # full float32 mantissas
+    want = q.double() * s.double().repeat_interleave(32, 0).repeat_interleave(48, 1)
+    assert torch.equal(dequantize(q, s, (32, 48), dtype=torch.float64), want)
+    assert not torch.equal(want.float().double(), want)  # (a float32 product would differ)
+
+
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+def test_an_fp8_expert_of_another_shape_is_named(ckpts, tmp_path, fp8):
+    d = tmp_path / "c"
+    shutil.copytree(ckpts("qwen3_5_moe", "per_expert", (32, 48)), d)
+    k = "model.layers.1.mlp.experts.3.down_proj.weight"
+
+    def f(t):
+        t[k], t[k + "_scale_inv"] = t[k][:, :48].contiguous(), t[k + "_scale_inv"][:, :1].contiguous()
+    _edit(d, f)
+    with pytest.raises(CheckpointError, match=rf"'{k}' has shape \[64, 48\], expert 0's is \[64, 64\]"):
+        load_model(d, fp8=fp8)

@@ -184,3 +184,15 @@ def test_triton_runner_fp8_moe_interpreted(ckpt, triton_interpreter):
     f = moe_figures(dec.runner, read, dec.runner.moe_experts_read(), 1.0, {}, 1.0)
     assert f["by_rows"][1]["bytes_per_step"] == dec.runner.weight_bytes_per_step()
     assert f["by_rows"][3]["bytes_per_step"] > f["by_rows"][1]["bytes_per_step"]
+
+
+def test_a_column_block_the_kernels_cannot_step_is_dequantized(ckpt):
+    """fp8="keep" with a column block that is not a multiple of 16 (the FP8 kernels' K step):
+    the weights are dequantized at load, with a warning, and the model is the dequantized one."""
+    d = ckpt("qwen3_5_moe", "per_expert", (16, 24))
+    with pytest.warns(UserWarning, match=r"weight_block_size \[16, 24\]: the FP8 kernels need a column block that "
+                                         r"is a multiple of 16; dequantizing"):
+        kept = load_model(d, fp8="keep")
+    assert not any(p.dtype == FP8_DTYPE for p in kept.parameters())
+    with torch.no_grad():
+        assert torch.equal(kept(TOKENS), load_model(d)(TOKENS))

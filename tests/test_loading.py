@@ -376,11 +376,16 @@ def test_a_wrapper_config_decides_the_tied_head():
     assert ModelConfig.from_dict(d).tie_word_embeddings is True
 
 
-def test_checkpoint_without_mtp(zoo):
+def test_checkpoint_without_mtp(zoo, tmp_path):
     from hyspec.speculative.loop import SpecOptions, generate_speculative
 
     m = load_model(zoo.path("tiny", ARCH, with_mtp=False))
     assert not m.has_mtp
+    shutil.copytree(zoo.path("tiny", ARCH, with_mtp=False), tmp_path / "c")  # config.json promises an MTP head
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    with pytest.warns(UserWarning, match=r"mtp_num_hidden_layers=1 but the weights have no mtp\.\* tensors"):
+        assert not load_model(tmp_path / "c").has_mtp
     with pytest.raises(ValueError, match="no MTP head.*--draft 0"):
         generate_speculative(m, PROMPT, max_new_tokens=4, opts=SpecOptions(k=2))
     m2 = load_model(zoo.path("tiny", ARCH), load_mtp=False)  # MTP weights present but skipped
@@ -514,6 +519,10 @@ def test_numbered_shards_without_an_index_must_all_be_there(ckpt, reference):
     _same_params(load_model(ckpt), reference)
     (ckpt / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"1 of 3 shard\(s\) missing \(model-00002-of-00003.safetensors\)"):
+        load_model(ckpt)
+    _write(ckpt, {k: t[k] for k in keys[1::3]}, "model-00002-of-00003.safetensors")
+    (ckpt / "model-00003-of-00003.safetensors").unlink()  # the last one (not a gap in the numbers)
+    with pytest.raises(CheckpointError, match=r"1 of 3 shard\(s\) missing \(model-00003-of-00003.safetensors\)"):
         load_model(ckpt)
 
 
@@ -795,3 +804,88 @@ def test_a_model_id_with_a_trailing_line_break_is_no_hub_id():
 
     assert is_hub_id("acme/tiny") and is_hub_id("acme/tiny@v1.0")
     assert not is_hub_id("acme/tiny\n") and not is_hub_id("acme/tiny@main\n")
+    assert not is_hub_id("acme/..") and not is_hub_id("acme/tiny@../../x")  # (no way out of the hub cache)
+
+
+def test_mtp_weights_under_the_model_prefix_are_the_mtp_head(ckpt, reference):
+    """Keys spelled model.mtp.* load as the MTP head (not ignored as unexpected tensors)."""
+    _write(ckpt, {("model." + k if k.startswith("mtp.") else k): v for k, v in _tensors(ckpt).items()})
+    m = load_model(ckpt)
+    assert m.has_mtp
+    _same_params(m, reference)
+
+
+def test_experts_whose_gate_and_up_differ_in_width_are_named(ckpt):
+    t = _per_expert(_tensors(ckpt))
+    for k in [k for k in t if k.startswith("model.layers.1.mlp.experts.") and k.endswith(".up_proj.weight")]:
+        t[k] = t[k][:, :-1]
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' and "
+                                              r"'model\.layers\.1\.mlp\.experts\.0\.up_proj\.weight' have shapes "
+                                              r"\[64, 64\] and \[64, 63\]: their columns \(the hidden size\) differ"):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_decay_parameters_stay_float32_in_a_half_precision_model(zoo, dtype):
+    from hyspec.config import keeps_fp32
+
+    params = dict(load_model(zoo.path("tiny", "qwen3_next"), dtype=dtype).named_parameters())
+    assert {n for n, p in params.items() if p.dtype == torch.float32} == {n for n in params if keeps_fp32(n)}
+    assert any(n.endswith("dt_bias") for n in params) and any(n.endswith("A_log") for n in params)
+    assert all(p.dtype in (dtype, torch.float32) for p in params.values())
+
+
+def test_a_pipeline_stage_reads_only_its_own_weights():
+    from hyspec.loading import stage_keeps
+
+    assert stage_keeps("model.layers.1.mlp.gate.weight", range(2), False)
+    assert not stage_keeps("model.layers.2.mlp.gate.weight", range(2), False)
+    for k in ("mtp.fc.weight", "mtp.layers.0.mlp.gate.weight", "lm_head.weight", "model.norm.weight", "d2t"):
+        assert not stage_keeps(k, range(2), False) and stage_keeps(k, range(2, 4), True), k
+    assert stage_keeps("model.embed_tokens.weight", range(2), False)
+    assert stage_keeps("model.embed_tokens.weight", range(2, 4), True)
+
+
+def test_a_pipeline_stage_of_a_strided_range_is_refused(ckpt):
+    with pytest.raises(ValueError, match=r"stage layers range\(0, 4, 2\) are not a contiguous range of 0\.\.3"):
+        load_model(ckpt, layers=range(0, 4, 2))
+
+
+def test_a_stacked_expert_of_the_right_size_but_another_shape_is_named(ckpt):
+    """Only [E, H, 2I] / [E, I, H] read as stacked experts stored transposed."""
+    t = _tensors(ckpt)
+    k = "model.layers.1.mlp.experts.gate_up_proj"
+    t[k] = t[k].reshape(t[k].shape[0], 256, 32)
+    _write(ckpt, t)
+    with pytest.raises(CheckpointError, match=rf"'{k}' has shape \[4, 256, 32\], expected \[4, 128, 64\]"):
+        load_model(ckpt)
+
+
+def test_a_tied_checkpoint_that_keeps_its_head_loads_without_warnings(ckpt):
+    import warnings
+
+    t = _tensors(ckpt)
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    _write(ckpt, t)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = load_model(ckpt)
+    assert not hasattr(m, "lm_head") and torch.equal(m.model.embed_tokens.weight, t["model.embed_tokens.weight"])
+
+
+def test_draft_to_target_offsets_are_checked_against_the_vocabulary(ckpt):
+    """mtp.d2t maps draft id i to target id i + d2t[i] (EAGLE offsets): negative offsets are
+    fine, a target id of vocab_size or more is not."""
+    t = _tensors(ckpt)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[4:] = torch.tensor([-4, -3, vocab - 8, vocab - 8])  # targets 0 1 2 3 0 2 vocab-2 vocab-1
+    _write(ckpt, {**t, "mtp.d2t": d2t})
+    assert load_model(ckpt).d2t.tolist() == d2t.tolist()
+    d2t[-1] += 1  # target vocab_size
+    _write(ckpt, {**t, "mtp.d2t": d2t})
+    with pytest.raises(CheckpointError, match=rf"'mtp\.d2t' must map draft ids to target ids in 0\.\.{vocab - 1}"):
+        load_model(ckpt)
