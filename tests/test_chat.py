@@ -1091,3 +1091,87 @@ def test_chat_without_a_tokenizer_says_chat_needs_one(default_engine, tmp_path, 
     assert main(["generate", "--model", str(d), "--prompts-file", str(lines)]) == 2
     err = capsys.readouterr().err
     assert "reqs.jsonl:1: chat needs the checkpoint's tokenizer.json" in err and "Traceback" not in err
+
+
+def test_rendering_details_match_transformers(tmp_path):
+    """What transformers' apply_chat_template does and a template's output depends on: block
+    tags take their line's indent and newline away (lstrip_blocks, trim_blocks); tojson keeps
+    non-ASCII text and key order; a message's own `thinking` wins over the alias; an empty
+    config template is no template; a template list without "default" gives its first;
+    `messages` is no extra variable."""
+    from hyspec.chat_template import render_template
+
+    src = ("{% for m in messages %}\n  {% if m.role == 'user' %}\nU: {{ m.content }}\n  {% endif %}\n{% endfor %}"
+           "{{ tools | tojson }}|{{ tools | tojson(indent=1) }}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    want = 'U: hi\n[{"b": "é", "a": 1}]|[\n {\n  "b": "é",\n  "a": 1\n }\n]'  # (transformers' output)
+    assert render_template(src, msgs, True, None, tools=[{"b": "é", "a": 1}]) == want
+    both = [{"role": "assistant", "content": "a", "reasoning_content": "r", "thinking": "t"}]
+    assert render_template("{{ messages[0].thinking }} {{ messages[0].reasoning_content }}", both) == "t r"
+    with pytest.raises(TemplateError, match="messages"):
+        render_template("x", msgs, True, None, messages=[])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ""}))
+    assert load_template(tmp_path)[:2] == (PLAIN_TEMPLATE, "plain")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]}))
+    assert load_template(tmp_path)[:2] == ("T", "tokenizer_config.json")
+
+
+def test_normalize_messages_checks_and_leaves_the_callers_messages_alone():
+    from hyspec.chat_template import normalize_messages
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    msgs = [{"role": "system", "content": None}, {"role": "user", "content": parts}]
+    got = normalize_messages(msgs)
+    assert [m["content"] for m in got] == ["", "ab"]
+    assert msgs == [{"role": "system", "content": None}, {"role": "user", "content": parts}]  # not changed
+    for bad, words in [("hi", "must be a list"), ({"role": "user", "content": "x"}, "must be a list"),
+                       (5, "must be a list"), ([], "must not be empty"), ([{"content": "x"}], r"messages\[0\]"),
+                       ([{"role": "user", "content": "x"}, {"role": "bot", "content": "x"}], r"messages\[1\]\.role"),
+                       ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string"),
+                       ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "needs a string"),
+                       ([{"role": "user", "content": ["x"]}], "of type 'str'")]:
+        with pytest.raises(ValueError, match=words):
+            normalize_messages(bad)
+
+
+def test_template_properties_and_generation_suffix():
+    from hyspec.chat_template import ChatTemplate
+
+    role_only = ChatTemplate("{% for m in messages %}{% if m.role == 'tool' %}T{% endif %}<think>{% endfor %}")
+    assert not role_only.reads_tools and not role_only.thinks and not role_only.plain
+    assert ChatTemplate("{{ tools }}</think>").reads_tools and ChatTemplate("</think>").thinks
+    assert ChatTemplate(PLAIN_TEMPLATE, where="plain").plain
+    msgs = [{"role": "user", "content": "q"}]
+    tpl = ChatTemplate("{{ messages | length }}{% if add_generation_prompt %}A:{% endif %}")
+    assert tpl.generation_suffix(tpl.render(msgs), msgs, add_generation_prompt=True) == "A:"
+    # rendered differently without the generation prompt: the whole prompt
+    odd = ChatTemplate("{% if add_generation_prompt %}G{% endif %}{{ messages | length }}")
+    assert odd.generation_suffix(odd.render(msgs), msgs) == "G1"
+
+
+def test_template_globals_special_tokens_and_bad_files(tmp_path):
+    """strftime_now and raise_exception (its message as the template gives it); special tokens
+    that are unset or not text are no variables (a template's {{ bos_token }} renders nothing,
+    not "None"); a tokenizer_config.json that is no JSON object, and a --chat-template file
+    that is not UTF-8, are one-line errors."""
+    from datetime import datetime
+
+    from hyspec.chat_template import ChatTemplate, read_template_file
+
+    before = datetime.now().year
+    assert ChatTemplate("{{ strftime_now('%Y') }}").render([]) in {str(before), str(datetime.now().year)}
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate("{{ raise_exception('no system role') }}").render([])
+    assert str(e.value) == "no system role"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "[{{ bos_token }}|{{ pad_token }}|{{ eos_token }}]", "pad_token": 0, "eos_token": "</s>"}))
+    assert ChatTemplate.for_model(tmp_path).render([]) == "[||</s>]"
+    assert render_chat([], tmp_path) == "[||</s>]"
+    (tmp_path / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(TemplateError, match="top level must be a JSON object"):
+        load_template(tmp_path)
+    latin = tmp_path / "latin.jinja"
+    latin.write_bytes("{{ 'café' }}".encode("latin-1"))
+    with pytest.raises(ValueError, match="--chat-template .*latin.jinja"):
+        read_template_file(latin, "--chat-template")

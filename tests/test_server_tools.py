@@ -1021,3 +1021,26 @@ def test_a_forced_call_cut_before_any_output_has_null_content_whole_and_streamed
         pieces = [stream.delta(text[:i], False) for i in range(1, len(text))] + [stream.delta(text, True)]
         assert not any("content" in p for p in pieces)  # the stream sends no content: null, from its role chunk
         assert msg["content"] is None and "tool_calls" not in msg
+
+
+def test_a_required_array_cut_short_is_content_text_whole_and_streamed():
+    """docs/server.md: a `required` array cut by max_tokens is returned as `content` text
+    (whole, and at the end of a stream); complete, it is the calls. A named call keeps the id
+    its first streamed piece carried."""
+    from hyspec.reply import Reply
+
+    spec = check_tools([WEATHER, CLOCK], "required")
+    cut = '[{"name": "get_weather", "parameters": {"city": "Par'
+    msg = Reply.of(spec, None, constrained=True).whole(cut)
+    assert msg["content"] == cut and "tool_calls" not in msg
+    stream = Reply.of(spec, None, constrained=True)
+    pieces = [stream.delta(cut[:i], False) for i in range(1, len(cut))] + [stream.delta(cut, True)]
+    assert pieces[:-1] == [{}] * (len(cut) - 1) and pieces[-1] == {"content": cut}
+    done = '[{"name": "now", "parameters": {}}]'
+    assert Reply.of(spec, None, constrained=True).delta(done, True)["tool_calls"][0]["function"] == {
+        "name": "now", "arguments": "{}"}
+    named = check_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    stream = Reply.of(named, None, constrained=True)
+    first = stream.delta('{"city": ', False)["tool_calls"][0]
+    assert stream.delta('{"city": "Oslo"', True)["tool_calls"][0] == {"index": 0, "function": {"arguments": '"Oslo"'}}
+    assert first["function"]["name"] == "get_weather" and [c.id for c in stream.calls] == [first["id"]]

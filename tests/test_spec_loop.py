@@ -200,6 +200,18 @@ def test_the_single_request_entry_points_stream_and_raise(zoo, monkeypatch):
         generate_speculative(m, PROMPT, max_new_tokens=8, opts=SpecOptions(k=3))
 
 
+def test_on_tokens_streams_each_rounds_tokens(zoo):
+    """generate_speculative's on_tokens(ids): the tokens of each round as it commits them,
+    adding up to the result."""
+    m = zoo.model("tiny", "qwen3_5", "float64")
+    ref = zoo.plain("tiny", "qwen3_5", "float64", 12)
+    pieces = []
+    res = generate_speculative(m, PROMPT, max_new_tokens=12, reference=ref, on_tokens=pieces.append,
+                               opts=SpecOptions(k=3, forced_rates=(0.7,)))
+    assert res.tokens == ref and len(pieces) > 1
+    assert [t for piece in pieces for t in piece] == ref
+
+
 @pytest.mark.parametrize("prime", [True, False])
 def test_stop_token_inside_accepted_drafts(zoo, prime):
     from hyspec.decode import generate_plain
@@ -404,6 +416,25 @@ def test_no_pending_short_run_keeps_telemetry_identity(zoo, n):
     assert len(res.tokens) == res.stats["direct_tokens"] + spec["accepted"] + spec["rounds"], spec
     # n=1: the prefill row gives the token; n=3: one round verifies 2 drafts (all accepted) + bonus
     assert spec["rounds"] == {1: 0, 3: 1}[n] and spec["drafted"] == {1: 0, 3: 2}[n], spec
+
+
+def test_option_ranges_and_numpy_values():
+    """Each option's range is checked (a negative p_min, a floor above K or below 1, no
+    forced rates at all, a bool seed), and numpy values are stored as Python values."""
+    import numpy as np
+
+    for kw, name in [({"p_min": -0.1}, "p_min"), ({"k": 2, "adaptive_floor": 3}, "adaptive_floor"),
+                     ({"adaptive_floor": 0}, "adaptive_floor"), ({"forced_rates": ()}, "forced_rates"),
+                     ({"forced_seed": True}, "forced_seed")]:
+        with pytest.raises(ValueError, match=name):
+            SpecOptions(**kw)
+    o = SpecOptions(k=np.int64(4), p_min=np.float32(0.25), adaptive=np.bool_(True), adaptive_floor=np.int32(2),
+                    prime_pending=np.bool_(False), forced_seed=np.int64(7), forced_rates=np.array([0.5, 1.0]))
+    got = (o.k, o.p_min, o.adaptive, o.adaptive_floor, o.prime_pending, o.forced_seed, o.forced_rates)
+    assert got == (4, 0.25, True, 2, False, 7, (0.5, 1.0))
+    assert [type(v) for v in got] == [int, float, bool, int, bool, int, tuple]
+    short = o.with_k(1)  # the floor follows a smaller K
+    assert (short.k, short.adaptive_floor, short.forced_rates) == (1, 1, (0.5, 1.0))
 
 
 def test_bool_draft_length_is_rejected():

@@ -18,7 +18,7 @@ from conftest import ARCHS, PROMPT
 from hyspec.model.ops import StepCtx
 from hyspec.core import round as round_mod
 from hyspec.speculative.loop import SpecOptions, generate_speculative
-from hyspec.speculative.replay import replay_acceptance
+from hyspec.speculative.replay import check_finite_logits, perplexity, replay_acceptance
 from hyspec.speculative.telemetry import SpecTelemetry
 
 
@@ -50,6 +50,7 @@ def _check_report(rep: dict, N: int, k: int, stride: int) -> None:
     assert tel.per_depth_rate() == pytest.approx(rep["accept_rate_at"][: tel.depth])
     vt = rep["vs_target"]
     assert vt["accepted_at"] == [sum(a > d for a in pp["accepted_vs_target"]) for d in range(k)]
+    assert vt["tau"] == pytest.approx(sum(pp["accepted_vs_target"]) / npos if npos else 0.0)
     assert rep["nll_tokens"] == N - 1
     assert rep["perplexity"] == pytest.approx(math.exp(rep["nll"]))
     assert 0.0 <= rep["target_top1"] <= 1.0
@@ -192,7 +193,7 @@ def test_replay_rejects_bad_arguments(zoo):
     from hyspec.loading import load_model
 
     nomtp = load_model(zoo.path("tiny", "qwen3_5"), load_mtp=False)
-    with pytest.raises(ValueError, match="MTP"):
+    with pytest.raises(ValueError, match="MTP.*nothing to replay"):
         replay_acceptance(nomtp, ids)
 
 
@@ -201,3 +202,49 @@ def test_short_text_has_no_positions(zoo):
     rep = replay_acceptance(m, [3, 4, 5], k=2)
     assert rep["positions"] == 0 and rep["accepted_at"] == [0, 0] and rep["acceptance_length"] == [1.0, 1.0]
     assert rep["nll_tokens"] == 2 and math.isfinite(rep["nll"])
+
+
+def test_acceptance_is_the_leading_run_of_matching_drafts(zoo):
+    """A position accepts the drafts up to the first mismatch, against the text and against
+    the target's own greedy tokens (one whole-sequence forward); a later draft that happens
+    to equal its token does not count. The text is the greedy continuation with every third
+    token changed, so drafts match, miss and match again."""
+    m = zoo.model("tiny", "qwen3_5", "float64", "coop")
+    cont = zoo.plain("tiny", "qwen3_5", "float64", 40)
+    ids = PROMPT + [t if j % 3 else t % 500 + 1 for j, t in enumerate(cont)]
+    k = 4
+    rep = replay_acceptance(m, ids, k=k, chunk=16, return_drafts=True)
+    greedy = torch.argmax(m(torch.tensor(ids)), -1).tolist()  # row r predicts t_{r+1}
+
+    def leading(drafts, ref):
+        n = 0
+        while n < len(drafts) and drafts[n] == ref[n]:
+            n += 1
+        return n
+
+    pp = rep["per_position"]
+    later = 0
+    for i, drafts, a, at in zip(pp["position"], rep["drafts"], pp["accepted"], pp["accepted_vs_target"]):
+        text, target = ids[i + 2: i + 2 + k], greedy[i + 1: i + 1 + k]
+        assert (a, at) == (leading(drafts, text), leading(drafts, target)), i
+        later += any(d == t for d, t in zip(drafts[a + 1:], text[a + 1:]))
+        later += any(d == t for d, t in zip(drafts[at + 1:], target[at + 1:]))
+    assert later > 0, "no draft matched after a miss: the check is vacuous"
+    top1 = sum(g == t for g, t in zip(greedy, ids[1:])) / (len(ids) - 1)
+    assert 0 < rep["target_top1"] == pytest.approx(top1)
+
+
+def test_non_finite_logits_name_the_position_and_dtype():
+    """check_finite_logits: the first row (counted from the chunk's start) with a NaN or an
+    inf, and a hint that depends on the dtype; perplexity overflows to inf."""
+    logits = torch.zeros(5, 7)
+    check_finite_logits(logits, 40, torch.float16)  # all finite: nothing to say
+    logits[3, 1] = float("inf")  # (an inf alone, no NaN)
+    logits[4, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"from position 43 on, in float16: .*load it in float32 or bfloat16"):
+        check_finite_logits(logits, 40, torch.float16)
+    with pytest.raises(ValueError, match=r"from position 3 on, in bfloat16: .*\(load it in float32\)"):
+        check_finite_logits(logits, 0, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"in float32: .*damaged"):
+        check_finite_logits(logits, 0, torch.float32)
+    assert perplexity(math.log(3.0)) == pytest.approx(3.0) and perplexity(710.0) == math.inf

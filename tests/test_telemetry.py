@@ -141,3 +141,35 @@ def test_summary_line() -> None:
     assert line.startswith("spec: rounds=2 drafted=6 accepted=4 ")
     assert "tau=2.000" in line and "accept_len=3.000" in line
     assert "per-depth=[1.00 0.50 0.50]" in line
+
+
+def test_record_totals_adds_counts_without_depths() -> None:
+    t = _from_masks([[True, False]])
+    t.record_totals(2, 5, 3)
+    assert (t.rounds, t.drafted, t.accepted) == (3, 7, 4)
+    assert t.drafted_at == [1, 1] and t.accepted_at == [1]  # no depth information added
+    for bad in [(1, 2, 3), (-1, 2, 1), (1, -2, 0), (1, 2, -1)]:
+        with pytest.raises(ValueError, match="record_totals"):
+            t.record_totals(*bad)
+    assert (t.rounds, t.drafted, t.accepted) == (3, 7, 4)
+
+
+def test_equality_compares_every_field() -> None:
+    base = SpecTelemetry(2, 4, 2, [2, 2], [1, 1])
+    assert base == SpecTelemetry(2, 4, 2, [2, 2, 0], [1, 1, 0])
+    for other in [SpecTelemetry(3, 4, 2, [2, 2], [1, 1]), SpecTelemetry(2, 5, 2, [2, 2], [1, 1]),
+                  SpecTelemetry(2, 4, 3, [2, 2], [1, 1]), SpecTelemetry(2, 4, 2, [2, 1], [1, 1]),
+                  SpecTelemetry(2, 4, 2, [2, 2], [2, 0])]:
+        assert base != other, other
+
+
+def test_iadd_updates_in_place() -> None:
+    agg = SpecTelemetry(1, 2, 1, [1, 1], [1])
+    alias = agg
+    agg += SpecTelemetry(1, 3, 0, [1, 1, 1], [])
+    assert agg is alias and alias == SpecTelemetry(2, 5, 1, [2, 2, 1], [1])
+
+
+def test_summary_line_rate_is_a_percentage() -> None:
+    t = _from_masks([[True, True, False], [False, False, False]])
+    assert "rate=33.3%" in t.summary_line()
