@@ -184,12 +184,13 @@ def _finite_float(text: str) -> float:
     return v
 
 
-def loads(text: str):
+def loads(text: str, finite: bool = True):
     """json.loads without Python's NaN / Infinity (no JSON parser outside Python reads them),
-    nor a number that overflows to it (1e999); nesting too deep for the parser is a
-    ValueError too (a RecursionError escaped as a 500)."""
+    nor a number that overflows to it (1e999; finite=False: read as inf, for a caller whose
+    dumps refuses it per item); nesting too deep for the parser is a ValueError too (a
+    RecursionError escaped as a 500)."""
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float if finite else float)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 
@@ -361,7 +362,7 @@ def parse_forced(text: str, spec: ToolSpec) -> list[ToolCall]:
     if spec.choice == "named":
         return [ToolCall(spec.named.name, text)] if text else []
     try:
-        value = loads(text)
+        value = loads(text, finite=False)  # (a call holding 1e999 is dropped below by dumps, not the whole array)
         if not isinstance(value, list):
             return []
     except ValueError:
@@ -371,7 +372,7 @@ def parse_forced(text: str, spec: ToolSpec) -> list[ToolCall]:
         if isinstance(c, dict) and c.get("name") in spec.tools and isinstance(c.get("parameters"), dict):
             try:
                 calls.append(ToolCall(c["name"], dumps(c["parameters"])))
-            except ValueError:  # (a lone surrogate in this call's arguments: this call only is dropped)
+            except ValueError:  # (a lone surrogate or 1e999 in this call's arguments: this call only is dropped)
                 continue
     return calls
 

@@ -127,6 +127,9 @@ def test_a_call_whose_json_holds_half_a_surrogate_pair_stays_text():
     calls = parse_forced('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
                          '{"city": "half \\ud83d", "days": 2}}]', required)
     assert [c.name for c in calls] == ["now"]
+    calls = parse_forced('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": '
+                         '{"city": "x", "days": 1e999}}]', required)  # (a number beyond the float range: the same)
+    assert [c.name for c in calls] == ["now"]
     ok = bad.replace("\\ud83d", "\\ud83d\\ude00")  # the whole pair: one emoji
     assert json.loads(parse_tool_calls(ok, TOOLS)[1][0].arguments)["city"] == "half \U0001F600"
 
