@@ -248,3 +248,35 @@ def test_the_pool_holds_at_most_max_batch_slots_when_prompts_grow(zoo):
         st = sched.pool.stats()
         assert st["slots_in_use"] == 0 and st["slots_free"] <= 2, st
     assert sched.pool.held_bytes == sum(s.nbytes() for s in sched.pool.free)
+
+
+def test_the_pool_holds_at_most_max_slots_with_one_in_use(zoo):
+    """While a slot is in use and none of the free ones fits a new request, the shortest free
+    ones go so that the slots held, free and in use, stay at most max_slots (one extra free
+    slot was kept per in-use one); release(keep=False) lets the slot go, a kept one is
+    reused (reset) by a request that fits it, and max_free caps the free ones."""
+    from hyspec.core.slots import SlotPool
+
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    pool = SlotPool(m, max_slots=2)
+    a = pool.alloc(10)
+    pool.release(a)
+    b = pool.alloc(20)  # (a does not fit: kept free, 2 held)
+    assert pool.free == [a] and pool.used == {b.index: b}
+    c = pool.alloc(30)  # (b in use: a goes, or 3 would be held)
+    assert pool.free == [] and len(pool.used) == 2
+    with pytest.raises(RuntimeError, match="all 2 slots are in use"):
+        pool.alloc(5)
+    pool.release(c, keep=False)
+    assert pool.free == [] and list(pool.used) == [b.index]
+    pool.release(b)
+    b.cache.pos = 7
+    assert pool.alloc(15) is b and b.cache.pos == 0  # (the free one that fits: reused, reset)
+    few = SlotPool(m, max_slots=4, max_free=1)
+    s = [few.alloc(n) for n in (5, 9, 7)]
+    for x in s:
+        few.release(x)
+    assert few.free == [s[1]]  # (the longest kept)
+    plain = slot_bytes(m.cfg, m.dtype, 50, with_mtp=False)  # (a checkpoint without an MTP head: no draft KV)
+    assert plain["draft_kv"] == 0 and plain["total"] == plain["kv"] + plain["linear"]
+    assert slot_bytes(m.cfg, m.dtype, 50)["draft_kv"] > 0

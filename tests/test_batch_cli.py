@@ -247,7 +247,9 @@ def test_lines_the_checkpoint_cannot_run_are_named_and_leave_out_alone(tmp_path,
             (notok, '{"prompt_ids": [1, 2]}\n\n{"prompt_ids": [1, 2], "stop": ["x"]}\n', [],
              f"error: {f}:3: the line's \"stop\": stop strings need the checkpoint's tokenizer.json"),
             (notok, '{"prompt_ids": [1, 2]}\n', ["--stop", "x"],
-             "error: --stop: stop strings need the checkpoint's tokenizer.json")):
+             "error: --stop: stop strings need the checkpoint's tokenizer.json"),
+            (notok, '{"prompt_ids": [1, 2], "stop": ["x"]}\n', ["--stop", "y"],  # (its own: the flag's is unused)
+             f"error: {f}:1: the line's \"stop\": stop strings need the checkpoint's tokenizer.json")):
         f.write_text(lines)
         capsys.readouterr()
         assert main(["generate", "--model", str(model), "--prompts-file", str(f), "--out", str(out), *flags]) == 2
@@ -323,3 +325,27 @@ def test_results_on_a_terminal_are_not_glued_to_the_progress_bar(tmp_path):
     assert "generate:" in data.decode()  # (the bar was drawn: a terminal)
     rows = [line for line in shown if '"index"' in line]
     assert len(rows) == 3 and all(line.startswith('{"index": ') for line in rows), shown
+
+
+def test_ctrl_c_mid_round_writes_no_row_for_the_lines_it_cut_off(tmp_path, monkeypatch):
+    """Ctrl-C inside a round ends the round's sequences with a KeyboardInterrupt "error" (the
+    scheduler stays clean): those lines are not results, so no row is written for them (nor
+    counted as lines that failed); the lines finished before are."""
+    from hyspec.cli.dispatch import main
+    from hyspec.core import scheduler
+
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps({"prompt_ids": [5, 6, 7], "max_new_tokens": n}) + "\n" for n in (2, 60, 60)))
+    out = tmp_path / "out.jsonl"
+    run_round, calls = scheduler.run_round, [0]
+
+    def interrupted_round(*a, **k):
+        calls[0] += 1
+        if calls[0] == 8:
+            raise KeyboardInterrupt
+        return run_round(*a, **k)
+
+    monkeypatch.setattr(scheduler, "run_round", interrupted_round)
+    assert main(["generate", "--prompts-file", str(f), "--max-batch", "3", "--ignore-eos", "--out", str(out)]) == 130
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1] and "error" not in rows[0] and len(rows[0]["tokens"]) == 2

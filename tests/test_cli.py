@@ -745,3 +745,202 @@ def test_an_interrupted_bench_keeps_the_figures_measured_so_far(monkeypatch, tmp
         bench_cli.main(["--config", "tiny", "--device", "cpu", "--copy-bytes", "1048576", "--out", str(out)])
     got = json.loads(out.read_text())
     assert got["interrupted"] is True and got["copy_bandwidth_GBps"] > 0 and "git" in got["meta"]
+
+
+def test_id_and_rate_lists_parse_as_the_help_says(tmp_path) -> None:
+    """--prompt-ids / --stop-ids take a trailing comma ("1,2," as a pasted list ends) and
+    spaces; --forced-rates takes the whole closed range [0, 1] (rate 0: every draft
+    rejected, the forced drafter's other end); values outside it are refused."""
+    import argparse
+
+    from hyspec.cli.common import parse_ids, parse_rates
+
+    assert parse_ids("1, 2,3,") == [1, 2, 3] and parse_ids("") == []
+    for bad in ("1,,2", "1,x", ",2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated token ids"):
+            parse_ids(bad)
+    assert parse_rates("0,0.5,1") == (0.0, 0.5, 1.0)
+    for bad in ("1.5", "-0.1", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"rates in \[0, 1\]"):
+            parse_rates(bad)
+
+
+def test_checking_out_leaves_no_file_behind(tmp_path) -> None:
+    """check_out_file (--out checked before the work) opens the file to see that it can be
+    written: a file it created is removed again (a run that fails later leaves no empty
+    results file), an existing one keeps its bytes."""
+    from hyspec.cli.common import check_out_file
+
+    new = tmp_path / "new.jsonl"
+    check_out_file(str(new))
+    assert not new.exists()
+    old = tmp_path / "old.jsonl"
+    old.write_text("kept\n")
+    check_out_file(str(old))
+    assert old.read_text() == "kept\n"
+    with pytest.raises(ValueError, match="is a directory"):
+        check_out_file(str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        check_out_file(str(tmp_path / "no" / "x.jsonl"))
+
+
+def test_pipeline_only_flags_without_pp_are_errors(ckpt, capsys) -> None:
+    """--optimistic and --lanes act only on pipeline stages: without --pp N >= 2 they are
+    one-line errors naming --pp, not ignored in silence."""
+    for flags, needle in ((["--optimistic"], "--optimistic forks pipeline stages: it needs --pp N"),
+                          (["--lanes", "2"], "--lanes alternates batch groups through pipeline stages")):
+        err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", "--max-new-tokens", "1", *flags)
+        assert err.startswith("hyspec generate: error: ") and needle in err, err
+
+
+def test_score_table_rows_name_the_scored_tokens(ckpt, capsys) -> None:
+    """Each row of the score table is the token scored there (the first token has no
+    context: row 1 is the second token), and --top-logprobs above the vocabulary lists the
+    whole vocabulary, as its header says ("top 320", not the number asked for)."""
+    ids = [5, 17, 42, 99]
+    capsys.readouterr()
+    assert main(["score", "--model", str(ckpt), "--ids", ",".join(map(str, ids)), "--top-logprobs", "1000"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].split()[-4:] == ["top", str(VOCAB), "(token", "logprob)"], out[0]
+    tok = Tokenizer(ckpt)
+    want = [repr(tok.decode([t])) for t in ids[1:]]
+    assert [line[7:21].rstrip() for line in out[1:-1]] == [w if len(w) <= 14 else w[:13] + "~" for w in want], out
+
+
+def test_constraint_flags_reach_the_engine_whole(tmp_path) -> None:
+    """constraint_from_args hands Engine.constraint each flag's whole value: every --choice
+    option (comma-separated), a --json-schema file as a Path (its text is read by the
+    library) and JSON text as is, --regex as given; no flag, no constraint."""
+    import argparse
+
+    from hyspec.cli.common import constraint_from_args
+
+    class Eng:
+        def constraint(self, kind, value=None, arg=None):
+            return kind, value, arg
+
+    def ns(**kw):
+        return argparse.Namespace(**{"json_schema": None, "constrain_json": False, "regex": None, "grammar": None,
+                                     "choice": None, **kw})
+
+    assert constraint_from_args(Eng(), ns(choice="yes,no,maybe")) == ("choice", ["yes", "no", "maybe"], "--choice")
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    assert constraint_from_args(Eng(), ns(json_schema=str(schema))) == ("json_schema", schema, "--json-schema")
+    assert constraint_from_args(Eng(), ns(json_schema=' {"type": "string"}')) == (
+        "json_schema", ' {"type": "string"}', "--json-schema")
+    assert constraint_from_args(Eng(), ns(regex="[ab]+")) == ("regex", "[ab]+", "--regex")
+    assert constraint_from_args(Eng(), ns(constrain_json=True)) == ("json_object", None, "--constrain-json")
+    assert constraint_from_args(Eng(), ns()) is None
+    with pytest.raises(ValueError, match="neither JSON text nor an existing file"):
+        constraint_from_args(Eng(), ns(json_schema=str(tmp_path / "missing.json")))
+
+
+def test_every_form_of_a_failed_allocation_is_out_of_memory() -> None:
+    """dispatch.out_of_memory: MemoryError, torch's OutOfMemoryError, the CPU allocator's
+    RuntimeError and a RuntimeError saying "out of memory" in any case (a CUDA error raised as
+    a plain RuntimeError, a kernel launcher's) are failed allocations (one error line); other
+    RuntimeErrors are bugs (their traceback kept)."""
+    from hyspec.cli.dispatch import out_of_memory
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    for e in (MemoryError(), OutOfMemoryError("x"), RuntimeError("DefaultCPUAllocator: can't allocate memory"),
+              RuntimeError("CUDA error: out of memory"), RuntimeError("Triton Error [CUDA]: Out of memory")):
+        assert out_of_memory(e), e
+    for e in (RuntimeError("shape '[2, 3]' is invalid"), ValueError("out of memory")):
+        assert not out_of_memory(e), e
+
+
+def test_a_file_error_names_the_file_without_errno() -> None:
+    """An OSError reaching the entry point is "REASON: PATH" (its strerror and filename), not
+    Python's "[Errno 13] Permission denied: 'PATH'"; one without a filename is its text."""
+    from hyspec.cli.dispatch import error_message
+
+    assert error_message(PermissionError(13, "Permission denied", "/data/t.txt")) == "Permission denied: /data/t.txt"
+    assert error_message(OSError("disk on fire")) == "disk on fire"
+    assert error_message(ValueError("--k must be >= 1, got 0")) == "--k must be >= 1, got 0"
+
+
+def test_more_prompts_file_lines_that_are_refused_before_the_model_loads(ckpt, tmp_path, capsys) -> None:
+    """Each of these lines is a one-line error naming FILE:LINE (not a traceback later, nor
+    run with a value it did not ask for): no prompt at all, chat fields without "messages",
+    a boolean where a count goes, a draft just past the largest K, two constraints."""
+    f = tmp_path / "p.jsonl"
+    for line, needle in (('{"max_new_tokens": 2}', 'give exactly one of "prompt", "prompt_ids" or "messages"'),
+                         ('{"prompt": "x", "tools": []}', 'go with "messages"'),
+                         ('{"prompt": "x", "max_new_tokens": true}', "max_new_tokens must be an integer >= 0"),
+                         ('{"prompt": "x", "draft": false}', "draft must be an integer >= 0"),
+                         (f'{{"prompt": "x", "draft": {MAX_DRAFT + 1}}}', f"draft must be in 0..{MAX_DRAFT}"),
+                         ('{"prompt": "x", "logprobs": true}', "logprobs must be null or an integer >= 0"),
+                         ('{"prompt": "x", "json_object": false}', '"json_object" must be true'),
+                         ('{"prompt": "x", "regex": "a", "choice": ["a"]}', "one constraint per line")):
+        f.write_text('{"prompt": "ok"}\n' + line + "\n")
+        err = run_error(capsys, "generate", "--model", str(ckpt), "--prompts-file", str(f))
+        assert err.startswith(f"hyspec generate: error: {f}:2: ") and needle in err, (line, err)
+
+
+def test_replay_limits_and_json_output(ckpt, tmp_path, capsys) -> None:
+    """replay: --max-tokens N replays exactly the first N tokens (N >= 2: one to draft from,
+    one to check), --chunk must be >= 1, a text past the model's context (by one token) is
+    an error pointing at --max-tokens, and --json prints the report alone (no progress bar on
+    stderr)."""
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 400)
+    replay = ["replay", "--model", str(ckpt), "--text-file", str(text), "--k", "2"]
+    capsys.readouterr()
+    assert main(replay + ["--max-tokens", "9", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["tokens"] == 9 and got.err == ""
+    assert "--max-tokens: must be >= 2" in run_error(capsys, *replay, "--max-tokens", "1")
+    assert "--chunk must be >= 1, got 0" in run_error(capsys, *replay, "--chunk", "0")
+    ctx = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+    err = run_error(capsys, *replay, "--max-tokens", str(ctx + 1))
+    assert f"has {ctx + 1} tokens, more than the model's context of {ctx}" in err and f"--max-tokens {ctx}" in err
+
+
+def test_prompts_file_rows_name_their_file_line_and_text_output_cuts_at_a_stop(ckpt, tmp_path, capsys) -> None:
+    """--prompts-file results carry the line of the file each came from (blank lines count,
+    as an editor numbers them) beside their index; and the text output of a run that ended at
+    a --stop string is the prompt and the text before it (not every token generated)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt_ids": [5, 6], "max_new_tokens": 1}\n\n{"prompt_ids": [7], "max_new_tokens": 1}\n')
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompts-file", str(f)]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(r["index"], r["line"]) for r in rows] == [(0, 1), (1, 3)]
+    full = gen(capsys, ckpt, "--max-new-tokens", "12")
+    stop = full["text"][4:6]
+    d = gen(capsys, ckpt, "--max-new-tokens", "12", "--stop", stop)
+    assert d["stop_reason"] == "stop" and d["text"] == full["text"][: full["text"].index(stop)]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--ignore-eos", "--max-new-tokens", "12",
+                 "--stop", stop]) == 0
+    assert capsys.readouterr().out == PROMPT + d["text"] + "\n"
+
+
+def test_several_samples_print_as_with_no_stream(ckpt, capsys) -> None:
+    """--num-samples N decodes the samples together (their tokens interleave): the text
+    output is each sample whole under its header, the same with and without --no-stream."""
+    argv = ["generate", "--model", str(ckpt), "--prompt", PROMPT, "--ignore-eos", "--max-new-tokens", "10",
+            "--num-samples", "2", "--temperature", "1", "--seed", "4"]
+    outs = []
+    for extra in ([], ["--no-stream"]):
+        capsys.readouterr()
+        assert main(argv + extra) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].startswith("--- sample 0 ---\n" + PROMPT) and "--- sample 1 ---" in outs[0]
+
+
+def test_streamed_text_equals_the_text_printed_at_the_end(ckpt, capsys) -> None:
+    """The streamed text (decoded again as tokens arrive; a character whose bytes span
+    several tokens waits for the rest) is exactly the text --no-stream prints at the end."""
+    outs = []
+    for extra in ([], ["--no-stream"]):
+        for seed in ("1", "2", "3"):
+            capsys.readouterr()
+            assert main(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--ignore-eos", "--max-new-tokens",
+                         "40", "--temperature", "1", "--seed", seed, *extra]) == 0
+            outs.append(capsys.readouterr().out)
+    assert outs[:3] == outs[3:]

@@ -432,3 +432,98 @@ def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
     assert_same(s.live_state(), after_round[1], f"k={k}: after the overflowing round")
     twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
     assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
+
+
+def _toy_state(**kw):
+    import torch
+
+    from hyspec.core.state import SeqState
+
+    g = torch.Generator().manual_seed(0)
+    r = (lambda *s: torch.randn(*s, generator=g))
+    base = dict(tokens=(3, 4, 5), pos=2, conv=[r(2, 6)], ssm=[r(2, 3, 3)], kv_k=[r(1, 2, 4)], kv_v=[r(1, 2, 4)],
+                pending=5, drafter="post", draft_k=r(1, 1, 4), draft_v=r(1, 1, 4), h_last=r(1, 8), fill_tokens=[4],
+                fill_h=r(1, 8), fill_start=1, last_logits=r(1, 10), k_next=2)
+    return SeqState(**{**base, **kw})
+
+
+def test_a_state_copy_keeps_every_value_and_its_identity_sees_them():
+    """SeqState.to (tiering: a copy elsewhere) and to_dict / from_dict (a session file) keep
+    every tensor and every loop value (the adaptive K included): same_state and digest say
+    equal; a state differing in a value alone (its k_next, its tokens) is another state for
+    both; a file declaring more layers than it holds tensors is refused."""
+    from hyspec.core.state import SeqState
+
+    st = _toy_state()
+    for copy in (st.to("cpu"), SeqState.from_dict(st.to_dict())):
+        assert copy is not st and copy.conv[0] is not st.conv[0]
+        assert same_state(copy, st) and copy.digest() == st.digest() and copy.meta() == st.meta()
+    for other in (_toy_state(k_next=3), _toy_state(tokens=(3, 4, 6), pending=6)):
+        assert not same_state(other, st) and other.digest() != st.digest()
+    d = st.to_dict()
+    d["meta"]["n_attn"] = 10 ** 6
+    with pytest.raises(ValueError, match="declares 1000000 layers"):
+        SeqState.from_dict(d)
+
+
+def test_check_state_refuses_a_pending_token_or_drafter_rows_that_do_not_fit(zoo):
+    """check_state (a state from outside: a session file, Session.from_state): the pending
+    token is the transcript's last one (one that is not was run as the next input, in place
+    of the token the transcript holds), and the drafter rows start at or below the position."""
+    from hyspec.core.state import check_state
+
+    eng = engine(zoo, "qwen3_5")
+    s = eng.session(draft=3, max_new_tokens=4)
+    s.send(messages(eng.model.cfg.vocab_size, 1, seed=3)[0])
+    st = s.state()
+    check_state(st, eng.model)
+    V, last = eng.model.cfg.vocab_size, st.tokens[-1]
+    edited = dict(st.__dict__, pos=len(st.tokens) - 1, pending=(last + 1) % V)
+    with pytest.raises(ValueError, match="does not fit its"):
+        check_state(type(st)(**edited), eng.model)
+    assert st.drafter is not None
+    with pytest.raises(ValueError, match="drafter rows start at"):
+        check_state(type(st)(**{**st.__dict__, "fill_start": st.pos + 1}), eng.model)
+    pool = SlotPool(eng.model)
+    with pytest.raises(ValueError, match=f"a slot of {st.pos - 1} rows cannot hold a state of {st.pos} tokens"):
+        restore_into(st, pool.alloc(st.pos - 1))
+    slot = pool.alloc(st.pos)  # (exactly its rows: enough)
+    restore_into(st, slot)
+    assert slot_equals(slot, st)
+
+
+def test_a_round_transaction_undoes_every_value_the_round_changed():
+    """RoundTxn.restore puts back what a failed round of a kept sequence changed: the cache,
+    the loop values, the drafter's queued tokens, the tokens and log-probabilities it had
+    emitted (else the transcript held tokens the cache never committed) and its telemetry."""
+    from types import SimpleNamespace
+
+    from hyspec.core.state import RoundTxn
+
+    class Cache:
+        def __init__(self):
+            self.pos = 5
+
+        def snapshot(self):
+            return self.pos
+
+        def restore(self, snap):
+            self.pos = snap
+
+    seq = SimpleNamespace(cache=Cache(), fill_tokens=[7], out=[1, 2], req=SimpleNamespace(token_logprobs=[(-1.0, [])]),
+                          tel=SimpleNamespace(rounds=3, accepted=[1, 0]), round="r",
+                          **{f: f for f in RoundTxn.FIELDS})
+    before = {f: getattr(seq, f) for f in RoundTxn.FIELDS}
+    txn = RoundTxn(seq)
+    seq.cache.pos = 9
+    seq.fill_tokens.extend([8, 9])  # (in place, as a round queues drafter rows)
+    seq.out.extend([3, 4])
+    seq.req.token_logprobs.append((-2.0, []))
+    seq.tel.rounds += 1
+    seq.tel.accepted[0] += 1
+    for f in RoundTxn.FIELDS:
+        setattr(seq, f, None)
+    txn.restore(seq)
+    assert seq.cache.pos == 5 and seq.fill_tokens == [7] and seq.out == [1, 2] and seq.round is None
+    assert seq.req.token_logprobs == [(-1.0, [])] and seq.tel.rounds == 3 and seq.tel.accepted == [1, 0]
+    assert {f: getattr(seq, f) for f in RoundTxn.FIELDS} == before
