@@ -155,19 +155,27 @@ def test_save_in_one_process_load_in_another(tmp_path, flags):
     assert c[2]["context_tokens"] == 0 and c[2]["state_digest"] is None
 
 
-def test_chat_with_a_checkpoint_template_sends_only_the_new_text(zoo, tmp_path):
-    """With a tokenizer_config.json chat_template, each turn prefills only the text the
-    template adds after what the session holds (plus the pending token)."""
-    import io
+
+def _chatml_engine(zoo, tmp_path):
+    """A copy of the tiny qwen3_5 checkpoint with the ChatML template and <|im_end|> as its
+    eos token, and its float64 Engine: (checkpoint dir, engine)."""
     import shutil
 
-    from hyspec.chat import Chat
     from hyspec.engine import Engine
 
     d = tmp_path / "ckpt"
     shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    eng = Engine.load(d, dtype="float64")
+    return d, Engine.load(d, dtype="float64")
+
+def test_chat_with_a_checkpoint_template_sends_only_the_new_text(zoo, tmp_path):
+    """With a tokenizer_config.json chat_template, each turn prefills only the text the
+    template adds after what the session holds (plus the pending token)."""
+    import io
+
+    from hyspec.chat import Chat
+
+    d, eng = _chatml_engine(zoo, tmp_path)
     out = io.StringIO()
     c = Chat(eng, eng.session(draft=2, max_new_tokens=6, ignore_eos=True), d, out=out)
     assert c.template_source == "tokenizer_config.json"
@@ -608,15 +616,10 @@ def test_empty_line_with_a_chat_template_continues_the_cut_reply(zoo, tmp_path):
     """With a checkpoint's chat template, an empty line after a cut reply continues it (was:
     an empty user message, which closed the reply); with nothing to continue it is a note."""
     import io
-    import shutil
 
     from hyspec.chat import Chat
-    from hyspec.engine import Engine
 
-    d = tmp_path / "ckpt"
-    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    eng = Engine.load(d, dtype="float64")
+    d, eng = _chatml_engine(zoo, tmp_path)
     prompt = render_chat([{"role": "user", "content": "hello"}], d)
     whole = eng.session(max_new_tokens=12, ignore_eos=True).send(prompt).tokens
     out = io.StringIO()
@@ -670,15 +673,10 @@ def test_an_interrupted_restart_keeps_the_conversation(zoo, tmp_path):
     new session, kept apart until it succeeds: Ctrl-C (or an error) in it leaves the old
     conversation whole (was: the session reset first, so a Ctrl-C emptied it)."""
     import io
-    import shutil
 
     from hyspec.chat import Chat
-    from hyspec.engine import Engine
 
-    d = tmp_path / "ckpt"
-    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    eng = Engine.load(d, dtype="float64")
+    d, eng = _chatml_engine(zoo, tmp_path)
     c = Chat(eng, eng.session(draft=2, max_new_tokens=4, ignore_eos=True), d, out=io.StringIO())
     c.user("hello there")
     c.rendered += "x"  # the next render no longer extends what the session holds: a restart
@@ -722,15 +720,10 @@ def test_reset_forgets_restarts_and_load_keeps_a_cut_reply_going(zoo, tmp_path):
     for it are closed); a template chat saved after a cut reply and loaded again continues
     that reply on an empty line, as before the save."""
     import io
-    import shutil
 
     from hyspec.chat import Chat
-    from hyspec.engine import Engine
 
-    d = tmp_path / "ckpt"
-    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    eng = Engine.load(d, dtype="float64")
+    d, eng = _chatml_engine(zoo, tmp_path)
     c = Chat(eng, eng.session(max_new_tokens=4, ignore_eos=True), d, out=io.StringIO())
     c.user("hello there")
     assert c.cut
@@ -764,15 +757,10 @@ def test_a_template_chat_shows_the_reply_without_its_stop_token(zoo, tmp_path):
     (was: its text, e.g. <|endoftext|>, printed at the end of every reply); the session
     still holds it (pending: the next turn's template text follows it)."""
     import io
-    import shutil
 
     from hyspec.chat import Chat
-    from hyspec.engine import Engine
 
-    d = tmp_path / "ckpt"
-    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
-    eng = Engine.load(d, dtype="float64")
+    d, eng = _chatml_engine(zoo, tmp_path)
     free = Chat(eng, eng.session(max_new_tokens=6, ignore_eos=True), d, out=io.StringIO())
     free.user("hello there")
     reply = free.session.tokens[-6:]
