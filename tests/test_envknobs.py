@@ -97,6 +97,9 @@ def test_the_cli_and_engine_load_refuse_a_bad_knob_before_loading(monkeypatch, c
 
     with pytest.raises(ValueError, match="HYSPEC_GDN_WARPS"):
         Engine.load()
+    with pytest.raises(SystemExit) as e:  # a help text is still shown
+        main(["generate", "--help"])
+    assert e.value.code == 0 and "--max-new-tokens" in capsys.readouterr().out
 
 
 def test_the_server_scheduler_switch_reads_false_as_off(monkeypatch) -> None:

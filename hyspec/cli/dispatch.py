@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("standard output is closed: this command writes its results there (redirect it "
                                  "to a file instead)")
             sys.stdout = open(os.devnull, "w")  # (its results go to files: a stray line is dropped, not fatal)
-        if cmd not in (None, "-h", "--help", "--version"):  # a bad HYSPEC_* knob, before any model loads (hyspec.envknobs)
+        if cmd not in (None, "--version") and not {"-h", "--help"} & set(argv):  # a bad HYSPEC_* knob, before
+            # any model loads (hyspec.envknobs; a help text is shown whatever the environment holds)
             from hyspec.envknobs import check as check_env
 
             check_env()
