@@ -153,9 +153,11 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
               "mscale_all_dim", "truncate")
 
 
-def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
+def _rope_scaling(rope: dict, d: dict, max_positions: int) -> tuple[str, tuple]:
     """(rope_type, its parameters as sorted pairs) from the merged rope dict; ConfigError for
-    a type the model code does not implement (it must not run as plain RoPE silently)."""
+    a type the model code does not implement (it must not run as plain RoPE silently).
+    max_positions: the config's max_position_embeddings as ModelConfig reads it (YaRN's
+    factor defaults to it over the original length)."""
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
         raise ConfigError(f"config.json: rope_parameters.rope_type {kind!r} is not supported (supported: "
@@ -190,12 +192,8 @@ def _rope_scaling(rope: dict, d: dict) -> tuple[str, tuple]:
     if orig is None:
         raise ConfigError("config.json: rope_parameters.original_max_position_embeddings is required for "
                           "rope_type 'yarn'")
-    if factor is None:  # max_position_embeddings / orig, with ModelConfig's default length (0 made NaN frequencies)
-        mpe = d.get("max_position_embeddings")
-        mpe = DEFAULT_MAX_POSITIONS if mpe is None else mpe
-        if isinstance(mpe, bool) or not isinstance(mpe, (int, float)) or not finite_number(mpe) or not mpe > 0:
-            raise ConfigError(f"config.json: field 'max_position_embeddings' must be an integer >= 1, got {mpe!r}")
-        factor = float(mpe) / orig
+    if factor is None:  # (the length ModelConfig reads, its default included: an absent one made NaN frequencies)
+        factor = float(max_positions) / orig
     truncate = rope.get("truncate", True)
     truncate = False if truncate is None else truncate  # (null: read as false, as transformers' `if truncate`)
     if not isinstance(truncate, bool):  # (bool("false") is True)
@@ -439,7 +437,8 @@ class ModelConfig:
         rope = {**(d.get("rope_parameters") or {}), **scaling}
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
-        rope_type, rope_scaling = _rope_scaling(rope, d)
+        max_positions = integer("max_position_embeddings", DEFAULT_MAX_POSITIONS, 1)
+        rope_type, rope_scaling = _rope_scaling(rope, d, max_positions)
         if flag("attention_bias", False):
             raise ConfigError("config.json: attention_bias true is not supported (the gated attention of these "
                               "families has no projection biases)")
@@ -504,7 +503,7 @@ class ModelConfig:
             rms_norm_eps=number("rms_norm_eps", 1e-6),
             tie_word_embeddings=flag("tie_word_embeddings", False),
             attention_bias=False,  # (true refused above)
-            max_position_embeddings=integer("max_position_embeddings", DEFAULT_MAX_POSITIONS, 1),
+            max_position_embeddings=max_positions,
             mtp_num_hidden_layers=integer(mtp_key, 0),
             eos_token_ids=eos_ids,
             mamba_ssm_dtype=_ssm_dtype_field(d.get("mamba_ssm_dtype", outer.get("mamba_ssm_dtype"))),

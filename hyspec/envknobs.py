@@ -3,8 +3,8 @@
 
 A switch takes 1/0, and also true/false, on/off, yes/no in any case; unset or empty means
 its default.  A number takes a decimal integer at or above its minimum, a choice one of its
-words (HYSPEC_PDL_SKIP, a list of kernel families, is checked by hyspec.kernels.pdl).  Anything else is a
-ValueError that names the variable and what it takes, raised where the knob is read and,
+words (HYSPEC_PDL_SKIP, a list of kernel families, is checked by hyspec.kernels.pdl).
+Anything else is a ValueError that names the variable and what it takes, raised where the knob is read and,
 for every knob at once, by :func:`check` when an engine or a server starts (so a typo is
 caught before any request runs, not inside a kernel launch on the engine's thread).
 """
@@ -39,13 +39,13 @@ CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def switch(name: str, default: bool | None = None) -> bool | None:
-    """The switch ``name`` (its registered default, or ``default`` for an unregistered one,
-    when unset or empty); ValueError naming it for any other value."""
+def switch(name: str) -> bool | None:
+    """The switch ``name`` (registered in SWITCHES; its default when unset or empty);
+    ValueError naming it for any other value."""
     raw = os.environ.get(name)
     v = (raw or "").strip().lower()
     if not v:
-        return SWITCHES.get(name, default)
+        return SWITCHES[name]
     if v in _ON:
         return True
     if v in _OFF:
@@ -59,16 +59,13 @@ def number(name: str) -> int:
     that is not a decimal integer at or above its minimum."""
     default, least = NUMBERS[name]
     raw = os.environ.get(name)
-    if raw is None or not raw.strip():
+    v = (raw or "").strip()
+    if not v:
         return default
-    try:
-        v = int(raw.strip(), 10)
-    except ValueError:
-        v = None
-    if v is None or v < least:
+    if not (v.isascii() and v.isdigit()) or int(v) < least:  # (a decimal integer; no sign: every minimum is >= 0)
         raise ValueError(f"environment variable {name}={raw!r} is not an integer >= {least}, "
                          f"or unset it (default {default})")
-    return v
+    return int(v)
 
 
 def choice(name: str) -> str:

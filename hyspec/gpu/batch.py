@@ -49,12 +49,11 @@ token, as the engine core resumes).
 """
 from __future__ import annotations
 
-
-from hyspec.envknobs import number
 import torch
 
 from hyspec.config import no_mtp_error
 from hyspec.core.state import Carry
+from hyspec.envknobs import number
 from hyspec.gpu import sampling as dsamp
 from hyspec.gpu.batch_sampling import (accept_sampled, draft_draws, plain_draws, softmax_of_rows, sums_of_rows,
                                        table_rows)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hyspec.envknobs import switch
 import torch
 
+from hyspec.envknobs import switch
 from hyspec.gpu.sampling import SamplingTable, probs_batch
 from hyspec.sampling import SamplingParams, _window
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hyspec.envknobs import choice, number, switch
 import torch
 
+from hyspec.envknobs import choice, number, switch
 from hyspec.gpu.packing import Segments, layer_weight_bytes, pack_layer, pack_views
 from hyspec.kernels.attention import (
     ATTN_SPLITS,

@@ -60,9 +60,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hyspec.envknobs import switch
 import torch
 
+from hyspec.envknobs import switch
 from hyspec.kernels.common import triton_available
 from hyspec.kernels.probs import inverse_cdf_rows, inverse_cdf_rows_ref, softmax_rows
 from hyspec.kernels.probs.argmax import first_max

@@ -52,10 +52,9 @@ thing and waits for its predecessors before its first load (see ``hyspec.kernels
 """
 from __future__ import annotations
 
-
-from hyspec.envknobs import switch
 import torch
 
+from hyspec.envknobs import switch
 from hyspec.kernels.attention.kernel import launch_combine
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs

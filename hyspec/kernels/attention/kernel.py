@@ -2,10 +2,9 @@
 combine (contract: ``hyspec/kernels/attention/__init__.py``)."""
 from __future__ import annotations
 
-
-from hyspec.envknobs import switch
 import torch
 
+from hyspec.envknobs import switch
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import interpreting, kernels_per_mode, launch_kwargs
 

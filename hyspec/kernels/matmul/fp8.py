@@ -14,10 +14,9 @@ partials reduced in order 0..S-1, ``T`` passed with ``do_not_specialize``.
 """
 from __future__ import annotations
 
-
-from hyspec.envknobs import switch
 import torch
 
+from hyspec.envknobs import switch
 from hyspec.kernels.common import SplitPartials
 from hyspec.kernels.matmul.config import SkinnyConfig, _cdiv, _config_cached, skinny_config
 from hyspec.kernels.matmul.kernel import BLOCK_T, _kernels as _bf16_kernels

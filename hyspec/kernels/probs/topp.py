@@ -77,7 +77,6 @@ def topp_kernel_enabled(cuda: bool) -> bool:
     return cuda if v is None else v
 
 
-
 @kernels_per_mode
 def _topp_kernels():
     import triton
