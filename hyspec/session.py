@@ -487,7 +487,8 @@ class Session:
         with eng.on_lanes():
             run_requests(decoder, [req], 1, store=eng._store if self.use_store else None)
         if req.end_state is None and req.stop_reason == "error" and getattr(req, "exception", None) is not None:
-            raise req.exception  # (failed at its admission, NonFiniteLogits: the session is as before the turn)
+            raise req.exception  # (failed at its admission, NonFiniteLogits: the session is as before the turn;
+            # failed in a later round: it has the rounds before it, as on the engine core, and raises in send)
         if req.end_state is None:
             raise RuntimeError("a one-token conversation ended its turn without a reply: it has no state to keep "
                                "(send a longer message)")

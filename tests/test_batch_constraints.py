@@ -236,3 +236,42 @@ def test_a_constraint_that_cannot_go_on_ends_only_its_own_sequence(tiny):
     with pytest.raises(ValueError, match="the last reply's constraint cannot go on"):
         sess.send([])
     assert sess.send([7], constraint=False).samples[0].stop_reason in ("eos", "length")
+
+
+def test_a_constrained_lane_whose_row_overflows_ends_in_error_as_on_the_engine_core(tmp_path):
+    """Token 100 (allowed by the constraint) drives the model's activations past float32
+    when it is fed: the next row's allowed logits are NaN. The engine core masks, then
+    finds NaN (NonFiniteLogits: an error); the masked lanes took such a row for a dead end
+    (no allowed token with a finite logit: stop_reason "constraint") before they checked
+    it. Greedy, plain and speculative (the masked round's commit): the engine core's
+    tokens and end, next to a lane that goes on."""
+    from hyspec.constraints import make_constraint
+    from hyspec.engine import Engine
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=320, std=0.2)
+    engines = []
+    for graphs in (False, True):
+        eng = Engine.load(d)
+        m = eng.model
+        with torch.no_grad():
+            emb = m.model.embed_tokens.weight
+            emb[:, 0] = 0.0
+            emb[100] = 0.0
+            emb[100, 0] = 8.0
+            layer = m.model.layers[0]
+            layer.linear_attn.out_proj.weight[0, :] = 0.0
+            layer.mlp.gate_proj.weight[:, 0] = 1e19
+            layer.mlp.up_proj.weight[:, 0] = 1e19
+            m.lm_head.weight[100] *= 3.0  # (chosen now and then)
+        eng.batch_graphs = graphs
+        engines.append(eng)
+    c = make_constraint(d, "regex", r"[^\n]{1,200}")
+    prompts = [[2, 15, 3], [3, 22, 3]]
+    for draft in (0, 3):
+        kw = dict(max_new_tokens=6, draft=draft, ignore_eos=True, constraint=c)
+        want, got = (eng.generate_batch(prompts, **kw) for eng in engines)
+        assert got[0].stats["path"] == "batch-graphs"
+        assert [(w.tokens, w.stop_reason) for w in want] == [(g.tokens, g.stop_reason) for g in got], draft
+        assert [g.stop_reason for g in got] == ["error", "length"] and 100 in got[0].tokens
+        assert got[0].stats["error"].startswith("NonFiniteLogits: ")

@@ -772,3 +772,155 @@ def test_a_lane_whose_prompt_overflows_ends_in_error_alone(tmp_path, draft):
         s2 = engines[0].session(draft=draft, max_new_tokens=3, params=params)
         s2.send([5, 17])
         assert s.send([7]).tokens == s2.send([7]).tokens
+
+
+def _overflowing_engines(tmp_path, lm_bias: float = 0.0):
+    """(engine core, graph lanes) of one tiny model whose token 100 drives layer 0's MLP
+    past float32's range when it is fed (its row's logits: NaN / +inf), no other token;
+    lm_bias > 0 scales the head's row 100 up so that the model chooses (and drafts) 100
+    now and then mid-generation."""
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    engines = []
+    for graphs in (False, True):
+        eng = Engine(load_model(d))
+        m = eng.model
+        with torch.no_grad():
+            emb = m.model.embed_tokens.weight
+            emb[:, 0] = 0.0
+            emb[100] = 0.0
+            emb[100, 0] = 8.0
+            layer = m.model.layers[0]
+            layer.linear_attn.out_proj.weight[0, :] = 0.0
+            layer.mlp.gate_proj.weight[:, 0] = 1e19
+            layer.mlp.up_proj.weight[:, 0] = 1e19
+            if lm_bias:
+                m.lm_head.weight[100] *= lm_bias
+        eng.batch_graphs = graphs
+        engines.append(eng)
+    return engines
+
+
+def test_a_lane_whose_rows_overflow_mid_generation_ends_in_error_alone(tmp_path, monkeypatch):
+    """The graph rounds' rows are checked as the engine core checks its rows: a lane
+    whose round needs a row with NaN / +inf (fed token 100: its pending token, or a draft
+    every draft before it was accepted with) ends in error there, the round emitting
+    nothing for it, with the engine core's tokens before; a bad row past a rejected draft
+    is not needed and changes nothing. Before, greedy lanes took argmax's first NaN id and
+    sampled ones drew from NaN rows, in silence. Each case checked to occur (the spy)."""
+    from hyspec.gpu import batch_loop
+    from hyspec.gpu.batch import NO_BAD_ROW
+    from hyspec.sampling import SamplingParams
+
+    core, lanes = _overflowing_engines(tmp_path, lm_bias=3.0)
+    seen = {"used": 0, "unused": 0}
+    take = batch_loop.BatchRunner._take
+
+    def spy(self, rows, k, lp=None, kept=None):
+        for r, row in zip(self.active, rows):
+            if r.reason is None and row[-1] != NO_BAD_ROW:
+                seen["used" if row[-1] <= row[0] else "unused"] += 1
+        return take(self, rows, k, lp, kept)
+
+    monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
+    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 7)]
+    for params in (None, SamplingParams(temperature=0.9, seed=4)):
+        for draft in (0, 3):
+            kw = dict(max_new_tokens=12, draft=draft, ignore_eos=True, params=params)
+            want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
+            assert got[0].stats["path"] == "batch-graphs" and want[0].stats.get("path") != "batch-graphs"
+            for w, g in zip(want, got):
+                assert (g.tokens, g.stop_reason) == (w.tokens, w.stop_reason), (params, draft)
+                assert (g.stats.get("error") or "").startswith("NonFiniteLogits: ") == (g.stop_reason == "error")
+            mid = [g for g in got if g.stop_reason == "error" and g.tokens]
+            assert mid and any(g.stop_reason == "length" for g in got), (params, draft)
+    assert seen["used"] and seen["unused"], seen
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_a_session_turn_that_overflows_mid_way_keeps_its_rounds_on_the_graph_lanes(tmp_path, draft):
+    """A session turn whose later round needs an overflowing row raises NonFiniteLogits on
+    the graph lanes as on the engine core, and both keep the turn's tokens before it (the
+    lanes' end state rebuilt from the transcript, not exported from the failed round):
+    the same tokens, the same turns, and after a rewind the same next reply."""
+    core, lanes = _overflowing_engines(tmp_path, lm_bias=3.0)
+    sessions = [eng.session(draft=draft, max_new_tokens=12) for eng in (core, lanes)]
+    for s in sessions:
+        with pytest.raises(ValueError, match="NaN"):
+            s.send([4, 29, 3])  # (greedy: 100 after a few tokens, then fed)
+    a, b = sessions
+    assert a.num_turns == b.num_turns == 1 and a.tokens == b.tokens and len(a.tokens) > 4
+    for s in sessions:
+        s.rewind(1)
+    assert a.send([8, 57, 3]).tokens == b.send([8, 57, 3]).tokens  # (no 100 in its 12 tokens)
+    assert b.last_stats["path"] == "batch-graphs"
+
+
+def test_a_moved_drafting_lane_drafts_as_alone(tmp_path):
+    """A drafting lane moved into a freed lane (the last lane fills the hole) carries its
+    whole drafter state (h_last: the hidden its next fill row pairs with): a seeded
+    rejection lane whose draws read its drafts gives the tokens and telemetry it gives
+    alone."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    m = _model(tmp_path, "qwen3_5")
+    sp = SamplingParams(temperature=1.5, seed=21)
+
+    def spec():
+        return LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=10, k=2, params=sp)
+
+    dec = BatchDecoder(m, 4 + 10 + 8, 2, slots=2, graphs=False)
+    alone = spec()
+    run_batch(dec, [alone])
+    first, moved = LaneRequest(prompt=[8, 1, 2], max_new_tokens=2), spec()  # lane 0 leaves after a round
+    run_batch(dec, [first, moved])
+    assert moved.tokens == alone.tokens and moved.telemetry.to_dict() == alone.telemetry.to_dict()
+    assert alone.telemetry.rounds >= 3  # (the move: after its first round; its h_last is read in the third)
+
+
+def test_a_freed_lane_forgets_its_p_min(tmp_path):
+    """A lane freed by a request with p_min, taken by one without (while another lane's
+    p_min keeps the rounds' p_min test on): the new request drafts as it does alone."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+
+    m = _model(tmp_path, "qwen3_5")
+    dec = BatchDecoder(m, 4 + 6 + 8, 2, slots=2, graphs=False)
+
+    def later():
+        return LaneRequest(prompt=[60, 61, 62], max_new_tokens=4, k=2, arrival=1)
+
+    alone = later()
+    run_batch(dec, [alone])
+    reqs = [LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=6, k=2, p_min=1e-9),  # never cuts
+            LaneRequest(prompt=[8, 1, 2], max_new_tokens=2, k=2, p_min=0.99),  # cuts every draft; leaves lane 1
+            later()]  # joins lane 1 (p_min 0)
+    run_batch(dec, reqs)
+    assert reqs[1].telemetry.drafted == 0
+    assert reqs[2].tokens == alone.tokens and reqs[2].telemetry.to_dict() == alone.telemetry.to_dict()
+    assert alone.telemetry.drafted > 0
+
+
+def test_padding_lanes_do_not_advance(tmp_path):
+    """A round pads its lanes up to a captured batch size: the padding lanes compute on idle
+    state and stay at position 0 (an idle lane advancing every step would run past its
+    cache in a long batch)."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest
+
+    m = _model(tmp_path, "qwen3_5")
+    dec = BatchDecoder(m, 12, 1, slots=4, graphs=False)
+    runner = BatchRunner(dec, pipeline=False)
+    for p in ([5, 17, 99, 3], [8, 1], [4, 4, 4]):  # 3 plain lanes: steps of 4
+        runner.submit(LaneRequest(prompt=p, max_new_tokens=3))
+    steps = 0
+    while runner.has_work():
+        runner.step()
+        steps += 1
+        assert int(dec.pos[3]) == 0 and int(dec.live[3]) == 0
+    assert steps >= 2

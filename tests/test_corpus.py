@@ -188,3 +188,81 @@ def test_a_corpus_line_with_an_unknown_split_or_invalid_unicode_is_refused_by_li
             load_corpus(p)
         with pytest.raises(ValueError, match=msg):
             list(iter_corpus(p))
+
+
+def test_corpus_size_limits_stale_lists_and_blank_lines(tmp_path, capsys):
+    """A file of exactly --max-file-bytes is kept (the limit is "at most"), the CLI's
+    --max-file-bytes is applied, a rebuild that drops nothing removes the earlier
+    dropped_files.txt, and a blank line in a corpus file is skipped."""
+    from hyspec.train import corpus
+
+    root = tmp_path / "lib"
+    root.mkdir()
+    (root / "a.py").write_text("x = 1\n")
+    (root / "b.py").write_text("#" * 99 + "\n")  # 100 bytes
+    assert [p.name for p in collect_stdlib_files(root, max_file_bytes=100)] == ["a.py", "b.py"]
+    assert [p.name for p in collect_stdlib_files(root, max_file_bytes=99)] == ["a.py"]
+    out = tmp_path / "o"
+    assert corpus.main(["--out", str(out), "--root", str(root), "--max-file-bytes", "99", "--heldout-percent", "0"]) == 0
+    assert [p for p, _ in load_corpus(out / corpus.DEFAULT_NAME)["train"]] == ["a.py"]
+    (out / "dropped_files.txt").write_text("old.py\n")  # an earlier build's list
+    build_corpus(out / corpus.DEFAULT_NAME, root=root, verbose=False)
+    assert not (out / "dropped_files.txt").exists()
+    capsys.readouterr()
+    p = tmp_path / "blank.jsonl.xz"
+    with lzma.open(p, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"path": "a.py", "split": "train", "text": "x"}) + "\n\n")
+    assert load_corpus(p)["train"] == [("a.py", "x")]
+
+
+def test_tokenizer_vocab_floor_and_json_path(tmp_path):
+    """vocab_size must hold the 256 byte symbols and the special tokens; an out_path ending
+    in .json is the file written (a folder gets tokenizer.json)."""
+    with pytest.raises(ValueError, match="vocab_size must be >= 257"):
+        train_tokenizer(SMALL_TEXTS, vocab_size=256)
+    with pytest.raises(ValueError, match="vocab_size must be >= 258"):
+        train_tokenizer(SMALL_TEXTS, vocab_size=257, extra_special_tokens=["<|pad|>"])
+    train_tokenizer(SMALL_TEXTS, vocab_size=300, out_path=tmp_path / "t" / "my.json")
+    assert (tmp_path / "t" / "my.json").is_file() and not (tmp_path / "t" / "my.json" / "tokenizer.json").exists()
+
+
+def test_tokenizer_tool_trains_on_the_train_split_only(tmp_path, capsys, monkeypatch):
+    """The tokenizer tool learns merges from the train split only (held-out text never shapes
+    the vocabulary), applies --min-frequency, exits 1 naming the files a held-out text does
+    not round-trip, and refuses a corpus with no train split."""
+    from hyspec.train import tokenizer_train
+
+    def write(name, entries):
+        p = tmp_path / name
+        with lzma.open(p, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps({"path": f"m{i}.py", "split": s, "text": t}) + "\n" for i, (s, t) in enumerate(entries))
+        return p
+
+    c = write("c.jsonl.xz", [("train", "ab ab ab ab cd"), ("heldout", "qz qz qz qz qz qz")])
+    for minf, want_cd in ((2, False), (1, True)):
+        out = tmp_path / f"t{minf}"
+        assert tokenizer_train.main(["--corpus", str(c), "--out", str(out), "--vocab-size", "300",
+                                     "--min-frequency", str(minf)]) == 0
+        vocab = load_tokenizer(out).get_vocab()
+        assert "ab" in vocab and "qz" not in vocab and ("cd" in vocab) == want_cd, minf
+    capsys.readouterr()
+    monkeypatch.setattr(tokenizer_train, "check_roundtrip", lambda tok, texts: [0])
+    assert tokenizer_train.main(["--corpus", str(c), "--out", str(tmp_path / "tr"), "--vocab-size", "300"]) == 1
+    assert "ROUND TRIP FAILED for heldout files: ['m1.py']" in capsys.readouterr().out
+    monkeypatch.undo()
+    c = write("h.jsonl.xz", [("heldout", "qz qz qz")])
+    assert tokenizer_train.main(["--corpus", str(c), "--out", str(tmp_path / "th")]) == 2
+    assert "no training documents" in capsys.readouterr().err
+
+
+def test_the_shipped_split_lists_match_split_of():
+    """data/train_files.txt and data/heldout_files.txt (the default model's corpus: its
+    held-out figures are of these files) are what split_of gives their paths."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    train = (data / "train_files.txt").read_text().split()
+    held = (data / "heldout_files.txt").read_text().split()
+    assert (len(train), len(held)) == (702, 30)
+    assert [split_of(p) for p in train] == ["train"] * 702
+    assert [split_of(p) for p in held] == ["heldout"] * 30

@@ -311,3 +311,64 @@ def test_constrained_lanes_with_graphs(tmp_path, sampled):
         run_batch(dec32, [lane])
         assert (lane.tokens, lane.reason) == (list(core.tokens), core.stop_reason), k
 
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_lanes_whose_rows_overflow_end_in_error_as_on_the_engine_core(tmp_path, sampled, monkeypatch):
+    """fp32 with CUDA graphs: token 100 drives layer 0's MLP past float32's range when fed
+    (its row: NaN / +inf) and is chosen now and then. A lane whose round needs such a row
+    (its pending token's, or the row after drafts all accepted) ends in error there with
+    the engine core's tokens before it; a bad row past a rejected draft changes nothing
+    (both cases seen: the spy); the other lanes go on with the engine core's tokens. Before,
+    the graph rounds took argmax's first NaN id (greedy) or drew from NaN rows in silence."""
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.gpu import batch_loop
+    from hyspec.gpu.batch import NO_BAD_ROW, BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.loading import load_model
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=64, vocab_size=256, std=0.2)
+    m = load_model(d, dtype=torch.float32, device=torch.device("cuda"))
+    with torch.no_grad():
+        emb = m.model.embed_tokens.weight
+        emb[:, 0] = 0.0
+        emb[100] = 0.0
+        emb[100, 0] = 8.0
+        layer = m.model.layers[0]
+        layer.linear_attn.out_proj.weight[0, :] = 0.0
+        layer.mlp.gate_proj.weight[:, 0] = 1e19
+        layer.mlp.up_proj.weight[:, 0] = 1e19
+        m.lm_head.weight[100] *= 3.0
+    seen = {"used": 0, "unused": 0}
+    take = batch_loop.BatchRunner._take
+
+    def spy(self, rows, k, lp=None, kept=None):
+        for r, row in zip(self.active, rows):
+            if r.reason is None and row[-1] != NO_BAD_ROW:
+                seen["used" if row[-1] <= row[0] else "unused"] += 1
+        return take(self, rows, k, lp, kept)
+
+    monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
+    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 17)]
+    N = 24
+    dec = BatchDecoder(m, 3 + N + 8, 3, slots=16)
+    ends = []
+    for k in (0, 3):
+        sp = [SamplingParams(temperature=0.9, seed=4 + i) if sampled else SamplingParams(temperature=0.0)
+              for i in range(len(prompts))]
+        sched = Scheduler(m, max_batch=16)
+        core = [Request(prompt_ids=p, max_new_tokens=N, params=sp[i], draft=k) for i, p in enumerate(prompts)]
+        for r in core:
+            sched.submit(r)
+        sched.run()
+        lanes = [LaneRequest(prompt=p, max_new_tokens=N, k=k, params=sp[i]) for i, p in enumerate(prompts)]
+        run_batch(dec, lanes, max_batch=16)
+        for c, lane in zip(core, lanes):
+            assert (lane.tokens, lane.reason) == (list(c.tokens), c.stop_reason), k
+            assert (type(lane.exception).__name__ == "NonFiniteLogits") == (lane.reason == "error")
+        ends += [lane.reason for lane in lanes if lane.tokens]
+    assert "error" in ends and "length" in ends and seen["used"] and seen["unused"], (ends, seen)
+    assert dec.step_graphs.graphs and not dec.step_graphs.failed

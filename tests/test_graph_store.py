@@ -213,3 +213,28 @@ def test_stop_among_accepted_drafts_keeps_the_state(model, dec):
     assert spec_state.tokens == plain_state.tokens == tuple(PROMPT + ref[: i + 1])
     assert spec_state.pending == ref[i] and spec_state.fill_tokens[-1] == ref[i]
     assert_same(target_part(spec_state), target_part(plain_state))
+
+
+def test_a_moved_lane_keeps_its_stop_ids_and_forced_drafts(model, dec):
+    """A lane moved into a freed one (the last lane fills the hole) takes its stop ids (all
+    of them: here two) and its forced drafter's table with it: after the move its drafts
+    are still the reference's (every one accepted), and a stop among them still ends the
+    device's commit, so its end state is kept (its transcript's)."""
+    from hyspec.gpu.batch_loop import BatchRunner
+
+    ref = _core(model, None, PROMPT, 9, 0, None).tokens
+    i = next(i for i in (4, 5, 7) if ref[i] not in ref[:i])  # (rounds of k = 2 after the move: tokens 2-4, 5-7)
+    other = min(t for t in range(128) if t not in ref)  # a second stop id, sorted before it (never met)
+    assert other < ref[i]
+    stop = frozenset({ref[i], other})
+    kept = []
+    runner = BatchRunner(dec, forced_rates=(1.0, 1.0), forced_seed=0)
+    first = _lane([8, 1, 2], 2, 0, None)  # lane 0: leaves after one round, lane 1 moves into it
+    r = _lane(PROMPT, 9, 2, None, stop_ids=stop, reference=ref, on_state=kept.append)
+    runner.submit(first)
+    runner.submit(r)
+    runner.run()
+    assert first.reason == "length" and r.reason == "eos" and r.tokens == ref[: i + 1]
+    assert runner.states_kept == 1 and kept[0].tokens == tuple(PROMPT + ref[: i + 1])
+    tel = r.telemetry.to_dict()
+    assert tel["accepted"] == tel["drafted"] > 0

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ARCHS, make_cooperative
 
@@ -44,6 +45,8 @@ JOBS = [
                         "lanes": 2}),
     ("generate", {"prompt": P2, "max_new_tokens": 10, "draft": 2, "params": SAMPLED, "num_samples": 3,
                   "lanes": 2}),
+    # one slot, reused: each stage starts the next sequence on a zeroed state
+    ("generate_batch", {"prompts": [P1, P3, P2], "max_new_tokens": [10, 6, 5], "draft": [2, 0, 3], "max_batch": 1}),
 ]
 
 
@@ -77,6 +80,262 @@ def test_split_rule():
     assert split_layers([10] * 9, 5, 5, 3) == [range(0, 3), range(3, 6), range(6, 9)]
     with pytest.raises(ValueError):
         split_layers([10] * 2, 0, 0, 3)
+    # ties go to the earlier cut; stage 0's own bytes (the embedding) count against stage 0 only
+    assert split_layers([10] * 3, 0, 0, 2) == [range(0, 1), range(1, 3)]
+    assert split_layers([10] * 8, 20, 0, 2) == [range(0, 3), range(3, 8)]
+    assert split_layers([10] * 9, 30, 0, 3) == [range(0, 1), range(1, 5), range(5, 9)]
+    assert split_layers([10] * 3, 0, 0, 3) == [range(0, 1), range(1, 2), range(2, 3)]  # one layer a stage
+
+
+def test_split_bytes_are_the_stages_own_tensors(ckpts):
+    """layer_bytes counts, from config.json alone, what each stage holds: every layer's bytes,
+    the embedding on stage 0, and the last stage's embedding (the MTP head embeds its drafts),
+    final norm, LM head and MTP head (docs/multi-gpu.md, the split rule)."""
+    from hyspec.config import ModelConfig
+    from hyspec.parallel.pipeline import layer_bytes
+
+    path = ckpts["qwen3_5_moe"]
+    cfg = ModelConfig.from_dir(path)
+    full = load_model(path, dtype="float32")
+    size = {k: p.numel() * 4 for k, p in full.named_parameters()}
+
+    def total(*prefixes):
+        return sum(n for k, n in size.items() if k.startswith(prefixes))
+
+    per, first, last = layer_bytes(cfg)
+    assert per == [total(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+    assert first == total("model.embed_tokens.") > 0
+    assert last == first + total("model.norm.", "lm_head.", "mtp.") and total("mtp.") > 0
+    assert layer_bytes(cfg, torch.bfloat16) == ([n // 2 for n in per], first // 2, last // 2)
+
+
+def test_launch_checks_and_messages(ckpts, monkeypatch):
+    """What a `--pp N` launch says before it starts ranks, and its pieces: the --pp value
+    (serve's parser takes any integer), N against the model's layers and the GPUs, which
+    commands pass a Ctrl-C to the driver, the timeouts' values, a rank's exit in words and
+    as a shell's exit code, and which GPU a rank takes."""
+    import signal
+
+    import torch
+
+    from hyspec import engine, parallel
+    from hyspec.parallel import RankDied, check_launch, graceful_ctrl_c, pp_from_argv
+    from hyspec.parallel.pipeline import env_number, init, rank_device
+
+    assert pp_from_argv(["serve"]) == 1 and pp_from_argv(["serve", "--pp", "3"]) == 3
+    for bad, msg in (("0", "--pp must be >= 1, got 0"), ("two", "--pp must be an integer >= 1, got 'two'")):
+        with pytest.raises(ValueError, match=msg):
+            pp_from_argv(["serve", "--pp", bad])
+    model = ["generate", "--model", str(ckpts["qwen3_5"])]  # 8 layers
+    check_launch(model, 8)  # one layer a stage
+    with pytest.raises(ValueError, match="--pp 9: the model has 8 layers; each stage needs at least one"):
+        check_launch(model, 9)
+    monkeypatch.setattr(engine, "check_device", lambda d: torch.device(d))  # (as on a machine with GPUs)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_launch(model + ["--device", "cuda"], 2)
+    with pytest.raises(ValueError, match=r"--pp 3 --device cuda puts rank r on cuda:r: this machine has 2 GPU\(s\)"):
+        check_launch(model + ["--device", "cuda"], 3)
+    assert graceful_ctrl_c(["generate", "--prompt", "x"]) and graceful_ctrl_c(["generate", "--lanes", "1"])
+    assert not graceful_ctrl_c(["generate", "--lanes", "2"]) and not graceful_ctrl_c(["serve"])
+    assert not graceful_ctrl_c([])
+    for raw in ("0", "-1", "inf", "nan"):
+        monkeypatch.setenv("HYSPEC_PP_TIMEOUT", raw)
+        with pytest.raises(ValueError, match="must be a positive number of seconds"):
+            env_number("HYSPEC_PP_TIMEOUT", 1.0)
+    monkeypatch.setenv("HYSPEC_PP_TIMEOUT", "0.5")
+    assert env_number("HYSPEC_PP_TIMEOUT", 1.0) == 0.5
+    monkeypatch.setenv("WORLD_SIZE", "2.5")
+    with pytest.raises(ValueError, match="WORLD_SIZE='2.5' is not an integer"):
+        init(2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (torchrun --nproc-per-node 2 with --pp 3)
+    with pytest.raises(ValueError, match="--pp 3 needs 3 processes; this launch has WORLD_SIZE=2"):
+        init(3)
+    assert str(RankDied(1, 2, -9)) == "pipeline rank 1 of 2 was killed by SIGKILL; the other ranks were stopped"
+    assert RankDied(1, 2, -9).exit_code == 137 and RankDied(0, 2, -int(signal.SIGTERM)).exit_code == 143
+    assert "pipeline rank 0 of 3 exited with code 3;" in str(RankDied(0, 3, 3)) and RankDied(0, 3, 3).exit_code == 3
+    assert RankDied(0, 2, 0).exit_code == 1  # (gone mid-run: a failure, whatever its code)
+    assert "killed by signal 99;" in str(RankDied(0, 2, -99)) and RankDied(0, 2, -99).exit_code == 227
+    # a GPU per rank of this host: LOCAL_RANK (RANK counts the ranks of every host)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device("cuda") == torch.device("cuda", 1) and rank_device("cuda:0") == torch.device("cuda", 0)
+    assert rank_device("cpu") == torch.device("cpu")
+    assert parallel.ACTIVE is None
+
+
+class _Rank:
+    """A rank process of launch() (subprocess.Popen's calls it makes): exits with `code`
+    (None: runs until it is stopped)."""
+
+    def __init__(self, code):
+        self.returncode, self.code = None, code
+
+    def poll(self):
+        if self.returncode is None and self.code is not None:
+            self.returncode = self.code
+        return self.returncode
+
+    def terminate(self):
+        if self.returncode is None:
+            self.returncode = -15
+
+    send_signal = kill = lambda self, *_: self.terminate()
+
+    def wait(self, timeout=None):
+        return self.poll()
+
+
+@pytest.mark.parametrize("codes, rc, line", [
+    ((0, 0), 0, None),
+    ((2, None), 2, None),  # the driver's own error: rank 0 printed it
+    ((-9, None), 137, "pipeline rank 0 of 2 was killed by SIGKILL"),
+    ((None, 3), 3, "pipeline rank 1 of 2 exited with code 3"),
+    ((None, None, -6), 134, "pipeline rank 2 of 3 was killed by SIGABRT"),
+])
+def test_launch_reports_a_rank_that_ends(codes, rc, line, monkeypatch, capsys):
+    """launch() with a rank that ends on its own: the others are stopped, the command's exit
+    code is a shell's for it (128 + signal), and a rank other than rank 0 (or a killed rank
+    0) is named in one line."""
+    import signal
+
+    from hyspec import parallel
+
+    ranks = iter(codes)
+    monkeypatch.setattr(parallel.subprocess, "Popen", lambda *a, **kw: _Rank(next(ranks)))
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        assert parallel.launch(["generate"], len(codes)) == rc
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    err = capsys.readouterr().err
+    assert err == ("" if line is None else f"hyspec: error: {line}; the other ranks were stopped\n")
+
+
+class _FakeLink:
+    """The driver's side of a Link: what it sends, and `answers` from each rank."""
+
+    def __init__(self, world, answers=None):
+        self.rank, self.world, self.comm_dev, self.lanes = world - 1, world, torch.device("cpu"), 1
+        self.answers, self.sent = answers or {}, []
+
+    def send_obj(self, obj, dst):
+        self.sent.append((dst, obj))
+
+    def recv_obj(self, src):
+        return self.answers[src]
+
+
+def test_driver_messages_to_the_stages():
+    """The driver's own messages: stop hands the command's output to rank 0 only (it prints
+    it), and a fork still in flight at a stop, a mark or the end of a run (settle) is thrown
+    away by every stage and counted as dropped (its rows wasted)."""
+    import types
+
+    from hyspec.parallel.fork import PendingFork
+    from hyspec.parallel.pipeline import Driver
+
+    fwd = {"ids": [4, 5], "sizes": [2], "seqs": [(1, 64, 9, True, "states", False)]}
+    link = _FakeLink(3)
+    d = Driver(types.SimpleNamespace(), link)
+    d.settle()  # nothing in flight: nothing to say
+    assert link.sent == [] and not d.forking
+    d.optimistic = True
+    assert d.forking
+    link.lanes = 2  # (the other lane already fills stage 0)
+    assert not d.forking
+    link.lanes = 1
+    d.fork = PendingFork(fwd, 2)
+    d.settle()
+    assert link.sent == [(r, {"settle": True, "fork_res": "miss"}) for r in (0, 1)] and d.fork is None
+    t = d.fork_stats()
+    assert (t["forks"], t["dropped"], t["misses"], t["wasted_rows"], t["trace"]) == (0, 1, 0, 2, "d")
+    link.sent.clear()
+    d.fork = PendingFork(fwd, 2)
+    d.mark()
+    assert link.sent == [(r, {"mark": True, "fork_res": "miss"}) for r in (0, 1)] and d.fork is None
+    assert d.fork_stats()["dropped"] == 0  # (mark starts the counters afresh)
+    link.sent.clear()
+    d.fork = PendingFork(fwd, 2)
+    d.stop(("out", "err", 0))
+    assert link.sent == [(0, {"stop": True, "result": ("out", "err", 0)}), (1, {"stop": True, "result": None})]
+    assert d.fork is None and d.fork_stats()["dropped"] == 1
+
+
+def test_a_workers_reused_cache_starts_zeroed(ckpts):
+    """A worker's cache for a driver's slot: made at position 0, zeroed when the slot is
+    reused (a forward at 0 on a cache with state: the recurrent state of the previous
+    sequence must not leak in; its effect on a tiny model's tokens can be too small to
+    see), made anew for a new length; any other position without state is a desync."""
+    from hyspec.parallel.pipeline import Worker, load_stage
+
+    w = Worker(load_stage(ckpts["qwen3_5"], 2, 0), _FakeLink(2))
+    c = w._cache(7, 32, 0)
+    assert w._cache(None, 32, 0) is None and c.linear_states
+    c.pos = 5
+    for s in c.linear_states:
+        s.conv, s.ssm, s.record = torch.ones_like(s.conv), torch.ones_like(s.ssm), ["rec"]
+    assert w._cache(7, 32, 5) is c and c.pos == 5  # (the same sequence, going on)
+    assert w._cache(7, 32, 0) is c and c.pos == 0
+    assert all(not s.conv.any() and not s.ssm.any() and s.record is None for s in c.linear_states)
+    assert w._cache(7, 48, 0) is not c and w.caches[7].max_len == 48
+    with pytest.raises(RuntimeError, match="pipeline desync: no state for cache 8 at position 3"):
+        w._cache(8, 32, 3)
+
+
+def test_lanes_deal_the_requests_and_split_max_batch(monkeypatch):
+    """run_lanes: the requests dealt round-robin into at most `lanes` groups (none empty),
+    each decoding up to ceil(max_batch / lanes) together; a lane's error is raised after
+    every lane ended; the link counts one lane again afterwards (forking, the bubble)."""
+    import threading
+    import types
+
+    from hyspec.parallel import lanes
+
+    runs = []
+
+    class FakeScheduler:
+        def __init__(self, model, *, max_batch, backend):
+            self.max_batch, self.reqs = max_batch, []
+
+        def submit(self, r):
+            self.reqs.append(r)
+
+        def run(self):
+            runs.append((self.max_batch, [r.name for r in self.reqs]))
+            for r in self.reqs:
+                if r.name == "bad":
+                    raise RuntimeError("lane failed")
+                r.on_tokens(r.name)
+
+    monkeypatch.setattr(lanes, "Scheduler", FakeScheduler)
+    link = types.SimpleNamespace(_mu=threading.Lock(), lanes=1, _waiting=0, _idle_since=0.0)
+    backend = types.SimpleNamespace(driver=types.SimpleNamespace(link=link, lane=0))
+    printed = []
+
+    def reqs(names):
+        return [types.SimpleNamespace(name=n, on_tokens=printed.append, on_finish=None) for n in names]
+
+    assert lanes.run_lanes(None, backend, reqs("abcde"), max_batch=3)["lanes"] == 2
+    assert sorted(runs) == [(2, ["a", "c", "e"]), (2, ["b", "d"])] and sorted(printed) == list("abcde")
+    assert link.lanes == 1
+    runs.clear()
+    assert lanes.run_lanes(None, backend, reqs("ab"), max_batch=4, lanes=3)["lanes"] == 2
+    assert sorted(runs) == [(2, ["a"]), (2, ["b"])] and link.lanes == 1
+    with pytest.raises(RuntimeError, match="lane failed"):
+        lanes.run_lanes(None, backend, reqs(["a", "bad", "c"]), max_batch=2)
+    assert link.lanes == 1
+
+
+def test_check_stages_names_the_stage_that_did_not_load():
+    """The driver's start-up question: the first stage that could not load, its layers
+    (first..last) and rank, and why."""
+    from hyspec.parallel import check_stages
+
+    link = _FakeLink(3, {0: {"load_error": None}, 1: {"load_error": "missing tensor"}})
+    with pytest.raises(ValueError) as e:
+        check_stages(link, [range(0, 3), range(3, 5), range(5, 8)])
+    assert str(e.value) == "pipeline stage 1 (layers 3..4, rank 1) could not load: missing tensor"
+    assert link.sent == [(0, {"status": True}), (1, {"status": True})]
 
 
 def test_stage_loads_only_its_layers(ckpts):

@@ -50,6 +50,23 @@ def test_hit_rule():
     assert not is_hit(f, nxt, [("keep", 1, 3, 2), ("snap", 1, 4)])  # round r was not fully accepted
     assert not is_hit(f, {**nxt, "ids": [8, 10]}, [])
     assert fork_fwd(fwd, [[8] * 60]) is None  # past the cache
+    assert fork_fwd(fwd, [[8] * 52]) is None and fork_fwd(fwd, [[8] * 51])["seqs"][0][2] == 13  # 13 + 51 = 64 fits
+
+
+def test_telemetry_counts_and_line():
+    """ForkTelemetry.to_dict / summary_line: the hit rate is hits per fork issued (paused
+    and no-guess rounds issue none), the trace keeps its first TRACE_MAX events."""
+    from hyspec.parallel.fork import TRACE_MAX, ForkTelemetry
+
+    t = ForkTelemetry()
+    assert t.to_dict()["hit_rate"] == 0.0
+    t.forks, t.hits, t.misses, t.paused, t.no_guess, t.trips, t.forked_rows, t.wasted_rows = 4, 3, 1, 8, 2, 1, 12, 3
+    for c in "hm" + "p" * TRACE_MAX:
+        t.event(c)
+    d = t.to_dict()
+    assert d["hit_rate"] == 0.75 and len(d["trace"]) == TRACE_MAX and d["trace"].startswith("hmp")
+    assert t.summary_line() == ("[optimistic fork: 4 forks, 3 hits (75%), 1 misses, 8 rounds paused (1 pauses), "
+                                "3 of 12 forked rows wasted]")
 
 
 @pytest.fixture(scope="module")

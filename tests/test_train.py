@@ -664,8 +664,12 @@ def test_under_wall_minutes_the_final_evaluations_keep_the_token_cap(tmp_path):
     a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "m"), steps=2, device="cpu", batch_size=2,
                      seq_len=64, warmup=1, log_every=1, n_evals=1, eval_max_tokens=100, wall_minutes=60.0,
                      arch=dict(TINY_ARCH))
-    res = tr.train(a, streams=streams, log=lambda s: None)
+    logs = []
+    res = tr.train(a, streams=streams, log=logs.append)
     assert res["final"]["val"]["tokens"] <= 100 and res["final"]["heldout"]["tokens"] <= 100
+    # (and the training time is cut to what the limit leaves: --steps alone has no budget)
+    assert res["train_budget_s"] is not None and res["train_budget_s"] < 3600 - 25
+    assert any(line.startswith("wall-clock limit 60 min: training budget cut to") for line in logs)
 
 
 def test_a_trained_checkpoint_over_a_make_tiny_one_drops_its_marker(tmp_path):
@@ -749,3 +753,348 @@ def test_the_corpus_tool_refuses_to_write_an_empty_corpus(tmp_path, capsys):
     assert not out.exists()
     assert corpus.main(["--out", str(out), "--root", str(root)]) == 0
     assert (out / corpus.DEFAULT_NAME).is_file()
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(batch_size=0), "--batch-size must be >= 1, got 0"),
+    (dict(seq_len=1), "--seq-len must be >= 2, got 1"),
+    (dict(log_every=0), "--log-every must be >= 1"),
+    (dict(n_evals=0), "--n-evals must be >= 1"),
+    (dict(warmup=-1), "--warmup must be >= 0"),
+    (dict(lr=0.0), "--lr must be > 0"),
+    (dict(lr=float("nan")), "--lr must be a finite number >= 0, got nan"),
+    (dict(grad_clip=float("inf")), "--grad-clip must be a finite number >= 0, got inf"),
+    (dict(mtp_weight=-0.5), "--mtp-weight must be a finite number >= 0"),
+    (dict(eval_max_tokens=2), "--eval-max-tokens must be 0 (the whole split) or >= 3, got 2"),
+    (dict(dropout=1.0), "--dropout in [0, 1)"),
+    (dict(min_lr_ratio=1.5), "--min-lr-ratio must be in [0, 1]"),
+    (dict(arch=dict(TINY_ARCH, heads=0)), "--heads must be >= 1, got 0"),
+    (dict(device="tpu"), "must be cpu, cuda or cuda:N"),
+])
+def test_check_config_refuses_each_setting_that_cannot_train(tmp_path, kw, needle):
+    """Every refusal of check_config names its flag (a batch of 0 windows, a learning rate of
+    0 or NaN, dropout 1, an unknown device, ...), before anything is loaded or written."""
+    from hyspec.train.config import check_config
+
+    with pytest.raises(ValueError) as e:
+        check_config(tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(tmp_path / "m"), steps=1, **kw))
+    assert needle in str(e.value), str(e.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_an_out_folder_with_only_a_shard_index_is_refused(tmp_path):
+    """The loader reads model.safetensors.index.json in preference to model.safetensors: an
+    index alone (its shards deleted) in --out is another checkpoint's weights too."""
+    from hyspec.train.config import check_no_other_weights
+
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier trained run")
+    check_no_other_weights(out)  # (an earlier trained checkpoint is overwritten)
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(ValueError, match=r"holds another checkpoint's weights \(model.safetensors.index.json\)"):
+        check_no_other_weights(out)
+
+
+def test_window_sampler_epochs_use_each_window_once_in_a_new_order():
+    """An epoch draws an offset in [0, stride) and uses each window offset + k*stride (the last
+    one ending at the stream's end included) once, in a random order; epochs_done counts them."""
+    N, win, stride, B = 18 + 7 * 16, 18, 16, 4
+    s = tr.WindowSampler(torch.arange(N), win, stride, B, seed=0)
+    epochs: dict[int, list[int]] = {}
+    for _ in range(80):
+        w = s.next()
+        assert w.shape == (B, win) and torch.equal(w[:, 1:] - w[:, :-1], torch.ones(B, win - 1, dtype=torch.long))
+        assert s.epoch - 1 < s.epochs_done <= s.epoch
+        epochs.setdefault(s.epoch, []).extend(w[:, 0].tolist())
+    del epochs[s.epoch]  # (the last may be part-way)
+    offsets = set()
+    for starts in epochs.values():
+        off = starts[0] % stride
+        every = list(range(off, N - win + 1, stride))
+        assert len(set(starts)) == len(starts) == len(every) // B * B and set(starts) <= set(every), (off, starts)
+        offsets.add(off)
+    assert 0 in offsets and len(offsets) > 3  # (offset 0: the window ending at the stream's end is used)
+    assert any(starts != sorted(starts) for starts in epochs.values())
+    with pytest.raises(ValueError, match="too short for one step"):
+        tr.WindowSampler(torch.arange(win + B * stride - 1), win, stride, B, seed=0)
+
+
+def test_eval_windows_cover_each_target_once_at_every_length():
+    T = 8
+    for n in range(2, 4 * T + 4):
+        w, m = tr.eval_windows(torch.arange(1, n + 1), T)
+        assert sorted(w[:, 1:T + 1][m[:, 1:T + 1]].tolist()) == list(range(2, n + 1)), n
+        assert sorted(w[:, 2:T + 2][m[:, 2:T + 2]].tolist()) == list(range(3, n + 1)), n
+
+
+def test_lr_schedule_warms_up_then_decays_to_its_floor():
+    """Linear warm-up over --warmup steps (at most a tenth of the run), then a cosine from --lr
+    down to --lr x --min-lr-ratio at the last step."""
+    a = tr.TrainArgs(lr=1e-3, warmup=10, min_lr_ratio=0.1, steps=100)
+    assert tr.lr_at(0, 100, a) == pytest.approx(1e-4)
+    assert tr.lr_at(4, 100, a) == pytest.approx(5e-4)
+    assert tr.lr_at(9, 100, a) == pytest.approx(1e-3) == tr.lr_at(10, 100, a)
+    assert tr.lr_at(55, 100, a) == pytest.approx(1e-4 + 0.5 * 0.9e-3)
+    assert tr.lr_at(100, 100, a) == pytest.approx(1e-4)
+    lrs = [tr.lr_at(s, 100, a) for s in range(10, 101)]
+    assert lrs == sorted(lrs, reverse=True)
+    a = tr.TrainArgs(lr=1e-3, warmup=100, min_lr_ratio=0.1, steps=20)  # warm-up capped at 20 // 10 steps
+    assert tr.lr_at(0, 20, a) == pytest.approx(5e-4) and tr.lr_at(1, 20, a) == pytest.approx(1e-3)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    model = _tiny_model(True)
+    decay, no_decay = tr._param_groups(model, 0.3)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.3, 0.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in decay["params"]:
+        n = names[id(p)]
+        assert p.dim() >= 2 and "embed_tokens" not in n and not n.endswith("conv1d.weight"), n
+    for p in no_decay["params"]:
+        n = names[id(p)]
+        assert p.dim() < 2 or "embed_tokens" in n or n.endswith("conv1d.weight"), n
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names) and decay["params"]
+
+
+def test_the_checkpoint_keeps_the_decay_parameters_in_fp32(tmp_path):
+    """A_log and dt_bias are written in fp32 (bf16 would move every decay rate), the rest in
+    bf16; round_to_bf16_ (applied before the final evaluation) gives the weights the
+    checkpoint holds."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    model = _tiny_model(True)
+    out = tmp_path / "m"
+    tr.save_checkpoint(model, {"a": 1}, out, None)
+    saved = load_file(str(out / "model.safetensors"))
+    sd = model.state_dict()
+    keep = [k for k in sd if k.endswith(("A_log", "dt_bias"))]
+    assert any(k.endswith("A_log") for k in keep) and any(k.endswith("dt_bias") for k in keep)
+    for k, v in saved.items():
+        assert v.dtype == (torch.float32 if k in keep else torch.bfloat16), k
+    before = {k: v.clone() for k, v in sd.items()}
+    tr.round_to_bf16_(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[k].to(v.dtype)), k
+        if k in keep:
+            assert torch.equal(v, before[k]), k
+
+
+def test_a_run_follows_its_settings(tmp_path, monkeypatch):
+    """What the loop does with its settings: each step's loss takes --mtp-weight and --dropout,
+    the logged loss is the mean over the steps since the last line (and the last step is
+    logged), the lr follows lr_at, AdamW decays with --weight-decay, --n-evals validations are
+    spread over the run, and the final figures are those of the written (bf16) checkpoint."""
+    pytest.importorskip("safetensors")
+    from hyspec.loading import load_model
+    from hyspec.train import loop
+
+    real_loss, seen = loop.loss_fn, []
+
+    def loss_fn(model, win, mtp_weight, use_fla, dropout=0.0, *args, **kw):
+        o = real_loss(model, win, mtp_weight, use_fla, dropout, *args, **kw)
+        seen.append((mtp_weight, dropout, o["loss"].item()))
+        return o
+
+    real_adamw, groups = torch.optim.AdamW, []
+
+    def adamw(params, **kw):
+        groups.extend(params)
+        return real_adamw(params, **kw)
+
+    monkeypatch.setattr(loop, "loss_fn", loss_fn)
+    monkeypatch.setattr(torch.optim, "AdamW", adamw)
+    streams = _tiny_streams()
+    out = tmp_path / "m"
+    a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(out), steps=5, device="cpu", batch_size=2, seq_len=32,
+                     warmup=2, log_every=2, n_evals=2, mtp_weight=0.25, dropout=0.05, weight_decay=0.3,
+                     lr=3e-3, min_lr_ratio=0.2, arch=dict(TINY_ARCH))
+    res = tr.train(a, streams=streams, log=lambda s: None)
+    assert [s[:2] for s in seen] == [(0.25, 0.05)] * 5
+    assert [g["weight_decay"] for g in groups] == [0.3, 0.0]
+    assert [h["step"] for h in res["log"]] == [2, 4, 5]
+    for h, window in zip(res["log"], ([0, 1], [2, 3], [4])):
+        assert h["loss"] == pytest.approx(sum(seen[i][2] for i in window) / len(window), rel=1e-5)
+        assert h["loss"] == pytest.approx(h["main_loss"] + 0.25 * h["mtp_loss"], rel=1e-5)
+        assert h["lr"] == pytest.approx(tr.lr_at(h["step"] - 1, 5, a))
+        assert h["tokens"] == h["step"] * 2 * 32
+    assert [v["step"] for v in res["val"]] == [0, 2, 4, 5] and res["tokens_seen"] == 5 * 2 * 32
+    assert all(v["score"] == pytest.approx(v["loss"] + 0.25 * v["mtp_loss"]) for v in res["val"])
+    model = load_model(out, dtype=torch.float32)
+    r = tr.evaluate(model, streams["heldout"], T=32, batch=2, device="cpu", mtp_weight=0.25, use_fla=False,
+                    amp=False)
+    for k in ("tokens", "loss", "top1", "mtp_loss", "mtp_top1"):
+        assert r[k] == pytest.approx(res["final"]["heldout"][k], rel=1e-6, abs=1e-7), k
+
+
+def test_the_seed_sets_the_initial_weights_and_the_data_order(tmp_path, monkeypatch):
+    """--seed is the init and data order seed: the same seed trains the same weights, another
+    starts from other weights and draws other windows."""
+    pytest.importorskip("safetensors")
+    from hyspec.train import loop
+
+    real_loss, wins = loop.loss_fn, []
+    monkeypatch.setattr(loop, "loss_fn", lambda model, win, *a, **kw: (wins.append(win.clone()),
+                                                                         real_loss(model, win, *a, **kw))[1])
+    runs = []
+    for i, seed in enumerate((0, 0, 1)):
+        wins.clear()
+        out = tmp_path / f"m{i}"
+        a = tr.TrainArgs(tokenizer=str(TOKENIZER), out=str(out), steps=1, device="cpu", batch_size=2, seq_len=16,
+                         warmup=0, log_every=1, n_evals=1, seed=seed, arch=dict(TINY_ARCH))
+        res = tr.train(a, streams=_tiny_streams(), log=lambda s: None)
+        runs.append((res["val"][0]["loss"], list(wins), (out / "model.safetensors").read_bytes()))
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
+    assert all(torch.equal(x, y) for x, y in zip(runs[0][1], runs[1][1]))
+    assert runs[2][0] != runs[0][0]  # other initial weights
+    assert not torch.equal(runs[2][1][0], runs[0][1][0])  # other windows
+
+
+def test_the_cpu_memory_check_refuses_what_does_not_fit_and_names_a_batch_that_does(monkeypatch):
+    """A CPU run whose estimate passes 90 % of the available memory is refused, naming the
+    largest --batch-size that fits; a GPU run is not judged by the host's memory."""
+    from hyspec.train import memory
+
+    a = tr.TrainArgs(batch_size=8, seq_len=256, steps=1)
+    need = memory.estimate_train_bytes(a, 4096)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: int(need / 0.9) + 1)
+    memory.check_train_memory(a, 4096, "cpu")
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: int(need / 0.9) - 1)
+    with pytest.raises(ValueError, match=r"needs about .* GB .*--batch-size 7 fits"):
+        memory.check_train_memory(a, 4096, "cpu")
+    memory.check_train_memory(a, 4096, "cuda")  # (no CUDA needed: the check is for the CPU only)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1)
+    with pytest.raises(ValueError, match="even --batch-size 1 does not fit"):
+        memory.check_train_memory(a, 4096, "cpu")
+
+
+def test_the_cli_flags_and_exit_statuses(monkeypatch, capsys, tmp_path):
+    """The model-shape flags default to DEFAULT_ARCH, --no-check-fla turns the check off, and
+    a run stopped by a non-finite loss exits 1 as one stopped by an error; a Ctrl-C before
+    the first step (nothing written) exits 130."""
+    from hyspec.train import cli
+
+    out = str(tmp_path / "m")
+    a = cli.parse_args(["--out", out])
+    assert a.arch == tr.DEFAULT_ARCH and a.check_fla is True
+    a = cli.parse_args(["--out", out, "--no-check-fla", "--hidden", "64"])
+    assert a.check_fla is False and a.arch == dict(tr.DEFAULT_ARCH, hidden=64)
+    monkeypatch.setattr(cli, "train", lambda a, log: {"stopped": "non-finite loss", "chosen_step": 2})
+    assert cli.main(["--out", out, "--steps", "4"]) == 1
+    assert "training stopped early (non-finite loss)" in capsys.readouterr().err
+
+    def interrupted(a, log):
+        raise tr.TrainingFailed("training stopped before its first step (interrupted (Ctrl-C)): no checkpoint written")
+
+    monkeypatch.setattr(cli, "train", interrupted)
+    assert cli.main(["--out", out, "--steps", "4"]) == 130
+
+
+def test_the_fla_guard_sees_a_wrong_kernel(monkeypatch):
+    """compare_gdn_paths, which decides whether training uses fla, reports a kernel whose
+    output is off (here scaled by 1.5) by its loss, gradients and the worst GDN parameter."""
+
+    def off(*args, **kw):
+        o, s = _fake_fla(*args, **kw)
+        return o * 1.5, s
+
+    monkeypatch.setattr(tr, "_FLA", off)
+    model = _tiny_model(True)
+    model.train()
+    win = torch.randint(0, 256, (2, 42), generator=torch.Generator().manual_seed(4))
+    r = tr.compare_gdn_paths(model, win, 0.5, amp=False)
+    assert r["logits_maxdiff"] > 1e-3 and r["grad_rel_err"] > 1e-3
+    assert r["gdn_grad_rel_err_max"] > 1e-3 and "linear_attn" in r["gdn_grad_worst"]
+
+
+def test_evaluate_scores_each_target_once_per_head():
+    """evaluate's loss, perplexity and top-1 (target and MTP) over a stream that does not fill
+    its last batch or window: each window scored on its own, as the per-sequence model does."""
+    import math
+
+    import torch.nn.functional as F
+
+    model = _tiny_model(True)
+    stream = torch.randint(1, 256, (61,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # the model's own greedy text up to 40, so that top-1 is not 0
+        for i in range(1, 40):
+            stream[i] = model(stream[:i])[-1].argmax()
+    T = 16
+    r = tr.evaluate(model, stream, T=T, batch=3, device="cpu", mtp_weight=0.5, use_fla=False, amp=False)
+    ce, ok, ce2, ok2 = [], [], [], []
+    with torch.no_grad():
+        for s in range(0, stream.numel() - 1, T):
+            ids = stream[s:s + T]
+            h = model.forward_hidden(ids, None, StepCtx(chunked=True))
+            lg = model.logits(h)
+            tgt = stream[s + 1:s + T + 1]
+            ce += F.cross_entropy(lg[:len(tgt)], tgt, reduction="none").tolist()
+            ok += (lg[:len(tgt)].argmax(-1) == tgt).tolist()
+            tgt2 = stream[s + 2:s + T + 2]
+            if len(tgt2):
+                ml = model.logits(model.mtp_hidden(stream[s + 1:s + 1 + len(tgt2)], h[:len(tgt2)], StepCtx(start=0), None))
+                ce2 += F.cross_entropy(ml, tgt2, reduction="none").tolist()
+                ok2 += (ml.argmax(-1) == tgt2).tolist()
+    assert r["tokens"] == len(ce) == 60 and len(ce2) == 59 and 0 < r["top1"] < 1
+    assert r["loss"] == pytest.approx(sum(ce) / len(ce), abs=1e-5) and r["ppl"] == pytest.approx(math.exp(r["loss"]))
+    assert r["top1"] == pytest.approx(sum(ok) / len(ok))
+    assert r["mtp_loss"] == pytest.approx(sum(ce2) / len(ce2), abs=1e-5)
+    assert r["mtp_top1"] == pytest.approx(sum(ok2) / len(ok2))
+
+
+def test_the_validation_split_is_pinned():
+    """The ~3 % of the train split kept out for validation is a pure function of the path
+    (sha256 of "val:" + path below VAL_PERCENT): the shipped checkpoint's best step was picked
+    on these files."""
+    files = (ROOT / "data" / "train_files.txt").read_text().split()
+    val = [p for p in files if tr.is_val_doc(p)]
+    assert len(files) == 702 and len(val) == 27 and val[0] == "asyncio/proactor_events.py"
+    assert not tr.is_val_doc("argparse.py") and not tr.is_val_doc("os.py")
+
+
+def test_load_streams_keeps_the_val_documents_out_of_training(tmp_path):
+    """The val documents (m75, m119, m128 here) form the val stream, in corpus order, and are
+    not trained on; the others are the train stream, each document followed by EOS."""
+    from tokenizers import Tokenizer
+
+    entries = [{"path": f"m{i}.py", "split": "heldout" if i == 0 else "train", "text": f"x = {i}\n"}
+               for i in range(130)]
+    corpus = tmp_path / "c.jsonl.xz"
+    corpus.write_bytes(lzma.compress("".join(json.dumps(e) + "\n" for e in entries).encode()))
+    s = tr.load_streams(corpus, TOKENIZER)
+    tok = Tokenizer.from_file(str(TOKENIZER))
+
+    def docs(stream):
+        text = tok.decode(stream.tolist(), skip_special_tokens=False)
+        assert text.endswith("<|endoftext|>")
+        return text.split("<|endoftext|>")[:-1]
+
+    val = [e["text"] for e in entries[1:] if tr.is_val_doc(e["path"])]
+    assert val == ["x = 75\n", "x = 119\n", "x = 128\n"]
+    assert docs(s["val"]) == val
+    assert docs(s["train"]) == [e["text"] for e in entries[1:] if e["text"] not in val]
+    assert docs(s["heldout"]) == ["x = 0\n"]
+
+
+def test_available_memory_is_capped_by_the_cgroup_limit(monkeypatch):
+    """In a container the cgroup's memory.max (less what it uses) bounds what a CPU run may
+    take, below the host's MemAvailable; "max" is no limit."""
+    from hyspec.train import memory
+
+    files = {"/proc/meminfo": "MemTotal: 16000000 kB\nMemAvailable: 8000000 kB\n",
+             "/sys/fs/cgroup/memory.max": "3000000000\n", "/sys/fs/cgroup/memory.current": "1000000000\n"}
+
+    class FakePath:
+        def __init__(self, p):
+            self.p = str(p)
+
+        def read_text(self):
+            if self.p not in files:
+                raise FileNotFoundError(self.p)
+            return files[self.p]
+
+    monkeypatch.setattr(memory, "Path", FakePath)
+    assert memory.available_memory_bytes() == 2_000_000_000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert memory.available_memory_bytes() == 8_000_000 * 1024

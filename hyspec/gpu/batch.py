@@ -14,7 +14,9 @@ any sequences sitting in them:
                    stop_ids [S, STOP_SLOTS] (the commit keeps no row past an accepted stop draft)
     round scratch  verify_tokens [S, t_max] (pending, d1..dk); argmax [S, t_max] the
                    target's choice per verify row; seed_hidden [S, t_max, H] their hiddens;
-                   result [S, 2 + k_max] = (accepted n, bonus, d1..dk) read by the host
+                   result [S, 3 + k_max] = (accepted n, bonus, d1..dk, bad row) read by
+                   the host (bad row: the lane's first verify row whose logits hold NaN or
+                   +inf, NO_BAD_ROW if none; the host ends a lane whose bad row <= n in error)
 
 Active sequences sit in lanes 0..n-1 (a leaving sequence's lane is filled by moving the
 last one into it: a bitwise copy, so nothing a lane computes depends on where it sits).
@@ -68,6 +70,7 @@ from hyspec.model.ops import StepCtx
 from hyspec.speculative.drafter import draft_vocab
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+NO_BAD_ROW = 2**31 - 1  # result[:, -1] of a lane none of whose rows held NaN / +inf (past any accepted n)
 STOP_SLOTS = 8  # stop ids per lane the device's commit knows (hyspec.gpu.batch_loop ends lanes on all of them)
 
 
@@ -144,6 +147,7 @@ class BatchDecoder:
         H = cfg.hidden_size
         R = self.lane_rows
         self.lane_ids = torch.arange(S, **long)  # [S] 0..S-1
+        self.row_ids = torch.arange(self.t_max, **long)  # [t_max] 0..t_max-1 (a round's verify rows)
         self.pos = torch.zeros(S, **long)  # [S] tokens in each lane's cache
         self.pending = torch.zeros(S, **long)  # [S] the next token to verify
         self.k_lane = torch.zeros(S, **long)  # [S] drafts the lane uses this round (0: plain)
@@ -157,7 +161,7 @@ class BatchDecoder:
         self.verify_tokens = torch.zeros(S, self.t_max, **long)  # [S, t_max] pending, d1..dk
         self.argmax = torch.zeros(S, self.t_max, **long)  # [S, t_max] the target's choice per verify row
         self.seed_hidden = torch.zeros(S, self.t_max, H, device=dev, dtype=dt)  # [S, t_max, H] verify hiddens
-        self.result = torch.zeros(S, 2 + k_max, **long)  # [S, 2 + k_max] accepted n, bonus, d1..dk
+        self.result = torch.zeros(S, 3 + k_max, **long)  # [S, 3 + k_max] accepted n, bonus, d1..dk, bad row
         self.n_keep = torch.zeros(S, **long)  # [S] the round's kept drafts per lane (commit scratch)
         self.j_keep = torch.zeros(S, **long)  # [S] n_keep + 1: the verify rows the lane keeps
         self.forced_tokens = torch.zeros(S, L * max(k_max, 1), **long)  # [S, L * k_max] forced drafter
@@ -470,16 +474,19 @@ class BatchDecoder:
             self.window.last_n[lane] = 0
 
     # -- the round bodies (graph-captured) ---------------------------------------------
-    def _masked(self, logits: torch.Tensor, words: torch.Tensor):
+    def _masked(self, logits: torch.Tensor, words: torch.Tensor, bad: bool = False):
         """Rows of logits [r, V] with the tokens their mask words [r, W] do not allow at -inf.
-        Returns (masked logits, allowed [r, V] bool, dead [r] bool). A dead row (no allowed
-        token with a finite logit: an empty mask, or a reduced draft vocabulary scoring none
-        of the allowed tokens) keeps its unmasked logits, so nothing downstream sees a row
-        without mass; the round driver / commit treat its choice as no token."""
+        Returns (masked logits, allowed [r, V] bool, dead [r] bool), and with bad=True also
+        bad [r] bool: an allowed token's logit is NaN or +inf (the engine core masks, then
+        checks: hyspec.core.round.masked, NonFiniteLogits). A dead row (no allowed token
+        with a finite logit: an empty mask, a reduced draft vocabulary scoring none of the
+        allowed tokens, or a bad row) keeps its unmasked logits, so nothing downstream sees
+        a row without mass; the round driver / commit treat its choice as no token."""
         allowed = ((words.index_select(1, self.bit_word) >> self.bit_shift) & 1).bool()
         m = logits.masked_fill(~allowed, float("-inf"))
         dead = ~torch.isfinite(m).any(-1)
-        return torch.where(dead[:, None], logits, m), allowed, dead
+        out = (torch.where(dead[:, None], logits, m), allowed, dead)
+        return out + (~(m < float("inf")).all(-1),) if bad else out
 
     def _decode_forward(self, nb: int):
         """The plain step's target forward for lanes 0..nb-1: logits [nb, V] (the runner's buffer)."""
@@ -492,19 +499,38 @@ class BatchDecoder:
     def _decode_pick(self, nb: int, logits: torch.Tensor, regime, masked: bool) -> None:
         """The plain step's token per lane from logits [nb, V] -> result, pending, pos.
         regime (a SampledGraphKey; None: argmax only): the sampling work on the device."""
+        bad = None
         if masked:  # mask row 0: the constraint's state now
-            logits, _, dead = self._masked(logits, self.mask[0, :nb])
+            logits, _, dead, bad = self._masked(logits, self.mask[0, :nb], bad=True)
         if regime is not None:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
             counts = self.window.head(nb).counts if self._penalised(regime) else None
+            self._bad_rows(nb, 1, logits, None if masked else self.runner.argmax(logits), bad)
             token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts)
         else:
             token = self.runner.argmax(logits)
+            self._bad_rows(nb, 1, logits, token, bad)
         self.result[:nb, 0].zero_()
         self.result[:nb, 1].copy_(torch.where(dead, -1, token) if masked else token)  # -1: no token allowed
         self.pending[:nb].copy_(token)
         if self._penalised(regime):
             self.window.head(nb).push(token, self.live[:nb] > 0)
         self.pos[:nb].add_(self.live[:nb])
+
+    def _bad_rows(self, nb: int, t: int, logits: torch.Tensor, argmax: torch.Tensor, bad=None) -> None:
+        """result[:nb, -1] = each lane's first row (of t, logits [nb * t, V]) that holds NaN
+        or +inf, else NO_BAD_ROW: the row's value at its argmax [nb, t] is NaN (torch's and
+        argmax_rows' pick the first NaN) or +inf exactly when the row holds one -- one
+        gather, no pass over the vocabulary. The engine core's rule
+        (hyspec.sampling.greedy_token / filter_probs: NonFiniteLogits), which penalties do
+        not change (finite factors keep NaN and +inf). bad [nb * t] (a masked round's, from
+        _masked): the rows' flags as the constraint's masks leave them, used instead."""
+        rows = self.row_ids[:t].expand(nb, t)
+        if bad is None:  # (v < inf: False for NaN and +inf alone)
+            ok = logits[: nb * t].gather(1, argmax.reshape(nb * t, 1)).view(nb, t) < float("inf")
+            first = torch.where(ok, NO_BAD_ROW, rows)
+        else:
+            first = torch.where(bad.view(nb, t), rows, NO_BAD_ROW)
+        self.result[:nb, -1].copy_(first.amin(1))
 
     def _decode_body(self, nb: int, regime=None) -> None:
         """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
@@ -642,10 +668,12 @@ class BatchDecoder:
         k_lane = self.k_round[:nb] if pmin else self.k_lane[:nb]  # (p_min: the drafts each lane kept)
         if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
             logits = self.runner.bufs.logits[: nb * t]
-            m, _, dead = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1))
+            m, _, dead, bad = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1), bad=True)
             logits.copy_(m)
             argmax.copy_(m.argmax(-1).view(nb, t))
             k_lane = self.k_round[:nb]
+        self._bad_rows(nb, t, self.runner.bufs.logits, argmax, bad if masked else None)  # (before the
+        # sampled accept, which may work in the logits buffer)
         accepted = accept_sampled(self, nb, t, regime, plain, k_lane) if regime is not None else None
         # the accept test (greedy: the drafts the target's argmax agrees with, up to k_lane),
         # the stop cut and the next round's buffers, one launch (hyspec.kernels.commit: the

@@ -32,7 +32,7 @@ import torch
 from hyspec.config import no_mtp_error
 from hyspec.core.round import commit_constraint, stop_cut
 from hyspec.rng import u01_tensor
-from hyspec.sampling import top_ids
+from hyspec.sampling import NonFiniteLogits, top_ids
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.gpu.batch import BatchDecoder, padded_size
@@ -71,7 +71,7 @@ class LaneRequest:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "constraint" | "error"
     error: str | None = None  # why, with reason "error" (its constraint could not go on: Constraint.fail)
-    exception: Exception | None = None  # its own error at admission, with reason "error" (NonFiniteLogits)
+    exception: Exception | None = None  # its own error (at admission or in a round), reason "error" (NonFiniteLogits)
     k_now: int = -1  # the k its lane drafts in the current round (k_lane on the device)
     k_next: int = -1  # adaptive K: the k it asks for next round (before the token-limit cap)
     rounds: int = 0  # target forwards (plain steps and speculative rounds)
@@ -154,7 +154,7 @@ class BatchRunner:
         # results of a launched round: copied to pinned host memory behind an event, so the
         # next round can be queued before the host reads this one (two buffers)
         if self._cuda:
-            self._host = [torch.empty(dec.slots, 2 + dec.k_max, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self._host = [torch.empty(dec.result.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
             # the drafts each lane kept (dec.k_round) of a round with p_min or masks
             self._khost = [torch.empty(dec.slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self._events = [torch.cuda.Event() for _ in range(2)]
@@ -380,7 +380,8 @@ class BatchRunner:
     def _keeps(r: LaneRequest) -> bool:
         """Whether r's end state goes to r.on_state (store: eos / length; a session turn:
         every end but a cancel)."""
-        return r.on_state is not None and (r.reason in KEPT_ENDS or (r.keep and r.reason != "cancelled"))
+        return r.on_state is not None and (r.reason in KEPT_ENDS or (r.keep and r.reason != "cancelled"
+                                                                      and r.exception is None))
 
     def _keep_state(self, lane: int, r: LaneRequest) -> None:
         """Hand lane's end state to r.on_state (when it is exactly r's transcript's)."""
@@ -441,7 +442,7 @@ class BatchRunner:
             self._events[buf].record()
             return buf, n, k, None, lp, kr
         kr = dec.k_round[:n].clone() if k > 0 and (pmin or masked) else None
-        return buf, n, k, dec.result[:n, : 2 + k].clone(), lp, kr  # CPU: the call was synchronous
+        return buf, n, k, dec.result[:n].clone(), lp, kr  # CPU: the call was synchronous
 
     def _logprob_pack(self, lanes: list[int], k: int, top: int):
         """For a round just launched whose lanes `lanes` ask for logprobs: each of their
@@ -541,16 +542,18 @@ class BatchRunner:
             self.constraint_s += time.perf_counter() - t0
 
     def _read(self, launched):
-        """-> (rows (accepted n, bonus, d1..dk) per lane, k, the logprob pack or None, the
-        drafts each lane kept or None)."""
+        """-> (rows (accepted n, bonus, d1..dk, bad row) per lane, k, the logprob pack or
+        None, the drafts each lane kept or None)."""
         buf, n, k, copy, lp, kr = launched
         if self._cuda:
             t0 = time.perf_counter()
             self._events[buf].synchronize()
             self.wait_s += time.perf_counter() - t0
             kept = None if kr is None else kr[:n].tolist()
-            return self._host[buf][:n, : 2 + k].tolist(), k, lp, kept
-        return copy.tolist(), k, lp, None if kr is None else kr.tolist()
+            rows = self._host[buf][:n].tolist()
+        else:
+            rows, kept = copy.tolist(), None if kr is None else kr.tolist()
+        return [row[: 2 + k] + row[-1:] for row in rows], k, lp, kept
 
     def _take(self, rows, k: int, lp=None, kept=None) -> None:
         """Emit a read round's tokens to the lanes still going (a finished or cancelled
@@ -559,10 +562,15 @@ class BatchRunner:
         each lane kept (a round with p_min or masks: a draft below p_min or a dead mask row
         ended them), else each lane's k_now."""
         lps = self._round_logprobs(rows, k + 1, lp) if lp is not None else {}
-        for i, (r, row) in enumerate(zip(self.active, rows)):  # row: (accepted n, bonus, d1..dk) of that lane
+        for i, (r, row) in enumerate(zip(self.active, rows)):  # row: (accepted n, bonus, d1..dk, bad row)
             if r.reason is not None:
                 continue
             n, bonus = row[0], row[1]
+            if row[-1] <= n:  # a row the round used held NaN / +inf: as on the engine core
+                # (hyspec.core.round: NonFiniteLogits), this lane alone ends in error and the
+                # round emits nothing for it (rows past a rejected draft are not read there either)
+                r.reason, r.exception = "error", NonFiniteLogits()
+                continue
             drafted = r.k_now if kept is None else kept[i]
             r.rounds += 1
             # a constraint that allowed no token at all (no drafts, a dead bonus row): the engine
@@ -839,11 +847,12 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
 
             r.exception = ConstraintFailure(lr.error)
             r.error = f"ConstraintFailure: {lr.error}"
-        elif lr.exception is not None:  # its own error at admission (NonFiniteLogits), as the engine core's
+        elif lr.exception is not None:  # its own error (NonFiniteLogits), as the engine core's
             r.exception = lr.exception
             r.error = f"{type(lr.exception).__name__}: {lr.exception}"
-        if r.keep and r.end_state is None and lr.exception is None:  # not exported (no token emitted, or not
-            # exact): rebuilt (not after an error at admission: the session turn is undone)
+        if r.keep and r.end_state is None and (lr.exception is None or lr.tokens):  # not exported (no token
+            # emitted, not exact, or its own error in a round: the lane's state holds that round; the engine
+            # core keeps the rounds before it): rebuilt (not after an error at admission: the turn is undone)
             r.end_state = state_of(dec, lr.prompt + lr.tokens, lr.k)
             if r.end_state is not None and lr.adaptive_floor is not None:
                 r.end_state.k_next = lr.k_next
