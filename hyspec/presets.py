@@ -249,10 +249,9 @@ def step_bytes(name_or_cfg, dtype: torch.dtype = torch.bfloat16, rows: int = 1) 
             routed_total += b
         else:
             shared += b
-    if cfg.tie_word_embeddings:
-        head = 0  # the table is the head: counted in shared, read whole
-    else:
-        head = param_bytes("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), dtype, block)
+    # the head a draft step reads: lm_head, or the embedding table when tied (a target step
+    # reads that table whole as its head: counted in shared)
+    head = param_bytes("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), dtype, block)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     per_expert = routed_total / (n_moe * E) if n_moe else 0.0

@@ -103,3 +103,18 @@ def test_bench_without_transformers_skips_its_default_comparison_and_refuses_the
     args = parse(["--config", "tiny", "--device", "cpu"])  # (4 by default, as 32 is on a GPU)
     bench_cli.resolve_device(args)
     assert args.hf_tokens == 0 and "transformers is not installed" in capsys.readouterr().out
+
+
+def test_baseline_ratio_is_ours_over_transformers(tmp_path, monkeypatch):
+    """hyspec_plain_vs_hf is hyspec's plain tok/s over transformers' (x2: hyspec twice as fast)."""
+    import json
+
+    from hyspec.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "hf_generate", lambda *a, **k: {"decode_tok_s": 0.5, "fla_importable": False})
+    out = tmp_path / "b.json"
+    assert bench_cli.main(["--config", "tiny", "--device", "cpu", "--prompt-len", "4", "--new-tokens", "4", "--ks", "1",
+                           "--verify-max", "2", "--reps", "1", "--exact-prompts", "0", "--hf-tokens", "2",
+                           "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["hf"]["hyspec_plain_vs_hf"] == pytest.approx(r["variants"]["exact"]["plain"]["tok_s"] / 0.5)

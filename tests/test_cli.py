@@ -408,6 +408,16 @@ def test_bench_cpu_smoke(tmp_path, capsys) -> None:
     ex = r["variants"]["exact"]
     assert r["copy_bandwidth_GBps"] > 0 and r["roofline_ms"] > 0 and not r["errors"]
     assert ex["plain"]["tok_s"] > 0 and set(ex["verify_ms"]) == {"1", "2", "3"}
+    # the figures are what their names say: fractions of the roofline, verify relative to t = 1,
+    # speed-up over plain, the cost model's ceiling L * t_decode / (t_verify(K+1) + K * t_draft)
+    assert ex["plain"]["roofline_frac"] == pytest.approx(r["roofline_ms"] * ex["plain"]["tok_s"] / 1e3)
+    assert ex["decode_step_roofline_frac"] == pytest.approx(r["roofline_ms"] / ex["decode_step_ms"])
+    assert ex["verify_rel"]["3"] == pytest.approx(ex["verify_ms"]["3"] / ex["verify_ms"]["1"])
+    for K in (1, 2):
+        e = ex["spec"]["forced"][str(K)]
+        ceiling = e["acceptance_length"] * ex["decode_step_ms"] / (ex["verify_ms"][str(K + 1)] + K * ex["draft_step_ms"])
+        assert e["speedup"] == pytest.approx(e["tok_s"] / ex["plain"]["tok_s"]) and e["ceiling"] == pytest.approx(ceiling)
+        assert e["ceiling_frac"] == pytest.approx(e["speedup"] / ceiling) and e["first_mismatch"] is None
     for kind in ("forced", "mtp"):
         for K in ("1", "2"):
             assert ex["spec"][kind][K]["tokens_equal_plain"], (kind, K)
@@ -944,3 +954,86 @@ def test_streamed_text_equals_the_text_printed_at_the_end(ckpt, capsys) -> None:
                          "40", "--temperature", "1", "--seed", seed, *extra]) == 0
             outs.append(capsys.readouterr().out)
     assert outs[:3] == outs[3:]
+
+
+def test_bench_lists_and_tuned_files_are_checked_as_documented(tmp_path) -> None:
+    """--ks above the largest draft is refused; --tuned-from takes a file of dense configs
+    alone (a --tune-only dense run's) and refuses one whose entries are malformed."""
+    from hyspec.bench.cli import _int_list, read_tuned
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    assert _int_list("ks", f"1,{MAX_DRAFT}", 1, MAX_DRAFT) == [1, MAX_DRAFT]
+    with pytest.raises(ValueError, match=f"--ks: expected comma-separated integers in 1..{MAX_DRAFT}"):
+        _int_list("ks", f"{MAX_DRAFT + 1}", 1, MAX_DRAFT)
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps({"tuned_gemm": {"2048x2048": {"config": [64, 64, 4]}}}))
+    assert read_tuned(str(dense))["tuned_gemm"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"tuned_gemm": {"2048x2048": {"cfg": 1}}}))
+    with pytest.raises(ValueError, match="a GEMM config entry is malformed"):
+        read_tuned(str(bad))
+
+
+def test_bench_exactness_check_compares_each_prompt_and_each_drafter() -> None:
+    """The exactness check runs a different prompt each time and reports all_equal only when
+    every drafter of every prompt equals plain (a decoder whose MTP runs differ on one prompt)."""
+    import argparse
+    import types
+
+    from hyspec.bench.variants import exactness_check
+
+    prompts = []
+
+    class Fake:
+        kind = "fake"
+
+        def run(self, prompt, n, k=0, forced_rates=None, reference=None, params=None):
+            prompts.append(tuple(prompt))
+            bad = k and forced_rates is None and len(set(map(tuple, prompts))) == 2  # MTP on the 2nd prompt
+            toks = [1] * n if not bad else [1] * (n - 1) + [2]
+            return types.SimpleNamespace(tokens=toks, stats={"decode_tok_s": 1.0, "spec": {"acceptance_length": 1.0}})
+
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=1000))
+    args = argparse.Namespace(exact_tokens=4, exact_prompts=3, prompt_len=6, forced="0.9", exact_coupled=False)
+    r = exactness_check(model, args, torch.device("cpu"), Fake())
+    assert len(set(prompts)) == 3 and [p["mtp"]["equal"] for p in r["prompts"]] == [True, False, True]
+    assert r["prompts"][1]["mtp"]["first_mismatch"] == 3 and r["prompts"][1]["forced"]["equal"]
+    assert r["all_equal"] is False
+
+
+def test_bench_timing_and_bandwidth_figures(monkeypatch) -> None:
+    """time_fn on the CPU: ms per call of `reps` calls after the warm-up; copy_bandwidth counts
+    the bytes read and written."""
+    import time
+
+    from hyspec.bench import timing
+
+    calls = []
+    clock = iter([10.0, 10.5])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    assert timing.time_fn(lambda: calls.append(1), torch.device("cpu"), reps=5, warmup=2) == pytest.approx(100.0)
+    assert len(calls) == 7
+    monkeypatch.undo()
+    monkeypatch.setattr(timing, "time_fn", lambda fn, dev, reps, warmup=2: 1.0)  # 1 ms per copy
+    assert timing.copy_bandwidth(torch.device("cpu"), 1 << 20) == pytest.approx(2 * (1 << 20) / 1e-3 / 1e9)
+
+
+def test_bench_models_take_fp8_seed_and_state_dtype() -> None:
+    """make_model: --fp8 keeps block-FP8 weights, --seed picks the random weights, --ssm-dtype
+    the state's storage dtype (in-memory models as the presets)."""
+    import argparse
+
+    from hyspec.bench.models import make_model
+    from hyspec.quant import FP8_DTYPE
+
+    def build(**kw):
+        a = dict(model=None, config="tiny", fp8=False, seed=0, ssm_dtype=None)
+        a.update(kw)
+        return make_model(argparse.Namespace(**a), torch.device("cpu"), torch.bfloat16)
+
+    base = build()
+    w = "model.layers.0.linear_attn.out_proj.weight"
+    assert FP8_DTYPE in {p.dtype for p in build(fp8=True).parameters()} and base.state_dict()[w].dtype == torch.bfloat16
+    assert torch.equal(build().state_dict()[w], base.state_dict()[w])
+    assert not torch.equal(build(seed=1).state_dict()[w], base.state_dict()[w])
+    assert build(ssm_dtype="bfloat16").cfg.mamba_ssm_dtype == "bfloat16" and base.cfg.mamba_ssm_dtype is None

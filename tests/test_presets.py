@@ -16,6 +16,7 @@ from hyspec.presets import (
     PUBLISHED,
     build_on_device,
     expected_distinct_experts,
+    format_summary,
     preset_config,
     slots_that_fit,
     step_bytes,
@@ -223,3 +224,105 @@ def test_each_preset_is_judged_by_its_own_targets():
     assert t["forced_k3_speedup"]["met"] and not t["verify_t4_rel"]["met"]
     assert not t["exactness"]["met"]  # b2: 4 x 2000 tokens
     assert preset_targets("b2 (fp8)") is preset_targets("qwen3-next-2b-dense") is preset_targets("/a/checkpoint")
+
+
+def test_a_tied_head_is_read_by_every_step_and_every_draft():
+    """A tied checkpoint (the default model's kind) reads its embedding table as the LM head:
+    in a decode step and in a draft step (the CPU bench's "a draft step reads" left it out:
+    half the default model's draft bytes)."""
+    from hyspec.config import ModelConfig
+    from hyspec.tiny import tiny_config
+
+    d = tiny_config("qwen3_next")
+    untied = step_bytes(ModelConfig.from_dict({**d, "tie_word_embeddings": False}))
+    tied = step_bytes(ModelConfig.from_dict({**d, "tie_word_embeddings": True}))
+    head = 2 * d["vocab_size"] * d["hidden_size"]  # bf16
+    assert tied["step_bytes"] == untied["step_bytes"] and tied["draft_bytes"] == untied["draft_bytes"]
+    assert tied["draft_bytes"] > head and tied["weight_bytes_total"] == untied["weight_bytes_total"] - head
+
+
+def test_moe_draft_step_reads_top_k_of_the_mtp_experts(steps):
+    """A draft step: the MTP block with its top-k routed experts (not all of them), mtp.fc and
+    the LM head."""
+    from hyspec.presets import meta_model, param_bytes
+
+    cfg = preset_config("qwen3.5-35b-a3b")
+    s = steps["qwen3.5-35b-a3b"][1]
+    mtp = sum(param_bytes(n, tuple(p.shape), torch.bfloat16, None)
+              for n, p in meta_model(cfg).named_parameters() if n.startswith("mtp."))
+    unread = (cfg.num_experts - cfg.num_experts_per_tok) * s["expert_bytes"]
+    assert s["draft_bytes"] == pytest.approx(mtp - unread + 2 * cfg.vocab_size * cfg.hidden_size)
+
+
+def test_fp8_form_by_any_name_and_its_figures():
+    """--fp8 on a preset or the bench model: the block-FP8 config (any name or alias), the
+    summary says so and counts ~1 byte per quantized weight; conv1d stays unquantized."""
+    from hyspec.presets import fp8_block_of, model_dict, param_bytes
+
+    assert fp8_block_of(model_dict("b2", fp8=True)) == (128, 128) and fp8_block_of(model_dict("b2")) is None
+    s, s8 = summary("qwen3.5-27b", verify_rows=(1,)), summary("qwen3.5-27b", verify_rows=(1,), fp8=True)
+    assert not s["fp8"] and s8["fp8"] and "FP8 block-quantized" in format_summary(s8)
+    assert 0.45 * s["weight_bytes"] < s8["weight_bytes"] < 0.6 * s["weight_bytes"]
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    assert param_bytes(conv, (8192, 1, 4), torch.bfloat16, (128, 128)) == 2 * 8192 * 4
+
+
+def test_summary_text_of_dense_and_moe_presets():
+    """A dense preset's forwards read the same bytes for any row count (one line); an MoE
+    preset's each row count with its expected distinct experts. The roofline's tok/s is
+    1000 / its ms."""
+    dense = summary("qwen3.5-27b", verify_rows=(1, 2))
+    moe = summary("qwen3.5-35b-a3b", verify_rows=(1, 2))
+    assert "dense: a forward of any number of rows" in format_summary(dense)
+    text = format_summary(moe)
+    assert "dense:" not in text and "forward of 2 row(s)" in text and "distinct experts/layer" in text
+    assert dense["roofline_decode"]["tok_s"] == pytest.approx(1e3 / dense["roofline_decode"]["ms"])
+
+
+def test_a_preset_that_does_not_fit_the_gpu_is_refused_by_its_size(monkeypatch):
+    """On a CUDA device the preset runs when its weights fit in the free memory; otherwise the
+    reason names both sizes."""
+    from hyspec.presets import check_runnable
+
+    dev = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10e9, 141e9))
+    why = check_runnable("qwen3.5-27b", dev, torch.bfloat16)
+    assert why and "needs 5" in why and "10.0 GB free" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (139e9, 141e9))
+    assert check_runnable("qwen3.5-27b", dev, torch.bfloat16) is None
+
+
+def test_bench_of_a_preset_in_fp8_on_cpu_records_its_fp8_figures(tmp_path):
+    """`hyspec bench --config PRESET --fp8` on the CPU: the refusal's figures are the block-FP8
+    form's (bf16 activations, not the CPU's float32), and the results name the config as FP8."""
+    from hyspec.bench import main
+
+    out = tmp_path / "r.json"
+    assert main(["--config", "qwen3.5-27b", "--fp8", "--device", "cpu", "--out", str(out)]) == 2
+    r = json.loads(out.read_text())
+    s8 = summary("qwen3.5-27b", verify_rows=(1,), fp8=True)
+    assert r["meta"]["config"] == "qwen3.5-27b (fp8)"
+    assert r["preset"]["fp8"] and r["preset"]["dtype"] == "bfloat16" and r["preset"]["weight_bytes"] == s8["weight_bytes"]
+    assert f"({s8['weight_bytes'] / 1e9:.0f} GB of weights" in r["errors"]["preset"]
+
+
+def test_exactness_and_draft_vocab_targets_need_all_they_name():
+    """The exactness goal is prompts x tokens: enough prompts of too few tokens miss it, for
+    greedy and coupled alike; the reduced draft vocabulary's goal is x2.2."""
+    from hyspec.bench.report import targets
+
+    exact = {"plain": {"roofline_frac": 0.8}, "verify_rel": {4: 1.0}, "draft_step_ms": 0.2,
+             "spec": {"forced": {3: {"speedup": 2.0, "ceiling_frac": 0.95, "ceiling": 2.1}}}}
+    result = {"meta": {"config": "b2"}, "variants": {"exact": exact},
+              "exactness": {"all_equal": True, "coupled_all_equal": True, "tokens": 1000, "prompts": [0, 1, 2, 3],
+                            "coupled": {"temperature": 0.8, "top_p": 0.95}},
+              "draft_vocab": {"size": 32000, "draft_step_ms": 0.1,
+                              "spec": {"forced": {3: {"speedup": 2.1, "ceiling": 2.4}}}}}
+    t = targets(result)
+    assert not t["exactness"]["met"] and not t["exactness_coupled"]["met"]  # 4 x 1000 < 4 x 2000
+    assert not t["forced_k3_speedup_draft_vocab"]["met"]
+    result["exactness"]["tokens"] = 2000
+    result["draft_vocab"]["spec"]["forced"][3]["speedup"] = 2.2
+    t = targets(result)
+    assert t["exactness"]["met"] and t["exactness_coupled"]["met"] and t["forced_k3_speedup_draft_vocab"]["met"]
+    assert t["plain_roofline_frac"]["met"] and t["plain_roofline_frac"]["stretch"] == 0.85  # 80 %: met, not stretch
