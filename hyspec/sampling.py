@@ -30,7 +30,7 @@ import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -41,6 +41,7 @@ __all__ = [
     "SamplingParams",
     "ParamError",
     "apply_penalties",
+    "check_logit_bias",
     "filter_probs",
     "fixed_mass",
     "top_p_threshold",
@@ -146,6 +147,10 @@ class SamplingParams:
     history.  seed: key of the counter-based RNG.  mode: "rejection" (speculative
     sampling with accept/residual) or "coupled" (Gumbel-max with position-keyed
     noise; speculative output equals plain output token for token).
+    logit_bias: {token id: bias} added to the target's logits before everything else
+    (OpenAI's logit_bias: each bias in [-100, 100]; -100 all but bans a token, +100 all
+    but forces it); kept as a sorted tuple of (id, bias) pairs; greedy decoding takes
+    the argmax of the biased logits.
     """
 
     temperature: float = 1.0
@@ -158,10 +163,13 @@ class SamplingParams:
     penalty_last_n: int = 64
     seed: int = 0
     mode: Mode = "rejection"
+    logit_bias: Any = ()
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, why: str) -> ValueError:
             return ParamError(name, value, why, owner="SamplingParams")
+
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias, bad))
 
         for name in (
             "temperature",
@@ -216,6 +224,48 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether apply_penalties changes a row (a logit bias or a penalty): greedy then
+        takes the argmax of its result, not of the raw row."""
+        return bool(self.logit_bias) or self.has_penalties
+
+
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+def _bias_pairs(value, bad) -> tuple:
+    """SamplingParams.logit_bias as sorted ((id, bias), ...): from a mapping or pairs."""
+    if value is None:
+        return ()
+    try:
+        items = list(value.items()) if hasattr(value, "items") else [tuple(x) for x in value]
+    except TypeError:
+        raise bad("logit_bias", value, "must map token ids to biases ({id: bias})") from None
+    out = {}
+    for pair in items:
+        if len(pair) != 2:
+            raise bad("logit_bias", value, "must map token ids to biases ({id: bias})")
+        key = pair[0]
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+            key = int(key)  # (JSON's object keys: OpenAI's logit_bias is {"id": bias})
+        tid, b = as_int(key), as_float(pair[1])
+        if tid is None or tid < 0:
+            raise bad("logit_bias", pair[0], "token ids must be ints >= 0")
+        if b is None or not finite_number(b) or abs(b) > LOGIT_BIAS_MAX:
+            raise bad("logit_bias", pair[1], f"biases must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        if tid in out:
+            raise bad("logit_bias", tid, "a token id given twice")
+        out[tid] = float(b)
+    return tuple(sorted(out.items()))
+
+
+def check_logit_bias(params, vocab_size: int) -> None:
+    """A ValueError naming logit_bias ids outside the vocabulary (the scheduler's check)."""
+    bad = [t for t, _ in getattr(params, "logit_bias", ()) if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias: token id(s) {bad[:5]} out of range for vocabulary size {vocab_size}")
+
 
 # --------------------------------------------------------------------------------------
 # Penalties and filters
@@ -234,10 +284,13 @@ def _window(history: Sequence[int] | torch.Tensor, last_n: int) -> list[int]:
 def apply_penalties(
     logits: torch.Tensor, history: Sequence[int] | torch.Tensor, params: SamplingParams
 ) -> torch.Tensor:
-    """Repetition / frequency / presence penalties over the last ``penalty_last_n`` tokens.
+    """The logit bias, then repetition / frequency / presence penalties over the last
+    ``penalty_last_n`` tokens.
 
-    logits: [V]; history: prior token ids (oldest first).  For each distinct token t in
-    the window (ids outside [0, V) are ignored), with c = its count in the window::
+    logits: [V]; history: prior token ids (oldest first).  First logit[t] += bias for
+    each (t, bias) of ``params.logit_bias`` (ids outside [0, V) are ignored; the
+    scheduler refuses them). Then for each distinct token t in the window (ids outside
+    [0, V) are ignored), with c = its count in the window::
 
         logit[t] = logit[t] / r if logit[t] > 0 else logit[t] * r    (repetition r)
         logit[t] -= frequency_penalty * c + presence_penalty
@@ -248,9 +301,13 @@ def apply_penalties(
         raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
     dtype = torch.promote_types(logits.dtype, torch.float32)
     out = logits.to(dtype=dtype, copy=True)  # [V]
+    V = out.shape[0]
+    bias = [(t, b) for t, b in params.logit_bias if t < V]
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.int64, device=out.device)
+        out[ids] += torch.tensor([b for _, b in bias], dtype=dtype, device=out.device)
     if not params.has_penalties:
         return out
-    V = out.shape[0]
     window = [t for t in _window(history, params.penalty_last_n) if 0 <= t < V]
     if not window:
         return out

@@ -924,3 +924,26 @@ def test_padding_lanes_do_not_advance(tmp_path):
         steps += 1
         assert int(dec.pos[3]) == 0 and int(dec.live[3]) == 0
     assert steps >= 2
+
+
+def test_a_logit_bias_request_runs_on_the_engine_core(tmp_path):
+    """The graph rounds do not add a logit bias: graph_eligible names it, and such a
+    request (alone or in a batch) runs on the engine core, with the core's tokens; a
+    request without one still takes the lanes."""
+    from hyspec.engine import Engine
+    from hyspec.gpu.batch_loop import graph_eligible
+    from hyspec.core.request import Request
+    from hyspec.sampling import SamplingParams
+
+    m = _model(tmp_path, "qwen3_5")
+    core, lanes = Engine(m), Engine(m)
+    lanes.batch_graphs = True
+    p = SamplingParams(temperature=0.0, logit_bias={7: 4.0, 8: -100})
+    assert "logit bias" in graph_eligible([Request(prompt_ids=[1, 2], max_new_tokens=2, params=p)])
+    prompts = [[5, 17, 99, 3], [8, 1, 2]]
+    want = core.generate_batch(prompts, max_new_tokens=6, draft=3, params=p, ignore_eos=True)
+    got = lanes.generate_batch(prompts, max_new_tokens=6, draft=3, params=p, ignore_eos=True)
+    assert [g.tokens for g in got] == [w.tokens for w in want] and all(8 not in g.tokens for g in got)
+    assert all(g.stats.get("path") != "batch-graphs" for g in got)
+    plain = lanes.generate(prompts[0], max_new_tokens=3, ignore_eos=True)
+    assert plain.stats["path"] == "batch-graphs"

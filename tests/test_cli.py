@@ -210,6 +210,21 @@ def test_generate_coupled_draft_equals_plain(ckpt, capsys) -> None:
     assert [s["tokens"] for s in spec["samples"]] == [s["tokens"] for s in plain["samples"]]
 
 
+def test_generate_logit_bias_flag(ckpt, capsys) -> None:
+    """--logit-bias ID:BIAS,...: greedy leaves a -100 token out, speculative == plain; a
+    malformed or out-of-range value is one line naming the flag, exit 2."""
+    first = gen(capsys, ckpt, "--max-new-tokens", "1")["samples"][0]["tokens"][0]
+    args = ["--max-new-tokens", "12", "--logit-bias", f"{first}:-100,7:1.5"]
+    plain, spec = gen(capsys, ckpt, *args), gen(capsys, ckpt, *args, "--draft", "3")
+    assert plain["samples"][0]["tokens"] == spec["samples"][0]["tokens"]
+    assert first not in plain["samples"][0]["tokens"]
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", PROMPT, "--logit-bias", "42")
+    assert "--logit-bias" in err and "ID:BIAS" in err and "Traceback" not in err
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", PROMPT, "--logit-bias", "42:500")
+    assert "--logit-bias" in err and "[-100, 100]" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 # --------------------------------------------------------------------------------------
 # score
 # --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ their p-values must fall below BIASED_MAX_P.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -603,3 +604,62 @@ def test_values_that_would_overflow_the_logits_are_refused(kw):
                  dict(frequency_penalty=-1e4), dict(presence_penalty=1e4)):
         p = row_probs(logits, [0, 1, 0, 2], SamplingParams(**edge))
         assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-9
+
+
+@pytest.mark.parametrize("value,why", [
+    ({1: 100.5}, "biases must be numbers in [-100, 100]"),
+    ({1: math.inf}, "biases must be numbers in [-100, 100]"),
+    ({-1: 1.0}, "token ids must be ints >= 0"),
+    ({"x": 1.0}, "token ids must be ints >= 0"),
+    ({1.5: 1.0}, "token ids must be ints >= 0"),
+    ({True: 1.0}, "token ids must be ints >= 0"),
+    ([(1, 2.0), (1, 3.0)], "a token id given twice"),
+    ([(1, 2.0, 3.0)], "must map token ids to biases"),
+    (7, "must map token ids to biases"),
+])
+def test_logit_bias_is_checked_and_named(value, why) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)) as e:
+        SamplingParams(logit_bias=value)
+    assert "logit_bias" in str(e.value)
+
+
+def test_logit_bias_forms_and_its_place_before_the_penalties() -> None:
+    """{id: bias}, JSON's {"id": bias} and (id, bias) pairs are one sorted tuple; the bias
+    is added to the logits first, then the penalties see the biased logits (a repetition
+    penalty divides the biased, positive logit); ids past the row are ignored; the input
+    row is untouched; greedy takes the argmax of the result (adjusts_logits)."""
+    a = SamplingParams(logit_bias={3: -1.5, 0: 2.0})
+    assert a.logit_bias == ((0, 2.0), (3, -1.5)) == SamplingParams(logit_bias={"3": -1.5, "0": 2}).logit_bias
+    assert SamplingParams(logit_bias=[(3, -1.5), (0, 2.0)]) == a and hash(a) == hash(SamplingParams(logit_bias=a.logit_bias))
+    assert SamplingParams(logit_bias=None).logit_bias == () and not SamplingParams().adjusts_logits
+    assert a.adjusts_logits and not a.has_penalties
+    row = torch.tensor([1.0, -1.0, 0.5, 3.0])
+    assert torch.equal(apply_penalties(row, [], a), torch.tensor([3.0, -1.0, 0.5, 1.5]))
+    assert torch.equal(row, torch.tensor([1.0, -1.0, 0.5, 3.0]))
+    p = SamplingParams(logit_bias={0: 2.0, 9: 50.0}, repetition_penalty=2.0, penalty_last_n=-1)
+    assert torch.equal(apply_penalties(row, [0, 1], p), torch.tensor([1.5, -2.0, 0.5, 3.0]))
+    assert int(row_probs(row, [], SamplingParams(temperature=0.0, logit_bias={2: 3.0})).argmax()) == 2
+
+
+def test_logit_bias_through_the_engine_plain_and_speculative(ref_engine) -> None:
+    """On the engine core: a -100 bias on greedy's first token moves greedy off it (and it
+    never appears), speculative greedy == plain greedy token for token; coupled sampling
+    speculative == plain; +100 on one token makes every sampled token that token
+    (rejection mode, speculative: the verify rows, residuals and bonus draws are the biased
+    ones); an id past the vocabulary is a ValueError naming logit_bias."""
+    eng, prompt = ref_engine, "def read_file(path):"
+    first = eng.generate(prompt, max_new_tokens=1, ignore_eos=True).samples[0].tokens[0]
+    g = SamplingParams(temperature=0.0, logit_bias={first: -100})
+    plain, spec = (eng.generate(prompt, max_new_tokens=24, params=g, draft=d, ignore_eos=True).samples[0].tokens
+                   for d in (0, 3))
+    assert plain == spec and first not in plain
+    c = SamplingParams(temperature=0.9, seed=5, mode="coupled", logit_bias={first: -100, 13: 3.0})
+    plain, spec = (eng.generate(prompt, max_new_tokens=24, params=c, draft=d, ignore_eos=True).samples[0].tokens
+                   for d in (0, 3))
+    assert plain == spec and first not in plain
+    forced = SamplingParams(temperature=1.0, seed=2, logit_bias={455: 100})
+    for d in (0, 3):
+        assert eng.generate(prompt, max_new_tokens=16, params=forced, draft=d, ignore_eos=True).samples[0].tokens \
+            == [455] * 16
+    with pytest.raises(ValueError, match=r"logit_bias: token id\(s\) \[4096\] out of range for vocabulary size 4096"):
+        eng.generate(prompt, max_new_tokens=2, params=SamplingParams(logit_bias={4096: 1}))

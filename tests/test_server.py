@@ -86,6 +86,30 @@ def test_completions_equal_engine_greedy(client, ref_engine):
     assert r1.choices[1].text == text_of(ref_engine, reference(ref_engine, PROMPTS[1], 6)[0])
 
 
+def test_logit_bias_is_the_engines(client, ref_engine):
+    """OpenAI's logit_bias ({"token id": bias}; was refused with a 400): greedy and seeded
+    samples equal the engine's with SamplingParams.logit_bias, on both endpoints; a -100
+    bias keeps greedy's first token out of the whole reply."""
+    prompt = PROMPTS[0]
+    first = reference(ref_engine, prompt, 1)[0][0]
+    bias = {str(first): -100, "13": 2.5}
+    for temperature, n in ((0.0, 1), (0.9, 2)):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=temperature, seed=7,
+                                      n=n, logit_bias=bias, extra_body={"return_token_ids": True, "draft": 3})
+        want = ref_engine.generate(prompt, max_new_tokens=12, draft=3, num_samples=n,
+                                   params=SamplingParams(temperature=temperature, seed=7,
+                                                         logit_bias={first: -100, 13: 2.5}))
+        assert [c.token_ids for c in r.choices] == [s.tokens for s in want.samples]
+        assert all(first not in c.token_ids for c in r.choices)
+    msgs = [{"role": "user", "content": "Say hi"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    avoid = plain.choices[0].token_ids[0]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                       logit_bias={str(avoid): -100}, extra_body={"return_token_ids": True})
+    assert avoid not in r.choices[0].token_ids
+
+
 def test_seeded_n_samples_reproducible(client, ref_engine):
     kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, n=3,
               extra_body={"return_token_ids": True})
@@ -256,6 +280,10 @@ BAD = [
     ({"draft": 99}, "draft"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"logprobs": 99}, "logprobs"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999": -100}}, "logit_bias"),  # past the vocabulary
+    ({"logit_bias": {"5": "hot"}}, "logit_bias"),
 ]
 
 

@@ -31,7 +31,23 @@ SAMPLING_HELP = {
     "penalty_last_n": "penalties look at the last N tokens (0 = off, -1 = all)",
     "seed": "random seed (counter-based: same seed, same output)",
     "mode": "rejection sampling, or coupled (Gumbel-max: speculative output equals plain output)",
+    "logit_bias": "ID:BIAS[,ID:BIAS...]: add BIAS (-100..100) to token ID's logit before sampling "
+                  "(-100 all but bans it) (default: none)",
 }
+
+
+def parse_logit_bias(text: str) -> tuple:
+    """--logit-bias ID:BIAS[,ID:BIAS...] -> ((id, bias), ...) (SamplingParams checks the values)."""
+    pairs = []
+    for part in text.split(","):
+        tid, sep, bias = part.strip().partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            pairs.append((int(tid), float(bias)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"want ID:BIAS[,ID:BIAS...] (e.g. 42:-100), got {part.strip()!r}") from None
+    return tuple(pairs)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -142,6 +158,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
         if f.name == "mode":
             group.add_argument("--sampling-mode", dest="mode", default="rejection", choices=["rejection", "coupled"],
                                help=SAMPLING_HELP["mode"])
+            continue
+        if f.name == "logit_bias":
+            group.add_argument(flag, dest=f.name, type=parse_logit_bias, default=(), metavar="ID:BIAS,...",
+                               help=SAMPLING_HELP[f.name])
             continue
         default = 0.0 if f.name == "temperature" else f.default
         group.add_argument(flag, dest=f.name, type=type(f.default), default=default, help=SAMPLING_HELP.get(f.name))

@@ -51,7 +51,7 @@ def forced_token(reference: list[int], rates, seed: int, vocab: int, depth: int,
 def choose_token(logits: torch.Tensor, history: list[int], params, position: int) -> int:
     """The token plain decoding emits at absolute `position` given the row's logits [V]."""
     if params.greedy:
-        return greedy_token(apply_penalties(logits, history, params) if params.has_penalties else logits)
+        return greedy_token(apply_penalties(logits, history, params) if params.adjusts_logits else logits)
     return plain_token(row_probs(logits, history, params), params, position)
 
 
@@ -201,7 +201,7 @@ def _draft_one(seq: Sequence, rd: _Round, logits: torch.Tensor, j: int) -> bool:
     q = None
     try:
         if p.greedy:
-            lg = apply_penalties(logits, hist, p) if p.has_penalties else logits
+            lg = apply_penalties(logits, hist, p) if p.adjusts_logits else logits
             tok = greedy_token(lg)
             prob = float(torch.softmax(lg.double(), -1)[tok]) if opts.p_min > 0.0 else 1.0
         else:
@@ -286,7 +286,7 @@ def _guess_bonus(seq: Sequence, logits: torch.Tensor, hist: list[int], depth: in
         o = seq.opts
         return forced_token(seq.forced_ref, o.forced_rates, o.forced_seed, seq.vocab, depth, position)
     if p.greedy:
-        return greedy_token(apply_penalties(logits, hist, p) if p.has_penalties else logits)
+        return greedy_token(apply_penalties(logits, hist, p) if p.adjusts_logits else logits)
     q = row_probs(logits, hist, p)
     if p.mode == "coupled":
         return coupled_token(q, p.seed, position)
@@ -403,7 +403,7 @@ def accept(seq: Sequence, rd: _Round, rows: torch.Tensor) -> tuple[int, int | No
     elif params.greedy:
         n, tok = k, None
         for j in range(k + 1):
-            lg = apply_penalties(rows[j], hist + drafts[:j], params) if params.has_penalties else rows[j]
+            lg = apply_penalties(rows[j], hist + drafts[:j], params) if params.adjusts_logits else rows[j]
             t = greedy_token(lg)
             if j == k or t != drafts[j]:
                 n, tok = j, t

@@ -22,7 +22,7 @@ from hyspec.core.request import Request
 from hyspec.core.round import Sequence, choose_token, masked, run_round
 from hyspec.core.slots import SlotPool
 from hyspec.core.state import Carry, RoundTxn, SeqState, capture, carry_of, drafter_of, restore_into
-from hyspec.sampling import SamplingParams, int_in
+from hyspec.sampling import SamplingParams, check_logit_bias, int_in
 
 MAX_DRAFT = 16
 
@@ -108,6 +108,7 @@ class Scheduler:
         req.max_new_tokens = limit
         if not isinstance(req.params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(req.params).__name__}")
+        check_logit_bias(req.params, cfg.vocab_size)
         opts = spec_options(req)
         if opts is not None and not self.model.has_mtp:
             raise no_mtp_error()

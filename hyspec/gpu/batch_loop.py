@@ -727,6 +727,8 @@ def graph_eligible(reqs) -> str | None:
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
+        if getattr(r.params, "logit_bias", ()):
+            return "a logit bias (the graph rounds do not add one)"
         if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
             return "a constraint without packed masks (allowed_words)"
         if r.resume is not None and not isinstance(r.resume, SeqState):

@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 
 from hyspec.config import NO_MTP_HEAD
-from hyspec.sampling import PENALTY_MAX, TEMPERATURE_MIN, SamplingParams
+from hyspec.sampling import PENALTY_MAX, TEMPERATURE_MIN, ParamError, SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT
 
 MAX_N = 16
@@ -185,8 +185,16 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of != n:
         raise bad("best_of other than n is not supported", "best_of")
+    bias = ()
     if req.logit_bias:
-        raise bad("logit_bias is not supported", "logit_bias")
+        try:
+            bias = SamplingParams(logit_bias=req.logit_bias).logit_bias
+        except ParamError as e:
+            raise bad(f"logit_bias {e.shown}: {e.why}", "logit_bias") from None
+        far = [t for t, _ in bias if t >= lim.vocab_size]
+        if far:
+            raise bad(f"logit_bias: token id(s) {far[:5]} out of range for vocabulary size {lim.vocab_size}",
+                      "logit_bias")
     seed = req.seed
     if seed is None:
         seed = 0 if t == 0 else secrets.randbits(63)
@@ -208,7 +216,7 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     params = SamplingParams(temperature=float(t), top_k=top_k, top_p=float(top_p), min_p=float(min_p),
                             repetition_penalty=float(rp), frequency_penalty=float(req.frequency_penalty or 0.0),
                             presence_penalty=float(req.presence_penalty or 0.0), penalty_last_n=pln, seed=seed,
-                            mode=req.sampling_mode or "rejection")
+                            mode=req.sampling_mode or "rejection", logit_bias=bias)
     return params, n, draft
 
 
