@@ -147,7 +147,8 @@ def test_window_commit_equals_the_torch_form(dtype, t):
     assert torch.equal(got[:, nb:], conv[:, nb:])  # lanes past nb: as they were
 
 
-@pytest.mark.parametrize("D,L", [(16, 40), (16, 37), (24, 40)])  # D == BLOCK_D or not; lane stride % 16 or not
+@pytest.mark.parametrize("D,L", [(16, 40), (16, 37), (24, 40), (20, 37)])  # D == BLOCK_D or not; lane stride
+# (Hkv * L * D: 1280, 1184, 1920, 1480) % 16 or not
 def test_grouped_attention_launch_ways_agree_with_the_reference(D, L):
     """Every way of compiling the grouped kernel (grouped.LAUNCH: vector loads with D and the
     lane stride known to the compiler, V's load moved up) reads the same elements: each

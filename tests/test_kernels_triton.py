@@ -75,3 +75,20 @@ def test_skinny_matmul_rejects_bad_shapes():
         skinny_matmul(torch.randn(2, 8), torch.randn(4, 9))
     with pytest.raises(ValueError):
         skinny_matmul(torch.randn(2, 8), torch.randn(4, 8).double())
+
+
+def test_skinny_matmul_uses_a_caller_workspace_only_when_it_fits():
+    """A caller's split-K workspace (the runner's, reused across calls) is written when it
+    is fp32 [>= S, >= 16, N] with contiguous rows; one of another dtype or too few splits or
+    rows is not used (the kernel writes fp32 partials at the padded tile's strides): the
+    same bits either way, the caller's tensor untouched."""
+    N, K, cfg = 40, 96, dict(split_k=2, block_k=32, block_n=16)
+    w, x = _randn(N, K, seed=5), _randn(3, K, seed=6)
+    want = skinny_matmul(x, w, **cfg)
+    ws = torch.full((2, 16, N), float("nan"))
+    assert torch.equal(skinny_matmul(x, w, ws=ws, **cfg), want)
+    assert not ws[:, :3].isnan().any()  # used: the partials of the call's rows
+    for bad in (torch.zeros(2, 16, N, dtype=torch.float64), torch.zeros(1, 16, N), torch.zeros(2, 2, N)):
+        before = bad.clone()
+        assert torch.equal(skinny_matmul(x, w, ws=bad, **cfg), want)
+        assert torch.equal(bad, before)

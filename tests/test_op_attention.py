@@ -88,3 +88,29 @@ def test_attention_prep_with_yarn_scaling():
         assert_rel("k cache", kc, kr, 1e-5)
         outs[scale] = q
     assert not torch.allclose(outs[1.0], outs[1.1386])
+
+
+@pytest.mark.parametrize("tile", [True, False])
+def test_attention_combine_with_scores_far_from_zero(tile, monkeypatch):
+    """Scores of hundreds (a row whose keys all score about -300, but the last split's
+    -150): the combine's maximum must be the splits' own, over every split, for the
+    exp(m - M) weights to stay finite and nonzero (a stand-in maximum of 0, or one that
+    missed a split, gives NaN here, though it is a no-op for moderate scores)."""
+    from hyspec.kernels.attention import kernel
+
+    monkeypatch.setattr(kernel, "COMBINE_TILE", tile)
+    Hq, Hkv, D, pos, splits = 2, 1, 16, 95, 3  # 96 keys: three blocks, one per split
+    q = rnd(1, Hq, D, seed=1)
+    u = q[0, 0] / q[0, 0].norm() ** 2 * D ** 0.5  # q[0, 0] . (c * u) * D**-0.5 == c
+    c = torch.full((pos + 1,), -300.0)
+    c[64:] = -150.0  # the last split's block
+    c += rnd(pos + 1, seed=2)
+    kc = (c[:, None] * u[None, :]).reshape(Hkv, pos + 1, D)
+    vc = rnd(Hkv, pos + 1, D, seed=3)
+    proj = rnd(1, Hq * 2 * D + 2 * Hkv * D, seed=4)
+    o = torch.empty(1, Hq * D)
+    attn_decode(q, kc, vc, torch.tensor([pos]), 0, proj, o, rows=1, splits=splits)
+    gate = proj[:, : Hq * 2 * D].view(1, Hq, 2 * D)[..., D:]
+    ref = attn_decode_ref(q, kc, vc, pos, gate)
+    assert ref.isfinite().all()
+    assert_rel("attention", o, ref, 1e-4)  # scores of 150: their rounding, amplified by exp

@@ -224,3 +224,30 @@ def test_deferred_combine_in_the_rmsnorm_changes_no_bit(fused, dtype):
     with pytest.raises(ValueError, match="defer"):
         moe_grouped(x, logits[:, :E], gu, dn, buf, torch.empty(T, H, dtype=dtype), top_k=K_TOP, renorm=True,
                     shared=x, shared_gate=logits[:, :1], defer=True)
+
+
+def test_moe_fp8_tile_narrower_than_the_scale_block(monkeypatch):
+    """FP8 experts whose tile steps K in 16s inside 32-wide scale blocks (BK < the block's K,
+    as the shipped 80B down-projection tile: BK 64 in 128-wide blocks): each step takes the
+    scale column of the block it lies in; the reference's values, row invariant.  Also: a
+    stats tensor without row T is not written (its row T is past the caller's view)."""
+    from hyspec.kernels.moe import grouped
+
+    block = (16, 32)
+    gu, dn = rnd(E, 2 * INTER, H, seed=30, scale=H ** -0.5), rnd(E, H, INTER, seed=31, scale=INTER ** -0.5)
+    (qg, sg), (qu, su) = quantize(gu[:, :INTER], block), quantize(gu[:, INTER:], block)
+    half = torch.arange(INTER) // 16
+    gu8 = Fp8Weight(torch.cat([qg, qu], 1), torch.cat([sg, su], 1), block, torch.cat([half, half + 2]).to(torch.int32))
+    dn8 = Fp8Weight(*quantize(dn, block), block)
+    g = torch.Generator().manual_seed(32)  # scales that differ visibly from block to block
+    gu8.scale, dn8.scale = gu8.scale * torch.rand(gu8.scale.shape, generator=g).add(0.5), \
+        dn8.scale * torch.rand(dn8.scale.shape, generator=g).add(0.5)
+    monkeypatch.setattr(grouped, "MOE_TUNED", {(2 * INTER, H, False, 32): dict(BK=16),
+                                               (H, INTER, True, 32): dict(BK=16)})
+    assert grouped.gemm_config(2 * INTER, H, False, 32)["BK"] == 16
+    x, logits = rnd(T, H, seed=33), rnd(T, E, seed=34, scale=2.0)
+    big = torch.zeros(T + 1, 2, dtype=torch.int64)
+    y = run(x, logits, gu8, dn8, stats=big[:T])
+    assert_rel("moe fp8 BK < block", y, moe_grouped_ref(x, logits, gu8, dn8, top_k=K_TOP, renorm=True), 1e-5)
+    assert torch.equal(run(x[3:4], logits[3:4], gu8, dn8)[0], y[3])
+    assert not big.any()

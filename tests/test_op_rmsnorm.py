@@ -46,3 +46,25 @@ def test_rmsnorm_grid(T, N, mode):
         rmsnorm(x if mode == "gather" else x[r: r + 1], w, 1e-6, out=o1, resid_out=torch.empty(1, N, dtype=dtype),
                 **one)
         assert torch.equal(o1[0], out[r]), r
+
+
+def test_rmsnorm_refuses_partials_it_cannot_read():
+    """Partials the kernel would read out of bounds or as the wrong type are refused by name
+    before the launch: split partials with fewer rows than the call, or not fp32; MoE
+    outputs of another dtype or with fewer (row, slot) pairs than the call's rows."""
+    from hyspec.kernels.common import MoePartials
+
+    T, N = 3, 8
+    x, w = rnd(T, N, seed=1), rnd(N, seed=2)
+    out = torch.empty(T, N)
+    with pytest.raises(ValueError, match="split partials must be fp32"):
+        rmsnorm(x, w, 1e-6, out=out, delta=SplitPartials(rnd(2, T - 1, N, seed=3), 2))
+    with pytest.raises(ValueError, match="split partials must be fp32"):
+        rmsnorm(x, w, 1e-6, out=out, delta=SplitPartials(rnd(2, T, N, seed=3).double(), 2))
+    slot = torch.arange(2 * T, dtype=torch.int32)
+    with pytest.raises(ValueError, match="MoE partials must be"):
+        rmsnorm(x, w, 1e-6, out=out, delta=MoePartials(rnd(2 * T, N, seed=4).double(), torch.ones(2 * T), slot, 2))
+    with pytest.raises(ValueError, match="MoE partials must be"):
+        rmsnorm(x, w, 1e-6, out=out, delta=MoePartials(rnd(2 * T, N, seed=4), torch.ones(2 * T - 1), slot, 2))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rmsnorm(x.t().contiguous().t(), w, 1e-6, out=out)
