@@ -859,6 +859,31 @@ def test_a_session_turn_that_overflows_mid_way_keeps_its_rounds_on_the_graph_lan
     assert b.last_stats["path"] == "batch-graphs"
 
 
+def test_a_row_after_an_accepted_stop_draft_that_overflows_changes_nothing(tmp_path):
+    """A round whose drafts up to a stop id are all accepted ends at that stop, as plain
+    decoding does, which never runs the row after it: that row overflowing (the stop token
+    100 fed) is no error, on the engine core as on the graph lanes. Before, both ended the
+    sequence in error (NonFiniteLogits) where plain decoding ends it with "eos": greedy (a
+    forced drafter proposing the reference: 76, 47, 100) as sampled."""
+    from hyspec.sampling import SamplingParams
+    from hyspec.speculative.loop import SpecOptions
+
+    core, lanes = _overflowing_engines(tmp_path, lm_bias=3.0)
+    p, kw = [3, 22, 3], dict(max_new_tokens=12, ignore_eos=True, stop_ids=[100])
+    plain = core.generate(p, draft=0, **kw)
+    assert (plain.tokens, plain.stop_reason) == ([76, 47, 100], "eos")
+    spec = SpecOptions(k=3, forced_rates=(1.0,))
+    for eng in (core, lanes):
+        out = eng.generate(p, spec=spec, reference=[76, 47, 100] + [0] * 20, **kw)
+        assert (out.tokens, out.stop_reason) == (plain.tokens, "eos")
+    assert out.stats["path"] == "batch-graphs"
+    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 5)]
+    kw.update(draft=3, params=SamplingParams(temperature=0.9, seed=4))
+    want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
+    assert [(w.tokens, w.stop_reason) for w in want] == [(g.tokens, g.stop_reason) for g in got]
+    assert all(w.stop_reason != "error" for w in want) and want[0].tokens[-1] == 100
+
+
 def test_a_moved_drafting_lane_drafts_as_alone(tmp_path):
     """A drafting lane moved into a freed lane (the last lane fills the hole) carries its
     whole drafter state (h_last: the hidden its next fill row pairs with): a seeded

@@ -232,6 +232,59 @@ def test_gumbel_argmax_kernel_equals_torch() -> None:
     assert int(got[3]) == 0
 
 
+
+def test_gumbel_argmax_kernel_reads_every_token() -> None:
+    """gumbel_argmax sees the last token of a partial last chunk and of a full one (rows
+    with all their mass there), and a row whose best chunk is a later one."""
+    from hyspec.kernels.gemm import triton_available
+    from hyspec.kernels.pdl import interpreting
+    from hyspec.kernels.rng import gumbel_argmax, gumbel_argmax_ref
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    dev = torch.device("cpu" if interpreting() else "cuda")
+    seeds = torch.tensor([3, 4, 5], device=dev)
+    pos = torch.tensor([1, 2, 3], device=dev)
+    for Vg in (2500, 2048):
+        p = torch.zeros(3, Vg, dtype=torch.float64)
+        p[0, Vg - 1] = 1.0  # the last token alone
+        p[1, [0, Vg - 1]] = 0.5
+        p[2, 1], p[2, Vg - 1] = 1e-300, 1.0  # the last token all but surely
+        want = gumbel_argmax_ref(p, seeds.cpu(), Stream.COUPLED, pos.cpu())
+        assert int(want[0]) == Vg - 1 and int(want[2]) == Vg - 1
+        assert torch.equal(gumbel_argmax(p.to(dev), seeds, Stream.COUPLED, pos).cpu(), want), Vg
+
+
+def test_penalty_window_kernel_strided_rows() -> None:
+    """window_push on ring and counts whose rows are views of wider rows (the contract's
+    strided views): each lane's row through its stride, the padding untouched; the same
+    ring, counts and length as the torch pushes."""
+    from hyspec.kernels.gemm import triton_available
+    from hyspec.kernels.pdl import interpreting
+    from hyspec.kernels.window import window_push
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    dev = torch.device("cpu" if interpreting() else "cuda")
+    rng = random.Random(5)
+    B, Vw, C = 4, 30, 6
+    ref = PenaltyWindow(B, Vw, capacity=C, device=dev)
+    for b, (n, length) in enumerate(zip([-1, 2, 5, 3], [4, 3, 9, 1])):
+        ref.load(b, [rng.randrange(Vw) for _ in range(length)], n)
+    ring_w = torch.full((B, C + 3), -9, dtype=torch.int64, device=dev)
+    counts_w = torch.full((B, Vw + 7), -9, dtype=torch.int32, device=dev)
+    ring_w[:, :C], counts_w[:, :Vw] = ref.ring, ref.counts
+    last_n, length = ref.last_n.clone(), ref.length.clone()
+    for step in range(6):
+        toks = torch.tensor([[rng.randrange(Vw) for _ in range(3)] for _ in range(B)], device=dev)
+        n_valid = torch.tensor([rng.randrange(4) for _ in range(B)], device=dev)
+        window_push(last_n, length, ring_w[:, :C], counts_w[:, :Vw], toks, n_valid)
+        for i in range(3):
+            ref.push_ref(toks[:, i], n_valid > i)
+        assert torch.equal(ring_w[:, :C], ref.ring) and torch.equal(counts_w[:, :Vw], ref.counts), step
+        assert torch.equal(length, ref.length), step
+    assert bool((ring_w[:, C:] == -9).all()) and bool((counts_w[:, Vw:] == -9).all())
+
 # --------------------------------------------------------------------------------------
 # penalty window
 # --------------------------------------------------------------------------------------

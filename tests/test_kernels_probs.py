@@ -105,6 +105,70 @@ def test_softmax_rows_with_best_is_torchs_argmax(dtype) -> None:
         assert torch.equal(p[ok], softmax_rows(x, t, **kw)[ok])
 
 
+
+def test_softmax_rows_strided_rows_token_zero_and_floor_edge() -> None:
+    """Rows read through their strides (x and keep as views of wider rows: a verify row
+    logits[:, j] reaches the kernel so), a greedy row whose token is 0 (only = 0 and
+    only_if with top = 0: exactly one-hot there), and min-p's floor met with equality
+    (x / t - top == floor keeps the token, as the reference's >=)."""
+    from hyspec.kernels.probs import softmax_rows, softmax_rows_ref
+
+    dev = kernel_device()
+    B = 6
+    x, t, keep, _, floor, top = _cases(B, seed=11)
+    wide = torch.full((B, Vk + 37), 7.0)
+    wide[:, :Vk] = x
+    xs = wide[:, :Vk]  # row stride Vk + 37
+    kwide = torch.zeros(B, Vk + 37, dtype=torch.bool)
+    kwide[:, :Vk] = keep
+    ks = kwide[:, :Vk]
+    assert xs.stride(0) != Vk and ks.stride(0) != Vk
+    xs, ks, t, floor, top = (a.to(dev) for a in (xs, ks, t, floor, top))
+    for kw in ({}, {"floor": floor, "top": top}):
+        got = softmax_rows(xs, t, ks, **kw)
+        _assert_close(got, softmax_rows_ref(xs.contiguous(), t, ks.contiguous(), **kw))
+        assert torch.equal(got, softmax_rows(xs.contiguous(), t, ks.contiguous(), **kw))
+    # greedy rows at token 0
+    y = x.clone()
+    y[:, 0] = 40.0  # every row's top token is token 0
+    y, top0 = y.to(dev), torch.zeros(B, dtype=torch.int64, device=dev)
+    one_hot = torch.zeros(B, Vk, dtype=torch.float64, device=dev)
+    one_hot[:, 0] = 1.0
+    g = torch.arange(B, device=dev) % 2 == 0
+    only0 = torch.where(g, 0, -1)
+    got = softmax_rows(y, t, only=only0)
+    assert torch.equal(got[g], one_hot[g]) and bool((got[~g, 1:] > 0).any())
+    got = softmax_rows(y, t, only_if=g, top=top0)
+    assert torch.equal(got[g], one_hot[g]) and bool((got[~g, 1:] > 0).any())
+    # the floor met exactly: tokens at top - 1 kept, tokens below dropped (temperature 1)
+    z = torch.full((2, Vk), -3.0)
+    z[:, 5] = 2.0  # the top
+    z[:, 1500:1510] = 1.0  # exactly floor = -1 below it
+    z[:, 2400] = 1.0 - 2.0**-20  # just under
+    z = z.to(dev)
+    one = torch.ones(2, dtype=torch.float64, device=dev)
+    fl = torch.full((2,), -1.0, dtype=torch.float64, device=dev)
+    tp = torch.full((2,), 5, dtype=torch.int64, device=dev)
+    got = softmax_rows(z, one, floor=fl, top=tp)
+    assert torch.equal((got > 0).nonzero()[:, 1].unique().cpu(), torch.tensor([5] + list(range(1500, 1510))))
+    _assert_close(got, softmax_rows_ref(z, one, floor=fl, top=tp))
+
+
+def test_softmax_rows_rejects_floor_or_only_if_without_top() -> None:
+    """min-p's floor and only_if name each row's top token: without top (or only_if with
+    only as well) the call is refused before any launch."""
+    from hyspec.kernels.probs import softmax_rows
+
+    x = torch.zeros(2, 8)
+    t = torch.ones(2, dtype=torch.float64)
+    flags = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="floor needs top"):
+        softmax_rows(x, t, floor=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="only_if needs top and no only"):
+        softmax_rows(x, t, only_if=flags)
+    with pytest.raises(ValueError, match="only_if needs top and no only"):
+        softmax_rows(x, t, only=torch.zeros(2, dtype=torch.int64), only_if=flags, top=torch.zeros(2, dtype=torch.int64))
+
 def test_inverse_cdf_rows_equals_torch() -> None:
     """Tokens == the torch two-level inverse CDF (and the sequential scan) for rows with
     zeros, zero-mass chunks, the mass in the partial last chunk, no mass (token 0),
@@ -138,6 +202,46 @@ def test_inverse_cdf_rows_equals_torch() -> None:
         want = inverse_cdf_rows_ref(pr[:, r].cpu(), u[:6])
         assert torch.equal(inverse_cdf_rows(pr[:, r], u[:6].to(dev)).cpu(), want)
 
+
+
+def test_inverse_cdf_rows_past_the_end() -> None:
+    """u * total at the total (u = 1, the bound of the rounding the contract allows for):
+    the last token with mass of the row, wherever it lies (chunks without mass after it);
+    for a residual row, the residual's last token with mass (not p's); rows read through
+    a [B, R, V] view whose rows are wider than V."""
+    from hyspec.kernels.probs import CHUNK, inverse_cdf_rows, inverse_cdf_rows_ref
+
+    dev = kernel_device()
+    V = 3 * CHUNK - 300
+    p = torch.zeros(4, V, dtype=torch.float64)
+    p[0, 5:10] = 0.2  # chunk 0 alone: token 9
+    p[1, [3, CHUNK + 17]] = 0.5  # the middle chunk's token last: CHUNK + 17
+    p[2, [7, V - 1]] = 0.5  # the partial last chunk: V - 1
+    p[3, 2 * CHUNK + 1] = 1.0
+    one = torch.ones(4, dtype=torch.float64)
+    want = torch.tensor([9, CHUNK + 17, V - 1, 2 * CHUNK + 1])
+    assert torch.equal(inverse_cdf_rows_ref(p, one), want)
+    assert torch.equal(inverse_cdf_rows(p.to(dev), one.to(dev)).cpu(), want)
+    # residual rows: max(p - q, 0) has its last token with mass before p's
+    q = p.clone()
+    q[:, :CHUNK // 2] = 0.0  # the residual: p's mass in the first half chunk
+    resid = torch.tensor([True, True, True, False])
+    want_r = torch.tensor([9, 3, 7, 2 * CHUNK + 1])
+    assert torch.equal(inverse_cdf_rows_ref(p, one, q=q, resid=resid), want_r)
+    got = inverse_cdf_rows(p.to(dev), one.to(dev), q=q.to(dev), resid=resid.to(dev)).cpu()
+    assert torch.equal(got, want_r)
+    # [B, R, V] views of wider rows (stride(1) != V), with row / q_row picks
+    wide = torch.zeros(4, 2, V + 40, dtype=torch.float64)
+    wide[:, 1, :V] = p
+    wq = torch.zeros(4, 3, V + 40, dtype=torch.float64)
+    wq[:, 2, :V] = q
+    u = torch.tensor([0.3, 0.7, 0.99, 0.5], dtype=torch.float64)
+    row, q_row = torch.ones(4, dtype=torch.int64), torch.full((4,), 2, dtype=torch.int64)
+    for uu in (u, one):
+        want = inverse_cdf_rows_ref(p, uu, q=q, resid=resid)
+        got = inverse_cdf_rows(wide[..., :V].to(dev), uu.to(dev), row.to(dev), wq[..., :V].to(dev), q_row.to(dev),
+                               resid.to(dev)).cpu()
+        assert torch.equal(got, want)
 
 def _residual_case(B: int, R: int = 3, seed: int = 4):
     """(p [B, R, V], q [B, R - 1, V], row [B], q_row [B], resid [B]): rows whose residual

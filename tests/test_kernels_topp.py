@@ -308,3 +308,59 @@ def test_top_p_from_the_values_bits(dtype) -> None:
     got = probs_batch(x, table, regime=regime, kernel=kernel, topp_kernel=True)
     assert torch.equal(got, probs_batch(x, table, regime=regime, kernel=kernel, topp_kernel=False))
 
+
+
+def _by_sort(key, valid, weight, thr):
+    """The definition: valid tokens whose weight ranked ahead of them (decreasing key, ties
+    by id) is below the threshold."""
+    order = torch.sort(key.to(torch.int64), dim=1, descending=True, stable=True).indices
+    ranked = weight.gather(1, order)
+    ahead = torch.empty_like(ranked).scatter_(1, order, ranked.cumsum(1) - ranked)
+    return valid & (ahead < thr)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_top_p_from_the_values_bits_signed_zeros_share_a_digit(dtype) -> None:
+    """From the values' bits, -0.0 and +0.0 are one key in every pass (the histogram's
+    as the ties'): rows of interleaved signed zeros (and a few larger values) cut in the
+    middle of the zeros (past the weight of the +0.0 ones) keep the lowest ids first."""
+    from hyspec.gpu.sampling import order_key
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    dev = kernel_device()
+    x = torch.zeros(3, V, dtype=torch.float64)
+    x[:, ::2] = -0.0
+    x[1, 100:110] = 1.0  # ahead of the zeros
+    x[2, ::3] = -math.inf
+    x = x.to(dtype)
+    key, bits = order_key(x)
+    valid = x > -math.inf
+    weight = valid.to(torch.int64) * 3
+    thr = torch.tensor([[3 * 1500 + 1], [3 * 1800], [3 * 5]])  # beyond the +0.0 tokens' weight alone
+    want = _by_sort(key, valid, weight, thr)
+    assert want.sum(1).tolist() == [1501, 1800, 5]
+    got = prefix_select_rows(x.to(dev), bits, None, weight.to(dev), thr.to(dev))
+    assert torch.equal(got.cpu(), want)
+
+
+def test_prefix_select_kernel_zero_weight_tokens_below_an_exact_cut() -> None:
+    """The threshold met exactly by the weight of the top keys, then valid tokens of zero
+    weight (top-p masses that round to 0) a block of keys lower, then more weight: the
+    zero-weight tokens have the whole threshold ahead of them and are dropped."""
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    dev = kernel_device()
+    key = torch.zeros(2, V, dtype=torch.int64)
+    weight = torch.zeros(2, V, dtype=torch.int64)
+    key[:, 10:20], weight[:, 10:20] = 30000, 5  # 50 in the top block of first-pass digits
+    key[:, 1500:1520] = 25000  # valid, no weight, one block of digits lower
+    key[:, 2200:2300], weight[:, 2200:2300] = 0, 1
+    key[1] = key[1] * 65536 + 123  # as 32-bit keys
+    valid = torch.ones(2, V, dtype=torch.bool)
+    thr = torch.tensor([[50], [50]])
+    for b, dtype in ((0, torch.int16), (1, torch.int32)):
+        want = _by_sort(key[b:b + 1], valid[b:b + 1], weight[b:b + 1], thr[b:b + 1])
+        assert int(want.sum()) == 10 and bool(want[0, 10:20].all())
+        got = prefix_select_rows(key[b:b + 1].to(dtype).to(dev), 8 * dtype.itemsize, valid[b:b + 1].to(dev),
+                                 weight[b:b + 1].to(dev), thr[b:b + 1].to(dev))
+        assert torch.equal(got.cpu(), want), dtype

@@ -67,6 +67,50 @@ def test_commit_round_matches_reference(t, mode):
             assert torch.equal(a[name], b[name]), (name, t, mode, seed)
 
 
+
+def _padded(st):
+    """The state with its hidden buffers as views of wider rows (fill_h's and seed_hidden's
+    rows, h_last's lanes H + 5 apart; the padding -7), and the backing tensors."""
+    backing = {}
+    for name in ("fill_h", "seed_hidden", "h_last"):
+        x = st[name]
+        wide = torch.full((*x.shape[:-1], x.shape[-1] + 5), -7.0, device=x.device)
+        wide[..., : x.shape[-1]] = x
+        backing[name] = wide
+        st[name] = wide[..., : x.shape[-1]]
+    return st, backing
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_commit_round_last_stop_slot_and_strided_hidden_rows(t):
+    """A lane's stop ids in its last slot only (every slot is read), and hidden buffers
+    whose rows are views of wider ones (each read and written through its strides, the
+    padding untouched): the kernel equals the reference."""
+    for seed in range(3):
+        a, b = _state(t, 20 + seed, False), _state(t, 20 + seed, False)
+        for st in (a, b):
+            st["stop_ids"][:, STOP - 1] = st["verify_tokens"][:, 1 + seed % (t - 1)]  # an accepted draft, often
+        a, wa = _padded(a)
+        b, wb = _padded(b)
+        commit_round(**a, nb=S, t=t)
+        commit_round_ref(**b, nb=S, t=t)
+        for name in a:
+            assert torch.equal(a[name], b[name]), (name, t, seed)
+        for name in wa:
+            assert torch.equal(wa[name], wb[name]), (name, t, seed)
+        assert bool((a["n_keep"] < a["result"][:, 0]).any()), seed  # a stop cut some lane's kept rows
+
+
+def test_commit_round_refuses_buffers_too_narrow_for_t():
+    """result and the fill rows need t + 1 columns (n, bonus and the k drafts; the verify
+    rows and the kept token): narrower ones are refused, not written past."""
+    t = 3
+    for name in ("result", "fill_tokens", "fill_h"):
+        st = _state(t, 1, False)
+        st[name] = st[name][:, :t]
+        with pytest.raises(ValueError, match="commit_round"):
+            commit_round(**st, nb=S, t=t)
+
 @pytest.mark.parametrize("plant", ["no k_lane cap", "stops ignored", "one row more"])
 def test_the_comparison_sees_a_planted_bug(plant):
     """The random lanes exercise what a bug would break: the reference with a planted bug
@@ -111,6 +155,7 @@ KMAX = 4
 
 
 def _decoder(seed: int, hidden: int, kernel: bool):
+    from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.penalties import PenaltyWindow
 
     t_max = KMAX + 1
@@ -124,7 +169,11 @@ def _decoder(seed: int, hidden: int, kernel: bool):
     d.logits = torch.randn(S * t_max, V, generator=g).to(DEV)
     d.mask = torch.zeros(t_max, S, 1, dtype=torch.int32, device=DEV)
     dead = (torch.rand(S * t_max, generator=g) < 0.3).to(DEV)
-    d._masked = lambda logits, words: (logits * 2, None, dead[: logits.shape[0]])
+    bad_rows = (torch.rand(S * t_max, generator=g) < 0.2).to(DEV)
+    d._masked = lambda logits, words, bad=False: (logits * 2, None, dead[: logits.shape[0]]) + (
+        (bad_rows[: logits.shape[0]],) if bad else ())
+    d.row_ids = torch.arange(t_max, device=DEV)
+    d._bad_rows = types.MethodType(BatchDecoder._bad_rows, d)  # (each lane's first NaN / +inf row -> result)
     d.window = PenaltyWindow(S, V, capacity=8, device=DEV)
     d.window.last_n[:] = torch.tensor([0, 3, -1, 5, 2, -1, 4])  # off, windows of 2-5 tokens, everything
     d.acc = (torch.randint(0, t_max, (S,), generator=g).to(DEV), torch.randint(0, V, (S,), generator=g).to(DEV))

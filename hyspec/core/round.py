@@ -398,30 +398,41 @@ def accept(seq: Sequence, rd: _Round, rows: torch.Tensor) -> tuple[int, int | No
             ms[k], rows = ms[k - 1], torch.cat([rows[:k], rows[k - 1: k]])
         rows = torch.stack([masked(rows[j], ms[j]) for j in range(k + 1)])
     hist = seq.history
+    # a row after a stop draft (a stop id, the token completing a stop string) is never needed:
+    # with the drafts up to it accepted the round ends there (stop_cut), as plain decoding does
+    # without running that row; one that overflows changes nothing
+    stop = stop_cut(drafts, k, None, seq.stops, seq.req.stop_text)[0] if seq.speculative else k
     if not seq.speculative:
         n, tok = 0, choose_token(rows[0], hist, params, rd.first_draft_pos)
     elif params.greedy:
         n, tok = k, None
         for j in range(k + 1):
             lg = apply_penalties(rows[j], hist + drafts[:j], params) if params.adjusts_logits else rows[j]
-            t = greedy_token(lg)
+            try:
+                t = greedy_token(lg)
+            except NonFiniteLogits:
+                if j <= stop:
+                    raise
+                n, tok = j, None  # (stop_cut makes the stop draft the bonus)
+                break
             if j == k or t != drafts[j]:
                 n, tok = j, t
                 break
     else:
-        n, tok = sampled_accept(rows, drafts, rd.q_rows, hist, params, rd.first_draft_pos)
+        n, tok = sampled_accept(rows, drafts, rd.q_rows, hist, params, rd.first_draft_pos, stop)
     if dead_end and n == k:
         return k, None
     return n, tok
 
 
 def sampled_accept(rows: torch.Tensor, drafts: list[int], q_rows: list, hist: list[int], params,
-                   position: int) -> tuple[int, int]:
+                   position: int, stop: int | None = None) -> tuple[int, int]:
     """A sampled round's (accepted count, next token) from its k + 1 verify rows (rejection
     or coupled mode). Row j follows drafts[:j]: a row that overflows (NonFiniteLogits) past
     row 0 matters only if those drafts are all accepted, so the round is decided over the
     drafts before it and the error raised only when it is reached (plain decoding, which
-    never feeds a rejected draft, would not have seen that row)."""
+    never feeds a rejected draft, would not have seen that row). stop: the index of the first
+    stop draft (stop_cut): a row past it is not needed either (the round ends at the stop)."""
     k = len(drafts)
     p_list, bad = [], None
     for j in range(k + 1):
@@ -440,8 +451,8 @@ def sampled_accept(rows: torch.Tensor, drafts: list[int], q_rows: list, hist: li
     else:
         q = torch.stack(list(q_rows[:k])) if k else p_rows[:0]
         n, tok = speculative_sample(p_rows, q, drafts[:k], params.seed, position)
-    if bad is not None and n == k:  # the drafts before the overflowing row all accepted: it is needed
-        raise bad
+    if bad is not None and n == k and (stop is None or k <= stop):  # the drafts before the overflowing
+        raise bad  # row all accepted, none of them a stop: it is needed
     return n, tok
 
 

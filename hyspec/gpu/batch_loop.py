@@ -566,9 +566,11 @@ class BatchRunner:
             if r.reason is not None:
                 continue
             n, bonus = row[0], row[1]
-            if row[-1] <= n:  # a row the round used held NaN / +inf: as on the engine core
-                # (hyspec.core.round: NonFiniteLogits), this lane alone ends in error and the
-                # round emits nothing for it (rows past a rejected draft are not read there either)
+            bad = row[-1]
+            if bad <= n and stop_cut(row[2: 2 + bad], bad, None, r.stop_ids, r.stop_text)[0] == bad:
+                # a row the round used held NaN / +inf: as on the engine core (hyspec.core.round:
+                # NonFiniteLogits), this lane alone ends in error and the round emits nothing for it
+                # (rows past a rejected draft or past an accepted stop are not read there either)
                 r.reason, r.exception = "error", NonFiniteLogits()
                 continue
             drafted = r.k_now if kept is None else kept[i]
