@@ -1061,3 +1061,191 @@ def test_sampling_field_edges(server, client):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
                                                          "stop": [f"@{i}@" for i in range(16)]})
     assert r.status_code == 200, r.text
+
+
+# ---- what an OpenAI client sees, that a second mutation run found unchecked ------------------
+
+
+def test_out_of_range_fields_are_400_naming_them(server):
+    """Each documented range is enforced with a 400 naming the field (the mutation run widened
+    or dropped them unseen): min_p in [0, 1), the OpenAI penalties in [-2, 2], penalty_last_n
+    >= -1, logit_bias values in [-100, 100], stop ids and prompt ids >= 0, chat's top_logprobs >= 0, suffix
+    refused; and a request of more sequences than the server holds is a 400 on n, not a 429."""
+    url, chat = server.url + "/v1/completions", server.url + "/v1/chat/completions"
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for patch, param in (({"min_p": 1.0}, "min_p"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"penalty_last_n": -2}, "penalty_last_n"),
+                         ({"logit_bias": {"1": 100.5}}, "logit_bias"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                         ({"prompt": [-1, 2]}, "prompt"), ({"suffix": "x"}, "suffix"),
+                         ({"stop": ["y" * 1001]}, "stop"),
+                         ({"prompt": ["a", "b", "c", "d", "e"], "n": 16}, "n")):  # 80 sequences > 8 + 64
+        err = _check_error(httpx.post(url, json={**base, **patch}), 400)
+        assert err["param"] == param and err["code"] == "invalid_value", (patch, err)
+    for patch in ({"min_p": 0.5}, {"presence_penalty": 2.0, "frequency_penalty": -2.0}, {"penalty_last_n": -1},
+                  {"stop": ["y" * 1000]}, {"logit_bias": {}}, {"logit_bias": {"1": 100, "2": -100}}):
+        r = httpx.post(url, json={**base, **patch})
+        assert r.status_code == 200, (patch, r.text)
+    err = _check_error(httpx.post(chat, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                              "logprobs": True, "top_logprobs": -1}), 400)
+    assert err["param"] == "top_logprobs", err
+
+
+def test_error_bodies_carry_openai_types_and_count(server):
+    """An unknown path is 404 code unknown_url; every error answer moves
+    hyspec_request_errors_total{status}."""
+    key = 'hyspec_request_errors_total{status="400"}'
+    before = metric(server, key)
+    _check_error(httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 2}), 400)
+    assert metric(server, key) == before + 1
+    err = _check_error(httpx.get(server.url + "/v1/nothing-here"), 404, "unknown_url")
+    assert err["type"] == "invalid_request_error"
+
+
+def test_unseeded_sampled_requests_differ(client):
+    """A sampled request without a seed gets a random one (docs/server.md): two such requests
+    do not repeat each other (nor the seed-0 sample)."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=1.5,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    seeded = client.completions.create(**kw, seed=0).choices[0].token_ids
+    got = [client.completions.create(**kw).choices[0].token_ids for _ in range(2)]
+    assert got[0] != got[1] and seeded not in got
+
+
+def test_usage_totals_and_every_choice_finishes_in_a_stream(server, client):
+    """usage.total_tokens is prompt + completion; a stream of n > 1 choices sends each index
+    its finish_reason (once), and chat's streamed logprobs equal the whole reply's."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.8, seed=3, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens == r.usage.prompt_tokens + 8
+    for stream in (client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.8, seed=3,
+                                             n=3, stream=True, extra_body={"ignore_eos": True}),
+                   client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x = "}],
+                                                  max_tokens=4, temperature=0.8, seed=3, n=3, stream=True,
+                                                  extra_body={"ignore_eos": True})):
+        finished = sorted((c.index, c.finish_reason) for ch in stream for c in ch.choices if c.finish_reason)
+        assert finished == [(0, "length"), (1, "length"), (2, "length")], finished
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "def f(x):"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for ch in client.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-6)
+    # chat without logprobs (the default false) has none
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_logprobs_of_several_prompts_are_each_prompts_own(client, ref_engine):
+    """echo + logprobs with a list of prompts: each choice's echoed entries are its own
+    prompt's tokens (n choices per prompt, prompt-major); logprobs=0 gives top lists holding
+    the chosen token only."""
+    prompts = ["x = 1", "import os\nimport sys"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, temperature=0, echo=True, logprobs=0,
+                                  n=2, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 4
+    for c in r.choices:
+        ids = ref_engine.encode(prompts[c.index // 2])
+        assert c.text.startswith(prompts[c.index // 2])
+        assert len(c.logprobs.tokens) == len(ids) + 1
+        assert c.logprobs.tokens[:len(ids)] == [ref_engine.tokenizer.decode([t]) for t in ids]
+        assert c.logprobs.top_logprobs[0] is None
+        assert all(list(top) == [tok] for tok, top in zip(c.logprobs.tokens[1:], c.logprobs.top_logprobs[1:]))
+
+
+def test_model_card_and_health_fields(server, client):
+    """The model card is OpenAI's (object "model", its id, owned_by) with the context length;
+    /health names every prefix-store counter (docs/server.md)."""
+    card = httpx.get(server.url + f"/v1/models/{MODEL}").json()
+    assert card == httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == (MODEL, "model", "hyspec", 4096)
+    assert httpx.get(server.url + "/v1/models").json()["object"] == "list"
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["engine"] == "batched" and health["warm_up"] is None
+    assert set(health["prefix_store"]) == {"entries", "hits", "misses", "tokens_saved", "bytes_device", "bytes_host"}
+
+
+def test_spec_metrics_add_up(server, client):
+    """hyspec_spec_accepted_tokens_per_pos_total counts from position 0 (a token accepted at
+    depth d > 0 was accepted at every depth before it), and the mean acceptance length is
+    accepted / drafts + 1; generated tokens count only those a stop string leaves."""
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                              extra_body={"draft": 3, "ignore_eos": True})
+    body = httpx.get(server.url + "/metrics").text
+    per_pos = {int(p): float(v) for p, v in re.findall(
+        r'^hyspec_spec_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$', body, re.M)}
+    assert per_pos and 0 in per_pos
+    assert all(per_pos[p] <= per_pos.get(p - 1, 0) for p in per_pos if p > 0), per_pos
+    drafts, accepted = metric(server, "hyspec_spec_drafts_total"), metric(server, "hyspec_spec_accepted_tokens_total")
+    assert metric(server, "hyspec_spec_mean_acceptance_length") == pytest.approx(accepted / drafts + 1)
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    before = metric(server, "hyspec_generation_tokens_total")
+    r = client.completions.create(**kw, stop=[text[len(text) // 2:len(text) // 2 + 3]])
+    assert r.choices[0].finish_reason == "stop"
+    assert metric(server, "hyspec_generation_tokens_total") - before == r.usage.completion_tokens
+
+
+def test_sampling_mode_reaches_the_sampler(client, ref_engine):
+    """sampling_mode: coupled gives Engine.generate's coupled-mode tokens for the seed (not
+    the default rejection mode's)."""
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=10, temperature=0.9, seed=11,
+              extra_body={"ignore_eos": True, "return_token_ids": True, "draft": 3, "sampling_mode": "coupled"})
+    got = client.completions.create(**kw).choices[0].token_ids
+    want = {mode: ref_engine.generate(PROMPTS[2], max_new_tokens=10, draft=3, ignore_eos=True, params=SamplingParams(
+        temperature=0.9, seed=11, mode=mode)).samples[0].tokens for mode in ("coupled", "rejection")}
+    assert got == want["coupled"] and want["coupled"] != want["rejection"]
+
+
+def test_the_api_key_guards_detokenize_and_429_is_a_rate_limit_error():
+    """--api-key covers /tokenize and /detokenize as /v1/* (docs/server.md); a full queue's 429
+    has OpenAI's type rate_limit_error and Retry-After."""
+    from hyspec.server.errors import error_response
+    from hyspec.server.params import APIError
+
+    with ServerThread(create_app(Engine.load(), ServerConfig(served_model_name=MODEL, api_key="k"))) as s:
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            _check_error(httpx.post(s.url + path, json=body), 401, "invalid_api_key")
+            assert httpx.post(s.url + path, json=body, headers={"authorization": "Bearer k"}).status_code == 200
+    resp = error_response(APIError(429, "full", code="queue_full"))
+    assert json.loads(resp.body)["error"]["type"] == "rate_limit_error" and resp.headers["retry-after"] == "1"
+
+
+def test_token_ids_hold_every_counted_token(client, ref_engine):
+    """return_token_ids: a choice's token_ids are the tokens usage counts, the stop token id
+    that ended it included (its text is left out)."""
+    toks = reference(ref_engine, PROMPTS[0], 12, ignore_eos=True)[0]
+    j = next(i for i in range(2, len(toks)) if toks[i] not in toks[:i])
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [toks[j]], "return_token_ids": True})
+    c = r.choices[0]
+    assert (c.finish_reason, c.token_ids, r.usage.completion_tokens) == ("stop", toks[:j + 1], j + 1)
+    assert c.text == ref_engine.tokenizer.decode(toks[:j], skip_special_tokens=True)
+
+
+def test_a_queued_request_whose_client_leaves_is_cancelled_and_the_gauges_split():
+    """hyspec_requests_running / _waiting: a sequence queued behind a full batch counts as
+    waiting, not running; its client leaving cancels it from the queue (finish_reason
+    "cancelled" in the metrics, not "length")."""
+    app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, max_batch=1, max_queue=2, warm_up=False))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with ServerThread(app) as s:
+        def wait_for(name, labels, value):
+            t_end = time.monotonic() + 20
+            while metric(s, name, labels) != value and time.monotonic() < t_end:
+                time.sleep(0.05)
+            return metric(s, name, labels)
+
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as first:
+            lines = first.iter_lines()  # (kept: a dropped iterator closes the response)
+            next(line for line in lines if line.startswith("data:"))
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as queued:
+                queued_lines = queued.iter_lines()
+                next(line for line in queued_lines if line.startswith("data:"))  # (the role chunk)
+                assert wait_for("hyspec_requests_waiting", "", 1) == 1
+                assert metric(s, "hyspec_requests_running") == 1
+            assert wait_for("hyspec_requests_total", '{finish_reason="cancelled"}', 1) == 1
+            assert metric(s, "hyspec_requests_total", '{finish_reason="length"}') == 0
+            assert metric(s, "hyspec_requests_waiting") == 0

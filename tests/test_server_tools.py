@@ -1002,8 +1002,8 @@ def test_reasoning_effort_reaches_the_template(tmp_path):
     with ServerThread(create_app(Engine.load(tmp_path), ServerConfig(served_model_name=MODEL))) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for kw, want in (({}, "hi"), ({"reasoning_effort": "low"}, "hi effort=low"),
-                         ({"reasoning_effort": "low", "extra_body": {"chat_template_kwargs": {"reasoning_effort": "x"}}},
-                          "hi effort=x")):
+                         ({"reasoning_effort": "low", "extra_body": {"chat_template_kwargs": {"reasoning_effort": "x y z w"}}},
+                          "hi effort=x y z w")):  # (a count unlike "low"'s: the kwarg must win)
             r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=1, temperature=0, **kw)
             assert r.usage.prompt_tokens == len(encode(want)), kw
