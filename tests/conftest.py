@@ -205,6 +205,47 @@ DTYPES = ("float64", "float32")
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 88]
 
 
+OVERFLOW_TOKEN = 100
+
+
+@torch.no_grad()
+def make_overflowing(model, lm_bias: float = 0.0, token: int = OVERFLOW_TOKEN):
+    """Make `token` (and no other) drive layer 0's MLP past float32's range when it is fed:
+    the rows after it hold NaN / +inf (a damaged checkpoint's symptom). lm_bias > 0 scales
+    the head's row for it, so that the model chooses (and drafts) it now and then. A tiny
+    qwen3_5 / qwen3_next model (layer 0 a Gated DeltaNet layer with a dense MLP). Returns model."""
+    emb = model.model.embed_tokens.weight
+    emb[:, 0] = 0.0
+    emb[token] = 0.0
+    emb[token, 0] = 8.0
+    layer = model.model.layers[0]
+    layer.linear_attn.out_proj.weight[0, :] = 0.0
+    layer.mlp.gate_proj.weight[:, 0] = 1e19
+    layer.mlp.up_proj.weight[:, 0] = 1e19
+    if lm_bias:
+        model.lm_head.weight[token] *= lm_bias
+    return model
+
+
+def spy_bad_rows(monkeypatch) -> dict:
+    """Count, in every graph round the BatchRunner reads, the lanes whose bad row (the result
+    row's last column) was used (<= the accepted n) or not: {"used": .., "unused": ..}."""
+    from hyspec.gpu import batch_loop
+    from hyspec.gpu.batch import NO_BAD_ROW
+
+    seen = {"used": 0, "unused": 0}
+    take = batch_loop.BatchRunner._take
+
+    def spy(self, rows, k, lp=None, kept=None):
+        for r, row in zip(self.active, rows):
+            if r.reason is None and row[-1] != NO_BAD_ROW:
+                seen["used" if row[-1] <= row[0] else "unused"] += 1
+        return take(self, rows, k, lp, kept)
+
+    monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
+    return seen
+
+
 def make_cooperative(model, *, hidden_mix: float = 0.3, attn_scale: float = 30.0, seed: int = 0):
     """A copy of `model` whose MTP head agrees with the target part of the time (depth-1
     acceptance ~0.1-0.3 on the tiny models) while every input of a draft still matters.

@@ -18,6 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import make_overflowing
+
 pytest.importorskip("triton")
 pytest.importorskip("llguidance")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -254,16 +256,7 @@ def test_a_constrained_lane_whose_row_overflows_ends_in_error_as_on_the_engine_c
     for graphs in (False, True):
         eng = Engine.load(d)
         m = eng.model
-        with torch.no_grad():
-            emb = m.model.embed_tokens.weight
-            emb[:, 0] = 0.0
-            emb[100] = 0.0
-            emb[100, 0] = 8.0
-            layer = m.model.layers[0]
-            layer.linear_attn.out_proj.weight[0, :] = 0.0
-            layer.mlp.gate_proj.weight[:, 0] = 1e19
-            layer.mlp.up_proj.weight[:, 0] = 1e19
-            m.lm_head.weight[100] *= 3.0  # (chosen now and then)
+        make_overflowing(m, 3.0)  # token 100 overflows when fed
         eng.batch_graphs = graphs
         engines.append(eng)
     c = make_constraint(d, "regex", r"[^\n]{1,200}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS
+from conftest import ARCHS, make_overflowing, spy_bad_rows
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -741,15 +741,7 @@ def test_a_lane_whose_prompt_overflows_ends_in_error_alone(tmp_path, draft):
     for graphs in (False, True):
         eng = Engine(load_model(d))
         m = eng.model
-        with torch.no_grad():  # token 100 drives layer 0's MLP past float32's range, no other token
-            emb = m.model.embed_tokens.weight
-            emb[:, 0] = 0.0
-            emb[100] = 0.0
-            emb[100, 0] = 8.0
-            layer = m.model.layers[0]
-            layer.linear_attn.out_proj.weight[0, :] = 0.0
-            layer.mlp.gate_proj.weight[:, 0] = 1e19
-            layer.mlp.up_proj.weight[:, 0] = 1e19
+        make_overflowing(m)  # token 100 overflows when fed
         eng.batch_graphs = graphs
         engines.append(eng)
     prompts = [[5, 17, 99, 3], [5, 100, 3], [7, 8, 9]]
@@ -788,17 +780,7 @@ def _overflowing_engines(tmp_path, lm_bias: float = 0.0):
     for graphs in (False, True):
         eng = Engine(load_model(d))
         m = eng.model
-        with torch.no_grad():
-            emb = m.model.embed_tokens.weight
-            emb[:, 0] = 0.0
-            emb[100] = 0.0
-            emb[100, 0] = 8.0
-            layer = m.model.layers[0]
-            layer.linear_attn.out_proj.weight[0, :] = 0.0
-            layer.mlp.gate_proj.weight[:, 0] = 1e19
-            layer.mlp.up_proj.weight[:, 0] = 1e19
-            if lm_bias:
-                m.lm_head.weight[100] *= lm_bias
+        make_overflowing(m, lm_bias)  # token 100 overflows when fed
         eng.batch_graphs = graphs
         engines.append(eng)
     return engines
@@ -811,21 +793,10 @@ def test_a_lane_whose_rows_overflow_mid_generation_ends_in_error_alone(tmp_path,
     nothing for it, with the engine core's tokens before; a bad row past a rejected draft
     is not needed and changes nothing. Before, greedy lanes took argmax's first NaN id and
     sampled ones drew from NaN rows, in silence. Each case checked to occur (the spy)."""
-    from hyspec.gpu import batch_loop
-    from hyspec.gpu.batch import NO_BAD_ROW
     from hyspec.sampling import SamplingParams
 
     core, lanes = _overflowing_engines(tmp_path, lm_bias=3.0)
-    seen = {"used": 0, "unused": 0}
-    take = batch_loop.BatchRunner._take
-
-    def spy(self, rows, k, lp=None, kept=None):
-        for r, row in zip(self.active, rows):
-            if r.reason is None and row[-1] != NO_BAD_ROW:
-                seen["used" if row[-1] <= row[0] else "unused"] += 1
-        return take(self, rows, k, lp, kept)
-
-    monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
+    seen = spy_bad_rows(monkeypatch)  # bad rows used / past a rejected draft
     prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 7)]
     for params in (None, SamplingParams(temperature=0.9, seed=4)):
         for draft in (0, 3):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS
+from conftest import ARCHS, make_overflowing, spy_bad_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 LOGPROB_ATOL = 1e-4
@@ -323,8 +323,7 @@ def test_lanes_whose_rows_overflow_end_in_error_as_on_the_engine_core(tmp_path, 
     the graph rounds took argmax's first NaN id (greedy) or drew from NaN rows in silence."""
     from hyspec.core.request import Request
     from hyspec.core.scheduler import Scheduler
-    from hyspec.gpu import batch_loop
-    from hyspec.gpu.batch import NO_BAD_ROW, BatchDecoder
+    from hyspec.gpu.batch import BatchDecoder
     from hyspec.gpu.batch_loop import LaneRequest, run_batch
     from hyspec.loading import load_model
     from hyspec.sampling import SamplingParams
@@ -332,26 +331,8 @@ def test_lanes_whose_rows_overflow_end_in_error_as_on_the_engine_core(tmp_path, 
 
     d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=64, vocab_size=256, std=0.2)
     m = load_model(d, dtype=torch.float32, device=torch.device("cuda"))
-    with torch.no_grad():
-        emb = m.model.embed_tokens.weight
-        emb[:, 0] = 0.0
-        emb[100] = 0.0
-        emb[100, 0] = 8.0
-        layer = m.model.layers[0]
-        layer.linear_attn.out_proj.weight[0, :] = 0.0
-        layer.mlp.gate_proj.weight[:, 0] = 1e19
-        layer.mlp.up_proj.weight[:, 0] = 1e19
-        m.lm_head.weight[100] *= 3.0
-    seen = {"used": 0, "unused": 0}
-    take = batch_loop.BatchRunner._take
-
-    def spy(self, rows, k, lp=None, kept=None):
-        for r, row in zip(self.active, rows):
-            if r.reason is None and row[-1] != NO_BAD_ROW:
-                seen["used" if row[-1] <= row[0] else "unused"] += 1
-        return take(self, rows, k, lp, kept)
-
-    monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
+    make_overflowing(m, 3.0)  # token 100 overflows when fed
+    seen = spy_bad_rows(monkeypatch)  # bad rows used / past a rejected draft
     prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 17)]
     N = 24
     dec = BatchDecoder(m, 3 + N + 8, 3, slots=16)
