@@ -943,3 +943,23 @@ def test_a_logit_bias_request_runs_on_the_engine_core(tmp_path):
     assert all(g.stats.get("path") != "batch-graphs" for g in got)
     plain = lanes.generate(prompts[0], max_new_tokens=3, ignore_eos=True)
     assert plain.stats["path"] == "batch-graphs"
+
+
+def test_a_lane_with_a_logit_bias_is_refused(tmp_path):
+    """The lanes' own entries (BatchRunner.submit, decode_one, run_batch) refuse a logit
+    bias by name: the graph rounds would drop it after the first token (the host's choice)
+    in silence, the greedy lanes taking the raw argmax."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, decode_one
+    from hyspec.sampling import SamplingParams
+
+    m = _model(tmp_path, "qwen3_5")
+    dec = BatchDecoder(m, 24, 2, slots=1, graphs=False)
+    for p in (SamplingParams(temperature=0.0, logit_bias={13: 100}),
+              SamplingParams(temperature=0.9, seed=1, logit_bias={13: -100})):
+        with pytest.raises(ValueError, match="logit_bias"):
+            BatchRunner(dec).submit(LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=4, params=p))
+        with pytest.raises(ValueError, match="logit_bias"):
+            decode_one(dec, [5, 17, 99, 3], 4, k=2, params=p)
+    BatchRunner(dec).submit(LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=4,
+                                        params=SamplingParams(temperature=0.0)))  # (no bias: taken)

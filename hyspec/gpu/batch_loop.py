@@ -178,6 +178,8 @@ class BatchRunner:
                              f"the decoder's max_len {dec.max_len}")
         if self.forced and r.k > 0 and r.reference is None:
             raise ValueError("the forced-acceptance drafter needs each speculative request's reference")
+        if getattr(r.params, "logit_bias", ()):  # (graph_eligible sends such a request to the engine core)
+            raise ValueError("a request's logit_bias: the graph rounds do not add one (the engine core runs it)")
         if r.constraint is not None and (not hasattr(r.constraint, "allowed_words")
                                          or getattr(r.constraint, "vocab_size", None) != dec.cfg.vocab_size):
             raise ValueError(f"a request's constraint has no packed masks (allowed_words) over this model's "
