@@ -314,13 +314,15 @@ def test_constrained_lanes_with_graphs(tmp_path, sampled):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_lanes_whose_rows_overflow_end_in_error_as_on_the_engine_core(tmp_path, sampled, monkeypatch):
+def test_lanes_whose_rows_overflow_end_in_error_alone(tmp_path, sampled, monkeypatch):
     """fp32 with CUDA graphs: token 100 drives layer 0's MLP past float32's range when fed
-    (its row: NaN / +inf) and is chosen now and then. A lane whose round needs such a row
-    (its pending token's, or the row after drafts all accepted) ends in error there with
-    the engine core's tokens before it; a bad row past a rejected draft changes nothing
-    (both cases seen: the spy); the other lanes go on with the engine core's tokens. Before,
-    the graph rounds took argmax's first NaN id (greedy) or drew from NaN rows in silence."""
+    (its row: NaN / +inf) and is chosen now and then. No lane goes on past a 100 it fed
+    (before: greedy lanes took argmax's first NaN id, sampled ones drew from NaN rows, in
+    silence): a lane whose round needs such a row ends in error (NonFiniteLogits) there
+    while the others go on (lanes end at many lengths); bad rows past a rejected draft were
+    met and changed nothing (the spy); greedy: the engine core's tokens and ends, and
+    speculative decoding's tokens a prefix of plain decoding's (its failing round emits
+    nothing); sampled: every lane's tokens and end in the batch are its own alone."""
     from hyspec.core.request import Request
     from hyspec.core.scheduler import Scheduler
     from hyspec.gpu.batch import BatchDecoder
@@ -336,20 +338,32 @@ def test_lanes_whose_rows_overflow_end_in_error_as_on_the_engine_core(tmp_path, 
     prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 17)]
     N = 24
     dec = BatchDecoder(m, 3 + N + 8, 3, slots=16)
-    ends = []
+    sp = [SamplingParams(temperature=0.9, seed=4 + i) if sampled else SamplingParams(temperature=0.0)
+          for i in range(len(prompts))]
+    out = {}
     for k in (0, 3):
-        sp = [SamplingParams(temperature=0.9, seed=4 + i) if sampled else SamplingParams(temperature=0.0)
-              for i in range(len(prompts))]
-        sched = Scheduler(m, max_batch=16)
-        core = [Request(prompt_ids=p, max_new_tokens=N, params=sp[i], draft=k) for i, p in enumerate(prompts)]
-        for r in core:
-            sched.submit(r)
-        sched.run()
         lanes = [LaneRequest(prompt=p, max_new_tokens=N, k=k, params=sp[i]) for i, p in enumerate(prompts)]
         run_batch(dec, lanes, max_batch=16)
-        for c, lane in zip(core, lanes):
-            assert (lane.tokens, lane.reason) == (list(c.tokens), c.stop_reason), k
-            assert (type(lane.exception).__name__ == "NonFiniteLogits") == (lane.reason == "error")
-        ends += [lane.reason for lane in lanes if lane.tokens]
-    assert "error" in ends and "length" in ends and seen["used"] and seen["unused"], (ends, seen)
+        for lane in lanes:
+            assert 100 not in lane.tokens[:-1], lane.tokens
+            assert (type(lane.exception).__name__ == "NonFiniteLogits") == (lane.reason == "error"), lane.reason
+            assert lane.reason == "error" or len(lane.tokens) == N
+        out[k] = [(list(lane.tokens), lane.reason) for lane in lanes]
+        if sampled:
+            for i in (0, 5, 11):
+                alone = LaneRequest(prompt=prompts[i], max_new_tokens=N, k=k, params=sp[i])
+                run_batch(dec, [alone], max_batch=1)
+                assert (alone.tokens, alone.reason) == out[k][i], (k, i)
+        else:
+            sched = Scheduler(m, max_batch=16)
+            core = [Request(prompt_ids=p, max_new_tokens=N, params=sp[i], draft=k) for i, p in enumerate(prompts)]
+            for r in core:
+                sched.submit(r)
+            sched.run()
+            assert [(list(c.tokens), c.stop_reason) for c in core] == out[k], k
+    errored = [t for k in out for t, reason in out[k] if reason == "error"]
+    assert len({len(t) for t in errored}) > 1 and seen["used"] and seen["unused"], (out, seen)
+    if not sampled:
+        for (plain, r0), (spec, r3) in zip(out[0], out[3]):
+            assert r3 == r0 and plain[: len(spec)] == spec and (r0 == "error" or spec == plain)
     assert dec.step_graphs.graphs and not dec.step_graphs.failed

@@ -211,3 +211,41 @@ def test_commit_body_kernel_equals_torch_form(t, regime, masked, monkeypatch):
             assert torch.equal(getattr(a.window, name), getattr(b.window, name)), ("window." + name, seed)
         assert [c[0] for c in a.calls] == [c[0] for c in b.calls] == ["linear", "window"]
         assert all(torch.equal(x[1], y[1]) for x, y in zip(a.calls, b.calls))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_bad_rows_kernel_matches_reference(t, dtype):
+    """hyspec.kernels.commit.bad_rows (one launch) == bad_rows_ref: each lane's first verify
+    row holding NaN or +inf, read at the row's argmax (torch's: its first NaN, else its
+    maximum), into a strided column (the batched decoder's result[:, -1]); argmax a strided
+    slice of a wider buffer; -inf entries and finite rows are not bad; lanes past nb are
+    not written. Checked against the definition (a whole-row scan) too, and a planted bug
+    (the last bad row instead of the first) differs."""
+    from hyspec.kernels.commit import bad_rows, bad_rows_ref
+
+    g = torch.Generator().manual_seed(t)
+    nb, Vb, NO = 5, 37, 2**31 - 1
+    x = torch.randn(nb * t + 2, Vb, generator=g).to(dtype)
+    x[0, 3] = float("-inf")  # not bad
+    x[1, 5] = float("nan")
+    x[1, 9] = float("inf")
+    x[2 * t - 1, 0] = float("inf")
+    x[3 * t, 7] = float("nan")
+    x[3 * t + t - 1, 2] = float("nan")
+    x[4 * t + t - 1, 1] = float("-inf")
+    x = x.to(DEV)
+    wide = torch.zeros(nb + 2, t + 3, dtype=torch.long, device=DEV)
+    wide[:nb * 1, :t] = x[: nb * t].argmax(-1).view(nb, t)
+    argmax = wide[:, :t]
+    res = [torch.full((nb + 2, 6), -5, dtype=torch.long, device=DEV) for _ in range(2)]
+    bad_rows(x, argmax, res[0][:, -1], nb, t, NO)
+    bad_rows_ref(x, argmax, res[1][:, -1], nb, t, NO)
+    assert torch.equal(res[0], res[1])
+    xs = x[: nb * t].float().view(nb, t, Vb)
+    want = [next((j for j in range(t) if bool(torch.isnan(xs[b, j]).any() or (xs[b, j] == float("inf")).any())), NO)
+            for b in range(nb)]
+    assert res[0][:nb, -1].tolist() == want and res[0][nb:, -1].tolist() == [-5, -5]
+    assert want != [NO] * nb and NO in want
+    last = [max((j for j in range(t) if bool((~(xs[b, j] < float("inf"))).any())), default=NO) for b in range(nb)]
+    assert t == 1 or last != want  # (the planted bug's answer: the comparison would see it)

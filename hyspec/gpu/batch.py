@@ -62,7 +62,7 @@ from hyspec.gpu.batch_sampling import (accept_sampled, draft_draws, plain_draws,
 from hyspec.gpu.graphs import StepGraphs
 from hyspec.gpu.penalties import PenaltyWindow, row_counts
 from hyspec.gpu.prefill import layer_indices, prefill_into
-from hyspec.kernels.commit import commit_round, commit_round_ref
+from hyspec.kernels.commit import bad_rows, bad_rows_ref, commit_round, commit_round_ref
 from hyspec.kernels.gdn import gdn_window_commit
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import ssm_store_dtype
@@ -519,18 +519,17 @@ class BatchDecoder:
     def _bad_rows(self, nb: int, t: int, logits: torch.Tensor, argmax: torch.Tensor, bad=None) -> None:
         """result[:nb, -1] = each lane's first row (of t, logits [nb * t, V]) that holds NaN
         or +inf, else NO_BAD_ROW: the row's value at its argmax [nb, t] is NaN (torch's and
-        argmax_rows' pick the first NaN) or +inf exactly when the row holds one -- one
-        gather, no pass over the vocabulary. The engine core's rule
-        (hyspec.sampling.greedy_token / filter_probs: NonFiniteLogits), which penalties do
-        not change (finite factors keep NaN and +inf). bad [nb * t] (a masked round's, from
-        _masked): the rows' flags as the constraint's masks leave them, used instead."""
-        rows = self.row_ids[:t].expand(nb, t)
-        if bad is None:  # (v < inf: False for NaN and +inf alone)
-            ok = logits[: nb * t].gather(1, argmax.reshape(nb * t, 1)).view(nb, t) < float("inf")
-            first = torch.where(ok, NO_BAD_ROW, rows)
-        else:
-            first = torch.where(bad.view(nb, t), rows, NO_BAD_ROW)
-        self.result[:nb, -1].copy_(first.amin(1))
+        argmax_rows' pick the first NaN) or +inf exactly when the row holds one -- a gather,
+        no pass over the vocabulary (hyspec.kernels.commit.bad_rows: one launch). The engine
+        core's rule (hyspec.sampling.greedy_token / filter_probs: NonFiniteLogits), which
+        penalties do not change (finite factors keep NaN and +inf). bad [nb * t] (a masked
+        round's, from _masked): the rows' flags as the constraint's masks leave them."""
+        if bad is not None:
+            rows = self.row_ids[:t].expand(nb, t)
+            self.result[:nb, -1].copy_(torch.where(bad.view(nb, t), rows, NO_BAD_ROW).amin(1))
+            return
+        check = bad_rows if self.runner.commit_kernel else bad_rows_ref
+        check(logits, argmax if argmax.dim() == 2 else argmax[:, None], self.result[:, -1], nb, t, NO_BAD_ROW)
 
     def _decode_body(self, nb: int, regime=None) -> None:
         """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""

@@ -24,11 +24,15 @@ Contract (nb lanes, t = k + 1 verify rows per lane, H hidden; all int buffers in
       fill_start[b] = max(pos[b] - 1, 0) * live[b]; fill_rows[b] = j + 1 if live[b] else 1
       pos[b] += j * live[b]; pending[b] = keep
 
+``bad_rows`` (one launch, beside the commit): each lane's first verify row whose logits
+hold NaN or +inf (its value at the row's argmax is one), the batched decoder's overflow
+check (hyspec.gpu.batch: result[:, -1]).
+
 Integer bookkeeping and copies only: the kernel and the torch reference give the same
 values, bit for bit. It replaces the ~30 small torch launches of the batched decoder's
 commit graph (hyspec.gpu.batch). Files: ``kernel.py`` (Triton), ``reference.py`` (torch).
 """
-from hyspec.kernels.commit.kernel import commit_round
-from hyspec.kernels.commit.reference import commit_round_ref
+from hyspec.kernels.commit.kernel import bad_rows, commit_round
+from hyspec.kernels.commit.reference import bad_rows_ref, commit_round_ref
 
-__all__ = ["commit_round", "commit_round_ref"]
+__all__ = ["commit_round", "commit_round_ref", "bad_rows", "bad_rows_ref"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hyspec.kernels.common import p2
 from hyspec.kernels.pdl import kernels_per_mode, launch_kwargs
 
-__all__ = ["commit_round"]
+__all__ = ["commit_round", "bad_rows"]
 
 
 @kernels_per_mode
@@ -98,3 +98,36 @@ def commit_round(argmax, verify_tokens, k_lane, stop_ids, live, pos, pending, n_
         fill_start, fill_rows, fill_h, fill_h.stride(0), fill_h.stride(1), h_last, h_last.stride(0),
         seed_hidden, seed_hidden.stride(0), seed_hidden.stride(1), t, H, stop_ids.shape[1],
         TB=p2(t + 2), NSTOP=p2(stop_ids.shape[1]), BH=BH, GREEDY=accepted is None, num_warps=4, **launch_kwargs())
+
+
+@kernels_per_mode
+def _bad_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def _bad_rows_kernel(x_ptr, s_x, am_ptr, s_am, out_ptr, s_out, T, NO_BAD, TB: tl.constexpr):
+        # program (lane b): its T rows' values at their argmax; the first NaN / +inf one
+        b = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, TB)
+        mr = r < T
+        idx = tl.load(am_ptr + b * s_am + r, mask=mr, other=0)
+        v = tl.load(x_ptr + (b * T + r) * s_x + idx, mask=mr, other=0.0).to(tl.float32)
+        bad = ((v != v) | (v == float("inf"))) & mr
+        first = tl.min(tl.where(bad, r, NO_BAD), 0)
+        tl.store(out_ptr + b * s_out, first.to(tl.int64))
+
+    return _bad_rows_kernel
+
+
+def bad_rows(logits, argmax, out, nb: int, t: int, no_bad: int) -> None:
+    """Triton :func:`bad_rows_ref`: out[b] = the first j < t whose row logits[b * t + j]
+    holds NaN or +inf (its value at argmax[b, j] is one), else no_bad; one launch."""
+    if nb == 0:
+        return
+    if logits.stride(-1) != 1 or argmax.stride(-1) != 1:
+        raise ValueError("bad_rows: logits and argmax need a contiguous last dim")
+    if argmax.dim() != 2 or argmax.shape[0] < nb or argmax.shape[1] < t or logits.shape[0] < nb * t:
+        raise ValueError(f"bad_rows: want argmax [>= {nb}, >= {t}] and logits [>= {nb * t}, V]")
+    _bad_kernels()[(nb,)](logits, logits.stride(0), argmax, argmax.stride(0), out, out.stride(0), t, no_bad,
+                          TB=p2(t), num_warps=1)

@@ -47,3 +47,15 @@ def commit_round_ref(argmax, verify_tokens, k_lane, stop_ids, live, pos, pending
     result[:nb, 1].copy_(bonus)
     if k > 0:
         result[:nb, 2: 2 + k].copy_(verify_tokens[:, 1:t])
+
+
+def bad_rows_ref(logits, argmax, out, nb: int, t: int, no_bad: int) -> None:
+    """out[b] (an int64 [>= nb] view) = the first j < t whose verify row logits[b * t + j]
+    ([>= nb * t, V]) holds NaN or +inf, else no_bad. A row's value at its argmax
+    (argmax [>= nb, >= t]; torch's and argmax_rows' pick a row's first NaN, else its
+    maximum) is NaN or +inf exactly when the row holds one: a gather, no pass over V."""
+    if nb == 0:
+        return
+    ok = logits[: nb * t].gather(1, argmax[:nb, :t].reshape(nb * t, 1)).view(nb, t) < float("inf")
+    rows = torch.arange(t, device=logits.device).expand(nb, t)
+    out[:nb].copy_(torch.where(ok, no_bad, rows).amin(1))
