@@ -10,6 +10,8 @@ import torch
 from hyspec import Engine, SamplingParams
 from hyspec.tiny import make_tiny
 
+from conftest import make_overflowing
+
 POISON = 100  # the token whose embedding overflows layer 0's MLP
 
 
@@ -20,16 +22,7 @@ def ckpt(tmp_path_factory):
 
 def _poison(eng: Engine) -> Engine:
     """Token POISON drives layer 0's MLP past float32's range (inf * inf), every other token not."""
-    m = eng.model
-    with torch.no_grad():
-        emb = m.model.embed_tokens.weight
-        emb[:, 0] = 0.0
-        emb[POISON] = 0.0
-        emb[POISON, 0] = 8.0
-        layer = m.model.layers[0]
-        layer.linear_attn.out_proj.weight[0, :] = 0.0
-        layer.mlp.gate_proj.weight[:, 0] = 1e19
-        layer.mlp.up_proj.weight[:, 0] = 1e19
+    make_overflowing(eng.model, token=POISON)
     return eng
 
 
