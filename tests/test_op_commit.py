@@ -172,7 +172,6 @@ def _decoder(seed: int, hidden: int, kernel: bool):
     bad_rows = (torch.rand(S * t_max, generator=g) < 0.2).to(DEV)
     d._masked = lambda logits, words, bad=False: (logits * 2, None, dead[: logits.shape[0]]) + (
         (bad_rows[: logits.shape[0]],) if bad else ())
-    d.row_ids = torch.arange(t_max, device=DEV)
     d._bad_rows = types.MethodType(BatchDecoder._bad_rows, d)  # (each lane's first NaN / +inf row -> result)
     d.window = PenaltyWindow(S, V, capacity=8, device=DEV)
     d.window.last_n[:] = torch.tensor([0, 3, -1, 5, 2, -1, 4])  # off, windows of 2-5 tokens, everything

@@ -62,7 +62,7 @@ from hyspec.gpu.batch_sampling import (accept_sampled, draft_draws, plain_draws,
 from hyspec.gpu.graphs import StepGraphs
 from hyspec.gpu.penalties import PenaltyWindow, row_counts
 from hyspec.gpu.prefill import layer_indices, prefill_into
-from hyspec.kernels.commit import bad_rows, bad_rows_ref, commit_round, commit_round_ref
+from hyspec.kernels.commit import bad_rows, bad_rows_ref, commit_round, commit_round_ref, first_flagged
 from hyspec.kernels.gdn import gdn_window_commit
 from hyspec.model.attention import KVBuffer
 from hyspec.model.gdn import ssm_store_dtype
@@ -147,7 +147,6 @@ class BatchDecoder:
         H = cfg.hidden_size
         R = self.lane_rows
         self.lane_ids = torch.arange(S, **long)  # [S] 0..S-1
-        self.row_ids = torch.arange(self.t_max, **long)  # [t_max] 0..t_max-1 (a round's verify rows)
         self.pos = torch.zeros(S, **long)  # [S] tokens in each lane's cache
         self.pending = torch.zeros(S, **long)  # [S] the next token to verify
         self.k_lane = torch.zeros(S, **long)  # [S] drafts the lane uses this round (0: plain)
@@ -525,8 +524,7 @@ class BatchDecoder:
         penalties do not change (finite factors keep NaN and +inf). bad [nb * t] (a masked
         round's, from _masked): the rows' flags as the constraint's masks leave them."""
         if bad is not None:
-            rows = self.row_ids[:t].expand(nb, t)
-            self.result[:nb, -1].copy_(torch.where(bad.view(nb, t), rows, NO_BAD_ROW).amin(1))
+            first_flagged(bad.view(nb, t), self.result[:, -1], NO_BAD_ROW)
             return
         check = bad_rows if self.runner.commit_kernel else bad_rows_ref
         check(logits, argmax if argmax.dim() == 2 else argmax[:, None], self.result[:, -1], nb, t, NO_BAD_ROW)

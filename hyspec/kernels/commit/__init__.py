@@ -33,6 +33,6 @@ values, bit for bit. It replaces the ~30 small torch launches of the batched dec
 commit graph (hyspec.gpu.batch). Files: ``kernel.py`` (Triton), ``reference.py`` (torch).
 """
 from hyspec.kernels.commit.kernel import bad_rows, commit_round
-from hyspec.kernels.commit.reference import bad_rows_ref, commit_round_ref
+from hyspec.kernels.commit.reference import bad_rows_ref, commit_round_ref, first_flagged
 
-__all__ = ["commit_round", "commit_round_ref", "bad_rows", "bad_rows_ref"]
+__all__ = ["commit_round", "commit_round_ref", "bad_rows", "bad_rows_ref", "first_flagged"]

@@ -57,5 +57,12 @@ def bad_rows_ref(logits, argmax, out, nb: int, t: int, no_bad: int) -> None:
     if nb == 0:
         return
     ok = logits[: nb * t].gather(1, argmax[:nb, :t].reshape(nb * t, 1)).view(nb, t) < float("inf")
-    rows = torch.arange(t, device=logits.device).expand(nb, t)
-    out[:nb].copy_(torch.where(ok, no_bad, rows).amin(1))
+    first_flagged(~ok, out, no_bad)
+
+
+def first_flagged(flags, out, no_bad: int) -> None:
+    """out[b] = the first j with flags[b, j] (bool [nb, t]), else no_bad (bad_rows_ref's
+    last step; a masked round's flags come from the masks' own pass)."""
+    nb, t = flags.shape
+    rows = torch.arange(t, device=flags.device).expand(nb, t)
+    out[:nb].copy_(torch.where(flags, rows, no_bad).amin(1))
