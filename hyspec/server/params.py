@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 
 from hyspec.config import NO_MTP_HEAD
-from hyspec.sampling import PENALTY_MAX, TEMPERATURE_MIN, ParamError, SamplingParams
+from hyspec.sampling import PENALTY_MAX, TEMPERATURE_MIN, ParamError, SamplingParams, check_logit_bias
 from hyspec.speculative.loop import MAX_DRAFT
 
 MAX_N = 16
@@ -188,13 +188,13 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     bias = ()
     if req.logit_bias:
         try:
-            bias = SamplingParams(logit_bias=req.logit_bias).logit_bias
+            biased = SamplingParams(logit_bias=req.logit_bias)
+            check_logit_bias(biased, lim.vocab_size)  # (the scheduler's check, answered here as a 400)
         except ParamError as e:
             raise bad(f"logit_bias {e.shown}: {e.why}", "logit_bias") from None
-        far = [t for t, _ in bias if t >= lim.vocab_size]
-        if far:
-            raise bad(f"logit_bias: token id(s) {far[:5]} out of range for vocabulary size {lim.vocab_size}",
-                      "logit_bias")
+        except ValueError as e:
+            raise bad(str(e), "logit_bias") from None
+        bias = biased.logit_bias
     seed = req.seed
     if seed is None:
         seed = 0 if t == 0 else secrets.randbits(63)
