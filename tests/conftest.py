@@ -227,6 +227,43 @@ def make_overflowing(model, lm_bias: float = 0.0, token: int = OVERFLOW_TOKEN):
     return model
 
 
+@torch.no_grad()
+def make_drafter_overflowing(model, lm_bias: float = 0.0, token: int = OVERFLOW_TOKEN):
+    """Make `token` (and no other) drive the MTP head's MLP past float32's range when the
+    drafter is fed it: the draft row it is fed for holds NaN / +inf (its keys and values
+    stay finite: the MLP comes after the attention), the target's rows stay finite (a
+    damaged MTP checkpoint's symptom). lm_bias > 0 scales the head's row for it, so that
+    the model chooses (and drafts) it now and then. A tiny qwen3_5 / qwen3_next model with
+    an MTP head (its fc input: the normed embedding first). Returns model."""
+    emb = model.model.embed_tokens.weight
+    emb[:, 0] = 0.0
+    emb[token] = 0.0
+    emb[token, 0] = 8.0
+    fc = model.mtp.fc.weight  # [H, 2H]: row 0 takes the normed embedding's component 0 alone
+    fc[0, :] = 0.0
+    fc[0, 0] = 1.0
+    layer = model.mtp.layers[0]
+    layer.self_attn.o_proj.weight[0, :] = 0.0  # (component 0 of the residual: the token's alone)
+    mlp = layer.mlp
+    mlp.gate_proj.weight[:, 0] = 1e20
+    mlp.up_proj.weight[:, 0] = 1e20
+    if lm_bias:
+        model.lm_head.weight[token] *= lm_bias
+    return model
+
+
+@torch.no_grad()
+def make_drafter_infinite(model, token: int = 150):
+    """Make the drafter's logit for `token` +inf (or -inf) in every draft row, its others
+    finite: the MTP head's final norm scales hidden component 0 by 1e37, which only token's
+    head row reads (times 100); the target's rows stay finite. A tiny qwen3_5 / qwen3_next
+    model with an MTP head sharing the target's head. Returns model."""
+    model.mtp.norm.weight[0] = 1e37
+    model.lm_head.weight[:, 0] = 0.0
+    model.lm_head.weight[token, 0] = 100.0
+    return model
+
+
 def spy_bad_rows(monkeypatch) -> dict:
     """Count, in every graph round the BatchRunner reads, the lanes whose bad row (the result
     row's last column) was used (<= the accepted n) or not: {"used": .., "unused": ..}."""

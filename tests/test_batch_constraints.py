@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_overflowing
+from conftest import make_drafter_infinite, make_overflowing
 
 pytest.importorskip("triton")
 pytest.importorskip("llguidance")
@@ -268,3 +268,34 @@ def test_a_constrained_lane_whose_row_overflows_ends_in_error_as_on_the_engine_c
         assert [(w.tokens, w.stop_reason) for w in want] == [(g.tokens, g.stop_reason) for g in got], draft
         assert [g.stop_reason for g in got] == ["error", "length"] and 100 in got[0].tokens
         assert got[0].stats["error"].startswith("NonFiniteLogits: ")
+
+
+def test_masked_drafts_end_at_a_drafter_row_with_an_infinite_allowed_logit_as_on_the_engine_core(tmp_path):
+    """A damaged MTP head whose draft rows give token 150 (allowed) a logit of +inf now and
+    then, every other logit finite: the engine core drafts nothing from such a row
+    (NonFiniteLogits); a masked round took it for a live row -- a greedy lane drafted 150
+    from it (the same tokens, other drafted counts), a sampled lane drew from q of NaN and
+    emitted tokens the target never gave. Now its drafts end there, greedy and sampled:
+    the engine core's tokens and drafted counts."""
+    from hyspec.constraints import make_constraint
+    from hyspec.engine import Engine
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=320, std=0.2)
+    engines = []
+    for graphs in (False, True):
+        eng = Engine.load(d)
+        make_drafter_infinite(eng.model, 150)
+        eng.batch_graphs = graphs
+        engines.append(eng)
+    c = make_constraint(d, "regex", r"[^\n]{1,200}")
+    prompts = [[2, 15, 3], [5, 100, 3]]
+    for params in (None, SamplingParams(temperature=0.9, seed=4)):
+        kw = dict(max_new_tokens=10, draft=3, ignore_eos=True, constraint=c, params=params)
+        want, got = (eng.generate_batch(prompts, **kw) for eng in engines)
+        assert got[0].stats["path"] == "batch-graphs"
+        assert [g.tokens for g in got] == [w.tokens for w in want], params
+        drafted = [w.stats["spec"]["drafted_at"] for w in want]
+        assert [g.stats["spec"]["drafted_at"] for g in got] == drafted, params
+        assert all(d[-1] < d[0] for d in drafted)  # (drafts ended early: rows with +inf)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, make_overflowing, spy_bad_rows
+from conftest import ARCHS, make_drafter_overflowing, make_overflowing, spy_bad_rows
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -809,6 +809,49 @@ def test_a_lane_whose_rows_overflow_mid_generation_ends_in_error_alone(tmp_path,
             mid = [g for g in got if g.stop_reason == "error" and g.tokens]
             assert mid and any(g.stop_reason == "length" for g in got), (params, draft)
     assert seen["used"] and seen["unused"], seen
+
+
+def test_drafter_rows_that_overflow_end_a_sampled_lanes_drafts_as_on_the_engine_core(tmp_path, monkeypatch):
+    """A damaged MTP head: once token 100 is fed to the drafter, its rows hold NaN / +inf
+    (the target's stay finite). The engine core drafts nothing from such a row; the graph
+    lanes drew sampled drafts from it and ran the rejection test against a q of NaN,
+    emitting tokens the target never gave (token 0 again and again). Now a sampled round's
+    drafts end there too: the engine core's tokens and drafted / accepted counts, whether
+    the bad row comes mid-round or at depth 0, rejection (with top-p) or coupled. (A greedy
+    round keeps such drafts: its output, verified against the target's argmax, does not
+    depend on them.)"""
+    from hyspec.engine import Engine
+    from hyspec.gpu import batch_loop
+    from hyspec.loading import load_model
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    core, lanes = (Engine(load_model(d)) for _ in range(2))
+    for eng, graphs in ((core, False), (lanes, True)):
+        make_drafter_overflowing(eng.model, 3.0)  # token 100 fed to the drafter overflows it
+        eng.batch_graphs = graphs
+    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 5)] + [[5, 100, 3]]  # (the last: from the start)
+    cuts = {"mid": 0, "at 0": 0}
+    take = batch_loop.BatchRunner._take
+
+    def spy(self, rows, k, lp=None, kept=None):
+        for r, row, kr in zip(self.active, rows, kept or ()):
+            if r.reason is None and kr < r.k_now:  # (no p_min, no mask: a bad drafter row)
+                cuts["mid" if kr else "at 0"] += 1
+        return take(self, rows, k, lp, kept)
+
+    monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
+    for params in (SamplingParams(temperature=0.9, seed=4, top_p=0.9),
+                   SamplingParams(temperature=0.9, seed=5, mode="coupled")):
+        kw = dict(max_new_tokens=12, draft=3, ignore_eos=True, params=params)
+        want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
+        assert got[0].stats["path"] == "batch-graphs" and want[0].stats.get("path") != "batch-graphs"
+        assert [g.tokens for g in got] == [w.tokens for w in want], params
+        assert all(g.stop_reason == "length" for g in got)
+        assert [g.stats["spec"]["drafted_at"] for g in got] == [w.stats["spec"]["drafted_at"] for w in want]
+        assert [g.stats["spec"]["accepted"] for g in got] == [w.stats["spec"]["accepted"] for w in want]
+    assert cuts["mid"] and cuts["at 0"], cuts  # (sampled rounds whose drafts a bad row ended)
 
 
 @pytest.mark.parametrize("draft", [0, 3])

@@ -367,3 +367,32 @@ def test_lanes_whose_rows_overflow_end_in_error_alone(tmp_path, sampled, monkeyp
         for (plain, r0), (spec, r3) in zip(out[0], out[3]):
             assert r3 == r0 and plain[: len(spec)] == spec and (r0 == "error" or spec == plain)
     assert dec.step_graphs.graphs and not dec.step_graphs.failed
+
+
+def test_sampled_lanes_draft_nothing_from_a_drafter_of_nan(tmp_path):
+    """An MTP head whose every row is NaN (a damaged checkpoint): a sampled lane drafts
+    nothing (as on the engine core), each round the bonus of an empty round -- the tokens
+    of the same lanes on the undamaged model whose p_min (0.999999) stops every draft.
+    Before, the lanes drew drafts from the NaN rows and ran the rejection test against a
+    q of NaN: tokens the target never gave."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.loading import load_model
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=64, vocab_size=256, std=0.2)
+    damaged, clean = (load_model(d, dtype=torch.float32, device=torch.device("cuda")) for _ in range(2))
+    with torch.no_grad():
+        damaged.mtp.fc.weight.fill_(float("nan"))  # every draft row: NaN
+    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 7)]
+    N = 16
+    out = []
+    for m, p_min in ((damaged, 0.0), (clean, 0.999999)):
+        dec = BatchDecoder(m, 3 + N + 8, 3, slots=8)
+        lanes = [LaneRequest(prompt=p, max_new_tokens=N, k=3, params=_mixed_params(i), p_min=p_min)
+                 for i, p in enumerate(prompts)]
+        run_batch(dec, lanes, max_batch=8)
+        assert all(lane.reason == "length" and lane.telemetry.drafted == 0 for lane in lanes), p_min
+        out.append([lane.tokens for lane in lanes])
+    assert out[0] == out[1]
+

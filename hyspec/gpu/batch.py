@@ -554,13 +554,16 @@ class BatchDecoder:
         scratch = self.window_scratch.head(nb) if self._penalised(regime) else None
         if scratch is not None and i == 0:
             scratch.copy_(self.window.head(nb))
-        if masked:  # mask row i: the constraint after drafts d1..di; a dead row ends the lane's drafts
-            logits, allowed, dead = self._masked(self.draft_lg[:nb], self.mask[i, :nb])
-            kr = self.k_round[:nb]
-            kr.masked_fill_(dead & (kr > i), i)
+        kr = self.k_round[:nb]
+        if masked:  # mask row i: the constraint after drafts d1..di; a dead row ends the lane's drafts,
+            # and so does a row whose allowed logits hold NaN / +inf (drafter_cut)
+            logits, allowed, dead, bad = self._masked(self.draft_lg[:nb], self.mask[i, :nb], bad=True)
+            kr.masked_fill_((dead | bad) & (kr > i), i)
         pmin = pmin and not forced  # (the forced drafter's proposal is certain: it never stops, as on the core)
         if not masked and (sampled or pmin):
             logits = runner.draft_logits(hidden)
+            if self.drafter_cut(regime):
+                self._cut_bad_drafts(nb, i, logits)
         counts = scratch.counts if scratch is not None else None
         q = None
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
@@ -587,6 +590,23 @@ class BatchDecoder:
         if scratch is not None:
             scratch.push(draft)
         return draft
+
+    @staticmethod
+    def drafter_cut(regime) -> bool:
+        """Whether a round's drafts end at a drafter row holding NaN / +inf (k_round: the
+        drafts each lane keeps): rounds with a sampled lane. The engine core drafts nothing
+        from such a row (hyspec.core.round._draft_one: NonFiniteLogits); a sampled lane's
+        accept test would read a distribution q of NaN for it and emit tokens the target
+        never gave (a damaged MTP head). A greedy round's output does not depend on its
+        drafts (any proposal is verified against the target's argmax): it keeps them."""
+        return regime is not None and regime.sampled
+
+    def _cut_bad_drafts(self, nb: int, i: int, logits: torch.Tensor) -> None:
+        """k_round = i for the lanes whose draft logits [nb, V] (depth i) hold NaN / +inf:
+        the value at the row's argmax is one exactly then (_bad_rows)."""
+        top = logits.gather(1, self.runner.argmax(logits)[:, None])[:, 0]  # [nb]
+        kr = self.k_round[:nb]
+        kr.masked_fill_(~(top < float("inf")) & (kr > i), i)
 
     def _pmin_cut(self, nb: int, i: int, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
                   keep_q: bool, counts: torch.Tensor | None) -> torch.Tensor | None:
@@ -624,8 +644,8 @@ class BatchDecoder:
             return
         self._ensure_draft_probs(regime)
         runner = self.runner
-        if pmin:  # the drafts each lane keeps: k_lane, cut at a draft below the lane's p_min
-            self.k_round[:nb].copy_(self.k_lane[:nb])
+        if pmin or self.drafter_cut(regime):  # the drafts each lane keeps: k_lane, cut at a draft
+            self.k_round[:nb].copy_(self.k_lane[:nb])  # below the lane's p_min or at a bad drafter row
         hidden = self._draft_fill(nb)  # [nb, H] each lane's last fill row
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
         for i in range(k):
@@ -662,7 +682,8 @@ class BatchDecoder:
     def _commit_body(self, nb: int, t: int, regime=None, plain: bool = True, masked: bool = False,
                      pmin: bool = False) -> None:
         argmax = self.argmax[:nb, :t]
-        k_lane = self.k_round[:nb] if pmin else self.k_lane[:nb]  # (p_min: the drafts each lane kept)
+        # (p_min, a sampled round: the drafts each lane kept)
+        k_lane = self.k_round[:nb] if pmin or (t > 1 and self.drafter_cut(regime)) else self.k_lane[:nb]
         if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
             logits = self.runner.bufs.logits[: nb * t]
             m, _, dead, bad = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1), bad=True)

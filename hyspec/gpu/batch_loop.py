@@ -414,6 +414,9 @@ class BatchRunner:
         # (the forced drafter's proposals are certain: p_min never stops them, as on the core)
         pmin = k > 0 and not self.forced and any(r.p_min > 0 and r.k_now > 0 for r in active)
         masked = any(r.constraint is not None for r in active)
+        # the drafts each lane kept (dec.k_round): p_min, a dead mask row or a bad drafter row
+        # (a sampled round: BatchDecoder.drafter_cut) ended them
+        cut = k > 0 and (pmin or masked or dec.drafter_cut(regime))
         if masked:
             self._run_masked(nb, k, regime, plain, pmin)
         elif k == 0:
@@ -434,7 +437,7 @@ class BatchRunner:
             # done (plain rounds of 2+ lanes then ran unpipelined: 8 % of a batch-16 step)
             self._host[buf][:n].copy_(dec.result[:n], non_blocking=True)
             kr = None
-            if k > 0 and (pmin or masked):  # the drafts each lane kept (telemetry)
+            if cut:  # the drafts each lane kept (telemetry)
                 kr = self._khost[buf]
                 kr[:n].copy_(dec.k_round[:n], non_blocking=True)
             if lp is not None:  # the pack to pinned memory (the caching host allocator); top and lanes kept
@@ -443,7 +446,7 @@ class BatchRunner:
                       *lp[1:])
             self._events[buf].record()
             return buf, n, k, None, lp, kr
-        kr = dec.k_round[:n].clone() if k > 0 and (pmin or masked) else None
+        kr = dec.k_round[:n].clone() if cut else None
         return buf, n, k, dec.result[:n].clone(), lp, kr  # CPU: the call was synchronous
 
     def _logprob_pack(self, lanes: list[int], k: int, top: int):
@@ -561,8 +564,8 @@ class BatchRunner:
         """Emit a read round's tokens to the lanes still going (a finished or cancelled
         lane's row is dropped); k: the round's drafts (its verify ran k + 1 rows a lane);
         lp: the round's logprob pack (_logprob_pack) when a lane asked; kept: the drafts
-        each lane kept (a round with p_min or masks: a draft below p_min or a dead mask row
-        ended them), else each lane's k_now."""
+        each lane kept (a round with p_min, masks or a sampled lane: a draft below p_min, a
+        dead mask row or a bad drafter row ended them), else each lane's k_now."""
         lps = self._round_logprobs(rows, k + 1, lp) if lp is not None else {}
         for i, (r, row) in enumerate(zip(self.active, rows)):  # row: (accepted n, bonus, d1..dk, bad row)
             if r.reason is not None:
