@@ -253,12 +253,13 @@ def make_drafter_overflowing(model, lm_bias: float = 0.0, token: int = OVERFLOW_
 
 
 @torch.no_grad()
-def make_drafter_infinite(model, token: int = 150):
-    """Make the drafter's logit for `token` +inf (or -inf) in every draft row, its others
-    finite: the MTP head's final norm scales hidden component 0 by 1e37, which only token's
-    head row reads (times 100); the target's rows stay finite. A tiny qwen3_5 / qwen3_next
-    model with an MTP head sharing the target's head. Returns model."""
-    model.mtp.norm.weight[0] = 1e37
+def make_infinite(model, token: int = 150, drafter: bool = True):
+    """Make the logit of `token` +inf (or -inf) in the drafter's rows (drafter=True; the
+    target's stay finite) or the target's (False), the rows' other logits finite: that
+    head's final norm scales hidden component 0 by 1e37, which only token's row of the
+    shared head reads (times 100). The sign follows the component's: a row of +inf now and
+    then. A tiny qwen3_5 / qwen3_next model with an MTP head. Returns model."""
+    (model.mtp.norm if drafter else model.model.norm).weight[0] = 1e37
     model.lm_head.weight[:, 0] = 0.0
     model.lm_head.weight[token, 0] = 100.0
     return model

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_drafter_infinite, make_overflowing
+from conftest import make_infinite, make_overflowing
 
 pytest.importorskip("triton")
 pytest.importorskip("llguidance")
@@ -286,7 +286,7 @@ def test_masked_drafts_end_at_a_drafter_row_with_an_infinite_allowed_logit_as_on
     engines = []
     for graphs in (False, True):
         eng = Engine.load(d)
-        make_drafter_infinite(eng.model, 150)
+        make_infinite(eng.model, 150)
         eng.batch_graphs = graphs
         engines.append(eng)
     c = make_constraint(d, "regex", r"[^\n]{1,200}")

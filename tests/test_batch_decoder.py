@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, make_drafter_overflowing, make_overflowing, spy_bad_rows
+from conftest import ARCHS, make_drafter_overflowing, make_infinite, make_overflowing, spy_bad_rows
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
@@ -852,6 +852,41 @@ def test_drafter_rows_that_overflow_end_a_sampled_lanes_drafts_as_on_the_engine_
         assert [g.stats["spec"]["drafted_at"] for g in got] == [w.stats["spec"]["drafted_at"] for w in want]
         assert [g.stats["spec"]["accepted"] for g in got] == [w.stats["spec"]["accepted"] for w in want]
     assert cuts["mid"] and cuts["at 0"], cuts  # (sampled rounds whose drafts a bad row ended)
+
+
+@pytest.mark.parametrize("where", ["target", "drafter"])
+def test_rows_with_one_infinite_logit_are_checked_as_on_the_engine_core(tmp_path, where):
+    """Rows whose one logit (token 50's) is +inf now and then, the others finite (where
+    NaN rows hold NaN at every index, this tells a check at the row's argmax from one at
+    any other index): the target's rows end a lane in error where the core ends it
+    (plain steps and rounds, greedy and sampled: the check at the argmax the sampled draws
+    made), the drafter's end a sampled round's drafts where the core's end -- the engine
+    core's tokens, ends and drafted counts."""
+    from hyspec.engine import Engine
+    from hyspec.loading import load_model
+    from hyspec.sampling import SamplingParams
+    from hyspec.tiny import make_tiny
+
+    d = make_tiny("qwen3_5", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2)
+    core, lanes = (Engine(load_model(d)) for _ in range(2))
+    for eng, graphs in ((core, False), (lanes, True)):
+        make_infinite(eng.model, 50, drafter=where == "drafter")
+        eng.batch_graphs = graphs
+    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 6)]
+    sampled = SamplingParams(temperature=0.9, seed=4)
+    runs = [(3, sampled)] if where == "drafter" else [(0, None), (0, sampled), (3, None), (3, sampled)]
+    for draft, params in runs:
+        kw = dict(max_new_tokens=10, draft=draft, ignore_eos=True, params=params)
+        want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
+        assert got[0].stats["path"] == "batch-graphs"
+        assert [(g.tokens, g.stop_reason) for g in got] == [(w.tokens, w.stop_reason) for w in want], (draft, params)
+        if draft:
+            drafted = [w.stats["spec"]["drafted_at"] for w in want]
+            assert [g.stats["spec"]["drafted_at"] for g in got] == drafted
+        if where == "target":  # (errors mid-generation and at the first token)
+            assert {bool(g.tokens) for g in got if g.stop_reason == "error"} == {True, False}
+        else:  # (drafts ended early)
+            assert all(dr[-1] < dr[0] for dr in drafted) and all(g.stop_reason == "length" for g in got)
 
 
 @pytest.mark.parametrize("draft", [0, 3])

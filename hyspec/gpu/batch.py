@@ -503,8 +503,11 @@ class BatchDecoder:
             logits, _, dead, bad = self._masked(logits, self.mask[0, :nb], bad=True)
         if regime is not None:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
             counts = self.window.head(nb).counts if self._penalised(regime) else None
-            self._bad_rows(nb, 1, logits, None if masked else self.runner.argmax(logits), bad)
-            token = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts)
+            token, best = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts,
+                                      with_best=True)
+            if not masked and best is None:  # (the torch ops' draws: no argmax made)
+                best = self.runner.argmax(logits)
+            self._bad_rows(nb, 1, logits, best, bad)
         else:
             token = self.runner.argmax(logits)
             self._bad_rows(nb, 1, logits, token, bad)
@@ -562,12 +565,13 @@ class BatchDecoder:
         pmin = pmin and not forced  # (the forced drafter's proposal is certain: it never stops, as on the core)
         if not masked and (sampled or pmin):
             logits = runner.draft_logits(hidden)
-            if self.drafter_cut(regime):
-                self._cut_bad_drafts(nb, i, logits)
         counts = scratch.counts if scratch is not None else None
         q = None
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
-            q, draft = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime, counts)
+            q, draft, best = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
+                                         counts, with_best=True)
+            if not masked and self.drafter_cut(regime):
+                self._cut_bad_drafts(nb, i, logits, best)
         elif masked:
             draft = logits.argmax(-1)
         elif pmin:  # the logits are here for the p_min test: their argmax is draft_argmax's id, without a
@@ -601,10 +605,14 @@ class BatchDecoder:
         drafts (any proposal is verified against the target's argmax): it keeps them."""
         return regime is not None and regime.sampled
 
-    def _cut_bad_drafts(self, nb: int, i: int, logits: torch.Tensor) -> None:
+    def _cut_bad_drafts(self, nb: int, i: int, logits: torch.Tensor, best: torch.Tensor | None) -> None:
         """k_round = i for the lanes whose draft logits [nb, V] (depth i) hold NaN / +inf:
-        the value at the row's argmax is one exactly then (_bad_rows)."""
-        top = logits.gather(1, self.runner.argmax(logits)[:, None])[:, 0]  # [nb]
+        the value at the row's argmax is one exactly then (_bad_rows). best [nb]: the draws'
+        argmax of the penalised rows (or None: made here), which holds NaN / +inf where
+        the row does (penalties keep both where they are)."""
+        if best is None:
+            best = self.runner.argmax(logits)
+        top = logits.gather(1, best[:, None])[:, 0]  # [nb]
         kr = self.k_round[:nb]
         kr.masked_fill_(~(top < float("inf")) & (kr > i), i)
 

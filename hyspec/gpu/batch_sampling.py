@@ -85,18 +85,25 @@ def _choose(fn, probs, table, positions, regime, best=None):
 
 
 def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
-                regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None) -> torch.Tensor:
+                regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None,
+                with_best: bool = False):
     """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN);
-    counts [nb, V]: the lanes' penalty windows (regime.penalties)."""
+    counts [nb, V]: the lanes' penalty windows (regime.penalties). with_best: (tokens,
+    best [nb] or None): the rows' first argmax of their penalised logits, NaN first (as
+    torch's argmax), where the row kernels made it (None: the torch ops')."""
     probs, best = _probs(logits, table, regime, counts)
-    return _choose(dsamp.plain_tokens, probs, table, positions, regime, best)
+    tokens = _choose(dsamp.plain_tokens, probs, table, positions, regime, best)
+    return (tokens, best) if with_best else tokens
 
 
 def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
-                regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None):
-    """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream DRAFT)."""
+                regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None,
+                with_best: bool = False):
+    """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream
+    DRAFT); with_best: and the rows' best [nb] or None, as plain_draws gives it."""
     q, best = _probs(logits, table, regime, counts)
-    return q, _choose(dsamp.draft_tokens, q, table, positions, regime, best)
+    drafts = _choose(dsamp.draft_tokens, q, table, positions, regime, best)
+    return (q, drafts, best) if with_best else (q, drafts)
 
 
 def softmax_of_rows(x: torch.Tensor) -> torch.Tensor:
