@@ -191,7 +191,7 @@ def test_commit_body_kernel_equals_torch_form(t, regime, masked, monkeypatch):
     conv-window commit receive, for greedy, sampled, penalised and masked rounds."""
     import hyspec.gpu.batch as batch
 
-    reg = None if regime is None else types.SimpleNamespace(penalties=regime == "penalised")
+    reg = None if regime is None else types.SimpleNamespace(penalties=regime == "penalised", sampled=regime == "sampled")
     for seed in range(2):
         nb = S - seed
         arms = [_decoder(seed, H, kernel) for kernel in (True, False)]

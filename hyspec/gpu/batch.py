@@ -74,6 +74,16 @@ NO_BAD_ROW = 2**31 - 1  # result[:, -1] of a lane none of whose rows held NaN / 
 STOP_SLOTS = 8  # stop ids per lane the device's commit knows (hyspec.gpu.batch_loop ends lanes on all of them)
 
 
+def drafter_cut(regime) -> bool:
+    """Whether a round's drafts end at a drafter row holding NaN / +inf (k_round: the
+    drafts each lane keeps): rounds with a sampled lane. The engine core drafts nothing
+    from such a row (hyspec.core.round._draft_one: NonFiniteLogits); a sampled lane's
+    accept test would read a distribution q of NaN for it and emit tokens the target
+    never gave (a damaged MTP head). A greedy round's output does not depend on its
+    drafts (any proposal is verified against the target's argmax): it keeps them."""
+    return regime is not None and regime.sampled
+
+
 def padded_size(n: int, sizes=BATCH_SIZES) -> int:
     """The captured batch size a round of n lanes runs at (the smallest size >= n)."""
     for s in sizes:
@@ -570,7 +580,7 @@ class BatchDecoder:
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
             q, draft, best = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
                                          counts, with_best=True)
-            if not masked and self.drafter_cut(regime):
+            if not masked and drafter_cut(regime):
                 self._cut_bad_drafts(nb, i, logits, best)
         elif masked:
             draft = logits.argmax(-1)
@@ -594,16 +604,6 @@ class BatchDecoder:
         if scratch is not None:
             scratch.push(draft)
         return draft
-
-    @staticmethod
-    def drafter_cut(regime) -> bool:
-        """Whether a round's drafts end at a drafter row holding NaN / +inf (k_round: the
-        drafts each lane keeps): rounds with a sampled lane. The engine core drafts nothing
-        from such a row (hyspec.core.round._draft_one: NonFiniteLogits); a sampled lane's
-        accept test would read a distribution q of NaN for it and emit tokens the target
-        never gave (a damaged MTP head). A greedy round's output does not depend on its
-        drafts (any proposal is verified against the target's argmax): it keeps them."""
-        return regime is not None and regime.sampled
 
     def _cut_bad_drafts(self, nb: int, i: int, logits: torch.Tensor, best: torch.Tensor | None) -> None:
         """k_round = i for the lanes whose draft logits [nb, V] (depth i) hold NaN / +inf:
@@ -652,7 +652,7 @@ class BatchDecoder:
             return
         self._ensure_draft_probs(regime)
         runner = self.runner
-        if pmin or self.drafter_cut(regime):  # the drafts each lane keeps: k_lane, cut at a draft
+        if pmin or drafter_cut(regime):  # the drafts each lane keeps: k_lane, cut at a draft
             self.k_round[:nb].copy_(self.k_lane[:nb])  # below the lane's p_min or at a bad drafter row
         hidden = self._draft_fill(nb)  # [nb, H] each lane's last fill row
         chain = self.fill_start + self.fill_rows  # draft-KV row of the first chained step, per lane
@@ -691,7 +691,7 @@ class BatchDecoder:
                      pmin: bool = False) -> None:
         argmax = self.argmax[:nb, :t]
         # (p_min, a sampled round: the drafts each lane kept)
-        k_lane = self.k_round[:nb] if pmin or (t > 1 and self.drafter_cut(regime)) else self.k_lane[:nb]
+        k_lane = self.k_round[:nb] if pmin or (t > 1 and drafter_cut(regime)) else self.k_lane[:nb]
         if masked:  # verify row j under mask row j (in place: the sampled accept reads the buffer)
             logits = self.runner.bufs.logits[: nb * t]
             m, _, dead, bad = self._masked(logits, self.mask[:t, :nb].transpose(0, 1).reshape(nb * t, -1), bad=True)

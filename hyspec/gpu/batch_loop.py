@@ -35,7 +35,7 @@ from hyspec.rng import u01_tensor
 from hyspec.sampling import NonFiniteLogits, top_ids
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
-from hyspec.gpu.batch import BatchDecoder, padded_size
+from hyspec.gpu.batch import BatchDecoder, drafter_cut, padded_size
 from hyspec.gpu.sampling import SampledGraphKey
 
 
@@ -415,8 +415,8 @@ class BatchRunner:
         pmin = k > 0 and not self.forced and any(r.p_min > 0 and r.k_now > 0 for r in active)
         masked = any(r.constraint is not None for r in active)
         # the drafts each lane kept (dec.k_round): p_min, a dead mask row or a bad drafter row
-        # (a sampled round: BatchDecoder.drafter_cut) ended them
-        cut = k > 0 and (pmin or masked or dec.drafter_cut(regime))
+        # (a sampled round: hyspec.gpu.batch.drafter_cut) ended them
+        cut = k > 0 and (pmin or masked or drafter_cut(regime))
         if masked:
             self._run_masked(nb, k, regime, plain, pmin)
         elif k == 0:
