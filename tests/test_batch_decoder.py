@@ -1000,44 +1000,56 @@ def test_padding_lanes_do_not_advance(tmp_path):
     assert steps >= 2
 
 
-def test_a_logit_bias_request_runs_on_the_engine_core(tmp_path):
-    """The graph rounds do not add a logit bias: graph_eligible names it, and such a
-    request (alone or in a batch) runs on the engine core, with the core's tokens; a
-    request without one still takes the lanes."""
-    from hyspec.engine import Engine
-    from hyspec.gpu.batch_loop import graph_eligible
+def test_logit_bias_on_the_graph_lanes_equals_the_engine_core(tmp_path):
+    """A logit_bias runs on the graph lanes (before, graph_eligible sent such a request to
+    the engine core, and the lanes refused it): added to the target's rows and the
+    drafter's before the penalties, greedy and sampled (rejection and coupled), plain and
+    speculative, with a p_min whose test reads the biased drafter row: the engine core's
+    tokens and drafted counts. Two lanes for five requests: biased and unbiased requests
+    leave, move into the freed lane and take a lane a biased one left (its bias row
+    cleared), each with the tokens it has alone; a bias on an id past the vocabulary is
+    refused by name."""
     from hyspec.core.request import Request
-    from hyspec.sampling import SamplingParams
-
-    m = _model(tmp_path, "qwen3_5")
-    core, lanes = Engine(m), Engine(m)
-    lanes.batch_graphs = True
-    p = SamplingParams(temperature=0.0, logit_bias={7: 4.0, 8: -100})
-    assert "logit bias" in graph_eligible([Request(prompt_ids=[1, 2], max_new_tokens=2, params=p)])
-    prompts = [[5, 17, 99, 3], [8, 1, 2]]
-    want = core.generate_batch(prompts, max_new_tokens=6, draft=3, params=p, ignore_eos=True)
-    got = lanes.generate_batch(prompts, max_new_tokens=6, draft=3, params=p, ignore_eos=True)
-    assert [g.tokens for g in got] == [w.tokens for w in want] and all(8 not in g.tokens for g in got)
-    assert all(g.stats.get("path") != "batch-graphs" for g in got)
-    plain = lanes.generate(prompts[0], max_new_tokens=3, ignore_eos=True)
-    assert plain.stats["path"] == "batch-graphs"
-
-
-def test_a_lane_with_a_logit_bias_is_refused(tmp_path):
-    """The lanes' own entries (BatchRunner.submit, decode_one, run_batch) refuse a logit
-    bias by name: the graph rounds would drop it after the first token (the host's choice)
-    in silence, the greedy lanes taking the raw argmax."""
+    from hyspec.core.scheduler import Scheduler
     from hyspec.gpu.batch import BatchDecoder
-    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, decode_one
+    from hyspec.gpu.batch_loop import BatchRunner, LaneRequest, graph_eligible, run_batch
     from hyspec.sampling import SamplingParams
+    from hyspec.speculative.loop import SpecOptions
+    from hyspec.speculative.telemetry import SpecTelemetry
 
     m = _model(tmp_path, "qwen3_5")
-    dec = BatchDecoder(m, 24, 2, slots=1, graphs=False)
-    for p in (SamplingParams(temperature=0.0, logit_bias={13: 100}),
-              SamplingParams(temperature=0.9, seed=1, logit_bias={13: -100})):
-        with pytest.raises(ValueError, match="logit_bias"):
-            BatchRunner(dec).submit(LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=4, params=p))
-        with pytest.raises(ValueError, match="logit_bias"):
-            decode_one(dec, [5, 17, 99, 3], 4, k=2, params=p)
-    BatchRunner(dec).submit(LaneRequest(prompt=[5, 17, 99, 3], max_new_tokens=4,
-                                        params=SamplingParams(temperature=0.0)))  # (no bias: taken)
+    bias = {7: 4.0, 8: -100, 50: 2.5, 0: 0.0}
+    params = [SamplingParams(temperature=0.0, logit_bias=bias),
+              SamplingParams(temperature=0.9, seed=4, logit_bias={50: 3.0, 9: -2.0}),
+              SamplingParams(temperature=0.9, seed=5),  # (none: joins a lane a biased request left)
+              SamplingParams(temperature=0.8, seed=6, top_p=0.8, repetition_penalty=1.3, presence_penalty=0.5,
+                             logit_bias=bias, mode="coupled"),
+              SamplingParams(temperature=0.0, logit_bias={7: 3.0}, frequency_penalty=0.7)]
+    prompts = [[5, 17, 99, 3], [8, 1, 2], [60, 61, 62], [7, 7, 7, 7], [11, 12]]
+    ks, ns, arrivals, p_mins = [3, 2, 3, 0, 2], [9, 4, 7, 6, 8], [0, 0, 1, 2, 2], [0.0, 0.0, 0.0, 0.0, 0.05]
+    assert graph_eligible([Request(prompt_ids=[1, 2], max_new_tokens=2, params=params[0])]) is None
+    sched = Scheduler(m, max_batch=5)
+    core = [sched.submit(Request(prompt_ids=p, max_new_tokens=n, params=sp, draft=k,
+                                 spec=SpecOptions(k=k, p_min=pm) if k else None, telemetry=SpecTelemetry()))
+            for p, sp, k, n, pm in zip(prompts, params, ks, ns, p_mins)]
+    sched.run()
+    dec = BatchDecoder(m, 4 + 9 + 8, 3, slots=2, graphs=False)
+
+    def lanes(idx):
+        return [LaneRequest(prompt=prompts[i], max_new_tokens=ns[i], k=ks[i], params=params[i], p_min=p_mins[i],
+                            arrival=arrivals[i]) for i in idx]
+
+    reqs = lanes(range(5))
+    run_batch(dec, reqs)
+    for i, (r, c) in enumerate(zip(reqs, core)):
+        assert r.tokens == c.tokens, i
+        assert r.telemetry.drafted == c.telemetry.drafted, i
+    assert 8 not in [t for r in reqs[:1] + reqs[3:4] for t in r.tokens] and reqs[0].tokens.count(7) >= 2
+    for i in range(5):
+        alone = lanes([i])[0]
+        alone.arrival = 0
+        run_batch(dec, [alone])
+        assert alone.tokens == reqs[i].tokens, i
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        BatchRunner(dec).submit(LaneRequest(prompt=[5, 17], max_new_tokens=4,
+                                            params=SamplingParams(temperature=0.0, logit_bias={500: 1.0})))

@@ -16,6 +16,7 @@ from kernel_grid import mass_edge_rows
 from hyspec.gpu.sampling import (
     SamplingTable,
     draft_tokens,
+    fill_bias_row,
     gumbel_lanes,
     order_key,
     prefix_select,
@@ -457,6 +458,38 @@ def test_probs_batch_each_penalty_alone() -> None:
     for b, prm in enumerate(cases):
         assert torch.equal(got[b], row_probs(row, hist, prm)), b
     assert int(got[3].argmax()) == 4 and int(got[4].argmax()) == 2  # presence leaves 4 on top; r = 3 does not
+
+
+def test_probs_batch_with_logit_bias_equals_row_probs() -> None:
+    """logit_bias rows (fill_bias_row: the lanes' buffer) added before the penalties, as
+    the reference's apply_penalties adds them: a bias on a token in the window that the
+    repetition penalty then divides (added after it, the greedy lane's pick would differ),
+    a bias of 0 on a -0.0 logit (+0.0 after it, as in the reference), lanes without a bias
+    beside biased ones, -0.0 logits left as they are (top-p ranks by the values' bits):
+    probabilities == row_probs, greedy and sampled (the torch ops; the row kernels take the
+    same biased values: test_batch_decoder's lanes); an id past the vocabulary is refused."""
+    row = torch.tensor([1.5, -0.0, 0.8, -0.0, 2.0, -1.0, 0.0], dtype=torch.float32)
+    hist = [4, 4]
+    cases = [SamplingParams(temperature=0.0, repetition_penalty=3.0, logit_bias={4: 1.0}),
+             SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.5, logit_bias={4: 1.0, 1: 0.0}),
+             SamplingParams(temperature=0.9, top_p=0.95),
+             SamplingParams(temperature=0.0, logit_bias={6: 100.0}),
+             SamplingParams(temperature=0.7, top_k=3, frequency_penalty=0.5, logit_bias={5: -100.0, 3: 1e-3})]
+    B = len(cases)
+    table = SamplingTable(B)
+    window = PenaltyWindow(B, row.shape[0], capacity=64)
+    bias = torch.empty(B, row.shape[0])
+    for b, prm in enumerate(cases):
+        table.set(b, prm)
+        window.load(b, hist, prm)
+        fill_bias_row(bias[b], prm)
+    assert torch.equal(bias[2], torch.full((7,), -0.0)) and bias[2].signbit().all()
+    got = probs_batch(row.expand(B, -1).clone(), table, window.counts, kernel=False, bias=bias)
+    for b, prm in enumerate(cases):
+        assert torch.equal(got[b], row_probs(row, hist, prm)), b
+    assert int(got[0].argmax()) == 0 and int(got[3].argmax()) == 6  # (bias then r = 3 leaves 4 below 0)
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        fill_bias_row(bias[0], SamplingParams(logit_bias={7: 1.0}))
 
 
 def test_table_takes_a_top_k_past_int64() -> None:

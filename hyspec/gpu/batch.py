@@ -180,6 +180,7 @@ class BatchDecoder:
         self.window = None  # PenaltyWindow [S]: each lane's penalty window (made when a lane first has penalties)
         self.window_scratch = None  # PenaltyWindow [S]: the window advanced over a round's drafts
         self.row_counts = None  # [S * t_max, V] int32: the verify rows' counts (penalised rounds)
+        self.bias = None  # [S, V] float32: each lane's logit_bias row, -0.0 off its ids (made when first needed)
         # constrained lanes (docs/constraints.md, "On the CUDA-graph path"): the allowed-token
         # bits of every verify row, llguidance's layout (token v = bit v % 32 of word v // 32);
         # row j is the constraint's state after the round's drafts d1..dj, so it masks draft
@@ -419,7 +420,22 @@ class BatchDecoder:
             self.window = PenaltyWindow(self.slots, V, capacity=self.max_len, device=self.dev)
             self.window_scratch = PenaltyWindow(self.slots, V, capacity=self.max_len, device=self.dev)
             self.row_counts = torch.zeros(self.slots * self.t_max, V, dtype=torch.int32, device=self.dev)
+        if getattr(params, "logit_bias", ()) or self.bias is not None:  # (a lane's row is written at its
+            dsamp.fill_bias_row(self._bias_buffer()[lane], params)  # admission: free leaves it)
         self.sampling_table.set(lane, params)
+
+    def _bias_buffer(self) -> torch.Tensor:
+        if self.bias is None:
+            self.bias = torch.full((self.slots, self.cfg.vocab_size), -0.0, device=self.dev, dtype=torch.float32)
+        return self.bias
+
+    def bias_rows(self, nb: int, t: int, regime) -> torch.Tensor | None:
+        """The lanes' logit_bias rows for their nb * t rows (lane i's row repeated t times),
+        [nb * t, V]; None where no lane of the round has a bias (regime.bias false)."""
+        if regime is None or not regime.bias:
+            return None
+        b = self._bias_buffer()[:nb]
+        return b if t == 1 else b[:, None].expand(nb, t, b.shape[1]).reshape(nb * t, b.shape[1])
 
     def _load_window(self, lane: int, history: list[int]) -> None:
         """The lane's penalty window over its history (prompt + the pending token). A window
@@ -453,6 +469,8 @@ class BatchDecoder:
             tensors += [self.draft_k, self.draft_v]
         if self.window is not None:
             tensors += [self.window.last_n, self.window.length, self.window.ring, self.window.counts]
+        if self.bias is not None:
+            tensors.append(self.bias)
         return tensors
 
     @torch.no_grad()
@@ -514,7 +532,7 @@ class BatchDecoder:
         if regime is not None:  # the token at position pos + 1, stream PLAIN (hyspec.core.round.choose_token)
             counts = self.window.head(nb).counts if self._penalised(regime) else None
             token, best = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts,
-                                      with_best=True)
+                                      with_best=True, bias=self.bias_rows(nb, 1, regime))
             if not masked and best is None:  # (the torch ops' draws: no argmax made)
                 best = self.runner.argmax(logits)
             self._bad_rows(nb, 1, logits, best, bad)
@@ -579,7 +597,7 @@ class BatchDecoder:
         q = None
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
             q, draft, best = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
-                                         counts, with_best=True)
+                                         counts, with_best=True, bias=self.bias_rows(nb, 1, regime))
             if not masked and drafter_cut(regime):
                 self._cut_bad_drafts(nb, i, logits, best)
         elif masked:
@@ -589,7 +607,7 @@ class BatchDecoder:
         else:  # (draft_argmax: the argmax of draft_logits without a [nb, V] row for a reduced draft vocabulary)
             draft = runner.draft_argmax(hidden)
         if pmin:
-            q = self._pmin_cut(nb, i, logits, draft, q, keep_q, counts)
+            q = self._pmin_cut(nb, i, logits, draft, q, keep_q, counts, self.bias_rows(nb, 1, regime))
         if forced:
             K = max(self.k_max, 1)
             idx = (self.pos[:nb] + (1 + i)) * K + i
@@ -617,7 +635,7 @@ class BatchDecoder:
         kr.masked_fill_(~(top < float("inf")) & (kr > i), i)
 
     def _pmin_cut(self, nb: int, i: int, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
-                  keep_q: bool, counts: torch.Tensor | None) -> torch.Tensor | None:
+                  keep_q: bool, counts: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """The lanes' p_min at draft i, as the engine core's _draft_one applies it: the
         drafter's probability of its draft (a greedy lane: the softmax of its draft logits,
         penalised as its choice was, at the draft; a sampled lane: q at the draft) below the
@@ -629,7 +647,8 @@ class BatchDecoder:
         pm = self.p_min[:nb]  # [nb]
         on = pm > 0
         table = table_rows(self.sampling_table, nb)
-        x0 = dsamp._penalised(logits, table, counts) if counts is not None else logits  # greedy lanes' values
+        # greedy lanes' values (biased, penalised)
+        x0 = dsamp._penalised(logits, table, counts, bias) if counts is not None or bias is not None else logits
         prob = softmax_of_rows(x0).gather(1, draft[:, None])[:, 0]  # [nb] float64
         if q is not None:
             prob = torch.where(table.greedy, prob, q.gather(1, draft[:, None])[:, 0])
@@ -736,6 +755,8 @@ class BatchDecoder:
         regime = self.regime(sampled)
         if self._penalised(regime) and self.window is None:
             raise ValueError("a penalised round before any lane was given penalties (set_params)")
+        if regime is not None and regime.bias:
+            self._bias_buffer()  # (before a graph that reads it is captured)
         return regime
 
     def decode(self, nb: int, sampled=False) -> None:

@@ -32,7 +32,7 @@ import torch
 from hyspec.config import no_mtp_error
 from hyspec.core.round import commit_constraint, stop_cut
 from hyspec.rng import u01_tensor
-from hyspec.sampling import NonFiniteLogits, top_ids
+from hyspec.sampling import NonFiniteLogits, check_logit_bias, top_ids
 from hyspec.speculative.drafter import FORCED_STREAM
 from hyspec.speculative.telemetry import SpecTelemetry
 from hyspec.gpu.batch import BatchDecoder, drafter_cut, padded_size
@@ -178,8 +178,8 @@ class BatchRunner:
                              f"the decoder's max_len {dec.max_len}")
         if self.forced and r.k > 0 and r.reference is None:
             raise ValueError("the forced-acceptance drafter needs each speculative request's reference")
-        if getattr(r.params, "logit_bias", ()):  # (graph_eligible sends such a request to the engine core)
-            raise ValueError("a request's logit_bias: the graph rounds do not add one (the engine core runs it)")
+        if r.params is not None:  # (its ids: the scheduler's check, for callers of the lanes alone)
+            check_logit_bias(r.params, dec.cfg.vocab_size)
         if r.constraint is not None and (not hasattr(r.constraint, "allowed_words")
                                          or getattr(r.constraint, "vocab_size", None) != dec.cfg.vocab_size):
             raise ValueError(f"a request's constraint has no packed masks (allowed_words) over this model's "
@@ -702,8 +702,8 @@ def decode_one(dec: BatchDecoder, prompt: list[int], max_new_tokens: int, *, k: 
                          forced_seed=forced_seed)
     runner.check(r)  # before any capture: a bad request is an error, not a failed graph
     regime = SampledGraphKey.of([params])
-    if dec.graphs and not (regime is not None and regime.penalties):  # (penalised: captured on first use,
-        # once the lane has its penalty window)
+    if dec.graphs and not (regime is not None and (regime.penalties or regime.bias)):  # (penalised or biased:
+        # captured on first use, once the lane has its penalty window / bias row)
         dec.capture([padded_size(1, dec.sizes)], [k], forced=(forced,), sampled=(regime or False,),
                     plain=(k == 0,))
     runner.submit(r)
@@ -734,8 +734,6 @@ def graph_eligible(reqs) -> str | None:
     if len(forced) > 1:
         return "requests with different forced-drafter profiles"
     for r in reqs:
-        if getattr(r.params, "logit_bias", ()):
-            return "a logit bias (the graph rounds do not add one)"
         if r.constraint is not None and not hasattr(r.constraint, "allowed_words"):
             return "a constraint without packed masks (allowed_words)"
         if r.resume is not None and not isinstance(r.resume, SeqState):

@@ -63,16 +63,21 @@ def _exact_choice(regime: dsamp.SampledGraphKey) -> bool:
     return not (regime.sampled and regime.rejection)
 
 
-def _probs(logits, table, regime, counts):
+def _probs(logits, table, regime, counts, bias=None):
     """(probs_batch of the rows, their best [rows] or None): as they are with the row
-    kernels, else over fixed blocks (best None: the choices take the argmax of p)."""
+    kernels, else over fixed blocks (best None: the choices take the argmax of p).
+    bias [rows, V]: the rows' logit_bias (None: no lane has one)."""
     if row_kernels(logits.device):
-        return dsamp.probs_batch(logits, table, counts, regime, kernel=True, with_best=True)
-    if counts is None:
-        return blocked(lambda lg, tb: dsamp.probs_batch(lg, tb, None, regime, kernel=False), logits.shape[0],
-                       logits, table), None
-    return blocked(lambda lg, tb, c: dsamp.probs_batch(lg, tb, c, regime, kernel=False), logits.shape[0],
-                   logits, table, counts), None
+        return dsamp.probs_batch(logits, table, counts, regime, kernel=True, with_best=True, bias=bias)
+    rows = [logits, table] + [t for t in (counts, bias) if t is not None]
+
+    def probs(lg, tb, *rest):
+        it = iter(rest)
+        c = next(it) if counts is not None else None
+        b = next(it) if bias is not None else None
+        return dsamp.probs_batch(lg, tb, c, regime, kernel=False, bias=b)
+
+    return blocked(probs, logits.shape[0], *rows), None
 
 
 def _choose(fn, probs, table, positions, regime, best=None):
@@ -86,22 +91,24 @@ def _choose(fn, probs, table, positions, regime, best=None):
 
 def plain_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
                 regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None,
-                with_best: bool = False):
+                with_best: bool = False, bias: torch.Tensor | None = None):
     """Tokens [nb] of plain decoding from logits [nb, V] at positions [nb] (stream PLAIN);
-    counts [nb, V]: the lanes' penalty windows (regime.penalties). with_best: (tokens,
-    best [nb] or None): the rows' first argmax of their penalised logits, NaN first (as
-    torch's argmax), where the row kernels made it (None: the torch ops')."""
-    probs, best = _probs(logits, table, regime, counts)
+    counts [nb, V]: the lanes' penalty windows (regime.penalties); bias [nb, V]: their
+    logit_bias rows (regime.bias). with_best: (tokens, best [nb] or None): the rows' first
+    argmax of their penalised logits, NaN first (as torch's argmax), where the row kernels
+    made it (None: the torch ops')."""
+    probs, best = _probs(logits, table, regime, counts, bias)
     tokens = _choose(dsamp.plain_tokens, probs, table, positions, regime, best)
     return (tokens, best) if with_best else tokens
 
 
 def draft_draws(logits: torch.Tensor, table: dsamp.SamplingTable, positions: torch.Tensor,
                 regime: dsamp.SampledGraphKey = dsamp.ALL_STAGES, counts: torch.Tensor | None = None,
-                with_best: bool = False):
+                with_best: bool = False, bias: torch.Tensor | None = None):
     """(the drafter's distributions q [nb, V] float64, drafts [nb]) at positions [nb] (stream
-    DRAFT); with_best: and the rows' best [nb] or None, as plain_draws gives it."""
-    q, best = _probs(logits, table, regime, counts)
+    DRAFT); with_best: and the rows' best [nb] or None, as plain_draws gives it; bias as
+    plain_draws takes it."""
+    q, best = _probs(logits, table, regime, counts, bias)
     drafts = _choose(dsamp.draft_tokens, q, table, positions, regime, best)
     return (q, drafts, best) if with_best else (q, drafts)
 
@@ -137,7 +144,7 @@ def accept_sampled(dec, nb: int, t: int, regime: dsamp.SampledGraphKey = dsamp.A
     V = dec.cfg.vocab_size
     logits = dec.runner.bufs.logits[: nb * t]  # [nb * t, V]
     counts = dec.verify_counts(nb, t).view(nb * t, V) if regime.penalties else None  # [nb * t, V]
-    probs, best = _probs(logits, table_rows(dec.sampling_table, nb, t), regime, counts)
+    probs, best = _probs(logits, table_rows(dec.sampling_table, nb, t), regime, counts, dec.bias_rows(nb, t, regime))
     probs = probs.view(nb, t, V)  # best: [nb * t] or None
     table = table_rows(dec.sampling_table, nb)
     first_pos = dec.pos[:nb] + 1  # [nb] the first draft's position

@@ -69,7 +69,7 @@ from hyspec.kernels.probs.argmax import first_max
 from hyspec.kernels.probs.topp import prefix_select_rows, topp_kernel_enabled
 from hyspec.kernels.rng import gumbel_argmax, u01_at, u01_rows, u01_rows_ref
 from hyspec.rng import Stream, u01_lanes
-from hyspec.sampling import MASS_ONE, SamplingParams, fixed_mass
+from hyspec.sampling import MASS_ONE, SamplingParams, check_logit_bias, fixed_mass
 
 __all__ = [
     "SamplingTable",
@@ -247,19 +247,21 @@ class SampledGraphKey:
     coupled: bool = True  # some sampled lane is in coupled mode
     rejection: bool = True  # some sampled lane is in rejection mode
     penalties: bool = True  # some lane (greedy or sampled) has penalties
+    bias: bool = True  # some lane (greedy or sampled) has a logit_bias
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams | None]) -> "SampledGraphKey | None":
-        """The regime of these lanes; None when every lane is greedy without penalties (the
-        argmax graphs)."""
+        """The regime of these lanes; None when every lane is greedy without penalties or a
+        logit bias (the argmax graphs)."""
         ps = [p for p in params if p is not None]
         smp = [p for p in ps if not p.greedy]
         pen = any(p.has_penalties for p in ps)
-        if not smp and not pen:
+        bias = any(getattr(p, "logit_bias", ()) for p in ps)
+        if not smp and not pen and not bias:
             return None
         return cls(sampled=bool(smp), top_k=any(p.top_k > 0 for p in smp), top_p=any(p.top_p < 1.0 for p in smp),
                    min_p=any(p.min_p > 0.0 for p in smp), coupled=any(p.mode == "coupled" for p in smp),
-                   rejection=any(p.mode != "coupled" for p in smp), penalties=pen)
+                   rejection=any(p.mode != "coupled" for p in smp), penalties=pen, bias=bias)
 
 
 ALL_STAGES = SampledGraphKey()
@@ -274,10 +276,28 @@ def _softmax_kept(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.softmax(torch.where(keep, x, -math.inf), dim=-1)
 
 
-def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None) -> torch.Tensor:
-    """apply_penalties per lane, in the same dtype (float32 or wider) as the reference."""
+def fill_bias_row(row: torch.Tensor, params) -> None:
+    """A lane's logit_bias row [V] float32 in place: each (id, bias) of params.logit_bias,
+    -0.0 elsewhere (adding -0.0 leaves a logit as it is, bitwise, -0.0 included: the
+    reference adds nothing there). An id past the row is a ValueError naming it (on CUDA
+    the write would be a device-side assert)."""
+    row.fill_(-0.0)
+    bias = getattr(params, "logit_bias", ()) if params is not None else ()
+    if bias:
+        check_logit_bias(params, row.shape[0])
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long)
+        row[ids.to(row.device)] = torch.tensor([b for _, b in bias], dtype=torch.float32).to(row.device)
+
+
+def _penalised(logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_penalties per lane, in the same dtype (float32 or wider) as the reference:
+    bias [B, V] float32 (the lanes' logit_bias rows, -0.0 where a lane has none: adding
+    -0.0 leaves every value as it is, bitwise) first, then the penalties from counts."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     out = logits.to(dtype)  # [B, V]
+    if bias is not None:
+        out = out + bias
     if counts is None:
         return out
     c = counts.to(dtype)  # [B, V]
@@ -385,14 +405,15 @@ def prefix_select(key: torch.Tensor, bits: int, valid: torch.Tensor, weight: tor
 def probs_batch(
     logits: torch.Tensor, table: SamplingTable, counts: torch.Tensor | None = None,
     regime: SampledGraphKey = ALL_STAGES, kernel: bool | None = None, topp_kernel: bool | None = None,
-    with_best: bool = False,
+    with_best: bool = False, bias: torch.Tensor | None = None,
 ):
     """``row_probs`` for every lane: logits [B, V] (any float dtype), counts [B, V] (the
     lanes' ``hyspec.gpu.penalties.PenaltyWindow.counts``, None = no penalties) -> float64 probs [B, V]
     (with_best: (probs, best [B]), best = the first argmax of the penalised logits, which
     is the argmax of a greedy lane's one-hot row).
 
-    Penalties -> temperature -> top-k -> top-p -> min-p as the reference's filter_probs
+    bias [B, V] (given where some lane has a logit_bias) -> penalties -> temperature ->
+    top-k -> top-p -> min-p as the reference's apply_penalties and filter_probs
     defines them, without a sort: top-k and top-p are :func:`prefix_select` over the
     (penalised) logits' ranking key (a lane with the filter off has the KEEP_ALL
     threshold, which keeps every valid token), min-p an elementwise test; greedy lanes get
@@ -409,7 +430,8 @@ def probs_batch(
     (the same keep sets, bitwise); default: with ``kernel`` on CUDA unless the environment
     variable ``HYSPEC_TOPP_KERNEL=0``, in the Triton interpreter only with ``=1``.
     """
-    x0 = _penalised(logits, table, counts) if regime.penalties else logits  # [B, V] the ranking values
+    # [B, V] the ranking values (bias [B, V]: the lanes' logit_bias rows, given where regime.bias)
+    x0 = _penalised(logits, table, counts, bias) if regime.penalties or bias is not None else logits
     B, V = x0.shape
     if kernel is None:
         kernel = x0.is_cuda and triton_available()
