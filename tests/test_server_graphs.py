@@ -69,12 +69,13 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         assert len(eng.store) == n_store and worker._runner is None
         assert not bool(worker._graph_dec.live.any())
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        # at once: greedy speculative with logprobs and seeded plain with a penalty (streamed)
-        # on the graph path, and a constrained request with logprobs drafting 4 (> the graph
+        # at once: greedy speculative with logprobs and seeded plain with a penalty and a logit
+        # bias (streamed) on the graph path, and a constrained request with logprobs drafting 4 (> the graph
         # decoder's k_max 3) on the engine core
         regex = "[a-z_ ]{1,12}"
         cases = [dict(prompt="def add(a, b):", temperature=0.0, seed=0, draft=1, stream=False, logprobs=2),
-                 dict(prompt="class Stack:", temperature=0.9, seed=7, draft=0, stream=True, presence_penalty=0.5),
+                 dict(prompt="class Stack:", temperature=0.9, seed=7, draft=0, stream=True, presence_penalty=0.5,
+                      logit_bias={"13": 2.5, "20": -100.0}),
                  dict(prompt="import os", temperature=0.9, seed=3, draft=4, stream=False, logprobs=1, regex=regex)]
 
         ids = {}  # prompt -> response id
@@ -83,6 +84,7 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
         def go(c):
             kw = dict(model=MODEL, prompt=c["prompt"], max_tokens=3, temperature=c["temperature"], seed=c["seed"],
                       presence_penalty=c.get("presence_penalty", 0.0), logprobs=c.get("logprobs"),
+                      logit_bias=c.get("logit_bias"),
                       extra_body={"draft": c["draft"], "ignore_eos": True, "return_token_ids": True,
                                   **({"guided_regex": c["regex"]} if "regex" in c else {})})
             if c["stream"]:
@@ -98,7 +100,7 @@ def test_server_on_the_batched_graphs(checkpoint, caplog):
             got = list(ex.map(go, cases))
         for c, g in zip(cases, got):
             params = SamplingParams(temperature=c["temperature"], seed=c["seed"],
-                                    presence_penalty=c.get("presence_penalty", 0.0))
+                                    presence_penalty=c.get("presence_penalty", 0.0), logit_bias=c.get("logit_bias", ()))
             cons = ref.constraint("regex", c["regex"]) if "regex" in c else None
             want = ref.generate(c["prompt"], max_new_tokens=3, params=params, draft=c["draft"], ignore_eos=True,
                                 constraint=cons).tokens
