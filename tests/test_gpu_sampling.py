@@ -160,6 +160,12 @@ def test_philox_kernel_bitwise_equals_torch_reference() -> None:
         got = u01_rows(table.seed, stream, pos, vocab)
         want = u01_lanes(table.seed, stream, (pos.unsqueeze(1) << 32) + torch.arange(vocab, device=dev))
         assert torch.equal(got, want)
+        buf = torch.zeros(len(seeds), vocab, dtype=torch.float64, device=dev)
+        assert u01_rows(table.seed, stream, pos, vocab, out=buf) is buf and torch.equal(buf, want)
+    wide = torch.zeros(len(seeds), vocab + 3, dtype=torch.float64, device=dev)
+    for bad in (wide[:, :vocab], buf.float(), buf[:-1]):  # strided, float32, a row short: refused (it
+        with pytest.raises(ValueError, match="u01_rows: out must be"):  # wrote past or between the rows)
+            u01_rows(table.seed, Stream.PLAIN, pos, vocab, out=bad)
     g = gumbel_lanes(table.seed, Stream.COUPLED, pos, vocab, kernel=True)
     assert torch.equal(g, gumbel_lanes(table.seed, Stream.COUPLED, pos, vocab, kernel=False))
 

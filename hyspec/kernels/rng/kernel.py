@@ -97,6 +97,10 @@ def u01_rows(seeds: torch.Tensor, stream: int, positions: torch.Tensor, vocab: i
     B = seeds.shape[0]
     if out is None:
         out = torch.empty(B, vocab, dtype=torch.float64, device=seeds.device)
+    elif out.shape != (B, vocab) or out.dtype != torch.float64 or out.device != seeds.device \
+            or not out.is_contiguous():  # (the kernel writes rows of `vocab` one after another)
+        raise ValueError(f"u01_rows: out must be a contiguous float64 [{B}, {vocab}] on {seeds.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
     grid = (B, -(-vocab // _BLOCK))
     _kernels()[0][grid](seeds.contiguous(), positions.to(torch.int64).contiguous(), out, vocab, int(stream),
                      BLOCK=_BLOCK)
