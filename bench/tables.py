@@ -579,6 +579,11 @@ MADE_BY = {
     "gpu_tests_latest_h200.txt": "`bash bench/gpu_tests.sh` (H200; the latest run of the whole suite, on main after the "
                                  "b2 figures' commit, whose suite log is gpu_tests_h200.txt)",
     "poison_lanes_latest_h200.txt": "`python3 bench/poison_lanes.py` (H200; the latest run; header in the file)",
+    "gpu_tests_lanes_h100.txt": "`python3 -m pytest -q -n 8 tests/test_gpu_batch.py tests/test_gpu_sampling.py "
+                                "tests/test_op_commit.py` (H100; session 53's lane changes, the suite's lane files "
+                                "only: the device budget left no whole-suite run)",
+    "drafter_check_ab_h100.txt": "the script in its header (H100; the sampled rounds' drafter-row check on / off, "
+                                 "a fresh decoder per mode, alternated)",
     "default_model_cuda_latest_h100.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
                                           "K=3, greedy and sampled (H100; the latest run; header in the file)",
     "default_model_cuda_latest_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
