@@ -198,6 +198,10 @@ class BatchDecoder:
         # each lane's stop ids (-1: none; a lane with more keeps the first STOP_SLOTS): the
         # commit ends at a stop token among the accepted drafts, as the engine core's does
         self.stop_ids = torch.full((S, STOP_SLOTS), -1, **long)  # [S, STOP_SLOTS]
+        # [S, k_max] a sampled round's drafter rows: 0 where depth i's row held NaN / +inf, else
+        # NO_BAD_ROW (hyspec.kernels.commit.bad_rows, one launch a draft; _cut_bad_drafts)
+        self.draft_bad = torch.full((S, max(k_max, 1)), NO_BAD_ROW, **long)
+        self.depths = torch.arange(max(k_max, 1), **long)
         self.k_round = torch.zeros(S, **long)  # [S] masked / p_min rounds: drafts the lane really has (a dead
         # mask or a draft below the lane's p_min ends them)
         self.p_min = torch.zeros(S, device=dev, dtype=torch.float64)  # [S] SpecOptions.p_min per lane (0: off)
@@ -598,8 +602,11 @@ class BatchDecoder:
         if sampled:  # draft i is the token at position pos + 1 + i (stream DRAFT)
             q, draft, best = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
                                          counts, with_best=True, bias=self.bias_rows(nb, 1, regime))
-            if not masked and drafter_cut(regime):
-                self._cut_bad_drafts(nb, i, logits, best)
+            if not masked and drafter_cut(regime):  # (the cut itself: _cut_bad_drafts, once a round)
+                if best is None:  # (the torch ops' draws: no argmax made)
+                    best = runner.argmax(logits)
+                check = bad_rows if runner.commit_kernel else bad_rows_ref
+                check(logits, best[:, None], self.draft_bad[:, i], nb, 1, NO_BAD_ROW)
         elif masked:
             draft = logits.argmax(-1)
         elif pmin:  # the logits are here for the p_min test: their argmax is draft_argmax's id, without a
@@ -623,16 +630,13 @@ class BatchDecoder:
             scratch.push(draft)
         return draft
 
-    def _cut_bad_drafts(self, nb: int, i: int, logits: torch.Tensor, best: torch.Tensor | None) -> None:
-        """k_round = i for the lanes whose draft logits [nb, V] (depth i) hold NaN / +inf:
-        the value at the row's argmax is one exactly then (_bad_rows). best [nb]: the draws'
-        argmax of the penalised rows (or None: made here), which holds NaN / +inf where
-        the row does (penalties keep both where they are)."""
-        if best is None:
-            best = self.runner.argmax(logits)
-        top = logits.gather(1, best[:, None])[:, 0]  # [nb]
-        kr = self.k_round[:nb]
-        kr.masked_fill_(~(top < float("inf")) & (kr > i), i)
+    def _cut_bad_drafts(self, nb: int, k: int) -> None:
+        """k_round = min(k_round, the first depth whose drafter row held NaN / +inf) per
+        lane, from draft_bad[:, :k] (each draft's row checked at the argmax its draws made,
+        which holds NaN / +inf exactly where the row holds one, penalties keeping both
+        where they are: hyspec.kernels.commit.bad_rows): four launches a round."""
+        first = torch.where(self.draft_bad[:nb, :k] == 0, self.depths[:k], k).amin(1)  # [nb]
+        torch.minimum(self.k_round[:nb], first, out=self.k_round[:nb])
 
     def _pmin_cut(self, nb: int, i: int, logits: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
                   keep_q: bool, counts: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -679,6 +683,8 @@ class BatchDecoder:
             draft = self._draft_choose(nb, i, forced, regime, hidden=hidden, pmin=pmin)
             if i + 1 < k:
                 hidden = runner.mtp(draft, hidden, chain, i, nb)
+        if drafter_cut(regime):
+            self._cut_bad_drafts(nb, k)
 
     # masked rounds: the same draft as three kinds of graphs, so the host can compute each
     # depth's mask from the drafts before it while the device runs the drafter
