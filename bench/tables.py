@@ -584,6 +584,8 @@ MADE_BY = {
                                 "only: the device budget left no whole-suite run)",
     "drafter_check_ab_h100.txt": "the script in its header (H100; the sampled rounds' drafter-row check on / off, "
                                  "a fresh decoder per mode, alternated)",
+    "drafter_check_ab_h200.txt": "the script in its header (H200; the same A/B after the check's one-launch-a-draft "
+                                 "form, and the device tests of session 53's lane changes)",
     "default_model_cuda_latest_h100.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
                                           "K=3, greedy and sampled (H100; the latest run; header in the file)",
     "default_model_cuda_latest_h200.txt": "`Engine.load(device=\"cuda\")` + `generate` of the embedded model, plain and "
