@@ -589,10 +589,10 @@ class BatchDecoder:
         scratch = self.window_scratch.head(nb) if self._penalised(regime) else None
         if scratch is not None and i == 0:
             scratch.copy_(self.window.head(nb))
-        kr = self.k_round[:nb]
         if masked:  # mask row i: the constraint after drafts d1..di; a dead row ends the lane's drafts,
             # and so does a row whose allowed logits hold NaN / +inf (drafter_cut)
             logits, allowed, dead, bad = self._masked(self.draft_lg[:nb], self.mask[i, :nb], bad=True)
+            kr = self.k_round[:nb]
             kr.masked_fill_((dead | bad) & (kr > i), i)
         pmin = pmin and not forced  # (the forced drafter's proposal is certain: it never stops, as on the core)
         if not masked and (sampled or pmin):
