@@ -537,8 +537,6 @@ class BatchDecoder:
             counts = self.window.head(nb).counts if self._penalised(regime) else None
             token, best = plain_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1, regime, counts,
                                       with_best=True, bias=self.bias_rows(nb, 1, regime))
-            if not masked and best is None:  # (the torch ops' draws: no argmax made)
-                best = self.runner.argmax(logits)
             self._bad_rows(nb, 1, logits, best, bad)
         else:
             token = self.runner.argmax(logits)
@@ -550,19 +548,24 @@ class BatchDecoder:
             self.window.head(nb).push(token, self.live[:nb] > 0)
         self.pos[:nb].add_(self.live[:nb])
 
-    def _bad_rows(self, nb: int, t: int, logits: torch.Tensor, argmax: torch.Tensor, bad=None) -> None:
-        """result[:nb, -1] = each lane's first row (of t, logits [nb * t, V]) that holds NaN
+    def _bad_rows(self, nb: int, t: int, logits: torch.Tensor, argmax: torch.Tensor | None, bad=None,
+                  out: torch.Tensor | None = None) -> None:
+        """out (default result[:, -1]) [:nb] = each lane's first row (of t, logits [nb * t, V]) that holds NaN
         or +inf, else NO_BAD_ROW: the row's value at its argmax [nb, t] is NaN (torch's and
         argmax_rows' pick the first NaN) or +inf exactly when the row holds one -- a gather,
         no pass over the vocabulary (hyspec.kernels.commit.bad_rows: one launch). The engine
         core's rule (hyspec.sampling.greedy_token / filter_probs: NonFiniteLogits), which
         penalties do not change (finite factors keep NaN and +inf). bad [nb * t] (a masked
-        round's, from _masked): the rows' flags as the constraint's masks leave them."""
+        round's, from _masked): the rows' flags as the constraint's masks leave them.
+        argmax None (t = 1; the torch ops' draws made none): made here."""
+        out = self.result[:, -1] if out is None else out
         if bad is not None:
-            first_flagged(bad.view(nb, t), self.result[:, -1], NO_BAD_ROW)
+            first_flagged(bad.view(nb, t), out, NO_BAD_ROW)
             return
+        if argmax is None:
+            argmax = self.runner.argmax(logits)
         check = bad_rows if self.runner.commit_kernel else bad_rows_ref
-        check(logits, argmax if argmax.dim() == 2 else argmax[:, None], self.result[:, -1], nb, t, NO_BAD_ROW)
+        check(logits, argmax if argmax.dim() == 2 else argmax[:, None], out, nb, t, NO_BAD_ROW)
 
     def _decode_body(self, nb: int, regime=None) -> None:
         """Plain step for lanes 0..nb-1: pending -> target -> argmax (or a draw) -> pending."""
@@ -603,10 +606,7 @@ class BatchDecoder:
             q, draft, best = draft_draws(logits, table_rows(self.sampling_table, nb), self.pos[:nb] + 1 + i, regime,
                                          counts, with_best=True, bias=self.bias_rows(nb, 1, regime))
             if not masked and drafter_cut(regime):  # (the cut itself: _cut_bad_drafts, once a round)
-                if best is None:  # (the torch ops' draws: no argmax made)
-                    best = runner.argmax(logits)
-                check = bad_rows if runner.commit_kernel else bad_rows_ref
-                check(logits, best[:, None], self.draft_bad[:, i], nb, 1, NO_BAD_ROW)
+                self._bad_rows(nb, 1, logits, best, out=self.draft_bad[:, i])
         elif masked:
             draft = logits.argmax(-1)
         elif pmin:  # the logits are here for the p_min test: their argmax is draft_argmax's id, without a
