@@ -443,6 +443,11 @@ class Session:
             self._undo(1)
             raise
         if req.stop_reason == "error":  # failed mid-round: the rounds before it stay, a turn
+            # (its stats are the last turn's: /stats and turn_tokens speak of it, not of the one before)
+            self.last_stats = {**req.stats, "finish_reason": "error", "error": f"{type(req.exception).__name__}: "
+                               f"{req.exception}", "turn": self.num_turns, "context_tokens": len(self.tokens),
+                               "session": {"turns": self.num_turns,
+                                           "spec": self.telemetry.to_dict() if n_drafts > 0 else None}}
             raise req.exception
         try:
             text = cut.apply(req) if cut is not None else None

@@ -162,6 +162,10 @@ def test_fault_mid_round_leaves_last_committed_state(zoo, arch):
         finally:
             undo()
         assert_same(s.live_state(), after_round[1], f"k={k}: after the failed round")
+        # the failed turn's stats are the last turn's (chat /stats reads its tokens from them)
+        kept = len(s.tokens) - len(s._points[1].state.tokens) - len(msgs[1])
+        assert s.num_turns == 2 and s.last_stats["turn"] == 2 and s.last_stats["finish_reason"] == "error"
+        assert s.last_stats["generated_tokens"] == kept > 0 and "injected in verify" in s.last_stats["error"]
         assert_same(s.state(), after_round[1])
         twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
         assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
