@@ -724,6 +724,126 @@ def test_row_prefill_matches_the_modules_prefill_and_the_reference(tmp_path, arc
     assert float((lp[2] - want).abs().max()) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modules_prefill_is_the_reference_chunked_forward_with_attention_between_linear_layers(tmp_path, dtype):
+    """The modules' prefill with the torch scan (hyspec.gpu.prefill.prefill_into: every prompt
+    on the CPU; on a GPU fp32 models' and long prompts') is the reference model's chunked forward, bit for bit
+    (in bf16 too: the mixer's fp32 output goes back to the model's dtype): pre / post hiddens, the
+    last row's logits and the state it leaves (conv windows, SSM states, KV rows), fresh
+    (70 tokens: two 64-row chunks; lane 0 holds another sequence) and resumed after it.
+    Attention layers sit between the Gated-DeltaNet layers (full_attention_interval 2), so
+    the g-th linear layer's state is not layer g's (layer_indices)."""
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.prefill import layer_indices
+    from hyspec.loading import load_model
+    from hyspec.model.ops import StepCtx
+    from hyspec.tiny import make_tiny
+
+    m = load_model(make_tiny("qwen3_next", tmp_path / "m", seed=3, layers=4, hidden=32, vocab_size=128, std=0.2,
+                             overrides={"full_attention_interval": 2}), dtype=dtype)
+    gi, ai = layer_indices(m.cfg)
+    assert (gi, ai) == ({0: 0, 2: 1}, {1: 0, 3: 1})
+    dec = BatchDecoder(m, 96, 3, slots=2, graphs=False)
+    assert dec.fast_prefill_max == 0  # (the modules, not the runner's rows)
+    prompt, more = [(7 * j + 3) % 128 for j in range(70)], [1, 60, 61]
+    dec.prefill(0, [9, 9, 9])
+    cache = m.new_cache(96)
+    for start, feed in ((0, prompt), (len(prompt), more)):
+        got = dec.prefill(1, feed, start=start)
+        rpre, rpost = m.forward_states(torch.tensor(feed), cache, StepCtx(start=start, chunked=True))
+        for a, b in zip(got, (rpre, rpost, m.logits(rpost[-1:]))):
+            assert torch.equal(a, b), start
+        for i, g in gi.items():
+            st = cache.layer_state(i)
+            assert torch.equal(dec.ssm[g, 1], st.ssm) and torch.equal(dec.conv[g, 1], st.conv), (start, i)
+        P = start + len(feed)
+        for i, a in ai.items():
+            kvb = cache.layer_state(i)
+            assert torch.equal(dec.kv_k[a][1][:, :P], kvb.k[:, :P]) and torch.equal(dec.kv_v[a][1][:, :P], kvb.v[:, :P])
+    assert int(dec.pos[1]) == len(prompt + more) and int(dec.pos[0]) == 3
+
+
+def _fake_fla(calls):
+    """A stand-in for fla's chunk_gated_delta_rule with its conventions (q, k [1, T, Hk, Dk]
+    l2-normed in the kernel, value head h reading key head h // (Hv // Hk), g the log decay,
+    the state [1, Hv, Dk, Dv] fp32), computed with the torch chunked scan."""
+    from hyspec.model.gdn import chunked_scan, l2norm
+
+    def fn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        calls.append(1)
+        assert output_final_state and use_qk_l2norm_in_kernel
+        r = v.shape[2] // q.shape[2]
+        if initial_state is None:
+            initial_state = torch.zeros(1, v.shape[2], q.shape[3], v.shape[3])
+        assert initial_state.dtype == torch.float32
+        qn = l2norm(q[0].float()).repeat_interleave(r, dim=1) * scale
+        kn = l2norm(k[0].float()).repeat_interleave(r, dim=1)
+        o, s = chunked_scan(qn, kn, v[0].float(), g[0].float(), beta[0].float(), initial_state[0].clone())
+        return o[None].to(v.dtype), s[None]
+    return fn
+
+
+def test_fla_prefill_glue_and_its_fallback(tmp_path, monkeypatch, capsys):
+    """hyspec.gpu.prefill's call of fla's chunked kernel (CUDA only; here on one layer's
+    inputs with a torch stand-in of the kernel): its output and the final state written
+    into the lane equal GatedDeltaNet.prepare + the chunked scan from a nonzero (resumed)
+    state. Without fla, or with a kernel that raises, it returns None, leaves the state,
+    says so once on stderr and turns fla off for the decoder; an import of fla that fails
+    with another error than ImportError (a triton it does not support) is "not importable"
+    too. A CPU decoder asked for fla never calls it."""
+    import sys
+    import types
+
+    from hyspec.config import FULL
+    from hyspec.gpu import prefill as P
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.model.gdn import chunked_scan
+    from hyspec.model.ops import StepCtx
+
+    class BrokenFla:  # a meta-path finder: importing fla raises
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "fla":
+                raise RuntimeError("fla: unsupported triton")
+    with monkeypatch.context() as mp:
+        for name in [n for n in sys.modules if n.split(".")[0] == "fla"]:
+            mp.delitem(sys.modules, name)
+        mp.setattr(sys, "meta_path", [BrokenFla()] + sys.meta_path)
+        assert P._fla_chunk() is None
+
+    m = _model(tmp_path, "qwen3_next")
+    calls = []
+    monkeypatch.setattr(P, "_fla_chunk", lambda: _fake_fla(calls))
+    dec = BatchDecoder(m, 48, 3, slots=1, graphs=False, use_fla=True)
+    dec.prefill(0, [5, 17, 99, 3])
+    assert calls == [] and dec.use_fla  # (CPU tensors: the torch scan)
+    i = next(i for i, layer in enumerate(m.model.layers) if layer.layer_type != FULL)
+    mod = m.model.layers[i].linear_attn
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, m.cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        qkv, _, b, a = mod.project(x, StepCtx())
+        y = mod.conv(torch.cat([torch.randn(mod.W - 1, qkv.shape[1], generator=g), qkv]))
+        s0 = 0.3 * torch.randn(mod.nv, mod.dk, mod.dv, generator=g)
+        q, k, v, gg, beta = mod.prepare(y, b, a)
+        want_o, want_s = chunked_scan(q, k, v, gg, beta, s0.clone())
+        ssm = s0.clone()
+        o = P._fla_prefill(dec, mod, y, b, a, ssm)
+    assert calls == [1] and dec.use_fla
+    assert float((o - want_o).abs().max()) <= 1e-5 and float((ssm - want_s).abs().max()) <= 1e-5
+    capsys.readouterr()
+
+    def boom(*a, **kw):
+        raise RuntimeError("no kernel")
+    for fn, why in ((None, "not importable"), (boom, "failed: RuntimeError: no kernel")):
+        d = types.SimpleNamespace(use_fla=True)
+        monkeypatch.setattr(P, "_fla_chunk", lambda fn=fn: fn)
+        ssm = s0.clone()
+        assert P._fla_prefill(d, mod, y, b, a, ssm) is None
+        assert not d.use_fla and torch.equal(ssm, s0)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "falls back to the torch chunked" in err[0] and why in err[0], err
+
+
 @pytest.mark.parametrize("draft", [0, 2])
 def test_a_lane_whose_prompt_overflows_ends_in_error_alone(tmp_path, draft):
     """A prompt whose first row's logits overflow (NaN / +inf) on the graph lanes: a sampled
