@@ -83,6 +83,20 @@ def test_constrained_greedy_k0_k3_core_and_a_mixed_batch(tiny):
     lane = LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3, constraint=ch.clone())
     run_batch(dec, [lane])
     assert (lane.tokens, lane.reason) == end[0]
+    # a dead end right after all k drafts were accepted (the bonus row allows nothing): the
+    # round counts, with its drafts and accepts, in the lane's telemetry as in the core's
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+
+    ch = make_constraint(d, "choice", ["abcdefgh", "xyz"])
+    sched = Scheduler(m, max_batch=1)
+    ref = Request(prompt_ids=PROMPTS[0], max_new_tokens=N, params=g, draft=3, stop_ids=(), constraint=ch.clone())
+    sched.submit(ref)
+    sched.run()
+    lane = LaneRequest(prompt=PROMPTS[0], max_new_tokens=N, k=3, constraint=ch.clone())
+    run_batch(dec, [lane])
+    assert ref.stop_reason == "constraint" and ref.stats["spec"]["accepted"] == 3 == len(ref.tokens) - 1
+    assert (lane.tokens, lane.reason, lane.telemetry.to_dict()) == (ref.tokens, ref.stop_reason, ref.stats["spec"])
 
 
 def test_constrained_sampling_on_the_graph_path_equals_the_engine_core(tiny):
