@@ -688,9 +688,9 @@ class Session:
             raise ValueError(f"{path} is not a regular file, not a session file")
         try:
             d = torch.load(str(p), map_location="cpu", weights_only=True)
-        except OSError:
-            raise
-        except Exception as e:  # not a torch file at all (pickle / zip errors of every kind)
+        except Exception as e:  # not a torch file at all (pickle / zip errors of every kind; torch's zip reader
+            if isinstance(e, OSError) and e.filename is not None:  # says "[Errno 22] Invalid argument", naming no
+                raise  # file, for some truncated ones); the file's own OSError (permission denied) names it
             raise ValueError(f"{path}: not a hyspec session file, or a damaged (truncated?) one (torch.load cannot "
                              f"read it: {type(e).__name__})") from None
         try:

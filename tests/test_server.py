@@ -776,6 +776,10 @@ def test_serve_option_checks():
     with pytest.raises(ValueError, match="not an address of this machine"):  # (uvicorn said so after the load)
         server.check_port("192.0.2.1", 8000)  # (TEST-NET-1: documentation only, on no interface)
     server.check_port("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="--host"):  # (port 0 skipped the checks: uvicorn's "[Errno -2] Name or
+        server.check_port("no-such-host.invalid", 0)  # service not known", exit 3, after the model loaded)
+    with pytest.raises(ValueError, match="not an address of this machine"):
+        server.check_port("192.0.2.1", 0)
     server.check_port("127.0.0.1", 99999)  # (out of range: check() names --port)
 
     for argv, needle in ((["--port", "99999"], "--port must be in 0..65535"), (["--port", "-1"], "--port"),

@@ -199,6 +199,21 @@ def test_fault_in_prefill_leaves_the_turn_unstarted(zoo, arch):
     assert same_state(s.live_state(), ref.live_state())
 
 
+def test_a_truncated_session_file_is_a_value_error_naming_it(tmp_path):
+    """A session file cut short is a ValueError naming the file, whatever torch's zip reader
+    raises: at some lengths it raises OSError "[Errno 22] Invalid argument", naming no file,
+    which Session.load passed on as it was (`hyspec chat` said "[error: [Errno 22] Invalid
+    argument]")."""
+    import torch
+
+    torch.save({"format": "x", "t": torch.zeros(100_000)}, tmp_path / "whole.pt")
+    data = (tmp_path / "whole.pt").read_bytes()
+    for n in (100, 5000, 50_000, len(data) - 10):  # (5000, 50000: the OSError)
+        (tmp_path / "cut.pt").write_bytes(data[:n])
+        with pytest.raises(ValueError, match=r"cut\.pt: not a hyspec session file, or a damaged \(truncated\?\) one"):
+            Session.load(None, tmp_path / "cut.pt")  # (fails reading the file, before the engine is used)
+
+
 def test_a_damaged_or_edited_session_file_fails_at_load(zoo, tmp_path):
     """Session.load checks each state against the model (layer counts, tensor shapes and
     dtypes, token ids, pos vs tokens) and against the digest saved beside it: a flipped

@@ -112,8 +112,8 @@ def check_port(host: str, port: int) -> None:
     import errno
     import socket
 
-    if not isinstance(port, int) or not 0 < port <= 65535:  # (0: any free port; a bad one: check())
-        return
+    if not isinstance(port, int) or not 0 <= port <= 65535:  # (a bad one: check(); 0, any free port, is bound too:
+        return  # its host can be unknown or not this machine's all the same)
     try:
         infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0,
                                    socket.AI_PASSIVE)
