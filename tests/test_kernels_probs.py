@@ -128,6 +128,11 @@ def test_softmax_rows_strided_rows_token_zero_and_floor_edge() -> None:
         got = softmax_rows(xs, t, ks, **kw)
         _assert_close(got, softmax_rows_ref(xs.contiguous(), t, ks.contiguous(), **kw))
         assert torch.equal(got, softmax_rows(xs.contiguous(), t, ks.contiguous(), **kw))
+    # x and keep of different row strides (a verify row logits[:, j] beside a [B, V] keep): each
+    # read through its own stride
+    for xa, ka in ((xs, keep.to(dev)), (x.to(dev), ks)):
+        assert xa.stride(0) != ka.stride(0)
+        _assert_close(softmax_rows(xa, t, ka), softmax_rows_ref(xa.contiguous(), t, ka.contiguous()))
     # greedy rows at token 0
     y = x.clone()
     y[:, 0] = 40.0  # every row's top token is token 0
@@ -242,6 +247,43 @@ def test_inverse_cdf_rows_past_the_end() -> None:
         got = inverse_cdf_rows(wide[..., :V].to(dev), uu.to(dev), row.to(dev), wq[..., :V].to(dev), q_row.to(dev),
                                resid.to(dev)).cpu()
         assert torch.equal(got, want)
+
+def test_inverse_cdf_rows_targets_on_chunk_boundaries() -> None:
+    """Targets on and a few floats around every step of the running mass (the boundaries
+    between chunks and inside them), over 8 chunks whose totals are exact (two tokens of
+    equal mass each, mid-chunk) but whose running sums round: the total and the mass
+    before the chosen chunk are the running sums in chunk order, as the reference's cumsum
+    (another order of the same adds, e.g. a tree sum, may round to a neighbouring float and
+    move the token across a step: to the next token, or to a token without mass)."""
+    from hyspec.kernels.probs import CHUNK, inverse_cdf_rows, inverse_cdf_rows_ref
+
+    dev = kernel_device()
+    C, R = 8, 4
+    V = C * CHUNK - 100
+    g = torch.Generator().manual_seed(26)
+    first = torch.arange(C) * CHUNK + 100 + torch.randint(0, 300, (C,), generator=g)  # two tokens a chunk
+    second = first + 200 + torch.randint(0, 300, (C,), generator=g)
+    m = torch.rand(R, C, generator=g, dtype=torch.float64) + 0.1
+    p = torch.zeros(R, V, dtype=torch.float64)
+    p[:, first], p[:, second] = m, m  # chunk totals 2 m: exact
+    ends = (2 * m).cumsum(1)  # [R, C] the running mass at each chunk's end
+    t = 2 * m  # (the data tells the orders apart: a tree sum of the chunk totals rounds otherwise)
+    assert bool(((((t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3])) + ((t[:, 4] + t[:, 5]) + (t[:, 6] + t[:, 7])))
+                 != ends[:, -1]).any())
+    steps = torch.cat([ends[:, :-1], ends - m], 1)  # ... and at each chunk's first token
+    u = [steps / ends[:, -1:]]
+    for d in (1.0, -1.0):  # and 1, 2 floats above and below each step
+        v = u[0]
+        for _ in range(2):
+            v = torch.nextafter(v, torch.full_like(v, d))
+            u.append(v)
+    u = torch.stack(u, 2).reshape(R, -1)  # [R, (2C - 1) * 5]
+    rows = p.repeat_interleave(u.shape[1], 0)
+    u = u.reshape(-1)
+    want = inverse_cdf_rows_ref(rows, u)
+    assert set(want.tolist()) == set(first.tolist() + second.tolist())  # (both sides of every step)
+    assert torch.equal(inverse_cdf_rows(rows.to(dev), u.to(dev)).cpu(), want)
+
 
 def _residual_case(B: int, R: int = 3, seed: int = 4):
     """(p [B, R, V], q [B, R - 1, V], row [B], q_row [B], resid [B]): rows whose residual

@@ -152,6 +152,36 @@ def test_prefix_select_kernel_row_invariant() -> None:
                            whole[b:b + 1])
 
 
+def test_prefix_select_kernel_strided_rows() -> None:
+    """key, valid and weight as views of wider rows, each of its own row stride (the
+    contract asks only for a contiguous last dim): each read through its own stride, in
+    the histogram passes and the tie scan, the keep sets of contiguous copies; from the
+    values' bits (valid None) too."""
+    from hyspec.gpu.sampling import prefix_select
+    from hyspec.kernels.probs.topp import prefix_select_rows
+
+    def wide(a, extra):
+        w = torch.zeros(a.shape[0], V + extra, dtype=a.dtype, device=a.device)
+        w[:, :V] = a
+        return w[:, :V]
+
+    key, bits, valid, weight, thr = _case(5, torch.bfloat16, True, seed=6)
+    want = prefix_select(key, bits, valid, weight, thr)
+    ks, vs, ws = wide(key, 3), wide(valid, 17), wide(weight, 40)
+    assert len({ks.stride(0), vs.stride(0), ws.stride(0)}) == 3
+    assert torch.equal(prefix_select_rows(ks, bits, vs, ws, thr), want)
+    x = _logits(5, torch.bfloat16, seed=6).to(key.device)
+    assert torch.equal(prefix_select_rows(wide(x, 3), bits, None, ws, thr), want)
+    # one key for every token: the cut is the tie scan's, on each token's own weight
+    g = torch.Generator().manual_seed(6)
+    tie_w = torch.randint(1, 1000, (2, V), generator=g).to(key.device)
+    tie_key = torch.zeros(2, V, dtype=torch.int16, device=key.device)
+    ones = torch.ones(2, V, dtype=torch.bool, device=key.device)
+    half = tie_w.sum(1, keepdim=True) // 2
+    want = prefix_select(tie_key, 16, ones, tie_w, half)
+    assert torch.equal(prefix_select_rows(wide(tie_key, 3), 16, wide(ones, 17), wide(tie_w, 40), half), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_probs_batch_with_topp_kernel(dtype) -> None:
     """probs_batch with the top-k / top-p kernels equals probs_batch without them, bitwise
@@ -345,20 +375,22 @@ def test_top_p_from_the_values_bits_signed_zeros_share_a_digit(dtype) -> None:
 
 def test_prefix_select_kernel_zero_weight_tokens_below_an_exact_cut() -> None:
     """The threshold met exactly by the weight of the top keys, then valid tokens of zero
-    weight (top-p masses that round to 0) a block of keys lower, then more weight: the
-    zero-weight tokens have the whole threshold ahead of them and are dropped."""
+    weight (top-p masses that round to 0) a block of keys lower (rows 0, 1) or lower in
+    the same block of SCAN_BLOCK digits (rows 2, 3: the cut found bin by bin), then more
+    weight: the zero-weight tokens have the whole threshold ahead of them and are dropped."""
     from hyspec.kernels.probs.topp import prefix_select_rows
 
     dev = kernel_device()
-    key = torch.zeros(2, V, dtype=torch.int64)
-    weight = torch.zeros(2, V, dtype=torch.int64)
+    key = torch.zeros(4, V, dtype=torch.int64)
+    weight = torch.zeros(4, V, dtype=torch.int64)
     key[:, 10:20], weight[:, 10:20] = 30000, 5  # 50 in the top block of first-pass digits
-    key[:, 1500:1520] = 25000  # valid, no weight, one block of digits lower
+    key[:2, 1500:1520] = 25000  # valid, no weight, one block of digits lower
+    key[2:, 1500:1520] = 29500  # ... in the same block
     key[:, 2200:2300], weight[:, 2200:2300] = 0, 1
-    key[1] = key[1] * 65536 + 123  # as 32-bit keys
-    valid = torch.ones(2, V, dtype=torch.bool)
-    thr = torch.tensor([[50], [50]])
-    for b, dtype in ((0, torch.int16), (1, torch.int32)):
+    key[1::2] = key[1::2] * 65536 + 123  # as 32-bit keys
+    valid = torch.ones(4, V, dtype=torch.bool)
+    thr = torch.full((4, 1), 50)
+    for b, dtype in ((0, torch.int16), (1, torch.int32), (2, torch.int16), (3, torch.int32)):
         want = _by_sort(key[b:b + 1], valid[b:b + 1], weight[b:b + 1], thr[b:b + 1])
         assert int(want.sum()) == 10 and bool(want[0, 10:20].all())
         got = prefix_select_rows(key[b:b + 1].to(dtype).to(dev), 8 * dtype.itemsize, valid[b:b + 1].to(dev),
