@@ -218,3 +218,4 @@ def test_session_turns_with_logprobs(zoo):
         assert got["lanes"] == got["core"]
     with pytest.raises(ValueError, match="logprobs must be None or an integer >= 0"):
         lanes.session().send([3], logprobs=-1)
+    assert len(core.session(max_new_tokens=2, ignore_eos=True).send([3], logprobs=0).logprobs[0]) == 2  # (no top-N)

@@ -159,6 +159,12 @@ def test_a_dead_end_stays_one_across_save_and_load(tmp_path):
     assert str(after.value) == str(before.value)
     s.close()
     t.close()
+    # a message goes on after a dead end (only "go on" is refused): here free, the dead end was its turn's own
+    u = eng.session(draft=2, max_new_tokens=3, use_store=False)
+    with pytest.raises(ConstraintFailure):
+        u.send("x = ", constraint=dead)
+    assert u.send("\ny = ").tokens and u.matcher is None and u.num_turns == 2
+    u.close()
 
 
 def test_a_reply_cut_at_its_constraints_eos_is_not_restarted():

@@ -195,6 +195,7 @@ def test_fault_in_prefill_leaves_the_turn_unstarted(zoo, arch):
             undo()
         assert s.num_turns == 2 and s.state() is before
         assert_same(s.live_state(), before)
+        assert list(sched.pool.used.values()) == [ref._seq.slot]  # the failed turn's slot went back (ref: its own)
     assert s.send(msgs[2]).tokens == want[2]
     assert same_state(s.live_state(), ref.live_state())
 

@@ -55,6 +55,8 @@ def test_stop_inside_accepted_drafts_keeps_state_consistent(zoo, arch):
     for i, m in enumerate(msgs):
         a, b = plain.send(m), spec.send(m)
         assert a.tokens == b.tokens, i
+        if i == 0:  # (the session's stop ids end its turns)
+            assert a.tokens == ref[:ref.index(stop) + 1] and a.samples[0].stop_reason == "eos"
         assert_same(target_part(plain.live_state()), target_part(spec.live_state()), f"turn {i}")
         st = spec.state()
         assert st.pending == st.tokens[-1] and st.pos == len(st.tokens) - 1
@@ -246,6 +248,9 @@ def test_bad_turn_and_session_arguments_are_named_up_front(zoo, tmp_path):
     with pytest.raises(ValueError, match="extra must be a dict"):
         s.save(tmp_path / "s.pt", extra="abc")
     assert not (tmp_path / "s.pt").exists()
+    for bad in (0, -1, 1.5, "1"):  # (rewind(0) undid every turn)
+        with pytest.raises(ValueError, match="rewind needs a number of turns >= 1"):
+            s.rewind(bad)
     assert s.state().digest() == before and s.num_turns == 1
     assert s.send([5], stop_ids=[7]).tokens
 
@@ -282,12 +287,24 @@ def test_switching_plain_and_speculative_is_refused(zoo, tmp_path):
     assert v.turns == v.num_turns == 2 and v.send([7]).stats["k"] == 2
     v.save(tmp_path / "v.pt")
     w = Session.load(eng, tmp_path / "v.pt")
-    assert w.send([8]).stats["k"] == v.send([8]).stats["k"] == 2
+    f = v.fork()  # (a fork too, and it has the last turn's stats)
+    assert f.last_stats == v.last_stats and f.last_stats["k"] == 2
+    assert w.send([8]).stats["k"] == v.send([8]).stats["k"] == f.send([8]).stats["k"] == 2
+    w.rewind(2)  # (a loaded session's rewind points keep their K)
+    assert w.send([7]).stats["k"] == 2
+    x = eng.session(draft=0, max_new_tokens=2)  # (each its own: the K before the last turn, not the last one)
+    x.send([3, 4], draft=3)
+    x.send([5], draft=1)
+    x.save(tmp_path / "x.pt")
+    y = Session.load(eng, tmp_path / "x.pt")
+    y.rewind()
+    assert y.send([5]).stats["k"] == 3
 
 
 def test_a_session_rewound_to_its_start_is_empty_again(zoo):
     """rewind() back before the first turn leaves an empty session, as reset() does: its next
-    first turn may be plain or speculative again (the first turn sets the mode)."""
+    first turn may be plain or speculative again (the first turn sets the mode); after reset()
+    too, with no turns to rewind and no last turn's stats."""
     eng = engine(zoo, "qwen3_next")
     msgs = messages(eng.model.cfg.vocab_size, 2, seed=8)
     want = eng.generate(msgs[1], max_new_tokens=MAX_NEW, use_store=False).tokens
@@ -298,6 +315,12 @@ def test_a_session_rewound_to_its_start_is_empty_again(zoo):
     assert s.send(msgs[1], draft=2).tokens == want  # (was refused: "decodes without drafts since its first turn")
     s.rewind()
     assert s.send(msgs[1], draft=0).tokens == want
+    s.send(msgs[0], max_new_tokens=2)  # reset() too: no turns, no stats, and the next turn sets the mode
+    s.reset()
+    assert (s.tokens, s.turns, s.last_stats, s.matcher) == ([], 0, {}, None)
+    assert s.send(msgs[1], draft=2).tokens == want and s.turns == 1
+    with pytest.raises(ValueError, match="cannot rewind 2"):
+        s.rewind(2)
 
 
 def test_a_forks_turns_do_not_count_in_the_original_telemetry(zoo):
@@ -898,6 +921,59 @@ def test_first_sessions_in_two_threads_share_one_prefix_store(zoo, monkeypatch):
     assert s.tokens in eng.store
     g = eng.generate(s.tokens + msgs[1], max_new_tokens=2)
     assert g.stats["cached_tokens"] == len(s.tokens) - 1  # (the pending token is prefilled again)
+
+
+def test_a_session_without_the_store_neither_reads_nor_fills_it(zoo):
+    """use_store=False: the session's first turn does not resume from a stored conversation it
+    extends (it prefills the whole message, as a cold request) and its turn ends are not put
+    in the store; a session with the store does both."""
+    eng = engine(zoo, "qwen3_next")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=23)
+    s = eng.session(max_new_tokens=3)
+    s.send(msgs[0])
+    assert s.tokens in eng.store
+    entries = eng.store.stats()["entries"]
+    t = eng.session(max_new_tokens=3, use_store=False)
+    out = t.send(s.tokens + msgs[1])
+    assert out.stats["cached_tokens"] == 0 and t.tokens not in eng.store
+    assert eng.store.stats()["entries"] == entries
+    nxt = s.send(msgs[1]).stats
+    assert (nxt["turn"], nxt["context_tokens"]) == (2, len(s.tokens)) and s.tokens in eng.store
+
+
+def test_a_turns_own_params_apply_to_that_turn_only(zoo):
+    """send(params=...) samples that turn with them (a session made with them gives the same
+    reply); the next turn without params= is the session's own (greedy) again."""
+    eng = engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=24)
+    hot = SamplingParams(temperature=1.5, seed=3)
+    want = eng.session(params=hot, max_new_tokens=MAX_NEW, use_store=False).send(msgs[0]).tokens
+    assert want != eng.session(max_new_tokens=MAX_NEW, use_store=False).send(msgs[0]).tokens
+    s = eng.session(max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[0], params=hot).tokens == want
+    greedy = Session.from_state(eng, s.state(), max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[1]).tokens == greedy.send(msgs[1]).tokens
+
+
+def test_settings_carry_over_to_a_fork_a_copy_and_a_loaded_file(zoo, tmp_path):
+    """fork(), empty_copy() and save / load keep every setting of the session (ignore_eos,
+    use_store, stop ids, ...); a closed session refuses a turn; a plain session's stats have
+    no speculative telemetry."""
+    from hyspec.speculative.loop import SpecOptions
+
+    eng = engine(zoo, "qwen3_5")
+    p = SamplingParams(temperature=0.7, seed=5)
+    s = eng.session(draft=2, params=p, spec=SpecOptions(k=2, rollback="replay"), max_new_tokens=3, stop_ids=[9, 4],
+                    ignore_eos=True, use_store=False)
+    s.send([3, 5, 7])
+    s.save(tmp_path / "s.pt")
+    settings = lambda x: (x.draft, x.params, x.spec, x.max_new_tokens, sorted(x.stop_ids), x.ignore_eos, x.use_store)
+    for other in (s.fork(), s.empty_copy(), Session.load(eng, tmp_path / "s.pt")):
+        assert settings(other) == settings(s)
+        other.close()
+        with pytest.raises(ValueError, match="this session is closed"):
+            other.send([3])
+    assert eng.session(max_new_tokens=2).send([3]).stats["session"]["spec"] is None
 
 
 def test_closed_sessions_do_not_pile_up_free_slots(zoo):

@@ -108,6 +108,7 @@ def test_rewind_fork_save_and_core_turns_on_the_lanes(zoo, tmp_path):
 
     # (CI's time: one session has both hand-overs: the core for turns 1 and 5, the lanes for 2-4)
     outs = [send(s, msgs[0], False)] + [send(s, m, True) for m in msgs[1:3]]  # core -> lanes
+    assert not graphs.session_scheduler().pool.used  # (the core turn's slot went back at the hand-over)
     after = s.state()
     s.rewind()
     assert send(s, msgs[2], True) == outs[2]

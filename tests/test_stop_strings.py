@@ -158,6 +158,13 @@ def test_a_stop_string_across_a_cut_reply_and_its_continuation(eng, tmp_path):
     for sess in (s, Session.load(eng, tmp_path / "cut.pt"), forked):
         b = sess.send([], stop=stop)
         assert a.tokens + b.tokens == want_tokens and b.samples[0].stop_reason == "stop" and b.text == ""
+        sess.rewind()  # the continuation undone: the reply so far is the first part again (a rewind point's)
+        again = sess.send([], stop=stop)
+        assert (again.tokens, again.text, again.samples[0].stop_reason) == (b.tokens, "", "stop")
+    s.save(tmp_path / "on.pt")  # saved after the continuation: its rewind point keeps the reply before it
+    back = Session.load(eng, tmp_path / "on.pt")
+    back.rewind()
+    assert back.send([], stop=stop).tokens == b.tokens
     # a stop string found only in the earlier part: the continuation runs on to its limit
     s.rewind()
     early = eng.tokenizer.decode(full.tokens[:k], skip_special_tokens=True)[:3]
