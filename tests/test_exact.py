@@ -67,3 +67,14 @@ def test_activations_are_row_invariant(dtype, width):
     ref = torch.nn.functional
     assert torch.allclose(silu(x), ref.silu(x)) and torch.allclose(sigmoid(x), torch.sigmoid(x))
     assert torch.allclose(softplus(x), ref.softplus(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_softplus_is_linear_above_its_threshold(dtype):
+    """softplus(x) = x above 20, as torch's (the DeltaNet's decay takes softplus(a + dt_bias));
+    the inputs above are rarely past 20, where a threshold that does not match the clamp
+    inside would give 20 instead of x."""
+    from hyspec.model.ops import softplus
+
+    x = torch.tensor([-30.0, -5.0, 0.0, 5.0, 19.9, 20.0, 20.1, 25.0, 35.0, 80.0], dtype=dtype)
+    torch.testing.assert_close(softplus(x), torch.nn.functional.softplus(x))

@@ -65,6 +65,18 @@ def _hf_save(arch: str, out: Path, *, seed: int = 0, tie: bool = False, **overri
     return model
 
 
+@torch.no_grad()
+def _spread(hf, out: Path, factor: float = 5.0):
+    """Scale hf's matrices (projections, experts, embedding, head) by `factor` and save it
+    again into `out`. At transformers' init (std 0.02) the layers barely move the log-probs
+    of these tiny models (a norm's eps, RoPE's frequencies or the routing weights could be
+    off and the log-probs still within TOL); at std 0.1 their outputs count."""
+    for name, p in hf.named_parameters():
+        if p.dim() >= 2 and "conv1d" not in name:
+            p.mul_(factor)
+    hf.save_pretrained(out)
+
+
 @pytest.fixture(scope="module")
 def extra_ckpts(tmp_path_factory):
     """Tied-head and odd-shape checkpoints, built once for the module."""
@@ -132,6 +144,14 @@ def test_tied_head_checkpoint(extra_ckpts, arch):
 ROPE_SCALINGS = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24},
     "linear": {"rope_type": "linear", "factor": 2.5},
+    # a long pretraining length for this 4-wide rotary: the ramp of dims ends at 1.26, past
+    # the last dim (1) -- truncated to 2 (clipped at rot - 1, not rot / 2 - 1) or, untruncated,
+    # kept at 1.26, both move dim 1's frequency; mscale / mscale_all_dim set the attention
+    # factor (with a short length, as above, neither the clip nor the truncation shows)
+    "yarn_long": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+                  "mscale": 2.0, "mscale_all_dim": 1.0},
+    "yarn_untruncated": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+                         "truncate": False},
 }
 
 
@@ -148,8 +168,9 @@ def test_rope_scaling_matches_transformers(tmp_path, arch, kind):
     rope = {"rope_theta": base.get("rope_theta", 10000.0),
             "partial_rotary_factor": base.get("partial_rotary_factor", 0.25), **ROPE_SCALINGS[kind]}
     hf = _hf_save(arch, tmp_path, seed=6, rope_parameters=rope)
+    _spread(hf, tmp_path)
     m = load_model(tmp_path, dtype="float32")
-    assert m.cfg.rope_type == kind
+    assert m.cfg.rope_type == kind.split("_")[0]
     ids = _ids(N_TOK, seed=7)
     ref = hf_logprobs(hf, ids)
     with torch.no_grad():
@@ -215,6 +236,22 @@ def test_odd_gdn_shapes_match_transformers(extra_ckpts, arch):
         torch.testing.assert_close(m.logits(torch.cat(hs)).log_softmax(-1), ref, rtol=0, atol=TOL)
     prompt = _ids(8, seed=7).tolist()
     assert generate_plain(m, prompt, max_new_tokens=32).tokens == hf_greedy(hf, prompt, 32)
+
+
+def test_norm_eps_rope_theta_and_unnormalised_routing_match_transformers(tmp_path):
+    """The tiny configs keep rms_norm_eps = 1e-6 (every norm's default), rope_theta = 10000
+    and Qwen3-Next's norm_topk_prob true, so a norm that ignored the configured eps (the
+    model's, the attention's q/k norms, the DeltaNet's gated norm), a hard-wired theta or
+    routing that always renormalised (or took the softmax over the top k only) matched
+    transformers there; here all three differ from those defaults."""
+    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+    hf = _hf_save("qwen3_next", tmp_path, seed=9, rms_norm_eps=0.05, norm_topk_prob=False, rope_parameters=rope)
+    _spread(hf, tmp_path)
+    m = load_model(tmp_path, dtype="float32")
+    assert (m.cfg.rms_norm_eps, m.cfg.rope_theta, m.cfg.norm_topk_prob) == (0.05, 1e6, False)
+    ids = _ids(N_TOK, seed=10)
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).log_softmax(-1), hf_logprobs(hf, ids), rtol=0, atol=TOL)
 
 
 def test_qwen3_5_moe_ignores_qwen3_next_routing_fields_as_transformers_does(tmp_path):

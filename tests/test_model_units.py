@@ -175,3 +175,58 @@ def test_norms_and_rope():
     torch.testing.assert_close(r[1, :, 0], q[1, :, 0] * c - q[1, :, 2] * s)
     torch.testing.assert_close(r[1, :, 2], q[1, :, 2] * c + q[1, :, 0] * s)
     torch.testing.assert_close(r.norm(dim=-1), q.norm(dim=-1))
+
+
+def test_norms_round_like_transformers_in_bf16():
+    """The norms against transformers' Qwen3.5 classes, bit for bit in bf16, where each
+    cast shows (the gated norm rounds w * x̂ to the model's dtype before the gate, which it
+    takes in fp32; the zero-centred one applies 1 + w in fp32), which fp32 tests cannot
+    see; eps is not the default. (In fp32 the two silu formulations differ in the last bit
+    for a few percent of inputs; rounded to bf16 that vanishes.)"""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5RMSNorm,
+        Qwen3_5RMSNormGated,
+    )
+
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 4, 32, generator=g) * 3).to(dtype)
+    z = (torch.randn(6, 4, 32, generator=g) * 2).to(dtype)
+    w = torch.randn(32, generator=g).to(dtype)
+    ours, theirs = RMSNorm(32, eps=1e-2).to(dtype), Qwen3_5RMSNorm(32, eps=1e-2).to(dtype)
+    gated, their_gated = GatedRMSNorm(32, eps=1e-2).to(dtype), Qwen3_5RMSNormGated(32, eps=1e-2).to(dtype)
+    with torch.no_grad():
+        for n in (ours, theirs, gated, their_gated):
+            n.weight.copy_(w)
+        assert torch.equal(ours(x), theirs(x))
+        assert torch.equal(gated(x, z), their_gated(x, z))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_head_follows_the_qwen_layout(arch):
+    """The MTP head as Qwen's checkpoints (and vLLM / SGLang) define it: fc over
+    [pre_fc_norm_embedding(embedding of token t+1) | pre_fc_norm_hidden(hidden of t)], one
+    full-attention block whose FFN is an MoE in the MoE families (its weights are
+    mtp.layers.0.mlp.experts.*), then mtp.norm. The speculative tests only check that drafts
+    never change the output, which holds whatever the head computes."""
+    from hyspec.model.ffn import MoE
+
+    cfg = ModelConfig.from_dict(tiny_config(arch))
+    m = HybridLM(cfg)
+    init_weights(m, torch.Generator().manual_seed(6))
+    m = m.double().eval().requires_grad_(False)
+    mtp = m.mtp
+    assert isinstance(mtp.layers[0].mlp, MoE) == (arch != "qwen3_5") and mtp.fc.weight.shape == (64, 128)
+    gen = torch.Generator().manual_seed(7)
+    for n in (mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm):  # three different norms
+        n.weight.normal_(0.0, 0.5, generator=gen)
+
+    def rms(x, w):
+        return x / x.pow(2).mean(-1, keepdim=True).add(cfg.rms_norm_eps).sqrt() * (1.0 + w)
+
+    tokens = torch.tensor([5, 300, 17, 42])
+    h = torch.randn(4, 64, generator=gen, dtype=torch.float64) * 3
+    x = torch.cat([rms(m.model.embed_tokens.weight[tokens], mtp.pre_fc_norm_embedding.weight),
+                   rms(h, mtp.pre_fc_norm_hidden.weight)], -1) @ mtp.fc.weight.T
+    want = rms(mtp.layers[0](x, StepCtx(), None), mtp.norm.weight)
+    torch.testing.assert_close(m.mtp_hidden(tokens, h, StepCtx(), None), want, rtol=1e-12, atol=1e-12)
