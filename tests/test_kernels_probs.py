@@ -118,12 +118,12 @@ def test_softmax_rows_strided_rows_token_zero_and_floor_edge() -> None:
     x, t, keep, _, floor, top = _cases(B, seed=11)
     wide = torch.full((B, Vk + 37), 7.0)
     wide[:, :Vk] = x
-    xs = wide[:, :Vk]  # row stride Vk + 37
     kwide = torch.zeros(B, Vk + 37, dtype=torch.bool)
     kwide[:, :Vk] = keep
-    ks = kwide[:, :Vk]
+    # (the views made on the device: .to(device) of a strided view is a contiguous copy)
+    xs, ks = wide.to(dev)[:, :Vk], kwide.to(dev)[:, :Vk]  # row stride Vk + 37
     assert xs.stride(0) != Vk and ks.stride(0) != Vk
-    xs, ks, t, floor, top = (a.to(dev) for a in (xs, ks, t, floor, top))
+    t, floor, top = (a.to(dev) for a in (t, floor, top))
     for kw in ({}, {"floor": floor, "top": top}):
         got = softmax_rows(xs, t, ks, **kw)
         _assert_close(got, softmax_rows_ref(xs.contiguous(), t, ks.contiguous(), **kw))
@@ -282,7 +282,16 @@ def test_inverse_cdf_rows_targets_on_chunk_boundaries() -> None:
     u = u.reshape(-1)
     want = inverse_cdf_rows_ref(rows, u)
     assert set(want.tolist()) == set(first.tolist() + second.tolist())  # (both sides of every step)
-    assert torch.equal(inverse_cdf_rows(rows.to(dev), u.to(dev)).cpu(), want)
+    got = inverse_cdf_rows(rows.to(dev), u.to(dev)).cpu()
+    # every pick has mass (on an H100 the kernel's target - before, fused with u * total into
+    # one fma, went below the chunk's mass before it: the chunk's first, massless, token came out)
+    assert bool((rows.gather(1, got.unsqueeze(1)) > 0).all())
+    if dev.type == "cpu":  # the interpreter adds in the reference's order: the same tokens
+        assert torch.equal(got, want)
+    else:  # a GPU's scan adds the chunk totals in its own order: at most one step away
+        massive = torch.sort(torch.cat([first, second])).values
+        step = (torch.searchsorted(massive, got) - torch.searchsorted(massive, want)).abs()
+        assert int(step.max()) <= 1
 
 
 def _residual_case(B: int, R: int = 3, seed: int = 4):

@@ -180,7 +180,12 @@ def _cdf_kernels():
             rows = tl.load(p_row + i, mask=i < V, other=0.0)
             if HAS_Q:
                 rows = tl.where(use_r, tl.maximum(rows - tl.load(q_row + i, mask=i < V, other=0.0), 0.0), rows)
-            k = tl.sum((tl.cumsum(rows, 0) <= target - before).to(tl.int32), 0)
+            # the mass before the chunk plus the in-chunk running sum, against the target itself: never
+            # target - before, which a GPU build may contract with target's u * total into one fma
+            # (unrounded: below `before` where the rounded target equals it, and the chunk's first,
+            # massless, token was picked -- seen on an H100); before <= target holds for the rounded
+            # target, so the chunk's leading zero-mass tokens always count
+            k = tl.sum((before + tl.cumsum(rows, 0) <= target).to(tl.int32), 0)
             k = tl.where(k >= BLOCK, tl.max(tl.where(rows > 0, t, -1), 0), k)
             idx = tl.where(c >= n_chunks, tl.maximum(tl.max(last, 0), 0), cc * BLOCK + k)
             tl.store(out_ptr + b, idx.to(tl.int64))

@@ -46,9 +46,11 @@ def inverse_cdf_rows_ref(p: torch.Tensor, u: torch.Tensor, row: torch.Tensor | N
     rows with resid[b] take max(p - q, 0) instead, when that has mass.
 
     The chunk is the first whose running total exceeds the target, the token the first
-    whose in-chunk running sum exceeds the target less the chunks before it (the last
-    positive token of the chunk when rounding leaves none). A zero-mass token or chunk is
-    never chosen: a running sum is flat across it."""
+    whose running mass (the chunks before it plus the in-chunk running sum) exceeds the
+    target (the last positive token of the chunk when rounding leaves none). A zero-mass
+    token or chunk is never chosen: a running sum is flat across it, and the chunk's mass
+    before it is at most the target (never `target - before`: a GPU may fuse it with the
+    target's product into an unrounded fma)."""
     p = _pick_rows(p.to(torch.float64), row)
     if q is not None:
         r = (p - _pick_rows(q.to(torch.float64), q_row)).clamp(min=0.0)  # [B, V]
@@ -64,7 +66,7 @@ def inverse_cdf_rows_ref(p: torch.Tensor, u: torch.Tensor, row: torch.Tensor | N
     cc = c.clamp(max=C - 1)
     before = torch.where(cc > 0, running.gather(1, (cc - 1).clamp(min=0)), torch.zeros_like(target))  # [B, 1]
     rows = pc.gather(1, cc.unsqueeze(2).expand(B, 1, L)).squeeze(1)  # [B, L] the chosen chunk
-    j = torch.searchsorted(rows.cumsum(1), target - before, right=True)  # [B, 1]
+    j = torch.searchsorted(before + rows.cumsum(1), target, right=True)  # [B, 1]
     col = torch.arange(L, device=p.device)
     last_j = torch.where(rows > 0, col, torch.full_like(col, -1)).amax(dim=1, keepdim=True)  # [B, 1]
     j = torch.where(j >= L, last_j, j)
