@@ -582,6 +582,10 @@ MADE_BY = {
     "gpu_tests_lanes_h100.txt": "`python3 -m pytest -q -n 8 tests/test_gpu_batch.py tests/test_gpu_sampling.py "
                                 "tests/test_op_commit.py` (H100; session 53's lane changes, the suite's lane files "
                                 "only: the device budget left no whole-suite run)",
+    "gpu_tests_kernels_probs_topp_h100.txt": "`python3 -m pytest -q -n 8 tests/test_kernels_probs.py "
+                                             "tests/test_kernels_topp.py` (H100; the only device run of session 54: "
+                                             "2 of the session's new kernel tests failed compiled, fixed after it "
+                                             "in 2d32b99, not yet re-run on a GPU)",
     "drafter_check_ab_h100.txt": "the script in its header (H100; the sampled rounds' drafter-row check on / off, "
                                  "a fresh decoder per mode, alternated)",
     "drafter_check_ab_h200.txt": "the script in its header (H200; the same A/B after the check's one-launch-a-draft "
