@@ -38,9 +38,9 @@ PY
   HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q $PYTEST_ARGS tests/test_sessions.py tests/test_session_state.py \
     tests/test_prefix_store.py tests/test_graph_store.py tests/test_sessions_graphs.py \
     tests/test_batch_logprobs.py tests/test_batch_adaptive.py tests/test_batch_pmin.py || rc=1
-  echo "== kernel tests that run compiled where CUDA is (the interpreter on the CPU): argmax, load order, top-p cut"
+  echo "== kernel tests that run compiled where CUDA is (the interpreter on the CPU): argmax, load order, top-p cut, probability rows"
   python3 -m pytest -q -rs $PYTEST_ARGS tests/test_kernels_argmax.py \
-    tests/test_kernels_load_order.py tests/test_kernels_topp.py || rc=1
+    tests/test_kernels_load_order.py tests/test_kernels_topp.py tests/test_kernels_probs.py || rc=1
   echo "== sampling kernels compiled where CUDA is (the interpreter on the CPU): Philox rows and draws, Gumbel-max, penalty window"
   python3 -m pytest -q -rs tests/test_gpu_sampling.py -k "philox or u01_at or gumbel_argmax or penalty_window" || rc=1
   exit $rc
