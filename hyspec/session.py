@@ -445,9 +445,7 @@ class Session:
         if req.stop_reason == "error":  # failed mid-round: the rounds before it stay, a turn
             # (its stats are the last turn's: /stats and turn_tokens speak of it, not of the one before)
             self.last_stats = {**req.stats, "finish_reason": "error", "error": f"{type(req.exception).__name__}: "
-                               f"{req.exception}", "turn": self.num_turns, "context_tokens": len(self.tokens),
-                               "session": {"turns": self.num_turns,
-                                           "spec": self.telemetry.to_dict() if n_drafts > 0 else None}}
+                               f"{req.exception}", **self._turn_stats(n_drafts)}
             raise req.exception
         try:
             text = cut.apply(req) if cut is not None else None
@@ -457,16 +455,19 @@ class Session:
                                       req.stats)], ids, n_drafts > 0)
             if logprobs is not None:
                 out.logprobs = [list(req.token_logprobs)]
-            out.stats["turn"] = self.num_turns
-            out.stats["context_tokens"] = len(self.tokens)
-            out.stats["session"] = {"turns": self.num_turns,
-                                    "spec": self.telemetry.to_dict() if n_drafts > 0 else None}
+            out.stats.update(self._turn_stats(n_drafts))
             out.stats["store"] = eng.store.stats() if eng._store is not None else None
         except BaseException:  # (a Ctrl-C before the turn's reply is handed back: undone, the caller
             self._undo(1)      # never saw it)
             raise
         self.last_stats = out.stats
         return out
+
+    def _turn_stats(self, n_drafts: int) -> dict:
+        """The session's part of a turn's stats, taken once the turn is recorded: its number,
+        the context after it, the conversation's turns and (speculative turns) telemetry."""
+        return {"turn": self.num_turns, "context_tokens": len(self.tokens),
+                "session": {"turns": self.num_turns, "spec": self.telemetry.to_dict() if n_drafts > 0 else None}}
 
     def _graph_turn(self, req: Request) -> bool:
         """Run the turn on the engine's CUDA-graph lanes when they run here (a GPU) and can
