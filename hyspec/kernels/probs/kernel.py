@@ -9,6 +9,14 @@ from hyspec.kernels.probs.reference import CHUNK, MASS_SCALE
 
 __all__ = ["softmax_rows", "inverse_cdf_rows"]
 
+# warps per program of the softmax and of the inverse CDF's chunk launch (each program: one
+# CHUNK-token chunk of a row). One constant for every call: the in-chunk float64 sums add in
+# an order that depends on it, and a row's numbers must not depend on the call it is in (the
+# plain step's, the drafter's and the verify's calls of a round alike). bench/sampling_warps.py
+# times the choices.
+SOFTMAX_WARPS = 4
+CDF_WARPS = 4
+
 
 @kernels_per_mode
 def _softmax_kernels():
@@ -137,7 +145,8 @@ def softmax_rows(x: torch.Tensor, temperature: torch.Tensor, keep: torch.Tensor 
     kernel = _softmax_kernels()
     for normalise in (False, True):
         kernel[(B, C)](x, x.stride(0), t, kp, sk, on, fl, tp, pm, ps, out, out.stride(0), V, C, *best_args,
-                       MASS_SCALE=MASS_SCALE, OUT_MASS=mass, NORMALISE=normalise, BLOCK=CHUNK, NC=p2(C), **flags)
+                       MASS_SCALE=MASS_SCALE, OUT_MASS=mass, NORMALISE=normalise, BLOCK=CHUNK, NC=p2(C),
+                       num_warps=SOFTMAX_WARPS, **flags)
     return (out, best) if with_best else out
 
 
@@ -236,5 +245,5 @@ def inverse_cdf_rows(p: torch.Tensor, u: torch.Tensor, row: torch.Tensor | None 
     kernel = _cdf_kernels()
     for pick, grid in ((False, (B, C)), (True, (B,))):
         kernel[grid](p3, p3.stride(0), p3.stride(1), prow, q3, q3.stride(0), q3.stride(1), qrow, rs, uu, tot, last,
-                     out, V, C, HAS_Q=q is not None, PICK=pick, BLOCK=CHUNK, NC=p2(C))
+                     out, V, C, HAS_Q=q is not None, PICK=pick, BLOCK=CHUNK, NC=p2(C), num_warps=CDF_WARPS)
     return out

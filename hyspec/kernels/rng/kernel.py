@@ -130,6 +130,9 @@ def u01_at(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> torch.Te
 
 
 _GUMBEL_BLOCK = 1024
+# warps per chunk program of the Gumbel-max launch (integer Philox, three float64 logs and a
+# max per token: no float sum, so any setting gives the same tokens; bench/sampling_warps.py)
+GUMBEL_WARPS = 4
 
 
 @kernels_per_mode
@@ -187,6 +190,6 @@ def gumbel_argmax(probs: torch.Tensor, seeds: torch.Tensor, stream: int, positio
     out = torch.empty(B, dtype=torch.int64, device=probs.device)
     chunks_k, best_k = _gumbel_kernels()
     chunks_k[(B, n_chunks)](probs, probs.stride(0), seeds.contiguous(), positions.to(torch.int64).contiguous(),
-                            score, idx, V, n_chunks, int(stream), BLOCK=_GUMBEL_BLOCK)
+                            score, idx, V, n_chunks, int(stream), BLOCK=_GUMBEL_BLOCK, num_warps=GUMBEL_WARPS)
     best_k[(B,)](score, idx, out, n_chunks, NC=p2(n_chunks))  # the first best chunk's token
     return out
