@@ -578,14 +578,13 @@ MADE_BY = {
                                  "the whole suite, on main: no H200 came that session)",
     "gpu_tests_latest_h200.txt": "`bash bench/gpu_tests.sh` (H200; the latest run of the whole suite, on main after the "
                                  "b2 figures' commit, whose suite log is gpu_tests_h200.txt)",
+    "sampling_warps_h100.txt": "`python3 bench/sampling_warps.py --rows 16,64` (H100; warps per program of the float64 "
+                               "softmax, Gumbel-max and inverse CDF: the shipped 4 was the fastest at 64 rows; the "
+                               "printed tail only, header in the file)",
     "poison_lanes_latest_h200.txt": "`python3 bench/poison_lanes.py` (H200; the latest run; header in the file)",
     "gpu_tests_lanes_h100.txt": "`python3 -m pytest -q -n 8 tests/test_gpu_batch.py tests/test_gpu_sampling.py "
                                 "tests/test_op_commit.py` (H100; session 53's lane changes, the suite's lane files "
                                 "only: the device budget left no whole-suite run)",
-    "gpu_tests_kernels_probs_topp_h100.txt": "`python3 -m pytest -q -n 8 tests/test_kernels_probs.py "
-                                             "tests/test_kernels_topp.py` (H100; the only device run of session 54: "
-                                             "2 of the session's new kernel tests failed compiled, fixed after it "
-                                             "in 2d32b99, not yet re-run on a GPU)",
     "drafter_check_ab_h100.txt": "the script in its header (H100; the sampled rounds' drafter-row check on / off, "
                                  "a fresh decoder per mode, alternated)",
     "drafter_check_ab_h200.txt": "the script in its header (H200; the same A/B after the check's one-launch-a-draft "
