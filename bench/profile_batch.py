@@ -3,6 +3,7 @@ step and speculative round at a few batch sizes (eager launches under torch.prof
 graphs replay the same kernels).  GPU only.
 
     python bench/profile_batch.py --config b2 --sizes 1,16,64 --out bench/results/profile_batch.json
+    python bench/profile_batch.py --model default --sizes 1 --sampled --mode rejection --graph-time 200
 """
 from __future__ import annotations
 
@@ -17,16 +18,20 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="b2")
+    ap.add_argument("--model", default=None,
+                    help="a checkpoint directory instead of --config's random weights ('default': the embedded model)")
+    ap.add_argument("--mode", default="coupled", choices=["coupled", "rejection"],
+                    help="the sampled lanes' mode (with --sampled)")
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sampled", action="store_true",
-                    help="also the sampled rounds (coupled T=0.8 / top-p 0.95 lanes, as batch_bench's sampled speed)")
+                    help="also the sampled rounds (T=0.8 / top-p 0.95 lanes, --mode coupled as batch_bench's sampled speed)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--per-call", default="_gdn_step_kernel",
                     help="kernel name whose calls are listed one by one (first repetition); '' for none")
     ap.add_argument("--graph-time", type=int, default=0,
-                    help="also time N back-to-back CUDA-graph replays of each case (greedy)")
+                    help="also time N back-to-back CUDA-graph replays of each case")
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -37,7 +42,14 @@ def main() -> None:
     from hyspec.gpu.batch_bench import preset_model, random_lanes, sampled_regime
     from hyspec.provenance import git_state
 
-    model = preset_model(args.config)
+    if args.model:
+        from hyspec.engine import default_model_dir
+        from hyspec.loading import load_model
+
+        path = default_model_dir() if args.model == "default" else args.model
+        model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    else:
+        model = preset_model(args.config)
     sizes = [int(s) for s in args.sizes.split(",")]
     S = max(sizes)
 
@@ -47,15 +59,15 @@ def main() -> None:
 
     dec = decoder(graphs=False)
     out = {"git": git_state(), "command": "python bench/profile_batch.py " + " ".join(sys.argv[1:]),
-           "config": args.config, "k": args.k, "runs": {}}
+           "config": args.model or args.config, "k": args.k, "mode": args.mode if args.sampled else None, "runs": {}}
     cases = [("decode", False), (f"round_k{args.k}", False)]
     if args.sampled:
         from hyspec.gpu.batch_bench import SAMPLED
         from hyspec.sampling import SamplingParams
 
-        regime = sampled_regime()
+        regime = sampled_regime({"mode": args.mode})
         for lane in range(S):
-            dec.set_params(lane, SamplingParams(seed=lane, mode="coupled", **SAMPLED))
+            dec.set_params(lane, SamplingParams(seed=lane, mode=args.mode, **SAMPLED))
         cases += [("decode_sampled", regime), (f"round_k{args.k}_sampled", regime)]
     for nb in sizes:
         for name, sm in cases:
@@ -94,12 +106,19 @@ def main() -> None:
     if args.graph_time:  # the same steps as CUDA-graph replays, timed with events (no host work between)
         del dec
         gdec = decoder(graphs=True)
+        if args.sampled:
+            for lane in range(S):
+                gdec.set_params(lane, SamplingParams(seed=lane, mode=args.mode, **SAMPLED))
         for nb in sizes:
-            for name, fn in (("decode", lambda: gdec.decode(nb)), (f"round_k{args.k}", lambda: gdec.round(nb, args.k))):
+            timed = [("decode", lambda: gdec.decode(nb)), (f"round_k{args.k}", lambda: gdec.round(nb, args.k))]
+            if args.sampled:
+                timed += [("decode_sampled", lambda: gdec.decode(nb, sampled=regime)),
+                          (f"round_k{args.k}_sampled", lambda: gdec.round(nb, args.k, sampled=regime))]
+            for name, fn in timed:
                 ms = time_fn(fn, torch.device("cuda"), args.graph_time, warmup=1)  # median of 3 batches
                 out["runs"].setdefault(f"{name}_B{nb}", {})["graph_ms"] = ms
                 print(f"{name} B={nb}: {ms:.3f} ms per graph replay ({args.graph_time} back to back, median of "
-                      f"three batches)")
+                      f"three batches)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
