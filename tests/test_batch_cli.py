@@ -349,3 +349,48 @@ def test_ctrl_c_mid_round_writes_no_row_for_the_lines_it_cut_off(tmp_path, monke
     assert main(["generate", "--prompts-file", str(f), "--max-batch", "3", "--ignore-eos", "--out", str(out)]) == 130
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["line"] for r in rows] == [1] and "error" not in rows[0] and len(rows[0]["tokens"]) == 2
+
+
+def test_the_flags_are_each_lines_defaults_and_a_lines_own_fields_win(tmp_path):
+    """read_prompts_file directly (no model): --max-new-tokens, --draft, --logprobs, --stop and
+    the sampling flags are the value of every line that does not set its own (the help: "a line
+    may set its own"), and a line's own wins; the documented edges hold on a line (draft 0..16,
+    max_new_tokens 0, logprobs 0) and a boolean is not a token id."""
+    from hyspec.cli.dispatch import build_parser
+    from hyspec.cli.generate import _file_options, _options, read_prompts_file
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "a"}\n'
+                 f'{{"prompt_ids": [5], "max_new_tokens": 0, "draft": {MAX_DRAFT}, "logprobs": 0, "stop": ["z"], '
+                 '"temperature": 0.5, "seed": 2}\n')
+    args = build_parser().parse_args(["generate", "--prompts-file", str(f), "--max-new-tokens", "7", "--draft", "2",
+                                      "--logprobs", "3", "--stop", "END", "--temperature", "0.9", "--seed", "11"])
+    flag, own = read_prompts_file(str(f), args)
+    assert (flag["max_new_tokens"], flag["draft"], flag["logprobs"], flag["stop"], flag["own"]) == (7, 2, 3, ["END"],
+                                                                                                  set())
+    assert (flag["params"].temperature, flag["params"].seed) == (0.9, 11)
+    assert (own["max_new_tokens"], own["draft"], own["logprobs"], own["stop"], own["own"]) == \
+        (0, MAX_DRAFT, 0, ["z"], {"draft", "stop"})
+    assert (own["params"].temperature, own["params"].seed, own["prompt"]) == (0.5, 2, [5])
+    for line, msg in (('{"prompt_ids": [true, 2]}', '"prompt_ids" must be a non-empty list of integer'),
+                      ('{"prompt_ids": []}', '"prompt_ids" must be a non-empty list of integer'),
+                      ('{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}',
+                       '"chat_template_kwargs" must be an object or null'),
+                      ('{"prompt": "x", "max_new_tokens": -1}', "max_new_tokens must be an integer >= 0"),
+                      ('{"prompt": "x", "draft": -1}', "draft must be an integer >= 0"),
+                      ('{"prompt": "x", "logprobs": -1}', "logprobs must be null or an integer >= 0"),
+                      ('   ', "no requests in the file")):
+        f.write_text(line + "\n")
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            read_prompts_file(str(f), args)
+    # one --prompt: --draft takes 0..16 too (16 ran as K = 16, not refused)
+    _, spec = _options(build_parser().parse_args(["generate", "--prompt", "x", "--draft", str(MAX_DRAFT)]))
+    assert spec.k == MAX_DRAFT
+    with pytest.raises(ValueError, match=f"--draft must be in 0..{MAX_DRAFT}"):
+        _options(build_parser().parse_args(["generate", "--prompt", "x", "--draft", str(MAX_DRAFT + 1)]))
+    # --adaptive-floor above every line's K is that K (as a line drafting less than the floor), not an error
+    f.write_text('{"prompt": "a", "draft": 2}\n')
+    _, spec = _file_options(build_parser().parse_args(["generate", "--prompts-file", str(f), "--adaptive",
+                                                       "--adaptive-floor", "3"]))
+    assert (spec.k, spec.adaptive_floor) == (2, 2)

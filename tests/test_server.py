@@ -1253,3 +1253,70 @@ def test_a_queued_request_whose_client_leaves_is_cancelled_and_the_gauges_split(
             assert wait_for("hyspec_requests_total", '{finish_reason="cancelled"}', 1) == 1
             assert metric(s, "hyspec_requests_total", '{finish_reason="length"}') == 0
             assert metric(s, "hyspec_requests_waiting") == 0
+
+
+def test_request_fields_are_checked_at_their_documented_edges():
+    """hyspec.server.params directly (no server): each documented bound holds at its edge,
+    both sides (a mutation run moved them unseen): prompt and stop ids below the vocabulary
+    size, top_k >= -1, repetition_penalty in [1/1e4, 1e4], n at most 16 however much the
+    server holds, a seed of 64 bits (signed or not), draft in 0..16, non-finite floats; on a
+    model without an MTP head a request that sends no draft decodes plainly (the server's
+    default K is not an error); empty stop strings are dropped before they are counted; vLLM's
+    unsupported fields pass only at their "off" value of its own type."""
+    from hyspec.sampling import PENALTY_MAX
+    from hyspec.server.params import (
+        MAX_N,
+        MAX_STOPS,
+        APIError,
+        Limits,
+        check_prompt_ids,
+        max_new_tokens,
+        refuse_unsupported,
+        sampling,
+        stop_strings,
+    )
+    from hyspec.server.schemas import CompletionRequest
+    from hyspec.speculative.loop import MAX_DRAFT
+
+    lim = Limits(vocab_size=100, max_model_len=64, has_mtp=True, default_draft=3, capacity=72)
+
+    def req(**kw):
+        return CompletionRequest(model=MODEL, prompt="x", **kw)
+
+    def refused(fn, *args):
+        with pytest.raises(APIError) as ei:
+            fn(*args)
+        assert ei.value.status == 400 and ei.value.code == "invalid_value"
+        return ei.value.param
+
+    check_prompt_ids([0, 99], lim, "prompt")
+    assert refused(check_prompt_ids, [100], lim, "prompt") == "prompt"
+    for field, good, bad_value in (("top_k", -1, -2), ("repetition_penalty", PENALTY_MAX, PENALTY_MAX * 1.5),
+                                   ("repetition_penalty", 1 / PENALTY_MAX, 0.5 / PENALTY_MAX),
+                                   ("n", MAX_N, MAX_N + 1), ("seed", (1 << 64) - 1, 1 << 64),
+                                   ("seed", -(1 << 63), -(1 << 63) - 1), ("draft", MAX_DRAFT, MAX_DRAFT + 1),
+                                   ("draft", 0, -1), ("stop_token_ids", [99], [100]),
+                                   ("temperature", 0.5, float("nan")), ("top_p", 0.5, float("nan")),
+                                   ("min_p", 0.5, float("inf"))):
+        sampling(req(**{field: good}), lim)
+        assert refused(sampling, req(**{field: bad_value}), lim) == field, (field, bad_value)
+    params, n, draft = sampling(req(top_k=-1, seed=-1), lim)
+    assert (params.top_k, params.seed, params.penalty_last_n, params.mode, n, draft) == \
+        (0, (1 << 64) - 1, 64, "rejection", 1, 3)
+    assert refused(sampling, req(n=2, best_of=1), lim) == "best_of"  # (only best_of = n)
+    # max_tokens 0 only where nothing need be generated (an echo that scores its prompt)
+    assert max_new_tokens(req(max_tokens=0), 5, lim, 16, allow_zero=True) == 0
+    assert refused(max_new_tokens, req(max_tokens=0), 5, lim, 16, False) == "max_tokens"
+    assert max_new_tokens(req(max_tokens=59), 5, lim, 16, allow_zero=False) == 59
+    assert refused(max_new_tokens, req(max_tokens=60), 5, lim, 16, False) == "max_tokens"
+    no_mtp = Limits(vocab_size=100, max_model_len=64, has_mtp=False, default_draft=3, capacity=72)
+    assert sampling(req(), no_mtp)[2] == 0
+    assert refused(sampling, req(draft=2), no_mtp) == "draft"
+    assert stop_strings(req(stop="")) == [] and stop_strings(req(stop=["", "a"])) == ["a"]
+    assert len(stop_strings(req(stop=[""] + [f"@{i}@" for i in range(MAX_STOPS)]))) == MAX_STOPS
+    # vLLM's "off" values pass only as their own type: min_tokens false is not 0, skip_special_tokens 1 not true
+    refuse_unsupported(req(min_tokens=0, skip_special_tokens=True, use_beam_search=False))
+    for field, value in (("min_tokens", False), ("skip_special_tokens", 1), ("use_beam_search", 0)):
+        with pytest.raises(APIError) as ei:
+            refuse_unsupported(req(**{field: value}))
+        assert (ei.value.status, ei.value.param, ei.value.code) == (400, field, "unsupported_value")

@@ -270,3 +270,24 @@ def test_a_constraint_that_cannot_go_on_is_a_400_and_its_neighbours_keep_their_o
     err = r.json()["error"]
     assert r.status_code == 400 and err["code"] == "invalid_value" and err["param"] == "guided_grammar", r.text
     assert "the grammar admits no output" in err["message"]
+
+
+def test_response_format_shapes_are_checked_before_any_grammar():
+    """check_response_format directly: a json_schema response_format without its schema, with
+    a non-string name or a non-boolean strict is a 400 on response_format saying which (the
+    mutation run dropped each check unseen); strict null, a name and a description pass, and
+    text is no constraint."""
+    from hyspec.server.params import APIError, check_response_format
+    from hyspec.server.schemas import ResponseFormat
+
+    schema = {"type": "object"}
+    assert check_response_format(ResponseFormat(type="text")) is None
+    ok = check_response_format(ResponseFormat(type="json_schema", json_schema={
+        "name": "n", "strict": None, "description": "d", "schema": schema}))
+    assert (ok.kind, ok.value, ok.param) == ("json_schema", schema, "response_format")
+    for js, words in (({"name": "n"}, "json_schema.schema is missing"),
+                      ({"name": 5, "schema": schema}, "json_schema.name must be a string"),
+                      ({"strict": "yes", "schema": schema}, "json_schema.strict must be a boolean")):
+        with pytest.raises(APIError) as ei:
+            check_response_format(ResponseFormat(type="json_schema", json_schema=js))
+        assert (ei.value.status, ei.value.param) == (400, "response_format") and words in ei.value.message, js
