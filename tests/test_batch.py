@@ -60,10 +60,10 @@ class StateRecordingScheduler(Scheduler):
         super()._finish(s, reason, exc)
 
 
-def run_alone(model, reqs):
+def run_alone(model, reqs, **kw):
     out = []
     for r in reqs:
-        s = StateRecordingScheduler(model, max_batch=1)
+        s = StateRecordingScheduler(model, max_batch=1, **kw)
         s.submit(r)
         s.run()
         out.append(fingerprint(r))
@@ -141,6 +141,9 @@ def test_bad_request_is_refused_and_others_run(zoo):
             sched.submit(make(bad, 2, G, None, 6))
     with pytest.raises(ValueError, match="draft"):
         sched.submit(make([1], -1, G, None, 6))
+    for stop in (m.cfg.vocab_size, -1):  # (the first id past the vocabulary too)
+        with pytest.raises(ValueError, match=r"stop id\(s\) \[-?\d+\] out of range"):
+            sched.submit(Request(prompt_ids=[1], max_new_tokens=6, params=G, stop_ids={stop}))
     sched.run()
     assert good.done and len(good.tokens) == 6 and good.stop_reason in ("length", "eos")
 
@@ -280,3 +283,111 @@ def test_the_pool_holds_at_most_max_slots_with_one_in_use(zoo):
     plain = slot_bytes(m.cfg, m.dtype, 50, with_mtp=False)  # (a checkpoint without an MTP head: no draft KV)
     assert plain["draft_kv"] == 0 and plain["total"] == plain["kv"] + plain["linear"]
     assert slot_bytes(m.cfg, m.dtype, 50)["draft_kv"] > 0
+
+
+def test_a_first_token_that_ends_the_request_never_joins_a_round(zoo):
+    """The first token (taken when the prefill ends) can end a request on its own: a stop id,
+    or the max_new_tokens limit (1). The request ends there, with that token alone, plain
+    or speculative; at max_new_tokens 0 it ends with none and its slot comes back."""
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    p = prompts(m.cfg.vocab_size)[0]
+    first = run_alone(m, [make(p, 0, G, None, 1)])[0][0][0]
+    for k in (0, 2):
+        for stops, n, want in (({first}, 9, ([first], "eos")), (set(), 1, ([first], "length")), (set(), 0, ([], "length"))):
+            sched = Scheduler(m, max_batch=2)
+            seen = []
+            r = sched.submit(Request(prompt_ids=p, max_new_tokens=n, params=G, draft=k, stop_ids=stops,
+                                     on_tokens=lambda req, toks, seen=seen: seen.extend(toks)))
+            sched.run()
+            assert (r.tokens, r.stop_reason) == want and seen == want[0] and r.done, (k, n)
+            assert not sched.pool.used
+
+
+def test_cancel_while_queued_or_between_prefill_chunks(zoo):
+    """A long prompt's prefill runs one chunk per step while the batch's rounds go on;
+    cancel() ends a request at the next step wherever it is: queued behind a full batch, or
+    between two chunks of its prefill (no token, its slot back). The sequence decoding beside
+    them is untouched, and a speculative one whose prompt ran in several chunks decodes as
+    alone in the same chunks (its tokens and telemetry as with one chunk)."""
+    m = zoo.model("tiny", "qwen3_next", "float32", "coop")
+    ps = prompts(m.cfg.vocab_size)
+    spec = (3, SamplingParams(temperature=0.9, seed=3), None, 12)
+    alone = run_alone(m, [make(ps[1], 2, G, None, 20), make(ps[4], *spec)], prefill_chunk=4)
+    assert [x[:4] for x in alone] == [x[:4] for x in run_alone(m, [make(ps[1], 2, G, None, 20), make(ps[4], *spec)])]
+    sched = StateRecordingScheduler(m, max_batch=2, prefill_chunk=4)
+    streamed = []
+    a = sched.submit(make(ps[1], 2, G, None, 20))  # 3 prompt tokens: one chunk
+    sched.step()
+    assert a.sequence is None and len(sched.active) == 1 and a.tokens
+    b, c = make(ps[2], 0, G, None, 9), make(ps[0], 0, G, None, 9)  # 13 prompt tokens: 4 chunks
+    for r in (b, c):
+        r.on_tokens = lambda req, toks: streamed.append(req)
+        sched.submit(r)
+    n = [len(a.tokens)]
+    for _ in range(2):
+        sched.step()  # b: chunks 1 and 2; c waits (the batch is full)
+        n.append(len(a.tokens))
+    assert n[0] < n[1] < n[2] and len(sched.prefilling) == 1 and not b.tokens and list(sched.waiting) == [c]
+    sched.cancel(c)
+    sched.step()  # c leaves the queue; b: chunk 3
+    assert c.done and c.stop_reason == "cancelled" and not c.tokens and not b.done and len(a.tokens) > n[2]
+    sched.cancel(b)
+    sched.step()  # b ends before its last chunk
+    assert b.done and b.stop_reason == "cancelled" and not b.tokens and not streamed
+    d = sched.submit(make(ps[4], *spec))  # 21 prompt tokens: 6 chunks, the drafter seeded from all of them
+    sched.run()
+    assert [fingerprint(a), fingerprint(d)] == alone and not sched.pool.used
+
+
+def test_the_pool_reuses_the_shortest_free_slot_that_fits_and_frees_a_slot_once(zoo):
+    """A free slot of exactly the length asked for is reused, and of the free ones that fit
+    the shortest is taken (the longer ones stay for longer requests: no new slot is made);
+    a slot released twice (abandon after its finish) is free once, so two requests never
+    share it; max_free 0 keeps none free; grow takes its headroom only where the budget has
+    it without dropping a free slot (else exactly what is needed, the free slot kept)."""
+    from hyspec.core.slots import SlotPool
+
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    pool = SlotPool(m, max_slots=4)
+    a, b = pool.alloc(10), pool.alloc(30)
+    pool.release(a)
+    pool.release(b)
+    assert pool.alloc(10) is a
+    pool.release(a)
+    assert pool.alloc(5) is a and pool.alloc(25) is b and not pool.free and pool._next == 2
+    pool.release(a)
+    pool.release(a)
+    assert pool.free == [a] and list(pool.used) == [b.index]
+    x, y = pool.alloc(10), pool.alloc(10)
+    assert x is a and y is not a
+    none = SlotPool(m, max_free=0)
+    s = none.alloc(10)
+    none.release(s)
+    assert none.max_free == 0 and none.free == [] and not none.used
+    per = lambda n: slot_bytes(m.cfg, m.dtype, n, m.has_mtp)["total"]
+    tight = SlotPool(m, budget_bytes=per(50) + per(20))
+    s, f = tight.alloc(40), tight.alloc(20)
+    tight.release(f)
+    tight.grow(s, 45)  # (1.5x, 60 rows, fits only if the free slot goes: exactly 45, the free slot kept)
+    assert s.length == 45 and tight.free == [f]
+
+
+def test_a_resumed_request_needs_a_token_to_make(zoo):
+    """A request continuing a kept Sequence (a session's next turn) is refused up front at
+    max_new_tokens 0 (it would end unprefilled, its new tokens in the transcript but not in
+    the state, and the kept Sequence marked continued); the kept Sequence is untouched and
+    continues as before."""
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    sched = Scheduler(m, max_batch=2)
+    first = sched.submit(Request(prompt_ids=[1, 2, 3], max_new_tokens=3, params=G, keep=True, stop_ids=set()))
+    sched.run()
+    kept = first.sequence
+    assert kept is not None and kept.pending is not None
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        sched.submit(Request(prompt_ids=[4], max_new_tokens=0, params=G, keep=True, resume=kept))
+    assert not getattr(kept, "continued", False) and not sched.has_work()
+    nxt = sched.submit(Request(prompt_ids=[4], max_new_tokens=3, params=G, keep=True, resume=kept))
+    sched.run()
+    assert nxt.stop_reason == "length" and len(nxt.tokens) == 3 and kept.continued
+    sched.pool.release(nxt.sequence.slot)
+    assert not sched.pool.used

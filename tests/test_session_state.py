@@ -454,6 +454,36 @@ def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
     assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
 
 
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_a_fault_after_the_verify_forward_wrote_the_cache_undoes_the_round(zoo, k):
+    """An exception out of a round after its verify forward has written the cache (KV rows,
+    SSM state: e.g. out of memory as the logits come back) undoes that round as one before
+    the forward does: the session is at the state after the round before, and continues
+    from it as a session restored there."""
+    eng = engine(zoo, "qwen3_5")
+    sched = eng.session_scheduler()
+    msgs = messages(eng.model.cfg.vocab_size, 3, seed=12)
+    _, after_round, s = _second_turn_rounds(eng, msgs, k)
+    orig, calls = sched.backend.verify, {"n": 0}
+
+    def verify(items, **kw):  # the third verify runs, then fails
+        out = orig(items, **kw)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Boom("after the verify forward")
+        return out
+
+    sched.backend.verify = verify
+    try:
+        with pytest.raises(Boom):
+            s.send(msgs[1])
+    finally:
+        sched.backend.verify = orig
+    assert_same(s.live_state(), after_round[1], f"k={k}: after the failed round")
+    twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
+    assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
+
 def _toy_state(**kw):
     import torch
 
