@@ -578,6 +578,8 @@ MADE_BY = {
                                  "the whole suite, on main: no H200 came that session)",
     "gpu_tests_latest_h200.txt": "`bash bench/gpu_tests.sh` (H200; the latest run of the whole suite, on main after the "
                                  "b2 figures' commit, whose suite log is gpu_tests_h200.txt)",
+    "default_model_cpu_sampled.txt": "the one-line command in its header (the embedded model on one CPU thread, "
+                                     "plain and K=3, greedy and sampled)",
     "sampling_warps_h100.txt": "`python3 bench/sampling_warps.py --rows 16,64` (H100; warps per program of the float64 "
                                "softmax, Gumbel-max and inverse CDF: the shipped 4 was the fastest at 64 rows; the "
                                "printed tail only, header in the file)",
