@@ -1103,6 +1103,18 @@ def test_rendering_details_match_transformers(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]}))
     assert load_template(tmp_path)[:2] == ("T", "tokenizer_config.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        "junk", {"name": "default", "template": "D"}]}))
+    try:  # an entry that is no {name, template} object: skipped or a TemplateError, never a traceback
+        assert load_template(tmp_path)[:2] == ("D", "tokenizer_config.json")
+    except TemplateError:
+        pass
+    # the loopcontrols extension (transformers enables it): {% continue %} and {% break %}
+    loop = ("{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.content }}|"
+            "{% if m.role == 'assistant' %}{% break %}{% endif %}{% endfor %}")
+    three = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+             {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    assert render_template(loop, three) == "u|a|"
 
 
 def test_normalize_messages_checks_and_leaves_the_callers_messages_alone():
@@ -1113,6 +1125,8 @@ def test_normalize_messages_checks_and_leaves_the_callers_messages_alone():
     got = normalize_messages(msgs)
     assert [m["content"] for m in got] == ["", "ab"]
     assert msgs == [{"role": "system", "content": None}, {"role": "user", "content": parts}]  # not changed
+    legacy = [{"role": "function", "name": "f", "content": "42"}]  # OpenAI's older tool-result role
+    assert normalize_messages(legacy)[0]["role"] == "function"
     for bad, words in [("hi", "must be a list"), ({"role": "user", "content": "x"}, "must be a list"),
                        (5, "must be a list"), ([], "must not be empty"), ([{"content": "x"}], r"messages\[0\]"),
                        ([{"role": "user", "content": "x"}, {"role": "bot", "content": "x"}], r"messages\[1\]\.role"),

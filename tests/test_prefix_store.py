@@ -31,6 +31,9 @@ def test_longest_prefix_and_identity(states):
         st.put(x)
     toks = list(spec[2].tokens) + [5, 6]
     assert st.extends(toks) and not st.extends([t + 1 for t in toks])  # a peek: no hit or miss counted
+    alone = PrefixStore()
+    alone.put(spec[2])
+    assert alone.extends(list(spec[2].tokens))  # equal to an entry with a pending token: it extends it
     assert st.lookup(toks, drafter="post") is spec[2]
     assert st.lookup(list(spec[1].tokens) + [9], drafter="post") is spec[1]
     bad = list(spec[2].tokens)
@@ -39,7 +42,7 @@ def test_longest_prefix_and_identity(states):
     assert st.lookup(list(spec[2].tokens), drafter="post") is spec[2]  # equal to an entry with a pending token
     assert st.lookup(toks, drafter="pre") is None  # drafter rows built from another hidden
     s = st.stats()
-    assert (s["hits"], s["misses"], s["entries"]) == (3, 2, 3)
+    assert (s["hits"], s["misses"], s["entries"]) == (3, 2, 3) and s["hit_rate"] == 3 / 5
     assert s["tokens_saved"] == spec[2].pos + spec[1].pos + spec[2].pos
 
 
@@ -127,6 +130,51 @@ def test_a_put_again_entry_is_the_most_recent(states):
     st.put(spec[0])  # again: now the most recent
     st.put(spec[2])  # over the budget: the least recently used (spec[1]) goes to host
     assert [st.tier_of(x.tokens) for x in spec[:3]] == ["device", "host", "device"]
+    # the same when the state put again has no drafter rows (the entry with them is kept, and used)
+    assert plain.tokens == spec[0].tokens and plain.drafter is None
+    st = PrefixStore(budget_bytes=sizes[0] + sizes[2], host_budget_bytes=1 << 40)
+    st.put(spec[0])
+    st.put(spec[1])
+    st.put(plain)
+    st.put(spec[2])
+    assert [st.tier_of(x.tokens) for x in spec[:3]] == ["device", "host", "device"]
+
+
+def test_the_host_budget_evicts_host_entries_only(states):
+    """Over the host budget, the least recently used *host* entries go: an older entry still on
+    the device stays (the host tier's bytes are the host entries')."""
+    spec, plain, msgs = states
+    st = PrefixStore(budget_bytes=1 << 40, host_budget_bytes=0)
+    st.put(spec[0])
+    st.put(spec[1])
+    st.demote(spec[1].tokens)  # (demote alone enforces nothing: the host tier is over its budget)
+    st.demote(spec[1].tokens)  # already on the host: nothing to do
+    assert st.tier_of(spec[1].tokens) == "host" and st.demotions == 1
+    st.put(spec[2])
+    assert [st.tier_of(x.tokens) for x in spec[:3]] == ["device", None, "device"]
+    assert st.evictions == 1 and st.stats()["bytes_host"] == 0
+
+
+def test_token_sequences_as_tensors_are_keys_too(states):
+    """`in`, tier_of and remove take a token tensor as lookup does (its elements are 0-d
+    tensors, hashed by identity: never equal to a stored key)."""
+    import torch
+
+    spec, plain, msgs = states
+    st = PrefixStore()
+    st.put(spec[0])
+    t = torch.tensor(spec[0].tokens)
+    assert t in st and st.tier_of(t) == "device"
+    st.remove(t)
+    assert len(st) == 0 and tuple(spec[0].tokens) not in st
+
+
+def test_stats_report_budgets_and_hit_rate():
+    st = PrefixStore(budget_bytes=8e9, host_budget_bytes=3 << 30)
+    s = st.stats()
+    assert s["hit_rate"] == 0.0 and (s["hits"], s["misses"], s["entries"]) == (0, 0, 0)
+    assert (s["budget_bytes"], s["host_budget_bytes"]) == (8_000_000_000, 3 << 30)
+    assert type(s["budget_bytes"]) is int  # (a JSON number without ".0" in /health)
 
 
 def test_an_eviction_keeps_the_other_entries_of_its_length(states):
@@ -161,6 +209,13 @@ def test_verify_promote_checks_an_entry_coming_back_from_host(states):
     st._entries[tuple(spec[1].tokens)].state.ssm[0].view(-1)[0] += 1.0  # the host copy, damaged
     got = st.lookup(list(spec[1].tokens) + [4], drafter="post")
     assert got is spec[0] and st.identity_failures == 1 and tuple(spec[1].tokens) not in st
+    # verify="never": no check at all, not even coming back from host
+    st = PrefixStore(verify="never")
+    st.put(spec[1])
+    st.demote(spec[1].tokens)
+    st._entries[tuple(spec[1].tokens)].state.ssm[0].view(-1)[0] += 1.0
+    got = st.lookup(list(spec[1].tokens) + [4], drafter="post")
+    assert got is not None and st.identity_failures == 0 and st.promotions == 1
 
 
 def test_an_entry_equal_to_the_prompt_serves_only_with_a_pending_token(zoo):
@@ -349,7 +404,7 @@ def test_budget_arguments_are_checked():
     from hyspec import Engine
     from hyspec.sampling import ParamError
 
-    for bad in (None, -1, "1000", float("nan"), True):
+    for bad in (None, -1, "1000", float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="budget_bytes must be a number of bytes"):
             PrefixStore(budget_bytes=bad)
     assert PrefixStore(budget_bytes=8e9).budget_bytes == 8_000_000_000
