@@ -362,6 +362,31 @@ def test_a_cut_reply_goes_on_on_its_line_on_a_terminal(default_engine, monkeypat
     assert tty.getvalue().count("\x1b[") == 4 and "\n[stats] " in tty.getvalue()
 
 
+def test_a_dumb_terminal_gets_no_escape_sequences(default_engine, monkeypatch):
+    """TERM=dumb: a terminal that cannot move the cursor; a cut reply continued there is written
+    on as on a pipe, no ESC[ sequences (the redraw's would show as text)."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("TERM", "dumb")
+    eng = default_engine
+    tty = Tty()
+    c = Chat(eng, eng.session(max_new_tokens=8), default_model_dir(), out=tty)
+    for typed in ("import", "", ""):
+        c.prompt()
+        tty.write(typed + "\n")  # the terminal's echo
+        c.user(typed, typed=typed)
+    c.end_line()
+    assert "\x1b" not in tty.getvalue() and c.session.num_turns == 3, repr(tty.getvalue())
+    c.close()
+
+
 def test_a_reply_that_goes_on_on_the_typed_line_is_drawn_after_it(default_engine, monkeypatch):
     """Plain template on a terminal: a reply that continues the typed line itself ("import" ->
     " warnings...") is drawn after it on its row (it was drawn on the row below, where the
@@ -739,6 +764,31 @@ def test_reset_forgets_restarts_and_load_keeps_a_cut_reply_going(zoo, tmp_path):
     c.command(f"/load {f}")
     held = len(c.session.tokens)
     assert c.cut and c.user("") and len(c.session.tokens) > held and len(c.messages) == 2
+    c.close()
+
+
+def test_overall_acceptance_counts_the_turns_before_a_restart(default_engine):
+    """/stats after a restarted turn: the conversation's acceptance merges the telemetry of the
+    session kept aside for /rewind with the new session's (docs/sessions.md: "/stats counts its
+    turns")."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    eng = default_engine
+    c = Chat(eng, eng.session(draft=2, max_new_tokens=8), default_model_dir(), out=io.StringIO())
+    c.user("def f(x):")
+    c.user("    return x")
+    c.rendered += "x"  # the next render no longer extends what the session holds: a restart
+    c.user("def g(y):")
+    assert len(c.previous) == 1
+    old, new = c.previous[0][0].telemetry, c.session.telemetry
+    merged = new.copy().merge(old)
+    assert (merged.acceptance_length, merged.acceptance_rate) != (new.acceptance_length, new.acceptance_rate)
+    st = c.stats()
+    assert st["turns"] == 3 and st["overall_acceptance"] == {"acceptance_length": merged.acceptance_length,
+                                                             "acceptance_rate": merged.acceptance_rate}
     c.close()
 
 
@@ -1177,3 +1227,73 @@ def test_template_globals_special_tokens_and_bad_files(tmp_path):
     latin.write_bytes("{{ 'café' }}".encode("latin-1"))
     with pytest.raises(ValueError, match="--chat-template .*latin.jinja"):
         read_template_file(latin, "--chat-template")
+
+
+def test_exit_leaves_and_command_errors_say_what_is_wrong(run_chat, default_engine):
+    """/exit leaves as /quit does (the lines after it are not run); an unknown command is
+    named in its note; /rewind 0 or a non-ASCII digit, /save and /load without a file are
+    one-line errors naming the command."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.engine import default_model_dir
+
+    for leave in ("/exit", "/quit"):
+        text = run_chat([leave, "def f(x):", "/stats"])
+        assert stats_lines(text) == [] and "[error" not in text and "unknown command" not in text, text
+    out = io.StringIO()
+    c = Chat(default_engine, default_engine.session(max_new_tokens=3), default_model_dir(), out=out)
+    assert c.command("/exit") is False and c.command("/quit") is False
+    assert c.command("/frobnicate now") is True
+    assert out.getvalue().startswith("[unknown command /frobnicate; ")
+    c.user("def f(x):")
+    for line, words in (("/rewind 0", "/rewind needs a number of turns >= 1, got 0"),
+                        ("/rewind \u00b2", "/rewind takes a number of turns, got '\u00b2'"),
+                        ("/save", "/save needs a file name"), ("/save   ", "/save needs a file name"),
+                        ("/load", "/load needs a file name")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            c.command(line)
+    assert c.session.num_turns == 1 and len(c.stack) == 1  # (nothing changed)
+    c.close()
+
+
+def test_a_turn_failing_with_a_runtime_error_is_one_line_and_the_chat_goes_on(run_chat, default_engine):
+    """A RuntimeError in a turn (a failing round) is an "[error: ...]" line, not a traceback
+    ending the chat; the next message runs, and /stats shows its figures (time to first token
+    among them)."""
+    backend = default_engine.session_scheduler().backend
+    orig, calls = backend.verify, []
+
+    def verify(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return orig(*a, **kw)
+
+    backend.verify = verify
+    try:
+        text = run_chat(["def f(x):", "def f(x):", "/stats"])
+    finally:
+        backend.verify = orig
+    assert "[error: boom]" in text and "Traceback" not in text, text
+    st = stats_lines(text)
+    # (the failed turn keeps what ran before the failing round, the prefill's token: a turn of its own)
+    assert st[0]["turns"] == 2 and len(st[0]["turn_tokens"]) == 8
+    assert isinstance(st[0]["turn_ttft_s"], float) and st[0]["turn_ttft_s"] > 0
+
+
+def test_load_of_a_chat_record_saved_without_the_cut_flags(run_chat, default_engine, tmp_path):
+    """A session file whose chat record keeps (messages, rendered) pairs before each turn (as
+    /save wrote them before the cut flag) loads, and /rewind goes back through them."""
+    s = default_engine.session(max_new_tokens=4)
+    first = s.send("def f(x):").tokens
+    r1 = default_engine.decode(s.tokens)
+    s.send("\n    return 1")
+    m1 = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": default_engine.decode(first)}]
+    f = tmp_path / "old.pt"
+    s.save(f, extra={"messages": m1 + [{"role": "user", "content": "\n    return 1"}], "rendered":
+                     default_engine.decode(s.tokens), "stack": [[[], ""], [m1, r1]]})
+    s.close()
+    text = run_chat([f"/load {f}", "/rewind", "/stats", "/rewind", "/stats"])
+    assert "[error" not in text, text
+    assert [x["turns"] for x in stats_lines(text)] == [1, 0]
