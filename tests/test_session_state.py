@@ -454,7 +454,6 @@ def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
     assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
 
 
-
 @pytest.mark.parametrize("k", [3, 0])
 def test_a_fault_after_the_verify_forward_wrote_the_cache_undoes_the_round(zoo, k):
     """An exception out of a round after its verify forward has written the cache (KV rows,
@@ -483,6 +482,7 @@ def test_a_fault_after_the_verify_forward_wrote_the_cache_undoes_the_round(zoo, 
     assert_same(s.live_state(), after_round[1], f"k={k}: after the failed round")
     twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
     assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
+
 
 def _toy_state(**kw):
     import torch
