@@ -9,11 +9,11 @@ from hyspec.kernels.probs.reference import CHUNK, MASS_SCALE
 
 __all__ = ["softmax_rows", "inverse_cdf_rows"]
 
-# warps per program of the softmax and of the inverse CDF's chunk launch (each program: one
-# CHUNK-token chunk of a row). One constant for every call: the in-chunk float64 sums add in
-# an order that depends on it, and a row's numbers must not depend on the call it is in (the
-# plain step's, the drafter's and the verify's calls of a round alike). bench/sampling_warps.py
-# times the choices.
+# warps per program of the softmax's two launches and of the inverse CDF's two (a program:
+# one CHUNK-token chunk of a row, or the CDF's per-row pick). One constant for every call: the
+# float64 sums and scans add in an order that depends on it, and a row's numbers must not
+# depend on the call it is in (the plain step's, the drafter's and the verify's calls of a
+# round alike). bench/sampling_warps.py times the choices.
 SOFTMAX_WARPS = 4
 CDF_WARPS = 4
 
