@@ -580,6 +580,9 @@ MADE_BY = {
                                  "b2 figures' commit, whose suite log is gpu_tests_h200.txt)",
     "default_model_cpu_sampled.txt": "the one-line command in its header (the embedded model on one CPU thread, "
                                      "plain and K=3, greedy and sampled)",
+    "gpu_tests_session_files_h100.txt": "`HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -rfEXs "
+                                        "tests/test_session_state.py tests/test_prefix_store.py` (H100; session 55's "
+                                        "new tests of those files on CUDA, after the whole suite at 1b3ebf0)",
     "sampling_warps_h100.txt": "`python3 bench/sampling_warps.py --rows 16,64` (H100; warps per program of the float64 "
                                "softmax, Gumbel-max and inverse CDF: the shipped 4 was the fastest at 64 rows; the "
                                "printed tail only, header in the file)",
