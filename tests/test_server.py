@@ -1320,3 +1320,31 @@ def test_request_fields_are_checked_at_their_documented_edges():
         with pytest.raises(APIError) as ei:
             refuse_unsupported(req(**{field: value}))
         assert (ei.value.status, ei.value.param, ei.value.code) == (400, field, "unsupported_value")
+
+
+def test_each_prompt_of_a_request_is_one_prefix_query():
+    """A request of two prompts (one sample each) is two prefix-store queries, each observed
+    when that prompt's own sample finishes (not one for the whole request when it ends)."""
+    from types import SimpleNamespace
+
+    from hyspec.server.choices import Choice, Run
+    from hyspec.server.metrics import Metrics
+    from hyspec.server.text import StopMatcher
+    from hyspec.server.worker import Job
+
+    metrics = Metrics()
+    metrics.prefix_store = True
+    state = SimpleNamespace(metrics=metrics, worker=SimpleNamespace(cancel=lambda job: None))
+    run = Run(state, "req", time.perf_counter())
+    for p in ([1, 2, 3], [4, 5]):
+        job = Job(prompt_ids=p, max_new_tokens=4, params=None, draft=0, stop_ids=set())
+        run.choices.append(Choice(run, len(run.choices), p, job, StopMatcher(_chars_decode)))
+    run.choices[0].job.on_finish("length", {"prompt_tokens": 3, "cached_tokens": 2})
+    assert metrics.prefix_queries._value.get() == 1 and metrics.prefix_cached_tokens._value.get() == 2
+    run.choices[1].job.on_finish("eos", {"prompt_tokens": 2, "cached_tokens": 0})
+    assert metrics.prefix_queries._value.get() == 2 and metrics.prefix_cached_tokens._value.get() == 2
+    assert [c.finish_reason for c in run.choices] == ["length", "stop"]
+
+
+def _chars_decode(ids):
+    return "".join(map(chr, ids))

@@ -274,3 +274,72 @@ def test_a_stop_string_that_ends_where_the_primed_text_ends_does_not_match():
     m.prime(_ids("x EN"))
     m.feed(_ids("D more"))
     assert m.stopped and m.n_tokens == len("x END") and m.text == "x "
+
+
+def _bytes(ids):
+    """A byte-level decoder (one byte per id): an incomplete trailing character decodes as U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_an_empty_stop_string_is_ignored_and_a_stopped_text_is_all_emittable():
+    """An empty stop string matches nothing (it would end every reply at once); once stopped
+    the whole cut text is emittable, a tail that is the start of another stop string too."""
+    m = StopMatcher(_chars, ["", "x!", "END"])
+    for t in _ids("a = 1"):
+        m.feed([t])
+    assert not m.stopped and m.text == m.emittable() == "a = 1"
+    m.feed(_ids("xEND"))
+    assert m.stopped and m.text == m.emittable() == "a = 1x"
+
+
+def test_the_opening_break_is_emittable_and_skip_break_starts_after_the_primed_text():
+    """skip_break: the break that opens the text is no start of a match, so it is not held back;
+    after primed text the opening break is the one right after it (not the primed text's first)."""
+    m = StopMatcher(_chars, ["\n"], skip_break=True)
+    m.feed(_ids("\n"))
+    assert not m.stopped and m.emittable() == "\n"
+    m = StopMatcher(_chars, ["\n"], skip_break=True)
+    m.prime(_ids("hi"))
+    m.feed(_ids("\nabc\ndef"))
+    assert m.stopped and m.text == "hi\nabc" and m.n_tokens == len("hi\nabc\n")
+
+
+def test_a_token_with_no_text_does_not_take_the_next_tokens_left_context():
+    """A token that decodes to nothing (a special token, skip_special_tokens) is not committed
+    as the next token's left context: a SentencePiece decoder decoding "▁world" alone would
+    strip its space ("helloworld")."""
+    special = 7
+
+    def dec(ids):
+        return _sentencepiece([i for i in ids if i != special])
+
+    m = StopMatcher(dec, ["@@"])
+    for t in [0, special, 1]:
+        m.feed([t])
+    assert m.text == m.emittable() == "hello world"
+
+
+def test_a_character_cut_in_its_bytes_is_not_a_u_fffd_for_stop_strings():
+    """A stop string of U+FFFD (a client stopping on undecodable output) is not met by a
+    character whose bytes arrive over two tokens; a real U+FFFD meets it."""
+    m = StopMatcher(_bytes, ["\ufffd"])
+    for b in "é!".encode():
+        m.feed([b])
+    assert not m.stopped and m.text == "é!"
+    m = StopMatcher(_bytes, ["\ufffd"])
+    m.feed(list("a\ufffdb".encode()))
+    assert m.stopped and m.text == "a" and m.n_tokens == 5  # (decided by the token after it)
+
+
+def test_after_primed_tokens_that_end_in_an_undecided_character():
+    """Primed tokens that end in a character's first byte: a stop string that the next token
+    completes ends after the primed text (it matches); primed text that ends in a real U+FFFD:
+    a stop string wholly in it does not match."""
+    m = StopMatcher(_bytes, ["é"])
+    m.prime(list("x ".encode()) + ["é".encode()[0]])
+    m.feed(["é".encode()[1]] + list(b" more"))
+    assert m.stopped and m.text == "x " and m.n_tokens == len("x é".encode())
+    m = StopMatcher(_chars, ["x\ufffd"])
+    m.prime(_ids("x\ufffd"))
+    m.feed(_ids("ab"))
+    assert not m.stopped and m.text == "x\ufffdab"
