@@ -113,7 +113,9 @@ def load_template(model_dir) -> tuple[str, str, dict]:
                 from None
     tpl = cfg.get("chat_template")
     if isinstance(tpl, list):
-        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict) and "template" in t}
+        if tpl and not named:  # (was: the plain template in silence; transformers fails on such a list too)
+            raise TemplateError(f"{where}: chat_template is a list with no {{name, template}} entry")
         tpl = named.get("default") or next(iter(named.values()), None)
     if tpl is not None and not isinstance(tpl, str):
         raise TemplateError(f"{where}: chat_template must be a string (or a list of {{name, template}}), got "

@@ -1148,8 +1148,9 @@ def test_rendering_details_match_transformers(tmp_path):
     assert render_template("{{ messages[0].thinking }} {{ messages[0].reasoning_content }}", both) == "t r"
     with pytest.raises(TemplateError, match="messages"):
         render_template("x", msgs, True, None, messages=[])
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ""}))
-    assert load_template(tmp_path)[:2] == (PLAIN_TEMPLATE, "plain")
+    for none in ("", []):  # no template: the plain one
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": none}))
+        assert load_template(tmp_path)[:2] == (PLAIN_TEMPLATE, "plain")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}]}))
     assert load_template(tmp_path)[:2] == ("T", "tokenizer_config.json")

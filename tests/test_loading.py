@@ -567,7 +567,9 @@ def test_more_damaged_checkpoints_are_named(ckpt, tmp_path):
             ModelConfig.from_dir(ckpt)
     gen.unlink()
     tc = ckpt / "tokenizer_config.json"
-    for text, match in (("{bad", "cannot read it"), ('{"chat_template": 5}', "chat_template must be a string")):
+    for text, match in (("{bad", "cannot read it"), ('{"chat_template": 5}', "chat_template must be a string"),
+                        ('{"chat_template": ["junk"]}', r"a list with no \{name, template\} entry"),
+                        ('{"chat_template": [{"name": "default"}]}', "a list with no")):
         tc.write_text(text)
         with pytest.raises(TemplateError, match=match):
             load_template(ckpt)
