@@ -8,7 +8,6 @@ graphs replay the same kernels).  GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 
@@ -35,6 +34,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=16, help="kernel names listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.report import write_json
     from hyspec.bench.timing import require_cuda
 
     require_cuda("bench/profile_batch.py")
@@ -119,9 +119,7 @@ def main() -> None:
                 out["runs"].setdefault(f"{name}_B{nb}", {})["graph_ms"] = ms
                 print(f"{name} B={nb}: {ms:.3f} ms per graph replay ({args.graph_time} back to back, median of "
                       f"three batches)", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

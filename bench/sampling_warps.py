@@ -17,7 +17,6 @@ for every call (row invariance), so a change is a change for all sites at once. 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -31,6 +30,7 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4,8,16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from hyspec.bench.report import write_json
     from hyspec.bench.timing import require_cuda
 
     require_cuda("bench/sampling_warps.py")
@@ -120,9 +120,7 @@ def main() -> None:
         print(f"   coupled site (probs_batch + Gumbel-max): shipped {res['site_shipped_us']:.1f} us, "
               f"fastest warps {fastest}: {res['site_fastest_us']:.1f} us", flush=True)
         out["rows"][B] = res
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -424,10 +424,14 @@ def test_the_model_fingerprint_sums_large_tensors_a_chunk_at_a_time(zoo):
 
 
 @pytest.mark.parametrize("k", [3, 0])
-def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
-    """A round whose target row overflows (NonFiniteLogits: the sequence's own error, not
-    an exception out of the round) mid-turn: as for an exception, the session is at the
-    state after the round before, and continues from it as a session restored there."""
+@pytest.mark.parametrize("fault", ["overflow", "raise"])
+def test_a_round_failing_after_its_verify_forward_leaves_last_committed_state(zoo, k, fault):
+    """A round whose verify forward has run (written the cache: KV rows, SSM state) and then
+    fails mid-turn -- its target rows overflow ("overflow": NonFiniteLogits, the sequence's
+    own error, not an exception out of the round) or an exception comes out of it ("raise":
+    e.g. out of memory as the logits come back) -- is undone as one failing before the
+    forward: the session is at the state after the round before, and continues from it as a
+    session restored there."""
     import torch
 
     from hyspec.sampling import NonFiniteLogits
@@ -438,48 +442,22 @@ def test_an_overflowing_round_mid_turn_leaves_last_committed_state(zoo, k):
     _, after_round, s = _second_turn_rounds(eng, msgs, k)
     orig, calls = sched.backend.verify, {"n": 0}
 
-    def verify(items, **kw):  # the third verify's logits are NaN
+    def verify(items, **kw):  # the third verify runs, then its logits are NaN or it fails
         out = orig(items, **kw)
         calls["n"] += 1
-        return [(a, b, torch.full_like(lg, float("nan"))) for a, b, lg in out] if calls["n"] == 3 else out
-
-    sched.backend.verify = verify
-    try:
-        with pytest.raises(NonFiniteLogits):
-            s.send(msgs[1])
-    finally:
-        sched.backend.verify = orig
-    assert_same(s.live_state(), after_round[1], f"k={k}: after the overflowing round")
-    twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
-    assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
-
-
-@pytest.mark.parametrize("k", [3, 0])
-def test_a_fault_after_the_verify_forward_wrote_the_cache_undoes_the_round(zoo, k):
-    """An exception out of a round after its verify forward has written the cache (KV rows,
-    SSM state: e.g. out of memory as the logits come back) undoes that round as one before
-    the forward does: the session is at the state after the round before, and continues
-    from it as a session restored there."""
-    eng = engine(zoo, "qwen3_5")
-    sched = eng.session_scheduler()
-    msgs = messages(eng.model.cfg.vocab_size, 3, seed=12)
-    _, after_round, s = _second_turn_rounds(eng, msgs, k)
-    orig, calls = sched.backend.verify, {"n": 0}
-
-    def verify(items, **kw):  # the third verify runs, then fails
-        out = orig(items, **kw)
-        calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] != 3:
+            return out
+        if fault == "raise":
             raise Boom("after the verify forward")
-        return out
+        return [(a, b, torch.full_like(lg, float("nan"))) for a, b, lg in out]
 
     sched.backend.verify = verify
     try:
-        with pytest.raises(Boom):
+        with pytest.raises(NonFiniteLogits if fault == "overflow" else Boom):
             s.send(msgs[1])
     finally:
         sched.backend.verify = orig
-    assert_same(s.live_state(), after_round[1], f"k={k}: after the failed round")
+    assert_same(s.live_state(), after_round[1], f"k={k}, {fault}: after the failed round")
     twin = Session.from_state(eng, after_round[1], draft=k, max_new_tokens=MAX_NEW, use_store=False)
     assert s.send(msgs[2], max_new_tokens=MAX_NEW).tokens == twin.send(msgs[2]).tokens
 
