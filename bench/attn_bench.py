@@ -17,11 +17,11 @@ at its own position (the context +- up to 64, from a seeded generator).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
+from hyspec.bench.report import write_json
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2
 
 # "split16" is the library's default form (16 interleaved partials per row); "levels" the
@@ -141,8 +141,7 @@ def main(argv=None) -> int:
     grouped.CHUNKED = saved_chunk
     akernel.COMBINE_TILE = saved_tile
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)  # (whole or not at all)
     return 0
 
 

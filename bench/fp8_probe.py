@@ -15,12 +15,13 @@ other experts), as cold as in a decode step.  GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 
 import torch
+
+from hyspec.bench.report import write_json
 
 SHAPES = [(12352, 2048), (12288, 2048), (9216, 2048), (2048, 4096)]  # the 80B preset's FP8 matmuls
 L2_RING_BYTES = 160 * 2 ** 20  # the ring of weights per case: > 3 x the H200's 50 MB L2
@@ -154,8 +155,7 @@ def main() -> None:
             argv = argv[:i] + argv[i + 2:]
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, git=git_state(),
                     command=" ".join(["python bench/fp8_probe.py"] + argv))
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows, fp8_over_bf16_time=ratios, bitwise_equal_to_cvt0=same), f, indent=1)
+        write_json(args.out, dict(meta=meta, rows=rows, fp8_over_bf16_time=ratios, bitwise_equal_to_cvt0=same))  # (whole or not at all)
 
 
 if __name__ == "__main__":

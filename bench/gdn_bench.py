@@ -13,11 +13,11 @@ GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
+from hyspec.bench.report import write_json
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2  # b2: its Gated DeltaNet shapes
 
 # (block_v, num_warps, pv_first, prefetch, one_reduction, decode_blocks).  The first is the
@@ -213,8 +213,7 @@ def main() -> None:
         out["ways"].append(row)
     gk.STEP_LAUNCH.update(gk._env_launch())
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)  # (whole or not at all)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import sys
 
 import torch
+
+from hyspec.bench.report import write_json
 
 
 def main() -> None:
@@ -167,8 +168,7 @@ def main() -> None:
             print(f"bitwise equal (A vs {name}):", c, flush=True)
             ok = ok and all(c.values())
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)  # (whole or not at all)
     if not ok and not args.numbers_may_differ:
         sys.exit(1)
 

@@ -10,11 +10,12 @@ Prints one line per case (median of --reps timed runs, after one warm-up) and, w
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from hyspec.bench.report import write_json
 
 
 def _time(fn, reps: int) -> float:
@@ -106,8 +107,7 @@ def main(argv=None) -> int:
         from hyspec.provenance import git_state
 
         out["git"] = git_state()
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)  # (whole or not at all)
     return 0
 
 

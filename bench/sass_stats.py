@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 
+from hyspec.bench.report import write_json
 from hyspec.presets import QWEN3_NEXT_2B_DENSE as _B2  # b2: its Gated DeltaNet shapes
 
 NK, NV = _B2["linear_num_key_heads"], _B2["linear_num_value_heads"]
@@ -208,16 +209,13 @@ def main(argv=None) -> int:
         for ins in sorted(diff):
             print(f"     {a['floats'].get(ins, 0):4d} vs {b['floats'].get(ins, 0):4d}  {ins}")
     if args.json:
-        import json
-
         out = {"triton": triton.__version__, "lanes": args.lanes, "state_dtype": args.state_dtype,
                "fp_fusion": not args.no_fp_fusion,
                "builds": [{"settings": dict(m), "registers": st["registers"],
                            "spill_store_bytes": st["spill_store_bytes"], "instructions": st["instructions"],
                            "ops": dict(st["ops"]), "float_instructions": sum(st["floats"].values())}
                           for m, st in builds]}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)  # (whole or not at all)
     return 0
 
 

@@ -17,11 +17,12 @@ then timed at 1 lane too.  GPU only.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
+
+from hyspec.bench.report import write_json
 
 
 def main() -> None:
@@ -178,8 +179,7 @@ def main() -> None:
     print("table: {" + ", ".join(f"({N}, {K}, {a}): {v!r}" for (N, K, a), v in sorted(table.items())) + "}",
           flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.out, out)  # (whole or not at all)
 
 
 if __name__ == "__main__":

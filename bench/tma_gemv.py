@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 
 import torch
+
+from hyspec.bench.report import write_json
 
 SHAPES = [(2048, 4096), (2048, 6144), (12288, 2048), (12352, 2048), (9216, 2048), (151936, 2048)]
 
@@ -208,8 +209,7 @@ def main(argv=None) -> int:
         ws_list = descs = None
         torch.cuda.empty_cache()
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(a.out, report)  # (whole or not at all)
     return 0
 
 

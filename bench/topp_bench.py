@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 import torch
@@ -33,6 +32,7 @@ def main() -> None:
     from hyspec.bench.timing import require_cuda
 
     require_cuda("bench/topp_bench.py")
+    from hyspec.bench.report import write_json
     from hyspec.gpu import sampling as dsamp
     from hyspec.kernels.probs import topp
     from hyspec.provenance import git_state
@@ -99,9 +99,7 @@ def main() -> None:
                   f"{r.get('us', float('nan')):7.1f} us same keep {r.get('same_keep')} {r.get('error', '')}",
                   flush=True)
         out["rows"][B] = res
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, out)  # (whole or not at all: hyspec.bench.report)
 
 
 if __name__ == "__main__":
