@@ -254,6 +254,70 @@ def test_a_constraint_that_cannot_go_on_ends_only_its_own_sequence(tiny):
     assert sess.send([7], constraint=False).samples[0].stop_reason in ("eos", "length")
 
 
+def test_a_round_the_grammar_refuses_leaves_the_output_as_it_was_streamed(tiny):
+    """A commit the constraint refuses (here planted: llguidance raising on tokens its own mask
+    allowed would be a matcher bug) ends that sequence in error, and the refused round's tokens
+    leave its output: the final tokens are exactly what on_tokens streamed, on the engine core
+    and on the lanes (they stayed in the output, never streamed: a server's stream and a
+    Python caller's tokens disagreed). A failure marked while the round's tokens were taken
+    (the commit went through) keeps and streams them before the error end. The sequence
+    beside it is untouched."""
+    from hyspec.constraints import make_constraint
+    from hyspec.core.request import Request
+    from hyspec.core.scheduler import Scheduler
+    from hyspec.gpu.batch import BatchDecoder
+    from hyspec.gpu.batch_loop import LaneRequest, run_batch
+    from hyspec.sampling import SamplingParams
+
+    d, m = tiny
+    g = SamplingParams(temperature=0.0)
+    base = make_constraint(d, "regex", REGEX)
+    full = _core(m, PROMPTS[:1], [3], [g], [base], n=6, stops=())[0]
+    alone = _core(m, PROMPTS[1:], [0], [g], [None], n=6)[0]
+    assert len(full[0]) == 6
+    dec = BatchDecoder(m, 4 + 6 + 8, 3, slots=2, graphs=False)
+
+    def planted(how):  # the second commit refuses its tokens (raise) or takes them and marks a failure (mark)
+        c, calls = base.clone(), []
+        real = c.commit
+
+        def commit(tokens):
+            calls.append(list(tokens))
+            if len(calls) == 2 and how == "raise":
+                raise RuntimeError("planted matcher failure")
+            real(tokens)
+            if len(calls) == 2:
+                c.fail("planted failure after the commit")
+        c.commit = commit
+        return c, calls
+
+    for how in ("raise", "mark"):
+        c, calls = planted(how)
+        streamed = []
+        sched = Scheduler(m, max_batch=2)
+        reqs = [Request(prompt_ids=list(PROMPTS[0]), max_new_tokens=6, draft=3, stop_ids=(), constraint=c,
+                        on_tokens=lambda r, t: streamed.extend(t)),
+                Request(prompt_ids=list(PROMPTS[1]), max_new_tokens=6, stop_ids=(0,))]
+        for r in reqs:
+            sched.submit(r)
+        sched.run()
+        kept = calls[0] + (calls[1] if how == "mark" else [])
+        assert reqs[0].stop_reason == "error" and "planted" in reqs[0].error, how
+        assert list(reqs[0].tokens) == streamed == kept == full[0][:len(kept)] and len(calls) == 2, how
+        assert (list(reqs[1].tokens), reqs[1].stop_reason) == alone
+        c, calls = planted(how)
+        streamed = []
+        lanes = [LaneRequest(prompt=PROMPTS[0], max_new_tokens=6, k=3, constraint=c, reference=full[0],
+                             on_tokens=streamed.extend)]
+        if how == "raise":  # (the lanes' neighbour once: interpreted rounds cost seconds)
+            lanes.append(LaneRequest(prompt=PROMPTS[1], max_new_tokens=6, k=0, stop_ids=frozenset({0})))
+        run_batch(dec, lanes, forced_rates=(1.0,))
+        kept = calls[0] + (calls[1] if how == "mark" else [])
+        assert lanes[0].reason == "error" and "planted" in lanes[0].error, how
+        assert lanes[0].tokens == streamed == kept == full[0][:len(kept)] and len(calls) == 2, how
+        assert all((r.tokens, r.reason) == alone for r in lanes[1:])
+
+
 def test_a_constrained_lane_whose_row_overflows_ends_in_error_as_on_the_engine_core(tmp_path):
     """Token 100 (allowed by the constraint) drives the model's activations past float32
     when it is fed: the next row's allowed logits are NaN. The engine core masks, then

@@ -58,14 +58,19 @@ def choose_token(logits: torch.Tensor, history: list[int], params, position: int
 def commit_constraint(constraint, tokens) -> bool:
     """Commit emitted tokens to a sequence's constraint (the engine core's rounds and the
     CUDA-graph lanes); a failure is that sequence's, not the batch's: it is recorded
-    (Constraint.fail) and the sequence ends in error. Returns whether the constraint failed."""
+    (Constraint.fail) and the sequence ends in error. Returns whether this commit failed:
+    the caller then takes the tokens back out of the output (the grammar did not take
+    them, and they were never streamed), so a failed sequence's output is what its stream
+    showed. (A failure marked earlier, with this commit taken, returns False: the tokens
+    are output, and the sequence ends in error after them.)"""
     try:
         constraint.commit(tokens)
     except (ValueError, RuntimeError) as e:
         if not hasattr(constraint, "fail"):  # (a constraint object without the failure protocol)
             raise
         constraint.fail(str(e))
-    return getattr(constraint, "failure", None) is not None
+        return True
+    return False
 
 
 def masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -139,8 +144,13 @@ class Sequence:
             if len(self.out) >= self.req.max_new_tokens:
                 self.reason = "length"
                 break
-        if self.req.constraint is not None and kept:
-            commit_constraint(self.req.constraint, kept)
+        if self.req.constraint is not None and kept and commit_constraint(self.req.constraint, kept):
+            # the grammar refused the round's tokens: they leave the output (never streamed; the
+            # sequence ends in error at the round's end, Scheduler.step)
+            del self.out[len(self.out) - len(kept):]
+            if rows is not None and self.req.logprobs is not None:
+                del self.req.token_logprobs[len(self.req.token_logprobs) - len(kept):]
+            return []
         if self.t_first is None and kept:
             self.t_first = time.perf_counter()
         return kept

@@ -175,18 +175,20 @@ class Scheduler:
             self.rounds += 1
             for s in batch:
                 failure = s.failure or constraint_failure(s.req)
-                if failure is not None:  # its grammar cannot go on, or its logits overflowed: it alone ends, in error
-                    if s in txn:
-                        txn[s].restore(s)
+                if failure is not None and s in txn:  # its grammar cannot go on, or its logits overflowed: it
+                    txn[s].restore(s)  # alone ends, in error (a kept one at its state before the round)
                     self._finish(s, "error", failure)
                     continue
-                toks = emitted.get(s, [])
-                if toks and s.req.on_tokens is not None:
+                toks = emitted.get(s, [])  # (a round whose tokens the grammar refused emitted none: Sequence.emit)
+                if toks and s.req.on_tokens is not None:  # what is output is streamed, also before an error end
                     try:
                         s.req.on_tokens(s.req, toks)
                     except BaseException as e:  # the caller's callback: its exception goes to the caller,
                         self._finish(s, "error", e)  # and this sequence ends (its round is committed)
                         raise
+                if failure is not None:
+                    self._finish(s, "error", failure)
+                    continue
                 if s.reason == "constraint" and dead_end(s.req):  # nothing allowed after the committed tokens
                     self._finish(s, "error", constraint_failure(s.req))  # and no EOS ended them: a dead end
                     continue  # (found after drafts; at draft 0 the next round's mask finds it, same tokens)

@@ -100,7 +100,12 @@ class LaneRequest:
                 self.reason = "length"
                 break
         if self.constraint is not None and len(self.tokens) > n0:
-            if commit_constraint(self.constraint, self.tokens[n0:]):  # this lane's failure, not the batch's
+            if commit_constraint(self.constraint, self.tokens[n0:]):  # this lane's failure, not the batch's:
+                # the grammar refused the round's tokens, which leave the output unstreamed (as on the
+                # engine core; a session turn's end state is then rebuilt from the tokens kept)
+                if logprobs is not None:
+                    del self.token_logprobs[len(self.token_logprobs) - (len(self.tokens) - n0):]
+                del self.tokens[n0:]
                 self.reason, self.error = "error", self.constraint.failure
                 return
         if self.on_tokens is not None and len(self.tokens) > n0:
