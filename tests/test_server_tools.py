@@ -294,6 +294,53 @@ def test_history_tool_calls_reach_the_template_as_objects():
             template_messages(msgs)
 
 
+def test_a_tool_name_may_have_64_characters():
+    """OpenAI's limit on a function name is 64 characters: a 64-character name is taken, a
+    65-character one is refused by field (an off-by-one refused every tool at the limit)."""
+    assert list(check_tools([{"type": "function", "function": {"name": "a" * 64}}]).tools) == ["a" * 64]
+    with pytest.raises(ToolError, match="1-64 letters") as e:
+        check_tools([{"type": "function", "function": {"name": "a" * 65}}])
+    assert e.value.param == "tools"
+
+
+def test_parameter_conversion_keeps_undeclared_null_text_and_takes_whole_numbers():
+    """A parameter the schema does not declare, or declares without a type ($ref), stays a
+    string even when its text is "null" / "None" (a string never becomes something else by
+    guessing); a whole number is a value of a "number" parameter (JSON's 3 is a number), in
+    a whole XML call too (it stayed the string "3")."""
+    assert convert_parameter("null", None) == "null" and convert_parameter("None", {"$ref": "#/$defs/X"}) == "None"
+    for text, want in (("3", 3), ("-2", -2), ("0", 0)):
+        got = convert_parameter(text, {"type": "number"})
+        assert got == want and type(got) is int, text
+    xml = ("<tool_call>\n<function=search>\n<parameter=score>\n3\n</parameter>\n"
+           "<parameter=note>\nnull\n</parameter>\n</function>\n</tool_call>")
+    assert json.loads(parse_tool_calls(xml, TOOLS)[1][0].arguments) == {"score": 3, "note": "null"}
+
+
+def test_an_xml_call_is_its_function_block_whole():
+    """An XML block is one <function=...> element and nothing else: text after </function>
+    leaves the block as text (it was parsed as a call and the text was lost); spaces around
+    the function's name are no part of it."""
+    text = "<tool_call>\n<function=now>\n</function>\nand then rm -rf\n</tool_call>"
+    assert parse_tool_calls(text, TOOLS) == (text, [])
+    _, calls = parse_tool_calls("<tool_call>\n<function= now >\n</function>\n</tool_call>", TOOLS)
+    assert [c.name for c in calls] == ["now"]
+
+
+def test_a_reply_that_is_one_unclosed_call_is_that_call():
+    """A reply that is nothing but a call cut before its </tool_call> (an EOS, or a client's
+    stop=["</tool_call>"]) is that call, in both formats, whole and streamed (an unclosed
+    block at the very start of the reply stayed text)."""
+    for text in ('<tool_call>\n{"name": "now", "arguments": {}}\n', "<tool_call>\n<function=now>\n</function>\n"):
+        assert [(c.name, c.arguments) for c in parse_tool_calls(text, TOOLS)[1]] == [("now", "{}")], text
+        assert parse_tool_calls(text, TOOLS)[0] == ""
+        stream, sent = ToolStream(TOOLS), ""
+        for end in range(1, len(text)):
+            sent += stream.update(text[:end], False)
+        sent += stream.update(text, True)
+        assert sent == "" and [c.name for c in stream.calls] == ["now"]
+
+
 # ------------------------------------------------------------------------------------------
 # Through the server
 # ------------------------------------------------------------------------------------------
@@ -575,6 +622,24 @@ def test_reasoning_splits_at_the_closing_tag_or_a_tool_call():
     prompt = tpl.render(msgs)
     assert prompt_opens_thinking(prompt) and tpl.generation_suffix(prompt, msgs) == "A:"
     assert not prompt_opens_thinking(tpl.generation_suffix(prompt, msgs))
+
+
+def test_reasoning_that_closes_at_once_or_is_ended_by_a_call_before_its_close():
+    """A reply that closes its thinking at once ("</think>" first) has empty reasoning and
+    its answer (it was all reasoning, the answer lost); one that calls a tool at once is
+    that call. A call written before a later </think> ends the reasoning there: the call is
+    made, not shown as reasoning text."""
+    assert split_reasoning("</think>\n\nHello", True) == ("", "Hello")
+    msg = Reply("auto", check_tools([CLOCK]), True).whole("</think>\n\nHello")
+    assert msg["content"] == "Hello" and "reasoning_content" not in msg
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert split_reasoning(call, True) == ("", call)
+    msg = Reply("auto", check_tools([CLOCK]), True).whole(call)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["now"] and "reasoning_content" not in msg
+    late = "Plan: call it. " + call + "\n</think>\n\nDone."
+    assert split_reasoning(late, True)[0] == "Plan: call it. "
+    msg = Reply("auto", check_tools([CLOCK]), True).whole(late)
+    assert msg["reasoning_content"] == "Plan: call it. " and [c["function"]["name"] for c in msg["tool_calls"]] == ["now"]
 
 
 def test_reply_stream_equals_the_whole_reply_at_every_split():
