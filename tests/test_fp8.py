@@ -272,6 +272,10 @@ def _set_q(d: Path, **kw) -> None:
     ({"fmt": "e5m2"}, r"'quantization_config\.fmt' is 'e5m2'"),
     ({"scale_fmt": "ue8m0"}, r"'quantization_config\.scale_fmt' is 'ue8m0'"),
     ({"weight_per_tensor": True}, r"'quantization_config\.weight_per_tensor' is true"),
+    ({"act_per_tensor": True}, r"'quantization_config\.act_per_tensor' is true"),
+    # JSON true is no block size (Python's bool is an int: a block of 1 row), nor is 128.5
+    ({"weight_block_size": [True, 128]}, r"'quantization_config\.weight_block_size' must be two positive integers"),
+    ({"weight_block_size": [128.5, 128]}, r"'quantization_config\.weight_block_size' must be two positive integers"),
     ({"modules_to_not_convert": "lm_head"}, r"'quantization_config\.modules_to_not_convert' must be a list"),
     # vLLM's name for the list: named as the user wrote it (the message named modules_to_not_convert)
     ({"modules_to_not_convert": None, "ignored_layers": "lm_head"},
@@ -344,6 +348,27 @@ def test_a_nan_code_in_an_fp8_weight_is_named_as_damage(ckpt, fp8, key):
         t[key].view(torch.uint8).view(-1)[5] = 0xFF
     _edit(ckpt, f)
     with pytest.raises(CheckpointError, match=rf"'{key}' holds NaN or infinite values: the checkpoint is damaged"):
+        load_model(ckpt, fp8=fp8)
+
+
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+def test_the_positive_nan_code_in_an_fp8_weight_is_named_as_damage(ckpt, fp8):
+    """float8_e4m3fn has two NaN codes, 0xff and 0x7f (S.1111.111): fp8="keep" checks the raw
+    bytes, so 0x7f must count as damage as 0xff does."""
+    _edit(ckpt, lambda t: t[KEY].view(torch.uint8).view(-1)[5].fill_(0x7F))
+    with pytest.raises(CheckpointError, match=rf"'{KEY}' holds NaN or infinite values: the checkpoint is damaged"):
+        load_model(ckpt, fp8=fp8)
+
+
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_block_scale_is_named_as_damage(ckpt, fp8, bad):
+    """A NaN or infinite entry in a weight's scale grid decodes garbage for its whole block:
+    fp8="keep" (the default on CUDA) holds the grid as stored, so it is checked at load, as
+    the dequantizing path checks the product."""
+    _edit(ckpt, lambda t: t[KEY + "_scale_inv"].view(-1)[1].fill_(bad))
+    with pytest.raises(CheckpointError, match=rf"'{KEY}'( \(its block scales\))? holds NaN or infinite values: "
+                                              r"the checkpoint is damaged"):
         load_model(ckpt, fp8=fp8)
 
 

@@ -196,3 +196,58 @@ def test_a_column_block_the_kernels_cannot_step_is_dequantized(ckpt):
     assert not any(p.dtype == FP8_DTYPE for p in kept.parameters())
     with torch.no_grad():
         assert torch.equal(kept(TOKENS), load_model(d)(TOKENS))
+
+
+def test_experts_of_one_layer_partly_quantized_load_kept_as_dequantized(ckpt, tmp_path):
+    """A layer whose per-expert weights are partly float8 and partly not (one left unconverted):
+    fp8="keep" cannot stack them as one float8 tensor, so that layer's experts are dequantized
+    at load and the model is the dequantizing load's (stacked as found, the bf16 part went
+    into a float8 stack and the float8 parts' scales were left over)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hyspec.quant import dequantize
+
+    d = tmp_path / "mixed"
+    shutil.copytree(ckpt("qwen3_5_moe", "per_expert", (32, 48)), d)
+    t = load_file(str(d / "model.safetensors"))
+    k = "model.layers.1.mlp.experts.2.up_proj.weight"
+    t[k] = dequantize(t[k], t.pop(k + "_scale_inv"), (32, 48))
+    save_file(t, str(d / "model.safetensors"))
+    kept, deq = load_model(d, fp8="keep"), load_model(d)
+    assert kept.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert kept.model.layers[0].mlp.experts.gate_up_proj.dtype == FP8_DTYPE  # (the other layers' stay fp8)
+    assert torch.equal(kept.model.layers[1].mlp.experts.gate_up_proj, deq.model.layers[1].mlp.experts.gate_up_proj)
+    with torch.no_grad():
+        assert torch.equal(kept(TOKENS), deq(TOKENS))
+
+
+def test_stacked_fp8_experts_stored_transposed_load_kept_as_dequantized(tmp_path):
+    """Stacked experts stored transposed ([E, H, 2I] / [E, I, H], recognised by shape) have their
+    scale grid in the stored orientation: fp8="keep" dequantizes them at load (kept as float8
+    in the model's orientation, the grid no longer fits the weight) and the model is the
+    dequantizing load's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from hyspec.quant import Fp8BlockConfig
+    from hyspec.tiny import quantize_fp8
+
+    # I = 16, H = 64: the transposed shapes differ from the model's (make_tiny's I == H would not)
+    d = make_tiny("qwen3_5_moe", tmp_path / "t", seed=3, vocab_size=256, overrides={"moe_intermediate_size": 16})
+    t = load_file(str(d / "model.safetensors"))
+    t = {k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
+         for k, v in t.items()}
+    q, skip = quantize_fp8(t, (32, 48))
+    assert q["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
+    save_file(q, str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = Fp8BlockConfig(block=(32, 48), modules_to_not_convert=tuple(skip)).to_dict()
+    (d / "config.json").write_text(json.dumps(cfg))
+    kept, deq = load_model(d, fp8="keep"), load_model(d)
+    assert kept.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    assert kept.model.layers[0].mlp.shared_expert.down_proj.weight.dtype == FP8_DTYPE
+    with torch.no_grad():
+        assert torch.equal(kept(TOKENS), deq(TOKENS))

@@ -359,6 +359,31 @@ def test_multimodal_layout(ckpt, reference):
     _same_params(m, reference)
 
 
+def test_a_wrapper_checkpoint_under_language_model_loads_as_the_plain_one(ckpt, reference):
+    """Older multimodal wrappers (LLaVA-style) store the language model as
+    language_model.model.* and its head as language_model.lm_head.weight: both prefixes map
+    onto the plain names (either one left as it is: the layers or the head 'missing')."""
+    _write(ckpt, {("language_model." + k if k.startswith(("model.", "lm_head.")) else k): v
+                  for k, v in _tensors(ckpt).items()})
+    _same_params(load_model(ckpt), reference)
+
+
+def test_vision_tower_tensors_are_skipped_without_a_warning(ckpt, reference):
+    """A multimodal checkpoint's vision tower (model.visual.*, visual.*, model.vision_tower.*,
+    vision_tower.*: hundreds of tensors in Qwen3.5's) is no part of the language model: not
+    read, and not reported as unexpected tensors."""
+    import warnings
+
+    t = _tensors(ckpt)
+    for prefix in ("model.visual.", "visual.", "model.vision_tower.", "vision_tower."):
+        t[prefix + "blocks.0.attn.qkv.weight"] = torch.zeros(6, 4)
+    _write(ckpt, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = load_model(ckpt)
+    _same_params(m, reference)
+
+
 def test_a_wrapper_config_decides_the_tied_head():
     """transformers ties a *ForConditionalGeneration head by the wrapper's
     tie_word_embeddings (save_pretrained then leaves lm_head.weight out, or keeps it),
@@ -890,4 +915,15 @@ def test_draft_to_target_offsets_are_checked_against_the_vocabulary(ckpt):
     d2t[-1] += 1  # target vocab_size
     _write(ckpt, {**t, "mtp.d2t": d2t})
     with pytest.raises(CheckpointError, match=rf"'mtp\.d2t' must map draft ids to target ids in 0\.\.{vocab - 1}"):
+        load_model(ckpt)
+
+
+def test_a_draft_id_mapped_below_zero_is_refused(ckpt):
+    """A target id below 0 (i + d2t[i] < 0) is refused like one past the vocabulary: as an
+    index into the LM head's rows (hyspec.speculative.drafter.draft_vocab) it takes a row from
+    the vocabulary's end, in silence."""
+    d2t = torch.zeros(8, dtype=torch.long)
+    d2t[3] = -4  # draft id 3 -> target -1
+    _write(ckpt, {**_tensors(ckpt), "mtp.d2t": d2t})
+    with pytest.raises(CheckpointError, match=r"'mtp\.d2t' must map draft ids to target ids in 0\.\."):
         load_model(ckpt)
