@@ -526,7 +526,18 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                 raw = p.view(torch.uint8).reshape(-1)
                 if any(bool(((raw[i: i + (1 << 26)] & 0x7F) == 0x7F).any()) for i in range(0, raw.numel(), 1 << 26)):
                     raise CheckpointError(f"tensor '{name}' holds NaN or infinite values: the checkpoint is damaged")
-                p = getattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2] + "_scale_inv")
+                mod, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+                p = getattr(mod, attr + "_scale_inv")
+                if dtype == torch.float16 and bool(torch.isfinite(p).all()):
+                    # the torch forward dequantizes it into float16 (hyspec.quant.module_weight): refused here,
+                    # named, as a dequantizing load refuses it (it failed at the first forward, unnamed)
+                    from hyspec.quant import module_fp8
+
+                    big = module_fp8(mod, attr).abs_max()
+                    if bool(torch.tensor(big).to(torch.float16).isinf()):  # (as a dequantizing load's cast)
+                        raise CheckpointError(f"tensor '{name}' dequantizes to values up to {big:.4g}, beyond the "
+                                              f"range of {dtype} it is loaded in: load it in bfloat16 or float32 "
+                                              f"(--dtype)")
             if p.is_floating_point() and not bool(torch.isfinite(p).all()):
                 src = sources.get(name)
                 if name not in kept and src is not None and src.is_floating_point() and bool(torch.isfinite(src).all()):

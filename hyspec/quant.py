@@ -314,6 +314,26 @@ class Fp8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.w, self.scale, self.block, dtype=dtype, rows=self.rows)
 
+    def abs_max(self, piece: int = 1 << 24) -> float:
+        """The largest |value| of the dequantized weight (fp32 products, as dequantize takes
+        them), in pieces of about `piece` values: a float16 load checks it against 65504
+        without building the whole dequantized weight."""
+        K = self.w.shape[-1]
+        N = self.w.shape[-2]
+        step = max(1, piece // max(1, K))
+        rows = self.rows
+        if rows is None:
+            rows = torch.arange(N, device=self.w.device) // self.block[0]
+        w = self.w.reshape(-1, N, K)
+        sc = self.scale.reshape(-1, *self.scale.shape[-2:])
+        best = 0.0
+        for e in range(w.shape[0]):
+            for r0 in range(0, N, step):
+                part = w[e, r0: r0 + step].float()
+                s = expand_scales(sc[e], tuple(part.shape), self.block, rows[r0: r0 + step])
+                best = max(best, float((part * s).abs().max()))
+        return best
+
 
 def module_fp8(mod: torch.nn.Module, name: str = "weight") -> Fp8Weight | None:
     """The Fp8Weight a module keeps under `name` (None: that weight is not quantized)."""

@@ -251,3 +251,33 @@ def test_stacked_fp8_experts_stored_transposed_load_kept_as_dequantized(tmp_path
     assert kept.model.layers[0].mlp.shared_expert.down_proj.weight.dtype == FP8_DTYPE
     with torch.no_grad():
         assert torch.equal(kept(TOKENS), deq(TOKENS))
+
+
+@pytest.mark.parametrize("key,param", [("model.layers.0.linear_attn.in_proj_qkv.weight",
+                                        "model.layers.0.linear_attn.in_proj_qkv.weight"),
+                                       ("model.layers.1.mlp.experts.2.up_proj.weight",
+                                        "model.layers.1.mlp.experts.gate_up_proj")])
+def test_a_kept_weight_beyond_float16_is_named_at_load(ckpt, tmp_path, key, param):
+    """A block scale that takes a weight past float16's range (65504): fp8="keep" with
+    dtype float16 refuses it at load, naming the weight, as a dequantizing load does (it
+    loaded, and the first forward failed naming 'weight', in its on-the-fly dequantization);
+    bfloat16 keeps it. Also for an expert stacked from per-expert tensors (its stack named)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hyspec.loading import CheckpointError
+
+    d = tmp_path / "big"
+    shutil.copytree(ckpt("qwen3_5_moe", "per_expert", (32, 48)), d)
+    t = load_file(str(d / "model.safetensors"))
+    t[key + "_scale_inv"].view(-1)[-1] = 1e4  # the block's largest entry: 448 x 1e4
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{param}' dequantizes to values up to 4\.48e\+06, "
+                                              r"beyond the range of torch.float16"):
+        load_model(d, dtype="float16", fp8="keep")
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}' dequantizes to values up to 4\.48e\+06"):
+        load_model(d, dtype="float16")
+    kept = load_model(d, dtype="bfloat16", fp8="keep")
+    mod_name, _, attr = param.rpartition(".")
+    assert module_fp8(kept.get_submodule(mod_name), attr).abs_max() == pytest.approx(4.48e6)
