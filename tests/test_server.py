@@ -1348,3 +1348,186 @@ def test_each_prompt_of_a_request_is_one_prefix_query():
 
 def _chars_decode(ids):
     return "".join(map(chr, ids))
+
+
+# ---- the streaming glue and the engine worker: what a mutation run found unchecked ------------
+
+
+def test_a_stream_cut_by_a_stop_string_waits_for_its_sequence_before_the_usage(server, client):
+    """A stop string ends a choice (finish_reason "stop") before its engine sequence has
+    ended (it is cancelled then): the stream waits for that end before its usage chunk, so the
+    usage carries the sequence's stats (prompt_tokens_details.cached_tokens, here a prompt that
+    extends a stored one) as the whole response's does, not the zero of stats not yet come."""
+    head = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[2] + "\n        self.x = "}).json()["tokens"]
+    base = client.completions.create(model=MODEL, prompt=head, max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    body = {"model": MODEL, "prompt": head + base.choices[0].token_ids + [13], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}  # (it extends the stored end state of the request above)
+    text = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    body["stop"] = [text[4:7]]
+    whole = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["prompt_tokens_details"]["cached_tokens"]
+    events = _sse_events(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["usage"] == whole["usage"]
+
+
+def test_a_stream_logs_its_request_line(server, caplog):
+    """A streamed request logs its one line (id, tokens in/out, acceptance length, latency,
+    finish reasons) as a whole response does, once its stream has ended."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with caplog.at_level(logging.INFO, logger="hyspec.server"):
+        rid = _sse_events(server, "/v1/completions", body)[0]["id"]
+        t_end = time.monotonic() + 5  # (the line is written after [DONE] went out)
+        while time.monotonic() < t_end and not any(r.getMessage().startswith(rid) for r in caplog.records):
+            time.sleep(0.02)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(rid)]
+    assert len(lines) == 1 and re.fullmatch(rf"{rid} in=\d+ out=4 accept_len=[0-9.]+ latency=[0-9.]+s finish=length",
+                                            lines[0]), lines
+
+
+def _planted_worker(engine, **kw):
+    """An EngineWorker (not started) whose callbacks run at once (no event loop)."""
+    from types import SimpleNamespace
+
+    from hyspec.server.worker import EngineWorker
+
+    worker = EngineWorker(engine, warm_up=False, **kw)
+    worker._loop = SimpleNamespace(call_soon_threadsafe=lambda fn, *args: fn(*args))
+    return worker
+
+
+def _job(**kw):
+    from hyspec.server.worker import Job
+
+    return Job(prompt_ids=[1, 2], max_new_tokens=4, params=SamplingParams(), draft=0, stop_ids=set(), **kw)
+
+
+def test_a_submission_is_refused_whole_when_all_its_sequences_do_not_fit(ref_engine):
+    """EngineWorker.submit counts every sequence of a submission (a request's n x prompts)
+    against max_batch + max_queue: all of them are queued or none (QueueFull, the 429), and
+    the refused ones take no room."""
+    from hyspec.server.worker import QueueFull
+
+    worker = _planted_worker(ref_engine, max_batch=1, max_queue=2)  # (not started: the jobs stay queued)
+    worker.submit([_job(), _job()])
+    with pytest.raises(QueueFull):
+        worker.submit([_job(), _job()])
+    assert worker.counts() == (0, 2)
+    worker.submit([_job()])
+    assert worker.counts() == (0, 3)
+    with pytest.raises(QueueFull):
+        worker.submit([_job()])
+
+
+def test_a_failed_graph_round_fails_its_lanes_only_and_keeps_the_runners_seconds(ref_engine):
+    """A batched-graph round that raises fails the sequences on its lanes ("error", named),
+    not those running on the engine core beside them; the runner is dropped (the next round
+    gets a fresh one) and its seconds stay in engine_seconds, added up over every dropped runner."""
+    from types import SimpleNamespace
+
+    class Broken:
+        def step(self):
+            raise RuntimeError("planted")
+
+        def stats(self):
+            return {"prefill_s": 1.0, "rounds_s": 2.0, "store_s": 0.5, "graph_capture_s": 0.25}
+
+    worker = _planted_worker(ref_engine)
+    ends = []
+    for _ in range(2):  # (two faults: engine_seconds adds up both dropped runners)
+        lane = _job(on_finish=lambda reason, stats: ends.append(("lane", reason, stats)), _lane=SimpleNamespace())
+        core = _job(on_finish=lambda reason, stats: ends.append(("core", reason, stats)), _req=SimpleNamespace())
+        worker._running, worker._n_pending, worker._runner = {lane, core}, 2, Broken()
+        worker._step_graphs()
+        assert worker._runner is None and worker._running == {core} and worker.counts() == (1, 0)
+        assert ends == [("lane", "error", {"error": "engine failure: RuntimeError"})]
+        ends.clear()
+    seconds = worker.engine_seconds()
+    assert [seconds[f"graph_{p}"] for p in ("prefill", "rounds", "store", "capture")] == [2.0, 4.0, 1.0, 0.5]
+
+
+def test_an_engine_step_that_raises_fails_the_running_sequences_and_the_worker_goes_on(ref_engine):
+    """An exception out of an engine-core step (the batched path) ends every running
+    sequence in "error" (their requests answer 500) instead of leaving them waiting for ever;
+    the worker drops that Scheduler and serves the next sequence on a fresh one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    made = []
+
+    class Scheduler:  # the engine core: its first step raises, later ones end their requests
+        def __init__(self, *args, **kw):
+            self.reqs = []
+            made.append(self)
+
+        def validate(self, req):
+            pass
+
+        def submit(self, req):
+            self.reqs.append(req)
+
+        def has_work(self):
+            return bool(self.reqs)
+
+        def cancel(self, req):
+            pass
+
+        def step(self):
+            if len(made) == 1:
+                raise RuntimeError("planted")
+            for req in self.reqs:
+                req.on_finish(SimpleNamespace(stop_reason="length", stats={"n": 1}))
+            self.reqs.clear()
+
+    worker = _planted_worker(ref_engine, max_batch=2)
+    worker._sched_mod = SimpleNamespace(Scheduler=Scheduler, Request=lambda **kw: SimpleNamespace(**kw))
+    worker.graph_path = False
+
+    async def run():
+        worker._loop = asyncio.get_running_loop()
+        ends = []
+
+        async def finish(k):
+            done = asyncio.Event()
+            jobs = [_job(on_finish=lambda reason, stats: (ends.append((reason, stats)), done.set())) for _ in range(k)]
+            worker.submit(jobs)
+            while len(ends) < k:
+                await asyncio.wait_for(done.wait(), 10)
+                done.clear()
+            got = list(ends)
+            ends.clear()
+            return got
+
+        worker.start(worker._loop)
+        try:
+            assert await finish(2) == [("error", {"error": "engine failure: RuntimeError"})] * 2
+            assert await finish(1) == [("length", {"n": 1})]
+        finally:
+            await asyncio.to_thread(worker.stop)
+        assert len(made) == 2 and worker.counts() == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_a_call_into_the_engine_hands_back_its_result_or_its_exception(ref_engine):
+    """EngineWorker.call (echo's prompt scoring): fn(engine) runs on the engine thread between
+    steps and its future gets the result, or fn's own exception (not a None the caller then
+    trips over: a TypeError in the log instead of what failed)."""
+    import asyncio
+
+    worker = _planted_worker(ref_engine)
+
+    def fail(engine):
+        raise ValueError("planted")
+
+    async def run():
+        worker._loop = asyncio.get_running_loop()
+        ok, bad = worker.call(lambda engine: engine is ref_engine), worker.call(fail)
+        worker._drain(block=False)  # (here, in place of the engine thread)
+        assert await ok is True
+        with pytest.raises(ValueError, match="planted"):
+            await bad
+
+    asyncio.run(run())
