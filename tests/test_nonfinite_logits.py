@@ -127,3 +127,43 @@ def test_an_overflowing_verify_row_after_a_rejected_draft_is_not_needed(mode):
     assert d == 2
     with pytest.raises(NonFiniteLogits):
         sampled_accept(torch.stack([sure, nan]), [2], [q2], [], params, pos)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "rejection", "coupled"])
+def test_an_overflowing_row_that_decides_a_stop_draft_is_an_error(mode):
+    """Row j of a round decides draft j. When draft j is a stop id (stop_cut's index) and the
+    drafts before it are accepted, row j is needed (plain decoding computes it to choose token
+    j), so its NaN is the sequence's error -- not a silent end without a token (greedy) or a
+    token drawn from the stand-in row (sampled). A row after the stop draft is never needed:
+    its NaN changes nothing."""
+    from types import SimpleNamespace
+
+    from hyspec.core.round import accept
+    from hyspec.sampling import NonFiniteLogits
+
+    V, STOP = 16, 9
+    params = SamplingParams(temperature=0.0) if mode == "greedy" else SamplingParams(temperature=1.0, seed=3, mode=mode)
+
+    def sure(tok):  # a target row (and a drafter's q) certain of tok
+        row = torch.full((V,), -1e4)
+        row[tok] = 0.0
+        return row
+
+    def one_hot(tok):
+        q = torch.zeros(V, dtype=torch.float64)
+        q[tok] = 1.0
+        return q
+
+    nan = torch.full((V,), float("nan"))
+
+    def run(drafts, rows):
+        seq = SimpleNamespace(params=params, req=SimpleNamespace(constraint=None, stop_text=None), history=[1, 2, 3],
+                              speculative=True, stops={STOP})
+        rd = SimpleNamespace(drafts=drafts, q_rows=[] if mode == "greedy" else [one_hot(t) for t in drafts],
+                             first_draft_pos=3)
+        return accept(seq, rd, torch.stack(rows))
+
+    with pytest.raises(NonFiniteLogits):  # draft 0 accepted; row 1 decides the stop draft 1
+        run([2, STOP], [sure(2), nan, sure(4)])
+    n, _ = run([STOP, 2], [sure(STOP), nan, sure(4)])  # the stop draft 0 accepted; row 1 comes after it
+    assert n == 1

@@ -248,6 +248,35 @@ def _logits_of(p: list[float]) -> torch.Tensor:
     return torch.tensor([math.log(x) if x > 0 else -math.inf for x in p], dtype=F64)
 
 
+def test_top_k_one_below_the_vocabulary_drops_the_last_ranked_token() -> None:
+    """top_k = V - 1 is a real cut (only top_k >= V is a no-op): the lowest-ranked token
+    (among equal logits, the highest id) gets probability 0 and the rest renormalise."""
+    logits = torch.tensor([0.5, 2.0, 0.5, 1.0, -1.0])
+    probs = filter_probs(logits, SamplingParams(top_k=4))
+    assert (probs > 0).tolist() == [True, True, True, True, False]
+    assert torch.allclose(probs[:4], filter_probs(logits[:4], SamplingParams()), atol=1e-15)
+    ties = filter_probs(torch.zeros(4), SamplingParams(top_k=3))
+    assert ties.tolist() == [1 / 3, 1 / 3, 1 / 3, 0.0]
+
+
+def test_positive_infinite_logits_are_non_finite_logits() -> None:
+    """A +inf logit (an overflowed activation, without NaN) is NonFiniteLogits in every mode,
+    as a NaN is: the engine ends only that sequence on it. Let through, a sampled row
+    would be NaN probabilities (a plain ValueError from the draw, the whole batch's), and a
+    greedy row a one-hot on the overflowed token."""
+    from hyspec.sampling import NonFiniteLogits
+
+    row = torch.tensor([0.0, math.inf, 1.0, -math.inf])
+    for params in (SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=2, top_p=0.9),
+                   SamplingParams(mode="coupled", min_p=0.1)):
+        with pytest.raises(NonFiniteLogits):
+            filter_probs(row, params)
+        with pytest.raises(NonFiniteLogits):
+            filter_probs(torch.stack([torch.zeros(4), row]), params)
+    with pytest.raises(NonFiniteLogits):
+        greedy_token(row)
+
+
 def test_top_p() -> None:
     logits = _logits_of([0.15, 0.5, 0.05, 0.3])
     keep = lambda tp: (filter_probs(logits, SamplingParams(top_p=tp)) > 0).tolist()  # noqa: E731
@@ -317,6 +346,19 @@ def test_sample_index_edges() -> None:
     assert sample_index(_t([0.0, 2.0, 2.0]), 0.49) == 1
     with pytest.raises(ValueError):
         sample_index(_t([0.0, 0.0]), 0.5)
+
+
+def test_sample_index_subnormal_mass_never_returns_a_zero_token() -> None:
+    """A row whose total mass is a few subnormal units (a residual max(0, p - q) whose only
+    positive entries are differences of tiny probabilities): u * total rounds up to the total
+    itself, the search falls off the end, and the draw must be the last token with positive
+    probability, not the row's last id (a zero-probability token). With a normal total,
+    u <= 1 - 2**-53 keeps u * total below it, so only such rows reach that branch."""
+    unit = 5e-324  # the smallest subnormal double
+    p = _t([0.0, 3 * unit, 0.0, 2 * unit, 0.0, 0.0])
+    for u in (0.95, 0.999, 1 - 2.0**-53):
+        assert sample_index(p, u) == 3, u
+    assert sample_index(p, 2.0**-54) == 1
 
 
 def test_sample_indices_overflow_guard() -> None:

@@ -7,6 +7,8 @@ rollback x options x drafters lives in test_spec_matrix.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -163,6 +165,25 @@ def test_no_pending_and_no_drafts(zoo):
                                opts=SpecOptions(k=3, p_min=0.9, prime_pending=False))
     assert res.tokens == ref
     assert tel.drafted == 0 and tel.rounds == 19 and all(d == 0 for d, _ in tel.log)
+
+
+def test_no_pending_no_drafts_sampled_first_token_equals_plain_decoding(zoo):
+    """prime_pending=False with a p_min no draft reaches, sampled: the first token is taken
+    straight from the prefill's row, keyed by its own absolute position (len(prompt)): the
+    token plain decoding draws there (coupled: the whole run equals plain decoding)."""
+    from hyspec.decode import generate_plain
+    from hyspec.sampling import SamplingParams
+
+    m = zoo.model("tiny", "qwen3_5", "float64")
+    opts = SpecOptions(k=3, p_min=0.999, prime_pending=False)
+    for seed in (1, 2):
+        for mode in ("coupled", "rejection"):
+            params = SamplingParams(temperature=2.0, seed=seed, mode=mode)
+            tel = RoundLog()
+            got = generate_speculative(m, PROMPT, max_new_tokens=3, params=params, opts=opts, telemetry=tel).tokens
+            want = generate_plain(m, PROMPT, max_new_tokens=3, params=params).tokens
+            assert tel.drafted == 0
+            assert got == want if mode == "coupled" else got[0] == want[0], (seed, mode, got, want)
 
 
 @pytest.mark.parametrize("prime", [True, False])
@@ -416,6 +437,49 @@ def test_no_pending_short_run_keeps_telemetry_identity(zoo, n):
     assert len(res.tokens) == res.stats["direct_tokens"] + spec["accepted"] + spec["rounds"], spec
     # n=1: the prefill row gives the token; n=3: one round verifies 2 drafts (all accepted) + bonus
     assert spec["rounds"] == {1: 0, 3: 1}[n] and spec["drafted"] == {1: 0, 3: 2}[n], spec
+
+
+def test_no_pending_rounds_report_each_tokens_own_logprob(zoo):
+    """prime_pending=False: the first round verifies the drafts alone, so its rows are the
+    prefill's last row followed by the verify rows; each emitted token's logprob and top list
+    must come from the row that predicted it -- plain decoding's entries, every draft accepted
+    (rate 1) or none (rate 0)."""
+    from hyspec import Engine
+
+    m = zoo.model("tiny", "qwen3_5", "float64")
+    ref = zoo.plain("tiny", "qwen3_5", "float64", 6)
+    eng = Engine(m)
+    plain = eng.generate(PROMPT, max_new_tokens=6, logprobs=2, ignore_eos=True)
+    assert plain.tokens == ref
+    want = plain.logprobs[0]
+    for rate in (1.0, 0.0):
+        out = eng.generate(PROMPT, max_new_tokens=6, draft=3, logprobs=2, ignore_eos=True, reference=ref,
+                           spec=SpecOptions(k=3, forced_rates=(rate,), prime_pending=False))
+        assert out.tokens == ref and out.stats["spec"]["drafted"] > 0
+        got = out.logprobs[0]
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-9), rate
+        assert [[i for i, _ in a] for _, a in got] == [[i for i, _ in a] for _, a in want], rate
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_p_min_keeps_a_draft_whose_probability_equals_it(greedy):
+    """p_min stops drafting at a draft the drafter gives *less* probability than p_min; a
+    draft at exactly p_min is kept (as the lanes keep it, and as the kept sampled row
+    q * [q >= p_min] keeps it), with its q row unchanged. Two equal logits: q = 1/2 exactly."""
+    from types import SimpleNamespace
+
+    from hyspec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=1.0, seed=3)
+    logits = torch.tensor([0.0, 0.0, -math.inf, -math.inf])
+    for p_min, kept in ((0.5, True), (math.nextafter(0.5, 1.0), False)):
+        seq = SimpleNamespace(params=params, opts=SpecOptions(k=2, p_min=p_min), history=[1, 2], forced_ref=None,
+                              mask=lambda prefix: None)
+        rd = round_mod._Round.scratch(2, 5, [])
+        assert round_mod._draft_one(seq, rd, logits, 0) is kept, p_min
+        assert len(rd.drafts) == int(kept) and rd.drafts[:1] in ([], [0], [1])
+        if kept and not greedy:
+            assert rd.q_rows[0].tolist() == [0.5, 0.5, 0.0, 0.0]
 
 
 def test_option_ranges_and_numpy_values():
