@@ -61,6 +61,18 @@ def test_chat_stop_ids_generator_as_list(eng):
     assert as_gen.message == as_list.message  # (the generator's stop token's text was kept in the content)
 
 
+def test_a_chat_reply_leaves_its_stop_tokens_text_out(eng):
+    """Engine.chat's message is the text before the stop id that ended the reply: the stop
+    token's text is not part of the content (as the server answers it)."""
+    msgs = [{"role": "user", "content": "hello there"}]
+    first = eng.chat(msgs, max_new_tokens=6, ignore_eos=True).tokens
+    stop = first[2]
+    assert eng.tokenizer.decode([stop]).strip()
+    out = eng.chat(msgs, max_new_tokens=6, stop_ids=[stop])
+    assert out.tokens == first[:first.index(stop) + 1]
+    assert out.message["content"] == eng.tokenizer.decode(out.tokens[:-1], skip_special_tokens=True)
+
+
 def test_bool_flags_refuse_strings(eng):
     with pytest.raises(ParamError) as e:
         eng.text_stream(ignore_eos="no")

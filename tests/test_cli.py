@@ -790,6 +790,15 @@ def test_id_and_rate_lists_parse_as_the_help_says(tmp_path) -> None:
             parse_rates(bad)
 
 
+def test_spec_flags_without_a_draft_are_checked_against_the_largest_k(ckpt, capsys) -> None:
+    """Without --draft the speculative flags are checked against the largest K (MAX_DRAFT),
+    not a small one: --adaptive-floor MAX_DRAFT runs plain decoding, one more is refused."""
+    out = gen(capsys, ckpt, "--max-new-tokens", "2", "--adaptive-floor", str(MAX_DRAFT))
+    assert len(out["tokens"]) == 2
+    err = run_error(capsys, "generate", "--model", str(ckpt), "--prompt", "x", "--adaptive-floor", str(MAX_DRAFT + 1))
+    assert "--adaptive-floor" in err and f"1..k={MAX_DRAFT}" in err
+
+
 def test_checking_out_leaves_no_file_behind(tmp_path) -> None:
     """check_out_file (--out checked before the work) opens the file to see that it can be
     written: a file it created is removed again (a run that fails later leaves no empty
@@ -830,6 +839,7 @@ def test_score_table_rows_name_the_scored_tokens(ckpt, capsys) -> None:
     tok = Tokenizer(ckpt)
     want = [repr(tok.decode([t])) for t in ids[1:]]
     assert [line[7:21].rstrip() for line in out[1:-1]] == [w if len(w) <= 14 else w[:13] + "~" for w in want], out
+    assert [int(line.split()[0]) for line in out[1:-1]] == list(range(1, len(ids))), out  # (pos counts from 1)
 
 
 def test_constraint_flags_reach_the_engine_whole(tmp_path) -> None:
@@ -849,6 +859,7 @@ def test_constraint_flags_reach_the_engine_whole(tmp_path) -> None:
                                      "choice": None, **kw})
 
     assert constraint_from_args(Eng(), ns(choice="yes,no,maybe")) == ("choice", ["yes", "no", "maybe"], "--choice")
+    assert constraint_from_args(Eng(), ns(choice="a b, c")) == ("choice", ["a b", " c"], "--choice")  # (as given)
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object"}')
     assert constraint_from_args(Eng(), ns(json_schema=str(schema))) == ("json_schema", schema, "--json-schema")

@@ -448,6 +448,19 @@ def test_score_in_chunks_equals_score_in_one(eng) -> None:
             [[e[0] for e in row] for row in whole["top_logprobs"]]
 
 
+def test_score_means_are_over_the_scored_tokens(eng) -> None:
+    """score's mean_nll and perplexity are over the scored tokens (every token but the
+    first, which has no context), the nll their sum."""
+    import math
+
+    ids = [5, 17, 42, 99, 7]
+    s = eng.score(ids)
+    assert s["scored_tokens"] == len(s["logprobs"]) == len(ids) - 1
+    assert s["nll"] == pytest.approx(-sum(s["logprobs"]))
+    assert s["mean_nll"] == pytest.approx(s["nll"] / (len(ids) - 1))
+    assert s["perplexity"] == pytest.approx(math.exp(s["mean_nll"]))
+
+
 def test_numpy_integers_are_taken_and_flags_are_not_read_by_truthiness(eng) -> None:
     """Numbers that come out of numpy (a seed from a numpy RNG, a length from an array) are
     integers to the API, and give what their Python ints give; a flag is True or False, not a
@@ -758,6 +771,37 @@ def test_to_dict_logprobs_at_the_top_are_the_first_samples(eng) -> None:
 def test_largest_seed_is_accepted(eng) -> None:
     p = SamplingParams(temperature=1.0, seed=2**64 - 1)
     assert len(eng.generate([1, 2], max_new_tokens=3, params=p, num_samples=2, ignore_eos=True).samples) == 2
+
+
+
+def test_generate_batch_refuses_more_per_prompt_values_than_prompts(eng) -> None:
+    """A per-prompt list longer than the prompts is an error, as a shorter one is (the extra
+    values were dropped in silence, a sign the prompts and values do not line up)."""
+    for kw in ({"max_new_tokens": [2, 2, 2]}, {"draft": [0, 0, 0]}, {"max_new_tokens": [2]}):
+        with pytest.raises(ValueError, match="entries for 2 prompts"):
+            eng.generate_batch([[1, 2], [3, 4]], **kw)
+
+
+def test_generate_batch_streams_each_prompts_tokens_under_its_index(eng) -> None:
+    """on_tokens(i, ids) of generate_batch names the prompt the tokens belong to: each
+    prompt's streamed tokens joined are its output's tokens."""
+    seen = {0: [], 1: []}
+    outs = eng.generate_batch([[1, 2], [5, 6, 7]], max_new_tokens=[4, 6], ignore_eos=True, max_batch=2,
+                              on_tokens=lambda i, ids: seen[i].extend(ids))
+    assert [seen[0], seen[1]] == [o.tokens for o in outs] and [len(o.tokens) for o in outs] == [4, 6]
+
+
+def test_memory_with_a_budget_of_zero_bytes_fits_no_slot(eng) -> None:
+    """Engine.memory(budget_bytes=0) is a valid budget (nothing left): no slot fits."""
+    m = eng.memory(16, budget_bytes=0)
+    assert (m["budget_bytes"], m["slots_that_fit"]) == (0, 0) and m["slot_bytes"]["total"] > 0
+
+
+def test_load_takes_the_state_dtype(ckpt) -> None:
+    """Engine.load(ssm_dtype=...) reaches the model: bfloat16 is the state's storage dtype
+    (it was the checkpoint's, float32, whatever was asked)."""
+    assert Engine.load(ckpt).model.cfg.mamba_ssm_dtype in (None, "float32")
+    assert Engine.load(ckpt, ssm_dtype="bfloat16").model.cfg.mamba_ssm_dtype == "bfloat16"
 
 
 # ---- 8. MTP in the config, none in the weights --------------------------------------------------------

@@ -109,6 +109,23 @@ def test_samples_batches_and_chat(eng):
     assert out.message["content"] == whole.message["content"][:whole.message["content"].find(stop)]
 
 
+
+def test_a_chat_reply_ends_before_the_earliest_of_its_stop_strings(eng):
+    """Engine.chat's message with several stop strings ends before the one found first in
+    the text (not the last), a stop string at the reply's very start leaves it empty, and
+    an empty stop string in the list is dropped (it matched at 0 and emptied every reply)."""
+    msgs = [{"role": "user", "content": "def g(y):\n"}]
+    full = eng.chat(msgs, max_new_tokens=24, ignore_eos=True)
+    whole, tokens = full.message["content"], full.tokens
+    early, late = whole[3:6], whole[12:15]
+    assert whole.find(early) < whole.find(late)
+    turn = eng.prepare_chat(msgs)
+    assert turn.message(tokens, stop_strings=[late, early])["content"] == whole[:whole.find(early)]
+    assert turn.message(tokens, stop_strings=[late, whole[:3]])["content"] == ""
+    out = eng.chat(msgs, max_new_tokens=24, ignore_eos=True, stop=["", early])
+    assert out.stop_reason == "stop" and out.message["content"] == whole[:whole.find(early)]
+
+
 @pytest.mark.parametrize("draft,params", [(0, None), (3, None), (3, SamplingParams(temperature=0.9, seed=4))])
 def test_a_session_turn_ends_at_a_stop_string(eng, draft, params):
     """Session.send(stop=...): the turn ends with the token that completes the stop string,
