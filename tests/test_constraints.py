@@ -628,3 +628,71 @@ def test_min_properties_over_keys_that_may_repeat_is_refused(vocab):
     with pytest.raises(ValueError, match="minProperties 2 at # cannot be enforced"):  # (additionalProperties
         Constraint.json_schema(vocab, {"type": "object", "minProperties": 2})  # left out: any key allowed)
     Constraint.json_schema(vocab, {"const": {"minProperties": 5}})  # (data, not a schema)
+
+
+def test_a_clone_keeps_its_own_rollback_record(vocab):
+    """clone() copies which committed tokens llguidance holds in its rollback history: an EOS
+    committed on a clone after its grammar stopped (kept outside that history) must not
+    change how many tokens the original hands to the matcher's rollback, or the original's
+    rollback leaves a token consumed and its masks come from the wrong state."""
+    c = make_constraint(vocab, "regex", "[0-9]{2}")
+    start = c.allowed([]).clone()
+    toks = list(vocab.lltok.tokenize_str("12"))
+    c.commit(toks)
+    assert c.finished
+    d = c.clone()
+    d.commit([vocab.eos_ids[0]])  # (not in llguidance's history: the grammar had stopped)
+    c.rollback(len(toks))
+    assert c.committed == 0 and torch.equal(c.allowed([]), start)
+    d.rollback(1)
+    assert d.committed == len(toks) and d.finished and not d.ended
+
+
+def test_ids_past_the_tokenizer_in_drafts_and_commits_leave_the_state_alone(vocab):
+    """An id the tokenizer lacks (a padded model vocabulary's, or a negative one) is judged
+    before llguidance sees it: as a draft prefix it allows nothing, in a commit it is a
+    ValueError, and neither fails the constraint -- llguidance's validate_tokens puts the
+    matcher itself in error on such an id, and an accepting state must not count it as an
+    EOS-like end."""
+    V_tok = vocab.tok_vocab
+    c = Constraint.regex(DEFAULT_MODEL_DIR, "[0-9]*", vocab_size=V_tok + 64)
+    assert c.accepting
+    start = c.allowed([]).clone()
+    one = list(vocab.lltok.tokenize_str("1"))
+    for bad in ([V_tok + 5], one + [V_tok + 5], [-1]):
+        assert not c.allowed(bad).any(), bad
+        with pytest.raises(ValueError, match="not allowed"):
+            c.commit(bad)
+        assert c.failure is None and c.error is None and c.committed == 0, bad
+        assert torch.equal(c.allowed([]), start), bad
+    c.commit(one)
+    assert c.allowed([]).any()
+
+
+def test_after_text_again_for_the_same_close_is_at_its_start(vocab):
+    """Wrapping an already wrapped constraint for the same close gives a fresh copy at its
+    start (the engine and the chat route wrap the constraint they are handed), not a copy of
+    its state: its first token may be any free text again."""
+    c = make_constraint(vocab, "regex", "[0-9]{2}").after_text("</think>")
+    start = c.allowed([]).clone()
+    c.commit(list(vocab.lltok.tokenize_str("hmm</think>1")))
+    again = c.after_text("</think>")
+    assert again.committed == 0 and again.after == "</think>" and torch.equal(again.allowed([]), start)
+    assert c.committed > 0
+
+
+def test_a_commit_crossing_two_stop_lexemes_is_as_one_by_one(vocab):
+    """validate_tokens stops at the end of each stop= lexeme, so _n_valid goes on from there
+    as many times as the tokens cross one: a speculative round that emits both the "." and
+    the ";" below commits (and masks) as plain decoding, one token at a time, does."""
+    c = make_constraint(vocab, "grammar", 'start: "x" a "!" b "?"\na[stop="."]: /[a-z]*/\nb[stop=";"]: /[a-z]*/')
+    toks = [int(t) for t in vocab.lltok.tokenize_str("xab.!cd;?")]
+    at_once = c.clone()
+    at_once.commit(toks + [vocab.eos_ids[0]])
+    assert at_once.ended
+    for i in range(len(toks) + 1):
+        ref = c.clone()
+        for t in toks[:i]:
+            ref.commit([t])
+        assert torch.equal(c.allowed(toks[:i]), ref.allowed()), i
+    assert c.committed == 0
