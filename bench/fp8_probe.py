@@ -11,6 +11,13 @@ other experts), as cold as in a decode step.  GPU only.
 
     python bench/fp8_probe.py --out fp8_probe.json
     python bench/fp8_probe.py --eager 3    # a few eager calls per case, e.g. under ncu
+    python bench/fp8_probe.py --x-fp16     # also float16 activations: e4m3 -> f16 is one PTX cvt per pair
+
+With ``--x-fp16`` each FP8 case is also timed with float16 activations (x and out float16:
+Triton's e4m3 -> f16 conversion, ``cvt.rn.f16x2.e4m3x2`` on sm_89+, and an fp16 MMA), the
+form a kernel could take with x converted to fp16 (exact while x is in fp16's normal
+range); its output is compared with the bf16-activation call's (x rounded through fp16
+first, so both see the same values): max |diff| over max |y|.
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--eager", type=int, default=0, help="N eager calls per case instead of timing (for ncu)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--x-fp16", action="store_true", help="also time the FP8 cases with float16 activations")
     args = ap.parse_args()
     from hyspec.gpu.runner_triton import tall_tile
     from hyspec.kernels.matmul import skinny_matmul, skinny_matmul_fp8
@@ -80,9 +88,11 @@ def main() -> None:
         print(f"{name:<34} {us:8.2f} us  {nbytes / 2 ** 20:7.1f} MiB  {nbytes / us * 1e-6:5.2f} TB/s")
         return us
 
-    x = torch.randn(1, 8192, device=dev, generator=g).to(bf)
-    x16 = torch.randn(16, 8192, device=dev, generator=g).to(bf)
-    ratios, same = {}, {}
+    # (values fp16 holds exactly, so the float16-activation cases see the same x)
+    x = torch.randn(1, 8192, device=dev, generator=g).to(torch.float16).to(bf)
+    x16 = torch.randn(16, 8192, device=dev, generator=g).to(torch.float16).to(bf)
+    xh = x.to(torch.float16)
+    ratios, same, close = {}, {}, {}
 
     def _ref(fn):  # the call with Triton's own e4m3 conversion
         os.environ["HYSPEC_FP8_CVT"], old = "0", os.environ.get("HYSPEC_FP8_CVT", "0")
@@ -107,6 +117,16 @@ def main() -> None:
             same[f"{N}x{K} cvt {cvt}"] = bool(torch.equal(
                 skinny_matmul_fp8(x16[:, :K], w8[0], block_t=16, **cfg), _ref(lambda w=w8[0]: skinny_matmul_fp8(
                     x16[:, :K], w, block_t=16, **cfg))))
+        if args.x_fp16:
+            outh = torch.empty(1, N, device=dev, dtype=torch.float16)
+            th = run(f"fp8  {N}x{K} x fp16",
+                     [lambda w=w: skinny_matmul_fp8(xh[:, :K], w, out=outh, block_t=16, **cfg) for w in w8], b8)
+            if th and t8:
+                ratios[f"{N}x{K} x fp16 / cvt {CVTS[0]}"] = th / t8
+                ratios[f"{N}x{K} x fp16 / cvt 1"] = th / rows[-2]["us"]
+            ya = skinny_matmul_fp8(x16[:, :K], w8[0], block_t=16, **cfg).float()
+            yb = skinny_matmul_fp8(x16[:, :K].to(torch.float16), w8[0], block_t=16, **cfg).float()
+            close[f"{N}x{K}"] = float((ya - yb).abs().max() / ya.abs().max())
         del w8
         w16 = [torch.randn(N, K, device=dev, generator=g).to(bf) for _ in range(max(2, ring // 2))]
         t16 = run(f"bf16 {N}x{K} {len(w16)} weights (same tile)",
@@ -142,12 +162,26 @@ def main() -> None:
                 _ref(lambda gu=gu, dn=dn: moe_grouped(x16[:4, :H], logits[0].expand(4, E).contiguous(), gu, dn, buf4,
                                                        b, top_k=k, renorm=True))
                 same[f"moe cvt {cvt}"] = bool(torch.equal(a, b))
+        if kind == "fp8" and args.x_fp16:
+            bufh = MoeBuffers(1, E, k, H, I, dev, torch.float16)
+            outh = torch.empty(1, H, device=dev, dtype=torch.float16)
+            lgh = [lg.to(torch.float16) for lg in logits]
+            xmh = xm.to(torch.float16)
+            moe["fp8 x fp16"] = run("moe fp8 x fp16 t=1 (5 kernels)",
+                                    [lambda lg=lg, gu=gu, dn=dn: moe_grouped(xmh, lg, gu, dn, bufh, outh, top_k=k,
+                                                                             renorm=True)
+                                     for lg in lgh], per_call8)
         del gu, dn
+    if moe.get("fp8 x fp16") and moe.get("fp8 cvt 1"):
+        ratios["moe t=1 x fp16 / cvt 1"] = moe["fp8 x fp16"] / moe["fp8 cvt 1"]
+        print(f"  moe fp8 x fp16 / cvt 1 time {ratios['moe t=1 x fp16 / cvt 1']:.2f}")
     for cvt in CVTS:
         if moe.get(f"fp8 cvt {cvt}") and moe.get("bf16"):
             ratios[f"moe t=1 cvt {cvt}"] = moe[f"fp8 cvt {cvt}"] / moe["bf16"]
             print(f"  moe fp8 cvt {cvt} / bf16 time {ratios[f'moe t=1 cvt {cvt}']:.2f}")
     print("bitwise equal to Triton's conversion:", same)
+    if close:
+        print("fp16-activation output vs bf16-activation output, max |diff| / max |y|:", close)
     if args.out and not args.eager:
         argv = sys.argv[1:]
         if "--out" in argv:
@@ -155,7 +189,8 @@ def main() -> None:
             argv = argv[:i] + argv[i + 2:]
         meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, git=git_state(),
                     command=" ".join(["python bench/fp8_probe.py"] + argv))
-        write_json(args.out, dict(meta=meta, rows=rows, fp8_over_bf16_time=ratios, bitwise_equal_to_cvt0=same))  # (whole or not at all)
+        write_json(args.out, dict(meta=meta, rows=rows, fp8_over_bf16_time=ratios, bitwise_equal_to_cvt0=same,
+                                         x_fp16_rel_diff=close))  # (whole or not at all)
 
 
 if __name__ == "__main__":
