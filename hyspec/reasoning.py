@@ -15,11 +15,18 @@ adds after the messages) leaves a ``<think>`` open, or when the reply starts wit
 ``<think>``. Inside, the reasoning ends at ``</think>`` or at a ``<tool_call>`` that starts
 a call (a ``{`` or ``<function=`` follows; Qwen3.5 models sometimes call a tool without
 closing their thinking; the call is then answer text, for hyspec.tools to parse). A reply cut while thinking is all
-reasoning. The answer's leading whitespace is dropped."""
+reasoning. The answer's leading whitespace is dropped.
+
+Reasoning ended by a call may still be closed later: the model calls, then writes the
+``</think>`` it owed (``<tool_call>...</tool_call>\\n</think>\\n\\nDone.``). The first ``</think>``
+of such an answer that stands outside every ``<tool_call>`` ... ``</tool_call>`` block is
+dropped, with the whitespace right after it (as the answer's leading whitespace after a
+``</think>`` is); one inside a block (in a call's arguments, or in a block never closed) is
+left as written. A stream holds back a trailing start of ``</think>`` outside a block."""
 
 from __future__ import annotations
 
-from hyspec.tools import TOOL_OPEN, call_follows, partial_tag
+from hyspec.tools import TOOL_CLOSE, TOOL_OPEN, call_follows, partial_tag
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -66,6 +73,42 @@ def _scan(text: str, start: int, calls_end: bool = True) -> tuple[int, int, int]
     return len(text), len(text), min(hold, maybe) if maybe >= 0 else hold
 
 
+def _stray_close(text: str, pos: int) -> tuple[int, int]:
+    """(where, hold) of the first ``</think>`` from `pos` outside every ``<tool_call>`` ...
+    ``</tool_call>`` block (a block runs from a ``<tool_call>`` to the next
+    ``</tool_call>``; one never closed runs to the end of the text): where = -1 when there
+    is none, and then `hold` is where a trailing start of ``</think>`` outside a block
+    begins (len(text) when there is none); else hold = where."""
+    inside = False
+    while True:
+        if inside:
+            j = text.find(TOOL_CLOSE, pos)
+            if j < 0:
+                return -1, len(text)
+            pos, inside = j + len(TOOL_CLOSE), False
+            continue
+        i, k = text.find(THINK_CLOSE, pos), text.find(TOOL_OPEN, pos)
+        if i >= 0 and (k < 0 or i < k):
+            return i, i
+        if k < 0:
+            return -1, len(text) - partial_tag(text[pos:], THINK_CLOSE)
+        pos, inside = k + len(TOOL_OPEN), True
+
+
+def _answer(text: str, end: int, after: int, final: bool) -> str:
+    """The answer of `text` whose reasoning _scan ended at (end, after). Ended by a call
+    (after == end < len(text)): the first ``</think>`` outside a call block and the
+    whitespace after it are dropped; while not `final`, a trailing start of ``</think>``
+    that may still become that tag is held back (the answer so far is a prefix of the
+    final one)."""
+    if after != end or end == len(text):  # closed by </think>, or no end (yet): all reasoning
+        return text[after:].lstrip()
+    i, hold = _stray_close(text, after)
+    if i >= 0:
+        return text[after:i] + text[i + len(THINK_CLOSE):].lstrip()
+    return text[after:len(text) if final else hold]
+
+
 def split_reasoning(text: str, opens: bool, calls_end: bool = True) -> tuple[str | None, str]:
     """(reasoning, answer) of a finished reply; reasoning None when the reply has none.
     calls_end: a ``<tool_call>`` that starts a call ends the reasoning too."""
@@ -73,7 +116,7 @@ def split_reasoning(text: str, opens: bool, calls_end: bool = True) -> tuple[str
         return None, text
     start = _start(text)
     end, after, _ = _scan(text, start, calls_end)
-    return text[start:end], text[after:].lstrip()
+    return text[start:end], _answer(text, end, after, True)
 
 
 class ReasoningStream:
@@ -81,7 +124,8 @@ class ReasoningStream:
     gives the reasoning not yet sent, and sets `answer` to the answer so far (a prefix of
     the final answer, for the content path to stream). While the text might still turn out
     to open with ``<think>``, or ends in what may become a tag that ends the reasoning, that
-    part is held back; at the end the pieces equal :func:`split_reasoning`'s."""
+    part is held back (so is a trailing start of the ``</think>`` that an answer begun by a
+    call drops); at the end the pieces equal :func:`split_reasoning`'s."""
 
     def __init__(self, opens: bool, calls_end: bool = True) -> None:
         self.opens, self.calls_end = opens, calls_end
@@ -103,8 +147,7 @@ class ReasoningStream:
             return ""
         start = _start(text)
         end, after, hold = _scan(text, start, self.calls_end)
-        if after < len(text) or end < len(text):
-            self.answer = text[after:].lstrip()
+        self.answer = _answer(text, end, after, False)
         delta = text[start + self.sent:hold] if hold > start + self.sent else ""
         self.sent += len(delta)
         return delta

@@ -582,7 +582,7 @@ def test_a_template_without_tools_refuses_them(server):
 # Thinking replies: reasoning_content
 # ------------------------------------------------------------------------------------------
 
-from hyspec.reasoning import prompt_opens_thinking, split_reasoning  # noqa: E402
+from hyspec.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning  # noqa: E402
 from hyspec.reply import Reply  # noqa: E402
 
 THOUGHT = "The user wants weather.\nCall it.\n</think>\n\n" + HERMES
@@ -640,6 +640,95 @@ def test_reasoning_that_closes_at_once_or_is_ended_by_a_call_before_its_close():
     assert split_reasoning(late, True)[0] == "Plan: call it. "
     msg = Reply("auto", check_tools([CLOCK]), True).whole(late)
     assert msg["reasoning_content"] == "Plan: call it. " and [c["function"]["name"] for c in msg["tool_calls"]] == ["now"]
+
+
+PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+SAID = '<tool_call>\n{"name": "search", "arguments": {"q": "what </think> means"}}\n</tool_call>'
+NOW_XML = "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+# (reply text (the prompt opens <think>), reasoning, answer, content, calls' names)
+LATE_CLOSE = [
+    # (a) a call ends the reasoning, then the model writes the </think> it owed: dropped, with the
+    # whitespace after it (it stayed in the content: "</think>\n\nDone.")
+    ("I should look it up.\n" + PARIS + "\n</think>\n\nDone.", "I should look it up.\n",
+     PARIS + "\nDone.", "Done.", ["get_weather"]),
+    ("Hm.\n" + NOW_XML + "\n</think>\n\n" + PARIS, "Hm.\n", NOW_XML + "\n" + PARIS, None, ["now", "get_weather"]),
+    # only the first such </think> goes; text before it stays
+    ("x " + NOW_XML + " ok</think>  a </think> b", "x ", NOW_XML + " oka </think> b", "oka </think> b", ["now"]),
+    # (b) a </think> inside a call's arguments is theirs, not the owed tag; the one after the call goes
+    ("Look.\n" + SAID + "\n</think>\n\nDone.", "Look.\n", SAID + "\nDone.", "Done.", ["search"]),
+    ("Look.\n" + SAID, "Look.\n", SAID, None, ["search"]),
+    # a block never closed runs to the end: a </think> in it stays
+    ("a " + PARIS[:-len("</tool_call>")] + "</think> b", "a ", PARIS[:-len("</tool_call>")] + "</think> b",
+     PARIS[:-len("</tool_call>")] + "</think> b", []),
+    # (c) reasoning closed by </think>: as before (a later </think> in the answer is answer text)
+    ("Plan.\n</think>\n\n" + PARIS + "\n</think>\nDone.", "Plan.\n", PARIS + "\n</think>\nDone.",
+     "</think>\nDone.", ["get_weather"]),
+    ("a <tool_call> b\n</think>\n\nc </think>", "a <tool_call> b\n", "c </think>", "c </think>", []),
+]
+LATE_IDS = ["call-close-text", "call-close-call", "first-close-only", "close-in-args-then-close", "close-in-args",
+            "unclosed-block", "closed-first", "mention-then-closed"]
+
+
+@pytest.mark.parametrize("text, reasoning, answer, content, names", LATE_CLOSE, ids=LATE_IDS)
+def test_a_think_close_after_the_call_that_ended_the_reasoning_is_dropped(text, reasoning, answer, content, names):
+    """Qwen3.5 may call a tool before it closes its thinking, then close it: the reasoning
+    ends at the call (as before), and the first </think> after it outside every call block
+    is no part of the answer (it stayed as stray content); one inside a call's arguments, or
+    in a reply whose reasoning </think> closed, is text as written."""
+    assert split_reasoning(text, True) == (reasoning, answer)
+    msg = Reply("auto", check_tools([WEATHER, CLOCK, SEARCH]), True).whole(text)
+    assert msg["content"] == content and msg.get("reasoning_content") == reasoning
+    assert [c["function"]["name"] for c in msg.get("tool_calls", [])] == names
+    if names and names[0] == "search":
+        assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"q": "what </think> means"}
+
+
+@pytest.mark.parametrize("text, reasoning, answer, content, names", LATE_CLOSE, ids=LATE_IDS)
+def test_a_think_close_after_the_call_is_dropped_streamed_too(text, reasoning, answer, content, names):
+    """Streamed a character at a time: `answer` is a prefix of the whole reply's at every
+    step (a trailing start of the owed </think> is held back until it is the tag or is not),
+    and the pieces (reasoning, content, calls) add up to the whole reply's fields."""
+    stream, sent = ReasoningStream(True), ""
+    for end in range(len(text) + 1):
+        sent += stream.update(text[:end], end == len(text))
+        assert answer.startswith(stream.answer), (text[:end], stream.answer)
+    assert (sent, stream.answer) == (reasoning, answer)
+    spec = check_tools([WEATHER, CLOCK, SEARCH])
+    whole = Reply("auto", spec, True).whole(text)
+    reply, got = Reply("auto", spec, True), {"reasoning_content": "", "content": "", "tool_calls": []}
+    for end in range(1, len(text) + 1):
+        out = reply.delta(text[:end], end == len(text))
+        for key in got:
+            got[key] += out.get(key, "" if key != "tool_calls" else [])
+    assert got["reasoning_content"] == whole.get("reasoning_content", "") == reasoning
+    assert got["content"] == (whole["content"] or "") == (content or "")
+    assert [c["function"] for c in got["tool_calls"]] == [c["function"] for c in whole.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in got["tool_calls"]] == names
+
+
+def test_a_stream_holds_back_a_start_of_the_owed_think_close():
+    """A reply whose reasoning a call ended, cut in its owed "</think>": the stream's answer
+    stops before the piece of the tag, and a piece that does not become it is let through."""
+    head = "Hm.\n" + PARIS + "\n"
+    stream = ReasoningStream(True)
+    stream.update(head + "</thi", False)
+    assert stream.answer == PARIS + "\n"
+    stream.update(head + "</thin", False)
+    assert stream.answer == PARIS + "\n"
+    stream.update(head + "</thing", False)
+    assert stream.answer == PARIS + "\n</thing"
+    stream = ReasoningStream(True)
+    stream.update(head + "</think>\n", False)
+    assert stream.answer == PARIS + "\n"
+    stream.update(head + "</think>\n\nOK", False)
+    assert stream.answer == PARIS + "\nOK"
+    # inside a block nothing is held or dropped: the arguments are the call's
+    stream = ReasoningStream(True)
+    stream.update('Hm.\n<tool_call>\n{"name": "search", "arguments": {"q": "</thi', False)
+    assert stream.answer == '<tool_call>\n{"name": "search", "arguments": {"q": "</thi'
+    out = Reply("auto", check_tools([WEATHER]), True).delta(head + "</think", True)  # cut in it: text
+    assert (out["reasoning_content"], out["content"], out["tool_calls"][0]["function"]["name"]) == \
+        ("Hm.\n", "</think", "get_weather")
 
 
 def test_reply_stream_equals_the_whole_reply_at_every_split():
