@@ -377,6 +377,7 @@ class Engine:
         self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
+        self._session_free_bytes = "default"  # (session_free_bytes: until set, the default below)
 
     # -- sessions and the prefix store ---------------------------------------------------
     @property
@@ -451,9 +452,37 @@ class Engine:
 
             # every open session holds a slot; closed sessions' slots are kept for reuse up to a
             # turn batch's worth (was: all of them, one more for each session longer than the last)
+            # and up to session_free_bytes (was: no byte cap, 16 long free slots held many GB)
             self._session_sched = Scheduler(self.model, max_batch=16, store=self.store,
-                                            pool=SlotPool(self.model, max_slots=1 << 16, max_free=16))
+                                            pool=SlotPool(self.model, max_slots=1 << 16, max_free=16,
+                                                          max_free_bytes=self.session_free_bytes))
         return self._session_sched
+
+    @property
+    def session_free_bytes(self) -> int | None:
+        """The most bytes the closed sessions' slots kept for reuse may hold (the
+        sessions' SlotPool max_free_bytes; at most 16 such slots either way). Default: two
+        slots at the model's full context (Engine.memory(context_length)'s slot_bytes total,
+        twice): room to keep a slot of any length a session reaches (its growth stops at the
+        context plus a round's rows), never more than two full-context sessions' worth held
+        once the sessions are gone. Set it to a number of bytes (0: keep none), or None for
+        no byte cap; a lower cap lets the shortest free slots go at once."""
+        if self._session_free_bytes == "default":
+            from hyspec.core.slots import slot_bytes
+
+            m = self.model
+            return 2 * slot_bytes(m.cfg, m.dtype, self.context_length, m.has_mtp)["total"]
+        return self._session_free_bytes
+
+    @session_free_bytes.setter
+    def session_free_bytes(self, value: int | None) -> None:
+        from hyspec.core.slots import bytes_arg
+
+        value = bytes_arg("session_free_bytes", value)
+        with self._lock:  # (not in the middle of another thread's turn)
+            self._session_free_bytes = value
+            if self._session_sched is not None:
+                self._session_sched.pool.max_free_bytes = value
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
@@ -994,7 +1023,8 @@ class Engine:
         A lower bound of what runs: a request's slot also holds its draft rows and two more
         (prompt + max_new_tokens + K + 2 positions), a session's grows by half again when a
         turn needs more, and a GPU lane pads a few rows and keeps small per-lane buffers.
-        weight_bytes: the parameters, with kept-FP8 weights' scales."""
+        weight_bytes: the parameters, with kept-FP8 weights' scales. session_free_bytes: the most
+        the closed sessions' slots kept for reuse may hold (Engine.session_free_bytes; None: no cap)."""
         from hyspec.core.slots import slot_bytes
 
         context_len = _int_arg("context_len", context_len, 1)
@@ -1008,7 +1038,8 @@ class Engine:
         from hyspec.quant import weight_bytes
 
         out = {"context_len": context_len, "slot_bytes": per, "weight_bytes": weight_bytes(self.model),
-               "model_context_length": self.model.cfg.max_position_embeddings}  # (context_len may exceed it)
+               "model_context_length": self.model.cfg.max_position_embeddings,  # (context_len may exceed it)
+               "session_free_bytes": self.session_free_bytes}
         if budget_bytes is not None:
             out["budget_bytes"] = budget_bytes
             out["slots_that_fit"] = int(budget_bytes // per["total"])

@@ -372,6 +372,59 @@ def test_the_pool_reuses_the_shortest_free_slot_that_fits_and_frees_a_slot_once(
     assert s.length == 45 and tight.free == [f]
 
 
+def test_the_pool_keeps_its_free_slots_to_max_free_bytes(zoo):
+    """max_free capped how many free slots a pool keeps, not their bytes: 16 long free slots
+    held many GB with nothing to cap them. max_free_bytes caps the free slots' bytes: a
+    released slot beyond it lets the shortest free ones go (the longest fit the most
+    requests; a slot longer than the cap is not kept), a lower cap set later trims at once,
+    the one kept is reused (reset), stats report both, and a bad cap is refused as
+    budget_bytes is (a float counts)."""
+    from hyspec.core.slots import SlotPool
+
+    m = zoo.model("tiny", "qwen3_5", "float32")
+    per = lambda n: slot_bytes(m.cfg, m.dtype, n, m.has_mtp)["total"]
+    pool = SlotPool(m, max_slots=8, max_free_bytes=per(40) + per(20))
+    a, b, c, d = (pool.alloc(n) for n in (10, 30, 20, 40))
+    pool.release(a)
+    pool.release(b)
+    assert pool.free == [a, b]  # (10 + 30 fit)
+    pool.release(c)
+    assert pool.free == [b, c]  # (10 + 30 + 20 do not: the 10 goes)
+    pool.release(d)
+    assert pool.free == [d]  # (30 + 20 + 40 do not: the 20 goes, then the 30, though 40 + 20 would fit)
+    st = pool.stats()
+    assert st["free_bytes"] == pool.free_bytes == d.nbytes() == per(40) and st["max_free_bytes"] == per(40) + per(20)
+    assert st["slots_free"] == 1 and st["held_bytes"] == per(40)
+    d.cache.pos = 9
+    assert pool.alloc(35) is d and d.cache.pos == 0 and pool._next == 4  # (reused, reset: no new slot)
+    pool.release(d)
+    e = pool.alloc(50)
+    pool.max_free_bytes = per(40) - 1  # (a lower cap: the free 40 goes at once)
+    assert pool.free == [] and pool.stats()["max_free_bytes"] == per(40) - 1
+    pool.release(e)
+    assert pool.free == [] and not pool.used  # (longer than the cap: not kept)
+    few = SlotPool(m, max_slots=8, max_free=1, max_free_bytes=None)  # (no byte cap: max_free alone, as before)
+    s = [few.alloc(n) for n in (5, 9, 7)]
+    for x in s:
+        few.release(x)
+    assert few.free == [s[1]] and few.max_free_bytes is None and few.stats()["max_free_bytes"] is None
+    assert SlotPool(m).max_free_bytes is None
+    for bad in (-5, float("nan"), float("inf"), "1000", True):
+        with pytest.raises(ValueError, match="max_free_bytes must be None or a number of bytes >= 0"):
+            SlotPool(m, max_free_bytes=bad)
+        with pytest.raises(ValueError, match="max_free_bytes must be None or a number of bytes >= 0"):
+            few.max_free_bytes = bad
+        assert few.max_free_bytes is None  # (refused: the cap as before)
+    exact = SlotPool(m, max_free_bytes=float(per(10)))  # (a float counts, as 8e9; a slot of exactly the cap is kept)
+    assert exact.max_free_bytes == per(10) and isinstance(exact.max_free_bytes, int)
+    x = exact.alloc(10)
+    exact.release(x)
+    assert exact.free == [x]
+    zero = SlotPool(m, max_free_bytes=0)
+    zero.release(zero.alloc(1))
+    assert zero.free == [] and zero.stats()["free_bytes"] == 0
+
+
 def test_a_resumed_request_needs_a_token_to_make(zoo):
     """A request continuing a kept Sequence (a session's next turn) is refused up front at
     max_new_tokens 0 (it would end unprefilled, its new tokens in the transcript but not in

@@ -3,6 +3,7 @@ saved by one process and loaded by another (bitwise the same state, the same rep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -287,6 +288,32 @@ def run_chat(default_engine, monkeypatch):
 
 def stats_lines(text: str) -> list[dict]:
     return [json.loads(x[len("[stats] "):]) for x in text.splitlines() if x.startswith("[stats] ")]
+
+
+@contextlib.contextmanager
+def verify_failing_at(engine, call: int):
+    """Inside the block, the engine's session rounds fail at the `call`-th verify (1-based,
+    counted from the block's start): that verify raises RuntimeError("boom") before its
+    forward, the others run as usual; the real verify is back after the block. A block that
+    ends without reaching that verify fails (the fault was not injected)."""
+    backend = engine.session_scheduler().backend
+    orig, had, calls = backend.verify, "verify" in vars(backend), []
+
+    def verify(*a, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("boom")
+        return orig(*a, **kw)
+
+    backend.verify = verify
+    try:
+        yield
+    finally:
+        if had:
+            backend.verify = orig
+        else:
+            del backend.verify
+    assert len(calls) >= call, f"verify ran {len(calls)} times: the fault at call {call} was never injected"
 
 
 def test_a_cut_reply_goes_on_on_its_own_line(run_chat):
@@ -616,21 +643,8 @@ def test_a_turn_failing_mid_reply_keeps_the_chat_in_step(default_engine):
     eng = default_engine
     c = Chat(eng, eng.session(max_new_tokens=8), default_model_dir(), out=io.StringIO())
     c.user("def f(x):")
-    backend = eng.session_scheduler().backend
-    orig, calls = backend.verify, []
-
-    def verify(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom")
-        return orig(*a, **kw)
-
-    backend.verify = verify
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            c.user("    return x")
-    finally:
-        backend.verify = orig
+    with verify_failing_at(eng, 3), pytest.raises(RuntimeError, match="boom"):
+        c.user("    return x")
     assert c.session.num_turns == len(c.stack) == 2
     assert c.rendered == eng.decode(c.session.tokens) and c.cut
     c.command("/rewind")
@@ -1262,20 +1276,8 @@ def test_a_turn_failing_with_a_runtime_error_is_one_line_and_the_chat_goes_on(ru
     """A RuntimeError in a turn (a failing round) is an "[error: ...]" line, not a traceback
     ending the chat; the next message runs, and /stats shows its figures (time to first token
     among them)."""
-    backend = default_engine.session_scheduler().backend
-    orig, calls = backend.verify, []
-
-    def verify(*a, **kw):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        return orig(*a, **kw)
-
-    backend.verify = verify
-    try:
+    with verify_failing_at(default_engine, 1):
         text = run_chat(["def f(x):", "def f(x):", "/stats"])
-    finally:
-        backend.verify = orig
     assert "[error: boom]" in text and "Traceback" not in text, text
     st = stats_lines(text)
     # (the failed turn keeps what ran before the failing round, the prefill's token: a turn of its own)

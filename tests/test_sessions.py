@@ -1002,6 +1002,60 @@ def test_closed_sessions_do_not_pile_up_free_slots(zoo):
         s2.close()
 
 
+def test_closed_sessions_free_slots_keep_to_session_free_bytes(zoo):
+    """The sessions' pool kept up to 16 closed sessions' slots with no byte cap (16 long ones:
+    many GB once the sessions were gone). Engine.session_free_bytes caps their bytes: by
+    default two slots at the model's full context (reported by Engine.memory), settable
+    before or after the first session (a bad value refused, a lower one trims at once, None
+    for no cap). Closed sessions' slots go shortest first past the cap, and a session that
+    reuses a kept slot is exact."""
+    from hyspec.core.slots import slot_bytes
+
+    eng = engine(zoo, "qwen3_5")
+    m = eng.model
+    full = slot_bytes(m.cfg, m.dtype, eng.context_length, m.has_mtp)["total"]
+    pool = eng.session_scheduler().pool
+    assert eng.session_free_bytes == pool.max_free_bytes == 2 * full == eng.memory(16)["session_free_bytes"]
+    vocab = m.cfg.vocab_size
+    ref = eng.session(draft=2, max_new_tokens=3, use_store=False)
+    want = ref.send(list(range(1, 9))).tokens
+    ref.close()
+    pool.free.clear()  # (from here the free slots are the closed sessions' below)
+
+    def opened(n: int):
+        s = eng.session(max_new_tokens=1, use_store=False)
+        s.send([(7 * j + n) % vocab for j in range(n)])
+        return s, s._seq.slot
+
+    (s1, long), (s2, short), (s3, mid) = opened(36), opened(12), opened(24)  # (open together: a slot each)
+    assert long.length > mid.length > short.length
+    cap = long.nbytes() + mid.nbytes() + short.nbytes() - 1  # (not all three)
+    eng.session_free_bytes = cap
+    assert pool.max_free_bytes == cap and pool.stats()["max_free_bytes"] == cap
+    for s in (s1, s2, s3):
+        s.close()
+    assert pool.free == [long, mid] and pool.stats()["free_bytes"] == long.nbytes() + mid.nbytes()  # (shortest out)
+    s4, longest = opened(48)  # (none fits: a new slot)
+    s4.close()
+    assert pool.free == [long, longest] and pool.free_bytes <= cap  # (the mid goes: the two longest fit)
+    made = pool._next
+    s = eng.session(draft=2, max_new_tokens=3, use_store=False)
+    assert s.send(list(range(1, 9))).tokens == want  # (on a kept slot, reset: exact)
+    assert pool._next == made and s._seq.slot is long and pool.free == [longest]  # (the shortest that fits)
+    s.close()
+    for bad in (-1, float("nan"), "8", True):
+        with pytest.raises(ValueError, match="session_free_bytes must be None or a number of bytes >= 0"):
+            eng.session_free_bytes = bad
+    assert eng.session_free_bytes == pool.max_free_bytes == cap
+    eng.session_free_bytes = 0  # (keep none: the free slots go at once)
+    assert pool.free == [] and pool.max_free_bytes == 0
+    eng.session_free_bytes = None  # (no byte cap: 16 slots at most, as before)
+    assert pool.max_free_bytes is None and eng.memory(16)["session_free_bytes"] is None
+    early = engine(zoo, "qwen3_5")
+    early.session_free_bytes = 1e6  # (before the sessions' pool exists; a float counts)
+    assert early.session_scheduler().pool.max_free_bytes == 10**6 == early.session_free_bytes
+
+
 def test_a_turn_with_a_smaller_draft_keeps_to_it_under_adaptive_k(zoo):
     """Adaptive K: a session's next turn goes on from the k its last round chose, but never
     past that turn's own draft (a turn sent with draft=1 after draft=4 turns drafts at most

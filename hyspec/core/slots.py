@@ -99,6 +99,17 @@ class Slot:
         return n
 
 
+def bytes_arg(name: str, value) -> int | None:
+    """None, or a number of bytes >= 0 as an int (a float counts, as 8e9; a numpy integer or
+    float too, as PrefixStore's budgets)."""
+    # (a negative or NaN budget refused every slot later, a string one raised a TypeError at the first alloc)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name} must be None or a number of bytes >= 0, got {value!r}")
+    return int(value)
+
+
 class SlotPool:
     """Allocates slots, reuses freed ones, and accounts for their memory.
 
@@ -107,27 +118,24 @@ class SlotPool:
     free ones included (a new slot that needs room lets the shortest free one go), and at
     most `max_free` (default: max_slots) of them free (a released slot beyond that lets the
     shortest free one go). `budget_bytes` (None = no limit) caps the bytes held by all
-    slots, free ones included."""
+    slots, free ones included; `max_free_bytes` (None = no limit) the bytes held by the free
+    ones (a released slot beyond it lets the shortest free ones go until they fit: a slot
+    longer than it is not kept)."""
 
     def __init__(self, model, *, max_slots: int = 64, budget_bytes: int | None = None,
-                 max_free: int | None = None) -> None:
+                 max_free: int | None = None, max_free_bytes: int | None = None) -> None:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         if max_free is not None and max_free < 0:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
-        if budget_bytes is not None:  # (a negative or NaN one refused every slot later, a string one raised a
-            # TypeError at the first alloc; as PrefixStore's budgets, a numpy integer or float counts too)
-            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real) or \
-                    not budget_bytes >= 0 or budget_bytes == float("inf"):
-                raise ValueError(f"budget_bytes must be None or a number of bytes >= 0, got {budget_bytes!r}")
-            budget_bytes = int(budget_bytes)
         self.model = model
         self.max_slots = max_slots
         self.max_free = max_slots if max_free is None else max_free
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = bytes_arg("budget_bytes", budget_bytes)
         self.free: list[Slot] = []
         self.used: dict[int, Slot] = {}
         self._next = 0
+        self.max_free_bytes = max_free_bytes  # (the setter validates it)
 
     def bytes_per_slot(self, length: int) -> dict:
         return slot_bytes(self.model.cfg, self.model.dtype, length, self.model.has_mtp)
@@ -138,6 +146,21 @@ class SlotPool:
     @property
     def held_bytes(self) -> int:
         return sum(s.nbytes() for s in list(self.free) + list(self.used.values()))
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes held by the free slots (kept for reuse, no sequence in them)."""
+        return sum(s.nbytes() for s in self.free)
+
+    @property
+    def max_free_bytes(self) -> int | None:
+        return self._max_free_bytes
+
+    @max_free_bytes.setter
+    def max_free_bytes(self, value: int | None) -> None:
+        """A new cap lets the shortest free slots go at once until the others fit it."""
+        self._max_free_bytes = bytes_arg("max_free_bytes", value)
+        self._keep_free(self.max_free)
 
     def alloc(self, length: int) -> Slot:
         if len(self.used) >= self.max_slots:
@@ -190,13 +213,16 @@ class SlotPool:
         """Give a slot back: kept for reuse, or (keep False) let go of with its buffers."""
         if self.used.pop(slot.index, None) is not None and keep:
             self.free.append(slot)
-            self._keep_free(self.max_free)  # (the sessions' pool: many held, few kept once closed)
+            self._keep_free(self.max_free)  # (the sessions' pool: many held, few kept once closed, by count and bytes)
 
     def _keep_free(self, n: int) -> None:
-        """At most n free slots: the shortest others go (the longest fit the most requests)."""
-        while len(self.free) > max(n, 0):
+        """At most n free slots, and at most max_free_bytes in them: the shortest others go
+        (the longest fit the most requests)."""
+        cap = self._max_free_bytes
+        while len(self.free) > max(n, 0) or (self.free and cap is not None and self.free_bytes > cap):
             self.free.remove(min(self.free, key=lambda s: s.length))
 
     def stats(self) -> dict:
         return {"slots_in_use": len(self.used), "slots_free": len(self.free), "held_bytes": self.held_bytes,
-                "max_slots": self.max_slots, "max_free": self.max_free, "budget_bytes": self.budget_bytes}
+                "free_bytes": self.free_bytes, "max_slots": self.max_slots, "max_free": self.max_free,
+                "max_free_bytes": self.max_free_bytes, "budget_bytes": self.budget_bytes}
