@@ -353,6 +353,19 @@ def engine_call(engine_of=lambda obj: obj):
     return wrap
 
 
+def _cancellable(stream, cancel, requests: list):
+    """A request's on_tokens that also asks `cancel()` after each emitting round: once True,
+    every request of the call is asked to stop (Request.cancel_requested: the engine core and
+    the CUDA-graph lanes end it after its round, stop_reason "cancelled")."""
+    def on_tokens(r, toks):
+        if stream is not None:
+            stream(r, toks)
+        if cancel():
+            for q in requests:
+                q.cancel_requested = True
+    return on_tokens
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
@@ -373,8 +386,9 @@ class Engine:
         self._batch_dec = None
         self._lanes_busy = False  # a call is running on the _batch_dec lanes (Engine.on_lanes)
         self.session_graphs = True  # session turns on the graph lanes where they run (False: the engine core)
-        self.lanes = 1  # pipeline only: batch groups that alternate through the stages (hyspec/parallel/lanes.py)
-        self.optimistic = False  # pipeline only: fork the next round's verify early (hyspec/parallel/fork.py)
+        # pipeline only (a request on an Engine without one is refused, as are both together: _check_run_options)
+        self.lanes = 1  # batch groups that alternate through the stages (hyspec/parallel/lanes.py)
+        self.optimistic = False  # fork the next round's verify early (hyspec/parallel/fork.py)
         self._store = None  # the prefix store (created with the first session, or by .store)
         self._session_sched = None
         self._session_free_bytes = "default"  # (session_free_bytes: until set, the default below)
@@ -698,7 +712,8 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_new_tokens: int = 64, params: SamplingParams | None = None,
                  draft: int | None = None, spec: SpecOptions | None = None, stop_ids=None,
                  ignore_eos: bool = False, num_samples: int = 1, reference: list[int] | None = None, on_tokens=None,
-                 constraint=None, logprobs: int | None = None, use_store: bool = True, stop=None) -> Output:
+                 constraint=None, logprobs: int | None = None, use_store: bool = True, stop=None,
+                 cancel=None) -> Output:
         """draft = 0: plain decoding; draft = K: speculative with K drafts per round (spec
         gives the other drafter options; its k is replaced by `draft`); draft None (the
         default): spec's k when spec is given, else 0. The samples of a
@@ -731,7 +746,12 @@ class Engine:
         stop: stop strings (a string or a list), matched across token boundaries as the server
         matches them: a sample ends at the token that completes a match (stop_reason "stop";
         its tokens end with that token, its text ends before the stop string and, as the
-        server's, leaves special tokens out); a stop id (EOS) never completes a match."""
+        server's, leaves special tokens out); a stop id (EOS) never completes a match.
+
+        cancel: None, or a callable () -> bool asked after each round that emits tokens (after
+        on_tokens): once it returns True, every sample ends after its current round with
+        stop_reason "cancelled" (unless that round ended it anyway), its tokens and stats those
+        of the run so far (the server's sequential fallback ends a cancelled request so)."""
         params = params if params is not None else GREEDY
         stop_strings = stop_list(stop)
         if not isinstance(params, SamplingParams):
@@ -746,6 +766,8 @@ class Engine:
             reference = _token_ids("reference", reference)
         if on_tokens is not None and not callable(on_tokens):
             raise ParamError("on_tokens", on_tokens, "must be a callable (sample index, token ids) or None")
+        if cancel is not None and not callable(cancel):
+            raise ParamError("cancel", cancel, "must be a callable () -> bool or None")
         if constraint is not None:
             self._check_constraint(constraint)
         spec = self._spec_options(draft, spec)
@@ -762,6 +784,8 @@ class Engine:
             sample_params = params if i == 0 else SamplingParams(**{**params.__dict__,
                                                                      "seed": derive_seed(params.seed, i)})
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            if cancel is not None:
+                stream = _cancellable(stream, cancel, requests)
             cuts.append(StopStrings(self, stop_strings, stops) if stop_strings else None)
             requests.append(Request(prompt_ids=ids, max_new_tokens=max_new_tokens, params=sample_params, draft=draft,
                                     spec=spec, stop_ids=stops, stop_text=cuts[-1], reference=reference,
@@ -935,9 +959,29 @@ class Engine:
         finally:
             self._lanes_busy = False
 
+    def _check_run_options(self) -> None:
+        """Engine.lanes and Engine.optimistic act on pipeline stages only (as hyspec generate's
+        --lanes and --optimistic): refused where they cannot act (were ignored in silence)."""
+        lanes, optimistic = as_int(self.lanes), as_bool(self.optimistic)
+        if lanes is None or lanes < 1:
+            raise ParamError("lanes", self.lanes, "must be an integer >= 1 (1: one batch)", owner="Engine")
+        if optimistic is None:
+            raise ParamError("optimistic", self.optimistic, "must be True or False", owner="Engine")
+        pipeline = hasattr(self.backend, "driver")
+        if lanes > 1 and not pipeline:
+            raise ValueError(f"Engine.lanes = {lanes} alternates batch groups through pipeline stages: it needs a "
+                             "pipeline (the driver's Engine of --pp N with N >= 2); set Engine.lanes = 1")
+        if optimistic and not pipeline:
+            raise ValueError("Engine.optimistic forks pipeline stages: it needs a pipeline (the driver's Engine of "
+                             "--pp N with N >= 2); set Engine.optimistic = False")
+        if lanes > 1 and optimistic:
+            raise ValueError(f"Engine.optimistic does not go with Engine.lanes = {lanes}: the fork runs the "
+                             "pipeline's one lane; set Engine.lanes = 1 or Engine.optimistic = False")
+
     def _run_requests(self, requests: list[Request], max_batch: int, raise_errors: bool = True) -> None:
         """Decode the requests together. A request's own error (a constraint that could not go
         on) ends that request only; with raise_errors it is raised once all are done."""
+        self._check_run_options()
         # a pipeline's stages do not share prefix-store states (docs/multi-gpu.md): no store there
         sched = Scheduler(self.model, max_batch=max_batch, backend=self.backend,
                           store=self._store if self.backend is None else None)

@@ -611,6 +611,18 @@ def test_serve_pp2(ckpts):
     assert p.returncode == 130  # (a launcher passing its Ctrl-C on to uvicorn made it 0, after a traceback)
 
 
+def test_lanes_with_the_optimistic_fork_are_refused_from_python(ckpts):
+    """Engine.lanes > 1 with Engine.optimistic on the pipeline driver's Engine is a ValueError
+    naming both, as `hyspec generate --lanes 2 --optimistic` is refused: the lanes ran without
+    the fork in silence (a batch), or the fork without the lanes (one request)."""
+    path = ckpts["qwen3_5"]
+    for job in (("generate_batch", {"prompts": [P1, P2], "max_new_tokens": 4, "draft": 2, "lanes": 2,
+                                    "optimistic": True}),
+                ("generate", {"prompt": P1, "max_new_tokens": 4, "draft": 2, "lanes": 2, "optimistic": True})):
+        with pytest.raises(RuntimeError, match=r"ValueError: Engine\.optimistic does not go with Engine\.lanes = 2"):
+            run_jobs(path, [job], world=2)
+
+
 def test_three_stages(ckpts):
     """A middle stage (receives from rank 0, sends to the driver) keeps the tokens too,
     also with the optimistic fork (forks run through both workers; hits and misses)."""

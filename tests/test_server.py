@@ -654,7 +654,8 @@ def test_the_sequential_fallback_stops_a_cancelled_job(monkeypatch):
     """The sequential fallback (HYSPEC_SERVE_SCHEDULER=0) ran a job to its end whatever
     happened: a client that left after 0.5 s of a 4,000-token request held the engine for the
     whole of it (the next request waited a minute), a stop string matched early went on to
-    max_tokens. A cancel now ends the job after the round, and its tokens stream."""
+    max_tokens. A cancel now ends the job after the round (Engine.generate's cancel: it returns,
+    the sample "cancelled"), and its tokens stream."""
     monkeypatch.setenv("HYSPEC_SERVE_SCHEDULER", "0")
     eng = Engine.load()
     real, runs = eng.generate, []
@@ -674,7 +675,7 @@ def test_the_sequential_fallback_stops_a_cancelled_job(monkeypatch):
         except BaseException as e:
             run["ended"] = type(e).__name__
             raise
-        run["ended"] = "done"
+        run["ended"] = out.samples[0].stop_reason
         return out
 
     monkeypatch.setattr(eng, "generate", generate)
@@ -685,13 +686,56 @@ def test_the_sequential_fallback_stops_a_cancelled_job(monkeypatch):
             httpx.post(url, json=body, timeout=0.5)
         ok = httpx.post(url, json={**body, "max_tokens": 3}, timeout=120)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-        assert runs[0]["ended"] == "_Cancelled" and runs[0]["tokens"] < 4000, runs
+        assert runs[0]["ended"] == "cancelled" and runs[0]["tokens"] < 4000, runs
         # a stop string ends the job there: its text, and the engine stops after that round
         want = httpx.post(url, json={**body, "max_tokens": 40}).json()["choices"][0]["text"]
         stop = want[10:14]
         got = httpx.post(url, json={**body, "stop": [stop]}, timeout=120).json()
         assert got["choices"][0]["text"] == want[: want.index(stop)] and got["choices"][0]["finish_reason"] == "stop"
-        assert runs[-1]["ended"] == "_Cancelled" and runs[-1]["tokens"] < 100, runs
+        assert runs[-1]["ended"] == "cancelled" and runs[-1]["tokens"] < 100, runs
+
+
+def test_the_sequential_fallback_reports_a_stop_string_end_as_the_batched_path(monkeypatch, caplog):
+    """A stop string ends a sequence through a cancel (the loop side matched it): the batched
+    path reports that end ("cancelled" to the worker, finish_reason "stop" to the client) with
+    the sequence's stats so far (timings, tokens, spec telemetry: the spec metrics and the
+    request log line's accept_len come from them); the sequential fallback
+    (HYSPEC_SERVE_SCHEDULER=0) reported it with no stats at all ({}: no spec counts, accept_len
+    "-"). It now reports the same as the batched path."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "draft": 3}
+    seen = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("HYSPEC_SERVE_SCHEDULER", mode)
+        app = create_app(Engine.load(), ServerConfig(served_model_name=MODEL, draft=3))
+        worker = app.state.hyspec.worker
+        assert worker.batched == (mode == "1")
+        finished = []
+
+        def record(job, reason, stats, real=worker._finish, finished=finished):
+            finished.append((reason, dict(stats)))
+            real(job, reason, stats)
+
+        monkeypatch.setattr(worker, "_finish", record)
+        with ServerThread(app) as s:
+            url = s.url + "/v1/completions"
+            want = httpx.post(url, json=body, timeout=120).json()["choices"][0]["text"]
+            stop = want[10:14]
+            drafts = metric(s, "hyspec_spec_drafts_total")
+            with caplog.at_level(logging.INFO, logger="hyspec.server"):
+                got = httpx.post(url, json={**body, "stop": [stop]}, timeout=120).json()
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(got["id"])]
+            reason, stats = finished[-1]
+            seen[mode] = {"choice": got["choices"][0], "usage": got["usage"], "reason": reason, "keys": set(stats)}
+            assert got["choices"][0]["text"] == want[: want.index(stop)], mode
+            assert got["choices"][0]["finish_reason"] == "stop", mode
+            assert stats and stats["prompt_tokens"] == got["usage"]["prompt_tokens"], (mode, stats)
+            assert stats["generated_tokens"] >= got["usage"]["completion_tokens"] > 0, (mode, stats)
+            assert stats["spec"]["rounds"] > 0, (mode, stats)
+            assert metric(s, "hyspec_spec_drafts_total") - drafts == stats["spec"]["rounds"], mode
+            assert len(lines) == 1 and re.search(r" accept_len=[0-9.]+ .* finish=stop$", lines[0]), (mode, lines)
+    assert seen["0"] == seen["1"]
+    assert seen["1"]["reason"] == "cancelled"
 
 
 def test_rounds_stream_and_requests_join_the_batch(server, client):

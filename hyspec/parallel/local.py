@@ -6,7 +6,8 @@ Every job runs on the driver rank's Engine (PipelineBackend); a job is
 ("generate", kwargs) -> the samples' token lists, ("generate_batch", kwargs) -> one token
 list per prompt, ("mark", {}) -> starts the timing counters, ("fork_stats", {}) -> the driver's
 optimistic-fork telemetry since the last such job (hyspec/parallel/fork.py). A generate job's
-"lanes" and "optimistic" keys set Engine.lanes / Engine.optimistic for it.
+"lanes" and "optimistic" keys set Engine.lanes / Engine.optimistic for it on a pipeline (a
+single-process Engine, the reference run of the same jobs, leaves them out: it refuses them).
 Processes: torch.multiprocessing (spawn), gloo on CPU / NCCL on CUDA, 127.0.0.1 and a free port.
 """
 
@@ -40,8 +41,9 @@ def run_job(eng, job):
             return None
         return eng.backend.driver.fork_stats(reset=kw.get("reset", True))
     kw = _params(kw)
-    eng.lanes = kw.pop("lanes", 1)
-    eng.optimistic = kw.pop("optimistic", False)
+    lanes, optimistic = kw.pop("lanes", 1), kw.pop("optimistic", False)
+    if eng.backend is not None:  # (pipeline only: one process runs the same tokens without them)
+        eng.lanes, eng.optimistic = lanes, optimistic
     if kind == "generate":
         return [s.tokens for s in eng.generate(**kw).samples]
     if kind == "generate_batch":

@@ -22,7 +22,8 @@ rest wait in this module's FIFO ("waiting"). submit() refuses at once (QueueFull
 Without the Scheduler (HYSPEC_SERVE_SCHEDULER=0, or a hyspec without hyspec.core.scheduler)
 a fallback runs jobs one at a time through Engine.generate: same outputs, no batching; a
 job's tokens stream as its rounds commit them (with logprobs: all at its end, scored then),
-and a cancel (a client gone, a stop string matched) ends it after the round.
+and a cancel (a client gone, a stop string matched) ends it after the round (Engine.generate's
+cancel), reported as the batched path reports it: "cancelled" with the stats of the run so far.
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ from hyspec.envknobs import switch
 from hyspec.sampling import SamplingParams
 
 log = logging.getLogger("hyspec.server")
-
-
-class _Cancelled(Exception):
-    """Raised by the fallback's token callback to end a cancelled job (Engine.generate stops)."""
 
 
 class QueueFull(Exception):
@@ -464,25 +461,21 @@ class EngineWorker:
         streamed = job.logprobs is None  # (with logprobs the tokens go out at the end, scored then)
 
         def on_tokens(_, new_ids):
-            # a cancel (the client left, or a stop string matched) ends the job after this round
             if streamed and new_ids and not job.cancelled:
                 self._to_loop(job.on_tokens, list(new_ids), None)
-            if job.cancelled:
-                raise _Cancelled
 
         try:
+            # a cancel (the client left, or a stop string matched) ends the job after its round:
+            # stop_reason "cancelled" and its stats so far, as the batched path reports it
             out = eng.generate(job.prompt_ids, max_new_tokens=job.max_new_tokens, params=job.params,
                                draft=job.draft, stop_ids=job.stop_ids, ignore_eos=True, constraint=job.constraint,
-                               use_store=False, on_tokens=on_tokens)
-        except _Cancelled:
-            self._finish(job, "cancelled", {})
-            return
+                               use_store=False, on_tokens=on_tokens, cancel=lambda: job.cancelled)
         except ValueError as e:
             log.error("sequence failed in the engine: %s", e)
             self._finish(job, "error", {"error": f"{type(e).__name__}: {e}"})
             return
         sample = out.samples[0]
-        if not streamed:
+        if not streamed and sample.stop_reason != "cancelled":  # (a cancelled job's tokens go nowhere)
             try:
                 logprobs = self._logprobs(job.prompt_ids, sample.tokens, job.logprobs)
             except ValueError as e:  # (e.g. logits that overflow the model's dtype: named, this request's)
