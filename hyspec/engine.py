@@ -456,6 +456,7 @@ class Engine:
         if self.backend is not None:
             raise ValueError("sessions are not supported on a pipeline (--pp): the other stages do not keep "
                              "session states (docs/multi-gpu.md)")
+        self._check_run_options()  # (Engine.lanes / optimistic: pipeline only, refused here as for a request)
         self.store  # noqa: B018  (sessions store their turn boundaries)
         return Session(self, **kw)
 

@@ -57,7 +57,7 @@ def test_cancel_ends_the_samples_after_the_round_with_their_stats(tiny, graphs):
 
 def test_lanes_and_optimistic_without_a_pipeline_are_refused(tiny):
     """Engine.lanes > 1 and Engine.optimistic act on pipeline stages only (hyspec generate
-    refuses --lanes / --optimistic without --pp N >= 2): without one, a request is refused
+    refuses --lanes / --optimistic without --pp N >= 2): without one, a request (and a new session) is refused
     with a ValueError naming the attribute (both were ignored in silence); so is a lanes value
     that is no integer >= 1 and an optimistic that is no bool. Nothing runs: the next request with the defaults back runs as
     always."""
@@ -71,7 +71,8 @@ def test_lanes_and_optimistic_without_a_pipeline_are_refused(tiny):
         eng.lanes, eng.optimistic = lanes, optimistic
         calls = [lambda: eng.generate(PROMPT, max_new_tokens=3, ignore_eos=True),
                  lambda: eng.generate_batch([PROMPT, PROMPT[:2]], max_new_tokens=3, ignore_eos=True),
-                 lambda: eng.chat([{"role": "user", "content": "hi"}], max_new_tokens=3)]
+                 lambda: eng.chat([{"role": "user", "content": "hi"}], max_new_tokens=3),
+                 lambda: eng.session()]  # (a session's turns do not run through the request path)
         for call in calls:
             with pytest.raises(ValueError, match=match):
                 call()
