@@ -690,6 +690,8 @@ MADE_BY = {
                                     "tests/test_gpu_tile_heights.py` (H200; header in the log)",
     "fp8_act_probe_h200.json": "`python bench/fp8_act_probe.py` (the script and the activation-quantized FP8 kernels it "
                                "timed, since removed: `git show 9d6cae0`)",
+    "fp8_x16_probe_h100.json": "`python bench/fp8_probe.py --x-fp16` (H100: no H200 came; the FP8 cases also with "
+                               "float16 activations; header in the log)",
     "fp8_tile_probe_h200.json": "`python bench/fp8_tile_probe.py` (the script and `k_unroll`, since removed: "
                                 "`git show b1f04a6`)",
     "fp8_probe_ncu_h200.txt": "`ncu -k regex:^KERNEL -c 2 --section SpeedOfLight --section WarpStateStats --section "
