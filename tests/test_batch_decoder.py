@@ -917,10 +917,13 @@ def test_a_lane_whose_rows_overflow_mid_generation_ends_in_error_alone(tmp_path,
 
     core, lanes = _overflowing_engines(tmp_path, lm_bias=3.0)
     seen = spy_bad_rows(monkeypatch)  # bad rows used / past a rejected draft
-    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 7)]
+    # two lanes (one captured batch size of 2): [8, 57, 3] runs to its length in every
+    # case, [12, 85, 3] is fed 100 after 3 / 6 / 2 tokens (greedy / sampled plain / sampled
+    # speculative) -- mid-generation, before 8
+    prompts = [[8, 57, 3], [12, 85, 3]]
     for params in (None, SamplingParams(temperature=0.9, seed=4)):
         for draft in (0, 3):
-            kw = dict(max_new_tokens=12, draft=draft, ignore_eos=True, params=params)
+            kw = dict(max_new_tokens=8, draft=draft, ignore_eos=True, params=params)
             want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
             assert got[0].stats["path"] == "batch-graphs" and want[0].stats.get("path") != "batch-graphs"
             for w, g in zip(want, got):
@@ -951,7 +954,9 @@ def test_drafter_rows_that_overflow_end_a_sampled_lanes_drafts_as_on_the_engine_
     for eng, graphs in ((core, False), (lanes, True)):
         make_drafter_overflowing(eng.model, 3.0)  # token 100 fed to the drafter overflows it
         eng.batch_graphs = graphs
-    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 5)] + [[5, 100, 3]]  # (the last: from the start)
+    # two lanes, six tokens: [4, 29, 3] has its drafts end at depth 0 (top-p), [5, 100, 3]
+    # (100 fed to the drafter from the start) mid-round (coupled)
+    prompts = [[4, 29, 3], [5, 100, 3]]
     cuts = {"mid": 0, "at 0": 0}
     take = batch_loop.BatchRunner._take
 
@@ -964,7 +969,7 @@ def test_drafter_rows_that_overflow_end_a_sampled_lanes_drafts_as_on_the_engine_
     monkeypatch.setattr(batch_loop.BatchRunner, "_take", spy)
     for params in (SamplingParams(temperature=0.9, seed=4, top_p=0.9),
                    SamplingParams(temperature=0.9, seed=5, mode="coupled")):
-        kw = dict(max_new_tokens=10, draft=3, ignore_eos=True, params=params)
+        kw = dict(max_new_tokens=6, draft=3, ignore_eos=True, params=params)
         want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
         assert got[0].stats["path"] == "batch-graphs" and want[0].stats.get("path") != "batch-graphs"
         assert [g.tokens for g in got] == [w.tokens for w in want], params
@@ -992,7 +997,9 @@ def test_rows_with_one_infinite_logit_are_checked_as_on_the_engine_core(tmp_path
     for eng, graphs in ((core, False), (lanes, True)):
         make_infinite(eng.model, 50, drafter=where == "drafter")
         eng.batch_graphs = graphs
-    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 6)]
+    # two lanes: on the target's rows [1, 8, 3] ends in error at its first token, [5, 36, 3]
+    # mid-generation (3-4 tokens); on the drafter's both have rounds whose drafts end early
+    prompts = [[1, 8, 3], [5, 36, 3]]
     sampled = SamplingParams(temperature=0.9, seed=4)
     runs = [(3, sampled)] if where == "drafter" else [(0, None), (0, sampled), (3, None), (3, sampled)]
     for draft, params in runs:
@@ -1016,7 +1023,7 @@ def test_a_session_turn_that_overflows_mid_way_keeps_its_rounds_on_the_graph_lan
     lanes' end state rebuilt from the transcript, not exported from the failed round):
     the same tokens, the same turns, and after a rewind the same next reply."""
     core, lanes = _overflowing_engines(tmp_path, lm_bias=3.0)
-    sessions = [eng.session(draft=draft, max_new_tokens=12) for eng in (core, lanes)]
+    sessions = [eng.session(draft=draft, max_new_tokens=8) for eng in (core, lanes)]  # (100: the 7th token)
     for s in sessions:
         with pytest.raises(ValueError, match="NaN"):
             s.send([4, 29, 3])  # (greedy: 100 after a few tokens, then fed)
@@ -1024,7 +1031,7 @@ def test_a_session_turn_that_overflows_mid_way_keeps_its_rounds_on_the_graph_lan
     assert a.num_turns == b.num_turns == 1 and a.tokens == b.tokens and len(a.tokens) > 4
     for s in sessions:
         s.rewind(1)
-    assert a.send([8, 57, 3]).tokens == b.send([8, 57, 3]).tokens  # (no 100 in its 12 tokens)
+    assert a.send([8, 57, 3]).tokens == b.send([8, 57, 3]).tokens  # (no 100 in its 8 tokens)
     assert b.last_stats["path"] == "batch-graphs"
 
 
@@ -1046,7 +1053,7 @@ def test_a_row_after_an_accepted_stop_draft_that_overflows_changes_nothing(tmp_p
         out = eng.generate(p, spec=spec, reference=[76, 47, 100] + [0] * 20, **kw)
         assert (out.tokens, out.stop_reason) == (plain.tokens, "eos")
     assert out.stats["path"] == "batch-graphs"
-    prompts = [[i, (7 * i) % 97 + 1, 3] for i in range(1, 5)]
+    prompts = [[1, 8, 3], [4, 29, 3]]  # (two lanes: both end on 100, after 8 and 2 tokens)
     kw.update(draft=3, params=SamplingParams(temperature=0.9, seed=4))
     want, got = core.generate_batch(prompts, **kw), lanes.generate_batch(prompts, **kw)
     assert [(w.tokens, w.stop_reason) for w in want] == [(g.tokens, g.stop_reason) for g in got]
