@@ -353,15 +353,16 @@ def engine_call(engine_of=lambda obj: obj):
     return wrap
 
 
-def _cancellable(stream, cancel, requests: list):
+def _cancellable(stream, cancel, requests: list | None):
     """A request's on_tokens that also asks `cancel()` after each emitting round: once True,
-    every request of the call is asked to stop (Request.cancel_requested: the engine core and
-    the CUDA-graph lanes end it after its round, stop_reason "cancelled")."""
+    every request of `requests` (None: the request r itself) is asked to stop
+    (Request.cancel_requested: the engine core and the CUDA-graph lanes end it after its
+    round, stop_reason "cancelled")."""
     def on_tokens(r, toks):
         if stream is not None:
             stream(r, toks)
         if cancel():
-            for q in requests:
+            for q in (requests if requests is not None else [r]):
                 q.cancel_requested = True
     return on_tokens
 
@@ -808,7 +809,7 @@ class Engine:
     def generate_batch(self, prompts: list, *, max_new_tokens=64, params=None, draft=None,
                        spec: SpecOptions | None = None, stop_ids=None, ignore_eos: bool = False,
                        max_batch: int = 16, on_tokens=None, on_finish=None, constraint=None,
-                       logprobs=None, stop=None) -> list[Output]:
+                       logprobs=None, stop=None, cancel=None) -> list[Output]:
         """One Output per prompt, in order. max_new_tokens, params, draft and logprobs (None,
         or N: each token's log-probability and top-N in Output.logprobs) may each be one
         value for all prompts or a list with one per prompt (a draft of None: spec's k when
@@ -822,7 +823,13 @@ class Engine:
         cannot go on: hyspec.core.scheduler.ConstraintFailure; its logits overflow:
         hyspec.sampling.NonFiniteLogits) ends with stop_reason "error" and the reason in its
         stats["error"]; the other prompts' outputs are returned as usual (generate() raises
-        such an error instead)."""
+        such an error instead).
+        cancel: None; a callable () -> bool, asked after each round that emits tokens for any
+        prompt: once it returns True, every prompt still running or waiting ends with
+        stop_reason "cancelled" (a prompt that already ended keeps its output); or a list with
+        one entry per prompt (a callable () -> bool or None), asked after that prompt's own
+        rounds and ending that prompt alone. A cancelled prompt's tokens and stats are those of
+        its run so far, as in generate."""
         if hasattr(prompts, "tolist") and getattr(prompts, "ndim", 0) == 2:  # a 2-D array / tensor of ids
             prompts = prompts.tolist()
         if isinstance(prompts, (str, bytes, dict, set, frozenset)) or not hasattr(prompts, "__len__") \
@@ -831,6 +838,10 @@ class Engine:
         for name, fn in (("on_tokens", on_tokens), ("on_finish", on_finish)):
             if fn is not None and not callable(fn):
                 raise ParamError(name, fn, "must be a callable (prompt index, ...) or None")
+        if cancel is not None and not callable(cancel) and not (
+                isinstance(cancel, (list, tuple)) and all(c is None or callable(c) for c in cancel)):
+            raise ParamError("cancel", cancel, "must be a callable () -> bool, a list of one such callable (or None) "
+                                               "per prompt, or None")
         if stop_ids is not None:
             stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)
             from hyspec.core.scheduler import check_stop
@@ -853,6 +864,8 @@ class Engine:
             stops_each = [stop_list(x) for x in stop]
         else:
             stops_each = [stop_list(stop)] * n
+        if isinstance(cancel, (list, tuple)) and len(cancel) != n:
+            raise ValueError(f"cancel has {len(cancel)} entries for {n} prompts")
         limits, params_each = per("max_new_tokens", max_new_tokens), per("params", params)
         drafts, constraints, lps = per("draft", draft), per("constraint", constraint), per("logprobs", logprobs)
         for c in constraints:
@@ -872,6 +885,10 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             stream = None if on_tokens is None else (lambda r, t, i=i: on_tokens(i, t))
+            if callable(cancel):  # one for the call: asks every request to stop (requests: the whole list)
+                stream = _cancellable(stream, cancel, requests)
+            elif cancel is not None and cancel[i] is not None:  # this prompt's own
+                stream = _cancellable(stream, cancel[i], None)
             cuts.append(StopStrings(self, stops_each[i], stops) if stops_each[i] else None)
             caps.append(capped)
             finished = None if on_finish is None else (

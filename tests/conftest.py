@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,6 +20,13 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# A suite started in the background by a shell without job control (`pytest ... &`, nohup)
+# inherits SIGINT ignored, and so would every CLI the tests start and interrupt: their
+# Ctrl-C tests would see no KeyboardInterrupt. Python's own handler here: the children
+# start with SIGINT at its default again (an exec keeps ignored signals only).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Interpreter mode for Triton is decided once, before anything imports triton: only on
 # machines without CUDA, so it can never leak into GPU tests in the same run.

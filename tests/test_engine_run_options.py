@@ -55,6 +55,41 @@ def test_cancel_ends_the_samples_after_the_round_with_their_stats(tiny, graphs):
     assert e.value.field == "cancel"
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["core", "graph-lanes"])
+def test_generate_batch_cancel_for_the_call_or_per_prompt(tiny, graphs):
+    """generate_batch(cancel=fn) ends every prompt, running or still waiting for a slot
+    (max_batch 2 of 3 prompts), after the round where fn() turned True; cancel=[...] (one
+    entry per prompt) ends only the prompts whose own callable says so, the others' outputs
+    are bitwise what they are without it. A cancelled prompt's tokens are a prefix of its
+    uncancelled output and its stats count them."""
+    if graphs:
+        pytest.importorskip("triton")
+    eng = Engine.load(tiny)
+    eng.batch_graphs = graphs  # (the CUDA-graph lanes through the Triton interpreter: CI's time, fewer tokens)
+    prompts, n = [PROMPT, PROMPT[:2], [7, 8, 9]], (6 if graphs else 12)
+    kw = dict(max_new_tokens=n, draft=2, ignore_eos=True, max_batch=2,
+              params=[None, SamplingParams(temperature=0.9, seed=4), None])
+    full = [o.tokens for o in eng.generate_batch(prompts, **kw)]
+    seen = []
+    outs = eng.generate_batch(prompts, **kw, on_tokens=lambda i, ids: seen.append(i), cancel=lambda: len(seen) >= 1)
+    assert [o.samples[0].stop_reason for o in outs] == ["cancelled"] * 3
+    for o, want in zip(outs, full):
+        assert o.tokens == want[:len(o.tokens)] and len(o.tokens) < n
+        assert o.samples[0].stats["generated_tokens"] == len(o.tokens)
+    assert outs[2].tokens == [] and 2 not in seen  # it waited for a slot: it never ran
+    # one prompt's own cancel ends it alone
+    outs = eng.generate_batch(prompts, **kw, cancel=[None, lambda: True, None])
+    assert [o.samples[0].stop_reason for o in outs] == ["length", "cancelled", "length"]
+    assert [outs[0].tokens, outs[2].tokens] == [full[0], full[2]]
+    assert outs[1].tokens and outs[1].tokens == full[1][:len(outs[1].tokens)] and len(outs[1].tokens) < n
+    if graphs:
+        return
+    assert [o.tokens for o in eng.generate_batch(prompts, **kw, cancel=lambda: False)] == full
+    for bad, err in ((True, ParamError), ([None, 3, None], ParamError), ([None], ValueError)):
+        with pytest.raises(err, match="cancel"):
+            eng.generate_batch(prompts, **kw, cancel=bad)
+
+
 def test_lanes_and_optimistic_without_a_pipeline_are_refused(tiny):
     """Engine.lanes > 1 and Engine.optimistic act on pipeline stages only (hyspec generate
     refuses --lanes / --optimistic without --pp N >= 2): without one, a request (and a new session) is refused

@@ -381,8 +381,13 @@ class Scheduler:
         self._finish_request(s.req, reason, exc)
 
     def _finish_request(self, req: Request, reason: str, exc: Exception | None = None) -> None:
+        """End a request that holds no sequence (it waited, or failed at admission): its stats
+        say so (no token, no time), with the same keys as an admitted one's first ones."""
         req.done = True
         req.stop_reason = reason
+        if not req.stats:
+            req.stats = {"prompt_tokens": len(req.prompt_ids or ()), "generated_tokens": 0, "prefill_s": 0.0,
+                         "decode_s": 0.0, "decode_tok_s": None, "time_to_first_token_s": None, "cached_tokens": 0}
         if exc is not None:
             req.error = f"{type(exc).__name__}: {exc}"
             req.exception = exc

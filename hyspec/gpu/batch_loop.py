@@ -873,13 +873,21 @@ def run_requests(dec: BatchDecoder, reqs, max_batch: int, store=None) -> None:
         if r.on_finish is not None:
             r.on_finish(r)
 
+    asked: set[int] = set()  # the lanes handed to runner.cancel
+
+    def cancel_asked() -> None:  # every request asked to stop, running or still waiting for a lane
+        for q, lq in zip(reqs, lanes):
+            if q.cancel_requested and id(lq) not in asked:
+                asked.add(id(lq))
+                runner.cancel(lq)
+
     for r, lr in zip(reqs, lanes):
         runner.check(lr)
-        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested)
-            def on_tokens(toks, inner=lr.on_tokens, r=r, lr=lr):
+        if lr.on_tokens is not None:  # a callback may ask to stop (Request.cancel_requested), this
+            def on_tokens(toks, inner=lr.on_tokens, r=r):  # request or (generate's cancel) others too
                 inner(toks)
                 if r.cancel_requested:
-                    runner.cancel(lr)
+                    cancel_asked()
             lr.on_tokens = on_tokens
         if not r.keep:  # as it leaves its lane (state_of, for a session turn, needs the decoder idle)
             lr.on_finish = lambda lr, r=r: finish(r, lr)
