@@ -59,7 +59,7 @@ import torch
 
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.state import SeqState, bytes_checksum, capture, check_state
-from hyspec.engine import engine_call
+from hyspec.engine import _cancellable, engine_call
 from hyspec.files import write_whole
 from hyspec.sampling import ParamError, SamplingParams, int_in
 from hyspec.speculative.loop import MAX_DRAFT
@@ -322,7 +322,7 @@ class Session:
     @_not_in_own_turn
     def send(self, message, *, max_new_tokens: int | None = None, params: SamplingParams | None = None,
              draft: int | None = None, stop_ids=None, on_tokens=None, constraint=None, logprobs: int | None = None,
-             stop=None, stop_skips_opening_break: bool = False):
+             stop=None, stop_skips_opening_break: bool = False, cancel=None):
         """Append `message` (text or token ids) to the conversation and generate; returns the
         turn's Output (stats: this turn; stats["session"]: the whole session; the store's stats).
         on_tokens(new_ids) is called as rounds commit tokens. constraint: this turn's (None: the
@@ -335,7 +335,12 @@ class Session:
         its text ends before the stop string. stop_skips_opening_break: a line break that opens
         the reply is no part of a match (a match begins after it): `hyspec chat`'s plain
         template sends a line without its newline, so the model's reply opens with it, and
-        `--stop "\\n"` still ends a reply at the end of its first whole line."""
+        `--stop "\\n"` still ends a reply at the end of its first whole line.
+        cancel: None, or a callable () -> bool asked after each round that emits tokens (after
+        on_tokens): once True the reply ends after that round, stop_reason "cancelled", and the
+        turn is kept as it stands (its tokens are in the transcript, the next turn goes on
+        from them exactly as after a turn that had ended there by max_new_tokens; rewind(1)
+        drops it). A Ctrl-C (KeyboardInterrupt) mid-turn undoes the whole turn instead."""
         from hyspec.core.scheduler import check_stop
         from hyspec.engine import Sample, StopStrings, _int_arg, _token_ids, stop_list
         from hyspec.engine import _bool_arg as bool_arg
@@ -345,6 +350,8 @@ class Session:
         ids = eng.encode(message, arg="message")  # text, or token ids (integers: 1.7 is refused, not truncated)
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be a callable (new token ids) or None, got {on_tokens!r}")
+        if cancel is not None and not callable(cancel):
+            raise ParamError("cancel", cancel, "must be a callable () -> bool or None")
         if params is not None and not isinstance(params, SamplingParams):
             raise ParamError("params", params, "must be a hyspec.sampling.SamplingParams (or None: the session's)")
         n_drafts = self.draft if draft is None else _int_arg("draft", draft, 0, MAX_DRAFT)
@@ -389,6 +396,8 @@ class Session:
         if cut is not None and not ids and self._reply:  # "go on": the reply so far comes first
             cut.prime(self._reply)
         stream = None if on_tokens is None else (lambda r, t: on_tokens(t))
+        if cancel is not None:
+            stream = _cancellable(stream, cancel, None)  # (Request.cancel_requested: ends after the round)
         matcher = self._turn_constraint(ids, constraint)
         req = Request(prompt_ids=ids, max_new_tokens=limit, params=params if params is not None else self.params,
                       draft=n_drafts, spec=opts, stop_ids=stops, stop_text=cut, on_tokens=stream, keep=True,

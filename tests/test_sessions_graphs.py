@@ -166,3 +166,28 @@ def test_continue_turns_sample_as_the_engine_core(zoo):
     assert paths == ["batch-graphs"] * 3
     if ON_CPU:
         assert got == turns(core_engine(zoo, "qwen3_5"))[0]
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["core", "lanes"])
+def test_a_cancelled_turn_is_kept_as_a_turn_that_ended_there(zoo, lanes):
+    """Session.send(cancel=fn): the reply ends after the round where fn() turned True
+    (stop_reason "cancelled") and the turn is kept as it stands: its tokens are the ones
+    streamed, the target's state and the next turn's tokens equal a session whose turn
+    ended there by max_new_tokens (engine core and lanes); cancel must be callable."""
+    from hyspec.sampling import ParamError
+
+    eng = graph_engine(zoo, "qwen3_5") if lanes else core_engine(zoo, "qwen3_5")
+    msgs = messages(eng.model.cfg.vocab_size, 2, seed=9)
+    s = eng.session(draft=2, max_new_tokens=8, use_store=False)
+    seen = []
+    out = s.send(msgs[0], on_tokens=seen.extend, cancel=lambda: len(seen) >= 2)
+    assert out.samples[0].stop_reason == "cancelled" and 2 <= len(out.tokens) < 8 and out.tokens == seen
+    assert (out.stats.get("path") == "batch-graphs") == lanes
+    ref = eng.session(draft=2, max_new_tokens=8, use_store=False)
+    assert ref.send(msgs[0], max_new_tokens=len(out.tokens)).tokens == out.tokens
+    assert s.tokens == ref.tokens
+    assert_same(target_part(s.state()), target_part(ref.state()), "after the cancelled turn")
+    assert s.send(msgs[1], max_new_tokens=4).tokens == ref.send(msgs[1], max_new_tokens=4).tokens
+    assert_same(target_part(s.state()), target_part(ref.state()), "the next turn")
+    with pytest.raises(ParamError, match="cancel"):
+        s.send(msgs[1], cancel=True)

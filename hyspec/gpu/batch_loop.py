@@ -63,7 +63,7 @@ class LaneRequest:
     resume: Any = None  # a stored SeqState the prompt extends: the lane loads it and prefills only the rest
     carry_k: bool = False  # adaptive K: start at the resumed state's k_next (a session's own turn, not a store hit)
     on_state: Callable[[Any], None] | None = None  # takes its end state (a SeqState) at an exact eos / length end
-    keep: bool = False  # a session turn: on_state takes the end state at every end but a cancel
+    keep: bool = False  # a session turn: on_state takes the end state at every end but an error
     adaptive_floor: int | None = None  # adaptive K: next round's k = clamp(accepted + 1, floor, k); None: fixed k
     p_min: float = 0.0  # SpecOptions.p_min: drafting stops at a draft the drafter gives less probability than this
     logprobs: int | None = None  # N: each emitted token's log-probability (raw target logits) and top-N
@@ -386,9 +386,9 @@ class BatchRunner:
     @staticmethod
     def _keeps(r: LaneRequest) -> bool:
         """Whether r's end state goes to r.on_state (store: eos / length; a session turn:
-        every end but a cancel)."""
-        return r.on_state is not None and (r.reason in KEPT_ENDS or (r.keep and r.reason != "cancelled"
-                                                                      and r.exception is None))
+        every end without an error, a cancel too: Session.send(cancel=) keeps the turn as it
+        stands; export hands over only a state that is exactly the transcript's)."""
+        return r.on_state is not None and (r.reason in KEPT_ENDS or (r.keep and r.exception is None))
 
     def _keep_state(self, lane: int, r: LaneRequest) -> None:
         """Hand lane's end state to r.on_state (when it is exactly r's transcript's)."""
@@ -628,8 +628,9 @@ class BatchRunner:
         if not self.pipeline or any(r.reason is not None or r.constraint is not None or r.adaptive_floor is not None
                                     for r in self.active):
             return False  # (a masked round needs this round's tokens for its first mask; adaptive K, its n)
-        if any(r.on_state is not None and (r.stop_ids or r.stop_text is not None) for r in self.active):
-            return False  # a stop token ending this round would leave the lane a round past its end state
+        if any(r.on_state is not None and (r.keep or r.stop_ids or r.stop_text is not None) for r in self.active):
+            return False  # a stop token ending this round (or a session turn's cancel, Session.send(cancel=)) would
+            # leave the lane a round past its end state
         with self._lock:
             if self._cancelled or (self._submitted and len(self.active) < self.cap):
                 return False
