@@ -574,6 +574,11 @@ MADE_BY = {
                                         "tests/test_sessions_graphs.py tests/test_stop_strings.py tests/test_batch.py` "
                                         "(H100; the session, prefix-store, stop-string and batch tests on CUDA at the "
                                         "session's last code change; header in the log)",
+    "gpu_tests_cancel_h100.txt": "`HYSPEC_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -rfEXs tests/test_sessions.py "
+                                 "tests/test_session_state.py tests/test_prefix_store.py tests/test_graph_store.py "
+                                 "tests/test_sessions_graphs.py tests/test_batch_logprobs.py tests/test_batch_adaptive.py "
+                                 "tests/test_batch_pmin.py` (H100; session 58's cancelled session turns on the CUDA-graph "
+                                 "lanes, at its last code change; no device started for the whole suite; header in the log)",
     "gpu_tests_latest_h100.txt": "`bash bench/gpu_tests.sh` (H100, `HYSPEC_B2_EXACT=500,2`, `-n 8`; the latest run of "
                                  "the whole suite, on main: no H200 came that session)",
     "gpu_tests_latest_h200.txt": "`bash bench/gpu_tests.sh` (H200; the latest run of the whole suite, on main after the "
