@@ -178,12 +178,14 @@ def test_a_cancelled_turn_is_kept_as_a_turn_that_ended_there(zoo, lanes):
 
     eng = graph_engine(zoo, "qwen3_5") if lanes else core_engine(zoo, "qwen3_5")
     msgs = messages(eng.model.cfg.vocab_size, 2, seed=9)
-    s = eng.session(draft=2, max_new_tokens=8, use_store=False)
+    # (ignore_eos: no stop id, so only the session-turn rule keeps the lanes from queueing a round ahead of the
+    # cancel, which would leave the lane's state a round past the transcript)
+    s = eng.session(draft=2, max_new_tokens=8, use_store=False, ignore_eos=True)
     seen = []
     out = s.send(msgs[0], on_tokens=seen.extend, cancel=lambda: len(seen) >= 2)
     assert out.samples[0].stop_reason == "cancelled" and 2 <= len(out.tokens) < 8 and out.tokens == seen
     assert (out.stats.get("path") == "batch-graphs") == lanes
-    ref = eng.session(draft=2, max_new_tokens=8, use_store=False)
+    ref = eng.session(draft=2, max_new_tokens=8, use_store=False, ignore_eos=True)
     assert ref.send(msgs[0], max_new_tokens=len(out.tokens)).tokens == out.tokens
     assert s.tokens == ref.tokens
     assert_same(target_part(s.state()), target_part(ref.state()), "after the cancelled turn")
