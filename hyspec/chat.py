@@ -15,8 +15,10 @@ An empty line continues the reply (sends nothing new; the pending token runs fir
 continuation is shown on the reply's line (on a terminal its last line is drawn again below
 the prompt), for a reply cut by --max-new-tokens and, with the plain template, for one ended
 by a stop string or EOS too. With a chat template only a cut
-reply goes on (an empty message would end it). Ctrl-C during a reply stops it and undoes
-the turn; at the prompt it only says how to leave.
+reply goes on (an empty message would end it). Ctrl-C during a reply stops it after the
+round in flight and keeps it as it stands, as a cut reply (an empty line continues it,
+/rewind drops it); a second Ctrl-C before that round ends stops at once and undoes the
+turn. At the prompt Ctrl-C only says how to leave.
 
 The prompt text is the conversation rendered with the checkpoint's chat template
 (hyspec/chat_template.py; the plain template when the checkpoint has none: the embedded
@@ -39,6 +41,7 @@ import unicodedata
 from pathlib import Path
 
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
+from hyspec.interrupt import stop_on_ctrl_c
 
 HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /help  /quit (or /exit)  (//text sends /text)"
 
@@ -154,11 +157,12 @@ class Chat:
         self._show()
 
     # -- a turn ------------------------------------------------------------------------
-    def user(self, text: str, typed: str | None = None) -> dict:
+    def user(self, text: str, typed: str | None = None, cancel=None) -> dict:
         """Send one input line (an empty one: the reply goes on, nothing new is sent). Returns
         the turn's stats ({} when there was nothing to continue). typed: the line as a
         terminal echoed it after the prompt (None: no echo, e.g. piped input); a reply that
-        goes on on that line is drawn after it."""
+        goes on on that line is drawn after it. cancel: a callable () -> bool asked after each
+        round (Session.send's): once True the reply stops there and is kept, as a cut one."""
         eng, session = self.eng, self.session
         go_on = not text
         if go_on and not (session.tokens and (self.plain or self.cut)):
@@ -222,7 +226,7 @@ class Chat:
         before = (list(self.messages), self.rendered, self.cut)
         try:
             out = session.send(ids, on_tokens=stream, stop=self.stop or None, max_new_tokens=limit,
-                               stop_skips_opening_break=self.plain and not go_on)
+                               stop_skips_opening_break=self.plain and not go_on, cancel=cancel)
         except BaseException:
             if restart:  # the old conversation stays, whole
                 session.close()
@@ -233,10 +237,13 @@ class Chat:
             self.session.park()
             self.previous.append((self.session, self.stack))
             self.session, self.stack = session, []
-        cut = out.samples[0].stop_reason == "length"
+        reason = out.samples[0].stop_reason
+        cut = reason in ("length", "cancelled")  # (stopped by a Ctrl-C: kept as a cut reply, which goes on)
         self._record(before, messages_now, full, go_on, out.tokens, cut)
-        if cut and limit < session.max_new_tokens:  # the context, not --max-new-tokens, cut it
+        if reason == "length" and limit < session.max_new_tokens:  # the context, not --max-new-tokens, cut it
             self.say(f"[the reply reached the model's context of {eng.context_length} tokens: /rewind or /reset]")
+        elif reason == "cancelled":
+            self.say("[stopped: the reply so far is kept; an empty line continues it, /rewind drops it]")
         elif cut or self.plain:  # the line stays open: an empty line continues it there (the plain
             self._show()      # template's replies all go on, a stop string's or EOS's end too)
         else:
@@ -391,9 +398,15 @@ def _is_terminal(f) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args, parse_ids
-
-    from hyspec.cli.common import HelpFormatter, OneLineParser
+    from hyspec.cli.common import (
+        HelpFormatter,
+        OneLineParser,
+        add_constraint_args,
+        add_model_args,
+        add_sampling_args,
+        add_spec_args,
+        parse_ids,
+    )
 
     p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP,
                       formatter_class=HelpFormatter)  # (its --help showed no defaults, 128 tokens a reply among them)
@@ -473,7 +486,9 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         chat.template_kwargs = kwargs
         chat.stop = stops
     except (ValueError, OSError, ImportError) as e:
-        from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
+        from hyspec.cli.dispatch import (
+            error_message,  # a ParamError names the flag typed (--top-p)
+        )
 
         print(f"hyspec chat: error: {error_message(e)}", file=sys.stderr)
         return 2
@@ -515,8 +530,12 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                 if not chat.command(line):
                     break
             else:  # a line starting with "//" is a message starting with "/"
-                chat.user(line[1:] if line.startswith("//") else line, typed=line if tty else None)
-        except KeyboardInterrupt:  # Ctrl-C during a reply stops it: the turn is undone, the chat goes on
+                # a first Ctrl-C during the reply stops it after the round in flight, kept (see
+                # Chat.user); a second one raises KeyboardInterrupt at once
+                with stop_on_ctrl_c({}) as pressed:
+                    chat.user(line[1:] if line.startswith("//") else line, typed=line if tty else None,
+                              cancel=lambda: pressed["sigint"])
+        except KeyboardInterrupt:  # a Ctrl-C that stops a reply at once: the turn is undone, the chat goes on
             chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if not
                      line.startswith("/") else "[interrupted]")
         except (ValueError, OSError, RuntimeError) as e:

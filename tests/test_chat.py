@@ -574,8 +574,10 @@ def test_stats_after_rewind_count_only_the_turns_left(run_chat):
 
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(run_chat):
-    """Ctrl-C during a reply drops that turn (the conversation is as before it) and the chat
-    goes on; Ctrl-C at the prompt is a note, not the end (was: the whole chat ended)."""
+    """A Ctrl-C that stops a reply at once (a KeyboardInterrupt raised inside it: a second
+    press, or where no handler of ours runs) drops that turn (the conversation is as before
+    it) and the chat goes on; Ctrl-C at the prompt is a note, not the end (was: the whole chat
+    ended)."""
     import io
 
     class Interrupting(io.StringIO):
@@ -609,6 +611,50 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(run_chat):
     s = stats_lines(text)
     assert s[0]["turns"] == 0 and s[0]["context_tokens"] == 0
     assert s[1]["turns"] == 1 and s[1]["turn_tokens"] == want["turn_tokens"]
+
+
+@pytest.mark.parametrize("draft", ["0", "2"])
+def test_a_first_ctrl_c_keeps_the_reply_so_far_and_a_second_drops_it(run_chat, draft):
+    """A real SIGINT during a reply (sent from the stream's write, as a terminal's Ctrl-C
+    arrives mid-reply): one press stops the reply after its round and keeps it, a cut reply
+    (the chat says so; the conversation's state == a chat whose reply --max-new-tokens cut at
+    the same length; an empty line continues it); two presses stop at once and undo the turn
+    (was: any Ctrl-C undid the turn, the text on screen forgotten). Our SIGINT handler is
+    gone afterwards."""
+    import io
+    import os
+    import signal
+
+    class PressingCtrlC(io.StringIO):
+        def __init__(self, presses):
+            super().__init__()
+            self.presses, self.n = presses, 0
+
+        def write(self, s):
+            self.n += 1
+            if self.n == 2:  # the reply's second round on screen
+                for _ in range(self.presses):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return super().write(s)
+
+    before = signal.getsignal(signal.SIGINT)
+    assert before not in (signal.SIG_IGN, None)  # (tests/conftest.py restores a background run's)
+    flags = ("--max-new-tokens", "24", "--draft", draft, "--ignore-eos")
+    whole = stats_lines(run_chat(["def f(x):", "/stats"], *flags))[0]
+    text = run_chat([], *flags, stdin=io.StringIO("def f(x):\n/stats\n\n/stats\n"), stdout=PressingCtrlC(1))
+    assert "[stopped: the reply so far is kept" in text and "[interrupted" not in text
+    s = stats_lines(text)
+    m = len(s[0]["turn_tokens"])  # (the turn's token ids)
+    assert s[0]["turns"] == 1 and 1 <= m < len(whole["turn_tokens"]) == 24
+    assert s[0]["turn_tokens"] == whole["turn_tokens"][:m]
+    cut = stats_lines(run_chat(["def f(x):", "/stats"], "--max-new-tokens", str(m), "--draft", draft, "--ignore-eos"))[0]
+    assert s[0]["state_digest"] == cut["state_digest"] and s[0]["context_tokens"] == cut["context_tokens"]
+    assert s[1]["context_tokens"] == s[0]["context_tokens"] + 24  # the empty line went on from it
+    assert signal.getsignal(signal.SIGINT) is before
+    text = run_chat([], *flags, stdin=io.StringIO("def f(x):\n/stats\n"), stdout=PressingCtrlC(2))
+    assert "[interrupted: the reply is dropped" in text and "[stopped" not in text
+    assert stats_lines(text)[0]["turns"] == 0 and stats_lines(text)[0]["context_tokens"] == 0
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_rewind_into_a_loaded_session_without_a_chat_record(run_chat, default_engine, tmp_path):
@@ -671,6 +717,16 @@ def test_empty_line_with_a_chat_template_continues_the_cut_reply(zoo, tmp_path):
     assert out.getvalue().endswith("\n" + eng.decode(whole))  # one reply, no break at the cut
     c.command("/rewind")
     assert c.cut and c.messages[-1]["content"] == eng.decode(whole[:6])
+    # a reply stopped by cancel (a first Ctrl-C) is kept as a cut one: an empty line goes on
+    out = io.StringIO()
+    c = Chat(eng, eng.session(max_new_tokens=8, ignore_eos=True), d, out=out)
+    asked = []  # (asked after each round: one token each without drafts)
+    c.user("hello", cancel=lambda: asked.append(1) or len(asked) == 4)
+    assert c.cut and "[stopped: the reply so far is kept" in out.getvalue()
+    assert len(c.session.tokens) == len(eng.encode(prompt)) + 4
+    assert c.messages[-1]["content"] == eng.decode(c.session.tokens[len(eng.encode(prompt)):])
+    c.user("")
+    assert c.session.tokens == eng.encode(prompt) + whole  # (4 + 8 tokens: the uncut reply's 12)
 
 
 def test_chat_template_kwargs_reach_the_template(zoo, tmp_path, capsys):

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from hyspec.config import FULL, ModelConfig, finite_json
+from hyspec.interrupt import stop_on_ctrl_c
 from hyspec.model.hybrid import HybridLM
 from hyspec.provenance import git_state
 from hyspec.train import forward as fwd
@@ -65,32 +63,6 @@ class TrainingFailed(ValueError):
 
 
 INTERRUPTED = "interrupted (Ctrl-C)"
-
-
-@contextmanager
-def _stop_on_ctrl_c(flag: dict):
-    """While training and until the checkpoint is written: a first Ctrl-C (SIGINT) only sets
-    flag["sigint"], so the loop stops at the next step's boundary (never inside an optimizer
-    step) and the run evaluates and writes what it learnt (after the last step: it finishes as
-    planned); a second one raises KeyboardInterrupt at once (nothing is written: the save is
-    atomic). The previous handler is back on exit. Off the main thread (where Python
-    delivers no signals), with SIGINT ignored (a background job: Ctrl-C is not for it) or
-    handled outside Python, it does nothing."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
-        yield
-        return
-
-    def on_sigint(signum, frame):
-        if flag["sigint"]:
-            raise KeyboardInterrupt
-        flag["sigint"] = True
-
-    old = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=print) -> dict:
@@ -378,7 +350,7 @@ def train(a: TrainConfig, streams: dict[str, torch.Tensor] | None = None, log=pr
         log(f"wrote {out} (model.safetensors {size:,} bytes; {n_params:,} params) in {result['total_seconds']}s total")
         return result
 
-    with _stop_on_ctrl_c(st):
+    with stop_on_ctrl_c(st):  # (a first Ctrl-C stops at the next step; a second aborts)
         try:
             train_loop()
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # keep what was learnt so far (checked below)
