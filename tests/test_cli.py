@@ -165,6 +165,47 @@ def test_generate_draft3_equals_draft0_greedy(ckpt, capsys) -> None:
             == plain["tokens"]
 
 
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_in_generate_writes_what_was_made_or_stops_at_once(ckpt, capsys, monkeypatch, presses) -> None:
+    """A real SIGINT mid-generation (sent as the third round starts): one press ends the
+    generation after that round and --json still prints the result, stop_reason "cancelled",
+    its tokens a prefix of the uninterrupted run's (plain and speculative), exit 130 (was:
+    nothing printed, "interrupted"); two presses stop at once (exit 130, no result). The SIGINT
+    handler is the previous one afterwards."""
+    import os
+    import signal
+
+    from hyspec.core import scheduler
+
+    before = signal.getsignal(signal.SIGINT)
+    assert before not in (signal.SIG_IGN, None)  # (tests/conftest.py restores a background run's)
+    for draft in ("0", "3"):
+        whole = gen(capsys, ckpt, "--max-new-tokens", "24", "--ignore-eos", "--draft", draft)
+        run_round, calls = scheduler.run_round, [0]
+
+        def pressing(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:
+                for _ in range(presses):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return run_round(*a, **k)
+
+        monkeypatch.setattr(scheduler, "run_round", pressing)
+        capsys.readouterr()
+        assert main(["generate", "--model", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-eos",
+                     "--draft", draft, "--json"]) == 130
+        monkeypatch.setattr(scheduler, "run_round", run_round)
+        cap = capsys.readouterr()
+        assert "interrupted" in cap.err and "Traceback" not in cap.err
+        if presses == 2:
+            assert cap.out == ""
+            continue
+        d = json.loads(cap.out)
+        assert d["stop_reason"] == "cancelled" and 1 <= len(d["tokens"]) < 24
+        assert d["tokens"] == whole["tokens"][:len(d["tokens"])]
+        assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_generate_stop_ids_plain_and_speculative(ckpt, capsys) -> None:
     full = gen(capsys, ckpt, "--max-new-tokens", "24")["tokens"]
     stop = full[9]

@@ -1,5 +1,9 @@
 """`hyspec generate`: one prompt (streamed as rounds commit) or a JSONL file of requests
-decoded together (`--prompts-file`, one JSON result per line in input order)."""
+decoded together (`--prompts-file`, one JSON result per line in input order).
+
+Ctrl-C: one prompt stops after the round in flight and its output is written as usual
+(stop_reason "cancelled"; a second Ctrl-C stops at once); a prompts file writes the lines
+finished so far. Either exits 130."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from hyspec.cli.common import (
 from hyspec.config import no_mtp_error
 from hyspec.core.scheduler import check_prompt, check_stop
 from hyspec.engine import stop_list
+from hyspec.interrupt import stop_on_ctrl_c
 from hyspec.sampling import ParamError, SamplingParams
 from hyspec.speculative.loop import MAX_DRAFT, SpecOptions
 
@@ -518,10 +523,14 @@ def run(args) -> int:
     stream = printer is not None and not args.no_stream and args.num_samples == 1 and not args.stop
     t0 = time.perf_counter()
     try:
-        out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft, spec=spec,
-                           stop_ids=args.stop_ids, ignore_eos=args.ignore_eos, num_samples=args.num_samples,
-                           on_tokens=printer if stream else None, constraint=constraint, logprobs=args.logprobs,
-                           stop=args.stop)
+        # a first Ctrl-C ends the generation after the round in flight: what it made is written
+        # as usual (stop_reason "cancelled"), exit 130; a second one stops at once
+        with stop_on_ctrl_c({}) as pressed:
+            out = eng.generate(prompt, max_new_tokens=args.max_new_tokens, params=params, draft=args.draft,
+                               spec=spec, stop_ids=args.stop_ids, ignore_eos=args.ignore_eos,
+                               num_samples=args.num_samples, on_tokens=printer if stream else None,
+                               constraint=constraint, logprobs=args.logprobs, stop=args.stop,
+                               cancel=lambda: pressed["sigint"])
     except BaseException:
         if stream and printer.current >= 0:  # the streamed text ends its line before the error's (it was glued
             printer._flush(final=True)  # onto it: "x = abhyspec generate: error: ...")
@@ -530,9 +539,13 @@ def run(args) -> int:
     fork = fork_telemetry(eng)
     if fork is not None:
         out.stats["fork"] = fork.to_dict()
+    code = 130 if any(x.stop_reason == "cancelled" for x in out.samples) else 0  # (the shell's status for Ctrl-C)
     if args.json:
-        print(json.dumps(out.to_dict()))
-        return 0
+        print(json.dumps(out.to_dict()), flush=True)
+        if code:
+            print("hyspec: interrupted (Ctrl-C): the output so far is written (stop_reason \"cancelled\")",
+                  file=sys.stderr)
+        return code
     if not stream:
         for i, sample in enumerate(out.samples):
             if sample.stop_reason == "stop" and args.stop:  # the text before the stop string
@@ -561,7 +574,9 @@ def run(args) -> int:
         print(SpecTelemetry.from_dict(stats["spec"]).summary_line(), file=sys.stderr)
     if fork is not None:
         print(fork.summary_line(), file=sys.stderr)
-    return 0
+    if code:
+        print("hyspec: interrupted (Ctrl-C): the output so far is written above", file=sys.stderr)
+    return code
 
 
 def print_logprobs(eng, out, top: int) -> None:
