@@ -14,12 +14,14 @@ from contextlib import contextmanager
 def stop_on_ctrl_c(flag: dict, key: str = "sigint"):
     """While inside: a first Ctrl-C (SIGINT) sets flag[key] = True (the caller looks at it at
     its boundaries); a second one, once flag[key] is True, raises KeyboardInterrupt. The
-    previous handler is back on exit. Off the main thread (where Python delivers no
-    signals), with SIGINT ignored (a background job: Ctrl-C is not for it) or handled outside
-    Python, it does nothing: a Ctrl-C then acts as the previous handler says."""
+    previous handler is back on exit. Only where Ctrl-C has Python's own handler (raise
+    KeyboardInterrupt): off the main thread (where Python delivers no signals), with SIGINT
+    ignored (a background job: Ctrl-C is not for it), handled outside Python or by another
+    handler of this process (a pipeline driver's, which defers the interrupt past an
+    exchange with its stages: hyspec.parallel), it does nothing and a Ctrl-C acts as before."""
     flag.setdefault(key, False)
     if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield flag
         return
 
