@@ -398,15 +398,9 @@ def _is_terminal(f) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hyspec.cli.common import (
-        HelpFormatter,
-        OneLineParser,
-        add_constraint_args,
-        add_model_args,
-        add_sampling_args,
-        add_spec_args,
-        parse_ids,
-    )
+    from hyspec.cli.common import add_constraint_args, add_model_args, add_sampling_args, add_spec_args, parse_ids
+
+    from hyspec.cli.common import HelpFormatter, OneLineParser
 
     p = OneLineParser(prog="hyspec chat", description="interactive chat with a kept session state; " + HELP,
                       formatter_class=HelpFormatter)  # (its --help showed no defaults, 128 tokens a reply among them)
@@ -486,9 +480,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         chat.template_kwargs = kwargs
         chat.stop = stops
     except (ValueError, OSError, ImportError) as e:
-        from hyspec.cli.dispatch import (
-            error_message,  # a ParamError names the flag typed (--top-p)
-        )
+        from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
 
         print(f"hyspec chat: error: {error_message(e)}", file=sys.stderr)
         return 2
