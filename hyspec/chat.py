@@ -11,6 +11,7 @@ Commands:
     /load FILE    continue a saved session (in this or any later process; its settings replace the flags)
     /quit         leave (end of input, Ctrl-D, too)
 A line starting with "//" is sent as a message starting with "/" (the first "/" dropped).
+--system TEXT opens the conversation (and each one after /reset) with a system message.
 An empty line continues the reply (sends nothing new; the pending token runs first); the
 continuation is shown on the reply's line (on a terminal its last line is drawn again below
 the prompt), for a reply cut by --max-new-tokens and, with the plain template, for one ended
@@ -57,6 +58,7 @@ class Chat:
         self.plain = self.template_source == "plain"
         self.template_kwargs: dict = {}  # extra template variables (--chat-template-kwargs)
         self.stop: list[str] = []  # stop strings (--stop): a reply ends with the token completing one
+        self.system: list[dict] = []  # the messages every conversation opens with (--system: a system message)
         self.messages: list[dict] = []
         self.rendered = ""  # the text the session's tokens stand for
         self.cut = False  # the last reply was cut by max_new_tokens: an empty line continues it
@@ -176,7 +178,8 @@ class Chat:
         else:
             # the transcript so far: the chat's record, or (a session loaded without one, or rewound
             # into turns before it) the session's own tokens, the last few decoded
-            before_text = self.rendered or (eng.decode(session.tokens[-4:]) if session.tokens else "")
+            before_text = self.rendered or (eng.decode(session.tokens[-4:]) if session.tokens else
+                                            self.render(self.messages, False) if self.messages else "")
             if self.plain and before_text and not before_text.endswith("\n"):
                 text = "\n" + text  # a new line of the transcript (see the module doc)
             messages_now = self.messages + [{"role": "user", "content": text}]
@@ -275,6 +278,23 @@ class Chat:
         self.stack.append(before)
         self.messages, self.rendered, self.cut = messages_now, full + text, cut
 
+    def set_system(self, text: str) -> None:
+        """Open the conversation (this one, still empty, and each after /reset) with a system
+        message. The template must render it: one that refuses a system role (or renders
+        nothing of it) is an error here, before the first turn."""
+        if self.session.tokens or self.messages:
+            raise ValueError("a system message opens a conversation: this one has begun")
+        system = [{"role": "system", "content": text}]
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            with_it, without = self.render(system + probe, True), self.render(probe, True)
+        except ValueError as e:
+            raise ValueError(f"--system: the chat template ({self.template_source}) refuses a system message: "
+                             f"{e}") from None
+        if text and with_it == without:
+            raise ValueError(f"--system: the chat template ({self.template_source}) leaves a system message out")
+        self.system, self.messages = system, list(system)
+
     # -- commands ----------------------------------------------------------------------
     def command(self, line: str) -> bool:
         """Run a /command; returns False for /quit."""
@@ -311,7 +331,7 @@ class Chat:
         elif cmd == "/reset":
             self.session.reset()
             self._close_previous()
-            self.messages, self.rendered, self.cut, self.stack = [], "", False, []
+            self.messages, self.rendered, self.cut, self.stack = list(self.system), "", False, []
             self.say("[reset]")
         elif cmd == "/stats":
             self.say("[stats] " + json.dumps(self.stats()))
@@ -413,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "reply keeps the text, as the conversation does")
     p.add_argument("--chat-template", default=None, type=os.path.expanduser, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message that opens the conversation (and each one after /reset); with the "
+                        "plain template its text opens the transcript")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "(the Qwen3 / Qwen3.5 templates' switch for answers without a thinking part)")
@@ -479,6 +502,8 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         chat = Chat(eng, session, out=stdout)
         chat.template_kwargs = kwargs
         chat.stop = stops
+        if args.system is not None:
+            chat.set_system(args.system)
     except (ValueError, OSError, ImportError) as e:
         from hyspec.cli.dispatch import error_message  # a ParamError names the flag typed (--top-p)
 

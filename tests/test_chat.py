@@ -193,6 +193,69 @@ def test_chat_with_a_checkpoint_template_sends_only_the_new_text(zoo, tmp_path):
     assert c.session.tokens == first and len(c.messages) == 2
 
 
+def test_a_system_message_opens_the_conversation_and_each_after_reset(zoo, tmp_path, monkeypatch, capsys):
+    """`hyspec chat --system TEXT`: the first turn's prompt is the template's rendering of the
+    system message and the user's (the transcript == a session sent that text), /reset and
+    /rewind to the start keep it; with the plain template its text opens the transcript and
+    the line starts on a new line; a template that refuses or drops a system message is a
+    one-line error naming the flag, before any turn."""
+    import io
+    import shutil
+
+    from hyspec.chat import Chat, main
+    from hyspec.cli import common
+
+    d, eng = _chatml_engine(zoo, tmp_path)
+    sys_msg = [{"role": "system", "content": "Be terse."}]
+    text = render_chat(sys_msg + [{"role": "user", "content": "hello"}], d)
+    want = eng.encode(text) + eng.session(max_new_tokens=4, ignore_eos=True).send(text).tokens
+    c = Chat(eng, eng.session(max_new_tokens=4, ignore_eos=True), d, out=io.StringIO())
+    c.set_system("Be terse.")
+    c.user("hello")
+    assert c.session.tokens == want
+    assert c.messages[:2] == sys_msg + [{"role": "user", "content": "hello"}]
+    first = list(c.session.tokens)
+    c.command("/reset")
+    assert c.messages == sys_msg and not c.session.tokens
+    c.user("hello")
+    assert c.session.tokens == first
+    c.user("more")
+    c.command("/rewind 2")
+    assert c.messages == sys_msg and not c.session.tokens
+    c.user("hello")
+    assert c.session.tokens == first
+    with pytest.raises(ValueError, match="has begun"):
+        c.set_system("late")
+
+    # the plain template (the embedded code model): the text opens the transcript, the line after it
+    monkeypatch.setattr(common, "load_engine", lambda args: eng_plain)
+    from hyspec.engine import Engine
+
+    eng_plain = Engine.load()
+    out = io.StringIO()
+    assert main(["--system", "# helpers", "--max-new-tokens", "3", "--ignore-eos"],
+                stdin=io.StringIO("def f(x):\n/stats\n"), stdout=out) == 0
+    s = stats_lines(out.getvalue())[0]
+    prompt = eng_plain.encode("# helpers\ndef f(x):")
+    assert s["context_tokens"] == len(prompt) + 3
+    capsys.readouterr()
+
+    # a template without a system role: refused up front, naming the flag
+    d2 = tmp_path / "nosys"
+    shutil.copytree(d, d2)
+    for tpl, why in (("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                      "{% endif %}{{ m['content'] }}{% endfor %}", "refuses a system message: no system role"),
+                     ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}"
+                      "{% endfor %}", "leaves a system message out")):
+        (d2 / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl, "eos_token": "<|im_end|>"}))
+        e2 = Engine.load(d2, dtype="float64")
+        monkeypatch.setattr(common, "load_engine", lambda args: e2)
+        assert main(["--model", str(d2), "--system", "x"], stdin=io.StringIO("hi\n"), stdout=io.StringIO()) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hyspec chat: error: --system: the chat template") and why in err, err
+        assert "Traceback" not in err
+
+
 def test_chat_constraint_flags():
     """`hyspec chat --regex ...`: every reply matches; a bad pattern is an error naming the flag."""
     import io
