@@ -9,6 +9,8 @@ Commands:
                   rewound turn no longer counts), the prefix store, the state digest (JSON)
     /save FILE    write the session (state, rewind points, messages) to FILE
     /load FILE    continue a saved session (in this or any later process; its settings replace the flags)
+    /paste        the lines that follow, up to one that is only /end (or Ctrl-D), are one message, as
+                  typed (empty lines and lines starting with "/" included)
     /quit         leave (end of input, Ctrl-D, too)
 A line starting with "//" is sent as a message starting with "/" (the first "/" dropped).
 --system TEXT opens the conversation (and each one after /reset) with a system message.
@@ -44,7 +46,8 @@ from pathlib import Path
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
 from hyspec.interrupt import stop_on_ctrl_c
 
-HELP = "commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /help  /quit (or /exit)  (//text sends /text)"
+HELP = ("commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /paste (lines up to /end: one message)  "
+        "/help  /quit (or /exit)  (//text sends /text)")
 
 
 class Chat:
@@ -303,7 +306,7 @@ class Chat:
         cmd, _, arg = line.strip().partition(" ")
         arg = arg.strip()
         path = os.path.expanduser(arg)  # (/save ~/chat.pt)
-        if arg and cmd in ("/quit", "/exit", "/reset", "/stats", "/help"):  # (not done with an argument ignored)
+        if arg and cmd in ("/quit", "/exit", "/reset", "/stats", "/help", "/paste"):  # (not done with an argument ignored)
             raise ValueError(f"{cmd} takes no argument, got {arg!r}")
         if cmd in ("/quit", "/exit"):
             return False
@@ -361,6 +364,8 @@ class Chat:
             self.say(f"[loaded {len(new.tokens)} tokens from {arg}]")
         elif cmd == "/help":
             self.say(HELP)
+        elif cmd == "/paste":  # (hyspec chat reads the lines itself: main)
+            raise ValueError("/paste reads the lines typed after it: hyspec chat's own")
         else:
             self.say(f"[unknown command {cmd}; {HELP}]")
         return True
@@ -521,19 +526,27 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             edit = False
     note = " (a code model: type code, it continues)" if chat.plain and args.model is None else ""
     print(f"[hyspec chat: template {chat.template_source}{note}; {HELP}]", file=sys.stderr)
+    def read_line(more: bool = False) -> str:
+        """The next input line with its line break ("" at the end of input); on a terminal
+        after the prompt ("... " for the lines of a /paste)."""
+        mark = "... " if more else "> "
+        if tty:  # (the output redirected to a file: the prompt goes to the terminal, not into the file)
+            if not more:
+                chat.prompt(marker=not edit and _is_terminal(stdout))
+            elif not edit and _is_terminal(stdout):
+                print(mark, end="", file=stdout, flush=True)
+            if not edit and not _is_terminal(stdout):
+                print(mark, end="", file=sys.stderr, flush=True)
+        if edit:
+            try:
+                return input(mark) + "\n"
+            except EOFError:  # Ctrl-D
+                return ""
+        return stdin.readline()
+
     while True:
         try:
-            if tty:  # (the output redirected to a file: the prompt goes to the terminal, not into the file)
-                chat.prompt(marker=not edit and _is_terminal(stdout))
-                if not edit and not _is_terminal(stdout):
-                    print("> ", end="", file=sys.stderr, flush=True)
-            if edit:
-                try:
-                    line = input("> ") + "\n"
-                except EOFError:  # Ctrl-D
-                    line = ""
-            else:
-                line = stdin.readline()
+            line = read_line()
         except KeyboardInterrupt:  # Ctrl-C at the prompt: the conversation stays (leave with /quit or Ctrl-D)
             chat.say("\n[Ctrl-C: /quit or Ctrl-D leaves]" if tty else "[Ctrl-C: /quit or Ctrl-D leaves]")
             continue
@@ -542,19 +555,38 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                 chat.say("")
             break
         line = line.rstrip("\n").removesuffix("\r")  # (a CRLF line end too)
+        message = typed = None  # a message to send (None: a command)
+        if line.strip() == "/paste":  # the lines up to one that is only /end (or the end of input): one message
+            if tty:
+                chat.say("[paste: the lines up to one that is only /end (or Ctrl-D) are one message]")
+            block = []
+            try:
+                while True:
+                    more = read_line(more=True)
+                    if not more or more.rstrip("\r\n") == "/end":
+                        break
+                    block.append(more.rstrip("\n").removesuffix("\r"))
+            except KeyboardInterrupt:
+                chat.say("\n[Ctrl-C: the pasted lines are dropped]" if tty else "[Ctrl-C: the pasted lines are dropped]")
+                continue
+            if block in ([], [""]):  # (an empty message would continue the last reply)
+                chat.say("[nothing pasted]")
+                continue
+            message = "\n".join(block)
+        elif not line.startswith("/") or line.startswith("//"):  # "//": a message starting with "/"
+            message, typed = (line[1:] if line.startswith("//") else line), (line if tty else None)
         try:
-            if line.startswith("/") and not line.startswith("//"):
+            if message is None:
                 if not chat.command(line):
                     break
-            else:  # a line starting with "//" is a message starting with "/"
+            else:
                 # a first Ctrl-C during the reply stops it after the round in flight, kept (see
                 # Chat.user); a second one raises KeyboardInterrupt at once
                 with stop_on_ctrl_c({}) as pressed:
-                    chat.user(line[1:] if line.startswith("//") else line, typed=line if tty else None,
-                              cancel=lambda: pressed["sigint"])
+                    chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
         except KeyboardInterrupt:  # a Ctrl-C that stops a reply at once: the turn is undone, the chat goes on
-            chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if not
-                     line.startswith("/") else "[interrupted]")
+            chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if message is not None
+                     else "[interrupted]")
         except (ValueError, OSError, RuntimeError) as e:
             chat.say(f"[error: {e}]")
     chat.end_line()

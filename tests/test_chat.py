@@ -720,6 +720,45 @@ def test_a_first_ctrl_c_keeps_the_reply_so_far_and_a_second_drops_it(run_chat, d
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_paste_sends_the_lines_up_to_end_as_one_message(run_chat, default_engine):
+    """/paste: the lines after it, up to one that is only /end, are one message (empty lines
+    and "/" lines in it as typed, none run as a command): the conversation == one turn of
+    that text sent by the API (the plain template: after a line break, as a typed line); the
+    end of input ends a paste too (it is sent); a Ctrl-C in it drops it; nothing pasted is a
+    note; /paste with an argument is an error."""
+    import io
+
+    from hyspec.chat import Chat
+
+    block = ["def f(x):", "", "    /stats", "    return [x,"]
+    text = run_chat(["/paste", *block, "/end", "/stats"])
+    s = stats_lines(text)
+    assert len(s) == 1 and s[0]["turns"] == 1  # (the "/stats" inside the paste was text, not a command)
+    c = Chat(default_engine, default_engine.session(max_new_tokens=8), out=io.StringIO())
+    c.user("\n".join(block))
+    assert s[0]["state_digest"] == c.stats()["state_digest"]
+    assert s[0]["context_tokens"] == len(c.session.tokens)
+    c.close()
+    at_eof = run_chat([], stdin=io.StringIO("/paste\n" + "\n".join(block) + "\n"))
+    assert at_eof.startswith(text[:text.index("[stats]")].rstrip("\n"))
+
+    class Lines:
+        def __init__(self, items):
+            self.items = list(items)
+
+        def readline(self):
+            x = self.items.pop(0) if self.items else ""
+            if x is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return x
+
+    text = run_chat([], stdin=Lines(["/paste\n", "def f(x):\n", KeyboardInterrupt, "/stats\n", "/paste\n", "/end\n",
+                                     "/paste x\n", "/stats\n"]))
+    assert "[Ctrl-C: the pasted lines are dropped]" in text and "[nothing pasted]" in text
+    assert "[error: /paste takes no argument" in text
+    assert [x["turns"] for x in stats_lines(text)] == [0, 0]
+
+
 def test_rewind_into_a_loaded_session_without_a_chat_record(run_chat, default_engine, tmp_path):
     """/load of a session saved by the API (no chat record), then /rewind: the session's turns
     are rewound (was: an IndexError traceback ending the chat)."""
