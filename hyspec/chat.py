@@ -438,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "reply keeps the text, as the conversation does")
     p.add_argument("--chat-template", default=None, type=os.path.expanduser, metavar="FILE",
                    help="a Jinja chat template file to use instead of the checkpoint's")
+    p.add_argument("--verbose", action="store_true",
+                   help="after each reply, its figures on stderr as hyspec generate prints them (tokens, prefill, "
+                        "decode tok/s; the speculative acceptance)")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message that opens the conversation (and each one after /reset); with the "
                         "plain template its text opens the transcript")
@@ -451,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine
+    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine, speed_lines
     from hyspec.sampling import SamplingParams
     from hyspec.speculative.loop import SpecOptions
 
@@ -583,7 +586,12 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                 # a first Ctrl-C during the reply stops it after the round in flight, kept (see
                 # Chat.user); a second one raises KeyboardInterrupt at once
                 with stop_on_ctrl_c({}) as pressed:
-                    chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
+                    stats = chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
+                if args.verbose and stats:
+                    if _is_terminal(stdout):  # (one screen: the figures under the reply, not glued to its line)
+                        chat.end_line()
+                    for figures in speed_lines(stats):
+                        print(figures, file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # a Ctrl-C that stops a reply at once: the turn is undone, the chat goes on
             chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if message is not None
                      else "[interrupted]")

@@ -759,6 +759,22 @@ def test_paste_sends_the_lines_up_to_end_as_one_message(run_chat, default_engine
     assert [x["turns"] for x in stats_lines(text)] == [0, 0]
 
 
+def test_verbose_prints_each_replys_figures_on_stderr(run_chat, capsys):
+    """`hyspec chat --verbose`: after each reply, its figures on stderr as `hyspec generate`
+    prints them (the tokens of that turn; the speculative line with --draft); stdout's text is
+    the same as without the flag."""
+    capsys.readouterr()
+    quiet = run_chat(["def f(x):", "", "/stats"], "--draft", "2")
+    capsys.readouterr()
+    loud = run_chat(["def f(x):", "", "/stats"], "--draft", "2", "--verbose")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("[8 tokens, prefill ")]
+    assert len(lines) == 2 and all(" ms, decode " in x and x.endswith(" tok/s]") for x in lines), err
+    assert err.count("spec: rounds=") == 2
+    strip = [x for x in loud.splitlines() if not x.startswith("[stats]")]
+    assert strip == [x for x in quiet.splitlines() if not x.startswith("[stats]")]
+
+
 def test_rewind_into_a_loaded_session_without_a_chat_record(run_chat, default_engine, tmp_path):
     """/load of a session saved by the API (no chat record), then /rewind: the session's turns
     are rewound (was: an IndexError traceback ending the chat)."""

@@ -243,6 +243,19 @@ def fork_telemetry(eng):
     return backend.driver.fork_tel
 
 
+def speed_lines(stats: dict) -> list[str]:
+    """A generation's figures as `hyspec generate` prints them after one prompt (and `hyspec
+    chat --verbose` after each reply): tokens, prefill, decode rate; the speculative loop's
+    telemetry when it drafted."""
+    rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
+    lines = [f"[{stats['generated_tokens']} tokens, prefill {stats['prefill_s']*1e3:.0f} ms, decode {rate}]"]
+    if "spec" in stats:
+        from hyspec.speculative.telemetry import SpecTelemetry
+
+        lines.append(SpecTelemetry.from_dict(stats["spec"]).summary_line())
+    return lines
+
+
 def load_engine(args):
     """The Engine of --model / --dtype / --device (the pipeline driver's under --pp)."""
     import torch

@@ -27,6 +27,7 @@ from hyspec.cli.common import (
     load_engine,
     parse_ids,
     print_logprob_table,
+    speed_lines,
 )
 from hyspec.config import no_mtp_error
 from hyspec.core.scheduler import check_prompt, check_stop
@@ -557,21 +558,17 @@ def run(args) -> int:
     if out.logprobs is not None:
         print_logprobs(eng, out, args.logprobs)
     stats = out.stats
-    rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
+    lines = speed_lines(stats)
     if stats["num_samples"] > 1:  # (the samples' own times overlap: their sums say little) the call's wall time
         wall = time.perf_counter() - t0
-        print(f"[{stats['generated_tokens']} tokens over {stats['num_samples']} samples in {wall:.2f} s: "
-              f"{stats['generated_tokens'] / wall:.1f} tok/s together, decode {rate} per sample]", file=sys.stderr)
-    else:
-        print(f"[{stats['generated_tokens']} tokens, prefill {stats['prefill_s']*1e3:.0f} ms, decode {rate}]",
-              file=sys.stderr)
+        rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
+        lines[0] = (f"[{stats['generated_tokens']} tokens over {stats['num_samples']} samples in {wall:.2f} s: "
+                    f"{stats['generated_tokens'] / wall:.1f} tok/s together, decode {rate} per sample]")
     if "max_new_tokens_capped_to" in stats:
-        print(f"[--max-new-tokens {args.max_new_tokens} capped to {stats['max_new_tokens_capped_to']}: prompt + "
-              f"completion must fit in the model's context of {stats['context_length']} tokens]", file=sys.stderr)
-    if "spec" in stats:
-        from hyspec.speculative.telemetry import SpecTelemetry
-
-        print(SpecTelemetry.from_dict(stats["spec"]).summary_line(), file=sys.stderr)
+        lines.insert(1, f"[--max-new-tokens {args.max_new_tokens} capped to {stats['max_new_tokens_capped_to']}: "
+                        f"prompt + completion must fit in the model's context of {stats['context_length']} tokens]")
+    for line in lines:
+        print(line, file=sys.stderr)
     if fork is not None:
         print(fork.summary_line(), file=sys.stderr)
     if code:
