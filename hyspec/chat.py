@@ -36,7 +36,6 @@ sends only the text the template adds after what the session already holds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -447,15 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="extra chat template variables, a JSON object, e.g. '{\"enable_thinking\": false}' "
                         "(the Qwen3 / Qwen3.5 templates' switch for answers without a thinking part)")
-    add_sampling_args(p)
+    add_sampling_args(p, recommended=True)  # (the checkpoint's generation_config.json values where no flag is given)
     add_spec_args(p, forced_rates=False)  # (the forced drafter needs a reference continuation: not in a chat)
     add_constraint_args(p)  # every reply must match (docs/constraints.md, "In sessions")
     return p
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
-    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine, speed_lines
-    from hyspec.sampling import SamplingParams
+    from hyspec.cli.common import check_spec_flags, constraint_from_args, load_engine, sampling_params, speed_lines
     from hyspec.speculative.loop import SpecOptions
 
     args = build_parser().parse_args(argv)
@@ -473,7 +471,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     try:
         from hyspec.engine import stop_list
 
-        params = SamplingParams(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingParams)})
+        params = sampling_params(args)  # (the flags checked before the model loads)
         stops = stop_list(args.stop or [])  # (before the model loads)
         spec = None
         if args.draft > 0:
@@ -504,6 +502,11 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             # as Engine.prepare_chat does for one request
             constraint = eng.prepare_chat([{"role": "user", "content": "hi"}], template_kwargs=kwargs,
                                           constraint=constraint).constraint
+        taken = {k: v for k, v in eng.sampling_defaults.items() if getattr(args, k) is None}
+        if taken:  # the checkpoint's recommended sampling, where no flag says otherwise
+            params = sampling_params(args, eng.sampling_defaults)
+            print("[hyspec chat: the checkpoint's generation_config.json sampling: "
+                  + ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in taken.items()) + "]", file=sys.stderr)
         session = eng.session(draft=args.draft, params=params, spec=spec, max_new_tokens=args.max_new_tokens,
                               stop_ids=args.stop_ids, ignore_eos=args.ignore_eos,
                               constraint=constraint)

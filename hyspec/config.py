@@ -105,6 +105,46 @@ def finite_json(x):
     return x
 
 
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def checkpoint_sampling_defaults(path: str | Path) -> dict:
+    """The sampling settings a checkpoint recommends, from its generation_config.json (the
+    fields transformers' generate and vLLM's server take from it): with "do_sample": true its
+    temperature, top_k, top_p, min_p and repetition_penalty, with do_sample false or absent
+    (transformers then decodes greedily) its repetition_penalty alone; {} without the file
+    or any of them. A value our sampler refuses (a negative top_p, a string) is a
+    ConfigError naming the file and the field."""
+    from hyspec.sampling import SamplingParams
+
+    gen = Path(path) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    g = read_json(gen)
+    if not isinstance(g, dict):
+        raise ConfigError(f"{gen}: top level must be a JSON object")
+    sample = g.get("do_sample", False)
+    if not isinstance(sample, bool):
+        raise ConfigError(f"{gen}: do_sample must be true or false, got {sample!r}")
+    names = SAMPLING_DEFAULT_FIELDS if sample else ("repetition_penalty",)
+    out = {}
+    for name in names:
+        v = g.get(name)
+        if v is None:
+            continue
+        want = int if name == "top_k" else float
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (want is int and not isinstance(v, int)):
+            raise ConfigError(f"{gen}: {name} must be a{'n integer' if want is int else ' number'}, got {v!r}")
+        out[name] = want(v)
+    if out.get("top_k", 0) < 0:  # (transformers' "off" is 0 too; -1 is vLLM's)
+        out["top_k"] = 0
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ConfigError(f"{gen}: {e}") from None
+    return out
+
+
 def read_json(p: Path) -> Any:
     """A checkpoint's JSON file; ConfigError naming the file when it is not UTF-8 JSON."""
     try:

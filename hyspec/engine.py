@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from hyspec.chat_template import normalize_messages
-from hyspec.config import no_mtp_error
+from hyspec.config import checkpoint_sampling_defaults, no_mtp_error
 from hyspec.core.request import Request
 from hyspec.core.scheduler import Scheduler
 from hyspec.decode import GREEDY, generate_plain
@@ -382,6 +382,10 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.model_dir = model_dir
+        # the checkpoint's recommended sampling (generation_config.json: hyspec.config.
+        # checkpoint_sampling_defaults): what `hyspec chat` and `hyspec serve` use for the
+        # settings a user or a request leaves out; Engine.generate's params=None stays greedy
+        self.sampling_defaults: dict = {}
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
         self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
         self._batch_dec = None
@@ -517,13 +521,16 @@ class Engine:
         path = resolve_model_dir(path) if path is not None else default_model_dir()
         if (path / "tokenizer.json").is_dir():  # (before the weights load)
             raise ValueError(f"{path / 'tokenizer.json'} is a directory, not the tokenizer's file")
+        recommended = checkpoint_sampling_defaults(path)  # (a bad value: before the weights load)
         model = load_model(path, dtype=parse_dtype(dtype, device), device=device, ssm_dtype=ssm_dtype)
         tok = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         if tok is not None and tok.vocab_size > model.cfg.vocab_size:
             warnings.warn(f"{path}: tokenizer.json has {tok.vocab_size} tokens, more than config.json's vocab_size "
                           f"{model.cfg.vocab_size}: a text whose ids pass it is refused (the tokenizer and the "
                           f"weights may not belong together)", stacklevel=2)
-        return cls(model, tok, str(path))
+        eng = cls(model, tok, str(path))
+        eng.sampling_defaults = recommended
+        return eng
 
     # -- text <-> ids ------------------------------------------------------------------
     def encode(self, prompt: str | list[int], *, arg: str = "prompt") -> list[int]:

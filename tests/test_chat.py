@@ -256,6 +256,47 @@ def test_a_system_message_opens_the_conversation_and_each_after_reset(zoo, tmp_p
         assert "Traceback" not in err
 
 
+def test_the_checkpoints_recommended_sampling_where_no_flag_is_given(zoo, tmp_path, monkeypatch, capsys):
+    """A checkpoint whose generation_config.json recommends sampling (do_sample true,
+    temperature, top_k: Qwen3.5's files do, and warn against greedy decoding): `hyspec chat`
+    samples with it where no flag says otherwise and says so on stderr (the replies == the
+    same flags given by hand); a flag wins (--temperature 0: greedy, == the checkpoint without
+    the file). Engine.load reads it (Engine.sampling_defaults), and a bad value there is an
+    error before the weights load."""
+    import io
+    import shutil
+
+    from hyspec.chat import main
+    from hyspec.cli import common
+    from hyspec.config import ConfigError
+    from hyspec.engine import Engine
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
+    plain = Engine.load(d, dtype="float64")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "do_sample": True, "temperature": 0.9,
+                                                          "top_k": 7}))
+    rec = Engine.load(d, dtype="float64")
+    assert rec.sampling_defaults == {"temperature": 0.9, "top_k": 7} and plain.sampling_defaults == {}
+
+    def chat(eng, *flags):
+        monkeypatch.setattr(common, "load_engine", lambda args: eng)
+        out = io.StringIO()
+        assert main(["--max-new-tokens", "12", "--ignore-eos", *flags], stdin=io.StringIO("abc\n/stats\n"),
+                    stdout=out) == 0
+        return stats_lines(out.getvalue())[0]["turn_tokens"], capsys.readouterr().err
+
+    got, err = chat(rec)
+    assert "generation_config.json sampling: --temperature 0.9, --top-k 7" in err
+    assert got == chat(plain, "--temperature", "0.9", "--top-k", "7")[0]
+    assert got != chat(plain)[0]  # (it samples: not the greedy reply)
+    got, err = chat(rec, "--temperature", "0")
+    assert got == chat(plain)[0] and "--temperature 0.9" not in err and "--top-k 7" in err
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 3}))
+    with pytest.raises(ConfigError, match=r"generation_config\.json: .*top_p"):
+        Engine.load(d, dtype="float64")
+
+
 def test_chat_constraint_flags():
     """`hyspec chat --regex ...`: every reply matches; a bad pattern is an error naming the flag."""
     import io

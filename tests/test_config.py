@@ -122,6 +122,32 @@ def test_generation_config_eos_ids_join_config_jsons(tmp_path):
         ModelConfig.from_dir(tmp_path)
 
 
+def test_generation_config_sampling_defaults(tmp_path):
+    """checkpoint_sampling_defaults: with do_sample true the recommended temperature, top_k,
+    top_p, min_p and repetition_penalty (Qwen's files: 0.6 / 20 / 0.95); with do_sample
+    false or absent (transformers then decodes greedily) the repetition_penalty alone; a
+    value the sampler refuses is a ConfigError naming the file and the field."""
+    from hyspec.config import checkpoint_sampling_defaults as defaults
+
+    g = tmp_path / "generation_config.json"
+    assert defaults(tmp_path) == {}
+    g.write_text(json.dumps({"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                             "min_p": 0, "repetition_penalty": 1.05, "max_new_tokens": 9}))
+    assert defaults(tmp_path) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0,
+                                  "repetition_penalty": 1.05}
+    g.write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.1}))
+    assert defaults(tmp_path) == {"repetition_penalty": 1.1}
+    g.write_text(json.dumps({"do_sample": True, "top_k": -1}))
+    assert defaults(tmp_path) == {"top_k": 0}
+    for bad, what in (({"do_sample": "yes"}, "do_sample must be true or false"),
+                      ({"do_sample": True, "top_k": 2.5}, "top_k must be an integer, got 2.5"),
+                      ({"do_sample": True, "temperature": "hot"}, "temperature must be a number"),
+                      ({"do_sample": True, "top_p": 1.5}, "top_p"), ([1], "top level must be a JSON object")):
+        g.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=r"generation_config\.json: .*" + what.split(",")[0]):
+            defaults(tmp_path)
+
+
 def test_integral_floats_are_integers_and_infinity_is_no_number():
     assert _cfg(intermediate_size=128.0, max_position_embeddings=4096.0).intermediate_size == 128
     with pytest.raises(ConfigError, match="'intermediate_size' must be an integer >= 0, got 128.5"):

@@ -1246,6 +1246,24 @@ def test_sampling_mode_reaches_the_sampler(client, ref_engine):
     assert got == want["coupled"] and want["coupled"] != want["rejection"]
 
 
+def test_a_request_without_sampling_fields_gets_the_checkpoints_recommendation(ref_engine):
+    """An engine whose checkpoint recommends sampling (Engine.sampling_defaults, from its
+    generation_config.json): a request that leaves temperature / top_k out gets them (as
+    vLLM's server does; the tokens == Engine.generate with them), one that sends them keeps its
+    own (temperature 0: greedy)."""
+    eng = Engine.load()
+    eng.sampling_defaults = {"temperature": 0.8, "top_k": 5}
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, seed=11,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    want = ref_engine.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True,
+                               params=SamplingParams(temperature=0.8, top_k=5, seed=11)).samples[0].tokens
+    greedy = ref_engine.generate(PROMPTS[2], max_new_tokens=8, ignore_eos=True).samples[0].tokens
+    with ServerThread(create_app(eng, ServerConfig(served_model_name=MODEL, draft=0))) as s:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert c.completions.create(**kw).choices[0].token_ids == want != greedy
+        assert c.completions.create(**kw, temperature=0).choices[0].token_ids == greedy
+
+
 def test_the_api_key_guards_detokenize_and_429_is_a_rate_limit_error():
     """--api-key covers /tokenize and /detokenize as /v1/* (docs/server.md); a full queue's 429
     has OpenAI's type rate_limit_error and Retry-After."""
@@ -1355,6 +1373,15 @@ def test_request_fields_are_checked_at_their_documented_edges():
     assert refused(max_new_tokens, req(max_tokens=60), 5, lim, 16, False) == "max_tokens"
     no_mtp = Limits(vocab_size=100, max_model_len=64, has_mtp=False, default_draft=3, capacity=72)
     assert sampling(req(), no_mtp)[2] == 0
+    # the checkpoint's recommended sampling (generation_config.json) fills the fields a request leaves out
+    assert (sampling(req(), lim)[0].temperature, sampling(req(), lim)[0].top_p) == (1.0, 1.0)  # (OpenAI's)
+    rec = Limits(vocab_size=100, max_model_len=64, has_mtp=True, default_draft=3, capacity=72,
+                 sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+                                    "repetition_penalty": 1.1})
+    p = sampling(req(), rec)[0]
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.95, 20, 0.05, 1.1)
+    p = sampling(req(temperature=0, top_p=1.0, top_k=-1, min_p=0, repetition_penalty=1), rec)[0]
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.0, 1.0, 0, 0.0, 1.0)
     assert refused(sampling, req(draft=2), no_mtp) == "draft"
     assert stop_strings(req(stop="")) == [] and stop_strings(req(stop=["", "a"])) == ["a"]
     assert len(stop_strings(req(stop=[""] + [f"@{i}@" for i in range(MAX_STOPS)]))) == MAX_STOPS

@@ -151,7 +151,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, recommended: bool = False) -> None:
+    """The sampling flags. recommended: the ones a checkpoint's generation_config.json may set
+    (hyspec.config.SAMPLING_DEFAULT_FIELDS) default to None, "not given", and take its value
+    once the model is loaded (sampling_params), else the usual default."""
+    from hyspec.config import SAMPLING_DEFAULT_FIELDS
+
     group = p.add_argument_group("sampling")
     for f in dataclasses.fields(SamplingParams):
         flag = "--" + f.name.replace("_", "-")
@@ -164,7 +169,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                                help=SAMPLING_HELP[f.name])
             continue
         default = 0.0 if f.name == "temperature" else f.default
+        if recommended and f.name in SAMPLING_DEFAULT_FIELDS:
+            group.add_argument(flag, dest=f.name, type=type(f.default), default=None,
+                               help=f"{SAMPLING_HELP.get(f.name) or ''} (default: the checkpoint's "
+                                    f"generation_config.json value, else {default:g})".lstrip())
+            continue
         group.add_argument(flag, dest=f.name, type=type(f.default), default=default, help=SAMPLING_HELP.get(f.name))
+
+
+def sampling_params(args, recommended: dict | None = None) -> SamplingParams:
+    """SamplingParams of the flags; a flag left at None (add_sampling_args(recommended=True))
+    takes recommended's value (the checkpoint's: Engine.sampling_defaults), else the flag's
+    usual default (temperature 0: greedy)."""
+    values = {}
+    for f in dataclasses.fields(SamplingParams):
+        v = getattr(args, f.name)
+        if v is None:
+            v = (recommended or {}).get(f.name, 0.0 if f.name == "temperature" else f.default)
+        values[f.name] = v
+    return SamplingParams(**values)
 
 
 def add_spec_args(p: argparse.ArgumentParser, forced_rates: bool = True) -> None:

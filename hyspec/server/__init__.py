@@ -187,6 +187,10 @@ def make_app(args):
 
         hub = is_hub_id(args.model) and not Path(args.model).expanduser().exists()
         name = args.model.partition("@")[0] if hub else Path(args.model).expanduser().resolve().name
+    rec = getattr(eng, "sampling_defaults", {})
+    if rec:  # (as vLLM: a request's sampling fields left out take the checkpoint's recommendation)
+        print("hyspec serve: requests that leave them out get the checkpoint's generation_config.json sampling: "
+              + ", ".join(f"{k} {v:g}" for k, v in rec.items()), file=sys.stderr)
     cfg = ServerConfig(served_model_name=name, draft=draft, max_batch=args.max_batch, max_queue=args.max_queue,
                        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                        prefix_store=not args.no_prefix_store, warm_up=False if args.no_warm_up else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 
 from hyspec.config import NO_MTP_HEAD
 from hyspec.sampling import PENALTY_MAX, TEMPERATURE_MIN, ParamError, SamplingParams, check_logit_bias
@@ -53,6 +54,10 @@ class Limits:
     has_mtp: bool
     default_draft: int
     capacity: int  # max_batch + max_queue
+    # the checkpoint's recommended sampling (Engine.sampling_defaults, from its
+    # generation_config.json): a request that leaves one of these fields out gets it (as vLLM
+    # does), the others OpenAI's defaults (temperature 1, top_p 1)
+    sampling_defaults: dict = dc_field(default_factory=dict)
 
 
 GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
@@ -155,23 +160,24 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     """(SamplingParams of sample 0, n, draft K)."""
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         _finite(name, getattr(req, name))
-    t = 1.0 if req.temperature is None else req.temperature
+    rec = lim.sampling_defaults
+    t = rec.get("temperature", 1.0) if req.temperature is None else req.temperature
     if t < 0 or 0 < t < TEMPERATURE_MIN:
         raise bad(f"temperature must be 0 (greedy) or >= {TEMPERATURE_MIN:g}, got {t}", "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
+    top_p = rec.get("top_p", 1.0) if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    top_k = rec.get("top_k", 0) if req.top_k is None else 0 if req.top_k == -1 else req.top_k
     if top_k < 0:
         raise bad(f"top_k must be >= 0, or -1 / 0 for off, got {req.top_k}", "top_k")
-    min_p = 0.0 if req.min_p is None else req.min_p
+    min_p = rec.get("min_p", 0.0) if req.min_p is None else req.min_p
     if not 0.0 <= min_p < 1.0:
         raise bad(f"min_p must be in [0, 1), got {min_p}", "min_p")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None and not -2.0 <= v <= 2.0:
             raise bad(f"{name} must be in [-2, 2], got {v}", name)
-    rp = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    rp = rec.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty
     if not 1 / PENALTY_MAX <= rp <= PENALTY_MAX:
         raise bad(f"repetition_penalty must be in [{1 / PENALTY_MAX:g}, {PENALTY_MAX:g}] (1 = off), got {rp}",
                   "repetition_penalty")
