@@ -562,7 +562,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             break
         line = line.rstrip("\n").removesuffix("\r")  # (a CRLF line end too)
         message = typed = None  # a message to send (None: a command)
-        if line.strip() == "/paste":  # the lines up to one that is only /end (or the end of input): one message
+        if line.rstrip() == "/paste":  # the lines up to one that is only /end (or the end of input): one message
             if tty:
                 chat.say("[paste: the lines up to one that is only /end (or Ctrl-D) are one message]")
             block = []
