@@ -390,6 +390,19 @@ def run_chat(default_engine, monkeypatch):
     return run
 
 
+class Lines:
+    """Standard input as a list of lines; the item KeyboardInterrupt is a Ctrl-C while reading."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def readline(self):
+        x = self.items.pop(0) if self.items else ""
+        if x is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return x
+
+
 def stats_lines(text: str) -> list[dict]:
     return [json.loads(x[len("[stats] "):]) for x in text.splitlines() if x.startswith("[stats] ")]
 
@@ -695,16 +708,6 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(run_chat):
                 raise KeyboardInterrupt
             return super().write(s)
 
-    class Lines:
-        def __init__(self, items):
-            self.items = list(items)
-
-        def readline(self):
-            x = self.items.pop(0) if self.items else ""
-            if x is KeyboardInterrupt:
-                raise KeyboardInterrupt
-            return x
-
     want = stats_lines(run_chat(["    return x", "/stats"]))[0]
     try:
         text = run_chat([], stdin=Lines(["def f(x):\n", KeyboardInterrupt, "/stats\n", "    return x\n", "/stats\n"]),
@@ -782,16 +785,6 @@ def test_paste_sends_the_lines_up_to_end_as_one_message(run_chat, default_engine
     c.close()
     at_eof = run_chat([], stdin=io.StringIO("/paste\n" + "\n".join(block) + "\n"))
     assert at_eof.startswith(text[:text.index("[stats]")].rstrip("\n"))
-
-    class Lines:
-        def __init__(self, items):
-            self.items = list(items)
-
-        def readline(self):
-            x = self.items.pop(0) if self.items else ""
-            if x is KeyboardInterrupt:
-                raise KeyboardInterrupt
-            return x
 
     text = run_chat([], stdin=Lines(["/paste\n", "def f(x):\n", KeyboardInterrupt, "/stats\n", "/paste\n", "/end\n",
                                      "/paste x\n", "/stats\n"]))
