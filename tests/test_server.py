@@ -506,6 +506,28 @@ def test_second_chat_turn_resumes_from_the_prefix_store(server, client, ref_engi
                      "hyspec_prefix_cache_cached_tokens_total": cached, "hyspec_prompt_tokens_total": len(p2)}
 
 
+def test_serve_reads_the_checkpoints_recommended_sampling_unless_told_not_to(tmp_path, capsys):
+    """`hyspec serve --model DIR` whose generation_config.json recommends sampling: the
+    server's request defaults are that recommendation and it says so at start;
+    `--generation-config none` keeps OpenAI's (temperature 1, top_p 1)."""
+    import shutil
+
+    from hyspec.engine import default_model_dir
+    from hyspec.server import build_parser as serve_parser
+    from hyspec.server import make_app
+
+    d = tmp_path / "m"
+    shutil.copytree(default_model_dir(), d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "do_sample": True, "temperature": 0.6,
+                                                          "top_p": 0.95, "top_k": 20}))
+    capsys.readouterr()
+    st = make_app(serve_parser().parse_args(["--model", str(d)])).state.hyspec
+    assert st.limits.sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert "generation_config.json sampling: temperature 0.6, top_k 20, top_p 0.95" in capsys.readouterr().err
+    st = make_app(serve_parser().parse_args(["--model", str(d), "--generation-config", "none"])).state.hyspec
+    assert st.limits.sampling_defaults == {} and "generation_config" not in capsys.readouterr().err
+
+
 def test_no_prefix_store_flag():
     from hyspec.server import build_parser as serve_parser
     from hyspec.server import make_app

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: hyspec-default for the embedded model, else the directory name, or the Hugging Face id as given)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: a request's sampling fields left out take the checkpoint's generation_config.json "
+                        "recommendation (as vLLM); none: OpenAI's defaults (temperature 1, top_p 1)")
     p.add_argument("--no-prefix-store", action="store_true",
                    help="do not keep finished requests' end states in the prefix store nor resume prompts from it")
     p.add_argument("--no-warm-up", action="store_true",
@@ -187,6 +190,8 @@ def make_app(args):
 
         hub = is_hub_id(args.model) and not Path(args.model).expanduser().exists()
         name = args.model.partition("@")[0] if hub else Path(args.model).expanduser().resolve().name
+    if args.generation_config == "none":
+        eng.sampling_defaults = {}
     rec = getattr(eng, "sampling_defaults", {})
     if rec:  # (as vLLM: a request's sampling fields left out take the checkpoint's recommendation)
         print("hyspec serve: requests that leave them out get the checkpoint's generation_config.json sampling: "
