@@ -547,6 +547,14 @@ class Engine:
             raise ParamError(arg, prompt, "must be a str or a list of token ids")
         return _token_ids(arg, prompt)
 
+    def recommended_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the checkpoint's recommended sampling (Engine.sampling_defaults,
+        from its generation_config.json), `overrides` on top (e.g. seed=3); the fields neither
+        sets keep SamplingParams' defaults (temperature 1). What `hyspec chat` and `hyspec
+        serve` use where a flag or a request field is left out; generate(params=None) stays
+        greedy."""
+        return SamplingParams(**{**self.sampling_defaults, **overrides})
+
     @property
     def context_length(self) -> int:
         """The model's context (config max_position_embeddings): prompt + new tokens fit in it."""

@@ -270,6 +270,7 @@ def test_the_checkpoints_recommended_sampling_where_no_flag_is_given(zoo, tmp_pa
     from hyspec.cli import common
     from hyspec.config import ConfigError
     from hyspec.engine import Engine
+    from hyspec.sampling import SamplingParams
 
     d = tmp_path / "ckpt"
     shutil.copytree(zoo.path("tiny", "qwen3_5"), d)
@@ -278,6 +279,8 @@ def test_the_checkpoints_recommended_sampling_where_no_flag_is_given(zoo, tmp_pa
                                                           "top_k": 7}))
     rec = Engine.load(d, dtype="float64")
     assert rec.sampling_defaults == {"temperature": 0.9, "top_k": 7} and plain.sampling_defaults == {}
+    assert rec.recommended_params(seed=3, top_k=2) == SamplingParams(temperature=0.9, top_k=2, seed=3)
+    assert plain.recommended_params() == SamplingParams()
 
     def chat(eng, *flags):
         monkeypatch.setattr(common, "load_engine", lambda args: eng)
