@@ -376,7 +376,8 @@ one_at_a_time = engine_call()  # Engine's own methods (Session's: engine_call(la
 
 
 class Engine:
-    def __init__(self, model: HybridLM, tokenizer: Tokenizer | None = None, model_dir: str | None = None) -> None:
+    def __init__(self, model: HybridLM, tokenizer: Tokenizer | None = None, model_dir: str | None = None,
+                 sampling_defaults: dict | None = None) -> None:
         self._lock = threading.RLock()  # one model call at a time (engine_call)
         self._orphans: collections.deque = collections.deque()  # session slots dropped while the lock was held
         self.model = model
@@ -384,8 +385,11 @@ class Engine:
         self.model_dir = model_dir
         # the checkpoint's recommended sampling (generation_config.json: hyspec.config.
         # checkpoint_sampling_defaults): what `hyspec chat` and `hyspec serve` use for the
-        # settings a user or a request leaves out; Engine.generate's params=None stays greedy
-        self.sampling_defaults: dict = {}
+        # settings a user or a request leaves out; Engine.generate's params=None stays greedy.
+        # Read from model_dir unless given (Engine.load reads it before the weights load)
+        if sampling_defaults is None:
+            sampling_defaults = checkpoint_sampling_defaults(model_dir) if model_dir is not None else {}
+        self.sampling_defaults: dict = dict(sampling_defaults)
         self.backend = None  # the scheduler's backend (None: ReferenceBackend); a pipeline sets its own
         self.batch_graphs = False  # True: the BatchDecoder also off CUDA (the Triton interpreter; tests)
         self._batch_dec = None
@@ -528,9 +532,7 @@ class Engine:
             warnings.warn(f"{path}: tokenizer.json has {tok.vocab_size} tokens, more than config.json's vocab_size "
                           f"{model.cfg.vocab_size}: a text whose ids pass it is refused (the tokenizer and the "
                           f"weights may not belong together)", stacklevel=2)
-        eng = cls(model, tok, str(path))
-        eng.sampling_defaults = recommended
-        return eng
+        return cls(model, tok, str(path), sampling_defaults=recommended)
 
     # -- text <-> ids ------------------------------------------------------------------
     def encode(self, prompt: str | list[int], *, arg: str = "prompt") -> list[int]:

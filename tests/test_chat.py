@@ -279,6 +279,7 @@ def test_the_checkpoints_recommended_sampling_where_no_flag_is_given(zoo, tmp_pa
                                                           "top_k": 7}))
     rec = Engine.load(d, dtype="float64")
     assert rec.sampling_defaults == {"temperature": 0.9, "top_k": 7} and plain.sampling_defaults == {}
+    assert Engine(rec.model, rec.tokenizer, str(d)).sampling_defaults == rec.sampling_defaults  # (a pipeline's)
     assert rec.recommended_params(seed=3, top_k=2) == SamplingParams(temperature=0.9, top_k=2, seed=3)
     assert plain.recommended_params() == SamplingParams()
 

@@ -168,13 +168,18 @@ def add_sampling_args(p: argparse.ArgumentParser, recommended: bool = False) -> 
             group.add_argument(flag, dest=f.name, type=parse_logit_bias, default=(), metavar="ID:BIAS,...",
                                help=SAMPLING_HELP[f.name])
             continue
-        default = 0.0 if f.name == "temperature" else f.default
+        default = _flag_default(f)
         if recommended and f.name in SAMPLING_DEFAULT_FIELDS:
             group.add_argument(flag, dest=f.name, type=type(f.default), default=None,
                                help=f"{SAMPLING_HELP.get(f.name) or ''} (default: the checkpoint's "
                                     f"generation_config.json value, else {default:g})".lstrip())
             continue
         group.add_argument(flag, dest=f.name, type=type(f.default), default=default, help=SAMPLING_HELP.get(f.name))
+
+
+def _flag_default(f: dataclasses.Field):
+    """A sampling flag's default: SamplingParams' own, but greedy (temperature 0) on the command line."""
+    return 0.0 if f.name == "temperature" else f.default
 
 
 def sampling_params(args, recommended: dict | None = None) -> SamplingParams:
@@ -185,7 +190,7 @@ def sampling_params(args, recommended: dict | None = None) -> SamplingParams:
     for f in dataclasses.fields(SamplingParams):
         v = getattr(args, f.name)
         if v is None:
-            v = (recommended or {}).get(f.name, 0.0 if f.name == "temperature" else f.default)
+            v = (recommended or {}).get(f.name, _flag_default(f))
         values[f.name] = v
     return SamplingParams(**values)
 
@@ -266,12 +271,16 @@ def fork_telemetry(eng):
     return backend.driver.fork_tel
 
 
+def decode_rate(stats: dict) -> str:
+    return f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
+
+
 def speed_lines(stats: dict) -> list[str]:
     """A generation's figures as `hyspec generate` prints them after one prompt (and `hyspec
     chat --verbose` after each reply): tokens, prefill, decode rate; the speculative loop's
     telemetry when it drafted."""
-    rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
-    lines = [f"[{stats['generated_tokens']} tokens, prefill {stats['prefill_s']*1e3:.0f} ms, decode {rate}]"]
+    lines = [f"[{stats['generated_tokens']} tokens, prefill {stats['prefill_s']*1e3:.0f} ms, "
+             f"decode {decode_rate(stats)}]"]
     if "spec" in stats:
         from hyspec.speculative.telemetry import SpecTelemetry
 

@@ -23,6 +23,7 @@ from hyspec.cli.common import (
     check_out_file,
     check_spec_flags,
     constraint_from_args,
+    decode_rate,
     fork_telemetry,
     load_engine,
     parse_ids,
@@ -561,9 +562,8 @@ def run(args) -> int:
     lines = speed_lines(stats)
     if stats["num_samples"] > 1:  # (the samples' own times overlap: their sums say little) the call's wall time
         wall = time.perf_counter() - t0
-        rate = f"{stats['decode_tok_s']:.1f} tok/s" if stats.get("decode_tok_s") else "n/a"
         lines[0] = (f"[{stats['generated_tokens']} tokens over {stats['num_samples']} samples in {wall:.2f} s: "
-                    f"{stats['generated_tokens'] / wall:.1f} tok/s together, decode {rate} per sample]")
+                    f"{stats['generated_tokens'] / wall:.1f} tok/s together, decode {decode_rate(stats)} per sample]")
     if "max_new_tokens_capped_to" in stats:
         lines.insert(1, f"[--max-new-tokens {args.max_new_tokens} capped to {stats['max_new_tokens_capped_to']}: "
                         f"prompt + completion must fit in the model's context of {stats['context_length']} tokens]")

@@ -192,7 +192,7 @@ def make_app(args):
         name = args.model.partition("@")[0] if hub else Path(args.model).expanduser().resolve().name
     if args.generation_config == "none":
         eng.sampling_defaults = {}
-    rec = getattr(eng, "sampling_defaults", {})
+    rec = eng.sampling_defaults
     if rec:  # (as vLLM: a request's sampling fields left out take the checkpoint's recommendation)
         print("hyspec serve: requests that leave them out get the checkpoint's generation_config.json sampling: "
               + ", ".join(f"{k} {v:g}" for k, v in rec.items()), file=sys.stderr)

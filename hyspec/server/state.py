@@ -50,7 +50,7 @@ class ServerState:
         self.limits = Limits(vocab_size=model_cfg.vocab_size, max_model_len=int(model_cfg.max_position_embeddings),
                              has_mtp=bool(engine.model.has_mtp), default_draft=cfg.draft,
                              capacity=self.worker.capacity,
-                             sampling_defaults=dict(getattr(engine, "sampling_defaults", {})))
+                             sampling_defaults=dict(engine.sampling_defaults))
         self.template = engine.chat_template
         self.own_template = not self.template.plain
         self.template_reads_tools = self.template.reads_tools  # else a request's tools would never reach the model
