@@ -11,6 +11,9 @@ Commands:
     /load FILE    continue a saved session (in this or any later process; its settings replace the flags)
     /paste        the lines that follow, up to one that is only /end (or Ctrl-D), are one message, as
                   typed (empty lines and lines starting with "/" included)
+    /retry [SEED] the last message again, for another reply: its reply (continued parts too) is
+                  undone and drawn anew with a new seed (a random one, shown; or SEED), sampling only
+                  (a greedy reply would be the same)
     /quit         leave (end of input, Ctrl-D, too)
 A line starting with "//" is sent as a message starting with "/" (the first "/" dropped).
 --system TEXT opens the conversation (and each one after /reset) with a system message.
@@ -45,8 +48,8 @@ from pathlib import Path
 from hyspec.chat_template import ChatTemplate, read_template_file, render_template
 from hyspec.interrupt import stop_on_ctrl_c
 
-HELP = ("commands: /rewind [N]  /reset  /stats  /save FILE  /load FILE  /paste (lines up to /end: one message)  "
-        "/help  /quit (or /exit)  (//text sends /text)")
+HELP = ("commands: /rewind [N]  /retry [SEED]  /reset  /stats  /save FILE  /load FILE  "
+        "/paste (lines up to /end: one message)  /help  /quit (or /exit)  (//text sends /text)")
 
 
 class Chat:
@@ -161,12 +164,15 @@ class Chat:
         self._show()
 
     # -- a turn ------------------------------------------------------------------------
-    def user(self, text: str, typed: str | None = None, cancel=None) -> dict:
+    def user(self, text: str, typed: str | None = None, cancel=None, params=None, recorded: bool = False) -> dict:
         """Send one input line (an empty one: the reply goes on, nothing new is sent). Returns
         the turn's stats ({} when there was nothing to continue). typed: the line as a
         terminal echoed it after the prompt (None: no echo, e.g. piped input); a reply that
         goes on on that line is drawn after it. cancel: a callable () -> bool asked after each
-        round (Session.send's): once True the reply stops there and is kept, as a cut one."""
+        round (Session.send's): once True the reply stops there and is kept, as a cut one.
+        params: this turn's SamplingParams (None: the session's). recorded: text is a message
+        as the record holds it (/retry), sent as it is (the plain template's line break
+        before it included)."""
         eng, session = self.eng, self.session
         go_on = not text
         if go_on and not (session.tokens and (self.plain or self.cut)):
@@ -182,7 +188,7 @@ class Chat:
             # into turns before it) the session's own tokens, the last few decoded
             before_text = self.rendered or (eng.decode(session.tokens[-4:]) if session.tokens else
                                             self.render(self.messages, False) if self.messages else "")
-            if self.plain and before_text and not before_text.endswith("\n"):
+            if self.plain and not recorded and before_text and not before_text.endswith("\n"):
                 text = "\n" + text  # a new line of the transcript (see the module doc)
             messages_now = self.messages + [{"role": "user", "content": text}]
             full = self.render(messages_now, True)
@@ -231,7 +237,7 @@ class Chat:
         before = (list(self.messages), self.rendered, self.cut)
         try:
             out = session.send(ids, on_tokens=stream, stop=self.stop or None, max_new_tokens=limit,
-                               stop_skips_opening_break=self.plain and not go_on, cancel=cancel)
+                               stop_skips_opening_break=self.plain and not go_on, cancel=cancel, params=params)
         except BaseException:
             if restart:  # the old conversation stays, whole
                 session.close()
@@ -312,24 +318,11 @@ class Chat:
         if cmd == "/rewind":
             if arg and not (arg.isascii() and arg.isdigit()):
                 raise ValueError(f"/rewind takes a number of turns, got {arg!r}")
-            asked = n = int(arg) if arg else 1
-            total = self.session.num_turns + sum(old.num_turns for old, _ in self.previous)
-            if not 1 <= n <= total:  # (checked whole first: nothing changes)
-                raise ValueError(f"cannot rewind {n} turn(s): the conversation has {total}" if n else
-                                 "/rewind needs a number of turns >= 1, got 0")
-            while self.previous and n >= self.session.num_turns:  # back past a restart: the session before it
-                n -= self.session.num_turns
-                self.messages, self.rendered, self.cut = self.stack[0]  # the chat before the restarted turn
-                self.session.close()
-                self.session, self.stack = self.previous.pop()
-            if n:
-                self.session.rewind(n)
-                if n <= len(self.stack):
-                    self.messages, self.rendered, self.cut = self.stack[-n]
-                    del self.stack[-n:]
-                else:  # into turns this chat has no record of (a loaded session saved without one)
-                    self.messages, self.rendered, self.cut, self.stack = [], "", False, []
+            asked = int(arg) if arg else 1
+            self._rewind(asked)
             self.say(f"[rewound {asked} turn(s): {len(self.session.tokens)} tokens]")
+        elif cmd == "/retry":
+            self.retry(arg)
         elif cmd == "/reset":
             self.session.reset()
             self._close_previous()
@@ -368,6 +361,57 @@ class Chat:
         else:
             self.say(f"[unknown command {cmd}; {HELP}]")
         return True
+
+    def _rewind(self, n: int) -> None:
+        """Back to the exact state before the last n turns (/rewind n), with the chat's record."""
+        total = self.session.num_turns + sum(old.num_turns for old, _ in self.previous)
+        if not 1 <= n <= total:  # (checked whole first: nothing changes)
+            raise ValueError(f"cannot rewind {n} turn(s): the conversation has {total}" if n else
+                             "/rewind needs a number of turns >= 1, got 0")
+        while self.previous and n >= self.session.num_turns:  # back past a restart: the session before it
+            n -= self.session.num_turns
+            self.messages, self.rendered, self.cut = self.stack[0]  # the chat before the restarted turn
+            self.session.close()
+            self.session, self.stack = self.previous.pop()
+        if n:
+            self.session.rewind(n)
+            if n <= len(self.stack):
+                self.messages, self.rendered, self.cut = self.stack[-n]
+                del self.stack[-n:]
+            else:  # into turns this chat has no record of (a loaded session saved without one)
+                self.messages, self.rendered, self.cut, self.stack = [], "", False, []
+
+    def retry(self, arg: str = "", cancel=None) -> dict:
+        """/retry [SEED]: the last user message again, for another reply. The turns since it
+        was sent (its reply and the reply's continued parts) are undone, as /rewind undoes
+        them, and the message is sent again as the record holds it, with a new seed (SEED, or
+        a random one, shown so that /retry SEED draws that reply again). Sampling only: a
+        greedy chat's reply would be the same. Returns the new turn's stats (as user)."""
+        import secrets
+        from dataclasses import replace
+
+        from hyspec.sampling import SEED_MAX
+
+        if arg and not (arg.isascii() and arg.isdigit() and int(arg) <= SEED_MAX):
+            raise ValueError(f"/retry takes a seed, an integer in 0..{SEED_MAX}, got {arg!r}")
+        params = self.session.params
+        if params.greedy:
+            raise ValueError("/retry draws another reply by sampling: this chat is greedy (temperature 0), "
+                             "so the same message would get the same reply (--temperature T samples)")
+        users = [i for i, m in enumerate(self.messages) if m.get("role") == "user"]
+        if not users:
+            raise ValueError("/retry: there is no message to send again")
+        u = users[-1]
+        # the turn that sent it: the last one whose record before it ends just before the message
+        back = next((n for n, (before, _, _) in enumerate(reversed(self.stack), 1) if len(before) <= u), None)
+        if back is None or len(self.stack[-back][0]) != u:
+            raise ValueError("/retry: this chat has no record of the turn that sent the last message "
+                             "(a session loaded without one): /rewind, then type it")
+        text = self.messages[u]["content"]
+        seed = int(arg) if arg else secrets.randbelow(SEED_MAX + 1)
+        self._rewind(back)
+        self.say(f"[retry: the last message again, seed {seed}]")
+        return self.user(text, cancel=cancel, params=replace(params, seed=seed), recorded=True)
 
     def _close_previous(self) -> None:
         for old, _ in self.previous:
@@ -562,6 +606,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             break
         line = line.rstrip("\n").removesuffix("\r")  # (a CRLF line end too)
         message = typed = None  # a message to send (None: a command)
+        retry = line.strip().partition(" ")[0] == "/retry"  # (a command that sends: run as a turn, below)
         if line.rstrip() == "/paste":  # the lines up to one that is only /end (or the end of input): one message
             if tty:
                 chat.say("[paste: the lines up to one that is only /end (or Ctrl-D) are one message]")
@@ -582,14 +627,17 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         elif not line.startswith("/") or line.startswith("//"):  # "//": a message starting with "/"
             message, typed = (line[1:] if line.startswith("//") else line), (line if tty else None)
         try:
-            if message is None:
+            if message is None and not retry:
                 if not chat.command(line):
                     break
             else:
                 # a first Ctrl-C during the reply stops it after the round in flight, kept (see
                 # Chat.user); a second one raises KeyboardInterrupt at once
                 with stop_on_ctrl_c({}) as pressed:
-                    stats = chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
+                    if retry:
+                        stats = chat.retry(line.strip().partition(" ")[2].strip(), cancel=lambda: pressed["sigint"])
+                    else:
+                        stats = chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
                 if args.verbose and stats:
                     if _is_terminal(stdout):  # (one screen: the figures under the reply, not glued to its line)
                         chat.end_line()
@@ -597,7 +645,8 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                         print(figures, file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # a Ctrl-C that stops a reply at once: the turn is undone, the chat goes on
             chat.say("[interrupted: the reply is dropped, the conversation is as before it]" if message is not None
-                     else "[interrupted]")
+                     else "[interrupted: the new reply is dropped, the conversation is as before the message]"
+                     if retry else "[interrupted]")
         except (ValueError, OSError, RuntimeError) as e:
             chat.say(f"[error: {e}]")
     chat.end_line()

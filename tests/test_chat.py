@@ -1512,3 +1512,80 @@ def test_load_of_a_chat_record_saved_without_the_cut_flags(run_chat, default_eng
     text = run_chat([f"/load {f}", "/rewind", "/stats", "/rewind", "/stats"])
     assert "[error" not in text, text
     assert [x["turns"] for x in stats_lines(text)] == [1, 0]
+
+
+def test_retry_sends_the_last_message_again_with_a_new_seed(run_chat, default_engine):
+    """/retry [SEED]: the last message's turns (its reply and the reply's continued part) are
+    undone and the message is sent again, as recorded, with SEED or a random seed it shows:
+    the conversation then equals a new one sent that message with --seed SEED (the plain
+    template's line break not doubled; with drafts). Errors leave the conversation as it was:
+    a greedy chat, a bad seed, no message yet."""
+    flags = ("--temperature", "0.8", "--draft", "3")
+    fresh = {seed: stats_lines(run_chat(["def add(a, b):", "/stats"], *flags, "--seed", str(seed)))[0]
+             for seed in (5, 9)}
+    assert fresh[5]["turn_tokens"] != fresh[9]["turn_tokens"]  # (the seeds draw other replies)
+    out = run_chat(["/retry", "def add(a, b):", "", "/stats", "/retry 5", "/stats", "/retry x", "/retry 5", "/stats",
+                    "/retry", "/stats"], *flags, "--seed", "9")
+    s = stats_lines(out)
+    assert "[error: /retry: there is no message to send again]" in out
+    assert s[0]["turns"] == 2 and s[0]["context_tokens"] > fresh[9]["context_tokens"]  # (a continued reply)
+    for got in s[1:3]:
+        assert got["turns"] == 1 and got["turn_tokens"] == fresh[5]["turn_tokens"]
+        assert got["state_digest"] == fresh[5]["state_digest"]
+    assert "[error: /retry takes a seed, an integer in 0..18446744073709551615, got 'x']" in out
+    assert out.count("[retry: the last message again, seed 5]") == 2
+    seed = int(re.findall(r"\[retry: the last message again, seed (\d+)\]", out)[-1])
+    again = stats_lines(run_chat(["def add(a, b):", "/stats"], *flags, "--seed", str(seed)))[0]
+    assert s[3]["turn_tokens"] == again["turn_tokens"] and s[3]["state_digest"] == again["state_digest"]
+    greedy = run_chat(["def add(a, b):", "/stats", "/retry", "/stats"], "--draft", "3")
+    g = stats_lines(greedy)
+    assert "[error: /retry draws another reply by sampling: this chat is greedy" in greedy and g[0] == g[1]
+    # a later line: sent again as recorded, after the line break the plain template put before it
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.sampling import SamplingParams
+
+    def two_lines(last_seed=None):
+        session = default_engine.session(draft=3, max_new_tokens=6, ignore_eos=True,
+                                         params=SamplingParams(temperature=0.8, seed=9))
+        c = Chat(default_engine, session, out=io.StringIO())
+        c.user("def add(a, b):")
+        c.user("    return a", params=None if last_seed is None else SamplingParams(temperature=0.8, seed=last_seed))
+        return c
+
+    want, c = two_lines(5), two_lines()
+    assert c.messages[-2]["content"] == "\n    return a"  # (the first reply did not end its line)
+    c.retry("5")
+    assert c.session.tokens == want.session.tokens and c.messages == want.messages
+
+
+def test_retry_with_a_chat_template_redoes_only_the_last_message(zoo, tmp_path):
+    """With a chat template and a system message, /retry undoes the last message's turn alone:
+    the conversation then equals one whose last message was sent with the retry's seed, the
+    earlier turn and the system message kept."""
+    import io
+
+    from hyspec.chat import Chat
+    from hyspec.sampling import SamplingParams
+
+    d, eng = _chatml_engine(zoo, tmp_path)
+
+    def conversation(seed):
+        c = Chat(eng, eng.session(max_new_tokens=6, ignore_eos=True, params=SamplingParams(temperature=0.9, seed=seed)),
+                 d, out=io.StringIO())
+        c.set_system("be brief")
+        c.user("hello")
+        return c
+
+    want = conversation(2)
+    want.user("again", params=SamplingParams(temperature=0.9, seed=7))
+    c = conversation(2)
+    c.user("again")
+    c.user("")  # (the reply continued: both parts go)
+    assert c.session.num_turns == 3
+    c.retry("7")
+    assert c.session.tokens == want.session.tokens and c.messages == want.messages
+    assert c.session.num_turns == 2 and c.messages[0] == {"role": "system", "content": "be brief"}
+    c.command("/rewind")
+    assert c.messages == want.messages[:3]  # (the first reply stays)
