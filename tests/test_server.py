@@ -264,6 +264,7 @@ BAD = [
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": 5e-324}, "temperature"),  # accepted once, then overflowed into a 500
+    ({"temperature": 2.5}, "temperature"),  # (OpenAI's range is [0, 2]: accepted, up to 1e308, before)
     ({"repetition_penalty": 1e-38}, "repetition_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"top_p": 0.0}, "top_p"),

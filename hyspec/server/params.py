@@ -164,6 +164,8 @@ def sampling(req, lim: Limits) -> tuple[SamplingParams, int, int]:
     t = rec.get("temperature", 1.0) if req.temperature is None else req.temperature
     if t < 0 or 0 < t < TEMPERATURE_MIN:
         raise bad(f"temperature must be 0 (greedy) or >= {TEMPERATURE_MIN:g}, got {t}", "temperature")
+    if req.temperature is not None and t > 2.0:  # (a checkpoint's recommendation is the checkpoint's)
+        raise bad(f"temperature must be at most 2 (OpenAI's range), got {t}", "temperature")
     top_p = rec.get("top_p", 1.0) if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
