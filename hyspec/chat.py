@@ -458,6 +458,15 @@ def display_width(text: str) -> int:
     return width
 
 
+def _same_file(a, b) -> bool:
+    """Whether two streams write to one file, pipe or terminal (2>&1)."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, ValueError, OSError):  # (no file descriptor: io.StringIO)
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 def _is_terminal(f) -> bool:
     try:
         return bool(f.isatty()) and os.environ.get("TERM") != "dumb"
@@ -639,7 +648,9 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                     else:
                         stats = chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
                 if args.verbose and stats:
-                    if _is_terminal(stdout):  # (one screen: the figures under the reply, not glued to its line)
+                    # one screen, or stderr into the same file or pipe (2>&1): the figures under
+                    # the reply, not glued to its line
+                    if _is_terminal(stdout) or _same_file(stdout, sys.stderr):
                         chat.end_line()
                     for figures in speed_lines(stats):
                         print(figures, file=sys.stderr, flush=True)

@@ -813,6 +813,24 @@ def test_verbose_prints_each_replys_figures_on_stderr(run_chat, capsys):
     assert strip == [x for x in quiet.splitlines() if not x.startswith("[stats]")]
 
 
+def test_verbose_figures_start_a_line_when_stderr_shares_the_output(run_chat, tmp_path, monkeypatch):
+    """With stderr into the same file as stdout (2>&1) the figures follow the reply on a line
+    of their own (they were glued to the reply's open last line)."""
+    with open(tmp_path / "both.txt", "w+", encoding="utf-8") as f:
+        import io
+
+        from hyspec.chat import main
+
+        monkeypatch.setattr(sys, "stderr", f)  # (run_chat's engine: its fixture set load_engine)
+        assert main(["--max-new-tokens", "8", "--draft", "2", "--verbose"], stdin=io.StringIO("def f(x):\n\n"),
+                    stdout=f) == 0
+        f.flush()
+        f.seek(0)
+        text = f.read()
+    assert text.count("\n[8 tokens, prefill ") == 2, text
+    assert not re.search(r"[^\n]\[8 tokens, prefill ", text), text
+
+
 def test_rewind_into_a_loaded_session_without_a_chat_record(run_chat, default_engine, tmp_path):
     """/load of a session saved by the API (no chat record), then /rewind: the session's turns
     are rewound (was: an IndexError traceback ending the chat)."""
