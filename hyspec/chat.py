@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128, help="reply length limit per turn")
     p.add_argument("--stop-ids", type=parse_ids, default=None, help="extra stop token ids, comma-separated")
     p.add_argument("--ignore-eos", action="store_true",
-                   help="a reply does not end at the checkpoint's EOS ids (only at --max-new-tokens, a --stop or a stop id)")
+                   help="a reply does not end at the checkpoint's EOS ids (only at --max-new-tokens, a --stop "
+                        "or a stop id)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a reply at the token that completes this text (repeat the flag for several); the "
                         "reply keeps the text, as the conversation does")
