@@ -455,7 +455,11 @@ class Constraint:
     def commit(self, tokens) -> None:
         """Consume the round's emitted tokens (accepted drafts + bonus). A token the grammar
         does not allow is an error (the loops only emit masked choices)."""
-        toks = [int(t) for t in tokens]
+        from hyspec.sampling import as_int
+
+        toks = [] if isinstance(tokens, (str, bytes)) else [as_int(t) for t in tokens]
+        if None in toks or isinstance(tokens, (str, bytes)):  # ("12" or 1.9 were committed as ids 1, 2 / 1)
+            raise TypeError(f"constraint: commit takes a list of integer token ids, got {str(tokens)[:80]!r}")
         if not toks:
             return
         m = self._m
@@ -475,6 +479,11 @@ class Constraint:
 
     def rollback(self, n: int) -> None:
         """Undo the last n committed tokens."""
+        from hyspec.sampling import as_int
+
+        if as_int(n) is None:
+            raise TypeError(f"constraint: rollback takes a number of tokens, got {n!r}")
+        n = as_int(n)
         if n < 0 or n > self.committed:
             raise ValueError(f"cannot roll back {n} of {self.committed} committed tokens")
         if n == 0:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import math
 import operator
@@ -230,12 +231,14 @@ class TextStream:
     rest. The pieces joined are the request's Output.text (decoding each round's ids alone
     printed U+FFFD for every split character)."""
 
-    def __init__(self, decode, stop: list[str] | None = None, drop_ids=(), whole_decode=None) -> None:
+    def __init__(self, decode, stop: list[str] | None = None, drop_ids=(), whole_decode=None, check=None) -> None:
         from hyspec.server.text import StopMatcher
 
         self._matcher = StopMatcher(decode, list(stop or []), drop_ids=drop_ids)
         self._whole = whole_decode  # Output.text's decode of a run no stop string ended (EOS text kept)
+        self._check = check  # ids -> the ids as a list of ints, refused by name when not this model's
         self._sent = 0
+        self._done = False
 
     def _take(self, text: str) -> str:
         new = text[self._sent:]
@@ -243,10 +246,14 @@ class TextStream:
         return new
 
     def feed(self, ids) -> str:
-        self._matcher.feed(ids)
+        if self._done:
+            raise ValueError("this text stream is finished (finish() was called): a new sample needs a new "
+                             "Engine.text_stream()")
+        self._matcher.feed(self._check(ids) if self._check is not None else ids)
         return self._take(self._matcher.emittable())
 
     def finish(self) -> str:
+        self._done = True
         m = self._matcher
         if self._whole is not None and not m.stopped:  # no stop string met: Output.text is the tokens' whole
             whole = self._whole(m.ids)  # text (its special tokens, EOS, too)
@@ -582,12 +589,16 @@ class Engine:
         this model's (outside 0..vocab_size-1) or not a list of integers."""
         if self.tokenizer is None:
             return None
-        ids = _token_ids("ids", ids)
+        return self.tokenizer.decode(self._vocab_ids("ids", ids))
+
+    def _vocab_ids(self, name: str, ids, ordered: bool = True) -> list[int]:
+        """ids as a list of ints, each one of this model's (0..vocab_size-1); ParamError(name) else."""
+        ids = _token_ids(name, ids, ordered)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ParamError("ids", bad[:5], f"token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-        return self.tokenizer.decode(ids)
+            raise ParamError(name, bad[:5], f"token ids must be in 0..{vocab - 1} (the model's vocabulary)")
+        return ids
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -606,13 +617,14 @@ class Engine:
             raise ValueError("a text stream needs the checkpoint's tokenizer.json")
         stops = stop_list(stop) if stop is not None else []
         if stop_ids is not None:
-            stop_ids = _token_ids("stop_ids", stop_ids, ordered=False)
+            stop_ids = self._vocab_ids("stop_ids", stop_ids, ordered=False)
         ignore_eos = _bool_arg("ignore_eos", ignore_eos)  # (checked without stop strings too)
+        check = functools.partial(self._vocab_ids, "ids")  # (feed's ids: -1 was an OverflowError, 99999 "")
         if not stops:
-            return TextStream(self.tokenizer.decode)
+            return TextStream(self.tokenizer.decode, check=check)
         tok = self.tokenizer
         return TextStream(lambda ids: tok.decode(ids, skip_special_tokens=True), stops,
-                          drop_ids=self._stops(stop_ids, ignore_eos), whole_decode=tok.decode)
+                          drop_ids=self._stops(stop_ids, ignore_eos), whole_decode=tok.decode, check=check)
 
     # -- chat --------------------------------------------------------------------------
     @property
@@ -636,6 +648,8 @@ class Engine:
         from hyspec.chat_template import ChatTemplate
 
         current = self.chat_template
+        if not isinstance(template, (str, os.PathLike)):
+            raise ParamError("template", template, "must be a template file's path or the template text (a str)")
         if isinstance(template, str) and ("{%" in template or "{{" in template):
             source, where = template, "given"
         else:
@@ -681,7 +695,7 @@ class Engine:
                                  f"another constraint")
             constraint = self.constraint("json_schema", schema, arg="tools")
         think = None
-        if self.chat_template.thinks if reasoning is None else reasoning:
+        if self.chat_template.thinks if reasoning is None else _bool_arg("reasoning", reasoning):
             think = prompt_opens_thinking(self.chat_template.generation_suffix(prompt, normalized, **named))
         if constraint is not None and think:  # the model thinks first: the grammar starts after </think>
             from hyspec.reasoning import THINK_CLOSE
@@ -920,8 +934,10 @@ class Engine:
     def _request_output(self, r: Request, capped: bool = False, cut: StopStrings | None = None) -> Output:
         text = cut.apply(r) if cut is not None else None
         stats = r.stats if getattr(r, "error", None) is None else {**r.stats, "error": r.error}
-        out = self._output([Sample(r.tokens, self.decode(r.tokens) if text is None else text, r.stop_reason,
-                                   stats)], r.prompt_ids, r.draft > 0, capped, r.max_new_tokens)
+        # (its own lists and dicts: on_finish's Output and the call's returned one are made apart,
+        # so a callback that edits what it gets changes nothing else)
+        out = self._output([Sample(list(r.tokens), self.decode(r.tokens) if text is None else text, r.stop_reason,
+                                   copy.deepcopy(stats))], list(r.prompt_ids), r.draft > 0, capped, r.max_new_tokens)
         if r.logprobs is not None:
             out.logprobs = [list(r.token_logprobs)]
         return out

@@ -667,7 +667,7 @@ class Session:
         the turn's own on_tokens, it saves the session before that turn)."""
         self._check_open()
         _check_extra(extra)
-        path = given = Path(path).expanduser()
+        path = given = Path(_path_arg(path)).expanduser()
         if path.is_symlink():  # the file it points to is written (the link stays a link)
             path = path.resolve()
         if path.is_dir():
@@ -676,6 +676,8 @@ class Session:
             # one behind a link through /proc, /dev/stdout into a pipe: resolved, "/proc/PID/fd/pipe:[N]" was no file)
             raise ValueError(f"cannot save the session to {given}: it is not a regular file")
         if not path.parent.is_dir():
+            if path.parent.exists():  # (a file where the folder should be)
+                raise NotADirectoryError(f"cannot save the session to {given}: {path.parent} is not a folder")
             raise FileNotFoundError(f"cannot save the session to {given}: the folder {path.parent} does not exist")
         # written beside it, then moved over it (hyspec.files.write_whole): a failed or interrupted save
         # leaves an older file whole; an existing file's mode stays
@@ -689,7 +691,9 @@ class Session:
 
     @classmethod
     def load(cls, engine, path) -> "Session":
-        p = Path(path).expanduser()
+        from hyspec.engine import Engine
+
+        p = Path(_path_arg(path)).expanduser()
         if p.is_dir():
             raise IsADirectoryError(f"{path} is a directory, not a session file")
         if not p.exists():
@@ -703,6 +707,8 @@ class Session:
                 raise  # file, for some truncated ones); the file's own OSError (permission denied) names it
             raise ValueError(f"{path}: not a hyspec session file, or a damaged (truncated?) one (torch.load cannot "
                              f"read it: {type(e).__name__})") from None
+        if not isinstance(engine, Engine):  # (the file read: an engine's AttributeError was blamed on it)
+            raise ParamError("engine", engine, "must be the hyspec.engine.Engine of the model the session ran on")
         try:
             return cls.from_dict(engine, d)
         except (KeyError, TypeError, AttributeError, IndexError) as e:  # a torch file with the wrong contents
@@ -828,3 +834,13 @@ def _constraint_from(engine, d: dict | None):
         c.failure = None
         c.fail(d["failure"])
     return c
+
+
+def _path_arg(path):
+    """A file path argument (str or os.PathLike), refused by name otherwise (pathlib said only
+    "expected str, bytes or os.PathLike object, not NoneType")."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ParamError("path", path, "must be a file path (str or os.PathLike)")
+    return path

@@ -98,3 +98,70 @@ def test_prefix_store_numpy_budget_and_tensor_keys(eng):
         assert store.tier_of(form) == store.tier_of(toks) == "device"
     store.remove(torch.tensor(toks))
     assert toks not in store
+
+
+def test_misuse_found_by_an_api_walk_is_refused_by_name(eng, tmp_path):
+    """Each of these was taken or failed deep inside: a text stream's ids (-1 an OverflowError in
+    the tokenizer, 99999 the empty text, a feed after finish() more text), its stop ids past the
+    vocabulary, chat's reasoning="no" (taken as True), a constraint's commit of "12" (ids 1, 2)
+    or 1.9 (id 1) and rollback(1.5), Session.load with no engine (blamed on the file), a path that
+    is not one (pathlib's TypeError), a save under a file (said the folder does not exist), a
+    rollback name in a list (unhashable), forced rates outside Engine.generate (asked for a
+    reference no caller can give)."""
+    from hyspec.session import Session
+    from hyspec.speculative.loop import SpecOptions
+
+    ts = eng.text_stream()
+    for bad in ([-1], [99999], "abc", [[1, 2]]):
+        with pytest.raises(ParamError) as e:
+            ts.feed(bad)
+        assert e.value.field == "ids"
+    assert ts.feed([316, 288]) + ts.finish() == eng.decode([316, 288])
+    with pytest.raises(ValueError, match="this text stream is finished"):
+        ts.feed([316])
+    with pytest.raises(ParamError) as e:
+        eng.text_stream(stop=["x"], stop_ids=[99999])
+    assert e.value.field == "stop_ids"
+    with pytest.raises(ParamError) as e:
+        eng.chat([{"role": "user", "content": "def f():"}], reasoning="no", max_new_tokens=2)
+    assert e.value.field == "reasoning"
+    c = eng.constraint("regex", "[\\s\\S]*")
+    for bad in ("12", [1.9, 2.2], [True]):
+        with pytest.raises(TypeError, match="integer token ids"):
+            c.commit(bad)
+    c.commit(np.array([5, 6]))
+    assert c.tokens == [5, 6]
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="number of tokens"):
+            c.rollback(bad)
+    assert c.tokens == [5, 6]
+    s = eng.session(max_new_tokens=2)
+    s.send(IDS)
+    good = tmp_path / "s.pt"
+    s.save(good)
+    with pytest.raises(ParamError) as e:
+        Session.load(None, good)
+    assert e.value.field == "engine"
+    for call in (lambda: s.save(None), lambda: Session.load(eng, 3), lambda: eng.use_chat_template(5)):
+        with pytest.raises(ParamError):
+            call()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is not a folder"):
+        s.save(tmp_path / "f" / "a.pt")
+    with pytest.raises(ValueError, match="unknown rollback strategy"):
+        SpecOptions(rollback=["rescan"])
+    with pytest.raises(ValueError, match="which Engine.generate makes itself"):
+        eng.generate_batch([IDS], spec=SpecOptions(forced_rates=(0.5, 0.5, 0.5)), max_new_tokens=2)
+    assert Session.load(eng, good).tokens == s.tokens
+
+
+def test_on_finish_gets_its_own_output(eng):
+    """generate_batch's on_finish Output and the returned one are apart: a callback that edits
+    the tokens or stats it gets changes nothing the call returns (they shared the lists)."""
+    def spoil(i, out):
+        out.tokens.clear()
+        out.stats.clear()
+
+    want = eng.generate_batch([IDS], max_new_tokens=4)[0]
+    got = eng.generate_batch([IDS], max_new_tokens=4, on_finish=spoil)[0]
+    assert got.tokens == want.tokens and len(got.tokens) == 4 and got.stats.keys() == want.stats.keys()

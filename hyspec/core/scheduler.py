@@ -113,7 +113,9 @@ class Scheduler:
         if opts is not None and not self.model.has_mtp:
             raise no_mtp_error()
         if opts is not None and opts.forced_rates is not None and req.reference is None:
-            raise ValueError("the forced-acceptance drafter needs a reference continuation")
+            raise ValueError("SpecOptions.forced_rates: the forced-acceptance drafter needs a reference continuation "
+                             "(the plain greedy output it accepts from), which Engine.generate makes itself; "
+                             "generate_batch and sessions take no forced_rates")
         if req.reference is not None:
             bad = [t for t in req.reference if not 0 <= t < cfg.vocab_size]
             if bad:

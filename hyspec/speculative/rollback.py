@@ -58,6 +58,6 @@ ROLLBACKS = {c.name: c for c in (CheckpointRollback, RescanRollback, ReplayRollb
 
 
 def make_rollback(name: str) -> Rollback:
-    if name not in ROLLBACKS:
+    if not isinstance(name, str) or name not in ROLLBACKS:  # (a list raised "unhashable type: 'list'")
         raise ValueError(f"unknown rollback strategy {name!r}; choose one of {', '.join(ROLLBACKS)}")
     return ROLLBACKS[name]()
