@@ -455,7 +455,7 @@ class ModelConfig:
             raise bad("layer_types", "a list of layer types", layer_types)
         if layer_types is None:
             interval = d.get("full_attention_interval", 4)
-            if not isinstance(interval, int) or interval <= 0:
+            if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:  # (true was 1)
                 raise ConfigError(f"config.json: field 'full_attention_interval' must be a positive int, got {interval!r}")
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
 

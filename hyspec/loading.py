@@ -70,10 +70,24 @@ def _shard_files(path: Path) -> list[Path]:
         for f in set(weight_map.values()):
             if Path(f).name != f or f in (".", ".."):
                 raise CheckpointError(f"{index} names shard {f!r}: shards must be files in the checkpoint folder")
+        if not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' names no shard")
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"{index} lists shard {f.name}, which does not exist")
+        # the index must name every shard of a series it uses (PREFIX-0000i-of-0000N): one it
+        # leaves out is a damaged index (its tensors were reported missing, or config.json blamed)
+        listed = {f.name for f in files}
+        for f in files:
+            m = re.fullmatch(r"(.*)-(\d+)-of-(\d+)\.safetensors", f.name)
+            if m:
+                of = m.group(3)
+                left = [f"{m.group(1)}-{i:0{len(of)}d}-of-{of}.safetensors" for i in range(1, int(of) + 1)]
+                left = [n for n in left if n not in listed and (path / n).is_file()]
+                if left:
+                    raise CheckpointError(f"{index} leaves out shard {left[0]} of the series {f.name} belongs to "
+                                          f"(its 'weight_map' names {len(listed)} file(s)): a damaged index?")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files and not os.access(path, os.R_OK):  # (glob finds nothing in a folder it cannot list)
@@ -528,6 +542,9 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "auto", device: s
                     raise CheckpointError(f"tensor '{name}' holds NaN or infinite values: the checkpoint is damaged")
                 mod, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
                 p = getattr(mod, attr + "_scale_inv")
+                from hyspec.quant import check_scale_signs
+
+                check_scale_signs(name, p)
                 if dtype == torch.float16 and bool(torch.isfinite(p).all()):
                     # the torch forward dequantizes it into float16 (hyspec.quant.module_weight): refused here,
                     # named, as a dequantizing load refuses it (it failed at the first forward, unnamed)

@@ -152,6 +152,16 @@ def expand_scales(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int,
     return s.repeat_interleave(b_cols, dim=-1)[..., : shape[-1]]
 
 
+def check_scale_signs(name: str, scale_inv: torch.Tensor) -> None:
+    """A block scale is its block's amax / 448: never negative. A negative one (a damaged
+    file) flipped its block's signs and decoded garbage without a word: CheckpointError."""
+    from hyspec.loading import CheckpointError
+
+    if bool((scale_inv < 0).any()):
+        raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' holds negative block scales (a block scale is the "
+                              f"block's largest magnitude / 448, never negative): the checkpoint is damaged")
+
+
 def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *, name: str = "weight",
                dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float8_e4m3fn [..., R, C] and its scale grid -> `dtype` (the product is taken in fp32,
@@ -170,6 +180,7 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
     if not scale_inv.is_floating_point() or scale_inv.dtype == FP8_DTYPE:
         raise CheckpointError(f"tensor '{name}{SCALE_SUFFIX}' has dtype {scale_inv.dtype}; "
                               f"expected float32 (or bf16) scales")
+    check_scale_signs(name, scale_inv)
     acc = acc_dtype(dtype)
     out = w.to(acc) * expand_scales(scale_inv, tuple(w.shape), block, rows).to(acc)
     if out.dtype == dtype:

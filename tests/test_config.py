@@ -81,6 +81,9 @@ def test_a_wrapper_config_lends_its_eos_to_text_config():
 def test_layer_types_from_the_full_attention_interval():
     assert _cfg(full_attention_interval=2).layer_types == ("linear_attention", "full_attention") * 2
     assert _cfg().layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    for bad in (0, True, 2.0):  # (true was read as 1: every layer full attention, named only by missing tensors)
+        with pytest.raises(ConfigError, match="field 'full_attention_interval' must be a positive int"):
+            _cfg(full_attention_interval=bad)
 
 
 def test_rope_parameters_theta_wins_over_a_top_level_one():

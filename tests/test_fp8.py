@@ -372,6 +372,16 @@ def test_a_nan_or_infinite_block_scale_is_named_as_damage(ckpt, fp8, bad):
         load_model(ckpt, fp8=fp8)
 
 
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+@pytest.mark.parametrize("key", [KEY, EXP])
+def test_a_negative_block_scale_is_named_as_damage(ckpt, fp8, key):
+    """A block scale is its block's amax / 448, never negative: a negative one flipped its
+    block's signs and the checkpoint decoded garbage without a word (both load paths)."""
+    _edit(ckpt, lambda t: t[key + "_scale_inv"].view(-1)[1].mul_(-1))
+    with pytest.raises(CheckpointError, match=rf"'{key}_scale_inv' holds negative block scales"):
+        load_model(ckpt, fp8=fp8)
+
+
 def test_a_weight_that_dequantizes_beyond_float16s_range_is_not_called_damage(ckpt):
     _edit(ckpt, lambda t: t[KEY + "_scale_inv"].view(-1)[0].fill_(1e4))
     with pytest.raises(CheckpointError, match=rf"'{KEY}' dequantizes to values up to .*beyond the range of "

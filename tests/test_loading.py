@@ -336,8 +336,17 @@ def test_sharded_checkpoint(ckpt, reference):
     for name, part in zip(names, (keys[:half], keys[half:])):
         _write(ckpt, {k: t[k] for k in part}, name)
         weight_map.update({k: name for k in part})
-    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = ckpt / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _same_params(load_model(ckpt), reference)
+    # an index that leaves out a shard of the series (config.json was blamed for the layers it
+    # held), and one that names none (its tensors were called missing)
+    index.write_text(json.dumps({"weight_map": {k: v for k, v in weight_map.items() if v == names[0]}}))
+    with pytest.raises(CheckpointError, match=r"leaves out shard model-00002-of-00002\.safetensors"):
+        load_model(ckpt)
+    index.write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointError, match="'weight_map' names no shard"):
+        load_model(ckpt)
 
 
 def test_multimodal_layout(ckpt, reference):
