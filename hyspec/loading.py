@@ -58,7 +58,8 @@ def _normalize(key: str) -> str | None:
     return key
 
 
-def _shard_files(path: Path) -> list[Path]:
+def _shard_files(path: Path) -> tuple[list[Path], dict | None]:
+    """(the weights files to read, the index's {tensor name: shard file} or None without one)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -88,7 +89,7 @@ def _shard_files(path: Path) -> list[Path]:
                 if left:
                     raise CheckpointError(f"{index} leaves out shard {left[0]} of the series {f.name} belongs to "
                                           f"(its 'weight_map' names {len(listed)} file(s)): a damaged index?")
-        return files
+        return files, weight_map
     files = sorted(path.glob("*.safetensors"))
     if not files and not os.access(path, os.R_OK):  # (glob finds nothing in a folder it cannot list)
         raise CheckpointError(f"{path}: permission denied (the folder's files cannot be listed)")
@@ -108,7 +109,7 @@ def _shard_files(path: Path) -> list[Path]:
             names = ", ".join(f"{prefix}-{i:0{len(of)}d}-of-{of}.safetensors" for i in missing[:3])
             raise CheckpointError(f"{path}: {len(missing)} of {total} shard(s) missing ({names}"
                                   f"{', ...' if len(missing) > 3 else ''}): an incomplete download?")
-    return files
+    return files, None
 
 
 def _quant_config(path: Path):
@@ -141,12 +142,21 @@ def read_tensors(path: str | Path, *, dequantize: bool = True, dtype: torch.dtyp
     qcfg = _quant_config(Path(path))
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, tuple[str, str]] = {}  # normalised key -> (its key in the file, the file)
-    for f in _shard_files(Path(path)):
+    files, weight_map = _shard_files(Path(path))
+    for f in files:
         size = f.stat().st_size
         if not os.access(f, os.R_OK):
             raise CheckpointError(f"{f}: permission denied (the weights file is not readable)")
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
+                if weight_map is not None:  # every tensor the index places in this shard is in it (as
+                    # transformers, which reads tensors by the index, needs): another checkpoint's index passed
+                    held = set(sf.keys())
+                    absent = [k for k, shard in weight_map.items() if shard == f.name and k not in held]
+                    if absent:
+                        raise CheckpointError(f"model.safetensors.index.json places {len(absent)} tensor(s) in "
+                                              f"{f.name} that it does not hold, e.g. {absent[0]!r}: the index is "
+                                              f"another checkpoint's, or damaged")
                 for key in sf.keys():
                     k = _normalize(key)
                     if k is not None and (keep is None or keep(k)):

@@ -347,6 +347,13 @@ def test_sharded_checkpoint(ckpt, reference):
     index.write_text(json.dumps({"weight_map": {}}))
     with pytest.raises(CheckpointError, match="'weight_map' names no shard"):
         load_model(ckpt)
+    # an index whose tensor names its shards do not hold (another checkpoint's) loaded as if right
+    index.write_text(json.dumps({"weight_map": {k + ".bogus": v for k, v in weight_map.items()}}))
+    with pytest.raises(CheckpointError, match=r"places \d+ tensor\(s\) in model-0000\d-of-00002\.safetensors "
+                                              r"that it does not hold, e.g. '.*\.bogus'"):
+        load_model(ckpt)
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    _same_params(load_model(ckpt), reference)
 
 
 def test_multimodal_layout(ckpt, reference):
