@@ -617,7 +617,8 @@ def main(argv=None, stdin=None, stdout=None) -> int:
             break
         line = line.rstrip("\n").removesuffix("\r")  # (a CRLF line end too)
         message = typed = None  # a message to send (None: a command)
-        retry = line.strip().partition(" ")[0] == "/retry"  # (a command that sends: run as a turn, below)
+        head, _, retry_arg = line.strip().partition(" ")
+        retry = head == "/retry"  # (a command that sends: run as a turn, below)
         if line.rstrip() == "/paste":  # the lines up to one that is only /end (or the end of input): one message
             if tty:
                 chat.say("[paste: the lines up to one that is only /end (or Ctrl-D) are one message]")
@@ -646,7 +647,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
                 # Chat.user); a second one raises KeyboardInterrupt at once
                 with stop_on_ctrl_c({}) as pressed:
                     if retry:
-                        stats = chat.retry(line.strip().partition(" ")[2].strip(), cancel=lambda: pressed["sigint"])
+                        stats = chat.retry(retry_arg.strip(), cancel=lambda: pressed["sigint"])
                     else:
                         stats = chat.user(message, typed=typed, cancel=lambda: pressed["sigint"])
                 if args.verbose and stats:

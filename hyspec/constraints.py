@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hyspec.sampling import as_int
+
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 # JSON: compact output unless the schema's "x-guidance" says otherwise (a flexible-whitespace
@@ -455,10 +457,8 @@ class Constraint:
     def commit(self, tokens) -> None:
         """Consume the round's emitted tokens (accepted drafts + bonus). A token the grammar
         does not allow is an error (the loops only emit masked choices)."""
-        from hyspec.sampling import as_int
-
-        toks = [] if isinstance(tokens, (str, bytes)) else [as_int(t) for t in tokens]
-        if None in toks or isinstance(tokens, (str, bytes)):  # ("12" or 1.9 were committed as ids 1, 2 / 1)
+        toks = [None] if isinstance(tokens, (str, bytes)) else [as_int(t) for t in tokens]
+        if None in toks:  # ("12" or 1.9 were committed as ids 1, 2 / 1)
             raise TypeError(f"constraint: commit takes a list of integer token ids, got {str(tokens)[:80]!r}")
         if not toks:
             return
@@ -479,11 +479,10 @@ class Constraint:
 
     def rollback(self, n: int) -> None:
         """Undo the last n committed tokens."""
-        from hyspec.sampling import as_int
-
-        if as_int(n) is None:
+        k = as_int(n)
+        if k is None:
             raise TypeError(f"constraint: rollback takes a number of tokens, got {n!r}")
-        n = as_int(n)
+        n = k
         if n < 0 or n > self.committed:
             raise ValueError(f"cannot roll back {n} of {self.committed} committed tokens")
         if n == 0:

@@ -59,7 +59,7 @@ import torch
 
 from hyspec.core.request import GREEDY, Request
 from hyspec.core.state import SeqState, bytes_checksum, capture, check_state
-from hyspec.engine import _cancellable, engine_call
+from hyspec.engine import Engine, _cancellable, engine_call
 from hyspec.files import write_whole
 from hyspec.sampling import ParamError, SamplingParams, int_in
 from hyspec.speculative.loop import MAX_DRAFT
@@ -691,8 +691,6 @@ class Session:
 
     @classmethod
     def load(cls, engine, path) -> "Session":
-        from hyspec.engine import Engine
-
         p = Path(_path_arg(path)).expanduser()
         if p.is_dir():
             raise IsADirectoryError(f"{path} is a directory, not a session file")
